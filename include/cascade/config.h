@@ -1,0 +1,120 @@
+// CascadeConfig: every knob of a store, with its default and the reason for it.
+//
+// One struct for the whole store, as in the seed API. The Python package can
+// fill it from a dict or a YAML file (cascade.config). validate() checks the
+// fields against each other and against the machine before a store opens.
+//
+// Thread-safety: a value; copy it freely.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cascade/status.h"
+
+namespace cascade {
+
+enum class EvictionPolicy : uint8_t {
+  kLru,   // least recently used first (second-chance LRU; see docs/design.md)
+  kFifo,  // oldest insertion first; cheaper bookkeeping, ignores reuse
+};
+
+enum class WritePolicy : uint8_t {
+  kWriteBack,     // put writes the top tier; lower tiers get a block when it is evicted
+  kWriteThrough,  // put writes every tier of the pipeline before returning
+};
+
+enum class FileIoEngine : uint8_t {
+  kPsync,    // pread/pwrite from a thread pool
+  kIoUring,  // io_uring (needs liburing at build time)
+};
+
+enum class TierKind : uint8_t { kGpu, kHost, kFile };
+
+const char* tier_kind_name(TierKind kind);  // "gpu", "host", "file"
+
+struct CascadeConfig {
+  // Which tiers, top (fastest) to bottom, joined with '|': "gpu|host|file",
+  // "host|file", "host", "file". Empty (default) = automatic: "gpu" when
+  // use_gpu and a GPU is usable, then "host", then "file" when lustre_path is
+  // set. Tiers must appear in gpu, host, file order, each at most once.
+  std::string pipeline;
+
+  // ---- gpu tier ---------------------------------------------------------
+  // Device memory for the gpu tier. 4 GiB leaves room for the model on any
+  // GPU we support; the seeds' 32 GiB assumed an otherwise idle A100.
+  uint64_t gpu_capacity_bytes = 4ULL << 30;
+  int gpu_device_id = 0;  // CUDA ordinal of the device holding the gpu tier
+  // Whether the automatic pipeline may include the gpu tier. An explicit
+  // pipeline naming "gpu" fails with Unavailable when there is no GPU.
+  bool use_gpu = true;
+
+  // ---- host tier --------------------------------------------------------
+  // Size of the shared-memory arena. Filled lazily: memory is committed in
+  // 64 MiB steps as blocks arrive, so a large value costs nothing up front.
+  // 4 GiB fits any machine we run on; the seeds' 64 GiB does not.
+  uint64_t shm_capacity_bytes = 4ULL << 30;
+  // The arena's file. Must be on a tmpfs (/dev/shm) for memory speed. One
+  // store per path: a second store on the same path is refused (Busy).
+  std::string shm_path = "/dev/shm/cascade";
+  // Touch the whole arena at open so no put ever takes a first-touch page
+  // fault. Off: costs time and memory up front.
+  bool shm_prefault = false;
+
+  // ---- file tier --------------------------------------------------------
+  // Directory of the file tier (NVMe, Lustre, any POSIX file system). Empty:
+  // no file tier in the automatic pipeline.
+  std::string lustre_path;
+  // Lustre striping applied to new segment files; 0 = inherit the
+  // directory's layout. Ignored (documented no-op) on other file systems.
+  uint64_t lustre_stripe_size = 0;
+  int lustre_stripe_count = 0;
+  // Bound on the file tier's bytes on disk (records + dead space). 0 = no
+  // bound beyond the file system's free space.
+  uint64_t file_capacity_bytes = 0;
+  // Segment files are appended to until they reach this size. 256 MiB keeps
+  // file counts low on metadata-bound file systems and compaction cheap.
+  uint64_t segment_size_bytes = 256ULL << 20;
+  // Use O_DIRECT for segment I/O (no page cache): predictable, and the only
+  // way to measure cold reads. Off by default so small machines keep the
+  // page cache as an extra tier.
+  bool io_direct = false;
+  FileIoEngine file_io_engine = FileIoEngine::kPsync;
+  // fsync data (and new segment directories) before a put returns.
+  // Off: flush() makes everything durable; a crash may lose recent puts
+  // but never exposes a torn or wrong block.
+  bool sync_writes = false;
+
+  // ---- store ------------------------------------------------------------
+  // Store identical content under different ids once (content fingerprint
+  // XXH3-128, confirmed by a byte comparison before two ids share bytes).
+  // Off by default: ids made with compute_block_id are content addresses
+  // already, so duplicates collapse for free; fingerprinting costs a pass
+  // over every block put.
+  bool dedup_enabled = false;
+  // Compress blocks in lower tiers. Not implemented: KV tensors (bf16/fp8)
+  // compress poorly and the codec would cap throughput. true fails validate().
+  bool compression_enabled = false;
+  // Threads that move data: batch items and slices of large copies spread
+  // over them. 0 = one per CPU core (at most 64).
+  int num_io_threads = 0;
+  // Copies at least this large are split across the I/O threads; one thread
+  // reaches a fraction of DRAM bandwidth (notes/hardware.md).
+  uint64_t parallel_copy_threshold = 4ULL << 20;
+  EvictionPolicy eviction_policy = EvictionPolicy::kLru;
+  WritePolicy write_policy = WritePolicy::kWriteBack;
+  // Copy a block found in a lower tier up into the top tier on get.
+  bool promote_on_hit = true;
+  // Index shards: a power of two. 256 as in the seeds keeps contention low
+  // at 64 threads while a shard's table stays cache friendly.
+  int index_shards = 256;
+
+  // Checks fields alone and against each other (not the machine).
+  Status validate() const;
+  // The tiers this config asks for, top to bottom, after resolving the
+  // automatic pipeline with `gpu_available`.
+  Result<std::vector<TierKind>> resolve_pipeline(bool gpu_available) const;
+};
+
+}  // namespace cascade

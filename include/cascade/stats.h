@@ -1,0 +1,47 @@
+// Statistics of a store and of each of its tiers.
+//
+// Counters are kept per shard or per thread-safe atomic and summed when asked
+// for; reading them never takes a global lock. Values are a snapshot: fields
+// read at slightly different instants under concurrent use.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace cascade {
+
+struct TierStats {
+  std::string name;              // "gpu", "host", "file"
+  uint64_t capacity_bytes = 0;   // configured bound (0 = unbounded)
+  uint64_t used_bytes = 0;       // bytes held by live blocks (payload)
+  uint64_t reserved_bytes = 0;   // bytes taken from the medium, incl. alignment and dead space
+  uint64_t committed_bytes = 0;  // memory or disk actually backed so far
+  uint64_t blocks = 0;           // live blocks
+  uint64_t hits = 0;             // reads that found the block here
+  uint64_t misses = 0;           // reads that did not
+  uint64_t evictions = 0;        // blocks pushed out to make room
+  uint64_t demotions_in = 0;     // blocks received from the tier above
+  uint64_t promotions_in = 0;    // blocks copied up into this tier on a hit below
+  uint64_t bytes_written = 0;
+  uint64_t bytes_read = 0;
+  uint64_t corrupt_blocks = 0;   // reads that failed verification (counted, never served)
+  uint64_t leased_blocks = 0;    // blocks with a reader or a zero-copy lease right now
+};
+
+struct StoreStats {
+  std::vector<TierStats> tiers;  // top to bottom
+  uint64_t puts = 0;             // put calls (batch items count one each)
+  uint64_t put_failures = 0;     // puts that stored nothing (no space, I/O error)
+  uint64_t gets = 0;
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  uint64_t dedup_hits = 0;       // puts whose content was already stored under another id
+  uint64_t logical_blocks = 0;   // ids the store answers for
+  uint64_t logical_bytes = 0;    // sum of their sizes
+  uint64_t physical_bytes = 0;   // payload bytes stored, summed over tiers
+  uint64_t bytes_put = 0;
+  uint64_t bytes_got = 0;
+};
+
+}  // namespace cascade

@@ -1,0 +1,135 @@
+// CascadeStore: the tiered block store.
+//
+// A store is a chain of tiers (config.pipeline), fastest first. put writes
+// the top tier (and, with write_through, every tier); when a tier is full its
+// least valuable blocks move down to the next tier, or are dropped from the
+// last one. get looks tiers top-down and, with promote_on_hit, copies a block
+// found below into the top tier. Blocks are immutable: a put of an id that is
+// already stored succeeds without writing.
+//
+// With dedup_enabled, an id names content through an alias table: identical
+// bytes under different ids are stored once (see docs/design.md).
+//
+// Thread-safety: every method may be called concurrently from any thread.
+// Batch and async calls spread items over the store's I/O threads.
+// Ownership: buffers passed to async calls must stay valid until the task
+// completes; BlockViews must be released before the store is destroyed.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "cascade/block_id.h"
+#include "cascade/config.h"
+#include "cascade/stats.h"
+#include "cascade/status.h"
+#include "cascade/tier.h"
+
+namespace cascade {
+
+struct ConstBuffer {
+  const void* data = nullptr;
+  uint64_t size = 0;
+};
+
+struct MutableBuffer {
+  void* data = nullptr;
+  uint64_t size = 0;  // capacity
+};
+
+struct GetResult {
+  bool found = false;
+  uint64_t size = 0;     // block size on a hit, also when `out` was too small
+  uint64_t copied = 0;   // bytes written to out
+  int tier = -1;         // index in the pipeline of the tier that served it
+};
+
+// Handle of an asynchronous batch. wait() blocks until every item is done.
+class BatchTask {
+ public:
+  virtual ~BatchTask() = default;
+  virtual bool done() const = 0;
+  virtual void wait() = 0;
+  // Valid after wait(): per-item statuses (OK, or why the item failed) and,
+  // for get batches, per-item results.
+  virtual const std::vector<Status>& statuses() const = 0;
+  virtual const std::vector<GetResult>& results() const = 0;
+  // Items that succeeded (puts stored, gets found and copied).
+  virtual size_t succeeded() const = 0;
+};
+
+class CascadeStore {
+ public:
+  // Opens the tiers named by the config. Fails with a clear status when a
+  // tier cannot be opened (bad path, no space, GPU absent, path in use).
+  static Result<std::unique_ptr<CascadeStore>> Open(const CascadeConfig& config);
+  ~CascadeStore();  // close()s
+
+  CascadeStore(const CascadeStore&) = delete;
+  CascadeStore& operator=(const CascadeStore&) = delete;
+
+  // Stores a copy of the bytes. OK when stored or already present. NoSpace
+  // when nothing can be evicted to make room; InvalidArgument when the block
+  // is larger than every tier.
+  Status put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options = {});
+
+  // Copies the whole block into out. A miss is OK with result->found false.
+  // When the block is larger than `capacity`, nothing is written, the status
+  // is InvalidArgument and result->size says how much room it needs.
+  Status get(const BlockId& id, void* out, uint64_t capacity, GetResult* result,
+             MemoryKind out_kind = MemoryKind::kHost);
+
+  // Copies min(capacity, size - offset) bytes starting at `offset`.
+  // InvalidArgument when offset > size.
+  Status get_range(const BlockId& id, uint64_t offset, void* out, uint64_t capacity,
+                   GetResult* result);
+
+  bool contains(const BlockId& id) const;
+
+  // Removes the block from every tier. NotFound when no tier had it.
+  Status remove(const BlockId& id);
+
+  // Zero-copy view of a block in the top memory tier, under a lease. A block
+  // found only below is promoted first. NotFound on a miss.
+  Result<BlockView> acquire(const BlockId& id);
+
+  // Batches: statuses (resized to ids.size()) say per item what happened.
+  size_t put_batch(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
+                   std::vector<Status>* statuses, const PutOptions& options = {});
+  size_t get_batch(std::span<const BlockId> ids, std::span<const MutableBuffer> out,
+                   std::vector<GetResult>* results, std::vector<Status>* statuses);
+
+  std::shared_ptr<BatchTask> put_batch_async(std::vector<BlockId> ids,
+                                             std::vector<ConstBuffer> data,
+                                             const PutOptions& options = {});
+  std::shared_ptr<BatchTask> get_batch_async(std::vector<BlockId> ids,
+                                             std::vector<MutableBuffer> out);
+  // Moves blocks found in lower tiers up into the top tier, in the
+  // background. An item succeeds when the block ends up in the top tier.
+  std::shared_ptr<BatchTask> prefetch(std::vector<BlockId> ids);
+
+  StoreStats stats() const;
+  const CascadeConfig& config() const;
+  // Tier kinds of the pipeline, top to bottom.
+  std::vector<TierKind> pipeline() const;
+
+  void clear();     // drops every block from every tier
+  Status flush();   // makes stored blocks durable (file tier)
+  // Waits for async tasks, releases tiers. Further calls fail with
+  // Unavailable. Idempotent.
+  void close();
+
+  // Runs fn(i) for i in [0, n) on the store's I/O threads and the calling
+  // thread; returns when all are done. Exposed for benchmarks.
+  void parallel_for(size_t n, const std::function<void(size_t)>& fn);
+
+ private:
+  class Impl;
+  explicit CascadeStore(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace cascade

@@ -1,0 +1,162 @@
+// Tier: one level of the store's pipeline (gpu, host, file).
+//
+// Every tier keeps its own index of the blocks it holds and answers the same
+// calls: put, read, contains, remove, eviction candidates, stats. The store
+// (store.h) chains tiers and moves blocks between them; a tier never calls
+// another tier.
+//
+// Leases. A reader of a memory tier holds a lease on the block for as long as
+// it touches the bytes (BlockView). A leased block is never chosen for
+// eviction, and removing it only hides it: its space is reused after the last
+// lease ends. This is what keeps a reader from seeing bytes of a block that
+// replaced the one it asked for.
+//
+// Thread-safety: every method may be called from any thread at any time.
+// Ownership: the store owns its tiers; a BlockView must not outlive its tier.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cascade/block_id.h"
+#include "cascade/config.h"
+#include "cascade/stats.h"
+#include "cascade/status.h"
+
+namespace cascade {
+
+enum class MemoryKind : uint8_t {
+  kHost,    // CPU-addressable memory
+  kDevice,  // CUDA device memory (or host memory only the GPU should touch)
+};
+
+// Where a put comes from; tiers count demotions and promotions separately.
+enum class PutOrigin : uint8_t { kUser, kDemotion, kPromotion };
+
+struct PutOptions {
+  bool is_prefix = false;               // keep longer than ordinary blocks
+  PutOrigin origin = PutOrigin::kUser;
+  MemoryKind src_kind = MemoryKind::kHost;
+  void* cuda_stream = nullptr;          // order device copies after this stream's work
+};
+
+struct ReadRequest {
+  uint64_t offset = 0;      // first byte of the block to read
+  void* out = nullptr;      // destination
+  uint64_t capacity = 0;    // bytes available at out
+  // true: read the whole block (offset must be 0); if it does not fit in
+  // capacity nothing is written and the status is InvalidArgument with
+  // ReadResult::block_size set. false: copy min(capacity, size - offset).
+  bool whole = true;
+  MemoryKind out_kind = MemoryKind::kHost;
+  void* cuda_stream = nullptr;
+};
+
+struct ReadResult {
+  uint64_t block_size = 0;  // size of the block (set on a hit, also when out is too small)
+  uint64_t copied = 0;      // bytes written to out
+  bool is_prefix = false;
+};
+
+class Tier;
+
+// A leased, read-only view of a block resident in a memory tier. Move-only;
+// the lease ends when the view is destroyed or reset().
+class BlockView {
+ public:
+  BlockView() = default;
+  BlockView(Tier* tier, const uint8_t* data, uint64_t size, MemoryKind kind, uint64_t token)
+      : tier_(tier), data_(data), size_(size), kind_(kind), token_(token) {}
+  BlockView(BlockView&& o) noexcept { *this = std::move(o); }
+  BlockView& operator=(BlockView&& o) noexcept;
+  BlockView(const BlockView&) = delete;
+  BlockView& operator=(const BlockView&) = delete;
+  ~BlockView() { reset(); }
+
+  const uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  MemoryKind kind() const { return kind_; }
+  explicit operator bool() const { return tier_ != nullptr; }
+  void reset();
+  // For tiers: the lease token, and dropping the view without ending the
+  // lease (the tier takes the lease over).
+  uint64_t token() const { return token_; }
+  void detach() { tier_ = nullptr; }
+
+ private:
+  Tier* tier_ = nullptr;
+  const uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+  MemoryKind kind_ = MemoryKind::kHost;
+  uint64_t token_ = 0;
+};
+
+// A block the tier gave up for eviction. `view` holds a lease, so the bytes
+// stay valid while the store copies them down; then the store calls
+// Tier::remove(id). Tiers that cannot hand out views (file) leave it empty.
+struct Victim {
+  BlockId id;
+  uint64_t size = 0;
+  bool is_prefix = false;
+  BlockView view;
+};
+
+class Tier {
+ public:
+  virtual ~Tier() = default;
+
+  virtual TierKind kind() const = 0;
+  const char* name() const { return tier_kind_name(kind()); }
+
+  // Stores a copy of data[0, size). OK when the id is already present (blocks
+  // are immutable; nothing is written). NoSpace when it does not fit now;
+  // InvalidArgument when it can never fit (larger than the tier).
+  virtual Status put(const BlockId& id, const void* data, uint64_t size,
+                     const PutOptions& options) = 0;
+
+  // NotFound on a miss (counted). See ReadRequest for the rest.
+  virtual Status read(const BlockId& id, const ReadRequest& req, ReadResult* result) = 0;
+
+  // Many reads, issued in parallel where the tier can. statuses[i] as read().
+  // The default loops over read().
+  virtual void read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                          std::span<ReadResult> results, std::span<Status> statuses);
+
+  // Zero-copy access under a lease. NotFound on a miss; NotSupported for
+  // tiers without addressable memory.
+  virtual Result<BlockView> acquire(const BlockId& id);
+
+  virtual bool contains(const BlockId& id) const = 0;
+
+  // Removes the block. NotFound when absent. A leased block disappears from
+  // lookups at once; its space is reused when the last lease ends.
+  virtual Status remove(const BlockId& id) = 0;
+
+  // Chooses blocks to evict, least valuable first (ordinary before prefix
+  // blocks), skipping leased ones, until their sizes sum to at least `bytes`
+  // or nothing evictable is left. Chosen blocks are marked so no other caller
+  // chooses them; each must be passed to remove() afterwards.
+  virtual std::vector<Victim> claim_victims(uint64_t bytes) = 0;
+
+  // Gives back a victim the caller chose not to remove (demotion failed): it
+  // returns to the eviction order and its lease ends.
+  virtual void unclaim(Victim victim) = 0;
+
+  virtual uint64_t capacity_bytes() const = 0;
+  virtual TierStats stats() const = 0;
+
+  // Drops every block (leased ones once their leases end).
+  virtual void clear() = 0;
+  // Makes every stored block durable (file tier); a no-op for memory tiers.
+  virtual Status flush() { return Status::OK(); }
+
+ protected:
+  friend class BlockView;
+  // Ends the lease identified by the token a BlockView was built with.
+  virtual void release_lease(uint64_t token) = 0;
+};
+
+}  // namespace cascade

@@ -1,0 +1,442 @@
+// BlockIndex implementation. See block_index.h for the design.
+#include "index/block_index.h"
+
+#include <mutex>
+
+namespace cascade {
+namespace {
+
+constexpr uint32_t kNil = 0xffffffffu;
+// Entry::state bits. Lease count in the low 24 bits.
+constexpr uint32_t kLeaseMask = (1u << 24) - 1;
+constexpr uint32_t kDoomed = 1u << 24;      // removed; reclaim when leases reach 0
+constexpr uint32_t kEvicting = 1u << 25;    // claimed by an evictor; not in a list
+constexpr uint32_t kReferenced = 1u << 26;  // read since it was (re)queued
+constexpr uint32_t kPrefix = 1u << 27;
+constexpr uint32_t kChunkBits = 8;  // 256 entries a slab chunk
+constexpr uint32_t kChunk = 1u << kChunkBits;
+constexpr size_t kInitialSlots = 16;
+
+// 44 bytes, 4-byte aligned: 16 id + 12 location + 4 state + 8 list links + 4 tick.
+struct Entry {
+  BlockId id;
+  uint32_t loc[3];  // offset (48 bits) and size (48 bits), packed
+  std::atomic<uint32_t> state{0};
+  uint32_t prev = kNil, next = kNil;
+  uint32_t tick = 0;  // low bits of the clock when queued
+
+  void set_loc(const Location& l) {
+    loc[0] = static_cast<uint32_t>(l.offset);
+    loc[1] = static_cast<uint32_t>((l.offset >> 32) & 0xffff) |
+             static_cast<uint32_t>((l.size & 0xffff) << 16);
+    loc[2] = static_cast<uint32_t>(l.size >> 16);
+  }
+  Location get_loc() const {
+    Location l;
+    l.offset = loc[0] | (static_cast<uint64_t>(loc[1] & 0xffff) << 32);
+    l.size = (loc[1] >> 16) | (static_cast<uint64_t>(loc[2]) << 16);
+    return l;
+  }
+};
+static_assert(sizeof(Entry) == 44, "index entry must stay 44 bytes");
+
+uint32_t fingerprint(uint64_t h) {
+  return static_cast<uint32_t>((h * 0x9e3779b97f4a7c15ULL) >> 32);
+}
+
+}  // namespace
+
+struct BlockIndex::Shard {
+  mutable std::shared_mutex mu;
+  // Table slot: fingerprint << 32 | (entry + 1); 0 = empty. Linear probing
+  // from fingerprint & mask, backward-shift deletion, load <= 0.8.
+  std::vector<uint64_t> table = std::vector<uint64_t>(kInitialSlots, 0);
+  size_t in_table = 0;
+  std::vector<std::unique_ptr<Entry[]>> chunks;
+  uint32_t free_head = kNil;  // free entries linked through Entry::next
+  uint32_t allocated = 0;     // entries handed out from chunks so far
+  uint32_t head[2] = {kNil, kNil}, tail[2] = {kNil, kNil};  // [0] ordinary, [1] prefix
+  // 1 << 32 | tick of the tail entry, 0 when the list is empty.
+  std::atomic<uint64_t> tail_key[2] = {0, 0};
+  std::atomic<size_t> live{0};
+  std::atomic<uint64_t> bytes{0};
+  std::atomic<size_t> leased{0};
+
+  Entry& at(uint32_t e) { return chunks[e >> kChunkBits][e & (kChunk - 1)]; }
+  const Entry& at(uint32_t e) const { return chunks[e >> kChunkBits][e & (kChunk - 1)]; }
+  size_t mask() const { return table.size() - 1; }
+
+  // Position in table of id, or -1.
+  long find(const BlockId& id, uint32_t fp) const {
+    size_t m = mask();
+    for (size_t pos = fp & m;; pos = (pos + 1) & m) {
+      uint64_t s = table[pos];
+      if (s == 0) return -1;
+      if (static_cast<uint32_t>(s >> 32) == fp &&
+          at(static_cast<uint32_t>(s) - 1).id == id)
+        return static_cast<long>(pos);
+    }
+  }
+
+  void place(uint64_t slot) {
+    size_t m = mask();
+    size_t pos = static_cast<uint32_t>(slot >> 32) & m;
+    while (table[pos] != 0) pos = (pos + 1) & m;
+    table[pos] = slot;
+  }
+
+  void grow_if_needed() {
+    if ((in_table + 1) * 5 <= table.size() * 4) return;
+    std::vector<uint64_t> old;
+    old.swap(table);
+    table.assign(old.size() * 2, 0);
+    for (uint64_t s : old)
+      if (s) place(s);
+  }
+
+  void erase_at(size_t i) {
+    size_t m = mask();
+    table[i] = 0;
+    for (size_t j = (i + 1) & m; table[j] != 0; j = (j + 1) & m) {
+      size_t k = static_cast<uint32_t>(table[j] >> 32) & m;  // home of the slot at j
+      bool stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
+      if (stays) continue;
+      table[i] = table[j];
+      table[j] = 0;
+      i = j;
+    }
+    --in_table;
+  }
+
+  uint32_t alloc_entry() {
+    if (free_head != kNil) {
+      uint32_t e = free_head;
+      free_head = at(e).next;
+      return e;
+    }
+    if ((allocated >> kChunkBits) == chunks.size()) chunks.emplace_back(new Entry[kChunk]);
+    return allocated++;
+  }
+
+  void free_entry(uint32_t e) {
+    Entry& x = at(e);
+    x.state.store(0, std::memory_order_relaxed);
+    x.prev = kNil;
+    x.next = free_head;
+    free_head = e;
+  }
+
+  void publish_tail(int l) {
+    tail_key[l].store(tail[l] == kNil ? 0 : (uint64_t{1} << 32) | at(tail[l]).tick,
+                      std::memory_order_relaxed);
+  }
+
+  void push_head(int l, uint32_t e, uint32_t tick) {
+    Entry& x = at(e);
+    x.tick = tick;
+    x.prev = kNil;
+    x.next = head[l];
+    if (head[l] != kNil) at(head[l]).prev = e;
+    head[l] = e;
+    if (tail[l] == kNil) {
+      tail[l] = e;
+      publish_tail(l);
+    }
+  }
+
+  void unlink(int l, uint32_t e) {
+    Entry& x = at(e);
+    if (x.prev != kNil) at(x.prev).next = x.next; else head[l] = x.next;
+    if (x.next != kNil) {
+      at(x.next).prev = x.prev;
+    } else {
+      tail[l] = x.prev;
+      publish_tail(l);
+    }
+    x.prev = x.next = kNil;
+  }
+};
+
+BlockIndex::BlockIndex(int shards, EvictionPolicy policy, Reclaim reclaim)
+    : policy_(policy), reclaim_(std::move(reclaim)) {
+  uint32_t n = 1;
+  while (n < static_cast<uint32_t>(shards > 0 ? shards : 1)) n <<= 1;
+  shards_.reset(new Shard[n]);
+  shard_mask_ = n - 1;
+}
+
+BlockIndex::~BlockIndex() = default;
+
+BlockIndex::Shard& BlockIndex::shard_for(const BlockId& id) const {
+  return shards_[id.hash64() & shard_mask_];
+}
+
+bool BlockIndex::insert(const BlockId& id, const Location& loc, bool is_prefix) {
+  uint64_t h = id.hash64();
+  uint32_t si = static_cast<uint32_t>(h & shard_mask_);
+  Shard& s = shards_[si];
+  uint32_t fp = fingerprint(h);
+  std::unique_lock<std::shared_mutex> lock(s.mu);
+  if (s.find(id, fp) >= 0) return false;
+  s.grow_if_needed();
+  uint32_t e = s.alloc_entry();
+  Entry& x = s.at(e);
+  x.id = id;
+  x.set_loc(loc);
+  x.state.store(is_prefix ? kPrefix : 0, std::memory_order_relaxed);
+  s.push_head(is_prefix ? 1 : 0, e, static_cast<uint32_t>(clock_.fetch_add(1, std::memory_order_relaxed)));
+  s.place((uint64_t{fp} << 32) | (e + 1));
+  ++s.in_table;
+  s.live.fetch_add(1, std::memory_order_relaxed);
+  s.bytes.fetch_add(loc.size, std::memory_order_relaxed);
+  return true;
+}
+
+std::optional<BlockIndex::Lease> BlockIndex::acquire(const BlockId& id, bool touch) {
+  uint64_t h = id.hash64();
+  uint32_t si = static_cast<uint32_t>(h & shard_mask_);
+  Shard& s = shards_[si];
+  std::shared_lock<std::shared_mutex> lock(s.mu);
+  long pos = s.find(id, fingerprint(h));
+  if (pos < 0) return std::nullopt;
+  uint32_t e = static_cast<uint32_t>(s.table[pos]) - 1;
+  Entry& x = s.at(e);
+  uint32_t old = x.state.fetch_add(1, std::memory_order_acq_rel);
+  if ((old & kLeaseMask) == 0) s.leased.fetch_add(1, std::memory_order_relaxed);
+  if (touch && !(old & kReferenced)) x.state.fetch_or(kReferenced, std::memory_order_relaxed);
+  Lease lease;
+  lease.token = (uint64_t{si} << 32) | e;
+  lease.loc = x.get_loc();
+  lease.is_prefix = (old & kPrefix) != 0;
+  return lease;
+}
+
+void BlockIndex::release(uint64_t token) {
+  uint32_t si = static_cast<uint32_t>(token >> 32);
+  uint32_t e = static_cast<uint32_t>(token);
+  Shard& s = shards_[si];
+  // The entry's memory is stable (slab chunks are never freed while the index
+  // lives) and cannot be recycled while we hold a lease.
+  Entry* x;
+  {
+    std::shared_lock<std::shared_mutex> lock(s.mu);  // chunks vector may grow
+    x = &s.at(e);
+  }
+  uint32_t old = x->state.fetch_sub(1, std::memory_order_acq_rel);
+  if ((old & kLeaseMask) == 1) {
+    s.leased.fetch_sub(1, std::memory_order_relaxed);
+    if (old & kDoomed) reclaim_entry(si, e);
+  }
+}
+
+void BlockIndex::reclaim_entry(uint32_t si, uint32_t e) {
+  Shard& s = shards_[si];
+  BlockId id;
+  Location loc;
+  {
+    std::unique_lock<std::shared_mutex> lock(s.mu);
+    Entry& x = s.at(e);
+    id = x.id;
+    loc = x.get_loc();
+    s.free_entry(e);
+  }
+  if (reclaim_) reclaim_(id, loc);
+}
+
+std::optional<Location> BlockIndex::peek(const BlockId& id) const {
+  uint64_t h = id.hash64();
+  const Shard& s = shards_[h & shard_mask_];
+  std::shared_lock<std::shared_mutex> lock(s.mu);
+  long pos = s.find(id, fingerprint(h));
+  if (pos < 0) return std::nullopt;
+  return s.at(static_cast<uint32_t>(s.table[pos]) - 1).get_loc();
+}
+
+bool BlockIndex::contains(const BlockId& id) const {
+  uint64_t h = id.hash64();
+  const Shard& s = shards_[h & shard_mask_];
+  std::shared_lock<std::shared_mutex> lock(s.mu);
+  return s.find(id, fingerprint(h)) >= 0;
+}
+
+bool BlockIndex::remove(const BlockId& id) {
+  uint64_t h = id.hash64();
+  uint32_t si = static_cast<uint32_t>(h & shard_mask_);
+  Shard& s = shards_[si];
+  BlockId rid;
+  Location loc;
+  {
+    std::unique_lock<std::shared_mutex> lock(s.mu);
+    long pos = s.find(id, fingerprint(h));
+    if (pos < 0) return false;
+    uint32_t e = static_cast<uint32_t>(s.table[pos]) - 1;
+    Entry& x = s.at(e);
+    s.erase_at(static_cast<size_t>(pos));
+    uint32_t st = x.state.load(std::memory_order_relaxed);
+    if (!(st & kEvicting)) s.unlink((st & kPrefix) ? 1 : 0, e);
+    loc = x.get_loc();
+    rid = x.id;
+    s.live.fetch_sub(1, std::memory_order_relaxed);
+    s.bytes.fetch_sub(loc.size, std::memory_order_relaxed);
+    uint32_t old = x.state.fetch_or(kDoomed, std::memory_order_acq_rel);
+    if ((old & kLeaseMask) != 0) return true;  // the last lease reclaims
+    s.free_entry(e);
+  }
+  if (reclaim_) reclaim_(rid, loc);
+  return true;
+}
+
+std::vector<BlockIndex::Claimed> BlockIndex::claim_victims(uint64_t bytes) {
+  std::vector<Claimed> out;
+  uint64_t got = 0;
+  size_t nshards = shard_mask_ + 1;
+  for (int l = 0; l < 2 && got < bytes; ++l) {
+    // Every live entry may be passed over twice (leased, then referenced).
+    long budget = static_cast<long>(2 * size() + nshards + 64);
+    while (got < bytes && budget > 0) {
+      uint32_t now = static_cast<uint32_t>(clock_.load(std::memory_order_relaxed));
+      // The shard holding the oldest tail, and the age of the runner-up: the
+      // walk below claims only blocks older than every other shard's tail,
+      // so victims leave in global age order.
+      long best = -1;
+      uint32_t best_age = 0, second_age = 0;
+      bool have_second = false;
+      for (size_t i = 0; i < nshards; ++i) {
+        uint64_t k = shards_[i].tail_key[l].load(std::memory_order_relaxed);
+        if (k == 0) continue;
+        uint32_t age = now - static_cast<uint32_t>(k);
+        if (best < 0 || age > best_age) {
+          if (best >= 0) {
+            second_age = best_age;
+            have_second = true;
+          }
+          best = static_cast<long>(i);
+          best_age = age;
+        } else if (!have_second || age > second_age) {
+          second_age = age;
+          have_second = true;
+        }
+      }
+      if (best < 0) break;
+      Shard& s = shards_[best];
+      std::unique_lock<std::shared_mutex> lock(s.mu);
+      --budget;
+      for (int steps = 0; steps < 64 && got < bytes && s.tail[l] != kNil && budget > 0; ++steps) {
+        uint32_t e = s.tail[l];
+        Entry& x = s.at(e);
+        if (steps > 0 && have_second && uint32_t(now - x.tick) < second_age) break;
+        uint32_t st = x.state.load(std::memory_order_acquire);
+        uint32_t tick = static_cast<uint32_t>(clock_.fetch_add(1, std::memory_order_relaxed));
+        if ((st & kLeaseMask) != 0 || (policy_ == EvictionPolicy::kLru && (st & kReferenced))) {
+          // Being read, or read since queued: it is recently used. Requeue.
+          x.state.fetch_and(~kReferenced, std::memory_order_relaxed);
+          s.unlink(l, e);
+          s.push_head(l, e, tick);
+          --budget;
+          continue;
+        }
+        s.unlink(l, e);
+        x.state.fetch_add(1 | kEvicting, std::memory_order_acq_rel);
+        s.leased.fetch_add(1, std::memory_order_relaxed);
+        Claimed c;
+        c.id = x.id;
+        c.lease.token = (uint64_t(best) << 32) | e;
+        c.lease.loc = x.get_loc();
+        c.lease.is_prefix = (st & kPrefix) != 0;
+        got += c.lease.loc.size;
+        out.push_back(c);
+      }
+    }
+  }
+  return out;
+}
+
+void BlockIndex::unclaim(const BlockId& id, uint64_t token) {
+  uint32_t si = static_cast<uint32_t>(token >> 32);
+  uint32_t e = static_cast<uint32_t>(token);
+  Shard& s = shards_[si];
+  {
+    std::unique_lock<std::shared_mutex> lock(s.mu);
+    Entry& x = s.at(e);
+    uint32_t st = x.state.load(std::memory_order_acquire);
+    if ((st & kEvicting) && !(st & kDoomed) && x.id == id) {
+      x.state.fetch_and(~kEvicting, std::memory_order_relaxed);
+      s.push_head((st & kPrefix) ? 1 : 0, e,
+                  static_cast<uint32_t>(clock_.fetch_add(1, std::memory_order_relaxed)));
+    }
+  }
+  release(token);
+}
+
+void BlockIndex::clear() {
+  for (size_t i = 0; i <= shard_mask_; ++i) {
+    Shard& s = shards_[i];
+    std::vector<std::pair<BlockId, Location>> freed;
+    {
+      std::unique_lock<std::shared_mutex> lock(s.mu);
+      for (uint64_t slot : s.table) {
+        if (!slot) continue;
+        uint32_t e = static_cast<uint32_t>(slot) - 1;
+        Entry& x = s.at(e);
+        uint32_t old = x.state.fetch_or(kDoomed, std::memory_order_acq_rel);
+        if ((old & kLeaseMask) == 0) {
+          freed.emplace_back(x.id, x.get_loc());
+          s.free_entry(e);
+        }
+      }
+      std::fill(s.table.begin(), s.table.end(), 0);
+      s.in_table = 0;
+      for (int l = 0; l < 2; ++l) {
+        s.head[l] = s.tail[l] = kNil;
+        s.publish_tail(l);
+      }
+      s.live.store(0, std::memory_order_relaxed);
+      s.bytes.store(0, std::memory_order_relaxed);
+    }
+    if (reclaim_)
+      for (auto& [id, loc] : freed) reclaim_(id, loc);
+  }
+}
+
+void BlockIndex::for_each(
+    const std::function<void(const BlockId&, const Location&, bool)>& fn) const {
+  for (size_t i = 0; i <= shard_mask_; ++i) {
+    const Shard& s = shards_[i];
+    std::shared_lock<std::shared_mutex> lock(s.mu);
+    for (uint64_t slot : s.table) {
+      if (!slot) continue;
+      const Entry& x = s.at(static_cast<uint32_t>(slot) - 1);
+      fn(x.id, x.get_loc(), (x.state.load(std::memory_order_relaxed) & kPrefix) != 0);
+    }
+  }
+}
+
+size_t BlockIndex::size() const {
+  size_t n = 0;
+  for (size_t i = 0; i <= shard_mask_; ++i) n += shards_[i].live.load(std::memory_order_relaxed);
+  return n;
+}
+
+uint64_t BlockIndex::payload_bytes() const {
+  uint64_t n = 0;
+  for (size_t i = 0; i <= shard_mask_; ++i) n += shards_[i].bytes.load(std::memory_order_relaxed);
+  return n;
+}
+
+size_t BlockIndex::leased() const {
+  size_t n = 0;
+  for (size_t i = 0; i <= shard_mask_; ++i) n += shards_[i].leased.load(std::memory_order_relaxed);
+  return n;
+}
+
+size_t BlockIndex::metadata_bytes() const {
+  size_t n = sizeof(Shard) * (shard_mask_ + 1);
+  for (size_t i = 0; i <= shard_mask_; ++i) {
+    const Shard& s = shards_[i];
+    std::shared_lock<std::shared_mutex> lock(s.mu);
+    n += s.table.capacity() * sizeof(uint64_t) + s.chunks.size() * kChunk * sizeof(Entry);
+  }
+  return n;
+}
+
+}  // namespace cascade

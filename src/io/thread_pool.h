@@ -1,0 +1,52 @@
+// ThreadPool: the store's I/O threads.
+//
+// Two ways in: submit() queues a job; parallel_for() runs n items on the
+// workers *and* the calling thread. parallel_for never waits for a job that
+// has not started, so it may be called from inside a pool job (a batch whose
+// items split their own copies) without deadlock: the caller does whatever
+// the workers have not picked up.
+//
+// Thread-safety: all methods are thread-safe. The destructor runs the jobs
+// still queued, then joins.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace cascade {
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int threads);  // threads <= 0: one per core
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return static_cast<int>(workers_.size()); }
+  void submit(std::function<void()> job);
+
+  // Runs fn(i) for every i in [0, n); returns when all have returned.
+  // Uses at most max_workers pool threads besides the caller (<0: all).
+  void parallel_for(size_t n, const std::function<void(size_t)>& fn, int max_workers = -1);
+
+  static int default_threads();  // cores, at most 64
+
+ private:
+  void run();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;  // guarded by mu_
+  bool stop_ = false;                        // guarded by mu_
+  std::vector<std::thread> workers_;
+};
+
+// Copies n bytes, split across the pool's threads when n >= threshold.
+// Slices are at least 1 MiB and 4 KiB aligned.
+void parallel_memcpy(ThreadPool* pool, void* dst, const void* src, size_t n, size_t threshold);
+
+}  // namespace cascade

@@ -1,0 +1,594 @@
+// CascadeStore: pipeline of tiers, placement, demotion, promotion, batches.
+//
+// Lock order: lifecycle_ (shared for every public call, exclusive in close)
+// is taken first and only by public entry points; below it, tiers and the
+// dedup table take their own locks one at a time. Work run on the pool calls
+// the *_impl functions, which take no store lock.
+#include "cascade/store.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <shared_mutex>
+
+#include "io/thread_pool.h"
+#include "port/device_copy.h"
+#include "store/dedup_table.h"
+#include "store/tier_factory.h"
+
+namespace cascade {
+namespace {
+
+class Task final : public BatchTask {
+ public:
+  explicit Task(size_t n, bool gets) : statuses_(n), results_(gets ? n : 0) {}
+  bool done() const override { return done_.load(std::memory_order_acquire); }
+  void wait() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return done(); });
+  }
+  const std::vector<Status>& statuses() const override { return statuses_; }
+  const std::vector<GetResult>& results() const override { return results_; }
+  size_t succeeded() const override { return succeeded_; }
+
+  void finish(size_t ok) {
+    succeeded_ = ok;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_.store(true, std::memory_order_release);
+    }
+    cv_.notify_all();
+  }
+
+  std::vector<Status> statuses_;
+  std::vector<GetResult> results_;
+
+ private:
+  size_t succeeded_ = 0;
+  std::atomic<bool> done_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+bool is_memory_tier(TierKind k) { return k != TierKind::kFile; }
+
+}  // namespace
+
+class CascadeStore::Impl {
+ public:
+  CascadeConfig config;
+  std::unique_ptr<ThreadPool> pool;
+  std::vector<std::unique_ptr<Tier>> tiers;
+  std::unique_ptr<DedupTable> dedup;
+
+  mutable std::shared_mutex lifecycle;
+  std::atomic<bool> closed{false};
+  std::mutex inflight_mu;
+  std::condition_variable inflight_cv;
+  size_t inflight = 0;  // async tasks submitted and not finished; guarded by inflight_mu
+
+  std::atomic<uint64_t> puts{0}, put_failures{0}, gets{0}, hits{0}, misses{0}, dedup_hits{0};
+  std::atomic<uint64_t> bytes_put{0}, bytes_got{0};
+
+  // ---- placement ------------------------------------------------------------
+  // Makes room for `need` bytes in tier t by moving its least valuable blocks
+  // down (or dropping them from the last tier).
+  Status make_room(size_t t, uint64_t need) {
+    auto victims = tiers[t]->claim_victims(need);
+    if (victims.empty())
+      return Status::NoSpace(std::string(tiers[t]->name()) +
+                             " tier is full and every block in it is in use (leased)");
+    for (Victim& v : victims) {
+      bool kept_below = false;
+      if (t + 1 < tiers.size() && v.view) {
+        PutOptions o;
+        o.is_prefix = v.is_prefix;
+        o.origin = PutOrigin::kDemotion;
+        o.src_kind = v.view.kind();
+        kept_below = put_into(t + 1, v.id, v.view.data(), v.size, o).ok();
+      }
+      (void)tiers[t]->remove(v.id);  // NotFound: removed meanwhile by a user
+      v.view.reset();
+      if (!kept_below && dedup && !held_below(t, v.id)) dedup->drop(v.id);
+    }
+    return Status::OK();
+  }
+
+  bool held_below(size_t t, const BlockId& id) const {
+    for (size_t u = t + 1; u < tiers.size(); ++u)
+      if (tiers[u]->contains(id)) return true;
+    return false;
+  }
+
+  // Stores into tier t, evicting as needed.
+  Status put_into(size_t t, const BlockId& id, const void* data, uint64_t size, const PutOptions& o) {
+    Status st;
+    // Each round evicts at least one block; fragmentation may need a few.
+    for (int round = 0; round < 256; ++round) {
+      st = tiers[t]->put(id, data, size, o);
+      if (!st.is(Code::kNoSpace)) return st;
+      Status room = make_room(t, size);
+      if (!room.ok()) return room;
+    }
+    return st;
+  }
+
+  bool fits(size_t t, uint64_t size) const {
+    uint64_t cap = tiers[t]->capacity_bytes();
+    return cap == 0 || size <= cap;
+  }
+
+  Status put_impl(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) {
+    puts.fetch_add(1, std::memory_order_relaxed);
+    BlockId phys = id;
+    if (dedup) {
+      if (options.src_kind != MemoryKind::kHost)
+        return fail(Status::NotSupported("dedup fingerprints host memory; put device blocks with dedup_enabled=false"));
+      if (dedup->resolve(id)) return Status::OK();  // immutable: already stored
+      phys = content_fingerprint(data, size);
+      if (same_content_stored(phys, data, size)) {
+        bool shared = false;
+        if (dedup->link(id, phys, size, &shared) && shared)
+          dedup_hits.fetch_add(1, std::memory_order_relaxed);
+        return Status::OK();
+      }
+      if (contains_phys(phys)) phys = id;  // fingerprint collision: keep apart
+    }
+    size_t top = 0;
+    while (top < tiers.size() && !fits(top, size)) ++top;
+    if (top == tiers.size())
+      return fail(Status::InvalidArgument("block of " + std::to_string(size) +
+                                          " bytes is larger than every tier of the pipeline"));
+    Status st = put_into(top, phys, data, size, options);
+    if (st.ok() && config.write_policy == WritePolicy::kWriteThrough) {
+      for (size_t t = top + 1; t < tiers.size() && st.ok(); ++t) st = put_into(t, phys, data, size, options);
+    }
+    if (!st.ok()) return fail(st);
+    if (dedup) {
+      bool shared = false;
+      dedup->link(id, phys, size, &shared);
+      if (shared) dedup_hits.fetch_add(1, std::memory_order_relaxed);
+    }
+    bytes_put.fetch_add(size, std::memory_order_relaxed);
+    return Status::OK();
+  }
+
+  Status fail(Status st) {
+    put_failures.fetch_add(1, std::memory_order_relaxed);
+    return st;
+  }
+
+  bool contains_phys(const BlockId& p) const {
+    for (auto& t : tiers)
+      if (t->contains(p)) return true;
+    return false;
+  }
+
+  // True when p is stored and its bytes equal data.
+  bool same_content_stored(const BlockId& p, const void* data, uint64_t size) {
+    for (auto& t : tiers) {
+      if (!t->contains(p)) continue;
+      if (is_memory_tier(t->kind())) {
+        auto view = t->acquire(p);
+        if (!view.ok()) continue;
+        if (view->kind() != MemoryKind::kHost) return false;
+        return view->size() == size && std::memcmp(view->data(), data, size) == 0;
+      }
+      std::vector<uint8_t> buf(size);
+      ReadRequest rq;
+      rq.out = buf.data();
+      rq.capacity = size;
+      ReadResult rr;
+      if (!t->read(p, rq, &rr).ok()) continue;
+      return rr.block_size == size && std::memcmp(buf.data(), data, size) == 0;
+    }
+    return false;
+  }
+
+  // ---- reads ----------------------------------------------------------------
+  std::optional<BlockId> physical(const BlockId& id) const {
+    if (!dedup) return id;
+    return dedup->resolve(id);
+  }
+
+  // Outcome of reading one tier: true when the item is settled (hit, or an
+  // answer such as "buffer too small" that another tier would repeat).
+  bool settle(size_t t, const BlockId& phys, const ReadRequest& rq, const Status& st,
+              const ReadResult& rr, GetResult* r, Status* out_st) {
+    if (st.ok()) {
+      r->found = true;
+      r->size = rr.block_size;
+      r->copied = rr.copied;
+      r->tier = static_cast<int>(t);
+      *out_st = Status::OK();
+      return true;
+    }
+    if (st.is(Code::kInvalidArgument) && rr.block_size) {  // out too small / bad offset
+      r->found = true;
+      r->size = rr.block_size;
+      r->tier = static_cast<int>(t);
+      *out_st = st;
+      return true;
+    }
+    return false;  // NotFound, or a failed/corrupt copy: try below
+  }
+
+  void maybe_promote(size_t t, const BlockId& phys, const void* data, uint64_t size, bool prefix,
+                     MemoryKind kind) {
+    if (t == 0 || !config.promote_on_hit) return;
+    PutOptions o;
+    o.is_prefix = prefix;
+    o.origin = PutOrigin::kPromotion;
+    o.src_kind = kind;
+    (void)put_into(0, phys, data, size, o);  // best effort: the read already succeeded
+  }
+
+  Status get_impl(const BlockId& id, const ReadRequest& rq, GetResult* r) {
+    gets.fetch_add(1, std::memory_order_relaxed);
+    *r = GetResult{};
+    auto phys = physical(id);
+    Status out_st;
+    if (phys) {
+      for (size_t t = 0; t < tiers.size(); ++t) {
+        ReadResult rr;
+        Status st = tiers[t]->read(*phys, rq, &rr);
+        if (!settle(t, *phys, rq, st, rr, r, &out_st)) continue;
+        if (out_st.ok()) {
+          hits.fetch_add(1, std::memory_order_relaxed);
+          bytes_got.fetch_add(rr.copied, std::memory_order_relaxed);
+          if (rq.whole) maybe_promote(t, *phys, rq.out, rr.block_size, rr.is_prefix, rq.out_kind);
+        }
+        return out_st;
+      }
+    }
+    misses.fetch_add(1, std::memory_order_relaxed);
+    return Status::OK();
+  }
+
+  size_t get_batch_impl(std::span<const BlockId> ids, std::span<const MutableBuffer> out,
+                        std::vector<GetResult>* results, std::vector<Status>* statuses) {
+    size_t n = ids.size();
+    results->assign(n, GetResult{});
+    statuses->assign(n, Status::OK());
+    std::vector<BlockId> phys(n);
+    std::vector<size_t> pending;
+    for (size_t i = 0; i < n; ++i) {
+      auto p = physical(ids[i]);
+      if (p) {
+        phys[i] = *p;
+        pending.push_back(i);
+      }
+    }
+    gets.fetch_add(n, std::memory_order_relaxed);
+    for (size_t t = 0; t < tiers.size() && !pending.empty(); ++t) {
+      size_t m = pending.size();
+      std::vector<BlockId> pid(m);
+      std::vector<ReadRequest> rqs(m);
+      std::vector<ReadResult> rrs(m);
+      std::vector<Status> sts(m);
+      for (size_t k = 0; k < m; ++k) {
+        pid[k] = phys[pending[k]];
+        rqs[k].out = out[pending[k]].data;
+        rqs[k].capacity = out[pending[k]].size;
+      }
+      if (is_memory_tier(tiers[t]->kind())) {
+        pool->parallel_for(m, [&](size_t k) { sts[k] = tiers[t]->read(pid[k], rqs[k], &rrs[k]); });
+      } else {
+        tiers[t]->read_batch(pid, rqs, rrs, sts);
+      }
+      std::vector<size_t> still;
+      std::vector<size_t> promote;
+      for (size_t k = 0; k < m; ++k) {
+        size_t i = pending[k];
+        if (!settle(t, pid[k], rqs[k], sts[k], rrs[k], &(*results)[i], &(*statuses)[i])) {
+          still.push_back(i);
+        } else if ((*statuses)[i].ok()) {
+          bytes_got.fetch_add(rrs[k].copied, std::memory_order_relaxed);
+          if (t > 0) promote.push_back(k);
+        }
+      }
+      if (!promote.empty() && config.promote_on_hit) {
+        pool->parallel_for(promote.size(), [&](size_t j) {
+          size_t k = promote[j];
+          maybe_promote(t, pid[k], rqs[k].out, rrs[k].block_size, rrs[k].is_prefix, MemoryKind::kHost);
+        });
+      }
+      pending.swap(still);
+    }
+    size_t found = 0, absent = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if ((*results)[i].found && (*statuses)[i].ok()) ++found;
+      if (!(*results)[i].found) ++absent;
+    }
+    hits.fetch_add(found, std::memory_order_relaxed);
+    misses.fetch_add(absent, std::memory_order_relaxed);
+    return found;
+  }
+
+  // Brings phys into tier 0 from below. OK when it ends up there.
+  Status promote(const BlockId& phys) {
+    if (tiers[0]->contains(phys)) return Status::OK();
+    for (size_t t = 1; t < tiers.size(); ++t) {
+      if (!tiers[t]->contains(phys)) continue;
+      PutOptions o;
+      o.origin = PutOrigin::kPromotion;
+      if (is_memory_tier(tiers[t]->kind())) {
+        auto view = tiers[t]->acquire(phys);
+        if (!view.ok()) continue;
+        o.src_kind = view->kind();
+        return put_into(0, phys, view->data(), view->size(), o);
+      }
+      ReadRequest probe;  // capacity 0: learn the size
+      ReadResult rr;
+      Status st = tiers[t]->read(phys, probe, &rr);
+      if (!st.ok() && !(st.is(Code::kInvalidArgument) && rr.block_size)) continue;
+      std::vector<uint8_t> buf(rr.block_size);
+      ReadRequest rq;
+      rq.out = buf.data();
+      rq.capacity = buf.size();
+      st = tiers[t]->read(phys, rq, &rr);
+      if (!st.ok()) continue;
+      o.is_prefix = rr.is_prefix;
+      return put_into(0, phys, buf.data(), buf.size(), o);
+    }
+    return Status::NotFound("block is in no tier");
+  }
+
+  Status remove_impl(const BlockId& id) {
+    BlockId phys = id;
+    if (dedup) {
+      auto u = dedup->unlink(id);
+      if (!u) return Status::NotFound("block " + id.hex() + " is not stored");
+      if (!u->second) return Status::OK();  // other ids still share the bytes
+      phys = u->first;
+    }
+    bool any = false;
+    for (auto& t : tiers) any |= t->remove(phys).ok();
+    if (!any && !dedup) return Status::NotFound("block " + id.hex() + " is not stored");
+    return Status::OK();
+  }
+
+  // ---- async ----------------------------------------------------------------
+  void submit(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(inflight_mu);
+      ++inflight;
+    }
+    pool->submit([this, job = std::move(job)] {
+      job();
+      std::lock_guard<std::mutex> lock(inflight_mu);
+      if (--inflight == 0) inflight_cv.notify_all();
+    });
+  }
+};
+
+// ---- public API ---------------------------------------------------------------
+
+Result<std::unique_ptr<CascadeStore>> CascadeStore::Open(const CascadeConfig& config) {
+  CASCADE_RETURN_IF_ERROR(config.validate());
+  auto kinds = config.resolve_pipeline(gpu_usable(config.gpu_device_id));
+  if (!kinds.ok()) return kinds.status();
+  auto impl = std::make_unique<Impl>();
+  impl->config = config;
+  impl->pool = std::make_unique<ThreadPool>(config.num_io_threads);
+  for (TierKind k : *kinds) {
+    auto tier = open_tier(k, config, impl->pool.get());
+    if (!tier.ok()) {
+      return Status(tier.status().code(),
+                    std::string("cannot open the ") + tier_kind_name(k) + " tier: " + tier.status().message());
+    }
+    impl->tiers.push_back(std::move(tier.value()));
+  }
+  if (config.dedup_enabled) impl->dedup = std::make_unique<DedupTable>();
+  return std::unique_ptr<CascadeStore>(new CascadeStore(std::move(impl)));
+}
+
+CascadeStore::CascadeStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CascadeStore::~CascadeStore() { close(); }
+
+#define CASCADE_LIVE_OR(ret)                                        \
+  std::shared_lock<std::shared_mutex> live_lock(impl_->lifecycle); \
+  if (impl_->closed.load(std::memory_order_acquire)) return ret
+
+static Status closed_status() { return Status::Unavailable("the store is closed"); }
+
+Status CascadeStore::put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) {
+  CASCADE_LIVE_OR(closed_status());
+  if (size && !data) return Status::InvalidArgument("data is null");
+  return impl_->put_impl(id, data, size, options);
+}
+
+Status CascadeStore::get(const BlockId& id, void* out, uint64_t capacity, GetResult* result,
+                         MemoryKind out_kind) {
+  CASCADE_LIVE_OR(closed_status());
+  if (capacity && !out) return Status::InvalidArgument("out is null");
+  ReadRequest rq;
+  rq.out = out;
+  rq.capacity = capacity;
+  rq.out_kind = out_kind;
+  return impl_->get_impl(id, rq, result);
+}
+
+Status CascadeStore::get_range(const BlockId& id, uint64_t offset, void* out, uint64_t capacity,
+                               GetResult* result) {
+  CASCADE_LIVE_OR(closed_status());
+  if (capacity && !out) return Status::InvalidArgument("out is null");
+  ReadRequest rq;
+  rq.offset = offset;
+  rq.out = out;
+  rq.capacity = capacity;
+  rq.whole = false;
+  return impl_->get_impl(id, rq, result);
+}
+
+bool CascadeStore::contains(const BlockId& id) const {
+  CASCADE_LIVE_OR(false);
+  auto phys = impl_->physical(id);
+  return phys && impl_->contains_phys(*phys);
+}
+
+Status CascadeStore::remove(const BlockId& id) {
+  CASCADE_LIVE_OR(closed_status());
+  return impl_->remove_impl(id);
+}
+
+Result<BlockView> CascadeStore::acquire(const BlockId& id) {
+  CASCADE_LIVE_OR(closed_status());
+  auto phys = impl_->physical(id);
+  if (!phys) return Status::NotFound("block " + id.hex() + " is not stored");
+  auto view = impl_->tiers[0]->acquire(*phys);
+  if (view.ok() || !view.status().is(Code::kNotFound)) return view;
+  CASCADE_RETURN_IF_ERROR(impl_->promote(*phys));
+  return impl_->tiers[0]->acquire(*phys);
+}
+
+size_t CascadeStore::put_batch(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
+                               std::vector<Status>* statuses, const PutOptions& options) {
+  statuses->assign(ids.size(), Status::OK());
+  CASCADE_LIVE_OR((statuses->assign(ids.size(), closed_status()), 0));
+  if (ids.size() != data.size()) {
+    statuses->assign(ids.size(), Status::InvalidArgument("ids and data differ in length"));
+    return 0;
+  }
+  std::atomic<size_t> ok{0};
+  impl_->pool->parallel_for(ids.size(), [&](size_t i) {
+    (*statuses)[i] = impl_->put_impl(ids[i], data[i].data, data[i].size, options);
+    if ((*statuses)[i].ok()) ok.fetch_add(1, std::memory_order_relaxed);
+  });
+  return ok.load();
+}
+
+size_t CascadeStore::get_batch(std::span<const BlockId> ids, std::span<const MutableBuffer> out,
+                               std::vector<GetResult>* results, std::vector<Status>* statuses) {
+  CASCADE_LIVE_OR((results->assign(ids.size(), GetResult{}), statuses->assign(ids.size(), closed_status()), 0));
+  if (ids.size() != out.size()) {
+    results->assign(ids.size(), GetResult{});
+    statuses->assign(ids.size(), Status::InvalidArgument("ids and buffers differ in length"));
+    return 0;
+  }
+  return impl_->get_batch_impl(ids, out, results, statuses);
+}
+
+std::shared_ptr<BatchTask> CascadeStore::put_batch_async(std::vector<BlockId> ids,
+                                                         std::vector<ConstBuffer> data,
+                                                         const PutOptions& options) {
+  auto task = std::make_shared<Task>(ids.size(), false);
+  std::shared_lock<std::shared_mutex> live_lock(impl_->lifecycle);
+  if (impl_->closed.load() || ids.size() != data.size()) {
+    task->statuses_.assign(ids.size(), impl_->closed.load() ? closed_status()
+                                                            : Status::InvalidArgument("ids and data differ in length"));
+    task->finish(0);
+    return task;
+  }
+  impl_->submit([impl = impl_.get(), task, ids = std::move(ids), data = std::move(data), options] {
+    std::atomic<size_t> ok{0};
+    impl->pool->parallel_for(ids.size(), [&](size_t i) {
+      task->statuses_[i] = impl->put_impl(ids[i], data[i].data, data[i].size, options);
+      if (task->statuses_[i].ok()) ok.fetch_add(1, std::memory_order_relaxed);
+    });
+    task->finish(ok.load());
+  });
+  return task;
+}
+
+std::shared_ptr<BatchTask> CascadeStore::get_batch_async(std::vector<BlockId> ids,
+                                                         std::vector<MutableBuffer> out) {
+  auto task = std::make_shared<Task>(ids.size(), true);
+  std::shared_lock<std::shared_mutex> live_lock(impl_->lifecycle);
+  if (impl_->closed.load() || ids.size() != out.size()) {
+    task->statuses_.assign(ids.size(), impl_->closed.load() ? closed_status()
+                                                            : Status::InvalidArgument("ids and buffers differ in length"));
+    task->finish(0);
+    return task;
+  }
+  impl_->submit([impl = impl_.get(), task, ids = std::move(ids), out = std::move(out)] {
+    size_t n = impl->get_batch_impl(ids, out, &task->results_, &task->statuses_);
+    task->finish(n);
+  });
+  return task;
+}
+
+std::shared_ptr<BatchTask> CascadeStore::prefetch(std::vector<BlockId> ids) {
+  auto task = std::make_shared<Task>(ids.size(), false);
+  std::shared_lock<std::shared_mutex> live_lock(impl_->lifecycle);
+  if (impl_->closed.load()) {
+    task->statuses_.assign(ids.size(), closed_status());
+    task->finish(0);
+    return task;
+  }
+  impl_->submit([impl = impl_.get(), task, ids = std::move(ids)] {
+    std::atomic<size_t> ok{0};
+    impl->pool->parallel_for(ids.size(), [&](size_t i) {
+      auto phys = impl->physical(ids[i]);
+      task->statuses_[i] = phys ? impl->promote(*phys) : Status::NotFound("block is not stored");
+      if (task->statuses_[i].ok()) ok.fetch_add(1, std::memory_order_relaxed);
+    });
+    task->finish(ok.load());
+  });
+  return task;
+}
+
+StoreStats CascadeStore::stats() const {
+  StoreStats s;
+  std::shared_lock<std::shared_mutex> live_lock(impl_->lifecycle);
+  for (auto& t : impl_->tiers) {
+    s.tiers.push_back(t->stats());
+    s.physical_bytes += s.tiers.back().used_bytes;
+  }
+  s.puts = impl_->puts.load();
+  s.put_failures = impl_->put_failures.load();
+  s.gets = impl_->gets.load();
+  s.hits = impl_->hits.load();
+  s.misses = impl_->misses.load();
+  s.dedup_hits = impl_->dedup_hits.load();
+  s.bytes_put = impl_->bytes_put.load();
+  s.bytes_got = impl_->bytes_got.load();
+  if (impl_->dedup) {
+    s.logical_blocks = impl_->dedup->aliases();
+    s.logical_bytes = impl_->dedup->logical_bytes();
+  } else {
+    for (auto& t : s.tiers) s.logical_blocks += t.blocks;
+    s.logical_bytes = s.physical_bytes;
+  }
+  return s;
+}
+
+const CascadeConfig& CascadeStore::config() const { return impl_->config; }
+
+std::vector<TierKind> CascadeStore::pipeline() const {
+  std::vector<TierKind> out;
+  for (auto& t : impl_->tiers) out.push_back(t->kind());
+  return out;
+}
+
+void CascadeStore::clear() {
+  CASCADE_LIVE_OR();
+  for (auto& t : impl_->tiers) t->clear();
+  if (impl_->dedup) impl_->dedup->clear();
+}
+
+Status CascadeStore::flush() {
+  CASCADE_LIVE_OR(closed_status());
+  for (auto& t : impl_->tiers) CASCADE_RETURN_IF_ERROR(t->flush());
+  return Status::OK();
+}
+
+void CascadeStore::close() {
+  if (!impl_ || impl_->closed.exchange(true)) return;
+  {
+    std::unique_lock<std::mutex> lock(impl_->inflight_mu);
+    impl_->inflight_cv.wait(lock, [&] { return impl_->inflight == 0; });
+  }
+  std::unique_lock<std::shared_mutex> lock(impl_->lifecycle);
+  for (auto& t : impl_->tiers) (void)t->flush();
+  impl_->tiers.clear();
+  impl_->pool.reset();
+}
+
+void CascadeStore::parallel_for(size_t n, const std::function<void(size_t)>& fn) {
+  CASCADE_LIVE_OR();
+  impl_->pool->parallel_for(n, fn);
+}
+
+}  // namespace cascade

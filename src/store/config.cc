@@ -1,0 +1,97 @@
+// CascadeConfig validation and pipeline resolution.
+#include "cascade/config.h"
+
+#include <string_view>
+
+namespace cascade {
+
+const char* tier_kind_name(TierKind kind) {
+  switch (kind) {
+    case TierKind::kGpu: return "gpu";
+    case TierKind::kHost: return "host";
+    case TierKind::kFile: return "file";
+  }
+  return "?";
+}
+
+namespace {
+
+Result<TierKind> parse_tier(std::string_view name) {
+  // Accept the seeds' and UCM's names too, so their configs read as users expect.
+  if (name == "gpu" || name == "hbm" || name == "device") return TierKind::kGpu;
+  if (name == "host" || name == "shm" || name == "cache" || name == "dram") return TierKind::kHost;
+  if (name == "file" || name == "lustre" || name == "posix" || name == "disk") return TierKind::kFile;
+  return Status::InvalidArgument("unknown tier '" + std::string(name) +
+                                 "' in pipeline (expected gpu, host or file)");
+}
+
+std::string trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+}  // namespace
+
+Result<std::vector<TierKind>> CascadeConfig::resolve_pipeline(bool gpu_available) const {
+  std::vector<TierKind> tiers;
+  if (trim(pipeline).empty()) {
+    if (use_gpu && gpu_available) tiers.push_back(TierKind::kGpu);
+    tiers.push_back(TierKind::kHost);
+    if (!lustre_path.empty()) tiers.push_back(TierKind::kFile);
+    return tiers;
+  }
+  std::string_view rest = pipeline;
+  while (true) {
+    size_t bar = rest.find('|');
+    std::string name = trim(rest.substr(0, bar));
+    if (name.empty()) return Status::InvalidArgument("empty stage in pipeline '" + pipeline + "'");
+    auto kind = parse_tier(name);
+    if (!kind.ok()) return kind.status();
+    if (!tiers.empty() && static_cast<int>(*kind) <= static_cast<int>(tiers.back())) {
+      return Status::InvalidArgument("pipeline '" + pipeline +
+                                     "': tiers must be ordered gpu, host, file, each at most once");
+    }
+    tiers.push_back(*kind);
+    if (bar == std::string_view::npos) break;
+    rest.remove_prefix(bar + 1);
+  }
+  return tiers;
+}
+
+Status CascadeConfig::validate() const {
+  auto tiers = resolve_pipeline(true);
+  if (!tiers.ok()) return tiers.status();
+  for (TierKind t : *tiers) {
+    if (t == TierKind::kHost) {
+      if (shm_capacity_bytes == 0)
+        return Status::InvalidArgument("shm_capacity_bytes is 0: the host tier needs room for at least one block");
+      if (shm_path.empty()) return Status::InvalidArgument("shm_path is empty");
+    }
+    if (t == TierKind::kGpu) {
+      if (gpu_capacity_bytes == 0)
+        return Status::InvalidArgument("gpu_capacity_bytes is 0: the gpu tier needs room for at least one block");
+      if (gpu_device_id < 0) return Status::InvalidArgument("gpu_device_id is negative");
+    }
+    if (t == TierKind::kFile) {
+      if (lustre_path.empty())
+        return Status::InvalidArgument("the pipeline has a file tier but lustre_path is empty");
+      if (segment_size_bytes < (1u << 20))
+        return Status::InvalidArgument("segment_size_bytes must be at least 1 MiB");
+    }
+  }
+  if (lustre_stripe_count < 0) return Status::InvalidArgument("lustre_stripe_count is negative");
+  if (compression_enabled)
+    return Status::NotSupported(
+        "compression_enabled: compression is not implemented (KV tensors in bf16/fp8 compress "
+        "poorly and a codec would cap tier throughput); set it to false");
+  if (num_io_threads < 0 || num_io_threads > 1024)
+    return Status::InvalidArgument("num_io_threads must be 0 (one per core) to 1024");
+  if (index_shards < 1 || index_shards > 65536 || (index_shards & (index_shards - 1)) != 0)
+    return Status::InvalidArgument("index_shards must be a power of two from 1 to 65536");
+  return Status::OK();
+}
+
+}  // namespace cascade

@@ -1,0 +1,82 @@
+#include "store/dedup_table.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+
+namespace cascade {
+
+BlockId content_fingerprint(const void* data, uint64_t size) {
+  XXH128_hash_t h = XXH3_128bits(size ? data : "", size);
+  BlockId id;
+  std::memcpy(id.bytes.data(), &h.high64, 8);
+  std::memcpy(id.bytes.data() + 8, &h.low64, 8);
+  id.bytes[15] = 0xdd;  // marker: a dedup physical id
+  return id;
+}
+
+std::optional<BlockId> DedupTable::resolve(const BlockId& id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = alias_.find(id);
+  if (it == alias_.end()) return std::nullopt;
+  return it->second;
+}
+
+bool DedupTable::link(const BlockId& id, const BlockId& p, uint64_t size, bool* shared) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!alias_.emplace(id, p).second) return false;
+  Record& r = records_[p];
+  *shared = !r.aliases.empty();
+  r.size = size;
+  r.aliases.push_back(id);
+  logical_bytes_ += size;
+  return true;
+}
+
+std::optional<std::pair<BlockId, bool>> DedupTable::unlink(const BlockId& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = alias_.find(id);
+  if (it == alias_.end()) return std::nullopt;
+  BlockId p = it->second;
+  alias_.erase(it);
+  bool last = true;
+  auto rit = records_.find(p);
+  if (rit != records_.end()) {
+    auto& v = rit->second.aliases;
+    v.erase(std::remove(v.begin(), v.end(), id), v.end());
+    logical_bytes_ -= rit->second.size;
+    last = v.empty();
+    if (last) records_.erase(rit);
+  }
+  return std::make_pair(p, last);
+}
+
+void DedupTable::drop(const BlockId& p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto rit = records_.find(p);
+  if (rit == records_.end()) return;
+  for (const BlockId& a : rit->second.aliases) {
+    alias_.erase(a);
+    logical_bytes_ -= rit->second.size;
+  }
+  records_.erase(rit);
+}
+
+void DedupTable::clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  alias_.clear();
+  records_.clear();
+  logical_bytes_ = 0;
+}
+
+uint64_t DedupTable::aliases() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return alias_.size();
+}
+
+uint64_t DedupTable::logical_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return logical_bytes_;
+}
+
+}  // namespace cascade

@@ -1,0 +1,54 @@
+// DedupTable: which logical ids share which stored content.
+//
+// With dedup on, the store keeps a block's bytes under a physical id derived
+// from an XXH3-128 fingerprint of the content and maps every logical id to
+// it. Two ids share bytes only after a byte comparison confirmed they are
+// equal, so a fingerprint collision can cost space but never return a wrong
+// block. A physical block dropped from the last tier takes its aliases with
+// it (they become misses).
+//
+// Thread-safety: one mutex; dedup is a path that fingerprints every byte put,
+// so the table is never the bottleneck.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+#include "cascade/block_id.h"
+
+namespace cascade {
+
+class DedupTable {
+ public:
+  std::optional<BlockId> resolve(const BlockId& id) const;
+  // Links id to physical block p of `size` bytes. false when id is linked
+  // already (to anything). *shared: p had other aliases before.
+  bool link(const BlockId& id, const BlockId& p, uint64_t size, bool* shared);
+  // Unlinks id; returns its physical id and whether id was its last alias.
+  std::optional<std::pair<BlockId, bool>> unlink(const BlockId& id);
+  // p is gone from the store: forget it and its aliases.
+  void drop(const BlockId& p);
+  void clear();
+
+  uint64_t aliases() const;
+  uint64_t logical_bytes() const;
+
+ private:
+  struct Record {
+    uint64_t size = 0;
+    std::vector<BlockId> aliases;
+  };
+  mutable std::mutex mu_;
+  std::unordered_map<BlockId, BlockId> alias_;  // logical -> physical
+  std::unordered_map<BlockId, Record> records_;  // physical -> record
+  uint64_t logical_bytes_ = 0;
+};
+
+// Physical id of content under dedup: XXH3-128 of the bytes, with the top bit
+// of the first byte set and a marker byte so it is recognisable in dumps.
+BlockId content_fingerprint(const void* data, uint64_t size);
+
+}  // namespace cascade

@@ -1,0 +1,294 @@
+#include "cascade/store.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <random>
+#include <thread>
+
+namespace cascade {
+namespace {
+
+std::string shm_path() {
+  static std::atomic<int> n{0};
+  return "/dev/shm/cascade-unit-" + std::to_string(getpid()) + "-" + std::to_string(n++);
+}
+
+CascadeConfig host_config(uint64_t capacity) {
+  CascadeConfig c;
+  c.pipeline = "host";
+  c.shm_capacity_bytes = capacity;
+  c.shm_path = shm_path();
+  c.num_io_threads = 2;
+  c.index_shards = 16;
+  return c;
+}
+
+std::vector<uint8_t> random_bytes(size_t n, uint64_t seed) {
+  std::vector<uint8_t> v(n);
+  std::mt19937_64 rng(seed);
+  for (size_t i = 0; i < n; i += 8) {
+    uint64_t x = rng();
+    std::memcpy(v.data() + i, &x, std::min<size_t>(8, n - i));
+  }
+  return v;
+}
+
+std::unique_ptr<CascadeStore> open(const CascadeConfig& c) {
+  auto s = CascadeStore::Open(c);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return s.ok() ? std::move(s.value()) : nullptr;
+}
+
+}  // namespace
+
+TEST(StoreTest, PutGetRoundTripBytes) {
+  auto store = open(host_config(64 << 20));
+  for (size_t size : {size_t(0), size_t(1), size_t(4095), size_t(4096), size_t(5 << 20)}) {
+    auto data = random_bytes(size, size);
+    BlockId id = compute_block_id(data.data(), data.size());
+    ASSERT_TRUE(store->put(id, data.data(), data.size()).ok());
+    ASSERT_TRUE(store->put(id, data.data(), data.size()).ok());  // idempotent
+    std::vector<uint8_t> out(size + 16, 0xEE);
+    GetResult r;
+    ASSERT_TRUE(store->get(id, out.data(), out.size(), &r).ok());
+    EXPECT_TRUE(r.found);
+    EXPECT_EQ(r.size, size);
+    EXPECT_EQ(0, memcmp(out.data(), data.data(), size));
+    for (size_t i = size; i < out.size(); ++i) ASSERT_EQ(out[i], 0xEE);
+  }
+}
+
+TEST(StoreTest, SmallBufferWritesNothingAndReportsSize) {
+  auto store = open(host_config(16 << 20));
+  auto data = random_bytes(10000, 1);
+  BlockId id = compute_block_id(data.data(), data.size());
+  ASSERT_TRUE(store->put(id, data.data(), data.size()).ok());
+  std::vector<uint8_t> out(9999, 0x11);
+  GetResult r;
+  Status st = store->get(id, out.data(), out.size(), &r);
+  EXPECT_TRUE(st.is(Code::kInvalidArgument));
+  EXPECT_TRUE(r.found);
+  EXPECT_EQ(r.size, 10000u);
+  for (uint8_t b : out) ASSERT_EQ(b, 0x11);
+}
+
+TEST(StoreTest, GetRangeReadsPart) {
+  auto store = open(host_config(16 << 20));
+  auto data = random_bytes(100000, 2);
+  BlockId id = compute_block_id(data.data(), data.size());
+  ASSERT_TRUE(store->put(id, data.data(), data.size()).ok());
+  std::vector<uint8_t> out(1000);
+  GetResult r;
+  ASSERT_TRUE(store->get_range(id, 99500, out.data(), out.size(), &r).ok());
+  EXPECT_EQ(r.copied, 500u);
+  EXPECT_EQ(0, memcmp(out.data(), data.data() + 99500, 500));
+  EXPECT_TRUE(store->get_range(id, 100001, out.data(), out.size(), &r).is(Code::kInvalidArgument));
+}
+
+TEST(StoreTest, MissIsNotAnError) {
+  auto store = open(host_config(16 << 20));
+  uint8_t buf[16];
+  GetResult r;
+  EXPECT_TRUE(store->get(compute_block_id("nope", 4), buf, sizeof buf, &r).ok());
+  EXPECT_FALSE(r.found);
+  EXPECT_EQ(store->stats().misses, 1u);
+}
+
+TEST(StoreTest, FullStoreEvictsLeastRecentlyUsedKeepsPrefix) {
+  auto store = open(host_config(1 << 20));  // 16 blocks of 64 KiB
+  std::vector<BlockId> ids;
+  std::vector<std::vector<uint8_t>> blocks;
+  for (int i = 0; i < 40; ++i) {
+    blocks.push_back(random_bytes(64 << 10, 100 + i));
+    ids.push_back(compute_block_id(blocks.back().data(), blocks.back().size()));
+    PutOptions o;
+    o.is_prefix = i < 4;
+    ASSERT_TRUE(store->put(ids.back(), blocks.back().data(), blocks.back().size(), o).ok()) << i;
+  }
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(store->contains(ids[i])) << "prefix block " << i;
+  for (int i = 4; i < 16; ++i) EXPECT_FALSE(store->contains(ids[i])) << "old block " << i;
+  EXPECT_TRUE(store->contains(ids[39]));
+  auto s = store->stats();
+  EXPECT_GT(s.tiers[0].evictions, 0u);
+  EXPECT_LE(s.tiers[0].used_bytes, 1u << 20);
+  // Every block still present has its own bytes.
+  std::vector<uint8_t> out(64 << 10);
+  for (int i = 0; i < 40; ++i) {
+    GetResult r;
+    ASSERT_TRUE(store->get(ids[i], out.data(), out.size(), &r).ok());
+    if (r.found) EXPECT_EQ(0, memcmp(out.data(), blocks[i].data(), out.size())) << i;
+  }
+}
+
+TEST(StoreTest, LeasedBlockIsNeverEvicted) {
+  auto store = open(host_config(256 << 10));  // 4 blocks of 64 KiB
+  auto first = random_bytes(64 << 10, 7);
+  BlockId fid = compute_block_id(first.data(), first.size());
+  ASSERT_TRUE(store->put(fid, first.data(), first.size()).ok());
+  auto view = store->acquire(fid);
+  ASSERT_TRUE(view.ok());
+  for (int i = 0; i < 20; ++i) {
+    auto b = random_bytes(64 << 10, 1000 + i);
+    ASSERT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).ok());
+  }
+  EXPECT_TRUE(store->contains(fid));
+  EXPECT_EQ(0, memcmp(view->data(), first.data(), first.size()));
+  // Removing a leased block hides it but keeps its bytes until release.
+  ASSERT_TRUE(store->remove(fid).ok());
+  EXPECT_FALSE(store->contains(fid));
+  for (int i = 0; i < 20; ++i) {
+    auto b = random_bytes(64 << 10, 2000 + i);
+    ASSERT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).ok());
+  }
+  EXPECT_EQ(0, memcmp(view->data(), first.data(), first.size()));
+  view->reset();
+}
+
+TEST(StoreTest, AllLeasedMeansNoSpace) {
+  auto store = open(host_config(128 << 10));
+  std::vector<BlockView> views;
+  for (int i = 0; i < 2; ++i) {
+    auto b = random_bytes(64 << 10, 50 + i);
+    BlockId id = compute_block_id(b.data(), b.size());
+    ASSERT_TRUE(store->put(id, b.data(), b.size()).ok());
+    views.push_back(std::move(store->acquire(id).value()));
+  }
+  auto b = random_bytes(64 << 10, 99);
+  EXPECT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).is(Code::kNoSpace));
+  EXPECT_EQ(store->stats().put_failures, 1u);
+  views.clear();
+  EXPECT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).ok());
+}
+
+TEST(StoreTest, BlockLargerThanTierIsRejected) {
+  auto store = open(host_config(1 << 20));
+  auto b = random_bytes((1 << 20) + 1, 3);
+  EXPECT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).is(Code::kInvalidArgument));
+}
+
+TEST(StoreTest, DedupStoresIdenticalContentOnce) {
+  auto c = host_config(16 << 20);
+  c.dedup_enabled = true;
+  auto store = open(c);
+  auto b = random_bytes(1 << 20, 5);
+  for (int i = 0; i < 5; ++i) {
+    auto id = block_id_from_key("session-" + std::to_string(i));
+    ASSERT_TRUE(store->put(*id, b.data(), b.size()).ok());
+  }
+  auto s = store->stats();
+  EXPECT_EQ(s.dedup_hits, 4u);
+  EXPECT_EQ(s.logical_bytes, 5u << 20);
+  EXPECT_EQ(s.physical_bytes, 1u << 20);
+  std::vector<uint8_t> out(1 << 20);
+  GetResult r;
+  ASSERT_TRUE(store->get(*block_id_from_key("session-3"), out.data(), out.size(), &r).ok());
+  ASSERT_TRUE(r.found);
+  EXPECT_EQ(out, b);
+  // Removing one alias keeps the bytes for the others.
+  ASSERT_TRUE(store->remove(*block_id_from_key("session-0")).ok());
+  EXPECT_FALSE(store->contains(*block_id_from_key("session-0")));
+  EXPECT_TRUE(store->contains(*block_id_from_key("session-1")));
+  for (int i = 1; i < 5; ++i) ASSERT_TRUE(store->remove(*block_id_from_key("session-" + std::to_string(i))).ok());
+  EXPECT_EQ(store->stats().physical_bytes, 0u);
+}
+
+TEST(StoreTest, BatchAndAsync) {
+  auto store = open(host_config(64 << 20));
+  const int n = 64;
+  std::vector<std::vector<uint8_t>> blocks;
+  std::vector<BlockId> ids;
+  std::vector<ConstBuffer> in;
+  for (int i = 0; i < n; ++i) {
+    blocks.push_back(random_bytes(100000 + i, 300 + i));
+    ids.push_back(compute_block_id(blocks[i].data(), blocks[i].size()));
+    in.push_back({blocks[i].data(), blocks[i].size()});
+  }
+  auto task = store->put_batch_async(ids, in);
+  task->wait();
+  EXPECT_EQ(task->succeeded(), size_t(n));
+  std::vector<std::vector<uint8_t>> outs(n, std::vector<uint8_t>(200000));
+  std::vector<MutableBuffer> out;
+  for (auto& o : outs) out.push_back({o.data(), o.size()});
+  std::vector<GetResult> results;
+  std::vector<Status> statuses;
+  std::vector<BlockId> with_miss = ids;
+  with_miss.push_back(compute_block_id("missing", 7));
+  out.push_back({outs[0].data(), 10});
+  EXPECT_EQ(store->get_batch(with_miss, out, &results, &statuses), size_t(n));
+  for (int i = 0; i < n; ++i) {
+    ASSERT_TRUE(results[i].found);
+    ASSERT_EQ(results[i].size, blocks[i].size());
+    EXPECT_EQ(0, memcmp(outs[i].data(), blocks[i].data(), blocks[i].size()));
+  }
+  EXPECT_FALSE(results[n].found);
+  auto g = store->get_batch_async(ids, std::vector<MutableBuffer>(out.begin(), out.end() - 1));
+  g->wait();
+  EXPECT_EQ(g->succeeded(), size_t(n));
+  auto p = store->prefetch(ids);
+  p->wait();
+  EXPECT_EQ(p->succeeded(), size_t(n));
+}
+
+TEST(StoreTest, ConcurrentPutsAndGetsFromManyThreads) {
+  auto store = open(host_config(8 << 20));  // small: forces eviction under load
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 4; ++t) {
+    ts.emplace_back([&, t] {
+      std::vector<uint8_t> out(256 << 10);
+      for (int i = 0; i < 200; ++i) {
+        auto b = random_bytes((16 << 10) * (1 + (i % 16)), (uint64_t(t) << 32) | i);
+        BlockId id = compute_block_id(b.data(), b.size());
+        Status st = store->put(id, b.data(), b.size());
+        if (!st.ok() && !st.is(Code::kNoSpace)) wrong++;
+        GetResult r;
+        if (store->get(id, out.data(), out.size(), &r).ok() && r.found &&
+            (r.size != b.size() || memcmp(out.data(), b.data(), b.size()) != 0))
+          wrong++;
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+}
+
+TEST(StoreTest, ClosedStoreRefusesCalls) {
+  auto store = open(host_config(1 << 20));
+  store->close();
+  uint8_t b = 1;
+  EXPECT_TRUE(store->put(compute_block_id(&b, 1), &b, 1).is(Code::kUnavailable));
+  store->close();  // idempotent
+}
+
+TEST(StoreTest, BadConfigsFailClearly) {
+  auto c = host_config(0);
+  EXPECT_TRUE(CascadeStore::Open(c).status().is(Code::kInvalidArgument));
+  c = host_config(1ULL << 50);
+  auto s = CascadeStore::Open(c);
+  EXPECT_TRUE(s.status().is(Code::kInvalidArgument));
+  EXPECT_NE(s.status().message().find("larger than the free space"), std::string::npos) << s.status().ToString();
+  c = host_config(1 << 20);
+  c.pipeline = "file|host";
+  EXPECT_TRUE(CascadeStore::Open(c).status().is(Code::kInvalidArgument));
+  c.pipeline = "host|tape";
+  EXPECT_TRUE(CascadeStore::Open(c).status().is(Code::kInvalidArgument));
+  c.pipeline = "host";
+  c.compression_enabled = true;
+  EXPECT_TRUE(CascadeStore::Open(c).status().is(Code::kNotSupported));
+  c.compression_enabled = false;
+  c.shm_path = "/nonexistent-dir/cascade";
+  EXPECT_FALSE(CascadeStore::Open(c).ok());
+}
+
+TEST(StoreTest, SecondStoreOnSameShmPathIsRefused) {
+  auto c = host_config(1 << 20);
+  auto a = open(c);
+  auto b = CascadeStore::Open(c);
+  EXPECT_TRUE(b.status().is(Code::kBusy)) << b.status().ToString();
+  a.reset();
+  EXPECT_TRUE(CascadeStore::Open(c).ok());  // free again once the first closed
+}
+
+}  // namespace cascade

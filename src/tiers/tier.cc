@@ -1,0 +1,36 @@
+// Shared parts of the Tier interface.
+#include "cascade/tier.h"
+
+namespace cascade {
+
+BlockView& BlockView::operator=(BlockView&& o) noexcept {
+  if (this != &o) {
+    reset();
+    tier_ = o.tier_;
+    data_ = o.data_;
+    size_ = o.size_;
+    kind_ = o.kind_;
+    token_ = o.token_;
+    o.tier_ = nullptr;
+  }
+  return *this;
+}
+
+void BlockView::reset() {
+  if (tier_) {
+    Tier* t = tier_;
+    tier_ = nullptr;
+    t->release_lease(token_);
+  }
+}
+
+void Tier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                      std::span<ReadResult> results, std::span<Status> statuses) {
+  for (size_t i = 0; i < ids.size(); ++i) statuses[i] = read(ids[i], reqs[i], &results[i]);
+}
+
+Result<BlockView> Tier::acquire(const BlockId&) {
+  return Status::NotSupported(std::string(name()) + " tier has no addressable memory");
+}
+
+}  // namespace cascade
