@@ -97,7 +97,8 @@ struct CascadeConfig {
   // compress poorly and the codec would cap throughput. true fails validate().
   bool compression_enabled = false;
   // Threads that move data: batch items and slices of large copies spread
-  // over them. 0 = one per CPU core (at most 64).
+  // over them (the calling thread is one of them). 0 = one per CPU core
+  // (at most 64).
   int num_io_threads = 0;
   // Copies at least this large are split across the I/O threads; one thread
   // reaches a fraction of DRAM bandwidth (notes/hardware.md).

@@ -1,5 +1,7 @@
 #include "io/thread_pool.h"
 
+#include "io/copy_bytes.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -14,7 +16,7 @@ int ThreadPool::default_threads() {
 }
 
 ThreadPool::ThreadPool(int threads) {
-  if (threads <= 0) threads = default_threads();
+  if (threads < 0) threads = default_threads();
   workers_.reserve(threads);
   for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
 }
@@ -87,8 +89,12 @@ void ThreadPool::parallel_for(size_t n, const std::function<void(size_t)>& fn, i
     return;
   }
   auto state = std::make_shared<ForState>(n, &fn);
-  size_t helpers = std::min<size_t>(n - 1, workers_.size());
-  if (max_workers >= 0) helpers = std::min<size_t>(helpers, static_cast<size_t>(max_workers));
+  if (max_workers < 0) max_workers = static_cast<int>(workers_.size()) - 1;
+  size_t helpers = std::min<size_t>(n - 1, static_cast<size_t>(max_workers));
+  if (helpers == 0) {
+    for (size_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
   for (size_t h = 0; h < helpers; ++h) submit([state] { state->work(); });
   state->work();
   if (state->done.load(std::memory_order_acquire) != n) {
@@ -99,11 +105,11 @@ void ThreadPool::parallel_for(size_t n, const std::function<void(size_t)>& fn, i
 
 void parallel_memcpy(ThreadPool* pool, void* dst, const void* src, size_t n, size_t threshold) {
   constexpr size_t kMinSlice = 1 << 20;
-  if (pool == nullptr || n < threshold || n < 2 * kMinSlice || pool->size() == 0) {
-    std::memcpy(dst, src, n);
+  if (pool == nullptr || n < threshold || n < 2 * kMinSlice || pool->size() < 2) {
+    copy_bytes(dst, src, n);
     return;
   }
-  size_t parts = std::min<size_t>(pool->size() + 1, n / kMinSlice);
+  size_t parts = std::min<size_t>(pool->size(), n / kMinSlice);
   size_t slice = (n / parts + 4095) & ~size_t{4095};
   parts = (n + slice - 1) / slice;
   auto* d = static_cast<uint8_t*>(dst);
@@ -111,7 +117,7 @@ void parallel_memcpy(ThreadPool* pool, void* dst, const void* src, size_t n, siz
   pool->parallel_for(parts, [&](size_t i) {
     size_t begin = i * slice;
     size_t len = std::min(slice, n - begin);
-    std::memcpy(d + begin, s + begin, len);
+    copy_bytes(d + begin, s + begin, len);
   });
 }
 

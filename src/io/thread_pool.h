@@ -22,7 +22,7 @@ namespace cascade {
 
 class ThreadPool {
  public:
-  explicit ThreadPool(int threads);  // threads <= 0: one per core
+  explicit ThreadPool(int threads);  // threads < 0: one per core; 0: none (caller only)
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -31,7 +31,9 @@ class ThreadPool {
   void submit(std::function<void()> job);
 
   // Runs fn(i) for every i in [0, n); returns when all have returned.
-  // Uses at most max_workers pool threads besides the caller (<0: all).
+  // Uses at most max_workers pool threads besides the caller; the default
+  // (-1) is size() - 1, so a pool of T threads moves data on T threads
+  // (caller included) and keeps one worker free for queued jobs.
   void parallel_for(size_t n, const std::function<void(size_t)>& fn, int max_workers = -1);
 
   static int default_threads();  // cores, at most 64
@@ -45,8 +47,8 @@ class ThreadPool {
   std::vector<std::thread> workers_;
 };
 
-// Copies n bytes, split across the pool's threads when n >= threshold.
-// Slices are at least 1 MiB and 4 KiB aligned.
+// Copies n bytes (with copy_bytes), split across the pool's threads when
+// n >= threshold. Slices are at least 1 MiB and 4 KiB aligned.
 void parallel_memcpy(ThreadPool* pool, void* dst, const void* src, size_t n, size_t threshold);
 
 }  // namespace cascade

@@ -371,7 +371,8 @@ Result<std::unique_ptr<CascadeStore>> CascadeStore::Open(const CascadeConfig& co
   if (!kinds.ok()) return kinds.status();
   auto impl = std::make_unique<Impl>();
   impl->config = config;
-  impl->pool = std::make_unique<ThreadPool>(config.num_io_threads);
+  impl->pool = std::make_unique<ThreadPool>(config.num_io_threads > 0 ? config.num_io_threads
+                                                                      : ThreadPool::default_threads());
   for (TierKind k : *kinds) {
     auto tier = open_tier(k, config, impl->pool.get());
     if (!tier.ok()) {

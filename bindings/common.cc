@@ -1,0 +1,165 @@
+#include "common.h"
+
+#include <vector>
+
+namespace cascade::py {
+namespace {
+
+// Exception classes, created once in register_exceptions.
+PyObject* g_base = nullptr;         // cascade.CascadeError(Exception)
+PyObject* g_no_space = nullptr;     // cascade.NoSpaceError(CascadeError)
+PyObject* g_io = nullptr;           // cascade.CascadeIOError(CascadeError, OSError)
+PyObject* g_corruption = nullptr;   // cascade.CorruptionError(CascadeError)
+PyObject* g_busy = nullptr;         // cascade.BusyError(CascadeError)
+PyObject* g_unavailable = nullptr;  // cascade.UnavailableError(CascadeError)
+PyObject* g_too_small = nullptr;    // cascade.BufferTooSmallError(CascadeError, ValueError)
+PyObject* g_invalid = nullptr;      // cascade.InvalidArgumentError(CascadeError, ValueError)
+PyObject* g_not_found = nullptr;    // cascade.NotFoundError(CascadeError, KeyError)
+PyObject* g_not_supported = nullptr;  // cascade.NotSupportedError(CascadeError, NotImplementedError)
+
+PyObject* make_exc(nb::module_& m, const char* name, PyObject* bases, const char* doc) {
+  std::string full = std::string("cascade.") + name;
+  PyObject* t = PyErr_NewExceptionWithDoc(full.c_str(), doc, bases, nullptr);
+  m.attr(name) = nb::handle(t);
+  return t;
+}
+
+}  // namespace
+
+void raise_status(const Status& status) { throw StatusError{status}; }
+
+void register_exceptions(nb::module_& m) {
+  g_base = make_exc(m, "CascadeError", PyExc_Exception, "Base class of every error Cascade raises.");
+  auto two = [&](PyObject* other) { return PyTuple_Pack(2, g_base, other); };
+  g_no_space = make_exc(m, "NoSpaceError", g_base,
+                        "A tier is full and nothing could be evicted (every block is in use).");
+  g_io = make_exc(m, "CascadeIOError", two(PyExc_OSError), "The OS or a device failed an operation.");
+  g_corruption = make_exc(m, "CorruptionError", g_base, "Stored bytes failed verification.");
+  g_busy = make_exc(m, "BusyError", g_base, "A resource (e.g. shm_path) is held by another store.");
+  g_unavailable = make_exc(m, "UnavailableError", g_base,
+                           "A tier's hardware or library is absent, or the store is closed.");
+  g_invalid = make_exc(m, "InvalidArgumentError", two(PyExc_ValueError), "An argument is unusable.");
+  g_too_small = make_exc(m, "BufferTooSmallError", PyTuple_Pack(1, g_invalid),
+                         "The output buffer is smaller than the block; .needed holds its size.");
+  g_not_found = make_exc(m, "NotFoundError", two(PyExc_KeyError), "The block is not stored.");
+  g_not_supported = make_exc(m, "NotSupportedError", two(PyExc_NotImplementedError),
+                             "The operation is not supported by this tier or build.");
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      PyObject* type = g_base;
+      switch (e.status.code()) {
+        case Code::kNoSpace: type = g_no_space; break;
+        case Code::kIOError: type = g_io; break;
+        case Code::kCorruption: type = g_corruption; break;
+        case Code::kBusy: type = g_busy; break;
+        case Code::kUnavailable: type = g_unavailable; break;
+        case Code::kInvalidArgument: type = g_invalid; break;
+        case Code::kNotFound: type = g_not_found; break;
+        case Code::kNotSupported: type = g_not_supported; break;
+        case Code::kOk: break;
+      }
+      PyErr_SetString(type, e.status.message().c_str());
+    }
+  });
+}
+
+BlockId parse_key(nb::handle key) {
+  Result<BlockId> id = Status::InvalidArgument("");
+  if (PyUnicode_Check(key.ptr())) {
+    Py_ssize_t n = 0;
+    const char* s = PyUnicode_AsUTF8AndSize(key.ptr(), &n);
+    if (!s) throw nb::python_error();
+    id = block_id_from_key(std::string_view(s, static_cast<size_t>(n)));
+  } else if (PyBytes_Check(key.ptr())) {
+    id = block_id_from_key(std::string_view(PyBytes_AS_STRING(key.ptr()),
+                                            static_cast<size_t>(PyBytes_GET_SIZE(key.ptr()))));
+  } else {
+    throw nb::type_error(("a block key is a str (32 hex characters, or any name) or bytes; got " +
+                          std::string(nb::type_name(key.type()).c_str()))
+                             .c_str());
+  }
+  if (!id.ok()) raise_status(id.status());
+  return id.value();
+}
+
+BufferRef::BufferRef(BufferRef&& o) noexcept { *this = std::move(o); }
+
+BufferRef& BufferRef::operator=(BufferRef&& o) noexcept {
+  if (this != &o) {
+    if (has_view_) PyBuffer_Release(&view_);
+    data_ = o.data_;
+    size_ = o.size_;
+    kind_ = o.kind_;
+    device_ = o.device_;
+    view_ = o.view_;
+    has_view_ = o.has_view_;
+    keep_ = std::move(o.keep_);
+    o.has_view_ = false;
+  }
+  return *this;
+}
+
+BufferRef::~BufferRef() {
+  if (has_view_) PyBuffer_Release(&view_);
+}
+
+BufferRef BufferRef::readable(nb::handle obj, const char* what) { return make(obj, false, what); }
+BufferRef BufferRef::writable(nb::handle obj, const char* what) { return make(obj, true, what); }
+
+BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what) {
+  BufferRef ref;
+  const std::string w(what);
+  if (PyObject_CheckBuffer(obj.ptr())) {
+    int flags = PyBUF_RECORDS_RO;  // strides + format, so we can check contiguity ourselves
+    if (PyObject_GetBuffer(obj.ptr(), &ref.view_, flags) != 0) throw nb::python_error();
+    ref.has_view_ = true;
+    if (!PyBuffer_IsContiguous(&ref.view_, 'C')) {
+      throw nb::value_error((w + " is not contiguous; pass a contiguous array "
+                             "(numpy.ascontiguousarray, tensor.contiguous()): cascade never copies "
+                             "input silently").c_str());
+    }
+    if (writable && ref.view_.readonly) {
+      throw nb::type_error((w + " is read-only (" + nb::type_name(obj.type()).c_str() +
+                            "); pass a writable buffer such as a numpy array or bytearray").c_str());
+    }
+    ref.data_ = ref.view_.buf;
+    ref.size_ = static_cast<uint64_t>(ref.view_.len);
+    return ref;
+  }
+  if (nb::hasattr(obj, "__dlpack__")) {
+    nb::ndarray<> arr;
+    if (!nb::try_cast(obj, arr, false)) {
+      throw nb::type_error((w + ": could not import it through DLPack").c_str());
+    }
+    size_t ndim = arr.ndim();
+    int64_t expect = 1;
+    for (size_t d = ndim; d-- > 0;) {
+      if (arr.shape(d) != 1 && arr.stride(d) != expect) {
+        throw nb::value_error((w + " is not contiguous; pass a contiguous tensor "
+                               "(tensor.contiguous()): cascade never copies input silently").c_str());
+      }
+      expect *= static_cast<int64_t>(arr.shape(d));
+    }
+    ref.data_ = arr.data();
+    ref.size_ = static_cast<uint64_t>(arr.nbytes());
+    int dev = arr.device_type();
+    if (dev == nb::device::cpu::value || dev == nb::device::cuda_host::value) {
+      ref.kind_ = MemoryKind::kHost;
+    } else if (dev == nb::device::cuda::value || dev == nb::device::cuda_managed::value) {
+      ref.kind_ = MemoryKind::kDevice;
+      ref.device_ = arr.device_id();
+    } else {
+      throw nb::value_error((w + " lives on a device cascade cannot reach (DLPack device type " +
+                             std::to_string(dev) + ")").c_str());
+    }
+    ref.keep_ = nb::cast(arr);
+    return ref;
+  }
+  throw nb::type_error((w + " must be a contiguous buffer (bytes, bytearray, memoryview, numpy "
+                        "array) or a DLPack tensor (torch); got " +
+                        nb::type_name(obj.type()).c_str()).c_str());
+}
+
+}  // namespace cascade::py

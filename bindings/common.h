@@ -1,0 +1,71 @@
+// Shared pieces of the Python bindings: the Status -> exception conversion
+// (the one place it happens), key parsing, and zero-copy buffer access.
+//
+// Buffers: anything with the buffer protocol (numpy, bytes, bytearray,
+// memoryview, mmap) or DLPack (__dlpack__: torch, cupy, jax) is accepted
+// without a copy. Non-contiguous input is refused, never silently copied.
+// A BufferRef keeps the exporter alive and its view held until destroyed;
+// destroy it with the GIL held.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <string>
+
+#include "cascade/block_id.h"
+#include "cascade/status.h"
+#include "cascade/tier.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace cascade::py {
+
+// Thrown by binding code; translated to the exception class of its code.
+struct StatusError {
+  Status status;
+};
+
+// Raises the Python exception for a non-OK status (never returns).
+[[noreturn]] void raise_status(const Status& status);
+inline void check(const Status& status) {
+  if (!status.ok()) raise_status(status);
+}
+
+void register_exceptions(nb::module_& m);
+
+// str: 32 hex characters = the id itself; any other non-empty str (or bytes)
+// is hashed to an id. TypeError for other types.
+BlockId parse_key(nb::handle key);
+
+class BufferRef {
+ public:
+  BufferRef() = default;
+  BufferRef(BufferRef&& o) noexcept;
+  BufferRef& operator=(BufferRef&& o) noexcept;
+  BufferRef(const BufferRef&) = delete;
+  ~BufferRef();
+
+  // Read access (put). `what` names the argument in error messages.
+  static BufferRef readable(nb::handle obj, const char* what);
+  // Write access (get): read-only exporters are refused.
+  static BufferRef writable(nb::handle obj, const char* what);
+
+  void* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  MemoryKind kind() const { return kind_; }
+  int device() const { return device_; }
+
+ private:
+  static BufferRef make(nb::handle obj, bool writable, const char* what);
+  void* data_ = nullptr;
+  uint64_t size_ = 0;
+  MemoryKind kind_ = MemoryKind::kHost;
+  int device_ = -1;
+  Py_buffer view_{};
+  bool has_view_ = false;
+  nb::object keep_;  // the DLPack exporter or ndarray holder
+};
+
+}  // namespace cascade::py

@@ -1,0 +1,105 @@
+// cascade._core: the compiled half of the cascade package.
+#include <nanobind/stl/string.h>
+
+#include "cascade/config.h"
+#include "common.h"
+#include "index/index_probe.h"
+#include "io/memory_probe.h"
+#include "port/device_copy.h"
+
+namespace cascade::py {
+void register_store(nb::module_& m);
+}
+
+using namespace cascade;
+using namespace cascade::py;
+
+NB_MODULE(_core, m) {
+  m.doc() = "Cascade core (C++). Use the `cascade` package rather than this module.";
+  register_exceptions(m);
+
+  nb::enum_<EvictionPolicy>(m, "EvictionPolicy")
+      .value("LRU", EvictionPolicy::kLru)
+      .value("FIFO", EvictionPolicy::kFifo);
+  nb::enum_<WritePolicy>(m, "WritePolicy")
+      .value("WRITE_BACK", WritePolicy::kWriteBack)
+      .value("WRITE_THROUGH", WritePolicy::kWriteThrough);
+  nb::enum_<FileIoEngine>(m, "FileIoEngine")
+      .value("PSYNC", FileIoEngine::kPsync)
+      .value("IO_URING", FileIoEngine::kIoUring);
+
+  nb::class_<CascadeConfig>(m, "CascadeConfig",
+                            "Every option of a store; see docs/configuration.md for defaults and reasons.")
+      .def(nb::init<>())
+      .def_rw("pipeline", &CascadeConfig::pipeline)
+      .def_rw("gpu_capacity_bytes", &CascadeConfig::gpu_capacity_bytes)
+      .def_rw("gpu_device_id", &CascadeConfig::gpu_device_id)
+      .def_rw("use_gpu", &CascadeConfig::use_gpu)
+      .def_rw("shm_capacity_bytes", &CascadeConfig::shm_capacity_bytes)
+      .def_rw("shm_path", &CascadeConfig::shm_path)
+      .def_rw("shm_prefault", &CascadeConfig::shm_prefault)
+      .def_rw("lustre_path", &CascadeConfig::lustre_path)
+      .def_rw("lustre_stripe_size", &CascadeConfig::lustre_stripe_size)
+      .def_rw("lustre_stripe_count", &CascadeConfig::lustre_stripe_count)
+      .def_rw("file_capacity_bytes", &CascadeConfig::file_capacity_bytes)
+      .def_rw("segment_size_bytes", &CascadeConfig::segment_size_bytes)
+      .def_rw("io_direct", &CascadeConfig::io_direct)
+      .def_rw("file_io_engine", &CascadeConfig::file_io_engine)
+      .def_rw("sync_writes", &CascadeConfig::sync_writes)
+      .def_rw("dedup_enabled", &CascadeConfig::dedup_enabled)
+      .def_rw("compression_enabled", &CascadeConfig::compression_enabled)
+      .def_rw("num_io_threads", &CascadeConfig::num_io_threads)
+      .def_rw("parallel_copy_threshold", &CascadeConfig::parallel_copy_threshold)
+      .def_rw("eviction_policy", &CascadeConfig::eviction_policy)
+      .def_rw("write_policy", &CascadeConfig::write_policy)
+      .def_rw("promote_on_hit", &CascadeConfig::promote_on_hit)
+      .def_rw("index_shards", &CascadeConfig::index_shards)
+      .def("validate", [](const CascadeConfig& c) { check(c.validate()); },
+           "Raises when fields are unusable alone or together.");
+
+  m.def("compute_block_id", [](nb::handle data) {
+    BufferRef buf = BufferRef::readable(data, "data");
+    if (buf.kind() != MemoryKind::kHost) throw nb::value_error("compute_block_id hashes host memory");
+    BlockId id;
+    {
+      nb::gil_scoped_release release;
+      id = cascade::compute_block_id(buf.data(), buf.size());
+    }
+    return id.hex();
+  }, "data"_a, "SHA-256 of the bytes, first 128 bits, as 32 lowercase hex characters.");
+  m.def("block_id", [](nb::handle key) { return parse_key(key).hex(); }, "key"_a,
+        "The 32-hex id a key maps to (a 32-hex key is itself; other keys are hashed).");
+  m.def("memcpy_bandwidth", [](size_t bytes, int threads, int repeats) {
+    MemcpyCeiling c;
+    {
+      nb::gil_scoped_release release;
+      c = measure_memcpy_ceiling(bytes, threads, repeats);
+    }
+    nb::dict d;
+    d["memcpy_gbps"] = c.memcpy_gbps;
+    d["stream_gbps"] = c.stream_gbps;
+    d["gbps"] = c.best();
+    return d;
+  }, "bytes"_a, "threads"_a, "repeats"_a = 3,
+        "Host copy ceiling with `threads` threads: glibc memcpy, streaming copy, and the better "
+        "(GB/s, bytes copied per second).");
+  m.def("index_lookup_rate", [](uint64_t blocks, int threads, uint64_t lookups) {
+    IndexProbeResult r;
+    {
+      nb::gil_scoped_release release;
+      r = measure_index_lookups(blocks, threads, lookups);
+    }
+    nb::dict d;
+    d["threads"] = r.threads;
+    d["lookups_per_sec_per_thread"] = r.lookups_per_sec_per_thread;
+    d["metadata_bytes_per_block"] = r.metadata_bytes_per_block;
+    return d;
+  }, "blocks"_a, "threads"_a, "lookups"_a,
+        "Index lookups (lease+release) per second per thread, and metadata bytes per block.");
+  m.def("gpu_usable", [](int device) { return gpu_usable(device); }, "device"_a = 0);
+  m.attr("HAVE_CUDA") = bool(CASCADE_HAVE_CUDA);
+  m.attr("HAVE_URING") = bool(CASCADE_HAVE_URING);
+  m.attr("HAVE_MPI") = bool(CASCADE_HAVE_MPI);
+
+  register_store(m);
+}

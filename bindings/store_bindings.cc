@@ -1,0 +1,485 @@
+// Python classes over CascadeStore and ShmBackend. Every call that moves
+// data or may block releases the GIL.
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+
+#include "cascade/host_backend.h"
+#include "cascade/store.h"
+#include "common.h"
+
+namespace cascade::py {
+namespace {
+
+nb::dict tier_stats_dict(const TierStats& t) {
+  nb::dict d;
+  d["capacity_bytes"] = t.capacity_bytes;
+  d["used_bytes"] = t.used_bytes;
+  d["reserved_bytes"] = t.reserved_bytes;
+  d["committed_bytes"] = t.committed_bytes;
+  d["blocks"] = t.blocks;
+  d["hits"] = t.hits;
+  d["misses"] = t.misses;
+  d["evictions"] = t.evictions;
+  d["demotions_in"] = t.demotions_in;
+  d["promotions_in"] = t.promotions_in;
+  d["bytes_written"] = t.bytes_written;
+  d["bytes_read"] = t.bytes_read;
+  d["corrupt_blocks"] = t.corrupt_blocks;
+  d["leased_blocks"] = t.leased_blocks;
+  return d;
+}
+
+// The seeds' flat names: gpu_*, shm_* (host tier), lustre_* (file tier).
+const char* seed_prefix(const std::string& tier) {
+  if (tier == "host") return "shm";
+  if (tier == "file") return "lustre";
+  return "gpu";
+}
+
+nb::dict stats_dict(const StoreStats& s) {
+  nb::dict d, tiers;
+  uint64_t corrupt = 0, evictions = 0;
+  for (const char* p : {"gpu", "shm", "lustre"}) {
+    d[(std::string(p) + "_used").c_str()] = 0;
+    d[(std::string(p) + "_hits").c_str()] = 0;
+  }
+  for (const TierStats& t : s.tiers) {
+    tiers[t.name.c_str()] = tier_stats_dict(t);
+    std::string p = seed_prefix(t.name);
+    d[(p + "_used").c_str()] = t.used_bytes;
+    d[(p + "_hits").c_str()] = t.hits;
+    corrupt += t.corrupt_blocks;
+    evictions += t.evictions;
+  }
+  d["tiers"] = tiers;
+  d["puts"] = s.puts;
+  d["put_failures"] = s.put_failures;
+  d["gets"] = s.gets;
+  d["hits"] = s.hits;
+  d["misses"] = s.misses;
+  d["dedup_hits"] = s.dedup_hits;
+  d["logical_blocks"] = s.logical_blocks;
+  d["logical_bytes"] = s.logical_bytes;
+  d["physical_bytes"] = s.physical_bytes;
+  d["dedup_saved_bytes"] = s.logical_bytes > s.physical_bytes ? s.logical_bytes - s.physical_bytes : 0;
+  d["bytes_put"] = s.bytes_put;
+  d["bytes_got"] = s.bytes_got;
+  d["corrupt_blocks"] = corrupt;
+  d["evictions"] = evictions;
+  return d;
+}
+
+// Keys and buffers of one batch, held for as long as the C++ side may
+// touch them. Buffers come either as a sequence (one buffer per block) or
+// as one contiguous buffer whose first dimension has one row per block
+// (a 2-D numpy array or tensor): the second costs one buffer acquisition
+// for the whole batch instead of one per block.
+struct BatchArgs {
+  std::vector<BlockId> ids;
+  std::vector<BufferRef> refs;  // holders
+  std::vector<ConstBuffer> spans;
+  MemoryKind kind = MemoryKind::kHost;
+};
+
+bool is_single_buffer(nb::handle obj) {
+  return PyObject_CheckBuffer(obj.ptr()) || nb::hasattr(obj, "__dlpack__");
+}
+
+BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable) {
+  BatchArgs a;
+  nb::sequence ks = nb::borrow<nb::sequence>(keys);
+  size_t n = nb::len(ks);
+  a.ids.reserve(n);
+  for (size_t i = 0; i < n; ++i) a.ids.push_back(parse_key(ks[i]));
+  if (!buffers.is_valid()) return a;
+  const char* what = writable ? "out_list" : "data_list";
+  if (is_single_buffer(buffers)) {
+    BufferRef big = writable ? BufferRef::writable(buffers, what) : BufferRef::readable(buffers, what);
+    if (n == 0 || big.size() % n != 0) {
+      throw nb::value_error((std::string(what) + " is one buffer of " + std::to_string(big.size()) +
+                             " bytes, which does not split into " + std::to_string(n) +
+                             " equal blocks; pass one row per block or a list of buffers").c_str());
+    }
+    uint64_t row = big.size() / n;
+    a.kind = big.kind();
+    for (size_t i = 0; i < n; ++i)
+      a.spans.push_back({static_cast<uint8_t*>(big.data()) + i * row, row});
+    a.refs.push_back(std::move(big));
+    return a;
+  }
+  nb::sequence bs = nb::borrow<nb::sequence>(buffers);
+  if (nb::len(bs) != n) {
+    throw nb::value_error(("got " + std::to_string(n) + " keys and " + std::to_string(nb::len(bs)) +
+                           " buffers; they must pair up").c_str());
+  }
+  a.refs.reserve(n);
+  a.spans.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    std::string item = std::string(writable ? "out[" : "data[") + std::to_string(i) + "]";
+    a.refs.push_back(writable ? BufferRef::writable(bs[i], item.c_str())
+                              : BufferRef::readable(bs[i], item.c_str()));
+    a.spans.push_back({a.refs.back().data(), a.refs.back().size()});
+    if (i == 0) a.kind = a.refs[0].kind();
+    else if (a.refs.back().kind() != a.kind)
+      throw nb::value_error("a batch must be all host buffers or all device buffers");
+  }
+  return a;
+}
+
+std::vector<MutableBuffer> mutable_spans(const BatchArgs& a) {
+  std::vector<MutableBuffer> out;
+  out.reserve(a.spans.size());
+  for (auto& s : a.spans) out.push_back({const_cast<void*>(s.data), s.size});
+  return out;
+}
+
+// Handle of an async batch. Holds the batch's buffers; dropping it waits for
+// the batch first, so C++ never writes into freed memory.
+class BatchHandle {
+ public:
+  BatchHandle(std::shared_ptr<BatchTask> task, BatchArgs args, bool gets)
+      : task_(std::move(task)), args_(std::move(args)), gets_(gets) {}
+  BatchHandle(const BatchHandle&) = delete;
+  BatchHandle& operator=(const BatchHandle&) = delete;
+  ~BatchHandle() {
+    if (task_ && !task_->done()) {
+      nb::gil_scoped_release release;
+      task_->wait();
+    }
+  }
+  bool done() const { return task_->done(); }
+  // Waits; returns the count of items that succeeded (and, for gets, sizes).
+  nb::object wait() {
+    {
+      nb::gil_scoped_release release;
+      task_->wait();
+    }
+    if (!gets_) return nb::int_(task_->succeeded());
+    std::vector<uint64_t> sizes;
+    for (auto& r : task_->results()) sizes.push_back(r.found ? r.size : 0);
+    return nb::make_tuple(task_->succeeded(), sizes);
+  }
+  std::vector<std::string> errors() const {
+    std::vector<std::string> out;
+    if (!task_->done()) return out;
+    for (auto& s : task_->statuses()) out.push_back(s.ok() ? std::string() : s.ToString());
+    return out;
+  }
+
+ private:
+  std::shared_ptr<BatchTask> task_;
+  BatchArgs args_;
+  bool gets_;
+};
+
+class PyStore {
+ public:
+  PyStore(const PyStore&) = delete;
+  explicit PyStore(const CascadeConfig& config) {
+    Result<std::unique_ptr<CascadeStore>> s = Status::OK();
+    {
+      nb::gil_scoped_release release;
+      s = CascadeStore::Open(config);
+    }
+    check(s.status());
+    store_ = std::move(s.value());
+  }
+
+  CascadeStore& store() {
+    if (!store_) raise_status(Status::Unavailable("the store is closed"));
+    return *store_;
+  }
+
+  bool put(nb::handle key, nb::handle data, bool is_prefix) {
+    BlockId id = parse_key(key);
+    BufferRef buf = BufferRef::readable(data, "data");
+    PutOptions o;
+    o.is_prefix = is_prefix;
+    o.src_kind = buf.kind();
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = store().put(id, buf.data(), buf.size(), o);
+    }
+    if (st.is(Code::kNoSpace)) return false;  // a cache may decline; stats count it
+    check(st);
+    return true;
+  }
+
+  nb::object get(nb::handle key, nb::handle out) {
+    BlockId id = parse_key(key);
+    GetResult r;
+    Status st;
+    if (out.is_none()) {  // convenience: return the bytes (one copy into a new bytes object)
+      std::vector<uint8_t> tmp;
+      {
+        nb::gil_scoped_release release;
+        for (int attempt = 0; attempt < 4; ++attempt) {
+          st = store().get(id, tmp.data(), tmp.size(), &r);
+          if (!(st.is(Code::kInvalidArgument) && r.found && r.size > tmp.size())) break;
+          tmp.resize(r.size);
+        }
+      }
+      check(st);
+      if (!r.found) return nb::none();
+      return nb::bytes(reinterpret_cast<const char*>(tmp.data()), r.size);
+    }
+    BufferRef buf = BufferRef::writable(out, "out");
+    {
+      nb::gil_scoped_release release;
+      st = store().get(id, buf.data(), buf.size(), &r, buf.kind());
+    }
+    if (st.is(Code::kInvalidArgument) && r.found && r.size > buf.size()) {
+      nb::object exc = nb::module_::import_("cascade._core").attr("BufferTooSmallError")(
+          "out holds " + std::to_string(buf.size()) + " bytes; the block has " + std::to_string(r.size),
+          r.size);
+      exc.attr("needed") = r.size;
+      PyErr_SetObject(exc.type().ptr(), exc.ptr());
+      throw nb::python_error();
+    }
+    check(st);
+    return nb::make_tuple(r.found, r.found ? r.size : 0);
+  }
+
+  std::pair<bool, uint64_t> get_range(nb::handle key, uint64_t offset, nb::handle out) {
+    BlockId id = parse_key(key);
+    BufferRef buf = BufferRef::writable(out, "out");
+    if (buf.kind() != MemoryKind::kHost) throw nb::value_error("get_range writes host buffers only");
+    GetResult r;
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = store().get_range(id, offset, buf.data(), buf.size(), &r);
+    }
+    check(st);
+    return {r.found, r.copied};
+  }
+
+  bool contains(nb::handle key) {
+    BlockId id = parse_key(key);
+    nb::gil_scoped_release release;
+    return store().contains(id);
+  }
+
+  bool remove(nb::handle key) {
+    BlockId id = parse_key(key);
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = store().remove(id);
+    }
+    if (st.is(Code::kNotFound)) return false;
+    check(st);
+    return true;
+  }
+
+  size_t put_batch(nb::handle keys, nb::handle data, bool is_prefix) {
+    BatchArgs a = batch_args(keys, data, false);
+    PutOptions o;
+    o.is_prefix = is_prefix;
+    o.src_kind = a.kind;
+    std::vector<Status> statuses;
+    size_t n;
+    {
+      nb::gil_scoped_release release;
+      n = store().put_batch(a.ids, a.spans, &statuses, o);
+    }
+    for (auto& s : statuses)  // space shortage is a per-item "not stored"; other failures raise
+      if (!s.ok() && !s.is(Code::kNoSpace)) raise_status(s);
+    return n;
+  }
+
+  std::pair<size_t, std::vector<uint64_t>> get_batch(nb::handle keys, nb::handle outs) {
+    BatchArgs a = batch_args(keys, outs, true);
+    if (a.kind != MemoryKind::kHost)
+      throw nb::value_error("get_batch writes host buffers; use the GPU tier's calls for device memory");
+    std::vector<MutableBuffer> out = mutable_spans(a);
+    std::vector<GetResult> results;
+    std::vector<Status> statuses;
+    size_t n;
+    {
+      nb::gil_scoped_release release;
+      n = store().get_batch(a.ids, out, &results, &statuses);
+    }
+    for (auto& s : statuses)  // too-small buffers show as size > len(out) with the item not counted
+      if (!s.ok() && !s.is(Code::kInvalidArgument)) raise_status(s);
+    std::vector<uint64_t> sizes;
+    for (auto& r : results) sizes.push_back(r.found ? r.size : 0);
+    return {n, sizes};
+  }
+
+  BatchHandle* put_batch_async(nb::handle keys, nb::handle data, bool is_prefix) {
+    BatchArgs a = batch_args(keys, data, false);
+    PutOptions o;
+    o.is_prefix = is_prefix;
+    o.src_kind = a.kind;
+    auto task = store().put_batch_async(a.ids, a.spans, o);
+    return new BatchHandle(std::move(task), std::move(a), false);
+  }
+
+  BatchHandle* get_batch_async(nb::handle keys, nb::handle outs) {
+    BatchArgs a = batch_args(keys, outs, true);
+    if (a.kind != MemoryKind::kHost) throw nb::value_error("get_batch_async writes host buffers only");
+    auto task = store().get_batch_async(a.ids, mutable_spans(a));
+    return new BatchHandle(std::move(task), std::move(a), true);
+  }
+
+  BatchHandle* prefetch(nb::handle keys) {
+    BatchArgs a = batch_args(keys, nb::handle(), false);
+    auto task = store().prefetch(a.ids);
+    return new BatchHandle(std::move(task), std::move(a), false);
+  }
+
+  nb::dict get_stats() { return stats_dict(store().stats()); }
+
+  void clear() {
+    nb::gil_scoped_release release;
+    store().clear();
+  }
+
+  void flush() {
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = store().flush();
+    }
+    check(st);
+  }
+
+  void close() {
+    if (!store_) return;
+    nb::gil_scoped_release release;
+    store_->close();
+    store_.reset();
+  }
+
+  bool closed() const { return !store_; }
+
+  std::vector<std::string> pipeline() {
+    std::vector<std::string> out;
+    for (TierKind k : store().pipeline()) out.push_back(tier_kind_name(k));
+    return out;
+  }
+
+  const CascadeConfig& config() { return store().config(); }
+
+ private:
+  std::unique_ptr<CascadeStore> store_;
+};
+
+class PyShmBackend {
+ public:
+  PyShmBackend(const PyShmBackend&) = delete;
+  PyShmBackend(uint64_t capacity, const std::string& path, int threads) {
+    Result<std::unique_ptr<ShmBackend>> b = Status::OK();
+    {
+      nb::gil_scoped_release release;
+      b = ShmBackend::Open(capacity, path, threads);
+    }
+    check(b.status());
+    b_ = std::move(b.value());
+  }
+  bool put(nb::handle key, nb::handle data) {
+    BlockId id = parse_key(key);
+    BufferRef buf = BufferRef::readable(data, "data");
+    if (buf.kind() != MemoryKind::kHost) throw nb::value_error("ShmBackend stores host buffers");
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = b_->put(id, buf.data(), buf.size());
+    }
+    if (st.is(Code::kNoSpace)) return false;
+    check(st);
+    return true;
+  }
+  std::pair<bool, uint64_t> get(nb::handle key, nb::handle out) {
+    BlockId id = parse_key(key);
+    BufferRef buf = BufferRef::writable(out, "out");
+    if (buf.kind() != MemoryKind::kHost) throw nb::value_error("ShmBackend reads into host buffers");
+    uint64_t size = 0;
+    bool found = false;
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = b_->get(id, buf.data(), buf.size(), &found, &size);
+    }
+    if (st.is(Code::kInvalidArgument) && found)
+      raise_status(Status::InvalidArgument("out holds " + std::to_string(buf.size()) +
+                                           " bytes; the block has " + std::to_string(size)));
+    check(st);
+    return {found, size};
+  }
+  bool contains(nb::handle key) { return b_->contains(parse_key(key)); }
+  bool remove(nb::handle key) { return b_->remove(parse_key(key)).ok(); }
+  void clear() { b_->clear(); }
+  nb::dict get_stats() { return tier_stats_dict(b_->stats()); }
+
+ private:
+  std::unique_ptr<ShmBackend> b_;
+};
+
+}  // namespace
+
+void register_store(nb::module_& m) {
+  nb::class_<BatchHandle>(m, "BatchHandle",
+                          "Handle of an asynchronous batch. wait() returns the count of items that "
+                          "succeeded (and, for get batches, the per-item sizes, 0 for a miss).")
+      .def("done", &BatchHandle::done, "True once every item has finished.")
+      .def("wait", &BatchHandle::wait)
+      .def("errors", &BatchHandle::errors,
+           "Per item: '' on success, else why it failed (after wait()).");
+
+  nb::class_<PyStore>(m, "CascadeStore", "The tiered block store (see docs/design.md).")
+      .def(nb::init<const CascadeConfig&>(), "config"_a)
+      .def("put", &PyStore::put, "block_id"_a, "data"_a, "is_prefix"_a = false,
+           "Stores a copy of data under block_id. True when stored (or already present); False when "
+           "no tier had room (every block in use).")
+      .def("get", &PyStore::get, "block_id"_a, "out"_a = nb::none(),
+           "With out: copies the block into out and returns (found, size); raises "
+           "BufferTooSmallError (with .needed) when out is too small, writing nothing. Without out: "
+           "returns the block as bytes, or None.")
+      .def("get_range", &PyStore::get_range, "block_id"_a, "offset"_a, "out"_a,
+           "Copies min(len(out), size - offset) bytes from offset; returns (found, bytes_copied).")
+      .def("contains", &PyStore::contains, "block_id"_a)
+      .def("__contains__", &PyStore::contains)
+      .def("remove", &PyStore::remove, "block_id"_a, "Removes the block; False when it was not stored.")
+      .def("put_batch", &PyStore::put_batch, "block_ids"_a, "data_list"_a, "is_prefix"_a = false,
+           "Stores many blocks in parallel; returns how many are stored. data_list is a sequence of "
+           "buffers, or one contiguous buffer with one row per block.")
+      .def("get_batch", &PyStore::get_batch, "block_ids"_a, "out_list"_a,
+           "Reads many blocks in parallel; returns (count_found, sizes) with size 0 for a miss. "
+           "out_list is a sequence of buffers, or one contiguous buffer with one row per block.")
+      .def("put_batch_async", &PyStore::put_batch_async, "block_ids"_a, "data_list"_a,
+           "is_prefix"_a = false, nb::rv_policy::take_ownership)
+      .def("get_batch_async", &PyStore::get_batch_async, "block_ids"_a, "out_list"_a,
+           nb::rv_policy::take_ownership)
+      .def("prefetch", &PyStore::prefetch, "block_ids"_a, nb::rv_policy::take_ownership,
+           "Moves blocks from lower tiers into the top tier in the background.")
+      .def("get_stats", &PyStore::get_stats)
+      .def("clear", &PyStore::clear)
+      .def("flush", &PyStore::flush)
+      .def("close", &PyStore::close)
+      .def_prop_ro("closed", &PyStore::closed)
+      .def_prop_ro("pipeline", &PyStore::pipeline)
+      .def_prop_ro("config", &PyStore::config, nb::rv_policy::copy)
+      .def("__enter__", [](nb::handle self) { return self; })
+      .def("__exit__", [](PyStore& s, nb::args) { s.close(); });
+
+  nb::class_<PyShmBackend>(m, "ShmBackend",
+                           "The host shared-memory tier used directly (the seeds' class): no "
+                           "eviction, put returns False when full.")
+      .def(nb::init<uint64_t, const std::string&, int>(), "capacity_bytes"_a,
+           "path"_a = "/dev/shm/cascade", "threads"_a = 0)
+      .def("put", &PyShmBackend::put, "block_id"_a, "data"_a)
+      .def("get", &PyShmBackend::get, "block_id"_a, "out"_a)
+      .def("contains", &PyShmBackend::contains, "block_id"_a)
+      .def("remove", &PyShmBackend::remove, "block_id"_a)
+      .def("clear", &PyShmBackend::clear)
+      .def("get_stats", &PyShmBackend::get_stats);
+}
+
+}  // namespace cascade::py

@@ -1,0 +1,182 @@
+"""Per-tier throughput: `cascade bench` (host tier; file and gpu tiers where
+present). Each size gets its own store; bytes are random; the ceiling is
+measured in the same run."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+import cascade
+from cascade import _core
+from cascade.bench.common import fmt_size, timed
+
+
+def _blocks_for(size: int, total: int, blocks: int | None) -> int:
+    if blocks:
+        return blocks
+    return max(4, total // size)
+
+
+def _make_data(nbytes: int, seed: int) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8)
+
+
+def _unique_shm_path(tag: str) -> str:
+    return f"/dev/shm/cascade-bench-{tag}-{os.getpid()}"
+
+
+def bench_store_tier(tier: str, size: int, *, total: int, blocks: int | None, threads: int,
+                     repeats: int, progress, file_dir: str | None = None,
+                     ceiling: dict | None = None) -> dict:
+    """Write (cold and warm arena) and hot-read throughput of one tier for one block size."""
+    n = _blocks_for(size, total, blocks)
+    nbytes = n * size
+    progress(f"{tier} {fmt_size(size)}: {n} blocks, {nbytes / 2**30:.2f} GiB, {threads} threads")
+    # One 2-D array per batch (a row per block): the binding then takes one
+    # buffer for the whole batch. A list of n buffers costs about 0.6 µs of
+    # argument conversion per block on top (see docs/benchmarks.md).
+    data = _make_data(nbytes, seed=size).reshape(n, size)
+    views = data
+    out = np.ones(nbytes, dtype=np.uint8).reshape(n, size)  # touched: no first-touch faults in the timing
+    outs = out
+    ids = [cascade.block_id(f"bench/{tier}/{size}/{i}") for i in range(n)]
+
+    cfg = cascade.CascadeConfig()
+    cfg.num_io_threads = threads
+    cfg.use_gpu = False
+    if tier == "host":
+        cfg.pipeline = "host"
+        cfg.shm_capacity_bytes = nbytes + max(64 << 20, nbytes // 16)
+        cfg.shm_path = _unique_shm_path(f"{size}")
+    else:
+        raise ValueError(f"no store benchmark for tier {tier!r}")
+
+    result = {"tier": tier, "block_bytes": size, "blocks": n, "total_bytes": nbytes, "threads": threads}
+    with cascade.CascadeStore(cfg) as store:
+        t, stored = timed(store.put_batch, ids, views)
+        if stored != n:
+            raise RuntimeError(f"{tier}: stored {stored} of {n} blocks")
+        result["write_cold_gbps"] = nbytes / t / 1e9
+        writes, reads = [], []
+        for r in range(repeats):
+            store.clear()
+            t, stored = timed(store.put_batch, ids, views)
+            writes.append(nbytes / t / 1e9)
+            progress(f"{tier} {fmt_size(size)}: write {writes[-1]:.2f} GB/s (pass {r + 1}/{repeats})")
+        for r in range(repeats):
+            t, (found, _sizes) = timed(store.get_batch, ids, outs)
+            if found != n:
+                raise RuntimeError(f"{tier}: found {found} of {n} blocks")
+            reads.append(nbytes / t / 1e9)
+            progress(f"{tier} {fmt_size(size)}: hot read {reads[-1]:.2f} GB/s (pass {r + 1}/{repeats})")
+        if not np.array_equal(out, data):
+            raise RuntimeError(f"{tier} {fmt_size(size)}: bytes read back differ from bytes written")
+        result["verified"] = True
+    result["write_gbps"] = max(writes)
+    result["write_gbps_median"] = statistics.median(writes)
+    result["read_gbps"] = max(reads)
+    result["read_gbps_median"] = statistics.median(reads)
+    if ceiling:
+        result["ceiling_gbps"] = ceiling["gbps"]
+        result["write_ratio"] = result["write_gbps"] / ceiling["gbps"]
+        result["read_ratio"] = result["read_gbps"] / ceiling["gbps"]
+    return result
+
+
+def memcpy_ceiling(nbytes: int, threads: int, repeats: int = 5) -> dict:
+    nbytes = max(256 << 20, min(nbytes, 2 << 30))
+    c = _core.memcpy_bandwidth(nbytes, threads, repeats)
+    return {"kind": "memcpy", "bytes": nbytes, "threads": threads, **c}
+
+
+def python_call_overhead(calls: int = 20000, size: int = 4096) -> dict:
+    """Mean wall time of store.get for a hot 4 KiB block from Python."""
+    cfg = cascade.CascadeConfig()
+    cfg.pipeline = "host"
+    cfg.shm_capacity_bytes = 64 << 20
+    cfg.shm_path = _unique_shm_path("overhead")
+    cfg.num_io_threads = 1
+    data = _make_data(size, 1)
+    out = np.empty(size, dtype=np.uint8)
+    bid = cascade.compute_block_id(data)
+    with cascade.CascadeStore(cfg) as store:
+        store.put(bid, data)
+        get = store.get
+        for _ in range(1000):
+            get(bid, out)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                get(bid, out)
+            best = min(best, (time.perf_counter() - t0) / calls)
+        if not np.array_equal(out, data):
+            raise RuntimeError("4 KiB get returned wrong bytes")
+    return {"block_bytes": size, "calls": calls, "us_per_get": best * 1e6}
+
+
+def index_rates(threads_list, blocks: int = 1 << 20, lookups: int = 2_000_000) -> list[dict]:
+    return [_core.index_lookup_rate(blocks, t, lookups) for t in threads_list]
+
+
+def run_tier_bench(args, progress) -> dict:
+    """The whole `cascade bench` run: ceilings, then each tier and size."""
+    from cascade.machine import machine_info
+
+    threads = args.threads or os.cpu_count() or 1
+    report = {
+        "command": "cascade " + " ".join(args.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine_info(),
+        "threads": threads,
+        "results": [],
+    }
+    for tier in args.tiers:
+        for size in args.sizes:
+            # The ceiling is measured beside each measurement: on a shared
+            # machine it moves by a third from one minute to the next.
+            nbytes = size * _blocks_for(size, args.total, args.blocks)
+            ceiling = memcpy_ceiling(nbytes, threads)
+            progress(f"host copy ceiling for {fmt_size(size)}: {ceiling['gbps']:.2f} GB/s")
+            r = bench_store_tier(tier, size, total=args.total, blocks=args.blocks, threads=threads,
+                                 repeats=args.repeats, progress=progress, ceiling=ceiling)
+            r["ceiling"] = ceiling
+            report["results"].append(r)
+    if not args.skip_micro:
+        progress("python per-call overhead (4 KiB get)")
+        report["python_overhead"] = python_call_overhead()
+        progress("index lookups")
+        tl = sorted({1, threads})
+        report["index"] = index_rates(tl)
+    return report
+
+
+def format_report(report: dict) -> str:
+    from cascade.bench.common import format_table
+
+    m = report["machine"]
+    lines = [f"cascade bench: {m['cpu']}, {m['cores']} cores, {report['threads']} threads, {report['date']}"]
+    rows = []
+    for r in report["results"]:
+        rows.append([r["tier"], fmt_size(r["block_bytes"]), r["blocks"], r["ceiling_gbps"], r["write_cold_gbps"],
+                     r["write_gbps"], r.get("write_ratio"), r["read_gbps"], r.get("read_ratio")])
+    lines.append(format_table(["tier", "block", "blocks", "ceiling GB/s", "write GB/s (cold arena)",
+                               "write GB/s", "write/ceiling", "hot read GB/s", "read/ceiling"], rows))
+    lines.append("ceiling: the better of glibc memcpy and a streaming copy from pre-touched shared memory to "
+                 "pre-touched heap, page aligned, same threads and bytes, measured just before each row")
+    if "python_overhead" in report:
+        p = report["python_overhead"]
+        lines.append(f"python: store.get of a hot {fmt_size(p['block_bytes'])} block: {p['us_per_get']:.2f} µs per call")
+    for ix in report.get("index", []):
+        lines.append(f"index: {ix['threads']} thread(s): {ix['lookups_per_sec_per_thread'] / 1e6:.2f} M lookups/s "
+                     f"per thread, {ix['metadata_bytes_per_block']:.1f} B metadata per block")
+    return "\n".join(lines)
+
+
+def default_file_dir() -> str:
+    return tempfile.mkdtemp(prefix="cascade-bench-")

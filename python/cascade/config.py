@@ -1,0 +1,134 @@
+"""Building a CascadeConfig from a dict or a YAML file, and back.
+
+Every field of ``CascadeConfig`` can be given by name. Sizes accept ints
+(bytes) or strings with a unit ("64GiB", "512MB", "4k"); enums accept their
+names in any case ("lru", "write_through", "io_uring"). Unknown keys are an
+error, so a typo never silently falls back to a default.
+
+    cfg = load_config("cascade.yaml")          # or a dict
+    cfg = load_config({"pipeline": "host|file", "lustre_path": "/mnt/nvme/kv",
+                       "shm_capacity_bytes": "32GiB"})
+
+A YAML file may hold the options at top level or under a ``cascade:`` key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Mapping
+
+from cascade._core import CascadeConfig, EvictionPolicy, FileIoEngine, WritePolicy
+
+_SIZE_FIELDS = {
+    "gpu_capacity_bytes", "shm_capacity_bytes", "lustre_stripe_size", "file_capacity_bytes",
+    "segment_size_bytes", "parallel_copy_threshold",
+}
+_ENUMS = {
+    "eviction_policy": EvictionPolicy,
+    "write_policy": WritePolicy,
+    "file_io_engine": FileIoEngine,
+}
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kb": 1000, "kib": 1 << 10,
+    "m": 1 << 20, "mb": 1000 ** 2, "mib": 1 << 20,
+    "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30,
+    "t": 1 << 40, "tb": 1000 ** 4, "tib": 1 << 40,
+}
+
+
+def fields() -> list[str]:
+    """Names of every CascadeConfig field."""
+    cfg = CascadeConfig()
+    return sorted(n for n in dir(cfg) if not n.startswith("_") and not callable(getattr(cfg, n)))
+
+
+def parse_size(value: Any, what: str = "size") -> int:
+    """Bytes from an int or a string such as "64GiB", "1.5 MB", "4k"."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what}: a size cannot be negative ({value})")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(f"{what}: cannot read {value!r} as a size (examples: 1048576, '64GiB', '512MB')")
+
+
+def _enum_value(enum, value, name):
+    if isinstance(value, enum):
+        return value
+    if isinstance(value, str):
+        key = value.strip().upper().replace("-", "_")
+        if hasattr(enum, key):
+            return getattr(enum, key)
+    choices = ", ".join(m.lower() for m in enum.__members__)
+    raise ValueError(f"{name}: {value!r} is not one of {choices}")
+
+
+def config_from_dict(options: Mapping[str, Any], base: CascadeConfig | None = None) -> CascadeConfig:
+    """A CascadeConfig with `options` applied over `base` (or the defaults)."""
+    cfg = base if base is not None else CascadeConfig()
+    known = set(fields())
+    unknown = sorted(k for k in options if k not in known)
+    if unknown:
+        raise ValueError(f"unknown CascadeConfig option(s): {', '.join(unknown)}; "
+                         f"known options: {', '.join(sorted(known))}")
+    for name, value in options.items():
+        if name in _SIZE_FIELDS:
+            value = parse_size(value, name)
+        elif name in _ENUMS:
+            value = _enum_value(_ENUMS[name], value, name)
+        elif name in ("lustre_path", "shm_path") and value is not None:
+            value = os.fspath(value)
+        try:
+            setattr(cfg, name, value)
+        except TypeError as e:
+            cur = getattr(CascadeConfig(), name)
+            raise ValueError(f"{name}: expected {type(cur).__name__}, got {value!r}") from e
+    return cfg
+
+
+def load_config(source: str | os.PathLike | Mapping[str, Any] | CascadeConfig) -> CascadeConfig:
+    """A CascadeConfig from a YAML file path, a dict, or a config (returned as is)."""
+    if isinstance(source, CascadeConfig):
+        return source
+    if isinstance(source, Mapping):
+        return config_from_dict(source)
+    try:
+        import yaml
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("reading a YAML config needs PyYAML: pip install pyyaml") from e
+    with open(source, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{source}: expected a mapping of options, got {type(data).__name__}")
+    if "cascade" in data and isinstance(data["cascade"], Mapping):
+        data = data["cascade"]
+    return config_from_dict(data)
+
+
+def config_to_dict(cfg: CascadeConfig) -> dict[str, Any]:
+    """Every field of `cfg` as plain Python values (enums as lower-case names)."""
+    out = {}
+    for name in fields():
+        v = getattr(cfg, name)
+        out[name] = v.name.lower() if name in _ENUMS else v
+    return out
+
+
+def _attach():
+    CascadeConfig.from_dict = staticmethod(config_from_dict)
+    CascadeConfig.from_yaml = staticmethod(load_config)
+    CascadeConfig.to_dict = config_to_dict
+    CascadeConfig.__repr__ = lambda self: "CascadeConfig(" + ", ".join(
+        f"{k}={v!r}" for k, v in config_to_dict(self).items()) + ")"
+
+
+_attach()

@@ -1,0 +1,40 @@
+import itertools
+import os
+
+import numpy as np
+import pytest
+
+import cascade
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def shm_path():
+    path = f"/dev/shm/cascade-pytest-{os.getpid()}-{next(_counter)}"
+    yield path
+    if os.path.exists(path):  # a store that was not closed; tests close theirs
+        os.unlink(path)
+
+
+@pytest.fixture
+def make_config(shm_path):
+    def make(capacity=64 << 20, **options):
+        cfg = cascade.CascadeConfig()
+        cfg.pipeline = "host"
+        cfg.shm_capacity_bytes = capacity
+        cfg.shm_path = shm_path
+        cfg.num_io_threads = 2
+        cfg.index_shards = 16
+        return cascade.config_from_dict(options, base=cfg)
+    return make
+
+
+@pytest.fixture
+def store(make_config):
+    with cascade.CascadeStore(make_config()) as s:
+        yield s
+
+
+def random_bytes(n, seed=0):
+    return np.frombuffer(np.random.default_rng(seed).bytes(n), dtype=np.uint8).copy()

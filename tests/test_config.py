@@ -1,0 +1,41 @@
+import pytest
+
+import cascade
+
+
+def test_defaults_documented_and_sane():
+    c = cascade.CascadeConfig()
+    assert c.shm_path == "/dev/shm/cascade"
+    assert c.shm_capacity_bytes == 4 << 30
+    assert c.index_shards == 256
+    assert not c.dedup_enabled and not c.compression_enabled
+    c.validate()
+
+
+def test_from_dict_sizes_and_enums():
+    c = cascade.load_config({"shm_capacity_bytes": "2GiB", "gpu_capacity_bytes": "512MB",
+                             "eviction_policy": "fifo", "write_policy": "write-through",
+                             "pipeline": "host", "dedup_enabled": True})
+    assert c.shm_capacity_bytes == 2 << 30
+    assert c.gpu_capacity_bytes == 512_000_000
+    assert c.eviction_policy == cascade.EvictionPolicy.FIFO
+    assert c.write_policy == cascade.WritePolicy.WRITE_THROUGH
+    d = c.to_dict()
+    assert d["eviction_policy"] == "fifo" and d["shm_capacity_bytes"] == 2 << 30
+    assert cascade.CascadeConfig.from_dict(d).to_dict() == d
+
+
+def test_from_yaml(tmp_path):
+    pytest.importorskip("yaml")
+    p = tmp_path / "cascade.yaml"
+    p.write_text("cascade:\n  pipeline: host\n  shm_capacity_bytes: 1GiB\n  num_io_threads: 4\n")
+    c = cascade.load_config(p)
+    assert c.pipeline == "host" and c.shm_capacity_bytes == 1 << 30 and c.num_io_threads == 4
+    p.write_text("- not a mapping\n")
+    with pytest.raises(ValueError, match="mapping"):
+        cascade.load_config(p)
+
+
+def test_wrong_value_type():
+    with pytest.raises(ValueError, match="expected"):
+        cascade.load_config({"num_io_threads": "many"})
