@@ -17,8 +17,10 @@ constexpr uint32_t kChunkBits = 8;  // 256 entries a slab chunk
 constexpr uint32_t kChunk = 1u << kChunkBits;
 constexpr size_t kInitialSlots = 16;
 
+}  // namespace
+
 // 44 bytes, 4-byte aligned: 16 id + 12 location + 4 state + 8 list links + 4 tick.
-struct Entry {
+struct BlockIndex::Entry {
   BlockId id;
   uint32_t loc[3];  // offset (48 bits) and size (48 bits), packed
   std::atomic<uint32_t> state{0};
@@ -38,7 +40,20 @@ struct Entry {
     return l;
   }
 };
-static_assert(sizeof(Entry) == 44, "index entry must stay 44 bytes");
+static_assert(sizeof(BlockIndex::Entry) == 44, "index entry must stay 44 bytes");
+
+namespace {
+using Entry = BlockIndex::Entry;
+
+// A lease token: shard number in the top 16 bits, the entry's address in
+// the low 48 (user-space addresses fit), so release() touches no table.
+uint64_t make_token(uint32_t shard, const Entry* e) {
+  return (uint64_t{shard} << 48) | reinterpret_cast<uintptr_t>(e);
+}
+uint32_t token_shard(uint64_t token) { return static_cast<uint32_t>(token >> 48); }
+Entry* token_entry(uint64_t token) {
+  return reinterpret_cast<Entry*>(static_cast<uintptr_t>(token & ((uint64_t{1} << 48) - 1)));
+}
 
 uint32_t fingerprint(uint64_t h) {
   return static_cast<uint32_t>((h * 0x9e3779b97f4a7c15ULL) >> 32);
@@ -63,6 +78,15 @@ struct BlockIndex::Shard {
   std::atomic<size_t> leased{0};
 
   Entry& at(uint32_t e) { return chunks[e >> kChunkBits][e & (kChunk - 1)]; }
+  // Entry number of an entry address. REQUIRES: mu held. Rare path (the
+  // last lease of a removed block), so a scan of the chunks is fine.
+  uint32_t number_of(const Entry* x) const {
+    for (uint32_t c = 0; c < chunks.size(); ++c) {
+      const Entry* base = chunks[c].get();
+      if (x >= base && x < base + kChunk) return (c << kChunkBits) | static_cast<uint32_t>(x - base);
+    }
+    return kNil;
+  }
   const Entry& at(uint32_t e) const { return chunks[e >> kChunkBits][e & (kChunk - 1)]; }
   size_t mask() const { return table.size() - 1; }
 
@@ -205,40 +229,33 @@ std::optional<BlockIndex::Lease> BlockIndex::acquire(const BlockId& id, bool tou
   if ((old & kLeaseMask) == 0) s.leased.fetch_add(1, std::memory_order_relaxed);
   if (touch && !(old & kReferenced)) x.state.fetch_or(kReferenced, std::memory_order_relaxed);
   Lease lease;
-  lease.token = (uint64_t{si} << 32) | e;
+  lease.token = make_token(si, &x);
   lease.loc = x.get_loc();
   lease.is_prefix = (old & kPrefix) != 0;
   return lease;
 }
 
 void BlockIndex::release(uint64_t token) {
-  uint32_t si = static_cast<uint32_t>(token >> 32);
-  uint32_t e = static_cast<uint32_t>(token);
-  Shard& s = shards_[si];
   // The entry's memory is stable (slab chunks are never freed while the index
-  // lives) and cannot be recycled while we hold a lease.
-  Entry* x;
-  {
-    std::shared_lock<std::shared_mutex> lock(s.mu);  // chunks vector may grow
-    x = &s.at(e);
-  }
+  // lives) and cannot be recycled while we hold a lease: no lock needed.
+  uint32_t si = token_shard(token);
+  Entry* x = token_entry(token);
   uint32_t old = x->state.fetch_sub(1, std::memory_order_acq_rel);
   if ((old & kLeaseMask) == 1) {
-    s.leased.fetch_sub(1, std::memory_order_relaxed);
-    if (old & kDoomed) reclaim_entry(si, e);
+    shards_[si].leased.fetch_sub(1, std::memory_order_relaxed);
+    if (old & kDoomed) reclaim_entry(si, x);
   }
 }
 
-void BlockIndex::reclaim_entry(uint32_t si, uint32_t e) {
+void BlockIndex::reclaim_entry(uint32_t si, Entry* x) {
   Shard& s = shards_[si];
   BlockId id;
   Location loc;
   {
     std::unique_lock<std::shared_mutex> lock(s.mu);
-    Entry& x = s.at(e);
-    id = x.id;
-    loc = x.get_loc();
-    s.free_entry(e);
+    id = x->id;
+    loc = x->get_loc();
+    s.free_entry(s.number_of(x));
   }
   if (reclaim_) reclaim_(id, loc);
 }
@@ -340,7 +357,7 @@ std::vector<BlockIndex::Claimed> BlockIndex::claim_victims(uint64_t bytes) {
         s.leased.fetch_add(1, std::memory_order_relaxed);
         Claimed c;
         c.id = x.id;
-        c.lease.token = (uint64_t(best) << 32) | e;
+        c.lease.token = make_token(static_cast<uint32_t>(best), &x);
         c.lease.loc = x.get_loc();
         c.lease.is_prefix = (st & kPrefix) != 0;
         got += c.lease.loc.size;
@@ -352,12 +369,11 @@ std::vector<BlockIndex::Claimed> BlockIndex::claim_victims(uint64_t bytes) {
 }
 
 void BlockIndex::unclaim(const BlockId& id, uint64_t token) {
-  uint32_t si = static_cast<uint32_t>(token >> 32);
-  uint32_t e = static_cast<uint32_t>(token);
-  Shard& s = shards_[si];
+  Shard& s = shards_[token_shard(token)];
   {
     std::unique_lock<std::shared_mutex> lock(s.mu);
-    Entry& x = s.at(e);
+    Entry& x = *token_entry(token);
+    uint32_t e = s.number_of(&x);
     uint32_t st = x.state.load(std::memory_order_acquire);
     if ((st & kEvicting) && !(st & kDoomed) && x.id == id) {
       x.state.fetch_and(~kEvicting, std::memory_order_relaxed);

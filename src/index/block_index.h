@@ -47,6 +47,7 @@ struct Location {
 
 class BlockIndex {
  public:
+  struct Entry;  // opaque: defined in block_index.cc
   // Called once for every entry whose space may be reused: after remove()
   // or clear() when no lease is held, else when the last lease ends.
   using Reclaim = std::function<void(const BlockId&, const Location&)>;
@@ -98,7 +99,7 @@ class BlockIndex {
  private:
   struct Shard;
   Shard& shard_for(const BlockId& id) const;
-  void reclaim_entry(uint32_t shard, uint32_t entry);
+  void reclaim_entry(uint32_t shard, Entry* entry);
   std::unique_ptr<Shard[]> shards_;
   uint32_t shard_mask_;
   EvictionPolicy policy_;
