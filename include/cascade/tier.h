@@ -125,6 +125,15 @@ class Tier {
   virtual void read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                           std::span<ReadResult> results, std::span<Status> statuses);
 
+  // Many puts at once: statuses[i] as put() per item. Tiers whose copies
+  // pipeline (the gpu tier) override it and say so in prefers_batches();
+  // the default loops over put().
+  virtual void put_batch(std::span<const BlockId> ids, std::span<const void* const> data,
+                         std::span<const uint64_t> sizes, const PutOptions& options,
+                         std::span<Status> statuses);
+  // True when put_batch/read_batch beat per-item calls spread over threads.
+  virtual bool prefers_batches() const { return false; }
+
   // Zero-copy access under a lease. NotFound on a miss; NotSupported for
   // tiers without addressable memory.
   virtual Result<BlockView> acquire(const BlockId& id);

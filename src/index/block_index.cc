@@ -303,6 +303,23 @@ bool BlockIndex::remove(const BlockId& id) {
   return true;
 }
 
+bool BlockIndex::relocate(const BlockId& id, const Location& from, const Location& to) {
+  uint64_t h = id.hash64();
+  Shard& s = shards_[h & shard_mask_];
+  std::unique_lock<std::shared_mutex> lock(s.mu);
+  long pos = s.find(id, fingerprint(h));
+  if (pos < 0) return false;
+  Entry& x = s.at(static_cast<uint32_t>(s.table[pos]) - 1);
+  Location cur = x.get_loc();
+  if (cur.offset != from.offset || cur.size != from.size) return false;
+  x.set_loc(to);
+  if (to.size != from.size) {
+    s.bytes.fetch_add(to.size, std::memory_order_relaxed);
+    s.bytes.fetch_sub(from.size, std::memory_order_relaxed);
+  }
+  return true;
+}
+
 std::vector<BlockIndex::Claimed> BlockIndex::claim_victims(uint64_t bytes) {
   std::vector<Claimed> out;
   uint64_t got = 0;

@@ -75,6 +75,11 @@ class BlockIndex {
   std::optional<Location> peek(const BlockId& id) const;
   bool contains(const BlockId& id) const;
   bool remove(const BlockId& id);  // false when absent
+  // Points id's entry at `to` when it is present and still at `from` (a
+  // tier moved the bytes, e.g. file-tier compaction). Leases taken before
+  // keep the old location; eviction order and lease state are unchanged.
+  // false (and nothing changes) otherwise. REQUIRES: to.offset < 2^48.
+  bool relocate(const BlockId& id, const Location& from, const Location& to);
 
   struct Claimed {
     BlockId id;

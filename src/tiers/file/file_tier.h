@@ -1,0 +1,210 @@
+// FileTier: blocks in append-only segment files in one directory (NVMe, a
+// parallel file system such as Lustre, any POSIX file system).
+//
+// Layout on disk: segment_scan.h (file names, summaries) and
+// record_format.h (records); docs/formats.md has both.
+//
+// Writing. Puts go to one of a few writer lanes; each lane appends to its own
+// open segment, one record at a time, so every segment is written
+// sequentially by one writer and lanes write in parallel. A record is one
+// positional write (header page, payload, padding; straight from the
+// caller's buffer when alignment allows, else through a 4 KiB-aligned
+// staging buffer). The block is published to the index only after its bytes
+// are written, and with sync_writes after fdatasync (and, for a new segment,
+// fsync of the directory). A full segment is sealed: fsynced, then its
+// summary written; it is never written again.
+//
+// Reading. Every read checks the record header (magic, version, id, length,
+// segment id and offset through the header checksum) and the payload's
+// XXH3-64; a mismatch or an I/O error is a miss (NotFound), counted in
+// corrupt_blocks, and the block is dropped from the index. read_batch issues
+// its reads together (psync: spread over the thread pool; io_uring: one
+// submission).
+//
+// Space. disk bytes = bytes appended to live segments (records, padding and
+// dead records). With file_capacity_bytes set, a put is admitted only while
+// disk bytes stay under the capacity minus a compaction reserve (one segment
+// or a quarter of the capacity, whichever is smaller); otherwise NoSpace, and
+// the store evicts through claim_victims()/remove(). Removed blocks become
+// dead bytes; compaction reclaims them: it copies a segment's live records
+// into a compaction segment, fsyncs it, repoints the index entries
+// (BlockIndex::relocate, no moment where a block is missing), then deletes
+// the old segment. A crash at any point leaves either copy readable; on
+// reopen duplicates resolve to one record. Compaction runs inline when a put
+// needs room, in the background when dead bytes pile up, or via compact().
+// Removal is not written to disk: a removed block whose record still exists
+// comes back after a reopen (blocks are immutable, so it is the same data)
+// until compaction drops its record.
+//
+// Reopen. The directory is locked (flock on LOCK); a second store on it gets
+// Busy. Sealed segments are loaded from their summaries; segments without
+// one (the store crashed) are scanned with payload verification: a torn
+// tail is dropped, damaged records are skipped and counted; then they are
+// sealed. Reopening 1M blocks took 0.3 s from summaries and 0.4 s
+// scanning on 16 cores (FileTierReopenTest prints the figure).
+//
+// Index locations: Location.offset = slot << 28 | record_offset / 4096,
+// where slot = segment id mod 2^20 (a segment's slot is free when created)
+// and record offsets are below 1 TiB; Location.size = payload bytes.
+//
+// Thread-safety: every method is thread-safe.
+// Lock order: compact_mu_ -> Lane::mu (lanes in index order) -> table_mu_ ->
+// BlockIndex shard locks. Index calls that may reclaim (remove, release,
+// clear) are never made while holding table_mu_.
+// Ownership: the pool and the Env must outlive the tier.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cascade/env.h"
+#include "cascade/tier.h"
+#include "index/block_index.h"
+#include "io/thread_pool.h"
+#include "tiers/file/aligned_buffer.h"
+#include "tiers/file/io_engine.h"
+#include "tiers/file/record_format.h"
+#include "tiers/file/segment.h"
+
+namespace cascade {
+
+// Opens the file tier of config (directory config.lustre_path) for a store
+// pipeline. pool: the store's I/O threads (may be null: no parallel batches,
+// no background compaction). env: null = Env::Default().
+Result<std::unique_ptr<Tier>> open_file_tier(const CascadeConfig& config, ThreadPool* pool,
+                                             Env* env = nullptr);
+
+// What reopening found.
+struct FileRecoveryReport {
+  uint64_t segments = 0;               // segment files loaded
+  uint64_t segments_from_summary = 0;  // loaded from a summary (sealed cleanly)
+  uint64_t segments_scanned = 0;       // scanned (no valid summary: crash or damage)
+  uint64_t segments_removed = 0;       // scanned and held no valid record
+  uint64_t records = 0;                // valid records found
+  uint64_t duplicate_records = 0;      // same id found again (compaction copies, re-puts)
+  uint64_t corrupt_records = 0;        // damaged records skipped
+  uint64_t tail_bytes = 0;             // bytes after the last valid record of scanned segments
+  double seconds = 0;                  // wall time of the whole open
+};
+
+class FileTier final : public Tier {
+ public:
+  // REQUIRES: config.lustre_path names the directory.
+  static Result<std::unique_ptr<FileTier>> Open(const CascadeConfig& config, ThreadPool* pool,
+                                                Env* env = nullptr);
+  ~FileTier() override;  // seals open segments and waits for compaction
+
+  TierKind kind() const override { return TierKind::kFile; }
+  Status put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) override;
+  Status read(const BlockId& id, const ReadRequest& req, ReadResult* result) override;
+  void read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                  std::span<ReadResult> results, std::span<Status> statuses) override;
+  bool contains(const BlockId& id) const override;
+  Status remove(const BlockId& id) override;
+  std::vector<Victim> claim_victims(uint64_t bytes) override;
+  void unclaim(Victim victim) override;
+  uint64_t capacity_bytes() const override { return capacity_; }
+  TierStats stats() const override;
+  void clear() override;
+  // fdatasync of every segment written since the last flush, and of the
+  // directory: every put that returned before flush() survives a crash.
+  Status flush() override;
+
+  // Compacts up to max_segments segments holding dead bytes (all of them
+  // when negative), most dead first; fully dead ones are just deleted.
+  // Open segments with dead bytes are sealed first.
+  Status compact(int max_segments = -1);
+
+  // Drops the page cache of every segment, so reads are cold (benchmarks;
+  // a no-op for segments opened with O_DIRECT).
+  Status drop_page_cache();
+
+  const FileRecoveryReport& recovery_report() const { return recovery_; }
+  uint64_t disk_bytes() const { return disk_bytes_.load(std::memory_order_relaxed); }
+  uint64_t dead_bytes() const;     // disk bytes not holding a live record
+  size_t segment_count() const;
+  uint64_t compactions() const { return compactions_.load(std::memory_order_relaxed); }
+  const std::string& dir() const { return dir_; }
+  const char* io_engine_name() const { return engine_->name(); }
+
+ protected:
+  void release_lease(uint64_t token) override { index_.release(token); }
+
+ private:
+  using SegmentRef = std::shared_ptr<file::Segment>;
+  using Lane = file::WriterLane;
+  struct ReadPlan;
+
+  FileTier(const CascadeConfig& config, ThreadPool* pool, Env* env);
+  Status load_directory();
+  Status admit(uint64_t record_bytes);
+  Status write_record(Lane& lane, const BlockId& id, const void* data, uint64_t size, bool is_prefix,
+                      Location* loc, SegmentRef* seg);
+  Status ensure_room(Lane& lane, uint64_t record_bytes);
+  Result<SegmentRef> create_segment();
+  void seal_segment(file::Segment& seg);
+  // Locks a writer lane (a free one if any) and returns it.
+  std::unique_lock<std::mutex> lock_lane(Lane** lane);
+
+  // Reads: plan (lookup + lease + I/O request), I/O, finish (verify, copy).
+  bool plan_read(const BlockId& id, const ReadRequest& req, ReadResult* result, ReadPlan* plan,
+                 Status* status, file::AlignedBuffer* bounce);
+  Status finish_read(ReadPlan* plan, const ReadRequest& req, ReadResult* result);
+  void drop_damaged(const BlockId& id, const Location& loc);
+
+  bool reclaim_space(uint64_t need);
+  void seal_lanes_with_dead_bytes();  // REQUIRES: compact_mu_ held
+  Status compact_segment(const SegmentRef& seg);
+  bool delete_if_dead(const SegmentRef& seg);
+  void retire_segment(const SegmentRef& seg);
+  void maybe_schedule_compaction();
+  void on_reclaim(const Location& loc);
+  SegmentRef segment_at(uint64_t slot) const;  // REQUIRES: table_mu_ held
+
+  const std::string dir_;
+  Env* env_;
+  ThreadPool* pool_;
+  const uint64_t capacity_;
+  const uint64_t put_limit_;  // capacity minus the compaction reserve (0: unbounded)
+  const uint64_t segment_bytes_;
+  const bool direct_;
+  const bool sync_writes_;
+  const uint64_t stripe_size_;
+  const int stripe_count_;
+  const FileIoEngine engine_kind_;
+  const uint64_t parallel_copy_threshold_;
+  std::unique_ptr<file::IoEngine> engine_;
+  std::unique_ptr<FileLock> dir_lock_;
+  BlockIndex index_;
+  FileRecoveryReport recovery_;
+
+  mutable std::shared_mutex table_mu_;
+  std::unordered_map<uint64_t, SegmentRef> slots_;  // slot -> segment; guarded by table_mu_
+  uint64_t next_segment_id_ = 1;                    // guarded by table_mu_
+
+  std::vector<std::unique_ptr<Lane>> lanes_;  // writer lanes for puts
+  std::unique_ptr<Lane> compaction_lane_;     // written only under compact_mu_
+
+  std::mutex compact_mu_;  // one compaction (or clear) at a time
+  std::mutex background_mu_;
+  std::condition_variable background_cv_;
+  bool background_running_ = false;  // guarded by background_mu_
+  bool closing_ = false;             // guarded by background_mu_
+
+  std::mutex claimed_mu_;
+  std::unordered_map<BlockId, uint64_t> claimed_;  // victim id -> lease token; guarded by claimed_mu_
+
+  std::atomic<uint64_t> disk_bytes_{0};  // segment bytes + admitted puts not yet written
+  std::atomic<uint64_t> live_record_bytes_{0};  // record bytes of indexed blocks
+  std::atomic<bool> disk_full_{false};   // the file system said ENOSPC
+  std::atomic<uint64_t> hits_{0}, misses_{0}, evictions_{0}, demotions_in_{0}, promotions_in_{0};
+  std::atomic<uint64_t> bytes_written_{0}, bytes_read_{0}, corrupt_blocks_{0}, compactions_{0};
+};
+
+}  // namespace cascade

@@ -1,0 +1,588 @@
+// FileTier: round trips, reopen, verification, faults, capacity, two opens.
+#include "tiers/file/file_tier.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include "cascade/file_tier.h"
+#include "tiers/file/file_test_util.h"
+#include "tiers/file/segment_scan.h"
+
+namespace cascade {
+namespace {
+
+using file_test::bytes_of;
+using file_test::id_of;
+using file_test::TempDir;
+
+std::unique_ptr<FileTier> open_tier(const CascadeConfig& c, ThreadPool* pool, Env* env = nullptr) {
+  auto t = FileTier::Open(c, pool, env);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return t.ok() ? std::move(t.value()) : nullptr;
+}
+
+Status put(Tier* t, uint64_t n, size_t size, bool prefix = false) {
+  auto data = bytes_of(n, size);
+  PutOptions o;
+  o.is_prefix = prefix;
+  return t->put(id_of(n), data.data(), size, o);
+}
+
+// Reads block n and compares it with bytes_of(n, size). aligned: read into a
+// 4 KiB-aligned buffer (the zero-copy O_DIRECT path).
+::testing::AssertionResult reads_back(Tier* t, uint64_t n, size_t size, bool aligned = false) {
+  auto want = bytes_of(n, size);
+  file::AlignedBuffer buf(size + 4096);
+  uint8_t* out = aligned ? buf.data() : buf.data() + 8;
+  std::memset(out, 0xee, size);
+  ReadRequest req;
+  req.out = out;
+  req.capacity = size;
+  ReadResult r;
+  Status st = t->read(id_of(n), req, &r);
+  if (!st.ok()) return ::testing::AssertionFailure() << "block " << n << ": " << st.ToString();
+  if (r.block_size != size || r.copied != size)
+    return ::testing::AssertionFailure() << "block " << n << " size " << r.block_size << " copied " << r.copied;
+  if (size && std::memcmp(out, want.data(), size) != 0)
+    return ::testing::AssertionFailure() << "block " << n << " bytes differ";
+  return ::testing::AssertionSuccess();
+}
+
+bool misses(Tier* t, uint64_t n, size_t size) {
+  std::vector<uint8_t> out(size + 1);
+  ReadRequest req;
+  req.out = out.data();
+  req.capacity = out.size();
+  ReadResult r;
+  return t->read(id_of(n), req, &r).is(Code::kNotFound);
+}
+
+const std::vector<size_t> kSizes = {0, 1, 100, 4032, 4033, 4096, 12345, 65536, (1 << 20) + 13};
+
+struct Mode {
+  bool direct;
+  FileIoEngine engine;
+};
+
+class FileTierModeTest : public ::testing::TestWithParam<Mode> {};
+
+TEST_P(FileTierModeTest, RoundTripAndReopen) {
+  Mode m = GetParam();
+  if (m.engine == FileIoEngine::kIoUring && !file::make_uring_engine(8).ok())
+    GTEST_SKIP() << "no io_uring in this build or kernel";
+  TempDir tmp;
+  ThreadPool pool(2);
+  CascadeConfig c = file_test::file_config(tmp.path());
+  c.io_direct = m.direct;
+  c.file_io_engine = m.engine;
+  {
+    auto t = open_tier(c, &pool);
+    ASSERT_TRUE(t);
+    EXPECT_STREQ(t->io_engine_name(), m.engine == FileIoEngine::kIoUring ? "io_uring" : "psync");
+    for (size_t i = 0; i < kSizes.size(); ++i) ASSERT_TRUE(put(t.get(), i, kSizes[i], i % 3 == 0).ok());
+    EXPECT_TRUE(put(t.get(), 0, kSizes[0]).ok());  // again: a no-op
+    for (size_t i = 0; i < kSizes.size(); ++i) {
+      EXPECT_TRUE(reads_back(t.get(), i, kSizes[i], false));
+      EXPECT_TRUE(reads_back(t.get(), i, kSizes[i], true));
+    }
+    EXPECT_TRUE(misses(t.get(), 999, 10));
+    TierStats s = t->stats();
+    EXPECT_EQ(s.blocks, kSizes.size());
+    EXPECT_EQ(s.corrupt_blocks, 0u);
+    EXPECT_EQ(s.misses, 1u);
+    EXPECT_EQ(std::string(s.name), "file");
+  }
+  auto t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  EXPECT_EQ(t->recovery_report().segments_scanned, 0u) << "a clean close seals every segment";
+  EXPECT_EQ(t->stats().blocks, kSizes.size());
+  for (size_t i = 0; i < kSizes.size(); ++i) EXPECT_TRUE(reads_back(t.get(), i, kSizes[i]));
+  // is_prefix survives the reopen.
+  ReadResult r;
+  std::vector<uint8_t> out(200);
+  ReadRequest req;
+  req.out = out.data();
+  req.capacity = out.size();
+  ASSERT_TRUE(t->read(id_of(0), req, &r).ok());
+  EXPECT_TRUE(r.is_prefix);
+  ASSERT_TRUE(t->read(id_of(1), req, &r).ok());
+  EXPECT_FALSE(r.is_prefix);
+}
+
+TEST_P(FileTierModeTest, ReadBatchPartialReadsAndSmallBuffers) {
+  Mode m = GetParam();
+  if (m.engine == FileIoEngine::kIoUring && !file::make_uring_engine(8).ok())
+    GTEST_SKIP() << "no io_uring in this build or kernel";
+  TempDir tmp;
+  ThreadPool pool(2);
+  CascadeConfig c = file_test::file_config(tmp.path());
+  c.io_direct = m.direct;
+  c.file_io_engine = m.engine;
+  auto t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  const size_t n = 40;
+  for (size_t i = 0; i < n; ++i) ASSERT_TRUE(put(t.get(), i, 5000 + i * 1000).ok());
+  std::vector<BlockId> ids;
+  std::vector<ReadRequest> reqs(n + 1);
+  std::vector<ReadResult> results(n + 1);
+  std::vector<Status> statuses(n + 1);
+  std::vector<file::AlignedBuffer> bufs;
+  for (size_t i = 0; i <= n; ++i) {
+    ids.push_back(id_of(i));  // the last one is a miss
+    bufs.emplace_back(64 << 10);
+    reqs[i].out = bufs.back().data();
+    reqs[i].capacity = 64 << 10;
+  }
+  t->read_batch(ids, reqs, results, statuses);
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(statuses[i].ok()) << statuses[i].ToString();
+    auto want = bytes_of(i, 5000 + i * 1000);
+    ASSERT_EQ(results[i].copied, want.size());
+    EXPECT_EQ(std::memcmp(bufs[i].data(), want.data(), want.size()), 0) << i;
+  }
+  EXPECT_TRUE(statuses[n].is(Code::kNotFound));
+  // Partial read.
+  auto want = bytes_of(7, 12000);
+  std::vector<uint8_t> part(100);
+  ReadRequest pr;
+  pr.out = part.data();
+  pr.capacity = part.size();
+  pr.whole = false;
+  pr.offset = 11950;
+  ReadResult r;
+  ASSERT_TRUE(t->read(id_of(7), pr, &r).ok());
+  EXPECT_EQ(r.copied, 50u);
+  EXPECT_EQ(std::memcmp(part.data(), want.data() + 11950, 50), 0);
+  // Buffer too small for a whole read: InvalidArgument with the size.
+  ReadRequest small;
+  small.out = part.data();
+  small.capacity = part.size();
+  Status st = t->read(id_of(7), small, &r);
+  EXPECT_TRUE(st.is(Code::kInvalidArgument));
+  EXPECT_EQ(r.block_size, 12000u);
+}
+
+INSTANTIATE_TEST_SUITE_P(FileModes, FileTierModeTest,
+                         ::testing::Values(Mode{false, FileIoEngine::kPsync}, Mode{true, FileIoEngine::kPsync},
+                                           Mode{false, FileIoEngine::kIoUring},
+                                           Mode{true, FileIoEngine::kIoUring}),
+                         [](const ::testing::TestParamInfo<Mode>& p) {
+                           return std::string(p.param.direct ? "Direct" : "Buffered") +
+                                  (p.param.engine == FileIoEngine::kPsync ? "Psync" : "IoUring");
+                         });
+
+TEST(FileTierTest, SegmentsRollAndRemoveWorks) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  CascadeConfig c = file_test::file_config(tmp.path());
+  c.segment_size_bytes = 256 << 10;
+  auto t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  for (uint64_t i = 0; i < 100; ++i) ASSERT_TRUE(put(t.get(), i, 20000).ok());
+  EXPECT_GT(t->segment_count(), 5u);
+  EXPECT_TRUE(t->contains(id_of(5)));
+  EXPECT_TRUE(t->remove(id_of(5)).ok());
+  EXPECT_TRUE(t->remove(id_of(5)).is(Code::kNotFound));
+  EXPECT_FALSE(t->contains(id_of(5)));
+  EXPECT_TRUE(misses(t.get(), 5, 20000));
+  EXPECT_GT(t->dead_bytes(), 0u);
+  for (uint64_t i = 0; i < 100; ++i)
+    if (i != 5) {
+      EXPECT_TRUE(reads_back(t.get(), i, 20000));
+    }
+  EXPECT_TRUE(t->flush().ok());
+}
+
+TEST(FileTierTest, PayloadBitFlipOnDiskIsAMissAndCounted) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  CascadeConfig c = file_test::file_config(tmp.path());
+  auto t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  ASSERT_TRUE(put(t.get(), 1, 10000).ok());
+  ASSERT_TRUE(put(t.get(), 2, 10000).ok());
+  ASSERT_TRUE(put(t.get(), 3, 100).ok());
+  ASSERT_TRUE(t->flush().ok());
+  auto segs = file_test::segment_files(tmp.path());
+  ASSERT_EQ(segs.size(), 1u);
+  // Record 2 starts after record 1 (12 KiB + 4 KiB); flip a payload bit of
+  // record 2 and a header bit of record 3.
+  const uint64_t rec = file::record_size(10000);
+  file_test::flip_bit(segs[0], rec + file::kPage + 777, 2);
+  file_test::flip_bit(segs[0], 2 * rec + 30, 5);
+  EXPECT_TRUE(reads_back(t.get(), 1, 10000));
+  EXPECT_TRUE(misses(t.get(), 2, 10000));
+  EXPECT_TRUE(misses(t.get(), 3, 100));
+  EXPECT_EQ(t->stats().corrupt_blocks, 2u);
+  EXPECT_FALSE(t->contains(id_of(2)));  // dropped from the index
+  EXPECT_TRUE(misses(t.get(), 2, 10000));
+  EXPECT_EQ(t->stats().corrupt_blocks, 2u);  // counted once
+}
+
+TEST(FileTierTest, DamageFoundOnReopenIsSkippedAndCounted) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  CascadeConfig c = file_test::file_config(tmp.path());
+  {
+    auto t = open_tier(c, &pool);
+    for (uint64_t i = 0; i < 4; ++i) ASSERT_TRUE(put(t.get(), i, 5000).ok());
+  }
+  auto segs = file_test::segment_files(tmp.path());
+  ASSERT_EQ(segs.size(), 1u);
+  // Without its summary the segment is scanned on open.
+  std::filesystem::remove(segs[0].substr(0, segs[0].size() - 4) + ".sum");
+  const uint64_t rec = file::record_size(5000);
+  file_test::flip_bit(segs[0], rec + 16, 0);                     // header of block 1
+  file_test::flip_bit(segs[0], 2 * rec + file::kPage + 10, 0);  // payload of block 2
+  auto t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  EXPECT_EQ(t->recovery_report().segments_scanned, 1u);
+  EXPECT_EQ(t->recovery_report().corrupt_records, 2u);
+  EXPECT_EQ(t->stats().corrupt_blocks, 2u);
+  EXPECT_TRUE(reads_back(t.get(), 0, 5000));
+  EXPECT_TRUE(misses(t.get(), 1, 5000));
+  EXPECT_TRUE(misses(t.get(), 2, 5000));
+  EXPECT_TRUE(reads_back(t.get(), 3, 5000));
+}
+
+TEST(FileTierTest, TornTailAtEveryByteOffsetOfTheLastRecord) {
+  // The store died while appending its last record: whatever prefix of it
+  // reached the file, the reopened tier serves the earlier blocks and never
+  // the torn one.
+  auto env = NewMemoryEnv();
+  CascadeConfig c = file_test::file_config("/m/t");
+  {
+    auto t = open_tier(c, nullptr, env.get());
+    ASSERT_TRUE(put(t.get(), 0, 3000).ok());
+    ASSERT_TRUE(put(t.get(), 1, 5000).ok());
+    ASSERT_TRUE(put(t.get(), 2, 1000).ok());  // the last record: one 4 KiB page
+  }
+  std::string seg = "/m/t/" + file::segment_file_name(1);
+  ASSERT_TRUE(env->unlink("/m/t/" + file::summary_file_name(1)).ok());
+  auto f = env->open(seg, FileOpenOptions{});
+  ASSERT_TRUE(f.ok());
+  std::vector<uint8_t> image(*(*f)->size());
+  ASSERT_EQ(*(*f)->pread(image.data(), image.size(), 0), image.size());
+  f->reset();
+  const uint64_t last = file::record_size(3000) + file::record_size(5000);
+  ASSERT_EQ(image.size(), last + file::kPage);
+  for (uint64_t cut = last; cut <= image.size(); ++cut) {
+    FileOpenOptions w;
+    w.write = w.truncate = true;
+    auto g = env->open(seg, w);
+    ASSERT_TRUE(g.ok());
+    ASSERT_TRUE((*g)->pwrite(image.data(), cut, 0).ok());
+    g->reset();
+    (void)env->unlink("/m/t/" + file::summary_file_name(1));
+    auto t = open_tier(c, nullptr, env.get());
+    ASSERT_TRUE(t);
+    ASSERT_TRUE(reads_back(t.get(), 0, 3000)) << cut;
+    ASSERT_TRUE(reads_back(t.get(), 1, 5000)) << cut;
+    bool whole = cut >= last + file::kRecordHeaderSize + 1000;
+    if (whole) {
+      ASSERT_TRUE(reads_back(t.get(), 2, 1000)) << cut;
+    } else {
+      ASSERT_FALSE(t->contains(id_of(2))) << cut;
+    }
+    ASSERT_EQ(t->stats().corrupt_blocks, 0u) << cut;
+  }
+}
+
+TEST(FileTierTest, TwoOpensOfOneDirectoryAreRefused) {
+  TempDir tmp;
+  CascadeConfig c = file_test::file_config(tmp.path());
+  auto first = FileTier::Open(c, nullptr);
+  ASSERT_TRUE(first.ok());
+  auto second = FileTier::Open(c, nullptr);
+  ASSERT_FALSE(second.ok());
+  EXPECT_TRUE(second.status().is(Code::kBusy));
+  EXPECT_NE(second.status().message().find("another store"), std::string::npos) << second.status().ToString();
+  first->reset();
+  EXPECT_TRUE(FileTier::Open(c, nullptr).ok());
+}
+
+TEST(FileTierTest, MissingDirectoryIsCreated) {
+  TempDir tmp;
+  CascadeConfig c = file_test::file_config(tmp.sub("a/b/c"));
+  auto t = open_tier(c, nullptr);
+  ASSERT_TRUE(t);
+  ASSERT_TRUE(put(t.get(), 1, 100).ok());
+  EXPECT_TRUE(reads_back(t.get(), 1, 100));
+}
+
+TEST(FileTierTest, UnusableDirectoryGivesAClearError) {
+  TempDir tmp;
+  // A regular file where the directory should be.
+  { FILE* f = std::fopen(tmp.sub("plain").c_str(), "w"); std::fclose(f); }
+  auto t = FileTier::Open(file_test::file_config(tmp.sub("plain")), nullptr);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("plain"), std::string::npos);
+  // A read-only file system (as root, permissions would not stop us).
+  FaultInjectingEnv env(Env::Default());
+  env.set_read_only(true);
+  t = FileTier::Open(file_test::file_config(tmp.sub("ro")), nullptr, &env);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("cannot create"), std::string::npos) << t.status().ToString();
+  ASSERT_TRUE(Env::Default()->create_dirs(tmp.sub("ro")).ok());
+  t = FileTier::Open(file_test::file_config(tmp.sub("ro")), nullptr, &env);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("not writable"), std::string::npos) << t.status().ToString();
+  if (::geteuid() != 0) {
+    ::chmod(tmp.sub("ro").c_str(), 0555);
+    t = FileTier::Open(file_test::file_config(tmp.sub("ro")), nullptr);
+    EXPECT_FALSE(t.ok());
+    ::chmod(tmp.sub("ro").c_str(), 0755);
+  }
+  EXPECT_TRUE(FileTier::Open(CascadeConfig{}, nullptr).status().is(Code::kInvalidArgument));
+}
+
+TEST(FileTierTest, DiskFullFailsThePutCleanlyAndKeepsServing) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  FaultInjectingEnv env(Env::Default());
+  CascadeConfig c = file_test::file_config(tmp.path());
+  auto t = open_tier(c, &pool, &env);
+  ASSERT_TRUE(t);
+  for (uint64_t i = 0; i < 10; ++i) ASSERT_TRUE(put(t.get(), i, 30000).ok());
+  env.fail_writes_after(100000);  // room for about three more records
+  int stored = 0;
+  Status st;
+  for (uint64_t i = 10; i < 30 && (st = put(t.get(), i, 30000)).ok(); ++i) ++stored;
+  EXPECT_TRUE(st.is(Code::kNoSpace)) << st.ToString();
+  EXPECT_GE(stored, 2);
+  EXPECT_LE(stored, 4);
+  for (uint64_t i = 0; i < 10 + static_cast<uint64_t>(stored); ++i) EXPECT_TRUE(reads_back(t.get(), i, 30000));
+  EXPECT_FALSE(t->contains(id_of(10 + stored)));  // the failed put left nothing visible
+  EXPECT_TRUE(put(t.get(), 100, 30000).is(Code::kNoSpace));
+  env.clear_faults();
+  ASSERT_TRUE(put(t.get(), 100, 30000).ok());
+  EXPECT_TRUE(reads_back(t.get(), 100, 30000));
+  t.reset();
+  // Nothing stored was lost, and the torn attempt is not served after reopen.
+  t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  for (uint64_t i = 0; i < 10 + static_cast<uint64_t>(stored); ++i) EXPECT_TRUE(reads_back(t.get(), i, 30000));
+  EXPECT_TRUE(reads_back(t.get(), 100, 30000));
+  EXPECT_EQ(t->stats().blocks, 11u + stored);
+}
+
+TEST(FileTierTest, TornWriteIsNotPublished) {
+  TempDir tmp;
+  FaultInjectingEnv env(Env::Default());
+  CascadeConfig c = file_test::file_config(tmp.path());
+  auto t = open_tier(c, nullptr, &env);
+  ASSERT_TRUE(put(t.get(), 1, 9000).ok());
+  env.tear_next_write(5000);
+  EXPECT_FALSE(put(t.get(), 2, 9000).ok());
+  EXPECT_FALSE(t->contains(id_of(2)));
+  ASSERT_TRUE(put(t.get(), 3, 9000).ok());
+  EXPECT_TRUE(reads_back(t.get(), 1, 9000));
+  EXPECT_TRUE(reads_back(t.get(), 3, 9000));
+}
+
+TEST(FileTierTest, ReadErrorIsAMiss) {
+  TempDir tmp;
+  FaultInjectingEnv env(Env::Default());
+  CascadeConfig c = file_test::file_config(tmp.path());
+  auto t = open_tier(c, nullptr, &env);
+  ASSERT_TRUE(put(t.get(), 1, 9000).ok());
+  ASSERT_TRUE(put(t.get(), 2, 9000).ok());
+  const uint64_t rec = file::record_size(9000);
+  env.fail_reads("seg-", rec + 100, rec + 101);  // inside block 2
+  EXPECT_TRUE(reads_back(t.get(), 1, 9000));
+  EXPECT_TRUE(misses(t.get(), 2, 9000));
+  EXPECT_EQ(t->stats().corrupt_blocks, 1u);
+}
+
+TEST(FileTierTest, SegmentTruncatedOrDeletedUnderARunningStore) {
+  TempDir tmp;
+  CascadeConfig c = file_test::file_config(tmp.path());
+  c.segment_size_bytes = 128 << 10;
+  auto t = open_tier(c, nullptr);
+  for (uint64_t i = 0; i < 20; ++i) ASSERT_TRUE(put(t.get(), i, 20000).ok());
+  ASSERT_TRUE(t->flush().ok());
+  auto segs = file_test::segment_files(tmp.path());
+  ASSERT_GE(segs.size(), 3u);
+  std::filesystem::resize_file(segs[0], 10000);  // first segment cut short
+  std::filesystem::remove(segs[1]);               // second deleted
+  int hits = 0, missed = 0;
+  for (uint64_t i = 0; i < 20; ++i) {
+    if (reads_back(t.get(), i, 20000)) ++hits; else ++missed;
+  }
+  EXPECT_GT(missed, 0);  // the truncated segment's blocks
+  EXPECT_GT(hits, 0);
+  // The store keeps working.
+  ASSERT_TRUE(put(t.get(), 100, 20000).ok());
+  EXPECT_TRUE(reads_back(t.get(), 100, 20000));
+  t.reset();
+  t = open_tier(c, nullptr);
+  ASSERT_TRUE(t);
+  for (uint64_t i = 0; i < 20; ++i) {
+    ReadResult r;
+    std::vector<uint8_t> out(20000);
+    ReadRequest req;
+    req.out = out.data();
+    req.capacity = out.size();
+    Status st = t->read(id_of(i), req, &r);
+    if (st.ok()) {
+      EXPECT_EQ(out, bytes_of(i, 20000)) << i;
+    }
+  }
+  EXPECT_TRUE(reads_back(t.get(), 100, 20000));
+}
+
+TEST(FileTierTest, CapacityBoundEvictionAndReuse) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  CascadeConfig c = file_test::file_config(tmp.path());
+  c.segment_size_bytes = 256 << 10;
+  c.file_capacity_bytes = 2 << 20;
+  auto t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  EXPECT_EQ(t->capacity_bytes(), 2u << 20);
+  const size_t size = 30000;  // 36 KiB records
+  uint64_t n = 0;
+  Status st;
+  while ((st = put(t.get(), n, size, n % 10 == 0)).ok()) ++n;
+  EXPECT_TRUE(st.is(Code::kNoSpace)) << st.ToString();
+  EXPECT_GT(n, 30u);
+  EXPECT_LE(t->disk_bytes(), c.file_capacity_bytes);
+  // Drive eviction as the store does, then keep writing: compaction reclaims
+  // the dead space and the disk never exceeds the bound.
+  for (uint64_t k = n; k < n + 200; ++k) {
+    Status s;
+    for (int round = 0; round < 64 && !(s = put(t.get(), k, size, k % 10 == 0)).ok(); ++round) {
+      ASSERT_TRUE(s.is(Code::kNoSpace)) << s.ToString();
+      auto victims = t->claim_victims(size);
+      ASSERT_FALSE(victims.empty());
+      for (auto& v : victims) {
+        EXPECT_EQ(v.size, size);
+        EXPECT_TRUE(t->remove(v.id).ok());
+      }
+    }
+    ASSERT_TRUE(s.ok()) << "put " << k << ": " << s.ToString();
+    ASSERT_LE(t->disk_bytes(), c.file_capacity_bytes);
+  }
+  EXPECT_GT(t->compactions(), 0u);
+  TierStats s = t->stats();
+  EXPECT_GT(s.evictions, 0u);
+  EXPECT_EQ(s.leased_blocks, 0u);
+  // Whatever is still indexed reads back intact; prefix blocks outlived others.
+  uint64_t present = 0, prefix_present = 0;
+  for (uint64_t k = 0; k < n + 200; ++k) {
+    if (!t->contains(id_of(k))) continue;
+    ++present;
+    if (k % 10 == 0) ++prefix_present;
+    EXPECT_TRUE(reads_back(t.get(), k, size));
+  }
+  EXPECT_EQ(present, s.blocks);
+  EXPECT_GT(prefix_present * 10, present);  // prefix blocks are over-represented
+  // Unclaim puts a victim back.
+  auto victims = t->claim_victims(1);
+  ASSERT_EQ(victims.size(), 1u);
+  BlockId vid = victims[0].id;
+  t->unclaim(std::move(victims[0]));
+  EXPECT_TRUE(t->contains(vid));
+  EXPECT_EQ(t->stats().leased_blocks, 0u);
+  // Too large to ever fit.
+  EXPECT_TRUE(put(t.get(), 99999, 3 << 20).is(Code::kInvalidArgument));
+}
+
+TEST(FileTierTest, ClearDropsEverythingDurably) {
+  TempDir tmp;
+  CascadeConfig c = file_test::file_config(tmp.path());
+  auto t = open_tier(c, nullptr);
+  for (uint64_t i = 0; i < 10; ++i) ASSERT_TRUE(put(t.get(), i, 5000).ok());
+  t->clear();
+  EXPECT_EQ(t->stats().blocks, 0u);
+  EXPECT_EQ(t->disk_bytes(), 0u);
+  ASSERT_TRUE(put(t.get(), 50, 5000).ok());
+  t.reset();
+  t = open_tier(c, nullptr);
+  EXPECT_EQ(t->stats().blocks, 1u);
+  EXPECT_TRUE(reads_back(t.get(), 50, 5000));
+}
+
+TEST(FileTierTest, ConcurrentPutsAndReads) {
+  TempDir tmp;
+  ThreadPool pool(4);
+  CascadeConfig c = file_test::file_config(tmp.path());
+  c.segment_size_bytes = 512 << 10;
+  auto t = open_tier(c, &pool);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int w = 0; w < 4; ++w) {
+    threads.emplace_back([&, w] {
+      for (uint64_t i = 0; i < 50; ++i) {
+        uint64_t n = w * 1000 + i;
+        if (!put(t.get(), n, 3000 + (n % 7) * 5000).ok()) ++failures;
+        if (!put(t.get(), i, 3000 + (i % 7) * 5000).ok()) ++failures;  // same ids from every thread
+        if (!reads_back(t.get(), n, 3000 + (n % 7) * 5000)) ++failures;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(t->stats().blocks, 4u * 50);  // thread 0 ids coincide with the shared ones
+  t.reset();
+  t = open_tier(c, &pool);
+  for (int w = 0; w < 4; ++w)
+    for (uint64_t i = 0; i < 50; ++i) EXPECT_TRUE(reads_back(t.get(), w * 1000 + i, 3000 + ((w * 1000 + i) % 7) * 5000));
+}
+
+TEST(FileTierTest, SyncWritesAndFlush) {
+  TempDir tmp;
+  CascadeConfig c = file_test::file_config(tmp.path());
+  c.sync_writes = true;
+  auto t = open_tier(c, nullptr);
+  ASSERT_TRUE(put(t.get(), 1, 70000).ok());
+  EXPECT_TRUE(t->flush().ok());
+  EXPECT_TRUE(reads_back(t.get(), 1, 70000));
+  FaultInjectingEnv env(Env::Default());
+  TempDir tmp2;
+  c.lustre_path = tmp2.path();
+  auto u = open_tier(c, nullptr, &env);
+  env.fail_syncs(true);
+  EXPECT_FALSE(put(u.get(), 2, 100).ok());  // not durable: not published
+  EXPECT_FALSE(u->contains(id_of(2)));
+  env.fail_syncs(false);
+  EXPECT_TRUE(put(u.get(), 2, 100).ok());
+}
+
+TEST(FileTierTest, StripingIsANoOpOffLustre) {
+  TempDir tmp;
+  CascadeConfig c = file_test::file_config(tmp.path());
+  c.lustre_stripe_size = 1 << 20;
+  c.lustre_stripe_count = 4;
+  auto t = open_tier(c, nullptr);
+  ASSERT_TRUE(t);
+  ASSERT_TRUE(put(t.get(), 1, 100).ok());
+  EXPECT_TRUE(reads_back(t.get(), 1, 100));
+  EXPECT_TRUE(Env::Default()->create_striped(tmp.sub("x"), 1 << 20, 2).is(Code::kNotSupported));
+}
+
+TEST(FileTierTest, MemoryEnvWorks) {
+  auto env = NewMemoryEnv();
+  CascadeConfig c = file_test::file_config("/mem/tier");
+  {
+    auto t = open_tier(c, nullptr, env.get());
+    ASSERT_TRUE(t);
+    for (uint64_t i = 0; i < 20; ++i) ASSERT_TRUE(put(t.get(), i, 10000 + i).ok());
+  }
+  auto t = open_tier(c, nullptr, env.get());
+  for (uint64_t i = 0; i < 20; ++i) EXPECT_TRUE(reads_back(t.get(), i, 10000 + i));
+}
+
+TEST(FileTierTest, FactoryReturnsATier) {
+  TempDir tmp;
+  auto t = open_file_tier(file_test::file_config(tmp.path()), nullptr);
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ((*t)->kind(), TierKind::kFile);
+  EXPECT_EQ((*t)->capacity_bytes(), 0u);
+}
+
+}  // namespace
+}  // namespace cascade
