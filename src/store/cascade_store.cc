@@ -272,7 +272,7 @@ class CascadeStore::Impl {
         rqs[k].out = out[pending[k]].data;
         rqs[k].capacity = out[pending[k]].size;
       }
-      if (is_memory_tier(tiers[t]->kind())) {
+      if (is_memory_tier(tiers[t]->kind()) && !tiers[t]->prefers_batches()) {
         pool->parallel_for(m, [&](size_t k) { sts[k] = tiers[t]->read(pid[k], rqs[k], &rrs[k]); });
       } else {
         tiers[t]->read_batch(pid, rqs, rrs, sts);
@@ -347,6 +347,42 @@ class CascadeStore::Impl {
     for (auto& t : tiers) any |= t->remove(phys).ok();
     if (!any && !dedup) return Status::NotFound("block " + id.hex() + " is not stored");
     return Status::OK();
+  }
+
+  // Batch put. A top tier whose copies pipeline (gpu) takes the whole batch
+  // in one call; items it has no room for, and every item of other tiers,
+  // go through put_impl on the I/O threads (eviction, write-through, dedup).
+  size_t put_batch_impl(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
+                        std::vector<Status>* statuses, const PutOptions& options) {
+    size_t n = ids.size();
+    std::vector<size_t> rest;
+    if (!dedup && config.write_policy == WritePolicy::kWriteBack && tiers[0]->prefers_batches()) {
+      std::vector<const void*> ptrs(n);
+      std::vector<uint64_t> sizes(n);
+      for (size_t i = 0; i < n; ++i) {
+        ptrs[i] = data[i].data;
+        sizes[i] = data[i].size;
+      }
+      tiers[0]->put_batch(ids, ptrs, sizes, options, *statuses);
+      for (size_t i = 0; i < n; ++i) {
+        if ((*statuses)[i].ok()) {
+          puts.fetch_add(1, std::memory_order_relaxed);
+          bytes_put.fetch_add(sizes[i], std::memory_order_relaxed);
+        } else {
+          rest.push_back(i);  // no room (evict first), too large (lower tier), or an error to repeat
+        }
+      }
+    } else {
+      rest.resize(n);
+      for (size_t i = 0; i < n; ++i) rest[i] = i;
+    }
+    pool->parallel_for(rest.size(), [&](size_t k) {
+      size_t i = rest[k];
+      (*statuses)[i] = put_impl(ids[i], data[i].data, data[i].size, options);
+    });
+    size_t ok = 0;
+    for (auto& st : *statuses) ok += st.ok();
+    return ok;
   }
 
   // ---- async ----------------------------------------------------------------
@@ -452,12 +488,7 @@ size_t CascadeStore::put_batch(std::span<const BlockId> ids, std::span<const Con
     statuses->assign(ids.size(), Status::InvalidArgument("ids and data differ in length"));
     return 0;
   }
-  std::atomic<size_t> ok{0};
-  impl_->pool->parallel_for(ids.size(), [&](size_t i) {
-    (*statuses)[i] = impl_->put_impl(ids[i], data[i].data, data[i].size, options);
-    if ((*statuses)[i].ok()) ok.fetch_add(1, std::memory_order_relaxed);
-  });
-  return ok.load();
+  return impl_->put_batch_impl(ids, data, statuses, options);
 }
 
 size_t CascadeStore::get_batch(std::span<const BlockId> ids, std::span<const MutableBuffer> out,
@@ -483,12 +514,7 @@ std::shared_ptr<BatchTask> CascadeStore::put_batch_async(std::vector<BlockId> id
     return task;
   }
   impl_->submit([impl = impl_.get(), task, ids = std::move(ids), data = std::move(data), options] {
-    std::atomic<size_t> ok{0};
-    impl->pool->parallel_for(ids.size(), [&](size_t i) {
-      task->statuses_[i] = impl->put_impl(ids[i], data[i].data, data[i].size, options);
-      if (task->statuses_[i].ok()) ok.fetch_add(1, std::memory_order_relaxed);
-    });
-    task->finish(ok.load());
+    task->finish(impl->put_batch_impl(ids, data, &task->statuses_, options));
   });
   return task;
 }

@@ -1,5 +1,7 @@
 #include "store/tier_factory.h"
 
+#include "tiers/file/file_tier.h"
+#include "tiers/gpu/gpu_tier.h"
 #include "tiers/host/host_tier.h"
 
 namespace cascade {
@@ -12,9 +14,9 @@ Result<std::unique_ptr<Tier>> open_tier(TierKind kind, const CascadeConfig& conf
       return std::unique_ptr<Tier>(std::move(t.value()));
     }
     case TierKind::kGpu:
-      return Status::Unavailable("the gpu tier is not part of this build");
+      return open_gpu_tier(config, pool);
     case TierKind::kFile:
-      return Status::Unavailable("the file tier is not part of this build");
+      return open_file_tier(config, pool, nullptr);
   }
   return Status::InvalidArgument("unknown tier kind");
 }

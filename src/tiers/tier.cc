@@ -29,6 +29,12 @@ void Tier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequest>
   for (size_t i = 0; i < ids.size(); ++i) statuses[i] = read(ids[i], reqs[i], &results[i]);
 }
 
+void Tier::put_batch(std::span<const BlockId> ids, std::span<const void* const> data,
+                     std::span<const uint64_t> sizes, const PutOptions& options,
+                     std::span<Status> statuses) {
+  for (size_t i = 0; i < ids.size(); ++i) statuses[i] = put(ids[i], data[i], sizes[i], options);
+}
+
 Result<BlockView> Tier::acquire(const BlockId&) {
   return Status::NotSupported(std::string(name()) + " tier has no addressable memory");
 }
