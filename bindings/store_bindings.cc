@@ -12,6 +12,10 @@
 #include "common.h"
 
 namespace cascade::py {
+
+// A zero-copy lease object (gpu_bindings.cc).
+nb::object make_block_lease(BlockView view, nb::object owner, int device);
+
 namespace {
 
 nb::dict tier_stats_dict(const TierStats& t) {
@@ -457,6 +461,20 @@ void register_store(nb::module_& m) {
            "is_prefix"_a = false, nb::rv_policy::take_ownership)
       .def("get_batch_async", &PyStore::get_batch_async, "block_ids"_a, "out_list"_a,
            nb::rv_policy::take_ownership)
+      .def("acquire", [](nb::handle self, nb::handle key) {
+             CascadeStore& store = nb::cast<PyStore&>(self).store();
+             BlockId id = parse_key(key);
+             Result<BlockView> v = Status::OK();
+             {
+               nb::gil_scoped_release release;
+               v = store.acquire(id);
+             }
+             check(v.status());
+             return make_block_lease(std::move(v.value()), nb::borrow(self), store.config().gpu_device_id);
+           }, "block_id"_a,
+           "The block in place in the top memory tier (device memory for a gpu pipeline), under a lease "
+           "(BlockLease: ptr, size, device, release(), DLPack), no copy. A block found only below is "
+           "promoted first. NotFoundError on a miss. Release leases before closing the store.")
       .def("prefetch", &PyStore::prefetch, "block_ids"_a, nb::rv_policy::take_ownership,
            "Moves blocks from lower tiers into the top tier in the background.")
       .def("get_stats", &PyStore::get_stats)

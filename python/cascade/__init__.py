@@ -48,6 +48,6 @@ from cascade.config import config_from_dict, config_to_dict, load_config  # noqa
 
 __version__ = "0.1.0"
 
-for _name in ("LustreBackend", "GPUBackend", "inspect_directory"):
+for _name in ("LustreBackend", "GPUBackend", "BlockLease", "inspect_directory", "probe_direct_io"):
     if hasattr(_core, _name):
         globals()[_name] = getattr(_core, _name)

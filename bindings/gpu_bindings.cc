@@ -1,0 +1,586 @@
+// Python classes over the gpu tier used on its own: GPUBackend (the seeds'
+// class), BlockLease (a leased block exported through DLPack with no copy),
+// and the GPU benchmarks' entry points.
+//
+// Buffers may be host memory (buffer protocol, CPU tensors) or CUDA memory
+// (DLPack: torch, cupy); BufferRef says which. A stream is None (the legacy
+// default stream for device buffers), an int cudaStream_t handle, or an
+// object with `.cuda_stream` (torch.cuda.Stream) or `__cuda_stream__`.
+// Every call that copies releases the GIL.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cascade/gpu_tier.h"
+#include "common.h"
+#include "tiers/gpu/gpu_bench_cli.h"
+
+#if CASCADE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace cascade::py {
+
+nb::object make_block_lease(BlockView view, nb::object owner, int device);
+
+namespace {
+
+// ---- DLPack structures (the ABI of dlpack.h, versions 0.x and 1.x) ----------
+
+struct DLDevice {
+  int32_t device_type;  // 1 = CPU, 2 = CUDA
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 1 = unsigned int
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+struct DLPackVersion {
+  uint32_t major;
+  uint32_t minor;
+};
+struct DLManagedTensorVersioned {
+  DLPackVersion version;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensorVersioned*);
+  uint64_t flags;
+  DLTensor dl_tensor;
+};
+constexpr int32_t kDLCPU = 1;
+constexpr int32_t kDLCUDA = 2;
+
+void* stream_arg(nb::handle stream) {
+  if (!stream.is_valid() || stream.is_none()) return nullptr;
+  nb::object v;
+  if (PyLong_Check(stream.ptr())) {
+    v = nb::borrow(stream);
+  } else if (nb::hasattr(stream, "__cuda_stream__")) {
+    v = stream.attr("__cuda_stream__")()[1];
+  } else if (nb::hasattr(stream, "cuda_stream")) {
+    v = stream.attr("cuda_stream");
+  } else {
+    throw nb::type_error(("stream must be None, an int cudaStream_t or an object with .cuda_stream "
+                          "(torch.cuda.Stream); got " + std::string(nb::type_name(stream.type()).c_str()))
+                             .c_str());
+  }
+  return reinterpret_cast<void*>(nb::cast<uintptr_t>(v));
+}
+
+nb::dict tier_stats(const TierStats& t) {
+  nb::dict d;
+  d["capacity_bytes"] = t.capacity_bytes;
+  d["used_bytes"] = t.used_bytes;
+  d["reserved_bytes"] = t.reserved_bytes;
+  d["committed_bytes"] = t.committed_bytes;
+  d["blocks"] = t.blocks;
+  d["hits"] = t.hits;
+  d["misses"] = t.misses;
+  d["bytes_written"] = t.bytes_written;
+  d["bytes_read"] = t.bytes_read;
+  d["leased_blocks"] = t.leased_blocks;
+  return d;
+}
+
+[[noreturn]] void raise_too_small(uint64_t have, uint64_t needed) {
+  nb::object exc = nb::module_::import_("cascade._core").attr("BufferTooSmallError")(
+      "out holds " + std::to_string(have) + " bytes; the block has " + std::to_string(needed), needed);
+  exc.attr("needed") = needed;
+  PyErr_SetObject(exc.type().ptr(), exc.ptr());
+  throw nb::python_error();
+}
+
+// Keys and buffers of one batch: a sequence of buffers, or one contiguous
+// buffer with a row per block (one acquisition for the whole batch).
+struct Batch {
+  std::vector<BlockId> ids;
+  std::vector<BufferRef> refs;
+  std::vector<void*> ptrs;
+  std::vector<uint64_t> sizes;
+  MemoryKind kind = MemoryKind::kHost;
+};
+
+Batch batch_args(nb::handle keys, nb::handle buffers, bool writable) {
+  Batch b;
+  nb::sequence ks = nb::borrow<nb::sequence>(keys);
+  const size_t n = nb::len(ks);
+  b.ids.reserve(n);
+  for (size_t i = 0; i < n; ++i) b.ids.push_back(parse_key(ks[i]));
+  const char* what = writable ? "out_list" : "data_list";
+  if (PyObject_CheckBuffer(buffers.ptr()) || nb::hasattr(buffers, "__dlpack__")) {
+    BufferRef big = writable ? BufferRef::writable(buffers, what) : BufferRef::readable(buffers, what);
+    if (n == 0 || big.size() % n != 0) {
+      throw nb::value_error((std::string(what) + " is one buffer of " + std::to_string(big.size()) +
+                             " bytes, which does not split into " + std::to_string(n) +
+                             " equal blocks; pass one row per block or a list of buffers").c_str());
+    }
+    const uint64_t row = big.size() / n;
+    b.kind = big.kind();
+    for (size_t i = 0; i < n; ++i) {
+      b.ptrs.push_back(static_cast<uint8_t*>(big.data()) + i * row);
+      b.sizes.push_back(row);
+    }
+    b.refs.push_back(std::move(big));
+    return b;
+  }
+  nb::sequence bs = nb::borrow<nb::sequence>(buffers);
+  if (nb::len(bs) != n) {
+    throw nb::value_error(("got " + std::to_string(n) + " keys and " + std::to_string(nb::len(bs)) +
+                           " buffers; they must pair up").c_str());
+  }
+  b.refs.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    std::string item = std::string(writable ? "out[" : "data[") + std::to_string(i) + "]";
+    b.refs.push_back(writable ? BufferRef::writable(bs[i], item.c_str()) : BufferRef::readable(bs[i], item.c_str()));
+    b.ptrs.push_back(b.refs.back().data());
+    b.sizes.push_back(b.refs.back().size());
+    if (i == 0) b.kind = b.refs[0].kind();
+    else if (b.refs.back().kind() != b.kind)
+      throw nb::value_error("a batch must be all host buffers or all device buffers");
+  }
+  return b;
+}
+
+// ---- BlockLease ----------------------------------------------------------------
+
+// Owns a BlockView. release() ends the lease once no DLPack export of it is
+// alive; each export holds a reference to the lease object, so a tensor made
+// with torch.from_dlpack(lease) keeps the block leased for its lifetime.
+class PyBlockLease {
+ public:
+  PyBlockLease(BlockView view, nb::object owner, int device)
+      : owner_(std::move(owner)), view_(std::move(view)), device_(device) {}
+  PyBlockLease(const PyBlockLease&) = delete;
+  ~PyBlockLease() { end(); }
+
+  bool released() const { return released_ || !view_; }
+  void check_live() const {
+    if (released()) raise_status(Status::InvalidArgument("the lease was released"));
+  }
+  uintptr_t ptr() const {
+    check_live();
+    return reinterpret_cast<uintptr_t>(view_.data());
+  }
+  uint64_t size() const {
+    check_live();
+    return view_.size();
+  }
+  bool on_device() const { return view_.kind() == MemoryKind::kDevice; }
+  int device() const { return on_device() ? device_ : -1; }
+  int exports() const { return exports_; }
+
+  void release() {
+    released_ = true;
+    if (exports_ == 0) end();
+  }
+  void export_begun() { ++exports_; }
+  void export_ended() {
+    if (--exports_ == 0 && released_) end();
+  }
+
+  std::tuple<int, int> dlpack_device() const {
+    return {on_device() ? kDLCUDA : kDLCPU, on_device() ? device_ : 0};
+  }
+
+ private:
+  // Ends the lease (with the GIL held). If the owner (a store) was closed,
+  // its tiers are gone: drop the view without calling into them.
+  void end() {
+    if (!view_) return;
+    if (owner_.is_valid() && nb::hasattr(owner_, "closed") && nb::cast<bool>(owner_.attr("closed")))
+      view_.detach();
+    view_.reset();
+    view_ = BlockView();
+  }
+
+  nb::object owner_;  // the backend or store; outlives view_ (declared first)
+  BlockView view_;
+  int device_;
+  int exports_ = 0;
+  bool released_ = false;
+};
+
+// One DLPack export: the shape/strides storage and a strong reference to
+// the lease object, dropped by the deleter (with the GIL taken).
+struct ExportCtx {
+  PyObject* lease = nullptr;
+  int64_t shape[1];
+  int64_t strides[1];
+  DLManagedTensor legacy{};
+  DLManagedTensorVersioned versioned{};
+};
+
+void finish_export(ExportCtx* ctx) {
+  PyGILState_STATE g = PyGILState_Ensure();
+  nb::inst_ptr<PyBlockLease>(ctx->lease)->export_ended();
+  Py_DECREF(ctx->lease);
+  PyGILState_Release(g);
+  delete ctx;
+}
+void legacy_deleter(DLManagedTensor* t) { finish_export(static_cast<ExportCtx*>(t->manager_ctx)); }
+void versioned_deleter(DLManagedTensorVersioned* t) { finish_export(static_cast<ExportCtx*>(t->manager_ctx)); }
+
+// Capsule destructors: a capsule the consumer took is renamed used_*.
+void legacy_capsule_dtor(PyObject* cap) {
+  if (!PyCapsule_IsValid(cap, "dltensor")) return;
+  auto* t = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+  if (t && t->deleter) t->deleter(t);
+}
+void versioned_capsule_dtor(PyObject* cap) {
+  if (!PyCapsule_IsValid(cap, "dltensor_versioned")) return;
+  auto* t = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(cap, "dltensor_versioned"));
+  if (t && t->deleter) t->deleter(t);
+}
+
+nb::object dlpack_export(nb::handle self, nb::handle stream, nb::handle max_version, nb::handle dl_device,
+                         nb::handle copy) {
+  PyBlockLease& lease = nb::cast<PyBlockLease&>(self);
+  if (lease.released()) throw nb::buffer_error("the lease was released; nothing to export");
+  if (copy.is_valid() && !copy.is_none() && nb::cast<bool>(copy))
+    throw nb::buffer_error("a BlockLease exports its block in place; copy=True is not supported");
+  auto [dev_type, dev_id] = lease.dlpack_device();
+  if (dl_device.is_valid() && !dl_device.is_none()) {
+    auto want = nb::cast<std::tuple<int, int>>(dl_device);
+    if (std::get<0>(want) != dev_type || std::get<1>(want) != dev_id)
+      throw nb::buffer_error("the block cannot be exported to another device without a copy");
+  }
+  // The block's bytes are complete when put returns: no stream to wait on.
+  (void)stream;
+  bool versioned = false;
+  if (max_version.is_valid() && !max_version.is_none()) {
+    auto mv = nb::cast<std::tuple<int, int>>(max_version);
+    versioned = std::get<0>(mv) >= 1;
+  }
+  auto* ctx = new ExportCtx;
+  ctx->shape[0] = static_cast<int64_t>(lease.size());
+  ctx->strides[0] = 1;
+  DLTensor t{};
+  t.data = reinterpret_cast<void*>(lease.ptr());
+  t.device = {dev_type, dev_id};
+  t.ndim = 1;
+  t.dtype = {1, 8, 1};  // uint8
+  t.shape = ctx->shape;
+  t.strides = ctx->strides;
+  t.byte_offset = 0;
+  PyObject* cap;
+  if (versioned) {
+    ctx->versioned.version = {1, 0};
+    ctx->versioned.manager_ctx = ctx;
+    ctx->versioned.deleter = versioned_deleter;
+    ctx->versioned.flags = 0;
+    ctx->versioned.dl_tensor = t;
+    cap = PyCapsule_New(&ctx->versioned, "dltensor_versioned", versioned_capsule_dtor);
+  } else {
+    ctx->legacy.dl_tensor = t;
+    ctx->legacy.manager_ctx = ctx;
+    ctx->legacy.deleter = legacy_deleter;
+    cap = PyCapsule_New(&ctx->legacy, "dltensor", legacy_capsule_dtor);
+  }
+  if (!cap) {
+    delete ctx;
+    throw nb::python_error();
+  }
+  ctx->lease = self.ptr();
+  Py_INCREF(ctx->lease);
+  lease.export_begun();
+  return nb::steal(cap);
+}
+
+// ---- GPUBackend ------------------------------------------------------------------
+
+class PyGpuBackend {
+ public:
+  PyGpuBackend(const PyGpuBackend&) = delete;
+  PyGpuBackend(uint64_t capacity, int device, int threads) {
+    Result<std::unique_ptr<GpuBackend>> b = Status::OK();
+    {
+      nb::gil_scoped_release release;
+      b = GpuBackend::Open(capacity, device, threads);
+    }
+    if (b.status().is(Code::kUnavailable)) {
+      raise_status(Status::Unavailable(
+          std::string("GPUBackend needs a usable CUDA GPU: ") +
+          (CASCADE_HAVE_CUDA ? b.status().message()
+                             : "this build of cascade has no CUDA support (rebuild with CASCADE_WITH_CUDA=ON)")));
+    }
+    check(b.status());
+    b_ = std::move(b.value());
+  }
+
+  GpuBackend& b() { return *b_; }
+
+  bool put(nb::handle key, nb::handle data, nb::handle stream) {
+    BlockId id = parse_key(key);
+    BufferRef buf = BufferRef::readable(data, "data");
+    void* s = stream_arg(stream);
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = b_->put(id, buf.data(), buf.size(), buf.kind(), s);
+    }
+    if (st.is(Code::kNoSpace)) return false;
+    check(st);
+    return true;
+  }
+
+  std::tuple<bool, uint64_t> get(nb::handle key, nb::handle out, nb::handle stream) {
+    BlockId id = parse_key(key);
+    BufferRef buf = BufferRef::writable(out, "out");
+    void* s = stream_arg(stream);
+    bool found = false;
+    uint64_t size = 0;
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = b_->get(id, buf.data(), buf.size(), &found, &size, buf.kind(), s);
+    }
+    if (st.is(Code::kInvalidArgument) && found && size > buf.size()) raise_too_small(buf.size(), size);
+    check(st);
+    return {found, found ? size : 0};
+  }
+
+  size_t put_batch(nb::handle keys, nb::handle data, nb::handle stream) {
+    Batch a = batch_args(keys, data, false);
+    void* s = stream_arg(stream);
+    std::vector<Status> statuses;
+    std::vector<const void*> ptrs(a.ptrs.begin(), a.ptrs.end());
+    {
+      nb::gil_scoped_release release;
+      b_->put_batch(a.ids, ptrs, a.sizes, &statuses, a.kind, s);
+    }
+    size_t stored = 0;
+    for (auto& st : statuses) {  // a full arena is a per-item "not stored"
+      if (st.ok()) ++stored;
+      else if (!st.is(Code::kNoSpace)) raise_status(st);
+    }
+    return stored;
+  }
+
+  std::tuple<size_t, std::vector<uint64_t>> get_batch(nb::handle keys, nb::handle outs, nb::handle stream) {
+    Batch a = batch_args(keys, outs, true);
+    void* s = stream_arg(stream);
+    std::vector<bool> found;
+    std::vector<uint64_t> sizes;
+    std::vector<Status> statuses;
+    {
+      nb::gil_scoped_release release;
+      b_->get_batch(a.ids, a.ptrs, a.sizes, &found, &sizes, &statuses, a.kind, s);
+    }
+    size_t n = 0;
+    for (size_t i = 0; i < statuses.size(); ++i) {
+      // too small: size > len(out), the item not counted
+      if (!statuses[i].ok() && !statuses[i].is(Code::kInvalidArgument)) raise_status(statuses[i]);
+      if (statuses[i].ok() && found[i]) ++n;
+      if (!found[i]) sizes[i] = 0;
+    }
+    return {n, sizes};
+  }
+
+  bool contains(nb::handle key) { return b_->contains(parse_key(key)); }
+  bool remove(nb::handle key) {
+    BlockId id = parse_key(key);
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = b_->remove(id);
+    }
+    if (st.is(Code::kNotFound)) return false;
+    check(st);
+    return true;
+  }
+  void clear() {
+    nb::gil_scoped_release release;
+    b_->clear();
+  }
+  void trim() {
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = b_->trim();
+    }
+    check(st);
+  }
+  nb::dict get_stats() {
+    nb::dict d = tier_stats(b_->stats());
+    d["device"] = b_->device();
+    return d;
+  }
+  int device() const { return b_->device(); }
+
+ private:
+  std::unique_ptr<GpuBackend> b_;
+};
+
+nb::object gpu_ptr(nb::handle self, nb::handle key) {
+  PyGpuBackend& g = nb::cast<PyGpuBackend&>(self);
+  BlockId id = parse_key(key);
+  Result<BlockView> v = Status::OK();
+  {
+    nb::gil_scoped_release release;
+    v = g.b().get_gpu_ptr(id);
+  }
+  check(v.status());
+  return make_block_lease(std::move(v.value()), nb::borrow(self), g.device());
+}
+
+// ---- benchmarks ------------------------------------------------------------------
+
+int bench_main(const std::vector<std::string>& args) {
+  std::vector<std::string> a;
+  a.push_back("cascade-gpu-bench");
+  a.insert(a.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& s : a) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  int rc;
+  {
+    nb::gil_scoped_release release;
+    std::fflush(stdout);
+    rc = gpu_bench_main(int(a.size()), argv.data());
+    std::fflush(stdout);
+    std::fflush(stderr);
+  }
+  return rc;
+}
+
+// Pinned host <-> device cudaMemcpy bandwidth: the PCIe ceiling.
+nb::dict copy_bandwidth(uint64_t bytes, int device, int repeats) {
+#if CASCADE_HAVE_CUDA
+  double h2d = 0, d2h = 0;
+  std::string err;
+  {
+    nb::gil_scoped_release release;
+    void* host = nullptr;
+    void* dev = nullptr;
+    cudaStream_t s = nullptr;
+    auto fail = [&](cudaError_t e, const char* what) {
+      if (e == cudaSuccess) return false;
+      err = std::string(what) + ": " + cudaGetErrorString(e);
+      (void)cudaGetLastError();
+      return true;
+    };
+    auto time_copy = [&](void* dst, const void* src) {
+      double best = 0;
+      for (int r = 0; r < repeats + 1; ++r) {  // the first run warms up
+        auto t0 = std::chrono::steady_clock::now();
+        if (fail(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), "copy") ||
+            fail(cudaStreamSynchronize(s), "copy"))
+          return 0.0;
+        double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (r > 0) best = std::max(best, double(bytes) / sec / 1e9);
+      }
+      return best;
+    };
+    if (!fail(cudaSetDevice(device), "select the GPU") && !fail(cudaMallocHost(&host, bytes), "pinned allocation") &&
+        !fail(cudaMalloc(&dev, bytes), "device allocation") &&
+        !fail(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream")) {
+      std::memset(host, 1, bytes);
+      h2d = time_copy(dev, host);
+      d2h = err.empty() ? time_copy(host, dev) : 0;
+    }
+    if (s) cudaStreamDestroy(s);
+    if (dev) cudaFree(dev);
+    if (host) cudaFreeHost(host);
+  }
+  if (!err.empty()) raise_status(Status::Unavailable("gpu_copy_bandwidth: " + err));
+  nb::dict d;
+  d["h2d_gbps"] = h2d;
+  d["d2h_gbps"] = d2h;
+  d["bytes"] = bytes;
+  d["device"] = device;
+  return d;
+#else
+  raise_status(Status::Unavailable("this build of cascade has no CUDA support"));
+#endif
+}
+
+}  // namespace
+
+nb::object make_block_lease(BlockView view, nb::object owner, int device) {
+  return nb::cast(new PyBlockLease(std::move(view), std::move(owner), device), nb::rv_policy::take_ownership);
+}
+
+void register_gpu(nb::module_& m) {
+  nb::class_<PyBlockLease>(m, "BlockLease",
+                           "A block leased in place (no copy): while the lease is held the block is neither "
+                           "evicted nor its memory reused. `ptr` is its address (device memory when `device` "
+                           ">= 0). torch.from_dlpack(lease) gives a 1-D uint8 view that keeps the lease alive; "
+                           "release() ends it once no such view remains. Never write through it. A caller "
+                           "launching kernels on `ptr` must finish them before releasing.")
+      .def_prop_ro("ptr", &PyBlockLease::ptr, "The block's address (int).")
+      .def_prop_ro("size", &PyBlockLease::size, "The block's size in bytes.")
+      .def_prop_ro("device", &PyBlockLease::device, "CUDA device of the block; -1 for host memory.")
+      .def_prop_ro("released", &PyBlockLease::released)
+      .def("__len__", &PyBlockLease::size)
+      .def("release", &PyBlockLease::release,
+           "Ends the lease (deferred while DLPack views of it are alive). Idempotent.")
+      .def("__enter__", [](nb::handle self) { return self; })
+      .def("__exit__", [](PyBlockLease& l, nb::args) { l.release(); })
+      .def("__dlpack__", &dlpack_export, "stream"_a = nb::none(), "max_version"_a = nb::none(),
+           "dl_device"_a = nb::none(), "copy"_a = nb::none(),
+           "DLPack capsule of a 1-D uint8 tensor over the block, no copy.")
+      .def("__dlpack_device__", &PyBlockLease::dlpack_device)
+      .def("__repr__", [](const PyBlockLease& l) {
+        if (l.released()) return std::string("<cascade.BlockLease released>");
+        char buf[128];
+        std::snprintf(buf, sizeof buf, "<cascade.BlockLease ptr=0x%llx size=%llu device=%d>",
+                      (unsigned long long)l.ptr(), (unsigned long long)l.size(), l.device());
+        return std::string(buf);
+      });
+
+  nb::class_<PyGpuBackend>(m, "GPUBackend",
+                           "The gpu tier used directly (the seeds' class): blocks in one GPU's memory, no "
+                           "eviction (put returns False when full). Buffers may be host memory or CUDA "
+                           "tensors; `stream` (int handle or torch.cuda.Stream) orders a copy after work "
+                           "queued there. Raises UnavailableError without a usable GPU.")
+      .def(nb::init<uint64_t, int, int>(), "capacity_bytes"_a, "device_id"_a = 0, "threads"_a = 0)
+      .def("put", &PyGpuBackend::put, "block_id"_a, "data"_a, "stream"_a = nb::none(),
+           "Stores a copy of data (host or device memory). False when the arena is full.")
+      .def("get", &PyGpuBackend::get, "block_id"_a, "out"_a, "stream"_a = nb::none(),
+           "Copies the block into out (host or device memory); returns (found, size). Raises "
+           "BufferTooSmallError (with .needed) when out is too small.")
+      .def("put_batch", &PyGpuBackend::put_batch, "block_ids"_a, "data_list"_a, "stream"_a = nb::none(),
+           "Stores many blocks with one wait; returns how many were stored. data_list is a sequence of "
+           "buffers or one contiguous buffer with a row per block.")
+      .def("get_batch", &PyGpuBackend::get_batch, "block_ids"_a, "out_list"_a, "stream"_a = nb::none(),
+           "Reads many blocks with one wait; returns (count_found, sizes), size 0 for a miss.")
+      .def("get_gpu_ptr", &gpu_ptr, "block_id"_a,
+           "The block's device pointer under a lease (BlockLease), no copy. NotFoundError on a miss.")
+      .def("contains", &PyGpuBackend::contains, "block_id"_a)
+      .def("__contains__", &PyGpuBackend::contains)
+      .def("remove", &PyGpuBackend::remove, "block_id"_a, "Removes the block; False when it was not stored.")
+      .def("clear", &PyGpuBackend::clear)
+      .def("trim", &PyGpuBackend::trim, "Gives unused device pages back to the driver now.")
+      .def("get_stats", &PyGpuBackend::get_stats)
+      .def_prop_ro("device", &PyGpuBackend::device);
+
+  m.def("gpu_bench_main", &bench_main, "args"_a,
+        "Runs the GPU benchmark command line (`vmm ...` or `transfers ...`, as cascade-gpu-bench) in this "
+        "process, writing to its stdout/stderr; returns the exit code. The vmm benchmark forks: call it "
+        "only from a process that has not used CUDA.");
+  m.def("gpu_copy_bandwidth", &copy_bandwidth, "bytes"_a = 256ULL << 20, "device"_a = 0, "repeats"_a = 3,
+        "Pinned host <-> device cudaMemcpy bandwidth (the PCIe ceiling), best of `repeats`, GB/s.");
+}
+
+}  // namespace cascade::py

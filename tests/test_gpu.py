@@ -1,0 +1,344 @@
+"""GPUBackend, BlockLease and the gpu|host store from Python, with bytes compared.
+
+Tests marked `gpu` skip where no GPU is usable (no CUDA build, no device).
+The rest check what must hold everywhere: the error without a GPU, and
+leases of host blocks through DLPack."""
+
+import gc
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cascade
+from conftest import random_bytes
+
+GPU = bool(cascade.HAVE_CUDA) and cascade.gpu_usable(0)
+
+
+def gpu_test(fn):
+    """Marks a test `gpu` and skips it where no GPU is usable."""
+    fn = pytest.mark.skipif(not GPU, reason="no usable CUDA GPU (or a build without CUDA)")(fn)
+    return pytest.mark.gpu(fn)
+
+
+MiB = 1 << 20
+
+
+def _torch_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    return torch
+
+
+def _gpu_store(shm_path, gpu_capacity, host_capacity=512 * MiB, **options):
+    cfg = cascade.CascadeConfig()
+    cfg.pipeline = "gpu|host"
+    cfg.use_gpu = True
+    cfg.gpu_capacity_bytes = gpu_capacity
+    cfg.shm_capacity_bytes = host_capacity
+    cfg.shm_path = shm_path
+    cfg.num_io_threads = 4
+    for k, v in options.items():
+        setattr(cfg, k, v)
+    return cascade.CascadeStore(cfg)
+
+
+# ---- everywhere ----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(GPU, reason="a GPU is usable here")
+def test_gpu_backend_unavailable_without_gpu():
+    with pytest.raises(cascade.UnavailableError, match="GPUBackend needs a usable CUDA GPU"):
+        cascade.GPUBackend(64 * MiB)
+
+
+def test_host_lease_dlpack_is_a_view(store):
+    data = random_bytes(64 << 10, seed=3)
+    store.put("blk", data)
+    lease = store.acquire("blk")
+    assert lease.size == data.nbytes and lease.device == -1
+    assert lease.__dlpack_device__() == (1, 0)
+    view = np.from_dlpack(lease)
+    assert view.dtype == np.uint8 and view.shape == (data.nbytes,)
+    assert view.__array_interface__["data"][0] == lease.ptr  # no copy
+    assert np.array_equal(view, data)
+    assert store.get_stats()["tiers"]["host"]["leased_blocks"] == 1
+    lease.release()  # deferred: the view still lives
+    assert store.get_stats()["tiers"]["host"]["leased_blocks"] == 1
+    del view
+    gc.collect()
+    assert store.get_stats()["tiers"]["host"]["leased_blocks"] == 0
+    with pytest.raises(cascade.InvalidArgumentError):
+        lease.ptr
+    with store.acquire("blk") as l2:
+        assert l2.size == data.nbytes
+    assert l2.released and store.get_stats()["tiers"]["host"]["leased_blocks"] == 0
+    with pytest.raises(cascade.NotFoundError):
+        store.acquire("missing")
+
+
+def test_unconsumed_capsule_ends_its_reference(store):
+    store.put("blk", b"x" * 4096)
+    lease = store.acquire("blk")
+    before = sys.getrefcount(lease)
+    cap = lease.__dlpack__()
+    assert sys.getrefcount(lease) == before + 1
+    del cap
+    assert sys.getrefcount(lease) == before
+    lease.release()
+    assert store.get_stats()["tiers"]["host"]["leased_blocks"] == 0
+
+
+def test_cli_parses_gpu_and_vmm():
+    from cascade.cli import build_parser
+
+    a = build_parser().parse_args(["bench", "vmm", "--pages-total", "100", "--procs", "4", "--iters", "20",
+                                   "--not-contiguous"])
+    assert (a.pages_total, a.procs, a.iters, a.not_contiguous) == (100, 4, 20, True)
+    a = build_parser().parse_args(["bench", "gpu", "--repeats", "2"])
+    assert a.repeats == 2 and a.fn.__name__ == "_cmd_gpu"
+
+
+# ---- GPUBackend ------------------------------------------------------------------------
+
+
+@gpu_test
+@pytest.mark.parametrize("size", [1, 4096, 100_000, 3 * MiB + 17])
+def test_backend_host_round_trip(size):
+    b = cascade.GPUBackend(64 * MiB)
+    data = random_bytes(size, seed=size)
+    assert b.put("k", data)
+    assert b.contains("k") and "k" in b
+    out = np.zeros(size, dtype=np.uint8)
+    assert b.get("k", out) == (True, size)
+    assert np.array_equal(out, data)
+    assert b.get("missing", out) == (False, 0)
+    with pytest.raises(cascade.BufferTooSmallError) as e:
+        b.get("k", np.zeros(size - 1 if size > 1 else 0, dtype=np.uint8))
+    assert e.value.needed == size
+    st = b.get_stats()
+    assert st["blocks"] == 1 and st["used_bytes"] >= size and st["device"] == 0
+    assert b.remove("k") and not b.remove("k") and not b.contains("k")
+
+
+@gpu_test
+def test_backend_torch_round_trips_host_and_device():
+    torch = _torch_cuda()
+    b = cascade.GPUBackend(256 * MiB)
+    src = torch.randint(0, 256, (5 * MiB + 3,), dtype=torch.uint8, device="cuda")
+    assert b.put("dev", src)  # GPU -> GPU
+    out_dev = torch.zeros_like(src)
+    assert b.get("dev", out_dev) == (True, src.numel())  # GPU -> GPU
+    assert torch.equal(out_dev, src)
+    out_host = torch.zeros(src.numel(), dtype=torch.uint8)
+    assert b.get("dev", out_host) == (True, src.numel())  # GPU -> host
+    assert torch.equal(out_host, src.cpu())
+    h = torch.randn(256, 1024, dtype=torch.bfloat16)  # host tensor of another dtype
+    assert b.put("host", h)
+    back = torch.empty_like(h, device="cuda")
+    assert b.get("host", back) == (True, h.numel() * 2)
+    assert torch.equal(back.cpu(), h)
+    pinned = torch.empty_like(h).pin_memory()
+    assert b.get("host", pinned)[0] and torch.equal(pinned, h)
+
+
+@gpu_test
+def test_backend_batches_list_and_2d():
+    torch = _torch_cuda()
+    b = cascade.GPUBackend(512 * MiB)
+    n, size = 64, 256 << 10
+    keys = [f"b{i}" for i in range(n)]
+    data = random_bytes(n * size, seed=11).reshape(n, size)
+    assert b.put_batch(keys, data) == n  # one 2-D host buffer
+    out = np.zeros_like(data)
+    found, sizes = b.get_batch(keys, out)
+    assert found == n and sizes == [size] * n and np.array_equal(out, data)
+    dev = [torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda") for _ in range(n)]
+    keys2 = [f"d{i}" for i in range(n)]
+    assert b.put_batch(keys2, dev) == n  # a list of device tensors
+    outs = torch.zeros((n, size), dtype=torch.uint8, device="cuda")
+    found, sizes = b.get_batch(keys2 + ["nope"], torch.zeros((n + 1, size), dtype=torch.uint8, device="cuda"))
+    assert found == n and sizes[-1] == 0
+    assert b.get_batch(keys2, outs)[0] == n
+    assert torch.equal(outs, torch.stack(dev))
+    b.clear()
+    assert not b.contains("b0") and b.get_stats()["blocks"] == 0
+    b.trim()
+
+
+@gpu_test
+def test_backend_device_to_device_without_torch():
+    # A lease is a DLPack device buffer: put from it into a second backend.
+    a, b = cascade.GPUBackend(64 * MiB), cascade.GPUBackend(64 * MiB)
+    data = random_bytes(2 * MiB + 5, seed=5)
+    assert a.put("k", data)
+    with a.get_gpu_ptr("k") as lease:
+        assert lease.device == 0 and lease.__dlpack_device__() == (2, 0)
+        assert b.put("k2", lease)
+    out = np.zeros_like(data)
+    assert b.get("k2", out) == (True, data.nbytes) and np.array_equal(out, data)
+
+
+@gpu_test
+def test_backend_full_returns_false():
+    b = cascade.GPUBackend(64 * MiB)
+    blob = np.ones(16 * MiB, dtype=np.uint8)
+    stored = [b.put(f"f{i}", blob) for i in range(8)]
+    assert stored[0] and not all(stored)
+
+
+@gpu_test
+def test_get_gpu_ptr_zero_copy_view():
+    torch = _torch_cuda()
+    b = cascade.GPUBackend(64 * MiB)
+    src = torch.randint(0, 256, (1 * MiB,), dtype=torch.uint8, device="cuda")
+    b.put("k", src)
+    lease = b.get_gpu_ptr("k")
+    assert lease.size == src.numel() and lease.device == 0
+    t = torch.from_dlpack(lease)
+    assert t.is_cuda and t.dtype == torch.uint8 and t.shape == (src.numel(),)
+    assert t.data_ptr() == lease.ptr  # a view, not a copy
+    assert torch.equal(t, src)
+    assert b.get_stats()["leased_blocks"] == 1
+    lease.release()
+    assert b.get_stats()["leased_blocks"] == 1  # the tensor holds it
+    del t
+    gc.collect()
+    assert b.get_stats()["leased_blocks"] == 0
+    with pytest.raises(cascade.NotFoundError):
+        b.get_gpu_ptr("missing")
+
+
+@gpu_test
+def test_lease_outlives_lease_object_through_tensor():
+    torch = _torch_cuda()
+    b = cascade.GPUBackend(64 * MiB)
+    src = torch.arange(4096, device="cuda", dtype=torch.int32)
+    b.put("k", src)
+    t = torch.from_dlpack(b.get_gpu_ptr("k"))  # the lease object is dropped at once
+    gc.collect()
+    assert b.get_stats()["leased_blocks"] == 1
+    assert torch.equal(t.view(torch.int32), src)
+    del t
+    gc.collect()
+    assert b.get_stats()["leased_blocks"] == 0
+
+
+@gpu_test
+def test_stream_ordering():
+    torch = _torch_cuda()
+    b = cascade.GPUBackend(256 * MiB)
+    s = torch.cuda.Stream()
+    n = 32 * MiB
+    x = torch.empty(n // 4, dtype=torch.float32, device="cuda")
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)  # ~ tens of ms of spinning before the write
+        x.fill_(3.0)
+        x.mul_(2.0)
+    assert b.put("k", x, stream=s)  # ordered after the kernels on s
+    out = torch.empty(n // 4, dtype=torch.float32)
+    b.get("k", out)
+    assert bool((out == 6.0).all())
+    # The same with the stream as an int handle, and a read on a stream.
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)
+        x.fill_(7.0)
+    assert b.put("k2", x, stream=s.cuda_stream)
+    back = torch.zeros_like(x)
+    b.get("k2", back, stream=s)
+    s.synchronize()
+    assert bool((back == 7.0).all())
+    with pytest.raises(TypeError):
+        b.put("k3", x, stream="not a stream")
+
+
+# ---- CascadeStore with gpu|host ------------------------------------------------------
+
+
+@gpu_test
+def test_store_gpu_host_round_trips(shm_path):
+    torch = _torch_cuda()
+    with _gpu_store(shm_path, 64 * MiB) as store:
+        assert store.pipeline == ["gpu", "host"]
+        dev = torch.randint(0, 256, (3 * MiB,), dtype=torch.uint8, device="cuda")
+        host = random_bytes(2 * MiB + 1, seed=9)
+        assert store.put("dev", dev) and store.put("host", host)
+        out = np.zeros(dev.numel(), dtype=np.uint8)
+        assert store.get("dev", out) == (True, dev.numel())
+        assert np.array_equal(out, dev.cpu().numpy())
+        back = torch.zeros(host.size, dtype=torch.uint8, device="cuda")
+        assert store.get("host", back) == (True, host.size)
+        assert np.array_equal(back.cpu().numpy(), host)
+        assert store.get("host") == host.tobytes()
+        assert store.get_stats()["tiers"]["gpu"]["blocks"] == 2
+
+
+@gpu_test
+def test_store_eviction_demotes_to_host(shm_path):
+    with _gpu_store(shm_path, 64 * MiB) as store:
+        blocks = {f"e{i}": random_bytes(4 * MiB, seed=100 + i) for i in range(40)}  # 160 MiB > 64 MiB
+        for k, v in blocks.items():
+            assert store.put(k, v)
+        st = store.get_stats()["tiers"]
+        assert st["gpu"]["evictions"] > 0 and st["host"]["blocks"] > 0
+        assert st["gpu"]["used_bytes"] <= 64 * MiB
+        out = np.zeros(4 * MiB, dtype=np.uint8)
+        for k, v in blocks.items():
+            assert store.get(k, out) == (True, 4 * MiB)
+            assert np.array_equal(out, v), k
+
+
+@gpu_test
+def test_store_lease_pins_block_against_eviction(shm_path):
+    torch = _torch_cuda()
+    with _gpu_store(shm_path, 64 * MiB, promote_on_hit=False) as store:
+        first = random_bytes(4 * MiB, seed=1)
+        store.put("pinned", first)
+        lease = store.acquire("pinned")
+        assert lease.device == 0
+        t = torch.from_dlpack(lease)
+        del lease  # the tensor alone keeps the lease
+        gc.collect()
+        for i in range(48):  # 192 MiB through a 64 MiB tier
+            assert store.put(f"fill{i}", random_bytes(4 * MiB, seed=200 + i))
+        st = store.get_stats()["tiers"]
+        assert st["gpu"]["evictions"] > 0 and st["gpu"]["leased_blocks"] == 1
+        torch.cuda.synchronize()
+        assert np.array_equal(t.cpu().numpy(), first)  # not evicted, not overwritten
+        del t
+        gc.collect()
+        assert store.get_stats()["tiers"]["gpu"]["leased_blocks"] == 0
+        for i in range(16):
+            store.put(f"more{i}", random_bytes(4 * MiB, seed=300 + i))
+        out = np.zeros(4 * MiB, dtype=np.uint8)
+        assert store.get("pinned", out) == (True, 4 * MiB) and np.array_equal(out, first)
+
+
+@gpu_test
+def test_store_batches_device_tensors(shm_path):
+    torch = _torch_cuda()
+    with _gpu_store(shm_path, 128 * MiB) as store:
+        n, size = 32, 1 * MiB
+        src = torch.randint(0, 256, (n, size), dtype=torch.uint8, device="cuda")
+        keys = [f"r{i}" for i in range(n)]
+        assert store.put_batch(keys, src) == n
+        out = np.zeros((n, size), dtype=np.uint8)
+        found, sizes = store.get_batch(keys, out)
+        assert found == n and np.array_equal(out, src.cpu().numpy())
+
+
+# ---- the benchmarks' entry points ---------------------------------------------------------
+
+
+@gpu_test
+@pytest.mark.slow
+def test_vmm_bench_runs_in_its_own_process():
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-m", "cascade", "bench", "vmm", "--pages-total", "8", "--procs", "2",
+                        "--iters", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "contiguous" in r.stdout
