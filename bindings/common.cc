@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include <nanobind/stl/string.h>
+
 #include <vector>
 
 namespace cascade::py {
@@ -84,6 +86,25 @@ BlockId parse_key(nb::handle key) {
   return id.value();
 }
 
+nb::dict tier_stats_dict(const TierStats& t) {
+  nb::dict d;
+  d["capacity_bytes"] = t.capacity_bytes;
+  d["used_bytes"] = t.used_bytes;
+  d["reserved_bytes"] = t.reserved_bytes;
+  d["committed_bytes"] = t.committed_bytes;
+  d["blocks"] = t.blocks;
+  d["hits"] = t.hits;
+  d["misses"] = t.misses;
+  d["evictions"] = t.evictions;
+  d["demotions_in"] = t.demotions_in;
+  d["promotions_in"] = t.promotions_in;
+  d["bytes_written"] = t.bytes_written;
+  d["bytes_read"] = t.bytes_read;
+  d["corrupt_blocks"] = t.corrupt_blocks;
+  d["leased_blocks"] = t.leased_blocks;
+  return d;
+}
+
 BufferRef::BufferRef(BufferRef&& o) noexcept { *this = std::move(o); }
 
 BufferRef& BufferRef::operator=(BufferRef&& o) noexcept {
@@ -160,6 +181,80 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what) {
   throw nb::type_error((w + " must be a contiguous buffer (bytes, bytearray, memoryview, numpy "
                         "array) or a DLPack tensor (torch); got " +
                         nb::type_name(obj.type()).c_str()).c_str());
+}
+
+static bool is_single_buffer(nb::handle obj) {
+  return PyObject_CheckBuffer(obj.ptr()) || nb::hasattr(obj, "__dlpack__");
+}
+
+BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable) {
+  BatchArgs a;
+  nb::sequence ks = nb::borrow<nb::sequence>(keys);
+  size_t n = nb::len(ks);
+  a.ids.reserve(n);
+  for (size_t i = 0; i < n; ++i) a.ids.push_back(parse_key(ks[i]));
+  if (!buffers.is_valid()) return a;
+  const char* what = writable ? "out_list" : "data_list";
+  if (is_single_buffer(buffers)) {
+    BufferRef big = writable ? BufferRef::writable(buffers, what) : BufferRef::readable(buffers, what);
+    if (n == 0 || big.size() % n != 0) {
+      throw nb::value_error((std::string(what) + " is one buffer of " + std::to_string(big.size()) +
+                             " bytes, which does not split into " + std::to_string(n) +
+                             " equal blocks; pass one row per block or a list of buffers").c_str());
+    }
+    uint64_t row = big.size() / n;
+    a.kind = big.kind();
+    for (size_t i = 0; i < n; ++i)
+      a.spans.push_back({static_cast<uint8_t*>(big.data()) + i * row, row});
+    a.refs.push_back(std::move(big));
+    return a;
+  }
+  nb::sequence bs = nb::borrow<nb::sequence>(buffers);
+  if (nb::len(bs) != n) {
+    throw nb::value_error(("got " + std::to_string(n) + " keys and " + std::to_string(nb::len(bs)) +
+                           " buffers; they must pair up").c_str());
+  }
+  a.refs.reserve(n);
+  a.spans.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    std::string item = std::string(writable ? "out[" : "data[") + std::to_string(i) + "]";
+    a.refs.push_back(writable ? BufferRef::writable(bs[i], item.c_str())
+                              : BufferRef::readable(bs[i], item.c_str()));
+    a.spans.push_back({a.refs.back().data(), a.refs.back().size()});
+    if (i == 0) a.kind = a.refs[0].kind();
+    else if (a.refs.back().kind() != a.kind)
+      throw nb::value_error("a batch must be all host buffers or all device buffers");
+  }
+  return a;
+}
+
+std::vector<MutableBuffer> BatchArgs::mutable_spans() const {
+  std::vector<MutableBuffer> out;
+  out.reserve(spans.size());
+  for (auto& s : spans) out.push_back({const_cast<void*>(s.data), s.size});
+  return out;
+}
+
+std::vector<void*> BatchArgs::ptrs() const {
+  std::vector<void*> out;
+  out.reserve(spans.size());
+  for (auto& s : spans) out.push_back(const_cast<void*>(s.data));
+  return out;
+}
+
+std::vector<uint64_t> BatchArgs::sizes() const {
+  std::vector<uint64_t> out;
+  out.reserve(spans.size());
+  for (auto& s : spans) out.push_back(s.size);
+  return out;
+}
+
+void raise_too_small(uint64_t have, uint64_t needed) {
+  nb::object exc = nb::module_::import_("cascade._core").attr("BufferTooSmallError")(
+      "out holds " + std::to_string(have) + " bytes; the block has " + std::to_string(needed), needed);
+  exc.attr("needed") = needed;
+  PyErr_SetObject(exc.type().ptr(), exc.ptr());
+  throw nb::python_error();
 }
 
 }  // namespace cascade::py

@@ -12,8 +12,11 @@
 #include <nanobind/ndarray.h>
 
 #include <string>
+#include <vector>
 
 #include "cascade/block_id.h"
+#include "cascade/stats.h"
+#include "cascade/store.h"
 #include "cascade/status.h"
 #include "cascade/tier.h"
 
@@ -34,6 +37,9 @@ inline void check(const Status& status) {
 }
 
 void register_exceptions(nb::module_& m);
+
+// Every field of a tier's statistics, as the dict get_stats() returns.
+nb::dict tier_stats_dict(const TierStats& t);
 
 // str: 32 hex characters = the id itself; any other non-empty str (or bytes)
 // is hashed to an id. TypeError for other types.
@@ -67,5 +73,27 @@ class BufferRef {
   bool has_view_ = false;
   nb::object keep_;  // the DLPack exporter or ndarray holder
 };
+
+// Raises BufferTooSmallError (a ValueError) with .needed set.
+[[noreturn]] void raise_too_small(uint64_t have, uint64_t needed);
+
+// Keys and buffers of one batch, held for as long as the C++ side may
+// touch them. Buffers come either as a sequence (one buffer per block) or
+// as one contiguous buffer whose first dimension has one row per block
+// (a 2-D numpy array or tensor): the second costs one buffer acquisition
+// for the whole batch instead of one per block.
+struct BatchArgs {
+  std::vector<BlockId> ids;
+  std::vector<BufferRef> refs;  // holders
+  std::vector<ConstBuffer> spans;
+  MemoryKind kind = MemoryKind::kHost;
+
+  std::vector<MutableBuffer> mutable_spans() const;
+  std::vector<void*> ptrs() const;
+  std::vector<uint64_t> sizes() const;
+};
+
+// buffers may be invalid (keys only). writable: the buffers are outputs.
+BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable);
 
 }  // namespace cascade::py

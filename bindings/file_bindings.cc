@@ -13,22 +13,6 @@
 namespace cascade::py {
 namespace {
 
-nb::dict tier_stats(const TierStats& t) {
-  nb::dict d;
-  d["capacity_bytes"] = t.capacity_bytes;
-  d["used_bytes"] = t.used_bytes;
-  d["reserved_bytes"] = t.reserved_bytes;
-  d["committed_bytes"] = t.committed_bytes;
-  d["blocks"] = t.blocks;
-  d["hits"] = t.hits;
-  d["misses"] = t.misses;
-  d["evictions"] = t.evictions;
-  d["bytes_written"] = t.bytes_written;
-  d["bytes_read"] = t.bytes_read;
-  d["corrupt_blocks"] = t.corrupt_blocks;
-  return d;
-}
-
 class PyLustreBackend {
  public:
   PyLustreBackend(const std::string& path, uint64_t stripe_size, int stripe_count, uint64_t capacity_bytes,
@@ -113,7 +97,7 @@ class PyLustreBackend {
     }
     check(st);
   }
-  nb::dict get_stats() { return tier_stats(b().stats()); }
+  nb::dict get_stats() { return tier_stats_dict(b().stats()); }
   std::string path() { return b().path(); }
   void close() {
     nb::gil_scoped_release release;

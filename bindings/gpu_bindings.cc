@@ -88,80 +88,6 @@ void* stream_arg(nb::handle stream) {
   return reinterpret_cast<void*>(nb::cast<uintptr_t>(v));
 }
 
-nb::dict tier_stats(const TierStats& t) {
-  nb::dict d;
-  d["capacity_bytes"] = t.capacity_bytes;
-  d["used_bytes"] = t.used_bytes;
-  d["reserved_bytes"] = t.reserved_bytes;
-  d["committed_bytes"] = t.committed_bytes;
-  d["blocks"] = t.blocks;
-  d["hits"] = t.hits;
-  d["misses"] = t.misses;
-  d["bytes_written"] = t.bytes_written;
-  d["bytes_read"] = t.bytes_read;
-  d["leased_blocks"] = t.leased_blocks;
-  return d;
-}
-
-[[noreturn]] void raise_too_small(uint64_t have, uint64_t needed) {
-  nb::object exc = nb::module_::import_("cascade._core").attr("BufferTooSmallError")(
-      "out holds " + std::to_string(have) + " bytes; the block has " + std::to_string(needed), needed);
-  exc.attr("needed") = needed;
-  PyErr_SetObject(exc.type().ptr(), exc.ptr());
-  throw nb::python_error();
-}
-
-// Keys and buffers of one batch: a sequence of buffers, or one contiguous
-// buffer with a row per block (one acquisition for the whole batch).
-struct Batch {
-  std::vector<BlockId> ids;
-  std::vector<BufferRef> refs;
-  std::vector<void*> ptrs;
-  std::vector<uint64_t> sizes;
-  MemoryKind kind = MemoryKind::kHost;
-};
-
-Batch batch_args(nb::handle keys, nb::handle buffers, bool writable) {
-  Batch b;
-  nb::sequence ks = nb::borrow<nb::sequence>(keys);
-  const size_t n = nb::len(ks);
-  b.ids.reserve(n);
-  for (size_t i = 0; i < n; ++i) b.ids.push_back(parse_key(ks[i]));
-  const char* what = writable ? "out_list" : "data_list";
-  if (PyObject_CheckBuffer(buffers.ptr()) || nb::hasattr(buffers, "__dlpack__")) {
-    BufferRef big = writable ? BufferRef::writable(buffers, what) : BufferRef::readable(buffers, what);
-    if (n == 0 || big.size() % n != 0) {
-      throw nb::value_error((std::string(what) + " is one buffer of " + std::to_string(big.size()) +
-                             " bytes, which does not split into " + std::to_string(n) +
-                             " equal blocks; pass one row per block or a list of buffers").c_str());
-    }
-    const uint64_t row = big.size() / n;
-    b.kind = big.kind();
-    for (size_t i = 0; i < n; ++i) {
-      b.ptrs.push_back(static_cast<uint8_t*>(big.data()) + i * row);
-      b.sizes.push_back(row);
-    }
-    b.refs.push_back(std::move(big));
-    return b;
-  }
-  nb::sequence bs = nb::borrow<nb::sequence>(buffers);
-  if (nb::len(bs) != n) {
-    throw nb::value_error(("got " + std::to_string(n) + " keys and " + std::to_string(nb::len(bs)) +
-                           " buffers; they must pair up").c_str());
-  }
-  b.refs.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    std::string item = std::string(writable ? "out[" : "data[") + std::to_string(i) + "]";
-    b.refs.push_back(writable ? BufferRef::writable(bs[i], item.c_str()) : BufferRef::readable(bs[i], item.c_str()));
-    b.ptrs.push_back(b.refs.back().data());
-    b.sizes.push_back(b.refs.back().size());
-    if (i == 0) b.kind = b.refs[0].kind();
-    else if (b.refs.back().kind() != b.kind)
-      throw nb::value_error("a batch must be all host buffers or all device buffers");
-  }
-  return b;
-}
-
 // ---- BlockLease ----------------------------------------------------------------
 
 // Owns a BlockView. release() ends the lease once no DLPack export of it is
@@ -361,13 +287,15 @@ class PyGpuBackend {
   }
 
   size_t put_batch(nb::handle keys, nb::handle data, nb::handle stream) {
-    Batch a = batch_args(keys, data, false);
+    BatchArgs a = batch_args(keys, data, false);
     void* s = stream_arg(stream);
     std::vector<Status> statuses;
-    std::vector<const void*> ptrs(a.ptrs.begin(), a.ptrs.end());
+    std::vector<void*> mptrs = a.ptrs();
+    std::vector<const void*> ptrs(mptrs.begin(), mptrs.end());
+    std::vector<uint64_t> lens = a.sizes();
     {
       nb::gil_scoped_release release;
-      b_->put_batch(a.ids, ptrs, a.sizes, &statuses, a.kind, s);
+      b_->put_batch(a.ids, ptrs, lens, &statuses, a.kind, s);
     }
     size_t stored = 0;
     for (auto& st : statuses) {  // a full arena is a per-item "not stored"
@@ -378,14 +306,16 @@ class PyGpuBackend {
   }
 
   std::tuple<size_t, std::vector<uint64_t>> get_batch(nb::handle keys, nb::handle outs, nb::handle stream) {
-    Batch a = batch_args(keys, outs, true);
+    BatchArgs a = batch_args(keys, outs, true);
     void* s = stream_arg(stream);
     std::vector<bool> found;
     std::vector<uint64_t> sizes;
     std::vector<Status> statuses;
+    std::vector<void*> ptrs = a.ptrs();
+    std::vector<uint64_t> caps = a.sizes();
     {
       nb::gil_scoped_release release;
-      b_->get_batch(a.ids, a.ptrs, a.sizes, &found, &sizes, &statuses, a.kind, s);
+      b_->get_batch(a.ids, ptrs, caps, &found, &sizes, &statuses, a.kind, s);
     }
     size_t n = 0;
     for (size_t i = 0; i < statuses.size(); ++i) {
@@ -422,7 +352,7 @@ class PyGpuBackend {
     check(st);
   }
   nb::dict get_stats() {
-    nb::dict d = tier_stats(b_->stats());
+    nb::dict d = tier_stats_dict(b_->stats());
     d["device"] = b_->device();
     return d;
   }

@@ -18,25 +18,6 @@ nb::object make_block_lease(BlockView view, nb::object owner, int device);
 
 namespace {
 
-nb::dict tier_stats_dict(const TierStats& t) {
-  nb::dict d;
-  d["capacity_bytes"] = t.capacity_bytes;
-  d["used_bytes"] = t.used_bytes;
-  d["reserved_bytes"] = t.reserved_bytes;
-  d["committed_bytes"] = t.committed_bytes;
-  d["blocks"] = t.blocks;
-  d["hits"] = t.hits;
-  d["misses"] = t.misses;
-  d["evictions"] = t.evictions;
-  d["demotions_in"] = t.demotions_in;
-  d["promotions_in"] = t.promotions_in;
-  d["bytes_written"] = t.bytes_written;
-  d["bytes_read"] = t.bytes_read;
-  d["corrupt_blocks"] = t.corrupt_blocks;
-  d["leased_blocks"] = t.leased_blocks;
-  return d;
-}
-
 // The seeds' flat names: gpu_*, shm_* (host tier), lustre_* (file tier).
 const char* seed_prefix(const std::string& tier) {
   if (tier == "host") return "shm";
@@ -75,70 +56,6 @@ nb::dict stats_dict(const StoreStats& s) {
   d["corrupt_blocks"] = corrupt;
   d["evictions"] = evictions;
   return d;
-}
-
-// Keys and buffers of one batch, held for as long as the C++ side may
-// touch them. Buffers come either as a sequence (one buffer per block) or
-// as one contiguous buffer whose first dimension has one row per block
-// (a 2-D numpy array or tensor): the second costs one buffer acquisition
-// for the whole batch instead of one per block.
-struct BatchArgs {
-  std::vector<BlockId> ids;
-  std::vector<BufferRef> refs;  // holders
-  std::vector<ConstBuffer> spans;
-  MemoryKind kind = MemoryKind::kHost;
-};
-
-bool is_single_buffer(nb::handle obj) {
-  return PyObject_CheckBuffer(obj.ptr()) || nb::hasattr(obj, "__dlpack__");
-}
-
-BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable) {
-  BatchArgs a;
-  nb::sequence ks = nb::borrow<nb::sequence>(keys);
-  size_t n = nb::len(ks);
-  a.ids.reserve(n);
-  for (size_t i = 0; i < n; ++i) a.ids.push_back(parse_key(ks[i]));
-  if (!buffers.is_valid()) return a;
-  const char* what = writable ? "out_list" : "data_list";
-  if (is_single_buffer(buffers)) {
-    BufferRef big = writable ? BufferRef::writable(buffers, what) : BufferRef::readable(buffers, what);
-    if (n == 0 || big.size() % n != 0) {
-      throw nb::value_error((std::string(what) + " is one buffer of " + std::to_string(big.size()) +
-                             " bytes, which does not split into " + std::to_string(n) +
-                             " equal blocks; pass one row per block or a list of buffers").c_str());
-    }
-    uint64_t row = big.size() / n;
-    a.kind = big.kind();
-    for (size_t i = 0; i < n; ++i)
-      a.spans.push_back({static_cast<uint8_t*>(big.data()) + i * row, row});
-    a.refs.push_back(std::move(big));
-    return a;
-  }
-  nb::sequence bs = nb::borrow<nb::sequence>(buffers);
-  if (nb::len(bs) != n) {
-    throw nb::value_error(("got " + std::to_string(n) + " keys and " + std::to_string(nb::len(bs)) +
-                           " buffers; they must pair up").c_str());
-  }
-  a.refs.reserve(n);
-  a.spans.reserve(n);
-  for (size_t i = 0; i < n; ++i) {
-    std::string item = std::string(writable ? "out[" : "data[") + std::to_string(i) + "]";
-    a.refs.push_back(writable ? BufferRef::writable(bs[i], item.c_str())
-                              : BufferRef::readable(bs[i], item.c_str()));
-    a.spans.push_back({a.refs.back().data(), a.refs.back().size()});
-    if (i == 0) a.kind = a.refs[0].kind();
-    else if (a.refs.back().kind() != a.kind)
-      throw nb::value_error("a batch must be all host buffers or all device buffers");
-  }
-  return a;
-}
-
-std::vector<MutableBuffer> mutable_spans(const BatchArgs& a) {
-  std::vector<MutableBuffer> out;
-  out.reserve(a.spans.size());
-  for (auto& s : a.spans) out.push_back({const_cast<void*>(s.data), s.size});
-  return out;
 }
 
 // Handle of an async batch. Holds the batch's buffers; dropping it waits for
@@ -237,14 +154,7 @@ class PyStore {
       nb::gil_scoped_release release;
       st = store().get(id, buf.data(), buf.size(), &r, buf.kind());
     }
-    if (st.is(Code::kInvalidArgument) && r.found && r.size > buf.size()) {
-      nb::object exc = nb::module_::import_("cascade._core").attr("BufferTooSmallError")(
-          "out holds " + std::to_string(buf.size()) + " bytes; the block has " + std::to_string(r.size),
-          r.size);
-      exc.attr("needed") = r.size;
-      PyErr_SetObject(exc.type().ptr(), exc.ptr());
-      throw nb::python_error();
-    }
+    if (st.is(Code::kInvalidArgument) && r.found && r.size > buf.size()) raise_too_small(buf.size(), r.size);
     check(st);
     return nb::make_tuple(r.found, r.found ? r.size : 0);
   }
@@ -301,7 +211,7 @@ class PyStore {
     BatchArgs a = batch_args(keys, outs, true);
     if (a.kind != MemoryKind::kHost)
       throw nb::value_error("get_batch writes host buffers; use the GPU tier's calls for device memory");
-    std::vector<MutableBuffer> out = mutable_spans(a);
+    std::vector<MutableBuffer> out = a.mutable_spans();
     std::vector<GetResult> results;
     std::vector<Status> statuses;
     size_t n;
@@ -328,7 +238,7 @@ class PyStore {
   BatchHandle* get_batch_async(nb::handle keys, nb::handle outs) {
     BatchArgs a = batch_args(keys, outs, true);
     if (a.kind != MemoryKind::kHost) throw nb::value_error("get_batch_async writes host buffers only");
-    auto task = store().get_batch_async(a.ids, mutable_spans(a));
+    auto task = store().get_batch_async(a.ids, a.mutable_spans());
     return new BatchHandle(std::move(task), std::move(a), true);
   }
 
