@@ -6,6 +6,7 @@
 
 #include "index/block_index.h"
 #include "port/device_copy.h"
+#include "tiers/arena_victims.h"
 #include "tiers/gpu/cuda_status.h"
 #include "tiers/gpu/device_arena.h"
 #include "tiers/gpu/device_context.h"
@@ -191,16 +192,8 @@ class ArenaGpuTier final : public GpuTier {
   }
 
   std::vector<Victim> claim_victims(uint64_t bytes) override {
-    std::vector<Victim> out;
-    for (auto& c : index_.claim_victims(bytes)) {
-      Victim v;
-      v.id = c.id;
-      v.size = c.lease.loc.size;
-      v.is_prefix = c.lease.is_prefix;
-      v.view = BlockView(this, arena_->base() + c.lease.loc.offset, v.size, MemoryKind::kDevice,
-                         c.lease.token);
-      out.push_back(std::move(v));
-    }
+    std::vector<Victim> out =
+        arena_victims(this, index_.claim_victims(bytes), arena_->base(), MemoryKind::kDevice);
     evictions_.fetch_add(out.size(), std::memory_order_relaxed);
     return out;
   }

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "port/device_copy.h"
+#include "tiers/arena_victims.h"
 
 namespace cascade {
 
@@ -133,16 +134,8 @@ Status HostTier::remove(const BlockId& id) {
 }
 
 std::vector<Victim> HostTier::claim_victims(uint64_t bytes) {
-  std::vector<Victim> out;
-  for (auto& c : index_.claim_victims(bytes)) {
-    Victim v;
-    v.id = c.id;
-    v.size = c.lease.loc.size;
-    v.is_prefix = c.lease.is_prefix;
-    v.view = BlockView(this, arena_->base() + c.lease.loc.offset, v.size, MemoryKind::kHost,
-                       c.lease.token);
-    out.push_back(std::move(v));
-  }
+  std::vector<Victim> out =
+      arena_victims(this, index_.claim_victims(bytes), arena_->base(), MemoryKind::kHost);
   evictions_.fetch_add(out.size(), std::memory_order_relaxed);
   return out;
 }
