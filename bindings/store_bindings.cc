@@ -266,6 +266,15 @@ class PyStore {
 
   void close() {
     if (!store_) return;
+    // A live lease (BlockLease, or a tensor exported from one) points into
+    // the tiers' memory: closing now would leave it pointing at freed bytes.
+    uint64_t leased = 0;
+    for (const TierStats& t : store_->stats().tiers) leased += t.leased_blocks;
+    if (leased) {
+      raise_status(Status::Busy(std::to_string(leased) +
+                                " block(s) are still leased (a BlockLease from acquire(), or a read in "
+                                "progress); release them before closing the store"));
+    }
     nb::gil_scoped_release release;
     store_->close();
     store_.reset();

@@ -267,3 +267,21 @@ def test_batch_with_one_2d_buffer(store):
     back = torch.empty_like(t)
     assert store.get_batch([f"t{i}" for i in range(4)], back)[0] == 4
     assert torch.equal(back, t)
+
+
+def test_acquire_leases_host_bytes_in_place(make_config):
+    store = cascade.CascadeStore(make_config(capacity=256 << 10))
+    data = random_bytes(64 << 10, 77)
+    store.put("pinned", data)
+    lease = store.acquire("pinned")
+    assert lease.size == data.nbytes and lease.device == -1
+    for i in range(12):  # fill past capacity: the leased block must survive
+        store.put(f"filler-{i}", random_bytes(64 << 10, i))
+    assert store.contains("pinned")
+    with pytest.raises(cascade.BusyError, match="leased"):
+        store.close()
+    lease.release()
+    store.close()
+    assert store.closed
+    with pytest.raises(cascade.NotFoundError):
+        cascade.CascadeStore(make_config()).acquire("absent")
