@@ -9,6 +9,7 @@
 
 namespace cascade::py {
 void register_store(nb::module_& m);
+void register_distributed(nb::module_& m);
 void register_file(nb::module_& m);
 void register_gpu(nb::module_& m);
 }
@@ -104,6 +105,7 @@ NB_MODULE(_core, m) {
   m.attr("HAVE_MPI") = bool(CASCADE_HAVE_MPI);
 
   register_store(m);
+  register_distributed(m);
   register_file(m);
   register_gpu(m);
 }

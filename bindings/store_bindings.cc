@@ -10,6 +10,7 @@
 #include "cascade/host_backend.h"
 #include "cascade/store.h"
 #include "common.h"
+#include "store_wrap.h"
 
 namespace cascade::py {
 
@@ -22,6 +23,7 @@ namespace {
 const char* seed_prefix(const std::string& tier) {
   if (tier == "host") return "shm";
   if (tier == "file") return "lustre";
+  if (tier == "remote") return "remote";
   return "gpu";
 }
 
@@ -100,6 +102,7 @@ class BatchHandle {
 class PyStore {
  public:
   PyStore(const PyStore&) = delete;
+  explicit PyStore(std::unique_ptr<CascadeStore> store) : store_(std::move(store)) {}
   explicit PyStore(const CascadeConfig& config) {
     Result<std::unique_ptr<CascadeStore>> s = Status::OK();
     {
@@ -346,6 +349,10 @@ class PyShmBackend {
 };
 
 }  // namespace
+
+nb::object wrap_store(std::unique_ptr<CascadeStore> store) {
+  return nb::cast(new PyStore(std::move(store)), nb::rv_policy::take_ownership);
+}
 
 void register_store(nb::module_& m) {
   nb::class_<BatchHandle>(m, "BatchHandle",

@@ -30,15 +30,19 @@ enum class FileIoEngine : uint8_t {
   kIoUring,  // io_uring (needs liburing at build time)
 };
 
-enum class TierKind : uint8_t { kGpu, kHost, kFile };
+// kRemote: the host-memory level of a distributed store (this rank's arena
+// and, over MPI, every other rank's); opened by OpenDistributed
+// (cascade/distributed.h), never by CascadeStore::Open.
+enum class TierKind : uint8_t { kGpu, kHost, kFile, kRemote };
 
-const char* tier_kind_name(TierKind kind);  // "gpu", "host", "file"
+const char* tier_kind_name(TierKind kind);  // "gpu", "host", "file", "remote"
 
 struct CascadeConfig {
   // Which tiers, top (fastest) to bottom, joined with '|': "gpu|host|file",
   // "host|file", "host", "file". Empty (default) = automatic: "gpu" when
   // use_gpu and a GPU is usable, then "host", then "file" when lustre_path is
   // set. Tiers must appear in gpu, host, file order, each at most once.
+  // "remote" (distributed stores only) stands where "host" would.
   std::string pipeline;
 
   // ---- gpu tier ---------------------------------------------------------

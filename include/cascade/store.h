@@ -127,6 +127,7 @@ class CascadeStore {
   void parallel_for(size_t n, const std::function<void(size_t)>& fn);
 
  private:
+  friend struct StoreOpener;  // src/store/store_open.h: opens a store with a remote tier
   class Impl;
   explicit CascadeStore(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

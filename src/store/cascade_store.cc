@@ -15,6 +15,7 @@
 #include "io/thread_pool.h"
 #include "port/device_copy.h"
 #include "store/dedup_table.h"
+#include "store/store_open.h"
 #include "store/tier_factory.h"
 
 namespace cascade {
@@ -51,7 +52,10 @@ class Task final : public BatchTask {
   std::condition_variable cv_;
 };
 
-bool is_memory_tier(TierKind k) { return k != TierKind::kFile; }
+// Tiers whose blocks are plain copies out of addressable memory of this
+// process. The remote tier is not one: a block on another node cannot be
+// acquired, so promotion and dedup read it like a file-tier block.
+bool is_memory_tier(TierKind k) { return k == TierKind::kGpu || k == TierKind::kHost; }
 
 }  // namespace
 
@@ -61,6 +65,7 @@ class CascadeStore::Impl {
   std::unique_ptr<ThreadPool> pool;
   std::vector<std::unique_ptr<Tier>> tiers;
   std::unique_ptr<DedupTable> dedup;
+  size_t remote = SIZE_MAX;  // index of the remote tier (distributed stores), or SIZE_MAX
 
   mutable std::shared_mutex lifecycle;
   std::atomic<bool> closed{false};
@@ -143,6 +148,10 @@ class CascadeStore::Impl {
     Status st = put_into(top, phys, data, size, options);
     if (st.ok() && config.write_policy == WritePolicy::kWriteThrough) {
       for (size_t t = top + 1; t < tiers.size() && st.ok(); ++t) st = put_into(t, phys, data, size, options);
+    } else if (st.ok() && remote > top && remote < tiers.size()) {
+      // A distributed store publishes every put to the remote tier (the
+      // block's owner rank) before returning, so every rank can read it.
+      st = put_into(remote, phys, data, size, options);
     }
     if (!st.ok()) return fail(st);
     if (dedup) {
@@ -364,6 +373,7 @@ class CascadeStore::Impl {
         sizes[i] = data[i].size;
       }
       tiers[0]->put_batch(ids, ptrs, sizes, options, *statuses);
+      if (remote > 0 && remote < tiers.size()) publish_batch(ids, ptrs, sizes, options, statuses);
       for (size_t i = 0; i < n; ++i) {
         if ((*statuses)[i].ok()) {
           puts.fetch_add(1, std::memory_order_relaxed);
@@ -385,6 +395,28 @@ class CascadeStore::Impl {
     return ok;
   }
 
+  // The items of a batch the top tier took, published to the remote tier
+  // too (see put_impl). An item that fails here is put again item by item.
+  void publish_batch(std::span<const BlockId> ids, const std::vector<const void*>& ptrs,
+                     const std::vector<uint64_t>& sizes, const PutOptions& options,
+                     std::vector<Status>* statuses) {
+    std::vector<size_t> idx;
+    std::vector<BlockId> pid;
+    std::vector<const void*> pp;
+    std::vector<uint64_t> ps;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (!(*statuses)[i].ok()) continue;
+      idx.push_back(i);
+      pid.push_back(ids[i]);
+      pp.push_back(ptrs[i]);
+      ps.push_back(sizes[i]);
+    }
+    std::vector<Status> sts(idx.size());
+    tiers[remote]->put_batch(pid, pp, ps, options, sts);
+    for (size_t k = 0; k < idx.size(); ++k)
+      if (!sts[k].ok()) (*statuses)[idx[k]] = sts[k];
+  }
+
   // ---- async ----------------------------------------------------------------
   void submit(std::function<void()> job) {
     {
@@ -402,19 +434,26 @@ class CascadeStore::Impl {
 // ---- public API ---------------------------------------------------------------
 
 Result<std::unique_ptr<CascadeStore>> CascadeStore::Open(const CascadeConfig& config) {
+  return StoreOpener::Open(config, nullptr);
+}
+
+Result<std::unique_ptr<CascadeStore>> StoreOpener::Open(const CascadeConfig& config,
+                                                        const RemoteTierOpener& open_remote) {
   CASCADE_RETURN_IF_ERROR(config.validate());
   auto kinds = config.resolve_pipeline(gpu_usable(config.gpu_device_id));
   if (!kinds.ok()) return kinds.status();
-  auto impl = std::make_unique<Impl>();
+  auto impl = std::make_unique<CascadeStore::Impl>();
   impl->config = config;
   impl->pool = std::make_unique<ThreadPool>(config.num_io_threads > 0 ? config.num_io_threads
                                                                       : ThreadPool::default_threads());
   for (TierKind k : *kinds) {
-    auto tier = open_tier(k, config, impl->pool.get());
+    auto tier = (k == TierKind::kRemote && open_remote) ? open_remote(k, config, impl->pool.get())
+                                                        : open_tier(k, config, impl->pool.get());
     if (!tier.ok()) {
       return Status(tier.status().code(),
                     std::string("cannot open the ") + tier_kind_name(k) + " tier: " + tier.status().message());
     }
+    if (k == TierKind::kRemote) impl->remote = impl->tiers.size();
     impl->tiers.push_back(std::move(tier.value()));
   }
   if (config.dedup_enabled) impl->dedup = std::make_unique<DedupTable>();

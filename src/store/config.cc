@@ -10,6 +10,7 @@ const char* tier_kind_name(TierKind kind) {
     case TierKind::kGpu: return "gpu";
     case TierKind::kHost: return "host";
     case TierKind::kFile: return "file";
+    case TierKind::kRemote: return "remote";
   }
   return "?";
 }
@@ -21,8 +22,21 @@ Result<TierKind> parse_tier(std::string_view name) {
   if (name == "gpu" || name == "hbm" || name == "device") return TierKind::kGpu;
   if (name == "host" || name == "shm" || name == "cache" || name == "dram") return TierKind::kHost;
   if (name == "file" || name == "lustre" || name == "posix" || name == "disk") return TierKind::kFile;
+  if (name == "remote") return TierKind::kRemote;
   return Status::InvalidArgument("unknown tier '" + std::string(name) +
-                                 "' in pipeline (expected gpu, host or file)");
+                                 "' in pipeline (expected gpu, host, remote or file)");
+}
+
+// Position in the pipeline: host and remote are one level (the remote tier
+// holds this rank's host arena), so a pipeline names one of them.
+int tier_level(TierKind k) {
+  switch (k) {
+    case TierKind::kGpu: return 0;
+    case TierKind::kHost:
+    case TierKind::kRemote: return 1;
+    case TierKind::kFile: return 2;
+  }
+  return 3;
 }
 
 std::string trim(std::string_view s) {
@@ -50,9 +64,9 @@ Result<std::vector<TierKind>> CascadeConfig::resolve_pipeline(bool gpu_available
     if (name.empty()) return Status::InvalidArgument("empty stage in pipeline '" + pipeline + "'");
     auto kind = parse_tier(name);
     if (!kind.ok()) return kind.status();
-    if (!tiers.empty() && static_cast<int>(*kind) <= static_cast<int>(tiers.back())) {
+    if (!tiers.empty() && tier_level(*kind) <= tier_level(tiers.back())) {
       return Status::InvalidArgument("pipeline '" + pipeline +
-                                     "': tiers must be ordered gpu, host, file, each at most once");
+                                     "': tiers must be ordered gpu, host (or remote), file, each at most once");
     }
     tiers.push_back(*kind);
     if (bar == std::string_view::npos) break;
@@ -65,7 +79,7 @@ Status CascadeConfig::validate() const {
   auto tiers = resolve_pipeline(true);
   if (!tiers.ok()) return tiers.status();
   for (TierKind t : *tiers) {
-    if (t == TierKind::kHost) {
+    if (t == TierKind::kHost || t == TierKind::kRemote) {
       if (shm_capacity_bytes == 0)
         return Status::InvalidArgument("shm_capacity_bytes is 0: the host tier needs room for at least one block");
       if (shm_path.empty()) return Status::InvalidArgument("shm_path is empty");

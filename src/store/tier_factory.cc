@@ -15,6 +15,10 @@ Result<std::unique_ptr<Tier>> open_tier(TierKind kind, const CascadeConfig& conf
     }
     case TierKind::kGpu:
       return open_gpu_tier(config, pool);
+    case TierKind::kRemote:
+      return Status::Unavailable(
+          "the remote tier belongs to distributed stores: open one with OpenDistributed "
+          "(cascade/distributed.h; Python: cascade.distributed.open_store), collectively over MPI");
     case TierKind::kFile:
       return open_file_tier(config, pool, nullptr);
   }
