@@ -14,7 +14,8 @@ BENCH_OUT ?= bench-results
 
 APT_PACKAGES := g++ make libssl-dev libgtest-dev libxxhash-dev liburing-dev \
                 libopenmpi-dev openmpi-bin redis-server
-PY_PACKAGES  := numpy pytest pyyaml nanobind scikit-build-core cmake ninja
+PY_PACKAGES  := numpy pytest pyyaml nanobind scikit-build-core cmake ninja \
+                redis hiredis h5py matplotlib
 TORCH        := torch==2.13.0
 
 CMAKE_DEFINES := -Ccmake.define.CASCADE_BUILD_TESTS=ON
@@ -55,12 +56,39 @@ test-cpp: build
 test-py: build
 	$(PY) -m pytest -q tests
 
-test: test-cpp test-py
+# The distributed store's MPI scenarios (mpirun -np 4 --oversubscribe; about a
+# minute on 2 cores). mpi4py is built against the system MPI on first use.
+.PHONY: test-mpi
+test-mpi: build
+	@$(PY) -c "import mpi4py" 2>/dev/null || $(PIP) install -q mpi4py
+	CASCADE_MPI_TESTS=1 $(PY) -m pytest -q tests/test_distributed.py
+
+test: test-cpp test-py test-mpi
 
 bench: build
 	@mkdir -p $(BENCH_OUT)
 	$(VENV)/bin/cascade info
 	$(VENV)/bin/cascade bench --json $(BENCH_OUT)/bench.json
+
+# Cascade beside its peers (Redis, HDF5, file-per-block, LMCache, torch on a GPU),
+# ceilings measured in the same run; tables, JSON and plots in $(BENCH_OUT).
+# LMCache gets its own environment (it pins its own torch); LMCACHE=0 skips it.
+LMCACHE       ?= 1
+LMCACHE_VENV  ?= .venv-lmcache
+LMCACHE_PKG   ?= lmcache==0.5.6
+COMPARE_ARGS  ?=
+
+.PHONY: bench-compare
+bench-compare: build
+	$(PIP) install -q redis hiredis h5py matplotlib
+	@if [ "$(LMCACHE)" = 1 ] && [ ! -x $(LMCACHE_VENV)/bin/python ]; then \
+	  echo "installing $(LMCACHE_PKG) into $(LMCACHE_VENV) (several GB: torch and CUDA libraries)"; \
+	  ( $(PYTHON) -m venv $(LMCACHE_VENV) && $(LMCACHE_VENV)/bin/pip install -q $(LMCACHE_PKG) ) || \
+	  { rm -rf $(LMCACHE_VENV); echo "LMCache could not be installed: its rows will be skipped"; }; \
+	fi
+	@mkdir -p $(BENCH_OUT)
+	$(VENV)/bin/cascade bench compare --out $(BENCH_OUT) \
+	  $(if $(filter 1,$(LMCACHE)),,--exclude lmcache-cpu,lmcache-disk) $(COMPARE_ARGS)
 
 clean:
 	rm -rf build $(VENV) $(BENCH_OUT)

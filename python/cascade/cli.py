@@ -3,6 +3,10 @@
     cascade info                      what this machine has
     cascade bench                     per-tier throughput vs the hardware ceiling
     cascade bench --size 1MiB --size 64MiB --threads 8 --json out.json
+    mpirun -np 4 cascade bench --distributed   distributed store: aggregate and per-rank GB/s
+    cascade bench compare             Cascade beside Redis, HDF5, file-per-block, LMCache, torch
+    cascade bench gpu                 gpu tier and paged KV transfers vs PCIe/HBM ceilings
+    cascade bench vmm --pages-total 100 --procs 4 --iters 20   GPU page-mapping parallelism
 """
 
 from __future__ import annotations
@@ -30,8 +34,19 @@ def _cmd_bench(args) -> int:
 
     args.sizes = [parse_size_arg(s) for s in (args.size or ["64KiB", "1MiB", "16MiB", "512MiB"])]
     args.total = parse_size_arg(args.total)
+    args.overflow_block = parse_size_arg(args.overflow_block)
+    if args.tiers == "auto":
+        from cascade import _core
+
+        args.tiers = "host,file" + (",gpu" if _core.gpu_usable(0) else "")
     args.tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    if args.overflow and args.only_overflow:
+        args.tiers = []
     progress = Progress(not args.quiet)
+    if args.distributed or args.scaling:
+        from cascade.bench.distributed import main as distributed_main
+
+        return distributed_main(args, progress)
     report = run_tier_bench(args, progress)
     text = format_report(report)
     print(text)
@@ -42,6 +57,47 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_compare(args) -> int:
+    from cascade.bench.common import Progress
+    from cascade.bench.compare import main
+
+    return main(args, Progress(not args.quiet))
+
+
+def _cmd_gpu(args) -> int:
+    from cascade.bench.common import Progress
+    from cascade.bench.gpu import run_transfers
+
+    return run_transfers(args, Progress(not args.quiet))
+
+
+def _cmd_vmm(args) -> int:
+    from cascade.bench.gpu import run_vmm
+
+    return run_vmm(args)
+
+
+def _cmd_inspect(args) -> int:
+    from cascade import _core
+    from cascade.bench.common import format_table, fmt_size
+
+    report = _core.inspect_directory(args.dir, not args.no_verify)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        rows = [[s["file"], fmt_size(s["file_bytes"]), "yes" if s["sealed"] else "no", s["records"],
+                 s["live_records"], fmt_size(s["live_bytes"]), fmt_size(s["dead_bytes"]), s["corrupt_records"],
+                 s["tail_bytes"]] for s in report["segments"]]
+        print(format_table(["segment", "size", "sealed", "records", "live", "live bytes", "dead bytes",
+                            "corrupt", "torn tail bytes"], rows, title=f"{report['dir']}"))
+        print(f"{report['records']} records, {report['live_records']} live ({fmt_size(report['payload_bytes'])} "
+              f"of payload), {report['duplicate_records']} duplicates, {fmt_size(report['dead_bytes'])} dead, "
+              f"{report['corrupt_records']} corrupt, {report['unreadable_segments']} unreadable segments; "
+              f"checksums {'verified' if report['verified'] else 'not read (--no-verify)'}")
+        print("OK" if report["ok"] else "DAMAGED: corrupt records are skipped (never served) by a store")
+    return 0 if report["ok"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cascade", description="Cascade tiered KV-cache store")
     sub = p.add_subparsers(dest="command", required=True)
@@ -50,8 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(fn=_cmd_info)
 
+    insp = sub.add_parser("inspect", help="segments, records, live/dead bytes and checksums of a file-tier "
+                                          "directory (exit 1 if anything is corrupt)")
+    insp.add_argument("dir", help="the file tier's directory (lustre_path)")
+    insp.add_argument("--no-verify", action="store_true", help="do not read payloads to check checksums")
+    insp.add_argument("--json", action="store_true", help="print JSON")
+    insp.set_defaults(fn=_cmd_inspect)
+
     bench = sub.add_parser("bench", help="measure tier throughput against the hardware ceiling")
-    bench.add_argument("--tiers", default="host", help="comma-separated tiers to measure (default: host)")
+    bench.add_argument("--tiers", default="auto",
+                       help="comma-separated tiers to measure: host, file, gpu (default: host, file, and gpu "
+                            "when one is usable)")
+    bench.add_argument("--file-dir", default=None,
+                       help="directory for the file tier (a temporary directory is made inside it and removed; "
+                            "default: the system's temporary directory)")
+    bench.add_argument("--overflow", action="store_true",
+                       help="also run the overflow table: 0/50/75/90%% of the data beyond the host tier, cold reads")
+    bench.add_argument("--only-overflow", action="store_true", help="with --overflow: skip the per-tier rows")
+    bench.add_argument("--overflow-block", default="1MiB", help="block size of the overflow run")
     bench.add_argument("--size", action="append",
                        help="block size; repeatable. A plain number is KiB (seed convention); "
                             "default: 64KiB 1MiB 16MiB 512MiB")
@@ -64,7 +136,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--skip-micro", action="store_true",
                        help="skip the per-call overhead and index lookup measurements")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.add_argument("--distributed", action="store_true",
+                       help="measure a distributed store, aggregate and per rank; run it under MPI: "
+                            "mpirun -np N --bind-to none cascade bench --distributed (--total: bytes per rank)")
+    bench.add_argument("--scaling", nargs="+", metavar="JSON",
+                       help="print the scaling table (ranks, aggregate read, speedup) of several "
+                            "`--distributed --json` runs")
     bench.set_defaults(fn=_cmd_bench)
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{compare,gpu,vmm}")
+    compare = bench_sub.add_parser("compare", help="Cascade side by side with its peers, ceilings beside")
+    from cascade.bench.compare import add_arguments as add_compare_arguments
+    add_compare_arguments(compare)
+    compare.set_defaults(fn=_cmd_compare)
+    from cascade.bench.gpu import add_gpu_arguments, add_vmm_arguments
+    gpu = bench_sub.add_parser("gpu", help="gpu tier and paged KV transfers beside the PCIe and HBM ceilings")
+    add_gpu_arguments(gpu)
+    gpu.set_defaults(fn=_cmd_gpu)
+    vmm = bench_sub.add_parser("vmm", help="GPU page-mapping parallelism over processes (the seed's benchmark)")
+    add_vmm_arguments(vmm)
+    vmm.set_defaults(fn=_cmd_vmm)
     return p
 
 
