@@ -499,14 +499,19 @@ class Runner:
                         workdir=self._workdir(), seed=seed, **kw)
 
     def _run_rows(self, systems, make_wl, ceilings, ref_of=None, cold=True, repeats=None) -> list:
-        # Ceilings first, measured just before the rows they judge.
-        ceilings.memory()
-        if any(c.medium == "file" for c in systems):
-            ceilings.file()
-        if any(c.medium == "gpu" for c in systems):
-            ceilings.gpu()
+        # Memory and GPU rows first, then file rows: the disk probe and the file
+        # rows leave gigabytes of dirty pages whose writeback would otherwise
+        # run under the memory rows. Each group's ceiling is measured just
+        # before it; a sync() first lets the previous step's writeback finish.
+        order = {"memory": 0, "gpu": 1, "file": 2}
         rows = []
-        for cls in systems:
+        os.sync()
+        ceilings.memory()
+        for cls in sorted(systems, key=lambda c: order.get(c.medium, 3)):
+            if cls.medium == "file":
+                ceilings.file()
+            elif cls.medium == "gpu":
+                ceilings.gpu()
             wl = make_wl()
             try:
                 rows.append(measure(cls, wl, repeats=repeats or self.args.repeats,

@@ -9,19 +9,46 @@ pageable memory (synchronous copies staged by the driver).
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
 from typing import Optional
 
 from cascade.bench.adapters.base import Adapter
 
 
+_problem_cache: dict = {}
+
+
 def _torch_problem() -> Optional[str]:
-    try:
+    """None when torch with a usable CUDA GPU can be imported in this process."""
+    if "answer" in _problem_cache:
+        return _problem_cache["answer"]
+    answer = None
+    if "torch" not in sys.modules:
+        if importlib.util.find_spec("torch") is None:
+            answer = "torch is not installed"
+        else:
+            # Import it in a child first: on one machine, loading torch after
+            # cascade's core (built with MPI) aborted the process
+            # ("free(): invalid pointer"); that must cost a row, not the run.
+            code = "import cascade, torch; print('CASCADE-TORCH', torch.cuda.is_available())"
+            try:
+                p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+                if p.returncode != 0:
+                    tail = [x for x in (p.stderr or "").splitlines() if x.strip()]
+                    answer = ("importing torch after cascade fails in this environment (exit status "
+                              f"{p.returncode}: {tail[-1] if tail else 'no message'}); import torch first: "
+                              "python -c 'import torch, sys; from cascade.cli import main; "
+                              "sys.exit(main(sys.argv[1:]))' bench compare ...")
+            except (OSError, subprocess.SubprocessError) as e:
+                answer = f"could not try importing torch: {e}"
+    if answer is None:
         import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return f"torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() is False)"
-    return None
+        if not torch.cuda.is_available():
+            answer = f"torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() is False)"
+    _problem_cache["answer"] = answer
+    return answer
 
 
 def register_host(arrays) -> list:
