@@ -111,6 +111,38 @@ def test_redis_server_starts_and_stops(arrays_factory, tmp_path):
     assert proc.poll() is not None, "redis-server still running after teardown"
 
 
+def test_resident_bytes_sees_the_page_cache(tmp_path):
+    from cascade.bench.adapters.base import drop_file_cache, resident_bytes
+    f = tmp_path / "blob"
+    f.write_bytes(os.urandom(4 << 20))
+    f.read_bytes()
+    assert resident_bytes(str(f)) == 4 << 20  # just written and read: cached
+    drop_file_cache(str(tmp_path))
+    assert resident_bytes(str(tmp_path)) < (4 << 20) // 100
+
+
+def test_file_ceiling_measures_direct_and_buffered(tmp_path):
+    c = compare.file_ceiling(str(tmp_path), 8 << 20, threads=1, repeats=1, min_bytes=16 << 20)
+    assert c["streams"] == 4 and c["bytes"] >= 16 << 20
+    assert c["buffered_write_gbps"] > 0 and c["buffered_read_gbps"] > 0
+    if c["direct"]:
+        assert c["direct_write_gbps"] > 0 and c["direct_read_gbps"] > 0
+    else:  # e.g. tmpfs: the reason is recorded, the figures are not passed off as O_DIRECT
+        assert c["direct_error"] and c["direct_write_gbps"] == 0
+    assert c["write_gbps"] == max(c["direct_write_gbps"], c["buffered_write_gbps"])
+    assert c["read_gbps"] == max(c["direct_read_gbps"], c["buffered_read_gbps"])
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".probe")]  # probe files removed
+
+
+def test_cold_reads_find_nothing_cached(arrays_factory, tmp_path):
+    cls = {c.name: c for c in ADAPTERS}["posix-psync"]
+    arrays = arrays_factory(8, 256 << 10)
+    row = compare.measure(cls, _workload(arrays, tmp_path), repeats=1, latency_samples=2)
+    assert row.get("verified"), row
+    assert row["cold_read_gbps"] > 0
+    assert row["cold_resident_bytes"] <= arrays.blocks * arrays.block_bytes // 100
+
+
 class _Corrupting(Adapter):
     """A fake system that flips a byte on the way back."""
     name = "corrupting"

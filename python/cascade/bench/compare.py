@@ -43,7 +43,7 @@ import numpy as np
 import cascade
 from cascade import _core
 from cascade.bench.adapters import Unsupported, Workload, all_adapters
-from cascade.bench.adapters.base import aligned_buffer, drop_file_cache, read_all, write_all
+from cascade.bench.adapters.base import aligned_buffer, drop_file_cache, read_all, resident_bytes, write_all
 from cascade.bench.common import fmt_size, format_table, parse_size_arg
 
 WORKLOADS = ("sizes", "threads", "overflow", "prefix")
@@ -125,9 +125,10 @@ def _verify(wl: Workload) -> None:
 
 # --------------------------------------------------------------- ceilings --
 
-# Ceilings use at least this many bytes (less is dominated by setup); --quick
-# lowers it.
+# Ceilings use at least this many bytes (less is dominated by setup, or on a
+# disk by its burst behaviour); --quick lowers both.
 CEILING_MIN_BYTES = 256 << 20
+FILE_CEILING_MIN_BYTES = 1 << 30
 
 
 def memcpy_ceiling(nbytes: int, threads: int, min_bytes: int = CEILING_MIN_BYTES) -> dict:
@@ -139,10 +140,12 @@ def memcpy_ceiling(nbytes: int, threads: int, min_bytes: int = CEILING_MIN_BYTES
 
 def _sequential_probe(directory: str, total: int, streams: int, io_bytes: int, direct: bool,
                       repeats: int) -> tuple:
-    """Best (write, read) GB/s of `streams` threads each writing then reading
-    a file of its own sequentially, `io_bytes` per call, from page-aligned
-    mmap buffers. Writes end with fdatasync (timed). direct: O_DIRECT;
-    otherwise buffered I/O with the page cache dropped between write and read."""
+    """(write GB/s, read GB/s, bytes) of `streams` threads each writing then
+    reading a file of its own sequentially, `io_bytes` per call, from
+    page-aligned mmap buffers, best of `repeats` passes. Writes end with
+    fdatasync (timed). direct: O_DIRECT; otherwise buffered I/O with the page
+    cache dropped between write and read (a read that would still find pages
+    in memory raises: it would not measure the disk)."""
     import concurrent.futures
 
     per = max(io_bytes, (total // streams) // io_bytes * io_bytes)
@@ -182,6 +185,10 @@ def _sequential_probe(directory: str, total: int, streams: int, io_bytes: int, d
                 if not direct:
                     for p in paths:
                         drop_file_cache(p)
+                    left = sum(resident_bytes(p) for p in paths)
+                    if left > per * streams // 100:
+                        raise RuntimeError(f"the page cache kept {left} of {per * streams} probe bytes "
+                                           "after posix_fadvise(DONTNEED): no cold read possible here")
                 t2 = time.perf_counter()
                 list(pool.map(read, range(streams)))
                 t3 = time.perf_counter()
@@ -197,44 +204,60 @@ def _sequential_probe(directory: str, total: int, streams: int, io_bytes: int, d
 
 
 def file_ceiling(directory: str, nbytes: int, threads: int, io_bytes: int = 16 << 20, repeats: int = 2,
-                 min_bytes: int = CEILING_MIN_BYTES) -> dict:
-    """What the device under `directory` can do, sequentially, in this run:
-    O_DIRECT (the design's ceiling) and buffered I/O with fdatasync and the
-    page cache dropped before reading (on virtual disks readahead can beat
-    O_DIRECT); the better of the two is the ceiling. max(4, threads) streams
-    of 16 MiB requests, so the probe is not limited by the rows' thread count."""
+                 min_bytes: int = FILE_CEILING_MIN_BYTES) -> dict:
+    """What the device under `directory` can do sequentially, in this run.
+
+    Two probes on the same directory, each writing max(4, threads) files of
+    its own in `io_bytes` requests (write timed with its final fsync), then
+    reading them back:
+    - raw O_DIRECT (the design's ceiling): the file tier's own probe
+      (`probe_direct_io`, C++ threads, aligned buffers), or the same pattern
+      from Python where that binding is missing;
+    - buffered with fdatasync, the page cache dropped (and checked to be
+      dropped) before reading: on a virtual disk, kernel readahead keeps
+      more requests in flight than one O_DIRECT request per stream and reads
+      faster, and buffered rows must not sit above their ceiling.
+    The ceiling is the better of the two; both are reported. At least
+    `min_bytes` (1 GiB by default: less is dominated by the disk's burst
+    behaviour) and at most 2 GiB are moved per pass; the best of `repeats`
+    passes is kept."""
     streams = max(4, threads)
-    total = max(min_bytes, min(nbytes, 1 << 30))
+    total = max(min_bytes, min(nbytes, 2 << 30))
     io_bytes = max(1 << 20, min(io_bytes, (total // streams) >> 20 << 20))
     out = {"kind": "sequential, best of O_DIRECT and buffered+fdatasync (cold)", "streams": streams,
-           "io_bytes": io_bytes}
-    core_probe = getattr(_core, "probe_direct_io", None)  # the file tier's own probe, where bound
+           "io_bytes": io_bytes, "repeats": repeats}
     direct = None
+    core_probe = getattr(_core, "probe_direct_io", None)
     if core_probe is not None:
         try:
-            ws, rs = [], []
-            for _ in range(repeats):
-                r = core_probe(directory, total, io_bytes, streams)
-                get = (lambda k: r[k]) if isinstance(r, dict) else (lambda k: getattr(r, k))
-                ws.append(float(get("write_gbps")))
-                rs.append(float(get("read_gbps")))
-                out["direct"] = bool(get("direct"))  # False: the file system refused O_DIRECT
-            direct = (max(ws), max(rs), total)
+            runs = [core_probe(directory, total, io_bytes, streams) for _ in range(repeats)]
+        except cascade.CascadeError as e:
+            out["direct_error"] = f"probe_direct_io: {type(e).__name__}: {e}"
+        else:
             out["direct_probe"] = "probe_direct_io"
-        except Exception:
-            direct = None  # an older or different binding: the probe below does the same
-    if direct is None:
+            if all(r["direct"] for r in runs):
+                direct = (max(r["write_gbps"] for r in runs), max(r["read_gbps"] for r in runs),
+                          runs[0]["bytes"])
+            else:  # the probe fell back to buffered I/O: not an O_DIRECT figure
+                out["direct_error"] = f"the file system of {directory} refuses O_DIRECT"
+    if direct is None and "direct_error" not in out:
         try:
             direct = _sequential_probe(directory, total, streams, io_bytes, True, repeats)
             out["direct_probe"] = "python"
-        except OSError as e:  # a file system without O_DIRECT
-            direct = (0.0, 0.0, total)
-            out["direct_error"] = str(e)
+        except OSError as e:  # EINVAL: a file system without O_DIRECT
+            out["direct_error"] = f"O_DIRECT: {e}"
     buffered = _sequential_probe(directory, total, streams, io_bytes, False, repeats)
-    out.update({"bytes": direct[2], "direct_write_gbps": direct[0], "direct_read_gbps": direct[1],
-                "buffered_write_gbps": buffered[0], "buffered_read_gbps": buffered[1],
-                "write_gbps": max(direct[0], buffered[0]), "read_gbps": max(direct[1], buffered[1])})
+    dw, dr = (direct[0], direct[1]) if direct else (0.0, 0.0)
+    out.update({"bytes": buffered[2], "direct": direct is not None, "direct_write_gbps": dw,
+                "direct_read_gbps": dr, "buffered_write_gbps": buffered[0], "buffered_read_gbps": buffered[1],
+                "write_gbps": max(dw, buffered[0]), "read_gbps": max(dr, buffered[1])})
     return out
+
+
+def _file_detail(f: dict) -> str:
+    direct = (f"O_DIRECT {f['direct_write_gbps']:.2f}/{f['direct_read_gbps']:.2f}" if f.get("direct", True)
+              else f"no O_DIRECT: {f.get('direct_error', 'refused')}")
+    return f"{direct}, buffered {f['buffered_write_gbps']:.2f}/{f['buffered_read_gbps']:.2f}"
 
 
 def gpu_ceiling(nbytes: int) -> Optional[dict]:
@@ -248,9 +271,9 @@ class Ceilings:
     """The ceilings of one workload step, measured on demand, once."""
 
     def __init__(self, workdir: str, nbytes: int, threads: int, progress, min_bytes: int = CEILING_MIN_BYTES,
-                 repeats: int = 2):
+                 repeats: int = 2, file_min_bytes: int = FILE_CEILING_MIN_BYTES):
         self.workdir, self.nbytes, self.threads, self.progress = workdir, nbytes, threads, progress
-        self.min_bytes, self.repeats = min_bytes, repeats
+        self.min_bytes, self.repeats, self.file_min_bytes = min_bytes, repeats, file_min_bytes
         self._mem = self._file = self._gpu = None
 
     def memory(self) -> dict:
@@ -262,11 +285,10 @@ class Ceilings:
     def file(self) -> dict:
         if self._file is None:
             self._file = file_ceiling(self.workdir, self.nbytes, self.threads, repeats=self.repeats,
-                                      min_bytes=self.min_bytes)
+                                      min_bytes=self.file_min_bytes)
             f = self._file
             self.progress(f"  ceiling: disk write {f['write_gbps']:.2f} / read {f['read_gbps']:.2f} GB/s "
-                          f"(O_DIRECT {f['direct_write_gbps']:.2f}/{f['direct_read_gbps']:.2f}, buffered "
-                          f"{f['buffered_write_gbps']:.2f}/{f['buffered_read_gbps']:.2f}, {f['streams']} streams)")
+                          f"({_file_detail(f)}, {f['streams']} streams, {f['bytes'] / 2**30:.2f} GiB)")
         return self._file
 
     def gpu(self) -> Optional[dict]:
@@ -282,7 +304,7 @@ class Ceilings:
         each: a ceiling taken while the shared machine was busy would flatter
         every ratio; the rows ran between the two measurements."""
         def merge(old, new, keys):
-            if not old:
+            if not old or not new:
                 return old
             out = dict(old)
             for k in keys:
@@ -294,8 +316,9 @@ class Ceilings:
             self._mem = merge(self._mem, memcpy_ceiling(self.nbytes, self.threads, self.min_bytes), ["gbps"])
         if self._file:
             self._file = merge(self._file, file_ceiling(self.workdir, self.nbytes, self.threads,
-                                                        repeats=self.repeats, min_bytes=self.min_bytes),
-                               ["write_gbps", "read_gbps"])
+                                                        repeats=self.repeats, min_bytes=self.file_min_bytes),
+                               ["write_gbps", "read_gbps", "direct_write_gbps", "direct_read_gbps",
+                                "buffered_write_gbps", "buffered_read_gbps"])
         if self._gpu:
             self._gpu = merge(self._gpu, gpu_ceiling(self.nbytes), ["write_gbps", "read_gbps", "gbps"])
         self.progress("  ceilings again after the rows: " + ", ".join(
@@ -381,13 +404,17 @@ def measure(cls, wl: Workload, *, repeats: int = 3, latency_samples: int = 200, 
         get_lat = [_timed(a.get_many, range(i, i + 1)) for i in sample]
         if cold and a.drop_caches():
             wl.out.fill(0)
-            colds = []
+            colds, resident = [], 0
             for r in range(max(1, min(repeats, 3))):
                 if r:
                     a.drop_caches()
+                # What a cold read could still find in the page cache (mincore
+                # over the row's files; reads nothing), outside the timing.
+                resident = max(resident, resident_bytes(wl.workdir))
                 colds.append(total / _timed(a.get_many, every) / 1e9)
             _verify(wl)
             row["cold_read_gbps"], row["cold_read_gbps_all"] = max(colds), colds
+            row["cold_resident_bytes"] = resident
         row["verified"] = True
         for name, lat in (("put", put_lat), ("get", get_lat)):
             if lat:
@@ -415,9 +442,12 @@ def measure(cls, wl: Workload, *, repeats: int = 3, latency_samples: int = 200, 
     elif "skipped" in row:
         progress(f"  {cls.name}: skipped ({row['skipped']})")
     else:
+        cached = row.get("cold_resident_bytes", 0)
         progress(f"  {cls.name}: write {row['write_gbps']:.2f}  hot {row['hot_read_gbps']:.2f}"
                  + (f"  cold {row['cold_read_gbps']:.2f}" if "cold_read_gbps" in row else "")
-                 + f" GB/s  ({row['seconds']:.1f} s)")
+                 + f" GB/s  ({row['seconds']:.1f} s)"
+                 + (f"  [cold reads found {cached / 2**20:.1f} MiB still in the page cache]"
+                    if cached > wl.total_bytes // 100 else ""))
     return row
 
 
@@ -488,7 +518,7 @@ class Runner:
 
     def _ceilings(self, nbytes: int, threads: int) -> "Ceilings":
         return Ceilings(self._workdir(), nbytes, threads, self.progress, self.args.ceiling_min_bytes,
-                        self.args.ceiling_repeats)
+                        self.args.ceiling_repeats, self.args.file_ceiling_min_bytes)
 
     def _workdir(self) -> str:
         return tempfile.mkdtemp(prefix="w", dir=self.root)
@@ -790,9 +820,7 @@ def _ceiling_lines(w: dict, key: str) -> list:
             parts.append(f"host copy {c['memory']['gbps']:.2f}")
         if "file" in c:
             f = c["file"]
-            parts.append(f"disk write {f['write_gbps']:.2f} read {f['read_gbps']:.2f} (O_DIRECT "
-                         f"{f['direct_write_gbps']:.2f}/{f['direct_read_gbps']:.2f}, buffered "
-                         f"{f['buffered_write_gbps']:.2f}/{f['buffered_read_gbps']:.2f})")
+            parts.append(f"disk write {f['write_gbps']:.2f} read {f['read_gbps']:.2f} ({_file_detail(f)})")
         if "gpu" in c:
             parts.append(f"pinned H2D {c['gpu']['write_gbps']:.2f} D2H {c['gpu']['read_gbps']:.2f}")
         if "model_cold_read_gbps" in c:
@@ -893,6 +921,7 @@ def add_arguments(p) -> None:
 
 def _apply_quick(args) -> None:
     args.ceiling_min_bytes, args.ceiling_repeats, args.refresh_ceilings = 16 << 20, 1, False
+    args.file_ceiling_min_bytes = 16 << 20
     args.size = args.size or ["64KiB", "1MiB"]
     args.total, args.repeats, args.latency_samples, args.large_repeats = "4MiB", 1, 4, 1
     args.thread_total, args.overflow_total, args.overflow_size = "4MiB", "8MiB", "1MiB"
@@ -902,6 +931,7 @@ def _apply_quick(args) -> None:
 
 def normalise_args(args) -> None:
     args.ceiling_min_bytes, args.ceiling_repeats, args.refresh_ceilings = CEILING_MIN_BYTES, 2, True
+    args.file_ceiling_min_bytes = FILE_CEILING_MIN_BYTES
     if args.quick:
         _apply_quick(args)
     args.sizes = [parse_size_arg(s) for s in (args.size or DEFAULT_SIZES)]

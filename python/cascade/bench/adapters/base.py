@@ -151,12 +151,7 @@ def drop_file_cache(path: str) -> int:
     sync() (dirty pages cannot be dropped; one sync is far cheaper than an
     fsync per file), then posix_fadvise(DONTNEED) on each file. Returns the
     number of files."""
-    files = []
-    if os.path.isfile(path):
-        files = [path]
-    else:
-        for root, _dirs, names in os.walk(path):
-            files.extend(os.path.join(root, n) for n in names)
+    files = _files_under(path)
     os.sync()
     for f in files:
         try:
@@ -168,6 +163,60 @@ def drop_file_cache(path: str) -> int:
         finally:
             os.close(fd)
     return len(files)
+
+
+def _files_under(path: str) -> list:
+    if os.path.isfile(path):
+        return [path]
+    out = []
+    for root, _dirs, names in os.walk(path):
+        out.extend(os.path.join(root, n) for n in names)
+    return out
+
+
+_libc = None
+
+
+def resident_bytes(path: str) -> int:
+    """Bytes of the files under path that are in the page cache now
+    (mmap + mincore, which reads nothing): what a "cold" read would still
+    find in memory. Files removed meanwhile count as 0."""
+    import ctypes
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                             ctypes.c_long]
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        _libc = lib
+    page = os.sysconf("SC_PAGE_SIZE")
+    failed = ctypes.c_void_p(-1).value
+    total = 0
+    for f in _files_under(path):
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                continue
+            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr is None or addr == failed:
+                raise OSError(ctypes.get_errno(), f"mmap of {f} for mincore failed")
+            try:
+                pages = (size + page - 1) // page
+                vec = (ctypes.c_ubyte * pages)()
+                if _libc.mincore(addr, size, vec) != 0:
+                    raise OSError(ctypes.get_errno(), f"mincore of {f} failed")
+                total += min(size, sum(v & 1 for v in vec) * page)
+            finally:
+                _libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return total
 
 
 def disk_usage(path: str) -> int:
