@@ -12,6 +12,7 @@ void register_store(nb::module_& m);
 void register_distributed(nb::module_& m);
 void register_file(nb::module_& m);
 void register_gpu(nb::module_& m);
+void register_kv(nb::module_& m);
 }
 
 using namespace cascade;
@@ -108,4 +109,5 @@ NB_MODULE(_core, m) {
   register_distributed(m);
   register_file(m);
   register_gpu(m);
+  register_kv(m);
 }

@@ -354,6 +354,15 @@ nb::object wrap_store(std::unique_ptr<CascadeStore> store) {
   return nb::cast(new PyStore(std::move(store)), nb::rv_policy::take_ownership);
 }
 
+CascadeStore& unwrap_store(nb::handle obj) {
+  PyStore* s = nullptr;
+  if (!nb::try_cast<PyStore*>(obj, s) || s == nullptr) {
+    throw nb::type_error(("expected a cascade.CascadeStore, got " + std::string(nb::type_name(obj.type()).c_str()))
+                             .c_str());
+  }
+  return s->store();
+}
+
 void register_store(nb::module_& m) {
   nb::class_<BatchHandle>(m, "BatchHandle",
                           "Handle of an asynchronous batch. wait() returns the count of items that "

@@ -1,5 +1,5 @@
 // Hands a C++ store to Python as a cascade.CascadeStore (for stores opened
-// elsewhere than CascadeStore(config), e.g. distributed ones).
+// elsewhere than CascadeStore(config), e.g. distributed ones), and back.
 #pragma once
 
 #include <memory>
@@ -11,5 +11,9 @@ namespace cascade::py {
 
 // REQUIRES: the GIL is held.
 nb::object wrap_store(std::unique_ptr<CascadeStore> store);
+
+// The C++ store behind a cascade.CascadeStore. TypeError for another object,
+// UnavailableError when it is closed. REQUIRES: the GIL is held.
+CascadeStore& unwrap_store(nb::handle obj);
 
 }  // namespace cascade::py

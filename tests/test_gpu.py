@@ -342,3 +342,55 @@ def test_vmm_bench_runs_in_its_own_process():
                         "--iters", "2"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "contiguous" in r.stdout
+
+
+# ---- paged KV through the store (cascade.integrations.kv) ------------------------------
+
+
+def _kv_pages(torch, layout, seed, device="cuda", layers=4, blocks=64, heads=8, bs=16, d=128):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if layout == "packed_kv":
+        buf = torch.randn(layers, blocks, heads, bs, 2 * d, generator=g).to(torch.bfloat16)
+    else:
+        buf = torch.randn(layers, 2, blocks, bs, heads, d, generator=g).to(torch.bfloat16)
+    buf = buf.to(device)
+    return buf, [buf[i] for i in range(layers)]
+
+
+@gpu_test
+@pytest.mark.parametrize("pipeline", ["host", "gpu|host", "host|file"])
+@pytest.mark.parametrize("layout", ["packed_kv", "split_kv"])
+def test_paged_kv_cuda_round_trip(shm_path, tmp_path, pipeline, layout):
+    torch = _torch_cuda()
+    from cascade.integrations.kv import PagedKv, load_paged, save_paged
+
+    src_buf, src = _kv_pages(torch, layout, 1)
+    dst_buf, dst = _kv_pages(torch, layout, 2)
+    before = dst_buf.clone()
+    cfg = cascade.config_from_dict(dict(pipeline=pipeline, use_gpu="gpu" in pipeline, gpu_capacity_bytes=64 * MiB,
+                                        shm_capacity_bytes=64 * MiB, shm_path=shm_path, lustre_path=str(tmp_path),
+                                        file_capacity_bytes=256 * MiB, io_direct=False, num_io_threads=4))
+    ids = [f"{i:032x}" for i in range(1, 41)]
+    src_blocks = list(range(0, 40))
+    dst_blocks = list(range(63, 23, -1))
+    with cascade.CascadeStore(cfg) as store:
+        kv_src, kv_dst = PagedKv.from_layers(src, layout), PagedKv.from_layers(dst, layout)
+        assert save_paged(store, kv_src, src_blocks, ids) == [None] * 40
+        # Reloaded on another stream into other pages, in reverse order.
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            assert load_paged(store, kv_dst, dst_blocks, ids) == [None] * 40
+        torch.cuda.synchronize()
+        idx = [slice(None)] * dst_buf.dim()
+        bdim = 1 if layout == "packed_kv" else 2
+        for sb, db in zip(src_blocks, dst_blocks):
+            idx_s, idx_d = list(idx), list(idx)
+            idx_s[bdim], idx_d[bdim] = sb, db
+            assert torch.equal(src_buf[tuple(idx_s)], dst_buf[tuple(idx_d)]), (sb, db)
+        for b in range(0, 24):
+            idx_d = list(idx)
+            idx_d[bdim] = b
+            assert torch.equal(before[tuple(idx_d)], dst_buf[tuple(idx_d)])
+        # A missing block is an item error and leaves its page alone.
+        assert "not stored" in load_paged(store, kv_dst, [0], ["f" * 32])[0]
+        assert torch.equal(before[(slice(None),) * bdim + (0,)], dst_buf[(slice(None),) * bdim + (0,)])

@@ -1,0 +1,210 @@
+"""An engine's paged KV cache to and from a CascadeStore.
+
+``PagedKv`` describes the engine's per-layer KV tensors (torch, CPU or
+CUDA); ``save_paged`` gathers engine blocks into store blocks (one store
+block per engine block, every layer), ``load_paged`` scatters them back.
+The stored bytes do not depend on the engine's layout (docs/formats.md,
+"Stored KV block"), so a block saved from one layout loads into another of
+the same shape.
+
+Layouts (per layer, any strides as long as the innermost dimension is
+contiguous):
+
+- ``packed_kv`` (vLLM >= 0.26): ``[num_blocks, num_kv_heads, block_size, 2*head_size]``,
+  K in the first half of the last dimension, V in the second;
+- ``split_kv`` (older vLLM): ``[2, num_blocks, block_size, num_kv_heads, head_size]``;
+- ``flat_bytes``: ``[num_blocks, bytes_per_block]`` (uint8), copied as is.
+
+A view of a transformers-style buffer ``buf`` of shape ``[L, 2, H, T, D]`` as
+blocks of ``bs`` tokens is ``buf[l].view(2, H, T // bs, bs, D).permute(0, 2, 3, 1, 4)``
+(split_kv with the tensor's own strides).
+
+Results are per item: None when the block was stored / loaded whole,
+otherwise the reason. A load never reports success for a block whose bytes
+were not all written into the engine's pages.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+from cascade import _core
+
+LAYOUTS = ("packed_kv", "split_kv", "flat_bytes")
+
+
+def _as_int_list(values, what: str) -> list:
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    out = list(values)
+    for v in out:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{what} must be integers, got {type(v).__name__}")
+    return out
+
+
+class PagedKv:
+    """A description of an engine's per-layer paged KV tensors.
+
+    Keeps the tensors alive; their memory must not be reallocated while the
+    description is used.
+    """
+
+    def __init__(self, layers, layout: str, *, num_blocks: int, num_kv_heads: int = 0, block_size: int = 0,
+                 head_size: int = 0, elem_bytes: int = 1, bytes_per_block: int = 0, block_stride: int = 0,
+                 head_stride: int = 0, token_stride: int = 0, kv_stride: int = 0, device: int = -1):
+        self.layers = list(layers)
+        self.layout = layout
+        self.num_layers = len(self.layers)
+        self.num_blocks = num_blocks
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        self.head_size = head_size
+        self.elem_bytes = elem_bytes
+        self.bytes_per_block = bytes_per_block
+        self.strides = (block_stride, head_stride, token_stride, kv_stride)
+        self.device = device  # CUDA device index, -1 for host memory
+        if layout == "flat_bytes":
+            self.stored_block_bytes = self.num_layers * bytes_per_block
+        else:
+            self.stored_block_bytes = self.num_layers * 2 * block_size * num_kv_heads * head_size * elem_bytes
+        self._movers = {}
+
+    @classmethod
+    def from_layers(cls, layers, layout: str = "packed_kv", block_size: Optional[int] = None) -> "PagedKv":
+        """Describes ``layers`` (one torch tensor per attention layer)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown KV layout {layout!r}: one of {', '.join(LAYOUTS)}")
+        if isinstance(layers, dict):
+            layers = list(layers.values())
+        layers = list(layers)
+        if not layers:
+            raise ValueError("no KV layers given")
+        first = layers[0]
+        for i, t in enumerate(layers):
+            if not (hasattr(t, "data_ptr") and hasattr(t, "stride")):
+                raise TypeError(f"layer {i} is not a tensor ({type(t).__name__})")
+            if (tuple(t.shape) != tuple(first.shape) or t.stride() != first.stride()
+                    or t.dtype != first.dtype or t.device != first.device):
+                raise ValueError(f"layer {i} differs from layer 0 in shape, strides, dtype or device "
+                                 f"({tuple(t.shape)} {t.stride()} {t.dtype} {t.device} vs "
+                                 f"{tuple(first.shape)} {first.stride()} {first.dtype} {first.device})")
+        dev = first.device
+        if dev.type == "cpu":
+            device = -1
+        elif dev.type == "cuda":
+            device = dev.index if dev.index is not None else 0
+        else:
+            raise ValueError(f"KV tensors on {dev} are not supported (cpu or cuda)")
+        shape, st = tuple(first.shape), first.stride()
+        elem = first.element_size()
+        if layout == "flat_bytes":
+            if len(shape) != 2 or elem != 1:
+                raise ValueError(f"flat_bytes layers are [num_blocks, bytes_per_block] uint8, got {shape} "
+                                 f"of {first.dtype}")
+            if st[1] != 1:
+                raise ValueError("the bytes of a block must be contiguous")
+            return cls(layers, layout, num_blocks=shape[0], bytes_per_block=shape[1], block_stride=st[0],
+                       device=device)
+        if elem not in (1, 2, 4):
+            raise ValueError(f"unsupported KV dtype {first.dtype} ({elem} bytes per element)")
+        if layout == "packed_kv":
+            if len(shape) != 4 or shape[3] % 2:
+                raise ValueError(f"packed_kv layers are [num_blocks, num_kv_heads, block_size, 2*head_size], "
+                                 f"got {shape}")
+            nb, heads, bs, two_d = shape
+            head = two_d // 2
+            strides = dict(block_stride=st[0], head_stride=st[1], token_stride=st[2], kv_stride=head)
+            inner = st[3]
+        else:
+            if len(shape) != 5 or shape[0] != 2:
+                raise ValueError(f"split_kv layers are [2, num_blocks, block_size, num_kv_heads, head_size], "
+                                 f"got {shape}")
+            _, nb, bs, heads, head = shape
+            strides = dict(block_stride=st[1], head_stride=st[3], token_stride=st[2], kv_stride=st[0])
+            inner = st[4]
+        if inner != 1:
+            raise ValueError(f"the innermost (head_size) dimension must be contiguous, its stride is {inner}")
+        if block_size is not None and block_size != bs:
+            raise ValueError(f"block_size {block_size} given but the tensors hold blocks of {bs} tokens")
+        return cls(layers, layout, num_blocks=nb, num_kv_heads=heads, block_size=bs, head_size=head,
+                   elem_bytes=elem, device=device, **strides)
+
+    def _mover(self, store):
+        key = id(store)
+        entry = self._movers.get(key)
+        if entry is None or entry[0] is not store:
+            bs, hs, ts, kvs = self.strides
+            mover = _core.KvBlockMover(
+                store, self.layout, self.device, self.num_layers, self.num_blocks, self.num_kv_heads,
+                self.block_size, self.head_size, self.elem_bytes, self.bytes_per_block,
+                [t.data_ptr() for t in self.layers], bs, hs, ts, kvs)
+            entry = (store, mover)
+            self._movers[key] = entry
+        return entry[1]
+
+    def _stream(self, cuda_stream) -> int:
+        if self.device < 0:
+            return 0
+        if cuda_stream is None:
+            import torch
+            return int(torch.cuda.current_stream(self.device).cuda_stream)
+        if isinstance(cuda_stream, int):
+            return cuda_stream
+        if hasattr(cuda_stream, "cuda_stream"):
+            return int(cuda_stream.cuda_stream)
+        raise TypeError("cuda_stream must be None, an int cudaStream_t or a torch.cuda.Stream")
+
+    def __repr__(self) -> str:
+        where = "cpu" if self.device < 0 else f"cuda:{self.device}"
+        return (f"PagedKv({self.layout}, layers={self.num_layers}, blocks={self.num_blocks}, "
+                f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+                f"elem_bytes={self.elem_bytes}, {where}, stored_block_bytes={self.stored_block_bytes})")
+
+
+def _layer_range(kv: PagedKv, layers) -> tuple:
+    if layers is None:
+        return 0, -1
+    if isinstance(layers, range):
+        if layers.step != 1:
+            raise ValueError("layers must be a contiguous range")
+        return layers.start, layers.stop
+    begin, end = layers
+    return int(begin), int(end)
+
+
+def save_paged(store, kv: PagedKv, engine_blocks: Sequence[int], ids: Sequence[str], *, layers=None,
+               cuda_stream=None) -> list:
+    """Stores engine block ``engine_blocks[i]`` (every layer) under ``ids[i]``.
+
+    Per item: None when stored or already present, else the reason. A block
+    is always saved whole; ``layers`` must be None (or cover every layer).
+    """
+    if layers is not None and _layer_range(kv, layers) not in ((0, -1), (0, kv.num_layers)):
+        raise ValueError("a save copies every layer: a stored block is written once, whole")
+    blocks = _as_int_list(engine_blocks, "engine_blocks")
+    return kv._mover(store).save(blocks, list(ids), kv._stream(cuda_stream))
+
+
+def load_paged(store, kv: PagedKv, engine_blocks: Sequence[int], ids: Sequence[str], *, layers=None,
+               cuda_stream=None) -> list:
+    """Loads store block ``ids[i]`` into engine block ``engine_blocks[i]``.
+
+    ``layers``: None (all), a ``range`` or a ``(begin, end)`` pair for a
+    layer-by-layer load. Per item: None when every byte was written, else
+    the reason (not found, size mismatch, I/O error...). The copies are
+    complete when the call returns (ordered after ``cuda_stream``'s work).
+    """
+    begin, end = _layer_range(kv, layers)
+    blocks = _as_int_list(engine_blocks, "engine_blocks")
+    return kv._mover(store).load(blocks, list(ids), begin, end, kv._stream(cuda_stream))
+
+
+def cached_prefix_length(store, ids: Iterable[str]) -> int:
+    """How many leading ids the store holds (a lookup; moves nothing)."""
+    n = 0
+    for block_id in ids:
+        if not store.contains(block_id):
+            break
+        n += 1
+    return n

@@ -1,0 +1,153 @@
+"""Paged KV blocks through a real store: byte-exact in every layout, per-item
+errors, never a silent partial load. CPU tensors here; tests/test_gpu.py
+covers CUDA tensors."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cascade  # noqa: E402
+from cascade.integrations.ids import KvNamespace, prefix_block_ids  # noqa: E402
+from cascade.integrations.kv import PagedKv, cached_prefix_length, load_paged, save_paged  # noqa: E402
+
+L, NB, H, BS, D = 3, 10, 2, 4, 8
+
+
+def packed(seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(L, NB, H, BS, 2 * D, generator=g).to(dtype)
+    return [buf[i] for i in range(L)]
+
+
+def split(seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(L, 2, NB, BS, H, D, generator=g).to(dtype)
+    return [buf[i] for i in range(L)]
+
+
+def k_of(layers, layout, block):
+    """[L, BS, H, D] keys of one engine block, whatever the layout."""
+    if layout == "packed_kv":
+        return torch.stack([t[block, :, :, :D].transpose(0, 1) for t in layers])
+    return torch.stack([t[0, block] for t in layers])
+
+
+def v_of(layers, layout, block):
+    if layout == "packed_kv":
+        return torch.stack([t[block, :, :, D:].transpose(0, 1) for t in layers])
+    return torch.stack([t[1, block] for t in layers])
+
+
+IDS = prefix_block_ids(list(range(3 * BS)), KvNamespace("m", "bfloat16", "packed_kv", BS))
+
+
+@pytest.mark.parametrize("src_layout,dst_layout", [("packed_kv", "packed_kv"), ("split_kv", "split_kv"),
+                                                   ("packed_kv", "split_kv"), ("split_kv", "packed_kv")])
+def test_round_trip_byte_exact(store, src_layout, dst_layout):
+    make = {"packed_kv": packed, "split_kv": split}
+    src, dst = make[src_layout](1), make[dst_layout](2)
+    before = [t.clone() for t in dst]
+    kv_src = PagedKv.from_layers(src, src_layout)
+    kv_dst = PagedKv.from_layers(dst, dst_layout, block_size=BS)
+    assert kv_src.stored_block_bytes == L * 2 * BS * H * D * 2
+    assert save_paged(store, kv_src, [7, 2, 5], IDS) == [None] * 3
+    assert cached_prefix_length(store, IDS) == 3
+    assert load_paged(store, kv_dst, [0, 1, 9], IDS) == [None] * 3
+    for s, d in ((7, 0), (2, 1), (5, 9)):
+        assert torch.equal(k_of(src, src_layout, s), k_of(dst, dst_layout, d))
+        assert torch.equal(v_of(src, src_layout, s), v_of(dst, dst_layout, d))
+    for b in range(2, 9):  # pages not loaded are untouched
+        assert torch.equal(k_of(before, dst_layout, b), k_of(dst, dst_layout, b))
+
+
+def test_strided_view_of_a_transformers_buffer(store):
+    # [L, 2, H, T, D] as split_kv blocks of BS tokens, through a permuted view.
+    T = NB * BS
+    buf = torch.randn(L, 2, H, T, D).to(torch.float16)
+    views = [buf[i].view(2, H, NB, BS, D).permute(0, 2, 3, 1, 4) for i in range(L)]
+    kv = PagedKv.from_layers(views, "split_kv")
+    ids = prefix_block_ids(list(range(NB * BS)), KvNamespace("m", "float16", "split_kv", BS))
+    assert save_paged(store, kv, range(NB), ids) == [None] * NB
+    out = torch.zeros_like(buf)
+    out_views = [out[i].view(2, H, NB, BS, D).permute(0, 2, 3, 1, 4) for i in range(L)]
+    assert load_paged(store, PagedKv.from_layers(out_views, "split_kv"), range(NB), ids) == [None] * NB
+    assert torch.equal(out, buf)
+
+
+def test_layer_by_layer_load(store):
+    src, dst = packed(3), packed(4)
+    before = [t.clone() for t in dst]
+    kv_src, kv_dst = PagedKv.from_layers(src), PagedKv.from_layers(dst)
+    save_paged(store, kv_src, [1], IDS[:1])
+    assert load_paged(store, kv_dst, [3], IDS[:1], layers=range(1, 2)) == [None]
+    assert torch.equal(dst[1][3], src[1][1])
+    assert torch.equal(dst[0][3], before[0][3]) and torch.equal(dst[2][3], before[2][3])
+    assert load_paged(store, kv_dst, [3], IDS[:1], layers=(0, L)) == [None]
+    assert all(torch.equal(dst[i][3], src[i][1]) for i in range(L))
+
+
+def test_misses_and_wrong_sizes_are_item_errors(store):
+    src, dst = packed(5), packed(6)
+    before = [t.clone() for t in dst]
+    kv_src, kv_dst = PagedKv.from_layers(src), PagedKv.from_layers(dst)
+    save_paged(store, kv_src, [0], IDS[:1])
+    store.put(IDS[1], b"x" * 100)  # some other block under an id the cache asks for
+    res = load_paged(store, kv_dst, [4, 5, 6], IDS)
+    assert res[0] is None
+    assert "100 bytes" in res[1]
+    assert "not stored" in res[2]
+    assert torch.equal(dst[0][5], before[0][5]) and torch.equal(dst[0][6], before[0][6])
+    assert cached_prefix_length(store, IDS) == 2
+    out = load_paged(store, kv_dst, [NB], IDS[:1])
+    assert "outside" in out[0]
+    # Saving an out-of-range block stores nothing.
+    assert "outside" in save_paged(store, kv_src, [-1], [IDS[2]])[0]
+    assert not store.contains(IDS[2])
+    assert store.get_stats()["tiers"]["host"]["leased_blocks"] == 0
+
+
+def test_bad_descriptions_are_refused(store):
+    layers = packed(7)
+    with pytest.raises(ValueError, match="layout"):
+        PagedKv.from_layers(layers, "interleaved")
+    with pytest.raises(ValueError, match="differs"):
+        PagedKv.from_layers([layers[0], layers[1][:5]])
+    with pytest.raises(ValueError, match="contiguous"):
+        PagedKv.from_layers([t[..., ::2] for t in layers])
+    with pytest.raises(ValueError, match="block_size"):
+        PagedKv.from_layers(layers, block_size=16)
+    with pytest.raises(ValueError, match="packed_kv"):
+        PagedKv.from_layers([t[0] for t in layers])
+    with pytest.raises(ValueError):
+        PagedKv.from_layers([])
+    kv = PagedKv.from_layers(layers)
+    with pytest.raises(cascade.InvalidArgumentError, match="one id per engine block"):
+        save_paged(store, kv, [0, 1], IDS[:1])
+    with pytest.raises(ValueError, match="every layer"):
+        save_paged(store, kv, [0], IDS[:1], layers=range(0, 1))
+    with pytest.raises(TypeError):
+        save_paged(store, kv, [0.5], IDS[:1])
+
+
+def test_closed_store_is_refused(make_config):
+    kv = PagedKv.from_layers(packed(8))
+    s = cascade.CascadeStore(make_config())
+    assert save_paged(s, kv, [0], IDS[:1]) == [None]
+    s.close()
+    with pytest.raises(cascade.UnavailableError):
+        load_paged(s, kv, [0], IDS[:1])
+
+
+def test_blocks_survive_in_the_file_tier(make_config, tmp_path):
+    src = packed(9)
+    kv = PagedKv.from_layers(src)
+    cfg = dict(pipeline="host|file", lustre_path=str(tmp_path), file_capacity_bytes=64 << 20, io_direct=False,
+               write_policy="write_through")
+    with cascade.CascadeStore(make_config(**cfg)) as s:
+        assert save_paged(s, kv, [1, 2, 3], IDS) == [None] * 3
+        s.flush()
+    dst = packed(10)
+    with cascade.CascadeStore(make_config(**cfg)) as s:  # a new process would see the same
+        assert cached_prefix_length(s, IDS) == 3
+        assert load_paged(s, PagedKv.from_layers(dst), [4, 5, 6], IDS) == [None] * 3
+    assert all(torch.equal(dst[i][4 + j], src[i][1 + j]) for i in range(L) for j in range(3))
