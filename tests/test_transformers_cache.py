@@ -1,0 +1,294 @@
+"""cascade.integrations.transformers: a tiny random Llama on CPU, prompts
+sharing prefixes, outputs compared with full compute (logits and greedy
+tokens), blocks missing or damaged between lookup and load, namespaces."""
+
+import copy
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import cascade  # noqa: E402
+from cascade.integrations.transformers import (  # noqa: E402
+    PrefixCache, forward_chunked, kv_from_past, kv_geometry, past_from_kv)
+
+BS = 16
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=2048,
+                      tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(1234)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def kv_store(make_config):
+    with cascade.CascadeStore(make_config(capacity=64 << 20)) as s:
+        yield s
+
+
+def tokens(n, seed):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def full_logits(model, ids):
+    return model(ids if ids.dim() == 2 else ids[None]).logits[:, -1]
+
+
+def assert_matches_full(model, ids, logits):
+    ref = full_logits(model, ids)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+@torch.no_grad()
+def greedy_from_scratch(model, ids, n):
+    seq, out = ids[None], []
+    for _ in range(n):
+        t = model(seq).logits[:, -1].argmax(-1, keepdim=True)
+        out.append(int(t))
+        seq = torch.cat([seq, t], 1)
+    return out
+
+
+@torch.no_grad()
+def greedy_from_cache(model, logits, past, n):
+    tok, out = logits.argmax(-1, keepdim=True), []
+    for _ in range(n):
+        out.append(int(tok))
+        o = model(tok, past_key_values=past)
+        past = o.past_key_values
+        tok = o.logits[:, -1].argmax(-1, keepdim=True)
+    return out
+
+
+def test_shared_prefix_is_loaded_and_output_matches_full_compute(model, kv_store):
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
+    a = tokens(100, 1)
+    r1 = pc.prefill(a)
+    assert (r1.cached_tokens, r1.computed_tokens, r1.saved_blocks) == (0, 100, 100 // BS)
+    assert not r1.load_errors and not r1.save_errors
+    assert_matches_full(model, a, r1.logits)
+
+    b = torch.cat([a[:85], tokens(30, 2)])          # shares 85 tokens: 5 whole blocks
+    assert pc.lookup(b).usable_blocks == 5
+    r2 = pc.prefill(b)
+    assert (r2.cached_tokens, r2.computed_tokens, r2.loaded_blocks) == (80, 35, 5)
+    assert r2.saved_blocks == len(b) // BS - 5
+    assert_matches_full(model, b, r2.logits)
+    # The returned cache holds every prompt token: decoding goes on from it.
+    assert r2.past_key_values.get_seq_length() == len(b)
+    assert greedy_from_cache(model, r2.logits, r2.past_key_values, 6) == greedy_from_scratch(model, b, 6)
+
+
+def test_partial_block_prefixes(model, kv_store):
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
+    a = tokens(64, 3)                                 # exactly 4 blocks
+    pc.prefill(a)
+    # 40 shared tokens = 2.5 blocks: only the 2 whole blocks are used.
+    b = torch.cat([a[:40], tokens(23, 4)])
+    r = pc.prefill(b)
+    assert (r.cached_tokens, r.computed_tokens) == (32, 31)
+    assert_matches_full(model, b, r.logits)
+    # The whole prompt cached: all 4 blocks load, the last token is still computed.
+    r = pc.prefill(a)
+    assert (r.cached_tokens, r.computed_tokens, r.loaded_blocks, r.saved_blocks) == (63, 1, 4, 0)
+    assert_matches_full(model, a, r.logits)
+    # A prefix of a cached prompt that ends inside a block.
+    r = pc.prefill(a[:50])
+    assert (r.cached_tokens, r.computed_tokens) == (48, 2)
+    assert_matches_full(model, a[:50], r.logits)
+    # Shorter than a block: nothing to look up or store.
+    r = pc.prefill(a[:BS - 1])
+    assert (r.cached_tokens, r.saved_blocks) == (0, 0)
+    assert_matches_full(model, a[:BS - 1], r.logits)
+
+
+def test_batch_uses_the_common_cached_prefix(model, kv_store):
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
+    a, b = tokens(80, 5), tokens(80, 6)
+    pc.prefill(a[:64])                                # a: 4 blocks cached
+    pc.prefill(b[:32])                                # b: 2 blocks cached
+    x = torch.stack([a, b])
+    plan = pc.lookup(x)
+    assert plan.present_blocks == [4, 2] and plan.usable_blocks == 2
+    r = pc.prefill(x, plan=plan)
+    assert (r.cached_tokens, r.computed_tokens) == (32, 48)
+    assert_matches_full(model, x, r.logits)
+    assert r.saved_blocks == (5 - 4) + (5 - 2)       # each row's missing full blocks
+    r = pc.prefill(x, chunk_tokens=8)                # every block cached now; chunking changes nothing
+    assert r.cached_tokens == 79
+    assert_matches_full(model, x, r.logits)
+
+
+def test_block_removed_between_lookup_and_load_is_recomputed(model, kv_store):
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
+    a = tokens(96, 7)
+    pc.prefill(a)
+    b = torch.cat([a, tokens(10, 8)])
+    plan = pc.lookup(b)
+    assert plan.usable_blocks == 6
+    assert kv_store.remove(plan.ids[0][2])            # evicted after the lookup
+    r = pc.prefill(b, plan=plan)
+    assert [(row, blk) for row, blk, _ in r.load_errors] == [(0, 2)]
+    assert "not" in r.load_errors[0][2]
+    assert (r.cached_tokens, r.loaded_blocks) == (32, 2)   # the prefix before the missing block
+    assert_matches_full(model, b, r.logits)
+    assert kv_store.contains(plan.ids[0][2])          # stored again from the recomputed KV
+    r = pc.prefill(b)
+    assert r.cached_tokens == 96 and not r.load_errors
+    assert_matches_full(model, b, r.logits)
+
+
+def test_block_of_the_wrong_size_is_an_error_not_data(model, kv_store):
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
+    a = tokens(48, 9)
+    pc.prefill(a[:BS])                                                   # block 0 stored for real
+    ids = pc.block_ids(a)[0]
+    kv_store.put(ids[1], np.ones(pc.block_bytes // 2, dtype=np.uint8))   # block 1: the wrong size
+    plan = pc.lookup(a)
+    assert plan.usable_blocks == 2
+    r = pc.prefill(a, plan=plan, save=False)
+    assert [blk for _, blk, _ in r.load_errors] == [1]
+    assert "bytes" in r.load_errors[0][2]
+    assert r.cached_tokens == BS
+    assert_matches_full(model, a, r.logits)
+
+
+def test_namespaces_do_not_share_blocks(model, kv_store):
+    a = tokens(64, 10)
+    PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS).prefill(a)
+    same = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
+    assert same.lookup(a).usable_blocks == 4
+    others = [
+        PrefixCache(model, kv_store, model_name="another-model", block_size=BS),
+        PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS, tenant="tenant-b"),
+        PrefixCache(copy.deepcopy(model).to(torch.float64), kv_store, model_name="tiny-llama-test", block_size=BS),
+        PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS, tp_rank=1, tp_world=2),
+        PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=2 * BS),
+    ]
+    for pc in others:
+        assert pc.lookup(a).usable_blocks == 0, pc.namespace
+        r = pc.prefill(a, save=False)
+        assert r.cached_tokens == 0
+    tenant_a = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS, tenant="tenant-a")
+    tenant_a.prefill(a)
+    assert tenant_a.lookup(a).usable_blocks == 4
+    assert others[1].lookup(a).usable_blocks == 0
+
+
+def test_hit_ratio_limits_the_loaded_prefix(model, kv_store):
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
+    a = tokens(160, 11)
+    pc.prefill(a)
+    r = pc.prefill(a, hit_ratio=0.8, save=False)      # 128 tokens = 8 blocks
+    assert (r.cached_tokens, r.computed_tokens) == (128, 32)
+    assert_matches_full(model, a, r.logits)
+    limited = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS, hit_ratio=0.5)
+    assert limited.lookup(a).usable_blocks == 5
+
+
+def test_cold_file_tier_in_a_new_store(model, shm_path):
+    d = tempfile.mkdtemp(prefix="cascade-tf-test-")
+    try:
+        def cfg(path):
+            c = cascade.CascadeConfig()
+            c.pipeline, c.shm_path, c.shm_capacity_bytes = "host|file", path, 64 << 20
+            c.lustre_path, c.io_direct, c.num_io_threads = d, True, 2
+            c.write_policy = cascade.WritePolicy.WRITE_THROUGH
+            return c
+        a = tokens(120, 12)
+        with cascade.CascadeStore(cfg(shm_path)) as s:
+            assert PrefixCache(model, s, model_name="tiny-llama-test", block_size=BS).prefill(a).saved_blocks == 7
+            s.flush()
+        # A new store on the same directory: empty host tier, blocks only in the files.
+        with cascade.CascadeStore(cfg(shm_path + "-b")) as s:
+            r = PrefixCache(model, s, model_name="tiny-llama-test", block_size=BS).prefill(a, save=False)
+            assert (r.cached_tokens, r.loaded_blocks) == (112, 7) and not r.load_errors
+            assert_matches_full(model, a, r.logits)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        if os.path.exists(shm_path + "-b"):
+            os.unlink(shm_path + "-b")
+
+
+def test_cache_helpers_round_trip(model):
+    ids = tokens(40, 13)[None]
+    logits, past = forward_chunked(model, ids, None, chunk_tokens=7)     # 6 forwards
+    assert_matches_full(model, ids, logits)
+    pairs = kv_from_past(past)
+    g = kv_geometry(model)
+    assert len(pairs) == g.num_layers and pairs[0][0].shape == (1, g.num_kv_heads, 40, g.head_dim)
+    cut = past_from_kv(model, [(k[..., :30, :], v[..., :30, :]) for k, v in pairs])
+    assert cut.get_seq_length() == 30
+    logits2, _ = forward_chunked(model, ids[:, 30:], cut)
+    torch.testing.assert_close(logits2, logits, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_is_a_clear_error(model, kv_store):
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
+    with pytest.raises(ValueError, match="input_ids"):
+        pc.prefill(torch.zeros((1, 2, 3), dtype=torch.long))
+    with pytest.raises(ValueError, match="input_ids"):
+        pc.prefill(torch.zeros((1, 0), dtype=torch.long))
+    with pytest.raises(ValueError, match="integer"):
+        pc.prefill(torch.zeros(20))
+    with pytest.raises(ValueError, match="block_size"):
+        PrefixCache(model, kv_store, model_name="m", block_size=0)
+    with pytest.raises(ValueError, match="hit_ratio"):
+        PrefixCache(model, kv_store, model_name="m", hit_ratio=1.5)
+    with pytest.raises(ValueError, match="model_name"):
+        PrefixCache(model, kv_store)                   # a model built from a config has no name
+    plan = pc.lookup(tokens(40, 14))
+    with pytest.raises(ValueError, match="plan"):
+        pc.prefill(tokens(41, 14), plan=plan)
+    with pytest.raises(ValueError, match="cache"):
+        pc.save(tokens(40, 14), [(torch.zeros(1, 3, 40, 32), torch.zeros(1, 3, 40, 32))] * 3)
+
+
+GPU = bool(cascade.HAVE_CUDA) and cascade.gpu_usable(0) and torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="no usable CUDA GPU (or a build without CUDA)")
+@pytest.mark.parametrize("pipeline", ["host", "gpu|host"])
+def test_gpu_model_loads_and_saves_through_the_device_path(model, shm_path, pipeline):
+    cfg = cascade.CascadeConfig()
+    cfg.pipeline, cfg.shm_path, cfg.shm_capacity_bytes = pipeline, shm_path, 64 << 20
+    cfg.use_gpu, cfg.gpu_capacity_bytes, cfg.num_io_threads = "gpu" in pipeline, 64 << 20, 2
+    dev = torch.device("cuda", 0)
+    with cascade.CascadeStore(cfg) as s:
+        # float32: the cached output equals full compute.
+        m32 = copy.deepcopy(model).to(dev)
+        pc = PrefixCache(m32, s, model_name="tiny-llama-test-gpu", block_size=BS)
+        a = tokens(100, 20).to(dev)
+        assert pc.prefill(a).saved_blocks == 6
+        b = torch.cat([a[:85], tokens(30, 21).to(dev)])
+        r = pc.prefill(b)
+        assert (r.cached_tokens, r.loaded_blocks) == (80, 5) and not r.load_errors
+        assert r.logits.device == dev
+        assert_matches_full(m32, b, r.logits)
+        assert greedy_from_cache(m32, r.logits, r.past_key_values, 4) == greedy_from_scratch(m32, b, 4)
+        # bfloat16: the loaded KV gives bit-identical logits to the KV that never left the device.
+        m16 = copy.deepcopy(model).to(dev, torch.bfloat16)
+        pc16 = PrefixCache(m16, s, model_name="tiny-llama-test-gpu", block_size=BS)
+        full, past = forward_chunked(m16, a[None], None)
+        pc16.save(a[None], past)
+        cut = past_from_kv(m16, [(k[..., :96, :], v[..., :96, :]) for k, v in kv_from_past(past)])
+        resident, _ = forward_chunked(m16, a[None, 96:], cut)
+        r = pc16.prefill(a, save=False)
+        assert r.cached_tokens == 96 and not r.load_errors
+        assert torch.equal(r.logits, resident)
+        torch.testing.assert_close(r.logits.float(), full.float(), atol=0.05, rtol=0.05)
