@@ -7,6 +7,7 @@
     cascade bench compare             Cascade beside Redis, HDF5, file-per-block, LMCache, torch
     cascade bench gpu                 gpu tier and paged KV transfers vs PCIe/HBM ceilings
     cascade bench vmm --pages-total 100 --procs 4 --iters 20   GPU page-mapping parallelism
+    cascade bench ttft                time to first token: full prefill vs prefix from the host/file tier
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ def _cmd_vmm(args) -> int:
     return run_vmm(args)
 
 
+def _cmd_ttft(args) -> int:
+    from cascade.bench.common import Progress
+    from cascade.bench.ttft import main
+
+    return main(args, Progress(not args.quiet))
+
+
 def _cmd_inspect(args) -> int:
     from cascade import _core
     from cascade.bench.common import format_table, fmt_size
@@ -143,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print the scaling table (ranks, aggregate read, speedup) of several "
                             "`--distributed --json` runs")
     bench.set_defaults(fn=_cmd_bench)
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{compare,gpu,vmm}")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{compare,gpu,vmm,ttft}")
     compare = bench_sub.add_parser("compare", help="Cascade side by side with its peers, ceilings beside")
     from cascade.bench.compare import add_arguments as add_compare_arguments
     add_compare_arguments(compare)
@@ -155,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     vmm = bench_sub.add_parser("vmm", help="GPU page-mapping parallelism over processes (the seed's benchmark)")
     add_vmm_arguments(vmm)
     vmm.set_defaults(fn=_cmd_vmm)
+    from cascade.bench.ttft import add_ttft_arguments
+    ttft = bench_sub.add_parser("ttft", help="time to first token of a random-weight Llama: full prefill vs the "
+                                             "prefix from the host or file tier, checked against full compute")
+    add_ttft_arguments(ttft)
+    ttft.set_defaults(fn=_cmd_ttft)
     return p
 
 
