@@ -71,9 +71,10 @@ class CascadeStore {
   CascadeStore(const CascadeStore&) = delete;
   CascadeStore& operator=(const CascadeStore&) = delete;
 
-  // Stores a copy of the bytes. OK when stored or already present. NoSpace
-  // when nothing can be evicted to make room; InvalidArgument when the block
-  // is larger than every tier.
+  // Stores a copy of the bytes. OK when stored or already present. When
+  // every block of a tier is in use (leased, or being moved down by other
+  // puts) the block goes to the tier below instead. NoSpace when no tier can
+  // make room; InvalidArgument when the block is larger than every tier.
   Status put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options = {});
 
   // Copies the whole block into out. A miss is OK with result->found false.

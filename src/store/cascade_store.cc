@@ -146,6 +146,11 @@ class CascadeStore::Impl {
       return fail(Status::InvalidArgument("block of " + std::to_string(size) +
                                           " bytes is larger than every tier of the pipeline"));
     Status st = put_into(top, phys, data, size, options);
+    // Every block of the tier is in use (leased, or being moved down by
+    // concurrent puts): place this one further down rather than fail.
+    while (st.is(Code::kNoSpace) && top + 1 < tiers.size() && fits(top + 1, size)) {
+      st = put_into(++top, phys, data, size, options);
+    }
     if (st.ok() && config.write_policy == WritePolicy::kWriteThrough) {
       for (size_t t = top + 1; t < tiers.size() && st.ok(); ++t) st = put_into(t, phys, data, size, options);
     } else if (st.ok() && remote > top && remote < tiers.size()) {

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
 #include <random>
 #include <thread>
 
@@ -160,6 +161,37 @@ TEST(StoreTest, AllLeasedMeansNoSpace) {
   EXPECT_EQ(store->stats().put_failures, 1u);
   views.clear();
   EXPECT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).ok());
+}
+
+TEST(StoreTest, AllLeasedInTopTierGoesToTheTierBelow) {
+  auto c = host_config(128 << 10);
+  c.pipeline = "host|file";
+  c.lustre_path = (std::filesystem::temp_directory_path() / ("cascade-unit-below-" + std::to_string(getpid()))).string();
+  c.file_capacity_bytes = 64 << 20;
+  c.segment_size_bytes = 8 << 20;
+  c.io_direct = false;
+  std::filesystem::remove_all(c.lustre_path);
+  {
+    auto store = open(c);
+    std::vector<BlockView> views;
+    for (int i = 0; i < 2; ++i) {
+      auto b = random_bytes(64 << 10, 60 + i);
+      BlockId id = compute_block_id(b.data(), b.size());
+      ASSERT_TRUE(store->put(id, b.data(), b.size()).ok());
+      views.push_back(std::move(store->acquire(id).value()));
+    }
+    auto b = random_bytes(64 << 10, 98);
+    BlockId id = compute_block_id(b.data(), b.size());
+    ASSERT_TRUE(store->put(id, b.data(), b.size()).ok());
+    EXPECT_EQ(store->stats().put_failures, 0u);
+    EXPECT_EQ(store->stats().tiers[1].blocks, 1u);
+    std::vector<uint8_t> out(b.size());
+    GetResult r;
+    ASSERT_TRUE(store->get(id, out.data(), out.size(), &r).ok());
+    EXPECT_TRUE(r.found);
+    EXPECT_EQ(out, b);
+  }
+  std::filesystem::remove_all(c.lustre_path);
 }
 
 TEST(StoreTest, BlockLargerThanTierIsRejected) {

@@ -484,9 +484,7 @@ Status FileTier::put(const BlockId& id, const void* data, uint64_t size, const P
     live_record_bytes_.fetch_sub(rec);
     return Status::OK();
   }
-  bytes_written_.fetch_add(size, std::memory_order_relaxed);
-  if (options.origin == PutOrigin::kDemotion) demotions_in_.fetch_add(1, std::memory_order_relaxed);
-  if (options.origin == PutOrigin::kPromotion) promotions_in_.fetch_add(1, std::memory_order_relaxed);
+  counters_.stored(options, size);
   return Status::OK();
 }
 
@@ -546,13 +544,13 @@ bool FileTier::plan_read(const BlockId& id, const ReadRequest& req, ReadResult* 
     if (lease) plan->seg = segment_at(file::location_slot(lease->loc.offset));
   }
   if (!lease) {
-    misses_.fetch_add(1, std::memory_order_relaxed);
+    counters_.misses.fetch_add(1, std::memory_order_relaxed);
     *status = Status::NotFound("not in file tier");
     return false;
   }
   if (!plan->seg) {  // its segment was deleted by clear()
     index_.release(lease->token);
-    misses_.fetch_add(1, std::memory_order_relaxed);
+    counters_.misses.fetch_add(1, std::memory_order_relaxed);
     *status = Status::NotFound("not in file tier");
     return false;
   }
@@ -658,13 +656,13 @@ Status FileTier::finish_read(ReadPlan* plan, const ReadRequest& req, ReadResult*
   plan->seg.reset();
   if (!problem.empty()) {
     drop_damaged(plan->id, plan->loc);
-    misses_.fetch_add(1, std::memory_order_relaxed);
+    counters_.misses.fetch_add(1, std::memory_order_relaxed);
     return Status::NotFound("block " + plan->id.hex() + " failed verification in the file tier (" +
                             problem + "); dropped");
   }
   if (!st.ok()) return st;
-  hits_.fetch_add(1, std::memory_order_relaxed);
-  bytes_read_.fetch_add(plan->copy_bytes, std::memory_order_relaxed);
+  counters_.hits.fetch_add(1, std::memory_order_relaxed);
+  counters_.bytes_read.fetch_add(plan->copy_bytes, std::memory_order_relaxed);
   result->copied = plan->copy_bytes;
   return Status::OK();
 }
@@ -760,7 +758,7 @@ std::vector<Victim> FileTier::claim_victims(uint64_t bytes) {
     if (stale) index_.release(stale);
     out.push_back(std::move(v));
   }
-  evictions_.fetch_add(out.size(), std::memory_order_relaxed);
+  counters_.evictions.fetch_add(out.size(), std::memory_order_relaxed);
   return out;
 }
 
@@ -773,7 +771,7 @@ void FileTier::unclaim(Victim victim) {
     token = it->second;
     claimed_.erase(it);
   }
-  evictions_.fetch_sub(1, std::memory_order_relaxed);
+  counters_.evictions.fetch_sub(1, std::memory_order_relaxed);
   index_.unclaim(victim.id, token);
 }
 
@@ -785,13 +783,7 @@ TierStats FileTier::stats() const {
   s.reserved_bytes = disk_bytes_.load(std::memory_order_relaxed);
   s.committed_bytes = s.reserved_bytes;
   s.blocks = index_.size();
-  s.hits = hits_.load(std::memory_order_relaxed);
-  s.misses = misses_.load(std::memory_order_relaxed);
-  s.evictions = evictions_.load(std::memory_order_relaxed);
-  s.demotions_in = demotions_in_.load(std::memory_order_relaxed);
-  s.promotions_in = promotions_in_.load(std::memory_order_relaxed);
-  s.bytes_written = bytes_written_.load(std::memory_order_relaxed);
-  s.bytes_read = bytes_read_.load(std::memory_order_relaxed);
+  counters_.fill(&s);
   s.corrupt_blocks = corrupt_blocks_.load(std::memory_order_relaxed);
   s.leased_blocks = index_.leased();
   return s;

@@ -71,6 +71,7 @@
 #include "tiers/file/io_engine.h"
 #include "tiers/file/record_format.h"
 #include "tiers/file/segment.h"
+#include "tiers/tier_counters.h"
 
 namespace cascade {
 
@@ -203,8 +204,8 @@ class FileTier final : public Tier {
   std::atomic<uint64_t> disk_bytes_{0};  // segment bytes + admitted puts not yet written
   std::atomic<uint64_t> live_record_bytes_{0};  // record bytes of indexed blocks
   std::atomic<bool> disk_full_{false};   // the file system said ENOSPC
-  std::atomic<uint64_t> hits_{0}, misses_{0}, evictions_{0}, demotions_in_{0}, promotions_in_{0};
-  std::atomic<uint64_t> bytes_written_{0}, bytes_read_{0}, corrupt_blocks_{0}, compactions_{0};
+  TierCounters counters_;
+  std::atomic<uint64_t> corrupt_blocks_{0}, compactions_{0};
 };
 
 }  // namespace cascade

@@ -12,6 +12,7 @@
 #include "tiers/gpu/device_context.h"
 #include "tiers/gpu/device_transfers.h"
 #include "tiers/gpu/gpu_tier.h"
+#include "tiers/tier_counters.h"
 
 namespace cascade {
 namespace {
@@ -145,11 +146,11 @@ class ArenaGpuTier final : public GpuTier {
           results[i] = ReadResult{};
           auto lease = index_.acquire(ids[i]);
           if (!lease) {
-            misses_.fetch_add(1, std::memory_order_relaxed);
+            counters_.misses.fetch_add(1, std::memory_order_relaxed);
             statuses[i] = Status::NotFound("not in gpu tier");
             continue;
           }
-          hits_.fetch_add(1, std::memory_order_relaxed);
+          counters_.hits.fetch_add(1, std::memory_order_relaxed);
           const Location& loc = lease->loc;
           results[i].block_size = loc.size;
           results[i].is_prefix = lease->is_prefix;
@@ -177,10 +178,10 @@ class ArenaGpuTier final : public GpuTier {
   Result<BlockView> acquire(const BlockId& id) override {
     auto lease = index_.acquire(id);
     if (!lease) {
-      misses_.fetch_add(1, std::memory_order_relaxed);
+      counters_.misses.fetch_add(1, std::memory_order_relaxed);
       return Status::NotFound("not in gpu tier");
     }
-    hits_.fetch_add(1, std::memory_order_relaxed);
+    counters_.hits.fetch_add(1, std::memory_order_relaxed);
     return BlockView(this, arena_->base() + lease->loc.offset, lease->loc.size, MemoryKind::kDevice,
                      lease->token);
   }
@@ -194,14 +195,14 @@ class ArenaGpuTier final : public GpuTier {
   std::vector<Victim> claim_victims(uint64_t bytes) override {
     std::vector<Victim> out =
         arena_victims(this, index_.claim_victims(bytes), arena_->base(), MemoryKind::kDevice);
-    evictions_.fetch_add(out.size(), std::memory_order_relaxed);
+    counters_.evictions.fetch_add(out.size(), std::memory_order_relaxed);
     return out;
   }
 
   void unclaim(Victim victim) override {
     uint64_t token = victim.view.token();
     victim.view.detach();
-    evictions_.fetch_sub(1, std::memory_order_relaxed);
+    counters_.evictions.fetch_sub(1, std::memory_order_relaxed);
     index_.unclaim(victim.id, token);
   }
 
@@ -215,13 +216,7 @@ class ArenaGpuTier final : public GpuTier {
     s.reserved_bytes = arena_->used();
     s.committed_bytes = arena_->stats().mapped_bytes;
     s.blocks = index_.size();
-    s.hits = hits_.load(std::memory_order_relaxed);
-    s.misses = misses_.load(std::memory_order_relaxed);
-    s.evictions = evictions_.load(std::memory_order_relaxed);
-    s.demotions_in = demotions_in_.load(std::memory_order_relaxed);
-    s.promotions_in = promotions_in_.load(std::memory_order_relaxed);
-    s.bytes_written = bytes_written_.load(std::memory_order_relaxed);
-    s.bytes_read = bytes_read_.load(std::memory_order_relaxed);
+    counters_.fill(&s);
     s.leased_blocks = index_.leased();
     return s;
   }
@@ -324,7 +319,7 @@ class ArenaGpuTier final : public GpuTier {
       statuses[i] = st;
       if (st.ok()) {
         results[i].copied = c.items[k].bytes;
-        bytes_read_.fetch_add(c.items[k].bytes, std::memory_order_relaxed);
+        counters_.bytes_read.fetch_add(c.items[k].bytes, std::memory_order_relaxed);
       }
     }
     c.reset();
@@ -334,9 +329,7 @@ class ArenaGpuTier final : public GpuTier {
   // (by another thread, or twice in one batch): the caller frees its copy.
   bool publish(const BlockId& id, const Location& loc, const PutOptions& options) {
     if (!index_.insert(id, loc, options.is_prefix)) return false;
-    bytes_written_.fetch_add(loc.size, std::memory_order_relaxed);
-    if (options.origin == PutOrigin::kDemotion) demotions_in_.fetch_add(1, std::memory_order_relaxed);
-    if (options.origin == PutOrigin::kPromotion) promotions_in_.fetch_add(1, std::memory_order_relaxed);
+    counters_.stored(options, loc.size);
     return true;
   }
 
@@ -345,8 +338,7 @@ class ArenaGpuTier final : public GpuTier {
   std::unique_ptr<DeviceArena> arena_;  // before index_: reclaim frees into it
   DeviceTransfers transfers_;
   BlockIndex index_;
-  std::atomic<uint64_t> hits_{0}, misses_{0}, evictions_{0}, demotions_in_{0}, promotions_in_{0};
-  std::atomic<uint64_t> bytes_written_{0}, bytes_read_{0};
+  TierCounters counters_;
 };
 
 }  // namespace

@@ -72,19 +72,17 @@ Status HostTier::put(const BlockId& id, const void* data, uint64_t size, const P
     if (size) alloc_.free(loc.offset, size);
     return Status::OK();
   }
-  bytes_written_.fetch_add(size, std::memory_order_relaxed);
-  if (options.origin == PutOrigin::kDemotion) demotions_in_.fetch_add(1, std::memory_order_relaxed);
-  if (options.origin == PutOrigin::kPromotion) promotions_in_.fetch_add(1, std::memory_order_relaxed);
+  counters_.stored(options, size);
   return Status::OK();
 }
 
 Status HostTier::read(const BlockId& id, const ReadRequest& req, ReadResult* result) {
   auto lease = index_.acquire(id);
   if (!lease) {
-    misses_.fetch_add(1, std::memory_order_relaxed);
+    counters_.misses.fetch_add(1, std::memory_order_relaxed);
     return Status::NotFound("not in host tier");
   }
-  hits_.fetch_add(1, std::memory_order_relaxed);
+  counters_.hits.fetch_add(1, std::memory_order_relaxed);
   const uint64_t size = lease->loc.size;
   result->block_size = size;
   result->is_prefix = lease->is_prefix;
@@ -111,7 +109,7 @@ Status HostTier::read(const BlockId& id, const ReadRequest& req, ReadResult* res
   index_.release(lease->token);
   if (st.ok()) {
     result->copied = n;
-    bytes_read_.fetch_add(n, std::memory_order_relaxed);
+    counters_.bytes_read.fetch_add(n, std::memory_order_relaxed);
   }
   return st;
 }
@@ -119,10 +117,10 @@ Status HostTier::read(const BlockId& id, const ReadRequest& req, ReadResult* res
 Result<BlockView> HostTier::acquire(const BlockId& id) {
   auto lease = index_.acquire(id);
   if (!lease) {
-    misses_.fetch_add(1, std::memory_order_relaxed);
+    counters_.misses.fetch_add(1, std::memory_order_relaxed);
     return Status::NotFound("not in host tier");
   }
-  hits_.fetch_add(1, std::memory_order_relaxed);
+  counters_.hits.fetch_add(1, std::memory_order_relaxed);
   return BlockView(this, arena_->base() + lease->loc.offset, lease->loc.size, MemoryKind::kHost,
                    lease->token);
 }
@@ -136,14 +134,14 @@ Status HostTier::remove(const BlockId& id) {
 std::vector<Victim> HostTier::claim_victims(uint64_t bytes) {
   std::vector<Victim> out =
       arena_victims(this, index_.claim_victims(bytes), arena_->base(), MemoryKind::kHost);
-  evictions_.fetch_add(out.size(), std::memory_order_relaxed);
+  counters_.evictions.fetch_add(out.size(), std::memory_order_relaxed);
   return out;
 }
 
 void HostTier::unclaim(Victim victim) {
   uint64_t token = victim.view.token();
   victim.view.detach();
-  evictions_.fetch_sub(1, std::memory_order_relaxed);
+  counters_.evictions.fetch_sub(1, std::memory_order_relaxed);
   index_.unclaim(victim.id, token);
 }
 
@@ -155,13 +153,7 @@ TierStats HostTier::stats() const {
   s.reserved_bytes = alloc_.used();
   s.committed_bytes = arena_->committed();
   s.blocks = index_.size();
-  s.hits = hits_.load(std::memory_order_relaxed);
-  s.misses = misses_.load(std::memory_order_relaxed);
-  s.evictions = evictions_.load(std::memory_order_relaxed);
-  s.demotions_in = demotions_in_.load(std::memory_order_relaxed);
-  s.promotions_in = promotions_in_.load(std::memory_order_relaxed);
-  s.bytes_written = bytes_written_.load(std::memory_order_relaxed);
-  s.bytes_read = bytes_read_.load(std::memory_order_relaxed);
+  counters_.fill(&s);
   s.leased_blocks = index_.leased();
   return s;
 }

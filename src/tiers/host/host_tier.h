@@ -15,6 +15,7 @@
 
 #include "alloc/extent_allocator.h"
 #include "cascade/tier.h"
+#include "tiers/tier_counters.h"
 #include "index/block_index.h"
 #include "io/thread_pool.h"
 #include "port/shm_arena.h"
@@ -56,8 +57,7 @@ class HostTier final : public Tier {
   ThreadPool* pool_;
   uint64_t parallel_threshold_;
   bool registered_ = false;
-  std::atomic<uint64_t> hits_{0}, misses_{0}, evictions_{0}, demotions_in_{0}, promotions_in_{0};
-  std::atomic<uint64_t> bytes_written_{0}, bytes_read_{0};
+  TierCounters counters_;
 };
 
 }  // namespace cascade

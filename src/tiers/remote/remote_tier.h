@@ -46,6 +46,7 @@
 #include "tiers/remote/rank_fabric.h"
 #include "tiers/remote/reservation_table.h"
 #include "tiers/remote/store_integration.h"
+#include "tiers/tier_counters.h"
 
 namespace cascade::remote {
 
@@ -137,10 +138,10 @@ class RemoteTier final : public Tier, private RequestHandler {
   std::atomic<bool> leaving_{false};
 
   // Counters.
-  mutable std::atomic<uint64_t> hits_{0}, misses_{0}, remote_hits_{0}, remote_misses_{0};
+  mutable TierCounters counters_;
+  mutable std::atomic<uint64_t> remote_hits_{0}, remote_misses_{0};
   mutable std::atomic<uint64_t> timeouts_{0}, corrupt_{0}, dedup_remote_{0};
-  std::atomic<uint64_t> evictions_{0}, demotions_in_{0}, promotions_in_{0};
-  std::atomic<uint64_t> bytes_written_{0}, bytes_read_{0}, served_puts_{0}, served_lookups_{0};
+  std::atomic<uint64_t> served_puts_{0}, served_lookups_{0};
   // BlockViews this rank holds (acquire, claimed victims): what stats()
   // reports as leased. Leases peers hold on this rank's blocks are not
   // counted there: the tier waits for them itself when it leaves.

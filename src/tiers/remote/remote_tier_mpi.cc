@@ -105,9 +105,7 @@ Status RemoteTier::put(const BlockId& id, const void* data, uint64_t size, const
 }
 
 void RemoteTier::count_put(uint64_t size, const PutOptions& options) {
-  bytes_written_.fetch_add(size, std::memory_order_relaxed);
-  if (options.origin == PutOrigin::kDemotion) demotions_in_.fetch_add(1, std::memory_order_relaxed);
-  if (options.origin == PutOrigin::kPromotion) promotions_in_.fetch_add(1, std::memory_order_relaxed);
+  counters_.stored(options, size);
 }
 
 Status RemoteTier::put_unlocked(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) {
@@ -446,8 +444,8 @@ Status RemoteTier::read_unlocked(const BlockId& id, const ReadRequest& req, Read
     int owner = owner_of(id);
     if (owner == me_) {
       Status st = share_.read(id, req, result);
-      (st.is(Code::kNotFound) ? misses_ : hits_).fetch_add(1, std::memory_order_relaxed);
-      if (st.ok()) bytes_read_.fetch_add(result->copied, std::memory_order_relaxed);
+      (st.is(Code::kNotFound) ? counters_.misses : counters_.hits).fetch_add(1, std::memory_order_relaxed);
+      if (st.ok()) counters_.bytes_read.fetch_add(result->copied, std::memory_order_relaxed);
       return st;
     }
     if (owner < 0) break;
@@ -456,7 +454,7 @@ Status RemoteTier::read_unlocked(const BlockId& id, const ReadRequest& req, Read
     q.flags = kItemLease;
     auto r = fabric_->call(owner, request_of(MessageKind::kLookup, q), deadline());
     if (!r.ok()) {
-      misses_.fetch_add(1, std::memory_order_relaxed);
+      counters_.misses.fetch_add(1, std::memory_order_relaxed);
       return call_failed(owner, r.status());
     }
     const Item f = r->items.at(0);
@@ -474,13 +472,13 @@ Status RemoteTier::read_unlocked(const BlockId& id, const ReadRequest& req, Read
     release_remote(owner, f.d);
     if (st.ok()) {
       result->copied = n;
-      hits_.fetch_add(1, std::memory_order_relaxed);
+      counters_.hits.fetch_add(1, std::memory_order_relaxed);
       remote_hits_.fetch_add(1, std::memory_order_relaxed);
-      bytes_read_.fetch_add(n, std::memory_order_relaxed);
+      counters_.bytes_read.fetch_add(n, std::memory_order_relaxed);
     }
     return st;
   }
-  misses_.fetch_add(1, std::memory_order_relaxed);
+  counters_.misses.fetch_add(1, std::memory_order_relaxed);
   remote_misses_.fetch_add(1, std::memory_order_relaxed);
   return Status::NotFound("not in the remote tier");
 }
@@ -530,8 +528,8 @@ void RemoteTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRe
   pool_->parallel_for(local.size(), [&](size_t k) {
     size_t i = local[k];
     statuses[i] = share_.read(ids[i], reqs[i], &results[i]);
-    (statuses[i].is(Code::kNotFound) ? misses_ : hits_).fetch_add(1, std::memory_order_relaxed);
-    if (statuses[i].ok()) bytes_read_.fetch_add(results[i].copied, std::memory_order_relaxed);
+    (statuses[i].is(Code::kNotFound) ? counters_.misses : counters_.hits).fetch_add(1, std::memory_order_relaxed);
+    if (statuses[i].ok()) counters_.bytes_read.fetch_add(results[i].copied, std::memory_order_relaxed);
   });
   // Replies, then every copy in parallel.
   struct Copy {
@@ -548,7 +546,7 @@ void RemoteTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRe
     if (!r.ok() || r->items.size() != b.items.size()) {
       Status st = call_failed(b.owner, r.ok() ? Status::Corruption("reply has the wrong item count") : r.status());
       for (size_t i : b.items) statuses[i] = st;
-      misses_.fetch_add(b.items.size(), std::memory_order_relaxed);
+      counters_.misses.fetch_add(b.items.size(), std::memory_order_relaxed);
       continue;
     }
     for (size_t k = 0; k < b.items.size(); ++k) {
@@ -561,7 +559,7 @@ void RemoteTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRe
         retry.push_back(i);
       } else {
         statuses[i] = Status::NotFound("not in the remote tier");
-        misses_.fetch_add(1, std::memory_order_relaxed);
+        counters_.misses.fetch_add(1, std::memory_order_relaxed);
         remote_misses_.fetch_add(1, std::memory_order_relaxed);
       }
     }
@@ -577,9 +575,9 @@ void RemoteTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRe
     if (st.ok()) st = copy_from_peer(c.owner, c.found, reqs[c.index], n);
     if (st.ok()) {
       rr.copied = n;
-      hits_.fetch_add(1, std::memory_order_relaxed);
+      counters_.hits.fetch_add(1, std::memory_order_relaxed);
       remote_hits_.fetch_add(1, std::memory_order_relaxed);
-      bytes_read_.fetch_add(n, std::memory_order_relaxed);
+      counters_.bytes_read.fetch_add(n, std::memory_order_relaxed);
     }
     statuses[c.index] = st;
   });
@@ -608,10 +606,10 @@ Result<BlockView> RemoteTier::acquire(const BlockId& id) {
   if (owner == me_) {
     auto lease = share_.index().acquire(id);
     if (!lease) {
-      misses_.fetch_add(1, std::memory_order_relaxed);
+      counters_.misses.fetch_add(1, std::memory_order_relaxed);
       return Status::NotFound("not in the remote tier");
     }
-    hits_.fetch_add(1, std::memory_order_relaxed);
+    counters_.hits.fetch_add(1, std::memory_order_relaxed);
     views_.fetch_add(1, std::memory_order_relaxed);
     return BlockView(this, share_.base() + lease->loc.offset, lease->loc.size, MemoryKind::kHost, lease->token);
   }
@@ -627,7 +625,7 @@ Result<BlockView> RemoteTier::acquire(const BlockId& id) {
   const Item f = r->items.at(0);
   if (f.outcome != Outcome::kFound) {
     if (f.outcome == Outcome::kGone) fabric_->live().mark_gone(owner);
-    misses_.fetch_add(1, std::memory_order_relaxed);
+    counters_.misses.fetch_add(1, std::memory_order_relaxed);
     return Status::NotFound("not in the remote tier");
   }
   fabric_->map_peer_range(owner, f.a, f.b);
@@ -637,7 +635,7 @@ Result<BlockView> RemoteTier::acquire(const BlockId& id) {
     corrupt_.fetch_add(1, std::memory_order_relaxed);
     return Status::Corruption("block " + id.hex() + " held by " + rank_name(owner) + " failed its checksum");
   }
-  hits_.fetch_add(1, std::memory_order_relaxed);
+  counters_.hits.fetch_add(1, std::memory_order_relaxed);
   remote_hits_.fetch_add(1, std::memory_order_relaxed);
   auto* lease = new PeerLease{owner, f.d};
   views_.fetch_add(1, std::memory_order_relaxed);
@@ -710,7 +708,7 @@ std::vector<Victim> RemoteTier::claim_victims(uint64_t bytes) {
     views_.fetch_add(1, std::memory_order_relaxed);
     out.push_back(std::move(v));
   }
-  evictions_.fetch_add(out.size(), std::memory_order_relaxed);
+  counters_.evictions.fetch_add(out.size(), std::memory_order_relaxed);
   return out;
 }
 
@@ -718,7 +716,7 @@ void RemoteTier::unclaim(Victim victim) {
   uint64_t token = victim.view.token();
   victim.view.detach();
   views_.fetch_sub(1, std::memory_order_relaxed);
-  evictions_.fetch_sub(1, std::memory_order_relaxed);
+  counters_.evictions.fetch_sub(1, std::memory_order_relaxed);
   share_.index().unclaim(victim.id, token);
 }
 
@@ -730,13 +728,13 @@ TierStats RemoteTier::stats() const {
   s.reserved_bytes = share_.allocator().used();
   s.committed_bytes = share_.committed();
   s.blocks = share_.index().size();
-  s.hits = hits_.load(std::memory_order_relaxed);
-  s.misses = misses_.load(std::memory_order_relaxed);
-  s.evictions = evictions_.load(std::memory_order_relaxed) + share_.evicted_for_peers();
-  s.demotions_in = demotions_in_.load(std::memory_order_relaxed);
-  s.promotions_in = promotions_in_.load(std::memory_order_relaxed);
-  s.bytes_written = bytes_written_.load(std::memory_order_relaxed);
-  s.bytes_read = bytes_read_.load(std::memory_order_relaxed);
+  s.hits = counters_.hits.load(std::memory_order_relaxed);
+  s.misses = counters_.misses.load(std::memory_order_relaxed);
+  s.evictions = counters_.evictions.load(std::memory_order_relaxed) + share_.evicted_for_peers();
+  s.demotions_in = counters_.demotions_in.load(std::memory_order_relaxed);
+  s.promotions_in = counters_.promotions_in.load(std::memory_order_relaxed);
+  s.bytes_written = counters_.bytes_written.load(std::memory_order_relaxed);
+  s.bytes_read = counters_.bytes_read.load(std::memory_order_relaxed);
   s.corrupt_blocks = corrupt_.load(std::memory_order_relaxed);
   s.leased_blocks = static_cast<uint64_t>(std::max<int64_t>(0, views_.load(std::memory_order_relaxed)));
   return s;
