@@ -22,7 +22,9 @@ printed loudly and the command exits with status 1. Beside it, in the same
 run: the pinned host-to-device copy bandwidth (the PCIe ceiling) and, for
 single-prompt rows, the time to prefill the uncached suffix with the prefix
 already resident on the GPU; the goal ratio is
-TTFT_cached / (KV bytes / PCIe ceiling + that suffix time).
+TTFT_cached / (KV bytes / link ceiling + that suffix time), the link being
+PCIe for the host tier and the slower of PCIe and the directory's O_DIRECT
+read (measured at start) for the file tier.
 
 Figure of time: the KV of a prompt is stored after its full-prefill group
 (outside the timed region), so each row costs about two full prefills plus
@@ -644,9 +646,12 @@ class TtftBench:
         key = "full_hit" if ratio is None else "ratio_hit"
         if conc == 1 and key in resident:
             res_info = resident[key]
-            ceiling_s = res_info["suffix_ms"] / 1e3
-            if self.pcie:
-                ceiling_s += loaded / (self.pcie["gbps"] * 1e9)
+            # The KV moves at the slowest link's ceiling: PCIe from the host
+            # tier, the disk's O_DIRECT read (if slower) from the file tier.
+            links = [self.pcie["gbps"]] if self.pcie else []
+            if mode.startswith("cold") and self.file_ceiling and "read_gbps" in self.file_ceiling:
+                links.append(self.file_ceiling["read_gbps"])
+            ceiling_s = res_info["suffix_ms"] / 1e3 + (loaded / (min(links) * 1e9) if links else 0.0)
             row["ceiling_ms"] = ceiling_s * 1e3
             row["suffix_ms"] = res_info["suffix_ms"]
             row["goal_ratio"] = row["mean_ms"] / row["ceiling_ms"]
@@ -740,7 +745,8 @@ def format_report(report: dict) -> str:
             else f"FAILED {c['of'] - c['ok']}/{c['of']}")
         rows.append([r["tokens"], r["concurrency"], r["mode"], r.get("hit_tokens", 0), r["mean_ms"], r["max_ms"],
                      f"{r['speedup']:.2f}x" if "speedup" in r else "",
-                     f"{r['load_gbps']:.1f}" if "load_gbps" in r else "",
+                     (f"{r['load_gbps']:.1f}" if r["load_gbps"] >= 1 else f"{r['load_gbps']:.3f}")
+                     if "load_gbps" in r else "",
                      r.get("ceiling_ms", ""), f"{r['goal_ratio']:.2f}" if "goal_ratio" in r else "",
                      r.get("groups", ""), check])
     lines.append(format_table(["tokens", "conc", "mode", "cached tokens", "TTFT mean ms", "TTFT max ms", "speedup",
