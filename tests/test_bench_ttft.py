@@ -33,13 +33,14 @@ def test_quick_run_produces_checked_rows(tmp_path, capsys):
         c = r["check"]
         assert c["ok"] == c["of"] == r["concurrency"] and not c["failed"] and "hit_mismatch" not in c
         assert c["max_rel_err"] <= c["tolerance"]
+        assert c["kv_exact"]["exact"] and c["kv_exact"]["tokens"] >= expect   # prompt 0's bytes, compared
         assert r["speedup"] > 0 and r["kv_bytes_loaded"] == r["concurrency"] * expect * report["model"][
             "kv_bytes_per_token"]
         if r["concurrency"] == 1:
             # The ceiling's compute term was measured, and the loaded KV gives the
             # same logits, bit for bit, as the KV that never left the device.
             assert r["suffix_ms"] > 0 and r["goal_ratio"] > 0
-            assert r["same_logits_as_resident"]
+            assert r["same_logits_as_resident"] and c["noise"] <= c["tolerance"]
     assert "checks: all" in text and "FAILED" not in text
     assert {r["mode"] for r in rows} == {"full", "hot", "cold", "hot80", "cold80"}
 
