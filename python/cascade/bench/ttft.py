@@ -704,9 +704,9 @@ class TtftBench:
 
     # -- the whole run -----------------------------------------------------------------
 
-    def run(self) -> dict:
-        import cascade
-
+    def run(self, on_row=None) -> dict:
+        """Every row; `on_row(partial report)` after each (the JSON is written
+        as the run goes, so a run cut short keeps its finished rows)."""
         rows = []
         try:
             for conc in self.r["concurrency"]:
@@ -714,15 +714,22 @@ class TtftBench:
                     if self.args.time_limit and time.perf_counter() - self.t_start > self.args.time_limit:
                         rows.append({"tokens": length, "concurrency": conc, "mode": "full", "skipped": "time limit"})
                         continue
-                    rows += self.run_row(length, conc)
+                    for row in self.run_row(length, conc):
+                        for res in row.get("resident", {}).values():
+                            res.pop("logits", None)
+                        rows.append(row)
+                    if on_row is not None:
+                        on_row(self.report(rows))
         finally:
             if self.hot_store is not None:
                 self.hot_store.close()
             if self.file_root:
                 shutil.rmtree(self.file_root, ignore_errors=True)
-        for row in rows:
-            row.get("resident", {}).get("full_hit", {}).pop("logits", None)
-            row.get("resident", {}).get("ratio_hit", {}).pop("logits", None)
+        return self.report(rows)
+
+    def report(self, rows: list[dict]) -> dict:
+        import cascade
+
         g = self.geometry
         return {
             "benchmark": "ttft",
@@ -821,12 +828,19 @@ def format_report(report: dict) -> str:
 def main(args, progress) -> int:
     import json
 
+    command = "cascade bench ttft " + " ".join(getattr(args, "argv", [])[2:])
+
+    def write(report):
+        report["command"] = command
+        if args.json:
+            with open(args.json + ".tmp", "w") as f:
+                json.dump(report, f, indent=2)
+            os.replace(args.json + ".tmp", args.json)
+
     bench = TtftBench(args, progress)
-    report = bench.run()
-    report["command"] = "cascade bench ttft " + " ".join(getattr(args, "argv", [])[2:])
+    report = bench.run(on_row=write)
+    write(report)
     print(format_report(report), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
         progress(f"wrote {args.json}")
     return 1 if failures(report) else 0
