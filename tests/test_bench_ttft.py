@@ -71,3 +71,18 @@ def test_schedule_respects_token_budget_and_memory():
     assert schedule(3, 32768, 1 << 20, 16384, 1 << 40) == [[0], [1], [2]]      # alone and chunked
     assert schedule(4, 1, 4 << 30, 16384, 17 << 30) == [[0, 1], [2, 3]]        # KV twice per prompt
     assert schedule(2, 1, 64 << 30, 16384, 1 << 30) == [[0], [1]]              # one always runs
+
+
+def test_greedy_check_tells_near_ties_from_mismatches():
+    import torch
+
+    from cascade.bench.ttft import compare_logits
+
+    ref = torch.tensor([5.0, 5.0, 4.96875, 1.0, 0.0, 0.0, 0.0])       # bf16 ties at the top
+    same = compare_logits(ref, torch.tensor([5.0, 4.9, 4.9, 1.0, 0, 0, 0]), torch.bfloat16)
+    assert same["ok"] and same["greedy"] == same["greedy_ref"] == 0
+    tie = compare_logits(ref, torch.tensor([4.9, 4.9, 5.0, 1.0, 0, 0, 0]), torch.bfloat16)
+    assert tie["ok"] and tie["near_tie"] and tie["gap_ulps"] == 1.0    # 2^-5 is one bf16 ulp at 5
+    wrong = compare_logits(ref, torch.tensor([4.9, 4.9, 4.9, 5.1, 0, 0, 0]), torch.bfloat16)
+    assert not wrong["ok"] and not wrong["near_tie"]
+    assert not compare_logits(ref, ref * 1.5, torch.bfloat16)["ok"]     # logits out of tolerance
