@@ -16,8 +16,10 @@ last-token logits exist. Modes:
 - hot80 / cold80: at most 80% of each prompt (whole blocks) from the store,
            the rest computed (UCM's "SSD80%").
 
-Every cached run is checked against the full prefill: last-token logits
-within the dtype's tolerance and the same greedy next token; a mismatch is
+Every cached run is checked against the full prefill: prompt 0's loaded KV
+bytes equal to the KV the prefill computed, last-token logits within the
+dtype's tolerance, and the same greedy next token (a differing token is always
+listed; it fails unless the reference nearly ties there). A failure is
 printed loudly and the command exits with status 1. Beside it, in the same
 run: the pinned host-to-device copy bandwidth (the PCIe ceiling) and, for
 single-prompt rows, the time to prefill the uncached suffix with the prefix
@@ -26,10 +28,11 @@ TTFT_cached / (KV bytes / link ceiling + that suffix time), the link being
 PCIe for the host tier and the slower of PCIe and the directory's O_DIRECT
 read (measured at start) for the file tier.
 
-Figure of time: the KV of a prompt is stored after its full-prefill group
-(outside the timed region), so each row costs about two full prefills plus
-the file writes; rows that do not fit the host or file budget, or the GPU
-memory, say so instead of running.
+Timed regions hold only serving: warm-ups, stores (the KV of each prompt is
+saved after its full-prefill group) and checks are untimed. A row costs about
+one full prefill per repeat, the saves and the file writes; rows that do not
+fit the host or file budget, or the GPU memory, or start after --time-limit,
+say so instead of running.
 """
 
 from __future__ import annotations
