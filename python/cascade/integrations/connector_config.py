@@ -1,0 +1,235 @@
+"""Options of the engine KV connector (``cascade.integrations.vllm``).
+
+The options come from vLLM's ``kv_connector_extra_config`` and, when it names
+one with ``config_path``, a YAML file (options at top level or under a
+``cascade_connector:`` key). Keys given in ``kv_connector_extra_config``
+override the file's. Unknown keys, wrong types and out-of-range values are
+errors that name the option: a typo never falls back to a default.
+
+    cfg = parse_connector_config({"store_pipeline": "host|file",
+                                  "storage_path": "/mnt/nvme/kv",
+                                  "host_capacity": "32GiB"})
+
+The names follow UCM's PipelineStore page where the idea is the same
+(``store_pipeline``, ``io_direct``, ``use_layerwise``, ``hit_ratio``,
+``use_lite``, ``persist_token_threshold``, ``enable_record_traces``);
+docs/vllm.md lists every option with its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from cascade.config import config_from_dict, parse_size
+
+_YAML_SECTION = "cascade_connector"
+_LOOKUP_MODES = ("auto", "socket", "off")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Every option of the connector, with its default."""
+
+    # The store: Cascade's tier pipeline, top to bottom ("host", "host|file",
+    # "gpu|host|file", ...). Host only by default: it needs no path and no GPU.
+    store_pipeline: str = "host"
+    # Directory of the file tier (required when the pipeline has "file").
+    # Each worker keeps its own subdirectory (one store per directory).
+    storage_path: str = ""
+    # Host tier (shared-memory arena) size per worker; committed lazily.
+    host_capacity: int = 4 << 30
+    # GPU tier size per worker (pipelines with "gpu").
+    gpu_capacity: int = 2 << 30
+    # Bound on the file tier's bytes per worker; 0 = the file system's free space.
+    file_capacity: int = 0
+    # O_DIRECT for the file tier (no page cache).
+    io_direct: bool = False
+    # Directory of the host arenas; a worker's arena is a file in it.
+    shm_dir: str = "/dev/shm"
+    # Any other CascadeConfig option, applied last (cascade.config_from_dict names).
+    store: Mapping[str, Any] = field(default_factory=dict)
+
+    # Load hit blocks layer by layer in a background thread, each attention
+    # layer waiting only for its own layer (overlaps loading with compute).
+    use_layerwise: bool = False
+    # Cap on the fraction of a prompt served from the cache (experiments):
+    # at most hit_ratio * prompt_len tokens count as hits. None = no cap.
+    hit_ratio: Optional[float] = None
+    # Requests whose prompt is shorter than this load and save nothing.
+    persist_token_threshold: int = 0
+    # Count hits and misses, move no data (tells what a cache would give).
+    use_lite: bool = False
+    # One JSON line per lookup, load and save (request id, op, blocks, bytes, ms).
+    enable_record_traces: bool = False
+    # Where trace lines are appended (every process appends to the same file).
+    trace_path: str = "cascade-vllm-trace.jsonl"
+    # Per-step statistics for vLLM's metrics (logged and exported to Prometheus).
+    enable_metrics: bool = True
+
+    # Namespace of the block ids: the model name (default: vLLM's model
+    # name, with revision and quantization) and an optional tenant salt.
+    model_name: Optional[str] = None
+    tenant: Optional[str] = None
+
+    # How the scheduler learns what workers in other processes hold: "auto"
+    # (a worker in the scheduler's process is asked directly; others through
+    # a Unix socket), "socket" (always the socket), "off" (same process only;
+    # every other lookup is a miss).
+    lookup: str = "auto"
+    # Directory of the workers' lookup sockets.
+    lookup_socket_dir: str = ""
+    # How long the scheduler waits for a worker's lookup answer before it
+    # counts the lookup as a miss.
+    lookup_timeout_ms: int = 1000
+
+    def namespace_tenant(self, request_salt: Optional[str]) -> Optional[str]:
+        """The tenant salt of a request: the configured tenant and the request's own salt."""
+        if request_salt is None:
+            return self.tenant
+        if self.tenant is None:
+            return "request:" + request_salt
+        return f"tenant:{self.tenant}|request:{request_salt}"
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ConnectorConfig)}
+_SIZE_OPTIONS = {"host_capacity", "gpu_capacity", "file_capacity"}
+_BOOL_OPTIONS = {"io_direct", "use_layerwise", "use_lite", "enable_record_traces", "enable_metrics"}
+_STR_OPTIONS = {"store_pipeline", "storage_path", "shm_dir", "trace_path", "lookup", "lookup_socket_dir"}
+_OPT_STR_OPTIONS = {"model_name", "tenant"}
+_INT_OPTIONS = {"persist_token_threshold", "lookup_timeout_ms"}
+# Keys vLLM users coming from UCM may write; each is refused with the name to use.
+_RENAMED = {
+    "storage_backends": "storage_path",
+    "cache_buffer_capacity_gb": "host_capacity",
+    "posix_capacity_gb": "file_capacity",
+    "ucm_connectors": "the options at top level",
+}
+
+
+def known_options() -> list[str]:
+    return sorted(_FIELDS) + ["config_path"]
+
+
+def _read_yaml(path) -> dict:
+    try:
+        import yaml
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("config_path names a YAML file: reading it needs PyYAML (pip install pyyaml)") from e
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ValueError(f"config_path: cannot read {path!r}: {e.strerror or e}") from e
+    if not isinstance(data, Mapping):
+        raise ValueError(f"config_path {path!r}: expected a mapping of options, got {type(data).__name__}")
+    if _YAML_SECTION in data:
+        section = data[_YAML_SECTION]
+        if not isinstance(section, Mapping):
+            raise ValueError(f"config_path {path!r}: '{_YAML_SECTION}' must be a mapping")
+        others = sorted(k for k in data if k != _YAML_SECTION)
+        if others:
+            raise ValueError(f"config_path {path!r}: keys beside '{_YAML_SECTION}': {', '.join(others)}")
+        data = section
+    if "config_path" in data:
+        raise ValueError(f"config_path {path!r}: a config file cannot name another (config_path)")
+    return dict(data)
+
+
+def _check(name: str, value: Any) -> Any:
+    if name in _SIZE_OPTIONS:
+        return parse_size(value, name)
+    if name in _BOOL_OPTIONS:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: expected true or false, got {value!r}")
+        return value
+    if name in _STR_OPTIONS:
+        if not isinstance(value, (str, os.PathLike)):
+            raise ValueError(f"{name}: expected a string, got {value!r}")
+        return os.fspath(value)
+    if name in _OPT_STR_OPTIONS:
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{name}: expected a non-empty string or null, got {value!r}")
+        return value
+    if name in _INT_OPTIONS:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: expected an integer >= 0, got {value!r}")
+        return value
+    if name == "hit_ratio":
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"hit_ratio: expected a number in [0, 1] or null, got {value!r}")
+        return float(value)
+    if name == "store":
+        if not isinstance(value, Mapping):
+            raise ValueError(f"store: expected a mapping of CascadeConfig options, got {value!r}")
+        return dict(value)
+    raise AssertionError(name)  # pragma: no cover
+
+
+def parse_connector_config(extra: Optional[Mapping[str, Any]]) -> ConnectorConfig:
+    """A ConnectorConfig from ``kv_connector_extra_config`` (and the YAML file it names)."""
+    extra = dict(extra or {})
+    options: dict[str, Any] = {}
+    path = extra.pop("config_path", None)
+    if path is not None:
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise ValueError(f"config_path: expected a file path, got {path!r}")
+        options.update(_read_yaml(os.fspath(path)))
+    options.update(extra)
+    unknown = sorted(k for k in options if k not in _FIELDS)
+    if unknown:
+        hints = [f"{k} (use {_RENAMED[k]})" for k in unknown if k in _RENAMED]
+        raise ValueError(
+            f"unknown Cascade connector option(s): {', '.join(unknown)}"
+            + (f"; renamed: {', '.join(hints)}" if hints else "")
+            + f"; known options: {', '.join(known_options())}")
+    values = {name: _check(name, value) for name, value in options.items()}
+    cfg = ConnectorConfig(**values)
+    if cfg.lookup not in _LOOKUP_MODES:
+        raise ValueError(f"lookup: {cfg.lookup!r} is not one of {', '.join(_LOOKUP_MODES)}")
+    tiers = [t.strip() for t in cfg.store_pipeline.split("|")] if cfg.store_pipeline else []
+    if any(t in ("file", "lustre", "posix") for t in tiers) and not cfg.storage_path:
+        raise ValueError(f"store_pipeline {cfg.store_pipeline!r} has a file tier: set storage_path "
+                         "(the directory of its segment files)")
+    if cfg.enable_record_traces and not cfg.trace_path:
+        raise ValueError("enable_record_traces: set trace_path (the file trace lines are appended to)")
+    if cfg.use_lite and cfg.use_layerwise:
+        raise ValueError("use_lite moves no data, so use_layerwise has nothing to do: set one of them")
+    # The escape hatch is checked now, not when a worker opens its store.
+    config_from_dict(cfg.store)
+    return cfg
+
+
+def worker_store_config(cfg: ConnectorConfig, *, engine_key: str, rank: int, world: int,
+                        dp_rank: Optional[int] = None, gpu_device: int = 0):
+    """The CascadeConfig of one worker's store.
+
+    Each worker (one per tensor/pipeline-parallel rank) opens its own store:
+    its own host arena file and its own file-tier directory. The directory
+    is stable across restarts (``<storage_path>/rank<r>-of-<w>``, with
+    ``-dp<d>`` for data-parallel engine d when there are several) so blocks
+    saved by one run are found by the next; the arena is named after the
+    engine so two engines on one machine never collide.
+    """
+    short = hashlib.sha256(engine_key.encode()).hexdigest()[:12]
+    options: dict[str, Any] = {
+        "pipeline": cfg.store_pipeline,
+        "shm_path": os.path.join(cfg.shm_dir, f"cascade-vllm-{short}-r{rank}"),
+        "shm_capacity_bytes": cfg.host_capacity,
+        "gpu_capacity_bytes": cfg.gpu_capacity,
+        "gpu_device_id": gpu_device,
+        "io_direct": cfg.io_direct,
+    }
+    if cfg.storage_path:
+        sub = f"rank{rank}-of-{world}" + (f"-dp{dp_rank}" if dp_rank is not None else "")
+        options["lustre_path"] = os.path.join(cfg.storage_path, sub)
+        options["file_capacity_bytes"] = cfg.file_capacity
+    options.update(cfg.store)
+    if options.get("lustre_path"):
+        os.makedirs(options["lustre_path"], exist_ok=True)
+    return config_from_dict(options)

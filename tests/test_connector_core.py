@@ -1,0 +1,586 @@
+"""The engine-independent half of the vLLM connector (no vLLM here): options,
+block ids per rank and salt, lookups over every rank's real store, load and
+save plans, lite mode, hit_ratio, persist_token_threshold, load errors,
+traces, metrics, and byte-exact save/load through real CascadeStores with CPU
+tensors in the packed_kv and split_kv layouts. tests/vllm/ drives the same
+code through vLLM's own scheduler."""
+
+import itertools
+import json
+import multiprocessing
+import os
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cascade  # noqa: E402
+from cascade.integrations import connector_lookup as lk  # noqa: E402
+from cascade.integrations.connector_config import (  # noqa: E402
+    ConnectorConfig,
+    parse_connector_config,
+    worker_store_config,
+)
+from cascade.integrations.connector_core import (  # noqa: E402
+    ConnectorMetrics,
+    KvTransferWorker,
+    LiteCache,
+    PrometheusCounters,
+    ScheduledRequest,
+    SchedulerPlanner,
+    StepPlan,
+    TraceRecorder,
+    TransferJob,
+    merge_counters,
+)
+from cascade.integrations.ids import KvNamespace, prefix_block_ids  # noqa: E402
+
+BS, L, H, D, NB = 4, 3, 2, 8, 32
+_keys = itertools.count()
+
+
+def engine_key():
+    return f"test-engine-{os.getpid()}-{next(_keys)}"
+
+
+def namespace(world=1, **kw):
+    return KvNamespace(model=kw.pop("model", "llama-test"), dtype="bfloat16", layout="packed_kv",
+                       block_size=BS, tp_rank=0, tp_world=world, **kw)
+
+
+def open_store(tmp_path=None, tag=""):
+    path = f"/dev/shm/cascade-pytest-conn-{os.getpid()}-{next(_keys)}{tag}"
+    options = {"pipeline": "host", "shm_path": path, "shm_capacity_bytes": 16 << 20,
+               "num_io_threads": 2, "index_shards": 16}
+    if tmp_path is not None:
+        options.update(pipeline="host|file", lustre_path=str(tmp_path))
+    return cascade.CascadeStore(cascade.config_from_dict(options))
+
+
+def make_layers(layout, seed=None, dtype=torch.bfloat16):
+    """One engine's per-layer KV tensors (views of one buffer, like vLLM's)."""
+    if layout == "packed_kv":
+        buf = torch.zeros(L, NB, H, BS, 2 * D, dtype=dtype)
+    else:
+        buf = torch.zeros(L, 2, NB, BS, H, D, dtype=dtype)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        buf.copy_(torch.randn(buf.shape, generator=g).to(dtype))
+    return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(L)}
+
+
+def page(layers, layout, block):
+    """Every byte of one engine block, all layers, as [L, 2, BS, H, D]."""
+    out = []
+    for t in layers.values():
+        if layout == "packed_kv":
+            k, v = t[block, :, :, :D].transpose(0, 1), t[block, :, :, D:].transpose(0, 1)
+        else:
+            k, v = t[0, block], t[1, block]
+        out.append(torch.stack([k, v]))
+    return torch.stack(out)
+
+
+class Rank:
+    """One worker: its own real store, KV tensors and KvTransferWorker."""
+
+    def __init__(self, key, rank, world, layout="packed_kv", seed=None, config=None, traces=None):
+        self.config = config or ConnectorConfig()
+        self.layout = layout
+        self.layers = make_layers(layout, seed)
+        self.worker = KvTransferWorker(self.config, open_store(), rank=rank, world=world, traces=traces)
+        self.worker.register(self.layers, block_size=BS, layout=layout)
+        self.key, self.rank = key, rank
+        lk.register_worker(key, rank, self.worker.prefix_length)
+
+    def step(self, plan):
+        """What the vLLM adapter does around one forward pass."""
+        self.worker.flush(plan.flush_req_ids)
+        self.worker.start_load(plan)
+        self.worker.finish_loads()
+        self.worker.submit_saves(plan)
+
+    def close(self):
+        lk.unregister_worker(self.key, self.rank)
+        self.worker.close()
+
+
+@pytest.fixture
+def ranks():
+    made = []
+
+    def make(world=1, **kw):
+        key = engine_key()
+        rs = [Rank(key, r, world, seed=100 + r if kw.get("seed", True) else None,
+                   **{k: v for k, v in kw.items() if k != "seed"}) for r in range(world)]
+        made.extend(rs)
+        return key, rs
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def planner_for(key, world=1, config=None, **kw):
+    config = config or ConnectorConfig()
+    return SchedulerPlanner(config, namespace(world, tenant=config.tenant),
+                            lk.PrefixLookup(key, world, mode="off"), **kw)
+
+
+def schedule_prefill(planner, req_id, prompt, table, *, salt=None, local=0):
+    """A request's path through the scheduler hooks for one whole-prompt step."""
+    n = planner.matched_tokens(req_id, prompt, salt, local)
+    planner.after_alloc(req_id, prompt, salt, table, n)
+    plan = planner.build_plan([ScheduledRequest(req_id, local + n, len(prompt) - local - n,
+                                                block_ids=table, replace_blocks=True)])
+    return n, plan
+
+
+PROMPT = list(range(1000, 1000 + 5 * BS + 2))  # 5 full blocks and 2 tokens
+
+
+# ---------------------------------------------------------------------------
+# Options
+
+def test_defaults_and_ucm_names():
+    cfg = parse_connector_config({})
+    assert cfg == ConnectorConfig()
+    cfg = parse_connector_config({"store_pipeline": "host|file", "storage_path": "/x", "host_capacity": "1GiB",
+                                  "io_direct": True, "use_layerwise": True, "hit_ratio": 0.5,
+                                  "persist_token_threshold": 64, "enable_record_traces": True})
+    assert (cfg.host_capacity, cfg.hit_ratio, cfg.persist_token_threshold) == (1 << 30, 0.5, 64)
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("cascade_connector:\n  store_pipeline: host\n  host_capacity: 2GiB\n  use_lite: true\n")
+    cfg = parse_connector_config({"config_path": str(path), "use_lite": False, "tenant": "acme"})
+    assert (cfg.host_capacity, cfg.use_lite, cfg.tenant) == (2 << 30, False, "acme")
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("hit_ratio: 0.25\n")
+    assert parse_connector_config({"config_path": str(flat)}).hit_ratio == 0.25
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"storage_backends": "/mnt"}, "storage_backends (use storage_path)"),
+    ({"hit_rate": 0.5}, "unknown Cascade connector option(s): hit_rate"),
+    ({"hit_ratio": 1.5}, "hit_ratio: expected a number in [0, 1]"),
+    ({"use_lite": "yes"}, "use_lite: expected true or false"),
+    ({"persist_token_threshold": -1}, "persist_token_threshold: expected an integer >= 0"),
+    ({"host_capacity": "lots"}, "host_capacity: cannot read 'lots' as a size"),
+    ({"store_pipeline": "host|file"}, "set storage_path"),
+    ({"lookup": "dns"}, "lookup: 'dns' is not one of"),
+    ({"store": {"shm_capacity": 1}}, "unknown CascadeConfig option(s): shm_capacity"),
+    ({"use_lite": True, "use_layerwise": True}, "use_lite moves no data"),
+    ({"config_path": "/nonexistent/cascade.yaml"}, "config_path: cannot read"),
+])
+def test_bad_options_are_named(options, message):
+    with pytest.raises(ValueError) as e:
+        parse_connector_config(options)
+    assert message in str(e.value)
+
+
+def test_yaml_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cascade_connector:\n  use_lite: true\nother: 1\n")
+    with pytest.raises(ValueError, match="keys beside 'cascade_connector': other"):
+        parse_connector_config({"config_path": str(bad)})
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(f"config_path: {bad}\n")
+    with pytest.raises(ValueError, match="cannot name another"):
+        parse_connector_config({"config_path": str(nested)})
+
+
+def test_worker_store_config_per_rank(tmp_path):
+    cfg = parse_connector_config({"store_pipeline": "host|file", "storage_path": str(tmp_path),
+                                  "host_capacity": "256MiB", "store": {"index_shards": 64}})
+    a = worker_store_config(cfg, engine_key="e", rank=0, world=2)
+    b = worker_store_config(cfg, engine_key="e", rank=1, world=2)
+    c = worker_store_config(cfg, engine_key="e", rank=1, world=2, dp_rank=3)
+    assert a.shm_path != b.shm_path and a.lustre_path != b.lustre_path != c.lustre_path
+    assert b.lustre_path == str(tmp_path / "rank1-of-2") and c.lustre_path.endswith("rank1-of-2-dp3")
+    assert (a.pipeline, a.shm_capacity_bytes, a.index_shards) == ("host|file", 256 << 20, 64)
+    assert os.path.isdir(a.lustre_path)
+
+
+# ---------------------------------------------------------------------------
+# Ids and lookups
+
+def test_ids_differ_per_rank_salt_tenant_and_are_deterministic(ranks):
+    key, _ = ranks(world=1)
+    p = planner_for(key, world=2)
+    t = p.track("a", PROMPT)
+    ids = p.ids_of(t)
+    assert len(ids) == 2 and len(ids[0]) == 5 and len(set(ids[0]) & set(ids[1])) == 0
+    assert ids[0] == prefix_block_ids(PROMPT[:5 * BS], namespace(2))
+    assert ids[1] == prefix_block_ids(PROMPT[:5 * BS], namespace(2).for_rank(1))
+    salted = p.ids_of(p.track("b", PROMPT, salt="s1"))
+    assert not set(salted[0]) & set(ids[0])
+    assert p.ids_of(p.track("c", PROMPT, salt="s1")) == salted  # same salt, same ids
+    tenant = planner_for(key, world=2, config=ConnectorConfig(tenant="acme"))
+    assert not set(tenant.ids_of(tenant.track("a", PROMPT))[0]) & set(ids[0])
+    other_model = SchedulerPlanner(ConnectorConfig(), namespace(2, model="other"), lk.PrefixLookup(key, 2))
+    assert not set(other_model.ids_of(other_model.track("a", PROMPT))[0]) & set(ids[0])
+
+
+@pytest.mark.parametrize("layout", ["packed_kv", "split_kv"])
+def test_save_then_load_byte_exact_over_two_ranks(ranks, layout):
+    key, (r0, r1) = ranks(world=2, layout=layout)
+    p = planner_for(key, world=2)
+    table_a = [3, 9, 4, 11, 7, 20]
+    n, plan = schedule_prefill(p, "a", PROMPT, table_a)
+    assert n == 0 and not plan.loads
+    assert [(j.first_block, j.engine_blocks) for j in plan.saves] == [(0, table_a[:5])]
+    for r in (r0, r1):
+        r.step(plan)
+    assert all(r.worker.wait_all_saves(timeout=10) for r in (r0, r1))
+    assert p.request_finished("a") is True  # saves were planned: pages held until reported
+    assert r0.worker.finished_saving({"a"}) == {"a"} and r0.worker.finished_saving(set()) == set()
+
+    # A second engine's pages (other request, other blocks) get the same bytes back.
+    dst = {r: make_layers(layout) for r in (0, 1)}
+    for r, rank in ((0, r0), (1, r1)):
+        rank.layers = dst[r]
+        rank.worker.register(dst[r], block_size=BS, layout=layout)
+    table_b = [1, 2, 5, 6, 8, 10]
+    n, plan = schedule_prefill(p, "b", PROMPT, table_b)
+    assert n == 5 * BS  # 5 full blocks; the 2-token tail is computed by the engine
+    assert [(j.first_block, j.engine_blocks) for j in plan.loads] == [(0, table_b[:5])]
+    assert not plan.saves  # every rank holds every block already
+    for r in (r0, r1):
+        r.step(plan)
+        assert r.worker.take_load_errors() == set()
+    src = {0: make_layers(layout, 100), 1: make_layers(layout, 101)}
+    for r in (0, 1):
+        for a, b in zip(table_a[:5], table_b[:5]):
+            assert torch.equal(page(src[r], layout, a), page(dst[r], layout, b))
+        assert not page(dst[r], layout, table_b[5]).any()  # the tail block was not touched
+    assert p.request_finished("b") is False
+
+
+def test_hit_needs_every_rank(ranks):
+    key, (r0, r1) = ranks(world=2)
+    p = planner_for(key, world=2)
+    _, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
+    for r in (r0, r1):
+        r.step(plan)
+        r.worker.wait_all_saves()
+    ids = p.ids_of(p.track("a", PROMPT))
+    assert p.lookup.prefix_length(ids) == 5
+    r1.worker.store.remove(ids[1][2])  # rank 1 lost block 2
+    assert p.matched_tokens("b", PROMPT, None, 0) == 2 * BS
+    r0.worker.store.remove(ids[0][0])
+    assert p.matched_tokens("c", PROMPT, None, 0) == 0
+
+
+def test_never_the_last_token_and_local_hits(ranks):
+    key, (r0,) = ranks()
+    p = planner_for(key)
+    exact = PROMPT[:4 * BS]  # 4 full blocks, no tail
+    _, plan = schedule_prefill(p, "a", exact, list(range(4)))
+    r0.step(plan)
+    r0.worker.wait_all_saves()
+    assert p.matched_tokens("b", exact, None, 0) == 3 * BS  # the last block holds the last token
+    assert p.matched_tokens("c", exact + [1], None, 0) == 4 * BS
+    assert p.matched_tokens("d", exact + [1], None, 2 * BS) == 2 * BS  # beyond vLLM's own hit
+    assert p.matched_tokens("e", exact + [1], None, 4 * BS) == 0
+
+
+def test_hit_ratio_caps_the_served_fraction(ranks):
+    key, (r0,) = ranks()
+    seed = planner_for(key)
+    _, plan = schedule_prefill(seed, "a", PROMPT, list(range(6)))
+    r0.step(plan)
+    r0.worker.wait_all_saves()
+    capped = planner_for(key, config=ConnectorConfig(hit_ratio=0.5))
+    assert capped.matched_tokens("b", PROMPT, None, 0) == 2 * BS  # 0.5 * 22 = 11 tokens -> 2 blocks
+    assert planner_for(key, config=ConnectorConfig(hit_ratio=0.0)).matched_tokens("c", PROMPT, None, 0) == 0
+
+
+def test_persist_threshold_skips_short_prompts(ranks):
+    key, (r0,) = ranks()
+    p = planner_for(key, config=ConnectorConfig(persist_token_threshold=len(PROMPT) + 1))
+    n, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
+    assert n == 0 and plan.is_empty()
+    assert p.request_finished("a") is False
+    long_prompt = PROMPT * 2
+    _, plan = schedule_prefill(p, "b", long_prompt, list(range(11)))
+    assert len(plan.saves) == 1
+
+
+def test_chunked_prefill_saves_each_completed_block_once(ranks):
+    key, (r0,) = ranks()
+    p = planner_for(key)
+    table = [5, 6, 7, 8, 9, 10]
+    assert p.matched_tokens("a", PROMPT, None, 0) == 0
+    p.after_alloc("a", PROMPT, None, table[:2], 0)
+    plan = p.build_plan([ScheduledRequest("a", 0, 6, block_ids=table[:2], replace_blocks=True)])
+    assert [(j.first_block, j.engine_blocks) for j in plan.saves] == [(0, [5])]
+    plan = p.build_plan([ScheduledRequest("a", 6, 10, block_ids=table[2:4])])
+    assert [(j.first_block, j.engine_blocks) for j in plan.saves] == [(1, [6, 7, 8])]
+    plan = p.build_plan([ScheduledRequest("a", 16, 6, block_ids=table[4:])])
+    assert [(j.first_block, j.engine_blocks) for j in plan.saves] == [(4, [9])]
+    plan = p.build_plan([ScheduledRequest("a", 22, 1)])  # decode: no new prompt block
+    assert not plan.saves
+    # Preempted, then resumed with a new block table: nothing saved twice.
+    plan = p.build_plan([], preempted={"a"})
+    assert plan.flush_req_ids == {"a"}
+    plan = p.build_plan([ScheduledRequest("a", 0, 22, block_ids=[1, 2, 3, 4, 11, 12], replace_blocks=True)])
+    assert not plan.saves
+
+
+def test_lite_mode_counts_and_moves_nothing(ranks):
+    key, (r0,) = ranks()
+    metrics = ConnectorMetrics()
+    p = planner_for(key, config=ConnectorConfig(use_lite=True), metrics=metrics, lite_capacity_blocks=8)
+    n, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
+    assert n == 0 and plan.is_empty()
+    assert len(p.lite) == 5 and r0.worker.prefix_length(p.ids_of(p.track("a", PROMPT))[0]) == 0
+    n, plan = schedule_prefill(p, "b", PROMPT, list(range(6)))
+    assert n == 0 and plan.is_empty()  # vLLM is told nothing: lite mode only counts
+    totals = metrics.take()
+    assert totals["lookup_tokens"] == 2 * len(PROMPT) and totals["hit_tokens"] == 5 * BS
+    assert totals["miss_tokens"] == 2 * len(PROMPT) - 5 * BS
+    assert p.request_finished("b") is False
+    lru = LiteCache(3)
+    lru.add(["a", "b", "c"])
+    assert lru.prefix_length([["a"]]) == 1  # touches "a"
+    lru.add(["d"])
+    assert lru.prefix_length([["b"]]) == 0 and lru.prefix_length([["a", "c", "d"]]) == 3
+
+
+# ---------------------------------------------------------------------------
+# Worker: failures, layer by layer, async saves
+
+def test_block_removed_between_lookup_and_load_is_a_load_error(ranks):
+    key, (r0,) = ranks()
+    metrics = ConnectorMetrics()
+    r0.worker.metrics = metrics
+    p = planner_for(key)
+    _, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
+    r0.step(plan)
+    r0.worker.wait_all_saves()
+    n, plan = schedule_prefill(p, "b", PROMPT, [20, 21, 22, 23, 24, 25])
+    assert n == 5 * BS
+    ids = p.ids_of(p.track("b", PROMPT))[0]
+    assert r0.worker.store.remove(ids[3])  # evicted after the scheduler counted it
+    before = page(r0.layers, "packed_kv", 23).clone()
+    r0.step(plan)
+    assert r0.worker.take_load_errors() == {23}
+    assert r0.worker.take_load_errors() == set()  # reported once
+    assert torch.equal(page(r0.layers, "packed_kv", 23), before)
+    assert torch.equal(page(r0.layers, "packed_kv", 22), page(r0.layers, "packed_kv", 2))
+    m = metrics.take()
+    assert (m["load_blocks"], m["load_errors"]) == (4, 1)
+    assert m["load_bytes"] == 4 * r0.worker.kv.stored_block_bytes
+
+
+def test_wrong_size_block_is_a_load_error(ranks):
+    key, (r0,) = ranks()
+    p = planner_for(key)
+    ids = p.ids_of(p.track("a", PROMPT))[0]
+    r0.worker.store.put(ids[0], b"\0" * 100)  # same id, other shape: refused, never loaded
+    plan = StepPlan(loads=[TransferJob("a", 0, [7], [[ids[0]]])])
+    r0.step(plan)
+    assert r0.worker.take_load_errors() == {7}
+
+
+def test_plan_for_another_world_size_is_refused(ranks):
+    key, (r0,) = ranks()
+    plan = StepPlan(loads=[TransferJob("a", 0, [1], [["0" * 32], ["1" * 32]])])
+    with pytest.raises(ValueError, match="ids for 2 ranks"):
+        r0.worker.start_load(plan)
+
+
+def test_layer_by_layer_load(ranks):
+    key, (r0,) = ranks()
+    p = planner_for(key)
+    _, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
+    r0.step(plan)
+    src = make_layers("packed_kv", 100)
+    dst = make_layers("packed_kv")
+    r0.worker.register(dst, block_size=BS, layout="packed_kv")  # a fresh engine over the same store
+    r0.worker.config = ConnectorConfig(use_layerwise=True)
+    n, plan = schedule_prefill(p, "b", PROMPT, [10, 11, 12, 13, 14, 15])
+    assert n == 5 * BS
+    r0.worker.start_load(plan)
+    for name in dst:
+        r0.worker.wait_layer(name)  # this layer is in place once waited for
+        assert torch.equal(dst[name][10:15], src[name][0:5])
+    assert r0.worker.take_load_errors() == set()
+    assert not dst[next(iter(dst))][15].any()
+
+
+def test_saves_are_async_and_hold_pages_until_done(ranks):
+    key, (r0,) = ranks()
+    p = planner_for(key)
+    worker = r0.worker
+    gate = threading.Event()
+    real_save = worker._save_batch
+
+    def slow_save(jobs, stream):
+        gate.wait(10)
+        real_save(jobs, stream)
+
+    worker._save_batch = slow_save
+    _, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
+    t0 = time.perf_counter()
+    r0.step(plan)
+    assert time.perf_counter() - t0 < 5  # submit_saves returned with the save still queued
+    assert p.request_finished("a") is True
+    assert worker.finished_saving({"a"}) == set()  # not done: the engine must keep the pages
+    flusher = threading.Thread(target=worker.flush, args=({"a"},))
+    flusher.start()
+    flusher.join(0.2)
+    assert flusher.is_alive()  # a preemption waits for the pending save
+    gate.set()
+    flusher.join(10)
+    assert not flusher.is_alive()
+    assert worker.finished_saving(set()) == {"a"}  # reported once its save is done
+    assert worker.prefix_length(p.ids_of(p.track("a", PROMPT))[0]) == 5
+
+
+def test_failed_save_is_counted_and_never_blocks(ranks):
+    key, (r0,) = ranks()
+    metrics = ConnectorMetrics()
+    r0.worker.metrics = metrics
+    plan = StepPlan(saves=[TransferJob("a", 0, [NB + 5], [["ab" * 16]])])  # engine block out of range
+    r0.step(plan)
+    assert r0.worker.wait_all_saves(timeout=10)
+    assert metrics.take()["save_errors"] == 1
+    assert r0.worker.finished_saving({"a"}) == {"a"}
+
+
+# ---------------------------------------------------------------------------
+# Traces and metrics
+
+def test_traces_are_json_lines(ranks, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    key, (r0,) = ranks(traces=TraceRecorder(str(path), "rank0"))
+    p = planner_for(key, traces=TraceRecorder(str(path), "scheduler"))
+    _, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
+    r0.step(plan)
+    r0.worker.wait_all_saves()
+    _, plan = schedule_prefill(p, "b", PROMPT, list(range(6, 12)))
+    r0.step(plan)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    ops = [(x["role"], x["op"], x["request_id"]) for x in lines]
+    assert ops == [("scheduler", "lookup", "a"), ("rank0", "save", "a"), ("scheduler", "lookup", "b"),
+                   ("rank0", "load", "b")]
+    save, load = lines[1], lines[3]
+    bb = r0.worker.kv.stored_block_bytes
+    assert (save["blocks"], save["bytes"], save["errors"]) == (5, 5 * bb, 0)
+    assert (load["blocks"], load["bytes"], load["errors"]) == (5, 5 * bb, 0)
+    assert lines[2]["hit_tokens"] == 5 * BS and all(x["ms"] >= 0 for x in lines)
+
+
+def test_metrics_deltas_and_merge():
+    m = ConnectorMetrics()
+    m.add("hit_tokens", 16)
+    m.add_tier_hits("host", 3)
+    m.add("load_errors", 0)
+    assert m.take() == {"hit_tokens": 16, "tier_hits:host": 3}
+    assert m.take() == {}
+    assert m.totals["hit_tokens"] == 16
+    assert merge_counters({"a": 1, "b": 2}, {"b": 3, "c": 4}) == {"a": 1, "b": 5, "c": 4}
+
+
+def test_tier_hits_of_loads(ranks):
+    key, (r0,) = ranks()
+    metrics = ConnectorMetrics()
+    r0.worker.metrics = metrics
+    p = planner_for(key)
+    _, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
+    r0.step(plan)
+    r0.worker.wait_all_saves()
+    metrics.take()
+    _, plan = schedule_prefill(p, "b", PROMPT, list(range(6, 12)))
+    r0.step(plan)
+    assert metrics.take().get("tier_hits:host", 0) >= 5
+
+
+def test_prometheus_counters():
+    prom = pytest.importorskip("prometheus_client")
+    registry = prom.CollectorRegistry()
+
+    def counter(**kw):
+        return prom.Counter(registry=registry, **kw)
+
+    pc = PrometheusCounters(counter, ["engine"], prefix="cascade_test_")
+    pc.observe({"hit_tokens": 32, "load_bytes": 4096, "tier_hits:file": 2, "unknown": 1}, ["0"])
+    pc.observe({"hit_tokens": 16}, ["0"])
+    assert registry.get_sample_value("cascade_test_hit_tokens_total", {"engine": "0"}) == 48
+    assert registry.get_sample_value("cascade_test_load_bytes_total", {"engine": "0"}) == 4096
+    assert registry.get_sample_value("cascade_test_tier_hits_total", {"engine": "0", "tier": "file"}) == 2
+
+
+# ---------------------------------------------------------------------------
+# Lookups across processes
+
+def _serve_ranks(key, world, ids, ready, stop):
+    """A separate process: one store per rank holding `ids`, each served over its socket."""
+    services, stores = [], []
+    for r in range(world):
+        store = open_store(tag=f"-child{r}")
+        for i in ids[r]:
+            store.put(i, b"kv" * 8)
+        stores.append(store)
+        services.append(lk.LookupService(lk.socket_address("", key, r), lk.lookup_authkey(key),
+                                         lambda x, s=store: sum(1 for _ in itertools.takewhile(s.contains, x))))
+    ready.set()
+    stop.wait(60)
+    for s in services:
+        s.close()
+    for s in stores:
+        s.close()
+
+
+def test_lookup_service_across_processes():
+    key = engine_key()
+    ns = namespace(2)
+    ids = [prefix_block_ids(PROMPT[:5 * BS], ns.for_rank(r)) for r in range(2)]
+    held = [ids[0][:4], ids[1][:3]]  # rank 1 holds fewer
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_serve_ranks, args=(key, 2, held, ready, stop))
+    child.start()
+    try:
+        assert ready.wait(60)
+        look = lk.PrefixLookup(key, 2, mode="socket", timeout_ms=5000)
+        assert look.prefix_length(ids) == 3
+        assert look.prefix_length([ids[0][:2], ids[1][:2]]) == 2
+        wrong = lk.PrefixLookup(key + "-other", 2, mode="socket", timeout_ms=500)
+        t0 = time.perf_counter()
+        assert wrong.prefix_length(ids) == 0  # no such service: a miss, at once
+        assert time.perf_counter() - t0 < 2
+        look.close()
+        wrong.close()
+    finally:
+        stop.set()
+        child.join(30)
+    assert child.exitcode == 0
+    assert not os.path.exists(lk.socket_address("", key, 0))
+
+
+def test_lookup_modes_in_one_process(ranks):
+    key, (r0,) = ranks()
+    p = planner_for(key)
+    _, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
+    r0.step(plan)
+    r0.worker.wait_all_saves()
+    ids = p.ids_of(p.track("a", PROMPT))
+    assert lk.PrefixLookup(key, 1, mode="auto").prefix_length(ids) == 5
+    assert lk.PrefixLookup(key, 1, mode="off").prefix_length(ids) == 5
+    assert lk.PrefixLookup(key + "x", 1, mode="off").prefix_length(ids) == 0
+    service = lk.LookupService(lk.socket_address("", key, 0), lk.lookup_authkey(key), r0.worker.prefix_length)
+    try:
+        sock = lk.PrefixLookup(key, 1, mode="socket", timeout_ms=5000)
+        assert sock.prefix_length(ids) == 5
+        assert oct(os.stat(service.address).st_mode & 0o777) == "0o600"
+        sock.close()
+    finally:
+        service.close()
+    with pytest.raises(ValueError, match="ids for 2 ranks"):
+        lk.PrefixLookup(key, 1).prefix_length([[], []])
