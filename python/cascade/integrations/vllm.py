@@ -1,0 +1,391 @@
+"""vLLM KV connector: Cascade as vLLM's prefix cache beyond GPU memory.
+
+Enable it with (docs/vllm.md lists every option):
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "CascadeConnector",
+        "kv_connector_module_path": "cascade.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store_pipeline": "host|file", "storage_path": "/mnt/nvme/kv"}}'
+
+This class only adapts vLLM's v1 connector API (vllm 0.33,
+``KVConnectorBase_V1``) to ``cascade.integrations.connector_core``, which
+does the work and is tested without vLLM:
+
+- scheduler process: ``SchedulerPlanner`` (lookups, load and save plans);
+- each worker: ``KvTransferWorker`` over the worker's own CascadeStore, and
+  a lookup answer for the scheduler (same process: a direct call; another
+  process: a Unix socket, ``connector_lookup``).
+
+Loads are synchronous (before the forward pass, or layer by layer with
+``use_layerwise``); saves are asynchronous: a request whose saves are queued
+keeps its pages until the workers report them done (``request_finished`` /
+``get_finished``). A block that fails to load is reported through
+``get_block_ids_with_load_errors``; with ``kv_load_failure_policy:
+"recompute"`` vLLM recomputes it, with vLLM's default ("fail") the request
+fails. Never a silent hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+import cascade
+from cascade.integrations.connector_config import parse_connector_config, worker_store_config
+from cascade.integrations.connector_core import (
+    ConnectorMetrics,
+    KvTransferWorker,
+    PrometheusCounters,
+    ScheduledRequest,
+    SchedulerPlanner,
+    StepPlan,
+    TraceRecorder,
+    merge_counters,
+)
+from cascade.integrations.connector_lookup import (
+    LookupService,
+    PrefixLookup,
+    lookup_authkey,
+    register_worker,
+    socket_address,
+    unregister_worker,
+)
+from cascade.integrations.ids import KvNamespace
+
+try:  # vLLM >= 0.30 names the tier of external hits
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - older vLLM
+    CacheHitSource = None
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("cascade.integrations.connector")
+
+# The stored block format family of this connector's ids (the stored bytes
+# do not depend on the engine's layout: docs/formats.md, "Stored KV block").
+NAMESPACE_LAYOUT = "packed_kv"
+
+
+@dataclass
+class CascadeConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, sent from the scheduler to every worker."""
+
+    plan: StepPlan
+
+
+@dataclass
+class CascadeConnectorStats(KVConnectorStats):
+    """Counter deltas (``connector_core.COUNTERS`` keys and ``tier_hits:<tier>``), summed over workers."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if other is not None and not other.is_empty():
+            self.data = merge_counters(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out = {k: v for k, v in sorted(self.data.items())}
+        looked = self.data.get("lookup_tokens", 0)
+        if looked:
+            out["hit_rate"] = round(self.data.get("hit_tokens", 0) / looked, 4)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class CascadePromMetrics(KVConnectorPromMetrics):
+    """The connector's counters in vLLM's Prometheus registry (``vllm:cascade_*``)."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = PrometheusCounters(self._counter_cls, labelnames, prefix="vllm:cascade_")
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        labels = self.per_engine_labelvalues.get(engine_idx, []) if self._labelnames else []
+        self._counters.observe(transfer_stats_data, labels)
+
+
+def _model_name(vllm_config: "VllmConfig") -> str:
+    mc = vllm_config.model_config
+    name = str(mc.model)
+    if getattr(mc, "revision", None):
+        name += f"@{mc.revision}"
+    if getattr(mc, "quantization", None):
+        name += f"#{mc.quantization}"
+    return name
+
+
+def _kv_dtype(vllm_config: "VllmConfig") -> str:
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        return cache_dtype
+    return str(vllm_config.model_config.dtype).replace("torch.", "")
+
+
+def request_salt(request: "Request") -> Optional[str]:
+    """What, besides its tokens, makes a request's KV differ: vLLM's
+    ``cache_salt``, a LoRA adapter, multimodal inputs (by content hash and place)."""
+    parts = []
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"cache_salt={salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={lora.lora_name}@{getattr(lora, 'lora_path', '')}")
+    features = getattr(request, "mm_features", None) or []
+    if features:
+        h = hashlib.sha256()
+        for f in features:
+            pos = getattr(f, "mm_position", None)
+            h.update(f"{f.identifier}@{getattr(pos, 'offset', '')}+{getattr(pos, 'length', '')};".encode())
+        parts.append("mm=" + h.hexdigest()[:32])
+    return "|".join(parts) if parts else None
+
+
+class CascadeConnector(KVConnectorBase_V1):
+    """Cascade behind vLLM's v1 KV connector API (see the module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: Optional["KVCacheConfig"] = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.config = parse_connector_config(ktc.kv_connector_extra_config)
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise NotImplementedError(
+                "CascadeConnector supports models with one KV cache group (full attention in every "
+                f"layer); this model has {len(kv_cache_config.kv_cache_groups)} (sliding-window, "
+                "Mamba or other hybrid layers)")
+        self.block_size = self._manager_block_size(vllm_config, kv_cache_config)
+        parallel = vllm_config.parallel_config
+        self.world = int(parallel.world_size)
+        dp_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
+        self.dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0) if dp_size > 1 else None
+        self.engine_key = f"{ktc.engine_id}/dp{self.dp_rank or 0}"
+        self.namespace = KvNamespace(model=self.config.model_name or _model_name(vllm_config),
+                                     dtype=_kv_dtype(vllm_config), layout=NAMESPACE_LAYOUT,
+                                     block_size=self.block_size, tp_rank=0, tp_world=self.world,
+                                     tenant=self.config.tenant)
+        if CacheHitSource is not None:
+            top = self.config.store_pipeline.split("|")[0].strip()
+            self._cache_hit_source = {"gpu": CacheHitSource.DEVICE, "hbm": CacheHitSource.DEVICE,
+                                      "file": CacheHitSource.DISK, "lustre": CacheHitSource.DISK,
+                                      "posix": CacheHitSource.DISK}.get(top, CacheHitSource.HOST)
+        self.metrics = ConnectorMetrics()
+        self.planner: Optional[SchedulerPlanner] = None
+        self.worker: Optional[KvTransferWorker] = None
+        self._lookup: Optional[PrefixLookup] = None
+        self._service: Optional[LookupService] = None
+        self._rank = 0
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler(vllm_config, kv_cache_config)
+        else:
+            self._init_worker(vllm_config)
+
+    @staticmethod
+    def _manager_block_size(vllm_config, kv_cache_config) -> int:
+        if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+            return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+        bs = vllm_config.cache_config.block_size
+        if not bs:
+            raise ValueError("CascadeConnector: the KV block size is not resolved yet")
+        return int(bs)
+
+    def _traces(self, role: str) -> TraceRecorder:
+        return TraceRecorder(self.config.trace_path if self.config.enable_record_traces else None, role)
+
+    # ------------------------------------------------------------------
+    # Scheduler side
+
+    def _init_scheduler(self, vllm_config, kv_cache_config) -> None:
+        ktc = self._kv_transfer_config
+        lite_blocks = None
+        if self.config.use_lite and kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+            group = kv_cache_config.kv_cache_groups[0]
+            block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names) // max(1, self.world)
+            capacity = self.config.host_capacity + (self.config.file_capacity if self.config.storage_path else 0)
+            lite_blocks = max(1, capacity // max(1, block_bytes))
+        self._lookup = PrefixLookup(self.engine_key, self.world, mode=self.config.lookup,
+                                    socket_dir=self.config.lookup_socket_dir,
+                                    timeout_ms=self.config.lookup_timeout_ms)
+        self.planner = SchedulerPlanner(self.config, self.namespace, self._lookup,
+                                        can_load=ktc.is_kv_consumer, can_save=ktc.is_kv_producer,
+                                        metrics=self.metrics, traces=self._traces("scheduler"),
+                                        lite_capacity_blocks=lite_blocks)
+
+    def on_new_request(self, request: "Request") -> None:
+        self.planner.track(request.request_id, request.prompt_token_ids, request_salt(request))
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        n = self.planner.matched_tokens(request.request_id, request.prompt_token_ids, request_salt(request),
+                                        num_computed_tokens)
+        return n, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        table = blocks.get_block_ids()
+        self.planner.after_alloc(request.request_id, request.prompt_token_ids, request_salt(request),
+                                 table[0] if table else [], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        num_sched = scheduler_output.num_scheduled_tokens
+        scheduled = []
+        for r in scheduler_output.scheduled_new_reqs:
+            scheduled.append(ScheduledRequest(
+                r.req_id, r.num_computed_tokens, num_sched.get(r.req_id, 0),
+                block_ids=list(r.block_ids[0]) if r.block_ids else [], replace_blocks=True,
+                prompt=r.prompt_token_ids))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            scheduled.append(ScheduledRequest(
+                req_id, cached.num_computed_tokens[i], num_sched.get(req_id, 0),
+                block_ids=list(new_blocks[0]) if new_blocks else None,
+                replace_blocks=req_id in cached.resumed_req_ids))
+        plan = self.planner.build_plan(scheduled, scheduler_output.preempted_req_ids or ())
+        return CascadeConnectorMetadata(plan)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.planner.request_finished(request.request_id), None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a later miss
+
+    # ------------------------------------------------------------------
+    # Worker side
+
+    def _init_worker(self, vllm_config) -> None:
+        parallel = vllm_config.parallel_config
+        self._rank = int(parallel.rank)
+        if not 0 <= self._rank < self.world:
+            raise ValueError(f"CascadeConnector: worker rank {self._rank} outside world size {self.world}")
+        if self.config.use_lite:
+            return  # lite mode: the scheduler counts, the workers move nothing
+        gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        store_cfg = worker_store_config(self.config, engine_key=self.engine_key, rank=self._rank,
+                                        world=self.world, dp_rank=self.dp_rank, gpu_device=gpu)
+        store = cascade.CascadeStore(store_cfg)
+        self.worker = KvTransferWorker(self.config, store, rank=self._rank, world=self.world,
+                                       metrics=self.metrics, traces=self._traces(f"rank{self._rank}"))
+        if self.config.lookup != "socket":
+            register_worker(self.engine_key, self._rank, self.worker.prefix_length)
+        backend = getattr(parallel, "distributed_executor_backend", None)
+        if self.config.lookup == "socket" or (self.config.lookup == "auto" and backend != "uni"):
+            self._service = LookupService(
+                socket_address(self.config.lookup_socket_dir, self.engine_key, self._rank),
+                lookup_authkey(self.engine_key), self.worker.prefix_length)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        if self.worker is None:
+            return
+        first = next(iter(kv_caches.values()))
+        packed = first.dim() == 4
+        blocks, tokens = (first.shape[0], first.shape[2]) if packed else (first.shape[1], first.shape[2])
+        if tokens != self.block_size:
+            raise NotImplementedError(
+                f"CascadeConnector: the attention kernel splits each {self.block_size}-token block into "
+                f"blocks of {tokens} tokens; run vLLM with --block-size {tokens}")
+        self.worker.register(kv_caches, block_size=self.block_size,
+                             layout="packed_kv" if packed else "split_kv")
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        if self.worker is not None and isinstance(kv_connector_metadata, CascadeConnectorMetadata):
+            self.worker.flush(kv_connector_metadata.plan.flush_req_ids)
+
+    def _plan(self) -> Optional[StepPlan]:
+        meta = self._connector_metadata
+        return meta.plan if isinstance(meta, CascadeConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        plan = self._plan()
+        if self.worker is not None and plan is not None:
+            self.worker.start_load(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        # Blocks are stored whole (every layer), after the forward pass: wait_for_save.
+        return
+
+    def wait_for_save(self):
+        plan = self._plan()
+        if self.worker is None or plan is None:
+            return
+        self.worker.finish_loads()
+        self.worker.submit_saves(plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        done = self.worker.finished_saving(finished_req_ids)
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.worker is None:
+            return set()
+        return self.worker.take_load_errors()
+
+    # ------------------------------------------------------------------
+    # Both sides
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        if not self.config.enable_metrics:
+            return None
+        data = self.metrics.take()
+        return CascadeConnectorStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[KVConnectorStats]:
+        return CascadeConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return CascadePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        try:
+            return parse_connector_config(extra_config).use_layerwise
+        except Exception:
+            return False  # the constructor reports the bad option
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        return None  # any layout: the stored bytes do not depend on it
+
+    def shutdown(self):
+        if self._service is not None:
+            self._service.close()
+            self._service = None
+        if self.worker is not None:
+            unregister_worker(self.engine_key, self._rank, self.worker.prefix_length)
+            self.worker.close()
+            self.worker = None
+        if self._lookup is not None:
+            self._lookup.close()
+            self._lookup = None
+        if self.planner is not None:
+            self.planner.traces.close()
