@@ -163,6 +163,12 @@ def test_yaml_file_and_overrides(tmp_path):
     assert parse_connector_config({"config_path": str(flat)}).hit_ratio == 0.25
 
 
+def test_example_config_parses():
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "cascade-vllm.yaml")
+    cfg = parse_connector_config({"config_path": example})
+    assert cfg.store_pipeline == "host|file" and cfg.store["write_policy"] == "write_through"
+
+
 @pytest.mark.parametrize("options,message", [
     ({"storage_backends": "/mnt"}, "storage_backends (use storage_path)"),
     ({"hit_rate": 0.5}, "unknown Cascade connector option(s): hit_rate"),
