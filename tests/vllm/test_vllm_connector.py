@@ -29,8 +29,9 @@ def model_dir(tmp_path_factory):
 def engines(model_dir):
     made = []
 
-    def make(extra=None, **kw):
-        eng = Engine(make_vllm_config(model_dir, {"host_capacity": "64MiB", **(extra or {})}, **kw))
+    def make(extra=None, num_blocks=64, **kw):
+        eng = Engine(make_vllm_config(model_dir, {"host_capacity": "64MiB", **(extra or {})}, **kw),
+                     num_blocks=num_blocks)
         made.append(eng)
         return eng
 
@@ -39,8 +40,8 @@ def engines(model_dir):
         eng.close()
 
 
-def store_ids(eng, prompt, salt=None):
-    ns = eng.connector.namespace.with_tenant(eng.connector.config.namespace_tenant(salt))
+def store_ids(eng, prompt, salt=None, rank=0):
+    ns = eng.connector.namespace.with_tenant(eng.connector.config.namespace_tenant(salt)).for_rank(rank)
     return prefix_block_ids(prompt[:len(prompt) // BS * BS], ns)
 
 
@@ -209,3 +210,70 @@ def test_stats_and_prometheus(engines):
     assert registry.get_sample_value("vllm:cascade_tier_hits_total", {**labels, "tier": "host"}) == 2
     assert CascadeConnector.build_kv_connector_stats({"load_blocks": 1}).data == {"load_blocks": 1}
     assert CascadeConnector.requires_piecewise_for_cudagraph({"use_layerwise": True}) is True
+
+
+def test_preempted_request_flushes_its_saves_and_resumes_from_the_cache(engines):
+    eng = engines(num_blocks=9)  # 8 usable pages: two requests growing to 5 pages each cannot both stay
+    a = eng.add("a", PROMPT, max_tokens=24)
+    b = eng.add("b", [t + 1000 for t in PROMPT], max_tokens=24)
+    eng.run()
+    preempted = [(out, out.kv_connector_metadata.plan) for out, _ in eng.outputs if out.preempted_req_ids]
+    assert preempted, "the pool was meant to force a preemption"
+    out, plan = preempted[0]
+    assert plan.flush_req_ids == out.preempted_req_ids  # their queued saves finished before reuse
+    victim = next(iter(out.preempted_req_ids))
+    # The victim came back through the scheduler's lookup and loaded its own saved prompt blocks.
+    resumed = [o for o, _ in eng.outputs if victim in o.scheduled_cached_reqs.resumed_req_ids
+               or any(r.req_id == victim for r in o.scheduled_new_reqs)]
+    assert any(o.kv_connector_metadata.plan.loads for o in resumed)
+    assert not any(kv.invalid_block_ids for _, kv in eng.outputs)
+    assert len(a.output_token_ids) == 24 and len(b.output_token_ids) == 24
+
+
+def test_plans_cross_process_boundaries(engines):
+    """The multiprocess executor pickles each step's scheduler output to the workers."""
+    import pickle
+
+    eng = engines()
+    eng.add("a", PROMPT)
+    out, _ = eng.step()
+    plan = pickle.loads(pickle.dumps(out.kv_connector_metadata)).plan
+    assert plan == out.kv_connector_metadata.plan and plan.saves
+    eng.run()
+
+
+def test_tensor_parallel_workers_in_their_own_processes(engines):
+    """TP=2 under the multiprocess executor: rank 1 runs in another process with its own store;
+    the scheduler asks it over its lookup socket, and a hit needs both ranks."""
+    eng = engines({"lookup_timeout_ms": 30000}, tp=2)
+    assert eng.connector.namespace.tp_world == 2 and eng.ranks[1].rank == 1
+    eng.add("a", PROMPT)
+    eng.run()
+    ids = [store_ids(eng, PROMPT, rank=r) for r in (0, 1)]
+    assert not set(ids[0]) & set(ids[1])  # each rank saves its own shard under its own ids
+    assert eng.ranks[0].prefix_length(ids[0]) == 3 and eng.ranks[1].prefix_length(ids[1]) == 3
+    assert eng.ranks[1].prefix_length(ids[0]) == 0
+
+    b = eng.add("b", PROMPT)
+    assert eng.connector.get_num_new_matched_tokens(b, 0) == (3 * BS, False)
+    eng.step()
+    for rank in (0, 1):  # each rank loaded its own bytes
+        assert all(eng.page_is_computed("b", i, PROMPT, rank=rank) for i in range(3))
+    eng.run()
+
+    assert eng.ranks[1].remove(ids[1][1])  # only rank 1 lost block 1: no hit from there on
+    c = eng.add("c", PROMPT)
+    assert eng.connector.get_num_new_matched_tokens(c, 0) == (BS, False)
+    eng.run()
+    assert eng.ranks[1].prefix_length(ids[1]) == 3  # saved again by "c"
+
+    d = eng.add("d", PROMPT)
+    assert eng.connector.get_num_new_matched_tokens(d, 0) == (3 * BS, False)
+    out = eng.scheduler.schedule()
+    assert eng.ranks[1].remove(ids[1][2])  # lost on rank 1 between lookup and load
+    table = eng.block_table("d")
+    _, kv_out = eng.execute(out)
+    assert kv_out.invalid_block_ids == {table[2]}
+    assert eng.scheduler.requests["d"].num_computed_tokens == 2 * BS
+    eng.run()
+    assert len(d.output_token_ids) == 2
