@@ -294,6 +294,23 @@ def test_never_the_last_token_and_local_hits(ranks):
     assert p.matched_tokens("e", exact + [1], None, 4 * BS) == 0
 
 
+def test_reset_makes_earlier_blocks_unreachable(ranks):
+    key, (r0,) = ranks()
+    p = planner_for(key)
+    _, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
+    r0.step(plan)
+    r0.worker.wait_all_saves()
+    assert p.matched_tokens("b", PROMPT, None, 0) == 5 * BS
+    p.reset()  # new weights: the old KV must never be served
+    assert p.matched_tokens("b", PROMPT, None, 0) == 0
+    p.after_alloc("b", PROMPT, None, list(range(6, 12)), 0)
+    plan = p.build_plan([ScheduledRequest("b", 0, len(PROMPT), block_ids=list(range(6, 12)), replace_blocks=True)])
+    assert len(plan.saves) == 1 and plan.saves[0].engine_blocks == list(range(6, 11))
+    r0.step(plan)
+    r0.worker.wait_all_saves()
+    assert p.matched_tokens("c", PROMPT, None, 0) == 5 * BS  # saved again under the new epoch
+
+
 def test_hit_ratio_caps_the_served_fraction(ranks):
     key, (r0,) = ranks()
     seed = planner_for(key)

@@ -140,6 +140,19 @@ def test_namespace_separation(engines, model_dir, tmp_path):
     same.run()
 
 
+def test_prefix_cache_reset_drops_earlier_blocks(engines):
+    eng = engines()
+    eng.add("a", PROMPT)
+    eng.run()
+    assert eng.scheduler.reset_prefix_cache(reset_connector=True)  # e.g. after a weight update
+    b = eng.add("b", PROMPT)
+    assert eng.connector.get_num_new_matched_tokens(b, 0) == (0, False)
+    eng.run()
+    c = eng.add("c", PROMPT)
+    assert eng.connector.get_num_new_matched_tokens(c, 0) == (3 * BS, False)  # "b" saved them anew
+    eng.run()
+
+
 def test_lookup_over_the_worker_socket(engines):
     eng = engines({"lookup": "socket", "lookup_timeout_ms": 5000})
     assert eng.worker._service is not None

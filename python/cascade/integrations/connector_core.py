@@ -288,6 +288,8 @@ class SchedulerPlanner:
         self.can_load = can_load and self.lite is None
         self.can_save = can_save and self.lite is None
         self._lite_save = can_save and self.lite is not None
+        # Bumped by reset(): blocks saved before are never found again.
+        self.epoch = 0
         self.metrics = metrics or ConnectorMetrics()
         self.traces = traces or TraceRecorder(None, "scheduler")
         self._reqs: dict[str, _Tracked] = {}
@@ -307,6 +309,8 @@ class SchedulerPlanner:
     def ids_of(self, t: _Tracked) -> list:
         if t.ids is None:
             tenant = self.config.namespace_tenant(t.salt)
+            if self.epoch:
+                tenant = f"epoch:{self.epoch}" if tenant is None else f"{tenant}|epoch:{self.epoch}"
             base = self.namespace.with_tenant(tenant)
             full = len(t.prompt) // self.block_size * self.block_size
             t.ids = [prefix_block_ids(t.prompt[:full], base.for_rank(r)) for r in range(self.world)]
@@ -405,6 +409,22 @@ class SchedulerPlanner:
             if t is not None:
                 t.pending_load = None
         return plan
+
+    def reset(self) -> None:
+        """Makes every block saved so far unreachable (the engine's weights changed).
+
+        The ids of later blocks carry a new epoch in their namespace, so no
+        worker has to be reached and nothing is deleted: old blocks age out of
+        the store as it evicts. A restart (with the weights loaded afresh)
+        starts again from epoch 0.
+        """
+        self.epoch += 1
+        for t in self._reqs.values():
+            t.ids = None
+        if self.lite is not None:
+            self.lite = LiteCache(self.lite.capacity_blocks)
+            self.lookup = self.lite
+        self.traces.record("reset", "", blocks=0, epoch=self.epoch)
 
     def request_finished(self, req_id: str) -> bool:
         """Forgets the request; True when its pages must stay until its saves are reported done."""

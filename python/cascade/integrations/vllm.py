@@ -268,6 +268,13 @@ class CascadeConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.planner.request_finished(request.request_id), None
 
+    def reset_cache(self) -> bool | None:
+        """vLLM resets its prefix cache (e.g. after a weight update): nothing saved before is served."""
+        if self.planner is None:
+            return None
+        self.planner.reset()
+        return True
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a later miss
