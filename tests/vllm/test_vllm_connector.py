@@ -9,7 +9,6 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
                     reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm")
 
-import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
 from cascade.integrations.ids import prefix_block_ids  # noqa: E402
