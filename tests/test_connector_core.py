@@ -502,7 +502,7 @@ def test_traces_are_json_lines(ranks, tmp_path):
 def test_metrics_deltas_and_merge():
     m = ConnectorMetrics()
     m.add("hit_tokens", 16)
-    m.add_tier_hits("host", 3)
+    m.add_tier("hits", "host", 3)
     m.add("load_errors", 0)
     assert m.take() == {"hit_tokens": 16, "tier_hits:host": 3}
     assert m.take() == {}
@@ -524,6 +524,27 @@ def test_tier_hits_of_loads(ranks):
     assert metrics.take().get("tier_hits:host", 0) >= 5
 
 
+def test_tier_counts_of_loads_from_the_file_tier(tmp_path):
+    store = cascade.CascadeStore(cascade.config_from_dict({
+        "pipeline": "host|file", "shm_path": f"/dev/shm/cascade-pytest-conn-{os.getpid()}-{next(_keys)}",
+        "shm_capacity_bytes": 64 << 10, "lustre_path": str(tmp_path), "num_io_threads": 2}))
+    metrics = ConnectorMetrics()
+    worker = KvTransferWorker(ConnectorConfig(), store, rank=0, world=1, metrics=metrics)
+    try:
+        worker.register(make_layers("packed_kv", 7), block_size=BS, layout="packed_kv")
+        ids = [f"{i:032x}" for i in range(1, NB)]
+        worker.submit_saves(StepPlan(saves=[TransferJob("a", 0, list(range(1, NB)), [ids])]))
+        assert worker.wait_all_saves(timeout=10)
+        assert store.get_stats()["tiers"]["file"]["blocks"] > 0  # the small host tier spilled
+        metrics.take()
+        worker.start_load(StepPlan(loads=[TransferJob("b", 0, [0, 1, 2], [ids[:3]])]))  # the oldest: on disk
+        assert worker.take_load_errors() == set()
+        m = metrics.take()
+        assert m["tier_hits:file"] == 3 and m["tier_misses:host"] == 3 and m["load_blocks"] == 3
+    finally:
+        worker.close()
+
+
 def test_prometheus_counters():
     prom = pytest.importorskip("prometheus_client")
     registry = prom.CollectorRegistry()
@@ -532,11 +553,13 @@ def test_prometheus_counters():
         return prom.Counter(registry=registry, **kw)
 
     pc = PrometheusCounters(counter, ["engine"], prefix="cascade_test_")
-    pc.observe({"hit_tokens": 32, "load_bytes": 4096, "tier_hits:file": 2, "unknown": 1}, ["0"])
+    pc.observe({"hit_tokens": 32, "load_bytes": 4096, "tier_hits:file": 2, "tier_misses:host": 2, "unknown": 1},
+               ["0"])
     pc.observe({"hit_tokens": 16}, ["0"])
     assert registry.get_sample_value("cascade_test_hit_tokens_total", {"engine": "0"}) == 48
     assert registry.get_sample_value("cascade_test_load_bytes_total", {"engine": "0"}) == 4096
     assert registry.get_sample_value("cascade_test_tier_hits_total", {"engine": "0", "tier": "file"}) == 2
+    assert registry.get_sample_value("cascade_test_tier_misses_total", {"engine": "0", "tier": "host"}) == 2
 
 
 # ---------------------------------------------------------------------------

@@ -64,8 +64,11 @@ COUNTERS = {
     "save_present_blocks": ("save_present_blocks_total", "Blocks not saved because Cascade already held them"),
     "save_errors": ("save_errors_total", "Blocks that failed to save (a later miss, nothing more)"),
 }
-TIER_HITS = ("tier_hits_total", "Store hits per tier while loading blocks")
-_TIER_PREFIX = "tier_hits:"
+# Per tier, labelled ``tier``: keys "tier_hits:<tier>" and "tier_misses:<tier>".
+TIER_COUNTERS = {
+    "tier_hits:": ("tier_hits_total", "Store hits per tier while loading blocks"),
+    "tier_misses:": ("tier_misses_total", "Store misses per tier while loading blocks (looked for lower down)"),
+}
 
 
 class ConnectorMetrics:
@@ -83,8 +86,9 @@ class ConnectorMetrics:
             self._delta[key] += value
             self.totals[key] += value
 
-    def add_tier_hits(self, tier: str, value: int) -> None:
-        self.add(_TIER_PREFIX + tier, value)
+    def add_tier(self, kind: str, tier: str, value: int) -> None:
+        """``kind``: "hits" or "misses"."""
+        self.add(f"tier_{kind}:{tier}", value)
 
     def take(self) -> dict[str, float]:
         with self._lock:
@@ -112,16 +116,18 @@ class PrometheusCounters:
         self._counters = {key: counter_cls(name=prefix + name, documentation=doc,
                                            labelnames=self._labelnames)
                           for key, (name, doc) in COUNTERS.items()}
-        self._tier = counter_cls(name=prefix + TIER_HITS[0], documentation=TIER_HITS[1],
-                                 labelnames=self._labelnames + ["tier"])
+        self._tiers = {key: counter_cls(name=prefix + name, documentation=doc,
+                                        labelnames=self._labelnames + ["tier"])
+                       for key, (name, doc) in TIER_COUNTERS.items()}
 
     def observe(self, data: Mapping[str, float], labelvalues: Sequence[Any] = ()) -> None:
         labels = [str(v) for v in labelvalues]
         for key, value in data.items():
             if value <= 0:
                 continue
-            if key.startswith(_TIER_PREFIX):
-                self._child(self._tier, labels + [key[len(_TIER_PREFIX):]]).inc(value)
+            kind, sep, tier = key.partition(":")
+            if sep and kind + sep in self._tiers:
+                self._child(self._tiers[kind + sep], labels + [tier]).inc(value)
             elif key in self._counters:
                 self._child(self._counters[key], labels).inc(value)
 
@@ -527,12 +533,12 @@ class KvTransferWorker:
             raise ValueError(f"plan carries ids for {len(job.ids)} ranks, this engine has {self.world}")
         return job.ids[self.rank]
 
-    def _tier_hits(self) -> dict:
+    def _tier_counts(self) -> dict:
         try:
             tiers = self.store.get_stats()["tiers"]
         except Exception:
             return {}
-        return {name: t.get("hits", 0) for name, t in tiers.items()}
+        return {(kind, name): t.get(kind, 0) for name, t in tiers.items() for kind in ("hits", "misses")}
 
     # -- loads -------------------------------------------------------------
     def start_load(self, plan: StepPlan) -> None:
@@ -560,7 +566,7 @@ class KvTransferWorker:
         from cascade.integrations.kv import load_paged
 
         start = time.perf_counter()
-        hits_before = self._tier_hits()
+        tiers_before = self._tier_counts()
         failed: list = [None] * len(blocks)
         try:
             layer_ranges = [None] if events is None else [(l, l + 1) for l in range(self.kv.num_layers)]
@@ -579,9 +585,8 @@ class KvTransferWorker:
                 for ev in events:
                     ev.set()
         ms = (time.perf_counter() - start) * 1e3
-        hits_after = self._tier_hits()
-        for tier, n in hits_after.items():
-            self.metrics.add_tier_hits(tier, n - hits_before.get(tier, 0))
+        for (kind, tier), n in self._tier_counts().items():
+            self.metrics.add_tier(kind, tier, n - tiers_before.get((kind, tier), 0))
         bad = {b for b, e in zip(blocks, failed) if e is not None}
         with self._lock:
             self._load_errors |= bad

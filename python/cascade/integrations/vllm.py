@@ -94,7 +94,8 @@ class CascadeConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class CascadeConnectorStats(KVConnectorStats):
-    """Counter deltas (``connector_core.COUNTERS`` keys and ``tier_hits:<tier>``), summed over workers."""
+    """Counter deltas (``connector_core.COUNTERS`` keys, ``tier_hits:<tier>``, ``tier_misses:<tier>``),
+    summed over workers."""
 
     def reset(self):
         self.data = {}
