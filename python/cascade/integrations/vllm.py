@@ -224,7 +224,8 @@ class CascadeConnector(KVConnectorBase_V1):
         lite_blocks = None
         if self.config.use_lite and kv_cache_config is not None and kv_cache_config.kv_cache_groups:
             group = kv_cache_config.kv_cache_groups[0]
-            block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names) // max(1, self.world)
+            # One worker's block (the spec is per worker: its share of the heads), every layer.
+            block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
             capacity = self.config.host_capacity + (self.config.file_capacity if self.config.storage_path else 0)
             lite_blocks = max(1, capacity // max(1, block_bytes))
         self._lookup = PrefixLookup(self.engine_key, self.world, mode=self.config.lookup,
