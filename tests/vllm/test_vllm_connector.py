@@ -167,6 +167,8 @@ def test_lookup_over_the_worker_socket(engines):
 def test_lite_mode_counts_hits_and_moves_nothing(engines):
     eng = engines({"use_lite": True})
     assert eng.worker.worker is None  # no store, no data path
+    spec = eng.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    assert eng.connector.planner.lite.capacity_blocks == (64 << 20) // (spec.page_size_bytes * 2)  # host_capacity
     eng.add("a", PROMPT)
     eng.run()
     b = eng.add("b", PROMPT)
