@@ -15,9 +15,10 @@
 // for a device cache otherwise, plain host memory for a host cache. Saving
 // always copies every layer: a stored block is written once, whole.
 //
-// load: each block is leased in the store's top memory tier (acquire
-// promotes it from below) and scattered from there into the engine's pages
-// with no intermediate copy; the leases end when the call returns. A block
+// load: blocks found below the top tier are first promoted in parallel
+// (prefetch, when the chunk fits in half the top tier); each block is then
+// leased in the store's top memory tier and scattered from there into the
+// engine's pages with no intermediate copy; the leases end when the call returns. A block
 // that cannot be leased (the top tier has no room left for a promotion) is
 // read into staging instead. A stored block whose size differs from the
 // cache's block size is refused (InvalidArgument), never loaded.
@@ -90,6 +91,8 @@ class KvBlockMover {
   int device_;
   uint64_t block_bytes_;
   bool top_is_gpu_;
+  size_t tiers_ = 1;
+  uint64_t top_capacity_ = 0;  // 0 = unbounded
   std::mutex save_mu_, load_mu_;
   std::unique_ptr<Staging> save_staging_, load_staging_;
 };

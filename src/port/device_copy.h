@@ -24,4 +24,10 @@ bool gpu_usable(int device);
 Status register_host_memory(void* base, size_t bytes);
 void unregister_host_memory(void* base);
 
+// Registers now (instead of on the first copy) the parts of a range recorded
+// by register_host_memory that hold [p, p + n): a store puts a block here so
+// that its first load to the GPU does not pay for the registration. No-op
+// outside recorded ranges and without CUDA.
+void prepare_host_for_device(const void* p, size_t n);
+
 }  // namespace cascade

@@ -72,4 +72,8 @@ void unregister_host_memory(void* base) {
   if (base) unregister_host_range(base);
 }
 
+void prepare_host_for_device(const void* p, size_t n) {
+  if (p && n) (void)host_range_device_accessible(p, n);
+}
+
 }  // namespace cascade

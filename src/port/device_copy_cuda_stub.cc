@@ -11,5 +11,6 @@ bool gpu_usable(int) { return false; }
 
 Status register_host_memory(void*, size_t) { return Status::OK(); }
 void unregister_host_memory(void*) {}
+void prepare_host_for_device(const void*, size_t) {}
 
 }  // namespace cascade

@@ -41,6 +41,9 @@ KvBlockMover::KvBlockMover(CascadeStore* store, const PagedKvCache& cache, int d
       load_staging_(std::make_unique<Staging>()) {
   std::vector<TierKind> p = store->pipeline();
   top_is_gpu_ = !p.empty() && p.front() == TierKind::kGpu;
+  tiers_ = p.size();
+  StoreStats st = store->stats();
+  top_capacity_ = st.tiers.empty() ? 0 : st.tiers.front().capacity_bytes;
 }
 
 KvBlockMover::~KvBlockMover() = default;
@@ -209,6 +212,12 @@ Result<size_t> KvBlockMover::load(std::span<const int64_t> engine_blocks, std::s
   const MemoryKind host = MemoryKind::kHost;
   for (size_t begin = 0; begin < ids.size(); begin += kLeaseChunk) {
     const size_t n = std::min(kLeaseChunk, ids.size() - begin);
+    if (tiers_ > 1 && (top_capacity_ == 0 || n * block_bytes_ <= top_capacity_ / 2)) {
+      // Blocks below the top tier come up on the store's I/O threads in
+      // parallel, not one by one inside acquire().
+      std::vector<BlockId> chunk(ids.begin() + begin, ids.begin() + begin + n);
+      store_->prefetch(std::move(chunk))->wait();
+    }
     std::vector<BlockView> views;
     views.reserve(n);
     // Items served from a lease, by the memory kind of the lease.

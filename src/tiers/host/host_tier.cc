@@ -62,6 +62,8 @@ Status HostTier::put(const BlockId& id, const void* data, uint64_t size, const P
     loc.offset = *off;
     Status st = arena_->commit(*off + alloc_.round_up(size));
     if (st.ok()) st = copy_in(arena_->base() + *off, data, size, options.src_kind, options.cuda_stream);
+    // Loads to the GPU then find the block's memory registered already.
+    if (st.ok() && registered_) prepare_host_for_device(arena_->base() + *off, size);
     if (!st.ok()) {
       alloc_.free(*off, size);
       return st;
