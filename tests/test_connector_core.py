@@ -631,3 +631,54 @@ def test_lookup_modes_in_one_process(ranks):
         service.close()
     with pytest.raises(ValueError, match="ids for 2 ranks"):
         lk.PrefixLookup(key, 1).prefix_length([[], []])
+
+
+# ---------------------------------------------------------------------------
+# CUDA pages (skipped where no GPU is usable)
+
+CUDA = torch.cuda.is_available() and bool(cascade.HAVE_CUDA) and cascade.gpu_usable(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="no usable CUDA GPU (or a build without CUDA)")
+@pytest.mark.parametrize("pipeline", ["host", "gpu|host"])
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_cuda_pages_save_then_load(pipeline, layerwise):
+    """The worker's CUDA path: saves on a side stream after the forward's
+    work, loads (whole or layer by layer) ordered before the next forward."""
+    store = cascade.CascadeStore(cascade.config_from_dict({
+        "pipeline": pipeline, "use_gpu": "gpu" in pipeline, "gpu_capacity_bytes": 64 << 20,
+        "shm_capacity_bytes": 64 << 20, "num_io_threads": 2,
+        "shm_path": f"/dev/shm/cascade-pytest-conn-{os.getpid()}-{next(_keys)}"}))
+    key = engine_key()
+    worker = KvTransferWorker(ConnectorConfig(use_layerwise=layerwise), store, rank=0, world=1)
+    try:
+        src = {k: v.cuda() for k, v in make_layers("packed_kv", 7).items()}
+        worker.register(src, block_size=BS, layout="packed_kv")
+        lk.register_worker(key, 0, worker.prefix_length)
+        p = planner_for(key)
+        _, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
+        worker.flush(plan.flush_req_ids)
+        worker.start_load(plan)
+        worker.finish_loads()
+        worker.submit_saves(plan)
+        assert worker.wait_all_saves(timeout=30)
+
+        dst = {k: torch.zeros_like(v) for k, v in src.items()}
+        worker.register(dst, block_size=BS, layout="packed_kv")
+        n, plan = schedule_prefill(p, "b", PROMPT, [10, 11, 12, 13, 14, 15])
+        assert n == 5 * BS
+        worker.start_load(plan)
+        for name in dst:
+            if layerwise:
+                worker.wait_layer(name)
+        worker.finish_loads()
+        torch.cuda.synchronize()
+        assert worker.take_load_errors() == set()
+        for name in dst:
+            assert torch.equal(dst[name][10:15].cpu(), src[name][0:5].cpu()), name
+            assert not dst[name][15].any()
+    finally:
+        lk.unregister_worker(key, 0)
+        worker.close()
+        store.close()
