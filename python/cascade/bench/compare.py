@@ -324,7 +324,9 @@ class Ceilings:
         self.progress("  ceilings again after the rows: " + ", ".join(
             f"{k} {v}" for k, v in (("host copy", self._mem and f"{self._mem['gbps']:.2f}"),
                                     ("disk w/r", self._file and f"{self._file['write_gbps']:.2f}/"
-                                                                     f"{self._file['read_gbps']:.2f}"))
+                                                                     f"{self._file['read_gbps']:.2f}"),
+                                    ("pinned H2D/D2H", self._gpu and f"{self._gpu['write_gbps']:.2f}/"
+                                                                      f"{self._gpu['read_gbps']:.2f}"))
             if v) + " GB/s (best of before and after kept)")
 
     def for_adapter(self, cls) -> dict:
