@@ -15,7 +15,7 @@ BENCH_OUT ?= bench-results
 APT_PACKAGES := g++ make libssl-dev libgtest-dev libxxhash-dev liburing-dev \
                 libopenmpi-dev openmpi-bin redis-server
 PY_PACKAGES  := numpy pytest pyyaml nanobind scikit-build-core cmake ninja \
-                redis hiredis h5py matplotlib transformers
+                redis hiredis h5py matplotlib transformers prometheus_client
 TORCH        := torch==2.13.0
 
 CMAKE_DEFINES := -Ccmake.define.CASCADE_BUILD_TESTS=ON
