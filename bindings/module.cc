@@ -49,6 +49,7 @@ NB_MODULE(_core, m) {
       .def_rw("segment_size_bytes", &CascadeConfig::segment_size_bytes)
       .def_rw("io_direct", &CascadeConfig::io_direct)
       .def_rw("file_io_engine", &CascadeConfig::file_io_engine)
+      .def_rw("file_mode", &CascadeConfig::file_mode)
       .def_rw("sync_writes", &CascadeConfig::sync_writes)
       .def_rw("dedup_enabled", &CascadeConfig::dedup_enabled)
       .def_rw("compression_enabled", &CascadeConfig::compression_enabled)
@@ -56,6 +57,7 @@ NB_MODULE(_core, m) {
       .def_rw("parallel_copy_threshold", &CascadeConfig::parallel_copy_threshold)
       .def_rw("eviction_policy", &CascadeConfig::eviction_policy)
       .def_rw("write_policy", &CascadeConfig::write_policy)
+      .def_rw("ephemeral", &CascadeConfig::ephemeral)
       .def_rw("promote_on_hit", &CascadeConfig::promote_on_hit)
       .def_rw("index_shards", &CascadeConfig::index_shards)
       .def("validate", [](const CascadeConfig& c) { check(c.validate()); },

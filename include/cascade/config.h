@@ -85,6 +85,12 @@ struct CascadeConfig {
   // page cache as an extra tier.
   bool io_direct = false;
   FileIoEngine file_io_engine = FileIoEngine::kPsync;
+  // Permission bits of the file tier's files (segments, summaries, its key
+  // and lock). Its directory gets the same bits plus search (x) where read
+  // is granted. Owner-only by default: stored KV blocks are the prompts of
+  // whoever used the engine. 0640 (with the directory's group set by the
+  // operator) shares a directory with a group for read.
+  uint32_t file_mode = 0600;
   // fsync data (and new segment directories) before a put returns.
   // Off: flush() makes everything durable; a crash may lose recent puts
   // but never exposes a torn or wrong block.
@@ -109,6 +115,12 @@ struct CascadeConfig {
   uint64_t parallel_copy_threshold = 4ULL << 20;
   EvictionPolicy eviction_policy = EvictionPolicy::kLru;
   WritePolicy write_policy = WritePolicy::kWriteBack;
+  // Durability contract (docs/design.md): with a persistent tier (file),
+  // flush() and close() first write every block held only in memory tiers
+  // down to it, so a store opened later finds every block stored before
+  // them. An ephemeral store skips that on close(): its memory tiers are a
+  // cache that may start cold (flush() still writes down).
+  bool ephemeral = false;
   // Copy a block found in a lower tier up into the top tier on get.
   bool promote_on_hit = true;
   // Index shards: a power of two. 256 as in the seeds keeps contention low

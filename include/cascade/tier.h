@@ -16,9 +16,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cascade/block_id.h"
@@ -161,6 +163,27 @@ class Tier {
   virtual void clear() = 0;
   // Makes every stored block durable (file tier); a no-op for memory tiers.
   virtual Status flush() { return Status::OK(); }
+
+  // ---- durability -----------------------------------------------------------
+  // True when the tier's blocks outlive the store (the file tier): what it
+  // holds after flush() is found again by a store opened later on it.
+  virtual bool persistent() const { return false; }
+
+  // Calls fn(id, size) for every block the tier holds now. A snapshot taken
+  // shard by shard: blocks stored or removed meanwhile may or may not be
+  // seen. fn must not call back into the tier.
+  virtual void for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const {}
+
+  // Dedup aliases: `alias` names the bytes stored in this tier under
+  // `target`. A persistent tier writes the pair down (durable after the next
+  // flush()) and, after a reopen, reports every pair whose target it still
+  // holds through aliases(), newest pair of an alias winning. Removals are
+  // not written down (as for blocks). NotSupported for tiers that forget
+  // everything on close.
+  virtual Status put_alias(const BlockId& alias, const BlockId& target) {
+    return Status::NotSupported(std::string(name()) + " tier does not keep aliases");
+  }
+  virtual std::vector<std::pair<BlockId, BlockId>> aliases() const { return {}; }
 
  protected:
   friend class BlockView;

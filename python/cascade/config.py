@@ -85,6 +85,11 @@ def config_from_dict(options: Mapping[str, Any], base: CascadeConfig | None = No
             value = parse_size(value, name)
         elif name in _ENUMS:
             value = _enum_value(_ENUMS[name], value, name)
+        elif name == "file_mode" and isinstance(value, str):
+            try:  # "0640", "0o640", "640": permission bits are octal
+                value = int(value.strip().lower().removeprefix("0o"), 8)
+            except ValueError:
+                raise ValueError(f"file_mode: cannot read {value!r} as octal permission bits") from None
         elif name in ("lustre_path", "shm_path") and value is not None:
             value = os.fspath(value)
         try:

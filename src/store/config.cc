@@ -97,6 +97,10 @@ Status CascadeConfig::validate() const {
     }
   }
   if (lustre_stripe_count < 0) return Status::InvalidArgument("lustre_stripe_count is negative");
+  if (file_mode & ~0777u)
+    return Status::InvalidArgument("file_mode takes permission bits only (at most 0777)");
+  if (!(file_mode & 0600u) || (file_mode & 0600u) != 0600u)
+    return Status::InvalidArgument("file_mode must let the owner read and write (0600 at least)");
   if (compression_enabled)
     return Status::NotSupported(
         "compression_enabled: compression is not implemented (KV tensors in bf16/fp8 compress "
