@@ -12,13 +12,14 @@ import statistics
 import tempfile
 import time
 
+from cascade.bench.adapters.base import drop_file_cache
 from cascade.bench.common import fmt_size
 from cascade.bench.ttft.ceilings import pcie_ceiling
 from cascade.bench.ttft.checks import _tolerance, compare_logits
 from cascade.bench.ttft.model import PRESETS, build_model
 from cascade.bench.ttft.serving import _serve, _summary, _sync, schedule
 from cascade.bench.ttft.settings import GiB, _resolve
-from cascade.bench.ttft.stores import _config, drop_page_cache
+from cascade.bench.ttft.stores import _config
 
 
 class TtftBench:
@@ -319,7 +320,7 @@ class TtftBench:
             _serve(groups, lambda g: pc.prefill(prompts[g], save=False), lambda g, res: None, self.device)
         for rep in range(runs):
             if mode.startswith("cold"):
-                dropped = drop_page_cache(file_dir)
+                dropped = drop_file_cache(file_dir)
                 store = cascade.CascadeStore(_config("host|file", capacity=conc * base["kv_bytes_per_prompt"]
                                                      + (256 << 20), directory=file_dir))
             else:

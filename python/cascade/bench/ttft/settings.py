@@ -77,11 +77,6 @@ def _resolve(args):
 
 
 def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * GiB
+    from cascade.machine import _meminfo
+
+    return _meminfo().get("MemAvailable") or 8 * GiB

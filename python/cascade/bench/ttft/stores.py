@@ -27,21 +27,3 @@ def _config(pipeline: str, *, capacity: int = 0, directory: str = "", direct: bo
         cfg.io_direct = direct
     return cfg
 
-
-def drop_page_cache(directory: str) -> int:
-    """posix_fadvise(DONTNEED) on every file under `directory`; returns files."""
-    n = 0
-    for root, _dirs, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(root, name)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                n += 1
-            finally:
-                os.close(fd)
-    return n
