@@ -1,6 +1,7 @@
-"""The correctness checks of a cached run against the full prefill:
-last-token logits within the dtype's tolerance, the same greedy token unless
-the reference nearly ties, and a report's failures listed one per line."""
+"""The correctness checks of a cached run against the full prefill: the
+loaded KV bytes equal to the computed ones, last-token logits within the
+dtype's tolerance, the same greedy token unless the reference nearly ties,
+and a report's failures listed one per line."""
 
 from __future__ import annotations
 
@@ -47,6 +48,27 @@ def compare_logits(ref, got, dtype) -> dict:
     return {"rel_err": err, "greedy_ref": r, "greedy": g, "margin": float(top.values[0] - top.values[1]),
             "gap": gap, "gap_ulps": gap / ulp, "near_tie": near_tie,
             "ok": finite and err <= _tolerance(dtype) and (r == g or near_tie)}
+
+
+def verify_kv(pc, prompt, ref_kv, block_size: int) -> dict:
+    """Loads prompt 0's cached blocks once more (untimed) and compares the
+    bytes with the KV the full prefill computed: exact equality."""
+    import torch
+
+    plan = pc.lookup(prompt)
+    buf, good, errors = pc.load(plan)
+    n = good * block_size
+    out = {"tokens": n, "errors": [e[2] for e in errors][:3]}
+    if buf is None or n == 0:
+        out["exact"] = False
+        return out
+    got = buf[..., :n, :].cpu()
+    out["exact"] = bool(torch.equal(got, ref_kv[..., :n, :]))
+    if not out["exact"]:
+        diff = (got != ref_kv[..., :n, :]).reshape(got.shape[0], 2, got.shape[2], n // block_size, block_size, -1)
+        bad = diff.any(-1).any(-1).any(2).any(1).nonzero().tolist()   # (layer, block)
+        out["mismatched_layer_block"] = bad[:10]
+    return out
 
 
 def failures(report: dict) -> list[str]:

@@ -14,8 +14,8 @@ import time
 
 from cascade.bench.adapters.base import drop_file_cache
 from cascade.bench.common import fmt_size
-from cascade.bench.ttft.ceilings import pcie_ceiling
-from cascade.bench.ttft.checks import _tolerance, compare_logits
+from cascade.bench.ttft.ceilings import file_ceiling, pcie_ceiling
+from cascade.bench.ttft.checks import _tolerance, compare_logits, verify_kv
 from cascade.bench.ttft.model import PRESETS, build_model
 from cascade.bench.ttft.serving import _serve, _summary, _sync, schedule
 from cascade.bench.ttft.settings import GiB, _resolve
@@ -68,25 +68,8 @@ class TtftBench:
         self.file_ceiling = None
         if any(m.startswith("cold") for m in r["modes"]):
             self.file_root = tempfile.mkdtemp(prefix="cascade-ttft-", dir=args.file_dir)
-            self.file_ceiling = self._file_ceiling()
+            self.file_ceiling = file_ceiling(self.file_root, args.quick, progress)
         self.hot_store = None
-
-    def _file_ceiling(self) -> dict:
-        """O_DIRECT sequential bandwidth of the file tier's directory."""
-        from cascade.bench.tiers import direct_io_ceiling
-
-        if self.args.quick:
-            return {"error": "not measured (--quick)"}
-        probe = os.path.join(self.file_root, "probe")
-        try:
-            c = direct_io_ceiling(probe, 1 << 30, 8)
-            self.progress(f"file ceiling (O_DIRECT, 16 MiB requests): read {c['read_gbps']:.2f} GB/s, "
-                          f"write {c['write_gbps']:.2f} GB/s")
-            return c
-        except Exception as e:  # the bench goes on without it; the report says why
-            return {"error": f"{type(e).__name__}: {e}"}
-        finally:
-            shutil.rmtree(probe, ignore_errors=True)
 
     @staticmethod
     def _size(text, what):
@@ -277,27 +260,6 @@ class TtftBench:
                         if c * n * self.bpt <= self.r["host_budget"]), default=0)
             self.hot_store = cascade.CascadeStore(_config("host", capacity=need + need // 16 + (256 << 20)))
 
-    def _verify_kv(self, pc, prompt, ref_kv) -> dict:
-        """Loads prompt 0's cached blocks once more (untimed) and compares the
-        bytes with the KV the full prefill computed: exact equality."""
-        import torch
-
-        plan = pc.lookup(prompt)
-        buf, good, errors = pc.load(plan)
-        n = good * self.args.block_size
-        out = {"tokens": n, "errors": [e[2] for e in errors][:3]}
-        if buf is None or n == 0:
-            out["exact"] = False
-            return out
-        got = buf[..., :n, :].cpu()
-        out["exact"] = bool(torch.equal(got, ref_kv[..., :n, :]))
-        if not out["exact"]:
-            diff = (got != ref_kv[..., :n, :]).reshape(got.shape[0], 2, got.shape[2], n // self.args.block_size,
-                                                       self.args.block_size, -1)
-            bad = diff.any(-1).any(-1).any(2).any(1).nonzero().tolist()   # (layer, block)
-            out["mismatched_layer_block"] = bad[:10]
-        return out
-
     def _cached_mode(self, mode, base, prompts, ref, ref_kv, full, file_dir, resident) -> dict:
         import torch
 
@@ -342,7 +304,7 @@ class TtftBench:
                 all_runs.append(_serve(groups, run, after, self.device))
                 all_phases.append(phase_run)
                 if rep == runs - 1 and ref_kv is not None:
-                    kv_check = self._verify_kv(pc, prompts[0:1], ref_kv)
+                    kv_check = verify_kv(pc, prompts[0:1], ref_kv, self.args.block_size)
             finally:
                 if store is not self.hot_store:
                     store.close()
