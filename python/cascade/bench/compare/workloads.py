@@ -110,7 +110,7 @@ class Runner:
                 arrays.fill_random(seed=size)
                 keys = _keys(f"sizes/{size}", n)
                 ceilings = self._ceilings(n * size, a.threads)
-                # Few large blocks make short passes: the seeds' 512 MB run took 5 repetitions.
+                # Few large blocks make short passes: blocks of 256 MiB and more take --large-repeats.
                 reps = max(a.repeats, a.large_repeats) if size >= (256 << 20) else a.repeats
                 rows = self._run_rows(systems, lambda: self._wl("sizes", arrays, size, a.threads, keys, size),
                                       ceilings, repeats=reps)

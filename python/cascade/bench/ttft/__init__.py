@@ -2,11 +2,10 @@
 
 A Llama-architecture model with random weights (built from a config, nothing
 downloaded: a tiny one on CPU, Llama-3-8B-shaped in bf16 on a GPU) serves
-prompts of several lengths at several concurrencies, the shape of UCM's table
-(seed 002): c prompts arrive together and are served first come first
-served, as many per forward as fit a token budget and the GPU memory left
-for their KV; a prompt's time to first token is the time until its group's
-last-token logits exist. Modes:
+prompts of several lengths at several concurrencies: c prompts arrive
+together and are served first come first served, as many per forward as fit
+a token budget and the GPU memory left for their KV; a prompt's time to
+first token is the time until its group's last-token logits exist. Modes:
 
 - full:    full prefill, no store (the baseline, and the reference logits);
 - hot:     the prefix loaded from the host tier (shared-memory arena);
@@ -14,7 +13,7 @@ last-token logits exist. Modes:
            the directory (empty host tier), O_DIRECT reads, the files' pages
            dropped first;
 - hot80 / cold80: at most 80% of each prompt (whole blocks) from the store,
-           the rest computed (UCM's "SSD80%").
+           the rest computed.
 
 Every cached run is checked against the full prefill: prompt 0's loaded KV
 bytes equal to the KV the prefill computed, last-token logits within the
@@ -35,8 +34,8 @@ fit the host or file budget, or the GPU memory, or start after --time-limit,
 say so instead of running.
 
 Files: command (flags and main), settings (flags resolved: device, dtype,
-lengths, budgets), model (the random-weight Llama), ceilings (the PCIe
-ceiling), stores (the store behind each mode), serving (first come first
+lengths, budgets), model (the random-weight Llama), ceilings (PCIe and
+the file tier's O_DIRECT read), stores (the store behind each mode), serving (first come first
 served groups and their TTFT), checks (cached output against the full
 prefill), runner (every row, every mode), report (the table and the goal).
 """
