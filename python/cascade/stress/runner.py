@@ -46,10 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kill-max", type=float, default=0.4, help="latest kill")
     g.add_argument("--reuse-dir", type=int, default=8, help="iterations sharing one directory")
     g = p.add_argument_group("corrupt")
-    g.add_argument("--trials", type=int, default=5000)
+    g.add_argument("--trials", type=int, default=2000)
     g.add_argument("--corrupt-seconds", type=float, default=0,
                    help="run trials for this long instead of --trials")
-    g.add_argument("--corruptions", type=int, default=20, help="mean corruptions per trial")
+    g.add_argument("--corruptions", type=int, default=50, help="mean corruptions per trial")
     g.add_argument("--corrupt-keys", type=int, default=160)
     g = p.add_argument_group("faults")
     g.add_argument("--max-points", type=int, default=0, help="fault points to run (a sample); 0 = every one")
