@@ -13,6 +13,7 @@ void register_distributed(nb::module_& m);
 void register_file(nb::module_& m);
 void register_gpu(nb::module_& m);
 void register_kv(nb::module_& m);
+void register_stress(nb::module_& m);
 }
 
 using namespace cascade;
@@ -112,4 +113,5 @@ NB_MODULE(_core, m) {
   register_file(m);
   register_gpu(m);
   register_kv(m);
+  register_stress(m);
 }

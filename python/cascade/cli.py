@@ -8,6 +8,7 @@
     cascade bench gpu                 gpu tier and paged KV transfers vs PCIe/HBM ceilings
     cascade bench vmm --pages-total 100 --procs 4 --iters 20   GPU page-mapping parallelism
     cascade bench ttft                time to first token: full prefill vs prefix from the host/file tier
+    cascade stress --quick            randomized reliability harness: ops, kill -9, corruption, I/O faults
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ def _cmd_inspect(args) -> int:
     return 0 if report["ok"] else 1
 
 
+def _cmd_stress(args) -> int:
+    from cascade.stress.runner import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cascade", description="Cascade tiered KV-cache store")
     sub = p.add_subparsers(dest="command", required=True)
@@ -120,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--no-verify", action="store_true", help="do not read payloads to check checksums")
     insp.add_argument("--json", action="store_true", help="print JSON")
     insp.set_defaults(fn=_cmd_inspect)
+
+    stress = sub.add_parser("stress", help="randomized reliability harness: random operations with every byte "
+                                           "verified, kill -9 loops, on-disk corruption, I/O fault injection "
+                                           "(exit 1 on any wrong byte, lost flushed block, crash or hang)")
+    from cascade.stress.runner import add_arguments as add_stress_arguments
+    add_stress_arguments(stress)
+    stress.set_defaults(fn=_cmd_stress)
 
     bench = sub.add_parser("bench", help="measure tier throughput against the hardware ceiling")
     bench.add_argument("--tiers", default="auto",
