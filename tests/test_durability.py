@@ -8,7 +8,6 @@ CASCADE_KILL_ITERATIONS, default 20); for a longer run:
     python tests/test_durability.py --iterations 1000
 """
 
-import hashlib
 import os
 import random
 import signal
@@ -20,30 +19,10 @@ import numpy as np
 import pytest
 
 import cascade
+from durability_child import block_bytes, host_file_config
 
 KILL_ITERATIONS = int(os.environ.get("CASCADE_KILL_ITERATIONS", "20"))
 BLOCK = 256 << 10
-
-
-def block_bytes(key, size=None):
-    """The bytes of block `key`, derived from the key alone (size too, unless given)."""
-    h = hashlib.sha256(key.encode()).digest()
-    if size is None:
-        size = 4096 * (1 + h[8] % 16)
-    rng = np.random.default_rng(int.from_bytes(h[:8], "little"))
-    return rng.integers(0, 256, size, dtype=np.uint8)
-
-
-def host_file_config(shm_path, directory, **options):
-    cfg = cascade.CascadeConfig()
-    cfg.pipeline = "host|file"
-    cfg.shm_path = str(shm_path)
-    cfg.lustre_path = str(directory)
-    cfg.shm_capacity_bytes = 64 << 20
-    cfg.segment_size_bytes = 8 << 20
-    cfg.num_io_threads = 2
-    cfg.index_shards = 16
-    return cascade.config_from_dict({"write_policy": "write_back", **options}, base=cfg)
 
 
 def file_tier_is_persistent(cfg):
@@ -147,31 +126,6 @@ def test_removed_then_reput_id_gets_newest_bytes(durable_config, dedup):
 
 # ---- kill -9 loop ---------------------------------------------------------------------
 
-CHILD = r"""
-import os, random, sys
-sys.path[:0] = {paths!r}
-import cascade
-from test_durability import block_bytes, host_file_config
-shm, directory, log, iteration, seed = sys.argv[1:6]
-rng = random.Random(int(seed))
-cfg = host_file_config(shm, directory, shm_capacity_bytes=1 << 20)  # evicts often
-store = cascade.CascadeStore(cfg)
-fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-print("ready", flush=True)
-n = 0
-while True:
-    batch = []
-    for _ in range(rng.randint(1, 24)):
-        key = f"kill-{{iteration}}-{{n}}"
-        n += 1
-        store.put(key, block_bytes(key))
-        batch.append(key)
-    store.flush()
-    os.write(fd, ("".join(k + "\n" for k in batch)).encode())
-    os.fsync(fd)
-"""
-
-
 def read_log(path):
     if not os.path.exists(path):
         return []
@@ -184,15 +138,14 @@ def read_log(path):
 def kill_loop(shm_base, directory, log, iterations, seed=0):
     """Runs the loop; returns (flushed blocks checked, extra blocks found)."""
     rng = random.Random(seed)
-    here = os.path.dirname(os.path.abspath(__file__))
-    paths = [here] + [p for p in sys.path if p]
-    script = CHILD.format(paths=paths)
+    child_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durability_child.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     checked = extra = 0
     for it in range(iterations):
         shm = f"{shm_base}-{it}"
-        child = subprocess.Popen([sys.executable, "-c", script, shm, str(directory), str(log), str(it),
+        child = subprocess.Popen([sys.executable, child_py, shm, str(directory), str(log), str(it),
                                   str(rng.randrange(1 << 30))],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         try:
             line = child.stdout.readline()
             assert line.strip() == "ready", f"child did not start: {line!r} {child.stderr.read()}"
@@ -211,7 +164,8 @@ def kill_loop(shm_base, directory, log, iterations, seed=0):
         flushed = read_log(log)
         verify_shm = f"{shm_base}-verify"
         try:
-            with cascade.CascadeStore(host_file_config(verify_shm, directory)) as store:
+            with cascade.CascadeStore(host_file_config(verify_shm, directory,
+                                                       shm_capacity_bytes=4 << 20)) as store:
                 for key in flushed:
                     assert store.contains(key), f"iteration {it}: flushed block {key} is lost"
                 assert count_intact(store, flushed) == len(flushed), f"iteration {it}"

@@ -4,8 +4,9 @@
 // from an XXH3-128 fingerprint of the content and maps every logical id to
 // it. Two ids share bytes only after a byte comparison confirmed they are
 // equal, so a fingerprint collision can cost space but never return a wrong
-// block. A physical block dropped from the last tier takes its aliases with
-// it (they become misses).
+// block. A physical block dropped from the store (evicted from the last tier
+// while no tier above holds it) takes its aliases with it (they become
+// misses).
 //
 // Durability: each alias carries a "written" flag. The store writes the
 // unwritten ones to its persistent tier at flush (put_alias) and marks them;

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "cascade/store.h"
+#include "port/device_copy.h"
 #include "store/dedup_table.h"
 #include "store/simulated_disk_tier.h"
 #include "store/store_open.h"
@@ -246,6 +247,24 @@ TEST(DurabilityTest, FlushDuringConcurrentPutsKeepsEveryEarlierPut) {
       ASSERT_TRUE(out == bytes_of(i, kSize));
     }
   }
+}
+
+TEST(DurabilityTest, GpuBlocksAreWrittenDownFromDeviceMemory) {
+  if (!gpu_usable(0)) GTEST_SKIP() << "no usable GPU";
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(4 << 20);
+  c.pipeline = "gpu|host|file";
+  c.gpu_capacity_bytes = 64 << 20;
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 20, kBlock);
+  EXPECT_EQ(s->stats().tiers[0].blocks, 20u);  // all in GPU memory
+  ASSERT_TRUE(s->flush().ok());
+  EXPECT_EQ(s->stats().tiers[2].blocks, 20u);
+  disk->kill(true);
+  s.reset();
+  c.pipeline = "host|file";
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 20, kBlock), 20u);
 }
 
 // ---- dedup aliases ------------------------------------------------------------

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cascade/tier.h"
+#include "port/device_copy.h"
 
 namespace cascade {
 
@@ -70,7 +71,12 @@ class SimulatedDiskTier final : public Tier {
     if (disk_->capacity && size > disk_->capacity) return Status::InvalidArgument("too large");
     if (disk_->capacity && used_ + size > disk_->capacity) return Status::NoSpace("disk full");
     std::vector<uint8_t> bytes(size);
-    if (size) std::memcpy(bytes.data(), data, size);  // host sources only in these tests
+    if (size && o.src_kind == MemoryKind::kHost) {
+      std::memcpy(bytes.data(), data, size);
+    } else if (size) {  // staged out of device memory, as the file tier does
+      Status st = device_copy(bytes.data(), MemoryKind::kHost, data, o.src_kind, size, o.cuda_stream);
+      if (!st.ok()) return st;
+    }
     disk_->pending[id] = bytes;
     live_.emplace(id, std::move(bytes));
     order_.push_back(id);
