@@ -102,6 +102,7 @@ nb::dict tier_stats_dict(const TierStats& t) {
   d["bytes_read"] = t.bytes_read;
   d["corrupt_blocks"] = t.corrupt_blocks;
   d["leased_blocks"] = t.leased_blocks;
+  d["persistent"] = t.persistent;
   return d;
 }
 

@@ -117,11 +117,27 @@ class CascadeStore {
   // Tier kinds of the pipeline, top to bottom.
   std::vector<TierKind> pipeline() const;
 
-  void clear();     // drops every block from every tier
-  Status flush();   // makes stored blocks durable (file tier)
-  // Waits for async tasks, releases tiers. Further calls fail with
-  // Unavailable. Idempotent.
+  // Drops every block from every tier. Not written down: a persistent
+  // tier's blocks (and dedup aliases) come back in a store opened later.
+  void clear();
+
+  // Makes every block stored before the call durable in the persistent tier
+  // (file), if the pipeline has one: blocks held only in the memory tiers
+  // above it are written down first, then dedup aliases, then every tier is
+  // flushed (the durability contract, docs/design.md). Keeps going past a
+  // failed item and returns the first error with a count ("3 of 1000 blocks
+  // could not be written down ..."). Without a persistent tier: OK.
+  Status flush();
+
+  // Waits for async tasks, does what flush() does (an ephemeral store only
+  // writes aliases of blocks already down and flushes the tiers; its memory
+  // tiers' blocks are dropped), releases tiers. Keeps going past errors;
+  // close_status() tells what failed. Further calls fail with Unavailable.
+  // Idempotent.
   void close();
+  // OK, or the first error of close()'s writing down and flushing. OK before
+  // close().
+  Status close_status() const;
 
   // Runs fn(i) for i in [0, n) on the store's I/O threads and the calling
   // thread; returns when all are done. Exposed for benchmarks.

@@ -17,6 +17,7 @@
 #include "store/dedup_table.h"
 #include "store/store_open.h"
 #include "store/tier_factory.h"
+#include "store/write_down.h"
 
 namespace cascade {
 namespace {
@@ -64,8 +65,16 @@ class CascadeStore::Impl {
   CascadeConfig config;
   std::unique_ptr<ThreadPool> pool;
   std::vector<std::unique_ptr<Tier>> tiers;
+  // Present with dedup_enabled, and when the persistent tier reported
+  // aliases at open: then ids resolve through it even if new puts are not
+  // deduplicated (dedup_puts false). An id with no alias names itself.
   std::unique_ptr<DedupTable> dedup;
-  size_t remote = SIZE_MAX;  // index of the remote tier (distributed stores), or SIZE_MAX
+  bool dedup_puts = false;
+  size_t remote = SIZE_MAX;      // index of the remote tier (distributed stores), or SIZE_MAX
+  size_t persistent = SIZE_MAX;  // index of the first persistent tier, or SIZE_MAX
+
+  std::mutex close_mu;
+  Status close_status;  // guarded by close_mu
 
   mutable std::shared_mutex lifecycle;
   std::atomic<bool> closed{false};
@@ -95,15 +104,11 @@ class CascadeStore::Impl {
       }
       (void)tiers[t]->remove(v.id);  // NotFound: removed meanwhile by a user
       v.view.reset();
-      if (!kept_below && dedup && !held_below(t, v.id)) dedup->drop(v.id);
+      // Aliases go with the last copy: a victim of the last tier may still
+      // be held above it (write-through, or written down by flush()).
+      if (!kept_below && dedup && !contains_phys(v.id)) dedup->drop(v.id);
     }
     return Status::OK();
-  }
-
-  bool held_below(size_t t, const BlockId& id) const {
-    for (size_t u = t + 1; u < tiers.size(); ++u)
-      if (tiers[u]->contains(id)) return true;
-    return false;
   }
 
   // Stores into tier t, evicting as needed.
@@ -127,10 +132,15 @@ class CascadeStore::Impl {
   Status put_impl(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) {
     puts.fetch_add(1, std::memory_order_relaxed);
     BlockId phys = id;
-    if (dedup) {
+    if (dedup_puts) {
       if (options.src_kind != MemoryKind::kHost)
         return fail(Status::NotSupported("dedup fingerprints host memory; put device blocks with dedup_enabled=false"));
-      if (dedup->resolve(id)) return Status::OK();  // immutable: already stored
+    }
+    // Immutable: an id stored already (through an alias, or under itself by
+    // a store without dedup) is not written again.
+    if (dedup && dedup->resolve(id)) return Status::OK();
+    if (dedup_puts) {
+      if (!dedup->is_target(id) && contains_phys(id)) return Status::OK();
       phys = content_fingerprint(data, size);
       if (same_content_stored(phys, data, size)) {
         bool shared = false;
@@ -159,7 +169,7 @@ class CascadeStore::Impl {
       st = put_into(remote, phys, data, size, options);
     }
     if (!st.ok()) return fail(st);
-    if (dedup) {
+    if (dedup_puts) {
       bool shared = false;
       dedup->link(id, phys, size, &shared);
       if (shared) dedup_hits.fetch_add(1, std::memory_order_relaxed);
@@ -203,7 +213,8 @@ class CascadeStore::Impl {
   // ---- reads ----------------------------------------------------------------
   std::optional<BlockId> physical(const BlockId& id) const {
     if (!dedup) return id;
-    return dedup->resolve(id);
+    auto p = dedup->resolve(id);
+    return p ? *p : id;  // no alias: stored under its own id (or not at all)
   }
 
   // Outcome of reading one tier: true when the item is settled (hit, or an
@@ -351,15 +362,20 @@ class CascadeStore::Impl {
 
   Status remove_impl(const BlockId& id) {
     BlockId phys = id;
+    bool aliased = false;
     if (dedup) {
-      auto u = dedup->unlink(id);
-      if (!u) return Status::NotFound("block " + id.hex() + " is not stored");
-      if (!u->second) return Status::OK();  // other ids still share the bytes
-      phys = u->first;
+      if (auto u = dedup->unlink(id)) {
+        if (!u->second) return Status::OK();  // other ids still share the bytes
+        phys = u->first;
+        aliased = true;
+      } else if (dedup->is_target(id)) {
+        return Status::NotFound("block " + id.hex() +
+                                " is not stored under its own id (dedup aliases share its bytes)");
+      }
     }
     bool any = false;
     for (auto& t : tiers) any |= t->remove(phys).ok();
-    if (!any && !dedup) return Status::NotFound("block " + id.hex() + " is not stored");
+    if (!any && !aliased) return Status::NotFound("block " + id.hex() + " is not stored");
     return Status::OK();
   }
 
@@ -422,6 +438,13 @@ class CascadeStore::Impl {
       if (!sts[k].ok()) (*statuses)[idx[k]] = sts[k];
   }
 
+  // ---- durability -----------------------------------------------------------
+  Status write_down(const WriteDownOptions& o) {
+    auto put = [this](size_t t, const BlockId& id, const void* data, uint64_t size,
+                      const PutOptions& po) { return put_into(t, id, data, size, po); };
+    return cascade::write_down(tiers, persistent, pool.get(), dedup.get(), put, o);
+  }
+
   // ---- async ----------------------------------------------------------------
   void submit(std::function<void()> job) {
     {
@@ -444,6 +467,13 @@ Result<std::unique_ptr<CascadeStore>> CascadeStore::Open(const CascadeConfig& co
 
 Result<std::unique_ptr<CascadeStore>> StoreOpener::Open(const CascadeConfig& config,
                                                         const RemoteTierOpener& open_remote) {
+  return OpenWithTiers(config, [&](TierKind k, const CascadeConfig& c, ThreadPool* pool) {
+    return (k == TierKind::kRemote && open_remote) ? open_remote(k, c, pool) : open_tier(k, c, pool);
+  });
+}
+
+Result<std::unique_ptr<CascadeStore>> StoreOpener::OpenWithTiers(const CascadeConfig& config,
+                                                                 const RemoteTierOpener& open_stage) {
   CASCADE_RETURN_IF_ERROR(config.validate());
   auto kinds = config.resolve_pipeline(gpu_usable(config.gpu_device_id));
   if (!kinds.ok()) return kinds.status();
@@ -452,8 +482,7 @@ Result<std::unique_ptr<CascadeStore>> StoreOpener::Open(const CascadeConfig& con
   impl->pool = std::make_unique<ThreadPool>(config.num_io_threads > 0 ? config.num_io_threads
                                                                       : ThreadPool::default_threads());
   for (TierKind k : *kinds) {
-    auto tier = (k == TierKind::kRemote && open_remote) ? open_remote(k, config, impl->pool.get())
-                                                        : open_tier(k, config, impl->pool.get());
+    auto tier = open_stage(k, config, impl->pool.get());
     if (!tier.ok()) {
       return Status(tier.status().code(),
                     std::string("cannot open the ") + tier_kind_name(k) + " tier: " + tier.status().message());
@@ -461,7 +490,16 @@ Result<std::unique_ptr<CascadeStore>> StoreOpener::Open(const CascadeConfig& con
     if (k == TierKind::kRemote) impl->remote = impl->tiers.size();
     impl->tiers.push_back(std::move(tier.value()));
   }
-  if (config.dedup_enabled) impl->dedup = std::make_unique<DedupTable>();
+  impl->persistent = persistent_tier_index(impl->tiers);
+  impl->dedup_puts = config.dedup_enabled;
+  if (config.dedup_enabled || impl->persistent < impl->tiers.size())
+    impl->dedup = std::make_unique<DedupTable>();
+  // Aliases written by an earlier store: its ids resolve again, whether or
+  // not this store deduplicates its own puts.
+  size_t loaded = 0;
+  if (impl->persistent < impl->tiers.size())
+    loaded = load_aliases(*impl->tiers[impl->persistent], impl->dedup.get());
+  if (!config.dedup_enabled && loaded == 0) impl->dedup.reset();
   return std::unique_ptr<CascadeStore>(new CascadeStore(std::move(impl)));
 }
 
@@ -605,6 +643,7 @@ StoreStats CascadeStore::stats() const {
   std::shared_lock<std::shared_mutex> live_lock(impl_->lifecycle);
   for (auto& t : impl_->tiers) {
     s.tiers.push_back(t->stats());
+    s.tiers.back().persistent = t->persistent();
     s.physical_bytes += s.tiers.back().used_bytes;
   }
   s.puts = impl_->puts.load();
@@ -615,7 +654,7 @@ StoreStats CascadeStore::stats() const {
   s.dedup_hits = impl_->dedup_hits.load();
   s.bytes_put = impl_->bytes_put.load();
   s.bytes_got = impl_->bytes_got.load();
-  if (impl_->dedup) {
+  if (impl_->dedup_puts) {
     s.logical_blocks = impl_->dedup->aliases();
     s.logical_bytes = impl_->dedup->logical_bytes();
   } else {
@@ -641,8 +680,7 @@ void CascadeStore::clear() {
 
 Status CascadeStore::flush() {
   CASCADE_LIVE_OR(closed_status());
-  for (auto& t : impl_->tiers) CASCADE_RETURN_IF_ERROR(t->flush());
-  return Status::OK();
+  return impl_->write_down(WriteDownOptions{});
 }
 
 void CascadeStore::close() {
@@ -652,9 +690,23 @@ void CascadeStore::close() {
     impl_->inflight_cv.wait(lock, [&] { return impl_->inflight == 0; });
   }
   std::unique_lock<std::shared_mutex> lock(impl_->lifecycle);
-  for (auto& t : impl_->tiers) (void)t->flush();
+  // An ephemeral store leaves its memory tiers' blocks behind; aliases of
+  // blocks already in the persistent tier are still written, so what is on
+  // disk stays reachable by its ids.
+  WriteDownOptions o;
+  o.blocks = !impl_->config.ephemeral;
+  Status st = impl_->write_down(o);
+  {
+    std::lock_guard<std::mutex> status_lock(impl_->close_mu);
+    impl_->close_status = st;
+  }
   impl_->tiers.clear();
   impl_->pool.reset();
+}
+
+Status CascadeStore::close_status() const {
+  std::lock_guard<std::mutex> lock(impl_->close_mu);
+  return impl_->close_status;
 }
 
 void CascadeStore::parallel_for(size_t n, const std::function<void(size_t)>& fn) {

@@ -19,12 +19,23 @@ std::optional<BlockId> DedupTable::resolve(const BlockId& id) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = alias_.find(id);
   if (it == alias_.end()) return std::nullopt;
-  return it->second;
+  return it->second.physical;
 }
 
 bool DedupTable::link(const BlockId& id, const BlockId& p, uint64_t size, bool* shared) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!alias_.emplace(id, p).second) return false;
+  return link_locked(id, p, size, false, shared);
+}
+
+bool DedupTable::load(const BlockId& id, const BlockId& p, uint64_t size) {
+  std::lock_guard<std::mutex> lock(mu_);
+  bool shared = false;
+  return link_locked(id, p, size, true, &shared);
+}
+
+bool DedupTable::link_locked(const BlockId& id, const BlockId& p, uint64_t size, bool written,
+                             bool* shared) {
+  if (!alias_.emplace(id, Alias{p, written}).second) return false;
   Record& r = records_[p];
   *shared = !r.aliases.empty();
   r.size = size;
@@ -37,7 +48,7 @@ std::optional<std::pair<BlockId, bool>> DedupTable::unlink(const BlockId& id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = alias_.find(id);
   if (it == alias_.end()) return std::nullopt;
-  BlockId p = it->second;
+  BlockId p = it->second.physical;
   alias_.erase(it);
   bool last = true;
   auto rit = records_.find(p);
@@ -67,6 +78,25 @@ void DedupTable::clear() {
   alias_.clear();
   records_.clear();
   logical_bytes_ = 0;
+}
+
+bool DedupTable::is_target(const BlockId& p) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return records_.count(p) != 0;
+}
+
+std::vector<std::pair<BlockId, BlockId>> DedupTable::unwritten() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<BlockId, BlockId>> out;
+  for (const auto& [id, a] : alias_)
+    if (!a.written) out.emplace_back(id, a.physical);
+  return out;
+}
+
+void DedupTable::mark_written(const BlockId& id, const BlockId& p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = alias_.find(id);
+  if (it != alias_.end() && it->second.physical == p) it->second.written = true;
 }
 
 uint64_t DedupTable::aliases() const {

@@ -1,6 +1,7 @@
 // StoreOpener: opens a CascadeStore whose pipeline includes a tier the
 // built-in factory cannot build: the remote tier of a distributed store,
-// which needs the MPI communicator (OpenDistributed, cascade/distributed.h).
+// which needs the MPI communicator (OpenDistributed, cascade/distributed.h),
+// or, in tests, a tier standing in for one of the built-in kinds.
 //
 // Thread-safety: as CascadeStore::Open.
 #pragma once
@@ -24,6 +25,11 @@ struct StoreOpener {
   // `open_remote` (without one it fails with Unavailable).
   static Result<std::unique_ptr<CascadeStore>> Open(const CascadeConfig& config,
                                                     const RemoteTierOpener& open_remote);
+
+  // As CascadeStore::Open, every stage opened with `open_stage` (which may
+  // call open_tier for the kinds it does not replace).
+  static Result<std::unique_ptr<CascadeStore>> OpenWithTiers(const CascadeConfig& config,
+                                                             const RemoteTierOpener& open_stage);
 };
 
 }  // namespace cascade

@@ -222,6 +222,9 @@ class ArenaGpuTier final : public GpuTier {
   }
 
   void clear() override { index_.clear(); }
+  void for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const override {
+    index_.for_each([&](const BlockId& id, const Location& loc, bool) { fn(id, loc.size); });
+  }
   Status trim() override { return arena_->trim(); }
   GpuArenaStats arena_stats() const override { return arena_->stats(); }
 

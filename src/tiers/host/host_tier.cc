@@ -162,4 +162,8 @@ TierStats HostTier::stats() const {
 
 void HostTier::clear() { index_.clear(); }
 
+void HostTier::for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const {
+  index_.for_each([&](const BlockId& id, const Location& loc, bool) { fn(id, loc.size); });
+}
+
 }  // namespace cascade

@@ -38,6 +38,7 @@ class HostTier final : public Tier {
   uint64_t capacity_bytes() const override { return arena_->capacity(); }
   TierStats stats() const override;
   void clear() override;
+  void for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const override;
 
   uint8_t* arena_base() const { return arena_->base(); }
   const ExtentAllocator& allocator() const { return alloc_; }

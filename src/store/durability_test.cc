@@ -1,0 +1,466 @@
+// The store's durability contract (docs/design.md) over a persistent tier
+// simulated in memory: flush() and close() write memory-only blocks and
+// dedup aliases down, a reopened store finds them, a crash after flush()
+// loses nothing flushed.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <random>
+#include <thread>
+
+#include "cascade/store.h"
+#include "port/device_copy.h"
+#include "store/dedup_table.h"
+#include "store/simulated_disk_tier.h"
+#include "store/store_open.h"
+#include "store/tier_factory.h"
+
+namespace cascade {
+namespace {
+
+std::string shm_path() {
+  static std::atomic<int> n{0};
+  return "/dev/shm/cascade-durability-" + std::to_string(getpid()) + "-" + std::to_string(n++);
+}
+
+CascadeConfig host_disk_config(uint64_t host_capacity) {
+  CascadeConfig c;
+  c.pipeline = "host|file";
+  c.shm_capacity_bytes = host_capacity;
+  c.shm_path = shm_path();
+  c.lustre_path = "/nonexistent/simulated";  // the file stage is a SimulatedDiskTier
+  c.num_io_threads = 2;
+  c.index_shards = 16;
+  c.write_policy = WritePolicy::kWriteBack;
+  return c;
+}
+
+std::unique_ptr<CascadeStore> open_on(const CascadeConfig& c, std::shared_ptr<SimulatedDisk> disk) {
+  auto s = StoreOpener::OpenWithTiers(
+      c, [disk](TierKind k, const CascadeConfig& cfg, ThreadPool* pool) -> Result<std::unique_ptr<Tier>> {
+        if (k == TierKind::kFile) return std::unique_ptr<Tier>(new SimulatedDiskTier(disk));
+        return open_tier(k, cfg, pool);
+      });
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return s.ok() ? std::move(s.value()) : nullptr;
+}
+
+// Reopens on a fresh host arena: what the store finds comes from the disk.
+std::unique_ptr<CascadeStore> reopen(CascadeConfig c, std::shared_ptr<SimulatedDisk> disk) {
+  c.shm_path = shm_path();
+  return open_on(c, std::move(disk));
+}
+
+std::vector<uint8_t> bytes_of(uint64_t seed, size_t n) {
+  std::vector<uint8_t> v(n);
+  std::mt19937_64 rng(seed * 7919 + 1);
+  for (size_t i = 0; i < n; i += 8) {
+    uint64_t x = rng();
+    std::memcpy(v.data() + i, &x, std::min<size_t>(8, n - i));
+  }
+  return v;
+}
+
+BlockId id_of(uint64_t i) { return compute_block_id(&i, sizeof(i)); }
+
+// Number of ids in [0, n) found with the bytes of `seed_of(i)`; any found
+// with other bytes fails the test.
+template <typename SeedOf>
+size_t count_intact(CascadeStore* s, size_t n, size_t size, SeedOf seed_of) {
+  size_t ok = 0;
+  std::vector<uint8_t> out(size);
+  for (size_t i = 0; i < n; ++i) {
+    GetResult r;
+    EXPECT_TRUE(s->get(id_of(i), out.data(), out.size(), &r).ok());
+    if (!r.found) continue;
+    EXPECT_EQ(r.size, size);
+    EXPECT_TRUE(out == bytes_of(seed_of(i), size)) << "wrong bytes for block " << i;
+    ++ok;
+  }
+  return ok;
+}
+size_t count_intact(CascadeStore* s, size_t n, size_t size) {
+  return count_intact(s, n, size, [](size_t i) { return i; });
+}
+
+void put_blocks(CascadeStore* s, size_t from, size_t to, size_t size) {
+  for (size_t i = from; i < to; ++i) {
+    auto b = bytes_of(i, size);
+    ASSERT_TRUE(s->put(id_of(i), b.data(), b.size()).ok());
+  }
+}
+
+constexpr size_t kBlock = 256 << 10;
+
+}  // namespace
+
+TEST(DurabilityTest, FlushWritesHostBlocksDown) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(64 << 20);
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 20, kBlock);
+  EXPECT_EQ(s->stats().tiers[1].blocks, 0u);  // write-back: all in host
+  ASSERT_TRUE(s->flush().ok());
+  EXPECT_EQ(s->stats().tiers[1].blocks, 20u);
+  EXPECT_EQ(s->stats().tiers[1].demotions_in, 20u);  // write-down counts as demotion
+  EXPECT_EQ(s->stats().tiers[0].blocks, 20u);        // and keeps the host copies
+  ASSERT_TRUE(s->flush().ok());                      // nothing left to write
+  EXPECT_EQ(s->stats().tiers[1].demotions_in, 20u);
+  disk->kill(/*power_loss=*/true);  // only what flush made durable remains
+  s.reset();
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 20, kBlock), 20u);
+}
+
+TEST(DurabilityTest, CloseWritesHostBlocksDown) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(64 << 20);
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 20, kBlock);
+  s->close();
+  EXPECT_TRUE(s->close_status().ok()) << s->close_status().ToString();
+  disk->kill(/*power_loss=*/true);
+  s.reset();
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 20, kBlock), 20u);
+}
+
+TEST(DurabilityTest, EphemeralCloseDropsMemoryBlocksButFlushWritesThem) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(64 << 20);
+  c.ephemeral = true;
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 20, kBlock);
+  s->close();
+  EXPECT_TRUE(s->close_status().ok());
+  s.reset();
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 20, kBlock), 0u);
+  put_blocks(r.get(), 0, 20, kBlock);
+  ASSERT_TRUE(r->flush().ok());
+  r->close();
+  r.reset();
+  auto again = reopen(c, disk);
+  EXPECT_EQ(count_intact(again.get(), 20, kBlock), 20u);
+}
+
+TEST(DurabilityTest, EvictedAndResidentBlocksBothSurvive) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(2 << 20);  // 8 blocks fit in host
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 40, kBlock);
+  auto st = s->stats();
+  EXPECT_GT(st.tiers[0].blocks, 0u);
+  EXPECT_GT(st.tiers[1].blocks, 0u);
+  ASSERT_TRUE(s->flush().ok());
+  disk->kill(true);
+  s.reset();
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 40, kBlock), 40u);
+}
+
+TEST(DurabilityTest, KillAfterFlushLosesOnlyLaterPuts) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(2 << 20);
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 30, kBlock);
+  ASSERT_TRUE(s->flush().ok());
+  put_blocks(s.get(), 30, 40, kBlock);
+  disk->kill(true);
+  s->close();
+  EXPECT_FALSE(s->close_status().ok());  // the disk is gone: reported, not a crash
+  s.reset();
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 30, kBlock), 30u);
+  count_intact(r.get(), 40, kBlock);  // later ones may be there; never wrong
+}
+
+TEST(DurabilityTest, FlushReportsFailedItemsWithCountAndWritesTheRest) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(64 << 20);
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 50, 4096);
+  for (size_t i : {3, 17, 41}) disk->fail_puts.insert(id_of(i));
+  Status st = s->flush();
+  EXPECT_TRUE(st.is(Code::kIOError)) << st.ToString();
+  EXPECT_NE(st.message().find("3 of 50 blocks could not be written down"), std::string::npos)
+      << st.message();
+  EXPECT_EQ(disk->flushes, 1u);  // the tiers were flushed anyway
+  disk->kill(true);
+  s.reset();
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 50, 4096), 47u);
+}
+
+TEST(DurabilityTest, CloseKeepsGoingWhenTheTierFails) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(64 << 20);
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 10, 4096);
+  disk->fail_flush = true;
+  s->close();
+  Status st = s->close_status();
+  EXPECT_TRUE(st.is(Code::kIOError)) << st.ToString();
+  EXPECT_NE(st.message().find("could not flush"), std::string::npos) << st.message();
+  GetResult r;
+  EXPECT_TRUE(s->get(id_of(0), nullptr, 0, &r).is(Code::kUnavailable));
+  s->close();  // idempotent
+}
+
+TEST(DurabilityTest, FlushDuringConcurrentPutsKeepsEveryEarlierPut) {
+  // Writers keep putting (evicting host blocks to the disk meanwhile); every
+  // put that returned before flush() was called must be durable after it.
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(4 << 20);
+  c.num_io_threads = 4;
+  auto s = open_on(c, disk);
+  constexpr size_t kWriters = 4, kPer = 400, kSize = 32 << 10;
+  std::atomic<size_t> done[kWriters];
+  for (auto& d : done) d = 0;
+  std::vector<std::thread> writers;
+  for (size_t w = 0; w < kWriters; ++w) {
+    writers.emplace_back([&, w] {
+      for (size_t k = 0; k < kPer; ++k) {
+        size_t i = w * kPer + k;
+        auto b = bytes_of(i, kSize);
+        ASSERT_TRUE(s->put(id_of(i), b.data(), b.size()).ok());
+        done[w].store(k + 1, std::memory_order_release);
+      }
+    });
+  }
+  while (done[0].load() < kPer / 2) std::this_thread::yield();
+  size_t acked[kWriters];
+  for (size_t w = 0; w < kWriters; ++w) acked[w] = done[w].load(std::memory_order_acquire);
+  ASSERT_TRUE(s->flush().ok());
+  disk->kill(true);
+  for (auto& t : writers) t.join();
+  s.reset();
+  auto r = reopen(c, disk);
+  std::vector<uint8_t> out(kSize);
+  for (size_t w = 0; w < kWriters; ++w) {
+    for (size_t k = 0; k < acked[w]; ++k) {
+      size_t i = w * kPer + k;
+      GetResult g;
+      ASSERT_TRUE(r->get(id_of(i), out.data(), out.size(), &g).ok());
+      ASSERT_TRUE(g.found) << "writer " << w << " block " << k << " acknowledged before flush is lost";
+      ASSERT_TRUE(out == bytes_of(i, kSize));
+    }
+  }
+}
+
+TEST(DurabilityTest, GpuBlocksAreWrittenDownFromDeviceMemory) {
+  if (!gpu_usable(0)) GTEST_SKIP() << "no usable GPU";
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(4 << 20);
+  c.pipeline = "gpu|host|file";
+  c.gpu_capacity_bytes = 64 << 20;
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 20, kBlock);
+  EXPECT_EQ(s->stats().tiers[0].blocks, 20u);  // all in GPU memory
+  ASSERT_TRUE(s->flush().ok());
+  EXPECT_EQ(s->stats().tiers[2].blocks, 20u);
+  disk->kill(true);
+  s.reset();
+  c.pipeline = "host|file";
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 20, kBlock), 20u);
+}
+
+// ---- dedup aliases ------------------------------------------------------------
+
+TEST(DurabilityTest, DedupAliasesSurviveReopenWithAndWithoutDedup) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(8 << 20);  // some physical blocks get evicted
+  c.dedup_enabled = true;
+  auto seed = [](size_t i) { return i % 37; };  // 100 ids, 37 distinct contents
+  {
+    auto s = open_on(c, disk);
+    for (size_t i = 0; i < 100; ++i) {
+      auto b = bytes_of(seed(i), kBlock);
+      ASSERT_TRUE(s->put(id_of(i), b.data(), b.size()).ok());
+    }
+    EXPECT_EQ(s->stats().dedup_hits, 63u);
+    ASSERT_TRUE(s->flush().ok());
+    s->close();
+    ASSERT_TRUE(s->close_status().ok());
+  }
+  for (bool dedup_on : {true, false}) {
+    CascadeConfig rc = c;
+    rc.dedup_enabled = dedup_on;
+    auto r = reopen(rc, disk);
+    EXPECT_EQ(count_intact(r.get(), 100, kBlock, seed), 100u) << "dedup " << dedup_on;
+    for (size_t i = 0; i < 100; ++i) EXPECT_TRUE(r->contains(id_of(i)));
+    EXPECT_EQ(r->stats().tiers[1].blocks, 37u);
+  }
+}
+
+TEST(DurabilityTest, ReopenedStoreWithoutDedupResolvesAliasesAndStoresNewIdsPlainly) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(8 << 20);
+  c.dedup_enabled = true;
+  {
+    auto s = open_on(c, disk);
+    auto b = bytes_of(1, 4096);
+    ASSERT_TRUE(s->put(id_of(0), b.data(), b.size()).ok());
+    ASSERT_TRUE(s->put(id_of(1), b.data(), b.size()).ok());
+  }  // destructor closes: writes down
+  c.dedup_enabled = false;
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 2, 4096, [](size_t) { return 1; }), 2u);
+  // acquire of a logical id (promotes from the disk into host)
+  auto view = r->acquire(id_of(1));
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
+  EXPECT_EQ(0, std::memcmp(view->data(), bytes_of(1, 4096).data(), 4096));
+  view->reset();
+  // a new id with the same bytes is stored under itself, not deduplicated
+  auto b = bytes_of(1, 4096);
+  ASSERT_TRUE(r->put(id_of(2), b.data(), b.size()).ok());
+  EXPECT_EQ(r->stats().dedup_hits, 0u);
+  EXPECT_TRUE(r->contains(id_of(2)));
+  // a put of an id stored under an alias is a no-op (immutable)
+  auto other = bytes_of(99, 4096);
+  ASSERT_TRUE(r->put(id_of(0), other.data(), other.size()).ok());
+  EXPECT_EQ(count_intact(r.get(), 3, 4096, [](size_t) { return 1; }), 3u);
+  // removing logical ids: the first keeps the shared bytes, the last frees them
+  EXPECT_TRUE(r->remove(id_of(0)).ok());
+  EXPECT_FALSE(r->contains(id_of(0)));
+  EXPECT_TRUE(r->contains(id_of(1)));
+  EXPECT_TRUE(r->remove(id_of(1)).ok());
+  EXPECT_FALSE(r->contains(id_of(1)));
+  EXPECT_TRUE(r->remove(id_of(1)).is(Code::kNotFound));
+  EXPECT_TRUE(r->remove(id_of(2)).ok());
+  EXPECT_EQ(r->stats().tiers[1].blocks, 0u);
+}
+
+TEST(DurabilityTest, DedupStoreFindsBlocksPutWithoutDedup) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(8 << 20);
+  {
+    auto s = open_on(c, disk);
+    put_blocks(s.get(), 0, 10, 4096);
+  }
+  c.dedup_enabled = true;
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 10, 4096), 10u);
+  // immutable: a put of a stored id writes nothing, under any name
+  auto other = bytes_of(1234, 4096);
+  ASSERT_TRUE(r->put(id_of(3), other.data(), other.size()).ok());
+  EXPECT_EQ(count_intact(r.get(), 10, 4096), 10u);
+  EXPECT_TRUE(r->remove(id_of(3)).ok());
+  EXPECT_FALSE(r->contains(id_of(3)));
+}
+
+TEST(DurabilityTest, RemovedThenReputIdGetsNewestBytesAfterReopen) {
+  for (bool dedup : {false, true}) {
+    auto disk = std::make_shared<SimulatedDisk>();
+    CascadeConfig c = host_disk_config(8 << 20);
+    c.dedup_enabled = dedup;
+    {
+      auto s = open_on(c, disk);
+      put_blocks(s.get(), 0, 4, 4096);
+      ASSERT_TRUE(s->flush().ok());
+      ASSERT_TRUE(s->remove(id_of(0)).ok());  // not written down: comes back
+      ASSERT_TRUE(s->remove(id_of(1)).ok());
+      auto b = bytes_of(100, 4096);
+      ASSERT_TRUE(s->put(id_of(1), b.data(), b.size()).ok());
+    }
+    auto r = reopen(c, disk);
+    auto seed = [](size_t i) { return i == 1 ? 100 : i; };
+    EXPECT_EQ(count_intact(r.get(), 4, 4096, seed), 4u) << "dedup " << dedup;
+  }
+}
+
+TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  disk->capacity = 8 * kBlock;
+  CascadeConfig c = host_disk_config(1 << 20);  // 4 blocks in host
+  c.dedup_enabled = true;
+  c.promote_on_hit = false;  // counting must not move blocks
+  auto s = open_on(c, disk);
+  for (size_t i = 0; i < 30; ++i) {
+    auto b = bytes_of(i, kBlock);
+    ASSERT_TRUE(s->put(id_of(i), b.data(), b.size()).ok());
+  }
+  size_t live = count_intact(s.get(), 30, kBlock);
+  EXPECT_LE(live, 12u);  // the rest were dropped from the last tier with their aliases
+  EXPECT_EQ(s->stats().logical_blocks, live);
+  s->close();
+  s.reset();
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 30, kBlock), std::min<size_t>(live, 8));
+}
+
+TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierButHeldAboveStays) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  disk->capacity = 4 * kBlock;
+  CascadeConfig c = host_disk_config(64 << 20);
+  c.dedup_enabled = true;
+  c.write_policy = WritePolicy::kWriteThrough;  // every block in host and on disk
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 10, kBlock);
+  EXPECT_EQ(s->stats().tiers[1].blocks, 4u);
+  EXPECT_EQ(count_intact(s.get(), 10, kBlock), 10u);  // the host copies still answer
+  EXPECT_EQ(s->stats().logical_blocks, 10u);
+}
+
+TEST(DurabilityTest, FailedAliasWritesAreCountedAndRetried) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(8 << 20);
+  c.dedup_enabled = true;
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 5, 4096);
+  disk->fail_aliases = true;
+  Status st = s->flush();
+  EXPECT_NE(st.message().find("5 of 5 dedup aliases could not be written"), std::string::npos)
+      << st.ToString();
+  disk->fail_aliases = false;
+  ASSERT_TRUE(s->flush().ok());
+  disk->kill(true);
+  s.reset();
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 5, 4096), 5u);
+}
+
+TEST(DurabilityTest, ClearThenReopenBringsFlushedBlocksBack) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(8 << 20);
+  c.dedup_enabled = true;
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 5, 4096);
+  ASSERT_TRUE(s->flush().ok());
+  s->clear();
+  EXPECT_EQ(count_intact(s.get(), 5, 4096), 0u);
+  EXPECT_EQ(s->stats().logical_blocks, 0u);
+  s.reset();
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 5, 4096), 5u);
+}
+
+TEST(DedupTableTest, UnwrittenAliasesAreMarkedOnlyWhileTheyStillNameTheirBlock) {
+  DedupTable t;
+  BlockId a = id_of(1), b = id_of(2), p = id_of(10), q = id_of(11);
+  bool shared = false;
+  ASSERT_TRUE(t.link(a, p, 5, &shared));
+  ASSERT_TRUE(t.link(b, p, 5, &shared));
+  EXPECT_TRUE(shared);
+  EXPECT_EQ(t.unwritten().size(), 2u);
+  t.mark_written(a, p);
+  EXPECT_EQ(t.unwritten().size(), 1u);
+  ASSERT_TRUE(t.unlink(b).has_value());
+  ASSERT_TRUE(t.link(b, q, 7, &shared));
+  t.mark_written(b, p);  // stale: b names q now
+  ASSERT_EQ(t.unwritten().size(), 1u);
+  EXPECT_EQ(t.unwritten()[0].second, q);
+  EXPECT_TRUE(t.load(id_of(3), q, 7));
+  EXPECT_FALSE(t.load(a, q, 7));
+  EXPECT_EQ(t.unwritten().size(), 1u);
+  EXPECT_TRUE(t.is_target(q));
+  EXPECT_EQ(t.logical_bytes(), 5u + 7u + 7u);
+  t.drop(q);
+  EXPECT_FALSE(t.is_target(q));
+  EXPECT_TRUE(t.unwritten().empty());
+  EXPECT_EQ(t.aliases(), 1u);
+}
+
+}  // namespace cascade

@@ -1,0 +1,213 @@
+// SimulatedDiskTier: a persistent tier held in memory, for store tests.
+//
+// Its SimulatedDisk outlives the tier, so a store opened again on the same
+// disk finds what an earlier store left there, as with the file tier. Puts
+// and aliases are "written" at once (pending) and become durable at
+// flush(). kill() ends the writer as a crash would: with power_loss the
+// pending writes are gone too, and every later call on the disk fails until
+// a new tier is opened on it. Removals are not written down (as in the file
+// tier). Failures can be injected per id, for aliases and for flush.
+//
+// Thread-safety: one mutex per disk; every method is thread-safe.
+#pragma once
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "cascade/tier.h"
+#include "port/device_copy.h"
+
+namespace cascade {
+
+struct SimulatedDisk {
+  std::mutex mu;
+  std::map<BlockId, std::vector<uint8_t>> durable, pending;
+  std::vector<std::pair<BlockId, BlockId>> durable_aliases, pending_aliases;  // oldest first
+  bool dead = false;
+  uint64_t capacity = 0;          // 0: unbounded
+  std::set<BlockId> fail_puts;    // put fails with IOError for these ids
+  bool fail_aliases = false;      // put_alias fails with IOError
+  bool fail_flush = false;        // flush fails with IOError
+  uint64_t flushes = 0;
+
+  void kill(bool power_loss) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (power_loss) {
+      pending.clear();
+      pending_aliases.clear();
+    }
+    dead = true;
+  }
+};
+
+class SimulatedDiskTier final : public Tier {
+ public:
+  explicit SimulatedDiskTier(std::shared_ptr<SimulatedDisk> disk) : disk_(std::move(disk)) {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    disk_->dead = false;  // a new writer
+    for (auto* m : {&disk_->durable, &disk_->pending})
+      for (auto& [id, bytes] : *m) {
+        if (!live_.emplace(id, bytes).second) continue;
+        order_.push_back(id);
+        used_ += bytes.size();
+      }
+    for (auto* v : {&disk_->durable_aliases, &disk_->pending_aliases})
+      for (auto& pr : *v) aliases_[pr.first] = pr.second;
+  }
+
+  TierKind kind() const override { return TierKind::kFile; }
+  bool persistent() const override { return true; }
+
+  Status put(const BlockId& id, const void* data, uint64_t size, const PutOptions& o) override {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    if (disk_->dead) return Status::IOError("disk is gone");
+    if (disk_->fail_puts.count(id)) return Status::IOError("injected write error");
+    if (live_.count(id)) return Status::OK();
+    if (disk_->capacity && size > disk_->capacity) return Status::InvalidArgument("too large");
+    if (disk_->capacity && used_ + size > disk_->capacity) return Status::NoSpace("disk full");
+    std::vector<uint8_t> bytes(size);
+    if (size && o.src_kind == MemoryKind::kHost) {
+      std::memcpy(bytes.data(), data, size);
+    } else if (size) {  // staged out of device memory, as the file tier does
+      Status st = device_copy(bytes.data(), MemoryKind::kHost, data, o.src_kind, size, o.cuda_stream);
+      if (!st.ok()) return st;
+    }
+    disk_->pending[id] = bytes;
+    live_.emplace(id, std::move(bytes));
+    order_.push_back(id);
+    used_ += size;
+    if (o.origin == PutOrigin::kDemotion) ++demotions_in_;
+    return Status::OK();
+  }
+
+  Status read(const BlockId& id, const ReadRequest& rq, ReadResult* rr) override {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    auto it = live_.find(id);
+    if (it == live_.end()) return Status::NotFound("not on disk");
+    const auto& b = it->second;
+    rr->block_size = b.size();
+    if (rq.whole && b.size() > rq.capacity) return Status::InvalidArgument("too small");
+    if (!rq.whole && rq.offset > b.size()) return Status::InvalidArgument("bad offset");
+    uint64_t n = rq.whole ? b.size() : std::min<uint64_t>(rq.capacity, b.size() - rq.offset);
+    if (n) std::memcpy(rq.out, b.data() + (rq.whole ? 0 : rq.offset), n);
+    rr->copied = n;
+    return Status::OK();
+  }
+
+  bool contains(const BlockId& id) const override {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    return live_.count(id) != 0;
+  }
+
+  Status remove(const BlockId& id) override {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    return erase_locked(id) ? Status::OK() : Status::NotFound("not on disk");
+  }
+
+  std::vector<Victim> claim_victims(uint64_t bytes) override {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    std::vector<Victim> out;
+    uint64_t got = 0;
+    for (const BlockId& id : order_) {
+      if (got >= bytes) break;
+      auto it = live_.find(id);
+      if (it == live_.end() || claimed_.count(id)) continue;
+      claimed_.insert(id);
+      Victim v;
+      v.id = id;
+      v.size = it->second.size();
+      got += v.size;
+      out.push_back(std::move(v));
+    }
+    return out;
+  }
+
+  void unclaim(Victim victim) override {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    claimed_.erase(victim.id);
+  }
+
+  uint64_t capacity_bytes() const override { return disk_->capacity; }
+
+  TierStats stats() const override {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    TierStats s;
+    s.name = name();
+    s.capacity_bytes = disk_->capacity;
+    s.used_bytes = used_;
+    s.blocks = live_.size();
+    s.demotions_in = demotions_in_;
+    return s;
+  }
+
+  void clear() override {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    live_.clear();
+    order_.clear();
+    claimed_.clear();
+    used_ = 0;
+  }
+
+  Status flush() override {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    if (disk_->dead) return Status::IOError("disk is gone");
+    if (disk_->fail_flush) return Status::IOError("injected flush error");
+    for (auto& [id, bytes] : disk_->pending) disk_->durable[id] = std::move(bytes);
+    disk_->pending.clear();
+    for (auto& pr : disk_->pending_aliases) disk_->durable_aliases.push_back(pr);
+    disk_->pending_aliases.clear();
+    ++disk_->flushes;
+    return Status::OK();
+  }
+
+  void for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const override {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    for (auto& [id, bytes] : live_) fn(id, bytes.size());
+  }
+
+  Status put_alias(const BlockId& alias, const BlockId& target) override {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    if (disk_->dead) return Status::IOError("disk is gone");
+    if (disk_->fail_aliases) return Status::IOError("injected alias write error");
+    if (!live_.count(target)) return Status::NotFound("alias target not on disk");
+    disk_->pending_aliases.emplace_back(alias, target);
+    aliases_[alias] = target;
+    return Status::OK();
+  }
+
+  std::vector<std::pair<BlockId, BlockId>> aliases() const override {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    std::vector<std::pair<BlockId, BlockId>> out;
+    for (auto& [a, t] : aliases_)
+      if (live_.count(t)) out.emplace_back(a, t);
+    return out;
+  }
+
+ protected:
+  void release_lease(uint64_t) override {}
+
+ private:
+  bool erase_locked(const BlockId& id) {
+    auto it = live_.find(id);
+    if (it == live_.end()) return false;
+    used_ -= it->second.size();
+    live_.erase(it);
+    claimed_.erase(id);
+    return true;
+  }
+
+  std::shared_ptr<SimulatedDisk> disk_;
+  std::map<BlockId, std::vector<uint8_t>> live_;  // guarded by disk_->mu
+  std::vector<BlockId> order_;                    // insertion order (may hold removed ids)
+  std::set<BlockId> claimed_;
+  std::map<BlockId, BlockId> aliases_;
+  uint64_t used_ = 0;
+  uint64_t demotions_in_ = 0;
+};
+
+}  // namespace cascade

@@ -1,0 +1,130 @@
+#include "store/write_down.h"
+
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace cascade {
+namespace {
+
+bool is_memory_tier(TierKind k) { return k == TierKind::kGpu || k == TierKind::kHost; }
+
+// The first failure of a kind of item, and how many failed.
+class Failures {
+ public:
+  void add(const Status& st) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (count_++ == 0) first_ = st;
+  }
+  // OK, or the first failure prefixed with "N of M <what>".
+  Status summary(size_t total, const std::string& what) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!count_) return Status::OK();
+    return Status(first_.code(), std::to_string(count_) + " of " + std::to_string(total) + " " +
+                                     what + ": " + first_.message());
+  }
+
+ private:
+  mutable std::mutex mu_;
+  size_t count_ = 0;
+  Status first_;
+};
+
+// Copies one block down unless the persistent tier has it. A block no
+// memory tier holds any more was removed, or moved down meanwhile (a
+// demotion stores it below before removing it above): nothing to do.
+Status write_one(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persistent,
+                 const BlockId& id, const TierPut& put) {
+  if (tiers[persistent]->contains(id)) return Status::OK();
+  for (size_t t = 0; t < persistent; ++t) {
+    if (!is_memory_tier(tiers[t]->kind())) continue;
+    auto view = tiers[t]->acquire(id);
+    if (!view.ok()) continue;
+    PutOptions o;
+    o.origin = PutOrigin::kDemotion;
+    o.src_kind = view->kind();
+    return put(persistent, id, view->data(), view->size(), o);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+size_t persistent_tier_index(const std::vector<std::unique_ptr<Tier>>& tiers) {
+  for (size_t t = 0; t < tiers.size(); ++t)
+    if (tiers[t]->persistent()) return t;
+  return SIZE_MAX;
+}
+
+Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persistent,
+                  ThreadPool* pool, DedupTable* dedup, const TierPut& put,
+                  const WriteDownOptions& options) {
+  Failures block_failures, alias_failures;
+  size_t blocks = 0, aliases = 0;
+  std::string below = persistent < tiers.size() ? tiers[persistent]->name() : "";
+  if (persistent < tiers.size() && options.blocks) {
+    // Top-down, so a block moving down between two memory tiers meanwhile
+    // is seen in at least one of them.
+    std::vector<BlockId> ids;
+    std::unordered_set<BlockId> seen;
+    for (size_t t = 0; t < persistent; ++t) {
+      if (!is_memory_tier(tiers[t]->kind())) continue;
+      tiers[t]->for_each_block([&](const BlockId& id, uint64_t) {
+        if (seen.insert(id).second) ids.push_back(id);
+      });
+    }
+    blocks = ids.size();
+    pool->parallel_for(ids.size(), [&](size_t i) {
+      Status st = write_one(tiers, persistent, ids[i], put);
+      if (!st.ok()) block_failures.add(st);
+    });
+  }
+  if (persistent < tiers.size() && dedup && options.aliases) {
+    Tier& p = *tiers[persistent];
+    std::vector<std::pair<BlockId, BlockId>> pending = dedup->unwritten();
+    aliases = pending.size();
+    // An alias whose block is not down (its write-down failed, counted
+    // above) waits for a later flush.
+    pool->parallel_for(pending.size(), [&](size_t i) {
+      const auto& [alias, target] = pending[i];
+      if (!p.contains(target)) return;
+      Status st = p.put_alias(alias, target);
+      if (st.ok()) {
+        dedup->mark_written(alias, target);
+      } else {
+        alias_failures.add(st);
+      }
+    });
+  }
+  Status flushed;
+  for (const auto& t : tiers) {
+    Status st = t->flush();
+    if (!st.ok() && flushed.ok())
+      flushed = Status(st.code(), std::string("the ") + t->name() + " tier could not flush: " + st.message());
+  }
+  Status st = block_failures.summary(blocks, "blocks could not be written down to the " + below + " tier");
+  if (st.ok()) st = alias_failures.summary(aliases, "dedup aliases could not be written to the " + below + " tier");
+  if (st.ok()) st = flushed;
+  return st;
+}
+
+size_t load_aliases(const Tier& tier, DedupTable* table) {
+  std::vector<std::pair<BlockId, BlockId>> pairs = tier.aliases();
+  if (pairs.empty()) return 0;
+  std::unordered_map<BlockId, uint64_t> sizes;
+  for (const auto& pr : pairs) sizes.emplace(pr.second, UINT64_MAX);
+  tier.for_each_block([&](const BlockId& id, uint64_t size) {
+    auto it = sizes.find(id);
+    if (it != sizes.end()) it->second = size;
+  });
+  size_t loaded = 0;
+  for (const auto& [alias, target] : pairs) {
+    uint64_t size = sizes[target];
+    if (size == UINT64_MAX) continue;
+    loaded += table->load(alias, target, size);
+  }
+  return loaded;
+}
+
+}  // namespace cascade

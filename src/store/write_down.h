@@ -1,0 +1,56 @@
+// Write-down: the store's half of the durability contract (docs/design.md).
+//
+// A store whose pipeline has a persistent tier (file) makes, at flush() and
+// close(), every block it holds durable there: blocks held only in the
+// memory tiers above it (gpu, host) are copied down first, then every dedup
+// alias not yet written, then every tier is flushed. On open, the aliases the
+// persistent tier reports rebuild the dedup table.
+//
+// Thread-safety: write_down may run while other threads put, get and remove;
+// a block stored or removed meanwhile may or may not be written. Blocks
+// stored before it started are written (or were already in the persistent
+// tier, or were removed).
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "cascade/block_id.h"
+#include "cascade/status.h"
+#include "cascade/tier.h"
+#include "io/thread_pool.h"
+#include "store/dedup_table.h"
+
+namespace cascade {
+
+// Index of the first persistent tier of the pipeline, or SIZE_MAX.
+size_t persistent_tier_index(const std::vector<std::unique_ptr<Tier>>& tiers);
+
+// Stores a block into tier t, making room there as the store does for
+// demotions. The write-down passes PutOrigin::kDemotion: in tier statistics
+// a written-down block counts as received from the tier above.
+using TierPut = std::function<Status(size_t t, const BlockId& id, const void* data, uint64_t size,
+                                     const PutOptions& options)>;
+
+struct WriteDownOptions {
+  bool blocks = true;   // copy memory-only blocks down (false: an ephemeral close)
+  bool aliases = true;  // write unwritten dedup aliases whose block is down
+};
+
+// Writes down (see above) into tiers[persistent], items in parallel on
+// `pool`, then flushes every tier. Keeps going after a failure; returns OK or
+// the first error, prefixed with how many items failed ("3 of 1000 blocks
+// could not be written down: ..."). dedup may be null.
+// REQUIRES: persistent < tiers.size(), or SIZE_MAX (then only tiers flush).
+Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persistent,
+                  ThreadPool* pool, DedupTable* dedup, const TierPut& put,
+                  const WriteDownOptions& options);
+
+// Loads the aliases `tier` reports into `table`, each with the size of its
+// target block (pairs whose target the tier does not hold are skipped).
+// Returns how many were loaded.
+size_t load_aliases(const Tier& tier, DedupTable* table);
+
+}  // namespace cascade
