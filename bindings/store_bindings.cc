@@ -426,7 +426,7 @@ void register_store(nb::module_& m) {
                            "The host shared-memory tier used directly (the seeds' class): no "
                            "eviction, put returns False when full.")
       .def(nb::init<uint64_t, const std::string&, int>(), "capacity_bytes"_a,
-           "path"_a = "/dev/shm/cascade", "threads"_a = 0)
+           "path"_a = default_shm_path(), "threads"_a = 0)
       .def("put", &PyShmBackend::put, "block_id"_a, "data"_a)
       .def("get", &PyShmBackend::get, "block_id"_a, "out"_a)
       .def("contains", &PyShmBackend::contains, "block_id"_a)

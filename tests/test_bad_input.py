@@ -114,11 +114,11 @@ def test_device_tensor_without_cuda_is_clear(store):
         store.put("meta", meta)
 
 
-def test_stale_shm_file_is_taken_over(make_config):
+def test_file_at_shm_path_that_is_not_an_arena_is_left_alone(make_config):
     cfg = make_config()
-    with open(cfg.shm_path, "wb") as f:  # left behind by a crashed process
+    with open(cfg.shm_path, "wb") as f:  # not ours: no arena header, mode 0644
         f.write(b"garbage")
-    with cascade.CascadeStore(cfg) as s:
-        s.put("x", b"ok")
-        assert s.get("x") == b"ok"
-    assert not os.path.exists(cfg.shm_path)  # removed on close
+    with pytest.raises(cascade.InvalidArgumentError, match="not a Cascade arena"):
+        cascade.CascadeStore(cfg)
+    with open(cfg.shm_path, "rb") as f:
+        assert f.read() == b"garbage"

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 import cascade
@@ -5,7 +7,7 @@ import cascade
 
 def test_defaults_documented_and_sane():
     c = cascade.CascadeConfig()
-    assert c.shm_path == "/dev/shm/cascade"
+    assert c.shm_path == f"/dev/shm/cascade-{os.geteuid()}"  # one arena per user
     assert c.shm_capacity_bytes == 4 << 30
     assert c.index_shards == 256
     assert not c.dedup_enabled and not c.compression_enabled

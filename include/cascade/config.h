@@ -37,6 +37,9 @@ enum class TierKind : uint8_t { kGpu, kHost, kFile, kRemote };
 
 const char* tier_kind_name(TierKind kind);  // "gpu", "host", "file", "remote"
 
+// "/dev/shm/cascade-<effective uid>": shm_path's default.
+std::string default_shm_path();
+
 struct CascadeConfig {
   // Which tiers, top (fastest) to bottom, joined with '|': "gpu|host|file",
   // "host|file", "host", "file". Empty (default) = automatic: "gpu" when
@@ -61,7 +64,10 @@ struct CascadeConfig {
   uint64_t shm_capacity_bytes = 4ULL << 30;
   // The arena's file. Must be on a tmpfs (/dev/shm) for memory speed. One
   // store per path: a second store on the same path is refused (Busy).
-  std::string shm_path = "/dev/shm/cascade";
+  // Created 0600 with O_EXCL; an existing file is adopted only when it is a
+  // stale arena of this user, never truncated or removed otherwise.
+  // Default: /dev/shm/cascade-<effective uid>, one per user.
+  std::string shm_path = default_shm_path();
   // Touch the whole arena at open so no put ever takes a first-touch page
   // fault. Off: costs time and memory up front.
   bool shm_prefault = false;
