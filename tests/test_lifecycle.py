@@ -97,7 +97,7 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _run_child(kind, tmp_path, timeout=240):
+def _run_child(kind, tmp_path, timeout=120):
     shm = f"/dev/shm/cascade-lifecycle-{os.getpid()}-{kind}"
     base = str(tmp_path / kind)
     env = dict(os.environ)
