@@ -23,7 +23,7 @@ ifneq ($(CUDA),auto)
 CMAKE_DEFINES += -Ccmake.define.CASCADE_WITH_CUDA=$(CUDA)
 endif
 
-.PHONY: all setup system-deps venv build test test-cpp test-py bench clean
+.PHONY: all setup system-deps venv build test test-cpp test-py check-symbols bench clean
 
 all: build
 
@@ -56,6 +56,11 @@ test-cpp: build
 test-py: build
 	$(PY) -m pytest -q tests
 
+# The installed extension exports PyInit__core only (nm -D), and a fresh
+# interpreter imports cascade before torch and uses both.
+check-symbols: build
+	$(PY) -m pytest -q tests/test_symbols.py
+
 # The distributed store's MPI scenarios (mpirun -np 4 --oversubscribe; about a
 # minute on 2 cores). mpi4py is built against the system MPI on first use.
 .PHONY: test-mpi
@@ -63,7 +68,7 @@ test-mpi: build
 	@$(PY) -c "import mpi4py" 2>/dev/null || $(PIP) install -q mpi4py
 	CASCADE_MPI_TESTS=1 $(PY) -m pytest -q tests/test_distributed.py
 
-test: test-cpp test-py test-mpi
+test: check-symbols test-cpp test-py test-mpi
 
 bench: build
 	@mkdir -p $(BENCH_OUT)

@@ -8,6 +8,7 @@
 
 #include "cascade/file_tier.h"
 #include "common.h"
+#include "guarded.h"
 #include "tiers/file/file_probe.h"
 
 namespace cascade::py {
@@ -29,14 +30,9 @@ class PyLustreBackend {
       b = LustreBackend::Open(path, stripe_size, stripe_count, o);
     }
     check(b.status());
-    b_ = std::move(b.value());
+    b_.open(std::move(b.value()));
   }
   PyLustreBackend(const PyLustreBackend&) = delete;
-
-  LustreBackend& b() {
-    if (!b_) raise_status(Status::Unavailable("the backend is closed"));
-    return *b_;
-  }
 
   bool put(nb::handle key, nb::handle data, bool is_prefix) {
     BlockId id = parse_key(key);
@@ -44,8 +40,9 @@ class PyLustreBackend {
     if (buf.kind() != MemoryKind::kHost) throw nb::value_error("LustreBackend stores host buffers");
     Status st;
     {
+      auto b = b_.use();
       nb::gil_scoped_release release;
-      st = b().put(id, buf.data(), buf.size(), is_prefix);
+      st = b->put(id, buf.data(), buf.size(), is_prefix);
     }
     if (st.is(Code::kNoSpace)) return false;
     check(st);
@@ -60,8 +57,9 @@ class PyLustreBackend {
     uint64_t size = 0;
     Status st;
     {
+      auto b = b_.use();
       nb::gil_scoped_release release;
-      st = b().get(id, buf.data(), buf.size(), &found, &size);
+      st = b->get(id, buf.data(), buf.size(), &found, &size);
     }
     if (st.is(Code::kInvalidArgument) && found)
       raise_status(Status::InvalidArgument("out holds " + std::to_string(buf.size()) +
@@ -70,42 +68,60 @@ class PyLustreBackend {
     return {found, found ? size : 0};
   }
 
-  bool contains(nb::handle key) { return b().contains(parse_key(key)); }
+  bool contains(nb::handle key) {
+    BlockId id = parse_key(key);
+    return b_.use()->contains(id);
+  }
   bool remove(nb::handle key) {
-    Status st = b().remove(parse_key(key));
+    BlockId id = parse_key(key);
+    Status st;
+    {
+      auto b = b_.use();
+      nb::gil_scoped_release release;
+      st = b->remove(id);
+    }
     if (st.is(Code::kNotFound)) return false;
     check(st);
     return true;
   }
   void clear() {
+    auto b = b_.use();
     nb::gil_scoped_release release;
-    b().clear();
+    b->clear();
   }
   void flush() {
     Status st;
     {
+      auto b = b_.use();
       nb::gil_scoped_release release;
-      st = b().flush();
+      st = b->flush();
     }
     check(st);
   }
   void compact() {
     Status st;
     {
+      auto b = b_.use();
       nb::gil_scoped_release release;
-      st = b().compact();
+      st = b->compact();
     }
     check(st);
   }
-  nb::dict get_stats() { return tier_stats_dict(b().stats()); }
-  std::string path() { return b().path(); }
-  void close() {
-    nb::gil_scoped_release release;
-    b_.reset();
+  nb::dict get_stats() {
+    TierStats st;
+    {
+      auto b = b_.use();
+      nb::gil_scoped_release release;
+      st = b->stats();
+    }
+    return tier_stats_dict(st);
   }
+  std::string path() { return b_.use()->path(); }
+  void close() { b_.close(); }
+  bool closed() const { return b_.closed(); }
 
  private:
-  std::unique_ptr<LustreBackend> b_;
+  Guarded<LustreBackend> b_{"the backend"};
 };
 
 nb::dict inspection_dict(const InspectReport& r) {
@@ -163,7 +179,10 @@ void register_file(nb::module_& m) {
       .def("compact", &PyLustreBackend::compact)
       .def("get_stats", &PyLustreBackend::get_stats)
       .def_prop_ro("path", &PyLustreBackend::path)
-      .def("close", &PyLustreBackend::close)
+      .def("close", &PyLustreBackend::close,
+           "Waits for calls in progress in other threads, then closes the directory. Later calls raise "
+           "UnavailableError. Idempotent.")
+      .def_prop_ro("closed", &PyLustreBackend::closed)
       .def("__enter__", [](nb::handle self) { return self; })
       .def("__exit__", [](PyLustreBackend& b, nb::args) { b.close(); });
 

@@ -20,6 +20,7 @@
 
 #include "cascade/gpu_tier.h"
 #include "common.h"
+#include "guarded.h"
 #include "tiers/gpu/gpu_bench_cli.h"
 
 #if CASCADE_HAVE_CUDA
@@ -28,7 +29,7 @@
 
 namespace cascade::py {
 
-nb::object make_block_lease(BlockView view, nb::object owner, int device);
+nb::object make_block_lease(BlockView view, nb::object owner, Lifeline* owner_life, int device);
 
 namespace {
 
@@ -95,8 +96,8 @@ void* stream_arg(nb::handle stream) {
 // with torch.from_dlpack(lease) keeps the block leased for its lifetime.
 class PyBlockLease {
  public:
-  PyBlockLease(BlockView view, nb::object owner, int device)
-      : owner_(std::move(owner)), view_(std::move(view)), device_(device) {}
+  PyBlockLease(BlockView view, nb::object owner, Lifeline* owner_life, int device)
+      : owner_(std::move(owner)), owner_life_(owner_life), view_(std::move(view)), device_(device) {}
   PyBlockLease(const PyBlockLease&) = delete;
   ~PyBlockLease() { end(); }
 
@@ -130,17 +131,22 @@ class PyBlockLease {
   }
 
  private:
-  // Ends the lease (with the GIL held). If the owner (a store) was closed,
-  // its tiers are gone: drop the view without calling into them.
+  // Ends the lease (with the GIL held). The owner's close() refuses while
+  // a lease is live, so its tiers are here unless it was closed by a path
+  // that did not ask (then the view is dropped without calling into them).
   void end() {
     if (!view_) return;
-    if (owner_.is_valid() && nb::hasattr(owner_, "closed") && nb::cast<bool>(owner_.attr("closed")))
+    if (owner_life_->enter(/*during_close=*/true)) {
+      view_.reset();
+      owner_life_->leave();
+    } else {
       view_.detach();
-    view_.reset();
+    }
     view_ = BlockView();
   }
 
-  nb::object owner_;  // the backend or store; outlives view_ (declared first)
+  nb::object owner_;       // the backend or store; outlives view_ (declared first)
+  Lifeline* owner_life_;   // owner_'s, valid while owner_ is held
   BlockView view_;
   int device_;
   int exports_ = 0;
@@ -251,10 +257,12 @@ class PyGpuBackend {
                              : "this build of cascade has no CUDA support (rebuild with CASCADE_WITH_CUDA=ON)")));
     }
     check(b.status());
-    b_ = std::move(b.value());
+    b_.open(std::move(b.value()));
   }
 
-  GpuBackend& b() { return *b_; }
+  // The backend for one call (guarded.h); UnavailableError once closed.
+  Guarded<GpuBackend>::Use use() { return b_.use(); }
+  Lifeline* lifeline() { return b_.lifeline(); }
 
   bool put(nb::handle key, nb::handle data, nb::handle stream) {
     BlockId id = parse_key(key);
@@ -262,8 +270,9 @@ class PyGpuBackend {
     void* s = stream_arg(stream);
     Status st;
     {
+      auto b = b_.use();
       nb::gil_scoped_release release;
-      st = b_->put(id, buf.data(), buf.size(), buf.kind(), s);
+      st = b->put(id, buf.data(), buf.size(), buf.kind(), s);
     }
     if (st.is(Code::kNoSpace)) return false;
     check(st);
@@ -278,8 +287,9 @@ class PyGpuBackend {
     uint64_t size = 0;
     Status st;
     {
+      auto b = b_.use();
       nb::gil_scoped_release release;
-      st = b_->get(id, buf.data(), buf.size(), &found, &size, buf.kind(), s);
+      st = b->get(id, buf.data(), buf.size(), &found, &size, buf.kind(), s);
     }
     if (st.is(Code::kInvalidArgument) && found && size > buf.size()) raise_too_small(buf.size(), size);
     check(st);
@@ -294,8 +304,9 @@ class PyGpuBackend {
     std::vector<const void*> ptrs(mptrs.begin(), mptrs.end());
     std::vector<uint64_t> lens = a.sizes();
     {
+      auto b = b_.use();
       nb::gil_scoped_release release;
-      b_->put_batch(a.ids, ptrs, lens, &statuses, a.kind, s);
+      b->put_batch(a.ids, ptrs, lens, &statuses, a.kind, s);
     }
     size_t stored = 0;
     for (auto& st : statuses) {  // a full arena is a per-item "not stored"
@@ -314,8 +325,9 @@ class PyGpuBackend {
     std::vector<void*> ptrs = a.ptrs();
     std::vector<uint64_t> caps = a.sizes();
     {
+      auto b = b_.use();
       nb::gil_scoped_release release;
-      b_->get_batch(a.ids, ptrs, caps, &found, &sizes, &statuses, a.kind, s);
+      b->get_batch(a.ids, ptrs, caps, &found, &sizes, &statuses, a.kind, s);
     }
     size_t n = 0;
     for (size_t i = 0; i < statuses.size(); ++i) {
@@ -327,51 +339,66 @@ class PyGpuBackend {
     return {n, sizes};
   }
 
-  bool contains(nb::handle key) { return b_->contains(parse_key(key)); }
+  bool contains(nb::handle key) {
+    BlockId id = parse_key(key);
+    return b_.use()->contains(id);
+  }
   bool remove(nb::handle key) {
     BlockId id = parse_key(key);
     Status st;
     {
+      auto b = b_.use();
       nb::gil_scoped_release release;
-      st = b_->remove(id);
+      st = b->remove(id);
     }
     if (st.is(Code::kNotFound)) return false;
     check(st);
     return true;
   }
   void clear() {
+    auto b = b_.use();
     nb::gil_scoped_release release;
-    b_->clear();
+    b->clear();
   }
   void trim() {
     Status st;
     {
+      auto b = b_.use();
       nb::gil_scoped_release release;
-      st = b_->trim();
+      st = b->trim();
     }
     check(st);
   }
   nb::dict get_stats() {
-    nb::dict d = tier_stats_dict(b_->stats());
-    d["device"] = b_->device();
+    auto b = b_.use();
+    nb::dict d = tier_stats_dict(b->stats());
+    d["device"] = b->device();
     return d;
   }
-  int device() const { return b_->device(); }
+  int device() { return b_.use()->device(); }
+  // BusyError (the backend stays open) while a lease from get_gpu_ptr() is held.
+  void close() {
+    b_.close([](GpuBackend& b) { return refuse_if_leased(b.stats().leased_blocks); });
+  }
+  bool closed() const { return b_.closed(); }
 
  private:
-  std::unique_ptr<GpuBackend> b_;
+  Guarded<GpuBackend> b_{"the backend"};
 };
 
 nb::object gpu_ptr(nb::handle self, nb::handle key) {
   PyGpuBackend& g = nb::cast<PyGpuBackend&>(self);
   BlockId id = parse_key(key);
   Result<BlockView> v = Status::OK();
+  int device;
   {
+    auto b = g.use();
+    device = b->device();
     nb::gil_scoped_release release;
-    v = g.b().get_gpu_ptr(id);
+    v = b->get_gpu_ptr(id);
   }
   check(v.status());
-  return make_block_lease(std::move(v.value()), nb::borrow(self), g.device());
+  return make_block_lease(std::move(v.value()), nb::borrow(self), g.lifeline(), device);
 }
 
 // ---- benchmarks ------------------------------------------------------------------
@@ -447,8 +474,9 @@ nb::dict copy_bandwidth(uint64_t bytes, int device, int repeats) {
 
 }  // namespace
 
-nb::object make_block_lease(BlockView view, nb::object owner, int device) {
-  return nb::cast(new PyBlockLease(std::move(view), std::move(owner), device), nb::rv_policy::take_ownership);
+nb::object make_block_lease(BlockView view, nb::object owner, Lifeline* owner_life, int device) {
+  return nb::cast(new PyBlockLease(std::move(view), std::move(owner), owner_life, device),
+                  nb::rv_policy::take_ownership);
 }
 
 void register_gpu(nb::module_& m) {
@@ -503,7 +531,13 @@ void register_gpu(nb::module_& m) {
       .def("clear", &PyGpuBackend::clear)
       .def("trim", &PyGpuBackend::trim, "Gives unused device pages back to the driver now.")
       .def("get_stats", &PyGpuBackend::get_stats)
-      .def_prop_ro("device", &PyGpuBackend::device);
+      .def_prop_ro("device", &PyGpuBackend::device)
+      .def("close", &PyGpuBackend::close,
+           "Waits for calls in progress in other threads, then frees the device memory. Later calls raise "
+           "UnavailableError. BusyError (the backend stays open) while a BlockLease is held. Idempotent.")
+      .def_prop_ro("closed", &PyGpuBackend::closed)
+      .def("__enter__", [](nb::handle self) { return self; })
+      .def("__exit__", [](PyGpuBackend& b, nb::args) { b.close(); });
 
   m.def("gpu_bench_main", &bench_main, "args"_a,
         "Runs the GPU benchmark command line (`vmm ...` or `transfers ...`, as cascade-gpu-bench) in this "

@@ -46,8 +46,8 @@ class PyKvMover {
     c.head_stride = head_stride;
     c.token_stride = token_stride;
     c.kv_stride = kv_stride;
-    store_ = &unwrap_store(store_obj_);
-    auto m = KvBlockMover::Create(store_, c, device < 0 ? 0 : device);
+    // The mover keeps a pointer to the store: run() holds a Use of it.
+    auto m = KvBlockMover::Create(use_store(store_obj_).get(), c, device < 0 ? 0 : device);
     check(m.status());
     mover_ = std::move(m.value());
   }
@@ -66,10 +66,11 @@ class PyKvMover {
  private:
   std::vector<std::optional<std::string>> run(const std::vector<int64_t>& blocks, nb::handle key_list,
                                               int layer_begin, int layer_end, uintptr_t stream, bool save) {
-    // The store object may have been closed since the mover was made.
-    if (&unwrap_store(store_obj_) != store_) raise_status(Status::Unavailable("the store was reopened"));
     std::vector<BlockId> ids;
     for (nb::handle k : key_list) ids.push_back(parse_key(k));
+    // UnavailableError once the store is closed; otherwise it stays open
+    // until the move is done.
+    auto store = use_store(store_obj_);
     KvMoveOptions o;
     o.cuda_stream = reinterpret_cast<void*>(stream);
     o.layer_begin = layer_begin;
@@ -88,8 +89,7 @@ class PyKvMover {
     return out;
   }
 
-  nb::object store_obj_;
-  CascadeStore* store_ = nullptr;
+  nb::object store_obj_;  // keeps the Python store, and so its C++ store object, alive
   std::unique_ptr<KvBlockMover> mover_;
 };
 

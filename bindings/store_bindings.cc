@@ -10,12 +10,13 @@
 #include "cascade/host_backend.h"
 #include "cascade/store.h"
 #include "common.h"
+#include "guarded.h"
 #include "store_wrap.h"
 
 namespace cascade::py {
 
 // A zero-copy lease object (gpu_bindings.cc).
-nb::object make_block_lease(BlockView view, nb::object owner, int device);
+nb::object make_block_lease(BlockView view, nb::object owner, Lifeline* owner_life, int device);
 
 namespace {
 
@@ -102,7 +103,7 @@ class BatchHandle {
 class PyStore {
  public:
   PyStore(const PyStore&) = delete;
-  explicit PyStore(std::unique_ptr<CascadeStore> store) : store_(std::move(store)) {}
+  explicit PyStore(std::unique_ptr<CascadeStore> store) { store_.open(std::move(store)); }
   explicit PyStore(const CascadeConfig& config) {
     Result<std::unique_ptr<CascadeStore>> s = Status::OK();
     {
@@ -110,13 +111,13 @@ class PyStore {
       s = CascadeStore::Open(config);
     }
     check(s.status());
-    store_ = std::move(s.value());
+    store_.open(std::move(s.value()));
   }
 
-  CascadeStore& store() {
-    if (!store_) raise_status(Status::Unavailable("the store is closed"));
-    return *store_;
-  }
+  // The store for one call; UnavailableError once closed. Take it after the
+  // arguments are parsed, just before releasing the GIL (guarded.h).
+  Guarded<CascadeStore>::Use use() { return store_.use(); }
+  Lifeline* lifeline() { return store_.lifeline(); }
 
   bool put(nb::handle key, nb::handle data, bool is_prefix) {
     BlockId id = parse_key(key);
@@ -126,8 +127,9 @@ class PyStore {
     o.src_kind = buf.kind();
     Status st;
     {
+      auto s = use();
       nb::gil_scoped_release release;
-      st = store().put(id, buf.data(), buf.size(), o);
+      st = s->put(id, buf.data(), buf.size(), o);
     }
     if (st.is(Code::kNoSpace)) return false;  // a cache may decline; stats count it
     check(st);
@@ -141,9 +143,10 @@ class PyStore {
     if (out.is_none()) {  // convenience: return the bytes (one copy into a new bytes object)
       std::vector<uint8_t> tmp;
       {
+        auto s = use();
         nb::gil_scoped_release release;
         for (int attempt = 0; attempt < 4; ++attempt) {
-          st = store().get(id, tmp.data(), tmp.size(), &r);
+          st = s->get(id, tmp.data(), tmp.size(), &r);
           if (!(st.is(Code::kInvalidArgument) && r.found && r.size > tmp.size())) break;
           tmp.resize(r.size);
         }
@@ -154,8 +157,9 @@ class PyStore {
     }
     BufferRef buf = BufferRef::writable(out, "out");
     {
+      auto s = use();
       nb::gil_scoped_release release;
-      st = store().get(id, buf.data(), buf.size(), &r, buf.kind());
+      st = s->get(id, buf.data(), buf.size(), &r, buf.kind());
     }
     if (st.is(Code::kInvalidArgument) && r.found && r.size > buf.size()) raise_too_small(buf.size(), r.size);
     check(st);
@@ -169,8 +173,9 @@ class PyStore {
     GetResult r;
     Status st;
     {
+      auto s = use();
       nb::gil_scoped_release release;
-      st = store().get_range(id, offset, buf.data(), buf.size(), &r);
+      st = s->get_range(id, offset, buf.data(), buf.size(), &r);
     }
     check(st);
     return {r.found, r.copied};
@@ -178,16 +183,18 @@ class PyStore {
 
   bool contains(nb::handle key) {
     BlockId id = parse_key(key);
+    auto s = use();
     nb::gil_scoped_release release;
-    return store().contains(id);
+    return s->contains(id);
   }
 
   bool remove(nb::handle key) {
     BlockId id = parse_key(key);
     Status st;
     {
+      auto s = use();
       nb::gil_scoped_release release;
-      st = store().remove(id);
+      st = s->remove(id);
     }
     if (st.is(Code::kNotFound)) return false;
     check(st);
@@ -202,11 +209,12 @@ class PyStore {
     std::vector<Status> statuses;
     size_t n;
     {
+      auto s = use();
       nb::gil_scoped_release release;
-      n = store().put_batch(a.ids, a.spans, &statuses, o);
+      n = s->put_batch(a.ids, a.spans, &statuses, o);
     }
-    for (auto& s : statuses)  // space shortage is a per-item "not stored"; other failures raise
-      if (!s.ok() && !s.is(Code::kNoSpace)) raise_status(s);
+    for (auto& st : statuses)  // space shortage is a per-item "not stored"; other failures raise
+      if (!st.ok() && !st.is(Code::kNoSpace)) raise_status(st);
     return n;
   }
 
@@ -219,82 +227,89 @@ class PyStore {
     std::vector<Status> statuses;
     size_t n;
     {
+      auto s = use();
       nb::gil_scoped_release release;
-      n = store().get_batch(a.ids, out, &results, &statuses);
+      n = s->get_batch(a.ids, out, &results, &statuses);
     }
-    for (auto& s : statuses)  // too-small buffers show as size > len(out) with the item not counted
-      if (!s.ok() && !s.is(Code::kInvalidArgument)) raise_status(s);
+    for (auto& st : statuses)  // too-small buffers show as size > len(out) with the item not counted
+      if (!st.ok() && !st.is(Code::kInvalidArgument)) raise_status(st);
     std::vector<uint64_t> sizes;
     for (auto& r : results) sizes.push_back(r.found ? r.size : 0);
     return {n, sizes};
   }
 
+  // Async batches run on the store's threads; close() waits for them before
+  // it frees the tiers, and a handle keeps only the task and the buffers.
   BatchHandle* put_batch_async(nb::handle keys, nb::handle data, bool is_prefix) {
     BatchArgs a = batch_args(keys, data, false);
     PutOptions o;
     o.is_prefix = is_prefix;
     o.src_kind = a.kind;
-    auto task = store().put_batch_async(a.ids, a.spans, o);
+    auto task = use()->put_batch_async(a.ids, a.spans, o);
     return new BatchHandle(std::move(task), std::move(a), false);
   }
 
   BatchHandle* get_batch_async(nb::handle keys, nb::handle outs) {
     BatchArgs a = batch_args(keys, outs, true);
     if (a.kind != MemoryKind::kHost) throw nb::value_error("get_batch_async writes host buffers only");
-    auto task = store().get_batch_async(a.ids, a.mutable_spans());
+    auto task = use()->get_batch_async(a.ids, a.mutable_spans());
     return new BatchHandle(std::move(task), std::move(a), true);
   }
 
   BatchHandle* prefetch(nb::handle keys) {
     BatchArgs a = batch_args(keys, nb::handle(), false);
-    auto task = store().prefetch(a.ids);
+    auto task = use()->prefetch(a.ids);
     return new BatchHandle(std::move(task), std::move(a), false);
   }
 
-  nb::dict get_stats() { return stats_dict(store().stats()); }
+  nb::dict get_stats() {
+    StoreStats st;
+    {
+      auto s = use();
+      nb::gil_scoped_release release;
+      st = s->stats();
+    }
+    return stats_dict(st);
+  }
 
   void clear() {
+    auto s = use();
     nb::gil_scoped_release release;
-    store().clear();
+    s->clear();
   }
 
   void flush() {
     Status st;
     {
+      auto s = use();
       nb::gil_scoped_release release;
-      st = store().flush();
+      st = s->flush();
     }
     check(st);
   }
 
+  // A live lease (BlockLease, or a tensor exported from one) points into the
+  // tiers' memory: close() refuses (BusyError) and the store stays open.
   void close() {
-    if (!store_) return;
-    // A live lease (BlockLease, or a tensor exported from one) points into
-    // the tiers' memory: closing now would leave it pointing at freed bytes.
-    uint64_t leased = 0;
-    for (const TierStats& t : store_->stats().tiers) leased += t.leased_blocks;
-    if (leased) {
-      raise_status(Status::Busy(std::to_string(leased) +
-                                " block(s) are still leased (a BlockLease from acquire(), or a read in "
-                                "progress); release them before closing the store"));
-    }
-    nb::gil_scoped_release release;
-    store_->close();
-    store_.reset();
+    store_.close([](CascadeStore& s) {
+      uint64_t leased = 0;
+      for (const TierStats& t : s.stats().tiers) leased += t.leased_blocks;
+      return refuse_if_leased(leased);
+    });
   }
 
-  bool closed() const { return !store_; }
+  bool closed() const { return store_.closed(); }
 
   std::vector<std::string> pipeline() {
     std::vector<std::string> out;
-    for (TierKind k : store().pipeline()) out.push_back(tier_kind_name(k));
+    for (TierKind k : use()->pipeline()) out.push_back(tier_kind_name(k));
     return out;
   }
 
-  const CascadeConfig& config() { return store().config(); }
+  CascadeConfig config() { return use()->config(); }
 
  private:
-  std::unique_ptr<CascadeStore> store_;
+  Guarded<CascadeStore> store_{"the store"};
 };
 
 class PyShmBackend {
@@ -307,7 +322,7 @@ class PyShmBackend {
       b = ShmBackend::Open(capacity, path, threads);
     }
     check(b.status());
-    b_ = std::move(b.value());
+    b_.open(std::move(b.value()));
   }
   bool put(nb::handle key, nb::handle data) {
     BlockId id = parse_key(key);
@@ -315,8 +330,9 @@ class PyShmBackend {
     if (buf.kind() != MemoryKind::kHost) throw nb::value_error("ShmBackend stores host buffers");
     Status st;
     {
+      auto b = b_.use();
       nb::gil_scoped_release release;
-      st = b_->put(id, buf.data(), buf.size());
+      st = b->put(id, buf.data(), buf.size());
     }
     if (st.is(Code::kNoSpace)) return false;
     check(st);
@@ -330,8 +346,9 @@ class PyShmBackend {
     bool found = false;
     Status st;
     {
+      auto b = b_.use();
       nb::gil_scoped_release release;
-      st = b_->get(id, buf.data(), buf.size(), &found, &size);
+      st = b->get(id, buf.data(), buf.size(), &found, &size);
     }
     if (st.is(Code::kInvalidArgument) && found)
       raise_status(Status::InvalidArgument("out holds " + std::to_string(buf.size()) +
@@ -339,13 +356,25 @@ class PyShmBackend {
     check(st);
     return {found, size};
   }
-  bool contains(nb::handle key) { return b_->contains(parse_key(key)); }
-  bool remove(nb::handle key) { return b_->remove(parse_key(key)).ok(); }
-  void clear() { b_->clear(); }
-  nb::dict get_stats() { return tier_stats_dict(b_->stats()); }
+  bool contains(nb::handle key) {
+    BlockId id = parse_key(key);
+    return b_.use()->contains(id);
+  }
+  bool remove(nb::handle key) {
+    BlockId id = parse_key(key);
+    return b_.use()->remove(id).ok();
+  }
+  void clear() {
+    auto b = b_.use();
+    nb::gil_scoped_release release;
+    b->clear();
+  }
+  nb::dict get_stats() { return tier_stats_dict(b_.use()->stats()); }
+  void close() { b_.close(); }
+  bool closed() const { return b_.closed(); }
 
  private:
-  std::unique_ptr<ShmBackend> b_;
+  Guarded<ShmBackend> b_{"the backend"};
 };
 
 }  // namespace
@@ -354,13 +383,13 @@ nb::object wrap_store(std::unique_ptr<CascadeStore> store) {
   return nb::cast(new PyStore(std::move(store)), nb::rv_policy::take_ownership);
 }
 
-CascadeStore& unwrap_store(nb::handle obj) {
+Guarded<CascadeStore>::Use use_store(nb::handle obj) {
   PyStore* s = nullptr;
   if (!nb::try_cast<PyStore*>(obj, s) || s == nullptr) {
     throw nb::type_error(("expected a cascade.CascadeStore, got " + std::string(nb::type_name(obj.type()).c_str()))
                              .c_str());
   }
-  return s->store();
+  return s->use();
 }
 
 void register_store(nb::module_& m) {
@@ -397,15 +426,18 @@ void register_store(nb::module_& m) {
       .def("get_batch_async", &PyStore::get_batch_async, "block_ids"_a, "out_list"_a,
            nb::rv_policy::take_ownership)
       .def("acquire", [](nb::handle self, nb::handle key) {
-             CascadeStore& store = nb::cast<PyStore&>(self).store();
+             PyStore& py = nb::cast<PyStore&>(self);
              BlockId id = parse_key(key);
              Result<BlockView> v = Status::OK();
+             int device;
              {
+               auto store = py.use();
+               device = store->config().gpu_device_id;
                nb::gil_scoped_release release;
-               v = store.acquire(id);
+               v = store->acquire(id);
              }
              check(v.status());
-             return make_block_lease(std::move(v.value()), nb::borrow(self), store.config().gpu_device_id);
+             return make_block_lease(std::move(v.value()), nb::borrow(self), py.lifeline(), device);
            }, "block_id"_a,
            "The block in place in the top memory tier (device memory for a gpu pipeline), under a lease "
            "(BlockLease: ptr, size, device, release(), DLPack), no copy. A block found only below is "
@@ -415,7 +447,10 @@ void register_store(nb::module_& m) {
       .def("get_stats", &PyStore::get_stats)
       .def("clear", &PyStore::clear)
       .def("flush", &PyStore::flush)
-      .def("close", &PyStore::close)
+      .def("close", &PyStore::close,
+           "Flushes and releases the tiers. Calls in progress in other threads finish first; later calls "
+           "raise UnavailableError. BusyError (the store stays open) while a BlockLease is held. "
+           "Idempotent.")
       .def_prop_ro("closed", &PyStore::closed)
       .def_prop_ro("pipeline", &PyStore::pipeline)
       .def_prop_ro("config", &PyStore::config, nb::rv_policy::copy)
@@ -432,7 +467,13 @@ void register_store(nb::module_& m) {
       .def("contains", &PyShmBackend::contains, "block_id"_a)
       .def("remove", &PyShmBackend::remove, "block_id"_a)
       .def("clear", &PyShmBackend::clear)
-      .def("get_stats", &PyShmBackend::get_stats);
+      .def("get_stats", &PyShmBackend::get_stats)
+      .def("close", &PyShmBackend::close,
+           "Waits for calls in progress in other threads, then releases the arena. Later calls raise "
+           "UnavailableError. Idempotent.")
+      .def_prop_ro("closed", &PyShmBackend::closed)
+      .def("__enter__", [](nb::handle self) { return self; })
+      .def("__exit__", [](PyShmBackend& b, nb::args) { b.close(); });
 }
 
 }  // namespace cascade::py

@@ -6,14 +6,16 @@
 
 #include "cascade/store.h"
 #include "common.h"
+#include "guarded.h"
 
 namespace cascade::py {
 
 // REQUIRES: the GIL is held.
 nb::object wrap_store(std::unique_ptr<CascadeStore> store);
 
-// The C++ store behind a cascade.CascadeStore. TypeError for another object,
-// UnavailableError when it is closed. REQUIRES: the GIL is held.
-CascadeStore& unwrap_store(nb::handle obj);
+// The C++ store behind a cascade.CascadeStore, for one call (close() waits
+// until the Use is dropped). TypeError for another object, UnavailableError
+// when it is closed. REQUIRES: the GIL is held.
+Guarded<CascadeStore>::Use use_store(nb::handle obj);
 
 }  // namespace cascade::py

@@ -1,11 +1,14 @@
 #include "io/thread_pool.h"
 
 #include "io/copy_bytes.h"
+#include "port/errno_status.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
+#include <string>
+#include <system_error>
 
 namespace cascade {
 
@@ -15,13 +18,33 @@ int ThreadPool::default_threads() {
   return static_cast<int>(std::min(n, 64u));
 }
 
+Result<std::unique_ptr<ThreadPool>> ThreadPool::Create(int threads) {
+  if (threads < 0 || threads > kMaxThreads) {
+    return Status::InvalidArgument("threads must be 0 (one per core) or 1 to " + std::to_string(kMaxThreads) +
+                                   "; got " + std::to_string(threads));
+  }
+  int n = threads == 0 ? default_threads() : threads;
+  try {
+    return std::make_unique<ThreadPool>(n);
+  } catch (const std::system_error& e) {
+    return errno_status(e.code().value(), "cannot start " + std::to_string(n) + " I/O threads");
+  }
+}
+
 ThreadPool::ThreadPool(int threads) {
   if (threads < 0) threads = default_threads();
   workers_.reserve(threads);
-  for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+  try {
+    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+  } catch (...) {
+    stop_and_join();  // a joinable std::thread must not be destroyed
+    throw;
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop_and_join(); }
+
+void ThreadPool::stop_and_join() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;

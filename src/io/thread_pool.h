@@ -8,21 +8,36 @@
 //
 // Thread-safety: all methods are thread-safe. The destructor runs the jobs
 // still queued, then joins.
+//
+// Starting threads can fail (process or memory limits): Create() reports it
+// as a Status; the constructor throws std::system_error. Either way the
+// threads already started are stopped and joined first.
 #pragma once
 
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "cascade/status.h"
 
 namespace cascade {
 
 class ThreadPool {
  public:
-  explicit ThreadPool(int threads);  // threads < 0: one per core; 0: none (caller only)
+  static constexpr int kMaxThreads = 1024;
+
+  // threads: 0 for one per core, else 1..kMaxThreads (InvalidArgument
+  // otherwise). A thread that cannot be started is an error status.
+  static Result<std::unique_ptr<ThreadPool>> Create(int threads);
+
+  // threads < 0: one per core; 0: none (caller only). Throws
+  // std::system_error when a thread cannot be started.
+  explicit ThreadPool(int threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -40,6 +55,7 @@ class ThreadPool {
 
  private:
   void run();
+  void stop_and_join();
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> jobs_;  // guarded by mu_

@@ -479,8 +479,9 @@ Result<std::unique_ptr<CascadeStore>> StoreOpener::OpenWithTiers(const CascadeCo
   if (!kinds.ok()) return kinds.status();
   auto impl = std::make_unique<CascadeStore::Impl>();
   impl->config = config;
-  impl->pool = std::make_unique<ThreadPool>(config.num_io_threads > 0 ? config.num_io_threads
-                                                                      : ThreadPool::default_threads());
+  auto pool = ThreadPool::Create(config.num_io_threads);
+  if (!pool.ok()) return pool.status();
+  impl->pool = std::move(pool.value());
   for (TierKind k : *kinds) {
     auto tier = open_stage(k, config, impl->pool.get());
     if (!tier.ok()) {

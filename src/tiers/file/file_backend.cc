@@ -36,7 +36,9 @@ Result<std::unique_ptr<LustreBackend>> LustreBackend::Open(const std::string& pa
   config.file_io_engine = options.io_engine;
   config.sync_writes = options.sync_writes;
   auto parts = std::make_unique<Parts>();
-  parts->pool = std::make_unique<ThreadPool>(options.threads > 0 ? options.threads : -1);
+  auto pool = ThreadPool::Create(options.threads);
+  if (!pool.ok()) return pool.status();
+  parts->pool = std::move(pool.value());
   auto tier = FileTier::Open(config, parts->pool.get());
   if (!tier.ok()) return tier.status();
   parts->tier = std::move(tier.value());

@@ -165,7 +165,9 @@ class Bench {
     dev2_ = std::move(d2.value());
     std::memcpy(pinned_.data(), src_->base(), o_.total_bytes);
     CASCADE_CUDA_RETURN(cudaMemcpy(dev1_.data(), pinned_.data(), o_.total_bytes, cudaMemcpyDefault), "fill");
-    pool_ = std::make_unique<ThreadPool>(8);
+    auto pool = ThreadPool::Create(8);
+    if (!pool.ok()) return pool.status();
+    pool_ = std::move(pool.value());
     return Status::OK();
   }
 

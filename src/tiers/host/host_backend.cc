@@ -19,7 +19,9 @@ Result<std::unique_ptr<ShmBackend>> ShmBackend::Open(uint64_t capacity_bytes, co
   c.num_io_threads = threads;
   CASCADE_RETURN_IF_ERROR(c.validate());
   auto parts = std::make_unique<Parts>();
-  parts->pool = std::make_unique<ThreadPool>(threads > 0 ? threads : ThreadPool::default_threads());
+  auto pool = ThreadPool::Create(threads);
+  if (!pool.ok()) return pool.status();
+  parts->pool = std::move(pool.value());
   auto tier = HostTier::Open(c, parts->pool.get());
   if (!tier.ok()) return tier.status();
   parts->tier = std::move(tier.value());

@@ -1,0 +1,190 @@
+// Guarded<T>: the C++ object behind a Python object (a store, a backend)
+// that Python threads call into with the GIL released, and that close() or
+// the Python object's deallocation destroys.
+//
+// Every call takes a Use (an in-use count) with the GIL held, just before it
+// releases the GIL, and drops it when it is done. close() stops new calls
+// (they raise UnavailableError "<name> is closed"), waits with the GIL
+// released until the calls inside have left, runs the caller's check (a
+// non-OK status, e.g. Busy for live leases, reopens the object and is
+// raised), then destroys the object, still without the GIL. A second close()
+// waits for the first and returns.
+//
+// Rule for binding code: no user Python code runs while a Use is held
+// (arguments are parsed, buffers acquired and sequences iterated before it is
+// taken). A call can then never wait on its own close(), and the Python
+// object cannot be deallocated while one of its calls holds a Use (the
+// caller's frame holds a reference to it).
+#pragma once
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "common.h"
+
+namespace cascade::py {
+
+class Lifeline {
+ public:
+  explicit Lifeline(std::string name) : name_(std::move(name)) {}
+  Lifeline(const Lifeline&) = delete;
+  Lifeline& operator=(const Lifeline&) = delete;
+
+  // Counts a call in; false once close() has begun. With during_close, also
+  // admitted while close() waits for the calls inside (ending a lease must
+  // reach the object, and close() then sees the lease gone), but not once
+  // the object is being destroyed.
+  bool enter(bool during_close = false) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_ != kOpen && !(during_close && state_ == kDraining)) return false;
+    ++inside_;
+    return true;
+  }
+  void leave() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--inside_ == 0 && state_ == kDraining) cv_.notify_all();
+  }
+
+  bool is_open() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return state_ == kOpen;
+  }
+  Status closed_status() const { return Status::Unavailable(name_ + " is closed"); }
+
+  void opened() {
+    std::lock_guard<std::mutex> lock(mu_);
+    state_ = kOpen;
+  }
+  // REQUIRES: the GIL is not held. Waits for another close() in progress;
+  // false when the object is closed already. Otherwise stops new calls and
+  // returns once no call is inside.
+  bool begin_close() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return state_ == kOpen || state_ == kClosed; });
+    if (state_ == kClosed) return false;
+    state_ = kDraining;
+    cv_.wait(lock, [&] { return inside_ == 0; });
+    return true;
+  }
+  // After begin_close(): the object stays open (the close was refused) ...
+  void cancel_close() { set(kOpen); }
+  // ... or is about to be destroyed; then closed() once it is.
+  void destroying() { set(kDestroying); }
+  void closed() { set(kClosed); }
+
+ private:
+  enum State { kOpen, kDraining, kDestroying, kClosed };
+  void set(State s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      state_ = s;
+    }
+    cv_.notify_all();
+  }
+
+  const std::string name_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  State state_ = kClosed;  // until opened()
+  int inside_ = 0;
+};
+
+template <class T>
+class Guarded {
+ public:
+  // One call's claim on the object; the object lives at least as long.
+  class Use {
+   public:
+    Use(Lifeline* life, T* obj) : life_(life), obj_(obj) {}
+    Use(Use&& o) noexcept : life_(std::exchange(o.life_, nullptr)), obj_(o.obj_) {}
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+    Use& operator=(Use&&) = delete;
+    ~Use() {
+      if (life_) life_->leave();
+    }
+    T& operator*() const { return *obj_; }
+    T* operator->() const { return obj_; }
+    T* get() const { return obj_; }
+
+   private:
+    Lifeline* life_;
+    T* obj_;
+  };
+
+  explicit Guarded(std::string name) : life_(std::move(name)) {}
+  Guarded(const Guarded&) = delete;
+  Guarded& operator=(const Guarded&) = delete;
+  // The Python object is being deallocated: no call is inside (see above).
+  ~Guarded() {
+    if (!obj_) return;
+    if (PyGILState_Check()) {
+      nb::gil_scoped_release release;
+      destroy_now();
+    } else {
+      destroy_now();
+    }
+  }
+
+  void open(std::unique_ptr<T> obj) {
+    obj_ = std::move(obj);
+    life_.opened();
+  }
+
+  // REQUIRES: the GIL is held. UnavailableError once closed.
+  Use use() {
+    if (!life_.enter()) raise_status(life_.closed_status());
+    return Use(&life_, obj_.get());
+  }
+
+  // REQUIRES: the GIL is held. check(T&) -> Status runs without the GIL once
+  // no call is inside; a non-OK status keeps the object open and is raised.
+  template <class Check>
+  void close(Check&& check) {
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      if (!life_.begin_close()) return;
+      st = check(*obj_);
+      if (st.ok()) {
+        life_.destroying();
+        obj_.reset();
+        life_.closed();
+      } else {
+        life_.cancel_close();
+      }
+    }
+    if (!st.ok()) raise_status(st);
+  }
+  void close() {
+    close([](T&) { return Status::OK(); });
+  }
+
+  bool closed() const { return !life_.is_open(); }
+  Lifeline* lifeline() { return &life_; }
+
+ private:
+  void destroy_now() {
+    if (!life_.begin_close()) return;
+    life_.destroying();
+    obj_.reset();
+    life_.closed();
+  }
+
+  Lifeline life_;
+  std::unique_ptr<T> obj_;
+};
+
+// Busy while `leased` blocks are leased: close() refuses while a lease
+// points into memory that closing would free.
+inline Status refuse_if_leased(uint64_t leased) {
+  if (leased == 0) return Status::OK();
+  return Status::Busy(std::to_string(leased) +
+                      " block(s) are still leased (a BlockLease from acquire() or get_gpu_ptr(), or a "
+                      "read in progress); release them before closing");
+}
+
+}  // namespace cascade::py
