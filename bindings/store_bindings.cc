@@ -290,12 +290,21 @@ class PyStore {
 
   // A live lease (BlockLease, or a tensor exported from one) points into the
   // tiers' memory: close() refuses (BusyError) and the store stays open.
+  // The store is closed even when writing blocks down fails; that failure
+  // (blocks not made durable) is raised after it.
   void close() {
-    store_.close([](CascadeStore& s) {
+    Status closing;
+    store_.close([&closing](CascadeStore& s) {
       uint64_t leased = 0;
       for (const TierStats& t : s.stats().tiers) leased += t.leased_blocks;
-      return refuse_if_leased(leased);
+      Status st = refuse_if_leased(leased);
+      if (st.ok()) {
+        s.close();
+        closing = s.close_status();
+      }
+      return st;
     });
+    check(closing);
   }
 
   bool closed() const { return store_.closed(); }
@@ -448,9 +457,10 @@ void register_store(nb::module_& m) {
       .def("clear", &PyStore::clear)
       .def("flush", &PyStore::flush)
       .def("close", &PyStore::close,
-           "Flushes and releases the tiers. Calls in progress in other threads finish first; later calls "
-           "raise UnavailableError. BusyError (the store stays open) while a BlockLease is held. "
-           "Idempotent.")
+           "Writes memory-only blocks down to a persistent tier (unless ephemeral), flushes and releases "
+           "the tiers. Calls in progress in other threads finish first; later calls raise "
+           "UnavailableError. BusyError (the store stays open) while a BlockLease is held. When blocks "
+           "could not be made durable the store still closes and the error is raised. Idempotent.")
       .def_prop_ro("closed", &PyStore::closed)
       .def_prop_ro("pipeline", &PyStore::pipeline)
       .def_prop_ro("config", &PyStore::config, nb::rv_policy::copy)

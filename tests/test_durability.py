@@ -25,11 +25,6 @@ KILL_ITERATIONS = int(os.environ.get("CASCADE_KILL_ITERATIONS", "20"))
 BLOCK = 256 << 10
 
 
-def file_tier_is_persistent(cfg):
-    with cascade.CascadeStore(cfg) as store:
-        return bool(store.get_stats()["tiers"]["file"].get("persistent", False))
-
-
 @pytest.fixture
 def durable_config(shm_path, tmp_path):
     """Makes host|file configs on one directory, each store on its own arena."""
@@ -40,8 +35,6 @@ def durable_config(shm_path, tmp_path):
         arenas.append(path)
         return host_file_config(path, tmp_path / "tier", **options)
 
-    if not file_tier_is_persistent(make()):
-        pytest.skip("the file tier does not report persistent() (its durability hooks are absent)")
     yield make
     for path in arenas:
         if os.path.exists(path):
@@ -76,6 +69,26 @@ def test_host_blocks_survive_close_and_reopen(durable_config, flush):
             assert store.get_stats()["tiers"]["file"]["blocks"] == len(KEYS)
     with cascade.CascadeStore(durable_config()) as store:
         assert count_intact(store, KEYS, BLOCK) == len(KEYS)
+
+
+def test_file_tier_reports_persistent(durable_config):
+    with cascade.CascadeStore(durable_config()) as store:
+        stats = store.get_stats()["tiers"]
+        assert stats["file"]["persistent"] is True
+        assert stats["host"]["persistent"] is False
+
+
+def test_close_raises_when_blocks_cannot_be_written_down(durable_config, tmp_path):
+    import shutil
+
+    store = cascade.CascadeStore(durable_config())
+    for key in KEYS:
+        assert store.put(key, block_bytes(key, BLOCK))
+    shutil.rmtree(tmp_path / "tier")  # nowhere left to write them
+    with pytest.raises(cascade.CascadeError, match="could not be written down"):
+        store.close()
+    assert store.closed
+    store.close()  # closed already: nothing more to report
 
 
 def test_ephemeral_close_drops_host_blocks_but_flush_writes_them(durable_config):
