@@ -232,8 +232,8 @@ def peer_is_same_user(sock: socket.socket) -> bool:
     """Whether the connected peer runs as this process's user (where the OS tells)."""
     if not hasattr(socket, "SO_PEERCRED"):
         return True
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    _pid, uid, _gid = struct.unpack("iII", creds)
     return uid == os.geteuid()
 
 
