@@ -91,8 +91,8 @@ class LookupService:
         self._max = max_connections
         self._closed = threading.Event()
         self._lock = threading.Lock()
-        # open connection -> [authenticated, evicted]; its thread removes it
-        self._conns: dict[socket.socket, list] = {}
+        # open connection -> authenticated; its thread removes it, or an eviction does
+        self._conns: dict[socket.socket, bool] = {}
         self._secret = wire.create_service_dir(self.directory)
         try:
             self._listener, self._socket_id = wire.listen(self.address)
@@ -132,17 +132,14 @@ class LookupService:
         with self._lock:
             if self._closed.is_set():
                 return False
-            live = [(c, s) for c, s in self._conns.items() if not s[1]]
-            if len(live) >= self._max:
-                pending = [c for c, s in live if not s[0]]
+            if len(self._conns) >= self._max:
+                pending = [c for c, authenticated in self._conns.items() if not authenticated]
                 if not pending:
                     return False
                 victim = pending[0]  # dicts keep insertion order: the oldest
-                self._conns[victim][1] = True
-                _shutdown(victim)
-            if len(self._conns) >= 2 * self._max:  # evicted ones not yet gone
-                return False
-            self._conns[conn] = [False, False]
+                del self._conns[victim]
+                _shutdown(victim)  # its thread sees the end of the stream and exits
+            self._conns[conn] = False
             return True
 
     def _forget(self, conn):
@@ -157,10 +154,9 @@ class LookupService:
                 if not wire.server_handshake(conn, self._secret, Deadline(self._auth_timeout)):
                     return
                 with self._lock:
-                    state = self._conns.get(conn)
-                    if state is None or state[1]:
+                    if conn not in self._conns:  # evicted during its handshake
                         return
-                    state[0] = True
+                    self._conns[conn] = True
                 while not self._closed.is_set():
                     try:
                         ids = wire.recv_request(conn, self._message_timeout)
