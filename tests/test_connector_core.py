@@ -574,7 +574,7 @@ def _serve_ranks(key, world, ids, ready, stop):
         for i in ids[r]:
             store.put(i, b"kv" * 8)
         stores.append(store)
-        services.append(lk.LookupService(lk.socket_address("", key, r), lk.lookup_authkey(key),
+        services.append(lk.LookupService(key, r,
                                          lambda x, s=store: sum(1 for _ in itertools.takewhile(s.contains, x))))
     ready.set()
     stop.wait(60)
@@ -608,7 +608,7 @@ def test_lookup_service_across_processes():
         stop.set()
         child.join(30)
     assert child.exitcode == 0
-    assert not os.path.exists(lk.socket_address("", key, 0))
+    assert not os.path.exists(lk.service_dir("", key, 0))
 
 
 def test_lookup_modes_in_one_process(ranks):
@@ -621,7 +621,7 @@ def test_lookup_modes_in_one_process(ranks):
     assert lk.PrefixLookup(key, 1, mode="auto").prefix_length(ids) == 5
     assert lk.PrefixLookup(key, 1, mode="off").prefix_length(ids) == 5
     assert lk.PrefixLookup(key + "x", 1, mode="off").prefix_length(ids) == 0
-    service = lk.LookupService(lk.socket_address("", key, 0), lk.lookup_authkey(key), r0.worker.prefix_length)
+    service = lk.LookupService(key, 0, r0.worker.prefix_length)
     try:
         sock = lk.PrefixLookup(key, 1, mode="socket", timeout_ms=5000)
         assert sock.prefix_length(ids) == 5

@@ -82,8 +82,8 @@ class ConnectorConfig:
     lookup: str = "auto"
     # Directory of the workers' lookup sockets.
     lookup_socket_dir: str = ""
-    # How long the scheduler waits for a worker's lookup answer before it
-    # counts the lookup as a miss.
+    # How long one lookup may take in all (connecting, authenticating, every
+    # worker's answer) before the scheduler counts it as a miss.
     lookup_timeout_ms: int = 1000
 
     def namespace_tenant(self, request_salt: Optional[str]) -> Optional[str]:

@@ -7,29 +7,40 @@ A CascadeStore's index lives in the process that opened it: each worker
   case) directly, through a process-wide directory of workers
   (``register_worker``);
 - a worker in another process (multiprocess executor, TP>1) through a Unix
-  socket the worker serves (``LookupService``; multiprocessing.connection
-  with an authentication key derived from the engine id, socket mode 0600).
+  socket the worker serves (``LookupService``, ``lookup_wire``): a fixed
+  binary format, no pickle, in a private directory of the worker's user
+  (0700, socket 0600), with an HMAC challenge-response over a random secret
+  the worker writes there (0600) when it starts serving.
 
 A block counts as a hit only when every rank holds it: ``PrefixLookup``
 returns the minimum over ranks of each rank's leading run of stored ids. A
-rank that cannot be asked (no such worker, socket absent, timeout, error)
-answers 0, so a failure to look up is a miss, never a hang and never a hit.
-A lookup is only advice: the worker's load checks every block again, and
-reports a block it cannot load as a load error (vLLM recomputes it).
+rank that cannot be asked (no such worker, socket absent, refused, timeout,
+error) answers 0, so a failure to look up is a miss, never a hang and never
+a hit: every client step (connect, handshake, request, answer) runs under
+one deadline per lookup (``timeout_ms``). A lookup is only advice: the
+worker's load checks every block again, and reports a block it cannot load
+as a load error (vLLM recomputes it).
 
 Thread-safety: everything here may be called from any thread.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import tempfile
+import socket
 import threading
 import time
-from multiprocessing.connection import Client, Listener
 from typing import Callable, Optional, Sequence
+
+from cascade.integrations import lookup_wire as wire
+from cascade.integrations.lookup_wire import (  # noqa: F401  (part of this module's interface)
+    MAX_IDS,
+    Deadline,
+    WireError,
+    service_dir,
+    socket_address,
+)
 
 logger = logging.getLogger("cascade.integrations.connector")
 
@@ -56,141 +67,212 @@ def local_worker(engine_key: str, rank: int) -> Optional[PrefixFn]:
         return _directory.get((engine_key, rank))
 
 
-def socket_address(socket_dir: str, engine_key: str, rank: int) -> str:
-    """The Unix socket of one rank's lookup service (short enough for sun_path)."""
-    short = hashlib.sha256(engine_key.encode()).hexdigest()[:16]
-    return os.path.join(socket_dir or tempfile.gettempdir(), f"cascade-lookup-{short}-r{rank}.sock")
-
-
-def lookup_authkey(engine_key: str) -> bytes:
-    return hashlib.sha256(b"cascade-lookup/1\x00" + engine_key.encode()).digest()
-
-
 class LookupService:
     """A worker's answer to "how many of these ids do you hold, from the start?".
 
-    Requests are ``("prefix", [id, ...])``, answers an int; anything else is
-    answered with an error string. One thread accepts, one serves each
-    connection.
+    Serves ``socket_address(socket_dir, engine_key, rank)``. One thread
+    accepts; each connection is served by its own thread: it must finish the
+    handshake within ``auth_timeout_s``, and once authenticated each request,
+    once begun, must arrive whole within ``message_timeout_s``, or the
+    connection is closed. At most ``max_connections`` connections are open:
+    when full, the oldest one still in its handshake is closed to make room,
+    and a new one is refused only when every open one is authenticated.
     """
 
-    def __init__(self, address: str, authkey: bytes, prefix_fn: PrefixFn):
-        self.address = address
+    def __init__(self, engine_key: str, rank: int, prefix_fn: PrefixFn, *, socket_dir: str = "",
+                 auth_timeout_s: float = 2.0, message_timeout_s: float = 5.0, max_connections: int = 16):
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        self.directory = service_dir(socket_dir, engine_key, rank)
+        self.address = os.path.join(self.directory, wire.SOCKET_NAME)
         self._prefix_fn = prefix_fn
+        self._auth_timeout = auth_timeout_s
+        self._message_timeout = message_timeout_s
+        self._max = max_connections
         self._closed = threading.Event()
-        if os.path.exists(address):
-            os.unlink(address)  # a socket left behind by a dead process of the same engine id
-        old = os.umask(0o177)
+        self._lock = threading.Lock()
+        # open connection -> authenticated; its thread removes it, or an eviction does
+        self._conns: dict[socket.socket, bool] = {}
+        self._secret = wire.create_service_dir(self.directory)
         try:
-            self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
-        finally:
-            os.umask(old)
+            self._listener, self._socket_id = wire.listen(self.address)
+        except BaseException:
+            wire.remove_service_dir(self.directory)
+            raise
         self._thread = threading.Thread(target=self._accept, name="cascade-lookup", daemon=True)
         self._thread.start()
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
 
     def _accept(self):
         while not self._closed.is_set():
             try:
-                conn = self._listener.accept()
-            except Exception:  # closed, or a client that failed authentication
+                conn, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
                 if self._closed.is_set():
                     return
+                time.sleep(0.05)  # e.g. out of file descriptors: let connections end
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="cascade-lookup-conn",
-                             daemon=True).start()
+            if not self._admit(conn):
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="cascade-lookup-conn",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had: refuse this one
+                self._forget(conn)
+                conn.close()
 
-    def _serve(self, conn):
-        with conn:
-            while not self._closed.is_set():
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
+    def _admit(self, conn: socket.socket) -> bool:
+        with self._lock:
+            if self._closed.is_set():
+                return False
+            if len(self._conns) >= self._max:
+                pending = [c for c, authenticated in self._conns.items() if not authenticated]
+                if not pending:
+                    return False
+                victim = pending[0]  # dicts keep insertion order: the oldest
+                del self._conns[victim]
+                _shutdown(victim)  # its thread sees the end of the stream and exits
+            self._conns[conn] = False
+            return True
+
+    def _forget(self, conn):
+        with self._lock:
+            self._conns.pop(conn, None)
+
+    def _serve(self, conn: socket.socket):
+        try:
+            with conn:
+                if not wire.peer_is_same_user(conn):
                     return
-                try:
-                    if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "prefix":
-                        answer = int(self._prefix_fn(list(msg[1])))
-                    else:
-                        answer = f"bad lookup request {type(msg).__name__}"
-                except Exception as e:  # the store said no: answer, keep serving
-                    answer = f"lookup failed: {e}"
-                try:
-                    conn.send(answer)
-                except OSError:
+                if not wire.server_handshake(conn, self._secret, Deadline(self._auth_timeout)):
                     return
+                with self._lock:
+                    if conn not in self._conns:  # evicted during its handshake
+                        return
+                    self._conns[conn] = True
+                while not self._closed.is_set():
+                    try:
+                        ids = wire.recv_request(conn, self._message_timeout)
+                    except wire.BadMessage as e:
+                        wire.send_answer(conn, wire.ST_BAD_REQUEST, 0, Deadline(self._message_timeout))
+                        logger.debug("Cascade lookup service %s: %s; connection closed", self.address, e)
+                        return
+                    if ids is None:  # the peer closed between requests
+                        return
+                    try:
+                        n = int(self._prefix_fn(ids))
+                        status, n = wire.ST_OK, max(0, min(n, len(ids)))
+                    except Exception as e:  # the store said no: answer, keep serving
+                        logger.warning("Cascade lookup service %s: lookup failed (%s)", self.address, e)
+                        status, n = wire.ST_FAILED, 0
+                    wire.send_answer(conn, status, n, Deadline(self._message_timeout))
+        except (OSError, WireError):  # timeout, reset, closed by close(): this connection ends
+            pass
+        except Exception:  # never let one connection take the service down
+            logger.exception("Cascade lookup service %s: connection failed", self.address)
+        finally:
+            self._forget(conn)
 
     def close(self):
         if self._closed.is_set():
             return
         self._closed.set()
-        try:
-            # Wake accept() so its thread ends.
-            Client(self.address, family="AF_UNIX", authkey=b"-").close()
-        except Exception:
-            pass
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            _shutdown(c)
+        self._thread.join(timeout=5)
         self._listener.close()
-        self._thread.join(timeout=2)
-        try:
-            os.unlink(self.address)
-        except FileNotFoundError:
-            pass
+        wire.remove_service_dir(self.directory, self._socket_id)
+
+
+def _shutdown(conn: socket.socket):
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class _RemoteRank:
-    """One persistent connection to a rank's LookupService."""
+    """One persistent, authenticated connection to a rank's LookupService."""
 
     RETRY_S = 1.0
+    MAX_RETRY_S = 30.0
 
-    def __init__(self, address: str, authkey: bytes, timeout_s: float):
-        self.address = address
-        self._authkey = authkey
-        self._timeout = timeout_s
-        self._conn = None
+    def __init__(self, socket_dir: str, engine_key: str, rank: int):
+        self.directory = service_dir(socket_dir, engine_key, rank)
+        self.address = os.path.join(self.directory, wire.SOCKET_NAME)
+        self._conn: Optional[socket.socket] = None
         self._lock = threading.Lock()
         self._next_try = 0.0
+        self._backoff = self.RETRY_S
         self._warned = False
 
-    def _connect(self):
+    def _connect(self, deadline: Deadline) -> Optional[socket.socket]:
         if time.monotonic() < self._next_try:
             return None
+        conn = None
         try:
-            self._conn = Client(self.address, family="AF_UNIX", authkey=self._authkey)
-            self._warned = False
-        except Exception as e:
-            self._next_try = time.monotonic() + self.RETRY_S
-            if not self._warned:
-                logger.warning("Cascade lookup: cannot reach %s (%s); its lookups count as misses",
-                               self.address, e)
-                self._warned = True
+            secret = wire.read_secret(self.directory)
+            conn = wire.connect(self.address, deadline)
+            wire.client_handshake(conn, secret, deadline)
+        except (OSError, WireError) as e:
+            if conn is not None:
+                conn.close()
+            self._failed(f"cannot reach {self.address} ({e})")
             return None
-        return self._conn
+        self._conn = conn
+        self._backoff = self.RETRY_S
+        self._warned = False
+        return conn
 
-    def prefix_length(self, ids: Sequence[str]) -> int:
-        with self._lock:
-            conn = self._conn or self._connect()
+    def _failed(self, why: str):
+        self._next_try = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, self.MAX_RETRY_S)
+        if not self._warned:
+            logger.warning("Cascade lookup: %s; its lookups count as misses", why)
+            self._warned = True
+
+    def prefix_length(self, ids: Sequence[str], deadline: Deadline) -> int:
+        if not self._lock.acquire(timeout=max(0.0, deadline.left())):
+            return 0
+        try:
+            conn = self._conn or self._connect(deadline)
             if conn is None:
                 return 0
+            query = list(ids[:MAX_IDS])
             try:
-                conn.send(("prefix", list(ids)))
-                if not conn.poll(self._timeout):
-                    raise TimeoutError(f"no answer in {self._timeout * 1000:.0f} ms")
-                answer = conn.recv()
-            except Exception as e:
-                logger.warning("Cascade lookup at %s failed (%s): counted as a miss", self.address, e)
+                wire.send_request(conn, query, deadline)
+                status, n = wire.recv_answer(conn, deadline)
+            except ValueError as e:  # ids that are not block ids: nothing to ask
+                logger.warning("Cascade lookup: %s: counted as a miss", e)
+                return 0
+            except (OSError, WireError) as e:
                 self._drop()
+                self._failed(f"lookup at {self.address} failed ({e})")
                 return 0
-            if not isinstance(answer, int):
-                logger.warning("Cascade lookup at %s: %s", self.address, answer)
+            if status != wire.ST_OK or n > len(query):
+                logger.warning("Cascade lookup at %s: answer %s (%d of %d): counted as a miss",
+                               self.address, wire.status_name(status), n, len(query))
+                if status != wire.ST_FAILED:
+                    self._drop()
                 return 0
-            return max(0, min(answer, len(ids)))
+            self._warned = False
+            return n
+        finally:
+            self._lock.release()
 
     def _drop(self):
         if self._conn is not None:
-            try:
-                self._conn.close()
-            except Exception:
-                pass
+            self._conn.close()
         self._conn = None
-        self._next_try = time.monotonic() + self.RETRY_S
 
     def close(self):
         with self._lock:
@@ -209,34 +291,33 @@ class PrefixLookup:
         self.mode = mode
         self._socket_dir = socket_dir
         self._timeout = timeout_ms / 1000.0
-        self._authkey = lookup_authkey(engine_key)
         self._remotes: dict[int, _RemoteRank] = {}
         self._lock = threading.Lock()
 
-    def _rank_fn(self, rank: int) -> Optional[PrefixFn]:
-        if self.mode == "auto":
+    def _rank_fn(self, rank: int, deadline: Deadline) -> Optional[PrefixFn]:
+        if self.mode in ("auto", "off"):
             fn = local_worker(self.engine_key, rank)
-            if fn is not None:
+            if fn is not None or self.mode == "off":
                 return fn
-        if self.mode == "off":
-            return local_worker(self.engine_key, rank)
         with self._lock:
             remote = self._remotes.get(rank)
             if remote is None:
-                remote = _RemoteRank(socket_address(self._socket_dir, self.engine_key, rank),
-                                     self._authkey, self._timeout)
+                remote = _RemoteRank(self._socket_dir, self.engine_key, rank)
                 self._remotes[rank] = remote
-        return remote.prefix_length
+        return lambda ids: remote.prefix_length(ids, deadline)
 
     def prefix_length(self, ids_by_rank: Sequence[Sequence[str]]) -> int:
-        """Leading blocks every rank holds; ``ids_by_rank[r]`` are rank r's ids of the same blocks."""
+        """Leading blocks every rank holds; ``ids_by_rank[r]`` are rank r's ids of the same blocks.
+
+        Every rank in another process is asked within one ``timeout_ms`` in all."""
         if len(ids_by_rank) != self.world:
             raise ValueError(f"ids for {len(ids_by_rank)} ranks, the engine has {self.world}")
+        deadline = Deadline(self._timeout)
         n = min((len(ids) for ids in ids_by_rank), default=0)
         for rank, ids in enumerate(ids_by_rank):
             if n == 0:
                 break
-            fn = self._rank_fn(rank)
+            fn = self._rank_fn(rank, deadline)
             if fn is None:
                 return 0
             try:

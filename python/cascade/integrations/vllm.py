@@ -58,9 +58,7 @@ from cascade.integrations.connector_core import (
 from cascade.integrations.connector_lookup import (
     LookupService,
     PrefixLookup,
-    lookup_authkey,
     register_worker,
-    socket_address,
     unregister_worker,
 )
 from cascade.integrations.ids import KvNamespace
@@ -301,9 +299,8 @@ class CascadeConnector(KVConnectorBase_V1):
             register_worker(self.engine_key, self._rank, self.worker.prefix_length)
         backend = getattr(parallel, "distributed_executor_backend", None)
         if self.config.lookup == "socket" or (self.config.lookup == "auto" and backend != "uni"):
-            self._service = LookupService(
-                socket_address(self.config.lookup_socket_dir, self.engine_key, self._rank),
-                lookup_authkey(self.engine_key), self.worker.prefix_length)
+            self._service = LookupService(self.engine_key, self._rank, self.worker.prefix_length,
+                                          socket_dir=self.config.lookup_socket_dir)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         if self.worker is None:
