@@ -72,55 +72,52 @@ TEST(SegmentSortTest, ToleratesDeadBytesChangingDuringTheSort) {
 // Many threads put, read and remove on a tier small enough that puts keep
 // reclaiming space (compaction sorting segments) while removals run.
 TEST(FileTierStressTest, ConcurrentPutGetRemoveOnASmallTier) {
-  EXPECT_EXIT(
-      {
-        TempDir tmp;
-        auto c = file_test::file_config(tmp.path());
-        c.segment_size_bytes = 64 << 10;
-        c.file_capacity_bytes = 4 << 20;
-        ThreadPool pool(4);
-        auto t = FileTier::Open(c, &pool);
-        if (!t.ok()) std::exit(3);
-        FileTier* tier = t->get();
-        std::atomic<bool> stop{false};
-        std::atomic<uint64_t> wrong{0};
-        std::vector<std::thread> threads;
-        for (int k = 0; k < 16; ++k)
-          threads.emplace_back([&, k] {
-            std::mt19937_64 rng(k);
-            std::vector<uint8_t> out(8192);
-            while (!stop.load()) {
-              uint64_t n = rng() % 2000;
-              size_t size = 1000 + n * 3;
-              switch (rng() % 3) {
-                case 0: {
-                  auto d = bytes_of(n, size);
-                  (void)tier->put(id_of(n), d.data(), d.size(), PutOptions{});
-                  break;
-                }
-                case 1: {
-                  ReadRequest r;
-                  r.out = out.data();
-                  r.capacity = out.size();
-                  ReadResult rr;
-                  if (tier->read(id_of(n), r, &rr).ok() &&
-                      (rr.block_size != size || std::memcmp(out.data(), bytes_of(n, size).data(), size) != 0))
-                    wrong.fetch_add(1);
-                  break;
-                }
-                default: (void)tier->remove(id_of(n));
-              }
+  // The body runs in a lambda so that its locals (the directory) are
+  // cleaned up before the child exits.
+  auto body = []() -> int {
+    TempDir tmp;
+    auto c = file_test::file_config(tmp.path());
+    c.segment_size_bytes = 64 << 10;
+    c.file_capacity_bytes = 4 << 20;
+    ThreadPool pool(4);
+    auto t = FileTier::Open(c, &pool);
+    if (!t.ok()) return 3;
+    FileTier* tier = t->get();
+    std::atomic<uint64_t> wrong{0};
+    std::vector<std::thread> threads;
+    for (int k = 0; k < 16; ++k)
+      threads.emplace_back([&, k] {
+        std::mt19937_64 rng(k);
+        std::vector<uint8_t> out(8192);
+        for (int op = 0; op < 400; ++op) {
+          uint64_t n = rng() % 2000;
+          size_t size = 1000 + n * 3;
+          switch (rng() % 3) {
+            case 0: {
+              auto d = bytes_of(n, size);
+              (void)tier->put(id_of(n), d.data(), d.size(), PutOptions{});
+              break;
             }
-          });
-        std::this_thread::sleep_for(std::chrono::seconds(4));
-        stop = true;
-        for (auto& th : threads) th.join();
-        if (wrong.load()) std::exit(4);
-        if (tier->stats().corrupt_blocks) std::exit(5);
-        t->reset();
-        std::exit(0);
-      },
-      ::testing::ExitedWithCode(0), "");
+            case 1: {
+              ReadRequest r;
+              r.out = out.data();
+              r.capacity = out.size();
+              ReadResult rr;
+              if (tier->read(id_of(n), r, &rr).ok() &&
+                  (rr.block_size != size || std::memcmp(out.data(), bytes_of(n, size).data(), size) != 0))
+                wrong.fetch_add(1);
+              break;
+            }
+            default: (void)tier->remove(id_of(n));
+          }
+        }
+      });
+    for (auto& th : threads) th.join();
+    if (wrong.load()) return 4;
+    if (tier->stats().corrupt_blocks) return 5;
+    return 0;
+  };
+  EXPECT_EXIT(std::exit(body()), ::testing::ExitedWithCode(0), "");
 }
 
 // Fills the file system (file_capacity_bytes = 0: bounded only by it),
