@@ -17,8 +17,10 @@ namespace {
 class PyLustreBackend {
  public:
   PyLustreBackend(const std::string& path, uint64_t stripe_size, int stripe_count, uint64_t capacity_bytes,
-                  uint64_t segment_size_bytes, bool io_direct, bool sync_writes, int threads) {
+                  uint64_t segment_size_bytes, bool io_direct, bool sync_writes, int threads,
+                  uint32_t file_mode) {
     FileBackendOptions o;
+    o.file_mode = file_mode;
     o.capacity_bytes = capacity_bytes;
     o.segment_size_bytes = segment_size_bytes;
     o.io_direct = io_direct;
@@ -139,6 +141,8 @@ nb::dict inspection_dict(const InspectReport& r) {
   d["corrupt_records"] = r.corrupt_records;
   d["tail_bytes"] = r.tail_bytes;
   d["unreadable_segments"] = r.unreadable_segments;
+  d["foreign_segments"] = r.foreign_segments;
+  d["aliases"] = r.aliases;
   d["other_files"] = r.other_files;
   nb::list segs;
   for (const SegmentInspection& s : r.segments) {
@@ -153,6 +157,9 @@ nb::dict inspection_dict(const InspectReport& r) {
     x["dead_bytes"] = s.dead_bytes;
     x["corrupt_records"] = s.corrupt_records;
     x["tail_bytes"] = s.tail_bytes;
+    x["aliases"] = s.aliases;
+    x["foreign"] = s.foreign;
+    x["format_version"] = s.format_version;
     segs.append(x);
   }
   d["segments"] = segs;
@@ -166,10 +173,11 @@ void register_file(nb::module_& m) {
                               "The file tier used directly (the seeds' class): segment files in one "
                               "directory, persistent across restarts, no eviction (put returns False "
                               "when capacity_bytes is reached).")
-      .def(nb::init<const std::string&, uint64_t, int, uint64_t, uint64_t, bool, bool, int>(), "path"_a,
+      .def(nb::init<const std::string&, uint64_t, int, uint64_t, uint64_t, bool, bool, int, uint32_t>(),
+           "path"_a,
            "stripe_size"_a = 0, "stripe_count"_a = 0, "capacity_bytes"_a = 0,
            "segment_size_bytes"_a = 256ULL << 20, "io_direct"_a = false, "sync_writes"_a = false,
-           "threads"_a = 0)
+           "threads"_a = 0, "file_mode"_a = 0600)
       .def("put", &PyLustreBackend::put, "block_id"_a, "data"_a, "is_prefix"_a = false)
       .def("get", &PyLustreBackend::get, "block_id"_a, "out"_a)
       .def("contains", &PyLustreBackend::contains, "block_id"_a)
@@ -196,7 +204,8 @@ void register_file(nb::module_& m) {
     return inspection_dict(r.value());
   }, "dir"_a, "verify"_a = true,
         "Segments, records, live and dead bytes of a file-tier directory; with verify, every "
-        "record's checksum. Safe while a store has the directory open.");
+        "record's checksum (keyed: the directory's KEY file must be readable). Safe while a store "
+        "has the directory open.");
 
   m.def("probe_direct_io", [](const std::string& dir, uint64_t bytes, uint64_t block_size, int threads) {
     Result<ProbeResult> r = Status::OK();

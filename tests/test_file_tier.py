@@ -144,3 +144,109 @@ def test_io_direct_round_trip(file_config):
             store.put(f"d{i}", b)
         for i, b in enumerate(blocks):
             assert store.get(f"d{i}") == b.tobytes()
+
+
+def _mode(path):
+    return os.lstat(path).st_mode & 0o777
+
+
+def _modes_under(path):
+    return {name: _mode(os.path.join(path, name)) for name in os.listdir(path)}
+
+
+def test_files_are_owner_only_by_default(file_config):
+    old = os.umask(0o022)
+    try:
+        cfg = file_config()
+        cfg.segment_size_bytes = 1 << 20
+        with cascade.CascadeStore(cfg) as store:  # several segments, sealed on the way
+            for i in range(30):
+                store.put(f"m{i}", random_bytes(100_000, i))
+        assert _mode(cfg.lustre_path) == 0o700
+        modes = _modes_under(cfg.lustre_path)
+        assert {"LOCK", "KEY"} <= set(modes) and any(n.endswith(".sum") for n in modes)
+        assert set(modes.values()) == {0o600}, modes
+    finally:
+        os.umask(old)
+
+
+def test_file_mode_shares_with_the_group(file_config, tmp_path):
+    old = os.umask(0o077)  # would narrow 0o640 to 0o600
+    try:
+        cfg = file_config()
+        cfg.file_mode = 0o640
+        with cascade.CascadeStore(cfg) as store:
+            store.put("g", random_bytes(5000, 1))
+        assert _mode(cfg.lustre_path) == 0o750
+        assert set(_modes_under(cfg.lustre_path).values()) == {0o640}
+        path = str(tmp_path / "backend")
+        with cascade.LustreBackend(path, file_mode=0o640) as b:
+            assert b.put("g", random_bytes(5000, 1))
+        assert _mode(path) == 0o750
+        assert set(_modes_under(path).values()) == {0o640}
+    finally:
+        os.umask(old)
+
+
+def _mount_tmpfs(path, options):
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+
+
+def _umount(path):
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_read_only_file_system_is_an_io_error(file_config, tmp_path):
+    mnt = tmp_path / "ro"
+    _mount_tmpfs(mnt, "size=4m")
+    try:
+        os.mkdir(mnt / "existing", 0o700)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        for sub in ("missing", "existing"):
+            cfg = file_config()
+            cfg.lustre_path = str(mnt / sub)
+            with pytest.raises(cascade.CascadeIOError) as e:
+                cascade.CascadeStore(cfg)
+            assert isinstance(e.value, OSError) and not isinstance(e.value, ValueError)
+            with pytest.raises(cascade.CascadeIOError):
+                cascade.LustreBackend(str(mnt / sub))
+    finally:
+        _umount(mnt)
+
+
+def test_full_file_system_wins_space_back(tmp_path):
+    mnt = tmp_path / "small"
+    _mount_tmpfs(mnt, "size=8m")
+    try:
+        block = random_bytes(64 << 10, 3)
+        with cascade.LustreBackend(str(mnt / "tier"), segment_size_bytes=1 << 20, threads=2) as b:
+            n = 0
+            while b.put(f"f{n}", block):  # capacity_bytes = 0: bounded by the file system only
+                n += 1
+            assert n > 50
+            for i in range(n):
+                if i % 10:
+                    assert b.remove(f"f{i}")
+            stored = sum(b.put(f"again{i}", block) for i in range(n // 2))
+            assert stored == n // 2, f"{stored} of {n // 2} puts after removing 90% of {n} blocks"
+            out = np.empty_like(block)
+            for i in range(0, n, 10):
+                assert b.get(f"f{i}", out) == (True, block.nbytes) and np.array_equal(out, block)
+        report = cascade.inspect_directory(str(mnt / "tier"))
+        assert report["ok"], report
+    finally:
+        _umount(mnt)
+
+
+def test_inspect_reports_a_missing_key(file_config):
+    cfg = file_config()
+    with cascade.CascadeStore(cfg) as store:
+        store.put("k", random_bytes(1000, 1))
+    os.rename(os.path.join(cfg.lustre_path, "KEY"), os.path.join(cfg.lustre_path, "KEY.away"))
+    with pytest.raises(cascade.CascadeIOError, match="KEY"):
+        cascade.inspect_directory(cfg.lustre_path)
+    r = subprocess.run([sys.executable, "-m", "cascade", "inspect", cfg.lustre_path], capture_output=True, text=True)
+    assert r.returncode == 2 and "KEY" in r.stderr, r.stdout + r.stderr

@@ -13,8 +13,16 @@
 //                           file system, failing fsync.
 //
 // Errors are Status values; errno is turned into a Status in one place
-// (port/errno_status.cc). A read that reaches the end of a file returns the
-// bytes it got (a short count), never an error.
+// (port/errno_status.cc). A failing file-system call is an IOError (also a
+// missing file: ENOENT, and EACCES, EPERM, EROFS), NoSpace on ENOSPC or
+// EDQUOT, Busy for a lock held elsewhere; only stat() answers NotFound, for
+// callers that ask whether a name exists. A read that reaches the end of a
+// file returns the bytes it got (a short count), never an error.
+//
+// Modes: files and directories are created with the permission bits the
+// caller passes (FileOpenOptions::mode, create_dirs' mode), set exactly:
+// the process umask neither widens nor narrows them. Existing files and
+// directories keep their modes.
 //
 // Thread-safety: Env methods are thread-safe. A File may be used from many
 // threads at once (positional I/O only; there is no file position).
@@ -48,6 +56,20 @@ struct FileOpenOptions {
   // multiple of kDirectIoAlignment. Falls back to buffered I/O (with
   // File::direct() false) on file systems that refuse O_DIRECT (tmpfs).
   bool direct = false;
+  // Refuse to open a symbolic link (O_NOFOLLOW): IOError.
+  bool no_follow = false;
+  // Permission bits of a file this open creates (exactly these bits, not
+  // narrowed by the umask). Ignored when the file exists.
+  uint32_t mode = 0600;
+};
+
+// What stat() and File::info() report.
+struct FileInfo {
+  enum class Type : uint8_t { kRegular, kDirectory, kSymlink, kOther };
+  Type type = Type::kOther;
+  uint32_t mode = 0;  // permission bits (0777 mask)
+  uint32_t uid = 0;   // owner
+  uint64_t size = 0;
 };
 
 // An open file. Positional I/O only.
@@ -69,8 +91,14 @@ class File {
   // Reserves disk blocks for [offset, offset + n) (fallocate mode 0; the
   // file grows if needed). NotSupported where the file system cannot.
   virtual Status allocate(uint64_t offset, uint64_t n) = 0;
+  // Gives the disk blocks of [offset, offset + n) back to the file system
+  // (fallocate PUNCH_HOLE | KEEP_SIZE): the range then reads as zeros and
+  // the file keeps its size. NotSupported where the file system cannot.
+  virtual Status punch_hole(uint64_t offset, uint64_t n) = 0;
   virtual Status truncate(uint64_t size) = 0;
   virtual Result<uint64_t> size() = 0;
+  // Type, owner, mode and size of the open file (fstat).
+  virtual Result<FileInfo> info() = 0;
   // Drops the file's cached pages (fdatasync, then posix_fadvise DONTNEED)
   // so the next read comes from the device. OK and a no-op where there is
   // no page cache.
@@ -111,8 +139,9 @@ class Env {
 
   virtual Result<std::unique_ptr<File>> open(const std::string& path,
                                              const FileOpenOptions& options) = 0;
-  // Creates the directory and missing parents. OK when it exists already.
-  virtual Status create_dirs(const std::string& dir) = 0;
+  // Creates the directory and missing parents with permission bits `mode`
+  // (set exactly). OK when it exists already (its mode is left alone).
+  virtual Status create_dirs(const std::string& dir, uint32_t mode = 0700) = 0;
   // Names (not paths) of the entries of dir, without "." and "..".
   virtual Result<std::vector<std::string>> list_dir(const std::string& dir) = 0;
   // Atomic replace of `to` by `from` (rename(2)).
@@ -121,24 +150,34 @@ class Env {
   // Makes the directory's entries (creations, renames, unlinks) durable.
   virtual Status sync_dir(const std::string& dir) = 0;
   virtual Result<FsSpace> space(const std::string& path) = 0;
-  // Creates path if needed and takes an exclusive advisory lock on it
-  // (flock). Busy when another holder (this process or another) has it.
-  virtual Result<std::unique_ptr<FileLock>> lock_file(const std::string& path) = 0;
-  // Size of a file by name. NotFound when missing.
-  virtual Result<uint64_t> file_size(const std::string& path) = 0;
-  bool file_exists(const std::string& path) { return file_size(path).ok(); }
-  // Creates an empty file at path striped over `stripe_count` Lustre OSTs in
-  // units of `stripe_size` bytes (0 = the directory's default for either).
-  // NotSupported when path is not on Lustre or the lfs tool is missing: the
-  // caller then creates the file normally (a documented no-op elsewhere).
-  virtual Status create_striped(const std::string& path, uint64_t stripe_size, int stripe_count) {
+  // Creates path if needed (with permission bits `mode`) and takes an
+  // exclusive advisory lock on it (flock). Busy when another holder (this
+  // process or another) has it.
+  virtual Result<std::unique_ptr<FileLock>> lock_file(const std::string& path, uint32_t mode = 0600) = 0;
+  // What is at path, without following a symbolic link (lstat). NotFound
+  // when nothing is there: the one call that answers "does it exist".
+  virtual Result<FileInfo> stat(const std::string& path) = 0;
+  // Size of a file by name (IOError when missing).
+  Result<uint64_t> file_size(const std::string& path);
+  bool file_exists(const std::string& path) { return stat(path).ok(); }
+  // Creates an empty file at path (permission bits `mode`) striped over
+  // `stripe_count` Lustre OSTs in units of `stripe_size` bytes (0 = the
+  // directory's default for either). NotSupported when path is not on
+  // Lustre or the lfs tool is missing: the caller then creates the file
+  // normally (a documented no-op elsewhere).
+  virtual Status create_striped(const std::string& path, uint64_t stripe_size, int stripe_count,
+                                uint32_t mode = 0600) {
     return Status::NotSupported("striping is a Lustre feature");
   }
 };
 
 // Files kept in memory (a map from path to bytes). O_DIRECT is accepted and
 // ignored; directories exist implicitly once created. Fast, for tests.
-std::unique_ptr<Env> NewMemoryEnv();
+// capacity_bytes > 0 models a file system of that size: disk blocks (4 KiB
+// pages) are taken by writes and allocate(), given back by punch_hole(),
+// truncate() and the last close of an unlinked file; a write that needs
+// more fails with ENOSPC (NoSpace) after storing the pages that fit.
+std::unique_ptr<Env> NewMemoryEnv(uint64_t capacity_bytes = 0);
 
 // Wraps another Env and injects faults chosen at run time. With no fault
 // armed it forwards every call unchanged. Faults apply to files opened
@@ -160,8 +199,8 @@ class FaultInjectingEnv : public Env {
   // The next write (of any file) writes only its first `keep` bytes, then
   // fails with EIO: a torn write.
   void tear_next_write(uint64_t keep);
-  // Any open for writing, create_dirs, rename, unlink, lock and fsync fail
-  // with EROFS, as on a read-only mount.
+  // Any open for writing, create_dirs, rename, unlink, lock, punch_hole and
+  // truncate fail with EROFS, as on a read-only mount.
   void set_read_only(bool read_only);
   // fsync of files and directories fails with EIO.
   void fail_syncs(bool fail);
@@ -172,15 +211,16 @@ class FaultInjectingEnv : public Env {
   uint64_t injected_faults() const { return injected_.load(); }
 
   Result<std::unique_ptr<File>> open(const std::string& path, const FileOpenOptions& options) override;
-  Status create_dirs(const std::string& dir) override;
+  Status create_dirs(const std::string& dir, uint32_t mode = 0700) override;
   Result<std::vector<std::string>> list_dir(const std::string& dir) override;
   Status rename(const std::string& from, const std::string& to) override;
   Status unlink(const std::string& path) override;
   Status sync_dir(const std::string& dir) override;
   Result<FsSpace> space(const std::string& path) override;
-  Result<std::unique_ptr<FileLock>> lock_file(const std::string& path) override;
-  Result<uint64_t> file_size(const std::string& path) override;
-  Status create_striped(const std::string& path, uint64_t stripe_size, int stripe_count) override;
+  Result<std::unique_ptr<FileLock>> lock_file(const std::string& path, uint32_t mode = 0600) override;
+  Result<FileInfo> stat(const std::string& path) override;
+  Status create_striped(const std::string& path, uint64_t stripe_size, int stripe_count,
+                        uint32_t mode = 0600) override;
 
  private:
   class FaultFile;
@@ -190,6 +230,7 @@ class FaultInjectingEnv : public Env {
   size_t admit_write(size_t n, int* err);
   bool read_fails(const std::string& path, uint64_t offset, size_t n);
   Status read_only_error(const std::string& what) const;
+  bool read_only_now();  // counts an injected fault when true
 
   Env* base_;
   std::atomic<uint64_t> written_{0};

@@ -14,8 +14,9 @@
 //
 // inspect_directory() reads a directory without opening it for writing (it
 // may run while a store has it open): segments, records, live and dead
-// bytes, and with verify a checksum check of every record. It is what
-// `cascade inspect DIR` prints.
+// bytes, and with verify a checksum check of every record. Records are
+// checked with the directory's key (its KEY file), which it must be able to
+// read. It is what `cascade inspect DIR` prints.
 //
 // Thread-safety: LustreBackend methods are thread-safe.
 // Ownership: callers own the backend; it owns its threads.
@@ -40,6 +41,9 @@ struct FileBackendOptions {
   FileIoEngine io_engine = FileIoEngine::kPsync;
   bool sync_writes = false;                    // fsync before each put returns
   int threads = 0;                             // I/O threads; 0 = one per core
+  // Permission bits of the files the backend creates (as CascadeConfig::file_mode);
+  // the directory gets the same plus x where r is granted.
+  uint32_t file_mode = 0600;
 };
 
 class LustreBackend {
@@ -78,11 +82,16 @@ struct SegmentInspection {
   uint64_t file_bytes = 0;
   bool sealed = false;         // has a valid summary
   uint64_t records = 0;        // valid records
-  uint64_t live_records = 0;   // first valid record of its id in the directory
+  uint64_t live_records = 0;   // newest valid record of its id in the directory
   uint64_t live_bytes = 0;     // record bytes of live records
   uint64_t dead_bytes = 0;     // file_bytes - live_bytes
   uint64_t corrupt_records = 0;
   uint64_t tail_bytes = 0;     // bytes after the last valid record (a torn tail)
+  uint64_t aliases = 0;        // alias records among the records
+  // Not this directory's (format 1, or written with another key): a store
+  // leaves it alone and serves nothing from it.
+  bool foreign = false;
+  uint16_t format_version = 0; // of its first record (0: none)
 };
 
 struct InspectReport {
@@ -99,16 +108,23 @@ struct InspectReport {
   uint64_t corrupt_records = 0;  // damaged records; with verify also payload mismatches
   uint64_t tail_bytes = 0;
   uint64_t unreadable_segments = 0;
+  uint64_t foreign_segments = 0; // segment files a store would not read (see SegmentInspection)
+  uint64_t aliases = 0;          // live alias records
   uint64_t other_files = 0;    // names that are not the tier's
 
-  // Nothing damaged was found (torn tails after a crash are not damage).
+  // Nothing damaged was found (torn tails after a crash are not damage;
+  // foreign segments are reported, not damage).
   bool ok() const { return corrupt_records == 0 && unreadable_segments == 0; }
 };
 
-// Reads every segment of dir. verify: read every payload and check its
-// checksum (segments with a summary are scanned in full too). NotFound when
-// dir does not exist. "Live" counts what a store opening dir would serve;
-// removals made by a running store are not on disk, so it is an upper bound.
+// Reads every segment of dir with the directory's key (dir/KEY). verify:
+// read every payload and check its checksum (segments with a summary are
+// scanned in full too). NotFound when dir does not exist; IOError when KEY
+// cannot be read (permissions) or is missing while segments of this format
+// are there.
+// "Live" counts what a store opening dir would serve (the newest record of
+// each id); removals made by a running store are not on disk, so it is an
+// upper bound.
 Result<InspectReport> inspect_directory(const std::string& dir, bool verify);
 
 }  // namespace cascade

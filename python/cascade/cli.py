@@ -90,19 +90,28 @@ def _cmd_inspect(args) -> int:
     from cascade import _core
     from cascade.bench.common import format_table, fmt_size
 
-    report = _core.inspect_directory(args.dir, not args.no_verify)
+    try:
+        report = _core.inspect_directory(args.dir, not args.no_verify)
+    except _core.CascadeError as e:
+        print(f"cascade inspect: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        rows = [[s["file"], fmt_size(s["file_bytes"]), "yes" if s["sealed"] else "no", s["records"],
-                 s["live_records"], fmt_size(s["live_bytes"]), fmt_size(s["dead_bytes"]), s["corrupt_records"],
-                 s["tail_bytes"]] for s in report["segments"]]
+        rows = [[s["file"], fmt_size(s["file_bytes"]),
+                 f"foreign (format {s['format_version']})" if s["foreign"] else ("yes" if s["sealed"] else "no"),
+                 s["records"], s["live_records"], fmt_size(s["live_bytes"]), fmt_size(s["dead_bytes"]),
+                 s["corrupt_records"], s["tail_bytes"]] for s in report["segments"]]
         print(format_table(["segment", "size", "sealed", "records", "live", "live bytes", "dead bytes",
                             "corrupt", "torn tail bytes"], rows, title=f"{report['dir']}"))
         print(f"{report['records']} records, {report['live_records']} live ({fmt_size(report['payload_bytes'])} "
               f"of payload), {report['duplicate_records']} duplicates, {fmt_size(report['dead_bytes'])} dead, "
-              f"{report['corrupt_records']} corrupt, {report['unreadable_segments']} unreadable segments; "
+              f"{report['corrupt_records']} corrupt, {report['unreadable_segments']} unreadable segments, "
+              f"{report['aliases']} aliases; "
               f"checksums {'verified' if report['verified'] else 'not read (--no-verify)'}")
+        if report["foreign_segments"]:
+            print(f"{report['foreign_segments']} foreign segment files (an older format or another key): "
+                  "a store leaves them alone and serves nothing from them")
         print("OK" if report["ok"] else "DAMAGED: corrupt records are skipped (never served) by a store")
     return 0 if report["ok"] else 1
 

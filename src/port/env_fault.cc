@@ -61,8 +61,16 @@ class FaultInjectingEnv::FaultFile final : public File {
     return base_->sync();
   }
   Status allocate(uint64_t offset, uint64_t n) override { return base_->allocate(offset, n); }
-  Status truncate(uint64_t size) override { return base_->truncate(size); }
+  Status punch_hole(uint64_t offset, uint64_t n) override {
+    if (env_->read_only_now()) return env_->read_only_error("punch a hole in " + path());
+    return base_->punch_hole(offset, n);
+  }
+  Status truncate(uint64_t size) override {
+    if (env_->read_only_now()) return env_->read_only_error("truncate " + path());
+    return base_->truncate(size);
+  }
   Result<uint64_t> size() override { return base_->size(); }
+  Result<FileInfo> info() override { return base_->info(); }
   Status drop_cache() override { return base_->drop_cache(); }
   int native_handle() const override { return -1; }  // keep every I/O in reach of the faults
   bool direct() const override { return base_->direct(); }
@@ -151,6 +159,12 @@ Status FaultInjectingEnv::read_only_error(const std::string& what) const {
   return errno_status(EROFS, what);
 }
 
+bool FaultInjectingEnv::read_only_now() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (read_only_) injected_.fetch_add(1);
+  return read_only_;
+}
+
 Result<std::unique_ptr<File>> FaultInjectingEnv::open(const std::string& path,
                                                       const FileOpenOptions& options) {
   {
@@ -174,9 +188,9 @@ Result<std::unique_ptr<File>> FaultInjectingEnv::open(const std::string& path,
     }                                                 \
   } while (0)
 
-Status FaultInjectingEnv::create_dirs(const std::string& dir) {
+Status FaultInjectingEnv::create_dirs(const std::string& dir, uint32_t mode) {
   if (!base_->file_exists(dir)) CASCADE_FAULT_READ_ONLY("mkdir " + dir);
-  return base_->create_dirs(dir);
+  return base_->create_dirs(dir, mode);
 }
 
 Result<std::vector<std::string>> FaultInjectingEnv::list_dir(const std::string& dir) {
@@ -206,16 +220,17 @@ Status FaultInjectingEnv::sync_dir(const std::string& dir) {
 
 Result<FsSpace> FaultInjectingEnv::space(const std::string& path) { return base_->space(path); }
 
-Result<std::unique_ptr<FileLock>> FaultInjectingEnv::lock_file(const std::string& path) {
+Result<std::unique_ptr<FileLock>> FaultInjectingEnv::lock_file(const std::string& path, uint32_t mode) {
   CASCADE_FAULT_READ_ONLY("open lock file " + path);
-  return base_->lock_file(path);
+  return base_->lock_file(path, mode);
 }
 
-Result<uint64_t> FaultInjectingEnv::file_size(const std::string& path) { return base_->file_size(path); }
+Result<FileInfo> FaultInjectingEnv::stat(const std::string& path) { return base_->stat(path); }
 
-Status FaultInjectingEnv::create_striped(const std::string& path, uint64_t stripe_size, int stripe_count) {
+Status FaultInjectingEnv::create_striped(const std::string& path, uint64_t stripe_size, int stripe_count,
+                                         uint32_t mode) {
   CASCADE_FAULT_READ_ONLY("create " + path);
-  return base_->create_striped(path, stripe_size, stripe_count);
+  return base_->create_striped(path, stripe_size, stripe_count, mode);
 }
 
 #undef CASCADE_FAULT_READ_ONLY

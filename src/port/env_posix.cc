@@ -49,7 +49,60 @@ Status File::pwritev(const struct iovec* iov, int iovcnt, uint64_t offset) {
   return Status::OK();
 }
 
+Result<uint64_t> Env::file_size(const std::string& path) {
+  auto info = stat(path);
+  if (!info.ok()) {
+    if (info.status().is(Code::kNotFound)) return Status::IOError(info.status().message());
+    return info.status();
+  }
+  return info->size;
+}
+
 namespace {
+
+FileInfo info_of(const struct stat& st) {
+  FileInfo i;
+  if (S_ISREG(st.st_mode)) i.type = FileInfo::Type::kRegular;
+  else if (S_ISDIR(st.st_mode)) i.type = FileInfo::Type::kDirectory;
+  else if (S_ISLNK(st.st_mode)) i.type = FileInfo::Type::kSymlink;
+  i.mode = static_cast<uint32_t>(st.st_mode & 07777);
+  i.uid = static_cast<uint32_t>(st.st_uid);
+  i.size = static_cast<uint64_t>(st.st_size);
+  return i;
+}
+
+// open(2) that tells whether it created the file, and gives a file it
+// created exactly `mode` (the umask only narrows the bits open(2) applies).
+// create without exclusive: O_EXCL first, then a plain open when the file
+// exists. Returns the fd, or -1 with errno set.
+int open_with_mode(const std::string& path, int flags, bool create, bool exclusive, uint32_t mode,
+                   bool* created) {
+  *created = false;
+  while (true) {
+    int fd;
+    if (create) {
+      fd = ::open(path.c_str(), flags | O_CREAT | O_EXCL, mode);
+      if (fd >= 0) {
+        *created = true;
+        if (::fchmod(fd, mode) != 0) {
+          int err = errno;
+          ::close(fd);
+          ::unlink(path.c_str());
+          errno = err;
+          return -1;
+        }
+        return fd;
+      }
+      if (errno == EINTR) continue;
+      if (errno != EEXIST || exclusive) return -1;
+    }
+    fd = ::open(path.c_str(), flags & ~O_CREAT, mode);
+    if (fd >= 0) return fd;
+    if (errno == EINTR) continue;
+    if (errno == ENOENT && create) continue;  // removed between the two opens
+    return -1;
+  }
+}
 
 // Drops `n` transferred bytes from the front of an iovec array in place.
 // Returns the index of the first iovec with bytes left.
@@ -160,6 +213,17 @@ class PosixFile final : public File {
     return errno_status(errno, "fallocate " + path());
   }
 
+  Status punch_hole(uint64_t offset, uint64_t n) override {
+    int rc;
+    do {
+      rc = ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+                       static_cast<off_t>(n));
+    } while (rc != 0 && errno == EINTR);
+    if (rc == 0) return Status::OK();
+    if (errno == EOPNOTSUPP) return Status::NotSupported("punching holes is not supported for " + path());
+    return errno_status(errno, "punch a hole in " + path());
+  }
+
   Status truncate(uint64_t size) override {
     if (::ftruncate(fd_, static_cast<off_t>(size)) != 0) return errno_status(errno, "truncate " + path());
     return Status::OK();
@@ -169,6 +233,12 @@ class PosixFile final : public File {
     struct stat st;
     if (::fstat(fd_, &st) != 0) return errno_status(errno, "stat " + path());
     return static_cast<uint64_t>(st.st_size);
+  }
+
+  Result<FileInfo> info() override {
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) return errno_status(errno, "stat " + path());
+    return info_of(st);
   }
 
   Status drop_cache() override {
@@ -230,25 +300,26 @@ class PosixEnv final : public Env {
  public:
   Result<std::unique_ptr<File>> open(const std::string& path, const FileOpenOptions& o) override {
     int flags = O_CLOEXEC | (o.write ? O_RDWR : O_RDONLY);
-    if (o.create) flags |= O_CREAT;
-    if (o.create && o.exclusive) flags |= O_EXCL;
     if (o.truncate) flags |= O_TRUNC;
+    if (o.no_follow) flags |= O_NOFOLLOW;
     bool direct = o.direct;
     int fd = -1;
+    bool created = false;
     while (true) {
-      fd = ::open(path.c_str(), flags | (direct ? O_DIRECT : 0), 0644);
+      fd = open_with_mode(path, flags | (direct ? O_DIRECT : 0), o.create, o.exclusive, o.mode & 07777,
+                          &created);
       if (fd >= 0) break;
-      if (errno == EINTR) continue;
       if (errno == EINVAL && direct) {
         direct = false;  // tmpfs and some FUSE file systems refuse O_DIRECT
         continue;
       }
+      if (errno == ELOOP && o.no_follow) return Status::IOError("open " + path + ": is a symbolic link");
       return errno_status(errno, "open " + path);
     }
     return std::unique_ptr<File>(new PosixFile(path, fd, direct));
   }
 
-  Status create_dirs(const std::string& dir) override {
+  Status create_dirs(const std::string& dir, uint32_t mode) override {
     if (dir.empty()) return Status::InvalidArgument("empty directory name");
     struct stat st;
     if (::stat(dir.c_str(), &st) == 0) {
@@ -256,8 +327,13 @@ class PosixEnv final : public Env {
       return Status::OK();
     }
     std::string parent = parent_dir(dir);
-    if (parent != dir && parent != "." && parent != "/") CASCADE_RETURN_IF_ERROR(create_dirs(parent));
-    if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return errno_status(errno, "mkdir " + dir);
+    if (parent != dir && parent != "." && parent != "/") CASCADE_RETURN_IF_ERROR(create_dirs(parent, mode));
+    if (::mkdir(dir.c_str(), mode & 07777) != 0) {
+      if (errno == EEXIST) return Status::OK();
+      return errno_status(errno, "mkdir " + dir);
+    }
+    // mkdir applied the umask; the directory gets exactly `mode`.
+    if (::chmod(dir.c_str(), mode & 07777) != 0) return errno_status(errno, "chmod " + dir);
     return Status::OK();
   }
 
@@ -310,8 +386,9 @@ class PosixEnv final : public Env {
     return s;
   }
 
-  Result<std::unique_ptr<FileLock>> lock_file(const std::string& path) override {
-    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  Result<std::unique_ptr<FileLock>> lock_file(const std::string& path, uint32_t mode) override {
+    bool created = false;
+    int fd = open_with_mode(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW, true, false, mode & 07777, &created);
     if (fd < 0) return errno_status(errno, "open lock file " + path);
     if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
       int err = errno;
@@ -322,14 +399,15 @@ class PosixEnv final : public Env {
     return std::unique_ptr<FileLock>(new PosixFileLock(fd));
   }
 
-  Result<uint64_t> file_size(const std::string& path) override {
+  Result<FileInfo> stat(const std::string& path) override {
     struct stat st;
-    if (::stat(path.c_str(), &st) != 0) return errno_status(errno, "stat " + path);
-    return static_cast<uint64_t>(st.st_size);
+    if (::lstat(path.c_str(), &st) != 0) return errno_lookup_status(errno, "stat " + path);
+    return info_of(st);
   }
 
   // Runs `lfs setstripe` (no shell) when the directory is on Lustre.
-  Status create_striped(const std::string& path, uint64_t stripe_size, int stripe_count) override {
+  Status create_striped(const std::string& path, uint64_t stripe_size, int stripe_count,
+                        uint32_t mode) override {
     struct statfs fs;
     if (::statfs(parent_dir(path).c_str(), &fs) != 0) return errno_status(errno, "statfs " + path);
     if (static_cast<long>(fs.f_type) != kLustreSuperMagic)
@@ -358,6 +436,7 @@ class PosixEnv final : public Env {
     }
     if (!WIFEXITED(wstatus) || WEXITSTATUS(wstatus) != 0)
       return Status::IOError("lfs setstripe failed for " + path);
+    if (::chmod(path.c_str(), mode & 07777) != 0) return errno_status(errno, "chmod " + path);
     return Status::OK();
   }
 };

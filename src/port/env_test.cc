@@ -3,6 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cstring>
 
 #include "tiers/file/file_test_util.h"
@@ -43,12 +46,19 @@ void exercise(Env* env, const std::string& dir) {
   EXPECT_EQ(*names, std::vector<std::string>{"y"});
   EXPECT_TRUE(env->sync_dir(dir + "/a/b").ok());
   ASSERT_TRUE(env->unlink(dir + "/a/b/y").ok());
-  EXPECT_TRUE(env->unlink(dir + "/a/b/y").is(Code::kNotFound));
+  // A missing file is an I/O error for file operations; stat() answers
+  // "does it exist" with NotFound.
+  EXPECT_TRUE(env->unlink(dir + "/a/b/y").is(Code::kIOError));
+  EXPECT_TRUE(env->stat(dir + "/a/b/y").status().is(Code::kNotFound));
+  EXPECT_TRUE(env->file_size(dir + "/a/b/y").status().is(Code::kIOError));
+  auto d = env->stat(dir + "/a/b");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->type, FileInfo::Type::kDirectory);
   // An unlinked file stays readable through its open handle.
   got = (*f)->pread(buf, 10, 0);
   EXPECT_TRUE(got.ok());
   FileOpenOptions ro;
-  EXPECT_TRUE(env->open(dir + "/missing", ro).status().is(Code::kNotFound));
+  EXPECT_TRUE(env->open(dir + "/missing", ro).status().is(Code::kIOError));
   o.exclusive = true;
   auto g = env->open(dir + "/a/new", o);
   ASSERT_TRUE(g.ok());
@@ -61,6 +71,107 @@ void exercise(Env* env, const std::string& dir) {
   l1->reset();
   EXPECT_TRUE(env->lock_file(dir + "/LOCK").ok());
   EXPECT_TRUE(env->space(dir).ok());
+}
+
+// Created files and directories get exactly the mode asked for, whatever
+// the umask; existing ones keep theirs.
+void check_modes(Env* env, const std::string& dir) {
+  ASSERT_TRUE(env->create_dirs(dir + "/m", 0750).ok());
+  auto d = env->stat(dir + "/m");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->mode, 0750u);
+  ASSERT_TRUE(env->create_dirs(dir + "/m", 0700).ok());
+  EXPECT_EQ(env->stat(dir + "/m")->mode, 0750u);
+  FileOpenOptions o;
+  o.write = o.create = true;
+  o.mode = 0640;
+  auto f = env->open(dir + "/m/f", o);
+  ASSERT_TRUE(f.ok());
+  auto info = (*f)->info();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->mode, 0640u);
+  EXPECT_EQ(info->type, FileInfo::Type::kRegular);
+  o.mode = 0600;
+  ASSERT_TRUE(env->open(dir + "/m/f", o).ok());  // exists: mode unchanged
+  EXPECT_EQ(env->stat(dir + "/m/f")->mode, 0640u);
+  auto lock = env->lock_file(dir + "/m/LOCK", 0600);
+  ASSERT_TRUE(lock.ok());
+  EXPECT_EQ(env->stat(dir + "/m/LOCK")->mode, 0600u);
+}
+
+TEST(EnvTest, ModesIgnoreTheUmask) {
+  mode_t old = ::umask(022);
+  file_test::TempDir tmp;
+  check_modes(Env::Default(), tmp.path());
+  ::umask(077);
+  check_modes(Env::Default(), tmp.sub("narrow"));
+  ::umask(old);
+  auto mem = NewMemoryEnv();
+  check_modes(mem.get(), "/mem");
+}
+
+TEST(EnvTest, NoFollowRefusesSymlinks) {
+  file_test::TempDir tmp;
+  FileOpenOptions o;
+  o.write = o.create = true;
+  ASSERT_TRUE(Env::Default()->open(tmp.sub("real"), o).ok());
+  ASSERT_EQ(::symlink(tmp.sub("real").c_str(), tmp.sub("link").c_str()), 0);
+  FileOpenOptions nf;
+  nf.no_follow = true;
+  auto f = Env::Default()->open(tmp.sub("link"), nf);
+  EXPECT_TRUE(f.status().is(Code::kIOError)) << f.status().ToString();
+  EXPECT_EQ(Env::Default()->stat(tmp.sub("link"))->type, FileInfo::Type::kSymlink);
+  EXPECT_TRUE(Env::Default()->open(tmp.sub("link"), FileOpenOptions{}).ok());
+}
+
+TEST(EnvTest, PunchHoleGivesSpaceBack) {
+  auto check = [](Env* env, const std::string& dir, bool counts) {
+    ASSERT_TRUE(env->create_dirs(dir).ok());
+    FileOpenOptions o;
+    o.write = o.create = true;
+    auto f = env->open(dir + "/p", o);
+    ASSERT_TRUE(f.ok());
+    std::vector<uint8_t> data(64 << 10, 0x5a);
+    ASSERT_TRUE((*f)->pwrite(data.data(), data.size(), 0).ok());
+    uint64_t before = env->space(dir)->free_bytes;
+    Status st = (*f)->punch_hole(4096, 32 << 10);
+    if (st.is(Code::kNotSupported)) return;
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    EXPECT_EQ(*(*f)->size(), data.size());  // the size is kept
+    std::vector<uint8_t> back(data.size());
+    ASSERT_EQ(*(*f)->pread(back.data(), back.size(), 0), back.size());
+    for (size_t i = 0; i < back.size(); ++i) {
+      bool hole = i >= 4096 && i < 4096 + (32 << 10);
+      ASSERT_EQ(back[i], hole ? 0 : 0x5a) << i;
+    }
+    if (counts) EXPECT_EQ(env->space(dir)->free_bytes, before + (32 << 10));
+  };
+  file_test::TempDir tmp;
+  check(Env::Default(), tmp.path(), false);
+  auto mem = NewMemoryEnv(1 << 20);
+  check(mem.get(), "/d", true);
+}
+
+TEST(EnvTest, MemoryEnvCapacityFailsWritesWithNoSpace) {
+  auto env = NewMemoryEnv(16 << 10);  // four pages
+  ASSERT_TRUE(env->create_dirs("/d").ok());
+  FileOpenOptions o;
+  o.write = o.create = true;
+  auto f = env->open("/d/f", o);
+  std::vector<uint8_t> data(12 << 10, 1);
+  ASSERT_TRUE((*f)->pwrite(data.data(), data.size(), 0).ok());
+  Status st = (*f)->pwrite(data.data(), data.size(), data.size());
+  EXPECT_TRUE(st.is(Code::kNoSpace)) << st.ToString();
+  EXPECT_EQ(*(*f)->size(), 16u << 10);  // what fits was written
+  EXPECT_EQ(env->space("/d")->free_bytes, 0u);
+  ASSERT_TRUE((*f)->truncate(4096).ok());
+  EXPECT_EQ(env->space("/d")->free_bytes, 12u << 10);
+  auto g = env->open("/d/g", o);
+  ASSERT_TRUE((*g)->pwrite(data.data(), data.size(), 0).ok());
+  ASSERT_TRUE(env->unlink("/d/g").ok());
+  EXPECT_EQ(env->space("/d")->free_bytes, 0u);  // still open
+  g->reset();
+  EXPECT_EQ(env->space("/d")->free_bytes, 12u << 10);
 }
 
 TEST(EnvTest, PosixEnv) {

@@ -12,17 +12,17 @@ Status errno_status(int err, const std::string& what) {
     case ENOSPC:
     case EDQUOT:
     case ENOMEM: return Status::NoSpace(msg);
-    case ENOENT:
-    case ENOTDIR: return Status::NotFound(msg);
-    case EACCES:
-    case EPERM:
-    case EROFS:
     case EINVAL:
     case EISDIR:
     case ENAMETOOLONG: return Status::InvalidArgument(msg);
     case EWOULDBLOCK: return Status::Busy(msg);
     default: return Status::IOError(msg);
   }
+}
+
+Status errno_lookup_status(int err, const std::string& what) {
+  if (err == ENOENT || err == ENOTDIR) return Status::NotFound(what + ": " + std::strerror(err));
+  return errno_status(err, what);
 }
 
 }  // namespace cascade

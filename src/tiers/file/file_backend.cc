@@ -1,6 +1,8 @@
 // LustreBackend (the file tier as a standalone object) and inspect_directory.
 #include <algorithm>
 #include <map>
+#include <tuple>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "cascade/env.h"
@@ -8,6 +10,7 @@
 #include "io/thread_pool.h"
 #include "tiers/file/file_tier.h"
 #include "tiers/file/segment_scan.h"
+#include "tiers/file/store_key.h"
 
 namespace cascade {
 
@@ -35,6 +38,7 @@ Result<std::unique_ptr<LustreBackend>> LustreBackend::Open(const std::string& pa
   config.io_direct = options.io_direct;
   config.file_io_engine = options.io_engine;
   config.sync_writes = options.sync_writes;
+  config.file_mode = options.file_mode;
   auto parts = std::make_unique<Parts>();
   auto pool = ThreadPool::Create(options.threads);
   if (!pool.ok()) return pool.status();
@@ -73,6 +77,8 @@ const std::string& LustreBackend::path() const { return parts_->tier->dir(); }
 
 Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
   Env* env = Env::Default();
+  auto there = env->stat(dir);
+  if (!there.ok()) return there.status();  // NotFound when it does not exist
   auto names = env->list_dir(dir);
   if (!names.ok()) return names.status();
   InspectReport report;
@@ -86,7 +92,7 @@ Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
       case file::DirEntryKind::kSummary: break;
       case file::DirEntryKind::kTemporary: break;
       case file::DirEntryKind::kOther:
-        if (name != file::kLockFileName) ++report.other_files;
+        if (name != file::kLockFileName && name != file::kKeyFileName) ++report.other_files;
         break;
     }
   }
@@ -95,12 +101,26 @@ Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
     if (file::classify_dir_entry(name, &id) == file::DirEntryKind::kSummary && segments.count(id))
       segments[id] = true;
   }
-  std::unordered_set<BlockId> seen;
+  auto loaded_key = file::load_store_key(env, dir, 0777, /*create=*/false, /*check_owner=*/false);
+  bool have_key = loaded_key.ok();
+  if (!have_key && !loaded_key.status().is(Code::kNotFound))
+    return Status(loaded_key.status().code(),
+                  "cannot read the directory's key (needed to check its records): " + loaded_key.status().message());
+  file::RecordKey key = have_key ? loaded_key.value() : file::RecordKey();
+
+  struct Seen {
+    file::SegmentScan scan;
+    bool usable = false;
+  };
+  std::vector<Seen> seen(segments.size());
+  size_t k = 0;
   for (auto& [id, has_summary] : segments) {
+    Seen& z = seen[k++];
     SegmentInspection s;
     s.segment_id = id;
     s.file = file::segment_file_name(id);
     FileOpenOptions o;
+    o.no_follow = true;
     auto f = env->open(file::join_path(dir, s.file), o);
     if (!f.ok()) {
       ++report.unreadable_segments;
@@ -109,49 +129,108 @@ Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
     }
     auto size = (*f)->size();
     s.file_bytes = size.ok() ? *size : 0;
-    file::SegmentScan scan;
+    file::SegmentScan& scan = z.scan;
     bool have = false;
-    if (has_summary) {
-      auto sum = file::read_summary(env, dir, id);
+    if (has_summary && have_key) {
+      auto sum = file::read_summary(env, dir, id, key);
       if (sum.ok() && sum->file_bytes <= s.file_bytes) {
         s.sealed = true;
+        s.format_version = file::kFormatVersion;
         scan = std::move(sum.value());
         scan.tail_bytes = 0;
         have = true;
         if (verify) {  // every record the summary lists must read back intact
           std::vector<file::RecordHeader> good;
+          std::vector<BlockId> targets;
+          size_t t = 0;
           for (const auto& h : scan.records) {
-            if (file::verify_record(f->get(), id, h).ok()) {
+            BlockId target = h.is_alias() ? scan.alias_targets[t++] : BlockId{};
+            if (file::verify_record(f->get(), id, key, h).ok()) {
               good.push_back(h);
+              if (h.is_alias()) targets.push_back(target);
             } else {
               ++scan.corrupt_records;
             }
           }
           scan.records = std::move(good);
+          scan.alias_targets = std::move(targets);
         }
       }
     }
     if (!have) {
-      auto sc = file::scan_segment(f->get(), id, verify);
+      auto sc = file::scan_segment(f->get(), id, key, verify);
       if (!sc.ok()) {
         ++report.unreadable_segments;
         report.segments.push_back(s);
         continue;
       }
       scan = std::move(sc.value());
+      s.format_version = scan.first_version;
+      if (scan.first_header != file::HeaderCheck::kValid && scan.first_header != file::HeaderCheck::kZero) {
+        if (!have_key && scan.first_version == file::kFormatVersion)
+          return Status::IOError(file::join_path(dir, file::kKeyFileName) +
+                                 " is missing: the directory's records cannot be checked without its key");
+        s.foreign = true;
+        ++report.foreign_segments;
+        report.file_bytes += s.file_bytes;
+        report.segments.push_back(s);
+        continue;
+      }
     }
+    z.usable = true;
     s.records = scan.records.size();
     s.corrupt_records = scan.corrupt_records;
     s.tail_bytes = scan.tail_bytes;
+    report.segments.push_back(std::move(s));
+  }
+
+  // Live: the newest record of each id (largest sequence, segment, offset),
+  // as a store opening the directory resolves them.
+  struct Best {
+    uint64_t sequence, segment, offset;
+    size_t seg_index;
+    uint64_t bytes, payload;
+    bool alias;
+    BlockId target;
+  };
+  auto newer = [](const Best& a, const Best& b) {
+    return std::tie(a.sequence, a.segment, a.offset) > std::tie(b.sequence, b.segment, b.offset);
+  };
+  std::unordered_map<BlockId, Best> blocks, aliases;
+  for (size_t i = 0; i < seen.size(); ++i) {
+    if (!seen[i].usable) continue;
+    const auto& scan = seen[i].scan;
+    size_t t = 0;
     for (const auto& h : scan.records) {
-      if (seen.insert(h.id()).second) {
-        ++s.live_records;
-        s.live_bytes += file::record_size(h.payload_length);
-        report.payload_bytes += h.payload_length;
-      } else {
+      Best b{h.sequence, report.segments[i].segment_id, h.record_offset, i,
+             file::record_size(h.payload_length), h.payload_length, h.is_alias(), BlockId{}};
+      auto& table = h.is_alias() ? aliases : blocks;
+      if (h.is_alias()) b.target = scan.alias_targets[t++];
+      auto [it, fresh] = table.emplace(h.id(), b);
+      if (!fresh) {
         ++report.duplicate_records;
+        if (newer(b, it->second)) it->second = b;
       }
     }
+  }
+  auto count_live = [&](const Best& b) {
+    SegmentInspection& s = report.segments[b.seg_index];
+    ++s.live_records;
+    s.live_bytes += b.bytes;
+  };
+  for (const auto& [id, b] : blocks) {
+    count_live(b);
+    report.payload_bytes += b.payload;
+  }
+  for (const auto& [id, b] : aliases) {
+    if (!blocks.count(b.target)) continue;
+    count_live(b);
+    ++report.segments[b.seg_index].aliases;
+    ++report.aliases;
+  }
+  for (size_t i = 0; i < seen.size(); ++i) {
+    if (!seen[i].usable) continue;
+    SegmentInspection& s = report.segments[i];
     s.dead_bytes = s.file_bytes > s.live_bytes ? s.file_bytes - s.live_bytes : 0;
     report.records += s.records;
     report.live_records += s.live_records;
@@ -160,7 +239,6 @@ Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
     report.file_bytes += s.file_bytes;
     report.corrupt_records += s.corrupt_records;
     report.tail_bytes += s.tail_bytes;
-    report.segments.push_back(std::move(s));
   }
   return report;
 }

@@ -102,7 +102,8 @@ TEST(FileCompactionTest, CopiesLeftBehindResolveToOneBlockOnReopen) {
   Env* env = Env::Default();
   auto src = env->open(segs[0], FileOpenOptions{});
   ASSERT_TRUE(src.ok());
-  auto scan = file::scan_segment(src->get(), 1, true);
+  const file::RecordKey key = file_test::dir_key(tmp.path());
+  auto scan = file::scan_segment(src->get(), 1, key, true);
   ASSERT_TRUE(scan.ok());
   ASSERT_EQ(scan->records.size(), 10u);
   FileOpenOptions w;
@@ -114,7 +115,7 @@ TEST(FileCompactionTest, CopiesLeftBehindResolveToOneBlockOnReopen) {
     uint64_t rec = file::record_size(h.payload_length);
     std::vector<uint8_t> buf(rec);
     ASSERT_EQ(*(*src)->pread(buf.data(), rec, h.record_offset), rec);
-    auto nh = file::make_record_header(h.id(), h.payload_length, h.payload_xxh3, h.is_prefix(), 9, off);
+    auto nh = file::make_record_header(key, h.id(), h.payload_length, h.payload_xxh3, h.flags, h.sequence, 9, off);
     std::memcpy(buf.data(), &nh, sizeof(nh));
     ASSERT_TRUE((*dst)->pwrite(buf.data(), rec, off).ok());
     off += rec;

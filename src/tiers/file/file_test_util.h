@@ -14,6 +14,8 @@
 
 #include "cascade/block_id.h"
 #include "cascade/config.h"
+#include "cascade/env.h"
+#include "tiers/file/store_key.h"
 
 namespace cascade::file_test {
 
@@ -79,6 +81,12 @@ inline std::vector<std::string> segment_files(const std::string& dir) {
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+// The key of a file-tier directory (its KEY file).
+inline file::RecordKey dir_key(const std::string& dir, Env* env = Env::Default()) {
+  auto key = file::load_store_key(env, dir, 0600, /*create=*/false, /*check_owner=*/false);
+  return key.ok() ? key.value() : file::RecordKey();
 }
 
 inline void flip_bit(const std::string& path, uint64_t offset, int bit) {

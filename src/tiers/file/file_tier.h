@@ -15,11 +15,18 @@
 // summary written; it is never written again.
 //
 // Reading. Every read checks the record header (magic, version, id, length,
-// segment id and offset through the header checksum) and the payload's
-// XXH3-64; a mismatch or an I/O error is a miss (NotFound), counted in
-// corrupt_blocks, and the block is dropped from the index. read_batch issues
-// its reads together (psync: spread over the thread pool; io_uring: one
+// segment id and offset through the keyed header checksum) and the payload's
+// keyed XXH3-64; a mismatch or an I/O error is a miss (NotFound), counted in
+// corrupt_blocks, and the block is dropped from the index (a read that lost
+// a race with the block's removal is a plain miss). read_batch issues its
+// reads together (psync: spread over the thread pool; io_uring: one
 // submission).
+//
+// Keys and modes. The directory holds a secret key (store_key.h, created on
+// first open); record and summary checksums are keyed with it, so block
+// bytes planted by a client can never validate as a record. The directory
+// is created with CascadeConfig::file_mode plus x where r is granted (0700
+// by default), every file the tier creates with file_mode (0600).
 //
 // Space. disk bytes = bytes appended to live segments (records, padding and
 // dead records). With file_capacity_bytes set, a put is admitted only while
@@ -36,20 +43,40 @@
 // comes back after a reopen (blocks are immutable, so it is the same data)
 // until compaction drops its record.
 //
+// A full file system (ENOSPC, with or without file_capacity_bytes): the put
+// that hits it first reclaims in place, then retries once. Fully dead
+// segments are deleted (open lanes holding dead bytes are sealed first);
+// then the dead space of sealed segments is given back with punched holes:
+// the segment's summary is removed, each run of dead records of two pages
+// or more becomes a hole record (its first page rewritten in place, the
+// rest punched), the segment is fsynced and a summary listing only its
+// live records written. Compaction, which needs free space to copy live
+// records, can then run again.
+//
+// Aliases (dedup): put_alias writes an alias record (record_format.h)
+// through the same lanes; aliases live in a map, alias -> target and the
+// record's location. An alias record is live (counted, kept by compaction)
+// while the alias is in the map; compaction drops aliases whose target is
+// no longer in the tier, remove(alias) and clear() drop them too.
+//
 // Reopen. The directory is locked (flock on LOCK); a second store on it gets
 // Busy. Sealed segments are loaded from their summaries; segments without
-// one (the store crashed) are scanned with payload verification: a torn
-// tail is dropped, damaged records are skipped and counted; then they are
-// sealed. Reopening 1M blocks took 0.3 s from summaries and 0.4 s
-// scanning on 16 cores (FileTierReopenTest prints the figure).
+// one (the store crashed) are walked record by record with payload
+// verification (segment_scan.h: no resynchronisation inside payloads, a torn
+// tail dropped); then they are sealed. Segment files whose first record
+// does not validate with this directory's key (format 1, another key) are
+// foreign: left alone, never indexed, counted. When an id has several
+// records (re-puts after removal, compaction copies), the one with the
+// largest (sequence, segment id, offset) wins: the newest write. Aliases
+// resolve the same way, then keep only those whose target was found.
 //
 // Index locations: Location.offset = slot << 28 | record_offset / 4096,
 // where slot = segment id mod 2^20 (a segment's slot is free when created)
 // and record offsets are below 1 TiB; Location.size = payload bytes.
 //
 // Thread-safety: every method is thread-safe.
-// Lock order: compact_mu_ -> Lane::mu (lanes in index order) -> table_mu_ ->
-// BlockIndex shard locks. Index calls that may reclaim (remove, release,
+// Lock order: compact_mu_ -> Lane::mu (lanes in index order) -> alias_mu_ ->
+// table_mu_ -> BlockIndex shard locks. Index calls that may reclaim (remove, release,
 // clear) are never made while holding table_mu_.
 // Ownership: the pool and the Env must outlive the tier.
 #pragma once
@@ -91,6 +118,8 @@ struct FileRecoveryReport {
   uint64_t duplicate_records = 0;      // same id found again (compaction copies, re-puts)
   uint64_t corrupt_records = 0;        // damaged records skipped
   uint64_t tail_bytes = 0;             // bytes after the last valid record of scanned segments
+  uint64_t foreign_segments = 0;       // segment files not of this directory's key or format (left alone)
+  uint64_t aliases = 0;                // alias records whose alias was restored
   double seconds = 0;                  // wall time of the whole open
 };
 
@@ -117,6 +146,14 @@ class FileTier final : public Tier {
   // directory: every put that returned before flush() survives a crash.
   Status flush() override;
 
+  bool persistent() const override { return true; }
+  void for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const override;
+  // Writes an alias record (durable at the next flush, at once with
+  // sync_writes). NotFound when target is not in the tier; InvalidArgument
+  // when alias == target. OK without writing when the alias exists already.
+  Status put_alias(const BlockId& alias, const BlockId& target) override;
+  std::vector<std::pair<BlockId, BlockId>> aliases() const override;
+
   // Compacts up to max_segments segments holding dead bytes (all of them
   // when negative), most dead first; fully dead ones are just deleted.
   // Open segments with dead bytes are sealed first.
@@ -141,12 +178,24 @@ class FileTier final : public Tier {
   using SegmentRef = std::shared_ptr<file::Segment>;
   using Lane = file::WriterLane;
   struct ReadPlan;
+  struct Loaded;
+  struct AliasEntry {
+    BlockId target;
+    Location loc;           // of the alias record (size: its payload, 16)
+    uint64_t sequence = 0;  // of the alias record
+  };
 
   FileTier(const CascadeConfig& config, ThreadPool* pool, Env* env);
   Status load_directory();
+  void index_loaded(std::vector<Loaded>& loaded);
   Status admit(uint64_t record_bytes);
-  Status write_record(Lane& lane, const BlockId& id, const void* data, uint64_t size, bool is_prefix,
-                      Location* loc, SegmentRef* seg);
+  // Writes one record through a lane and, under the lane lock, calls
+  // publish(loc, seg, header), which returns whether the record is live.
+  // On ENOSPC reclaims space in place and tries once more.
+  template <typename Publish>
+  Status append(const BlockId& id, const void* data, uint64_t size, uint16_t flags, Publish&& publish);
+  Status write_record(Lane& lane, const BlockId& id, const void* data, uint64_t size, uint16_t flags,
+                      Location* loc, SegmentRef* seg, file::RecordHeader* header);
   Status ensure_room(Lane& lane, uint64_t record_bytes);
   Result<SegmentRef> create_segment();
   void seal_segment(file::Segment& seg);
@@ -157,10 +206,31 @@ class FileTier final : public Tier {
   bool plan_read(const BlockId& id, const ReadRequest& req, ReadResult* result, ReadPlan* plan,
                  Status* status, file::AlignedBuffer* bounce);
   Status finish_read(ReadPlan* plan, const ReadRequest& req, ReadResult* result);
-  void drop_damaged(const BlockId& id, const Location& loc);
+  // Drops id from the index when it still points at loc (the record failed
+  // verification): true, counted as corrupt. false when the block was
+  // removed or moved meanwhile.
+  bool drop_damaged(const BlockId& id, const Location& loc);
 
-  bool reclaim_space(uint64_t need);
+  // Record bytes at loc no longer live in their segment.
+  void forget_record(const Location& loc);
+  // Drops an alias; true when it existed.
+  bool drop_alias(const BlockId& alias);
+
+  // disk_full: the file system said ENOSPC (also reclaim dead space in place).
+  bool reclaim_space(uint64_t need, bool disk_full);
   void seal_lanes_with_dead_bytes();  // REQUIRES: compact_mu_ held
+  // Gives the dead space of a sealed segment back to the file system
+  // (holes). true when it punched anything. REQUIRES: compact_mu_ held.
+  bool punch_dead_space(const SegmentRef& seg);
+  // Live records of seg (blocks and aliases) by offset. REQUIRES: compact_mu_ held.
+  struct LiveRecord {
+    BlockId id;
+    Location loc;
+    bool is_prefix = false;
+    bool alias = false;
+    BlockId target;  // aliases only
+  };
+  std::vector<LiveRecord> live_records_of(const file::Segment& seg) const;
   Status compact_segment(const SegmentRef& seg);
   bool delete_if_dead(const SegmentRef& seg);
   void retire_segment(const SegmentRef& seg);
@@ -169,6 +239,7 @@ class FileTier final : public Tier {
   SegmentRef segment_at(uint64_t slot) const;  // REQUIRES: table_mu_ held
 
   const std::string dir_;
+  const uint32_t file_mode_;
   Env* env_;
   ThreadPool* pool_;
   const uint64_t capacity_;
@@ -182,8 +253,14 @@ class FileTier final : public Tier {
   const uint64_t parallel_copy_threshold_;
   std::unique_ptr<file::IoEngine> engine_;
   std::unique_ptr<FileLock> dir_lock_;
+  file::RecordKey key_;  // set once by Open
   BlockIndex index_;
   FileRecoveryReport recovery_;
+  std::atomic<uint64_t> next_sequence_{1};
+  std::atomic<bool> loading_{false};  // Open is indexing the directory
+
+  mutable std::mutex alias_mu_;
+  std::unordered_map<BlockId, AliasEntry> aliases_;  // guarded by alias_mu_
 
   mutable std::shared_mutex table_mu_;
   std::unordered_map<uint64_t, SegmentRef> slots_;  // slot -> segment; guarded by table_mu_

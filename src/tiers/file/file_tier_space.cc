@@ -1,5 +1,6 @@
-// FileTier: space management. Compaction, deletion of dead segments, clear.
-// Design and crash-safety argument: file_tier.h and docs/design.md.
+// FileTier: space management. Compaction, deletion of dead segments, holes
+// punched in dead space, clear. Design and crash-safety argument:
+// file_tier.h and docs/design.md.
 #include <algorithm>
 #include <cstring>
 
@@ -10,17 +11,19 @@ namespace cascade {
 
 using file::AlignedBuffer;
 using file::IoRequest;
+using file::kPage;
 using file::RecordHeader;
 using file::Segment;
 
-namespace {
+using file::dead_of;
 
-uint64_t dead_of(const Segment& s) {
-  uint64_t bytes = s.bytes.load(), live = s.live_bytes.load();
-  return bytes > live ? bytes - live : 0;
+void file::sort_most_dead_first(std::vector<std::shared_ptr<Segment>>* segments) {
+  std::vector<std::pair<uint64_t, std::shared_ptr<Segment>>> keyed;
+  keyed.reserve(segments->size());
+  for (auto& s : *segments) keyed.emplace_back(dead_of(*s), std::move(s));
+  std::sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (size_t i = 0; i < keyed.size(); ++i) (*segments)[i] = std::move(keyed[i].second);
 }
-
-}  // namespace
 
 uint64_t FileTier::dead_bytes() const {
   uint64_t disk = disk_bytes_.load(), live = live_record_bytes_.load();
@@ -85,8 +88,7 @@ void FileTier::maybe_schedule_compaction() {
         for (auto& [slot, seg] : slots_)
           if (seg->sealed.load() && dead_of(*seg) * 2 >= seg->bytes.load()) candidates.push_back(seg);
       }
-      std::sort(candidates.begin(), candidates.end(),
-                [](const SegmentRef& a, const SegmentRef& b) { return dead_of(*a) > dead_of(*b); });
+      file::sort_most_dead_first(&candidates);
       for (auto& seg : candidates) {
         if (!delete_if_dead(seg)) {
           if (capacity_ && disk_bytes_.load() + seg->live_bytes.load() > capacity_) continue;
@@ -114,27 +116,36 @@ void FileTier::seal_lanes_with_dead_bytes() {
   seal_if_dead(*compaction_lane_);
 }
 
-bool FileTier::reclaim_space(uint64_t need) {
+bool FileTier::reclaim_space(uint64_t need, bool disk_full) {
   std::lock_guard<std::mutex> compacting(compact_mu_);
   auto sealed_candidates = [this] {
     std::vector<SegmentRef> out;
-    std::shared_lock<std::shared_mutex> lock(table_mu_);
-    for (auto& [slot, seg] : slots_)
-      if (seg->sealed.load() && !seg->retired.load() && dead_of(*seg) > 0) out.push_back(seg);
-    std::sort(out.begin(), out.end(),
-              [](const SegmentRef& a, const SegmentRef& b) { return dead_of(*a) > dead_of(*b); });
+    {
+      std::shared_lock<std::shared_mutex> lock(table_mu_);
+      for (auto& [slot, seg] : slots_)
+        if (seg->sealed.load() && !seg->retired.load() && dead_of(*seg) > 0) out.push_back(seg);
+    }
+    file::sort_most_dead_first(&out);
     return out;
   };
   auto room = [&] { return !put_limit_ || disk_bytes_.load() + need <= put_limit_; };
   bool freed = false;
   auto candidates = sealed_candidates();
-  if (candidates.empty()) {
+  if (candidates.empty() || disk_full) {
     // The dead bytes may sit in segments still open for writing.
     seal_lanes_with_dead_bytes();
     candidates = sealed_candidates();
   }
   for (auto& seg : candidates) {
     if (delete_if_dead(seg)) freed = true;
+  }
+  if (disk_full) {
+    // Copying live records needs free space the file system does not have:
+    // give dead space back in place first. Compaction can then proceed.
+    for (auto& seg : candidates) {
+      if (!seg->retired.load() && punch_dead_space(seg)) freed = true;
+    }
+    if (freed) return true;
   }
   if (freed && room()) return true;
   for (auto& seg : candidates) {
@@ -151,6 +162,84 @@ bool FileTier::reclaim_space(uint64_t need) {
   return freed;
 }
 
+std::vector<FileTier::LiveRecord> FileTier::live_records_of(const Segment& seg) const {
+  std::vector<LiveRecord> live;
+  index_.for_each([&](const BlockId& id, const Location& loc, bool is_prefix) {
+    if (file::location_slot(loc.offset) == seg.slot) live.push_back({id, loc, is_prefix, false, BlockId{}});
+  });
+  {
+    std::lock_guard<std::mutex> lock(alias_mu_);
+    for (const auto& [alias, e] : aliases_)
+      if (file::location_slot(e.loc.offset) == seg.slot) live.push_back({alias, e.loc, false, true, e.target});
+  }
+  std::sort(live.begin(), live.end(),
+            [](const LiveRecord& a, const LiveRecord& b) { return a.loc.offset < b.loc.offset; });
+  return live;
+}
+
+bool FileTier::punch_dead_space(const SegmentRef& seg) {
+  const uint64_t dead = dead_of(*seg);
+  if (dead <= seg->punched_dead.load()) return false;  // nothing new since the last time
+  const uint64_t end = seg->bytes.load();
+  // Runs of dead records between the live ones; records are page aligned.
+  std::vector<LiveRecord> live = live_records_of(*seg);
+  std::vector<std::pair<uint64_t, uint64_t>> holes;  // [begin, end)
+  uint64_t pos = 0;
+  auto add_gap = [&](uint64_t b, uint64_t e) {
+    if (e > b && e - b >= 2 * kPage) holes.emplace_back(b, e);
+  };
+  for (const LiveRecord& r : live) {
+    uint64_t off = file::location_record_offset(r.loc.offset);
+    add_gap(pos, off);
+    pos = std::max(pos, off + file::record_size(r.loc.size));
+  }
+  add_gap(pos, end);
+  if (holes.empty()) return false;
+
+  // The records a new summary lists: the live ones, from the old summary
+  // (or, without one, a walk of the segment, which holes do not stop).
+  auto listed = file::read_summary(env_, dir_, seg->id, key_);
+  if (!listed.ok()) listed = file::scan_segment(seg->file.get(), seg->id, key_, /*verify_payloads=*/false);
+  if (!listed.ok()) return false;
+  // A stale summary must not list records about to become holes: remove it
+  // first; until the new one exists a reopen walks the segment.
+  const std::string summary = file::join_path(dir_, file::summary_file_name(seg->id));
+  Status st = env_->unlink(summary);
+  if (!st.ok() && env_->file_exists(summary)) return false;
+  if (!env_->sync_dir(dir_).ok()) return false;
+
+  AlignedBuffer page;
+  if (!page.reserve(kPage)) return false;
+  bool punched = false;
+  for (auto [b, e] : holes) {
+    // The hole's first page becomes a hole record, so a walk of the
+    // segment steps over the zeros; then the rest goes back to the disk.
+    RecordHeader h = file::make_hole_header(key_, e - b, seg->id, b);
+    std::memset(page.data(), 0, kPage);
+    std::memcpy(page.data(), &h, sizeof(h));
+    if (!seg->file->pwrite(page.data(), kPage, b).ok()) break;
+    if (!seg->file->punch_hole(b + kPage, e - b - kPage).ok()) break;
+    punched = true;
+  }
+  (void)seg->file->sync();
+  seg->punched_dead.store(dead);
+
+  std::vector<RecordHeader> keep;
+  std::vector<BlockId> targets;
+  size_t next_target = 0;
+  size_t li = 0;
+  for (const RecordHeader& h : listed->records) {
+    BlockId target;
+    if (h.is_alias()) target = listed->alias_targets[next_target++];
+    while (li < live.size() && file::location_record_offset(live[li].loc.offset) < h.record_offset) ++li;
+    if (li == live.size() || file::location_record_offset(live[li].loc.offset) != h.record_offset) continue;
+    keep.push_back(h);
+    if (h.is_alias()) targets.push_back(target);
+  }
+  (void)file::write_summary(env_, dir_, seg->id, key_, keep, targets, end, /*sync=*/true, file_mode_);
+  return punched;
+}
+
 Status FileTier::compact(int max_segments) {
   std::lock_guard<std::mutex> compacting(compact_mu_);
   seal_lanes_with_dead_bytes();
@@ -160,8 +249,7 @@ Status FileTier::compact(int max_segments) {
     for (auto& [slot, seg] : slots_)
       if (seg->sealed.load() && !seg->retired.load() && dead_of(*seg) > 0) candidates.push_back(seg);
   }
-  std::sort(candidates.begin(), candidates.end(),
-            [](const SegmentRef& a, const SegmentRef& b) { return dead_of(*a) > dead_of(*b); });
+  file::sort_most_dead_first(&candidates);
   int done = 0;
   for (auto& seg : candidates) {
     if (max_segments >= 0 && done >= max_segments) break;
@@ -179,28 +267,23 @@ Status FileTier::compact(int max_segments) {
 
 // REQUIRES: compact_mu_ held; seg sealed.
 Status FileTier::compact_segment(const SegmentRef& seg) {
-  struct Live {
-    BlockId id;
-    Location loc;
-    bool is_prefix;
-  };
-  std::vector<Live> live;
-  index_.for_each([&](const BlockId& id, const Location& loc, bool is_prefix) {
-    if (file::location_slot(loc.offset) == seg->slot) live.push_back({id, loc, is_prefix});
-  });
-  std::sort(live.begin(), live.end(), [](const Live& a, const Live& b) { return a.loc.offset < b.loc.offset; });
-
+  std::vector<LiveRecord> live = live_records_of(*seg);
   struct Moved {
-    BlockId id;
-    Location from, to;
+    LiveRecord rec;
+    Location to;
     SegmentRef dest;
   };
   std::vector<Moved> moved;
+  std::vector<BlockId> stale_aliases;  // their target left the tier: not copied
   Lane& lane = *compaction_lane_;
   std::unique_lock<std::mutex> lane_lock(lane.mu);
   AlignedBuffer buf;
   Status failure;
-  for (const Live& e : live) {
+  for (const LiveRecord& e : live) {
+    if (e.alias && !index_.contains(e.target)) {
+      stale_aliases.push_back(e.id);
+      continue;
+    }
     const uint64_t size = e.loc.size;
     const uint64_t rec = file::record_size(size);
     const uint64_t from_off = file::location_record_offset(e.loc.offset);
@@ -216,19 +299,27 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
     engine_->run({&one, 1});
     RecordHeader h;
     std::memcpy(&h, buf.data(), sizeof(h));
+    const uint8_t* payload = buf.data() + file::payload_offset(size);
     bool good = io.status.ok() &&
-                file::check_record_header(buf.data(), seg->id, from_off) == file::HeaderCheck::kValid &&
-                h.id() == e.id && h.payload_length == size &&
-                file::payload_checksum(buf.data() + file::payload_offset(size), size) == h.payload_xxh3;
+                file::check_record_header(key_, buf.data(), seg->id, from_off) == file::HeaderCheck::kValid &&
+                h.id() == e.id && h.payload_length == size && h.is_alias() == e.alias && !h.is_hole() &&
+                file::payload_checksum(key_, payload, size) == h.payload_xxh3 &&
+                (!e.alias || std::memcmp(payload, e.target.bytes.data(), 16) == 0);
     if (!good) {  // unreadable or damaged: a miss from now on
-      drop_damaged(e.id, e.loc);
+      if (e.alias) {
+        stale_aliases.push_back(e.id);
+      } else {
+        drop_damaged(e.id, e.loc);
+      }
       continue;
     }
     failure = ensure_room(lane, rec);
     if (!failure.ok()) break;
     Segment& dest = *lane.active;
     const uint64_t to_off = dest.bytes.load();
-    RecordHeader nh = file::make_record_header(e.id, size, h.payload_xxh3, e.is_prefix, dest.id, to_off);
+    // The copy keeps the record's sequence: it is the same write.
+    RecordHeader nh = file::make_record_header(key_, e.id, size, h.payload_xxh3, h.flags, h.sequence, dest.id,
+                                               to_off);
     std::memcpy(buf.data(), &nh, sizeof(nh));
     io = IoRequest();
     io.file = dest.file.get();
@@ -245,9 +336,10 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
       break;
     }
     dest.headers.push_back(nh);
+    if (e.alias) dest.alias_targets.push_back(e.target);
     dest.bytes.store(to_off + rec);
     dest.unsynced.store(true);
-    moved.push_back({e.id, e.loc, Location{file::encode_location(dest.slot, to_off), size}, lane.active});
+    moved.push_back({e, Location{file::encode_location(dest.slot, to_off), size}, lane.active});
   }
   // The copies must be durable before the index (and, below, the old
   // segment's deletion) depends on them.
@@ -260,14 +352,33 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
     }
   }
   lane_lock.unlock();
+  for (const BlockId& alias : stale_aliases) {
+    std::lock_guard<std::mutex> lock(alias_mu_);
+    auto it = aliases_.find(alias);
+    if (it == aliases_.end() || file::location_slot(it->second.loc.offset) != seg->slot) continue;
+    aliases_.erase(it);
+    seg->live_bytes.fetch_sub(kPage);
+    live_record_bytes_.fetch_sub(kPage);
+  }
   if (!failure.ok()) {
     // Copies already written stay as dead records; the old segment keeps
     // serving. Nothing was repointed.
     return failure;
   }
   for (const Moved& m : moved) {
-    const uint64_t rec = file::record_size(m.from.size);
-    if (index_.relocate(m.id, m.from, m.to)) {
+    const uint64_t rec = file::record_size(m.rec.loc.size);
+    bool repointed = false;
+    if (m.rec.alias) {
+      std::lock_guard<std::mutex> lock(alias_mu_);
+      auto it = aliases_.find(m.rec.id);
+      if (it != aliases_.end() && it->second.loc.offset == m.rec.loc.offset) {
+        it->second.loc = m.to;
+        repointed = true;
+      }
+    } else {
+      repointed = index_.relocate(m.rec.id, m.rec.loc, m.to);
+    }
+    if (repointed) {
       m.dest->live_bytes.fetch_add(rec);
       seg->live_bytes.fetch_sub(rec);
     }
@@ -284,6 +395,11 @@ void FileTier::clear() {
   for (auto& lane : lanes_) locks.emplace_back(lane->mu);
   locks.emplace_back(compaction_lane_->mu);
   index_.clear();
+  {
+    std::lock_guard<std::mutex> lock(alias_mu_);
+    live_record_bytes_.fetch_sub(aliases_.size() * file::record_size(16));
+    aliases_.clear();
+  }
   for (auto& lane : lanes_) lane->active.reset();
   compaction_lane_->active.reset();
   std::vector<SegmentRef> all;

@@ -235,8 +235,8 @@ TEST(FileTierTest, DamageFoundOnReopenIsSkippedAndCounted) {
   // Without its summary the segment is scanned on open.
   std::filesystem::remove(segs[0].substr(0, segs[0].size() - 4) + ".sum");
   const uint64_t rec = file::record_size(5000);
-  file_test::flip_bit(segs[0], rec + 16, 0);                     // header of block 1
-  file_test::flip_bit(segs[0], 2 * rec + file::kPage + 10, 0);  // payload of block 2
+  file_test::flip_bit(segs[0], rec + file::kPage + 10, 0);  // payload of block 1
+  file_test::flip_bit(segs[0], 2 * rec + 16, 0);            // header of block 2
   auto t = open_tier(c, &pool);
   ASSERT_TRUE(t);
   EXPECT_EQ(t->recovery_report().segments_scanned, 1u);
@@ -244,8 +244,10 @@ TEST(FileTierTest, DamageFoundOnReopenIsSkippedAndCounted) {
   EXPECT_EQ(t->stats().corrupt_blocks, 2u);
   EXPECT_TRUE(reads_back(t.get(), 0, 5000));
   EXPECT_TRUE(misses(t.get(), 1, 5000));
+  // The walk never looks for a record past a header it cannot trust (it
+  // could be a record image inside a payload): blocks 2 and 3 are lost.
   EXPECT_TRUE(misses(t.get(), 2, 5000));
-  EXPECT_TRUE(reads_back(t.get(), 3, 5000));
+  EXPECT_TRUE(misses(t.get(), 3, 5000));
 }
 
 TEST(FileTierTest, TornTailAtEveryByteOffsetOfTheLastRecord) {

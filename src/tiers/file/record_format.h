@@ -13,20 +13,37 @@
 //
 //   off size field
 //     0   4  magic           0x52534143 ("CASR" as bytes on disk)
-//     4   2  format_version  1
-//     6   2  flags           bit 0: is_prefix; other bits zero
+//     4   2  format_version  2
+//     6   2  flags           bit 0 prefix, bit 1 alias, bit 2 hole; others zero
 //     8  16  block_id        the block's 128-bit id, most significant byte first
 //    24   8  payload_length  bytes of payload
-//    32   8  payload_xxh3    XXH3-64 (seed 0) of the payload
-//    40   8  segment_id      id of the segment the record was written to
-//    48   8  record_offset   byte offset of the record in that segment
-//    56   8  header_xxh3     XXH3-64 of bytes [0, 56), seeded with
-//                            header_seed(segment_id, record_offset)
+//    32   8  payload_xxh3    keyed XXH3-64 of the payload
+//    40   8  sequence        write order in the directory: a later put has a larger number
+//    48   8  record_offset   byte offset of the record in its segment
+//    56   8  header_xxh3     keyed XXH3-64 of bytes [0, 56) and of the place
+//                            (segment id, record offset) it was read from
+//
+// Keyed checksums: every directory has a secret key (store_key.h, the KEY
+// file); the checksums are XXH3-64 with a secret derived from it (the header's
+// also seeded with the place). A client that controls a block's bytes can
+// put a record image inside its payload, but without the key it cannot make
+// its header validate, so a scan never accepts it. This is a keyed check
+// against forgery by writers of block contents, not a cryptographic MAC
+// against readers of the directory (who can read the key too).
 //
 // A record is valid at (segment, offset) only if the magic, version, flags,
-// stored segment id and offset, and header checksum (seeded with the place
-// it was read from) all agree, so a valid record copied to the wrong place
-// fails. The same layout is described in docs/formats.md.
+// stored offset and keyed header checksum (seeded with the place it was
+// read from) all agree, so a valid record copied to another place fails.
+//
+// Kinds of record (flags):
+//   - a block: payload = the block's bytes (bit 0: a prefix block);
+//   - an alias (bit 1): payload = the 16-byte id of the block whose bytes
+//     block_id names (deduplication); never a prefix;
+//   - a hole (bit 2): dead space given back to the file system (punched).
+//     payload_length covers the rest of the hole, which reads as zeros;
+//     payload_xxh3 and block_id are zero and the payload is not checked.
+// Format version 1 (unkeyed) segments are not read: a store leaves them
+// alone and counts them as foreign. docs/formats.md describes the same.
 //
 // Thread-safety: pure functions and plain structs.
 #pragma once
@@ -43,11 +60,16 @@ static_assert(std::endian::native == std::endian::little,
               "the file tier's on-disk format is little endian; add byte swaps for this target");
 
 inline constexpr uint32_t kRecordMagic = 0x52534143u;  // bytes 'C','A','S','R'
-inline constexpr uint16_t kFormatVersion = 1;
+inline constexpr uint16_t kFormatVersion = 2;
 inline constexpr uint64_t kPage = 4096;
 inline constexpr uint64_t kRecordHeaderSize = 64;
 inline constexpr uint64_t kInlinePayloadMax = kPage - kRecordHeaderSize;  // 4032
 inline constexpr uint16_t kFlagPrefix = 1;
+inline constexpr uint16_t kFlagAlias = 2;
+inline constexpr uint16_t kFlagHole = 4;
+inline constexpr uint16_t kKnownFlags = kFlagPrefix | kFlagAlias | kFlagHole;
+inline constexpr size_t kKeyBytes = 32;      // the directory's secret
+inline constexpr size_t kKeySecretBytes = 192;  // XXH3 secret derived from it
 // Records and segments stay below these bounds (index location encoding:
 // see file_tier.h).
 inline constexpr uint64_t kMaxSegmentBytes = uint64_t{1} << 40;
@@ -59,12 +81,14 @@ struct RecordHeader {
   uint8_t block_id[16];
   uint64_t payload_length;
   uint64_t payload_xxh3;
-  uint64_t segment_id;
+  uint64_t sequence;
   uint64_t record_offset;
   uint64_t header_xxh3;
 
   BlockId id() const;
   bool is_prefix() const { return (flags & kFlagPrefix) != 0; }
+  bool is_alias() const { return (flags & kFlagAlias) != 0; }
+  bool is_hole() const { return (flags & kFlagHole) != 0; }
 };
 static_assert(sizeof(RecordHeader) == kRecordHeaderSize, "RecordHeader must be 64 bytes");
 
@@ -80,26 +104,49 @@ inline constexpr uint64_t record_size(uint64_t payload_length) {
   return payload_length <= kInlinePayloadMax ? kPage : kPage + round_up_page(payload_length);
 }
 
-uint64_t header_seed(uint64_t segment_id, uint64_t record_offset);
-uint64_t payload_checksum(const void* data, size_t n);
+// The checksum keys of one directory, derived from its 32-byte secret.
+class RecordKey {
+ public:
+  RecordKey();  // from 32 zero bytes: only for tests and tools
+  RecordKey(const uint8_t* key, size_t n);
+  const uint8_t* secret() const { return secret_; }
+  // Seed of the header checksum of a record at (segment, offset).
+  uint64_t place_seed(uint64_t segment_id, uint64_t record_offset) const;
+  // Keyed checksum of summary bytes.
+  uint64_t summary_checksum(const void* data, size_t n) const;
+
+ private:
+  alignas(64) uint8_t secret_[kKeySecretBytes];
+  uint64_t place_salt_;
+};
+
+uint64_t payload_checksum(const RecordKey& key, const void* data, size_t n);
 
 // Fills every field, header checksum last.
-RecordHeader make_record_header(const BlockId& id, uint64_t payload_length, uint64_t payload_xxh3,
-                                bool is_prefix, uint64_t segment_id, uint64_t record_offset);
+RecordHeader make_record_header(const RecordKey& key, const BlockId& id, uint64_t payload_length,
+                                uint64_t payload_xxh3, uint16_t flags, uint64_t sequence, uint64_t segment_id,
+                                uint64_t record_offset);
+// A hole record covering [record_offset, record_offset + hole_bytes).
+// REQUIRES: hole_bytes a multiple of kPage, at least 2 pages.
+RecordHeader make_hole_header(const RecordKey& key, uint64_t hole_bytes, uint64_t segment_id,
+                              uint64_t record_offset);
 
 enum class HeaderCheck : uint8_t {
   kValid,
   kZero,         // all 64 bytes are zero: never written (a hole or the unwritten tail)
   kBadMagic,
-  kBadVersion,   // a format this build does not read
-  kBadChecksum,  // damaged, or a record that belongs elsewhere
-  kBadPlace,     // checksum fine but it names another segment or offset
-  kBadLength,    // payload length past kMaxSegmentBytes
+  kBadVersion,   // a format this build does not read (version 1: unkeyed)
+  kBadChecksum,  // damaged, forged, another key's, or a record that belongs elsewhere
+  kBadPlace,     // checksum fine but it names another offset
+  kBadLength,    // payload length past kMaxSegmentBytes, or an impossible hole
 };
 const char* header_check_name(HeaderCheck c);
 
 // Checks the 64 bytes at `bytes` as the header of a record found at
 // (segment_id, record_offset).
-HeaderCheck check_record_header(const void* bytes, uint64_t segment_id, uint64_t record_offset);
+HeaderCheck check_record_header(const RecordKey& key, const void* bytes, uint64_t segment_id,
+                                uint64_t record_offset);
+// The format version field of a header with the record magic; 0 otherwise.
+uint16_t header_format_version(const void* bytes);
 
 }  // namespace cascade::file

@@ -26,42 +26,84 @@ TEST(RecordFormatTest, SizesAndPayloadPlacement) {
   }
 }
 
+RecordKey key_of(uint8_t seed) {
+  uint8_t k[kKeyBytes];
+  for (size_t i = 0; i < sizeof(k); ++i) k[i] = static_cast<uint8_t>(seed + i);
+  return RecordKey(k, sizeof(k));
+}
+
 TEST(RecordFormatTest, HeaderRoundTrip) {
+  RecordKey key = key_of(1);
   BlockId id = file_test::id_of(42);
   auto payload = file_test::bytes_of(42, 1000);
-  RecordHeader h = make_record_header(id, payload.size(), payload_checksum(payload.data(), payload.size()),
-                                      true, 7, 3 * kPage);
-  EXPECT_EQ(check_record_header(&h, 7, 3 * kPage), HeaderCheck::kValid);
+  RecordHeader h = make_record_header(key, id, payload.size(), payload_checksum(key, payload.data(), payload.size()),
+                                      kFlagPrefix, 77, 7, 3 * kPage);
+  EXPECT_EQ(check_record_header(key, &h, 7, 3 * kPage), HeaderCheck::kValid);
   EXPECT_EQ(h.id(), id);
   EXPECT_TRUE(h.is_prefix());
+  EXPECT_FALSE(h.is_alias());
   EXPECT_EQ(h.payload_length, 1000u);
-  EXPECT_EQ(h.payload_xxh3, payload_checksum(payload.data(), payload.size()));
-  RecordHeader plain = make_record_header(id, 0, payload_checksum(nullptr, 0), false, 0, 0);
-  EXPECT_EQ(check_record_header(&plain, 0, 0), HeaderCheck::kValid);
+  EXPECT_EQ(h.sequence, 77u);
+  EXPECT_EQ(h.payload_xxh3, payload_checksum(key, payload.data(), payload.size()));
+  RecordHeader plain = make_record_header(key, id, 0, payload_checksum(key, nullptr, 0), 0, 1, 0, 0);
+  EXPECT_EQ(check_record_header(key, &plain, 0, 0), HeaderCheck::kValid);
   EXPECT_FALSE(plain.is_prefix());
-  // Byte layout: magic bytes "CASR" at offset 0, id at 8.
+  // Byte layout: magic bytes "CASR" at offset 0, version 2 at 4, id at 8.
   const auto* b = reinterpret_cast<const uint8_t*>(&h);
   EXPECT_EQ(std::memcmp(b, "CASR", 4), 0);
+  EXPECT_EQ(b[4], 2);
   EXPECT_EQ(std::memcmp(b + 8, id.bytes.data(), 16), 0);
 }
 
+TEST(RecordFormatTest, ChecksumsAreKeyed) {
+  RecordKey a = key_of(1), b = key_of(2);
+  auto payload = file_test::bytes_of(3, 5000);
+  EXPECT_NE(payload_checksum(a, payload.data(), payload.size()), payload_checksum(b, payload.data(), payload.size()));
+  RecordHeader h = make_record_header(a, file_test::id_of(3), payload.size(), 0, 0, 1, 4, 0);
+  EXPECT_EQ(check_record_header(a, &h, 4, 0), HeaderCheck::kValid);
+  EXPECT_EQ(check_record_header(b, &h, 4, 0), HeaderCheck::kBadChecksum);
+  EXPECT_EQ(check_record_header(RecordKey(), &h, 4, 0), HeaderCheck::kBadChecksum);
+  // A format 1 header is never read.
+  RecordHeader old = h;
+  old.format_version = 1;
+  EXPECT_EQ(check_record_header(a, &old, 4, 0), HeaderCheck::kBadVersion);
+  EXPECT_EQ(header_format_version(&old), 1);
+}
+
+TEST(RecordFormatTest, HoleAndAliasRecords) {
+  RecordKey key = key_of(5);
+  RecordHeader hole = make_hole_header(key, 5 * kPage, 3, 2 * kPage);
+  EXPECT_EQ(check_record_header(key, &hole, 3, 2 * kPage), HeaderCheck::kValid);
+  EXPECT_TRUE(hole.is_hole());
+  EXPECT_EQ(record_size(hole.payload_length), 5 * kPage);
+  RecordHeader alias = make_record_header(key, file_test::id_of(1), 16, 0, kFlagAlias, 9, 3, 0);
+  EXPECT_EQ(check_record_header(key, &alias, 3, 0), HeaderCheck::kValid);
+  EXPECT_TRUE(alias.is_alias());
+  RecordHeader bad_alias = make_record_header(key, file_test::id_of(1), 17, 0, kFlagAlias, 9, 3, 0);
+  EXPECT_EQ(check_record_header(key, &bad_alias, 3, 0), HeaderCheck::kBadLength);
+  RecordHeader unknown = make_record_header(key, file_test::id_of(1), 16, 0, 8, 9, 3, 0);
+  EXPECT_EQ(check_record_header(key, &unknown, 3, 0), HeaderCheck::kBadVersion);
+}
+
 TEST(RecordFormatTest, EverySingleBitFlipIsDetected) {
-  RecordHeader h = make_record_header(file_test::id_of(9), 123456, 0x1234, false, 5, 8 * kPage);
+  RecordKey key = key_of(1);
+  RecordHeader h = make_record_header(key, file_test::id_of(9), 123456, 0x1234, 0, 5, 5, 8 * kPage);
   uint8_t bytes[kRecordHeaderSize];
   for (size_t bit = 0; bit < kRecordHeaderSize * 8; ++bit) {
     std::memcpy(bytes, &h, sizeof(h));
     bytes[bit / 8] ^= static_cast<uint8_t>(1u << (bit % 8));
-    EXPECT_NE(check_record_header(bytes, 5, 8 * kPage), HeaderCheck::kValid) << "bit " << bit;
+    EXPECT_NE(check_record_header(key, bytes, 5, 8 * kPage), HeaderCheck::kValid) << "bit " << bit;
   }
 }
 
 TEST(RecordFormatTest, ValidRecordAtTheWrongPlaceFails) {
-  RecordHeader h = make_record_header(file_test::id_of(1), 10, 0, false, 5, 8 * kPage);
-  EXPECT_EQ(check_record_header(&h, 5, 8 * kPage), HeaderCheck::kValid);
-  EXPECT_EQ(check_record_header(&h, 6, 8 * kPage), HeaderCheck::kBadPlace);
-  EXPECT_EQ(check_record_header(&h, 5, 9 * kPage), HeaderCheck::kBadPlace);
+  RecordKey key = key_of(1);
+  RecordHeader h = make_record_header(key, file_test::id_of(1), 10, 0, 0, 1, 5, 8 * kPage);
+  EXPECT_EQ(check_record_header(key, &h, 5, 8 * kPage), HeaderCheck::kValid);
+  EXPECT_NE(check_record_header(key, &h, 6, 8 * kPage), HeaderCheck::kValid);
+  EXPECT_EQ(check_record_header(key, &h, 5, 9 * kPage), HeaderCheck::kBadPlace);
   uint8_t zeros[kRecordHeaderSize] = {};
-  EXPECT_EQ(check_record_header(zeros, 5, 0), HeaderCheck::kZero);
+  EXPECT_EQ(check_record_header(key, zeros, 5, 0), HeaderCheck::kZero);
 }
 
 }  // namespace

@@ -55,10 +55,23 @@ struct Segment {
   std::atomic<bool> sealed{false};      // never written again
   std::atomic<bool> unsynced{false};    // written since the last fdatasync
   std::atomic<bool> retired{false};     // removed from the table (deleted or being deleted)
+  std::atomic<uint64_t> punched_dead{0};  // dead bytes when holes were last punched
 
   // Writer only:
   std::vector<RecordHeader> headers;  // records written so far, for the summary
+  std::vector<BlockId> alias_targets; // payloads of the alias records among them
 };
+
+// Dead bytes of a segment: appended bytes not holding a live record.
+inline uint64_t dead_of(const Segment& s) {
+  uint64_t bytes = s.bytes.load(), live = s.live_bytes.load();
+  return bytes > live ? bytes - live : 0;
+}
+
+// Orders segments most dead first. Dead bytes change while the sort runs
+// (removals, evictions), so each segment's count is read once and the
+// snapshot sorted: std::sort must never see a comparator change its mind.
+void sort_most_dead_first(std::vector<std::shared_ptr<Segment>>* segments);
 
 struct WriterLane {
   std::mutex mu;

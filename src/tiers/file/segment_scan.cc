@@ -64,11 +64,12 @@ class ChunkReader {
 
 // Checksum of the payload of a record whose header is valid. false when the
 // file ends first.
-Result<bool> payload_matches(ChunkReader& reader, uint64_t record_pos, const RecordHeader& h) {
+Result<bool> payload_matches(ChunkReader& reader, uint64_t record_pos, const RecordHeader& h,
+                             const RecordKey& key) {
   uint64_t pos = record_pos + payload_offset(h.payload_length);
   uint64_t left = h.payload_length;
   XXH3_state_t* state = XXH3_createState();
-  XXH3_64bits_reset(state);
+  XXH3_64bits_reset_withSecret(state, key.secret(), kKeySecretBytes);
   while (left) {
     size_t n = static_cast<size_t>(std::min<uint64_t>(left, kScanChunk));
     auto v = reader.view(pos, n);
@@ -87,6 +88,20 @@ Result<bool> payload_matches(ChunkReader& reader, uint64_t record_pos, const Rec
   uint64_t sum = XXH3_64bits_digest(state);
   XXH3_freeState(state);
   return sum == h.payload_xxh3;
+}
+
+// Whether [from, to) holds only zero bytes.
+Result<bool> all_zero(ChunkReader& reader, uint64_t from, uint64_t to) {
+  for (uint64_t pos = from; pos < to;) {
+    size_t n = static_cast<size_t>(std::min<uint64_t>(to - pos, kScanChunk - (pos % kPage)));
+    auto v = reader.view(pos, n);
+    if (!v.ok()) return v.status();
+    if (!*v) return true;  // shrank meanwhile
+    for (size_t i = 0; i < n; ++i)
+      if ((*v)[i]) return false;
+    pos += n;
+  }
+  return true;
 }
 
 }  // namespace
@@ -119,64 +134,94 @@ DirEntryKind classify_dir_entry(const std::string& name, uint64_t* segment_id) {
   return DirEntryKind::kOther;
 }
 
-Result<SegmentScan> scan_segment(File* file, uint64_t segment_id, bool verify_payloads) {
+Result<SegmentScan> scan_segment(File* file, uint64_t segment_id, const RecordKey& key, bool verify_payloads) {
   auto size = file->size();
   if (!size.ok()) return size.status();
   SegmentScan scan;
   scan.file_bytes = *size;
   ChunkReader reader(file, *size);
   uint64_t pos = 0;
-  bool in_bad_run = false;   // inside bytes that hold no valid record
-  uint64_t bad_runs = 0;     // damaged runs not yet followed by a valid record
+  uint64_t bad_payloads = 0;  // damaged payloads not yet followed by a valid record
+  bool stopped_at_header = false;
+  HeaderCheck stop = HeaderCheck::kValid;
   while (pos + kRecordHeaderSize <= *size) {
     auto v = reader.view(pos, kRecordHeaderSize);
     if (!v.ok()) return v.status();
     if (!*v) break;
-    HeaderCheck check = check_record_header(*v, segment_id, pos);
-    if (check == HeaderCheck::kValid) {
-      RecordHeader h;
-      std::memcpy(&h, *v, sizeof(h));
-      if (pos + payload_offset(h.payload_length) + h.payload_length > *size) break;  // cut short
-      bool good = true;
-      if (verify_payloads) {
-        auto m = payload_matches(reader, pos, h);
-        if (!m.ok()) return m.status();
-        good = *m;
-      }
-      if (good) {
-        scan.corrupt_records += bad_runs;
-        bad_runs = 0;
-        in_bad_run = false;
-        scan.records.push_back(h);
-        scan.end = pos + record_size(h.payload_length);
-      } else {
-        ++bad_runs;
-        in_bad_run = true;
-      }
-      pos += record_size(h.payload_length);
+    HeaderCheck check = check_record_header(key, *v, segment_id, pos);
+    if (pos == 0) {
+      scan.first_header = check;
+      scan.first_version = header_format_version(*v);
+    }
+    if (check != HeaderCheck::kValid) {
+      stopped_at_header = true;
+      stop = check;
+      break;
+    }
+    RecordHeader h;
+    std::memcpy(&h, *v, sizeof(h));
+    const uint64_t rec = record_size(h.payload_length);
+    if (h.is_hole()) {
+      if (pos + rec > *size) break;
+      pos += rec;
+      if (bad_payloads == 0) scan.end = pos;
       continue;
     }
-    if (check != HeaderCheck::kZero && !in_bad_run) {
-      ++bad_runs;
-      in_bad_run = true;
+    if (pos + payload_offset(h.payload_length) + h.payload_length > *size) break;  // cut short
+    bool good = true;
+    if (verify_payloads) {
+      auto m = payload_matches(reader, pos, h, key);
+      if (!m.ok()) return m.status();
+      good = *m;
     }
-    pos += kPage;  // look for the next record on the next page
+    if (good && h.is_alias()) {
+      auto t = reader.view(pos + payload_offset(h.payload_length), 16);
+      if (!t.ok()) return t.status();
+      if (!*t) break;
+      BlockId target;
+      std::memcpy(target.bytes.data(), *t, 16);
+      scan.alias_targets.push_back(target);
+    }
+    if (good) {
+      scan.corrupt_records += bad_payloads;
+      bad_payloads = 0;
+      scan.records.push_back(h);
+      scan.end = pos + rec;
+    } else {
+      ++bad_payloads;
+    }
+    pos += rec;
+  }
+  if (stopped_at_header) {
+    // Nothing after an invalid header is trusted. Zeros are the unwritten
+    // end of the segment; anything else is damage (a destroyed header).
+    bool damaged = stop != HeaderCheck::kZero;
+    if (!damaged) {
+      auto z = all_zero(reader, pos, *size);
+      if (!z.ok()) return z.status();
+      damaged = !*z;
+    }
+    // Damaged payloads before a damaged header are damage too.
+    if (damaged) scan.corrupt_records += bad_payloads + 1;
   }
   scan.end = std::min(scan.end, *size);
   scan.tail_bytes = *size - scan.end;
   return scan;
 }
 
-Result<SegmentScan> read_summary(Env* env, const std::string& dir, uint64_t segment_id) {
+Result<SegmentScan> read_summary(Env* env, const std::string& dir, uint64_t segment_id, const RecordKey& key) {
   std::string path = join_path(dir, summary_file_name(segment_id));
   FileOpenOptions o;
   auto file = env->open(path, o);
-  if (!file.ok()) return file.status();
+  if (!file.ok()) {
+    auto there = env->stat(path);
+    if (!there.ok() && there.status().is(Code::kNotFound)) return there.status();
+    return file.status();
+  }
   auto size = (*file)->size();
   if (!size.ok()) return size.status();
   auto bad = [&](const char* why) { return Status::Corruption(path + ": " + why); };
-  if (*size < sizeof(SummaryHeader) || (*size - sizeof(SummaryHeader)) % kRecordHeaderSize != 0)
-    return bad("impossible size");
+  if (*size < sizeof(SummaryHeader)) return bad("impossible size");
   std::vector<uint8_t> bytes(*size);
   auto got = (*file)->pread(bytes.data(), bytes.size(), 0);
   if (!got.ok()) return got.status();
@@ -184,13 +229,16 @@ Result<SegmentScan> read_summary(Env* env, const std::string& dir, uint64_t segm
   SummaryHeader sh;
   std::memcpy(&sh, bytes.data(), sizeof(sh));
   if (sh.magic != kSummaryMagic) return bad("bad magic");
-  if (sh.header_xxh3 != XXH3_64bits(&sh, offsetof(SummaryHeader, header_xxh3))) return bad("bad header checksum");
   if (sh.format_version != kFormatVersion) return bad("unknown format version");
+  if (sh.header_xxh3 != key.summary_checksum(&sh, offsetof(SummaryHeader, header_xxh3)))
+    return bad("bad header checksum");
   if (sh.segment_id != segment_id) return bad("names another segment");
-  uint64_t count = (*size - sizeof(SummaryHeader)) / kRecordHeaderSize;
-  if (sh.record_count != count) return bad("record count does not match its size");
+  const uint64_t count = sh.record_count;
+  if (count > (*size - sizeof(SummaryHeader)) / kRecordHeaderSize) return bad("record count past its size");
   const uint8_t* entries = bytes.data() + sizeof(SummaryHeader);
-  if (sh.entries_xxh3 != XXH3_64bits(entries, count * kRecordHeaderSize)) return bad("bad entries checksum");
+  const uint64_t rest = *size - sizeof(SummaryHeader) - count * kRecordHeaderSize;  // alias targets
+  if (sh.entries_xxh3 != key.summary_checksum(entries, *size - sizeof(SummaryHeader)))
+    return bad("bad entries checksum");
   SegmentScan scan;
   scan.from_summary = true;
   scan.records.resize(count);
@@ -198,21 +246,32 @@ Result<SegmentScan> read_summary(Env* env, const std::string& dir, uint64_t segm
   for (uint64_t i = 0; i < count; ++i) {
     RecordHeader& h = scan.records[i];
     std::memcpy(&h, entries + i * kRecordHeaderSize, sizeof(h));
-    if (check_record_header(&h, segment_id, h.record_offset) != HeaderCheck::kValid) return bad("bad entry");
+    if (check_record_header(key, &h, segment_id, h.record_offset) != HeaderCheck::kValid || h.is_hole())
+      return bad("bad entry");
     if (h.record_offset < next || h.record_offset % kPage) return bad("entries out of order");
     next = h.record_offset + record_size(h.payload_length);
   }
   if (next > sh.segment_bytes) return bad("entries past the covered length");
+  uint64_t aliases = 0;
+  for (const RecordHeader& h : scan.records) aliases += h.is_alias() ? 1 : 0;
+  if (rest != aliases * 16) return bad("alias targets do not match the entries");
+  scan.alias_targets.resize(aliases);
+  const uint8_t* targets = entries + count * kRecordHeaderSize;
+  for (uint64_t i = 0; i < aliases; ++i) std::memcpy(scan.alias_targets[i].bytes.data(), targets + 16 * i, 16);
   scan.end = next;
   scan.file_bytes = sh.segment_bytes;
   return scan;
 }
 
-Status write_summary(Env* env, const std::string& dir, uint64_t segment_id,
-                     const std::vector<RecordHeader>& records, uint64_t segment_bytes, bool sync) {
-  std::vector<uint8_t> bytes(sizeof(SummaryHeader) + records.size() * kRecordHeaderSize);
+Status write_summary(Env* env, const std::string& dir, uint64_t segment_id, const RecordKey& key,
+                     const std::vector<RecordHeader>& records, const std::vector<BlockId>& alias_targets,
+                     uint64_t segment_bytes, bool sync, uint32_t file_mode) {
+  const size_t body = records.size() * kRecordHeaderSize + alias_targets.size() * 16;
+  std::vector<uint8_t> bytes(sizeof(SummaryHeader) + body);
   uint8_t* entries = bytes.data() + sizeof(SummaryHeader);
   if (!records.empty()) std::memcpy(entries, records.data(), records.size() * kRecordHeaderSize);
+  for (size_t i = 0; i < alias_targets.size(); ++i)
+    std::memcpy(entries + records.size() * kRecordHeaderSize + 16 * i, alias_targets[i].bytes.data(), 16);
   SummaryHeader sh;
   std::memset(&sh, 0, sizeof(sh));
   sh.magic = kSummaryMagic;
@@ -220,14 +279,15 @@ Status write_summary(Env* env, const std::string& dir, uint64_t segment_id,
   sh.segment_id = segment_id;
   sh.record_count = records.size();
   sh.segment_bytes = segment_bytes;
-  sh.entries_xxh3 = XXH3_64bits(entries, records.size() * kRecordHeaderSize);
-  sh.header_xxh3 = XXH3_64bits(&sh, offsetof(SummaryHeader, header_xxh3));
+  sh.entries_xxh3 = key.summary_checksum(entries, body);
+  sh.header_xxh3 = key.summary_checksum(&sh, offsetof(SummaryHeader, header_xxh3));
   std::memcpy(bytes.data(), &sh, sizeof(sh));
 
   std::string final_path = join_path(dir, summary_file_name(segment_id));
   std::string tmp_path = final_path + ".tmp";
   FileOpenOptions o;
-  o.write = o.create = o.truncate = true;
+  o.write = o.create = o.truncate = o.no_follow = true;
+  o.mode = file_mode;
   auto file = env->open(tmp_path, o);
   if (!file.ok()) return file.status();
   Status st = (*file)->pwrite(bytes.data(), bytes.size(), 0);
@@ -242,7 +302,7 @@ Status write_summary(Env* env, const std::string& dir, uint64_t segment_id,
   return Status::OK();
 }
 
-Status verify_record(File* file, uint64_t segment_id, const RecordHeader& header) {
+Status verify_record(File* file, uint64_t segment_id, const RecordKey& key, const RecordHeader& header) {
   auto size = file->size();
   if (!size.ok()) return size.status();
   ChunkReader reader(file, *size,
@@ -250,12 +310,12 @@ Status verify_record(File* file, uint64_t segment_id, const RecordHeader& header
   auto v = reader.view(header.record_offset, kRecordHeaderSize);
   if (!v.ok()) return v.status();
   if (!*v) return Status::Corruption("record past the end of " + file->path());
-  HeaderCheck c = check_record_header(*v, segment_id, header.record_offset);
+  HeaderCheck c = check_record_header(key, *v, segment_id, header.record_offset);
   if (c != HeaderCheck::kValid)
     return Status::Corruption(std::string(header_check_name(c)) + " in " + file->path());
   if (std::memcmp(*v, &header, sizeof(header)) != 0)
     return Status::Corruption("record differs from its summary in " + file->path());
-  auto m = payload_matches(reader, header.record_offset, header);
+  auto m = payload_matches(reader, header.record_offset, header, key);
   if (!m.ok()) return m.status();
   if (!*m) return Status::Corruption("payload checksum mismatch in " + file->path());
   return Status::OK();
