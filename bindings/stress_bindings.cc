@@ -96,14 +96,17 @@ void register_stress(nb::module_& m) {
   m.def("stress_forge_record_header", [](nb::handle key, nb::bytes payload, uint64_t segment_id,
                                          uint64_t record_offset) {
     // What a client that controls a block's bytes can compute: the record
-    // format is public and its checksums unkeyed.
+    // format is public, the directory's key is not, so it has to guess one.
     BlockId id = parse_key(key);
-    uint64_t sum = file::payload_checksum(payload.c_str(), payload.size());
-    file::RecordHeader h = file::make_record_header(id, payload.size(), sum, false, segment_id, record_offset);
+    const file::RecordKey guess;
+    uint64_t sum = file::payload_checksum(guess, payload.c_str(), payload.size());
+    file::RecordHeader h = file::make_record_header(guess, id, payload.size(), sum, /*flags=*/0,
+                                                    /*sequence=*/1, segment_id, record_offset);
     return nb::bytes(reinterpret_cast<const char*>(&h), sizeof(h));
   }, "block_id"_a, "payload"_a, "segment_id"_a, "record_offset"_a,
         "A record header for block_id with this payload at (segment_id, record_offset), as the "
-        "documented format builds it (for the corruption mode's planted records).");
+        "documented format builds it under a guessed key (for the corruption mode's planted "
+        "records).");
 }
 
 }  // namespace cascade::py

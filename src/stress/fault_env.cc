@@ -17,8 +17,10 @@ const char* env_call_name(EnvCall c) {
     case EnvCall::kWrite: return "write";
     case EnvCall::kSync: return "fsync";
     case EnvCall::kAllocate: return "fallocate";
+    case EnvCall::kPunchHole: return "punch_hole";
     case EnvCall::kTruncate: return "truncate";
     case EnvCall::kSize: return "fstat";
+    case EnvCall::kInfo: return "fstat(info)";
     case EnvCall::kDropCache: return "drop_cache";
     case EnvCall::kCreateDirs: return "mkdir";
     case EnvCall::kListDir: return "list_dir";
@@ -27,7 +29,7 @@ const char* env_call_name(EnvCall c) {
     case EnvCall::kSyncDir: return "fsync(dir)";
     case EnvCall::kSpace: return "statvfs";
     case EnvCall::kLock: return "lock";
-    case EnvCall::kFileSize: return "stat";
+    case EnvCall::kStat: return "lstat";
     case EnvCall::kCreateStriped: return "create_striped";
   }
   return "?";
@@ -88,6 +90,9 @@ class PointFaultEnv::CountingFile final : public File {
   Status allocate(uint64_t offset, uint64_t n) override {
     return call(EnvCall::kAllocate, [&] { return base_->allocate(offset, n); });
   }
+  Status punch_hole(uint64_t offset, uint64_t n) override {
+    return call(EnvCall::kPunchHole, [&] { return base_->punch_hole(offset, n); });
+  }
   Status truncate(uint64_t size) override {
     return call(EnvCall::kTruncate, [&] { return base_->truncate(size); });
   }
@@ -95,6 +100,12 @@ class PointFaultEnv::CountingFile final : public File {
     if (env_->enter(EnvCall::kSize, path(), 0)) return env_->own_error(EnvCall::kSize, path());
     auto r = base_->size();
     env_->leave(EnvCall::kSize);
+    return r;
+  }
+  Result<FileInfo> info() override {
+    if (env_->enter(EnvCall::kInfo, path(), 0)) return env_->own_error(EnvCall::kInfo, path());
+    auto r = base_->info();
+    env_->leave(EnvCall::kInfo);
     return r;
   }
   Status drop_cache() override { return call(EnvCall::kDropCache, [&] { return base_->drop_cache(); }); }
@@ -204,8 +215,8 @@ Result<std::unique_ptr<File>> PointFaultEnv::open(const std::string& path, const
     return result_;                          \
   } while (0)
 
-Status PointFaultEnv::create_dirs(const std::string& dir) {
-  CASCADE_POINT_CALL(EnvCall::kCreateDirs, dir, fault_.create_dirs(dir));
+Status PointFaultEnv::create_dirs(const std::string& dir, uint32_t mode) {
+  CASCADE_POINT_CALL(EnvCall::kCreateDirs, dir, fault_.create_dirs(dir, mode));
 }
 Result<std::vector<std::string>> PointFaultEnv::list_dir(const std::string& dir) {
   CASCADE_POINT_CALL(EnvCall::kListDir, dir, fault_.list_dir(dir));
@@ -222,14 +233,16 @@ Status PointFaultEnv::sync_dir(const std::string& dir) {
 Result<FsSpace> PointFaultEnv::space(const std::string& path) {
   CASCADE_POINT_CALL(EnvCall::kSpace, path, fault_.space(path));
 }
-Result<std::unique_ptr<FileLock>> PointFaultEnv::lock_file(const std::string& path) {
-  CASCADE_POINT_CALL(EnvCall::kLock, path, fault_.lock_file(path));
+Result<std::unique_ptr<FileLock>> PointFaultEnv::lock_file(const std::string& path, uint32_t mode) {
+  CASCADE_POINT_CALL(EnvCall::kLock, path, fault_.lock_file(path, mode));
 }
-Result<uint64_t> PointFaultEnv::file_size(const std::string& path) {
-  CASCADE_POINT_CALL(EnvCall::kFileSize, path, fault_.file_size(path));
+Result<FileInfo> PointFaultEnv::stat(const std::string& path) {
+  CASCADE_POINT_CALL(EnvCall::kStat, path, fault_.stat(path));
 }
-Status PointFaultEnv::create_striped(const std::string& path, uint64_t stripe_size, int stripe_count) {
-  CASCADE_POINT_CALL(EnvCall::kCreateStriped, path, fault_.create_striped(path, stripe_size, stripe_count));
+Status PointFaultEnv::create_striped(const std::string& path, uint64_t stripe_size, int stripe_count,
+                                     uint32_t mode) {
+  CASCADE_POINT_CALL(EnvCall::kCreateStriped, path,
+                     fault_.create_striped(path, stripe_size, stripe_count, mode));
 }
 
 #undef CASCADE_POINT_CALL

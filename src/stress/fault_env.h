@@ -8,7 +8,8 @@
 //            fsync of a file or directory (EIO), metadata changes (opens for
 //            writing, renames, unlinks, lock: EROFS) through the
 //            FaultInjectingEnv below; other calls (read-only opens, mkdir of
-//            a directory that exists, listings, sizes, fallocate, truncate)
+//            a directory that exists, listings, sizes, stat, fallocate,
+//            hole punching, truncate)
 //            fail with EIO here.
 //   kTorn    write k stores a random prefix of its bytes, then fails (EIO).
 //   kEnospc  from write k on the disk is full: write k stores a random
@@ -31,8 +32,9 @@
 namespace cascade::stress {
 
 enum class EnvCall : uint8_t {
-  kOpenRead, kOpenWrite, kRead, kWrite, kSync, kAllocate, kTruncate, kSize, kDropCache,
-  kCreateDirs, kListDir, kRename, kUnlink, kSyncDir, kSpace, kLock, kFileSize, kCreateStriped,
+  kOpenRead, kOpenWrite, kRead, kWrite, kSync, kAllocate, kPunchHole, kTruncate, kSize, kInfo,
+  kDropCache, kCreateDirs, kListDir, kRename, kUnlink, kSyncDir, kSpace, kLock, kStat,
+  kCreateStriped,
 };
 const char* env_call_name(EnvCall c);
 inline bool is_write_call(EnvCall c) { return c == EnvCall::kWrite; }
@@ -59,15 +61,16 @@ class PointFaultEnv : public Env {
   uint64_t injected() const { return injected_.load() + fault_.injected_faults(); }
 
   Result<std::unique_ptr<File>> open(const std::string& path, const FileOpenOptions& options) override;
-  Status create_dirs(const std::string& dir) override;
+  Status create_dirs(const std::string& dir, uint32_t mode) override;
   Result<std::vector<std::string>> list_dir(const std::string& dir) override;
   Status rename(const std::string& from, const std::string& to) override;
   Status unlink(const std::string& path) override;
   Status sync_dir(const std::string& dir) override;
   Result<FsSpace> space(const std::string& path) override;
-  Result<std::unique_ptr<FileLock>> lock_file(const std::string& path) override;
-  Result<uint64_t> file_size(const std::string& path) override;
-  Status create_striped(const std::string& path, uint64_t stripe_size, int stripe_count) override;
+  Result<std::unique_ptr<FileLock>> lock_file(const std::string& path, uint32_t mode) override;
+  Result<FileInfo> stat(const std::string& path) override;
+  Status create_striped(const std::string& path, uint64_t stripe_size, int stripe_count,
+                        uint32_t mode) override;
 
  private:
   class CountingFile;
