@@ -101,6 +101,7 @@ nb::dict tier_stats_dict(const TierStats& t) {
   d["bytes_written"] = t.bytes_written;
   d["bytes_read"] = t.bytes_read;
   d["corrupt_blocks"] = t.corrupt_blocks;
+  d["read_errors"] = t.read_errors;
   d["leased_blocks"] = t.leased_blocks;
   d["persistent"] = t.persistent;
   return d;

@@ -89,8 +89,9 @@ def test_forged_record_header_has_the_documented_layout():
     h = _core.stress_forge_record_header("00" * 15 + "2a", payload, 7, 8192)
     assert len(h) == 64 and h[:4] == b"CASR"
     assert h[8:24] == bytes.fromhex("00" * 15 + "2a")
+    assert int.from_bytes(h[4:6], "little") == 2  # the keyed format
     assert int.from_bytes(h[24:32], "little") == 200
-    assert int.from_bytes(h[40:48], "little") == 7 and int.from_bytes(h[48:56], "little") == 8192
+    assert int.from_bytes(h[48:56], "little") == 8192  # the offset; the segment id is in the checksum
 
 
 # ---- the CI run --------------------------------------------------------------------------------------

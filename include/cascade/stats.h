@@ -26,6 +26,7 @@ struct TierStats {
   uint64_t bytes_written = 0;
   uint64_t bytes_read = 0;
   uint64_t corrupt_blocks = 0;   // reads that failed verification (counted, never served)
+  uint64_t read_errors = 0;      // reads the device failed (I/O error): misses, block kept
   uint64_t leased_blocks = 0;    // blocks with a reader or a zero-copy lease right now
   bool persistent = false;       // its blocks outlive the store (Tier::persistent)
 };

@@ -282,7 +282,7 @@ class FileTier final : public Tier {
   std::atomic<uint64_t> live_record_bytes_{0};  // record bytes of indexed blocks
   std::atomic<bool> disk_full_{false};   // the file system said ENOSPC
   TierCounters counters_;
-  std::atomic<uint64_t> corrupt_blocks_{0}, compactions_{0};
+  std::atomic<uint64_t> corrupt_blocks_{0}, read_errors_{0}, compactions_{0};
 };
 
 }  // namespace cascade

@@ -143,8 +143,18 @@ Status FileTier::finish_read(ReadPlan* plan, const ReadRequest& req, ReadResult*
   const uint8_t* bounce = plan->bounce->data();
   std::string problem;
   const uint8_t* payload = nullptr;
-  if (!plan->io.status.ok()) {
+  if (plan->io.status.is(Code::kCorruption)) {  // the file ends inside the record
     problem = plan->io.status.ToString();
+  } else if (!plan->io.status.ok()) {
+    // The device did not answer: that says nothing about the record, which
+    // stays indexed. This read fails (a miss to the store); a later one may
+    // succeed.
+    index_.release(plan->token);
+    plan->seg.reset();
+    counters_.misses.fetch_add(1, std::memory_order_relaxed);
+    read_errors_.fetch_add(1, std::memory_order_relaxed);
+    return Status::IOError("reading block " + plan->id.hex() + " from the file tier failed: " +
+                           plan->io.status.message());
   } else {
     file::HeaderCheck check = file::check_record_header(key_, bounce, plan->seg->id, plan->record_offset);
     RecordHeader h;
@@ -310,6 +320,7 @@ TierStats FileTier::stats() const {
   s.blocks = index_.size();
   counters_.fill(&s);
   s.corrupt_blocks = corrupt_blocks_.load(std::memory_order_relaxed);
+  s.read_errors = read_errors_.load(std::memory_order_relaxed);
   s.leased_blocks = index_.leased();
   return s;
 }

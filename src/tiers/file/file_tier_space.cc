@@ -297,15 +297,19 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
     io.add(buf.data(), rec);
     IoRequest* one = &io;
     engine_->run({&one, 1});
+    if (!io.status.ok() && !io.status.is(Code::kCorruption)) {  // unreadable now, not damaged:
+      // keep the segment serving
+      failure = io.status;
+      break;
+    }
     RecordHeader h;
     std::memcpy(&h, buf.data(), sizeof(h));
     const uint8_t* payload = buf.data() + file::payload_offset(size);
-    bool good = io.status.ok() &&
-                file::check_record_header(key_, buf.data(), seg->id, from_off) == file::HeaderCheck::kValid &&
+    bool good = io.status.ok() && file::check_record_header(key_, buf.data(), seg->id, from_off) == file::HeaderCheck::kValid &&
                 h.id() == e.id && h.payload_length == size && h.is_alias() == e.alias && !h.is_hole() &&
                 file::payload_checksum(key_, payload, size) == h.payload_xxh3 &&
                 (!e.alias || std::memcmp(payload, e.target.bytes.data(), 16) == 0);
-    if (!good) {  // unreadable or damaged: a miss from now on
+    if (!good) {  // damaged: a miss from now on
       if (e.alias) {
         stale_aliases.push_back(e.id);
       } else {

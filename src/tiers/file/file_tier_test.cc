@@ -385,7 +385,7 @@ TEST(FileTierTest, TornWriteIsNotPublished) {
   EXPECT_TRUE(reads_back(t.get(), 3, 9000));
 }
 
-TEST(FileTierTest, ReadErrorIsAMiss) {
+TEST(FileTierTest, ReadErrorIsAMissNotDamage) {
   TempDir tmp;
   FaultInjectingEnv env(Env::Default());
   CascadeConfig c = file_test::file_config(tmp.path());
@@ -395,8 +395,18 @@ TEST(FileTierTest, ReadErrorIsAMiss) {
   const uint64_t rec = file::record_size(9000);
   env.fail_reads("seg-", rec + 100, rec + 101);  // inside block 2
   EXPECT_TRUE(reads_back(t.get(), 1, 9000));
-  EXPECT_TRUE(misses(t.get(), 2, 9000));
-  EXPECT_EQ(t->stats().corrupt_blocks, 1u);
+  std::vector<uint8_t> out(9000);
+  ReadRequest req;
+  req.out = out.data();
+  req.capacity = out.size();
+  ReadResult r;
+  Status st = t->read(id_of(2), req, &r);
+  EXPECT_TRUE(st.is(Code::kIOError)) << st.ToString();
+  EXPECT_EQ(r.copied, 0u);
+  EXPECT_EQ(t->stats().corrupt_blocks, 0u);
+  EXPECT_EQ(t->stats().read_errors, 1u);
+  env.clear_faults();
+  EXPECT_TRUE(reads_back(t.get(), 2, 9000));  // the device answers again
 }
 
 TEST(FileTierTest, SegmentTruncatedOrDeletedUnderARunningStore) {

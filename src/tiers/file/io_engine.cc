@@ -12,8 +12,10 @@ void run_request_sync(IoRequest* r) {
   if (!got.ok()) {
     r->status = got.status();
   } else if (*got != r->bytes()) {
-    r->status = Status::IOError("short read of " + r->file->path() + " at offset " +
-                                std::to_string(r->offset) + ": the file ends early");
+    // The file is shorter than the record it should hold: damage, not a
+    // failing device.
+    r->status = Status::Corruption("short read of " + r->file->path() + " at offset " +
+                                   std::to_string(r->offset) + ": the file ends early");
   } else {
     r->status = Status::OK();
   }

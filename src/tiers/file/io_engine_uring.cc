@@ -128,8 +128,8 @@ class UringEngine final : public IoEngine {
     if (res == 0) {
       t.req->status = t.req->write
                           ? errno_status(EIO, "write " + t.req->file->path() + " made no progress")
-                          : Status::IOError("short read of " + t.req->file->path() + " at offset " +
-                                            std::to_string(t.req->offset) + ": the file ends early");
+                          : Status::Corruption("short read of " + t.req->file->path() + " at offset " +
+                                               std::to_string(t.req->offset) + ": the file ends early");
       return;
     }
     t.advance(static_cast<size_t>(res));
