@@ -68,7 +68,45 @@ test-mpi: build
 	@$(PY) -c "import mpi4py" 2>/dev/null || $(PIP) install -q mpi4py
 	CASCADE_MPI_TESTS=1 $(PY) -m pytest -q tests/test_distributed.py
 
-test: check-symbols test-cpp test-py test-mpi
+test: check-symbols test-cpp test-py test-mpi test-asan
+
+# Sanitizers. test-asan: the C++ unit tests and the Python tests of the store's
+# own code, built with AddressSanitizer + UBSan (build/asan: no CUDA, no MPI;
+# the Python suite runs with the ASan runtime preloaded). test-tsan: the C++
+# tests that run many threads, under ThreadSanitizer (build/tsan).
+SAN_CMAKE      := -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV))/bin/ninja \
+                  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCASCADE_BUILD_TESTS=ON \
+                  -DCASCADE_WITH_CUDA=OFF -DCASCADE_WITH_MPI=OFF
+ASAN_BUILD     := build/asan
+TSAN_BUILD     := build/tsan
+ASAN_ENV       := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+                  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+# Python tests under ASan: all but the model, benchmark, GPU and MPI suites,
+# whose time goes into torch or other processes rather than Cascade's code,
+# and the export check, which inspects the release build.
+ASAN_PY_TESTS  ?= $(filter-out tests/test_transformers_cache.py tests/test_bench_%.py \
+                    tests/test_distributed%.py tests/test_gpu.py tests/test_symbols.py, \
+                    $(wildcard tests/test_*.py))
+TSAN_SUITES    := StoreTest FileTierTest.Concurrent FileTierStressTest FileCompactionTest BlockIndexTest \
+                  ThreadPoolTest LocalShare ExtentAllocatorTest DurabilityTest SegmentSortTest
+TSAN_FILTER    ?= $(subst $(eval) ,:,$(addsuffix *,$(TSAN_SUITES)))
+
+.PHONY: test-asan test-tsan
+test-asan: setup
+	cmake -S . -B $(ASAN_BUILD) $(SAN_CMAKE) -DCASCADE_SANITIZE=address \
+	  -DCASCADE_BUILD_PYTHON=ON -DPython_EXECUTABLE=$(abspath $(PY)) >/dev/null
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target cascade_unit_tests _core
+	cd $(ASAN_BUILD) && $(ASAN_ENV) ctest --output-on-failure -j $(JOBS) -LE gpu
+	rm -rf $(ASAN_BUILD)/pkg && mkdir -p $(ASAN_BUILD)/pkg && cp -r python/cascade $(ASAN_BUILD)/pkg/ && \
+	  rm -f $(ASAN_BUILD)/pkg/cascade/_core*.so && cp $(ASAN_BUILD)/_core*.so $(ASAN_BUILD)/pkg/cascade/
+	$(ASAN_ENV) LD_PRELOAD=$$($(CXX) -print-file-name=libasan.so) \
+	  PYTHONPATH=$(abspath $(ASAN_BUILD))/pkg $(PY) -m pytest -q -p no:cacheprovider $(ASAN_PY_TESTS)
+
+test-tsan: setup
+	cmake -S . -B $(TSAN_BUILD) $(SAN_CMAKE) -DCASCADE_SANITIZE=thread >/dev/null
+	cmake --build $(TSAN_BUILD) -j $(JOBS) --target cascade_unit_tests
+	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+	  $(TSAN_BUILD)/cascade_unit_tests --gtest_filter='$(TSAN_FILTER)'
 
 bench: build
 	@mkdir -p $(BENCH_OUT)

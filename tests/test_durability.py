@@ -91,6 +91,27 @@ def test_close_raises_when_blocks_cannot_be_written_down(durable_config, tmp_pat
     store.close()  # closed already: nothing more to report
 
 
+def test_flush_makes_room_for_aliases_in_a_full_file_tier(durable_config):
+    """A bounded file tier full of blocks: the aliases a flush writes evict
+    the least valuable blocks as a block put would, rather than failing."""
+    cfg = durable_config(dedup_enabled=True, file_capacity_bytes=4 << 20, segment_size_bytes=1 << 20)
+    with cascade.CascadeStore(cfg) as store:
+        for i in range(400):  # two ids a content, 100 KiB blocks: several times the file tier
+            content = block_bytes(f"content-{i // 2}", 100 << 10)
+            assert store.put(f"alias-{i}", content)
+            if i % 50 == 49:
+                store.flush()
+        store.flush()
+        found = 0
+        out = np.empty(100 << 10, np.uint8)
+        for i in range(400):
+            ok, n = store.get(f"alias-{i}", out)
+            if ok:
+                assert np.array_equal(out[:n], block_bytes(f"content-{i // 2}", 100 << 10))
+                found += 1
+        assert found > 0
+
+
 def test_ephemeral_close_drops_host_blocks_but_flush_writes_them(durable_config):
     with cascade.CascadeStore(durable_config(ephemeral=True)) as store:
         for key in KEYS:

@@ -10,12 +10,14 @@ import time
 import numpy as np
 import pytest
 
+import cascade
 from cascade import _core
 from cascade.stress import proc
 from cascade.stress.blocks import KeySpace
 from cascade.stress.kill import parse_log
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The children run the cascade these tests imported (installed, or a build in the tree).
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(cascade.__file__)))
 
 
 # ---- block contents -----------------------------------------------------------------------------
@@ -97,7 +99,7 @@ def test_forged_record_header_has_the_documented_layout():
 # ---- the CI run --------------------------------------------------------------------------------------
 def test_stress_quick_finds_nothing_wrong_and_does_real_work(tmp_path):
     out = tmp_path / "stress.json"
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
     p = subprocess.run([sys.executable, "-m", "cascade", "stress", "--quick", "--dir", str(tmp_path),
                         "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
     report = json.loads(out.read_text())
@@ -113,7 +115,7 @@ def test_stress_quick_finds_nothing_wrong_and_does_real_work(tmp_path):
 
 @pytest.mark.slow
 def test_stress_long_ops_and_kill(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
     p = subprocess.run([sys.executable, "-m", "cascade", "stress", "ops", "kill", "--duration", "10",
                         "--iterations", "200", "--dir", str(tmp_path)], env=env, capture_output=True, text=True,
                        timeout=1200)

@@ -1,11 +1,14 @@
 // CascadeStore: pipeline of tiers, placement, demotion, promotion, batches.
 //
 // Lock order: lifecycle_ (shared for every public call, exclusive in close)
-// is taken first and only by public entry points; below it, tiers and the
-// dedup table take their own locks one at a time. Work run on the pool calls
-// the *_impl functions, which take no store lock.
+// is taken first and only by public entry points; then, with dedup, one
+// stripe of content_mu (a put from its fingerprint until its link, a remove
+// of an alias until the bytes are gone); below it, tiers and the dedup table
+// take their own locks one at a time. Work run on the pool calls the *_impl
+// functions, which take no lifecycle lock.
 #include "cascade/store.h"
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -58,6 +61,9 @@ class Task final : public BatchTask {
 // acquired, so promotion and dedup read it like a file-tier block.
 bool is_memory_tier(TierKind k) { return k == TierKind::kGpu || k == TierKind::kHost; }
 
+// Room to make in a full tier for one dedup alias (a record of one page).
+constexpr uint64_t kAliasRecordBytes = 4096;
+
 }  // namespace
 
 class CascadeStore::Impl {
@@ -70,6 +76,13 @@ class CascadeStore::Impl {
   // deduplicated (dedup_puts false). An id with no alias names itself.
   std::unique_ptr<DedupTable> dedup;
   bool dedup_puts = false;
+  // A put linking an id to stored bytes and a remove of their last alias
+  // must not interleave, or the link would name bytes just removed: both
+  // hold the stripe of the physical id.
+  std::array<std::mutex, 64> content_mu;
+  std::mutex& content_lock(const BlockId& phys) {
+    return content_mu[std::hash<BlockId>{}(phys) % content_mu.size()];
+  }
   size_t remote = SIZE_MAX;      // index of the remote tier (distributed stores), or SIZE_MAX
   size_t persistent = SIZE_MAX;  // index of the first persistent tier, or SIZE_MAX
 
@@ -139,9 +152,12 @@ class CascadeStore::Impl {
     // Immutable: an id stored already (through an alias, or under itself by
     // a store without dedup) is not written again.
     if (dedup && dedup->resolve(id)) return Status::OK();
+    std::unique_lock<std::mutex> linking;  // held until id is linked to phys
     if (dedup_puts) {
       if (!dedup->is_target(id) && contains_phys(id)) return Status::OK();
       phys = content_fingerprint(data, size);
+      linking = std::unique_lock<std::mutex>(content_lock(phys));
+      if (dedup->resolve(id)) return Status::OK();  // a put of the same id won meanwhile
       if (same_content_stored(phys, data, size)) {
         bool shared = false;
         if (dedup->link(id, phys, size, &shared) && shared)
@@ -363,8 +379,18 @@ class CascadeStore::Impl {
   Status remove_impl(const BlockId& id) {
     BlockId phys = id;
     bool aliased = false;
+    std::unique_lock<std::mutex> unlinking;  // held until the bytes are gone
     if (dedup) {
-      if (auto u = dedup->unlink(id)) {
+      std::optional<std::pair<BlockId, bool>> u;
+      for (auto p = dedup->resolve(id); p; p = dedup->resolve(id)) {
+        unlinking = std::unique_lock<std::mutex>(content_lock(*p));
+        if (dedup->resolve(id) == p) {
+          u = dedup->unlink(id);
+          break;
+        }
+        unlinking.unlock();  // relinked meanwhile: lock its new bytes
+      }
+      if (u) {
         if (!u->second) return Status::OK();  // other ids still share the bytes
         phys = u->first;
         aliased = true;
@@ -442,7 +468,17 @@ class CascadeStore::Impl {
   Status write_down(const WriteDownOptions& o) {
     auto put = [this](size_t t, const BlockId& id, const void* data, uint64_t size,
                       const PutOptions& po) { return put_into(t, id, data, size, po); };
-    return cascade::write_down(tiers, persistent, pool.get(), dedup.get(), put, o);
+    auto put_alias = [this](size_t t, const BlockId& alias, const BlockId& target) {
+      Status st;
+      for (int round = 0; round < 256; ++round) {  // as put_into: each round evicts a block
+        st = tiers[t]->put_alias(alias, target);
+        if (!st.is(Code::kNoSpace)) return st;
+        Status room = make_room(t, kAliasRecordBytes);
+        if (!room.ok()) return room;
+      }
+      return st;
+    };
+    return cascade::write_down(tiers, persistent, pool.get(), dedup.get(), put, put_alias, o);
   }
 
   // ---- async ----------------------------------------------------------------

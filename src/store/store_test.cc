@@ -226,6 +226,36 @@ TEST(StoreTest, DedupStoresIdenticalContentOnce) {
   EXPECT_EQ(store->stats().physical_bytes, 0u);
 }
 
+// Two ids with the same bytes: one is put and removed over and over while
+// the other is put, read and removed. A put that links to the shared bytes
+// must never find them removed under it by the other id's remove.
+TEST(StoreTest, DedupPutNeverLinksToBytesBeingRemoved) {
+  auto c = host_config(64 << 20);
+  c.dedup_enabled = true;
+  auto store = open(c);
+  auto data = random_bytes(64 << 10, 5);
+  BlockId a = *block_id_from_key("churn"), b = *block_id_from_key("checked");
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {
+    while (!stop.load()) {
+      (void)store->put(a, data.data(), data.size());
+      (void)store->remove(a);
+    }
+  });
+  std::vector<uint8_t> out(data.size());
+  int lost = 0;
+  for (int i = 0; i < 20000 && lost == 0; ++i) {
+    ASSERT_TRUE(store->put(b, data.data(), data.size()).ok());
+    GetResult r;
+    ASSERT_TRUE(store->get(b, out.data(), out.size(), &r).ok());
+    if (!r.found) ++lost;  // b was put and nobody removed it
+    ASSERT_TRUE(store->remove(b).ok());
+  }
+  stop = true;
+  churn.join();
+  EXPECT_EQ(lost, 0);
+}
+
 TEST(StoreTest, BatchAndAsync) {
   auto store = open(host_config(64 << 20));
   const int n = 64;

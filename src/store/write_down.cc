@@ -59,7 +59,7 @@ size_t persistent_tier_index(const std::vector<std::unique_ptr<Tier>>& tiers) {
 
 Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persistent,
                   ThreadPool* pool, DedupTable* dedup, const TierPut& put,
-                  const WriteDownOptions& options) {
+                  const AliasPut& put_alias, const WriteDownOptions& options) {
   Failures block_failures, alias_failures;
   size_t blocks = 0, aliases = 0;
   std::string below = persistent < tiers.size() ? tiers[persistent]->name() : "";
@@ -89,7 +89,7 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
     pool->parallel_for(pending.size(), [&](size_t i) {
       const auto& [alias, target] = pending[i];
       if (!p.contains(target)) return;
-      Status st = p.put_alias(alias, target);
+      Status st = put_alias(persistent, alias, target);
       if (st.ok()) {
         dedup->mark_written(alias, target);
       } else {

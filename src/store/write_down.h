@@ -33,6 +33,8 @@ size_t persistent_tier_index(const std::vector<std::unique_ptr<Tier>>& tiers);
 // a written-down block counts as received from the tier above.
 using TierPut = std::function<Status(size_t t, const BlockId& id, const void* data, uint64_t size,
                                      const PutOptions& options)>;
+// Writes a dedup alias into tier t, making room there as for a block.
+using AliasPut = std::function<Status(size_t t, const BlockId& alias, const BlockId& target)>;
 
 struct WriteDownOptions {
   bool blocks = true;   // copy memory-only blocks down (false: an ephemeral close)
@@ -46,7 +48,7 @@ struct WriteDownOptions {
 // REQUIRES: persistent < tiers.size(), or SIZE_MAX (then only tiers flush).
 Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persistent,
                   ThreadPool* pool, DedupTable* dedup, const TierPut& put,
-                  const WriteDownOptions& options);
+                  const AliasPut& put_alias, const WriteDownOptions& options);
 
 // Loads the aliases `tier` reports into `table`, each with the size of its
 // target block (pairs whose target the tier does not hold are skipped).
