@@ -286,11 +286,10 @@ Status FileTier::put(const BlockId& id, const void* data, uint64_t size, const P
 
 Status FileTier::put_alias(const BlockId& alias, const BlockId& target) {
   if (alias == target) return Status::InvalidArgument("an alias cannot name itself");
-  {
-    std::lock_guard<std::mutex> lock(alias_mu_);
-    auto it = aliases_.find(alias);
-    if (it != aliases_.end() && it->second.target == target) return Status::OK();
-  }
+  // Always a new record, also when the same pair is held already: the
+  // record behind it may be on its way out (a compaction that found the
+  // target gone drops it), and the caller asks because the pair must be on
+  // disk now.
   if (!index_.contains(target)) return Status::NotFound("alias target " + target.hex() + " is not in the file tier");
   return append(alias, target.bytes.data(), 16, file::kFlagAlias,
                 [&](const Location& loc, const SegmentRef&, const RecordHeader& h) {
