@@ -72,10 +72,12 @@ test: check-symbols test-cpp test-py test-mpi test-asan
 
 # Sanitizers. test-asan: the C++ unit tests and the Python tests of the store's
 # own code, built with AddressSanitizer + UBSan (build/asan: no CUDA, no MPI;
-# the Python suite runs with the ASan runtime preloaded). test-tsan: the C++
+# the Python suite runs with the ASan runtime preloaded, and libstdc++ with it
+# so that ASan's exception interceptors find it in an interpreter that does
+# not link it). test-tsan: the C++
 # tests that run many threads, under ThreadSanitizer (build/tsan).
 SAN_CMAKE      := -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV))/bin/ninja \
-                  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCASCADE_BUILD_TESTS=ON \
+                  -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-O1 -g1" -DCASCADE_BUILD_TESTS=ON \
                   -DCASCADE_WITH_CUDA=OFF -DCASCADE_WITH_MPI=OFF
 ASAN_BUILD     := build/asan
 TSAN_BUILD     := build/tsan
@@ -99,7 +101,7 @@ test-asan: setup
 	cd $(ASAN_BUILD) && $(ASAN_ENV) ctest --output-on-failure -j $(JOBS) -LE gpu
 	rm -rf $(ASAN_BUILD)/pkg && mkdir -p $(ASAN_BUILD)/pkg && cp -r python/cascade $(ASAN_BUILD)/pkg/ && \
 	  rm -f $(ASAN_BUILD)/pkg/cascade/_core*.so && cp $(ASAN_BUILD)/_core*.so $(ASAN_BUILD)/pkg/cascade/
-	$(ASAN_ENV) LD_PRELOAD=$$($(CXX) -print-file-name=libasan.so) \
+	$(ASAN_ENV) LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)" \
 	  PYTHONPATH=$(abspath $(ASAN_BUILD))/pkg $(PY) -m pytest -q -p no:cacheprovider $(ASAN_PY_TESTS)
 
 test-tsan: setup

@@ -472,7 +472,7 @@ class CascadeStore::Impl {
       Status st;
       for (int round = 0; round < 256; ++round) {  // as put_into: each round evicts a block
         st = tiers[t]->put_alias(alias, target);
-        if (!st.is(Code::kNoSpace)) return st;
+        if (!st.is(Code::kNoSpace)) return st;  // NotFound: the room made was the target's
         Status room = make_room(t, kAliasRecordBytes);
         if (!room.ok()) return room;
       }

@@ -92,9 +92,12 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
       Status st = put_alias(persistent, alias, target);
       if (st.ok()) {
         dedup->mark_written(alias, target);
-      } else {
+      } else if (!st.is(Code::kNotFound)) {
         alias_failures.add(st);
       }
+      // NotFound: the target left the tier meanwhile (evicted to make room),
+      // taking its aliases with it unless a tier above still holds it; then
+      // the alias stays unwritten and the next flush writes both down.
     });
   }
   Status flushed;

@@ -132,7 +132,9 @@ TEST(FileTierSecurityTest, KeyIsCreatedOnceAndRefusedWhenNotOurs) {
   auto refused = [&](const char* why) {
     auto t = FileTier::Open(c, nullptr);
     EXPECT_FALSE(t.ok()) << why;
-    if (!t.ok()) EXPECT_NE(t.status().message().find("KEY"), std::string::npos) << t.status().ToString();
+    if (!t.ok()) {
+      EXPECT_NE(t.status().message().find("KEY"), std::string::npos) << t.status().ToString();
+    }
   };
   // Open to others beyond file_mode.
   ASSERT_EQ(::chmod(key.c_str(), 0644), 0);
