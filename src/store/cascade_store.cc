@@ -227,10 +227,12 @@ class CascadeStore::Impl {
   }
 
   // ---- reads ----------------------------------------------------------------
-  std::optional<BlockId> physical(const BlockId& id) const {
+  // The id a block's bytes are stored under: its alias target, or the id
+  // itself (stored under its own id, or not at all).
+  BlockId physical(const BlockId& id) const {
     if (!dedup) return id;
     auto p = dedup->resolve(id);
-    return p ? *p : id;  // no alias: stored under its own id (or not at all)
+    return p ? *p : id;
   }
 
   // Outcome of reading one tier: true when the item is settled (hit, or an
@@ -268,20 +270,18 @@ class CascadeStore::Impl {
   Status get_impl(const BlockId& id, const ReadRequest& rq, GetResult* r) {
     gets.fetch_add(1, std::memory_order_relaxed);
     *r = GetResult{};
-    auto phys = physical(id);
+    const BlockId phys = physical(id);
     Status out_st;
-    if (phys) {
-      for (size_t t = 0; t < tiers.size(); ++t) {
-        ReadResult rr;
-        Status st = tiers[t]->read(*phys, rq, &rr);
-        if (!settle(t, *phys, rq, st, rr, r, &out_st)) continue;
-        if (out_st.ok()) {
-          hits.fetch_add(1, std::memory_order_relaxed);
-          bytes_got.fetch_add(rr.copied, std::memory_order_relaxed);
-          if (rq.whole) maybe_promote(t, *phys, rq.out, rr.block_size, rr.is_prefix, rq.out_kind);
-        }
-        return out_st;
+    for (size_t t = 0; t < tiers.size(); ++t) {
+      ReadResult rr;
+      Status st = tiers[t]->read(phys, rq, &rr);
+      if (!settle(t, phys, rq, st, rr, r, &out_st)) continue;
+      if (out_st.ok()) {
+        hits.fetch_add(1, std::memory_order_relaxed);
+        bytes_got.fetch_add(rr.copied, std::memory_order_relaxed);
+        if (rq.whole) maybe_promote(t, phys, rq.out, rr.block_size, rr.is_prefix, rq.out_kind);
       }
+      return out_st;
     }
     misses.fetch_add(1, std::memory_order_relaxed);
     return Status::OK();
@@ -293,13 +293,10 @@ class CascadeStore::Impl {
     results->assign(n, GetResult{});
     statuses->assign(n, Status::OK());
     std::vector<BlockId> phys(n);
-    std::vector<size_t> pending;
+    std::vector<size_t> pending(n);
     for (size_t i = 0; i < n; ++i) {
-      auto p = physical(ids[i]);
-      if (p) {
-        phys[i] = *p;
-        pending.push_back(i);
-      }
+      phys[i] = physical(ids[i]);
+      pending[i] = i;
     }
     gets.fetch_add(n, std::memory_order_relaxed);
     for (size_t t = 0; t < tiers.size() && !pending.empty(); ++t) {
@@ -580,8 +577,7 @@ Status CascadeStore::get_range(const BlockId& id, uint64_t offset, void* out, ui
 
 bool CascadeStore::contains(const BlockId& id) const {
   CASCADE_LIVE_OR(false);
-  auto phys = impl_->physical(id);
-  return phys && impl_->contains_phys(*phys);
+  return impl_->contains_phys(impl_->physical(id));
 }
 
 Status CascadeStore::remove(const BlockId& id) {
@@ -591,12 +587,11 @@ Status CascadeStore::remove(const BlockId& id) {
 
 Result<BlockView> CascadeStore::acquire(const BlockId& id) {
   CASCADE_LIVE_OR(closed_status());
-  auto phys = impl_->physical(id);
-  if (!phys) return Status::NotFound("block " + id.hex() + " is not stored");
-  auto view = impl_->tiers[0]->acquire(*phys);
+  const BlockId phys = impl_->physical(id);
+  auto view = impl_->tiers[0]->acquire(phys);
   if (view.ok() || !view.status().is(Code::kNotFound)) return view;
-  CASCADE_RETURN_IF_ERROR(impl_->promote(*phys));
-  return impl_->tiers[0]->acquire(*phys);
+  CASCADE_RETURN_IF_ERROR(impl_->promote(phys));
+  return impl_->tiers[0]->acquire(phys);
 }
 
 size_t CascadeStore::put_batch(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
@@ -666,8 +661,7 @@ std::shared_ptr<BatchTask> CascadeStore::prefetch(std::vector<BlockId> ids) {
   impl_->submit([impl = impl_.get(), task, ids = std::move(ids)] {
     std::atomic<size_t> ok{0};
     impl->pool->parallel_for(ids.size(), [&](size_t i) {
-      auto phys = impl->physical(ids[i]);
-      task->statuses_[i] = phys ? impl->promote(*phys) : Status::NotFound("block is not stored");
+      task->statuses_[i] = impl->promote(impl->physical(ids[i]));
       if (task->statuses_[i].ok()) ok.fetch_add(1, std::memory_order_relaxed);
     });
     task->finish(ok.load());
