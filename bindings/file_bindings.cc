@@ -9,7 +9,7 @@
 #include "cascade/file_tier.h"
 #include "common.h"
 #include "guarded.h"
-#include "tiers/file/file_probe.h"
+#include "bench/file_probe.h"
 
 namespace cascade::py {
 namespace {

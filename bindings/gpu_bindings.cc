@@ -21,7 +21,7 @@
 #include "cascade/gpu_tier.h"
 #include "common.h"
 #include "guarded.h"
-#include "tiers/gpu/gpu_bench_cli.h"
+#include "bench/gpu_bench_cli.h"
 
 #if CASCADE_HAVE_CUDA
 #include <cuda_runtime_api.h>

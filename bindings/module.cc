@@ -3,9 +3,9 @@
 
 #include "cascade/config.h"
 #include "common.h"
-#include "index/index_probe.h"
-#include "io/memory_probe.h"
-#include "port/device_copy.h"
+#include "bench/index_probe.h"
+#include "bench/memory_probe.h"
+#include "cuda/device_copy.h"
 
 namespace cascade::py {
 void register_store(nb::module_& m);

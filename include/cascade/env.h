@@ -5,7 +5,7 @@
 // directories, fallocate, truncate, rename, unlink, directory listing, free
 // space, and the advisory lock that keeps two stores off one directory.
 // Tests swap the Env at run time, with no build flag:
-//   - Env::Default()        the real file system (PosixEnv, src/port/env_posix.cc);
+//   - Env::Default()        the real file system (PosixEnv, src/os/env_posix.cc);
 //   - NewMemoryEnv()        files in memory, for fast tests of the logic;
 //   - FaultInjectingEnv     wraps another Env and makes chosen calls fail:
 //                           ENOSPC after N written bytes, EIO on reads of a

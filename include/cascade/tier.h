@@ -25,15 +25,11 @@
 
 #include "cascade/block_id.h"
 #include "cascade/config.h"
+#include "cascade/memory_kind.h"
 #include "cascade/stats.h"
 #include "cascade/status.h"
 
 namespace cascade {
-
-enum class MemoryKind : uint8_t {
-  kHost,    // CPU-addressable memory
-  kDevice,  // CUDA device memory (or host memory only the GPU should touch)
-};
 
 // Where a put comes from; tiers count demotions and promotions separately.
 enum class PutOrigin : uint8_t { kUser, kDemotion, kPromotion };

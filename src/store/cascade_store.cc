@@ -15,8 +15,8 @@
 #include <mutex>
 #include <shared_mutex>
 
-#include "io/thread_pool.h"
-#include "port/device_copy.h"
+#include "util/thread_pool.h"
+#include "cuda/device_copy.h"
 #include "store/dedup_table.h"
 #include "store/store_open.h"
 #include "store/tier_factory.h"

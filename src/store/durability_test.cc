@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "cascade/store.h"
-#include "port/device_copy.h"
+#include "cuda/device_copy.h"
 #include "store/dedup_table.h"
 #include "store/simulated_disk_tier.h"
 #include "store/store_open.h"

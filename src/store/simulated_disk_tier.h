@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "cascade/tier.h"
-#include "port/device_copy.h"
+#include "cuda/device_copy.h"
 
 namespace cascade {
 

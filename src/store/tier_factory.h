@@ -6,7 +6,7 @@
 
 #include "cascade/config.h"
 #include "cascade/tier.h"
-#include "io/thread_pool.h"
+#include "util/thread_pool.h"
 
 namespace cascade {
 

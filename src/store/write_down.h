@@ -20,7 +20,7 @@
 #include "cascade/block_id.h"
 #include "cascade/status.h"
 #include "cascade/tier.h"
-#include "io/thread_pool.h"
+#include "util/thread_pool.h"
 #include "store/dedup_table.h"
 
 namespace cascade {

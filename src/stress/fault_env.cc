@@ -5,7 +5,7 @@
 #include <cerrno>
 #include <limits>
 
-#include "port/errno_status.h"
+#include "os/errno_status.h"
 
 namespace cascade::stress {
 

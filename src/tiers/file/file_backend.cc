@@ -7,7 +7,7 @@
 
 #include "cascade/env.h"
 #include "cascade/file_tier.h"
-#include "io/thread_pool.h"
+#include "util/thread_pool.h"
 #include "tiers/file/file_tier.h"
 #include "tiers/file/segment_scan.h"
 #include "tiers/file/store_key.h"

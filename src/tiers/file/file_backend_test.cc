@@ -8,7 +8,7 @@
 #include <filesystem>
 
 #include "cascade/file_tier.h"
-#include "tiers/file/file_probe.h"
+#include "bench/file_probe.h"
 #include "tiers/file/file_test_util.h"
 #include "tiers/file/file_tier.h"
 

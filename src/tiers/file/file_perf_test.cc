@@ -10,7 +10,7 @@
 #include <cstring>
 #include <filesystem>
 
-#include "tiers/file/file_probe.h"
+#include "bench/file_probe.h"
 #include "tiers/file/file_test_util.h"
 #include "tiers/file/file_tier.h"
 

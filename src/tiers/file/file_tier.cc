@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "port/device_copy.h"
+#include "cuda/device_copy.h"
 #include "tiers/file/segment_scan.h"
 
 namespace cascade {

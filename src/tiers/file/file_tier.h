@@ -93,7 +93,7 @@
 #include "cascade/env.h"
 #include "cascade/tier.h"
 #include "index/block_index.h"
-#include "io/thread_pool.h"
+#include "util/thread_pool.h"
 #include "tiers/file/aligned_buffer.h"
 #include "tiers/file/io_engine.h"
 #include "tiers/file/record_format.h"

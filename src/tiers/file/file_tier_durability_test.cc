@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "cascade/env.h"
-#include "io/thread_pool.h"
+#include "util/thread_pool.h"
 #include "tiers/file/file_test_util.h"
 #include "tiers/file/file_tier.h"
 #include "tiers/file/segment_scan.h"

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "port/device_copy.h"
+#include "cuda/device_copy.h"
 #include "tiers/file/file_tier.h"
 
 namespace cascade {

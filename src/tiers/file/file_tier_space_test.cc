@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "cascade/file_tier.h"
-#include "io/thread_pool.h"
+#include "util/thread_pool.h"
 #include "tiers/file/file_test_util.h"
 #include "tiers/file/file_tier.h"
 

@@ -28,7 +28,7 @@
 
 #include "cascade/env.h"
 #include "cascade/status.h"
-#include "io/thread_pool.h"
+#include "util/thread_pool.h"
 
 namespace cascade::file {
 

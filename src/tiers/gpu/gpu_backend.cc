@@ -1,7 +1,7 @@
 // GpuBackend over a GpuTier. See include/cascade/gpu_tier.h.
 #include "cascade/gpu_tier.h"
 
-#include "io/thread_pool.h"
+#include "util/thread_pool.h"
 #include "tiers/gpu/gpu_tier.h"
 
 namespace cascade {

@@ -5,12 +5,12 @@
 #include <tuple>
 
 #include "index/block_index.h"
-#include "port/device_copy.h"
+#include "cuda/device_copy.h"
 #include "tiers/arena_victims.h"
-#include "tiers/gpu/cuda_status.h"
-#include "tiers/gpu/device_arena.h"
-#include "tiers/gpu/device_context.h"
-#include "tiers/gpu/device_transfers.h"
+#include "cuda/cuda_status.h"
+#include "cuda/device_arena.h"
+#include "cuda/device_context.h"
+#include "cuda/device_transfers.h"
 #include "tiers/gpu/gpu_tier.h"
 #include "tiers/tier_counters.h"
 

@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "cascade/gpu_tier.h"
-#include "io/thread_pool.h"
-#include "port/device_copy.h"
-#include "tiers/gpu/device_buffer.h"
+#include "util/thread_pool.h"
+#include "cuda/device_copy.h"
+#include "cuda/device_buffer.h"
 #include "tiers/host/host_tier.h"
 
 namespace cascade {

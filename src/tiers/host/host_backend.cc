@@ -1,6 +1,6 @@
 #include "cascade/host_backend.h"
 
-#include "io/thread_pool.h"
+#include "util/thread_pool.h"
 #include "tiers/host/host_tier.h"
 
 namespace cascade {

@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "port/device_copy.h"
+#include "cuda/device_copy.h"
 #include "tiers/arena_victims.h"
 
 namespace cascade {

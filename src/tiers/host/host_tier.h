@@ -13,12 +13,12 @@
 #include <atomic>
 #include <memory>
 
-#include "alloc/extent_allocator.h"
+#include "util/extent_allocator.h"
 #include "cascade/tier.h"
 #include "tiers/tier_counters.h"
 #include "index/block_index.h"
-#include "io/thread_pool.h"
-#include "port/shm_arena.h"
+#include "util/thread_pool.h"
+#include "os/shm_arena.h"
 
 namespace cascade {
 

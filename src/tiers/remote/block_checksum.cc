@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "io/copy_bytes.h"
-#include "io/thread_pool.h"
+#include "util/copy_bytes.h"
+#include "util/thread_pool.h"
 
 namespace cascade::remote {
 namespace {

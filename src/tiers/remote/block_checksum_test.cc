@@ -5,7 +5,7 @@
 #include <random>
 #include <vector>
 
-#include "io/thread_pool.h"
+#include "util/thread_pool.h"
 
 namespace cascade::remote {
 namespace {

@@ -7,8 +7,8 @@
 #include <cerrno>
 #include <string>
 
-#include "port/device_copy.h"
-#include "port/errno_status.h"
+#include "cuda/device_copy.h"
+#include "os/errno_status.h"
 #include "tiers/remote/block_checksum.h"
 
 #ifndef MADV_POPULATE_WRITE

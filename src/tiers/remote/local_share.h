@@ -30,11 +30,11 @@
 #include <optional>
 #include <unordered_map>
 
-#include "alloc/extent_allocator.h"
+#include "util/extent_allocator.h"
 #include "cascade/config.h"
 #include "cascade/tier.h"
 #include "index/block_index.h"
-#include "io/thread_pool.h"
+#include "util/thread_pool.h"
 #include "tiers/remote/reservation_table.h"
 
 namespace cascade::remote {

@@ -40,12 +40,11 @@
 
 #include "cascade/distributed.h"
 #include "cascade/tier.h"
-#include "io/thread_pool.h"
+#include "util/thread_pool.h"
 #include "tiers/remote/hash_ring.h"
 #include "tiers/remote/local_share.h"
 #include "tiers/remote/rank_fabric.h"
 #include "tiers/remote/reservation_table.h"
-#include "tiers/remote/store_integration.h"
 #include "tiers/tier_counters.h"
 
 namespace cascade::remote {
@@ -57,7 +56,7 @@ class RemoteTier final : public Tier, private RequestHandler {
              const DistributedOptions& options, ThreadPool* pool);
   ~RemoteTier() override;  // leaves the group
 
-  TierKind kind() const override { return kRemoteTierKind; }
+  TierKind kind() const override { return TierKind::kRemote; }
   Status put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) override;
   Status read(const BlockId& id, const ReadRequest& req, ReadResult* result) override;
   void read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,

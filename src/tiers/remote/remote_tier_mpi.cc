@@ -7,7 +7,7 @@
 #include <string>
 #include <thread>
 
-#include "port/device_copy.h"
+#include "cuda/device_copy.h"
 #include "tiers/remote/block_checksum.h"
 
 namespace cascade::remote {

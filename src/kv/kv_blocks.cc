@@ -1,0 +1,315 @@
+// KvBlockMover. See include/cascade/kv_blocks.h.
+#include "cascade/kv_blocks.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "cuda/device_buffer.h"
+
+namespace cascade {
+namespace {
+
+// Staging is filled and drained in chunks of at most this many bytes (and
+// at least one block), so a long prompt does not need its whole KV twice.
+constexpr uint64_t kStagingCapBytes = 256ULL << 20;
+// Blocks leased at once by a load.
+constexpr size_t kLeaseChunk = 1024;
+
+struct FreeDeleter {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+
+}  // namespace
+
+struct KvBlockMover::Staging {
+  MemoryKind kind = MemoryKind::kHost;
+  uint64_t bytes = 0;
+  std::unique_ptr<uint8_t, FreeDeleter> host;
+  PinnedBuffer pinned;
+  DeviceBuffer device;
+  uint8_t* data = nullptr;
+};
+
+KvBlockMover::KvBlockMover(CascadeStore* store, const PagedKvCache& cache, int device)
+    : store_(store),
+      cache_(cache),
+      device_(device),
+      block_bytes_(stored_kv_block_bytes(cache)),
+      top_is_gpu_(false),
+      save_staging_(std::make_unique<Staging>()),
+      load_staging_(std::make_unique<Staging>()) {
+  std::vector<TierKind> p = store->pipeline();
+  top_is_gpu_ = !p.empty() && p.front() == TierKind::kGpu;
+  tiers_ = p.size();
+  StoreStats st = store->stats();
+  top_capacity_ = st.tiers.empty() ? 0 : st.tiers.front().capacity_bytes;
+}
+
+KvBlockMover::~KvBlockMover() = default;
+
+Result<std::unique_ptr<KvBlockMover>> KvBlockMover::Create(CascadeStore* store, const PagedKvCache& cache,
+                                                           int device) {
+  if (store == nullptr) return Status::InvalidArgument("no store");
+  CASCADE_RETURN_IF_ERROR(validate_paged_kv(cache));
+  if (stored_kv_block_bytes(cache) == 0) return Status::InvalidArgument("the cache's blocks are empty");
+  return std::unique_ptr<KvBlockMover>(new KvBlockMover(store, cache, device));
+}
+
+Result<uint8_t*> KvBlockMover::staging(Staging& s, uint64_t bytes, MemoryKind kind) {
+  if (s.data != nullptr && s.kind == kind && s.bytes >= bytes) return s.data;
+  s.host.reset();
+  s.pinned = PinnedBuffer{};
+  s.device = DeviceBuffer{};
+  s.data = nullptr;
+  s.bytes = 0;
+  if (kind == MemoryKind::kDevice) {
+    auto b = DeviceBuffer::Allocate(device_, bytes);
+    if (!b.ok()) return b.status();
+    s.device = std::move(b.value());
+    s.data = s.device.data();
+  } else if (cache_.memory == MemoryKind::kDevice) {
+    // Pinned, so the DMA engine reads/writes it directly.
+    auto b = PinnedBuffer::Allocate(bytes);
+    if (!b.ok()) return b.status();
+    s.pinned = std::move(b.value());
+    s.data = s.pinned.data();
+  } else {
+    const uint64_t rounded = (bytes + 4095) & ~uint64_t(4095);
+    s.host.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, rounded)));
+    if (!s.host) {
+      return Status::NoSpace("could not allocate " + std::to_string(bytes) + " bytes of staging memory");
+    }
+    s.data = s.host.get();
+  }
+  s.kind = kind;
+  s.bytes = bytes;
+  return s.data;
+}
+
+Status KvBlockMover::gather(std::span<const int64_t> blocks, std::span<void* const> dst, MemoryKind dst_kind,
+                            const KvMoveOptions& o) const {
+  if (cache_.memory == MemoryKind::kHost) {
+    if (dst_kind != MemoryKind::kHost) return Status::InvalidArgument("a host cache saves into host memory");
+    return save_paged_kv_cpu(cache_, blocks, dst);
+  }
+  PagedKvOptions po;
+  po.cuda_stream = o.cuda_stream;
+  po.wait = true;
+  return save_paged_kv(cache_, blocks, dst, dst_kind, po);
+}
+
+Status KvBlockMover::scatter(std::span<const int64_t> blocks, std::span<const void* const> src,
+                             MemoryKind src_kind, const KvMoveOptions& o) const {
+  if (cache_.memory == MemoryKind::kHost) {
+    if (src_kind != MemoryKind::kHost) return Status::InvalidArgument("a host cache loads from host memory");
+    return load_paged_kv_cpu(cache_, blocks, src, o.layer_begin, o.layer_end);
+  }
+  PagedKvOptions po;
+  po.cuda_stream = o.cuda_stream;
+  po.wait = true;
+  po.layer_begin = o.layer_begin;
+  po.layer_end = o.layer_end;
+  return load_paged_kv(cache_, blocks, src, src_kind, po);
+}
+
+namespace {
+
+Status check_spans(size_t blocks, size_t ids) {
+  if (blocks != ids) {
+    return Status::InvalidArgument(std::to_string(blocks) + " engine blocks but " + std::to_string(ids) +
+                                   " ids: one id per engine block");
+  }
+  return Status::OK();
+}
+
+Status check_block(int64_t b, int64_t num_blocks) {
+  if (b < 0 || b >= num_blocks) {
+    return Status::InvalidArgument("engine block " + std::to_string(b) + " is outside the cache's " +
+                                   std::to_string(num_blocks) + " blocks");
+  }
+  return Status::OK();
+}
+
+size_t count_ok(const std::vector<Status>& st) {
+  return static_cast<size_t>(std::count_if(st.begin(), st.end(), [](const Status& s) { return s.ok(); }));
+}
+
+}  // namespace
+
+Result<size_t> KvBlockMover::save(std::span<const int64_t> engine_blocks, std::span<const BlockId> ids,
+                                  const KvMoveOptions& options, std::vector<Status>* statuses) {
+  CASCADE_RETURN_IF_ERROR(check_spans(engine_blocks.size(), ids.size()));
+  if (options.layer_begin != 0 || (options.layer_end != -1 && options.layer_end != cache_.num_layers)) {
+    return Status::InvalidArgument("a save copies every layer (a stored block is written once, whole)");
+  }
+  statuses->assign(ids.size(), Status::OK());
+  // Items that need a copy: not already stored, block in range.
+  std::vector<size_t> todo;
+  todo.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    Status st = check_block(engine_blocks[i], cache_.num_blocks);
+    if (!st.ok()) {
+      (*statuses)[i] = st;
+    } else if (!store_->contains(ids[i])) {
+      todo.push_back(i);
+    }
+  }
+  if (todo.empty()) return count_ok(*statuses);
+
+  const MemoryKind kind =
+      (cache_.memory == MemoryKind::kDevice && top_is_gpu_) ? MemoryKind::kDevice : MemoryKind::kHost;
+  const size_t per_chunk = std::max<uint64_t>(1, kStagingCapBytes / block_bytes_);
+  std::lock_guard<std::mutex> lock(save_mu_);
+  auto buf = staging(*save_staging_, std::min<uint64_t>(per_chunk, todo.size()) * block_bytes_, kind);
+  if (!buf.ok()) {
+    for (size_t i : todo) (*statuses)[i] = buf.status();
+    return count_ok(*statuses);
+  }
+  std::vector<int64_t> blocks;
+  std::vector<void*> dst;
+  std::vector<BlockId> chunk_ids;
+  std::vector<ConstBuffer> data;
+  std::vector<Status> put_st;
+  for (size_t begin = 0; begin < todo.size(); begin += per_chunk) {
+    const size_t n = std::min(per_chunk, todo.size() - begin);
+    blocks.resize(n);
+    dst.resize(n);
+    chunk_ids.resize(n);
+    data.resize(n);
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = todo[begin + k];
+      blocks[k] = engine_blocks[i];
+      dst[k] = *buf + k * block_bytes_;
+      chunk_ids[k] = ids[i];
+      data[k] = ConstBuffer{dst[k], block_bytes_};
+    }
+    Status st = gather(blocks, dst, kind, options);
+    if (!st.ok()) {
+      for (size_t k = 0; k < n; ++k) (*statuses)[todo[begin + k]] = st;
+      continue;
+    }
+    PutOptions po;
+    po.src_kind = kind;
+    po.cuda_stream = options.cuda_stream;
+    store_->put_batch(chunk_ids, data, &put_st, po);
+    for (size_t k = 0; k < n; ++k) (*statuses)[todo[begin + k]] = put_st[k];
+  }
+  return count_ok(*statuses);
+}
+
+Result<size_t> KvBlockMover::load(std::span<const int64_t> engine_blocks, std::span<const BlockId> ids,
+                                  const KvMoveOptions& options, std::vector<Status>* statuses) {
+  CASCADE_RETURN_IF_ERROR(check_spans(engine_blocks.size(), ids.size()));
+  const int end = options.layer_end < 0 ? cache_.num_layers : options.layer_end;
+  if (options.layer_begin < 0 || options.layer_begin >= end || end > cache_.num_layers) {
+    return Status::InvalidArgument("layers [" + std::to_string(options.layer_begin) + ", " +
+                                   std::to_string(end) + ") are not within the cache's " +
+                                   std::to_string(cache_.num_layers));
+  }
+  statuses->assign(ids.size(), Status::OK());
+  std::lock_guard<std::mutex> lock(load_mu_);
+  const MemoryKind host = MemoryKind::kHost;
+  for (size_t begin = 0; begin < ids.size(); begin += kLeaseChunk) {
+    const size_t n = std::min(kLeaseChunk, ids.size() - begin);
+    if (tiers_ > 1 && (top_capacity_ == 0 || n * block_bytes_ <= top_capacity_ / 2)) {
+      // Blocks below the top tier come up on the store's I/O threads in
+      // parallel, not one by one inside acquire().
+      std::vector<BlockId> chunk(ids.begin() + begin, ids.begin() + begin + n);
+      store_->prefetch(std::move(chunk))->wait();
+    }
+    std::vector<BlockView> views;
+    views.reserve(n);
+    // Items served from a lease, by the memory kind of the lease.
+    std::vector<size_t> by_kind[2];
+    std::vector<size_t> fallback;  // items to read through staging
+    std::vector<const void*> src_of(n, nullptr);
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = begin + k;
+      Status st = check_block(engine_blocks[i], cache_.num_blocks);
+      if (!st.ok()) {
+        (*statuses)[i] = st;
+        continue;
+      }
+      auto v = store_->acquire(ids[i]);
+      if (!v.ok()) {
+        if (v.status().is(Code::kNotFound)) {
+          (*statuses)[i] = Status::NotFound("block " + ids[i].hex() + " is not stored");
+        } else {
+          fallback.push_back(i);  // no room to promote it, for one: read it instead
+        }
+        continue;
+      }
+      if (v->size() != block_bytes_) {
+        (*statuses)[i] = Status::InvalidArgument("block " + ids[i].hex() + " holds " + std::to_string(v->size()) +
+                                                 " bytes, the cache's blocks " + std::to_string(block_bytes_));
+        continue;
+      }
+      // A host cache cannot read device leases directly.
+      if (cache_.memory == MemoryKind::kHost && v->kind() != host) {
+        fallback.push_back(i);
+        continue;
+      }
+      by_kind[v->kind() == host ? 0 : 1].push_back(i);
+      src_of[k] = v->data();
+      views.push_back(std::move(v.value()));
+    }
+    // Scatter from the leases, one call per memory kind.
+    for (int kind = 0; kind < 2; ++kind) {
+      const std::vector<size_t>& items = by_kind[kind];
+      if (items.empty()) continue;
+      std::vector<int64_t> blocks(items.size());
+      std::vector<const void*> src(items.size());
+      for (size_t k = 0; k < items.size(); ++k) {
+        blocks[k] = engine_blocks[items[k]];
+        src[k] = src_of[items[k] - begin];
+      }
+      Status st = scatter(blocks, src, kind == 0 ? host : MemoryKind::kDevice, options);
+      if (!st.ok()) {
+        for (size_t i : items) (*statuses)[i] = st;
+      }
+    }
+    views.clear();  // the leases end here, after the copies completed
+    // Blocks that could not be leased: read into staging, then scatter.
+    if (!fallback.empty()) {
+      const size_t per_chunk = std::max<uint64_t>(1, kStagingCapBytes / block_bytes_);
+      auto buf = staging(*load_staging_, std::min<uint64_t>(per_chunk, fallback.size()) * block_bytes_, host);
+      for (size_t fb = 0; fb < fallback.size(); fb += per_chunk) {
+        const size_t m = std::min(per_chunk, fallback.size() - fb);
+        std::vector<int64_t> blocks;
+        std::vector<const void*> src;
+        std::vector<size_t> items;
+        for (size_t k = 0; k < m; ++k) {
+          const size_t i = fallback[fb + k];
+          if (!buf.ok()) {
+            (*statuses)[i] = buf.status();
+            continue;
+          }
+          uint8_t* out = *buf + k * block_bytes_;
+          GetResult r;
+          Status st = store_->get(ids[i], out, block_bytes_, &r);
+          if (st.ok() && !r.found) st = Status::NotFound("block " + ids[i].hex() + " is not stored");
+          if (st.ok() && r.size != block_bytes_) {
+            st = Status::InvalidArgument("block " + ids[i].hex() + " holds " + std::to_string(r.size) +
+                                         " bytes, the cache's blocks " + std::to_string(block_bytes_));
+          }
+          if (!st.ok()) {
+            (*statuses)[i] = st;
+            continue;
+          }
+          blocks.push_back(engine_blocks[i]);
+          src.push_back(out);
+          items.push_back(i);
+        }
+        if (items.empty()) continue;
+        Status st = scatter(blocks, src, host, options);
+        if (!st.ok()) {
+          for (size_t i : items) (*statuses)[i] = st;
+        }
+      }
+    }
+  }
+  return count_ok(*statuses);
+}
+
+}  // namespace cascade

@@ -1,0 +1,245 @@
+#include "os/shm_arena.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "cascade/config.h"
+#include "os/errno_status.h"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+namespace cascade {
+
+// Declared in cascade/config.h (shm_path's default); defined here, beside
+// the code that creates the file.
+std::string default_shm_path() { return "/dev/shm/cascade-" + std::to_string(::geteuid()); }
+
+namespace {
+
+// The first bytes of the header page.
+struct ArenaHeader {
+  char magic[16];
+  uint32_t version;
+  uint32_t header_bytes;
+  uint64_t capacity;
+  uint32_t creator_uid;
+  uint32_t reserved;
+};
+
+std::string human(uint64_t b) {
+  char buf[64];
+  if (b >= (1ULL << 30)) snprintf(buf, sizeof buf, "%.1f GiB", b / double(1ULL << 30));
+  else snprintf(buf, sizeof buf, "%.1f MiB", b / double(1ULL << 20));
+  return buf;
+}
+
+std::string type_name(mode_t m) {
+  if (S_ISLNK(m)) return "a symbolic link";
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISFIFO(m)) return "a fifo";
+  if (S_ISSOCK(m)) return "a socket";
+  return "of an unknown type";
+}
+
+Status not_ours(const std::string& path, const std::string& why) {
+  return Status::InvalidArgument("shm_path '" + path + "' exists and is not a Cascade arena of this user: " +
+                                 why + "; it was left untouched: remove it or choose another shm_path");
+}
+
+// Why an existing file may not be adopted; empty when its metadata says it
+// may (the header is checked once the file is locked).
+std::string refusal(const struct stat& st, dev_t dir_dev) {
+  if (S_ISLNK(st.st_mode)) return "it is a symbolic link";
+  if (!S_ISREG(st.st_mode)) return "it is not a regular file but " + type_name(st.st_mode);
+  if (st.st_uid != ::geteuid())
+    return "it is owned by uid " + std::to_string(st.st_uid) + ", this process runs as uid " +
+           std::to_string(::geteuid());
+  if ((st.st_mode & 07777) != 0600) {
+    char buf[64];
+    snprintf(buf, sizeof buf, "it has mode %04o, an arena has mode 0600", unsigned(st.st_mode & 07777));
+    return buf;
+  }
+  if (st.st_nlink != 1) return "it has " + std::to_string(st.st_nlink) + " links, an arena has one";
+  if (st.st_dev != dir_dev) return "it is on another file system than its directory";
+  return "";
+}
+
+std::string header_refusal(int fd) {
+  ArenaHeader h{};
+  ssize_t n = ::pread(fd, &h, sizeof h, 0);
+  if (n != ssize_t(sizeof h) || std::memcmp(h.magic, ShmArena::kMagic, sizeof h.magic) != 0)
+    return "it has no Cascade arena header";
+  if (h.version != ShmArena::kFormatVersion)
+    return "its arena format version is " + std::to_string(h.version) + ", this build uses " +
+           std::to_string(ShmArena::kFormatVersion);
+  if (h.creator_uid != ::geteuid())
+    return "its header names uid " + std::to_string(h.creator_uid) + " as its creator";
+  return "";
+}
+
+}  // namespace
+
+Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint64_t capacity,
+                                                   bool prefault) {
+  if (capacity == 0) return Status::InvalidArgument("shm_capacity_bytes is 0");
+  const uint64_t header = std::max<uint64_t>(4096, uint64_t(::sysconf(_SC_PAGESIZE)));
+  if (capacity > uint64_t(INT64_MAX) - header)
+    return Status::InvalidArgument("shm_capacity_bytes " + std::to_string(capacity) + " is too large");
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? std::string(".") : path.substr(0, slash + 1);
+  struct stat dir_st;
+  struct statvfs vfs;
+  if (::stat(dir.c_str(), &dir_st) != 0 || ::statvfs(dir.c_str(), &vfs) != 0)
+    return errno_status(errno, "shm_path directory '" + dir + "'");
+  uint64_t free_bytes = uint64_t(vfs.f_bavail) * vfs.f_frsize;
+
+  std::unique_ptr<ShmArena> a(new ShmArena());
+  a->path_ = path;
+  a->capacity_ = capacity;
+  a->header_bytes_ = header;
+  // Until the arena holds the file, a failure closes fd and removes the file
+  // only if it is ours (created by this call, or a stale arena whose reset
+  // has begun) and the path still names it.
+  int fd = -1;
+  bool created = false;
+  bool owned = false;
+  auto fail = [&](Status st) -> Status {
+    if (fd >= 0) {
+      if (owned) {
+        struct stat now;
+        if (::lstat(path.c_str(), &now) == 0 && now.st_dev == a->dev_ && now.st_ino == a->ino_)
+          ::unlink(path.c_str());
+      }
+      ::close(fd);
+    }
+    return st;
+  };
+
+  struct stat st;
+  for (int attempt = 0;; ++attempt) {
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+      created = owned = true;
+      if (::fstat(fd, &st) != 0) return fail(errno_status(errno, "stat shm_path '" + path + "'"));
+      a->dev_ = st.st_dev;
+      a->ino_ = st.st_ino;
+      break;
+    }
+    if (errno != EEXIST) return errno_status(errno, "create shm_path '" + path + "'");
+    // Something is there: only a stale arena of ours may be taken over.
+    struct stat lst;
+    if (::lstat(path.c_str(), &lst) != 0) {
+      if (errno == ENOENT && attempt < 8) continue;  // removed meanwhile: create it
+      return errno_status(errno, "stat shm_path '" + path + "'");
+    }
+    std::string why = refusal(lst, dir_st.st_dev);
+    if (!why.empty()) return not_ours(path, why);
+    // O_NONBLOCK and O_NOCTTY: should the path change into a fifo or a
+    // device before this open, the open neither blocks nor takes a terminal;
+    // fstat below refuses it.
+    fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    if (fd < 0) {
+      if (errno == ENOENT && attempt < 8) continue;
+      if (errno == ELOOP) return not_ours(path, "it is a symbolic link");
+      return errno_status(errno, "open existing shm_path '" + path + "'");
+    }
+    if (::fstat(fd, &st) != 0) return fail(errno_status(errno, "stat shm_path '" + path + "'"));
+    why = refusal(st, dir_st.st_dev);
+    if (!why.empty()) return fail(not_ours(path, why));
+    break;
+  }
+
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    int err = errno;
+    if (err == EWOULDBLOCK)
+      return fail(Status::Busy("shm_path '" + path +
+                               "' is in use by another open store; give each store its own shm_path"));
+    return fail(errno_status(err, "lock shm_path '" + path + "'"));
+  }
+  if (!created) {
+    std::string why = header_refusal(fd);
+    if (!why.empty()) return fail(not_ours(path, why));
+    // A stale arena: its memory is given back below, so it counts as free.
+    free_bytes += uint64_t(st.st_blocks) * 512;
+  }
+  if (header + capacity > free_bytes)
+    return fail(Status::InvalidArgument("shm_capacity_bytes " + human(capacity) +
+                                        " is larger than the free space of the file system holding '" +
+                                        path + "' (" + human(free_bytes) + ")"));
+  // From here the file is ours: created by this call, or a stale arena of
+  // this user whose contents are discarded (the host tier starts empty).
+  owned = true;
+  a->dev_ = st.st_dev;
+  a->ino_ = st.st_ino;
+  if (created && ::fchmod(fd, 0600) != 0)  // exactly 0600 whatever the umask
+    return fail(errno_status(errno, "chmod shm_path '" + path + "'"));
+  if ((!created && ::ftruncate(fd, 0) != 0) ||
+      ::ftruncate(fd, static_cast<off_t>(header + capacity)) != 0)
+    return fail(errno_status(errno, "size shm_path '" + path + "'"));
+  if (int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(header)); rc != 0)
+    return fail(errno_status(rc, "write the header of shm_path '" + path + "'"));
+  std::vector<uint8_t> page(header, 0);
+  ArenaHeader h{};
+  std::memcpy(h.magic, kMagic, sizeof h.magic);
+  h.version = kFormatVersion;
+  h.header_bytes = uint32_t(header);
+  h.capacity = capacity;
+  h.creator_uid = ::geteuid();
+  std::memcpy(page.data(), &h, sizeof h);
+  ssize_t wrote = ::pwrite(fd, page.data(), header, 0);
+  if (wrote != ssize_t(header))
+    return fail(errno_status(wrote < 0 ? errno : EIO, "write the header of shm_path '" + path + "'"));
+
+  void* p = ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(header));
+  if (p == MAP_FAILED) return fail(errno_status(errno, "map shm_path '" + path + "'"));
+  ::madvise(p, capacity, MADV_HUGEPAGE);  // best effort: honoured where shmem THP is enabled
+  a->fd_ = fd;
+  a->base_ = static_cast<uint8_t*>(p);
+  a->adopted_ = !created;
+  if (prefault) CASCADE_RETURN_IF_ERROR(a->commit(capacity));
+  return a;
+}
+
+ShmArena::~ShmArena() {
+  if (base_) ::munmap(base_, capacity_);
+  if (fd_ < 0) return;
+  // Remove the file only while the path still names it: a file someone put
+  // there since is not ours.
+  struct stat now;
+  if (::lstat(path_.c_str(), &now) == 0 && now.st_dev == dev_ && now.st_ino == ino_)
+    ::unlink(path_.c_str());
+  ::close(fd_);  // releases the flock
+}
+
+Status ShmArena::commit(uint64_t end) {
+  if (end <= committed_.load(std::memory_order_acquire)) return Status::OK();
+  std::lock_guard<std::mutex> lock(commit_mu_);
+  uint64_t have = committed_.load(std::memory_order_relaxed);
+  if (end <= have) return Status::OK();
+  uint64_t want = std::min(capacity_, (end + kCommitStep - 1) / kCommitStep * kCommitStep);
+  int rc = ::posix_fallocate(fd_, static_cast<off_t>(header_bytes_ + have),
+                             static_cast<off_t>(want - have));
+  if (rc != 0) {
+    // posix_fallocate may leave a partial allocation; only what is certain
+    // is advertised.
+    return errno_status(rc, "commit host arena memory in '" + path_ + "' (is /dev/shm full?)");
+  }
+  ::madvise(base_ + have, want - have, MADV_POPULATE_WRITE);  // best effort
+  committed_.store(want, std::memory_order_release);
+  return Status::OK();
+}
+
+}  // namespace cascade

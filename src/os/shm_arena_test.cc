@@ -1,0 +1,264 @@
+// ShmArena: creates its file privately, adopts only a stale arena of this
+// user, never truncates or removes a file that is not its own.
+#include "os/shm_arena.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
+
+#include "cascade/config.h"
+
+namespace cascade {
+namespace {
+
+constexpr uint64_t kCap = 4ULL << 20;
+
+std::string unique_path(const std::string& tag) {
+  static int n = 0;
+  return "/dev/shm/cascade-arena-test-" + std::to_string(::getpid()) + "-" + tag + "-" +
+         std::to_string(n++);
+}
+
+std::string read_all(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+void write_file(const std::string& path, const std::string& bytes, mode_t mode) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL, mode);
+  ASSERT_GE(fd, 0) << path;
+  ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), ssize_t(bytes.size()));
+  ASSERT_EQ(::fchmod(fd, mode), 0);
+  ::close(fd);
+}
+
+// What must not change about a file the arena refused.
+struct Snapshot {
+  ino_t ino;
+  mode_t mode;
+  uid_t uid;
+  std::string bytes;
+  bool operator==(const Snapshot&) const = default;
+};
+Snapshot snapshot(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(::lstat(path.c_str(), &st), 0) << path;
+  return {st.st_ino, st.st_mode, st.st_uid, S_ISREG(st.st_mode) ? read_all(path) : ""};
+}
+
+bool exists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+// A store that dies without closing: the child creates an arena, writes into
+// it and exits without running the destructor.
+void leave_stale_arena(const std::string& path, uint64_t capacity) {
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    auto a = ShmArena::Create(path, capacity, false);
+    if (!a.ok() || !(*a)->commit(capacity).ok()) ::_exit(1);
+    std::memset((*a)->base(), 0xAB, capacity);
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  ASSERT_TRUE(exists(path));
+}
+
+void expect_refused(const std::string& path, const std::string& why) {
+  auto a = ShmArena::Create(path, kCap, false);
+  ASSERT_FALSE(a.ok()) << path;
+  EXPECT_TRUE(a.status().is(Code::kInvalidArgument)) << a.status().ToString();
+  EXPECT_NE(a.status().message().find(path), std::string::npos) << a.status().ToString();
+  EXPECT_NE(a.status().message().find(why), std::string::npos) << a.status().ToString();
+}
+
+TEST(ShmArena, CreatesAPrivateFileWithAHeaderAndRemovesItOnClose) {
+  std::string path = unique_path("create");
+  mode_t old = ::umask(0);  // the mode does not depend on the umask
+  auto a = ShmArena::Create(path, kCap, false);
+  ::umask(old);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_FALSE((*a)->adopted());
+  struct stat st {};
+  ASSERT_EQ(::lstat(path.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_EQ(st.st_uid, ::geteuid());
+  EXPECT_EQ(uint64_t(st.st_size), (*a)->header_bytes() + kCap);
+  EXPECT_EQ((*a)->capacity(), kCap);
+  ASSERT_TRUE((*a)->commit(kCap).ok());
+  std::memset((*a)->base(), 0x5A, kCap);  // the whole usable part is writable
+  std::string bytes = read_all(path);
+  EXPECT_EQ(bytes.compare(0, 13, "CASCADE-ARENA"), 0);
+  EXPECT_EQ(uint8_t(bytes[(*a)->header_bytes()]), 0x5A);  // usable part follows the header
+  a->reset();
+  EXPECT_FALSE(exists(path));
+}
+
+TEST(ShmArena, RefusesFilesThatAreNotItsArenaAndLeavesThemAlone) {
+  const std::string other = std::string(4096, 'x');
+  struct Case {
+    std::string tag, why;
+    mode_t mode;
+  };
+  for (const Case& c : {Case{"mode", "mode 0644", 0644}, Case{"header", "no Cascade arena header", 0600},
+                        Case{"exec", "mode 0700", 0700}}) {
+    std::string path = unique_path(c.tag);
+    write_file(path, other, c.mode);
+    Snapshot before = snapshot(path);
+    expect_refused(path, c.why);
+    EXPECT_EQ(snapshot(path), before) << c.tag;
+    ::unlink(path.c_str());
+  }
+}
+
+TEST(ShmArena, RefusesAnArenaOfAnotherVersionOrUser) {
+  std::string path = unique_path("version");
+  leave_stale_arena(path, kCap);
+  int fd = ::open(path.c_str(), O_WRONLY);
+  uint32_t v = ShmArena::kFormatVersion + 1;
+  ASSERT_EQ(::pwrite(fd, &v, sizeof v, 16), ssize_t(sizeof v));
+  ::close(fd);
+  Snapshot before = snapshot(path);
+  expect_refused(path, "format version");
+  EXPECT_EQ(snapshot(path), before);
+  ::unlink(path.c_str());
+
+  if (::geteuid() != 0) GTEST_SKIP() << "chown to another uid needs root";
+  path = unique_path("uid");
+  leave_stale_arena(path, kCap);
+  ASSERT_EQ(::chown(path.c_str(), 65534, -1), 0);
+  before = snapshot(path);
+  expect_refused(path, "owned by uid 65534");
+  EXPECT_EQ(snapshot(path), before);
+  ::unlink(path.c_str());
+}
+
+TEST(ShmArena, RefusesLinksAndSpecialFiles) {
+  std::string target = unique_path("target");
+  write_file(target, "precious", 0600);
+  Snapshot target_before = snapshot(target);
+
+  std::string link = unique_path("symlink");
+  ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0);
+  expect_refused(link, "symbolic link");
+  EXPECT_TRUE(exists(link));
+  ::unlink(link.c_str());
+
+  std::string dangling = unique_path("dangling");
+  std::string nowhere = unique_path("nowhere");
+  ASSERT_EQ(::symlink(nowhere.c_str(), dangling.c_str()), 0);
+  expect_refused(dangling, "symbolic link");
+  EXPECT_FALSE(exists(nowhere));  // not created through the link
+  ::unlink(dangling.c_str());
+
+  std::string hard = unique_path("hardlink");
+  ASSERT_EQ(::link(target.c_str(), hard.c_str()), 0);
+  expect_refused(hard, "2 links");
+  ::unlink(hard.c_str());
+  EXPECT_EQ(snapshot(target), target_before);
+  ::unlink(target.c_str());
+
+  std::string fifo = unique_path("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_refused(fifo, "a fifo");
+  EXPECT_TRUE(exists(fifo));
+  ::unlink(fifo.c_str());
+
+  std::string dir = unique_path("dir");
+  ASSERT_EQ(::mkdir(dir.c_str(), 0700), 0);
+  expect_refused(dir, "a directory");
+  EXPECT_EQ(::rmdir(dir.c_str()), 0);
+
+  if (::geteuid() != 0) GTEST_SKIP() << "device nodes need root";
+  expect_refused("/dev/null", "a character device");
+  struct stat st {};
+  ASSERT_EQ(::lstat("/dev/null", &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode));
+  std::string dev = unique_path("chardev");  // a /dev/null of our own
+  ASSERT_EQ(::mknod(dev.c_str(), S_IFCHR | 0600, makedev(1, 3)), 0);
+  expect_refused(dev, "a character device");
+  EXPECT_TRUE(exists(dev));
+  ::unlink(dev.c_str());
+}
+
+TEST(ShmArena, SecondArenaOnALockedPathIsBusy) {
+  std::string path = unique_path("busy");
+  auto a = ShmArena::Create(path, kCap, false);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  auto b = ShmArena::Create(path, kCap, false);
+  ASSERT_FALSE(b.ok());
+  EXPECT_TRUE(b.status().is(Code::kBusy)) << b.status().ToString();
+  EXPECT_TRUE(exists(path));  // the first arena's file stays
+  a->reset();
+  EXPECT_FALSE(exists(path));
+}
+
+TEST(ShmArena, StaleArenaOfADeadStoreIsAdoptedAndReset) {
+  std::string path = unique_path("stale");
+  leave_stale_arena(path, 2 * kCap);
+  auto a = ShmArena::Create(path, kCap, false);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_TRUE((*a)->adopted());
+  ASSERT_TRUE((*a)->commit(kCap).ok());
+  for (uint64_t i = 0; i < kCap; i += 4096) ASSERT_EQ((*a)->base()[i], 0) << i;  // old bytes gone
+  struct stat st {};
+  ASSERT_EQ(::lstat(path.c_str(), &st), 0);
+  EXPECT_EQ(uint64_t(st.st_size), (*a)->header_bytes() + kCap);
+  a->reset();
+  EXPECT_FALSE(exists(path));
+}
+
+TEST(ShmArena, CapacityOverFreeSpaceDeletesNothing) {
+  const uint64_t huge = 1ULL << 55;
+  std::string path = unique_path("nospace");
+  auto a = ShmArena::Create(path, huge, false);
+  ASSERT_FALSE(a.ok());
+  EXPECT_NE(a.status().message().find("free space"), std::string::npos) << a.status().ToString();
+  EXPECT_FALSE(exists(path));  // ours, created and removed
+
+  leave_stale_arena(path, kCap);
+  Snapshot before = snapshot(path);
+  a = ShmArena::Create(path, huge, false);
+  ASSERT_FALSE(a.ok());
+  EXPECT_NE(a.status().message().find("free space"), std::string::npos) << a.status().ToString();
+  EXPECT_EQ(snapshot(path), before);
+  ::unlink(path.c_str());
+}
+
+TEST(ShmArena, CloseRemovesOnlyItsOwnFile) {
+  std::string path = unique_path("replaced");
+  auto a = ShmArena::Create(path, kCap, false);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_EQ(::unlink(path.c_str()), 0);  // someone puts another file at the path
+  write_file(path, "not the arena", 0600);
+  Snapshot before = snapshot(path);
+  a->reset();
+  EXPECT_EQ(snapshot(path), before);
+  ::unlink(path.c_str());
+
+  a = ShmArena::Create(path, kCap, false);  // the path vanishes: close is still clean
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+  a->reset();
+  EXPECT_FALSE(exists(path));
+}
+
+TEST(ShmArena, DefaultPathIsPerUser) {
+  EXPECT_EQ(CascadeConfig().shm_path, "/dev/shm/cascade-" + std::to_string(::geteuid()));
+}
+
+}  // namespace
+}  // namespace cascade

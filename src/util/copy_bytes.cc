@@ -1,0 +1,62 @@
+#include "util/copy_bytes.h"
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace cascade {
+namespace {
+
+constexpr size_t kStreamThreshold = 64 << 10;
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void copy_stream_avx2(uint8_t* d, const uint8_t* s, size_t n) {
+  size_t head = (64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63;
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  n -= head;
+  size_t blocks = n / 128;
+  for (size_t i = 0; i < blocks; ++i) {
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
+    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
+    __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 96), e);
+    s += 128;
+    d += 128;
+  }
+  _mm_sfence();  // streaming stores are weakly ordered: publish before returning
+  std::memcpy(d, s, n - blocks * 128);
+}
+
+bool detect_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2");
+}
+const bool kHaveAvx2 = detect_avx2();
+#else
+const bool kHaveAvx2 = false;
+#endif
+
+}  // namespace
+
+void copy_bytes(void* dst, const void* src, size_t n) {
+#if defined(__x86_64__)
+  if (n >= kStreamThreshold && kHaveAvx2) {
+    copy_stream_avx2(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
+bool copy_bytes_streams() { return kHaveAvx2; }
+
+}  // namespace cascade
