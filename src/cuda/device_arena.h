@@ -32,9 +32,10 @@
 #include <thread>
 #include <vector>
 
-#include "util/extent_allocator.h"
+#include "cascade/status.h"
 #include "cuda/cuda_driver.h"
 #include "cuda/cuda_options.h"
+#include "util/extent_allocator.h"
 
 namespace cascade {
 
