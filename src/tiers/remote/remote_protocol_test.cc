@@ -25,10 +25,10 @@ TEST(WireFormat, RoundTrip) {
   for (uint8_t i = 0; i < 5; ++i) {
     Item it;
     it.id = id_of(i);
-    it.a = 1000 + i;
-    it.b = 2000 + i;
-    it.c = ~uint64_t{i};
-    it.d = uint64_t{1} << (40 + i);
+    it.offset = 1000 + i;
+    it.size = 2000 + i;
+    it.checksum = ~uint64_t{i};
+    it.lease_token = uint64_t{1} << (40 + i);
     it.flags = kItemLease | (i & 1);
     it.outcome = static_cast<Outcome>(i);
     m.items.push_back(it);
@@ -42,10 +42,10 @@ TEST(WireFormat, RoundTrip) {
   ASSERT_EQ(back->items.size(), 5u);
   for (size_t i = 0; i < 5; ++i) {
     EXPECT_EQ(back->items[i].id, m.items[i].id);
-    EXPECT_EQ(back->items[i].a, m.items[i].a);
-    EXPECT_EQ(back->items[i].b, m.items[i].b);
-    EXPECT_EQ(back->items[i].c, m.items[i].c);
-    EXPECT_EQ(back->items[i].d, m.items[i].d);
+    EXPECT_EQ(back->items[i].offset, m.items[i].offset);
+    EXPECT_EQ(back->items[i].size, m.items[i].size);
+    EXPECT_EQ(back->items[i].checksum, m.items[i].checksum);
+    EXPECT_EQ(back->items[i].lease_token, m.items[i].lease_token);
     EXPECT_EQ(back->items[i].flags, m.items[i].flags);
     EXPECT_EQ(back->items[i].outcome, m.items[i].outcome);
   }
@@ -85,14 +85,14 @@ TEST(WireFormat, BytesOfEachKindAreFixed) {
 
   Item begin;  // PutBegin: id, size, prefix flag
   begin.id = counting_id();
-  begin.b = size;
+  begin.size = size;
   begin.flags = kItemPrefix;
   EXPECT_EQ(hex_of(encode_message(one_item(MessageKind::kPutBegin, begin))),
             "434d5231" "01" + kHeaderTail + kIdHex + zero8 + size_hex + zero8 + zero8 + "01" "00" +
                 zero6);
 
   Item granted;  // its reply: the offset to write at
-  granted.a = offset;
+  granted.offset = offset;
   granted.outcome = Outcome::kGranted;
   EXPECT_EQ(hex_of(encode_message(one_item(MessageKind::kReply, granted))),
             "434d5231" "80" + kHeaderTail + std::string(32, '0') + offset_hex + zero8 + zero8 +
@@ -100,9 +100,9 @@ TEST(WireFormat, BytesOfEachKindAreFixed) {
 
   Item commit;  // PutCommit: id, offset, size, checksum, prefix flag
   commit.id = counting_id();
-  commit.a = offset;
-  commit.b = size;
-  commit.c = checksum;
+  commit.offset = offset;
+  commit.size = size;
+  commit.checksum = checksum;
   commit.flags = kItemPrefix;
   EXPECT_EQ(hex_of(encode_message(one_item(MessageKind::kPutCommit, commit))),
             "434d5231" "02" + kHeaderTail + kIdHex + offset_hex + size_hex + checksum_hex + zero8 +
@@ -117,18 +117,18 @@ TEST(WireFormat, BytesOfEachKindAreFixed) {
 
   Item found;  // its reply: where the block is, its size, checksum and lease token
   found.id = counting_id();
-  found.a = offset;
-  found.b = size;
-  found.c = checksum;
-  found.d = token;
+  found.offset = offset;
+  found.size = size;
+  found.checksum = checksum;
+  found.lease_token = token;
   found.flags = kItemPrefix;
   found.outcome = Outcome::kFound;
   EXPECT_EQ(hex_of(encode_message(one_item(MessageKind::kReply, found))),
             "434d5231" "80" + kHeaderTail + kIdHex + offset_hex + size_hex + checksum_hex +
                 token_hex + "01" "04" + zero6);
 
-  Item release;  // Release: the lease token only, in the item's first word
-  release.a = token;
+  Item release;  // Release: the lease token only, in the word where others carry the offset
+  release.lease_token = token;
   EXPECT_EQ(hex_of(encode_message(one_item(MessageKind::kRelease, release))),
             "434d5231" "05" + kHeaderTail + std::string(32, '0') + token_hex + zero8 + zero8 +
                 zero8 + "00" "00" + zero6);
@@ -137,13 +137,13 @@ TEST(WireFormat, BytesOfEachKindAreFixed) {
   auto back = decode_message(encode_message(one_item(MessageKind::kReply, found)));
   ASSERT_TRUE(back.ok());
   ASSERT_EQ(back->items.size(), 1u);
-  EXPECT_EQ(back->items[0].a, offset);
-  EXPECT_EQ(back->items[0].b, size);
-  EXPECT_EQ(back->items[0].c, checksum);
-  EXPECT_EQ(back->items[0].d, token);
+  EXPECT_EQ(back->items[0].offset, offset);
+  EXPECT_EQ(back->items[0].size, size);
+  EXPECT_EQ(back->items[0].checksum, checksum);
+  EXPECT_EQ(back->items[0].lease_token, token);
   auto released = decode_message(encode_message(one_item(MessageKind::kRelease, release)));
   ASSERT_TRUE(released.ok());
-  EXPECT_EQ(released->items.at(0).a, token);
+  EXPECT_EQ(released->items.at(0).lease_token, token);
 }
 
 TEST(WireFormat, EmptyMessage) {
