@@ -9,13 +9,7 @@
 
 #include "cascade/distributed.h"
 #include "common.h"
-
-#if __has_include("store_wrap.h")
 #include "store_wrap.h"
-#define CASCADE_PY_WRAPS_STORES 1
-#else
-#define CASCADE_PY_WRAPS_STORES 0
-#endif
 
 namespace cascade::py {
 
@@ -45,7 +39,6 @@ void register_distributed(nb::module_& m) {
         } else if (!comm.is_none()) {
           c = MpiCommunicator::FromFortran(nb::cast<int64_t>(comm));
         }
-#if CASCADE_PY_WRAPS_STORES
         Result<std::unique_ptr<CascadeStore>> store = Status::OK();
         {
           nb::gil_scoped_release release;  // collective: waits for the other ranks
@@ -53,11 +46,6 @@ void register_distributed(nb::module_& m) {
         }
         check(store.status());
         return wrap_store(std::move(store.value()));
-#else
-        (void)config;
-        (void)options;
-        raise_status(Status::Unavailable("this build's Python bindings cannot hold a distributed store yet"));
-#endif
       },
       "config"_a, "comm"_a = nb::none(), "options"_a = DistributedOptions(),
       "Opens this rank's part of a distributed store. Collective over comm (an mpi4py communicator, "
@@ -72,7 +60,7 @@ void register_distributed(nb::module_& m) {
       "block_id"_a, "ranks"_a, "points_per_rank"_a = DistributedOptions{}.ring_points_per_rank,
       "The rank that owns block_id in a group of `ranks` ranks (all present).");
 
-  m.attr("HAVE_DISTRIBUTED") = distributed_available() && CASCADE_PY_WRAPS_STORES;
+  m.attr("HAVE_DISTRIBUTED") = distributed_available();
 }
 
 }  // namespace cascade::py

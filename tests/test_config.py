@@ -1,4 +1,6 @@
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +43,34 @@ def test_from_yaml(tmp_path):
 def test_wrong_value_type():
     with pytest.raises(ValueError, match="expected"):
         cascade.load_config({"num_io_threads": "many"})
+
+
+def _documented_pipeline_names():
+    """{tier: [aliases]} from the pipeline row of docs/configuration.md."""
+    doc = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    row = next(line for line in doc.read_text().splitlines() if line.startswith("| `pipeline` |"))
+    return {tier: re.findall(r"`(\w+)`", aliases)
+            for tier, aliases in re.findall(r"`(\w+)` \(aliases ([^)]*)\)", row)}
+
+
+def test_documented_pipeline_aliases_are_the_ones_accepted():
+    names = _documented_pipeline_names()
+    assert sorted(names) == ["file", "gpu", "host"]
+    # Each alias stands at its tier's place in the order gpu, host, file.
+    order = {"gpu": ("{}|host", "host|{}"), "host": ("gpu|{}|file", "file|{}"),
+             "file": ("host|{}", "{}|host")}
+    for tier, aliases in names.items():
+        assert aliases, tier
+        ok, wrong = order[tier]
+        for name in [tier, *aliases, tier.upper(), f" {aliases[0]} "]:
+            c = cascade.CascadeConfig()
+            c.lustre_path = "/nonexistent/cascade-files"  # validate() does not look at it
+            c.pipeline = ok.format(name)
+            c.validate()
+            c.pipeline = wrong.format(name)
+            with pytest.raises(cascade.InvalidArgumentError):
+                c.validate()
+    c = cascade.CascadeConfig()
+    c.pipeline = "ssd"  # not a name of any tier
+    with pytest.raises(cascade.InvalidArgumentError, match="unknown tier"):
+        c.validate()

@@ -144,7 +144,7 @@ PROMPT = list(range(1000, 1000 + 5 * BS + 2))  # 5 full blocks and 2 tokens
 # ---------------------------------------------------------------------------
 # Options
 
-def test_defaults_and_ucm_names():
+def test_defaults_and_connector_option_names():
     cfg = parse_connector_config({})
     assert cfg == ConnectorConfig()
     cfg = parse_connector_config({"store_pipeline": "host|file", "storage_path": "/x", "host_capacity": "1GiB",

@@ -1,4 +1,4 @@
-"""The store's API as the seeds describe it, with bytes compared."""
+"""The store's public API, call by call, with bytes compared."""
 
 import threading
 

@@ -1,7 +1,7 @@
 // BlockId: the 128-bit name of a block.
 //
-// Text form: 32 lowercase hex characters (most significant byte first), the
-// form the seed documents use. Three ways to make one:
+// Text form: 32 lowercase hex characters (most significant byte first).
+// Three ways to make one:
 //   - compute_block_id(data, size): content address, the first 128 bits of
 //     SHA-256(data) (OpenSSL, which uses SHA-NI where the CPU has it);
 //   - block_id_from_key(key): a string that is exactly 32 hex characters is

@@ -1,8 +1,9 @@
 // CascadeConfig: every knob of a store, with its default and the reason for it.
 //
-// One struct for the whole store, as in the seed API. The Python package can
-// fill it from a dict or a YAML file (cascade.config). validate() checks the
-// fields against each other and against the machine before a store opens.
+// One struct for the whole store. The Python package can fill it from a dict
+// or a YAML file (cascade.config). validate() checks the fields alone and
+// against each other, never the machine; opening a store calls it first and
+// finds out what the machine offers as it opens the tiers.
 //
 // Thread-safety: a value; copy it freely.
 #pragma once
@@ -45,12 +46,15 @@ struct CascadeConfig {
   // "host|file", "host", "file". Empty (default) = automatic: "gpu" when
   // use_gpu and a GPU is usable, then "host", then "file" when lustre_path is
   // set. Tiers must appear in gpu, host, file order, each at most once.
-  // "remote" (distributed stores only) stands where "host" would.
+  // "remote" (distributed stores only) stands where "host" would. Names are
+  // case-insensitive, spaces around them are ignored, and three have
+  // aliases: gpu = hbm, device; host = shm, cache, dram; file = lustre,
+  // posix, disk.
   std::string pipeline;
 
   // ---- gpu tier ---------------------------------------------------------
   // Device memory for the gpu tier. 4 GiB leaves room for the model on any
-  // GPU we support; the seeds' 32 GiB assumed an otherwise idle A100.
+  // GPU we support.
   uint64_t gpu_capacity_bytes = 4ULL << 30;
   int gpu_device_id = 0;  // CUDA ordinal of the device holding the gpu tier
   // Whether the automatic pipeline may include the gpu tier. An explicit
@@ -60,7 +64,7 @@ struct CascadeConfig {
   // ---- host tier --------------------------------------------------------
   // Size of the shared-memory arena. Filled lazily: memory is committed in
   // 64 MiB steps as blocks arrive, so a large value costs nothing up front.
-  // 4 GiB fits any machine we run on; the seeds' 64 GiB does not.
+  // 4 GiB fits any machine we run on.
   uint64_t shm_capacity_bytes = 4ULL << 30;
   // The arena's file. Must be on a tmpfs (/dev/shm) for memory speed. One
   // store per path: a second store on the same path is refused (Busy).
@@ -117,7 +121,7 @@ struct CascadeConfig {
   // (at most 64).
   int num_io_threads = 0;
   // Copies at least this large are split across the I/O threads; one thread
-  // reaches a fraction of DRAM bandwidth (notes/hardware.md).
+  // reaches a fraction of DRAM bandwidth (docs/benchmarks.md, host tier).
   uint64_t parallel_copy_threshold = 4ULL << 20;
   EvictionPolicy eviction_policy = EvictionPolicy::kLru;
   WritePolicy write_policy = WritePolicy::kWriteBack;
@@ -129,11 +133,20 @@ struct CascadeConfig {
   bool ephemeral = false;
   // Copy a block found in a lower tier up into the top tier on get.
   bool promote_on_hit = true;
-  // Index shards: a power of two. 256 as in the seeds keeps contention low
-  // at 64 threads while a shard's table stays cache friendly.
+  // Index shards: a power of two. 256 keeps contention low at 64 threads
+  // while a shard's table stays cache friendly.
   int index_shards = 256;
 
-  // Checks fields alone and against each other (not the machine).
+  // Checks the fields alone and against each other, never the machine.
+  // The pipeline must resolve (as if a GPU were usable, so with use_gpu the
+  // automatic pipeline includes "gpu"), and each tier in it needs its fields:
+  // host or remote: shm_capacity_bytes > 0 and shm_path set; gpu:
+  // gpu_capacity_bytes > 0 and gpu_device_id >= 0; file: lustre_path set and
+  // segment_size_bytes >= 1 MiB. Whatever the pipeline: lustre_stripe_count
+  // >= 0; file_mode holds permission bits only (<= 0777) and grants the owner
+  // read and write; num_io_threads is 0 to 1024; index_shards is a power of
+  // two from 1 to 65536. InvalidArgument when one fails; NotSupported when
+  // compression_enabled is set.
   Status validate() const;
   // The tiers this config asks for, top to bottom, after resolving the
   // automatic pipeline with `gpu_available`.

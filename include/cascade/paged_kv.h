@@ -84,7 +84,7 @@ Status validate_paged_kv(const PagedKvCache& cache);
 
 // How the GPU path moves bytes between the kernel and host store blocks.
 enum class PagedKvPath : uint8_t {
-  kAuto,    // the faster one measured for the direction (see docs/design.md)
+  kAuto,    // the faster path for the direction (docs/design.md, docs/benchmarks.md)
   kDirect,  // the kernel reads/writes registered host memory over PCIe
   kStaged,  // kernel <-> device bounce buffer, DMA <-> host memory
 };

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--only-overflow", action="store_true", help="with --overflow: skip the per-tier rows")
     bench.add_argument("--overflow-block", default="1MiB", help="block size of the overflow run")
     bench.add_argument("--size", action="append",
-                       help="block size; repeatable. A plain number is KiB (seed convention); "
+                       help="block size; repeatable. A plain number is KiB; "
                             "default: 64KiB 1MiB 16MiB 512MiB")
     bench.add_argument("--blocks", type=int, default=None,
                        help="blocks per size (default: enough for --total bytes, at least 4)")
@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     gpu = bench_sub.add_parser("gpu", help="gpu tier and paged KV transfers beside the PCIe and HBM ceilings")
     add_gpu_arguments(gpu)
     gpu.set_defaults(fn=_cmd_gpu)
-    vmm = bench_sub.add_parser("vmm", help="GPU page-mapping parallelism over processes (the seed's benchmark)")
+    vmm = bench_sub.add_parser("vmm", help="GPU page-mapping parallelism over processes")
     add_vmm_arguments(vmm)
     vmm.set_defaults(fn=_cmd_vmm)
     from cascade.bench.ttft import add_ttft_arguments

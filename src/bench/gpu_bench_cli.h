@@ -3,7 +3,7 @@
 //
 //   vmm --pages-total N --procs P --iters K [--not-contiguous] [--layers L]
 //       [--warmup W] [--no-arena] [--arena-page-mib M] [--json]
-//       the seed's map-parallelism benchmark (text report, or JSON)
+//       the map-parallelism benchmark (text report, or JSON)
 //   transfers [--device D] [--total-mib M] [--repeats R] [--kv-tokens T]
 //       [--no-methods] [--shm-dir DIR]
 //       tier and paged-KV throughput with ceilings (JSON on stdout,

@@ -15,7 +15,7 @@ namespace cascade {
 MemcpyCeiling measure_memcpy_ceiling(size_t bytes, int threads, int repeats) {
   bytes = std::max<size_t>(bytes, 1 << 20) & ~size_t{4095};
   // Source in shared memory (the host tier's medium), destination in
-  // ordinary anonymous memory: "shm -> heap", as notes/hardware.md measures.
+  // ordinary anonymous memory: "shm -> heap", the copy a host-tier read makes.
   int fd = memfd_create("cascade-probe", MFD_CLOEXEC);
   if (fd < 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) return {};
   auto* src = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));

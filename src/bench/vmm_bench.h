@@ -1,9 +1,8 @@
-// The map-parallelism benchmark (seed 004, kvcached's): how fast CUDA
-// virtual-memory mapping of KV pages is, in one process and spread over
-// several.
+// The map-parallelism benchmark: how fast CUDA virtual-memory mapping of KV
+// pages is, in one process and spread over several.
 //
-// A "page" is one KV page as kvcached counts them: for every layer a 2 MiB
-// physical page for K and one for V. Layouts:
+// A "page" is one KV page: for every layer a 2 MiB physical page for K and
+// one for V. Layouts:
 //   - contiguous: all layers in one virtual range; a page is one compound
 //     allocation of 2 * layers * 2 MiB (cuMemCreate, cuMemMap, cuMemSetAccess
 //     once each);
@@ -68,7 +67,7 @@ Result<VmmBenchResult> run_vmm_bench(const VmmBenchOptions& options);
 
 // Fills mean/p95/max/min from wall_ms (p95: nearest rank).
 void summarize_vmm_case(VmmCase* c);
-// The seed's report: three tables and the speedup line (plus the arena table).
+// The text report: three tables and the speedup line (plus the arena table).
 std::string format_vmm_report(const VmmBenchResult& r);
 std::string vmm_report_json(const VmmBenchResult& r);
 

@@ -18,9 +18,11 @@ enum class SmallCopyMethod : uint8_t {
   kPerCopy,   // one cudaMemcpyAsync each
 };
 
-// Measured on the H100 (PCIe Gen5, docs/benchmarks.md): per-copy DMA
-// reaches 9% of the link at 16 KiB and 24% at 64 KiB; the kernel 87-88% at
-// 16 KiB; cudaMemcpyBatchAsync 8-40% at 16 KiB but 90-98% from 64 KiB on.
+// The defaults follow how much of the link each method reaches by item size
+// (docs/benchmarks.md, GPU tier): below 64 KiB the kernel moves far more than
+// either DMA method; from 64 KiB one cudaMemcpyBatchAsync per batch runs near
+// the link's speed; one DMA copy per item pays a per-call cost that only
+// large items hide.
 struct TransferTuning {
   // Host<->device items (after merging) below this go through the kernel...
   uint64_t kernel_copy_max_bytes = 64ULL << 10;
@@ -45,10 +47,9 @@ struct GpuArenaOptions {
   // copies without wasting much on small blocks.
   uint64_t allocation_unit = 512;
   // Physical page size (a multiple of the driver's 2 MiB granularity). The
-  // driver's costs are per allocation, not per byte: on the H100 mapping
-  // 2 MiB pages costs ~29 us each (mostly cuMemSetAccess, which walks every
-  // allocation in its range), a 128 MiB allocation ~0.14 ms. 32 MiB pages
-  // map 1 GiB in about a millisecond and still trim in small steps.
+  // driver's costs are per allocation, not per byte (cuMemSetAccess walks
+  // every allocation in its range; docs/benchmarks.md has the figures), so
+  // fewer, larger pages map faster; 32 MiB pages still trim in small steps.
   uint64_t page_bytes = 32ULL << 20;
   // Physical pages created ahead of need by a background thread, so growth
   // costs a map, not a create (cuMemCreate is the slow call).

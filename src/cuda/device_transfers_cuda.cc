@@ -269,8 +269,8 @@ Status DeviceTransfers::copy_staged(std::span<const CopyItem> items, bool to_dev
     CASCADE_RETURN_IF_ERROR(enqueue_reachable(batch, false, s));
     return cuda_status(cudaEventRecord(slot.done, s), "record a staging event");
   };
-  // CPU side of a group: one thread copies ~9 GB/s, so large groups are
-  // cut into slices spread over the pool.
+  // CPU side of a group: one thread reaches a fraction of the memory
+  // bandwidth, so large groups are cut into slices spread over the pool.
   auto host_copy = [&](size_t g, const DeviceContext::StagingSlot& slot) {
     struct Slice {
       uint8_t* dst;

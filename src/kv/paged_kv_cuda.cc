@@ -17,9 +17,9 @@ namespace {
 constexpr uint32_t kMaxBlocksPerLaunch = 16384;
 // Device bounce buffer of the staged path, two of them in flight.
 constexpr uint64_t kBounceBytes = 64ULL << 20;
-// What kAuto picks for host store blocks, per direction. Measured on the
-// H100 (Llama-3-8B shape, 16K tokens, docs/benchmarks.md): staged 99% of
-// the PCIe ceiling both ways, direct 93-95%.
+// What kAuto picks for host store blocks, per direction: the staged path,
+// which reaches more of the PCIe ceiling than the direct one both ways
+// (docs/benchmarks.md, GPU tier).
 constexpr PagedKvPath kAutoSavePath = PagedKvPath::kStaged;
 constexpr PagedKvPath kAutoLoadPath = PagedKvPath::kStaged;
 

@@ -18,7 +18,8 @@ const char* tier_kind_name(TierKind kind) {
 namespace {
 
 Result<TierKind> parse_tier(std::string_view name) {
-  // Accept the seeds' and UCM's names too, so their configs read as users expect.
+  // Each tier also answers to the names other KV-cache stores give that
+  // level of memory (docs/configuration.md lists them).
   if (name == "gpu" || name == "hbm" || name == "device") return TierKind::kGpu;
   if (name == "host" || name == "shm" || name == "cache" || name == "dram") return TierKind::kHost;
   if (name == "file" || name == "lustre" || name == "posix" || name == "disk") return TierKind::kFile;

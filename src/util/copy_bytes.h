@@ -2,9 +2,9 @@
 // through.
 //
 // glibc's memcpy loses most of its speed for large copies whose destination
-// is not page aligned (measured on the development machine: 16.5 GB/s
-// aligned, 4.4 GB/s with the destination 16 bytes off — numpy's arrays are
-// exactly that). Copies of 64 KiB and more therefore use AVX2 loads with
+// is not page aligned, and numpy's arrays are exactly that: their data starts
+// 16 bytes into a page (docs/benchmarks.md has the figures). Copies of 64 KiB
+// and more therefore use AVX2 loads with
 // 64-byte-aligned non-temporal stores, which run at full speed whatever the
 // alignment and do not pull the destination into cache (block data is not
 // read back by the CPU right away). Smaller copies, and CPUs without AVX2,

@@ -6,7 +6,7 @@
 // the unit (4 KiB for the host arena: page, DMA and O_DIRECT friendly). No
 // system call: the arena's memory is committed separately.
 //
-// Thread-safety: one mutex; each call is a few map operations (sub-µs).
+// Thread-safety: one mutex; each call is a few map operations.
 #pragma once
 
 #include <cstdint>

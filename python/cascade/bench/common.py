@@ -9,8 +9,8 @@ from cascade.config import parse_size
 
 
 def parse_size_arg(text: str) -> int:
-    """A benchmark size: a plain number is KiB (as in the seeds' `--size 128`),
-    otherwise a size with a unit ("64KiB", "1MiB", "512MB")."""
+    """A benchmark size: a plain number is KiB (`--size 128`), otherwise a
+    size with a unit ("64KiB", "1MiB", "512MB")."""
     text = str(text).strip()
     if text.isdigit():
         return int(text) << 10

@@ -21,7 +21,7 @@ Aggregate GB/s = bytes moved by all ranks / the slowest rank's time (ranks
 start together after a barrier). Every read is checked against a digest of
 what was written (outside the timing).
 
-`cascade bench --distributed --scaling a.json b.json ...` prints the seeds'
+`cascade bench --distributed --scaling a.json b.json ...` prints the
 scaling table (ranks, aggregate read, speedup) from the JSON of several runs.
 """
 
@@ -299,7 +299,7 @@ def format_distributed(report: dict) -> str:
 
 
 def format_scaling(reports: list[dict]) -> str:
-    """The seeds' scaling table from runs with different rank counts."""
+    """The scaling table from runs with different rank counts."""
     reports = sorted(reports, key=lambda r: r["ranks"])
     sizes = sorted({r["block_bytes"] for rep in reports for r in rep["results"]})
     out = []

@@ -1,6 +1,6 @@
 """GPU benchmarks: `cascade bench gpu` (every transfer path of the gpu tier and
 of paged KV transfer, each beside its hardware ceiling) and `cascade bench vmm`
-(the map-parallelism benchmark, in the seed's output format).
+(the map-parallelism benchmark: three tables and the speedup line).
 
 Both run in a process of their own that has not touched CUDA (the vmm
 benchmark forks): the `cascade-gpu-bench` program installed in the package's

@@ -39,8 +39,8 @@ def bench_store_tier(tier: str, size: int, *, total: int, blocks: int | None, th
     nbytes = n * size
     progress(f"{tier} {fmt_size(size)}: {n} blocks, {nbytes / 2**30:.2f} GiB, {threads} threads")
     # One 2-D array per batch (a row per block): the binding then takes one
-    # buffer for the whole batch. A list of n buffers costs about 0.6 µs of
-    # argument conversion per block on top (see docs/benchmarks.md).
+    # buffer for the whole batch. A list of n buffers costs an argument
+    # conversion per block on top (docs/benchmarks.md has the figure).
     data = _make_data(nbytes, seed=size).reshape(n, size)
     views = data
     out = np.ones(nbytes, dtype=np.uint8).reshape(n, size)  # touched: no first-touch faults in the timing
@@ -299,7 +299,7 @@ def _fs_of(path: str) -> str:
 
 
 def run_overflow(args, threads: int, directory: str, progress) -> dict:
-    """The seeds' overflow table: a working set larger than the host tier by
+    """The overflow table: a working set larger than the host tier by
     0/50/75/90%, everything read back cold (file reads with O_DIRECT).
     Promotion is off: a scan larger than the host tier would otherwise evict
     the blocks it is about to read."""

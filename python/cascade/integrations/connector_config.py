@@ -10,10 +10,11 @@ errors that name the option: a typo never falls back to a default.
                                   "storage_path": "/mnt/nvme/kv",
                                   "host_capacity": "32GiB"})
 
-The names follow UCM's PipelineStore page where the idea is the same
-(``store_pipeline``, ``io_direct``, ``use_layerwise``, ``hit_ratio``,
-``use_lite``, ``persist_token_threshold``, ``enable_record_traces``);
-docs/vllm.md lists every option with its default.
+Where another vLLM KV connector has an option for the same idea, the option
+has its name (``store_pipeline``, ``io_direct``, ``use_layerwise``,
+``hit_ratio``, ``use_lite``, ``persist_token_threshold``,
+``enable_record_traces``), so such configs carry over; docs/vllm.md lists
+every option with its default.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ _BOOL_OPTIONS = {"io_direct", "use_layerwise", "use_lite", "enable_record_traces
 _STR_OPTIONS = {"store_pipeline", "storage_path", "shm_dir", "trace_path", "lookup", "lookup_socket_dir"}
 _OPT_STR_OPTIONS = {"model_name", "tenant"}
 _INT_OPTIONS = {"persist_token_threshold", "lookup_timeout_ms"}
-# Keys vLLM users coming from UCM may write; each is refused with the name to use.
+# Keys other connectors' configs use for one of our options; each is refused with the name to use.
 _RENAMED = {
     "storage_backends": "storage_path",
     "cache_buffer_capacity_gb": "host_capacity",

@@ -227,8 +227,8 @@ class PrefixCache:
         weights: put the seed in it). The KV shape is added to it.
     block_size: tokens per stored block (default 256, LMCache's chunk).
     tenant: optional salt; tenants never see each other's blocks.
-    hit_ratio: use at most this fraction of each prompt from the store (UCM's
-        option; the benchmark's 80% case).
+    hit_ratio: use at most this fraction of each prompt from the store (the
+        connector's option of the same name; the benchmark's 80% case).
     chunk_tokens: most tokens per forward (memory bound for long prompts).
     save_chunk_bytes: size of the device buffer a save copies through.
     prefetch: when the store has tiers below its top one, promote a load's

@@ -19,7 +19,7 @@ std::optional<Message> RemoteTier::serve(int peer, Message&& request) {
       for (const Item& it : request.items) serve_put_abort(peer, it);
       return std::nullopt;
     case MessageKind::kRelease:
-      for (const Item& it : request.items) serve_release(peer, it.a);
+      for (const Item& it : request.items) serve_release(peer, it.lease_token);
       return std::nullopt;
     case MessageKind::kLeave:  // handled by the fabric
       return std::nullopt;
@@ -68,10 +68,10 @@ Item RemoteTier::serve_put_begin(int peer, const Item& it) {
     out.outcome = Outcome::kExists;  // one copy, whoever puts it
   } else if (reservations_.holds(it.id)) {
     out.outcome = Outcome::kBusy;    // another writer is filling it
-  } else if (it.b > share_.capacity()) {
+  } else if (it.size > share_.capacity()) {
     out.outcome = Outcome::kTooLarge;
   } else {
-    auto extent = share_.reserve(it.b);
+    auto extent = share_.reserve(it.size);
     if (!extent.ok()) {
       out.outcome = Outcome::kNoSpace;
     } else {
@@ -83,7 +83,7 @@ Item RemoteTier::serve_put_begin(int peer, const Item& it) {
       r.deadline = Clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
       reservations_.add(r);
       out.outcome = Outcome::kGranted;
-      out.a = extent->offset;
+      out.offset = extent->offset;
     }
   }
   return out;
@@ -91,28 +91,29 @@ Item RemoteTier::serve_put_begin(int peer, const Item& it) {
 
 Item RemoteTier::serve_put_commit(int peer, const Item& it) {
   Item out = it;
-  auto r = reservations_.take(it.id, peer, it.a);
+  auto r = reservations_.take(it.id, peer, it.offset);
   if (!r) {
     // Expired (its range is quarantined until now) or never granted.
-    if (auto q = reservations_.take_quarantined(peer, it.a)) share_.free_extent(*q);
+    if (auto q = reservations_.take_quarantined(peer, it.offset)) share_.free_extent(*q);
     out.outcome = share_.index().contains(it.id) ? Outcome::kExists : Outcome::kRejected;
     return out;
   }
-  if (r->extent.size != it.b) {
+  if (r->extent.size != it.size) {
     share_.free_extent(r->extent);
     out.outcome = Outcome::kRejected;
     return out;
   }
-  bool fresh = share_.publish(it.id, r->extent, (it.flags & kItemPrefix) != 0, it.c);
+  const bool is_prefix = (it.flags & kItemPrefix) != 0;
+  bool fresh = share_.publish(it.id, r->extent, is_prefix, it.checksum);
   if (fresh) served_puts_.fetch_add(1, std::memory_order_relaxed);
   out.outcome = fresh ? Outcome::kStored : Outcome::kExists;
   return out;
 }
 
 void RemoteTier::serve_put_abort(int peer, const Item& it) {
-  if (auto r = reservations_.take(it.id, peer, it.a)) {
+  if (auto r = reservations_.take(it.id, peer, it.offset)) {
     share_.free_extent(r->extent);
-  } else if (auto q = reservations_.take_quarantined(peer, it.a)) {
+  } else if (auto q = reservations_.take_quarantined(peer, it.offset)) {
     share_.free_extent(*q);
   }
 }
@@ -132,10 +133,10 @@ Item RemoteTier::serve_lookup(int peer, const Item& it) {
   peer_lease_count_.fetch_add(1, std::memory_order_release);
   served_lookups_.fetch_add(1, std::memory_order_relaxed);
   out.outcome = Outcome::kFound;
-  out.a = lease->loc.offset;
-  out.b = lease->loc.size;
-  out.c = share_.checksum_at(lease->loc);
-  out.d = lease->token;
+  out.offset = lease->loc.offset;
+  out.size = lease->loc.size;
+  out.checksum = share_.checksum_at(lease->loc);
+  out.lease_token = lease->token;
   out.flags = lease->is_prefix ? kItemPrefix : 0;
   return out;
 }
@@ -166,11 +167,11 @@ void RemoteTier::on_stale_reply(int peer, const Message& reply) {
       abort.kind = MessageKind::kPutAbort;
       abort.items.push_back(it);
       (void)fabric_->post(peer, kRequestTag, abort);
-    } else if (it.outcome == Outcome::kFound && it.d != 0) {
+    } else if (it.outcome == Outcome::kFound && it.lease_token != 0) {
       Message release;
       release.kind = MessageKind::kRelease;
       Item r;
-      r.a = it.d;
+      r.lease_token = it.lease_token;
       release.items.push_back(r);
       (void)fabric_->post(peer, kRequestTag, release);
     }

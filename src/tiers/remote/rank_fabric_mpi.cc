@@ -402,8 +402,8 @@ bool RankFabric::try_poll() {
 }
 
 void RankFabric::run() {
-  // Short sleeps should be short: the default 50 µs timer slack would
-  // dominate the idle-to-busy latency.
+  // Short sleeps should be short: the kernel's default timer slack (50 µs)
+  // would dominate the idle-to-busy latency.
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   auto last_tick = Clock::now();
   int idle_sleep_us = 0;
@@ -428,9 +428,9 @@ void RankFabric::run() {
     // Right after a message (received by this thread or by a caller
     // waiting for a reply) the next one is likely close: spin, yielding the
     // core to anyone runnable, for 50 µs. Then sleep in short steps while
-    // the group was busy lately (a sleeping thread wakes in tens of µs on a
-    // core with room), and back off to ~1 ms once idle, so an idle group
-    // costs no CPU.
+    // the group was busy lately (a sleeping thread wakes soon on a core
+    // with room), and back off to ~1 ms once idle, so an idle group costs
+    // no CPU.
     auto quiet = now - Clock::time_point(Clock::duration(last_message_ns_.load(std::memory_order_relaxed)));
     if (quiet < std::chrono::microseconds(50)) {
       std::this_thread::yield();

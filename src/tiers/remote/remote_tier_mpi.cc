@@ -92,7 +92,7 @@ bool RemoteTier::verifies(int owner) const {
 void RemoteTier::release_remote(int owner, uint64_t token) const {
   if (!fabric_->live().present(owner)) return;  // it dropped our leases when it left
   Item it;
-  it.a = token;
+  it.lease_token = token;
   (void)fabric_->post(owner, kRequestTag, request_of(MessageKind::kRelease, it));
 }
 
@@ -163,7 +163,7 @@ Status RemoteTier::put_to_peer(int owner, const BlockId& id, const void* data, u
   *retry = false;
   Item begin;
   begin.id = id;
-  begin.b = size;
+  begin.size = size;
   begin.flags = options.is_prefix ? kItemPrefix : 0;
   auto granted = fabric_->call(owner, request_of(MessageKind::kPutBegin, begin), until);
   if (!granted.ok()) return call_failed(owner, granted.status());
@@ -178,15 +178,15 @@ Status RemoteTier::put_to_peer(int owner, const BlockId& id, const void* data, u
   uint64_t sum = 0;
   Item commit;
   commit.id = id;
-  commit.a = g.a;
-  commit.b = size;
+  commit.offset = g.offset;
+  commit.size = size;
   commit.flags = begin.flags;
-  Status st = write_to_peer(owner, g.a, data, size, options, &sum);
+  Status st = write_to_peer(owner, g.offset, data, size, options, &sum);
   if (!st.ok()) {
     (void)fabric_->post(owner, kRequestTag, request_of(MessageKind::kPutAbort, commit));
     return st;
   }
-  commit.c = sum;
+  commit.checksum = sum;
   auto done = fabric_->call(owner, request_of(MessageKind::kPutCommit, commit), until);
   if (!done.ok()) return call_failed(owner, done.status());
   switch (done->items.at(0).outcome) {
@@ -260,7 +260,7 @@ void RemoteTier::put_batch(std::span<const BlockId> ids, std::span<const void* c
       for (size_t i : part) {
         Item it;
         it.id = ids[i];
-        it.b = sizes[i];
+        it.size = sizes[i];
         it.flags = options.is_prefix ? kItemPrefix : 0;
         m.items.push_back(it);
       }
@@ -301,8 +301,9 @@ void RemoteTier::put_batch(std::span<const BlockId> ids, std::span<const void* c
     }
     Grant& g = grants[k - local.size()];
     uint64_t sum = 0;
-    statuses[g.index] = write_to_peer(g.owner, g.item.a, data[g.index], sizes[g.index], options, &sum);
-    g.item.c = sum;
+    statuses[g.index] =
+        write_to_peer(g.owner, g.item.offset, data[g.index], sizes[g.index], options, &sum);
+    g.item.checksum = sum;
   });
   // 3. Commit, one message per owner and 64 blocks; abort failed copies.
   std::map<int, std::vector<size_t>> commit_by_owner;  // indexes into grants
@@ -399,7 +400,7 @@ Status RemoteTier::write_to_peer(int owner, uint64_t offset, const void* data, u
 
 Status RemoteTier::copy_from_peer(int owner, const Item& found, const ReadRequest& req, uint64_t n) {
   if (n == 0) return Status::OK();
-  const uint64_t src_off = found.a + (req.whole ? 0 : req.offset);
+  const uint64_t src_off = found.offset + (req.whole ? 0 : req.offset);
   // A checksum covers the whole block: ranges are not verified.
   const bool verify = req.whole && verifies(owner);
   uint64_t sum = 0;
@@ -425,7 +426,7 @@ Status RemoteTier::copy_from_peer(int owner, const Item& found, const ReadReques
     if (st.ok() && verify) sum = block_checksum(staged.data(), n, pool_, parallel_threshold_);
     if (st.ok()) st = device_copy(req.out, req.out_kind, staged.data(), MemoryKind::kHost, n, req.cuda_stream);
   }
-  if (st.ok() && verify && sum != found.c) {
+  if (st.ok() && verify && sum != found.checksum) {
     corrupt_.fetch_add(1, std::memory_order_relaxed);
     return Status::Corruption("block " + found.id.hex() + " read from " + rank_name(owner) +
                               " failed its checksum; treated as a miss");
@@ -463,13 +464,13 @@ Status RemoteTier::read_unlocked(const BlockId& id, const ReadRequest& req, Read
       continue;
     }
     if (f.outcome != Outcome::kFound) break;
-    result->block_size = f.b;
+    result->block_size = f.size;
     result->is_prefix = (f.flags & kItemPrefix) != 0;
     result->copied = 0;
     uint64_t n = 0;
-    Status st = plan_read(req, f.b, &n);
+    Status st = plan_read(req, f.size, &n);
     if (st.ok()) st = copy_from_peer(owner, f, req, n);
-    release_remote(owner, f.d);
+    release_remote(owner, f.lease_token);
     if (st.ok()) {
       result->copied = n;
       counters_.hits.fetch_add(1, std::memory_order_relaxed);
@@ -567,11 +568,11 @@ void RemoteTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRe
   pool_->parallel_for(copies.size(), [&](size_t k) {
     const Copy& c = copies[k];
     ReadResult& rr = results[c.index];
-    rr.block_size = c.found.b;
+    rr.block_size = c.found.size;
     rr.is_prefix = (c.found.flags & kItemPrefix) != 0;
     rr.copied = 0;
     uint64_t n = 0;
-    Status st = plan_read(reqs[c.index], c.found.b, &n);
+    Status st = plan_read(reqs[c.index], c.found.size, &n);
     if (st.ok()) st = copy_from_peer(c.owner, c.found, reqs[c.index], n);
     if (st.ok()) {
       rr.copied = n;
@@ -587,7 +588,7 @@ void RemoteTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRe
     Message& m = releases[c.owner];
     m.kind = MessageKind::kRelease;
     Item it;
-    it.a = c.found.d;
+    it.lease_token = c.found.lease_token;
     m.items.push_back(it);
     if (m.items.size() == kMaxItems) {
       if (fabric_->live().present(c.owner)) (void)fabric_->post(c.owner, kRequestTag, m);
@@ -628,18 +629,19 @@ Result<BlockView> RemoteTier::acquire(const BlockId& id) {
     counters_.misses.fetch_add(1, std::memory_order_relaxed);
     return Status::NotFound("not in the remote tier");
   }
-  fabric_->map_peer_range(owner, f.a, f.b);
-  const uint8_t* data = fabric_->peer_base(owner) + f.a;
-  if (verifies(owner) && block_checksum(data, f.b, pool_, parallel_threshold_) != f.c) {
-    release_remote(owner, f.d);
+  fabric_->map_peer_range(owner, f.offset, f.size);
+  const uint8_t* data = fabric_->peer_base(owner) + f.offset;
+  if (verifies(owner) && block_checksum(data, f.size, pool_, parallel_threshold_) != f.checksum) {
+    release_remote(owner, f.lease_token);
     corrupt_.fetch_add(1, std::memory_order_relaxed);
     return Status::Corruption("block " + id.hex() + " held by " + rank_name(owner) + " failed its checksum");
   }
   counters_.hits.fetch_add(1, std::memory_order_relaxed);
   remote_hits_.fetch_add(1, std::memory_order_relaxed);
-  auto* lease = new PeerLease{owner, f.d};
+  auto* lease = new PeerLease{owner, f.lease_token};
   views_.fetch_add(1, std::memory_order_relaxed);
-  return BlockView(this, data, f.b, MemoryKind::kHost, reinterpret_cast<uint64_t>(lease) | kPeerLeaseTag);
+  const uint64_t handle = reinterpret_cast<uint64_t>(lease) | kPeerLeaseTag;
+  return BlockView(this, data, f.size, MemoryKind::kHost, handle);
 }
 
 void RemoteTier::release_lease(uint64_t token) {

@@ -17,6 +17,15 @@ T get(const uint8_t* p) {
   return v;
 }
 
+// Where an item's fields lie within its 56 bytes.
+constexpr size_t kIdAt = 0;
+constexpr size_t kOffsetAt = 16;  // a Release item's lease token lies here
+constexpr size_t kSizeAt = 24;
+constexpr size_t kChecksumAt = 32;
+constexpr size_t kLeaseTokenAt = 40;
+constexpr size_t kFlagsAt = 48;
+constexpr size_t kOutcomeAt = 49;
+
 bool known_kind(uint8_t k) {
   return (k >= static_cast<uint8_t>(MessageKind::kPutBegin) && k <= static_cast<uint8_t>(MessageKind::kLeave)) ||
          k == static_cast<uint8_t>(MessageKind::kReply);
@@ -64,14 +73,15 @@ std::vector<uint8_t> encode_message(const Message& m) {
   put<uint32_t>(p + 8, static_cast<uint32_t>(m.items.size()));
   put<uint64_t>(p + 16, m.call_id);
   p += kHeaderBytes;
+  const bool release = m.kind == MessageKind::kRelease;
   for (const Item& it : m.items) {
-    std::memcpy(p, it.id.bytes.data(), 16);
-    put<uint64_t>(p + 16, it.a);
-    put<uint64_t>(p + 24, it.b);
-    put<uint64_t>(p + 32, it.c);
-    put<uint64_t>(p + 40, it.d);
-    p[48] = it.flags;
-    p[49] = static_cast<uint8_t>(it.outcome);
+    std::memcpy(p + kIdAt, it.id.bytes.data(), 16);
+    put<uint64_t>(p + kOffsetAt, release ? it.lease_token : it.offset);
+    put<uint64_t>(p + kSizeAt, it.size);
+    put<uint64_t>(p + kChecksumAt, it.checksum);
+    put<uint64_t>(p + kLeaseTokenAt, release ? 0 : it.lease_token);
+    p[kFlagsAt] = it.flags;
+    p[kOutcomeAt] = static_cast<uint8_t>(it.outcome);
     p += kItemBytes;
   }
   return out;
@@ -92,16 +102,19 @@ Result<Message> decode_message(std::span<const uint8_t> bytes) {
   m.call_id = get<uint64_t>(p + 16);
   m.items.resize(count);
   p += kHeaderBytes;
+  const bool release = m.kind == MessageKind::kRelease;
   for (Item& it : m.items) {
-    std::memcpy(it.id.bytes.data(), p, 16);
-    it.a = get<uint64_t>(p + 16);
-    it.b = get<uint64_t>(p + 24);
-    it.c = get<uint64_t>(p + 32);
-    it.d = get<uint64_t>(p + 40);
-    it.flags = p[48];
-    if (p[49] > static_cast<uint8_t>(Outcome::kGone))
-      return Status::Corruption("remote message item has unknown outcome " + std::to_string(p[49]));
-    it.outcome = static_cast<Outcome>(p[49]);
+    std::memcpy(it.id.bytes.data(), p + kIdAt, 16);
+    const uint64_t first = get<uint64_t>(p + kOffsetAt);
+    it.offset = release ? 0 : first;
+    it.size = get<uint64_t>(p + kSizeAt);
+    it.checksum = get<uint64_t>(p + kChecksumAt);
+    it.lease_token = release ? first : get<uint64_t>(p + kLeaseTokenAt);
+    it.flags = p[kFlagsAt];
+    if (p[kOutcomeAt] > static_cast<uint8_t>(Outcome::kGone))
+      return Status::Corruption("remote message item has unknown outcome " +
+                                std::to_string(p[kOutcomeAt]));
+    it.outcome = static_cast<Outcome>(p[kOutcomeAt]);
     p += kItemBytes;
   }
   return m;

@@ -5,32 +5,35 @@
 // (little endian; ranks of one job share the architecture):
 //
 //   header  off size field
-//             0   4  magic      0x31524d43 ("CMR1" as bytes): format version 1
-//             4   1  kind       MessageKind
+//             0   4  magic        0x31524d43 ("CMR1" as bytes): format version 1
+//             4   1  kind         MessageKind
 //             5   3  zero
-//             8   4  count      items that follow
+//             8   4  count        items that follow
 //            12   4  zero
-//            16   8  call_id    chosen by the caller, echoed by the reply
-//   item      0  16  block id
-//            16   8  a          offset, or lease token (Release)
-//            24   8  b          size
-//            32   8  c          checksum
-//            40   8  d          lease token (Lookup reply)
-//            48   1  flags      bit 0: is_prefix; bit 1: take a lease (Lookup)
-//            49   1  outcome    Outcome (replies)
+//            16   8  call_id      chosen by the caller, echoed by the reply
+//   item      0  16  id           block id
+//            16   8  offset       where the block's bytes are in the owner's arena;
+//                                 lease_token in a Release item
+//            24   8  size         the block's length in bytes
+//            32   8  checksum     block_checksum of the bytes
+//            40   8  lease_token  the owner's lease on the block (Lookup reply)
+//            48   1  flags        bit 0: is_prefix; bit 1: take a lease (Lookup)
+//            49   1  outcome      Outcome (replies)
 //            50   6  zero
 //
 // Requests and what their items carry (reply items in the same order):
-//   PutBegin   id, b=size, prefix       -> Granted a=offset | Exists | Busy | NoSpace | TooLarge | Gone
-//   PutCommit  id, a=offset, b=size, c=checksum, prefix
+//   PutBegin   id, size, prefix         -> Granted offset | Exists | Busy | NoSpace | TooLarge
+//                                          | Gone
+//   PutCommit  id, offset, size, checksum, prefix
 //                                       -> Stored | Exists (bytes dropped) | Rejected | Gone
-//   PutAbort   id, a=offset, b=size     (no reply)
-//   Lookup     id, lease flag           -> Found a=offset b=size c=checksum d=token prefix | Miss | Gone
-//   Release    a=token                  (no reply)
+//   PutAbort   id, offset, size         (no reply)
+//   Lookup     id, lease flag           -> Found offset size checksum lease_token prefix | Miss
+//                                          | Gone
+//   Release    lease_token              (no reply)
 //   Contains   id                       -> Found | Miss | Gone
 //   Remove     id                       -> Found (removed) | Miss | Gone
 //   Leave      no items                 (no reply): the sender is leaving the group
-// The same table is in docs/design.md ("Distributed tier").
+// The same tables are in docs/formats.md ("Remote tier messages").
 //
 // Thread-safety: pure functions and plain structs.
 #pragma once
@@ -63,7 +66,7 @@ const char* message_kind_name(MessageKind kind);
 
 enum class Outcome : uint8_t {
   kNone = 0,
-  kGranted,   // PutBegin: write the bytes at `a`, then commit
+  kGranted,   // PutBegin: write the bytes at `offset`, then commit
   kExists,    // the id is stored already (or was stored first by another writer)
   kStored,    // PutCommit: published
   kFound,     // Lookup / Contains / Remove: present
@@ -88,12 +91,14 @@ inline constexpr uint32_t kMaxItems = 64;
 inline constexpr uint8_t kItemPrefix = 1;
 inline constexpr uint8_t kItemLease = 2;
 
+// One item of a message. A message kind gives meaning to the fields its row of
+// the table above names; the other fields travel as they are set.
 struct Item {
   BlockId id;
-  uint64_t a = 0;
-  uint64_t b = 0;
-  uint64_t c = 0;
-  uint64_t d = 0;
+  uint64_t offset = 0;
+  uint64_t size = 0;
+  uint64_t checksum = 0;
+  uint64_t lease_token = 0;
   uint8_t flags = 0;
   Outcome outcome = Outcome::kNone;
 };

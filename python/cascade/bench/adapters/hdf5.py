@@ -1,4 +1,4 @@
-"""HDF5 through h5py, as the seeds' adapter used it: one file, one dataset per
+"""HDF5 through h5py, as a KV store would use it: one file, one dataset per
 block named by the block's id; a contiguous variant and a chunked one (1 MiB
 chunks, no filters). put ends with a flush (metadata to the OS, no fsync);
 get reads straight into the output row (read_direct). h5py serialises every

@@ -1,8 +1,8 @@
-"""File-per-block POSIX storage, written the way LMCache's local disk backend
-and UCM's Posix store write: one file per block, named by the block's id, in
+"""File-per-block POSIX storage, the layout of file-based KV-cache stores such
+as LMCache's local disk backend: one file per block, named by the block's id, in
 4096 subdirectories (the id's first three hex digits), written to a temporary
 name and renamed into place, read back with one open/read/close per block.
-No fsync on put (neither peer syncs).
+No fsync on put (the stores it models do not sync either).
 
 Two engines: buffered pread/pwrite (psync) from a thread pool, and O_DIRECT
 from page-aligned buffers (the harness's buffers are page aligned; an

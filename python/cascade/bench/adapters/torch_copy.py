@@ -1,4 +1,4 @@
-"""PyTorch host<->GPU copies, the seeds' "GPU-PCIe torch.cuda" row: put is
+"""PyTorch host<->GPU copies, the "GPU-PCIe torch.cuda" row: put is
 `torch.from_numpy(row).to("cuda")` (one device tensor per block, kept until
 clear), get copies each device tensor back into its host row with
 `.copy_()` (what `.cpu()` does, minus allocating a new host tensor). Two

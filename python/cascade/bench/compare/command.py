@@ -40,7 +40,7 @@ def add_arguments(p) -> None:
     p.add_argument("--unique-blocks", type=int, default=4, help="blocks of each conversation's own")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per phase; the best is reported")
     p.add_argument("--large-repeats", type=int, default=5,
-                   help="at least this many passes for blocks of 256 MiB and more (default 5, as the seeds)")
+                   help="at least this many passes for blocks of 256 MiB and more (default 5)")
     p.add_argument("--latency-samples", type=int, default=200, help="blocks timed one by one per row")
     p.add_argument("--dir", help="directory for file-based systems (default: a new temporary directory)")
     p.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
