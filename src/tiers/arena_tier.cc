@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "cuda/device_copy.h"
+
 namespace cascade {
 
 ArenaTier::ArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capacity, MemoryKind memory,
@@ -124,6 +126,29 @@ TierStats ArenaTier::stats() const {
 
 void ArenaTier::for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const {
   index_.for_each([&](const BlockId& id, const Location& loc, bool) { fn(id, loc.size); });
+}
+
+HostArenaTier::HostArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capacity, ThreadPool* pool,
+                             std::string where)
+    : ArenaTier(config, base, capacity, MemoryKind::kHost, std::move(where)),
+      pool_(pool),
+      parallel_threshold_(config.parallel_copy_threshold),
+      alloc_(capacity, kUnit) {}
+
+Status HostArenaTier::copy_to_arena(uint8_t* dst, const void* src, uint64_t n, const PutOptions& options) {
+  if (options.src_kind == MemoryKind::kHost) {
+    parallel_memcpy(pool_, dst, src, n, parallel_threshold_);
+    return Status::OK();
+  }
+  return device_copy(dst, MemoryKind::kHost, src, options.src_kind, n, options.cuda_stream);
+}
+
+Status HostArenaTier::copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req) {
+  if (req.out_kind == MemoryKind::kHost) {
+    parallel_memcpy(pool_, dst, src, n, parallel_threshold_);
+    return Status::OK();
+  }
+  return device_copy(dst, req.out_kind, src, MemoryKind::kHost, n, req.cuda_stream);
 }
 
 }  // namespace cascade

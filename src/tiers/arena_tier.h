@@ -15,7 +15,8 @@
 //
 // A tier supplies its memory and its copies through the hooks below:
 // allocate / commit / free_space (ranges and their backing), copy_in /
-// copy_out, and the reserved and committed bytes for stats.
+// copy_out, and the reserved and committed bytes for stats. HostArenaTier
+// supplies the allocator and the copies of tiers whose arena is host memory.
 //
 // Leases: a leased block is never chosen for eviction; removing it hides it
 // at once and frees its range when the last lease ends (BlockIndex).
@@ -34,6 +35,8 @@
 #include "cascade/tier.h"
 #include "index/block_index.h"
 #include "tiers/tier_counters.h"
+#include "util/extent_allocator.h"
+#include "util/thread_pool.h"
 
 namespace cascade {
 
@@ -104,6 +107,31 @@ class ArenaTier : public Tier {
   const MemoryKind memory_;
   const std::string where_;
   BlockIndex index_;
+};
+
+// An ArenaTier whose arena is host memory handed out by an ExtentAllocator
+// (the host tier, the remote tier's local share): copies out of it are
+// memcpy split over the I/O threads, or device copies for device buffers.
+class HostArenaTier : public ArenaTier {
+ public:
+  static constexpr uint64_t kUnit = 4096;  // allocation unit: page, DMA and O_DIRECT friendly
+
+  const ExtentAllocator& allocator() const { return alloc_; }
+
+ protected:
+  // pool: the store's I/O threads (may be null: copies on the caller's thread).
+  HostArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capacity, ThreadPool* pool,
+                std::string where);
+
+  std::optional<uint64_t> allocate(uint64_t size) override { return alloc_.allocate(size); }
+  uint64_t reserved_bytes() const override { return alloc_.used(); }
+  Status copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req) override;
+  // Copies n bytes of the caller's (options.src_kind) to dst in the arena.
+  Status copy_to_arena(uint8_t* dst, const void* src, uint64_t n, const PutOptions& options);
+
+  ThreadPool* const pool_;
+  const uint64_t parallel_threshold_;
+  ExtentAllocator alloc_;
 };
 
 }  // namespace cascade

@@ -17,11 +17,8 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const CascadeConfig& config, Th
 }
 
 HostTier::HostTier(const CascadeConfig& config, std::unique_ptr<ShmArena> arena, ThreadPool* pool)
-    : ArenaTier(config, arena->base(), arena->capacity(), MemoryKind::kHost, "the host tier"),
-      arena_(std::move(arena)),
-      alloc_(arena_->capacity(), 4096),
-      pool_(pool),
-      parallel_threshold_(config.parallel_copy_threshold) {}
+    : HostArenaTier(config, arena->base(), arena->capacity(), pool, "the host tier"),
+      arena_(std::move(arena)) {}
 
 HostTier::~HostTier() {
   if (registered_) unregister_host_memory(arena_base());
@@ -29,22 +26,10 @@ HostTier::~HostTier() {
 
 Status HostTier::copy_in(uint64_t offset, const void* src, uint64_t n, const PutOptions& options) {
   uint8_t* dst = arena_base() + offset;
-  if (options.src_kind == MemoryKind::kHost) {
-    parallel_memcpy(pool_, dst, src, n, parallel_threshold_);
-  } else {
-    CASCADE_RETURN_IF_ERROR(device_copy(dst, MemoryKind::kHost, src, options.src_kind, n, options.cuda_stream));
-  }
+  CASCADE_RETURN_IF_ERROR(copy_to_arena(dst, src, n, options));
   // Loads to the GPU then find the block's memory registered already.
   if (registered_) prepare_host_for_device(dst, n);
   return Status::OK();
-}
-
-Status HostTier::copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req) {
-  if (req.out_kind == MemoryKind::kHost) {
-    parallel_memcpy(pool_, dst, src, n, parallel_threshold_);
-    return Status::OK();
-  }
-  return device_copy(dst, req.out_kind, src, MemoryKind::kHost, n, req.cuda_stream);
 }
 
 }  // namespace cascade

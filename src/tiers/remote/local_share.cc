@@ -7,7 +7,6 @@
 #include <cerrno>
 #include <string>
 
-#include "cuda/device_copy.h"
 #include "os/errno_status.h"
 #include "tiers/remote/block_checksum.h"
 
@@ -15,11 +14,8 @@ namespace cascade::remote {
 
 LocalShare::LocalShare(uint8_t* base, uint64_t capacity, const CascadeConfig& config, ThreadPool* pool,
                        bool checksums)
-    : ArenaTier(config, base, capacity, MemoryKind::kHost, "this rank's share of the remote tier"),
-      pool_(pool),
-      parallel_threshold_(config.parallel_copy_threshold),
+    : HostArenaTier(config, base, capacity, pool, "this rank's share of the remote tier"),
       checksums_(checksums),
-      alloc_(capacity, kUnit),
       checksum_shards_(new ChecksumShard[kChecksumShards]),
       committed_(capacity, [this](uint64_t from, uint64_t to) { return back(from, to); }) {
   if (config.shm_prefault) (void)commit(capacity);  // a full /dev/shm shows at the first put
@@ -103,24 +99,16 @@ uint64_t LocalShare::checksum_at(const Location& loc) const {
 
 Status LocalShare::copy_in(uint64_t offset, const void* src, uint64_t n, const PutOptions& options) {
   uint8_t* dst = base() + offset;
+  if (!checksums_) return copy_to_arena(dst, src, n, options);
   uint64_t sum = 0;
   if (options.src_kind == MemoryKind::kHost) {
-    if (checksums_) sum = copy_with_checksum(dst, src, n, pool_, parallel_threshold_);
-    else parallel_memcpy(pool_, dst, src, n, parallel_threshold_);
+    sum = copy_with_checksum(dst, src, n, pool_, parallel_threshold_);  // one pass over the bytes
   } else {
-    CASCADE_RETURN_IF_ERROR(device_copy(dst, MemoryKind::kHost, src, options.src_kind, n, options.cuda_stream));
-    if (checksums_) sum = block_checksum(dst, n, pool_, parallel_threshold_);
+    CASCADE_RETURN_IF_ERROR(copy_to_arena(dst, src, n, options));
+    sum = block_checksum(dst, n, pool_, parallel_threshold_);
   }
-  if (checksums_) set_checksum(offset, sum);
+  set_checksum(offset, sum);
   return Status::OK();
-}
-
-Status LocalShare::copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req) {
-  if (req.out_kind == MemoryKind::kHost) {
-    parallel_memcpy(pool_, dst, src, n, parallel_threshold_);
-    return Status::OK();
-  }
-  return device_copy(dst, req.out_kind, src, MemoryKind::kHost, n, req.cuda_stream);
 }
 
 Result<Extent> LocalShare::reserve(uint64_t size) {

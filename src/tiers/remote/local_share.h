@@ -31,15 +31,12 @@
 #include "os/committed_memory.h"
 #include "tiers/arena_tier.h"
 #include "tiers/remote/reservation_table.h"
-#include "util/extent_allocator.h"
-#include "util/thread_pool.h"
 
 namespace cascade::remote {
 
-class LocalShare final : public ArenaTier {
+class LocalShare final : public HostArenaTier {
  public:
   static constexpr uint64_t kCommitStep = CommittedMemory::kStep;
-  static constexpr uint64_t kUnit = 4096;
 
   // base: page-aligned memory of `capacity` bytes that outlives the share.
   // With config.shm_prefault, the whole segment is committed here.
@@ -61,7 +58,6 @@ class LocalShare final : public ArenaTier {
   void free_extent(const Extent& extent);
 
   // ---- shared ---------------------------------------------------------------
-  const ExtentAllocator& allocator() const { return alloc_; }
   // Checksum of the live block at `loc` (0 when checksums are off).
   uint64_t checksum_at(const Location& loc) const;
   // Ensures [0, end) of the segment is backed by memory, and starts backing
@@ -77,20 +73,14 @@ class LocalShare final : public ArenaTier {
   uint64_t evicted_for_peers() const { return evicted_for_peers_.load(std::memory_order_relaxed); }
 
  private:
-  std::optional<uint64_t> allocate(uint64_t size) override { return alloc_.allocate(size); }
   void free_space(uint64_t offset, uint64_t size) override;
   Status copy_in(uint64_t offset, const void* src, uint64_t n, const PutOptions& options) override;
-  Status copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req) override;
-  uint64_t reserved_bytes() const override { return alloc_.used(); }
   uint64_t committed_bytes() const override { return committed(); }
   Status back(uint64_t from, uint64_t to);
   void commit_ahead();
   void set_checksum(uint64_t offset, uint64_t sum);
 
-  ThreadPool* pool_;
-  uint64_t parallel_threshold_;
   bool checksums_;
-  ExtentAllocator alloc_;
 
   // Checksums by arena offset (unique among live ranges, so a reclaim that
   // runs after the id was stored again never drops the new block's entry).

@@ -708,14 +708,7 @@ BlockView RemoteTier::adopt(BlockView view) {
 TierStats RemoteTier::stats() const {
   // The share counts the blocks of this rank; counters_ the traffic with peers.
   TierStats s = share_.stats();
-  TierStats peers;
-  counters_.fill(&peers);
-  s.hits += peers.hits;
-  s.misses += peers.misses;
-  s.demotions_in += peers.demotions_in;
-  s.promotions_in += peers.promotions_in;
-  s.bytes_written += peers.bytes_written;
-  s.bytes_read += peers.bytes_read;
+  counters_.add_to(&s);
   s.evictions += share_.evicted_for_peers();
   s.corrupt_blocks = corrupt_.load(std::memory_order_relaxed);
   s.leased_blocks = static_cast<uint64_t>(std::max<int64_t>(0, views_.load(std::memory_order_relaxed)));
