@@ -1,7 +1,9 @@
-// Tier: one level of the store's pipeline (gpu, host, file).
+// Tier: one level of the store's pipeline (gpu, host, remote, file).
 //
 // Every tier keeps its own index of the blocks it holds and answers the same
-// calls: put, read, contains, remove, eviction candidates, stats. The store
+// calls: put, read, size_of, contains, remove, eviction candidates, stats.
+// The tiers whose blocks live in one mapped arena (gpu, host, the remote
+// tier's own share) share one implementation of them (src/tiers/arena_tier.h). The store
 // (store.h) chains tiers and moves blocks between them; a tier never calls
 // another tier.
 //
