@@ -83,6 +83,11 @@ class CascadeStore {
   Status get(const BlockId& id, void* out, uint64_t capacity, GetResult* result,
              MemoryKind out_kind = MemoryKind::kHost);
 
+  // Copies the whole block into *out, resized to the block's size, in one
+  // walk through the tiers (each is asked for the size, then read once). A
+  // miss is OK with result->found false and *out empty.
+  Status get(const BlockId& id, std::vector<uint8_t>* out, GetResult* result);
+
   // Copies min(capacity, size - offset) bytes starting at `offset`.
   // InvalidArgument when offset > size.
   Status get_range(const BlockId& id, uint64_t offset, void* out, uint64_t capacity,

@@ -1,7 +1,9 @@
-// Tier: one level of the store's pipeline (gpu, host, file).
+// Tier: one level of the store's pipeline (gpu, host, remote, file).
 //
 // Every tier keeps its own index of the blocks it holds and answers the same
-// calls: put, read, contains, remove, eviction candidates, stats. The store
+// calls: put, read, size_of, contains, remove, eviction candidates, stats.
+// The tiers whose blocks live in one mapped arena (gpu, host, the remote
+// tier's own share) share one implementation of them (src/tiers/arena_tier.h). The store
 // (store.h) chains tiers and moves blocks between them; a tier never calls
 // another tier.
 //
@@ -51,6 +53,12 @@ struct ReadRequest {
   bool whole = true;
   MemoryKind out_kind = MemoryKind::kHost;
   void* cuda_stream = nullptr;
+
+  // The part of a block of `block_size` bytes this request copies: *n bytes
+  // from byte *from of the block. InvalidArgument as described above, and
+  // when bytes are to be copied but out is null. Every tier checks a read
+  // with it.
+  Status span(uint64_t block_size, uint64_t* from, uint64_t* n) const;
 };
 
 struct ReadResult {
@@ -137,6 +145,12 @@ class Tier {
   virtual Result<BlockView> acquire(const BlockId& id);
 
   virtual bool contains(const BlockId& id) const = 0;
+
+  // The size of a stored block, without copying it: a caller sizes its
+  // buffer with it and then reads the block once. NotFound on a miss,
+  // counted as a miss of read() is; a hit counts nothing (the read that
+  // follows counts it), so size_of then read counts what one read counts.
+  virtual Result<uint64_t> size_of(const BlockId& id) = 0;
 
   // Removes the block. NotFound when absent. A leased block disappears from
   // lookups at once; its space is reused when the last lease ends.

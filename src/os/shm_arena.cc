@@ -15,10 +15,6 @@
 #include "cascade/config.h"
 #include "os/errno_status.h"
 
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
-
 namespace cascade {
 
 // Declared in cascade/config.h (shm_path's default); defined here, beside
@@ -106,9 +102,8 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
     return errno_status(errno, "shm_path directory '" + dir + "'");
   uint64_t free_bytes = uint64_t(vfs.f_bavail) * vfs.f_frsize;
 
-  std::unique_ptr<ShmArena> a(new ShmArena());
+  std::unique_ptr<ShmArena> a(new ShmArena(capacity));
   a->path_ = path;
-  a->capacity_ = capacity;
   a->header_bytes_ = header;
   // Until the arena holds the file, a failure closes fd and removes the file
   // only if it is ours (created by this call, or a stale arena whose reset
@@ -224,21 +219,15 @@ ShmArena::~ShmArena() {
   ::close(fd_);  // releases the flock
 }
 
-Status ShmArena::commit(uint64_t end) {
-  if (end <= committed_.load(std::memory_order_acquire)) return Status::OK();
-  std::lock_guard<std::mutex> lock(commit_mu_);
-  uint64_t have = committed_.load(std::memory_order_relaxed);
-  if (end <= have) return Status::OK();
-  uint64_t want = std::min(capacity_, (end + kCommitStep - 1) / kCommitStep * kCommitStep);
-  int rc = ::posix_fallocate(fd_, static_cast<off_t>(header_bytes_ + have),
-                             static_cast<off_t>(want - have));
-  if (rc != 0) {
-    // posix_fallocate may leave a partial allocation; only what is certain
-    // is advertised.
-    return errno_status(rc, "commit host arena memory in '" + path_ + "' (is /dev/shm full?)");
-  }
-  ::madvise(base_ + have, want - have, MADV_POPULATE_WRITE);  // best effort
-  committed_.store(want, std::memory_order_release);
+ShmArena::ShmArena(uint64_t capacity)
+    : capacity_(capacity), committed_(capacity, [this](uint64_t from, uint64_t to) { return back(from, to); }) {}
+
+Status ShmArena::back(uint64_t from, uint64_t to) {
+  int rc = ::posix_fallocate(fd_, static_cast<off_t>(header_bytes_ + from), static_cast<off_t>(to - from));
+  // posix_fallocate may leave a partial allocation; CommittedMemory then
+  // advertises none of the step.
+  if (rc != 0) return errno_status(rc, "commit host arena memory in '" + path_ + "' (is /dev/shm full?)");
+  (void)populate_pages(base_ + from, to - from);  // best effort: the pages are allocated already
   return Status::OK();
 }
 

@@ -9,7 +9,7 @@
 // the allocator's high-water mark rises: a full /dev/shm then fails a put with
 // NoSpace instead of killing the process with SIGBUS on first touch.
 // Committed steps are pre-mapped (MADV_POPULATE_WRITE) so copies do not take a
-// page fault per 4 KiB. Huge pages are requested with MADV_HUGEPAGE where the
+// page fault per page (CommittedMemory does the stepping). Huge pages are requested with MADV_HUGEPAGE where the
 // kernel allows them on shared memory.
 //
 // Path safety: the file is created with O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600,
@@ -29,19 +29,18 @@
 
 #include <sys/types.h>
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "cascade/status.h"
+#include "os/committed_memory.h"
 
 namespace cascade {
 
 class ShmArena {
  public:
-  static constexpr uint64_t kCommitStep = 64ULL << 20;
+  static constexpr uint64_t kCommitStep = CommittedMemory::kStep;
   static constexpr char kMagic[16] = "CASCADE-ARENA";
   static constexpr uint32_t kFormatVersion = 1;
 
@@ -62,11 +61,13 @@ class ShmArena {
 
   // Ensures [0, end) of the usable arena is backed by memory. NoSpace when
   // the file system is full.
-  Status commit(uint64_t end);
-  uint64_t committed() const { return committed_.load(std::memory_order_acquire); }
+  Status commit(uint64_t end) { return committed_.commit(end); }
+  uint64_t committed() const { return committed_.committed(); }
 
  private:
-  ShmArena() = default;
+  explicit ShmArena(uint64_t capacity);
+  // Backs [from, to) of the usable arena (CommittedMemory::Back).
+  Status back(uint64_t from, uint64_t to);
   std::string path_;
   int fd_ = -1;
   dev_t dev_ = 0;
@@ -75,8 +76,7 @@ class ShmArena {
   uint64_t capacity_ = 0;
   uint64_t header_bytes_ = 0;
   bool adopted_ = false;
-  std::mutex commit_mu_;
-  std::atomic<uint64_t> committed_{0};
+  CommittedMemory committed_;
 };
 
 }  // namespace cascade

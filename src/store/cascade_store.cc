@@ -267,14 +267,35 @@ class CascadeStore::Impl {
     (void)put_into(0, phys, data, size, o);  // best effort: the read already succeeded
   }
 
-  Status get_impl(const BlockId& id, const ReadRequest& rq, GetResult* r) {
+  // Reads the whole block from tier t into *buf, sized by the tier's
+  // size_of. A block stored again with another size between the two calls
+  // is asked for again.
+  Status read_whole(size_t t, const BlockId& phys, std::vector<uint8_t>* buf, ReadRequest* rq,
+                    ReadResult* rr) {
+    Status st;
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      auto size = tiers[t]->size_of(phys);
+      if (!size.ok()) return size.status();
+      buf->resize(*size);
+      rq->out = buf->data();
+      rq->capacity = buf->size();
+      *rr = ReadResult{};
+      st = tiers[t]->read(phys, *rq, rr);
+      if (!(st.is(Code::kInvalidArgument) && rr->block_size != buf->size())) break;
+    }
+    return st;
+  }
+
+  // With `whole` set, rq's buffer is ignored: the block goes into *whole,
+  // resized to fit.
+  Status get_impl(const BlockId& id, ReadRequest rq, GetResult* r, std::vector<uint8_t>* whole = nullptr) {
     gets.fetch_add(1, std::memory_order_relaxed);
     *r = GetResult{};
     const BlockId phys = physical(id);
     Status out_st;
     for (size_t t = 0; t < tiers.size(); ++t) {
       ReadResult rr;
-      Status st = tiers[t]->read(phys, rq, &rr);
+      Status st = whole ? read_whole(t, phys, whole, &rq, &rr) : tiers[t]->read(phys, rq, &rr);
       if (!settle(t, phys, rq, st, rr, r, &out_st)) continue;
       if (out_st.ok()) {
         hits.fetch_add(1, std::memory_order_relaxed);
@@ -284,6 +305,7 @@ class CascadeStore::Impl {
       return out_st;
     }
     misses.fetch_add(1, std::memory_order_relaxed);
+    if (whole) whole->clear();
     return Status::OK();
   }
 
@@ -348,25 +370,19 @@ class CascadeStore::Impl {
   Status promote(const BlockId& phys) {
     if (tiers[0]->contains(phys)) return Status::OK();
     for (size_t t = 1; t < tiers.size(); ++t) {
-      if (!tiers[t]->contains(phys)) continue;
       PutOptions o;
       o.origin = PutOrigin::kPromotion;
       if (is_memory_tier(tiers[t]->kind())) {
+        if (!tiers[t]->contains(phys)) continue;
         auto view = tiers[t]->acquire(phys);
         if (!view.ok()) continue;
         o.src_kind = view->kind();
         return put_into(0, phys, view->data(), view->size(), o);
       }
-      ReadRequest probe;  // capacity 0: learn the size
-      ReadResult rr;
-      Status st = tiers[t]->read(phys, probe, &rr);
-      if (!st.ok() && !(st.is(Code::kInvalidArgument) && rr.block_size)) continue;
-      std::vector<uint8_t> buf(rr.block_size);
+      std::vector<uint8_t> buf;
       ReadRequest rq;
-      rq.out = buf.data();
-      rq.capacity = buf.size();
-      st = tiers[t]->read(phys, rq, &rr);
-      if (!st.ok()) continue;
+      ReadResult rr;
+      if (!read_whole(t, phys, &buf, &rq, &rr).ok()) continue;  // a miss is counted as a get's
       o.is_prefix = rr.is_prefix;
       return put_into(0, phys, buf.data(), buf.size(), o);
     }
@@ -561,6 +577,11 @@ Status CascadeStore::get(const BlockId& id, void* out, uint64_t capacity, GetRes
   rq.capacity = capacity;
   rq.out_kind = out_kind;
   return impl_->get_impl(id, rq, result);
+}
+
+Status CascadeStore::get(const BlockId& id, std::vector<uint8_t>* out, GetResult* result) {
+  CASCADE_LIVE_OR(closed_status());
+  return impl_->get_impl(id, ReadRequest{}, result, out);
 }
 
 Status CascadeStore::get_range(const BlockId& id, uint64_t offset, void* out, uint64_t capacity,

@@ -34,6 +34,7 @@ struct SimulatedDisk {
   bool fail_aliases = false;      // put_alias fails with IOError
   bool fail_flush = false;        // flush fails with IOError
   uint64_t flushes = 0;
+  uint64_t reads = 0;             // read() calls, hits and misses
 
   void kill(bool power_loss) {
     std::lock_guard<std::mutex> lock(mu);
@@ -87,6 +88,7 @@ class SimulatedDiskTier final : public Tier {
 
   Status read(const BlockId& id, const ReadRequest& rq, ReadResult* rr) override {
     std::lock_guard<std::mutex> lock(disk_->mu);
+    ++disk_->reads;
     auto it = live_.find(id);
     if (it == live_.end()) return Status::NotFound("not on disk");
     const auto& b = it->second;
@@ -97,6 +99,13 @@ class SimulatedDiskTier final : public Tier {
     if (n) std::memcpy(rq.out, b.data() + (rq.whole ? 0 : rq.offset), n);
     rr->copied = n;
     return Status::OK();
+  }
+
+  Result<uint64_t> size_of(const BlockId& id) override {
+    std::lock_guard<std::mutex> lock(disk_->mu);
+    auto it = live_.find(id);
+    if (it == live_.end()) return Status::NotFound("not on disk");
+    return uint64_t(it->second.size());
   }
 
   bool contains(const BlockId& id) const override {

@@ -1,7 +1,29 @@
 // Shared parts of the Tier interface.
 #include "cascade/tier.h"
 
+#include <algorithm>
+#include <string>
+
 namespace cascade {
+
+Status ReadRequest::span(uint64_t block_size, uint64_t* from, uint64_t* n) const {
+  *from = 0;
+  *n = 0;
+  if (whole) {
+    if (block_size > capacity)
+      return Status::InvalidArgument("output buffer holds " + std::to_string(capacity) +
+                                     " bytes; the block has " + std::to_string(block_size));
+    *n = block_size;
+  } else {
+    if (offset > block_size)
+      return Status::InvalidArgument("offset " + std::to_string(offset) + " is past the end of a " +
+                                     std::to_string(block_size) + "-byte block");
+    *from = offset;
+    *n = std::min(capacity, block_size - offset);
+  }
+  if (*n && !out) return Status::InvalidArgument("out is null");
+  return Status::OK();
+}
 
 BlockView& BlockView::operator=(BlockView&& o) noexcept {
   if (this != &o) {

@@ -33,6 +33,19 @@ struct TierCounters {
     s->bytes_written = bytes_written.load(std::memory_order_relaxed);
     s->bytes_read = bytes_read.load(std::memory_order_relaxed);
   }
+
+  // Adds the counters to those already in s (a tier made of parts).
+  void add_to(TierStats* s) const {
+    TierStats mine;
+    fill(&mine);
+    s->hits += mine.hits;
+    s->misses += mine.misses;
+    s->evictions += mine.evictions;
+    s->demotions_in += mine.demotions_in;
+    s->promotions_in += mine.promotions_in;
+    s->bytes_written += mine.bytes_written;
+    s->bytes_read += mine.bytes_read;
+  }
 };
 
 }  // namespace cascade

@@ -135,6 +135,7 @@ class FileTier final : public Tier {
   Status read(const BlockId& id, const ReadRequest& req, ReadResult* result) override;
   void read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                   std::span<ReadResult> results, std::span<Status> statuses) override;
+  Result<uint64_t> size_of(const BlockId& id) override;
   bool contains(const BlockId& id) const override;
   Status remove(const BlockId& id) override;
   std::vector<Victim> claim_victims(uint64_t bytes) override;

@@ -258,6 +258,12 @@ void FileTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequ
 
 bool FileTier::contains(const BlockId& id) const { return index_.contains(id); }
 
+Result<uint64_t> FileTier::size_of(const BlockId& id) {
+  if (auto loc = index_.peek(id)) return loc->size;
+  counters_.misses.fetch_add(1, std::memory_order_relaxed);
+  return Status::NotFound("not in file tier");
+}
+
 Status FileTier::remove(const BlockId& id) {
   bool removed = index_.remove(id);
   if (drop_alias(id)) removed = true;

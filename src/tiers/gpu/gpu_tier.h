@@ -1,14 +1,16 @@
-// GpuTier: blocks in GPU memory (the top tier of "gpu|host|file").
+// GpuTier: blocks in GPU memory (an ArenaTier; the top tier of
+// "gpu|host|file").
 //
 // Device memory comes from a DeviceArena: one virtual range of the tier's
-// capacity reserved at open, backed by 2 MiB physical pages mapped as the
-// allocator's live end rises and unmapped (after a device synchronization,
-// off the hot path) when it falls. Ranges come from an ExtentAllocator, ids
-// map to ranges in a BlockIndex (leases, eviction order), as in the host
-// tier. acquire() hands out a device pointer under a lease (zero copy).
-// Copies run on the caller's stream when one is given (PutOptions /
-// ReadRequest cuda_stream) and complete before the call returns; see
-// DeviceTransfers for the paths.
+// capacity reserved at open, backed by physical pages
+// (GpuArenaOptions::page_bytes) mapped as the allocator's live end rises and
+// unmapped (after a device synchronization, off the hot path) when it
+// falls. The index, leases, eviction order, acquire() (a device pointer
+// under a lease, zero copy) and stats come from ArenaTier; this tier
+// supplies the memory and its own put and read paths, which copy whole
+// batches in pipelined chunks. Copies run on the caller's stream when one is
+// given (PutOptions / ReadRequest cuda_stream) and complete before the call
+// returns; see DeviceTransfers for the paths.
 //
 // Streams without a caller stream: when the caller's buffer is device
 // memory the legacy default stream is used, so the copy is ordered after
@@ -29,8 +31,8 @@
 #include <span>
 
 #include "cascade/config.h"
-#include "cascade/tier.h"
 #include "cuda/cuda_options.h"
+#include "tiers/arena_tier.h"
 
 namespace cascade {
 
@@ -41,7 +43,7 @@ struct GpuTierOptions {
   TransferTuning transfers;
 };
 
-class GpuTier : public Tier {
+class GpuTier : public ArenaTier {
  public:
   // Unavailable when CUDA is absent (build or run time) or the device
   // cannot be used; NoSpace when the device cannot back even the reservation.
@@ -62,6 +64,10 @@ class GpuTier : public Tier {
   // Unmaps pages above the live end now (after synchronizing the device).
   virtual Status trim() = 0;
   virtual GpuArenaStats arena_stats() const = 0;
+
+ protected:
+  GpuTier(const CascadeConfig& config, uint8_t* base, uint64_t capacity)
+      : ArenaTier(config, base, capacity, MemoryKind::kDevice, "the gpu tier") {}
 };
 
 // The factory the store's tier_factory calls for TierKind::kGpu.

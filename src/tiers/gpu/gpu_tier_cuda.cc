@@ -1,54 +1,26 @@
 // GpuTier over a DeviceArena. See gpu_tier.h.
-#include <atomic>
 #include <map>
-#include <optional>
-#include <tuple>
+#include <utility>
 
-#include "index/block_index.h"
-#include "cuda/device_copy.h"
-#include "tiers/arena_victims.h"
 #include "cuda/cuda_status.h"
 #include "cuda/device_arena.h"
 #include "cuda/device_context.h"
+#include "cuda/device_copy.h"
 #include "cuda/device_transfers.h"
 #include "tiers/gpu/gpu_tier.h"
-#include "tiers/tier_counters.h"
 
 namespace cascade {
 namespace {
-
-// Bytes of a block a read copies, and from where. InvalidArgument as
-// ReadRequest describes.
-Status plan_read(const ReadRequest& req, uint64_t size, uint64_t* n, uint64_t* from) {
-  *n = 0;
-  *from = 0;
-  if (req.whole) {
-    if (size > req.capacity)
-      return Status::InvalidArgument("output buffer holds " + std::to_string(req.capacity) +
-                                     " bytes; the block has " + std::to_string(size));
-    *n = size;
-    return Status::OK();
-  }
-  if (req.offset > size)
-    return Status::InvalidArgument("offset " + std::to_string(req.offset) + " is past the end of a " +
-                                   std::to_string(size) + "-byte block");
-  *n = std::min(req.capacity, size - req.offset);
-  *from = req.offset;
-  return Status::OK();
-}
 
 class ArenaGpuTier final : public GpuTier {
  public:
   ArenaGpuTier(const CascadeConfig& config, ThreadPool* pool, DeviceContext* ctx,
                std::unique_ptr<DeviceArena> arena, const GpuTierOptions& options)
-      : device_(config.gpu_device_id),
+      : GpuTier(config, arena->base(), arena->capacity()),
+        device_(config.gpu_device_id),
         ctx_(ctx),
         arena_(std::move(arena)),
-        transfers_(ctx, pool, options.transfers, arena_->base(), arena_->capacity()),
-        index_(config.index_shards, config.eviction_policy,
-               [this](const BlockId&, const Location& loc) {
-                 if (loc.size) arena_->free(loc.offset, loc.size);
-               }) {}
+        transfers_(ctx, pool, options.transfers, arena_->base(), arena_->capacity()) {}
 
   int device() const override { return device_; }
 
@@ -78,19 +50,11 @@ class ArenaGpuTier final : public GpuTier {
       want_sizes.clear();
       uint64_t bytes = 0;
       for (; i < n && bytes < step.bytes && want.size() < step.items; ++i) {
-        statuses[i] = Status::OK();
         const uint64_t size = sizes[i];
-        if (size > arena_->capacity()) {
-          statuses[i] = Status::InvalidArgument("block of " + std::to_string(size) +
-                                                " bytes is larger than the gpu tier (" +
-                                                std::to_string(arena_->capacity()) + " bytes)");
-          continue;
-        }
-        if (size && !data[i]) {
-          statuses[i] = Status::InvalidArgument("data is null");
-          continue;
-        }
-        if (index_.contains(ids[i])) continue;  // immutable: already stored
+        statuses[i] = check_fits(size);
+        if (statuses[i].ok() && size && !data[i]) statuses[i] = Status::InvalidArgument("data is null");
+        if (!statuses[i].ok()) continue;
+        if (contains(ids[i])) continue;  // immutable: already stored
         if (size == 0) {
           publish(ids[i], Location{0, 0}, options);
           continue;
@@ -108,7 +72,7 @@ class ArenaGpuTier final : public GpuTier {
         const size_t j = want[k];
         cur.index.push_back(j);
         cur.where.push_back(Location{offsets[k], sizes[j]});
-        cur.items.push_back(CopyItem{arena_->base() + offsets[k], data[j], sizes[j]});
+        cur.items.push_back(CopyItem{arena_base() + offsets[k], data[j], sizes[j]});
       }
       queue(cur, MemoryKind::kDevice, options.src_kind, s);
       finish_put(prev, ids, options, statuses, s);
@@ -144,26 +108,23 @@ class ArenaGpuTier final : public GpuTier {
         for (; m < members.size() && bytes < step.bytes && cur.items.size() < step.items; ++m) {
           const size_t i = members[m];
           results[i] = ReadResult{};
-          auto lease = index_.acquire(ids[i]);
+          auto lease = lease_counted(ids[i]);
           if (!lease) {
-            counters_.misses.fetch_add(1, std::memory_order_relaxed);
-            statuses[i] = Status::NotFound("not in gpu tier");
+            statuses[i] = not_found();
             continue;
           }
-          counters_.hits.fetch_add(1, std::memory_order_relaxed);
           const Location& loc = lease->loc;
           results[i].block_size = loc.size;
           results[i].is_prefix = lease->is_prefix;
-          uint64_t count = 0, from = 0;
-          statuses[i] = plan_read(reqs[i], loc.size, &count, &from);
-          if (statuses[i].ok() && count && !reqs[i].out) statuses[i] = Status::InvalidArgument("out is null");
+          uint64_t from = 0, count = 0;
+          statuses[i] = reqs[i].span(loc.size, &from, &count);
           if (!statuses[i].ok() || count == 0) {
-            index_.release(lease->token);
+            release(lease->token);
             continue;
           }
           cur.index.push_back(i);
           cur.tokens.push_back(lease->token);
-          cur.items.push_back(CopyItem{reqs[i].out, arena_->base() + loc.offset + from, count});
+          cur.items.push_back(CopyItem{reqs[i].out, arena_base() + loc.offset + from, count});
           bytes += count;
         }
         queue(cur, key.first, MemoryKind::kDevice, s);
@@ -175,63 +136,14 @@ class ArenaGpuTier final : public GpuTier {
     }
   }
 
-  Result<BlockView> acquire(const BlockId& id) override {
-    auto lease = index_.acquire(id);
-    if (!lease) {
-      counters_.misses.fetch_add(1, std::memory_order_relaxed);
-      return Status::NotFound("not in gpu tier");
-    }
-    counters_.hits.fetch_add(1, std::memory_order_relaxed);
-    return BlockView(this, arena_->base() + lease->loc.offset, lease->loc.size, MemoryKind::kDevice,
-                     lease->token);
-  }
-
-  bool contains(const BlockId& id) const override { return index_.contains(id); }
-
-  Status remove(const BlockId& id) override {
-    return index_.remove(id) ? Status::OK() : Status::NotFound("not in gpu tier");
-  }
-
-  std::vector<Victim> claim_victims(uint64_t bytes) override {
-    std::vector<Victim> out =
-        arena_victims(this, index_.claim_victims(bytes), arena_->base(), MemoryKind::kDevice);
-    counters_.evictions.fetch_add(out.size(), std::memory_order_relaxed);
-    return out;
-  }
-
-  void unclaim(Victim victim) override {
-    uint64_t token = victim.view.token();
-    victim.view.detach();
-    counters_.evictions.fetch_sub(1, std::memory_order_relaxed);
-    index_.unclaim(victim.id, token);
-  }
-
-  uint64_t capacity_bytes() const override { return arena_->capacity(); }
-
-  TierStats stats() const override {
-    TierStats s;
-    s.name = name();
-    s.capacity_bytes = arena_->capacity();
-    s.used_bytes = index_.payload_bytes();
-    s.reserved_bytes = arena_->used();
-    s.committed_bytes = arena_->stats().mapped_bytes;
-    s.blocks = index_.size();
-    counters_.fill(&s);
-    s.leased_blocks = index_.leased();
-    return s;
-  }
-
-  void clear() override { index_.clear(); }
-  void for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const override {
-    index_.for_each([&](const BlockId& id, const Location& loc, bool) { fn(id, loc.size); });
-  }
   Status trim() override { return arena_->trim(); }
   GpuArenaStats arena_stats() const override { return arena_->stats(); }
 
- protected:
-  void release_lease(uint64_t token) override { index_.release(token); }
-
  private:
+  void free_space(uint64_t offset, uint64_t size) override { arena_->free(offset, size); }
+  uint64_t reserved_bytes() const override { return arena_->used(); }
+  uint64_t committed_bytes() const override { return arena_->stats().mapped_bytes; }
+
   // Work of one pipelined chunk of a batch.
   struct Chunk {
     std::vector<size_t> index;     // batch positions
@@ -250,9 +162,9 @@ class ArenaGpuTier final : public GpuTier {
     }
   };
   // A chunk should take the GPU longer than the CPU needs to prepare the
-  // next one (lookups, allocation, tables: a few hundred ns per block), and
-  // be short enough that the first copies start early. Device-to-device
-  // copies run ~30x faster than PCIe, so their chunks are larger.
+  // next one (lookups, allocation, copy tables), and be short enough that
+  // the first copies start early. Device-to-device copies run much faster
+  // than host<->device ones, so their chunks are larger.
   struct ChunkLimit {
     uint64_t bytes;
     size_t items;
@@ -318,7 +230,7 @@ class ArenaGpuTier final : public GpuTier {
     Status st = wait(c, s);
     for (size_t k = 0; k < c.index.size(); ++k) {
       const size_t i = c.index[k];
-      index_.release(c.tokens[k]);
+      release(c.tokens[k]);
       statuses[i] = st;
       if (st.ok()) {
         results[i].copied = c.items[k].bytes;
@@ -328,20 +240,10 @@ class ArenaGpuTier final : public GpuTier {
     c.reset();
   }
 
-  // Makes a copied block visible. false when the id was stored meanwhile
-  // (by another thread, or twice in one batch): the caller frees its copy.
-  bool publish(const BlockId& id, const Location& loc, const PutOptions& options) {
-    if (!index_.insert(id, loc, options.is_prefix)) return false;
-    counters_.stored(options, loc.size);
-    return true;
-  }
-
   const int device_;
   DeviceContext* ctx_;
-  std::unique_ptr<DeviceArena> arena_;  // before index_: reclaim frees into it
+  std::unique_ptr<DeviceArena> arena_;
   DeviceTransfers transfers_;
-  BlockIndex index_;
-  TierCounters counters_;
 };
 
 }  // namespace

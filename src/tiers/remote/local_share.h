@@ -1,21 +1,19 @@
-// LocalShare: this rank's part of the remote tier — the blocks it owns, in
-// its own segment of the node's shared-memory window.
-//
-// Like the host tier it keeps an ExtentAllocator over the segment, a
-// BlockIndex (leases, eviction order) and lazily committed memory; unlike
-// it, the memory is given (the window's segment, which peers on the node
-// map too) and blocks may carry a checksum for readers on other nodes.
+// LocalShare: this rank's part of the remote tier: the blocks it owns, in
+// its own segment of the node's shared-memory window. An ArenaTier (of kind
+// remote) whose memory is given: the window's segment, which peers on the
+// node map too. Blocks may carry a checksum for readers on other nodes.
 // Two kinds of callers use it:
-//   - this rank's I/O threads, for blocks it owns (put, read, acquire,
-//     eviction by the store);
+//   - this rank's I/O threads, through RemoteTier, for blocks it owns (put,
+//     read, acquire, eviction by the store);
 //   - the owner's progress thread, serving peers: reserve a range for a
 //     peer's put, publish it once the peer has written it, lease blocks to
-//     peers that read them.
+//     peers that read them (through index()).
 //
-// Memory is committed in 64 MiB steps with MADV_POPULATE_WRITE, so a full
-// /dev/shm fails a put with NoSpace instead of killing a process with
-// SIGBUS when it first touches a page. release_memory() hands every page
-// back (MADV_REMOVE) when the rank leaves.
+// Memory is committed in steps with MADV_POPULATE_WRITE (CommittedMemory),
+// so a full /dev/shm fails a put with NoSpace instead of killing a process
+// with SIGBUS when it first touches a page; the next step is committed in
+// the background when allocations come near the committed end.
+// release_memory() hands every page back (MADV_REMOVE) when the rank leaves.
 //
 // Thread-safety: all methods are thread-safe. Lock order: index shard ->
 // (reclaim runs outside it) allocator / checksum shard / commit mutex, one
@@ -30,36 +28,25 @@
 #include <optional>
 #include <unordered_map>
 
-#include "util/extent_allocator.h"
-#include "cascade/config.h"
-#include "cascade/tier.h"
-#include "index/block_index.h"
-#include "util/thread_pool.h"
+#include "os/committed_memory.h"
+#include "tiers/arena_tier.h"
 #include "tiers/remote/reservation_table.h"
 
 namespace cascade::remote {
 
-class LocalShare {
+class LocalShare final : public HostArenaTier {
  public:
-  static constexpr uint64_t kCommitStep = 64ULL << 20;
-  static constexpr uint64_t kUnit = 4096;
+  static constexpr uint64_t kCommitStep = CommittedMemory::kStep;
 
   // base: page-aligned memory of `capacity` bytes that outlives the share.
   // With config.shm_prefault, the whole segment is committed here.
   LocalShare(uint8_t* base, uint64_t capacity, const CascadeConfig& config, ThreadPool* pool,
              bool checksums);
-  ~LocalShare();  // waits for a background commit
+  ~LocalShare() override;  // waits for a background commit
 
-  uint8_t* base() const { return base_; }
-  uint64_t capacity() const { return capacity_; }
+  TierKind kind() const override { return TierKind::kRemote; }
+  uint8_t* base() const { return arena_base(); }
   bool checksums() const { return checksums_; }
-
-  // ---- blocks this rank owns, from its own threads ---------------------------
-  // As Tier::put. NoSpace when full (the store then evicts with
-  // claim_victims and retries).
-  Status put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options);
-  // As Tier::read.
-  Status read(const BlockId& id, const ReadRequest& req, ReadResult* result);
 
   // ---- serving peers (progress thread) ----------------------------------------
   // A committed range for a peer's block of `size` bytes. Evicts (drops)
@@ -71,18 +58,14 @@ class LocalShare {
   void free_extent(const Extent& extent);
 
   // ---- shared ---------------------------------------------------------------
-  BlockIndex& index() { return index_; }
-  const BlockIndex& index() const { return index_; }
-  const ExtentAllocator& allocator() const { return alloc_; }
   // Checksum of the live block at `loc` (0 when checksums are off).
   uint64_t checksum_at(const Location& loc) const;
-  // Ensures [0, end) of the segment is backed by memory.
-  Status commit(uint64_t end);
-  // Backs the next step in the background (on the pool) when the highest
+  // Ensures [0, end) of the segment is backed by memory, and starts backing
+  // the next step in the background (on the pool) when the highest
   // allocation comes within a step of the committed end, so puts, and the
   // owner's thread serving peers, rarely wait for the kernel to find pages.
-  void commit_ahead();
-  uint64_t committed() const { return committed_.load(std::memory_order_acquire); }
+  Status commit(uint64_t end) override;
+  uint64_t committed() const { return committed_.committed(); }
   // Drops every block and hands the memory back to the system.
   // REQUIRES: nobody reads or writes the segment any more.
   void release_memory();
@@ -90,16 +73,14 @@ class LocalShare {
   uint64_t evicted_for_peers() const { return evicted_for_peers_.load(std::memory_order_relaxed); }
 
  private:
-  Status copy_in(uint8_t* dst, const void* src, uint64_t n, const PutOptions& o, uint64_t* checksum);
-  void forget_checksum(uint64_t offset);
+  void free_space(uint64_t offset, uint64_t size) override;
+  Status copy_in(uint64_t offset, const void* src, uint64_t n, const PutOptions& options) override;
+  uint64_t committed_bytes() const override { return committed(); }
+  Status back(uint64_t from, uint64_t to);
+  void commit_ahead();
+  void set_checksum(uint64_t offset, uint64_t sum);
 
-  uint8_t* base_;
-  uint64_t capacity_;
-  ThreadPool* pool_;
-  uint64_t parallel_threshold_;
   bool checksums_;
-  ExtentAllocator alloc_;
-  BlockIndex index_;
 
   // Checksums by arena offset (unique among live ranges, so a reclaim that
   // runs after the id was stored again never drops the new block's entry).
@@ -110,8 +91,7 @@ class LocalShare {
   };
   std::unique_ptr<ChecksumShard[]> checksum_shards_;
 
-  std::mutex commit_mu_;
-  std::atomic<uint64_t> committed_{0};
+  CommittedMemory committed_;
   std::mutex ahead_mu_;
   std::condition_variable ahead_cv_;
   bool ahead_running_ = false;  // guarded by ahead_mu_

@@ -133,5 +133,36 @@ TEST(LocalShare, ReleaseMemoryDropsEverything) {
   EXPECT_EQ(share.allocator().used(), 0u);
 }
 
+TEST(LocalShare, CountsItsOwnTrafficAndAnswersSizes) {
+  SharedMemory mem(64 << 20);
+  LocalShare share(mem.base(), 64 << 20, small_config(), nullptr, true);
+  auto data = bytes_of(7000, 4);
+  PutOptions o;
+  o.origin = PutOrigin::kDemotion;
+  ASSERT_TRUE(share.put(id_of(1), data.data(), data.size(), o).ok());
+  ASSERT_TRUE(share.put(id_of(1), data.data(), data.size(), o).ok());  // stored already: not counted
+  auto size = share.size_of(id_of(1));
+  ASSERT_TRUE(size.ok());
+  EXPECT_EQ(*size, data.size());
+  EXPECT_TRUE(share.size_of(id_of(2)).status().is(Code::kNotFound));
+  std::vector<uint8_t> out(data.size());
+  ReadRequest rq;
+  rq.out = out.data();
+  rq.capacity = out.size();
+  ReadResult rr;
+  ASSERT_TRUE(share.read(id_of(1), rq, &rr).ok());
+  EXPECT_TRUE(out == data);
+  TierStats s = share.stats();
+  EXPECT_EQ(s.name, std::string("remote"));
+  EXPECT_EQ(s.blocks, 1u);
+  EXPECT_EQ(s.bytes_written, data.size());
+  EXPECT_EQ(s.demotions_in, 1u);
+  EXPECT_EQ(s.hits, 1u);
+  EXPECT_EQ(s.misses, 1u);  // the size_of miss
+  EXPECT_EQ(s.bytes_read, data.size());
+  EXPECT_EQ(s.reserved_bytes, 8192u);
+  EXPECT_GE(s.committed_bytes, s.reserved_bytes);
+}
+
 }  // namespace
 }  // namespace cascade::remote

@@ -120,8 +120,10 @@ void RemoteTier::serve_put_abort(int peer, const Item& it) {
 
 Item RemoteTier::serve_lookup(int peer, const Item& it) {
   Item out = it;
-  if ((it.flags & kItemLease) == 0) {
-    out.outcome = share_.index().contains(it.id) ? Outcome::kFound : Outcome::kMiss;
+  if ((it.flags & kItemLease) == 0) {  // the size only
+    auto loc = share_.index().peek(it.id);
+    out.outcome = loc ? Outcome::kFound : Outcome::kMiss;
+    if (loc) out.size = loc->size;
     return out;
   }
   auto lease = share_.index().acquire(it.id);

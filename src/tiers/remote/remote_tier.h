@@ -70,12 +70,15 @@ class RemoteTier final : public Tier, private RequestHandler {
   // Zero-copy for blocks of this rank and of ranks on the same node;
   // NotSupported for blocks held on other nodes.
   Result<BlockView> acquire(const BlockId& id) override;
+  Result<uint64_t> size_of(const BlockId& id) override;
   bool contains(const BlockId& id) const override;
   Status remove(const BlockId& id) override;
   // Victims come from this rank's own share.
   std::vector<Victim> claim_victims(uint64_t bytes) override;
   void unclaim(Victim victim) override;
   uint64_t capacity_bytes() const override { return share_.capacity(); }
+  // The share's counters (blocks of this rank) plus this tier's (traffic
+  // with peers).
   TierStats stats() const override;
   // Drops this rank's share. Every rank clearing clears the whole tier.
   void clear() override;
@@ -103,6 +106,9 @@ class RemoteTier final : public Tier, private RequestHandler {
   // Copies n bytes of a block a peer leased to us (item: the Lookup reply).
   Status copy_from_peer(int owner, const Item& found, const ReadRequest& req, uint64_t n);
   Status read_unlocked(const BlockId& id, const ReadRequest& req, ReadResult* result);
+  // A view of the share's handed to the store: released through this tier,
+  // which counts the views it has out.
+  BlockView adopt(BlockView view);
   bool verifies(int owner) const;
   void release_remote(int owner, uint64_t token) const;
 
@@ -136,7 +142,7 @@ class RemoteTier final : public Tier, private RequestHandler {
   std::atomic<size_t> open_reservations_{0};
   std::atomic<bool> leaving_{false};
 
-  // Counters.
+  // Counters of the traffic with peers (the share counts its own blocks).
   mutable TierCounters counters_;
   mutable std::atomic<uint64_t> remote_hits_{0}, remote_misses_{0};
   mutable std::atomic<uint64_t> timeouts_{0}, corrupt_{0}, dedup_remote_{0};

@@ -31,23 +31,6 @@ Message request_of(MessageKind kind, Item item) {
   return m;
 }
 
-// Checks a read request against a block of `size` bytes; *n: bytes to copy.
-Status plan_read(const ReadRequest& req, uint64_t size, uint64_t* n) {
-  *n = 0;
-  if (req.whole) {
-    if (size > req.capacity)
-      return Status::InvalidArgument("output buffer holds " + std::to_string(req.capacity) +
-                                     " bytes; the block has " + std::to_string(size));
-    *n = size;
-    return Status::OK();
-  }
-  if (req.offset > size)
-    return Status::InvalidArgument("offset " + std::to_string(req.offset) + " is past the end of a " +
-                                   std::to_string(size) + "-byte block");
-  *n = std::min(req.capacity, size - req.offset);
-  return Status::OK();
-}
-
 }  // namespace
 
 RemoteTier::RemoteTier(std::shared_ptr<RankFabric> fabric, const CascadeConfig& config,
@@ -117,14 +100,10 @@ Status RemoteTier::put_unlocked(const BlockId& id, const void* data, uint64_t si
   while (true) {
     int owner = owner_of(id);
     if (owner < 0) return Status::Unavailable("no rank is left in the distributed store's group");
-    Status st;
-    if (owner == me_) {
-      st = share_.put(id, data, size, options);
-    } else {
-      bool retry = false;
-      st = put_to_peer(owner, id, data, size, options, until, &retry);
-      if (retry) continue;
-    }
+    if (owner == me_) return share_.put(id, data, size, options);  // the share counts it
+    bool retry = false;
+    Status st = put_to_peer(owner, id, data, size, options, until, &retry);
+    if (retry) continue;
     if (st.ok()) count_put(size, options);
     return st;
   }
@@ -443,12 +422,7 @@ Status RemoteTier::read(const BlockId& id, const ReadRequest& req, ReadResult* r
 Status RemoteTier::read_unlocked(const BlockId& id, const ReadRequest& req, ReadResult* result) {
   for (int attempt = 0; attempt < 4; ++attempt) {
     int owner = owner_of(id);
-    if (owner == me_) {
-      Status st = share_.read(id, req, result);
-      (st.is(Code::kNotFound) ? counters_.misses : counters_.hits).fetch_add(1, std::memory_order_relaxed);
-      if (st.ok()) counters_.bytes_read.fetch_add(result->copied, std::memory_order_relaxed);
-      return st;
-    }
+    if (owner == me_) return share_.read(id, req, result);  // the share counts it
     if (owner < 0) break;
     Item q;
     q.id = id;
@@ -467,8 +441,8 @@ Status RemoteTier::read_unlocked(const BlockId& id, const ReadRequest& req, Read
     result->block_size = f.size;
     result->is_prefix = (f.flags & kItemPrefix) != 0;
     result->copied = 0;
-    uint64_t n = 0;
-    Status st = plan_read(req, f.size, &n);
+    uint64_t from = 0, n = 0;
+    Status st = req.span(f.size, &from, &n);
     if (st.ok()) st = copy_from_peer(owner, f, req, n);
     release_remote(owner, f.lease_token);
     if (st.ok()) {
@@ -529,8 +503,6 @@ void RemoteTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRe
   pool_->parallel_for(local.size(), [&](size_t k) {
     size_t i = local[k];
     statuses[i] = share_.read(ids[i], reqs[i], &results[i]);
-    (statuses[i].is(Code::kNotFound) ? counters_.misses : counters_.hits).fetch_add(1, std::memory_order_relaxed);
-    if (statuses[i].ok()) counters_.bytes_read.fetch_add(results[i].copied, std::memory_order_relaxed);
   });
   // Replies, then every copy in parallel.
   struct Copy {
@@ -571,8 +543,8 @@ void RemoteTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRe
     rr.block_size = c.found.size;
     rr.is_prefix = (c.found.flags & kItemPrefix) != 0;
     rr.copied = 0;
-    uint64_t n = 0;
-    Status st = plan_read(reqs[c.index], c.found.size, &n);
+    uint64_t from = 0, n = 0;
+    Status st = reqs[c.index].span(c.found.size, &from, &n);
     if (st.ok()) st = copy_from_peer(c.owner, c.found, reqs[c.index], n);
     if (st.ok()) {
       rr.copied = n;
@@ -605,14 +577,9 @@ Result<BlockView> RemoteTier::acquire(const BlockId& id) {
   if (!use.ok()) return RankFabric::finalized_status();
   int owner = owner_of(id);
   if (owner == me_) {
-    auto lease = share_.index().acquire(id);
-    if (!lease) {
-      counters_.misses.fetch_add(1, std::memory_order_relaxed);
-      return Status::NotFound("not in the remote tier");
-    }
-    counters_.hits.fetch_add(1, std::memory_order_relaxed);
-    views_.fetch_add(1, std::memory_order_relaxed);
-    return BlockView(this, share_.base() + lease->loc.offset, lease->loc.size, MemoryKind::kHost, lease->token);
+    auto view = share_.acquire(id);
+    if (!view.ok()) return view.status();
+    return adopt(std::move(*view));
   }
   if (owner < 0) return Status::NotFound("not in the remote tier");
   if (!fabric_->loads_reach(owner))
@@ -647,7 +614,7 @@ Result<BlockView> RemoteTier::acquire(const BlockId& id) {
 void RemoteTier::release_lease(uint64_t token) {
   views_.fetch_sub(1, std::memory_order_relaxed);
   if ((token & kPeerLeaseTag) == 0) {
-    share_.index().release(token);
+    share_.release(token);
     return;
   }
   auto* lease = reinterpret_cast<PeerLease*>(token & ~kPeerLeaseTag);
@@ -656,12 +623,36 @@ void RemoteTier::release_lease(uint64_t token) {
   delete lease;
 }
 
+Result<uint64_t> RemoteTier::size_of(const BlockId& id) {
+  auto use = fabric_->use();
+  if (!use.ok()) return RankFabric::finalized_status();
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    int owner = owner_of(id);
+    if (owner == me_) return share_.size_of(id);  // the share counts a miss
+    if (owner < 0) break;
+    Item q;
+    q.id = id;  // no lease: the owner answers with the size only
+    auto r = fabric_->call(owner, request_of(MessageKind::kLookup, q), deadline());
+    if (!r.ok()) {
+      counters_.misses.fetch_add(1, std::memory_order_relaxed);
+      return call_failed(owner, r.status());
+    }
+    const Item f = r->items.at(0);
+    if (f.outcome == Outcome::kFound) return f.size;
+    if (f.outcome != Outcome::kGone) break;
+    fabric_->live().mark_gone(owner);
+  }
+  counters_.misses.fetch_add(1, std::memory_order_relaxed);
+  remote_misses_.fetch_add(1, std::memory_order_relaxed);
+  return Status::NotFound("not in the remote tier");
+}
+
 bool RemoteTier::contains(const BlockId& id) const {
   auto use = fabric_->use();
   if (!use.ok()) return false;
   for (int attempt = 0; attempt < 4; ++attempt) {
     int owner = owner_of(id);
-    if (owner == me_) return share_.index().contains(id);
+    if (owner == me_) return share_.contains(id);
     if (owner < 0) return false;
     Item q;
     q.id = id;
@@ -682,8 +673,7 @@ Status RemoteTier::remove(const BlockId& id) {
   if (!use.ok()) return RankFabric::finalized_status();
   for (int attempt = 0; attempt < 4; ++attempt) {
     int owner = owner_of(id);
-    if (owner == me_)
-      return share_.index().remove(id) ? Status::OK() : Status::NotFound("not in the remote tier");
+    if (owner == me_) return share_.remove(id);
     if (owner < 0) break;
     Item q;
     q.id = id;
@@ -698,50 +688,35 @@ Status RemoteTier::remove(const BlockId& id) {
 }
 
 std::vector<Victim> RemoteTier::claim_victims(uint64_t bytes) {
-  std::vector<Victim> out;
   auto use = fabric_->use();
-  if (!use.ok()) return out;
-  for (auto& c : share_.index().claim_victims(bytes)) {
-    Victim v;
-    v.id = c.id;
-    v.size = c.lease.loc.size;
-    v.is_prefix = c.lease.is_prefix;
-    v.view = BlockView(this, share_.base() + c.lease.loc.offset, v.size, MemoryKind::kHost, c.lease.token);
-    views_.fetch_add(1, std::memory_order_relaxed);
-    out.push_back(std::move(v));
-  }
-  counters_.evictions.fetch_add(out.size(), std::memory_order_relaxed);
+  if (!use.ok()) return {};
+  std::vector<Victim> out = share_.claim_victims(bytes);
+  for (Victim& v : out) v.view = adopt(std::move(v.view));
   return out;
 }
 
 void RemoteTier::unclaim(Victim victim) {
-  uint64_t token = victim.view.token();
-  victim.view.detach();
   views_.fetch_sub(1, std::memory_order_relaxed);
-  counters_.evictions.fetch_sub(1, std::memory_order_relaxed);
-  share_.index().unclaim(victim.id, token);
+  share_.unclaim(std::move(victim));  // takes the lease back by its token
+}
+
+BlockView RemoteTier::adopt(BlockView view) {
+  BlockView mine(this, view.data(), view.size(), view.kind(), view.token());
+  view.detach();
+  views_.fetch_add(1, std::memory_order_relaxed);
+  return mine;
 }
 
 TierStats RemoteTier::stats() const {
-  TierStats s;
-  s.name = "remote";
-  s.capacity_bytes = share_.capacity();
-  s.used_bytes = share_.index().payload_bytes();
-  s.reserved_bytes = share_.allocator().used();
-  s.committed_bytes = share_.committed();
-  s.blocks = share_.index().size();
-  s.hits = counters_.hits.load(std::memory_order_relaxed);
-  s.misses = counters_.misses.load(std::memory_order_relaxed);
-  s.evictions = counters_.evictions.load(std::memory_order_relaxed) + share_.evicted_for_peers();
-  s.demotions_in = counters_.demotions_in.load(std::memory_order_relaxed);
-  s.promotions_in = counters_.promotions_in.load(std::memory_order_relaxed);
-  s.bytes_written = counters_.bytes_written.load(std::memory_order_relaxed);
-  s.bytes_read = counters_.bytes_read.load(std::memory_order_relaxed);
+  // The share counts the blocks of this rank; counters_ the traffic with peers.
+  TierStats s = share_.stats();
+  counters_.add_to(&s);
+  s.evictions += share_.evicted_for_peers();
   s.corrupt_blocks = corrupt_.load(std::memory_order_relaxed);
   s.leased_blocks = static_cast<uint64_t>(std::max<int64_t>(0, views_.load(std::memory_order_relaxed)));
   return s;
 }
 
-void RemoteTier::clear() { share_.index().clear(); }
+void RemoteTier::clear() { share_.clear(); }
 
 }  // namespace cascade::remote

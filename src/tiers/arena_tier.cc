@@ -1,0 +1,154 @@
+#include "tiers/arena_tier.h"
+
+#include <utility>
+
+#include "cuda/device_copy.h"
+
+namespace cascade {
+
+ArenaTier::ArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capacity, MemoryKind memory,
+                     std::string where)
+    : base_(base),
+      capacity_(capacity),
+      memory_(memory),
+      where_(std::move(where)),
+      index_(config.index_shards, config.eviction_policy, [this](const BlockId&, const Location& loc) {
+        if (loc.size) free_space(loc.offset, loc.size);
+      }) {}
+
+Status ArenaTier::check_fits(uint64_t size) const {
+  if (size <= capacity_) return Status::OK();
+  return Status::InvalidArgument("block of " + std::to_string(size) + " bytes is larger than " + where_ +
+                                 " (" + std::to_string(capacity_) + " bytes)");
+}
+
+bool ArenaTier::publish(const BlockId& id, const Location& loc, const PutOptions& options) {
+  if (!index_.insert(id, loc, options.is_prefix)) return false;
+  counters_.stored(options, loc.size);
+  return true;
+}
+
+Status ArenaTier::put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) {
+  CASCADE_RETURN_IF_ERROR(check_fits(size));
+  if (size && !data) return Status::InvalidArgument("data is null");
+  if (index_.contains(id)) return Status::OK();  // blocks are immutable
+  Location loc{0, size};
+  if (size > 0) {
+    auto off = allocate(size);
+    if (!off) return Status::NoSpace(where_ + " is full");
+    loc.offset = *off;
+    Status st = commit(*off + size);
+    if (st.ok()) st = copy_in(*off, data, size, options);
+    if (!st.ok()) {
+      free_space(*off, size);
+      return st;
+    }
+  }
+  // Another thread stored the same id first: blocks are immutable, so theirs is ours.
+  if (!publish(id, loc, options) && size) free_space(loc.offset, size);
+  return Status::OK();
+}
+
+std::optional<BlockIndex::Lease> ArenaTier::lease_counted(const BlockId& id) {
+  auto lease = index_.acquire(id);
+  TierCounters::add(lease ? counters_.hits : counters_.misses);
+  return lease;
+}
+
+Status ArenaTier::read(const BlockId& id, const ReadRequest& req, ReadResult* result) {
+  auto lease = lease_counted(id);
+  if (!lease) return not_found();
+  result->block_size = lease->loc.size;
+  result->is_prefix = lease->is_prefix;
+  result->copied = 0;
+  uint64_t from = 0, n = 0;
+  Status st = req.span(lease->loc.size, &from, &n);
+  if (st.ok() && n) st = copy_out(req.out, base_ + lease->loc.offset + from, n, req);
+  index_.release(lease->token);
+  if (st.ok()) {
+    result->copied = n;
+    TierCounters::add(counters_.bytes_read, n);
+  }
+  return st;
+}
+
+Result<BlockView> ArenaTier::acquire(const BlockId& id) {
+  auto lease = lease_counted(id);
+  if (!lease) return not_found();
+  return BlockView(this, base_ + lease->loc.offset, lease->loc.size, memory_, lease->token);
+}
+
+Result<uint64_t> ArenaTier::size_of(const BlockId& id) {
+  auto loc = index_.peek(id);
+  if (loc) return loc->size;
+  TierCounters::add(counters_.misses);
+  return not_found();
+}
+
+Status ArenaTier::remove(const BlockId& id) { return index_.remove(id) ? Status::OK() : not_found(); }
+
+std::vector<Victim> ArenaTier::claim_victims(uint64_t bytes) {
+  std::vector<BlockIndex::Claimed> claims = index_.claim_victims(bytes);
+  std::vector<Victim> out;
+  out.reserve(claims.size());
+  for (auto& c : claims) {
+    Victim v;
+    v.id = c.id;
+    v.size = c.lease.loc.size;
+    v.is_prefix = c.lease.is_prefix;
+    // The view leases the bytes in place while the store copies them down.
+    v.view = BlockView(this, base_ + c.lease.loc.offset, v.size, memory_, c.lease.token);
+    out.push_back(std::move(v));
+  }
+  TierCounters::add(counters_.evictions, out.size());
+  return out;
+}
+
+void ArenaTier::unclaim(Victim victim) {
+  const uint64_t token = victim.view.token();
+  victim.view.detach();  // the index takes the lease back
+  counters_.evictions.fetch_sub(1, std::memory_order_relaxed);
+  index_.unclaim(victim.id, token);
+}
+
+TierStats ArenaTier::stats() const {
+  TierStats s;
+  s.name = name();
+  s.capacity_bytes = capacity_;
+  s.used_bytes = index_.payload_bytes();
+  s.reserved_bytes = reserved_bytes();
+  s.committed_bytes = committed_bytes();
+  s.blocks = index_.size();
+  counters_.fill(&s);
+  s.leased_blocks = index_.leased();
+  return s;
+}
+
+void ArenaTier::for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const {
+  index_.for_each([&](const BlockId& id, const Location& loc, bool) { fn(id, loc.size); });
+}
+
+HostArenaTier::HostArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capacity, ThreadPool* pool,
+                             std::string where)
+    : ArenaTier(config, base, capacity, MemoryKind::kHost, std::move(where)),
+      pool_(pool),
+      parallel_threshold_(config.parallel_copy_threshold),
+      alloc_(capacity, kUnit) {}
+
+Status HostArenaTier::copy_to_arena(uint8_t* dst, const void* src, uint64_t n, const PutOptions& options) {
+  if (options.src_kind == MemoryKind::kHost) {
+    parallel_memcpy(pool_, dst, src, n, parallel_threshold_);
+    return Status::OK();
+  }
+  return device_copy(dst, MemoryKind::kHost, src, options.src_kind, n, options.cuda_stream);
+}
+
+Status HostArenaTier::copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req) {
+  if (req.out_kind == MemoryKind::kHost) {
+    parallel_memcpy(pool_, dst, src, n, parallel_threshold_);
+    return Status::OK();
+  }
+  return device_copy(dst, req.out_kind, src, MemoryKind::kHost, n, req.cuda_stream);
+}
+
+}  // namespace cascade
