@@ -48,8 +48,9 @@ class PyTierHandle {
     if (kind == TierKind::kGpu && h.status().is(Code::kUnavailable)) {
       raise_status(Status::Unavailable(
           what + " needs a usable CUDA GPU: " +
-          (CASCADE_HAVE_CUDA ? h.status().message()
-                             : "this build of cascade has no CUDA support (rebuild with CASCADE_WITH_CUDA=ON)")));
+          (CASCADE_HAVE_CUDA
+               ? h.status().message()
+               : "this build of cascade has no CUDA support (rebuild with CASCADE_WITH_CUDA=ON)")));
     }
     check(h.status());
     h_.open(std::move(h.value()));
@@ -91,7 +92,8 @@ class PyTierHandle {
       nb::gil_scoped_release release;
       st = h->get(id, buf.data(), buf.size(), &found, &size, buf.kind(), s);
     }
-    if (st.is(Code::kInvalidArgument) && found && size > buf.size()) raise_too_small(buf.size(), size);
+    if (st.is(Code::kInvalidArgument) && found && size > buf.size())
+      raise_too_small(buf.size(), size);
     check(st);
     return {found, size};
   }
@@ -114,13 +116,16 @@ class PyTierHandle {
     }
     size_t stored = 0;
     for (auto& st : statuses) {  // a full tier is a per-item "not stored"
-      if (st.ok()) ++stored;
-      else if (!st.is(Code::kNoSpace)) raise_status(st);
+      if (st.ok())
+        ++stored;
+      else if (!st.is(Code::kNoSpace))
+        raise_status(st);
     }
     return stored;
   }
 
-  std::tuple<size_t, std::vector<uint64_t>> get_batch(nb::handle keys, nb::handle outs, nb::handle stream) {
+  std::tuple<size_t, std::vector<uint64_t>> get_batch(nb::handle keys, nb::handle outs,
+                                                      nb::handle stream) {
     BatchArgs a = batch_args(keys, outs, true);
     host_only(a.kind, "reads into");
     void* s = stream_arg(stream);
@@ -237,7 +242,9 @@ TierKind tier_named(const std::string& tier) {
   c.pipeline = tier;
   auto kinds = c.resolve_pipeline(true);
   check(kinds.status());
-  if (kinds->size() != 1) raise_status(Status::InvalidArgument("tier: name one tier (host, gpu or file), got '" + tier + "'"));
+  if (kinds->size() != 1)
+    raise_status(
+        Status::InvalidArgument("tier: name one tier (host, gpu or file), got '" + tier + "'"));
   return kinds->front();
 }
 
@@ -249,9 +256,9 @@ CascadeConfig host_config(uint64_t capacity, const std::string& path, int thread
   return c;
 }
 
-CascadeConfig file_config(const std::string& path, uint64_t stripe_size, int stripe_count, uint64_t capacity_bytes,
-                          uint64_t segment_size_bytes, bool io_direct, bool sync_writes, int threads,
-                          uint32_t file_mode) {
+CascadeConfig file_config(const std::string& path, uint64_t stripe_size, int stripe_count,
+                          uint64_t capacity_bytes, uint64_t segment_size_bytes, bool io_direct,
+                          bool sync_writes, int threads, uint32_t file_mode) {
   CascadeConfig c;
   c.file_path = path;
   c.file_stripe_size = stripe_size;
@@ -274,7 +281,8 @@ CascadeConfig gpu_config(uint64_t capacity, int device, int threads) {
 }
 
 struct PyHostBackend : PyTierHandle {
-  PyHostBackend(uint64_t capacity, const std::string& path, int threads, const char* name = "HostBackend")
+  PyHostBackend(uint64_t capacity, const std::string& path, int threads,
+                const char* name = "HostBackend")
       : PyTierHandle(TierKind::kHost, host_config(capacity, path, threads), name) {}
 };
 struct PyShmBackend : PyHostBackend {
@@ -283,19 +291,20 @@ struct PyShmBackend : PyHostBackend {
 };
 
 struct PyFileBackend : PyTierHandle {
-  PyFileBackend(const std::string& path, uint64_t stripe_size, int stripe_count, uint64_t capacity_bytes,
-                uint64_t segment_size_bytes, bool io_direct, bool sync_writes, int threads, uint32_t file_mode,
-                const char* name = "FileBackend")
+  PyFileBackend(const std::string& path, uint64_t stripe_size, int stripe_count,
+                uint64_t capacity_bytes, uint64_t segment_size_bytes, bool io_direct,
+                bool sync_writes, int threads, uint32_t file_mode, const char* name = "FileBackend")
       : PyTierHandle(TierKind::kFile,
-                     file_config(path, stripe_size, stripe_count, capacity_bytes, segment_size_bytes, io_direct,
-                                 sync_writes, threads, file_mode),
+                     file_config(path, stripe_size, stripe_count, capacity_bytes,
+                                 segment_size_bytes, io_direct, sync_writes, threads, file_mode),
                      name) {}
 };
 struct PyLustreBackend : PyFileBackend {
-  PyLustreBackend(const std::string& path, uint64_t stripe_size, int stripe_count, uint64_t capacity_bytes,
-                  uint64_t segment_size_bytes, bool io_direct, bool sync_writes, int threads, uint32_t file_mode)
-      : PyFileBackend(path, stripe_size, stripe_count, capacity_bytes, segment_size_bytes, io_direct, sync_writes,
-                      threads, file_mode, "LustreBackend") {}
+  PyLustreBackend(const std::string& path, uint64_t stripe_size, int stripe_count,
+                  uint64_t capacity_bytes, uint64_t segment_size_bytes, bool io_direct,
+                  bool sync_writes, int threads, uint32_t file_mode)
+      : PyFileBackend(path, stripe_size, stripe_count, capacity_bytes, segment_size_bytes,
+                      io_direct, sync_writes, threads, file_mode, "LustreBackend") {}
 };
 
 struct PyGpuBackend : PyTierHandle {
@@ -306,10 +315,11 @@ struct PyGpuBackend : PyTierHandle {
 // FileBackend's and LustreBackend's constructor arguments.
 template <class C>
 void file_init(C& cls) {
-  cls.def(nb::init<const std::string&, uint64_t, int, uint64_t, uint64_t, bool, bool, int, uint32_t>(), "path"_a,
-          "stripe_size"_a = 0, "stripe_count"_a = 0, "capacity_bytes"_a = 0,
-          "segment_size_bytes"_a = 256ULL << 20, "io_direct"_a = false, "sync_writes"_a = false,
-          "threads"_a = 0, "file_mode"_a = 0600);
+  cls.def(
+      nb::init<const std::string&, uint64_t, int, uint64_t, uint64_t, bool, bool, int, uint32_t>(),
+      "path"_a, "stripe_size"_a = 0, "stripe_count"_a = 0, "capacity_bytes"_a = 0,
+      "segment_size_bytes"_a = 256ULL << 20, "io_direct"_a = false, "sync_writes"_a = false,
+      "threads"_a = 0, "file_mode"_a = 0600);
 }
 
 }  // namespace
@@ -317,84 +327,106 @@ void file_init(C& cls) {
 void register_tier_handles(nb::module_& m) {
   nb::class_<PyTierHandle>(
       m, "TierHandle",
-      "One tier used on its own: TierHandle(tier, config) opens tier 'host', 'gpu' or 'file' from the fields "
-      "of a CascadeConfig that describe it (host: shm_*; gpu: gpu_*; file: file_*, segment_size_bytes, "
-      "io_direct, file_io_engine, file_mode, sync_writes) with num_io_threads threads. No eviction: put "
-      "returns False when the tier is full. HostBackend, FileBackend and GPUBackend (and the older names "
-      "ShmBackend, LustreBackend) are its subclasses with their own constructors.")
-      .def("__init__",
-           [](PyTierHandle* self, const std::string& tier, const CascadeConfig& config) {
-             TierKind kind = tier_named(tier);
-             new (self) PyTierHandle(kind, config, "TierHandle('" + tier + "')");
-           },
-           "tier"_a, "config"_a)
-      .def("put", &PyTierHandle::put, "block_id"_a, "data"_a, "is_prefix"_a = false, "stream"_a = nb::none(),
-           "Stores a copy of data. True when stored (or already present); False when the tier is full.")
-      .def("get", &PyTierHandle::get, "block_id"_a, "out"_a, "stream"_a = nb::none(),
-           "Copies the block into out; returns (found, size): (True, size) on a hit, (False, 0) on a miss. "
-           "Raises BufferTooSmallError (with .needed) when out is too small, writing nothing.")
-      .def("put_batch", &PyTierHandle::put_batch, "block_ids"_a, "data_list"_a, "is_prefix"_a = false,
+      "One tier used on its own: TierHandle(tier, config) opens tier 'host', 'gpu' or 'file' from "
+      "the fields of a CascadeConfig that describe it (host: shm_*; gpu: gpu_*; file: file_*, "
+      "segment_size_bytes, io_direct, file_io_engine, file_mode, sync_writes) with num_io_threads "
+      "threads. No eviction: put returns False when the tier is full. HostBackend, FileBackend and "
+      "GPUBackend (and the older names ShmBackend, LustreBackend) are its subclasses with their "
+      "own constructors.")
+      .def(
+          "__init__",
+          [](PyTierHandle* self, const std::string& tier, const CascadeConfig& config) {
+            TierKind kind = tier_named(tier);
+            new (self) PyTierHandle(kind, config, "TierHandle('" + tier + "')");
+          },
+          "tier"_a, "config"_a)
+      .def("put", &PyTierHandle::put, "block_id"_a, "data"_a, "is_prefix"_a = false,
            "stream"_a = nb::none(),
-           "Stores many blocks; returns how many were stored. data_list is a sequence of buffers or one "
-           "contiguous buffer with a row per block.")
-      .def("get_batch", &PyTierHandle::get_batch, "block_ids"_a, "out_list"_a, "stream"_a = nb::none(),
-           "Reads many blocks; returns (count_found, sizes), size 0 for a miss and the block's size (more "
-           "than len(out)) for an out too small.")
+           "Stores a copy of data. True when stored (or already present); False when the tier is "
+           "full.")
+      .def("get", &PyTierHandle::get, "block_id"_a, "out"_a, "stream"_a = nb::none(),
+           "Copies the block into out; returns (found, size): (True, size) on a hit, (False, 0) on "
+           "a miss. Raises BufferTooSmallError (with .needed) when out is too small, writing "
+           "nothing.")
+      .def("put_batch", &PyTierHandle::put_batch, "block_ids"_a, "data_list"_a,
+           "is_prefix"_a = false, "stream"_a = nb::none(),
+           "Stores many blocks; returns how many were stored. data_list is a sequence of buffers "
+           "or one contiguous buffer with a row per block.")
+      .def("get_batch", &PyTierHandle::get_batch, "block_ids"_a, "out_list"_a,
+           "stream"_a = nb::none(),
+           "Reads many blocks; returns (count_found, sizes), size 0 for a miss and the block's "
+           "size (more than len(out)) for an out too small.")
       .def("acquire", &acquire, "block_id"_a,
-           "The block in place under a lease (BlockLease), no copy: device memory for gpu, the arena for "
-           "host. NotFoundError on a miss; NotSupportedError for file.")
+           "The block in place under a lease (BlockLease), no copy: device memory for gpu, the "
+           "arena for host. NotFoundError on a miss; NotSupportedError for file.")
       .def("contains", &PyTierHandle::contains, "block_id"_a)
       .def("__contains__", &PyTierHandle::contains)
-      .def("remove", &PyTierHandle::remove, "block_id"_a, "Removes the block; False when it was not stored.")
+      .def("remove", &PyTierHandle::remove, "block_id"_a,
+           "Removes the block; False when it was not stored.")
       .def("clear", &PyTierHandle::clear)
-      .def("flush", &PyTierHandle::call<&TierHandle::flush>, "Makes every put so far durable (file).")
+      .def("flush", &PyTierHandle::call<&TierHandle::flush>,
+           "Makes every put so far durable (file).")
       .def("compact", &PyTierHandle::call<&TierHandle::compact>,
            "Reclaims the file tier's dead space now; NotSupportedError for other tiers.")
       .def("trim", &PyTierHandle::call<&TierHandle::trim>,
-           "Gives unused device pages back to the driver now (gpu); NotSupportedError for other tiers.")
+           "Gives unused device pages back to the driver now (gpu); NotSupportedError for other "
+           "tiers.")
       .def("get_stats", &PyTierHandle::get_stats)
       .def_prop_ro("kind", &PyTierHandle::kind, "'host', 'gpu' or 'file'.")
-      .def_prop_ro("path", &PyTierHandle::path, "The file tier's directory or the host arena's file; '' for gpu.")
-      .def_prop_ro("device", &PyTierHandle::device, "The gpu tier's CUDA device; -1 for other tiers.")
-      .def("close", &PyTierHandle::close,
-           "Waits for calls in progress in other threads, then releases the tier. Later calls raise "
-           "UnavailableError. BusyError (the handle stays open) while a BlockLease is held. Idempotent.")
+      .def_prop_ro("path", &PyTierHandle::path,
+                   "The file tier's directory or the host arena's file; '' for gpu.")
+      .def_prop_ro("device", &PyTierHandle::device,
+                   "The gpu tier's CUDA device; -1 for other tiers.")
+      .def(
+          "close", &PyTierHandle::close,
+          "Waits for calls in progress in other threads, then releases the tier. Later calls raise "
+          "UnavailableError. BusyError (the handle stays open) while a BlockLease is held. "
+          "Idempotent.")
       .def_prop_ro("closed", &PyTierHandle::closed)
       .def("__enter__", [](nb::handle self) { return self; })
       .def("__exit__", [](PyTierHandle& h, nb::args) { h.close(); });
 
-  nb::class_<PyHostBackend, PyTierHandle>(m, "HostBackend",
-                                          "The host tier (a shared-memory arena file) used on its own.")
-      .def(nb::init<uint64_t, const std::string&, int>(), "capacity_bytes"_a, "path"_a = default_shm_path(),
-           "threads"_a = 0);
+  nb::class_<PyHostBackend, PyTierHandle>(
+      m, "HostBackend", "The host tier (a shared-memory arena file) used on its own.")
+      .def(nb::init<uint64_t, const std::string&, int>(), "capacity_bytes"_a,
+           "path"_a = default_shm_path(), "threads"_a = 0);
   nb::class_<PyShmBackend, PyHostBackend>(m, "ShmBackend", "HostBackend under its older name.")
-      .def(nb::init<uint64_t, const std::string&, int>(), "capacity_bytes"_a, "path"_a = default_shm_path(),
-           "threads"_a = 0);
+      .def(nb::init<uint64_t, const std::string&, int>(), "capacity_bytes"_a,
+           "path"_a = default_shm_path(), "threads"_a = 0);
 
   nb::class_<PyFileBackend, PyTierHandle> file(
       m, "FileBackend",
       "The file tier used on its own: segment files in one directory, persistent across restarts. "
       "stripe_size/stripe_count: Lustre striping of new segment files (0: the directory's).");
   file_init(file);
-  nb::class_<PyLustreBackend, PyFileBackend> lustre(m, "LustreBackend", "FileBackend under its older name.");
+  nb::class_<PyLustreBackend, PyFileBackend> lustre(m, "LustreBackend",
+                                                    "FileBackend under its older name.");
   file_init(lustre);
 
-  nb::class_<PyGpuBackend, PyTierHandle>(
-      m, "GPUBackend",
-      "The gpu tier used on its own: blocks in one GPU's memory. Buffers may be host memory or CUDA "
-      "tensors; `stream` (int handle or torch.cuda.Stream) orders a copy after work queued there. Raises "
-      "UnavailableError without a usable GPU.")
+  nb::class_<PyGpuBackend, PyTierHandle>(m, "GPUBackend",
+                                         "The gpu tier used on its own: blocks in one GPU's "
+                                         "memory. Buffers may be host memory or CUDA tensors; "
+                                         "`stream` (int handle or torch.cuda.Stream) orders a copy "
+                                         "after work queued there. Raises UnavailableError without "
+                                         "a usable GPU.")
       .def(nb::init<uint64_t, int, int>(), "capacity_bytes"_a, "device_id"_a = 0, "threads"_a = 0)
-      .def("put", [](PyTierHandle& h, nb::handle key, nb::handle data, nb::handle stream, bool is_prefix) {
-             return h.put(key, data, is_prefix, stream);
-           }, "block_id"_a, "data"_a, "stream"_a = nb::none(), "is_prefix"_a = false,
-           "Stores a copy of data (host or device memory). False when the arena is full.")
-      .def("put_batch", [](PyTierHandle& h, nb::handle keys, nb::handle data, nb::handle stream, bool is_prefix) {
-             return h.put_batch(keys, data, is_prefix, stream);
-           }, "block_ids"_a, "data_list"_a, "stream"_a = nb::none(), "is_prefix"_a = false,
-           "Stores many blocks with one wait; returns how many were stored.")
+      .def(
+          "put",
+          [](PyTierHandle& h, nb::handle key, nb::handle data, nb::handle stream, bool is_prefix) {
+            return h.put(key, data, is_prefix, stream);
+          },
+          "block_id"_a, "data"_a, "stream"_a = nb::none(), "is_prefix"_a = false,
+          "Stores a copy of data (host or device memory). False when the arena is full.")
+      .def(
+          "put_batch",
+          [](PyTierHandle& h, nb::handle keys, nb::handle data, nb::handle stream, bool is_prefix) {
+            return h.put_batch(keys, data, is_prefix, stream);
+          },
+          "block_ids"_a, "data_list"_a, "stream"_a = nb::none(), "is_prefix"_a = false,
+          "Stores many blocks with one wait; returns how many were stored.")
       .def("get_gpu_ptr", &acquire, "block_id"_a,
-           "The block's device pointer under a lease (BlockLease), no copy. NotFoundError on a miss.");
+           "The block's device pointer under a lease (BlockLease), no copy. NotFoundError on a "
+           "miss.");
 }
 
 }  // namespace cascade::py

@@ -20,7 +20,8 @@ struct TierHandle::Parts {
 
 Result<std::unique_ptr<TierHandle>> TierHandle::Open(TierKind kind, const CascadeConfig& config) {
   if (kind == TierKind::kRemote)
-    return Status::InvalidArgument("the remote tier belongs to distributed stores; a handle opens host, gpu or file");
+    return Status::InvalidArgument(
+        "the remote tier belongs to distributed stores; a handle opens host, gpu or file");
   // The pool first: a bad thread count is reported as the pool's argument.
   auto pool = ThreadPool::Create(config.num_io_threads);
   if (!pool.ok()) return pool.status();
@@ -52,7 +53,8 @@ TierHandle::~TierHandle() {
 
 TierKind TierHandle::kind() const { return parts_->tier->kind(); }
 
-Status TierHandle::put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) {
+Status TierHandle::put(const BlockId& id, const void* data, uint64_t size,
+                       const PutOptions& options) {
   return parts_->tier->put(id, data, size, options);
 }
 
@@ -126,12 +128,14 @@ void TierHandle::clear() { parts_->tier->clear(); }
 Status TierHandle::flush() { return parts_->tier->flush(); }
 
 Status TierHandle::compact() {
-  if (!parts_->file) return Status::NotSupported(std::string(parts_->tier->name()) + " tier has nothing to compact");
+  if (!parts_->file)
+    return Status::NotSupported(std::string(parts_->tier->name()) + " tier has nothing to compact");
   return parts_->file->compact();
 }
 
 Status TierHandle::trim() {
-  if (!parts_->gpu) return Status::NotSupported(std::string(parts_->tier->name()) + " tier has no device pages");
+  if (!parts_->gpu)
+    return Status::NotSupported(std::string(parts_->tier->name()) + " tier has no device pages");
   return parts_->gpu->trim();
 }
 

@@ -160,7 +160,8 @@ TEST(TierHandleTest, CallsOfOneTierOnly) {
   c.num_io_threads = -1;
   auto bad = TierHandle::Open(TierKind::kFile, c);
   EXPECT_TRUE(bad.status().is(Code::kInvalidArgument));
-  EXPECT_NE(bad.status().message().find("threads must be 0 (one per core) or 1 to 1024"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("threads must be 0 (one per core) or 1 to 1024"),
+            std::string::npos);
 }
 
 TEST(TierHandleTest, FileHandlePutGetReopenInspect) {
