@@ -259,4 +259,21 @@ void raise_too_small(uint64_t have, uint64_t needed) {
   throw nb::python_error();
 }
 
+void* stream_arg(nb::handle stream) {
+  if (!stream.is_valid() || stream.is_none()) return nullptr;
+  nb::object v;
+  if (PyLong_Check(stream.ptr())) {
+    v = nb::borrow(stream);
+  } else if (nb::hasattr(stream, "__cuda_stream__")) {
+    v = stream.attr("__cuda_stream__")()[1];
+  } else if (nb::hasattr(stream, "cuda_stream")) {
+    v = stream.attr("cuda_stream");
+  } else {
+    throw nb::type_error(("stream must be None, an int cudaStream_t or an object with .cuda_stream "
+                          "(torch.cuda.Stream); got " + std::string(nb::type_name(stream.type()).c_str()))
+                             .c_str());
+  }
+  return reinterpret_cast<void*>(nb::cast<uintptr_t>(v));
+}
+
 }  // namespace cascade::py

@@ -96,4 +96,9 @@ struct BatchArgs {
 // buffers may be invalid (keys only). writable: the buffers are outputs.
 BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable);
 
+// A CUDA stream argument as a cudaStream_t (void*): None (nullptr), an int
+// handle, or an object with `__cuda_stream__` or `.cuda_stream`
+// (torch.cuda.Stream). TypeError otherwise.
+void* stream_arg(nb::handle stream);
+
 }  // namespace cascade::py

@@ -1,12 +1,6 @@
-// Python classes over the gpu tier used on its own: GPUBackend (the seeds'
-// class), BlockLease (a leased block exported through DLPack with no copy),
-// and the GPU benchmarks' entry points.
-//
-// Buffers may be host memory (buffer protocol, CPU tensors) or CUDA memory
-// (DLPack: torch, cupy); BufferRef says which. A stream is None (the legacy
-// default stream for device buffers), an int cudaStream_t handle, or an
-// object with `.cuda_stream` (torch.cuda.Stream) or `__cuda_stream__`.
-// Every call that copies releases the GIL.
+// BlockLease (a leased block exported through DLPack with no copy) and the
+// GPU benchmarks' entry points. GPUBackend, the gpu tier used on its own, is
+// a TierHandle (tier_handle_bindings.cc).
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -18,7 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "cascade/gpu_tier.h"
 #include "common.h"
 #include "guarded.h"
 #include "bench/gpu_bench_cli.h"
@@ -71,23 +64,6 @@ struct DLManagedTensorVersioned {
 };
 constexpr int32_t kDLCPU = 1;
 constexpr int32_t kDLCUDA = 2;
-
-void* stream_arg(nb::handle stream) {
-  if (!stream.is_valid() || stream.is_none()) return nullptr;
-  nb::object v;
-  if (PyLong_Check(stream.ptr())) {
-    v = nb::borrow(stream);
-  } else if (nb::hasattr(stream, "__cuda_stream__")) {
-    v = stream.attr("__cuda_stream__")()[1];
-  } else if (nb::hasattr(stream, "cuda_stream")) {
-    v = stream.attr("cuda_stream");
-  } else {
-    throw nb::type_error(("stream must be None, an int cudaStream_t or an object with .cuda_stream "
-                          "(torch.cuda.Stream); got " + std::string(nb::type_name(stream.type()).c_str()))
-                             .c_str());
-  }
-  return reinterpret_cast<void*>(nb::cast<uintptr_t>(v));
-}
 
 // ---- BlockLease ----------------------------------------------------------------
 
@@ -239,168 +215,6 @@ nb::object dlpack_export(nb::handle self, nb::handle stream, nb::handle max_vers
   return nb::steal(cap);
 }
 
-// ---- GPUBackend ------------------------------------------------------------------
-
-class PyGpuBackend {
- public:
-  PyGpuBackend(const PyGpuBackend&) = delete;
-  PyGpuBackend(uint64_t capacity, int device, int threads) {
-    Result<std::unique_ptr<GpuBackend>> b = Status::OK();
-    {
-      nb::gil_scoped_release release;
-      b = GpuBackend::Open(capacity, device, threads);
-    }
-    if (b.status().is(Code::kUnavailable)) {
-      raise_status(Status::Unavailable(
-          std::string("GPUBackend needs a usable CUDA GPU: ") +
-          (CASCADE_HAVE_CUDA ? b.status().message()
-                             : "this build of cascade has no CUDA support (rebuild with CASCADE_WITH_CUDA=ON)")));
-    }
-    check(b.status());
-    b_.open(std::move(b.value()));
-  }
-
-  // The backend for one call (guarded.h); UnavailableError once closed.
-  Guarded<GpuBackend>::Use use() { return b_.use(); }
-  Lifeline* lifeline() { return b_.lifeline(); }
-
-  bool put(nb::handle key, nb::handle data, nb::handle stream) {
-    BlockId id = parse_key(key);
-    BufferRef buf = BufferRef::readable(data, "data");
-    void* s = stream_arg(stream);
-    Status st;
-    {
-      auto b = b_.use();
-      nb::gil_scoped_release release;
-      st = b->put(id, buf.data(), buf.size(), buf.kind(), s);
-    }
-    if (st.is(Code::kNoSpace)) return false;
-    check(st);
-    return true;
-  }
-
-  std::tuple<bool, uint64_t> get(nb::handle key, nb::handle out, nb::handle stream) {
-    BlockId id = parse_key(key);
-    BufferRef buf = BufferRef::writable(out, "out");
-    void* s = stream_arg(stream);
-    bool found = false;
-    uint64_t size = 0;
-    Status st;
-    {
-      auto b = b_.use();
-      nb::gil_scoped_release release;
-      st = b->get(id, buf.data(), buf.size(), &found, &size, buf.kind(), s);
-    }
-    if (st.is(Code::kInvalidArgument) && found && size > buf.size()) raise_too_small(buf.size(), size);
-    check(st);
-    return {found, found ? size : 0};
-  }
-
-  size_t put_batch(nb::handle keys, nb::handle data, nb::handle stream) {
-    BatchArgs a = batch_args(keys, data, false);
-    void* s = stream_arg(stream);
-    std::vector<Status> statuses;
-    std::vector<void*> mptrs = a.ptrs();
-    std::vector<const void*> ptrs(mptrs.begin(), mptrs.end());
-    std::vector<uint64_t> lens = a.sizes();
-    {
-      auto b = b_.use();
-      nb::gil_scoped_release release;
-      b->put_batch(a.ids, ptrs, lens, &statuses, a.kind, s);
-    }
-    size_t stored = 0;
-    for (auto& st : statuses) {  // a full arena is a per-item "not stored"
-      if (st.ok()) ++stored;
-      else if (!st.is(Code::kNoSpace)) raise_status(st);
-    }
-    return stored;
-  }
-
-  std::tuple<size_t, std::vector<uint64_t>> get_batch(nb::handle keys, nb::handle outs, nb::handle stream) {
-    BatchArgs a = batch_args(keys, outs, true);
-    void* s = stream_arg(stream);
-    std::vector<bool> found;
-    std::vector<uint64_t> sizes;
-    std::vector<Status> statuses;
-    std::vector<void*> ptrs = a.ptrs();
-    std::vector<uint64_t> caps = a.sizes();
-    {
-      auto b = b_.use();
-      nb::gil_scoped_release release;
-      b->get_batch(a.ids, ptrs, caps, &found, &sizes, &statuses, a.kind, s);
-    }
-    size_t n = 0;
-    for (size_t i = 0; i < statuses.size(); ++i) {
-      // too small: size > len(out), the item not counted
-      if (!statuses[i].ok() && !statuses[i].is(Code::kInvalidArgument)) raise_status(statuses[i]);
-      if (statuses[i].ok() && found[i]) ++n;
-      if (!found[i]) sizes[i] = 0;
-    }
-    return {n, sizes};
-  }
-
-  bool contains(nb::handle key) {
-    BlockId id = parse_key(key);
-    return b_.use()->contains(id);
-  }
-  bool remove(nb::handle key) {
-    BlockId id = parse_key(key);
-    Status st;
-    {
-      auto b = b_.use();
-      nb::gil_scoped_release release;
-      st = b->remove(id);
-    }
-    if (st.is(Code::kNotFound)) return false;
-    check(st);
-    return true;
-  }
-  void clear() {
-    auto b = b_.use();
-    nb::gil_scoped_release release;
-    b->clear();
-  }
-  void trim() {
-    Status st;
-    {
-      auto b = b_.use();
-      nb::gil_scoped_release release;
-      st = b->trim();
-    }
-    check(st);
-  }
-  nb::dict get_stats() {
-    auto b = b_.use();
-    nb::dict d = tier_stats_dict(b->stats());
-    d["device"] = b->device();
-    return d;
-  }
-  int device() { return b_.use()->device(); }
-  // BusyError (the backend stays open) while a lease from get_gpu_ptr() is held.
-  void close() {
-    b_.close([](GpuBackend& b) { return refuse_if_leased(b.stats().leased_blocks); });
-  }
-  bool closed() const { return b_.closed(); }
-
- private:
-  Guarded<GpuBackend> b_{"the backend"};
-};
-
-nb::object gpu_ptr(nb::handle self, nb::handle key) {
-  PyGpuBackend& g = nb::cast<PyGpuBackend&>(self);
-  BlockId id = parse_key(key);
-  Result<BlockView> v = Status::OK();
-  int device;
-  {
-    auto b = g.use();
-    device = b->device();
-    nb::gil_scoped_release release;
-    v = b->get_gpu_ptr(id);
-  }
-  check(v.status());
-  return make_block_lease(std::move(v.value()), nb::borrow(self), g.lifeline(), device);
-}
-
 // ---- benchmarks ------------------------------------------------------------------
 
 int bench_main(const std::vector<std::string>& args) {
@@ -506,38 +320,6 @@ void register_gpu(nb::module_& m) {
                       (unsigned long long)l.ptr(), (unsigned long long)l.size(), l.device());
         return std::string(buf);
       });
-
-  nb::class_<PyGpuBackend>(m, "GPUBackend",
-                           "The gpu tier used directly (the seeds' class): blocks in one GPU's memory, no "
-                           "eviction (put returns False when full). Buffers may be host memory or CUDA "
-                           "tensors; `stream` (int handle or torch.cuda.Stream) orders a copy after work "
-                           "queued there. Raises UnavailableError without a usable GPU.")
-      .def(nb::init<uint64_t, int, int>(), "capacity_bytes"_a, "device_id"_a = 0, "threads"_a = 0)
-      .def("put", &PyGpuBackend::put, "block_id"_a, "data"_a, "stream"_a = nb::none(),
-           "Stores a copy of data (host or device memory). False when the arena is full.")
-      .def("get", &PyGpuBackend::get, "block_id"_a, "out"_a, "stream"_a = nb::none(),
-           "Copies the block into out (host or device memory); returns (found, size). Raises "
-           "BufferTooSmallError (with .needed) when out is too small.")
-      .def("put_batch", &PyGpuBackend::put_batch, "block_ids"_a, "data_list"_a, "stream"_a = nb::none(),
-           "Stores many blocks with one wait; returns how many were stored. data_list is a sequence of "
-           "buffers or one contiguous buffer with a row per block.")
-      .def("get_batch", &PyGpuBackend::get_batch, "block_ids"_a, "out_list"_a, "stream"_a = nb::none(),
-           "Reads many blocks with one wait; returns (count_found, sizes), size 0 for a miss.")
-      .def("get_gpu_ptr", &gpu_ptr, "block_id"_a,
-           "The block's device pointer under a lease (BlockLease), no copy. NotFoundError on a miss.")
-      .def("contains", &PyGpuBackend::contains, "block_id"_a)
-      .def("__contains__", &PyGpuBackend::contains)
-      .def("remove", &PyGpuBackend::remove, "block_id"_a, "Removes the block; False when it was not stored.")
-      .def("clear", &PyGpuBackend::clear)
-      .def("trim", &PyGpuBackend::trim, "Gives unused device pages back to the driver now.")
-      .def("get_stats", &PyGpuBackend::get_stats)
-      .def_prop_ro("device", &PyGpuBackend::device)
-      .def("close", &PyGpuBackend::close,
-           "Waits for calls in progress in other threads, then frees the device memory. Later calls raise "
-           "UnavailableError. BusyError (the backend stays open) while a BlockLease is held. Idempotent.")
-      .def_prop_ro("closed", &PyGpuBackend::closed)
-      .def("__enter__", [](nb::handle self) { return self; })
-      .def("__exit__", [](PyGpuBackend& b, nb::args) { b.close(); });
 
   m.def("gpu_bench_main", &bench_main, "args"_a,
         "Runs the GPU benchmark command line (`vmm ...` or `transfers ...`, as cascade-gpu-bench) in this "

@@ -11,6 +11,7 @@ namespace cascade::py {
 void register_store(nb::module_& m);
 void register_distributed(nb::module_& m);
 void register_file(nb::module_& m);
+void register_tier_handles(nb::module_& m);
 void register_gpu(nb::module_& m);
 void register_kv(nb::module_& m);
 void register_stress(nb::module_& m);
@@ -43,9 +44,16 @@ NB_MODULE(_core, m) {
       .def_rw("shm_capacity_bytes", &CascadeConfig::shm_capacity_bytes)
       .def_rw("shm_path", &CascadeConfig::shm_path)
       .def_rw("shm_prefault", &CascadeConfig::shm_prefault)
-      .def_rw("lustre_path", &CascadeConfig::lustre_path)
-      .def_rw("lustre_stripe_size", &CascadeConfig::lustre_stripe_size)
-      .def_rw("lustre_stripe_count", &CascadeConfig::lustre_stripe_count)
+      .def_rw("file_path", &CascadeConfig::file_path)
+      .def_rw("file_stripe_size", &CascadeConfig::file_stripe_size)
+      .def_rw("file_stripe_count", &CascadeConfig::file_stripe_count)
+      // The file tier's fields under their older names (cascade.config.ALIASES).
+      .def_prop_rw("lustre_path", [](const CascadeConfig& c) { return c.file_path; },
+                   [](CascadeConfig& c, const std::string& v) { c.file_path = v; }, "Alias of file_path.")
+      .def_prop_rw("lustre_stripe_size", [](const CascadeConfig& c) { return c.file_stripe_size; },
+                   [](CascadeConfig& c, uint64_t v) { c.file_stripe_size = v; }, "Alias of file_stripe_size.")
+      .def_prop_rw("lustre_stripe_count", [](const CascadeConfig& c) { return c.file_stripe_count; },
+                   [](CascadeConfig& c, int v) { c.file_stripe_count = v; }, "Alias of file_stripe_count.")
       .def_rw("file_capacity_bytes", &CascadeConfig::file_capacity_bytes)
       .def_rw("segment_size_bytes", &CascadeConfig::segment_size_bytes)
       .def_rw("io_direct", &CascadeConfig::io_direct)
@@ -111,6 +119,7 @@ NB_MODULE(_core, m) {
   register_store(m);
   register_distributed(m);
   register_file(m);
+  register_tier_handles(m);
   register_gpu(m);
   register_kv(m);
   register_stress(m);

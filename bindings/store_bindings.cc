@@ -1,5 +1,5 @@
-// Python classes over CascadeStore and ShmBackend. Every call that moves
-// data or may block releases the GIL.
+// Python classes over CascadeStore. Every call that moves data or may block
+// releases the GIL.
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -7,7 +7,6 @@
 
 #include <memory>
 
-#include "cascade/host_backend.h"
 #include "cascade/store.h"
 #include "common.h"
 #include "guarded.h"
@@ -20,26 +19,28 @@ nb::object make_block_lease(BlockView view, nb::object owner, Lifeline* owner_li
 
 namespace {
 
-// The seeds' flat names: gpu_*, shm_* (host tier), lustre_* (file tier).
-const char* seed_prefix(const std::string& tier) {
+// Flat per-tier figures: <tier>_used and <tier>_hits for gpu, host, file and
+// remote, and the older names shm_* (host) and lustre_* (file) beside them.
+const char* older_prefix(const std::string& tier) {
   if (tier == "host") return "shm";
   if (tier == "file") return "lustre";
-  if (tier == "remote") return "remote";
-  return "gpu";
+  return nullptr;
 }
 
 nb::dict stats_dict(const StoreStats& s) {
   nb::dict d, tiers;
   uint64_t corrupt = 0, evictions = 0;
-  for (const char* p : {"gpu", "shm", "lustre"}) {
+  for (const char* p : {"gpu", "host", "file", "shm", "lustre"}) {
     d[(std::string(p) + "_used").c_str()] = 0;
     d[(std::string(p) + "_hits").c_str()] = 0;
   }
   for (const TierStats& t : s.tiers) {
     tiers[t.name.c_str()] = tier_stats_dict(t);
-    std::string p = seed_prefix(t.name);
-    d[(p + "_used").c_str()] = t.used_bytes;
-    d[(p + "_hits").c_str()] = t.hits;
+    for (const char* p : {t.name.c_str(), older_prefix(t.name)}) {
+      if (!p) continue;
+      d[(std::string(p) + "_used").c_str()] = t.used_bytes;
+      d[(std::string(p) + "_hits").c_str()] = t.hits;
+    }
     corrupt += t.corrupt_blocks;
     evictions += t.evictions;
   }
@@ -321,71 +322,6 @@ class PyStore {
   Guarded<CascadeStore> store_{"the store"};
 };
 
-class PyShmBackend {
- public:
-  PyShmBackend(const PyShmBackend&) = delete;
-  PyShmBackend(uint64_t capacity, const std::string& path, int threads) {
-    Result<std::unique_ptr<ShmBackend>> b = Status::OK();
-    {
-      nb::gil_scoped_release release;
-      b = ShmBackend::Open(capacity, path, threads);
-    }
-    check(b.status());
-    b_.open(std::move(b.value()));
-  }
-  bool put(nb::handle key, nb::handle data) {
-    BlockId id = parse_key(key);
-    BufferRef buf = BufferRef::readable(data, "data");
-    if (buf.kind() != MemoryKind::kHost) throw nb::value_error("ShmBackend stores host buffers");
-    Status st;
-    {
-      auto b = b_.use();
-      nb::gil_scoped_release release;
-      st = b->put(id, buf.data(), buf.size());
-    }
-    if (st.is(Code::kNoSpace)) return false;
-    check(st);
-    return true;
-  }
-  std::pair<bool, uint64_t> get(nb::handle key, nb::handle out) {
-    BlockId id = parse_key(key);
-    BufferRef buf = BufferRef::writable(out, "out");
-    if (buf.kind() != MemoryKind::kHost) throw nb::value_error("ShmBackend reads into host buffers");
-    uint64_t size = 0;
-    bool found = false;
-    Status st;
-    {
-      auto b = b_.use();
-      nb::gil_scoped_release release;
-      st = b->get(id, buf.data(), buf.size(), &found, &size);
-    }
-    if (st.is(Code::kInvalidArgument) && found)
-      raise_status(Status::InvalidArgument("out holds " + std::to_string(buf.size()) +
-                                           " bytes; the block has " + std::to_string(size)));
-    check(st);
-    return {found, size};
-  }
-  bool contains(nb::handle key) {
-    BlockId id = parse_key(key);
-    return b_.use()->contains(id);
-  }
-  bool remove(nb::handle key) {
-    BlockId id = parse_key(key);
-    return b_.use()->remove(id).ok();
-  }
-  void clear() {
-    auto b = b_.use();
-    nb::gil_scoped_release release;
-    b->clear();
-  }
-  nb::dict get_stats() { return tier_stats_dict(b_.use()->stats()); }
-  void close() { b_.close(); }
-  bool closed() const { return b_.closed(); }
-
- private:
-  Guarded<ShmBackend> b_{"the backend"};
-};
-
 }  // namespace
 
 nb::object wrap_store(std::unique_ptr<CascadeStore> store) {
@@ -466,24 +402,6 @@ void register_store(nb::module_& m) {
       .def_prop_ro("config", &PyStore::config, nb::rv_policy::copy)
       .def("__enter__", [](nb::handle self) { return self; })
       .def("__exit__", [](PyStore& s, nb::args) { s.close(); });
-
-  nb::class_<PyShmBackend>(m, "ShmBackend",
-                           "The host shared-memory tier used directly (the seeds' class): no "
-                           "eviction, put returns False when full.")
-      .def(nb::init<uint64_t, const std::string&, int>(), "capacity_bytes"_a,
-           "path"_a = default_shm_path(), "threads"_a = 0)
-      .def("put", &PyShmBackend::put, "block_id"_a, "data"_a)
-      .def("get", &PyShmBackend::get, "block_id"_a, "out"_a)
-      .def("contains", &PyShmBackend::contains, "block_id"_a)
-      .def("remove", &PyShmBackend::remove, "block_id"_a)
-      .def("clear", &PyShmBackend::clear)
-      .def("get_stats", &PyShmBackend::get_stats)
-      .def("close", &PyShmBackend::close,
-           "Waits for calls in progress in other threads, then releases the arena. Later calls raise "
-           "UnavailableError. Idempotent.")
-      .def_prop_ro("closed", &PyShmBackend::closed)
-      .def("__enter__", [](nb::handle self) { return self; })
-      .def("__exit__", [](PyShmBackend& b, nb::args) { b.close(); });
 }
 
 }  // namespace cascade::py

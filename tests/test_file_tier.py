@@ -132,7 +132,7 @@ def test_missing_or_unusable_directory(file_config, tmp_path):
         cascade.CascadeStore(cfg)
     cfg.pipeline = "host|file"
     cfg.lustre_path = ""
-    with pytest.raises(ValueError, match="lustre_path is empty"):
+    with pytest.raises(ValueError, match="file_path is empty"):
         cascade.CascadeStore(cfg)
 
 

@@ -44,7 +44,7 @@ std::string default_shm_path();
 struct CascadeConfig {
   // Which tiers, top (fastest) to bottom, joined with '|': "gpu|host|file",
   // "host|file", "host", "file". Empty (default) = automatic: "gpu" when
-  // use_gpu and a GPU is usable, then "host", then "file" when lustre_path is
+  // use_gpu and a GPU is usable, then "host", then "file" when file_path is
   // set. Tiers must appear in gpu, host, file order, each at most once.
   // "remote" (distributed stores only) stands where "host" would. Names are
   // case-insensitive, spaces around them are ignored, and three have
@@ -77,13 +77,15 @@ struct CascadeConfig {
   bool shm_prefault = false;
 
   // ---- file tier --------------------------------------------------------
+  // (Python and YAML also accept the names lustre_path, lustre_stripe_size
+  // and lustre_stripe_count for the three fields below.)
   // Directory of the file tier (NVMe, Lustre, any POSIX file system). Empty:
   // no file tier in the automatic pipeline.
-  std::string lustre_path;
+  std::string file_path;
   // Lustre striping applied to new segment files; 0 = inherit the
   // directory's layout. Ignored (documented no-op) on other file systems.
-  uint64_t lustre_stripe_size = 0;
-  int lustre_stripe_count = 0;
+  uint64_t file_stripe_size = 0;
+  int file_stripe_count = 0;
   // Bound on the file tier's bytes on disk (records + dead space). 0 = no
   // bound beyond the file system's free space.
   uint64_t file_capacity_bytes = 0;

@@ -64,7 +64,7 @@ struct DistributedOptions {
   // blocks as misses at once. false leaves silently: the others find out
   // through request_timeout_ms. For testing failure handling.
   bool announce_departure = true;
-  // Give each rank's file tier its own directory, <lustre_path>/rank-<r>
+  // Give each rank's file tier its own directory, <file_path>/rank-<r>
   // (a file tier directory belongs to one open store). The same rank of a
   // restarted job reopens the same directory.
   bool file_dir_per_rank = true;

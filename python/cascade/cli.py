@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     insp = sub.add_parser("inspect", help="segments, records, live/dead bytes and checksums of a file-tier "
                                           "directory (exit 1 if anything is corrupt)")
-    insp.add_argument("dir", help="the file tier's directory (lustre_path)")
+    insp.add_argument("dir", help="the file tier's directory (file_path)")
     insp.add_argument("--no-verify", action="store_true", help="do not read payloads to check checksums")
     insp.add_argument("--json", action="store_true", help="print JSON")
     insp.set_defaults(fn=_cmd_inspect)

@@ -6,10 +6,14 @@ names in any case ("lru", "write_through", "io_uring"). Unknown keys are an
 error, so a typo never silently falls back to a default.
 
     cfg = load_config("cascade.yaml")          # or a dict
-    cfg = load_config({"pipeline": "host|file", "lustre_path": "/mnt/nvme/kv",
+    cfg = load_config({"pipeline": "host|file", "file_path": "/mnt/nvme/kv",
                        "shm_capacity_bytes": "32GiB"})
 
 A YAML file may hold the options at top level or under a ``cascade:`` key.
+The file tier's options also answer to their older names (``ALIASES``:
+``lustre_path`` for ``file_path``, ``lustre_stripe_size``,
+``lustre_stripe_count``); giving both names of one option with different
+values is an error.
 """
 
 from __future__ import annotations
@@ -20,8 +24,14 @@ from typing import Any, Mapping
 
 from cascade._core import CascadeConfig, EvictionPolicy, FileIoEngine, WritePolicy
 
+# Older name -> the field's name.
+ALIASES = {
+    "lustre_path": "file_path",
+    "lustre_stripe_size": "file_stripe_size",
+    "lustre_stripe_count": "file_stripe_count",
+}
 _SIZE_FIELDS = {
-    "gpu_capacity_bytes", "shm_capacity_bytes", "lustre_stripe_size", "file_capacity_bytes",
+    "gpu_capacity_bytes", "shm_capacity_bytes", "file_stripe_size", "file_capacity_bytes",
     "segment_size_bytes", "parallel_copy_threshold",
 }
 _ENUMS = {
@@ -39,9 +49,25 @@ _UNITS = {
 
 
 def fields() -> list[str]:
-    """Names of every CascadeConfig field."""
+    """Names of every CascadeConfig field (older names in ALIASES excluded)."""
     cfg = CascadeConfig()
-    return sorted(n for n in dir(cfg) if not n.startswith("_") and not callable(getattr(cfg, n)))
+    return sorted(n for n in dir(cfg)
+                  if not n.startswith("_") and n not in ALIASES and not callable(getattr(cfg, n)))
+
+
+def canonical_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` with older names (ALIASES) replaced by the fields' names.
+
+    ValueError when an option is given under both names with different values.
+    """
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        field = ALIASES.get(name, name)
+        if field in out and out[field] != value:
+            raise ValueError(f"{name} and {field} name one option; they are given different values "
+                             f"({value!r}, {out[field]!r})")
+        out[field] = value
+    return out
 
 
 def parse_size(value: Any, what: str = "size") -> int:
@@ -75,6 +101,7 @@ def _enum_value(enum, value, name):
 def config_from_dict(options: Mapping[str, Any], base: CascadeConfig | None = None) -> CascadeConfig:
     """A CascadeConfig with `options` applied over `base` (or the defaults)."""
     cfg = base if base is not None else CascadeConfig()
+    options = canonical_options(options)
     known = set(fields())
     unknown = sorted(k for k in options if k not in known)
     if unknown:
@@ -90,7 +117,7 @@ def config_from_dict(options: Mapping[str, Any], base: CascadeConfig | None = No
                 value = int(value.strip().lower().removeprefix("0o"), 8)
             except ValueError:
                 raise ValueError(f"file_mode: cannot read {value!r} as octal permission bits") from None
-        elif name in ("lustre_path", "shm_path") and value is not None:
+        elif name in ("file_path", "shm_path") and value is not None:
             value = os.fspath(value)
         try:
             setattr(cfg, name, value)

@@ -24,7 +24,7 @@ std::unique_ptr<CascadeStore> open_store(uint64_t host_bytes, const std::string&
   c.num_io_threads = 2;
   c.index_shards = 16;
   if (!file_dir.empty()) {
-    c.lustre_path = file_dir;
+    c.file_path = file_dir;
     c.file_capacity_bytes = 256ULL << 20;
     c.segment_size_bytes = 16ULL << 20;
     c.io_direct = false;

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <shared_mutex>
 
+#include "cascade/tier_handle.h"
 #include "util/thread_pool.h"
 #include "cuda/device_copy.h"
 #include "store/dedup_table.h"
@@ -247,7 +248,7 @@ class CascadeStore::Impl {
       *out_st = Status::OK();
       return true;
     }
-    if (st.is(Code::kInvalidArgument) && rr.block_size) {  // out too small / bad offset
+    if (block_found(st, rr)) {  // out too small / bad offset
       r->found = true;
       r->size = rr.block_size;
       r->tier = static_cast<int>(t);

@@ -55,7 +55,7 @@ Result<std::vector<TierKind>> CascadeConfig::resolve_pipeline(bool gpu_available
   if (trim(pipeline).empty()) {
     if (use_gpu && gpu_available) tiers.push_back(TierKind::kGpu);
     tiers.push_back(TierKind::kHost);
-    if (!lustre_path.empty()) tiers.push_back(TierKind::kFile);
+    if (!file_path.empty()) tiers.push_back(TierKind::kFile);
     return tiers;
   }
   std::string_view rest = pipeline;
@@ -91,13 +91,13 @@ Status CascadeConfig::validate() const {
       if (gpu_device_id < 0) return Status::InvalidArgument("gpu_device_id is negative");
     }
     if (t == TierKind::kFile) {
-      if (lustre_path.empty())
-        return Status::InvalidArgument("the pipeline has a file tier but lustre_path is empty");
+      if (file_path.empty())
+        return Status::InvalidArgument("the pipeline has a file tier but file_path is empty");
       if (segment_size_bytes < (1u << 20))
         return Status::InvalidArgument("segment_size_bytes must be at least 1 MiB");
     }
   }
-  if (lustre_stripe_count < 0) return Status::InvalidArgument("lustre_stripe_count is negative");
+  if (file_stripe_count < 0) return Status::InvalidArgument("file_stripe_count is negative");
   if (file_mode & ~0777u)
     return Status::InvalidArgument("file_mode takes permission bits only (at most 0777)");
   if (!(file_mode & 0600u) || (file_mode & 0600u) != 0600u)

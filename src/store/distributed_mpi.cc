@@ -39,7 +39,7 @@ std::string distributed_pipeline(const CascadeConfig& config) {
     std::string p;
     if (config.use_gpu && gpu_usable(config.gpu_device_id)) p = "gpu|";
     p += "remote";
-    if (!config.lustre_path.empty()) p += "|file";
+    if (!config.file_path.empty()) p += "|file";
     return p;
   }
   std::string out;
@@ -59,14 +59,14 @@ Status prepare_rank_config(const CascadeConfig& config, const DistributedOptions
                            CascadeConfig* out) {
   *out = config;
   out->pipeline = distributed_pipeline(config);
-  if (options.file_dir_per_rank && !config.lustre_path.empty()) {
+  if (options.file_dir_per_rank && !config.file_path.empty()) {
     char name[32];
     std::snprintf(name, sizeof name, "rank-%05d", rank);
-    std::filesystem::path dir = std::filesystem::path(config.lustre_path) / name;
+    std::filesystem::path dir = std::filesystem::path(config.file_path) / name;
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     if (ec) return Status::IOError("create the file tier directory '" + dir.string() + "': " + ec.message());
-    out->lustre_path = dir.string();
+    out->file_path = dir.string();
   }
   return out->validate();
 }

@@ -29,7 +29,7 @@ CascadeConfig host_disk_config(uint64_t host_capacity) {
   c.pipeline = "host|file";
   c.shm_capacity_bytes = host_capacity;
   c.shm_path = shm_path();
-  c.lustre_path = "/nonexistent/simulated";  // the file stage is a SimulatedDiskTier
+  c.file_path = "/nonexistent/simulated";  // the file stage is a SimulatedDiskTier
   c.num_io_threads = 2;
   c.index_shards = 16;
   c.write_policy = WritePolicy::kWriteBack;

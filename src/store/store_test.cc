@@ -166,11 +166,11 @@ TEST(StoreTest, AllLeasedMeansNoSpace) {
 TEST(StoreTest, AllLeasedInTopTierGoesToTheTierBelow) {
   auto c = host_config(128 << 10);
   c.pipeline = "host|file";
-  c.lustre_path = (std::filesystem::temp_directory_path() / ("cascade-unit-below-" + std::to_string(getpid()))).string();
+  c.file_path = (std::filesystem::temp_directory_path() / ("cascade-unit-below-" + std::to_string(getpid()))).string();
   c.file_capacity_bytes = 64 << 20;
   c.segment_size_bytes = 8 << 20;
   c.io_direct = false;
-  std::filesystem::remove_all(c.lustre_path);
+  std::filesystem::remove_all(c.file_path);
   {
     auto store = open(c);
     std::vector<BlockView> views;
@@ -191,7 +191,7 @@ TEST(StoreTest, AllLeasedInTopTierGoesToTheTierBelow) {
     EXPECT_TRUE(r.found);
     EXPECT_EQ(out, b);
   }
-  std::filesystem::remove_all(c.lustre_path);
+  std::filesystem::remove_all(c.file_path);
 }
 
 TEST(StoreTest, BlockLargerThanTierIsRejected) {

@@ -53,7 +53,7 @@ std::vector<uint8_t> bytes_of(const FaultCampaignOptions& o, uint64_t n) {
 CascadeConfig tier_config(const FaultCampaignOptions& o) {
   CascadeConfig c;
   c.pipeline = "file";
-  c.lustre_path = o.dir;
+  c.file_path = o.dir;
   c.segment_size_bytes = o.segment_bytes;
   c.file_capacity_bytes = o.capacity_bytes;
   c.index_shards = 16;

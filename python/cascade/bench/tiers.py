@@ -58,7 +58,7 @@ def bench_store_tier(tier: str, size: int, *, total: int, blocks: int | None, th
         # O_DIRECT: every read is a cold read (no page cache), as on a
         # cluster file system where the data is not in this node's memory.
         cfg.pipeline = "file"
-        cfg.lustre_path = os.path.join(file_dir, f"tier-{size}")
+        cfg.file_path = os.path.join(file_dir, f"tier-{size}")
         cfg.io_direct = True
     elif tier == "gpu":
         # Host numpy in and out (pageable memory: the tier stages it).
@@ -105,7 +105,7 @@ def _bench_file_tier(cfg, result, ids, views, outs, data, out, nbytes, repeats, 
     size = result["block_bytes"]
     writes, reads = [], []
     for r in range(repeats):
-        shutil.rmtree(cfg.lustre_path, ignore_errors=True)
+        shutil.rmtree(cfg.file_path, ignore_errors=True)
         with cascade.CascadeStore(cfg) as store:
             t0 = time.perf_counter()
             stored = store.put_batch(ids, views)
@@ -123,7 +123,7 @@ def _bench_file_tier(cfg, result, ids, views, outs, data, out, nbytes, repeats, 
             progress(f"file {fmt_size(size)}: cold read {reads[-1]:.2f} GB/s (pass {r + 1}/{repeats})")
             if not np.array_equal(out, data):
                 raise RuntimeError(f"file {fmt_size(size)}: bytes read back differ from bytes written")
-    shutil.rmtree(cfg.lustre_path, ignore_errors=True)
+    shutil.rmtree(cfg.file_path, ignore_errors=True)
     result.update(verified=True, write_cold_gbps=None, write_gbps=max(writes),
                   write_gbps_median=statistics.median(writes), read_gbps=max(reads),
                   read_gbps_median=statistics.median(reads), read_kind="cold (O_DIRECT)")
@@ -319,7 +319,7 @@ def run_overflow(args, threads: int, directory: str, progress) -> dict:
         cfg.shm_path = _unique_shm_path("overflow")
         in_host = n - int(round(n * frac))
         cfg.shm_capacity_bytes = max(in_host * size, 4096)
-        cfg.lustre_path = os.path.join(directory, f"overflow-{int(frac * 100)}")
+        cfg.file_path = os.path.join(directory, f"overflow-{int(frac * 100)}")
         cfg.io_direct = True
         cfg.promote_on_hit = False
         cfg.use_gpu = False
@@ -338,7 +338,7 @@ def run_overflow(args, threads: int, directory: str, progress) -> dict:
                 best = max(best, nbytes / t / 1e9)
             if not np.array_equal(out, data):
                 raise RuntimeError(f"overflow {frac:.0%}: wrong bytes read back")
-        shutil.rmtree(cfg.lustre_path, ignore_errors=True)
+        shutil.rmtree(cfg.file_path, ignore_errors=True)
         f_file = in_file / n
         ideal = 1.0 / ((1 - f_file) / host["gbps"] + f_file / disk["read_gbps"])
         rows.append({"overflow": frac, "host_capacity": cfg.shm_capacity_bytes, "blocks_in_file": in_file,

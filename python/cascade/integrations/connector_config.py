@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from cascade.config import config_from_dict, parse_size
+from cascade.config import canonical_options, config_from_dict, parse_size
 
 _YAML_SECTION = "cascade_connector"
 _LOOKUP_MODES = ("auto", "socket", "off")
@@ -228,9 +228,9 @@ def worker_store_config(cfg: ConnectorConfig, *, engine_key: str, rank: int, wor
     }
     if cfg.storage_path:
         sub = f"rank{rank}-of-{world}" + (f"-dp{dp_rank}" if dp_rank is not None else "")
-        options["lustre_path"] = os.path.join(cfg.storage_path, sub)
+        options["file_path"] = os.path.join(cfg.storage_path, sub)
         options["file_capacity_bytes"] = cfg.file_capacity
-    options.update(cfg.store)
-    if options.get("lustre_path"):
-        os.makedirs(options["lustre_path"], exist_ok=True)
+    options.update(canonical_options(cfg.store))  # the store's older names (lustre_path) override too
+    if options.get("file_path"):
+        os.makedirs(options["file_path"], exist_ok=True)
     return config_from_dict(options)

@@ -1,6 +1,6 @@
 """Mode `corrupt`: damage a closed store's directory, reopen, read everything.
 
-A file tier (LustreBackend: the store's file tier on its own, with 64 KiB
+A file tier (FileBackend: the store's file tier on its own, with 64 KiB
 segments so a directory has many; blocks of inline and page-aligned sizes,
 some removed and re-put) is built, flushed and closed once. Each
 trial copies that directory and applies several corruptions, each one of:
@@ -48,7 +48,7 @@ KINDS = ["flip", "zero_page", "truncate", "dup_page", "swap_pages", "rm_summary"
 
 
 def _open(path: str, segment_bytes: int):
-    return cascade.LustreBackend(path, segment_size_bytes=segment_bytes, threads=2)
+    return cascade.FileBackend(path, segment_size_bytes=segment_bytes, threads=2)
 
 
 def build(ks: KeySpace, path: str, segment_bytes: int, seed: int) -> dict:

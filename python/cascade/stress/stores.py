@@ -71,7 +71,7 @@ def make_config(setup: str, shm_path: str, file_dir: str, shm_bytes: int, file_b
     c.shm_path = shm_path
     c.shm_capacity_bytes = shm_bytes
     if "file" in pipeline:
-        c.lustre_path = file_dir
+        c.file_path = file_dir
         c.file_capacity_bytes = file_bytes
         c.segment_size_bytes = segment_bytes
     c.dedup_enabled = dedup

@@ -66,7 +66,7 @@ inline std::vector<uint8_t> bytes_of(uint64_t n, size_t size) {
 inline CascadeConfig file_config(const std::string& dir) {
   CascadeConfig c;
   c.pipeline = "file";
-  c.lustre_path = dir;
+  c.file_path = dir;
   c.segment_size_bytes = 1 << 20;
   c.index_shards = 16;
   return c;

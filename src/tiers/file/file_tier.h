@@ -102,7 +102,7 @@
 
 namespace cascade {
 
-// Opens the file tier of config (directory config.lustre_path) for a store
+// Opens the file tier of config (directory config.file_path) for a store
 // pipeline. pool: the store's I/O threads (may be null: no parallel batches,
 // no background compaction). env: null = Env::Default().
 Result<std::unique_ptr<Tier>> open_file_tier(const CascadeConfig& config, ThreadPool* pool,
@@ -125,7 +125,7 @@ struct FileRecoveryReport {
 
 class FileTier final : public Tier {
  public:
-  // REQUIRES: config.lustre_path names the directory.
+  // REQUIRES: config.file_path names the directory.
   static Result<std::unique_ptr<FileTier>> Open(const CascadeConfig& config, ThreadPool* pool,
                                                 Env* env = nullptr);
   ~FileTier() override;  // seals open segments and waits for compaction

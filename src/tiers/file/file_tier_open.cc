@@ -39,7 +39,7 @@ Result<std::unique_ptr<Tier>> open_file_tier(const CascadeConfig& config, Thread
 }
 
 FileTier::FileTier(const CascadeConfig& config, ThreadPool* pool, Env* env)
-    : dir_(config.lustre_path),
+    : dir_(config.file_path),
       file_mode_(config.file_mode),
       env_(env),
       pool_(pool),
@@ -56,8 +56,8 @@ FileTier::FileTier(const CascadeConfig& config, ThreadPool* pool, Env* env)
           std::clamp<uint64_t>(config.segment_size_bytes, kMinSegmentBytes, file::kMaxSegmentBytes))),
       direct_(config.io_direct),
       sync_writes_(config.sync_writes),
-      stripe_size_(config.lustre_stripe_size),
-      stripe_count_(config.lustre_stripe_count),
+      stripe_size_(config.file_stripe_size),
+      stripe_count_(config.file_stripe_count),
       engine_kind_(config.file_io_engine),
       parallel_copy_threshold_(config.parallel_copy_threshold),
       index_(config.index_shards, config.eviction_policy,
@@ -69,8 +69,8 @@ FileTier::FileTier(const CascadeConfig& config, ThreadPool* pool, Env* env)
 
 Result<std::unique_ptr<FileTier>> FileTier::Open(const CascadeConfig& config, ThreadPool* pool, Env* env) {
   auto t0 = std::chrono::steady_clock::now();
-  if (config.lustre_path.empty())
-    return Status::InvalidArgument("the file tier needs a directory: set lustre_path");
+  if (config.file_path.empty())
+    return Status::InvalidArgument("the file tier needs a directory: set file_path");
   if (config.file_capacity_bytes && config.file_capacity_bytes < 4 * kPage)
     return Status::InvalidArgument("file_capacity_bytes must be 0 (unbounded) or at least 16 KiB");
   if ((config.file_mode & ~0777u) || (config.file_mode & 0600u) != 0600u)

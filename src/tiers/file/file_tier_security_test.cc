@@ -72,16 +72,16 @@ TEST(FileTierSecurityTest, OwnerOnlyModesByDefault) {
     ASSERT_TRUE(t.ok()) << t.status().ToString();
     for (uint64_t i = 0; i < 40; ++i) ASSERT_TRUE(put(t->get(), i, 5000).ok());  // several sealed segments
   }
-  expect_modes(c.lustre_path, 0700, 0600);
+  expect_modes(c.file_path, 0700, 0600);
   // A directory that exists keeps its mode; the files still get file_mode.
   ASSERT_EQ(::mkdir(tmp.sub("open").c_str(), 0755), 0);
-  c.lustre_path = tmp.sub("open");
+  c.file_path = tmp.sub("open");
   {
     auto t = FileTier::Open(c, nullptr);
     ASSERT_TRUE(t.ok());
     for (uint64_t i = 0; i < 20; ++i) ASSERT_TRUE(put(t->get(), i, 5000).ok());
   }
-  expect_modes(c.lustre_path, 0755, 0600);
+  expect_modes(c.file_path, 0755, 0600);
 }
 
 TEST(FileTierSecurityTest, FileModeSharesWithTheGroup) {
@@ -95,18 +95,7 @@ TEST(FileTierSecurityTest, FileModeSharesWithTheGroup) {
     ASSERT_TRUE(t.ok()) << t.status().ToString();
     for (uint64_t i = 0; i < 40; ++i) ASSERT_TRUE(put(t->get(), i, 5000).ok());
   }
-  expect_modes(c.lustre_path, 0750, 0640);
-  // A LustreBackend with file_mode.
-  FileBackendOptions o;
-  o.file_mode = 0640;
-  o.segment_size_bytes = 64 << 10;
-  {
-    auto b = LustreBackend::Open(tmp.sub("backend"), 0, 0, o);
-    ASSERT_TRUE(b.ok());
-    auto d = bytes_of(1, 100);
-    for (uint64_t i = 0; i < 40; ++i) ASSERT_TRUE((*b)->put(id_of(i), d.data(), d.size()).ok());
-  }
-  expect_modes(tmp.sub("backend"), 0750, 0640);
+  expect_modes(c.file_path, 0750, 0640);
   c.file_mode = 0400;
   EXPECT_TRUE(FileTier::Open(c, nullptr).status().is(Code::kInvalidArgument));
 }
@@ -119,15 +108,15 @@ TEST(FileTierSecurityTest, KeyIsCreatedOnceAndRefusedWhenNotOurs) {
     ASSERT_TRUE(t.ok());
     ASSERT_TRUE(put(t->get(), 1, 3000).ok());
   }
-  const std::string key = c.lustre_path + "/KEY";
+  const std::string key = c.file_path + "/KEY";
   ASSERT_EQ(std::filesystem::file_size(key), 32u);
-  auto first = file_test::dir_key(c.lustre_path);
+  auto first = file_test::dir_key(c.file_path);
   {
     auto t = FileTier::Open(c, nullptr);
     ASSERT_TRUE(t.ok());
     EXPECT_TRUE(reads_back(t->get(), 1, 3000));  // the same key read back
   }
-  EXPECT_EQ(std::memcmp(first.secret(), file_test::dir_key(c.lustre_path).secret(), file::kKeySecretBytes), 0);
+  EXPECT_EQ(std::memcmp(first.secret(), file_test::dir_key(c.file_path).secret(), file::kKeySecretBytes), 0);
 
   auto refused = [&](const char* why) {
     auto t = FileTier::Open(c, nullptr);

@@ -555,7 +555,7 @@ TEST(FileTierTest, SyncWritesAndFlush) {
   EXPECT_TRUE(reads_back(t.get(), 1, 70000));
   FaultInjectingEnv env(Env::Default());
   TempDir tmp2;
-  c.lustre_path = tmp2.path();
+  c.file_path = tmp2.path();
   auto u = open_tier(c, nullptr, &env);
   env.fail_syncs(true);
   EXPECT_FALSE(put(u.get(), 2, 100).ok());  // not durable: not published
@@ -567,8 +567,8 @@ TEST(FileTierTest, SyncWritesAndFlush) {
 TEST(FileTierTest, StripingIsANoOpOffLustre) {
   TempDir tmp;
   CascadeConfig c = file_test::file_config(tmp.path());
-  c.lustre_stripe_size = 1 << 20;
-  c.lustre_stripe_count = 4;
+  c.file_stripe_size = 1 << 20;
+  c.file_stripe_count = 4;
   auto t = open_tier(c, nullptr);
   ASSERT_TRUE(t);
   ASSERT_TRUE(put(t.get(), 1, 100).ok());

@@ -1,4 +1,4 @@
-// GpuTier and GpuBackend: byte-exact round trips through every path, leases
+// GpuTier: byte-exact round trips through every path, leases
 // against eviction, stream ordering, elastic growth and trimming. GPU tests
 // skip where no GPU is usable; the "unavailable" test runs everywhere.
 #include "tiers/gpu/gpu_tier.h"
@@ -14,7 +14,6 @@
 #include <thread>
 #include <vector>
 
-#include "cascade/gpu_tier.h"
 #include "util/thread_pool.h"
 #include "cuda/device_copy.h"
 #include "cuda/device_buffer.h"
@@ -120,9 +119,6 @@ TEST(GpuTierTest, UnavailableWithoutAGpu) {
   auto t = GpuTier::Open(gpu_config(64 << 20), &pool);
   ASSERT_FALSE(t.ok());
   EXPECT_TRUE(t.status().is(Code::kUnavailable)) << t.status().ToString();
-  auto b = GpuBackend::Open(64 << 20, 0);
-  ASSERT_FALSE(b.ok());
-  EXPECT_TRUE(b.status().is(Code::kUnavailable));
 }
 
 TEST(GpuTierTest, RoundTripEverySourceAndDestination) {
@@ -565,44 +561,6 @@ TEST(GpuTierTest, HostTierMovesBlocksToAndFromDeviceMemory) {
   std::fill(back.begin(), back.end(), 0);
   ASSERT_TRUE(copy_to_host(back.data(), dst->data(), n).ok());
   EXPECT_EQ(back, data);
-}
-
-TEST(GpuBackendTest, SeedApi) {
-  SKIP_WITHOUT_GPU();
-  auto gpu = GpuBackend::Open(64 << 20, 0, 2);
-  ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
-  std::vector<uint8_t> data(123457);
-  fill_random(data.data(), data.size(), 3);
-  BlockId id = compute_block_id(data.data(), data.size());
-  ASSERT_TRUE((*gpu)->put(id, data.data(), data.size()).ok());
-  EXPECT_TRUE((*gpu)->contains(id));
-  std::vector<uint8_t> out(data.size());
-  bool found = false;
-  uint64_t size = 0;
-  ASSERT_TRUE((*gpu)->get(id, out.data(), out.size(), &found, &size).ok());
-  EXPECT_TRUE(found);
-  EXPECT_EQ(size, data.size());
-  EXPECT_EQ(out, data);
-  auto ptr = (*gpu)->get_gpu_ptr(id);
-  ASSERT_TRUE(ptr.ok());
-  std::vector<uint8_t> via_ptr(data.size());
-  ASSERT_TRUE(copy_to_host(via_ptr.data(), ptr->data(), via_ptr.size()).ok());
-  EXPECT_EQ(via_ptr, data);
-  ptr->reset();
-  std::vector<BlockId> ids = {id, make_id(77)};
-  std::vector<void*> outs = {out.data(), out.data()};
-  std::vector<uint64_t> caps = {out.size(), out.size()};
-  std::vector<bool> founds;
-  std::vector<uint64_t> sizes;
-  std::vector<Status> statuses;
-  (*gpu)->get_batch(ids, outs, caps, &founds, &sizes, &statuses);
-  EXPECT_TRUE(founds[0]);
-  EXPECT_FALSE(founds[1]);
-  EXPECT_TRUE(statuses[1].ok());
-  ASSERT_TRUE((*gpu)->remove(id).ok());
-  ASSERT_TRUE((*gpu)->get(id, out.data(), out.size(), &found, &size).ok());
-  EXPECT_FALSE(found);
-  EXPECT_EQ((*gpu)->stats().name, "gpu");
 }
 
 }  // namespace

@@ -106,7 +106,7 @@ def _file_tier_problem() -> Optional[str]:
     cfg = cascade.CascadeConfig()
     cfg.pipeline = "file"
     cfg.use_gpu = False
-    cfg.lustre_path = d
+    cfg.file_path = d
     cfg.num_io_threads = 1
     try:
         with cascade.CascadeStore(cfg):
@@ -135,7 +135,7 @@ class _CascadeFileAdapter(_CascadeAdapter):
         cfg = super()._config(wl)
         self.dir = os.path.join(wl.workdir, self.name)
         os.makedirs(self.dir, exist_ok=True)
-        cfg.lustre_path = self.dir
+        cfg.file_path = self.dir
         cfg.io_direct = self.io_direct
         # A bound with room for every block twice (records, dead space, and
         # the overflow workload's demotions).

@@ -23,7 +23,7 @@ def _config(pipeline: str, *, capacity: int = 0, directory: str = "", direct: bo
         cfg.shm_capacity_bytes = max(capacity, 64 << 20)
         cfg.shm_path = _shm_path(pipeline.replace("|", "-"))
     if "file" in pipeline:
-        cfg.lustre_path = directory
+        cfg.file_path = directory
         cfg.io_direct = direct
     return cfg
 

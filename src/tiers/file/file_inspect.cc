@@ -1,4 +1,5 @@
-// LustreBackend (the file tier as a standalone object) and inspect_directory.
+// inspect_directory: a file-tier directory read from outside. See
+// include/cascade/file_tier.h.
 #include <algorithm>
 #include <map>
 #include <tuple>
@@ -7,73 +8,10 @@
 
 #include "cascade/env.h"
 #include "cascade/file_tier.h"
-#include "util/thread_pool.h"
-#include "tiers/file/file_tier.h"
 #include "tiers/file/segment_scan.h"
 #include "tiers/file/store_key.h"
 
 namespace cascade {
-
-struct LustreBackend::Parts {
-  std::unique_ptr<ThreadPool> pool;
-  std::unique_ptr<FileTier> tier;
-};
-
-LustreBackend::LustreBackend(std::unique_ptr<Parts> parts) : parts_(std::move(parts)) {}
-
-LustreBackend::~LustreBackend() {
-  parts_->tier.reset();  // before the pool its background work runs on
-}
-
-Result<std::unique_ptr<LustreBackend>> LustreBackend::Open(const std::string& path, uint64_t stripe_size,
-                                                           int stripe_count,
-                                                           const FileBackendOptions& options) {
-  CascadeConfig config;
-  config.pipeline = "file";
-  config.lustre_path = path;
-  config.lustre_stripe_size = stripe_size;
-  config.lustre_stripe_count = stripe_count;
-  config.file_capacity_bytes = options.capacity_bytes;
-  config.segment_size_bytes = options.segment_size_bytes;
-  config.io_direct = options.io_direct;
-  config.file_io_engine = options.io_engine;
-  config.sync_writes = options.sync_writes;
-  config.file_mode = options.file_mode;
-  auto parts = std::make_unique<Parts>();
-  auto pool = ThreadPool::Create(options.threads);
-  if (!pool.ok()) return pool.status();
-  parts->pool = std::move(pool.value());
-  auto tier = FileTier::Open(config, parts->pool.get());
-  if (!tier.ok()) return tier.status();
-  parts->tier = std::move(tier.value());
-  return std::unique_ptr<LustreBackend>(new LustreBackend(std::move(parts)));
-}
-
-Status LustreBackend::put(const BlockId& id, const void* data, uint64_t size, bool is_prefix) {
-  PutOptions o;
-  o.is_prefix = is_prefix;
-  return parts_->tier->put(id, data, size, o);
-}
-
-Status LustreBackend::get(const BlockId& id, void* out, uint64_t capacity, bool* found, uint64_t* size) {
-  ReadRequest req;
-  req.out = out;
-  req.capacity = capacity;
-  ReadResult r;
-  Status st = parts_->tier->read(id, req, &r);
-  *found = st.ok() || st.is(Code::kInvalidArgument);
-  *size = *found ? r.block_size : 0;
-  if (st.is(Code::kNotFound)) return Status::OK();
-  return st;
-}
-
-bool LustreBackend::contains(const BlockId& id) const { return parts_->tier->contains(id); }
-Status LustreBackend::remove(const BlockId& id) { return parts_->tier->remove(id); }
-void LustreBackend::clear() { parts_->tier->clear(); }
-Status LustreBackend::flush() { return parts_->tier->flush(); }
-Status LustreBackend::compact() { return parts_->tier->compact(); }
-TierStats LustreBackend::stats() const { return parts_->tier->stats(); }
-const std::string& LustreBackend::path() const { return parts_->tier->dir(); }
 
 Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
   Env* env = Env::Default();
