@@ -27,6 +27,7 @@ def make_config(shm_path):
         cfg.num_io_threads = 2
         cfg.index_shards = 16
         return cascade.config_from_dict(options, base=cfg)
+
     return make
 
 

@@ -101,10 +101,17 @@ def _run_child(kind, tmp_path, timeout=120):
     shm = f"/dev/shm/cascade-lifecycle-{os.getpid()}-{kind}"
     base = str(tmp_path / kind)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(cascade.__file__)) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = (
+        os.path.dirname(os.path.dirname(cascade.__file__)) + os.pathsep + env.get("PYTHONPATH", "")
+    )
     try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, kind, shm, base, str(ROUNDS), str(THREADS)],
-                              capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, kind, shm, base, str(ROUNDS), str(THREADS)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{kind}: close() racing {THREADS} threads hung")
     finally:
@@ -112,7 +119,9 @@ def _run_child(kind, tmp_path, timeout=120):
             p = f"{shm}-{r}"
             if os.path.exists(p):
                 os.unlink(p)
-    assert proc.returncode == 0, f"{kind}: child exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"{kind}: child exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    )
     assert f"ok {ROUNDS}" in proc.stdout
 
 
@@ -146,6 +155,7 @@ def test_close_with_lease_raises_busy_then_closes(make_config):
 
 def test_async_handle_outlives_closed_store(make_config):
     import numpy as np
+
     store = cascade.CascadeStore(make_config())
     data = np.ones(1 << 16, dtype=np.uint8)
     handle = store.put_batch_async([f"b{i}" for i in range(16)], [data] * 16)
@@ -158,10 +168,12 @@ def test_async_handle_outlives_closed_store(make_config):
 
 def test_kv_mover_after_close_raises(make_config):
     import numpy as np
+
     store = cascade.CascadeStore(make_config())
     cache = np.zeros((4, 4096), dtype=np.uint8)
-    mover = cascade._core.KvBlockMover(store, "flat_bytes", -1, 1, 4, 0, 0, 0, 1, 4096,
-                                       [cache.ctypes.data], 4096, 0, 0, 0)
+    mover = cascade._core.KvBlockMover(
+        store, "flat_bytes", -1, 1, 4, 0, 0, 0, 1, 4096, [cache.ctypes.data], 4096, 0, 0, 0
+    )
     assert mover.save([0], ["x"]) == [None]
     store.close()
     with pytest.raises(cascade.UnavailableError, match="closed"):

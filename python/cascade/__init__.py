@@ -18,6 +18,7 @@ option (see ``cascade.config`` for dict/YAML loading).
     (True, 131072)
 """
 
+from cascade import _core
 from cascade._core import (  # noqa: F401
     HAVE_CUDA,
     HAVE_MPI,
@@ -43,7 +44,6 @@ from cascade._core import (  # noqa: F401
     compute_block_id,
     gpu_usable,
 )
-from cascade import _core
 from cascade.config import config_from_dict, config_to_dict, load_config  # noqa: F401
 
 __version__ = "0.1.0"

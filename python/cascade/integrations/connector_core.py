@@ -36,8 +36,9 @@ import socket
 import threading
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any
 
 from cascade.integrations.connector_config import ConnectorConfig
 from cascade.integrations.ids import KvNamespace, prefix_block_ids
@@ -51,23 +52,33 @@ logger = logging.getLogger("cascade.integrations.connector")
 # Counter keys, what they count, and their Prometheus names (prefix added).
 COUNTERS = {
     "lookup_requests": ("lookup_requests_total", "Requests looked up in Cascade when scheduled"),
-    "lookup_tokens": ("lookup_tokens_total",
-                      "Prompt tokens looked up in Cascade (beyond vLLM's own prefix cache)"),
-    "hit_tokens": ("hit_tokens_total",
-                   "Prompt tokens found in Cascade (in lite mode: that would have been loaded)"),
+    "lookup_tokens": (
+        "lookup_tokens_total",
+        "Prompt tokens looked up in Cascade (beyond vLLM's own prefix cache)",
+    ),
+    "hit_tokens": (
+        "hit_tokens_total",
+        "Prompt tokens found in Cascade (in lite mode: that would have been loaded)",
+    ),
     "miss_tokens": ("miss_tokens_total", "Prompt tokens looked up and not found in Cascade"),
     "load_blocks": ("load_blocks_total", "Blocks loaded into the engine's pages"),
     "load_bytes": ("load_bytes_total", "Bytes loaded into the engine's pages"),
     "load_errors": ("load_errors_total", "Blocks that failed to load (recomputed by the engine)"),
     "save_blocks": ("save_blocks_total", "Blocks saved into Cascade"),
     "save_bytes": ("save_bytes_total", "Bytes saved into Cascade"),
-    "save_present_blocks": ("save_present_blocks_total", "Blocks not saved because Cascade already held them"),
+    "save_present_blocks": (
+        "save_present_blocks_total",
+        "Blocks not saved because Cascade already held them",
+    ),
     "save_errors": ("save_errors_total", "Blocks that failed to save (a later miss, nothing more)"),
 }
 # Per tier, labelled ``tier``: keys "tier_hits:<tier>" and "tier_misses:<tier>".
 TIER_COUNTERS = {
     "tier_hits:": ("tier_hits_total", "Store hits per tier while loading blocks"),
-    "tier_misses:": ("tier_misses_total", "Store misses per tier while loading blocks (looked for lower down)"),
+    "tier_misses:": (
+        "tier_misses_total",
+        "Store misses per tier while loading blocks (looked for lower down)",
+    ),
 }
 
 
@@ -113,12 +124,16 @@ class PrometheusCounters:
 
     def __init__(self, counter_cls, labelnames: Sequence[str] = (), prefix: str = "cascade_"):
         self._labelnames = list(labelnames)
-        self._counters = {key: counter_cls(name=prefix + name, documentation=doc,
-                                           labelnames=self._labelnames)
-                          for key, (name, doc) in COUNTERS.items()}
-        self._tiers = {key: counter_cls(name=prefix + name, documentation=doc,
-                                        labelnames=self._labelnames + ["tier"])
-                       for key, (name, doc) in TIER_COUNTERS.items()}
+        self._counters = {
+            key: counter_cls(name=prefix + name, documentation=doc, labelnames=self._labelnames)
+            for key, (name, doc) in COUNTERS.items()
+        }
+        self._tiers = {
+            key: counter_cls(
+                name=prefix + name, documentation=doc, labelnames=self._labelnames + ["tier"]
+            )
+            for key, (name, doc) in TIER_COUNTERS.items()
+        }
 
     def observe(self, data: Mapping[str, float], labelvalues: Sequence[Any] = ()) -> None:
         labels = [str(v) for v in labelvalues]
@@ -143,7 +158,7 @@ class TraceRecorder:
     lines of different processes do not interleave.
     """
 
-    def __init__(self, path: Optional[str], role: str):
+    def __init__(self, path: str | None, role: str):
         self.role = role
         self.path = path
         self._fd = None
@@ -157,12 +172,22 @@ class TraceRecorder:
     def enabled(self) -> bool:
         return self._fd is not None
 
-    def record(self, op: str, request_id: str, *, blocks: int, bytes: int = 0, ms: float = 0.0,
-               **extra) -> None:
+    def record(
+        self, op: str, request_id: str, *, blocks: int, bytes: int = 0, ms: float = 0.0, **extra
+    ) -> None:
         if self._fd is None:
             return
-        line = {"ts": round(time.time(), 6), "host": self._host, "pid": os.getpid(), "role": self.role,
-                "op": op, "request_id": request_id, "blocks": blocks, "bytes": bytes, "ms": round(ms, 3)}
+        line = {
+            "ts": round(time.time(), 6),
+            "host": self._host,
+            "pid": os.getpid(),
+            "role": self.role,
+            "op": op,
+            "request_id": request_id,
+            "blocks": blocks,
+            "bytes": bytes,
+            "ms": round(ms, 3),
+        }
         line.update(extra)
         try:
             os.write(self._fd, (json.dumps(line, separators=(",", ":")) + "\n").encode())
@@ -178,6 +203,7 @@ class TraceRecorder:
 
 # ---------------------------------------------------------------------------
 # The plan of one engine step (scheduler -> workers; plain, picklable data)
+
 
 @dataclass
 class TransferJob:
@@ -214,25 +240,26 @@ class ScheduledRequest:
     req_id: str
     num_computed_tokens: int
     num_scheduled_tokens: int
-    block_ids: Optional[list] = None
+    block_ids: list | None = None
     replace_blocks: bool = False
-    prompt: Optional[Sequence[int]] = None
-    salt: Optional[str] = None
+    prompt: Sequence[int] | None = None
+    salt: str | None = None
 
 
 # ---------------------------------------------------------------------------
 # Scheduler side
+
 
 class LiteCache:
     """The cache of lite mode: ids only, no data, least recently used dropped
     beyond ``capacity_blocks`` (None: unbounded). Tells what hit rate a real
     cache of that size would give, without moving a byte."""
 
-    def __init__(self, capacity_blocks: Optional[int] = None):
+    def __init__(self, capacity_blocks: int | None = None):
         if capacity_blocks is not None and capacity_blocks <= 0:
             raise ValueError(f"lite cache capacity must be positive, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        self._ids: "OrderedDict[str, None]" = OrderedDict()
+        self._ids: OrderedDict[str, None] = OrderedDict()
 
     def prefix_length(self, ids_by_rank: Sequence[Sequence[str]]) -> int:
         n = 0
@@ -259,16 +286,16 @@ class LiteCache:
 class _Tracked:
     req_id: str
     prompt: list
-    salt: Optional[str]
+    salt: str | None
     eligible: bool
-    ids: Optional[list] = None          # per rank: ids of the prompt's full blocks
-    lookup_computed: int = 0            # num_computed_tokens given to the last lookup
-    lookup_present: int = 0             # leading blocks every rank held at the last lookup
-    lookup_hit_tokens: int = 0          # tokens the last lookup found loadable (before the local hit)
+    ids: list | None = None  # per rank: ids of the prompt's full blocks
+    lookup_computed: int = 0  # num_computed_tokens given to the last lookup
+    lookup_present: int = 0  # leading blocks every rank held at the last lookup
+    lookup_hit_tokens: int = 0  # tokens the last lookup found loadable (before the local hit)
     block_table: list = field(default_factory=list)
-    saved_blocks: int = 0               # leading blocks stored or with a save planned
-    pending_load: Optional[tuple] = None  # (first block, end block) to load in the next plan
-    has_saves: bool = False             # a save was ever planned (pages held at finish)
+    saved_blocks: int = 0  # leading blocks stored or with a save planned
+    pending_load: tuple | None = None  # (first block, end block) to load in the next plan
+    has_saves: bool = False  # a save was ever planned (pages held at finish)
 
 
 class SchedulerPlanner:
@@ -277,9 +304,18 @@ class SchedulerPlanner:
     Not thread-safe: vLLM's scheduler calls it from one thread.
     """
 
-    def __init__(self, config: ConnectorConfig, namespace: KvNamespace, lookup, *,
-                 can_load: bool = True, can_save: bool = True, metrics: Optional[ConnectorMetrics] = None,
-                 traces: Optional[TraceRecorder] = None, lite_capacity_blocks: Optional[int] = None):
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        namespace: KvNamespace,
+        lookup,
+        *,
+        can_load: bool = True,
+        can_save: bool = True,
+        metrics: ConnectorMetrics | None = None,
+        traces: TraceRecorder | None = None,
+        lite_capacity_blocks: int | None = None,
+    ):
         """``lookup``: a PrefixLookup over the workers' stores (ignored in lite
         mode, where a LiteCache of ``lite_capacity_blocks`` ids stands in)."""
         self.config = config
@@ -301,13 +337,16 @@ class SchedulerPlanner:
         self._reqs: dict[str, _Tracked] = {}
 
     # -- requests ----------------------------------------------------------
-    def track(self, req_id: str, prompt: Optional[Sequence[int]], salt: Optional[str] = None) -> _Tracked:
+    def track(self, req_id: str, prompt: Sequence[int] | None, salt: str | None = None) -> _Tracked:
         """The request's state, created on first sight (memoisation, no visible effect)."""
         t = self._reqs.get(req_id)
         if t is None:
             tokens = list(prompt) if prompt is not None else []
-            eligible = (prompt is not None and len(tokens) >= self.block_size
-                        and len(tokens) >= self.config.persist_token_threshold)
+            eligible = (
+                prompt is not None
+                and len(tokens) >= self.block_size
+                and len(tokens) >= self.config.persist_token_threshold
+            )
             t = _Tracked(req_id, tokens, salt, eligible)
             self._reqs[req_id] = t
         return t
@@ -322,8 +361,13 @@ class SchedulerPlanner:
             t.ids = [prefix_block_ids(t.prompt[:full], base.for_rank(r)) for r in range(self.world)]
         return t.ids
 
-    def matched_tokens(self, req_id: str, prompt: Optional[Sequence[int]], salt: Optional[str],
-                       num_computed_tokens: int) -> int:
+    def matched_tokens(
+        self,
+        req_id: str,
+        prompt: Sequence[int] | None,
+        salt: str | None,
+        num_computed_tokens: int,
+    ) -> int:
         """Tokens beyond ``num_computed_tokens`` (block aligned) that can be loaded."""
         t = self.track(req_id, prompt, salt)
         t.lookup_computed, t.lookup_present, t.lookup_hit_tokens = num_computed_tokens, 0, 0
@@ -339,22 +383,38 @@ class SchedulerPlanner:
             hit_blocks = min(hit_blocks, cap_tokens // self.block_size)
         hit_tokens = hit_blocks * self.block_size
         t.lookup_present, t.lookup_hit_tokens = present, hit_tokens
-        self.traces.record("lookup", req_id, blocks=present, ms=(time.perf_counter() - start) * 1e3,
-                           prompt_tokens=len(t.prompt), computed_tokens=num_computed_tokens,
-                           hit_tokens=max(0, hit_tokens - num_computed_tokens))
+        self.traces.record(
+            "lookup",
+            req_id,
+            blocks=present,
+            ms=(time.perf_counter() - start) * 1e3,
+            prompt_tokens=len(t.prompt),
+            computed_tokens=num_computed_tokens,
+            hit_tokens=max(0, hit_tokens - num_computed_tokens),
+        )
         if not self.can_load:
             return 0
         return max(0, hit_tokens - num_computed_tokens)
 
-    def after_alloc(self, req_id: str, prompt: Optional[Sequence[int]], salt: Optional[str],
-                    block_table: Sequence[int], num_external_tokens: int) -> None:
+    def after_alloc(
+        self,
+        req_id: str,
+        prompt: Sequence[int] | None,
+        salt: str | None,
+        block_table: Sequence[int],
+        num_external_tokens: int,
+    ) -> None:
         """The engine allocated ``block_table`` for the request and will count
         ``num_external_tokens`` (after its own ``lookup_computed`` tokens) as loaded."""
         t = self.track(req_id, prompt, salt)
         t.block_table = list(block_table)
         if t.eligible:
             queried = max(0, len(t.prompt) - t.lookup_computed)
-            found = num_external_tokens if self.can_load else max(0, t.lookup_hit_tokens - t.lookup_computed)
+            found = (
+                num_external_tokens
+                if self.can_load
+                else max(0, t.lookup_hit_tokens - t.lookup_computed)
+            )
             self.metrics.add("lookup_requests")
             self.metrics.add("lookup_tokens", queried)
             self.metrics.add("hit_tokens", found)
@@ -366,16 +426,22 @@ class SchedulerPlanner:
             return
         bs = self.block_size
         if t.lookup_computed % bs:
-            raise ValueError(f"request {req_id}: computed tokens {t.lookup_computed} not block aligned")
+            raise ValueError(
+                f"request {req_id}: computed tokens {t.lookup_computed} not block aligned"
+            )
         first = t.lookup_computed // bs
         end = -(-(t.lookup_computed + num_external_tokens) // bs)
         if end * bs > t.lookup_hit_tokens or end > len(t.block_table):
-            raise ValueError(f"request {req_id}: {num_external_tokens} external tokens after "
-                             f"{t.lookup_computed} exceed the {t.lookup_hit_tokens} found loadable "
-                             f"or the {len(t.block_table)} blocks allocated")
+            raise ValueError(
+                f"request {req_id}: {num_external_tokens} external tokens after "
+                f"{t.lookup_computed} exceed the {t.lookup_hit_tokens} found loadable "
+                f"or the {len(t.block_table)} blocks allocated"
+            )
         t.pending_load = (first, end)
 
-    def build_plan(self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()) -> StepPlan:
+    def build_plan(
+        self, scheduled: Iterable[ScheduledRequest], preempted: Iterable[str] = ()
+    ) -> StepPlan:
         plan = StepPlan()
         bs = self.block_size
         for s in scheduled:
@@ -392,8 +458,11 @@ class SchedulerPlanner:
                 first, end = t.pending_load
                 t.pending_load = None
                 ids = self.ids_of(t)
-                plan.loads.append(TransferJob(t.req_id, first, t.block_table[first:end],
-                                              [r[first:end] for r in ids]))
+                plan.loads.append(
+                    TransferJob(
+                        t.req_id, first, t.block_table[first:end], [r[first:end] for r in ids]
+                    )
+                )
             if not ((self.can_save or self._lite_save) and t.eligible):
                 continue
             done = min(s.num_computed_tokens + s.num_scheduled_tokens, len(t.prompt)) // bs
@@ -405,8 +474,11 @@ class SchedulerPlanner:
                 if self.lite is not None:
                     self.lite.add(ids[0][first:done])
                     continue
-                plan.saves.append(TransferJob(t.req_id, first, t.block_table[first:done],
-                                              [r[first:done] for r in ids]))
+                plan.saves.append(
+                    TransferJob(
+                        t.req_id, first, t.block_table[first:done], [r[first:done] for r in ids]
+                    )
+                )
                 t.has_saves = True
         for req_id in preempted:
             t = self._reqs.get(req_id)
@@ -448,6 +520,7 @@ class SchedulerPlanner:
 # ---------------------------------------------------------------------------
 # Worker side
 
+
 class _SaveBatch:
     __slots__ = ("jobs", "event")
 
@@ -466,8 +539,16 @@ class KvTransferWorker:
     thread saves, in submission order.
     """
 
-    def __init__(self, config: ConnectorConfig, store, *, rank: int, world: int,
-                 metrics: Optional[ConnectorMetrics] = None, traces: Optional[TraceRecorder] = None):
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        store,
+        *,
+        rank: int,
+        world: int,
+        metrics: ConnectorMetrics | None = None,
+        traces: TraceRecorder | None = None,
+    ):
         self.config = config
         self.store = store
         self.rank = rank
@@ -478,18 +559,20 @@ class KvTransferWorker:
         self._layer_index: dict[str, int] = {}
         self._cuda = False
         self._lock = threading.Condition()
-        self._pending: dict[str, int] = defaultdict(int)   # req id -> save batches not done
+        self._pending: dict[str, int] = defaultdict(int)  # req id -> save batches not done
         self._has_saves: set = set()
         self._finished: set = set()
         self._load_errors: set = set()
-        self._load_thread: Optional[threading.Thread] = None
+        self._load_thread: threading.Thread | None = None
         self._layer_events: list = []
-        self._save_queue: "queue.Queue[Optional[_SaveBatch]]" = queue.Queue()
-        self._save_thread: Optional[threading.Thread] = None
+        self._save_queue: queue.Queue[_SaveBatch | None] = queue.Queue()
+        self._save_thread: threading.Thread | None = None
         self._closed = False
 
     # -- setup -------------------------------------------------------------
-    def register(self, kv_caches: Mapping[str, Any], *, block_size: int, layout: Optional[str] = None) -> None:
+    def register(
+        self, kv_caches: Mapping[str, Any], *, block_size: int, layout: str | None = None
+    ) -> None:
         """Describes the engine's per-layer KV tensors (name -> tensor, in layer order).
 
         Layers sharing one tensor (cross-layer KV sharing) are stored once.
@@ -517,8 +600,9 @@ class KvTransferWorker:
         self._cuda = self.kv.device >= 0
         save_paged(self.store, self.kv, [], [])  # builds the mover now, on this thread
         if self._save_thread is None:
-            self._save_thread = threading.Thread(target=self._save_loop, name=f"cascade-save-r{self.rank}",
-                                                 daemon=True)
+            self._save_thread = threading.Thread(
+                target=self._save_loop, name=f"cascade-save-r{self.rank}", daemon=True
+            )
             self._save_thread.start()
         logger.info("Cascade connector rank %d: %r", self.rank, self.kv)
 
@@ -530,7 +614,9 @@ class KvTransferWorker:
 
     def _ids(self, job: TransferJob) -> list:
         if len(job.ids) != self.world:
-            raise ValueError(f"plan carries ids for {len(job.ids)} ranks, this engine has {self.world}")
+            raise ValueError(
+                f"plan carries ids for {len(job.ids)} ranks, this engine has {self.world}"
+            )
         return job.ids[self.rank]
 
     def _tier_counts(self) -> dict:
@@ -538,7 +624,9 @@ class KvTransferWorker:
             tiers = self.store.get_stats()["tiers"]
         except Exception:
             return {}
-        return {(kind, name): t.get(kind, 0) for name, t in tiers.items() for kind in ("hits", "misses")}
+        return {
+            (kind, name): t.get(kind, 0) for name, t in tiers.items() for kind in ("hits", "misses")
+        }
 
     # -- loads -------------------------------------------------------------
     def start_load(self, plan: StepPlan) -> None:
@@ -557,9 +645,12 @@ class KvTransferWorker:
             self._run_loads(plan.loads, blocks, ids, stream, None)
             return
         self._layer_events = [threading.Event() for _ in range(self.kv.num_layers)]
-        self._load_thread = threading.Thread(target=self._run_loads,
-                                             args=(plan.loads, blocks, ids, stream, self._layer_events),
-                                             name=f"cascade-load-r{self.rank}", daemon=True)
+        self._load_thread = threading.Thread(
+            target=self._run_loads,
+            args=(plan.loads, blocks, ids, stream, self._layer_events),
+            name=f"cascade-load-r{self.rank}",
+            daemon=True,
+        )
         self._load_thread.start()
 
     def _run_loads(self, jobs, blocks, ids, stream, events) -> None:
@@ -569,10 +660,14 @@ class KvTransferWorker:
         tiers_before = self._tier_counts()
         failed: list = [None] * len(blocks)
         try:
-            layer_ranges = [None] if events is None else [(l, l + 1) for l in range(self.kv.num_layers)]
+            layer_ranges = (
+                [None] if events is None else [(l, l + 1) for l in range(self.kv.num_layers)]
+            )
             for li, layers in enumerate(layer_ranges):
                 try:
-                    errs = load_paged(self.store, self.kv, blocks, ids, layers=layers, cuda_stream=stream)
+                    errs = load_paged(
+                        self.store, self.kv, blocks, ids, layers=layers, cuda_stream=stream
+                    )
                 except Exception as e:  # the whole call failed: every block of it did
                     errs = [f"load failed: {e}"] * len(blocks)
                 for i, e in enumerate(errs):
@@ -592,8 +687,13 @@ class KvTransferWorker:
             self._load_errors |= bad
         if bad:
             reasons = sorted({e for e in failed if e is not None})
-            logger.warning("Cascade rank %d: %d of %d blocks failed to load (%s); the engine recomputes them",
-                           self.rank, len(bad), len(blocks), "; ".join(reasons[:3]))
+            logger.warning(
+                "Cascade rank %d: %d of %d blocks failed to load (%s); the engine recomputes them",
+                self.rank,
+                len(bad),
+                len(blocks),
+                "; ".join(reasons[:3]),
+            )
         ok = len(blocks) - sum(e is not None for e in failed)
         bb = self.kv.stored_block_bytes
         self.metrics.add("load_blocks", ok)
@@ -603,11 +703,19 @@ class KvTransferWorker:
             pos = 0
             for job in jobs:
                 n = len(job.engine_blocks)
-                errs = sum(e is not None for e in failed[pos:pos + n])
+                errs = sum(e is not None for e in failed[pos : pos + n])
                 pos += n
-                self.traces.record("load", job.req_id, blocks=n, bytes=(n - errs) * bb, ms=ms,
-                                   errors=errs, first_block=job.first_block, rank=self.rank,
-                                   layerwise=events is not None)
+                self.traces.record(
+                    "load",
+                    job.req_id,
+                    blocks=n,
+                    bytes=(n - errs) * bb,
+                    ms=ms,
+                    errors=errs,
+                    first_block=job.first_block,
+                    rank=self.rank,
+                    layerwise=events is not None,
+                )
 
     def wait_layer(self, layer_name: str) -> None:
         """Returns once the layer's blocks are in its pages (layer-by-layer loads)."""
@@ -641,6 +749,7 @@ class KvTransferWorker:
         event = None
         if self._cuda:
             import torch
+
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.kv.device))
         with self._lock:
@@ -658,6 +767,7 @@ class KvTransferWorker:
             try:
                 if batch.event is not None:
                     import torch
+
                     if stream is None:
                         stream = torch.cuda.Stream(self.kv.device)
                     stream.wait_event(batch.event)
@@ -685,8 +795,13 @@ class KvTransferWorker:
             errs: list = []
             if todo:
                 try:
-                    errs = save_paged(self.store, self.kv, [b for b, _ in todo], [i for _, i in todo],
-                                      cuda_stream=stream)
+                    errs = save_paged(
+                        self.store,
+                        self.kv,
+                        [b for b, _ in todo],
+                        [i for _, i in todo],
+                        cuda_stream=stream,
+                    )
                 except Exception as e:
                     errs = [f"save failed: {e}"] * len(todo)
             bad = [e for e in errs if e is not None]
@@ -696,11 +811,24 @@ class KvTransferWorker:
             self.metrics.add("save_present_blocks", present)
             self.metrics.add("save_errors", len(bad))
             if bad:
-                logger.warning("Cascade rank %d: %d blocks of request %s not saved (%s)", self.rank,
-                               len(bad), job.req_id, bad[0])
-            self.traces.record("save", job.req_id, blocks=saved, bytes=saved * bb,
-                               ms=(time.perf_counter() - start) * 1e3, errors=len(bad), present=present,
-                               first_block=job.first_block, rank=self.rank)
+                logger.warning(
+                    "Cascade rank %d: %d blocks of request %s not saved (%s)",
+                    self.rank,
+                    len(bad),
+                    job.req_id,
+                    bad[0],
+                )
+            self.traces.record(
+                "save",
+                job.req_id,
+                blocks=saved,
+                bytes=saved * bb,
+                ms=(time.perf_counter() - start) * 1e3,
+                errors=len(bad),
+                present=present,
+                first_block=job.first_block,
+                rank=self.rank,
+            )
 
     def flush(self, req_ids: Iterable[str]) -> None:
         """Waits until the requests' queued saves are done (their pages are about to be reused)."""
@@ -710,7 +838,7 @@ class KvTransferWorker:
         with self._lock:
             self._lock.wait_for(lambda: not any(self._pending.get(r) for r in req_ids))
 
-    def wait_all_saves(self, timeout: Optional[float] = None) -> bool:
+    def wait_all_saves(self, timeout: float | None = None) -> bool:
         with self._lock:
             return self._lock.wait_for(lambda: not self._pending, timeout=timeout)
 

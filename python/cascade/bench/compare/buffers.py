@@ -80,7 +80,7 @@ class SharedArrays:
 def _verify(wl: Workload) -> None:
     rows = max(1, (64 << 20) // max(wl.block_bytes, 1))
     for s in range(0, wl.blocks, rows):
-        a, b = wl.data[s:s + rows], wl.out[s:s + rows]
+        a, b = wl.data[s : s + rows], wl.out[s : s + rows]
         if not np.array_equal(a, b):
             bad = s + int(np.nonzero((a != b).any(axis=1))[0][0])
             raise RuntimeError(f"bytes read back differ from bytes written (block {bad})")

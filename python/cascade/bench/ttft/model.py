@@ -5,11 +5,23 @@ from __future__ import annotations
 
 PRESETS = {
     # CPU: a few MB of weights; the data path and the checks, not the speed, are the point.
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=4096),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=4096,
+    ),
     # Llama-3-8B's shape (meta-llama/Meta-Llama-3-8B config.json), random weights.
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
 }
 
 
@@ -18,8 +30,14 @@ def build_model(preset: str, device, dtype, seed: int, max_tokens: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**PRESETS[preset], rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                      max_position_embeddings=max(8192, max_tokens), attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        **PRESETS[preset],
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=max(8192, max_tokens),
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()
     try:
