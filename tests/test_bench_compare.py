@@ -68,7 +68,7 @@ def _round_trip(cls, wl):
         assert fp is None or fp > 0
         # After clear, a read is a miss, and a miss is an error, never data.
         a.clear()
-        with pytest.raises(Exception):
+        with pytest.raises(RuntimeError):
             a.get_many(range(wl.blocks))
         a.put_many(range(wl.blocks))  # usable again after clear
         wl.out.fill(0)

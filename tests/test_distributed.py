@@ -35,7 +35,10 @@ def _why_not() -> str | None:
     import cascade.distributed
 
     if not cascade.distributed.available():
-        return "this build of cascade cannot open distributed stores (no MPI at build time, or bindings without them)"
+        return (
+            "this build of cascade cannot open distributed stores (no MPI at build time, "
+            "or bindings without them)"
+        )
     return None
 
 

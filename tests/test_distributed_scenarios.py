@@ -291,7 +291,8 @@ def kill_restart(env: Env, directory: str):
     store.close()
     if rank == 0:
         print(
-            f"restart: flushed blocks per rank {counts}; rank 0 found {extra} more written after its last flush"
+            f"restart: flushed blocks per rank {counts}; rank 0 found {extra} more written after "
+            "its last flush"
         )
     env.done("kill_restart")
 
@@ -323,7 +324,8 @@ def main(argv):
         if any(why):
             if env.rank == 0:
                 print(
-                    f"SKIP: the file tier cannot be opened in this build: {next(w for w in why if w)}",
+                    "SKIP: the file tier cannot be opened in this build: "
+                    f"{next(w for w in why if w)}",
                     flush=True,
                 )
             return

@@ -73,7 +73,7 @@ def test_host_lease_dlpack_is_a_view(store):
     gc.collect()
     assert store.get_stats()["tiers"]["host"]["leased_blocks"] == 0
     with pytest.raises(cascade.InvalidArgumentError):
-        lease.ptr
+        _ = lease.ptr
     with store.acquire("blk") as l2:
         assert l2.size == data.nbytes
     assert l2.released and store.get_stats()["tiers"]["host"]["leased_blocks"] == 0

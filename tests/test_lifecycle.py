@@ -20,7 +20,8 @@ _CHILD = textwrap.dedent(
     import numpy as np
     import cascade
 
-    kind, shm, base, rounds, nthreads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    kind, shm, base = sys.argv[1], sys.argv[2], sys.argv[3]
+    rounds, nthreads = int(sys.argv[4]), int(sys.argv[5])
     block = np.arange(64 << 10, dtype=np.uint8)
 
     def open_target(r):
@@ -74,7 +75,8 @@ _CHILD = textwrap.dedent(
         target = open_target(r)
         started = threading.Semaphore(0)
         errors = []
-        threads = [threading.Thread(target=hammer, args=(t, target, started, errors)) for t in range(nthreads)]
+        threads = [threading.Thread(target=hammer, args=(t, target, started, errors))
+                   for t in range(nthreads)]
         for th in threads:
             th.start()
         for _ in threads:

@@ -42,7 +42,7 @@ def test_block_bytes_are_derived_and_every_difference_is_caught():
     assert KeySpace(seed=6, keys=4).data(1) != KeySpace(seed=5, keys=4).data(1)
 
 
-# ---- the kill log ---------------------------------------------------------------------------------
+# ---- the kill log --------------------------------------------------------------------------------
 def test_kill_log_owes_the_last_flush_minus_later_removes():
     log = "S 1\nF 1 1 2 3\nR 2\nS 2\nR 3\nF 2 1 3 4\nR 4\nS 3\nF 3 1 5"  # last line cut by the kill
     owed, wrong, flushes = parse_log(log)
@@ -53,7 +53,7 @@ def test_kill_log_owes_the_last_flush_minus_later_removes():
     assert parse_log("S 1\nR 7\nW key 7: got junk\n") == (set(), ["key 7: got junk"], 0)
 
 
-# ---- the watchdog ----------------------------------------------------------------------------------
+# ---- the watchdog --------------------------------------------------------------------------------
 def test_child_runner_reports_value_crash_hang_and_error():
     assert proc.run_child(lambda: {"n": 3}, 20).value == {"n": 3}
     r = proc.run_child(lambda: os.kill(os.getpid(), signal.SIGSEGV), 20)
@@ -72,7 +72,7 @@ def test_child_runner_reports_value_crash_hang_and_error():
     assert r.status == "hang" and r.detail == "get of key 3"
 
 
-# ---- the fault campaign (C++) -----------------------------------------------------------------------
+# ---- the fault campaign (C++) --------------------------------------------------------------------
 def test_fault_campaign_counts_calls_and_fires_every_point(tmp_path):
     params = dict(
         dir=str(tmp_path / "f"),
@@ -106,7 +106,7 @@ def test_forged_record_header_has_the_documented_layout():
     )  # the offset; the segment id is in the checksum
 
 
-# ---- the CI run --------------------------------------------------------------------------------------
+# ---- the CI run ----------------------------------------------------------------------------------
 def test_stress_quick_finds_nothing_wrong_and_does_real_work(tmp_path):
     out = tmp_path / "stress.json"
     env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)

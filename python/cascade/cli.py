@@ -1,14 +1,14 @@
 """The `cascade` command: `cascade info`, `cascade bench`, and the rest.
 
-cascade info                      what this machine has
-cascade bench                     per-tier throughput vs the hardware ceiling
+cascade info            what this machine has
+cascade bench           per-tier throughput vs the hardware ceiling
 cascade bench --size 1MiB --size 64MiB --threads 8 --json out.json
 mpirun -np 4 cascade bench --distributed   distributed store: aggregate and per-rank GB/s
-cascade bench compare             Cascade beside Redis, HDF5, file-per-block, LMCache, torch
-cascade bench gpu                 gpu tier and paged KV transfers vs PCIe/HBM ceilings
+cascade bench compare   Cascade beside Redis, HDF5, file-per-block, LMCache, torch
+cascade bench gpu       gpu tier and paged KV transfers vs PCIe/HBM ceilings
 cascade bench vmm --pages-total 100 --procs 4 --iters 20   GPU page-mapping parallelism
-cascade bench ttft                time to first token: full prefill vs prefix from the host/file tier
-cascade stress --quick            randomized reliability harness: ops, kill -9, corruption, I/O faults
+cascade bench ttft      time to first token: full prefill vs prefix from the host/file tier
+cascade stress --quick  randomized reliability harness: ops, kill -9, corruption, I/O faults
 """
 
 from __future__ import annotations
@@ -132,16 +132,16 @@ def _cmd_inspect(args) -> int:
             )
         )
         print(
-            f"{report['records']} records, {report['live_records']} live ({fmt_size(report['payload_bytes'])} "
-            f"of payload), {report['duplicate_records']} duplicates, {fmt_size(report['dead_bytes'])} dead, "
-            f"{report['corrupt_records']} corrupt, {report['unreadable_segments']} unreadable segments, "
-            f"{report['aliases']} aliases; "
-            f"checksums {'verified' if report['verified'] else 'not read (--no-verify)'}"
+            f"{report['records']} records, {report['live_records']} live "
+            f"({fmt_size(report['payload_bytes'])} of payload), {report['duplicate_records']} "
+            f"duplicates, {fmt_size(report['dead_bytes'])} dead, {report['corrupt_records']} "
+            f"corrupt, {report['unreadable_segments']} unreadable segments, {report['aliases']} "
+            f"aliases; checksums {'verified' if report['verified'] else 'not read (--no-verify)'}"
         )
         if report["foreign_segments"]:
             print(
-                f"{report['foreign_segments']} foreign segment files (an older format or another key): "
-                "a store leaves them alone and serves nothing from them"
+                f"{report['foreign_segments']} foreign segment files (an older format or another "
+                "key): a store leaves them alone and serves nothing from them"
             )
         print(
             "OK"
@@ -206,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--overflow",
         action="store_true",
-        help="also run the overflow table: 0/50/75/90%% of the data beyond the host tier, cold reads",
+        help="also run the overflow table: 0/50/75/90%% of the data beyond the host tier, "
+        "cold reads",
     )
     bench.add_argument(
         "--only-overflow", action="store_true", help="with --overflow: skip the per-tier rows"

@@ -81,7 +81,8 @@ def open_store(config=None, comm=None, **options):
         from mpi4py import MPI
     except ImportError as e:
         raise _core.UnavailableError(
-            "distributed stores need mpi4py (pip install mpi4py, built against the MPI cascade uses)"
+            "distributed stores need mpi4py (pip install mpi4py, built against the MPI cascade "
+            "uses)"
         ) from e
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise _core.UnavailableError(

@@ -123,7 +123,8 @@ def format_info(info: dict) -> str:
     lines = [
         f"host      {info['hostname']} (Linux {info['kernel']}, Python {info['python']})",
         f"cpu       {info['cpu']}, {info['cores']} cores",
-        f"memory    {human_bytes(info['memory_bytes'])} ({human_bytes(info['memory_available_bytes'])} available)",
+        f"memory    {human_bytes(info['memory_bytes'])} "
+        f"({human_bytes(info['memory_available_bytes'])} available)",
     ]
     shm = info.get("shm")
     if shm:
@@ -145,7 +146,8 @@ def format_info(info: dict) -> str:
         lines.append("gpu       none found")
     b = info["build"]
     lines.append(
-        f"build     cuda={'yes' if b['cuda'] else 'no'} io_uring={'yes' if b['io_uring'] else 'no'} "
-        f"mpi={'yes' if b['mpi'] else 'no'}; gpu tier usable: {'yes' if info['gpu_usable'] else 'no'}"
+        f"build     cuda={'yes' if b['cuda'] else 'no'} "
+        f"io_uring={'yes' if b['io_uring'] else 'no'} mpi={'yes' if b['mpi'] else 'no'}; gpu tier "
+        f"usable: {'yes' if info['gpu_usable'] else 'no'}"
     )
     return "\n".join(lines)

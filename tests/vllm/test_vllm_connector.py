@@ -86,7 +86,8 @@ def test_save_then_load_byte_exact(engines, layout, dtype, layerwise):
     new = out.scheduled_new_reqs[0]
     assert (new.req_id, new.num_computed_tokens, out.num_scheduled_tokens["b"]) == ("b", 3 * BS, 2)
     assert out.has_sync_kv_loads and not kv_out.invalid_block_ids
-    # The forward pass wrote only tokens 48 and 49; the three loaded pages hold exactly the KV of "a".
+    # The forward pass wrote only tokens 48 and 49; the three loaded pages hold exactly the KV of
+    # "a".
     for i in range(3):
         assert eng.page_is_computed("b", i, PROMPT)
     assert (

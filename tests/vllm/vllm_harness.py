@@ -184,7 +184,8 @@ class WorkerRank:
             self.connector.register_kv_caches(self.kv_caches)
 
     def execute(self, out, work):
-        """One step as the model runner runs it; ``work``: (req_id, tokens, block table, first, end, fresh)."""
+        """One step as the model runner runs it; ``work``: (req_id, tokens, block table,
+        first, end, fresh)."""
         # Before the forward pass the connector sees preemptions, and fresh
         # pages hold garbage (here: POISON), so a load that did not happen shows.
         self.connector.handle_preemptions(out.kv_connector_metadata)

@@ -203,8 +203,9 @@ def bench_size(
             raise RuntimeError(f"rank {g.rank}: host baseline read back wrong bytes")
     result["host_write"], result["host_read"] = _best(writes), _best(reads)
     say(
-        f"{fmt_size(size)}: host tier per rank: write {result['host_write']['aggregate_gbps']:.2f}, "
-        f"read {result['host_read']['aggregate_gbps']:.2f} GB/s aggregate"
+        f"{fmt_size(size)}: host tier per rank: write "
+        f"{result['host_write']['aggregate_gbps']:.2f}, read "
+        f"{result['host_read']['aggregate_gbps']:.2f} GB/s aggregate"
     )
 
     # 3. The distributed store. A rank owns about 1/N of all blocks (the
@@ -231,8 +232,8 @@ def bench_size(
                     raise RuntimeError(f"rank {g.rank}: stored {stored} of {n} blocks")
                 writes.append(_figure(g, nbytes, mine, slowest))
                 say(
-                    f"{fmt_size(size)} {mode}: write {writes[-1]['aggregate_gbps']:.2f} GB/s aggregate "
-                    f"(pass {r + 1}/{repeats})"
+                    f"{fmt_size(size)} {mode}: write {writes[-1]['aggregate_gbps']:.2f} GB/s "
+                    f"aggregate (pass {r + 1}/{repeats})"
                 )
             g.comm.Barrier()
             kinds = ["mixed", "local", "remote"] if mode == "loads" else ["remote"]
@@ -290,7 +291,7 @@ def run_distributed_bench(args, progress) -> dict:
             f"measured from there; use `mpirun --bind-to none` for the whole node"
         )
     report = {
-        "command": "mpirun -np %d cascade %s" % (g.size, " ".join(args.argv)),
+        "command": f"mpirun -np {g.size} cascade {' '.join(args.argv)}",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": machine_info() if g.rank == 0 else None,
         "ranks": g.size,
@@ -310,7 +311,8 @@ def format_distributed(report: dict) -> str:
     m = report["machine"]
     lines = [
         f"cascade bench --distributed: {report['ranks']} rank(s) on {report['nodes']} node(s), "
-        f"{report['threads_per_rank']} thread(s) per rank; {m['cpu']}, {m['cores']} cores; {report['date']}"
+        f"{report['threads_per_rank']} thread(s) per rank; {m['cpu']}, {m['cores']} cores; "
+        f"{report['date']}"
     ]
     rows = []
     for r in report["results"]:
@@ -381,10 +383,10 @@ def format_distributed(report: dict) -> str:
         )
     )
     lines.append(
-        "ceiling: host copy (the better of memcpy and a streaming copy) of the node with one thread per "
-        "core (rank ceiling: one rank's threads), measured in the same run; "
-        "host read: a private host-tier store per rank; read: a rank's worth of blocks written by "
-        "another rank, 1/N of them owned locally; remote read (RMA): the same path as across nodes "
+        "ceiling: host copy (the better of memcpy and a streaming copy) of the node with one "
+        "thread per core (rank ceiling: one rank's threads), measured in the same run; host read: "
+        "a private host-tier store per rank; read: a rank's worth of blocks written by another "
+        "rank, 1/N of them owned locally; remote read (RMA): the same path as across nodes "
         "(MPI_Get), here through shared memory"
     )
     return "\n".join(lines)

@@ -125,11 +125,11 @@ def run_transfers(args, progress) -> int:
 def format_transfers(report: dict) -> str:
     c = report["ceilings_gbps"]
     lines = [
-        f"cascade bench gpu: {report['device']}, {fmt_size(report['total_bytes'])} per measurement, "
-        f"median of {report['repeats']}",
-        f"ceilings (cudaMemcpy, GB/s): h2d {c['h2d_pinned']:.2f}, d2h {c['d2h_pinned']:.2f} (pinned); "
-        f"h2d {c['h2d_shm_registered']:.2f}, d2h {c['d2h_shm_registered']:.2f} (registered /dev/shm); "
-        f"d2d {c['d2d']:.1f}",
+        f"cascade bench gpu: {report['device']}, {fmt_size(report['total_bytes'])} per "
+        f"measurement, median of {report['repeats']}",
+        f"ceilings (cudaMemcpy, GB/s): h2d {c['h2d_pinned']:.2f}, d2h {c['d2h_pinned']:.2f} "
+        f"(pinned); h2d {c['h2d_shm_registered']:.2f}, d2h {c['d2h_shm_registered']:.2f} "
+        f"(registered /dev/shm); d2d {c['d2d']:.1f}",
     ]
     rows, kv = [], []
     for r in report["results"]:

@@ -299,7 +299,8 @@ def format_report(report: dict) -> str:
 
     m = report["machine"]
     lines = [
-        f"cascade bench: {m['cpu']}, {m['cores']} cores, {report['threads']} threads, {report['date']}"
+        f"cascade bench: {m['cpu']}, {m['cores']} cores, {report['threads']} threads, "
+        f"{report['date']}"
     ]
     rows = []
     for r in report["results"]:
@@ -336,8 +337,9 @@ def format_report(report: dict) -> str:
             )
         )
         lines.append(
-            "ceiling: the better of glibc memcpy and a streaming copy from pre-touched shared memory "
-            "to pre-touched heap, page aligned, same threads and bytes, measured just before each row"
+            "ceiling: the better of glibc memcpy and a streaming copy from pre-touched shared "
+            "memory to pre-touched heap, page aligned, same threads and bytes, measured just "
+            "before each row"
         )
         if any(r["tier"] == "gpu" for r in report["results"]):
             lines.append(
@@ -404,23 +406,24 @@ def format_report(report: dict) -> str:
                     ]
                     for o in ov["rows"]
                 ],
-                title=f"overflow: {fmt_size(ov['total_bytes'])} of {fmt_size(ov['block_bytes'])} blocks, "
-                f"pipeline host|file, cold reads",
+                title=f"overflow: {fmt_size(ov['total_bytes'])} of "
+                f"{fmt_size(ov['block_bytes'])} blocks, pipeline host|file, cold reads",
             )
         )
         lines.append(
-            "ideal: every byte at its own tier's ceiling, time-weighted: "
-            f"host {ov['host_ceiling_gbps']:.2f} GB/s, O_DIRECT read {ov['file_ceiling_gbps']:.2f} GB/s"
+            "ideal: every byte at its own tier's ceiling, time-weighted: host "
+            f"{ov['host_ceiling_gbps']:.2f} GB/s, O_DIRECT read {ov['file_ceiling_gbps']:.2f} GB/s"
         )
     if "python_overhead" in report:
         p = report["python_overhead"]
         lines.append(
-            f"python: store.get of a hot {fmt_size(p['block_bytes'])} block: {p['us_per_get']:.2f} µs per call"
+            f"python: store.get of a hot {fmt_size(p['block_bytes'])} block: {p['us_per_get']:.2f} "
+            "µs per call"
         )
     for ix in report.get("index", []):
         lines.append(
-            f"index: {ix['threads']} thread(s): {ix['lookups_per_sec_per_thread'] / 1e6:.2f} M lookups/s "
-            f"per thread, {ix['metadata_bytes_per_block']:.1f} B metadata per block"
+            f"index: {ix['threads']} thread(s): {ix['lookups_per_sec_per_thread'] / 1e6:.2f} M "
+            f"lookups/s per thread, {ix['metadata_bytes_per_block']:.1f} B metadata per block"
         )
     return "\n".join(lines)
 

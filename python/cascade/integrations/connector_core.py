@@ -661,7 +661,9 @@ class KvTransferWorker:
         failed: list = [None] * len(blocks)
         try:
             layer_ranges = (
-                [None] if events is None else [(l, l + 1) for l in range(self.kv.num_layers)]
+                [None]
+                if events is None
+                else [(layer, layer + 1) for layer in range(self.kv.num_layers)]
             )
             for li, layers in enumerate(layer_ranges):
                 try:

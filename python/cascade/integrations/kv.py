@@ -226,8 +226,9 @@ class PagedKv:
         where = "cpu" if self.device < 0 else f"cuda:{self.device}"
         return (
             f"PagedKv({self.layout}, layers={self.num_layers}, blocks={self.num_blocks}, "
-            f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
-            f"elem_bytes={self.elem_bytes}, {where}, stored_block_bytes={self.stored_block_bytes})"
+            f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, "
+            f"head_size={self.head_size}, elem_bytes={self.elem_bytes}, {where}, "
+            f"stored_block_bytes={self.stored_block_bytes})"
         )
 
 

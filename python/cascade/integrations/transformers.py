@@ -372,8 +372,8 @@ class PrefixCache:
         nb = tokens // self.block_size
         return PagedKv.from_layers(
             [
-                buf[l].view(2, heads, nb, self.block_size, dim).permute(0, 2, 3, 1, 4)
-                for l in range(layers)
+                buf[layer].view(2, heads, nb, self.block_size, dim).permute(0, 2, 3, 1, 4)
+                for layer in range(layers)
             ],
             layout="split_kv",
         )
@@ -420,9 +420,9 @@ class PrefixCache:
         layers, _, heads, total, dim = buf.shape
         per_row = total // rows
         pairs = []
-        for l in range(layers):
-            k = buf[l, 0].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
-            v = buf[l, 1].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
+        for layer in range(layers):
+            k = buf[layer, 0].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
+            v = buf[layer, 1].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
             pairs.append((k, v))
         return past_from_kv(self.model, pairs)
 
@@ -483,10 +483,10 @@ class PrefixCache:
                 else:
                     runs.append([r, j, 1, i])
             buf = self._buffer(1, len(part))
-            for l, (k, v) in enumerate(pairs):
+            for layer, (k, v) in enumerate(pairs):
                 for r, j, n, i in runs:
-                    buf[l, 0, :, i * bs : (i + n) * bs].copy_(k[r, :, j * bs : (j + n) * bs])
-                    buf[l, 1, :, i * bs : (i + n) * bs].copy_(v[r, :, j * bs : (j + n) * bs])
+                    buf[layer, 0, :, i * bs : (i + n) * bs].copy_(k[r, :, j * bs : (j + n) * bs])
+                    buf[layer, 1, :, i * bs : (i + n) * bs].copy_(v[r, :, j * bs : (j + n) * bs])
             kv = self._paged(buf)
             errs = save_paged(
                 self.store,

@@ -5,7 +5,8 @@ Enable it with (docs/vllm.md lists every option):
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "CascadeConnector",
         "kv_connector_module_path": "cascade.integrations.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"store_pipeline": "host|file", "storage_path": "/mnt/nvme/kv"}}'
+        "kv_connector_extra_config": {"store_pipeline": "host|file",
+                                      "storage_path": "/mnt/nvme/kv"}}'
 
 This class only adapts vLLM's v1 connector API (vllm 0.33,
 ``KVConnectorBase_V1``) to ``cascade.integrations.connector_core``, which
@@ -92,8 +93,8 @@ class CascadeConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class CascadeConnectorStats(KVConnectorStats):
-    """Counter deltas (``connector_core.COUNTERS`` keys, ``tier_hits:<tier>``, ``tier_misses:<tier>``),
-    summed over workers."""
+    """Counter deltas (``connector_core.COUNTERS`` keys, ``tier_hits:<tier>``,
+    ``tier_misses:<tier>``), summed over workers."""
 
     def reset(self):
         self.data = {}
@@ -158,9 +159,8 @@ def request_salt(request: Request) -> str | None:
         h = hashlib.sha256()
         for f in features:
             pos = getattr(f, "mm_position", None)
-            h.update(
-                f"{f.identifier}@{getattr(pos, 'offset', '')}+{getattr(pos, 'length', '')};".encode()
-            )
+            offset, length = getattr(pos, "offset", ""), getattr(pos, "length", "")
+            h.update(f"{f.identifier}@{offset}+{length};".encode())
         parts.append("mm=" + h.hexdigest()[:32])
     return "|".join(parts) if parts else None
 
@@ -322,7 +322,8 @@ class CascadeConnector(KVConnectorBase_V1):
         return self.planner.request_finished(request.request_id), None
 
     def reset_cache(self) -> bool | None:
-        """vLLM resets its prefix cache (e.g. after a weight update): nothing saved before is served."""
+        """vLLM resets its prefix cache (e.g. after a weight update): nothing saved before is
+        served."""
         if self.planner is None:
             return None
         self.planner.reset()
@@ -383,8 +384,8 @@ class CascadeConnector(KVConnectorBase_V1):
         )
         if tokens != self.block_size:
             raise NotImplementedError(
-                f"CascadeConnector: the attention kernel splits each {self.block_size}-token block into "
-                f"blocks of {tokens} tokens; run vLLM with --block-size {tokens}"
+                f"CascadeConnector: the attention kernel splits each {self.block_size}-token block "
+                f"into blocks of {tokens} tokens; run vLLM with --block-size {tokens}"
             )
         self.worker.register(
             kv_caches, block_size=self.block_size, layout="packed_kv" if packed else "split_kv"

@@ -87,7 +87,7 @@ class KeySpace:
         if len(head) == HEADER.size and head[:8] == MAGIC:
             _, ckey, seed, length = HEADER.unpack(head)
             return (
-                f"key {key}: got {size} bytes headed as content key {ckey} seed {seed:x} length {length}, "
-                f"want content key {self.content_key(key)} length {self.size(key)}"
+                f"key {key}: got {size} bytes headed as content key {ckey} seed {seed:x} length "
+                f"{length}, want content key {self.content_key(key)} length {self.size(key)}"
             )
         return f"key {key}: got {size} bytes without a stress header (first bytes {head[:8].hex()})"

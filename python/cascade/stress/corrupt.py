@@ -97,7 +97,7 @@ def read_all(ks: KeySpace, path: str, segment_bytes: int) -> dict:
     return {"hits": hits, "misses": misses, "wrong": wrong, "failures": failures[:5]}
 
 
-# ---- corruptions ------------------------------------------------------------------------------------
+# ---- corruptions ---------------------------------------------------------------------------------
 def _files(d: str):
     names = sorted(os.listdir(d))
     segs = [n for n in names if n.startswith("seg-") and n.endswith(".dat")]
@@ -295,7 +295,8 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
         else:
             result.add("exceptions")
             result.fail(
-                f"trial {trial} ({what}): {r.detail.strip().splitlines()[-1] if r.detail else r.status}"
+                f"trial {trial} ({what}): "
+                f"{r.detail.strip().splitlines()[-1] if r.detail else r.status}"
             )
     shutil.rmtree(trial_dir, ignore_errors=True)
     return result.finish()

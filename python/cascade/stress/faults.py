@@ -18,6 +18,7 @@ file_capacity_bytes (puts meet NoSpace, compaction runs inline).
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 
@@ -48,7 +49,7 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
             capacity_bytes=capacity,
         )
         t = proc.run_child(
-            lambda: _core.stress_fault_points(**params, kinds=args.fault_kinds),
+            functools.partial(_core.stress_fault_points, **params, kinds=args.fault_kinds),
             args.iteration_deadline * 4,
         )
         if t.status != "ok":
@@ -71,8 +72,8 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
             if os.path.exists(progress):
                 os.unlink(progress)
             r = proc.run_child(
-                lambda batch=batch: _core.stress_fault_run(
-                    **params, points=batch, progress_path=progress
+                functools.partial(
+                    _core.stress_fault_run, **params, points=batch, progress_path=progress
                 ),
                 args.iteration_deadline * len(batch) + 60,
                 progress_path=progress,

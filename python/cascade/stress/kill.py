@@ -23,6 +23,7 @@ anything but our SIGKILL is a crash; a verifier past its deadline a hang.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
@@ -191,12 +192,14 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
         ks = KeySpace(args.seed, args.kill_keys, 512, args.max_block, dup_keys=args.kill_keys // 4)
         shm = scratch.shm_path(scratch.unique("killw"))
         log_path = scratch.path(scratch.unique("kill-log"))
-        cfg_fn = lambda shm=shm, fdir=fdir, setup=setup: make_config(
-            setup, shm, fdir, args.shm_bytes, 0, args.segment_bytes
+        cfg_fn = functools.partial(
+            make_config, setup, shm, fdir, args.shm_bytes, 0, args.segment_bytes
         )
         wseed = args.seed * 100003 + i
         started = time.monotonic()
-        pid, out = proc.spawn(lambda: _writer(ks, cfg_fn, log_path, args.kill_threads, wseed))
+        pid, out = proc.spawn(
+            functools.partial(_writer, ks, cfg_fn, log_path, args.kill_threads, wseed)
+        )
         delay = rng.uniform(args.kill_min, args.kill_max)
         w = (
             proc.wait(pid, out, None, started, killed_by_us=True)
@@ -216,10 +219,8 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
                 f"{w.detail.strip().splitlines()[-1] if w.detail else ''}"
             )
         vshm = scratch.shm_path(scratch.unique("killv"))
-        vcfg_fn = lambda vshm=vshm, fdir=fdir, setup=setup: make_config(  # noqa: E731
-            setup, vshm, fdir, args.shm_bytes, 0, args.segment_bytes
-        )
-        v = proc.run_child(lambda: _verify(ks, vcfg_fn(), log_path), args.iteration_deadline)
+        vcfg = make_config(setup, vshm, fdir, args.shm_bytes, 0, args.segment_bytes)
+        v = proc.run_child(functools.partial(_verify, ks, vcfg, log_path), args.iteration_deadline)
         remove_arena(vshm)
         _unlink(log_path)
         if v.status == "ok":

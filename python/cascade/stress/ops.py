@@ -20,6 +20,7 @@ is a crash.
 from __future__ import annotations
 
 import ctypes
+import functools
 import random
 import threading
 import time
@@ -333,8 +334,8 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
             name = scratch.unique(f"ops{i}p{p}")
             shm, fdir = scratch.shm_path(name), scratch.path(name)
             ks = KeySpace(args.seed + i, args.keys, 512, args.max_block, dup_keys=args.keys // 4)
-            cfg = lambda shm=shm, fdir=fdir, setup=setup: make_config(
-                setup, shm, fdir, args.shm_bytes, args.file_bytes, args.segment_bytes
+            cfg = functools.partial(
+                make_config, setup, shm, fdir, args.shm_bytes, args.file_bytes, args.segment_bytes
             )
             seed = args.seed * 1000 + i * 10 + p
 

@@ -31,7 +31,9 @@ class _CascadeAdapter(Adapter):
     def versions(cls) -> dict:
         return {
             "cascade": cascade.__version__,
-            "build": f"cuda={cascade.HAVE_CUDA} io_uring={cascade.HAVE_URING} mpi={cascade.HAVE_MPI}",
+            "build": (
+                f"cuda={cascade.HAVE_CUDA} io_uring={cascade.HAVE_URING} mpi={cascade.HAVE_MPI}"
+            ),
         }
 
     def _config(self, wl):
@@ -197,7 +199,10 @@ class CascadeGpu(_CascadeAdapter):
     @classmethod
     def why_unavailable(cls) -> str | None:
         if not cascade.HAVE_CUDA:
-            return "this build of cascade has no CUDA (built with CASCADE_WITH_CUDA=OFF or without nvcc)"
+            return (
+                "this build of cascade has no CUDA (built with CASCADE_WITH_CUDA=OFF or "
+                "without nvcc)"
+            )
         if not cascade.gpu_usable():
             return "no usable CUDA GPU on this machine"
         return None

@@ -39,8 +39,8 @@ def _torch_problem() -> str | None:
                     tail = [x for x in (p.stderr or "").splitlines() if x.strip()]
                     answer = (
                         "importing torch after cascade fails in this environment (exit status "
-                        f"{p.returncode}: {tail[-1] if tail else 'no message'}); import torch first: "
-                        "python -c 'import torch, sys; from cascade.cli import main; "
+                        f"{p.returncode}: {tail[-1] if tail else 'no message'}); import torch "
+                        "first: python -c 'import torch, sys; from cascade.cli import main; "
                         "sys.exit(main(sys.argv[1:]))' bench compare ..."
                     )
             except (OSError, subprocess.SubprocessError) as e:

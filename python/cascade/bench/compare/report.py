@@ -31,6 +31,17 @@ def _status(r) -> str | None:
     return None
 
 
+def _lead_cell(first: str, r: dict) -> str:
+    """The first cell of a result row: the value of the column `first` names."""
+    if first == "block":
+        return fmt_size(r["block_bytes"])
+    if first == "threads":
+        return str(r["threads"])
+    if first == "overflow":
+        return f"{r.get('overflow_pct', 0)}%"
+    raise KeyError(first)
+
+
 def rows_table(rows: list, first: str) -> tuple:
     """(headers, cells) of a result table; `first` names the column that
     tells rows apart (block, threads, overflow)."""
@@ -54,11 +65,7 @@ def rows_table(rows: list, first: str) -> tuple:
     ]
     cells = []
     for r in rows:
-        lead = {
-            "block": lambda: fmt_size(r["block_bytes"]),
-            "threads": lambda: str(r["threads"]),
-            "overflow": lambda: f"{r.get('overflow_pct', 0)}%",
-        }[first]()
+        lead = _lead_cell(first, r)
         st = _status(r)
         if st:
             cells.append([lead, r["system"], st] + [""] * (len(headers) - 3))
@@ -165,9 +172,9 @@ def format_report(report: dict) -> str:
         lines.append("")
         if w == "prefix":
             lines.append(
-                f"Prefix sharing: {data['conversations']} conversations over {data['prompts']} system "
-                f"prompts of {data['prompt_blocks']} blocks, {data['unique_blocks']} own blocks each, "
-                f"{fmt_size(data['block_bytes'])} blocks; unique content "
+                f"Prefix sharing: {data['conversations']} conversations over {data['prompts']} "
+                f"system prompts of {data['prompt_blocks']} blocks, {data['unique_blocks']} own "
+                f"blocks each, {fmt_size(data['block_bytes'])} blocks; unique content "
                 f"{data['unique_bytes'] / 2**20:.1f} MiB of {data['logical_bytes'] / 2**20:.1f} MiB"
             )
             lines.append(format_table(*prefix_table(data["rows"])))

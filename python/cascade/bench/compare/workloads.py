@@ -4,6 +4,7 @@ ceilings, and the report that gathers them."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -143,11 +144,12 @@ class Runner:
                 arrays.fill_random(seed=size)
                 keys = _keys(f"sizes/{size}", n)
                 ceilings = self._ceilings(n * size, a.threads)
-                # Few large blocks make short passes: blocks of 256 MiB and more take --large-repeats.
+                # Few large blocks make short passes: blocks of 256 MiB and more take
+                # --large-repeats.
                 reps = max(a.repeats, a.large_repeats) if size >= (256 << 20) else a.repeats
                 rows = self._run_rows(
                     systems,
-                    lambda: self._wl("sizes", arrays, size, a.threads, keys, size),
+                    functools.partial(self._wl, "sizes", arrays, size, a.threads, keys, size),
                     ceilings,
                     repeats=reps,
                 )
@@ -173,7 +175,9 @@ class Runner:
                 self.progress(f"threads: {t} thread(s), {fmt_size(size)} x {n} blocks")
                 ceilings = self._ceilings(n * size, t)
                 rows = self._run_rows(
-                    systems, lambda: self._wl("threads", arrays, size, t, keys, size + 1), ceilings
+                    systems,
+                    functools.partial(self._wl, "threads", arrays, size, t, keys, size + 1),
+                    ceilings,
                 )
                 out["rows"].extend(rows)
                 out["ceilings"].append({"threads": t, **ceilings.as_dict()})
@@ -208,11 +212,18 @@ class Runner:
                 ref = "cascade-host|file"
                 rows = self._run_rows(
                     systems,
-                    lambda: self._wl(
-                        "overflow", arrays, size, a.threads, keys, size + 2, host_capacity=cap
+                    functools.partial(
+                        self._wl,
+                        "overflow",
+                        arrays,
+                        size,
+                        a.threads,
+                        keys,
+                        size + 2,
+                        host_capacity=cap,
                     ),
                     ceilings,
-                    ref_of=lambda c: ref,
+                    ref_of=lambda c, ref=ref: ref,
                 )
                 mem, f = ceilings.memory()["gbps"], ceilings.file()
                 model_read = 1.0 / ((1 - frac) / mem + frac / f["read_gbps"])
@@ -301,7 +312,9 @@ class Runner:
                 ceilings = self._ceilings(n * size, a.threads)
                 rows = self._run_rows(
                     systems,
-                    lambda: self._wl("prefix", arrays, size, a.threads, keys, size + 3, dedup=True),
+                    functools.partial(
+                        self._wl, "prefix", arrays, size, a.threads, keys, size + 3, dedup=True
+                    ),
                     ceilings,
                     cold=False,
                 )

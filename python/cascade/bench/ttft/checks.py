@@ -91,17 +91,17 @@ def failures(report: dict) -> list[str]:
         where = f"{row['tokens']} tokens x {row['concurrency']} {row['mode']}"
         for f in c["failed"]:
             out.append(
-                f"{where}: prompt {f['prompt']}: rel err {f['rel_err']:.3g} (tolerance {c['tolerance']:.3g}), "
-                f"greedy {f['greedy']} vs {f['greedy_ref']} (reference gap {f['gap']:.3g}, "
-                f"{f['gap_ulps']:.1f} ulps)"
+                f"{where}: prompt {f['prompt']}: rel err {f['rel_err']:.3g} (tolerance "
+                f"{c['tolerance']:.3g}), greedy {f['greedy']} vs {f['greedy_ref']} (reference gap "
+                f"{f['gap']:.3g}, {f['gap_ulps']:.1f} ulps)"
             )
         if "hit_mismatch" in c:
             out.append(f"{where}: {c['hit_mismatch']}")
         kv = c.get("kv_exact")
         if kv is not None and not kv["exact"]:
             out.append(
-                f"{where}: prompt 0's loaded KV differs from the computed KV ({kv['tokens']} tokens; "
-                f"layer/block {kv.get('mismatched_layer_block')}; errors {kv['errors']})"
+                f"{where}: prompt 0's loaded KV differs from the computed KV ({kv['tokens']} "
+                f"tokens; layer/block {kv.get('mismatched_layer_block')}; errors {kv['errors']})"
             )
         if row.get("load_errors"):
             out.append(f"{where}: load errors: {row['load_errors'][:3]}")
@@ -115,8 +115,8 @@ def greedy_mismatches(report: dict) -> list[str]:
         for m in (row.get("check") or {}).get("greedy_mismatches", []):
             kind = "near-tie" if m["near_tie"] else "MISMATCH"
             out.append(
-                f"{row['tokens']} tokens x {row['concurrency']} {row['mode']}: prompt {m['prompt']}: greedy "
-                f"{m['greedy']} vs {m['greedy_ref']}: {kind}, reference gap {m['gap']:.3g} "
-                f"({m['gap_ulps']:.1f} ulps), logits rel err {m['rel_err']:.3g}"
+                f"{row['tokens']} tokens x {row['concurrency']} {row['mode']}: prompt "
+                f"{m['prompt']}: greedy {m['greedy']} vs {m['greedy_ref']}: {kind}, reference gap "
+                f"{m['gap']:.3g} ({m['gap_ulps']:.1f} ulps), logits rel err {m['rel_err']:.3g}"
             )
     return out

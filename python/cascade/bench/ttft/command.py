@@ -82,7 +82,8 @@ def add_ttft_arguments(p) -> None:
         "--repeats",
         type=int,
         default=3,
-        help="timed runs of each single-prompt row (the median is reported; rows of c > 1 run once)",
+        help="timed runs of each single-prompt row (the median is reported; rows of c > 1 "
+        "run once)",
     )
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     p.add_argument(
@@ -94,7 +95,8 @@ def add_ttft_arguments(p) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a seconds-long CPU run: tiny model, 256 and 512 tokens, concurrency 1 and 2, 64-token blocks",
+        help="a seconds-long CPU run: tiny model, 256 and 512 tokens, concurrency 1 and 2, "
+        "64-token blocks",
     )
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

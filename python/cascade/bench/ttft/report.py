@@ -18,9 +18,10 @@ def goal_rows(report: dict) -> list[dict]:
 def format_report(report: dict) -> str:
     m = report["model"]
     lines = [
-        f"cascade bench ttft: {report['device']}, {m['preset']} ({m['layers']} layers, {m['kv_heads']} KV heads "
-        f"x {m['head_dim']}, {m['dtype']}, random weights), {fmt_size(m['kv_bytes_per_token'])} of KV per "
-        f"token, {report['block_size']}-token blocks, token budget {report['token_budget']} per forward"
+        f"cascade bench ttft: {report['device']}, {m['preset']} ({m['layers']} layers, "
+        f"{m['kv_heads']} KV heads x {m['head_dim']}, {m['dtype']}, random weights), "
+        f"{fmt_size(m['kv_bytes_per_token'])} of KV per token, {report['block_size']}-token "
+        f"blocks, token budget {report['token_budget']} per forward"
     ]
     if report["pcie_ceiling"]:
         lines.append(
@@ -60,7 +61,8 @@ def format_report(report: dict) -> str:
             "reference"
             if r["mode"] == "full"
             else (
-                f"ok {c['ok']}/{c['of']}{', KV exact' if c.get('kv_exact') else ''} (err {c['max_rel_err']:.2g})"
+                f"ok {c['ok']}/{c['of']}{', KV exact' if c.get('kv_exact') else ''} (err "
+                f"{c['max_rel_err']:.2g})"
                 + (f", greedy {c['of'] - ties}/{c['of']} + {ties} near-tie" if ties else "")
                 if c["ok"] == c["of"] and "hit_mismatch" not in c and kv_ok
                 else f"FAILED {c['of'] - c['ok']}/{c['of']}{'' if kv_ok else ', KV differs'}"
@@ -108,8 +110,8 @@ def format_report(report: dict) -> str:
             verdict = "met" if r["goal_ratio"] <= 1.2 else "NOT met"
             lines.append(
                 f"goal (16K tokens, host tier, c=1): TTFT {r['mean_ms']:.1f} ms vs ceiling "
-                f"{r['ceiling_ms']:.1f} ms (KV at the PCIe ceiling + {r['suffix_ms']:.1f} ms suffix "
-                f"prefill): ratio {r['goal_ratio']:.2f}, goal <= 1.2 {verdict}"
+                f"{r['ceiling_ms']:.1f} ms (KV at the PCIe ceiling + {r['suffix_ms']:.1f} ms "
+                f"suffix prefill): ratio {r['goal_ratio']:.2f}, goal <= 1.2 {verdict}"
             )
     ties = greedy_mismatches(report)
     if ties:
@@ -122,7 +124,7 @@ def format_report(report: dict) -> str:
     else:
         n = sum(r["check"]["of"] for r in report["rows"] if r.get("check"))
         lines.append(
-            f"checks: all {n} cached prompts match the full prefill (prompt 0's KV bytes identical, logits "
-            f"within tolerance, greedy token the same or a near-tie listed above)"
+            f"checks: all {n} cached prompts match the full prefill (prompt 0's KV bytes "
+            "identical, logits within tolerance, greedy token the same or a near-tie listed above)"
         )
     return "\n".join(lines)

@@ -35,7 +35,8 @@ class TtftBench:
         self.device, self.dtype = r["device"], r["dtype"]
         self.t_start = time.perf_counter()
         progress(
-            f"building {args.model} ({args.dtype}, random weights, seed {args.seed}) on {self.device}"
+            f"building {args.model} ({args.dtype}, random weights, seed {args.seed}) on "
+            f"{self.device}"
         )
         t0 = time.perf_counter()
         self.model = build_model(args.model, self.device, self.dtype, args.seed, max(r["lengths"]))
@@ -209,7 +210,7 @@ class TtftBench:
 
         # Untimed warm-up (kernels and allocator at this shape): the first group once.
         run_full(groups[0])
-        for rep in range(single_runs):
+        for _ in range(single_runs):
             full_runs.append(_serve(groups, run_full, after_full, self.device))
         rows = []
         full = dict(
@@ -354,10 +355,10 @@ class TtftBench:
             pc = self._prefix_cache(store, ratio)
             phase_run = {"lookup": 0.0, "load": 0.0, "forward": 0.0}
 
-            def run(g):
+            def run(g, pc=pc):
                 return pc.prefill(prompts[g], save=False)
 
-            def after(g, res):
+            def after(g, res, phase_run=phase_run):
                 for j, i in enumerate(g):  # logits to the host; the KV is dropped
                     results[i] = (
                         res.logits[j].float().cpu(),
