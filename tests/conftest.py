@@ -32,6 +32,14 @@ def make_config(shm_path):
 
 
 @pytest.fixture
+def ranks():
+    """Connector ranks over real stores (tests/connector_helpers.py; needs torch)."""
+    from connector_helpers import make_ranks
+
+    yield from make_ranks()
+
+
+@pytest.fixture
 def store(make_config):
     with cascade.CascadeStore(make_config()) as s:
         yield s
