@@ -32,7 +32,8 @@ def _cmd_info(args) -> int:
 
 def _cmd_bench(args) -> int:
     from cascade.bench.common import Progress, parse_size_arg
-    from cascade.bench.tiers import format_report, run_tier_bench
+    from cascade.bench.tiers import run_tier_bench
+    from cascade.bench.tiers_report import format_report
 
     args.sizes = [parse_size_arg(s) for s in (args.size or ["64KiB", "1MiB", "16MiB", "512MiB"])]
     args.total = parse_size_arg(args.total)
