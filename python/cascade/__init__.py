@@ -18,12 +18,12 @@ option (see ``cascade.config`` for dict/YAML loading).
     (True, 131072)
 """
 
-from cascade import _core
 from cascade._core import (  # noqa: F401
     HAVE_CUDA,
     HAVE_MPI,
     HAVE_URING,
     BatchHandle,
+    BlockLease,
     BufferTooSmallError,
     BusyError,
     CascadeConfig,
@@ -33,7 +33,9 @@ from cascade._core import (  # noqa: F401
     CorruptionError,
     EvictionPolicy,
     FileIoEngine,
+    GPUBackend,
     InvalidArgumentError,
+    LustreBackend,
     NoSpaceError,
     NotFoundError,
     NotSupportedError,
@@ -43,11 +45,9 @@ from cascade._core import (  # noqa: F401
     block_id,
     compute_block_id,
     gpu_usable,
+    inspect_directory,
+    probe_direct_io,
 )
 from cascade.config import config_from_dict, config_to_dict, load_config  # noqa: F401
 
 __version__ = "0.1.0"
-
-for _name in ("LustreBackend", "GPUBackend", "BlockLease", "inspect_directory", "probe_direct_io"):
-    if hasattr(_core, _name):
-        globals()[_name] = getattr(_core, _name)

@@ -25,6 +25,7 @@ others. Needs mpi4py, which initializes MPI with MPI_THREAD_MULTIPLE.
 from __future__ import annotations
 
 from cascade import _core
+from cascade._core import DistributedOptions, RemoteChecksum
 from cascade.config import config_from_dict
 
 __all__ = [
@@ -35,9 +36,6 @@ __all__ = [
     "DistributedOptions",
     "RemoteChecksum",
 ]
-
-DistributedOptions = getattr(_core, "DistributedOptions", None)
-RemoteChecksum = getattr(_core, "RemoteChecksum", None)
 
 _CHECKSUMS = {"off": "OFF", "cross_node": "CROSS_NODE", "always": "ALWAYS"}
 

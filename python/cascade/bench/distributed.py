@@ -162,7 +162,7 @@ def bench_size(
     owners = {
         (w, i): cd.owner(ids_by_writer[w][i], g.size) for w in range(g.size) for i in range(n)
     }
-    result = {"block_bytes": size, "blocks_per_rank": n, "bytes_per_rank": nbytes}
+    result: dict = {"block_bytes": size, "blocks_per_rank": n, "bytes_per_rank": nbytes}
 
     # 1. Ceilings, measured by rank 0 while the others wait: the node's
     # (every core copying) and one rank's (its threads). The sum of per-rank

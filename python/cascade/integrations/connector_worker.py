@@ -10,11 +10,14 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cascade.integrations.connector_config import ConnectorConfig
 from cascade.integrations.connector_metrics import ConnectorMetrics, TraceRecorder
 from cascade.integrations.connector_plan import StepPlan, TransferJob
+
+if TYPE_CHECKING:
+    from cascade.integrations.kv import PagedKv
 
 logger = logging.getLogger("cascade.integrations.connector")
 
@@ -57,7 +60,7 @@ class KvTransferWorker:
         self.world = world
         self.metrics = metrics or ConnectorMetrics()
         self.traces = traces or TraceRecorder(None, f"rank{rank}")
-        self.kv = None
+        self.kv: PagedKv | None = None  # set by register()
         self._layer_index: dict[str, int] = {}
         self._cuda = False
         self._lock = threading.Condition()
@@ -86,7 +89,8 @@ class KvTransferWorker:
             raise ValueError("no KV cache tensors to register")
         self.finish_loads()
         self.wait_all_saves()
-        unique, index = [], {}
+        unique: list = []
+        index: dict[str, int] = {}
         by_ptr: dict[tuple, int] = {}
         for name, tensor in kv_caches.items():
             key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
@@ -97,16 +101,22 @@ class KvTransferWorker:
         first = unique[0]
         if layout is None:
             layout = "split_kv" if first.dim() == 5 and first.shape[0] == 2 else "packed_kv"
-        self.kv = PagedKv.from_layers(unique, layout, block_size=block_size)
+        kv = self.kv = PagedKv.from_layers(unique, layout, block_size=block_size)
         self._layer_index = index
-        self._cuda = self.kv.device >= 0
-        save_paged(self.store, self.kv, [], [])  # builds the mover now, on this thread
+        self._cuda = kv.device >= 0
+        save_paged(self.store, kv, [], [])  # builds the mover now, on this thread
         if self._save_thread is None:
             self._save_thread = threading.Thread(
                 target=self._save_loop, name=f"cascade-save-r{self.rank}", daemon=True
             )
             self._save_thread.start()
         logger.info("Cascade connector rank %d: %r", self.rank, self.kv)
+
+    def _paged(self) -> PagedKv:
+        """The registered KV layout; register() comes first."""
+        if self.kv is None:
+            raise RuntimeError("no KV tensors registered (register() first)")
+        return self.kv
 
     def prefix_length(self, ids: Sequence[str]) -> int:
         """Leading ids this rank's store holds (the lookup services answer with it)."""
@@ -165,18 +175,18 @@ class KvTransferWorker:
             layer_ranges = (
                 [None]
                 if events is None
-                else [(layer, layer + 1) for layer in range(self.kv.num_layers)]
+                else [(layer, layer + 1) for layer in range(self._paged().num_layers)]
             )
             for li, layers in enumerate(layer_ranges):
                 try:
                     errs = load_paged(
-                        self.store, self.kv, blocks, ids, layers=layers, cuda_stream=stream
+                        self.store, self._paged(), blocks, ids, layers=layers, cuda_stream=stream
                     )
                 except Exception as e:  # the whole call failed: every block of it did
                     errs = [f"load failed: {e}"] * len(blocks)
-                for i, e in enumerate(errs):
-                    if e is not None and failed[i] is None:
-                        failed[i] = e
+                for i, err in enumerate(errs):
+                    if err is not None and failed[i] is None:
+                        failed[i] = err
                 if events is not None:
                     events[li].set()
         finally:
@@ -199,7 +209,7 @@ class KvTransferWorker:
                 "; ".join(reasons[:3]),
             )
         ok = len(blocks) - sum(e is not None for e in failed)
-        bb = self.kv.stored_block_bytes
+        bb = self._paged().stored_block_bytes
         self.metrics.add("load_blocks", ok)
         self.metrics.add("load_bytes", ok * bb)
         self.metrics.add("load_errors", len(blocks) - ok)
@@ -207,15 +217,15 @@ class KvTransferWorker:
             pos = 0
             for job in jobs:
                 n = len(job.engine_blocks)
-                errs = sum(e is not None for e in failed[pos : pos + n])
+                n_failed = sum(e is not None for e in failed[pos : pos + n])
                 pos += n
                 self.traces.record(
                     "load",
                     job.req_id,
                     blocks=n,
-                    bytes=(n - errs) * bb,
+                    bytes=(n - n_failed) * bb,
                     ms=ms,
-                    errors=errs,
+                    errors=n_failed,
                     first_block=job.first_block,
                     rank=self.rank,
                     layerwise=events is not None,
@@ -273,7 +283,7 @@ class KvTransferWorker:
                     import torch
 
                     if stream is None:
-                        stream = torch.cuda.Stream(self.kv.device)
+                        stream = torch.cuda.Stream(self._paged().device)
                     stream.wait_event(batch.event)
                 self._save_batch(batch.jobs, stream)
             except Exception as e:  # never let the thread die: a failed save is a later miss
@@ -290,7 +300,7 @@ class KvTransferWorker:
     def _save_batch(self, jobs, stream) -> None:
         from cascade.integrations.kv import save_paged
 
-        bb = self.kv.stored_block_bytes
+        bb = self._paged().stored_block_bytes
         for job in jobs:
             start = time.perf_counter()
             ids = self._ids(job)
@@ -301,7 +311,7 @@ class KvTransferWorker:
                 try:
                     errs = save_paged(
                         self.store,
-                        self.kv,
+                        self._paged(),
                         [b for b, _ in todo],
                         [i for _, i in todo],
                         cuda_stream=stream,

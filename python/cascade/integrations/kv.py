@@ -84,7 +84,7 @@ class PagedKv:
             self.stored_block_bytes = (
                 self.num_layers * 2 * block_size * num_kv_heads * head_size * elem_bytes
             )
-        self._movers = {}
+        self._movers: dict = {}
 
     @classmethod
     def from_layers(

@@ -47,6 +47,7 @@ import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -195,7 +196,7 @@ def forward_chunked(model, input_ids: torch.Tensor, past=None, chunk_tokens: int
     name = _logits_kwarg(model)
     if name:
         kw[name] = 1
-    logits = None
+    logits: Any = None
     for s in range(0, n, step):
         out = model(
             input_ids=input_ids[:, s : s + step], past_key_values=past, use_cache=True, **kw
@@ -476,7 +477,7 @@ class PrefixCache:
         for c in range(0, len(todo), per_chunk):
             part = todo[c : c + per_chunk]
             # Runs of consecutive blocks of one row: one copy per run and layer.
-            runs = []  # (row, first block, count, first buffer block)
+            runs: list = []  # (row, first block, count, first buffer block)
             for i, (r, j) in enumerate(part):
                 if runs and runs[-1][0] == r and runs[-1][1] + runs[-1][2] == j:
                     runs[-1][2] += 1

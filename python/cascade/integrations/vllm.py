@@ -264,13 +264,19 @@ class CascadeConnector(KVConnectorBase_V1):
             lite_capacity_blocks=lite_blocks,
         )
 
+    def _scheduler(self) -> SchedulerPlanner:
+        """The planner; vLLM calls the scheduler hooks only in the scheduler role."""
+        if self.planner is None:
+            raise RuntimeError("CascadeConnector: a scheduler hook called on a worker")
+        return self.planner
+
     def on_new_request(self, request: Request) -> None:
-        self.planner.track(request.request_id, request.prompt_token_ids, request_salt(request))
+        self._scheduler().track(request.request_id, request.prompt_token_ids, request_salt(request))
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        n = self.planner.matched_tokens(
+        n = self._scheduler().matched_tokens(
             request.request_id, request.prompt_token_ids, request_salt(request), num_computed_tokens
         )
         return n, False
@@ -279,7 +285,7 @@ class CascadeConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ):
         table = blocks.get_block_ids()
-        self.planner.after_alloc(
+        self._scheduler().after_alloc(
             request.request_id,
             request.prompt_token_ids,
             request_salt(request),
@@ -313,13 +319,13 @@ class CascadeConnector(KVConnectorBase_V1):
                     replace_blocks=req_id in cached.resumed_req_ids,
                 )
             )
-        plan = self.planner.build_plan(scheduled, scheduler_output.preempted_req_ids or ())
+        plan = self._scheduler().build_plan(scheduled, scheduler_output.preempted_req_ids or ())
         return CascadeConnectorMetadata(plan)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.planner.request_finished(request.request_id), None
+        return self._scheduler().request_finished(request.request_id), None
 
     def reset_cache(self) -> bool | None:
         """vLLM resets its prefix cache (e.g. after a weight update): nothing saved before is

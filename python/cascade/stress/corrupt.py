@@ -190,8 +190,8 @@ def corrupt_once(d: str, kind: str, rng: random.Random, ks: KeySpace) -> bool:
             return False
         for _ in range(rng.randint(1, 8)):
             off = rng.randrange(n)
-            b = _rw(p, off, n=1)
-            _rw(p, off, bytes([b[0] ^ rng.randint(1, 255)]))
+            byte = _rw(p, off, n=1)
+            _rw(p, off, bytes([byte[0] ^ rng.randint(1, 255)]))
     elif kind == "zero_page":
         p = os.path.join(d, rng.choice(segs))
         n = _size(p)
@@ -229,8 +229,8 @@ def corrupt_once(d: str, kind: str, rng: random.Random, ks: KeySpace) -> bool:
             _rw(p, rng.randrange(n), os.urandom(rng.randint(1, 64)))
         else:
             off = rng.randrange(n)
-            b = _rw(p, off, n=1)
-            _rw(p, off, bytes([b[0] ^ (1 << rng.randrange(8))]))
+            byte = _rw(p, off, n=1)
+            _rw(p, off, bytes([byte[0] ^ (1 << rng.randrange(8))]))
     elif kind == "other_file":
         cands = [o for o in others if os.path.isfile(os.path.join(d, o))]
         if not cands:

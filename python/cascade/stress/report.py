@@ -27,7 +27,7 @@ class ModeResult:
 
     def __init__(self, mode: str):
         self.mode = mode
-        self.counts: dict[str, int] = {}
+        self.counts: dict[str, float] = {}
         self.by_kind: dict[str, int] = {}  # ops (or corruptions, fault kinds) by kind
         self.errors: dict[
             str, int
@@ -48,7 +48,7 @@ class ModeResult:
         ):
             self.counts[k] = 0
 
-    def add(self, key: str, n: int = 1) -> None:
+    def add(self, key: str, n: float = 1) -> None:
         self.counts[key] = self.counts.get(key, 0) + n
 
     def merge_counts(self, counts: dict, prefix: str = "") -> None:

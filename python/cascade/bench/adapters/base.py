@@ -170,7 +170,7 @@ def drop_file_cache(path: str) -> int:
 def _files_under(path: str) -> list:
     if os.path.isfile(path):
         return [path]
-    out = []
+    out: list[str] = []
     for root, _dirs, names in os.walk(path):
         out.extend(os.path.join(root, n) for n in names)
     return out

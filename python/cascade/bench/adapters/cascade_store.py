@@ -94,7 +94,7 @@ class _CascadeAdapter(Adapter):
         store = getattr(self, "store", None)
         if store is not None:
             store.close()
-            self.store = None
+            del self.store
 
 
 class CascadeHost(_CascadeAdapter):

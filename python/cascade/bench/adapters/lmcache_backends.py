@@ -93,6 +93,7 @@ class _DriverProcess:
             return ""
 
     def call(self, op: str, **kw) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
         self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
         self.proc.stdin.flush()
         deadline = time.monotonic() + _REPLY_TIMEOUT_S
@@ -157,9 +158,10 @@ class _LMCache(Adapter):
 
     def setup(self, wl) -> None:
         self.wl = wl
-        self.driver = _DriverProcess(
-            lmcache_python(), os.path.join(wl.workdir, f"{self.name}-driver.log")
-        )
+        python = lmcache_python()
+        if python is None:
+            raise RuntimeError("LMCache's environment is not installed (make bench-compare)")
+        self.driver = _DriverProcess(python, os.path.join(wl.workdir, f"{self.name}-driver.log"))
         self.driver.call(
             "setup",
             backend=self.backend,
@@ -194,7 +196,7 @@ class _LMCache(Adapter):
                 d.call("teardown")
             finally:
                 d.close()
-            self.driver = None
+            del self.driver
 
 
 class LMCacheCPU(_LMCache):

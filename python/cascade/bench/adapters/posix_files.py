@@ -44,8 +44,8 @@ class _FilePerBlock(Adapter):
         self.dir = os.path.join(wl.workdir, self.name)
         shutil.rmtree(self.dir, ignore_errors=True)
         os.makedirs(self.dir)
-        self._made = set()
-        self._bounce = {}
+        self._made: set = set()
+        self._bounce: dict = {}
         self.row_aligned = (
             wl.block_bytes % _ALIGN == 0
             and wl.data.ctypes.data % _ALIGN == 0

@@ -164,7 +164,7 @@ class Redis(Adapter):
         self.server = RedisServer(wl.workdir)
         self.admin = self.server.client()
         self.baseline = int(self.admin.info("memory")["used_memory"])
-        self._clients = {}
+        self._clients: dict = {}
 
     def _client(self, slot: int):
         c = self._clients.get(slot)
@@ -230,7 +230,7 @@ class Redis(Adapter):
                 pass
         if getattr(self, "server", None) is not None:
             self.server.stop()
-            self.server = None
+            del self.server
 
     def notes(self) -> str:
         return "redis-server executes commands on one thread"

@@ -62,7 +62,7 @@ def register_host(arrays) -> list:
     import torch
 
     rt = torch.cuda.cudart()
-    done = []
+    done: list = []
     for arr in arrays:
         err = rt.cudaHostRegister(arr.ctypes.data, arr.nbytes, 0)
         if int(err) != 0:
@@ -136,7 +136,7 @@ class _TorchCopy(Adapter):
 
         self.torch = torch
         self.wl = wl
-        self.dev = {}
+        self.dev: dict = {}
         self.registered = register_host([wl.data, wl.out]) if self.pinned else []
         self.src = torch.from_numpy(wl.data)
         self.dst = torch.from_numpy(wl.out)

@@ -211,26 +211,26 @@ class Ceilings:
     ):
         self.workdir, self.nbytes, self.threads, self.progress = workdir, nbytes, threads, progress
         self.min_bytes, self.repeats, self.file_min_bytes = min_bytes, repeats, file_min_bytes
-        self._mem = self._file = self._gpu = None
+        # Each ceiling is measured on first use.
+        self._mem: dict | None = None
+        self._file: dict | None = None
+        self._gpu: dict | None = None
 
     def memory(self) -> dict:
         if self._mem is None:
-            self._mem = memcpy_ceiling(self.nbytes, self.threads, self.min_bytes)
-            self.progress(
-                f"  ceiling: host copy {self._mem['gbps']:.2f} GB/s ({self.threads} threads)"
-            )
+            m = self._mem = memcpy_ceiling(self.nbytes, self.threads, self.min_bytes)
+            self.progress(f"  ceiling: host copy {m['gbps']:.2f} GB/s ({self.threads} threads)")
         return self._mem
 
     def file(self) -> dict:
         if self._file is None:
-            self._file = file_ceiling(
+            f = self._file = file_ceiling(
                 self.workdir,
                 self.nbytes,
                 self.threads,
                 repeats=self.repeats,
                 min_bytes=self.file_min_bytes,
             )
-            f = self._file
             self.progress(
                 f"  ceiling: disk write {f['write_gbps']:.2f} / read {f['read_gbps']:.2f} GB/s "
                 f"({_file_detail(f)}, {f['streams']} streams, {f['bytes'] / 2**30:.2f} GiB)"

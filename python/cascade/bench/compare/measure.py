@@ -96,9 +96,10 @@ def measure(
             row["cold_resident_bytes"] = resident
         row["verified"] = True
         for name, lat in (("put", put_lat), ("get", get_lat)):
-            if lat:
-                row[f"{name}_p50_us"] = _percentile(lat, 0.5) * 1e6
-                row[f"{name}_p99_us"] = _percentile(lat, 0.99) * 1e6
+            p50, p99 = _percentile(lat, 0.5), _percentile(lat, 0.99)
+            if p50 is not None and p99 is not None:
+                row[f"{name}_p50_us"] = p50 * 1e6
+                row[f"{name}_p99_us"] = p99 * 1e6
         row["latency_samples"] = len(sample)
         split = getattr(a, "tier_split", None)
         if split is not None:

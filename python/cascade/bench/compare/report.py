@@ -42,7 +42,7 @@ def _lead_cell(first: str, r: dict) -> str:
     raise KeyError(first)
 
 
-def rows_table(rows: list, first: str) -> tuple:
+def rows_table(rows: list, first: str) -> tuple[list[str], list[list]]:
     """(headers, cells) of a result table; `first` names the column that
     tells rows apart (block, threads, overflow)."""
     headers = [
@@ -93,7 +93,7 @@ def rows_table(rows: list, first: str) -> tuple:
     return headers, cells
 
 
-def prefix_table(rows: list) -> tuple:
+def prefix_table(rows: list) -> tuple[list[str], list[list]]:
     headers = [
         "ids",
         "system",

@@ -131,7 +131,8 @@ class Runner:
 
     # -- sizes ---------------------------------------------------------------
     def sizes(self) -> dict:
-        a, out = self.args, {"rows": [], "ceilings": []}
+        a = self.args
+        out: dict = {"rows": [], "ceilings": []}
         systems = self._systems("sizes")
         for size in a.sizes:
             n = a.blocks or max(a.min_blocks, a.total // size)

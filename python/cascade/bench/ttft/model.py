@@ -3,6 +3,8 @@ built from a preset shape on the device in the run's dtype."""
 
 from __future__ import annotations
 
+from typing import Any
+
 PRESETS = {
     # CPU: a few MB of weights; the data path and the checks, not the speed, are the point.
     "tiny": dict(
@@ -30,14 +32,17 @@ def build_model(preset: str, device, dtype, seed: int, max_tokens: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        **PRESETS[preset],
+    # Passed as a dict: transformers takes rope_theta and attn_implementation
+    # through its keyword handling, not as declared parameters.
+    options: dict[str, Any] = dict(
+        PRESETS[preset],
         rope_theta=500000.0,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         max_position_embeddings=max(8192, max_tokens),
         attn_implementation="sdpa",
     )
+    cfg = LlamaConfig(**options)
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()
     try:

@@ -113,10 +113,10 @@ def format_report(report: dict) -> str:
                 f"{r['ceiling_ms']:.1f} ms (KV at the PCIe ceiling + {r['suffix_ms']:.1f} ms "
                 f"suffix prefill): ratio {r['goal_ratio']:.2f}, goal <= 1.2 {verdict}"
             )
-    ties = greedy_mismatches(report)
-    if ties:
+    tie_lines = greedy_mismatches(report)
+    if tie_lines:
         lines.append("GREEDY TOKENS THAT DIFFER FROM THE FULL PREFILL:")
-        lines += ["  " + t for t in ties]
+        lines += ["  " + t for t in tie_lines]
     bad = failures(report)
     if bad:
         lines.append("CORRECTNESS FAILURES (cached output differs from full prefill):")

@@ -79,7 +79,7 @@ class TtftBench:
             self.gpu_name = None
         if self.kv_memory <= 0:
             raise RuntimeError("no GPU memory left for KV after loading the model")
-        self.file_root = None
+        self.file_root: str | None = None
         self.file_ceiling = None
         if any(m.startswith("cold") for m in r["modes"]):
             self.file_root = tempfile.mkdtemp(prefix="cascade-ttft-", dir=args.file_dir)
@@ -161,11 +161,13 @@ class TtftBench:
         if want_hot:
             self._ensure_hot_store()
             self.hot_store.clear()
-        file_dir = os.path.join(self.file_root, f"L{length}-c{conc}") if want_cold else None
+        file_dir = None
         writer = None
         if want_cold:
             import cascade
 
+            assert self.file_root is not None  # made when any mode is cold
+            file_dir = os.path.join(self.file_root, f"L{length}-c{conc}")
             shutil.rmtree(file_dir, ignore_errors=True)
             writer = cascade.CascadeStore(_config("file", directory=file_dir))
         saver = self._prefix_cache(self.hot_store) if want_hot else None
@@ -173,14 +175,14 @@ class TtftBench:
 
         # Full prefill: the baseline, the reference logits and prompt 0's KV, and
         # (untimed) the stores filled.
-        ref = [None] * conc
-        ref_kv = {}
-        resident = {}
+        ref: list = [None] * conc
+        ref_kv: dict = {}
+        resident: dict = {}
         save_s = [0.0, 0.0]
         groups = schedule(conc, length, kv_prompt, budget, self.kv_memory)
         self.progress(f"{length} tokens x {conc}: full prefill, {len(groups)} group(s)")
         single_runs = args.repeats if conc == 1 else 1
-        full_runs = []
+        full_runs: list = []
 
         def run_full(g):
             return forward_chunked(self.model, prompts[g].to(self.device), None, budget)
@@ -327,7 +329,7 @@ class TtftBench:
         self.progress(
             f"{length} tokens x {conc}: {mode} ({expect_hit} tokens cached), {len(groups)} group(s)"
         )
-        results = [None] * conc
+        results: list = [None] * conc
         all_runs, all_phases, dropped = [], [], 0
         if mode.startswith("hot"):
             # Untimed warm-up pass, as a running server would have had: the

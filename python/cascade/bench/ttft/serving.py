@@ -14,7 +14,9 @@ def schedule(
     """First come first served: prompts join the current forward while their
     new tokens fit the token budget and their KV (twice: loaded buffer and the
     model's copy) fits kv_memory. A prompt alone over the budget is chunked."""
-    groups, cur, toks, mem = [], [], 0, 0
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    toks = mem = 0
     for i in range(n):
         if cur and (toks + new_tokens > token_budget or mem + 2 * kv_bytes > kv_memory):
             groups.append(cur)
