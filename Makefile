@@ -13,17 +13,20 @@ JOBS   ?= $(shell nproc)
 BENCH_OUT ?= bench-results
 
 APT_PACKAGES := g++ make libssl-dev libgtest-dev libxxhash-dev liburing-dev \
-                libopenmpi-dev openmpi-bin redis-server
+                libopenmpi-dev openmpi-bin redis-server clang-format
 PY_PACKAGES  := numpy pytest pyyaml nanobind scikit-build-core cmake ninja \
                 redis hiredis h5py matplotlib transformers prometheus_client
 TORCH        := torch==2.13.0
+# The lint tools, pinned: a new version may format or flag differently.
+LINT_PACKAGES := ruff==0.17.5 mypy==2.4.1 types-PyYAML==6.0.12.20261113
 
 CMAKE_DEFINES := -Ccmake.define.CASCADE_BUILD_TESTS=ON
 ifneq ($(CUDA),auto)
 CMAKE_DEFINES += -Ccmake.define.CASCADE_WITH_CUDA=$(CUDA)
 endif
 
-.PHONY: all setup system-deps venv build test test-cpp test-py check-symbols bench clean
+.PHONY: all setup system-deps venv lint-tools build test test-cpp test-py check-symbols bench clean \
+        format lint
 
 all: build
 
@@ -45,7 +48,14 @@ $(VENV)/.ready:
 
 venv: $(VENV)/.ready
 
-setup: system-deps venv
+# Re-run when the pins above change.
+$(VENV)/.lint-ready: $(VENV)/.ready Makefile
+	$(PIP) install -q $(LINT_PACKAGES)
+	touch $@
+
+lint-tools: $(VENV)/.lint-ready
+
+setup: system-deps venv lint-tools
 
 build: setup
 	$(PIP) install -q --no-build-isolation --no-deps $(CMAKE_DEFINES) .
@@ -68,7 +78,33 @@ test-mpi: build
 	@$(PY) -c "import mpi4py" 2>/dev/null || $(PIP) install -q mpi4py
 	CASCADE_MPI_TESTS=1 $(PY) -m pytest -q tests/test_distributed.py
 
-test: check-symbols test-cpp test-py test-mpi test-asan
+# lint first: a style or layer finding stops the run before the long tests.
+test: lint check-symbols test-cpp test-py test-mpi test-asan
+
+# Style and structure. format rewrites the sources; lint checks, without
+# changing anything: the layers of the includes (tools/check_layers.py), the
+# C++ style (.clang-format), the Python style and findings (ruff, pyproject.toml)
+# and the package's types (mypy, against the stub the build writes). Every check
+# runs; lint fails if any failed.
+CXX_SOURCES = $(shell find src include bindings -name '*.h' -o -name '*.cc' -o -name '*.cu' | sort)
+PY_SOURCES  := python tests tools
+
+format: setup
+	clang-format -i $(CXX_SOURCES)
+	$(VENV)/bin/ruff format $(PY_SOURCES)
+
+lint: build
+	cp $(BUILD)/_core.pyi python/cascade/_core.pyi
+	@failed=""; \
+	run() { name=$$1; shift; echo "lint: $$name"; "$$@" || failed="$$failed [$$name]"; }; \
+	run layers $(PY) tools/check_layers.py; \
+	run clang-format sh -c 'n=0; for f in $(CXX_SOURCES); do \
+	  clang-format --dry-run -Werror "$$f" 2>/dev/null || { echo "  $$f"; n=$$((n+1)); }; done; \
+	  [ $$n = 0 ] || { echo "$$n files differ from .clang-format: make format"; exit 1; }'; \
+	run "ruff format" $(VENV)/bin/ruff format --check $(PY_SOURCES); \
+	run "ruff check" $(VENV)/bin/ruff check $(PY_SOURCES); \
+	run mypy $(VENV)/bin/mypy; \
+	if [ -n "$$failed" ]; then echo "lint FAILED:$$failed"; exit 1; fi; echo "lint: clean"
 
 # Sanitizers. test-asan: the C++ unit tests and the Python tests of the store's
 # own code, built with AddressSanitizer + UBSan (build/asan: no CUDA, no MPI;

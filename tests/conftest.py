@@ -27,7 +27,16 @@ def make_config(shm_path):
         cfg.num_io_threads = 2
         cfg.index_shards = 16
         return cascade.config_from_dict(options, base=cfg)
+
     return make
+
+
+@pytest.fixture
+def ranks():
+    """Connector ranks over real stores (tests/connector_helpers.py; needs torch)."""
+    from connector_helpers import make_ranks
+
+    yield from make_ranks()
 
 
 @pytest.fixture

@@ -9,7 +9,9 @@ import cascade
 @pytest.mark.skipif(not hasattr(cascade, "LustreBackend"), reason="no file tier in this build")
 @pytest.mark.parametrize("threads", [-1, -1000, 1025, 1 << 30])
 def test_lustre_backend_rejects_bad_threads(tmp_path, threads):
-    with pytest.raises(cascade.InvalidArgumentError, match=r"threads must be 0 \(one per core\) or 1 to 1024"):
+    with pytest.raises(
+        cascade.InvalidArgumentError, match=r"threads must be 0 \(one per core\) or 1 to 1024"
+    ):
         cascade.LustreBackend(str(tmp_path / "d"), threads=threads)
 
 

@@ -1,8 +1,6 @@
 """Every bad input the core issue lists: a clear error or a documented
 behaviour, never a crash, never a lost block."""
 
-import os
-
 import numpy as np
 import pytest
 

@@ -17,10 +17,18 @@ ADAPTERS = all_adapters()
 def _workload(arrays, tmp_path, threads=2, name="test", keys=None):
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
-    return Workload(name=name, block_bytes=arrays.block_bytes, blocks=arrays.blocks, threads=threads,
-                    keys=keys or compare._keys(f"test/{arrays.block_bytes}", arrays.blocks),
-                    data=arrays.data, out=arrays.out, data_path=arrays.data_path, out_path=arrays.out_path,
-                    workdir=str(work))
+    return Workload(
+        name=name,
+        block_bytes=arrays.block_bytes,
+        blocks=arrays.blocks,
+        threads=threads,
+        keys=keys or compare._keys(f"test/{arrays.block_bytes}", arrays.blocks),
+        data=arrays.data,
+        out=arrays.out,
+        data_path=arrays.data_path,
+        out_path=arrays.out_path,
+        workdir=str(work),
+    )
 
 
 @pytest.fixture
@@ -32,6 +40,7 @@ def arrays_factory():
         a.fill_random(seed)
         made.append(a)
         return a
+
     yield make
     for a in made:
         a.close()
@@ -59,7 +68,7 @@ def _round_trip(cls, wl):
         assert fp is None or fp > 0
         # After clear, a read is a miss, and a miss is an error, never data.
         a.clear()
-        with pytest.raises(Exception):
+        with pytest.raises(RuntimeError):
             a.get_many(range(wl.blocks))
         a.put_many(range(wl.blocks))  # usable again after clear
         wl.out.fill(0)
@@ -113,6 +122,7 @@ def test_redis_server_starts_and_stops(arrays_factory, tmp_path):
 
 def test_resident_bytes_sees_the_page_cache(tmp_path):
     from cascade.bench.adapters.base import drop_file_cache, resident_bytes
+
     f = tmp_path / "blob"
     f.write_bytes(os.urandom(4 << 20))
     f.read_bytes()
@@ -145,6 +155,7 @@ def test_cold_reads_find_nothing_cached(arrays_factory, tmp_path):
 
 class _Corrupting(Adapter):
     """A fake system that flips a byte on the way back."""
+
     name = "corrupting"
 
     def setup(self, wl):
@@ -185,8 +196,10 @@ def test_ratios_and_speedups():
         def memory(self):
             return {"gbps": 10.0}
 
-    rows = [{"system": "cascade-host", "write_gbps": 8.0, "hot_read_gbps": 9.0},
-            {"system": "peer", "write_gbps": 2.0, "hot_read_gbps": 4.5}]
+    rows = [
+        {"system": "cascade-host", "write_gbps": 8.0, "hot_read_gbps": 9.0},
+        {"system": "peer", "write_gbps": 2.0, "hot_read_gbps": 4.5},
+    ]
     compare._annotate(rows, FixedCeilings(), {"cascade-host": Ref, "peer": Peer})
     assert rows[0]["write_ratio"] == pytest.approx(0.8)
     assert rows[1]["hot_read_ratio"] == pytest.approx(0.45)
@@ -197,9 +210,26 @@ def test_ratios_and_speedups():
 
 def test_cli_quick_writes_json_table_and_plots(tmp_path, capsys):
     from cascade.cli import main
+
     out = tmp_path / "results"
-    rc = main(["bench", "compare", "--quick", "--quiet", "--systems", "cascade-host,posix-psync,cascade-host|file",
-               "--size", "64KiB", "--overflow", "0,50", "--out", str(out), "--dir", str(tmp_path / "data")])
+    rc = main(
+        [
+            "bench",
+            "compare",
+            "--quick",
+            "--quiet",
+            "--systems",
+            "cascade-host,posix-psync,cascade-host|file",
+            "--size",
+            "64KiB",
+            "--overflow",
+            "0,50",
+            "--out",
+            str(out),
+            "--dir",
+            str(tmp_path / "data"),
+        ]
+    )
     assert rc == 0
     report = json.loads((out / "compare.json").read_text())
     assert set(report["workloads"]) == {"sizes", "threads", "overflow", "prefix"}
@@ -214,6 +244,13 @@ def test_cli_quick_writes_json_table_and_plots(tmp_path, capsys):
     assert "Block sizes" in capsys.readouterr().out
     assert (out / "compare.txt").exists() and (out / "compare.md").exists()
     pytest.importorskip("matplotlib")
-    for png in ("compare-throughput.png", "compare-ratio.png", "compare-threads.png", "compare-prefix.png"):
+    for png in (
+        "compare-throughput.png",
+        "compare-ratio.png",
+        "compare-threads.png",
+        "compare-prefix.png",
+    ):
         assert (out / png).stat().st_size > 10_000
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"cascade-compare-{os.getpid()}-")]
+    assert not [
+        p for p in os.listdir("/dev/shm") if p.startswith(f"cascade-compare-{os.getpid()}-")
+    ]

@@ -17,9 +17,16 @@ def test_defaults_documented_and_sane():
 
 
 def test_from_dict_sizes_and_enums():
-    c = cascade.load_config({"shm_capacity_bytes": "2GiB", "gpu_capacity_bytes": "512MB",
-                             "eviction_policy": "fifo", "write_policy": "write-through",
-                             "pipeline": "host", "dedup_enabled": True})
+    c = cascade.load_config(
+        {
+            "shm_capacity_bytes": "2GiB",
+            "gpu_capacity_bytes": "512MB",
+            "eviction_policy": "fifo",
+            "write_policy": "write-through",
+            "pipeline": "host",
+            "dedup_enabled": True,
+        }
+    )
     assert c.shm_capacity_bytes == 2 << 30
     assert c.gpu_capacity_bytes == 512_000_000
     assert c.eviction_policy == cascade.EvictionPolicy.FIFO

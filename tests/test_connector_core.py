@@ -1,12 +1,12 @@
-"""The engine-independent half of the vLLM connector (no vLLM here): options,
-block ids per rank and salt, lookups over every rank's real store, load and
-save plans, lite mode, hit_ratio, persist_token_threshold, load errors,
-traces, metrics, and byte-exact save/load through real CascadeStores with CPU
-tensors in the packed_kv and split_kv layouts. tests/vllm/ drives the same
-code through vLLM's own scheduler."""
+"""The engine-independent half of the vLLM connector (no vLLM here): block ids
+per rank and salt, lookups over every rank's real store, load and save plans,
+lite mode, hit_ratio, persist_token_threshold, load errors, and byte-exact
+save/load through real CascadeStores with CPU tensors in the packed_kv and
+split_kv layouts. tests/vllm/ drives the same code through vLLM's own
+scheduler; tests/test_connector_config.py covers the options and
+tests/test_connector_metrics.py the counters and traces."""
 
 import itertools
-import json
 import multiprocessing
 import os
 import threading
@@ -20,199 +20,35 @@ import cascade  # noqa: E402
 from cascade.integrations import connector_lookup as lk  # noqa: E402
 from cascade.integrations.connector_config import (  # noqa: E402
     ConnectorConfig,
-    parse_connector_config,
-    worker_store_config,
 )
 from cascade.integrations.connector_core import (  # noqa: E402
     ConnectorMetrics,
     KvTransferWorker,
     LiteCache,
-    PrometheusCounters,
     ScheduledRequest,
     SchedulerPlanner,
     StepPlan,
-    TraceRecorder,
     TransferJob,
-    merge_counters,
 )
-from cascade.integrations.ids import KvNamespace, prefix_block_ids  # noqa: E402
-
-BS, L, H, D, NB = 4, 3, 2, 8, 32
-_keys = itertools.count()
-
-
-def engine_key():
-    return f"test-engine-{os.getpid()}-{next(_keys)}"
-
-
-def namespace(world=1, **kw):
-    return KvNamespace(model=kw.pop("model", "llama-test"), dtype="bfloat16", layout="packed_kv",
-                       block_size=BS, tp_rank=0, tp_world=world, **kw)
-
-
-def open_store(tmp_path=None, tag=""):
-    path = f"/dev/shm/cascade-pytest-conn-{os.getpid()}-{next(_keys)}{tag}"
-    options = {"pipeline": "host", "shm_path": path, "shm_capacity_bytes": 16 << 20,
-               "num_io_threads": 2, "index_shards": 16}
-    if tmp_path is not None:
-        options.update(pipeline="host|file", lustre_path=str(tmp_path))
-    return cascade.CascadeStore(cascade.config_from_dict(options))
-
-
-def make_layers(layout, seed=None, dtype=torch.bfloat16):
-    """One engine's per-layer KV tensors (views of one buffer, like vLLM's)."""
-    if layout == "packed_kv":
-        buf = torch.zeros(L, NB, H, BS, 2 * D, dtype=dtype)
-    else:
-        buf = torch.zeros(L, 2, NB, BS, H, D, dtype=dtype)
-    if seed is not None:
-        g = torch.Generator().manual_seed(seed)
-        buf.copy_(torch.randn(buf.shape, generator=g).to(dtype))
-    return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(L)}
-
-
-def page(layers, layout, block):
-    """Every byte of one engine block, all layers, as [L, 2, BS, H, D]."""
-    out = []
-    for t in layers.values():
-        if layout == "packed_kv":
-            k, v = t[block, :, :, :D].transpose(0, 1), t[block, :, :, D:].transpose(0, 1)
-        else:
-            k, v = t[0, block], t[1, block]
-        out.append(torch.stack([k, v]))
-    return torch.stack(out)
-
-
-class Rank:
-    """One worker: its own real store, KV tensors and KvTransferWorker."""
-
-    def __init__(self, key, rank, world, layout="packed_kv", seed=None, config=None, traces=None):
-        self.config = config or ConnectorConfig()
-        self.layout = layout
-        self.layers = make_layers(layout, seed)
-        self.worker = KvTransferWorker(self.config, open_store(), rank=rank, world=world, traces=traces)
-        self.worker.register(self.layers, block_size=BS, layout=layout)
-        self.key, self.rank = key, rank
-        lk.register_worker(key, rank, self.worker.prefix_length)
-
-    def step(self, plan):
-        """What the vLLM adapter does around one forward pass."""
-        self.worker.flush(plan.flush_req_ids)
-        self.worker.start_load(plan)
-        self.worker.finish_loads()
-        self.worker.submit_saves(plan)
-
-    def close(self):
-        lk.unregister_worker(self.key, self.rank)
-        self.worker.close()
-
-
-@pytest.fixture
-def ranks():
-    made = []
-
-    def make(world=1, **kw):
-        key = engine_key()
-        rs = [Rank(key, r, world, seed=100 + r if kw.get("seed", True) else None,
-                   **{k: v for k, v in kw.items() if k != "seed"}) for r in range(world)]
-        made.extend(rs)
-        return key, rs
-
-    yield make
-    for r in made:
-        r.close()
-
-
-def planner_for(key, world=1, config=None, **kw):
-    config = config or ConnectorConfig()
-    return SchedulerPlanner(config, namespace(world, tenant=config.tenant),
-                            lk.PrefixLookup(key, world, mode="off"), **kw)
-
-
-def schedule_prefill(planner, req_id, prompt, table, *, salt=None, local=0):
-    """A request's path through the scheduler hooks for one whole-prompt step."""
-    n = planner.matched_tokens(req_id, prompt, salt, local)
-    planner.after_alloc(req_id, prompt, salt, table, n)
-    plan = planner.build_plan([ScheduledRequest(req_id, local + n, len(prompt) - local - n,
-                                                block_ids=table, replace_blocks=True)])
-    return n, plan
-
-
-PROMPT = list(range(1000, 1000 + 5 * BS + 2))  # 5 full blocks and 2 tokens
-
-
-# ---------------------------------------------------------------------------
-# Options
-
-def test_defaults_and_connector_option_names():
-    cfg = parse_connector_config({})
-    assert cfg == ConnectorConfig()
-    cfg = parse_connector_config({"store_pipeline": "host|file", "storage_path": "/x", "host_capacity": "1GiB",
-                                  "io_direct": True, "use_layerwise": True, "hit_ratio": 0.5,
-                                  "persist_token_threshold": 64, "enable_record_traces": True})
-    assert (cfg.host_capacity, cfg.hit_ratio, cfg.persist_token_threshold) == (1 << 30, 0.5, 64)
-
-
-def test_yaml_file_and_overrides(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("cascade_connector:\n  store_pipeline: host\n  host_capacity: 2GiB\n  use_lite: true\n")
-    cfg = parse_connector_config({"config_path": str(path), "use_lite": False, "tenant": "acme"})
-    assert (cfg.host_capacity, cfg.use_lite, cfg.tenant) == (2 << 30, False, "acme")
-    flat = tmp_path / "flat.yaml"
-    flat.write_text("hit_ratio: 0.25\n")
-    assert parse_connector_config({"config_path": str(flat)}).hit_ratio == 0.25
-
-
-def test_example_config_parses():
-    example = os.path.join(os.path.dirname(__file__), "..", "examples", "cascade-vllm.yaml")
-    cfg = parse_connector_config({"config_path": example})
-    assert cfg.store_pipeline == "host|file" and cfg.store["write_policy"] == "write_through"
-
-
-@pytest.mark.parametrize("options,message", [
-    ({"storage_backends": "/mnt"}, "storage_backends (use storage_path)"),
-    ({"hit_rate": 0.5}, "unknown Cascade connector option(s): hit_rate"),
-    ({"hit_ratio": 1.5}, "hit_ratio: expected a number in [0, 1]"),
-    ({"use_lite": "yes"}, "use_lite: expected true or false"),
-    ({"persist_token_threshold": -1}, "persist_token_threshold: expected an integer >= 0"),
-    ({"host_capacity": "lots"}, "host_capacity: cannot read 'lots' as a size"),
-    ({"store_pipeline": "host|file"}, "set storage_path"),
-    ({"lookup": "dns"}, "lookup: 'dns' is not one of"),
-    ({"store": {"shm_capacity": 1}}, "unknown CascadeConfig option(s): shm_capacity"),
-    ({"use_lite": True, "use_layerwise": True}, "use_lite moves no data"),
-    ({"config_path": "/nonexistent/cascade.yaml"}, "config_path: cannot read"),
-])
-def test_bad_options_are_named(options, message):
-    with pytest.raises(ValueError) as e:
-        parse_connector_config(options)
-    assert message in str(e.value)
-
-
-def test_yaml_errors(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("cascade_connector:\n  use_lite: true\nother: 1\n")
-    with pytest.raises(ValueError, match="keys beside 'cascade_connector': other"):
-        parse_connector_config({"config_path": str(bad)})
-    nested = tmp_path / "nested.yaml"
-    nested.write_text(f"config_path: {bad}\n")
-    with pytest.raises(ValueError, match="cannot name another"):
-        parse_connector_config({"config_path": str(nested)})
-
-
-def test_worker_store_config_per_rank(tmp_path):
-    cfg = parse_connector_config({"store_pipeline": "host|file", "storage_path": str(tmp_path),
-                                  "host_capacity": "256MiB", "store": {"index_shards": 64}})
-    a = worker_store_config(cfg, engine_key="e", rank=0, world=2)
-    b = worker_store_config(cfg, engine_key="e", rank=1, world=2)
-    c = worker_store_config(cfg, engine_key="e", rank=1, world=2, dp_rank=3)
-    assert a.shm_path != b.shm_path and a.lustre_path != b.lustre_path != c.lustre_path
-    assert b.lustre_path == str(tmp_path / "rank1-of-2") and c.lustre_path.endswith("rank1-of-2-dp3")
-    assert (a.pipeline, a.shm_capacity_bytes, a.index_shards) == ("host|file", 256 << 20, 64)
-    assert os.path.isdir(a.lustre_path)
-
+from cascade.integrations.ids import prefix_block_ids  # noqa: E402
+from connector_helpers import (  # noqa: E402
+    BS,
+    CUDA,
+    NB,
+    PROMPT,
+    conn_shm_path,
+    engine_key,
+    make_layers,
+    namespace,
+    open_store,
+    page,
+    planner_for,
+    schedule_prefill,
+)
 
 # ---------------------------------------------------------------------------
 # Ids and lookups
+
 
 def test_ids_differ_per_rank_salt_tenant_and_are_deterministic(ranks):
     key, _ = ranks(world=1)
@@ -220,14 +56,16 @@ def test_ids_differ_per_rank_salt_tenant_and_are_deterministic(ranks):
     t = p.track("a", PROMPT)
     ids = p.ids_of(t)
     assert len(ids) == 2 and len(ids[0]) == 5 and len(set(ids[0]) & set(ids[1])) == 0
-    assert ids[0] == prefix_block_ids(PROMPT[:5 * BS], namespace(2))
-    assert ids[1] == prefix_block_ids(PROMPT[:5 * BS], namespace(2).for_rank(1))
+    assert ids[0] == prefix_block_ids(PROMPT[: 5 * BS], namespace(2))
+    assert ids[1] == prefix_block_ids(PROMPT[: 5 * BS], namespace(2).for_rank(1))
     salted = p.ids_of(p.track("b", PROMPT, salt="s1"))
     assert not set(salted[0]) & set(ids[0])
     assert p.ids_of(p.track("c", PROMPT, salt="s1")) == salted  # same salt, same ids
     tenant = planner_for(key, world=2, config=ConnectorConfig(tenant="acme"))
     assert not set(tenant.ids_of(tenant.track("a", PROMPT))[0]) & set(ids[0])
-    other_model = SchedulerPlanner(ConnectorConfig(), namespace(2, model="other"), lk.PrefixLookup(key, 2))
+    other_model = SchedulerPlanner(
+        ConnectorConfig(), namespace(2, model="other"), lk.PrefixLookup(key, 2)
+    )
     assert not set(other_model.ids_of(other_model.track("a", PROMPT))[0]) & set(ids[0])
 
 
@@ -284,7 +122,7 @@ def test_hit_needs_every_rank(ranks):
 def test_never_the_last_token_and_local_hits(ranks):
     key, (r0,) = ranks()
     p = planner_for(key)
-    exact = PROMPT[:4 * BS]  # 4 full blocks, no tail
+    exact = PROMPT[: 4 * BS]  # 4 full blocks, no tail
     _, plan = schedule_prefill(p, "a", exact, list(range(4)))
     r0.step(plan)
     r0.worker.wait_all_saves()
@@ -304,7 +142,9 @@ def test_reset_makes_earlier_blocks_unreachable(ranks):
     p.reset()  # new weights: the old KV must never be served
     assert p.matched_tokens("b", PROMPT, None, 0) == 0
     p.after_alloc("b", PROMPT, None, list(range(6, 12)), 0)
-    plan = p.build_plan([ScheduledRequest("b", 0, len(PROMPT), block_ids=list(range(6, 12)), replace_blocks=True)])
+    plan = p.build_plan(
+        [ScheduledRequest("b", 0, len(PROMPT), block_ids=list(range(6, 12)), replace_blocks=True)]
+    )
     assert len(plan.saves) == 1 and plan.saves[0].engine_blocks == list(range(6, 11))
     r0.step(plan)
     r0.worker.wait_all_saves()
@@ -319,7 +159,10 @@ def test_hit_ratio_caps_the_served_fraction(ranks):
     r0.worker.wait_all_saves()
     capped = planner_for(key, config=ConnectorConfig(hit_ratio=0.5))
     assert capped.matched_tokens("b", PROMPT, None, 0) == 2 * BS  # 0.5 * 22 = 11 tokens -> 2 blocks
-    assert planner_for(key, config=ConnectorConfig(hit_ratio=0.0)).matched_tokens("c", PROMPT, None, 0) == 0
+    assert (
+        planner_for(key, config=ConnectorConfig(hit_ratio=0.0)).matched_tokens("c", PROMPT, None, 0)
+        == 0
+    )
 
 
 def test_persist_threshold_skips_short_prompts(ranks):
@@ -350,14 +193,18 @@ def test_chunked_prefill_saves_each_completed_block_once(ranks):
     # Preempted, then resumed with a new block table: nothing saved twice.
     plan = p.build_plan([], preempted={"a"})
     assert plan.flush_req_ids == {"a"}
-    plan = p.build_plan([ScheduledRequest("a", 0, 22, block_ids=[1, 2, 3, 4, 11, 12], replace_blocks=True)])
+    plan = p.build_plan(
+        [ScheduledRequest("a", 0, 22, block_ids=[1, 2, 3, 4, 11, 12], replace_blocks=True)]
+    )
     assert not plan.saves
 
 
 def test_lite_mode_counts_and_moves_nothing(ranks):
     key, (r0,) = ranks()
     metrics = ConnectorMetrics()
-    p = planner_for(key, config=ConnectorConfig(use_lite=True), metrics=metrics, lite_capacity_blocks=8)
+    p = planner_for(
+        key, config=ConnectorConfig(use_lite=True), metrics=metrics, lite_capacity_blocks=8
+    )
     n, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
     assert n == 0 and plan.is_empty()
     assert len(p.lite) == 5 and r0.worker.prefix_length(p.ids_of(p.track("a", PROMPT))[0]) == 0
@@ -376,6 +223,7 @@ def test_lite_mode_counts_and_moves_nothing(ranks):
 
 # ---------------------------------------------------------------------------
 # Worker: failures, layer by layer, async saves
+
 
 def test_block_removed_between_lookup_and_load_is_a_load_error(ranks):
     key, (r0,) = ranks()
@@ -469,7 +317,9 @@ def test_failed_save_is_counted_and_never_blocks(ranks):
     key, (r0,) = ranks()
     metrics = ConnectorMetrics()
     r0.worker.metrics = metrics
-    plan = StepPlan(saves=[TransferJob("a", 0, [NB + 5], [["ab" * 16]])])  # engine block out of range
+    plan = StepPlan(
+        saves=[TransferJob("a", 0, [NB + 5], [["ab" * 16]])]
+    )  # engine block out of range
     r0.step(plan)
     assert r0.worker.wait_all_saves(timeout=10)
     assert metrics.take()["save_errors"] == 1
@@ -477,94 +327,8 @@ def test_failed_save_is_counted_and_never_blocks(ranks):
 
 
 # ---------------------------------------------------------------------------
-# Traces and metrics
-
-def test_traces_are_json_lines(ranks, tmp_path):
-    path = tmp_path / "trace.jsonl"
-    key, (r0,) = ranks(traces=TraceRecorder(str(path), "rank0"))
-    p = planner_for(key, traces=TraceRecorder(str(path), "scheduler"))
-    _, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
-    r0.step(plan)
-    r0.worker.wait_all_saves()
-    _, plan = schedule_prefill(p, "b", PROMPT, list(range(6, 12)))
-    r0.step(plan)
-    lines = [json.loads(x) for x in path.read_text().splitlines()]
-    ops = [(x["role"], x["op"], x["request_id"]) for x in lines]
-    assert ops == [("scheduler", "lookup", "a"), ("rank0", "save", "a"), ("scheduler", "lookup", "b"),
-                   ("rank0", "load", "b")]
-    save, load = lines[1], lines[3]
-    bb = r0.worker.kv.stored_block_bytes
-    assert (save["blocks"], save["bytes"], save["errors"]) == (5, 5 * bb, 0)
-    assert (load["blocks"], load["bytes"], load["errors"]) == (5, 5 * bb, 0)
-    assert lines[2]["hit_tokens"] == 5 * BS and all(x["ms"] >= 0 for x in lines)
-
-
-def test_metrics_deltas_and_merge():
-    m = ConnectorMetrics()
-    m.add("hit_tokens", 16)
-    m.add_tier("hits", "host", 3)
-    m.add("load_errors", 0)
-    assert m.take() == {"hit_tokens": 16, "tier_hits:host": 3}
-    assert m.take() == {}
-    assert m.totals["hit_tokens"] == 16
-    assert merge_counters({"a": 1, "b": 2}, {"b": 3, "c": 4}) == {"a": 1, "b": 5, "c": 4}
-
-
-def test_tier_hits_of_loads(ranks):
-    key, (r0,) = ranks()
-    metrics = ConnectorMetrics()
-    r0.worker.metrics = metrics
-    p = planner_for(key)
-    _, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
-    r0.step(plan)
-    r0.worker.wait_all_saves()
-    metrics.take()
-    _, plan = schedule_prefill(p, "b", PROMPT, list(range(6, 12)))
-    r0.step(plan)
-    assert metrics.take().get("tier_hits:host", 0) >= 5
-
-
-def test_tier_counts_of_loads_from_the_file_tier(tmp_path):
-    store = cascade.CascadeStore(cascade.config_from_dict({
-        "pipeline": "host|file", "shm_path": f"/dev/shm/cascade-pytest-conn-{os.getpid()}-{next(_keys)}",
-        "shm_capacity_bytes": 64 << 10, "lustre_path": str(tmp_path), "num_io_threads": 2}))
-    metrics = ConnectorMetrics()
-    worker = KvTransferWorker(ConnectorConfig(), store, rank=0, world=1, metrics=metrics)
-    try:
-        worker.register(make_layers("packed_kv", 7), block_size=BS, layout="packed_kv")
-        ids = [f"{i:032x}" for i in range(1, NB)]
-        worker.submit_saves(StepPlan(saves=[TransferJob("a", 0, list(range(1, NB)), [ids])]))
-        assert worker.wait_all_saves(timeout=10)
-        assert store.get_stats()["tiers"]["file"]["blocks"] > 0  # the small host tier spilled
-        metrics.take()
-        worker.start_load(StepPlan(loads=[TransferJob("b", 0, [0, 1, 2], [ids[:3]])]))  # the oldest: on disk
-        assert worker.take_load_errors() == set()
-        m = metrics.take()
-        # Promoted first (read from file), then read from host.
-        assert m["tier_hits:file"] == 3 and m["tier_hits:host"] == 3 and m["load_blocks"] == 3
-    finally:
-        worker.close()
-
-
-def test_prometheus_counters():
-    prom = pytest.importorskip("prometheus_client")
-    registry = prom.CollectorRegistry()
-
-    def counter(**kw):
-        return prom.Counter(registry=registry, **kw)
-
-    pc = PrometheusCounters(counter, ["engine"], prefix="cascade_test_")
-    pc.observe({"hit_tokens": 32, "load_bytes": 4096, "tier_hits:file": 2, "tier_misses:host": 2, "unknown": 1},
-               ["0"])
-    pc.observe({"hit_tokens": 16}, ["0"])
-    assert registry.get_sample_value("cascade_test_hit_tokens_total", {"engine": "0"}) == 48
-    assert registry.get_sample_value("cascade_test_load_bytes_total", {"engine": "0"}) == 4096
-    assert registry.get_sample_value("cascade_test_tier_hits_total", {"engine": "0", "tier": "file"}) == 2
-    assert registry.get_sample_value("cascade_test_tier_misses_total", {"engine": "0", "tier": "host"}) == 2
-
-
-# ---------------------------------------------------------------------------
 # Lookups across processes
+
 
 def _serve_ranks(key, world, ids, ready, stop):
     """A separate process: one store per rank holding `ids`, each served over its socket."""
@@ -574,8 +338,11 @@ def _serve_ranks(key, world, ids, ready, stop):
         for i in ids[r]:
             store.put(i, b"kv" * 8)
         stores.append(store)
-        services.append(lk.LookupService(key, r,
-                                         lambda x, s=store: sum(1 for _ in itertools.takewhile(s.contains, x))))
+        services.append(
+            lk.LookupService(
+                key, r, lambda x, s=store: sum(1 for _ in itertools.takewhile(s.contains, x))
+            )
+        )
     ready.set()
     stop.wait(60)
     for s in services:
@@ -587,7 +354,7 @@ def _serve_ranks(key, world, ids, ready, stop):
 def test_lookup_service_across_processes():
     key = engine_key()
     ns = namespace(2)
-    ids = [prefix_block_ids(PROMPT[:5 * BS], ns.for_rank(r)) for r in range(2)]
+    ids = [prefix_block_ids(PROMPT[: 5 * BS], ns.for_rank(r)) for r in range(2)]
     held = [ids[0][:4], ids[1][:3]]  # rank 1 holds fewer
     ctx = multiprocessing.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
@@ -636,8 +403,6 @@ def test_lookup_modes_in_one_process(ranks):
 # ---------------------------------------------------------------------------
 # CUDA pages (skipped where no GPU is usable)
 
-CUDA = torch.cuda.is_available() and bool(cascade.HAVE_CUDA) and cascade.gpu_usable(0)
-
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="no usable CUDA GPU (or a build without CUDA)")
@@ -646,10 +411,18 @@ CUDA = torch.cuda.is_available() and bool(cascade.HAVE_CUDA) and cascade.gpu_usa
 def test_cuda_pages_save_then_load(pipeline, layerwise):
     """The worker's CUDA path: saves on a side stream after the forward's
     work, loads (whole or layer by layer) ordered before the next forward."""
-    store = cascade.CascadeStore(cascade.config_from_dict({
-        "pipeline": pipeline, "use_gpu": "gpu" in pipeline, "gpu_capacity_bytes": 64 << 20,
-        "shm_capacity_bytes": 64 << 20, "num_io_threads": 2,
-        "shm_path": f"/dev/shm/cascade-pytest-conn-{os.getpid()}-{next(_keys)}"}))
+    store = cascade.CascadeStore(
+        cascade.config_from_dict(
+            {
+                "pipeline": pipeline,
+                "use_gpu": "gpu" in pipeline,
+                "gpu_capacity_bytes": 64 << 20,
+                "shm_capacity_bytes": 64 << 20,
+                "num_io_threads": 2,
+                "shm_path": conn_shm_path(),
+            }
+        )
+    )
     key = engine_key()
     worker = KvTransferWorker(ConnectorConfig(use_layerwise=layerwise), store, rank=0, world=1)
     try:

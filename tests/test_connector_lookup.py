@@ -275,7 +275,9 @@ def test_malformed_messages_get_an_error_or_a_close_and_others_are_served(sockdi
         conn = _authenticated(svc, sockdir, key)
         with conn:
             for n in (3, 8):
-                conn.sendall(header.pack(wire.MAGIC, 1, wire.PREFIX, n) + bytes.fromhex("".join(HELD[:n])))
+                conn.sendall(
+                    header.pack(wire.MAGIC, 1, wire.PREFIX, n) + bytes.fromhex("".join(HELD[:n]))
+                )
                 assert wire.recv_answer(conn, wire.Deadline(5)) == (wire.ST_OK, min(n, 6))
         look = lk.PrefixLookup(key, 1, mode="socket", socket_dir=sockdir, timeout_ms=3000)
         assert look.prefix_length([HELD]) == 6
@@ -299,11 +301,22 @@ def test_random_bytes_never_stop_the_service(sockdir):
             if time.monotonic() > end:
                 break
             authed = rng.random() < 0.5
-            conn = _authenticated(svc, sockdir, key) if authed else wire.connect(svc.address, wire.Deadline(5))
+            conn = (
+                _authenticated(svc, sockdir, key)
+                if authed
+                else wire.connect(svc.address, wire.Deadline(5))
+            )
             junk = rng.randbytes(rng.randrange(0, 96))
             if authed and rng.random() < 0.5:  # a plausible header with a random kind and count
-                junk = header.pack(wire.MAGIC, 1, rng.choice([wire.PREFIX, rng.randrange(256)]),
-                                   rng.choice([0, 1, 5, wire.MAX_IDS, rng.randrange(1 << 32)])) + junk
+                junk = (
+                    header.pack(
+                        wire.MAGIC,
+                        1,
+                        rng.choice([wire.PREFIX, rng.randrange(256)]),
+                        rng.choice([0, 1, 5, wire.MAX_IDS, rng.randrange(1 << 32)]),
+                    )
+                    + junk
+                )
             try:
                 conn.sendall(junk)
             except OSError:
@@ -348,10 +361,15 @@ def test_socket_and_secret_are_private(sockdir):
     try:
         d = lk.service_dir(sockdir, key, 0)
         assert os.path.dirname(svc.address) == d
-        for path, mode, kind in ((d, 0o700, stat.S_ISDIR), (svc.address, 0o600, stat.S_ISSOCK),
-                                 (os.path.join(d, "secret"), 0o600, stat.S_ISREG)):
+        for path, mode, kind in (
+            (d, 0o700, stat.S_ISDIR),
+            (svc.address, 0o600, stat.S_ISSOCK),
+            (os.path.join(d, "secret"), 0o600, stat.S_ISREG),
+        ):
             st = os.lstat(path)
-            assert kind(st.st_mode) and stat.S_IMODE(st.st_mode) == mode and st.st_uid == os.geteuid(), path
+            assert (
+                kind(st.st_mode) and stat.S_IMODE(st.st_mode) == mode and st.st_uid == os.geteuid()
+            ), path
         assert os.path.getsize(os.path.join(d, "secret")) == 32
     finally:
         svc.close()
@@ -390,7 +408,16 @@ def test_a_directory_that_is_not_private_is_refused(sockdir):
 def test_no_pickle_or_multiprocessing_connection_on_the_wire():
     from cascade.integrations import lookup_wire
 
-    banned = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "multiprocessing", "dill", "cloudpickle"}
+    banned = {
+        "pickle",
+        "cPickle",
+        "_pickle",
+        "marshal",
+        "shelve",
+        "multiprocessing",
+        "dill",
+        "cloudpickle",
+    }
     for module in (lk, lookup_wire):
         tree = ast.parse(inspect.getsource(module))
         for node in ast.walk(tree):
@@ -423,4 +450,6 @@ def test_the_wire_header_is_the_documented_one():
     from cascade.integrations import lookup_wire as wire
 
     assert wire.HEADER.size == 10
-    assert struct.pack("<4sBBI", b"CSLK", 1, 4, 2) == wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.PREFIX, 2)
+    assert struct.pack("<4sBBI", b"CSLK", 1, 4, 2) == wire.HEADER.pack(
+        wire.MAGIC, wire.VERSION, wire.PREFIX, 2
+    )

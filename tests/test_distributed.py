@@ -35,7 +35,10 @@ def _why_not() -> str | None:
     import cascade.distributed
 
     if not cascade.distributed.available():
-        return "this build of cascade cannot open distributed stores (no MPI at build time, or bindings without them)"
+        return (
+            "this build of cascade cannot open distributed stores (no MPI at build time, "
+            "or bindings without them)"
+        )
     return None
 
 
@@ -48,7 +51,9 @@ def _has_bindings() -> bool:
     return hasattr(_core, "ring_owner")
 
 
-needs_bindings = pytest.mark.skipif(not _has_bindings(), reason="this build has no distributed bindings")
+needs_bindings = pytest.mark.skipif(
+    not _has_bindings(), reason="this build has no distributed bindings"
+)
 
 
 @needs_bindings
@@ -97,18 +102,28 @@ def mpirun(ranks: int, *args: str, timeout: float = 60, expect_success: bool = T
     # One node: shared memory and loopback only, the ob1 engine (so the
     # transports named here are the ones used), and yield when idle because
     # ranks outnumber cores.
-    env.update(OMPI_MCA_pml="ob1", OMPI_MCA_btl="self,vader", OMPI_MCA_mpi_yield_when_idle="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
+    env.update(
+        OMPI_MCA_pml="ob1",
+        OMPI_MCA_btl="self,vader",
+        OMPI_MCA_mpi_yield_when_idle="1",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+    )
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        out = (
+            (e.stdout or b"").decode(errors="replace")
+            if isinstance(e.stdout, bytes)
+            else (e.stdout or "")
+        )
         pytest.fail(f"{' '.join(args)}: the MPI job hung past {timeout} s\n{out[-4000:]}")
     took = time.monotonic() - t0
     text = proc.stdout + proc.stderr
     if expect_success:
-        assert proc.returncode == 0, f"{' '.join(args)} failed (exit {proc.returncode}):\n{text[-6000:]}"
+        assert proc.returncode == 0, (
+            f"{' '.join(args)} failed (exit {proc.returncode}):\n{text[-6000:]}"
+        )
         for line in text.splitlines():
             if line.startswith("SKIP: "):
                 pytest.skip(line[6:])
@@ -143,7 +158,9 @@ def test_job_killed_mid_write_restarts_from_whole_blocks(tmp_path):
     assert proc.returncode != 0, f"the killed job reported success:\n{text[-3000:]}"
     assert took < 45, f"the job took {took:.0f} s to end after a rank was killed"
     progress = sorted(tmp_path.glob("progress-*.txt"))
-    assert len(progress) == 4, f"every rank should have flushed some blocks: {progress}\n{text[-3000:]}"
+    assert len(progress) == 4, (
+        f"every rank should have flushed some blocks: {progress}\n{text[-3000:]}"
+    )
     # Second job on the same directories.
     _, text, _ = mpirun(4, "kill_restart", str(tmp_path), timeout=60)
     assert "OK: kill_restart on 4 rank(s)" in text

@@ -66,8 +66,11 @@ class Env:
 
 def all_to_all(env: Env, mode: str):
     """Every rank writes blocks of every size; every rank reads every block."""
-    opts = {"request_timeout_ms": 5000, "node_local_loads": mode != "rma",
-            "checksum": "always" if mode == "always" else "cross_node"}
+    opts = {
+        "request_timeout_ms": 5000,
+        "node_local_loads": mode != "rma",
+        "checksum": "always" if mode == "always" else "cross_node",
+    }
     try:
         store = env.cd.open_store(env.config(), **opts)
     except env.cascade.UnavailableError as e:
@@ -95,7 +98,9 @@ def all_to_all(env: Env, mode: str):
     # Batches of puts (one PutBegin/PutCommit per owner), an id twice in one batch.
     rows = np.stack([payload(100 + rank, i, 65536) for i in range(40)])
     names = [f"a2a-batch/{rank}/{i}" for i in range(40)]
-    env.check(store.put_batch(names + names[:3], np.concatenate([rows, rows[:3]])) == 43, "put_batch")
+    env.check(
+        store.put_batch(names + names[:3], np.concatenate([rows, rows[:3]])) == 43, "put_batch"
+    )
     env.comm.Barrier()
     for q in range(size):
         out = np.zeros((40, 65536), np.uint8)
@@ -106,7 +111,10 @@ def all_to_all(env: Env, mode: str):
     w = (rank + 1) % size
     part = np.zeros(1000, np.uint8)
     found, copied = store.get_range(keys[(w, 5)], 12345, part)
-    env.check(found and copied == 1000 and np.array_equal(part, payload(w, 5, SIZES[5])[12345:13345]), "get_range")
+    env.check(
+        found and copied == 1000 and np.array_equal(part, payload(w, 5, SIZES[5])[12345:13345]),
+        "get_range",
+    )
     env.check(store.get(keys[(w, 4)]) == payload(w, 4, SIZES[4]).tobytes(), "get without a buffer")
     env.check(store.get("a2a/never-written") is None, "a miss")
     if hasattr(store, "acquire"):  # zero copy: this node's blocks only
@@ -122,13 +130,17 @@ def all_to_all(env: Env, mode: str):
 
             with store.acquire(keys[(w, 5)]) as lease:
                 view = np.ctypeslib.as_array((ctypes.c_uint8 * lease.size).from_address(lease.ptr))
-                env.check(lease.size == expect.size and np.array_equal(view, expect), "acquired bytes")
+                env.check(
+                    lease.size == expect.size and np.array_equal(view, expect), "acquired bytes"
+                )
     # One copy per id, whoever puts it, however often.
     env.check(env.blocks_everywhere(store) == len(keys) + 40 * size, "one stored copy per id")
     for i, s in enumerate(SIZES):
         store.put(keys[(w, i)], payload(w, i, s))
     env.comm.Barrier()
-    env.check(env.blocks_everywhere(store) == len(keys) + 40 * size, "puts of stored ids store nothing")
+    env.check(
+        env.blocks_everywhere(store) == len(keys) + 40 * size, "puts of stored ids store nothing"
+    )
     # A block removed by any rank is a miss for all.
     if rank == 0:
         for q in range(size):
@@ -161,7 +173,9 @@ def same_id(env: Env):
     env.comm.Barrier()
     for i in range(n):
         env.read_back(store, f"same/{i}", payload(999, i, sizes[i]))
-    env.check(env.blocks_everywhere(store) == n, f"{env.blocks_everywhere(store)} copies of {n} ids")
+    env.check(
+        env.blocks_everywhere(store) == n, f"{env.blocks_everywhere(store)} copies of {n} ids"
+    )
     env.comm.Barrier()
     store.close()
     env.done("same_id")
@@ -175,8 +189,11 @@ def leave(env: Env, timeout_ms: int = 1500):
     leaver = size - 1
     for announce in (True, False):
         tag = "announced" if announce else "silent"
-        store = env.cd.open_store(env.config(), request_timeout_ms=timeout_ms,
-                                  announce_departure=announce or rank != leaver)
+        store = env.cd.open_store(
+            env.config(),
+            request_timeout_ms=timeout_ms,
+            announce_departure=announce or rank != leaver,
+        )
         keys = [f"leave/{tag}/{w}/{i}" for w in range(size) for i in range(16)]
         for i in range(16):
             store.put(keys[rank * 16 + i], payload(rank, i, 65536))
@@ -216,8 +233,12 @@ def kill_write(env: Env, directory: str):
     """Writes through to the file tier until rank 0 kills itself (SIGKILL):
     Open MPI then ends the whole job. Each rank records how many of its
     blocks were flushed before."""
-    store = env.cd.open_store(env.config(32 << 20, pipeline="host|file", lustre_path=directory,
-                                         write_policy="write_through"), request_timeout_ms=5000)
+    store = env.cd.open_store(
+        env.config(
+            32 << 20, pipeline="host|file", lustre_path=directory, write_policy="write_through"
+        ),
+        request_timeout_ms=5000,
+    )
     env.comm.Barrier()
     i = 0
     while i < 4000:
@@ -238,8 +259,12 @@ def kill_restart(env: Env, directory: str):
     """After the kill: each rank's file tier holds whole, correct blocks only,
     every flushed block among them; read back, they are promoted into the
     remote tier, where every rank can read them."""
-    store = env.cd.open_store(env.config(32 << 20, pipeline="host|file", lustre_path=directory,
-                                         write_policy="write_through"), request_timeout_ms=5000)
+    store = env.cd.open_store(
+        env.config(
+            32 << 20, pipeline="host|file", lustre_path=directory, write_policy="write_through"
+        ),
+        request_timeout_ms=5000,
+    )
     rank = env.rank
     with open(_progress_file(directory, rank)) as f:
         durable = int(f.read())
@@ -252,7 +277,10 @@ def kill_restart(env: Env, directory: str):
         if i < durable:
             env.check(found, f"flushed block {key} lost")
         if found:
-            env.check(n == expect.size and np.array_equal(out, expect), f"{key}: wrong bytes after restart")
+            env.check(
+                n == expect.size and np.array_equal(out, expect),
+                f"{key}: wrong bytes after restart",
+            )
             extra += i >= durable
     counts = env.comm.allgather(durable)
     env.comm.Barrier()
@@ -262,7 +290,10 @@ def kill_restart(env: Env, directory: str):
     env.comm.Barrier()
     store.close()
     if rank == 0:
-        print(f"restart: flushed blocks per rank {counts}; rank 0 found {extra} more written after its last flush")
+        print(
+            f"restart: flushed blocks per rank {counts}; rank 0 found {extra} more written after "
+            "its last flush"
+        )
     env.done("kill_restart")
 
 
@@ -292,7 +323,11 @@ def main(argv):
         why = env.comm.allgather(file_tier_usable(env, argv[1]))
         if any(why):
             if env.rank == 0:
-                print(f"SKIP: the file tier cannot be opened in this build: {next(w for w in why if w)}", flush=True)
+                print(
+                    "SKIP: the file tier cannot be opened in this build: "
+                    f"{next(w for w in why if w)}",
+                    flush=True,
+                )
             return
         (kill_write if scenario == "kill_write" else kill_restart)(env, argv[1])
     else:

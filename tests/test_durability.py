@@ -94,7 +94,9 @@ def test_close_raises_when_blocks_cannot_be_written_down(durable_config, tmp_pat
 def test_flush_makes_room_for_aliases_in_a_full_file_tier(durable_config):
     """A bounded file tier full of blocks: the aliases a flush writes evict
     the least valuable blocks as a block put would, rather than failing."""
-    cfg = durable_config(dedup_enabled=True, file_capacity_bytes=4 << 20, segment_size_bytes=1 << 20)
+    cfg = durable_config(
+        dedup_enabled=True, file_capacity_bytes=4 << 20, segment_size_bytes=1 << 20
+    )
     with cascade.CascadeStore(cfg) as store:
         for i in range(400):  # two ids a content, 100 KiB blocks: several times the file tier
             content = block_bytes(f"content-{i // 2}", 100 << 10)
@@ -130,7 +132,9 @@ def test_dedup_aliases_survive_reopen(durable_config, dedup_after):
     keys = [f"dedup-{i}" for i in range(100)]
     content = {k: f"content-{i % 30}" for i, k in enumerate(keys)}  # 30 distinct blocks
     # a small host arena: some physical blocks are evicted to the file tier
-    with cascade.CascadeStore(durable_config(dedup_enabled=True, shm_capacity_bytes=2 << 20)) as store:
+    with cascade.CascadeStore(
+        durable_config(dedup_enabled=True, shm_capacity_bytes=2 << 20)
+    ) as store:
         for k in keys:
             assert store.put(k, block_bytes(content[k], BLOCK))
         assert store.get_stats()["dedup_hits"] == 70
@@ -160,6 +164,7 @@ def test_removed_then_reput_id_gets_newest_bytes(durable_config, dedup):
 
 # ---- kill -9 loop ---------------------------------------------------------------------
 
+
 def read_log(path):
     if not os.path.exists(path):
         return []
@@ -177,9 +182,21 @@ def kill_loop(shm_base, directory, log, iterations, seed=0):
     checked = extra = 0
     for it in range(iterations):
         shm = f"{shm_base}-{it}"
-        child = subprocess.Popen([sys.executable, child_py, shm, str(directory), str(log), str(it),
-                                  str(rng.randrange(1 << 30))],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                child_py,
+                shm,
+                str(directory),
+                str(log),
+                str(it),
+                str(rng.randrange(1 << 30)),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         try:
             line = child.stdout.readline()
             assert line.strip() == "ready", f"child did not start: {line!r} {child.stderr.read()}"
@@ -198,14 +215,17 @@ def kill_loop(shm_base, directory, log, iterations, seed=0):
         flushed = read_log(log)
         verify_shm = f"{shm_base}-verify"
         try:
-            with cascade.CascadeStore(host_file_config(verify_shm, directory,
-                                                       shm_capacity_bytes=4 << 20)) as store:
+            with cascade.CascadeStore(
+                host_file_config(verify_shm, directory, shm_capacity_bytes=4 << 20)
+            ) as store:
                 for key in flushed:
                     assert store.contains(key), f"iteration {it}: flushed block {key} is lost"
                 assert count_intact(store, flushed) == len(flushed), f"iteration {it}"
                 # ids put after the last flush may or may not be there; never wrong
-                last = max([int(k.rsplit("-", 1)[1]) for k in flushed if k.startswith(f"kill-{it}-")],
-                           default=-1)
+                last = max(
+                    [int(k.rsplit("-", 1)[1]) for k in flushed if k.startswith(f"kill-{it}-")],
+                    default=-1,
+                )
                 unflushed = [f"kill-{it}-{n}" for n in range(last + 1, last + 64)]
                 extra += count_intact(store, unflushed)
         finally:
@@ -216,9 +236,28 @@ def kill_loop(shm_base, directory, log, iterations, seed=0):
 
 
 def test_kill9_after_flush_loses_no_flushed_block(durable_config, shm_path, tmp_path):
-    checked, _ = kill_loop(f"{shm_path}-kill", tmp_path / "tier", tmp_path / "flushed.log",
-                           KILL_ITERATIONS, seed=KILL_ITERATIONS)
+    checked, _ = kill_loop(
+        f"{shm_path}-kill",
+        tmp_path / "tier",
+        tmp_path / "flushed.log",
+        KILL_ITERATIONS,
+        seed=KILL_ITERATIONS,
+    )
     assert checked > 0  # the writers got through at least one flush
+
+
+def test_long_run_script_runs():
+    """`python tests/test_durability.py --iterations N` (the long kill loop) runs."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run(
+        [sys.executable, __file__, "--iterations", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "1 kills" in r.stdout and "0 wrong" in r.stdout
 
 
 if __name__ == "__main__":
@@ -231,10 +270,15 @@ if __name__ == "__main__":
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = f"/dev/shm/cascade-killloop-{os.getpid()}"
-        if not file_tier_is_persistent(host_file_config(base + "-probe", os.path.join(tmp, "tier"))):
-            sys.exit("the file tier does not report persistent(): nothing to test")
         t0 = time.time()
-        checked, extra = kill_loop(base, os.path.join(tmp, "tier"), os.path.join(tmp, "flushed.log"),
-                                   args.iterations, args.seed)
-        print(f"{args.iterations} kills, {checked} flushed blocks all found with their bytes, "
-              f"{extra} unflushed blocks found intact, 0 wrong, {time.time() - t0:.1f} s")
+        checked, extra = kill_loop(
+            base,
+            os.path.join(tmp, "tier"),
+            os.path.join(tmp, "flushed.log"),
+            args.iterations,
+            args.seed,
+        )
+        print(
+            f"{args.iterations} kills, {checked} flushed blocks all found with their bytes, "
+            f"{extra} unflushed blocks found intact, 0 wrong, {time.time() - t0:.1f} s"
+        )

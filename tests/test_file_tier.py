@@ -20,6 +20,7 @@ def file_config(make_config, tmp_path):
         cfg.lustre_path = str(tmp_path / "tier")
         cfg.segment_size_bytes = 8 << 20
         return cfg
+
     return make
 
 
@@ -77,7 +78,9 @@ def test_corrupted_record_is_a_miss_never_data(file_config):
         store.put("victim", data)
         store.flush()
     # Flip one payload byte in the segment holding it.
-    segs = [os.path.join(cfg.lustre_path, f) for f in os.listdir(cfg.lustre_path) if f.endswith(".dat")]
+    segs = [
+        os.path.join(cfg.lustre_path, f) for f in os.listdir(cfg.lustre_path) if f.endswith(".dat")
+    ]
     assert segs
     target = max(segs, key=os.path.getsize)
     raw = bytearray(open(target, "rb").read())
@@ -90,7 +93,11 @@ def test_corrupted_record_is_a_miss_never_data(file_config):
         found, _ = store.get("victim", out)
         assert not found
         assert store.get_stats()["corrupt_blocks"] >= 1
-    r = subprocess.run([sys.executable, "-m", "cascade", "inspect", cfg.lustre_path], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "cascade", "inspect", cfg.lustre_path],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "DAMAGED" in r.stdout
 
@@ -102,7 +109,11 @@ def test_inspect_clean_directory(file_config):
             store.put(f"i{i}", random_bytes(20_000, i))
     report = cascade.inspect_directory(cfg.lustre_path)
     assert report["ok"] and report["live_records"] == 10 and report["corrupt_records"] == 0
-    r = subprocess.run([sys.executable, "-m", "cascade", "inspect", cfg.lustre_path], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "cascade", "inspect", cfg.lustre_path],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0 and "OK" in r.stdout
     with pytest.raises(cascade.CascadeError):
         cascade.inspect_directory(cfg.lustre_path + "-missing")
@@ -190,7 +201,9 @@ def test_file_mode_shares_with_the_group(file_config, tmp_path):
 
 def _mount_tmpfs(path, options):
     os.makedirs(path, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
 
@@ -248,5 +261,9 @@ def test_inspect_reports_a_missing_key(file_config):
     os.rename(os.path.join(cfg.lustre_path, "KEY"), os.path.join(cfg.lustre_path, "KEY.away"))
     with pytest.raises(cascade.CascadeIOError, match="KEY"):
         cascade.inspect_directory(cfg.lustre_path)
-    r = subprocess.run([sys.executable, "-m", "cascade", "inspect", cfg.lustre_path], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "cascade", "inspect", cfg.lustre_path],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "KEY" in r.stderr, r.stdout + r.stderr

@@ -73,7 +73,7 @@ def test_host_lease_dlpack_is_a_view(store):
     gc.collect()
     assert store.get_stats()["tiers"]["host"]["leased_blocks"] == 0
     with pytest.raises(cascade.InvalidArgumentError):
-        lease.ptr
+        _ = lease.ptr
     with store.acquire("blk") as l2:
         assert l2.size == data.nbytes
     assert l2.released and store.get_stats()["tiers"]["host"]["leased_blocks"] == 0
@@ -96,8 +96,19 @@ def test_unconsumed_capsule_ends_its_reference(store):
 def test_cli_parses_gpu_and_vmm():
     from cascade.cli import build_parser
 
-    a = build_parser().parse_args(["bench", "vmm", "--pages-total", "100", "--procs", "4", "--iters", "20",
-                                   "--not-contiguous"])
+    a = build_parser().parse_args(
+        [
+            "bench",
+            "vmm",
+            "--pages-total",
+            "100",
+            "--procs",
+            "4",
+            "--iters",
+            "20",
+            "--not-contiguous",
+        ]
+    )
     assert (a.pages_total, a.procs, a.iters, a.not_contiguous) == (100, 4, 20, True)
     a = build_parser().parse_args(["bench", "gpu", "--repeats", "2"])
     assert a.repeats == 2 and a.fn.__name__ == "_cmd_gpu"
@@ -161,7 +172,9 @@ def test_backend_batches_list_and_2d():
     keys2 = [f"d{i}" for i in range(n)]
     assert b.put_batch(keys2, dev) == n  # a list of device tensors
     outs = torch.zeros((n, size), dtype=torch.uint8, device="cuda")
-    found, sizes = b.get_batch(keys2 + ["nope"], torch.zeros((n + 1, size), dtype=torch.uint8, device="cuda"))
+    found, sizes = b.get_batch(
+        keys2 + ["nope"], torch.zeros((n + 1, size), dtype=torch.uint8, device="cuda")
+    )
     assert found == n and sizes[-1] == 0
     assert b.get_batch(keys2, outs)[0] == n
     assert torch.equal(outs, torch.stack(dev))
@@ -280,7 +293,9 @@ def test_store_gpu_host_round_trips(shm_path):
 @gpu_test
 def test_store_eviction_demotes_to_host(shm_path):
     with _gpu_store(shm_path, 64 * MiB) as store:
-        blocks = {f"e{i}": random_bytes(4 * MiB, seed=100 + i) for i in range(40)}  # 160 MiB > 64 MiB
+        blocks = {
+            f"e{i}": random_bytes(4 * MiB, seed=100 + i) for i in range(40)
+        }  # 160 MiB > 64 MiB
         for k, v in blocks.items():
             assert store.put(k, v)
         st = store.get_stats()["tiers"]
@@ -338,8 +353,25 @@ def test_store_batches_device_tensors(shm_path):
 @pytest.mark.slow
 def test_vmm_bench_runs_in_its_own_process():
     env = dict(os.environ)
-    r = subprocess.run([sys.executable, "-m", "cascade", "bench", "vmm", "--pages-total", "8", "--procs", "2",
-                        "--iters", "2"], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cascade",
+            "bench",
+            "vmm",
+            "--pages-total",
+            "8",
+            "--procs",
+            "2",
+            "--iters",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "contiguous" in r.stdout
 
@@ -367,9 +399,19 @@ def test_paged_kv_cuda_round_trip(shm_path, tmp_path, pipeline, layout):
     src_buf, src = _kv_pages(torch, layout, 1)
     dst_buf, dst = _kv_pages(torch, layout, 2)
     before = dst_buf.clone()
-    cfg = cascade.config_from_dict(dict(pipeline=pipeline, use_gpu="gpu" in pipeline, gpu_capacity_bytes=64 * MiB,
-                                        shm_capacity_bytes=64 * MiB, shm_path=shm_path, lustre_path=str(tmp_path),
-                                        file_capacity_bytes=256 * MiB, io_direct=False, num_io_threads=4))
+    cfg = cascade.config_from_dict(
+        dict(
+            pipeline=pipeline,
+            use_gpu="gpu" in pipeline,
+            gpu_capacity_bytes=64 * MiB,
+            shm_capacity_bytes=64 * MiB,
+            shm_path=shm_path,
+            lustre_path=str(tmp_path),
+            file_capacity_bytes=256 * MiB,
+            io_direct=False,
+            num_io_threads=4,
+        )
+    )
     ids = [f"{i:032x}" for i in range(1, 41)]
     src_blocks = list(range(0, 40))
     dst_blocks = list(range(63, 23, -1))
@@ -393,4 +435,6 @@ def test_paged_kv_cuda_round_trip(shm_path, tmp_path, pipeline, layout):
             assert torch.equal(before[tuple(idx_d)], dst_buf[tuple(idx_d)])
         # A missing block is an item error and leaves its page alone.
         assert "not stored" in load_paged(store, kv_dst, [0], ["f" * 32])[0]
-        assert torch.equal(before[(slice(None),) * bdim + (0,)], dst_buf[(slice(None),) * bdim + (0,)])
+        assert torch.equal(
+            before[(slice(None),) * bdim + (0,)], dst_buf[(slice(None),) * bdim + (0,)]
+        )

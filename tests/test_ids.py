@@ -56,17 +56,23 @@ def test_namespace_separates():
         assert not set(ids) & set(base), ns
         seen.add(ids[0])
     assert len(seen) == len(variants) + 1
-    assert prefix_block_ids(TOKENS, NS.with_tenant("tenant-a")) != prefix_block_ids(TOKENS, NS.with_tenant("tenant-b"))
+    assert prefix_block_ids(TOKENS, NS.with_tenant("tenant-a")) != prefix_block_ids(
+        TOKENS, NS.with_tenant("tenant-b")
+    )
 
 
 def test_stable_across_processes_and_hash_seeds():
     here = prefix_block_ids(TOKENS, NS)
-    code = ("from cascade.integrations.ids import KvNamespace, prefix_block_ids;"
-            "print(','.join(prefix_block_ids(list(range(100, 118)), "
-            "KvNamespace(model='llama-test', dtype='bfloat16', layout='packed_kv', block_size=4))))")
+    code = (
+        "from cascade.integrations.ids import KvNamespace, prefix_block_ids;"
+        "print(','.join(prefix_block_ids(list(range(100, 118)), "
+        "KvNamespace(model='llama-test', dtype='bfloat16', layout='packed_kv', block_size=4))))"
+    )
     for seed in ("0", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
         assert out.stdout.strip().split(",") == here
     # The encoding is part of the stored format (docs/formats.md): files
     # written by one version are found by the next only if this never changes.

@@ -41,8 +41,15 @@ def v_of(layers, layout, block):
 IDS = prefix_block_ids(list(range(3 * BS)), KvNamespace("m", "bfloat16", "packed_kv", BS))
 
 
-@pytest.mark.parametrize("src_layout,dst_layout", [("packed_kv", "packed_kv"), ("split_kv", "split_kv"),
-                                                   ("packed_kv", "split_kv"), ("split_kv", "packed_kv")])
+@pytest.mark.parametrize(
+    "src_layout,dst_layout",
+    [
+        ("packed_kv", "packed_kv"),
+        ("split_kv", "split_kv"),
+        ("packed_kv", "split_kv"),
+        ("split_kv", "packed_kv"),
+    ],
+)
 def test_round_trip_byte_exact(store, src_layout, dst_layout):
     make = {"packed_kv": packed, "split_kv": split}
     src, dst = make[src_layout](1), make[dst_layout](2)
@@ -70,7 +77,9 @@ def test_strided_view_of_a_transformers_buffer(store):
     assert save_paged(store, kv, range(NB), ids) == [None] * NB
     out = torch.zeros_like(buf)
     out_views = [out[i].view(2, H, NB, BS, D).permute(0, 2, 3, 1, 4) for i in range(L)]
-    assert load_paged(store, PagedKv.from_layers(out_views, "split_kv"), range(NB), ids) == [None] * NB
+    assert (
+        load_paged(store, PagedKv.from_layers(out_views, "split_kv"), range(NB), ids) == [None] * NB
+    )
     assert torch.equal(out, buf)
 
 
@@ -141,8 +150,13 @@ def test_closed_store_is_refused(make_config):
 def test_blocks_survive_in_the_file_tier(make_config, tmp_path):
     src = packed(9)
     kv = PagedKv.from_layers(src)
-    cfg = dict(pipeline="host|file", lustre_path=str(tmp_path), file_capacity_bytes=64 << 20, io_direct=False,
-               write_policy="write_through")
+    cfg = dict(
+        pipeline="host|file",
+        lustre_path=str(tmp_path),
+        file_capacity_bytes=64 << 20,
+        io_direct=False,
+        write_policy="write_through",
+    )
     with cascade.CascadeStore(make_config(**cfg)) as s:
         assert save_paged(s, kv, [1, 2, 3], IDS) == [None] * 3
         s.flush()

@@ -20,7 +20,8 @@ _CHILD = textwrap.dedent(
     import numpy as np
     import cascade
 
-    kind, shm, base, rounds, nthreads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    kind, shm, base = sys.argv[1], sys.argv[2], sys.argv[3]
+    rounds, nthreads = int(sys.argv[4]), int(sys.argv[5])
     block = np.arange(64 << 10, dtype=np.uint8)
 
     def open_target(r):
@@ -74,7 +75,8 @@ _CHILD = textwrap.dedent(
         target = open_target(r)
         started = threading.Semaphore(0)
         errors = []
-        threads = [threading.Thread(target=hammer, args=(t, target, started, errors)) for t in range(nthreads)]
+        threads = [threading.Thread(target=hammer, args=(t, target, started, errors))
+                   for t in range(nthreads)]
         for th in threads:
             th.start()
         for _ in threads:
@@ -101,10 +103,17 @@ def _run_child(kind, tmp_path, timeout=120):
     shm = f"/dev/shm/cascade-lifecycle-{os.getpid()}-{kind}"
     base = str(tmp_path / kind)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(cascade.__file__)) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = (
+        os.path.dirname(os.path.dirname(cascade.__file__)) + os.pathsep + env.get("PYTHONPATH", "")
+    )
     try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, kind, shm, base, str(ROUNDS), str(THREADS)],
-                              capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, kind, shm, base, str(ROUNDS), str(THREADS)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{kind}: close() racing {THREADS} threads hung")
     finally:
@@ -112,7 +121,9 @@ def _run_child(kind, tmp_path, timeout=120):
             p = f"{shm}-{r}"
             if os.path.exists(p):
                 os.unlink(p)
-    assert proc.returncode == 0, f"{kind}: child exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"{kind}: child exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    )
     assert f"ok {ROUNDS}" in proc.stdout
 
 
@@ -146,6 +157,7 @@ def test_close_with_lease_raises_busy_then_closes(make_config):
 
 def test_async_handle_outlives_closed_store(make_config):
     import numpy as np
+
     store = cascade.CascadeStore(make_config())
     data = np.ones(1 << 16, dtype=np.uint8)
     handle = store.put_batch_async([f"b{i}" for i in range(16)], [data] * 16)
@@ -158,10 +170,12 @@ def test_async_handle_outlives_closed_store(make_config):
 
 def test_kv_mover_after_close_raises(make_config):
     import numpy as np
+
     store = cascade.CascadeStore(make_config())
     cache = np.zeros((4, 4096), dtype=np.uint8)
-    mover = cascade._core.KvBlockMover(store, "flat_bytes", -1, 1, 4, 0, 0, 0, 1, 4096,
-                                       [cache.ctypes.data], 4096, 0, 0, 0)
+    mover = cascade._core.KvBlockMover(
+        store, "flat_bytes", -1, 1, 4, 0, 0, 0, 1, 4096, [cache.ctypes.data], 4096, 0, 0, 0
+    )
     assert mover.save([0], ["x"]) == [None]
     store.close()
     with pytest.raises(cascade.UnavailableError, match="closed"):

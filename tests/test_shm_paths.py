@@ -1,6 +1,7 @@
 """shm_path safety: the store creates its arena file itself, adopts only a
 stale arena of its own user, and never truncates or deletes a file it did not
 create."""
+
 import os
 import signal
 import stat
@@ -36,11 +37,15 @@ def root():
         pytest.skip("needs root (device nodes, files of another uid)")
 
 
-@pytest.mark.parametrize("mode,uid,why", [
-    (0o644, None, "mode 0644"),
-    (0o600, 65534, "owned by uid 65534"),
-    (0o600, None, "no Cascade arena header"),
-], ids=["mode-0644", "other-uid", "no-header"])
+@pytest.mark.parametrize(
+    "mode,uid,why",
+    [
+        (0o644, None, "mode 0644"),
+        (0o600, 65534, "owned by uid 65534"),
+        (0o600, None, "no Cascade arena header"),
+    ],
+    ids=["mode-0644", "other-uid", "no-header"],
+)
 def test_existing_foreign_file_is_refused_and_untouched(make_config, root, mode, uid, why):
     cfg = make_config()
     _plant(cfg.shm_path, mode, uid)
@@ -170,8 +175,12 @@ _CHILD = textwrap.dedent("""
 
 
 def _child_store(path):
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, path], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdout.readline().strip() == "ready"
     return p
 

@@ -23,6 +23,7 @@ def test_seed_example_round_trip(store):
 
 def test_compute_block_id_is_sha256_prefix():
     import hashlib
+
     for payload in (b"", b"abc", bytes(range(256)) * 100):
         assert cascade.compute_block_id(payload) == hashlib.sha256(payload).hexdigest()[:32]
     assert cascade.compute_block_id(b"abc") == "ba7816bf8f01cfea414140de5dae2223"
@@ -43,8 +44,12 @@ def test_string_keys_map_deterministically(store):
 def test_accepts_buffers_without_copy(store, kind):
     base = random_bytes(4096 * 3, seed=7)
     data = {
-        "bytes": bytes(base), "bytearray": bytearray(base), "memoryview": memoryview(base),
-        "float16": base.view(np.float16), "int64": base.view(np.int64), "2d": base.reshape(3, 4096),
+        "bytes": bytes(base),
+        "bytearray": bytearray(base),
+        "memoryview": memoryview(base),
+        "float16": base.view(np.float16),
+        "int64": base.view(np.int64),
+        "2d": base.reshape(3, 4096),
     }[kind]
     assert store.put(f"k-{kind}", data)
     out = bytearray(base.nbytes)
@@ -128,7 +133,7 @@ def test_batch_calls(store):
     assert count == 50
     assert sizes == [b.nbytes for b in blocks] + [0]
     for b, o in zip(blocks, outs):
-        assert np.array_equal(o[:b.nbytes], b)
+        assert np.array_equal(o[: b.nbytes], b)
 
 
 def test_batch_length_mismatch(store):
@@ -164,8 +169,19 @@ def test_stats_have_seed_names(store):
     store.put("a", random_bytes(4096))
     store.get("a", bytearray(4096))
     s = store.get_stats()
-    for key in ("gpu_used", "shm_used", "gpu_hits", "shm_hits", "lustre_hits", "misses", "dedup_hits",
-                "logical_bytes", "physical_bytes", "evictions", "tiers"):
+    for key in (
+        "gpu_used",
+        "shm_used",
+        "gpu_hits",
+        "shm_hits",
+        "lustre_hits",
+        "misses",
+        "dedup_hits",
+        "logical_bytes",
+        "physical_bytes",
+        "evictions",
+        "tiers",
+    ):
         assert key in s, key
     assert s["shm_used"] == 4096 and s["shm_hits"] == 1
     assert s["tiers"]["host"]["blocks"] == 1
@@ -193,6 +209,7 @@ def test_concurrent_threads_compare_bytes(make_config):
     cfg = make_config(capacity=16 << 20)  # small: eviction runs under the load
     errors = []
     with cascade.CascadeStore(cfg) as store:
+
         def worker(t):
             rng = np.random.default_rng(t)
             out = np.empty(256 << 10, dtype=np.uint8)
@@ -205,6 +222,7 @@ def test_concurrent_threads_compare_bytes(make_config):
                     errors.append((t, i))
                 other = cascade.compute_block_id(np.frombuffer(rng.bytes(10), dtype=np.uint8))
                 store.get(other, out)
+
         threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
         for th in threads:
             th.start()

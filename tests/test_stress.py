@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 import cascade
@@ -43,7 +42,7 @@ def test_block_bytes_are_derived_and_every_difference_is_caught():
     assert KeySpace(seed=6, keys=4).data(1) != KeySpace(seed=5, keys=4).data(1)
 
 
-# ---- the kill log ---------------------------------------------------------------------------------
+# ---- the kill log --------------------------------------------------------------------------------
 def test_kill_log_owes_the_last_flush_minus_later_removes():
     log = "S 1\nF 1 1 2 3\nR 2\nS 2\nR 3\nF 2 1 3 4\nR 4\nS 3\nF 3 1 5"  # last line cut by the kill
     owed, wrong, flushes = parse_log(log)
@@ -54,7 +53,7 @@ def test_kill_log_owes_the_last_flush_minus_later_removes():
     assert parse_log("S 1\nR 7\nW key 7: got junk\n") == (set(), ["key 7: got junk"], 0)
 
 
-# ---- the watchdog ----------------------------------------------------------------------------------
+# ---- the watchdog --------------------------------------------------------------------------------
 def test_child_runner_reports_value_crash_hang_and_error():
     assert proc.run_child(lambda: {"n": 3}, 20).value == {"n": 3}
     r = proc.run_child(lambda: os.kill(os.getpid(), signal.SIGSEGV), 20)
@@ -73,10 +72,17 @@ def test_child_runner_reports_value_crash_hang_and_error():
     assert r.status == "hang" and r.detail == "get of key 3"
 
 
-# ---- the fault campaign (C++) -----------------------------------------------------------------------
+# ---- the fault campaign (C++) --------------------------------------------------------------------
 def test_fault_campaign_counts_calls_and_fires_every_point(tmp_path):
-    params = dict(dir=str(tmp_path / "f"), seed=3, puts=12, key_space=8, max_block_bytes=9000,
-                  segment_bytes=64 << 10, capacity_bytes=0)
+    params = dict(
+        dir=str(tmp_path / "f"),
+        seed=3,
+        puts=12,
+        key_space=8,
+        max_block_bytes=9000,
+        segment_bytes=64 << 10,
+        capacity_bytes=0,
+    )
     calls, points = _core.stress_fault_points(**params, kinds=["eio", "torn"])
     writes = sum(1 for p in points if p[0] == "torn")
     assert calls > 10 and writes > 0 and len(points) == calls + writes
@@ -95,15 +101,32 @@ def test_forged_record_header_has_the_documented_layout():
     assert h[8:24] == bytes.fromhex("00" * 15 + "2a")
     assert int.from_bytes(h[4:6], "little") == 2  # the keyed format
     assert int.from_bytes(h[24:32], "little") == 200
-    assert int.from_bytes(h[48:56], "little") == 8192  # the offset; the segment id is in the checksum
+    assert (
+        int.from_bytes(h[48:56], "little") == 8192
+    )  # the offset; the segment id is in the checksum
 
 
-# ---- the CI run --------------------------------------------------------------------------------------
+# ---- the CI run ----------------------------------------------------------------------------------
 def test_stress_quick_finds_nothing_wrong_and_does_real_work(tmp_path):
     out = tmp_path / "stress.json"
     env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
-    p = subprocess.run([sys.executable, "-m", "cascade", "stress", "--quick", "--dir", str(tmp_path),
-                        "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cascade",
+            "stress",
+            "--quick",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     report = json.loads(out.read_text())
     modes = {m["mode"]: m for m in report["modes"]}
     assert set(modes) == {"ops", "kill", "corrupt", "faults"}
@@ -118,7 +141,24 @@ def test_stress_quick_finds_nothing_wrong_and_does_real_work(tmp_path):
 @pytest.mark.slow
 def test_stress_long_ops_and_kill(tmp_path):
     env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
-    p = subprocess.run([sys.executable, "-m", "cascade", "stress", "ops", "kill", "--duration", "10",
-                        "--iterations", "200", "--dir", str(tmp_path)], env=env, capture_output=True, text=True,
-                       timeout=1200)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cascade",
+            "stress",
+            "ops",
+            "kill",
+            "--duration",
+            "10",
+            "--iterations",
+            "200",
+            "--dir",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert p.returncode == 0, p.stdout[-4000:]

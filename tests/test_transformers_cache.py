@@ -15,7 +15,12 @@ pytest.importorskip("transformers")
 
 import cascade  # noqa: E402
 from cascade.integrations.transformers import (  # noqa: E402
-    PrefixCache, forward_chunked, kv_from_past, kv_geometry, past_from_kv)
+    PrefixCache,
+    forward_chunked,
+    kv_from_past,
+    kv_geometry,
+    past_from_kv,
+)
 
 BS = 16
 VOCAB = 512
@@ -25,9 +30,17 @@ VOCAB = 512
 def model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=2048,
-                      tie_word_embeddings=False, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(1234)
     return LlamaForCausalLM(cfg).eval()
 
@@ -82,7 +95,7 @@ def test_shared_prefix_is_loaded_and_output_matches_full_compute(model, kv_store
     assert not r1.load_errors and not r1.save_errors
     assert_matches_full(model, a, r1.logits)
 
-    b = torch.cat([a[:85], tokens(30, 2)])          # shares 85 tokens: 5 whole blocks
+    b = torch.cat([a[:85], tokens(30, 2)])  # shares 85 tokens: 5 whole blocks
     assert pc.lookup(b).usable_blocks == 5
     r2 = pc.prefill(b)
     assert (r2.cached_tokens, r2.computed_tokens, r2.loaded_blocks) == (80, 35, 5)
@@ -90,12 +103,14 @@ def test_shared_prefix_is_loaded_and_output_matches_full_compute(model, kv_store
     assert_matches_full(model, b, r2.logits)
     # The returned cache holds every prompt token: decoding goes on from it.
     assert r2.past_key_values.get_seq_length() == len(b)
-    assert greedy_from_cache(model, r2.logits, r2.past_key_values, 6) == greedy_from_scratch(model, b, 6)
+    assert greedy_from_cache(model, r2.logits, r2.past_key_values, 6) == greedy_from_scratch(
+        model, b, 6
+    )
 
 
 def test_partial_block_prefixes(model, kv_store):
     pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
-    a = tokens(64, 3)                                 # exactly 4 blocks
+    a = tokens(64, 3)  # exactly 4 blocks
     pc.prefill(a)
     # 40 shared tokens = 2.5 blocks: only the 2 whole blocks are used.
     b = torch.cat([a[:40], tokens(23, 4)])
@@ -111,24 +126,24 @@ def test_partial_block_prefixes(model, kv_store):
     assert (r.cached_tokens, r.computed_tokens) == (48, 2)
     assert_matches_full(model, a[:50], r.logits)
     # Shorter than a block: nothing to look up or store.
-    r = pc.prefill(a[:BS - 1])
+    r = pc.prefill(a[: BS - 1])
     assert (r.cached_tokens, r.saved_blocks) == (0, 0)
-    assert_matches_full(model, a[:BS - 1], r.logits)
+    assert_matches_full(model, a[: BS - 1], r.logits)
 
 
 def test_batch_uses_the_common_cached_prefix(model, kv_store):
     pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
     a, b = tokens(80, 5), tokens(80, 6)
-    pc.prefill(a[:64])                                # a: 4 blocks cached
-    pc.prefill(b[:32])                                # b: 2 blocks cached
+    pc.prefill(a[:64])  # a: 4 blocks cached
+    pc.prefill(b[:32])  # b: 2 blocks cached
     x = torch.stack([a, b])
     plan = pc.lookup(x)
     assert plan.present_blocks == [4, 2] and plan.usable_blocks == 2
     r = pc.prefill(x, plan=plan)
     assert (r.cached_tokens, r.computed_tokens) == (32, 48)
     assert_matches_full(model, x, r.logits)
-    assert r.saved_blocks == (5 - 4) + (5 - 2)       # each row's missing full blocks
-    r = pc.prefill(x, chunk_tokens=8)                # every block cached now; chunking changes nothing
+    assert r.saved_blocks == (5 - 4) + (5 - 2)  # each row's missing full blocks
+    r = pc.prefill(x, chunk_tokens=8)  # every block cached now; chunking changes nothing
     assert r.cached_tokens == 79
     assert_matches_full(model, x, r.logits)
 
@@ -140,13 +155,13 @@ def test_block_removed_between_lookup_and_load_is_recomputed(model, kv_store):
     b = torch.cat([a, tokens(10, 8)])
     plan = pc.lookup(b)
     assert plan.usable_blocks == 6
-    assert kv_store.remove(plan.ids[0][2])            # evicted after the lookup
+    assert kv_store.remove(plan.ids[0][2])  # evicted after the lookup
     r = pc.prefill(b, plan=plan)
     assert [(row, blk) for row, blk, _ in r.load_errors] == [(0, 2)]
     assert "not" in r.load_errors[0][2]
-    assert (r.cached_tokens, r.loaded_blocks) == (32, 2)   # the prefix before the missing block
+    assert (r.cached_tokens, r.loaded_blocks) == (32, 2)  # the prefix before the missing block
     assert_matches_full(model, b, r.logits)
-    assert kv_store.contains(plan.ids[0][2])          # stored again from the recomputed KV
+    assert kv_store.contains(plan.ids[0][2])  # stored again from the recomputed KV
     r = pc.prefill(b)
     assert r.cached_tokens == 96 and not r.load_errors
     assert_matches_full(model, b, r.logits)
@@ -155,9 +170,9 @@ def test_block_removed_between_lookup_and_load_is_recomputed(model, kv_store):
 def test_block_of_the_wrong_size_is_an_error_not_data(model, kv_store):
     pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
     a = tokens(48, 9)
-    pc.prefill(a[:BS])                                                   # block 0 stored for real
+    pc.prefill(a[:BS])  # block 0 stored for real
     ids = pc.block_ids(a)[0]
-    kv_store.put(ids[1], np.ones(pc.block_bytes // 2, dtype=np.uint8))   # block 1: the wrong size
+    kv_store.put(ids[1], np.ones(pc.block_bytes // 2, dtype=np.uint8))  # block 1: the wrong size
     plan = pc.lookup(a)
     assert plan.usable_blocks == 2
     r = pc.prefill(a, plan=plan, save=False)
@@ -174,16 +189,27 @@ def test_namespaces_do_not_share_blocks(model, kv_store):
     assert same.lookup(a).usable_blocks == 4
     others = [
         PrefixCache(model, kv_store, model_name="another-model", block_size=BS),
-        PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS, tenant="tenant-b"),
-        PrefixCache(copy.deepcopy(model).to(torch.float64), kv_store, model_name="tiny-llama-test", block_size=BS),
-        PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS, tp_rank=1, tp_world=2),
+        PrefixCache(
+            model, kv_store, model_name="tiny-llama-test", block_size=BS, tenant="tenant-b"
+        ),
+        PrefixCache(
+            copy.deepcopy(model).to(torch.float64),
+            kv_store,
+            model_name="tiny-llama-test",
+            block_size=BS,
+        ),
+        PrefixCache(
+            model, kv_store, model_name="tiny-llama-test", block_size=BS, tp_rank=1, tp_world=2
+        ),
         PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=2 * BS),
     ]
     for pc in others:
         assert pc.lookup(a).usable_blocks == 0, pc.namespace
         r = pc.prefill(a, save=False)
         assert r.cached_tokens == 0
-    tenant_a = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS, tenant="tenant-a")
+    tenant_a = PrefixCache(
+        model, kv_store, model_name="tiny-llama-test", block_size=BS, tenant="tenant-a"
+    )
     tenant_a.prefill(a)
     assert tenant_a.lookup(a).usable_blocks == 4
     assert others[1].lookup(a).usable_blocks == 0
@@ -193,29 +219,40 @@ def test_hit_ratio_limits_the_loaded_prefix(model, kv_store):
     pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
     a = tokens(160, 11)
     pc.prefill(a)
-    r = pc.prefill(a, hit_ratio=0.8, save=False)      # 128 tokens = 8 blocks
+    r = pc.prefill(a, hit_ratio=0.8, save=False)  # 128 tokens = 8 blocks
     assert (r.cached_tokens, r.computed_tokens) == (128, 32)
     assert_matches_full(model, a, r.logits)
-    limited = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS, hit_ratio=0.5)
+    limited = PrefixCache(
+        model, kv_store, model_name="tiny-llama-test", block_size=BS, hit_ratio=0.5
+    )
     assert limited.lookup(a).usable_blocks == 5
 
 
 def test_cold_file_tier_in_a_new_store(model, shm_path):
     d = tempfile.mkdtemp(prefix="cascade-tf-test-")
     try:
+
         def cfg(path):
             c = cascade.CascadeConfig()
             c.pipeline, c.shm_path, c.shm_capacity_bytes = "host|file", path, 64 << 20
             c.lustre_path, c.io_direct, c.num_io_threads = d, True, 2
             c.write_policy = cascade.WritePolicy.WRITE_THROUGH
             return c
+
         a = tokens(120, 12)
         with cascade.CascadeStore(cfg(shm_path)) as s:
-            assert PrefixCache(model, s, model_name="tiny-llama-test", block_size=BS).prefill(a).saved_blocks == 7
+            assert (
+                PrefixCache(model, s, model_name="tiny-llama-test", block_size=BS)
+                .prefill(a)
+                .saved_blocks
+                == 7
+            )
             s.flush()
         # A new store on the same directory: empty host tier, blocks only in the files.
         with cascade.CascadeStore(cfg(shm_path + "-b")) as s:
-            r = PrefixCache(model, s, model_name="tiny-llama-test", block_size=BS).prefill(a, save=False)
+            r = PrefixCache(model, s, model_name="tiny-llama-test", block_size=BS).prefill(
+                a, save=False
+            )
             assert (r.cached_tokens, r.loaded_blocks) == (112, 7) and not r.load_errors
             assert_matches_full(model, a, r.logits)
     finally:
@@ -226,7 +263,7 @@ def test_cold_file_tier_in_a_new_store(model, shm_path):
 
 def test_cache_helpers_round_trip(model):
     ids = tokens(40, 13)[None]
-    logits, past = forward_chunked(model, ids, None, chunk_tokens=7)     # 6 forwards
+    logits, past = forward_chunked(model, ids, None, chunk_tokens=7)  # 6 forwards
     assert_matches_full(model, ids, logits)
     pairs = kv_from_past(past)
     g = kv_geometry(model)
@@ -250,7 +287,7 @@ def test_bad_input_is_a_clear_error(model, kv_store):
     with pytest.raises(ValueError, match="hit_ratio"):
         PrefixCache(model, kv_store, model_name="m", hit_ratio=1.5)
     with pytest.raises(ValueError, match="model_name"):
-        PrefixCache(model, kv_store)                   # a model built from a config has no name
+        PrefixCache(model, kv_store)  # a model built from a config has no name
     plan = pc.lookup(tokens(40, 14))
     with pytest.raises(ValueError, match="plan"):
         pc.prefill(tokens(41, 14), plan=plan)
@@ -280,7 +317,9 @@ def test_gpu_model_loads_and_saves_through_the_device_path(model, shm_path, pipe
         assert (r.cached_tokens, r.loaded_blocks) == (80, 5) and not r.load_errors
         assert r.logits.device == dev
         assert_matches_full(m32, b, r.logits)
-        assert greedy_from_cache(m32, r.logits, r.past_key_values, 4) == greedy_from_scratch(m32, b, 4)
+        assert greedy_from_cache(m32, r.logits, r.past_key_values, 4) == greedy_from_scratch(
+            m32, b, 4
+        )
         # bfloat16: the loaded KV gives bit-identical logits to the KV that never left the device.
         m16 = copy.deepcopy(model).to(dev, torch.bfloat16)
         pc16 = PrefixCache(m16, s, model_name="tiny-llama-test-gpu", block_size=BS)

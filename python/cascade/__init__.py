@@ -23,6 +23,7 @@ from cascade._core import (  # noqa: F401
     HAVE_MPI,
     HAVE_URING,
     BatchHandle,
+    BlockLease,
     BufferTooSmallError,
     BusyError,
     CascadeConfig,
@@ -33,8 +34,10 @@ from cascade._core import (  # noqa: F401
     EvictionPolicy,
     FileBackend,
     FileIoEngine,
+    GPUBackend,
     HostBackend,
     InvalidArgumentError,
+    LustreBackend,
     NoSpaceError,
     NotFoundError,
     NotSupportedError,
@@ -45,12 +48,9 @@ from cascade._core import (  # noqa: F401
     block_id,
     compute_block_id,
     gpu_usable,
+    inspect_directory,
+    probe_direct_io,
 )
-from cascade import _core
 from cascade.config import config_from_dict, config_to_dict, load_config  # noqa: F401
 
 __version__ = "0.1.0"
-
-for _name in ("LustreBackend", "GPUBackend", "BlockLease", "inspect_directory", "probe_direct_io"):
-    if hasattr(_core, _name):
-        globals()[_name] = getattr(_core, _name)

@@ -1,14 +1,14 @@
 """The `cascade` command: `cascade info`, `cascade bench`, and the rest.
 
-    cascade info                      what this machine has
-    cascade bench                     per-tier throughput vs the hardware ceiling
-    cascade bench --size 1MiB --size 64MiB --threads 8 --json out.json
-    mpirun -np 4 cascade bench --distributed   distributed store: aggregate and per-rank GB/s
-    cascade bench compare             Cascade beside Redis, HDF5, file-per-block, LMCache, torch
-    cascade bench gpu                 gpu tier and paged KV transfers vs PCIe/HBM ceilings
-    cascade bench vmm --pages-total 100 --procs 4 --iters 20   GPU page-mapping parallelism
-    cascade bench ttft                time to first token: full prefill vs prefix from the host/file tier
-    cascade stress --quick            randomized reliability harness: ops, kill -9, corruption, I/O faults
+cascade info            what this machine has
+cascade bench           per-tier throughput vs the hardware ceiling
+cascade bench --size 1MiB --size 64MiB --threads 8 --json out.json
+mpirun -np 4 cascade bench --distributed   distributed store: aggregate and per-rank GB/s
+cascade bench compare   Cascade beside Redis, HDF5, file-per-block, LMCache, torch
+cascade bench gpu       gpu tier and paged KV transfers vs PCIe/HBM ceilings
+cascade bench vmm --pages-total 100 --procs 4 --iters 20   GPU page-mapping parallelism
+cascade bench ttft      time to first token: full prefill vs prefix from the host/file tier
+cascade stress --quick  randomized reliability harness: ops, kill -9, corruption, I/O faults
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def _cmd_info(args) -> int:
 
 def _cmd_bench(args) -> int:
     from cascade.bench.common import Progress, parse_size_arg
-    from cascade.bench.tiers import format_report, run_tier_bench
+    from cascade.bench.tiers import run_tier_bench
+    from cascade.bench.tiers_report import format_report
 
     args.sizes = [parse_size_arg(s) for s in (args.size or ["64KiB", "1MiB", "16MiB", "512MiB"])]
     args.total = parse_size_arg(args.total)
@@ -88,7 +89,7 @@ def _cmd_ttft(args) -> int:
 
 def _cmd_inspect(args) -> int:
     from cascade import _core
-    from cascade.bench.common import format_table, fmt_size
+    from cascade.bench.common import fmt_size, format_table
 
     try:
         report = _core.inspect_directory(args.dir, not args.no_verify)
@@ -98,21 +99,56 @@ def _cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        rows = [[s["file"], fmt_size(s["file_bytes"]),
-                 f"foreign (format {s['format_version']})" if s["foreign"] else ("yes" if s["sealed"] else "no"),
-                 s["records"], s["live_records"], fmt_size(s["live_bytes"]), fmt_size(s["dead_bytes"]),
-                 s["corrupt_records"], s["tail_bytes"]] for s in report["segments"]]
-        print(format_table(["segment", "size", "sealed", "records", "live", "live bytes", "dead bytes",
-                            "corrupt", "torn tail bytes"], rows, title=f"{report['dir']}"))
-        print(f"{report['records']} records, {report['live_records']} live ({fmt_size(report['payload_bytes'])} "
-              f"of payload), {report['duplicate_records']} duplicates, {fmt_size(report['dead_bytes'])} dead, "
-              f"{report['corrupt_records']} corrupt, {report['unreadable_segments']} unreadable segments, "
-              f"{report['aliases']} aliases; "
-              f"checksums {'verified' if report['verified'] else 'not read (--no-verify)'}")
+        rows = [
+            [
+                s["file"],
+                fmt_size(s["file_bytes"]),
+                f"foreign (format {s['format_version']})"
+                if s["foreign"]
+                else ("yes" if s["sealed"] else "no"),
+                s["records"],
+                s["live_records"],
+                fmt_size(s["live_bytes"]),
+                fmt_size(s["dead_bytes"]),
+                s["corrupt_records"],
+                s["tail_bytes"],
+            ]
+            for s in report["segments"]
+        ]
+        print(
+            format_table(
+                [
+                    "segment",
+                    "size",
+                    "sealed",
+                    "records",
+                    "live",
+                    "live bytes",
+                    "dead bytes",
+                    "corrupt",
+                    "torn tail bytes",
+                ],
+                rows,
+                title=f"{report['dir']}",
+            )
+        )
+        print(
+            f"{report['records']} records, {report['live_records']} live "
+            f"({fmt_size(report['payload_bytes'])} of payload), {report['duplicate_records']} "
+            f"duplicates, {fmt_size(report['dead_bytes'])} dead, {report['corrupt_records']} "
+            f"corrupt, {report['unreadable_segments']} unreadable segments, {report['aliases']} "
+            f"aliases; checksums {'verified' if report['verified'] else 'not read (--no-verify)'}"
+        )
         if report["foreign_segments"]:
-            print(f"{report['foreign_segments']} foreign segment files (an older format or another key): "
-                  "a store leaves them alone and serves nothing from them")
-        print("OK" if report["ok"] else "DAMAGED: corrupt records are skipped (never served) by a store")
+            print(
+                f"{report['foreign_segments']} foreign segment files (an older format or another "
+                "key): a store leaves them alone and serves nothing from them"
+            )
+        print(
+            "OK"
+            if report["ok"]
+            else "DAMAGED: corrupt records are skipped (never served) by a store"
+        )
     return 0 if report["ok"] else 1
 
 
@@ -126,69 +162,123 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cascade", description="Cascade tiered KV-cache store")
     sub = p.add_subparsers(dest="command", required=True)
 
-    info = sub.add_parser("info", help="print this machine's cores, memory, /dev/shm, disks and GPUs")
+    info = sub.add_parser(
+        "info", help="print this machine's cores, memory, /dev/shm, disks and GPUs"
+    )
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(fn=_cmd_info)
 
-    insp = sub.add_parser("inspect", help="segments, records, live/dead bytes and checksums of a file-tier "
-                                          "directory (exit 1 if anything is corrupt)")
+    insp = sub.add_parser(
+        "inspect",
+        help="segments, records, live/dead bytes and checksums of a file-tier "
+        "directory (exit 1 if anything is corrupt)",
+    )
     insp.add_argument("dir", help="the file tier's directory (file_path)")
-    insp.add_argument("--no-verify", action="store_true", help="do not read payloads to check checksums")
+    insp.add_argument(
+        "--no-verify", action="store_true", help="do not read payloads to check checksums"
+    )
     insp.add_argument("--json", action="store_true", help="print JSON")
     insp.set_defaults(fn=_cmd_inspect)
 
-    stress = sub.add_parser("stress", help="randomized reliability harness: random operations with every byte "
-                                           "verified, kill -9 loops, on-disk corruption, I/O fault injection "
-                                           "(exit 1 on any wrong byte, lost flushed block, crash or hang)")
+    stress = sub.add_parser(
+        "stress",
+        help="randomized reliability harness: random operations with every byte "
+        "verified, kill -9 loops, on-disk corruption, I/O fault injection "
+        "(exit 1 on any wrong byte, lost flushed block, crash or hang)",
+    )
     from cascade.stress.runner import add_arguments as add_stress_arguments
+
     add_stress_arguments(stress)
     stress.set_defaults(fn=_cmd_stress)
 
     bench = sub.add_parser("bench", help="measure tier throughput against the hardware ceiling")
-    bench.add_argument("--tiers", default="auto",
-                       help="comma-separated tiers to measure: host, file, gpu (default: host, file, and gpu "
-                            "when one is usable)")
-    bench.add_argument("--file-dir", default=None,
-                       help="directory for the file tier (a temporary directory is made inside it and removed; "
-                            "default: the system's temporary directory)")
-    bench.add_argument("--overflow", action="store_true",
-                       help="also run the overflow table: 0/50/75/90%% of the data beyond the host tier, cold reads")
-    bench.add_argument("--only-overflow", action="store_true", help="with --overflow: skip the per-tier rows")
+    bench.add_argument(
+        "--tiers",
+        default="auto",
+        help="comma-separated tiers to measure: host, file, gpu (default: host, file, and gpu "
+        "when one is usable)",
+    )
+    bench.add_argument(
+        "--file-dir",
+        default=None,
+        help="directory for the file tier (a temporary directory is made inside it and removed; "
+        "default: the system's temporary directory)",
+    )
+    bench.add_argument(
+        "--overflow",
+        action="store_true",
+        help="also run the overflow table: 0/50/75/90%% of the data beyond the host tier, "
+        "cold reads",
+    )
+    bench.add_argument(
+        "--only-overflow", action="store_true", help="with --overflow: skip the per-tier rows"
+    )
     bench.add_argument("--overflow-block", default="1MiB", help="block size of the overflow run")
-    bench.add_argument("--size", action="append",
-                       help="block size; repeatable. A plain number is KiB; "
-                            "default: 64KiB 1MiB 16MiB 512MiB")
-    bench.add_argument("--blocks", type=int, default=None,
-                       help="blocks per size (default: enough for --total bytes, at least 4)")
+    bench.add_argument(
+        "--size",
+        action="append",
+        help="block size; repeatable. A plain number is KiB; "
+        "default: 64KiB 1MiB 16MiB 512MiB",
+    )
+    bench.add_argument(
+        "--blocks",
+        type=int,
+        default=None,
+        help="blocks per size (default: enough for --total bytes, at least 4)",
+    )
     bench.add_argument("--total", default="1GiB", help="bytes per size when --blocks is not given")
     bench.add_argument("--threads", type=int, default=0, help="I/O threads (default: one per core)")
-    bench.add_argument("--repeats", type=int, default=3, help="timed passes per phase; the best is reported")
+    bench.add_argument(
+        "--repeats", type=int, default=3, help="timed passes per phase; the best is reported"
+    )
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    bench.add_argument("--skip-micro", action="store_true",
-                       help="skip the per-call overhead and index lookup measurements")
+    bench.add_argument(
+        "--skip-micro",
+        action="store_true",
+        help="skip the per-call overhead and index lookup measurements",
+    )
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    bench.add_argument("--distributed", action="store_true",
-                       help="measure a distributed store, aggregate and per rank; run it under MPI: "
-                            "mpirun -np N --bind-to none cascade bench --distributed (--total: bytes per rank)")
-    bench.add_argument("--scaling", nargs="+", metavar="JSON",
-                       help="print the scaling table (ranks, aggregate read, speedup) of several "
-                            "`--distributed --json` runs")
+    bench.add_argument(
+        "--distributed",
+        action="store_true",
+        help="measure a distributed store, aggregate and per rank; run it under MPI: "
+        "mpirun -np N --bind-to none cascade bench --distributed (--total: bytes per rank)",
+    )
+    bench.add_argument(
+        "--scaling",
+        nargs="+",
+        metavar="JSON",
+        help="print the scaling table (ranks, aggregate read, speedup) of several "
+        "`--distributed --json` runs",
+    )
     bench.set_defaults(fn=_cmd_bench)
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="{compare,gpu,vmm,ttft}")
-    compare = bench_sub.add_parser("compare", help="Cascade side by side with its peers, ceilings beside")
+    compare = bench_sub.add_parser(
+        "compare", help="Cascade side by side with its peers, ceilings beside"
+    )
     from cascade.bench.compare import add_arguments as add_compare_arguments
+
     add_compare_arguments(compare)
     compare.set_defaults(fn=_cmd_compare)
     from cascade.bench.gpu import add_gpu_arguments, add_vmm_arguments
-    gpu = bench_sub.add_parser("gpu", help="gpu tier and paged KV transfers beside the PCIe and HBM ceilings")
+
+    gpu = bench_sub.add_parser(
+        "gpu", help="gpu tier and paged KV transfers beside the PCIe and HBM ceilings"
+    )
     add_gpu_arguments(gpu)
     gpu.set_defaults(fn=_cmd_gpu)
-    vmm = bench_sub.add_parser("vmm", help="GPU page-mapping parallelism over processes")
+    vmm = bench_sub.add_parser(
+        "vmm", help="GPU page-mapping parallelism over processes"
+    )
     add_vmm_arguments(vmm)
     vmm.set_defaults(fn=_cmd_vmm)
     from cascade.bench.ttft import add_ttft_arguments
-    ttft = bench_sub.add_parser("ttft", help="time to first token of a random-weight Llama: full prefill vs the "
-                                             "prefix from the host or file tier, checked against full compute")
+
+    ttft = bench_sub.add_parser(
+        "ttft",
+        help="time to first token of a random-weight Llama: full prefill vs the "
+        "prefix from the host or file tier, checked against full compute",
+    )
     add_ttft_arguments(ttft)
     ttft.set_defaults(fn=_cmd_ttft)
     return p

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from cascade._core import CascadeConfig, EvictionPolicy, FileIoEngine, WritePolicy
 
@@ -31,8 +32,12 @@ ALIASES = {
     "lustre_stripe_count": "file_stripe_count",
 }
 _SIZE_FIELDS = {
-    "gpu_capacity_bytes", "shm_capacity_bytes", "file_stripe_size", "file_capacity_bytes",
-    "segment_size_bytes", "parallel_copy_threshold",
+    "gpu_capacity_bytes",
+    "shm_capacity_bytes",
+    "file_stripe_size",
+    "file_capacity_bytes",
+    "segment_size_bytes",
+    "parallel_copy_threshold",
 }
 _ENUMS = {
     "eviction_policy": EvictionPolicy,
@@ -40,11 +45,20 @@ _ENUMS = {
     "file_io_engine": FileIoEngine,
 }
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kb": 1000, "kib": 1 << 10,
-    "m": 1 << 20, "mb": 1000 ** 2, "mib": 1 << 20,
-    "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30,
-    "t": 1 << 40, "tb": 1000 ** 4, "tib": 1 << 40,
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1000**4,
+    "tib": 1 << 40,
 }
 
 
@@ -84,7 +98,9 @@ def parse_size(value: Any, what: str = "size") -> int:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
         if m and m.group(2).lower() in _UNITS:
             return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ValueError(f"{what}: cannot read {value!r} as a size (examples: 1048576, '64GiB', '512MB')")
+    raise ValueError(
+        f"{what}: cannot read {value!r} as a size (examples: 1048576, '64GiB', '512MB')"
+    )
 
 
 def _enum_value(enum, value, name):
@@ -98,15 +114,19 @@ def _enum_value(enum, value, name):
     raise ValueError(f"{name}: {value!r} is not one of {choices}")
 
 
-def config_from_dict(options: Mapping[str, Any], base: CascadeConfig | None = None) -> CascadeConfig:
+def config_from_dict(
+    options: Mapping[str, Any], base: CascadeConfig | None = None
+) -> CascadeConfig:
     """A CascadeConfig with `options` applied over `base` (or the defaults)."""
     cfg = base if base is not None else CascadeConfig()
     options = canonical_options(options)
     known = set(fields())
     unknown = sorted(k for k in options if k not in known)
     if unknown:
-        raise ValueError(f"unknown CascadeConfig option(s): {', '.join(unknown)}; "
-                         f"known options: {', '.join(sorted(known))}")
+        raise ValueError(
+            f"unknown CascadeConfig option(s): {', '.join(unknown)}; "
+            f"known options: {', '.join(sorted(known))}"
+        )
     for name, value in options.items():
         if name in _SIZE_FIELDS:
             value = parse_size(value, name)
@@ -116,7 +136,9 @@ def config_from_dict(options: Mapping[str, Any], base: CascadeConfig | None = No
             try:  # "0640", "0o640", "640": permission bits are octal
                 value = int(value.strip().lower().removeprefix("0o"), 8)
             except ValueError:
-                raise ValueError(f"file_mode: cannot read {value!r} as octal permission bits") from None
+                raise ValueError(
+                    f"file_mode: cannot read {value!r} as octal permission bits"
+                ) from None
         elif name in ("file_path", "shm_path") and value is not None:
             value = os.fspath(value)
         try:
@@ -159,8 +181,9 @@ def _attach():
     CascadeConfig.from_dict = staticmethod(config_from_dict)
     CascadeConfig.from_yaml = staticmethod(load_config)
     CascadeConfig.to_dict = config_to_dict
-    CascadeConfig.__repr__ = lambda self: "CascadeConfig(" + ", ".join(
-        f"{k}={v!r}" for k, v in config_to_dict(self).items()) + ")"
+    CascadeConfig.__repr__ = lambda self: (
+        "CascadeConfig(" + ", ".join(f"{k}={v!r}" for k, v in config_to_dict(self).items()) + ")"
+    )
 
 
 _attach()

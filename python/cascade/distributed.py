@@ -25,12 +25,17 @@ others. Needs mpi4py, which initializes MPI with MPI_THREAD_MULTIPLE.
 from __future__ import annotations
 
 from cascade import _core
+from cascade._core import DistributedOptions, RemoteChecksum
 from cascade.config import config_from_dict
 
-__all__ = ["available", "make_options", "open_store", "owner", "DistributedOptions", "RemoteChecksum"]
-
-DistributedOptions = getattr(_core, "DistributedOptions", None)
-RemoteChecksum = getattr(_core, "RemoteChecksum", None)
+__all__ = [
+    "available",
+    "make_options",
+    "open_store",
+    "owner",
+    "DistributedOptions",
+    "RemoteChecksum",
+]
 
 _CHECKSUMS = {"off": "OFF", "cross_node": "CROSS_NODE", "always": "ALWAYS"}
 
@@ -40,7 +45,7 @@ def available() -> bool:
     return bool(getattr(_core, "HAVE_DISTRIBUTED", False))
 
 
-def make_options(**fields) -> "DistributedOptions":
+def make_options(**fields) -> DistributedOptions:
     """DistributedOptions from keyword arguments; ``checksum`` may be a
     string: "off", "cross_node" or "always"."""
     if DistributedOptions is None:
@@ -51,7 +56,9 @@ def make_options(**fields) -> "DistributedOptions":
             try:
                 value = getattr(RemoteChecksum, _CHECKSUMS[value.lower()])
             except KeyError:
-                raise ValueError(f"checksum must be one of {sorted(_CHECKSUMS)}, not {value!r}") from None
+                raise ValueError(
+                    f"checksum must be one of {sorted(_CHECKSUMS)}, not {value!r}"
+                ) from None
         if not hasattr(opts, name):
             raise TypeError(f"unknown distributed option {name!r}")
         setattr(opts, name, value)
@@ -66,20 +73,25 @@ def open_store(config=None, comm=None, **options):
     Returns a cascade.CascadeStore."""
     if not available():
         raise _core.UnavailableError(
-            "this build of cascade cannot open distributed stores (it was built without MPI)")
+            "this build of cascade cannot open distributed stores (it was built without MPI)"
+        )
     try:
         from mpi4py import MPI
     except ImportError as e:
         raise _core.UnavailableError(
-            "distributed stores need mpi4py (pip install mpi4py, built against the MPI cascade uses)") from e
+            "distributed stores need mpi4py (pip install mpi4py, built against the MPI cascade "
+            "uses)"
+        ) from e
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise _core.UnavailableError(
             "MPI was initialized without MPI_THREAD_MULTIPLE; keep mpi4py's default "
-            "(mpi4py.rc.thread_level = 'multiple') before importing mpi4py.MPI")
+            "(mpi4py.rc.thread_level = 'multiple') before importing mpi4py.MPI"
+        )
     if config is None or isinstance(config, dict):
         config = config_from_dict(config or {})
-    return _core.open_distributed(config, comm if comm is not None else MPI.COMM_WORLD,
-                                  make_options(**options))
+    return _core.open_distributed(
+        config, comm if comm is not None else MPI.COMM_WORLD, make_options(**options)
+    )
 
 
 def owner(block_id, ranks: int, points_per_rank: int | None = None) -> int:

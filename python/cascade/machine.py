@@ -69,14 +69,24 @@ def _gpus() -> list[dict]:
     if not exe:
         return []
     try:
-        r = subprocess.run([exe, "--query-gpu=name,memory.total,pci.bus_id,driver_version",
-                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
+        r = subprocess.run(
+            [
+                exe,
+                "--query-gpu=name,memory.total,pci.bus_id,driver_version",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     gpus = []
     for line in r.stdout.strip().splitlines():
         name, mem, bus, drv = [x.strip() for x in line.split(",")]
-        gpus.append({"name": name, "memory_bytes": int(float(mem)) << 20, "pci": bus, "driver": drv})
+        gpus.append(
+            {"name": name, "memory_bytes": int(float(mem)) << 20, "pci": bus, "driver": drv}
+        )
     return gpus
 
 
@@ -113,21 +123,31 @@ def format_info(info: dict) -> str:
     lines = [
         f"host      {info['hostname']} (Linux {info['kernel']}, Python {info['python']})",
         f"cpu       {info['cpu']}, {info['cores']} cores",
-        f"memory    {human_bytes(info['memory_bytes'])} ({human_bytes(info['memory_available_bytes'])} available)",
+        f"memory    {human_bytes(info['memory_bytes'])} "
+        f"({human_bytes(info['memory_available_bytes'])} available)",
     ]
     shm = info.get("shm")
     if shm:
-        lines.append(f"/dev/shm  {human_bytes(shm['total_bytes'])} {shm['fs']} "
-                     f"({human_bytes(shm['free_bytes'])} free)")
+        lines.append(
+            f"/dev/shm  {human_bytes(shm['total_bytes'])} {shm['fs']} "
+            f"({human_bytes(shm['free_bytes'])} free)"
+        )
     for d in info["disks"]:
-        lines.append(f"disk      {d['path']}: {d['fs']}, {human_bytes(d['total_bytes'])} "
-                     f"({human_bytes(d['free_bytes'])} free)")
+        lines.append(
+            f"disk      {d['path']}: {d['fs']}, {human_bytes(d['total_bytes'])} "
+            f"({human_bytes(d['free_bytes'])} free)"
+        )
     if info["gpus"]:
         for i, g in enumerate(info["gpus"]):
-            lines.append(f"gpu {i}     {g['name']}, {human_bytes(g['memory_bytes'])}, driver {g['driver']}")
+            lines.append(
+                f"gpu {i}     {g['name']}, {human_bytes(g['memory_bytes'])}, driver {g['driver']}"
+            )
     else:
         lines.append("gpu       none found")
     b = info["build"]
-    lines.append(f"build     cuda={'yes' if b['cuda'] else 'no'} io_uring={'yes' if b['io_uring'] else 'no'} "
-                 f"mpi={'yes' if b['mpi'] else 'no'}; gpu tier usable: {'yes' if info['gpu_usable'] else 'no'}")
+    lines.append(
+        f"build     cuda={'yes' if b['cuda'] else 'no'} "
+        f"io_uring={'yes' if b['io_uring'] else 'no'} mpi={'yes' if b['mpi'] else 'no'}; gpu tier "
+        f"usable: {'yes' if info['gpu_usable'] else 'no'}"
+    )
     return "\n".join(lines)

@@ -6,14 +6,16 @@ vLLM into .venv-vllm; skipped where vLLM is not installed."""
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
-                    reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm")
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.base",
+    reason="vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm",
+)
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm_harness import SAMPLED_TOKEN, Engine, make_vllm_config, write_tiny_llama  # noqa: E402
 
 from cascade.integrations.ids import prefix_block_ids  # noqa: E402
 from cascade.integrations.vllm import CascadeConnector, CascadeConnectorStats, CascadePromMetrics  # noqa: E402
-from vllm_harness import SAMPLED_TOKEN, Engine, make_vllm_config, write_tiny_llama  # noqa: E402
 
 BS = 16
 PROMPT = list(range(200, 250))  # 3 full blocks and 2 tokens
@@ -29,8 +31,10 @@ def engines(model_dir):
     made = []
 
     def make(extra=None, num_blocks=64, **kw):
-        eng = Engine(make_vllm_config(model_dir, {"host_capacity": "64MiB", **(extra or {})}, **kw),
-                     num_blocks=num_blocks)
+        eng = Engine(
+            make_vllm_config(model_dir, {"host_capacity": "64MiB", **(extra or {})}, **kw),
+            num_blocks=num_blocks,
+        )
         made.append(eng)
         return eng
 
@@ -40,22 +44,32 @@ def engines(model_dir):
 
 
 def store_ids(eng, prompt, salt=None, rank=0):
-    ns = eng.connector.namespace.with_tenant(eng.connector.config.namespace_tenant(salt)).for_rank(rank)
-    return prefix_block_ids(prompt[:len(prompt) // BS * BS], ns)
+    ns = eng.connector.namespace.with_tenant(eng.connector.config.namespace_tenant(salt)).for_rank(
+        rank
+    )
+    return prefix_block_ids(prompt[: len(prompt) // BS * BS], ns)
 
 
 def test_vllm_builds_both_halves(engines):
     eng = engines()
-    assert isinstance(eng.connector, CascadeConnector) and eng.connector.role == KVConnectorRole.SCHEDULER
+    assert (
+        isinstance(eng.connector, CascadeConnector)
+        and eng.connector.role == KVConnectorRole.SCHEDULER
+    )
     assert isinstance(eng.worker, CascadeConnector) and eng.worker.role == KVConnectorRole.WORKER
     assert eng.worker.worker.kv.num_layers == 2 and eng.worker.worker.kv.block_size == BS
     assert eng.connector.namespace.dtype == "bfloat16" and eng.connector.namespace.tp_world == 1
 
 
-@pytest.mark.parametrize("layout,dtype,layerwise", [
-    ("LBNHC", "bfloat16", False), ("LBHNC", "float32", False), ("BLHNC", "bfloat16", False),
-    ("LBNHC", "float16", True),
-])
+@pytest.mark.parametrize(
+    "layout,dtype,layerwise",
+    [
+        ("LBNHC", "bfloat16", False),
+        ("LBHNC", "float32", False),
+        ("BLHNC", "bfloat16", False),
+        ("LBNHC", "float16", True),
+    ],
+)
 def test_save_then_load_byte_exact(engines, layout, dtype, layerwise):
     eng = engines({"use_layerwise": layerwise}, layout=layout, dtype=dtype)
     a = eng.add("a", PROMPT)
@@ -72,10 +86,13 @@ def test_save_then_load_byte_exact(engines, layout, dtype, layerwise):
     new = out.scheduled_new_reqs[0]
     assert (new.req_id, new.num_computed_tokens, out.num_scheduled_tokens["b"]) == ("b", 3 * BS, 2)
     assert out.has_sync_kv_loads and not kv_out.invalid_block_ids
-    # The forward pass wrote only tokens 48 and 49; the three loaded pages hold exactly the KV of "a".
+    # The forward pass wrote only tokens 48 and 49; the three loaded pages hold exactly the KV of
+    # "a".
     for i in range(3):
         assert eng.page_is_computed("b", i, PROMPT)
-    assert eng.page_is_computed("b", 3, PROMPT + [0] * 14) is False  # partial block: computed, not loaded
+    assert (
+        eng.page_is_computed("b", 3, PROMPT + [0] * 14) is False
+    )  # partial block: computed, not loaded
     eng.run()
     assert list(b.output_token_ids) == [SAMPLED_TOKEN] * 2
     # The worker's counters reached vLLM through KVConnectorOutput.kv_connector_stats, step by step.
@@ -97,12 +114,16 @@ def test_block_lost_between_lookup_and_load_is_recomputed(engines):
     ids = store_ids(eng, PROMPT)
     out = eng.scheduler.schedule()  # the scheduler claims the hit...
     assert out.scheduled_new_reqs[0].num_computed_tokens == 3 * BS
-    assert eng.worker.worker.store.remove(ids[1])  # ...and block 1 is evicted before the worker loads it
+    assert eng.worker.worker.store.remove(
+        ids[1]
+    )  # ...and block 1 is evicted before the worker loads it
     table = eng.block_table("b")
     # Run the step the scheduler just planned, as the model runner would.
     _, kv_out = eng.execute(out)
     assert kv_out.invalid_block_ids == {table[1]}
-    assert eng.scheduler.requests["b"].num_computed_tokens == BS  # rolled back to the first bad block
+    assert (
+        eng.scheduler.requests["b"].num_computed_tokens == BS
+    )  # rolled back to the first bad block
     assert not b.output_token_ids  # the step's output for "b" was dropped
     out, kv_out = eng.step()
     assert out.num_scheduled_tokens["b"] == len(PROMPT) - BS and not kv_out.invalid_block_ids
@@ -113,8 +134,11 @@ def test_block_lost_between_lookup_and_load_is_recomputed(engines):
 
 
 def test_namespace_separation(engines, model_dir, tmp_path):
-    storage = {"store_pipeline": "host|file", "storage_path": str(tmp_path / "kv"),
-               "store": {"write_policy": "write_through"}}
+    storage = {
+        "store_pipeline": "host|file",
+        "storage_path": str(tmp_path / "kv"),
+        "store": {"write_policy": "write_through"},
+    }
     eng = engines({**storage, "model_name": "model-one"})
     eng.add("a", PROMPT)
     eng.run()
@@ -168,7 +192,9 @@ def test_lite_mode_counts_hits_and_moves_nothing(engines):
     eng = engines({"use_lite": True})
     assert eng.worker.worker is None  # no store, no data path
     spec = eng.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    assert eng.connector.planner.lite.capacity_blocks == (64 << 20) // (spec.page_size_bytes * 2)  # host_capacity
+    assert eng.connector.planner.lite.capacity_blocks == (64 << 20) // (
+        spec.page_size_bytes * 2
+    )  # host_capacity
     eng.add("a", PROMPT)
     eng.run()
     b = eng.add("b", PROMPT)
@@ -184,9 +210,14 @@ def test_hit_ratio_and_threshold(engines):
     eng.add("short", PROMPT[:33])  # below the threshold: neither saved nor looked up
     eng.add("a", PROMPT)
     eng.run()
-    assert eng.worker.worker.prefix_length(store_ids(eng, PROMPT[:33])) == 2  # "a" saved the shared blocks
+    assert (
+        eng.worker.worker.prefix_length(store_ids(eng, PROMPT[:33])) == 2
+    )  # "a" saved the shared blocks
     b = eng.add("b", PROMPT)
-    assert eng.connector.get_num_new_matched_tokens(b, 0) == (BS, False)  # 0.5 * 50 tokens -> 1 block
+    assert eng.connector.get_num_new_matched_tokens(b, 0) == (
+        BS,
+        False,
+    )  # 0.5 * 50 tokens -> 1 block
     eng.run()
 
 
@@ -216,29 +247,41 @@ def test_stats_and_prometheus(engines):
 
     types = {prom.Counter: counter, prom.Gauge: prom.Gauge, prom.Histogram: prom.Histogram}
     eng = engines()
-    metrics = CascadeConnector.build_prom_metrics(eng.vc, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    metrics = CascadeConnector.build_prom_metrics(
+        eng.vc, types, ["model_name", "engine"], {0: ["tiny", "0"]}
+    )
     assert isinstance(metrics, CascadePromMetrics)
     metrics.observe(a.data, 0)
     labels = {"model_name": "tiny", "engine": "0"}
     assert registry.get_sample_value("vllm:cascade_hit_tokens_total", labels) == 32
-    assert registry.get_sample_value("vllm:cascade_tier_hits_total", {**labels, "tier": "host"}) == 2
+    assert (
+        registry.get_sample_value("vllm:cascade_tier_hits_total", {**labels, "tier": "host"}) == 2
+    )
     assert CascadeConnector.build_kv_connector_stats({"load_blocks": 1}).data == {"load_blocks": 1}
     assert CascadeConnector.requires_piecewise_for_cudagraph({"use_layerwise": True}) is True
 
 
 def test_preempted_request_flushes_its_saves_and_resumes_from_the_cache(engines):
-    eng = engines(num_blocks=9)  # 8 usable pages: two requests growing to 5 pages each cannot both stay
+    eng = engines(
+        num_blocks=9
+    )  # 8 usable pages: two requests growing to 5 pages each cannot both stay
     a = eng.add("a", PROMPT, max_tokens=24)
     b = eng.add("b", [t + 1000 for t in PROMPT], max_tokens=24)
     eng.run()
-    preempted = [(out, out.kv_connector_metadata.plan) for out, _ in eng.outputs if out.preempted_req_ids]
+    preempted = [
+        (out, out.kv_connector_metadata.plan) for out, _ in eng.outputs if out.preempted_req_ids
+    ]
     assert preempted, "the pool was meant to force a preemption"
     out, plan = preempted[0]
     assert plan.flush_req_ids == out.preempted_req_ids  # their queued saves finished before reuse
     victim = next(iter(out.preempted_req_ids))
     # The victim came back through the scheduler's lookup and loaded its own saved prompt blocks.
-    resumed = [o for o, _ in eng.outputs if victim in o.scheduled_cached_reqs.resumed_req_ids
-               or any(r.req_id == victim for r in o.scheduled_new_reqs)]
+    resumed = [
+        o
+        for o, _ in eng.outputs
+        if victim in o.scheduled_cached_reqs.resumed_req_ids
+        or any(r.req_id == victim for r in o.scheduled_new_reqs)
+    ]
     assert any(o.kv_connector_metadata.plan.loads for o in resumed)
     assert not any(kv.invalid_block_ids for _, kv in eng.outputs)
     assert len(a.output_token_ids) == 24 and len(b.output_token_ids) == 24

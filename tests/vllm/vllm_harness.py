@@ -29,12 +29,12 @@ import socket
 import traceback
 
 import torch
-from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
     set_current_vllm_config,
@@ -44,9 +44,11 @@ from vllm.distributed.kv_transfer import (
     ensure_kv_transfer_shutdown,
     get_kv_transfer_group,
 )
-from vllm.config import ParallelConfig
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
+from vllm.distributed.parallel_state import (
+    ensure_model_parallel_initialized,
+    init_distributed_environment,
+)
 from vllm.forward_context import set_forward_context
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
@@ -59,13 +61,24 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from vllm import SamplingParams
+
 NUM_LAYERS, KV_HEADS, HEAD_SIZE = 2, 2, 16
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
 TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": KV_HEADS,
-    "num_hidden_layers": NUM_LAYERS, "vocab_size": 1000, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": KV_HEADS,
+    "num_hidden_layers": NUM_LAYERS,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 POISON = -7.0  # written into every page a request is given, before its loads
 SAMPLED_TOKEN = 5
@@ -79,20 +92,49 @@ def write_tiny_llama(path) -> str:
     return str(path)
 
 
-def make_vllm_config(model_dir, extra, *, layout="LBNHC", dtype="bfloat16", block_size=16, kv_role="kv_both",
-                     max_batched_tokens=512, failure_policy="recompute", tp=1) -> VllmConfig:
-    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=0, max_model_len=2048)
+def make_vllm_config(
+    model_dir,
+    extra,
+    *,
+    layout="LBNHC",
+    dtype="bfloat16",
+    block_size=16,
+    kv_role="kv_both",
+    max_batched_tokens=512,
+    failure_policy="recompute",
+    tp=1,
+) -> VllmConfig:
+    model = ModelConfig(
+        model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=0, max_model_len=2048
+    )
     # vLLM's own prefix cache off: every hit below is Cascade's.
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=False)
     cache.kv_cache_layout = layout  # what the engine core resolves before connectors are built
-    transfer = KVTransferConfig(kv_connector="CascadeConnector", kv_connector_module_path="cascade.integrations.vllm",
-                                kv_role=kv_role, kv_connector_extra_config=dict(extra),
-                                kv_load_failure_policy=failure_policy)
-    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched_tokens, max_model_len=2048,
-                            is_encoder_decoder=False, enable_chunked_prefill=True)
-    parallel = ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else "uni")
-    return VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched, parallel_config=parallel,
-                      device_config=DeviceConfig("cpu"), kv_transfer_config=transfer)
+    transfer = KVTransferConfig(
+        kv_connector="CascadeConnector",
+        kv_connector_module_path="cascade.integrations.vllm",
+        kv_role=kv_role,
+        kv_connector_extra_config=dict(extra),
+        kv_load_failure_policy=failure_policy,
+    )
+    sched = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=max_batched_tokens,
+        max_model_len=2048,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+    )
+    parallel = ParallelConfig(
+        tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else "uni"
+    )
+    return VllmConfig(
+        model_config=model,
+        cache_config=cache,
+        scheduler_config=sched,
+        parallel_config=parallel,
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=transfer,
+    )
 
 
 def _init_distributed(vc: VllmConfig) -> None:
@@ -104,8 +146,13 @@ def _init_distributed(vc: VllmConfig) -> None:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                 local_rank=0, backend="gloo")
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        local_rank=0,
+        backend="gloo",
+    )
     ensure_model_parallel_initialized(1, 1)
     _distributed = True
 
@@ -127,7 +174,9 @@ class WorkerRank:
         self.vc, self.rank = vc, rank
         self.block_size = vc.cache_config.block_size
         layout = vc.cache_config.get_resolved_kv_cache_layout()
-        self.kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, [self.block_size])
+        self.kv_caches = allocate_kv_cache(
+            kv_cache_config, torch.device("cpu"), layout, [self.block_size]
+        )
         with set_current_vllm_config(vc):
             _init_distributed(vc)
             ensure_kv_transfer_initialized(vc, kv_cache_config)
@@ -135,7 +184,8 @@ class WorkerRank:
             self.connector.register_kv_caches(self.kv_caches)
 
     def execute(self, out, work):
-        """One step as the model runner runs it; ``work``: (req_id, tokens, block table, first, end, fresh)."""
+        """One step as the model runner runs it; ``work``: (req_id, tokens, block table,
+        first, end, fresh)."""
         # Before the forward pass the connector sees preemptions, and fresh
         # pages hold garbage (here: POISON), so a load that did not happen shows.
         self.connector.handle_preemptions(out.kv_connector_metadata)
@@ -166,7 +216,10 @@ class WorkerRank:
             for off in range(self.block_size):
                 pos = block_index * self.block_size + off
                 k, v = kv_values(tokens[pos], pos, li, t.dtype, self.rank)
-                if not (torch.equal(t[b, :, off, :HEAD_SIZE], k) and torch.equal(t[b, :, off, HEAD_SIZE:], v)):
+                if not (
+                    torch.equal(t[b, :, off, :HEAD_SIZE], k)
+                    and torch.equal(t[b, :, off, HEAD_SIZE:], v)
+                ):
                     return False
         return True
 
@@ -209,15 +262,20 @@ class RemoteRank:
     def __init__(self, vc, kv_cache_config, rank):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_rank_main, args=(child, pickle.dumps(vc), pickle.dumps(kv_cache_config),
-                                                          rank), daemon=True)
+        self._proc = ctx.Process(
+            target=_rank_main,
+            args=(child, pickle.dumps(vc), pickle.dumps(kv_cache_config), rank),
+            daemon=True,
+        )
         self._proc.start()
         self._result()
         self.rank = rank
 
     def _result(self):
         if not self._conn.poll(120):
-            raise TimeoutError(f"worker process of rank {getattr(self, 'rank', '?')} did not answer")
+            raise TimeoutError(
+                f"worker process of rank {getattr(self, 'rank', '?')} did not answer"
+            )
         status, value = self._conn.recv()
         if status != "ok":
             raise RuntimeError(f"worker process failed:\n{value}")
@@ -250,11 +308,16 @@ class Engine:
         self.vc = vc
         self.block_size = vc.cache_config.block_size
         self.world = vc.parallel_config.world_size
-        spec = FullAttentionSpec(block_size=self.block_size, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
-                                 dtype=vc.model_config.dtype)
+        spec = FullAttentionSpec(
+            block_size=self.block_size,
+            num_kv_heads=KV_HEADS,
+            head_size=HEAD_SIZE,
+            dtype=vc.model_config.dtype,
+        )
         groups = [KVCacheGroupSpec(list(LAYERS), spec)]
-        self.kv_cache_config = get_kv_cache_config_from_groups(vc, groups,
-                                                               spec.page_size_bytes * NUM_LAYERS * num_blocks)
+        self.kv_cache_config = get_kv_cache_config_from_groups(
+            vc, groups, spec.page_size_bytes * NUM_LAYERS * num_blocks
+        )
         vc.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
         # Workers first, as vLLM builds them before the scheduler.
         self.ranks = [RemoteRank(vc, self.kv_cache_config, r) for r in range(1, self.world)]
@@ -262,9 +325,13 @@ class Engine:
         self.worker = self.ranks[0].connector
         self.kv_caches = self.ranks[0].kv_caches
         with set_current_vllm_config(vc):
-            self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=self.kv_cache_config, log_stats=True,
-                                       structured_output_manager=StructuredOutputManager(vc),
-                                       block_size=self.block_size)
+            self.scheduler = Scheduler(
+                vllm_config=vc,
+                kv_cache_config=self.kv_cache_config,
+                log_stats=True,
+                structured_output_manager=StructuredOutputManager(vc),
+                block_size=self.block_size,
+            )
         self.connector = self.scheduler.connector
         self.aggregator = KVOutputAggregator.from_connector(self.worker, self.world)
         init_none_hash(sha256)
@@ -274,9 +341,14 @@ class Engine:
     def add(self, req_id: str, prompt: list, *, max_tokens: int = 2, cache_salt=None) -> Request:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         params.update_from_generation_config({}, TINY_LLAMA["eos_token_id"])
-        req = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params,
-                      pooling_params=None, cache_salt=cache_salt,
-                      block_hasher=get_request_block_hasher(self.block_size, sha256))
+        req = Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            cache_salt=cache_salt,
+            block_hasher=get_request_block_hasher(self.block_size, sha256),
+        )
         self.scheduler.add_request(req)
         return req
 
@@ -295,17 +367,31 @@ class Engine:
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.scheduler.requests[req_id]
             end = req.num_computed_tokens  # schedule() already counted this step's tokens
-            work.append((req_id, list(req.all_token_ids), self.block_table(req_id), end - n, end,
-                         req_id in fresh))
+            work.append(
+                (
+                    req_id,
+                    list(req.all_token_ids),
+                    self.block_table(req_id),
+                    end - n,
+                    end,
+                    req_id in fresh,
+                )
+            )
             if end >= req.num_tokens:
                 sampled[req_id] = [SAMPLED_TOKEN]
         for r in self.ranks[1:]:
             r.send("execute", out, work)  # the other workers run concurrently
         kv_outs = [self.ranks[0].execute(out, work)] + [r._result() for r in self.ranks[1:]]
         req_ids = list(out.num_scheduled_tokens)
-        runner_outs = [ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                         sampled_token_ids=[sampled.get(r, []) for r in req_ids],
-                                         kv_connector_output=kv) for kv in kv_outs]
+        runner_outs = [
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[sampled.get(r, []) for r in req_ids],
+                kv_connector_output=kv,
+            )
+            for kv in kv_outs
+        ]
         merged = self.aggregator.aggregate(runner_outs)
         self.scheduler.update_from_output(out, merged)
         self.outputs.append((out, merged.kv_connector_output))
@@ -320,7 +406,9 @@ class Engine:
             if not out.num_scheduled_tokens:
                 for r in self.ranks:
                     r.wait_all_saves()  # only saves left: let them finish
-        raise AssertionError(f"requests still pending after {max_steps} steps: {list(self.scheduler.requests)}")
+        raise AssertionError(
+            f"requests still pending after {max_steps} steps: {list(self.scheduler.requests)}"
+        )
 
     # -- checks ------------------------------------------------------------
     def page_is_computed(self, req_id: str, block_index: int, tokens: list, rank: int = 0) -> bool:

@@ -44,8 +44,10 @@ def fmt_size(n: int) -> str:
 
 
 def format_table(headers: list[str], rows: list[list], title: str | None = None) -> str:
-    cells = [[str(h) for h in headers]] + [[("" if c is None else (f"{c:.2f}" if isinstance(c, float) else str(c)))
-                                            for c in r] for r in rows]
+    cells = [[str(h) for h in headers]] + [
+        [("" if c is None else (f"{c:.2f}" if isinstance(c, float) else str(c))) for c in r]
+        for r in rows
+    ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     line = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
     out = []

@@ -82,15 +82,18 @@ class _Group:
 def _figure(g: _Group, nbytes: int, mine: float, slowest: float) -> dict:
     per_rank = g.gather(nbytes / mine / 1e9 if mine > 0 else 0.0)
     total = g.comm.allreduce(nbytes)
-    return {"aggregate_gbps": total / slowest / 1e9 if slowest > 0 else 0.0, "per_rank_gbps": per_rank,
-            "bytes": total}
+    return {
+        "aggregate_gbps": total / slowest / 1e9 if slowest > 0 else 0.0,
+        "per_rank_gbps": per_rank,
+        "bytes": total,
+    }
 
 
 def _best(figures: list[dict]) -> dict:
     return max(figures, key=lambda f: f["aggregate_gbps"])
 
 
-def _config(capacity: int, threads: int, tag: str) -> "cascade.CascadeConfig":
+def _config(capacity: int, threads: int, tag: str) -> cascade.CascadeConfig:
     cfg = cascade.CascadeConfig()
     cfg.pipeline = "host"
     cfg.use_gpu = False
@@ -125,27 +128,41 @@ def _read_pass(g, store, ids_by_writer, digests, pairs, out, repeats, progress, 
         if found != len(keys):
             raise RuntimeError(f"rank {g.rank}: {label}: found {found} of {len(keys)} blocks")
         figures.append(_figure(g, rows.nbytes, mine, slowest))
-        progress(f"{label}: {figures[-1]['aggregate_gbps']:.2f} GB/s aggregate (pass {r + 1}/{repeats})")
+        progress(
+            f"{label}: {figures[-1]['aggregate_gbps']:.2f} GB/s aggregate (pass {r + 1}/{repeats})"
+        )
     bad = [(w, i) for (w, i), row in zip(pairs, rows) if zlib.crc32(row) != digests[w][i]]
     if bad:
-        raise RuntimeError(f"rank {g.rank}: {label}: {len(bad)} blocks read back wrong, e.g. {bad[0]}")
+        raise RuntimeError(
+            f"rank {g.rank}: {label}: {len(bad)} blocks read back wrong, e.g. {bad[0]}"
+        )
     return _best(figures)
 
 
-def bench_size(g: _Group, size: int, per_rank_bytes: int, threads: int, repeats: int, progress) -> dict:
+def bench_size(
+    g: _Group, size: int, per_rank_bytes: int, threads: int, repeats: int, progress
+) -> dict:
     import cascade.distributed as cd
 
     n = max(4, per_rank_bytes // size)
     nbytes = n * size
     say = progress if g.rank == 0 else (lambda *_: None)
-    say(f"{fmt_size(size)}: {g.size} rank(s) x {n} blocks ({nbytes / 2**20:.0f} MiB per rank), "
-        f"{threads} thread(s) per rank")
-    data = np.frombuffer(np.random.default_rng(g.rank * 7919 + size).bytes(nbytes), np.uint8).reshape(n, size)
+    say(
+        f"{fmt_size(size)}: {g.size} rank(s) x {n} blocks ({nbytes / 2**20:.0f} MiB per rank), "
+        f"{threads} thread(s) per rank"
+    )
+    data = np.frombuffer(
+        np.random.default_rng(g.rank * 7919 + size).bytes(nbytes), np.uint8
+    ).reshape(n, size)
     out = np.ones((n, size), np.uint8)  # touched: no first-touch faults inside the timing
     digests = g.gather(_digests(data))
-    ids_by_writer = [[cascade.block_id(f"bench-dist/{size}/{w}/{i}") for i in range(n)] for w in range(g.size)]
-    owners = {(w, i): cd.owner(ids_by_writer[w][i], g.size) for w in range(g.size) for i in range(n)}
-    result = {"block_bytes": size, "blocks_per_rank": n, "bytes_per_rank": nbytes}
+    ids_by_writer = [
+        [cascade.block_id(f"bench-dist/{size}/{w}/{i}") for i in range(n)] for w in range(g.size)
+    ]
+    owners = {
+        (w, i): cd.owner(ids_by_writer[w][i], g.size) for w in range(g.size) for i in range(n)
+    }
+    result: dict = {"block_bytes": size, "blocks_per_rank": n, "bytes_per_rank": nbytes}
 
     # 1. Ceilings, measured by rank 0 while the others wait: the node's
     # (every core copying) and one rank's (its threads). The sum of per-rank
@@ -160,10 +177,16 @@ def bench_size(g: _Group, size: int, per_rank_bytes: int, threads: int, repeats:
         one = _core.memcpy_bandwidth(copy_bytes, threads, 3)["gbps"]
     g.quiet_barrier()
     node, one = g.comm.bcast((node, one))
-    result["ceiling"] = {"aggregate_gbps": node, "node_threads": cores, "per_rank_gbps": one,
-                         "threads_per_rank": threads}
-    say(f"{fmt_size(size)}: host copy ceiling {node:.2f} GB/s for the node ({cores} threads), "
-        f"{one:.2f} GB/s for one rank ({threads} thread(s))")
+    result["ceiling"] = {
+        "aggregate_gbps": node,
+        "node_threads": cores,
+        "per_rank_gbps": one,
+        "threads_per_rank": threads,
+    }
+    say(
+        f"{fmt_size(size)}: host copy ceiling {node:.2f} GB/s for the node ({cores} threads), "
+        f"{one:.2f} GB/s for one rank ({threads} thread(s))"
+    )
 
     # 2. Baseline: a private host tier per rank, same data, same threads.
     cap = nbytes + max(64 << 20, nbytes // 8)
@@ -179,8 +202,11 @@ def bench_size(g: _Group, size: int, per_rank_bytes: int, threads: int, repeats:
         if not np.array_equal(out, data):
             raise RuntimeError(f"rank {g.rank}: host baseline read back wrong bytes")
     result["host_write"], result["host_read"] = _best(writes), _best(reads)
-    say(f"{fmt_size(size)}: host tier per rank: write {result['host_write']['aggregate_gbps']:.2f}, "
-        f"read {result['host_read']['aggregate_gbps']:.2f} GB/s aggregate")
+    say(
+        f"{fmt_size(size)}: host tier per rank: write "
+        f"{result['host_write']['aggregate_gbps']:.2f}, read "
+        f"{result['host_read']['aggregate_gbps']:.2f} GB/s aggregate"
+    )
 
     # 3. The distributed store. A rank owns about 1/N of all blocks (the
     # hash spreads them within ~25%); give each share room for that.
@@ -188,7 +214,9 @@ def bench_size(g: _Group, size: int, per_rank_bytes: int, threads: int, repeats:
     modes = [("loads", True)] + ([("rma", False)] if g.size > 1 else [])
     for mode, loads in modes:
         try:
-            store = cd.open_store(_config(share, threads, f"dist-{mode}-{size}"), node_local_loads=loads)
+            store = cd.open_store(
+                _config(share, threads, f"dist-{mode}-{size}"), node_local_loads=loads
+            )
         except cascade.UnavailableError as e:  # every rank gets the same answer
             if mode != "rma":
                 raise
@@ -203,8 +231,10 @@ def bench_size(g: _Group, size: int, per_rank_bytes: int, threads: int, repeats:
                 if stored != n:
                     raise RuntimeError(f"rank {g.rank}: stored {stored} of {n} blocks")
                 writes.append(_figure(g, nbytes, mine, slowest))
-                say(f"{fmt_size(size)} {mode}: write {writes[-1]['aggregate_gbps']:.2f} GB/s aggregate "
-                    f"(pass {r + 1}/{repeats})")
+                say(
+                    f"{fmt_size(size)} {mode}: write {writes[-1]['aggregate_gbps']:.2f} GB/s "
+                    f"aggregate (pass {r + 1}/{repeats})"
+                )
             g.comm.Barrier()
             kinds = ["mixed", "local", "remote"] if mode == "loads" else ["remote"]
             if g.size == 1:
@@ -212,8 +242,17 @@ def bench_size(g: _Group, size: int, per_rank_bytes: int, threads: int, repeats:
             fig = {"write": _best(writes)}
             for which in kinds:
                 pairs = _read_set(g, ids_by_writer, owners, n, which)
-                fig[f"read_{which}"] = _read_pass(g, store, ids_by_writer, digests, pairs, out, repeats,
-                                                  say, f"{fmt_size(size)} {mode}: read {which}")
+                fig[f"read_{which}"] = _read_pass(
+                    g,
+                    store,
+                    ids_by_writer,
+                    digests,
+                    pairs,
+                    out,
+                    repeats,
+                    say,
+                    f"{fmt_size(size)} {mode}: read {which}",
+                )
                 fig[f"read_{which}"]["blocks_per_rank"] = g.gather(len(pairs))
             result[f"distributed_{mode}"] = fig
         finally:
@@ -225,17 +264,20 @@ def bench_size(g: _Group, size: int, per_rank_bytes: int, threads: int, repeats:
     result["read_over_host"] = d["read_mixed"]["aggregate_gbps"] / base if base else None
     if "read_remote" in d:
         result["remote_over_host"] = d["read_remote"]["aggregate_gbps"] / base if base else None
-    result["read_over_ceiling"] = d["read_mixed"]["aggregate_gbps"] / result["ceiling"]["aggregate_gbps"]
+    result["read_over_ceiling"] = (
+        d["read_mixed"]["aggregate_gbps"] / result["ceiling"]["aggregate_gbps"]
+    )
     return result
 
 
 def run_distributed_bench(args, progress) -> dict:
+    import cascade.distributed
     from cascade.machine import machine_info
 
-    import cascade.distributed
-
     if not cascade.distributed.available():
-        raise RuntimeError("this build of cascade cannot open distributed stores (built without MPI)")
+        raise RuntimeError(
+            "this build of cascade cannot open distributed stores (built without MPI)"
+        )
     g = _Group()
     per_rank = args.total if "--total" in args.argv else DEFAULT_BYTES_PER_RANK
     cores = os.cpu_count() or 1
@@ -244,10 +286,12 @@ def run_distributed_bench(args, progress) -> dict:
     # -np <= 2) leaves threads beyond that fighting over them.
     threads = args.threads or max(1, min(bound, cores // g.local_ranks))
     if g.rank == 0 and bound < cores:
-        progress(f"rank 0 may run on {bound} of {cores} cores (launcher binding): the node ceiling is "
-                 f"measured from there; use `mpirun --bind-to none` for the whole node")
+        progress(
+            f"rank 0 may run on {bound} of {cores} cores (launcher binding): the node ceiling is "
+            f"measured from there; use `mpirun --bind-to none` for the whole node"
+        )
     report = {
-        "command": "mpirun -np %d cascade %s" % (g.size, " ".join(args.argv)),
+        "command": f"mpirun -np {g.size} cascade {' '.join(args.argv)}",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": machine_info() if g.rank == 0 else None,
         "ranks": g.size,
@@ -256,45 +300,95 @@ def run_distributed_bench(args, progress) -> dict:
         "threads_per_rank": threads,
         "cores_per_rank": g.gather(bound),
         "bytes_per_rank": per_rank,
-        "results": [bench_size(g, s, per_rank, threads, args.repeats, progress) for s in args.sizes],
+        "results": [
+            bench_size(g, s, per_rank, threads, args.repeats, progress) for s in args.sizes
+        ],
     }
     return report
 
 
 def format_distributed(report: dict) -> str:
     m = report["machine"]
-    lines = [f"cascade bench --distributed: {report['ranks']} rank(s) on {report['nodes']} node(s), "
-             f"{report['threads_per_rank']} thread(s) per rank; {m['cpu']}, {m['cores']} cores; {report['date']}"]
+    lines = [
+        f"cascade bench --distributed: {report['ranks']} rank(s) on {report['nodes']} node(s), "
+        f"{report['threads_per_rank']} thread(s) per rank; {m['cpu']}, {m['cores']} cores; "
+        f"{report['date']}"
+    ]
     rows = []
     for r in report["results"]:
         d = r["distributed_loads"]
         rma = r.get("distributed_rma", {})  # {"skipped": why} where this MPI has no RMA here
-        rows.append([fmt_size(r["block_bytes"]), r["ceiling"]["aggregate_gbps"], r["host_read"]["aggregate_gbps"],
-                     d["write"]["aggregate_gbps"], d["read_mixed"]["aggregate_gbps"],
-                     d.get("read_local", {}).get("aggregate_gbps"), d.get("read_remote", {}).get("aggregate_gbps"),
-                     rma.get("read_remote", {}).get("aggregate_gbps"), r.get("remote_over_host"),
-                     r["read_over_ceiling"]])
-    lines.append(format_table(
-        ["block", "ceiling GB/s", "host read GB/s", "write GB/s", "read GB/s", "local read", "remote read",
-         "remote read (RMA)", "remote/host", "read/ceiling"], rows,
-        title="aggregate over all ranks (GB/s)"))
+        rows.append(
+            [
+                fmt_size(r["block_bytes"]),
+                r["ceiling"]["aggregate_gbps"],
+                r["host_read"]["aggregate_gbps"],
+                d["write"]["aggregate_gbps"],
+                d["read_mixed"]["aggregate_gbps"],
+                d.get("read_local", {}).get("aggregate_gbps"),
+                d.get("read_remote", {}).get("aggregate_gbps"),
+                rma.get("read_remote", {}).get("aggregate_gbps"),
+                r.get("remote_over_host"),
+                r["read_over_ceiling"],
+            ]
+        )
+    lines.append(
+        format_table(
+            [
+                "block",
+                "ceiling GB/s",
+                "host read GB/s",
+                "write GB/s",
+                "read GB/s",
+                "local read",
+                "remote read",
+                "remote read (RMA)",
+                "remote/host",
+                "read/ceiling",
+            ],
+            rows,
+            title="aggregate over all ranks (GB/s)",
+        )
+    )
     rows = []
     for r in report["results"]:
         d = r["distributed_loads"]
         for k in range(report["ranks"]):
-            rows.append([fmt_size(r["block_bytes"]), k, r["ceiling"]["per_rank_gbps"],
-                         r["host_read"]["per_rank_gbps"][k], d["write"]["per_rank_gbps"][k],
-                         d["read_mixed"]["per_rank_gbps"][k],
-                         d.get("read_local", {}).get("per_rank_gbps", [None] * (k + 1))[k],
-                         d.get("read_remote", {}).get("per_rank_gbps", [None] * (k + 1))[k]])
-    lines.append(format_table(["block", "rank", "rank ceiling", "host read", "write", "read", "local read",
-                               "remote read"],
-                              rows, title="per rank (GB/s)"))
-    lines.append("ceiling: host copy (the better of memcpy and a streaming copy) of the node with one thread per "
-                 "core (rank ceiling: one rank's threads), measured in the same run; "
-                 "host read: a private host-tier store per rank; read: a rank's worth of blocks written by "
-                 "another rank, 1/N of them owned locally; remote read (RMA): the same path as across nodes "
-                 "(MPI_Get), here through shared memory")
+            rows.append(
+                [
+                    fmt_size(r["block_bytes"]),
+                    k,
+                    r["ceiling"]["per_rank_gbps"],
+                    r["host_read"]["per_rank_gbps"][k],
+                    d["write"]["per_rank_gbps"][k],
+                    d["read_mixed"]["per_rank_gbps"][k],
+                    d.get("read_local", {}).get("per_rank_gbps", [None] * (k + 1))[k],
+                    d.get("read_remote", {}).get("per_rank_gbps", [None] * (k + 1))[k],
+                ]
+            )
+    lines.append(
+        format_table(
+            [
+                "block",
+                "rank",
+                "rank ceiling",
+                "host read",
+                "write",
+                "read",
+                "local read",
+                "remote read",
+            ],
+            rows,
+            title="per rank (GB/s)",
+        )
+    )
+    lines.append(
+        "ceiling: host copy (the better of memcpy and a streaming copy) of the node with one "
+        "thread per core (rank ceiling: one rank's threads), measured in the same run; host read: "
+        "a private host-tier store per rank; read: a rank's worth of blocks written by another "
+        "rank, 1/N of them owned locally; remote read (RMA): the same path as across nodes "
+        "(MPI_Get), here through shared memory"
+    )
     return "\n".join(lines)
 
 
@@ -311,10 +405,28 @@ def format_scaling(reports: list[dict]) -> str:
                 continue
             agg = res["distributed_loads"]["read_mixed"]["aggregate_gbps"]
             base = base or agg
-            rows.append([f"{rep['nodes']} / {rep['ranks']}", agg, f"{agg / base:.2f}x",
-                         res["ceiling"]["aggregate_gbps"], res["distributed_loads"]["write"]["aggregate_gbps"]])
-        out.append(format_table(["nodes / ranks", "aggregate read GB/s", "speedup", "ceiling GB/s",
-                                 "aggregate write GB/s"], rows, title=f"scaling, {fmt_size(size)} blocks"))
+            rows.append(
+                [
+                    f"{rep['nodes']} / {rep['ranks']}",
+                    agg,
+                    f"{agg / base:.2f}x",
+                    res["ceiling"]["aggregate_gbps"],
+                    res["distributed_loads"]["write"]["aggregate_gbps"],
+                ]
+            )
+        out.append(
+            format_table(
+                [
+                    "nodes / ranks",
+                    "aggregate read GB/s",
+                    "speedup",
+                    "ceiling GB/s",
+                    "aggregate write GB/s",
+                ],
+                rows,
+                title=f"scaling, {fmt_size(size)} blocks",
+            )
+        )
     return "\n".join(out)
 
 

@@ -8,19 +8,26 @@ import os
 
 from cascade.bench.common import fmt_size
 
-_METRICS = (("write", "write"), ("hot_read", "hot read"), ("cold_read", "cold read (page cache dropped)"))
+_METRICS = (
+    ("write", "write"),
+    ("hot_read", "hot read"),
+    ("cold_read", "cold read (page cache dropped)"),
+)
 
 
 def _plt():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
 def _style(report: dict) -> dict:
     """A fixed colour and line style per system, the same in every plot."""
     import matplotlib
+
     names = []
     for w in report["workloads"].values():
         for r in w["rows"]:
@@ -33,9 +40,17 @@ def _style(report: dict) -> dict:
     for k, n in enumerate(cascade_rows):
         style[n] = {"color": cmap(2 * k % 20), "linestyle": "-", "linewidth": 2.4, "marker": "o"}
     for k, n in enumerate(peers):
-        style[n] = {"color": cmap((2 * (k + len(cascade_rows))) % 20 + 1 if k % 2 else
-                                  (2 * (k + len(cascade_rows))) % 20),
-                    "linestyle": "--", "linewidth": 1.4, "marker": "s", "markersize": 4}
+        style[n] = {
+            "color": cmap(
+                (2 * (k + len(cascade_rows))) % 20 + 1
+                if k % 2
+                else (2 * (k + len(cascade_rows))) % 20
+            ),
+            "linestyle": "--",
+            "linewidth": 1.4,
+            "marker": "s",
+            "markersize": 4,
+        }
     return style
 
 
@@ -54,6 +69,7 @@ def _series(rows, xkey, ykey):
 def _plain_log_y(ax):
     """Log scale with plain numbers (0.5, 2, 20), not powers of ten."""
     from matplotlib.ticker import FuncFormatter, LogLocator
+
     ax.set_yscale("log")
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
@@ -67,8 +83,14 @@ def _legend(fig, axes):
             if lab not in handles:
                 handles[lab] = h
                 labels.append(lab)
-    fig.legend([handles[lab] for lab in labels], labels, loc="center left", bbox_to_anchor=(1.0, 0.5),
-               fontsize=9, frameon=False)
+    fig.legend(
+        [handles[lab] for lab in labels],
+        labels,
+        loc="center left",
+        bbox_to_anchor=(1.0, 0.5),
+        fontsize=9,
+        frameon=False,
+    )
 
 
 def _title(report, text):
@@ -87,15 +109,28 @@ def _per_size(report, out_dir, ratio: bool) -> str:
         for name, pts in _series(data["rows"], "block_bytes", key).items():
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **style[name])
         if not ratio:  # ceilings as grey lines
-            for ck, lab, ls in (("memory", "host copy ceiling", ":"), ("file", "disk ceiling", "-.")):
+            for ck, lab, ls in (
+                ("memory", "host copy ceiling", ":"),
+                ("file", "disk ceiling", "-."),
+            ):
                 pts = []
                 for c in data.get("ceilings", []):
                     if ck in c:
-                        v = c[ck]["gbps"] if ck == "memory" else c[ck]["read_gbps" if m != "write" else "write_gbps"]
+                        v = (
+                            c[ck]["gbps"]
+                            if ck == "memory"
+                            else c[ck]["read_gbps" if m != "write" else "write_gbps"]
+                        )
                         pts.append((c["block_bytes"], v))
                 if pts and not (ck == "memory" and m == "cold_read"):
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], color="0.45", linestyle=ls,
-                            linewidth=1.2, label=lab)
+                    ax.plot(
+                        [p[0] for p in pts],
+                        [p[1] for p in pts],
+                        color="0.45",
+                        linestyle=ls,
+                        linewidth=1.2,
+                        label=lab,
+                    )
             _plain_log_y(ax)
             ax.set_ylabel("GB/s (1e9 B/s)")
         else:
@@ -107,8 +142,14 @@ def _per_size(report, out_dir, ratio: bool) -> str:
         ax.set_xlabel("block size")
         ax.set_title(label)
         ax.grid(True, which="major", alpha=0.3)
-    fig.suptitle(_title(report, "Ratio to the hardware ceiling measured in the same run" if ratio
-                        else "Throughput per system and block size"))
+    fig.suptitle(
+        _title(
+            report,
+            "Ratio to the hardware ceiling measured in the same run"
+            if ratio
+            else "Throughput per system and block size",
+        )
+    )
     _legend(fig, axes)
     fig.tight_layout()
     path = os.path.join(out_dir, "compare-ratio.png" if ratio else "compare-throughput.png")
@@ -126,13 +167,27 @@ def _threads(report, out_dir) -> str:
     for ax, (m, label) in zip(axes, _METRICS):
         for name, pts in _series(data["rows"], "threads", f"{m}_gbps").items():
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **style[name])
-        pts = [(c["threads"], c["memory"]["gbps"]) for c in data.get("ceilings", []) if "memory" in c]
+        pts = [
+            (c["threads"], c["memory"]["gbps"]) for c in data.get("ceilings", []) if "memory" in c
+        ]
         if pts and m != "cold_read":
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color="0.45", linestyle=":", label="host copy ceiling")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                color="0.45",
+                linestyle=":",
+                label="host copy ceiling",
+            )
         key = "write_gbps" if m == "write" else "read_gbps"
         pts = [(c["threads"], c["file"][key]) for c in data.get("ceilings", []) if "file" in c]
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color="0.45", linestyle="-.", label="disk ceiling")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                color="0.45",
+                linestyle="-.",
+                label="disk ceiling",
+            )
         ax.set_xticks(ts)
         ax.set_xlabel("threads")
         ax.set_ylabel("GB/s (1e9 B/s)")
@@ -159,16 +214,26 @@ def _overflow(report, out_dir) -> str:
         mk = "model_cold_read_gbps" if m == "cold_read" else "model_write_gbps"
         pts = [(c["overflow_pct"], c[mk]) for c in data.get("ceilings", []) if mk in c]
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color="0.45", linestyle=":",
-                    label="ceiling of the split: host copy + disk")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                color="0.45",
+                linestyle=":",
+                label="ceiling of the split: host copy + disk",
+            )
         ax.set_xlabel("% of the data beyond the host tier")
         ax.set_ylabel("GB/s (1e9 B/s)")
         _plain_log_y(ax)
         ax.set_xticks(sorted({r.get("overflow_pct", 0) for r in data["rows"]}))
         ax.set_title(label)
         ax.grid(True, alpha=0.3)
-    fig.suptitle(_title(report, f"Overflow, {fmt_size(data['block_bytes'])} blocks, "
-                                f"{data['total_bytes'] / 2**30:.2f} GiB"))
+    fig.suptitle(
+        _title(
+            report,
+            f"Overflow, {fmt_size(data['block_bytes'])} blocks, "
+            f"{data['total_bytes'] / 2**30:.2f} GiB",
+        )
+    )
     _legend(fig, axes)
     fig.tight_layout()
     path = os.path.join(out_dir, "compare-overflow.png")
@@ -196,8 +261,13 @@ def _prefix(report, out_dir) -> str:
     ax.set_ylabel("MiB held by the system")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    ax.set_title(_title(report, f"Prefix sharing: {data['conversations']} conversations, {data['prompts']} "
-                                f"system prompts, {fmt_size(data['block_bytes'])} blocks"))
+    ax.set_title(
+        _title(
+            report,
+            f"Prefix sharing: {data['conversations']} conversations, {data['prompts']} "
+            f"system prompts, {fmt_size(data['block_bytes'])} blocks",
+        )
+    )
     fig.tight_layout()
     path = os.path.join(out_dir, "compare-prefix.png")
     fig.savefig(path, dpi=110, bbox_inches="tight")

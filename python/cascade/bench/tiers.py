@@ -31,9 +31,18 @@ def _unique_shm_path(tag: str) -> str:
     return f"/dev/shm/cascade-bench-{tag}-{os.getpid()}"
 
 
-def bench_store_tier(tier: str, size: int, *, total: int, blocks: int | None, threads: int,
-                     repeats: int, progress, file_dir: str | None = None,
-                     ceiling: dict | None = None) -> dict:
+def bench_store_tier(
+    tier: str,
+    size: int,
+    *,
+    total: int,
+    blocks: int | None,
+    threads: int,
+    repeats: int,
+    progress,
+    file_dir: str | None = None,
+    ceiling: dict | None = None,
+) -> dict:
     """Write (cold and warm arena) and hot-read throughput of one tier for one block size."""
     n = _blocks_for(size, total, blocks)
     nbytes = n * size
@@ -43,7 +52,9 @@ def bench_store_tier(tier: str, size: int, *, total: int, blocks: int | None, th
     # conversion per block on top (docs/benchmarks.md has the figure).
     data = _make_data(nbytes, seed=size).reshape(n, size)
     views = data
-    out = np.ones(nbytes, dtype=np.uint8).reshape(n, size)  # touched: no first-touch faults in the timing
+    out = np.ones(nbytes, dtype=np.uint8).reshape(
+        n, size
+    )  # touched: no first-touch faults in the timing
     outs = out
     ids = [cascade.block_id(f"bench/{tier}/{size}/{i}") for i in range(n)]
 
@@ -57,6 +68,8 @@ def bench_store_tier(tier: str, size: int, *, total: int, blocks: int | None, th
     elif tier == "file":
         # O_DIRECT: every read is a cold read (no page cache), as on a
         # cluster file system where the data is not in this node's memory.
+        if file_dir is None:
+            raise ValueError("the file tier's benchmark needs file_dir")
         cfg.pipeline = "file"
         cfg.file_path = os.path.join(file_dir, f"tier-{size}")
         cfg.io_direct = True
@@ -67,9 +80,17 @@ def bench_store_tier(tier: str, size: int, *, total: int, blocks: int | None, th
         cfg.gpu_capacity_bytes = nbytes + max(64 << 20, nbytes // 16)
     else:
         raise ValueError(f"no store benchmark for tier {tier!r}")
-    result = {"tier": tier, "block_bytes": size, "blocks": n, "total_bytes": nbytes, "threads": threads}
+    result = {
+        "tier": tier,
+        "block_bytes": size,
+        "blocks": n,
+        "total_bytes": nbytes,
+        "threads": threads,
+    }
     if tier == "file":
-        return _bench_file_tier(cfg, result, ids, views, outs, data, out, nbytes, repeats, progress, ceiling)
+        return _bench_file_tier(
+            cfg, result, ids, views, outs, data, out, nbytes, repeats, progress, ceiling
+        )
     with cascade.CascadeStore(cfg) as store:
         t, stored = timed(store.put_batch, ids, views)
         if stored != n:
@@ -80,15 +101,21 @@ def bench_store_tier(tier: str, size: int, *, total: int, blocks: int | None, th
             store.clear()
             t, stored = timed(store.put_batch, ids, views)
             writes.append(nbytes / t / 1e9)
-            progress(f"{tier} {fmt_size(size)}: write {writes[-1]:.2f} GB/s (pass {r + 1}/{repeats})")
+            progress(
+                f"{tier} {fmt_size(size)}: write {writes[-1]:.2f} GB/s (pass {r + 1}/{repeats})"
+            )
         for r in range(repeats):
             t, (found, _sizes) = timed(store.get_batch, ids, outs)
             if found != n:
                 raise RuntimeError(f"{tier}: found {found} of {n} blocks")
             reads.append(nbytes / t / 1e9)
-            progress(f"{tier} {fmt_size(size)}: hot read {reads[-1]:.2f} GB/s (pass {r + 1}/{repeats})")
+            progress(
+                f"{tier} {fmt_size(size)}: hot read {reads[-1]:.2f} GB/s (pass {r + 1}/{repeats})"
+            )
         if not np.array_equal(out, data):
-            raise RuntimeError(f"{tier} {fmt_size(size)}: bytes read back differ from bytes written")
+            raise RuntimeError(
+                f"{tier} {fmt_size(size)}: bytes read back differ from bytes written"
+            )
         result["verified"] = True
     result["write_gbps"] = max(writes)
     result["write_gbps_median"] = statistics.median(writes)
@@ -120,13 +147,23 @@ def _bench_file_tier(cfg, result, ids, views, outs, data, out, nbytes, repeats, 
             if found != len(ids):
                 raise RuntimeError(f"file: found {found} of {len(ids)} blocks")
             reads.append(nbytes / t / 1e9)
-            progress(f"file {fmt_size(size)}: cold read {reads[-1]:.2f} GB/s (pass {r + 1}/{repeats})")
+            progress(
+                f"file {fmt_size(size)}: cold read {reads[-1]:.2f} GB/s (pass {r + 1}/{repeats})"
+            )
             if not np.array_equal(out, data):
-                raise RuntimeError(f"file {fmt_size(size)}: bytes read back differ from bytes written")
+                raise RuntimeError(
+                    f"file {fmt_size(size)}: bytes read back differ from bytes written"
+                )
     shutil.rmtree(cfg.file_path, ignore_errors=True)
-    result.update(verified=True, write_cold_gbps=None, write_gbps=max(writes),
-                  write_gbps_median=statistics.median(writes), read_gbps=max(reads),
-                  read_gbps_median=statistics.median(reads), read_kind="cold (O_DIRECT)")
+    result.update(
+        verified=True,
+        write_cold_gbps=None,
+        write_gbps=max(writes),
+        write_gbps_median=statistics.median(writes),
+        read_gbps=max(reads),
+        read_gbps_median=statistics.median(reads),
+        read_kind="cold (O_DIRECT)",
+    )
     if ceiling:
         result["ceiling_gbps"] = ceiling["write_gbps"]
         result["read_ceiling_gbps"] = ceiling["read_gbps"]
@@ -140,7 +177,7 @@ def direct_io_ceiling(directory: str, nbytes: int, threads: int) -> dict:
     file per thread (at most 8, as the file tier's writer lanes)."""
     os.makedirs(directory, exist_ok=True)
     nbytes = max(256 << 20, min(nbytes, 2 << 30))
-    best = None
+    best: dict | None = None
     for _ in range(2):
         p = _core.probe_direct_io(directory, nbytes, 16 << 20, max(1, min(threads, 8)))
         if best is None:
@@ -148,6 +185,7 @@ def direct_io_ceiling(directory: str, nbytes: int, threads: int) -> dict:
         else:
             best["write_gbps"] = max(best["write_gbps"], p["write_gbps"])
             best["read_gbps"] = max(best["read_gbps"], p["read_gbps"])
+    assert best is not None
     return {"kind": "o_direct", **best}
 
 
@@ -192,14 +230,14 @@ def run_tier_bench(args, progress) -> dict:
     from cascade.machine import machine_info
 
     threads = args.threads or os.cpu_count() or 1
-    report = {
+    report: dict = {
         "command": "cascade " + " ".join(args.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": machine_info(),
         "threads": threads,
         "results": [],
     }
-    file_dir = None
+    file_dir: str | None = None
     if "file" in args.tiers:
         file_dir = tempfile.mkdtemp(prefix="cascade-bench-", dir=args.file_dir)
         report["file_dir"] = {"path": file_dir, "fs": _fs_of(file_dir)}
@@ -210,27 +248,46 @@ def run_tier_bench(args, progress) -> dict:
                 # machine it moves by a third from one minute to the next.
                 nbytes = size * _blocks_for(size, args.total, args.blocks)
                 if tier == "file":
+                    assert file_dir is not None  # made above when the file tier is measured
                     ceiling = direct_io_ceiling(os.path.join(file_dir, "probe"), nbytes, threads)
-                    progress(f"O_DIRECT ceiling for {fmt_size(size)}: write {ceiling['write_gbps']:.2f} "
-                             f"read {ceiling['read_gbps']:.2f} GB/s")
+                    progress(
+                        f"O_DIRECT ceiling for {fmt_size(size)}: write {ceiling['write_gbps']:.2f} "
+                        f"read {ceiling['read_gbps']:.2f} GB/s"
+                    )
                 elif tier == "gpu":
                     from cascade.bench.gpu import gpu_ceiling
 
                     ceiling = gpu_ceiling(nbytes)
                     ceiling.update(gbps=ceiling["h2d_gbps"], read_gbps=ceiling["d2h_gbps"])
-                    progress(f"PCIe ceiling for {fmt_size(size)}: h2d {ceiling['h2d_gbps']:.2f} "
-                             f"d2h {ceiling['d2h_gbps']:.2f} GB/s")
+                    progress(
+                        f"PCIe ceiling for {fmt_size(size)}: h2d {ceiling['h2d_gbps']:.2f} "
+                        f"d2h {ceiling['d2h_gbps']:.2f} GB/s"
+                    )
                 else:
                     ceiling = memcpy_ceiling(nbytes, threads)
                     progress(f"host copy ceiling for {fmt_size(size)}: {ceiling['gbps']:.2f} GB/s")
-                r = bench_store_tier(tier, size, total=args.total, blocks=args.blocks, threads=threads,
-                                     repeats=args.repeats, progress=progress, ceiling=ceiling,
-                                     file_dir=file_dir)
+                r = bench_store_tier(
+                    tier,
+                    size,
+                    total=args.total,
+                    blocks=args.blocks,
+                    threads=threads,
+                    repeats=args.repeats,
+                    progress=progress,
+                    ceiling=ceiling,
+                    file_dir=file_dir,
+                )
                 r["ceiling"] = ceiling
                 report["results"].append(r)
         if args.overflow:
-            report["overflow"] = run_overflow(args, threads, file_dir or tempfile.mkdtemp(
-                prefix="cascade-bench-", dir=args.file_dir), progress)
+            from cascade.bench.overflow import run_overflow
+
+            report["overflow"] = run_overflow(
+                args,
+                threads,
+                file_dir or tempfile.mkdtemp(prefix="cascade-bench-", dir=args.file_dir),
+                progress,
+            )
     finally:
         if file_dir:
             shutil.rmtree(file_dir, ignore_errors=True)
@@ -243,107 +300,7 @@ def run_tier_bench(args, progress) -> dict:
     return report
 
 
-def format_report(report: dict) -> str:
-    from cascade.bench.common import format_table
-
-    m = report["machine"]
-    lines = [f"cascade bench: {m['cpu']}, {m['cores']} cores, {report['threads']} threads, {report['date']}"]
-    rows = []
-    for r in report["results"]:
-        if r["tier"] == "file":
-            continue
-        rows.append([r["tier"], fmt_size(r["block_bytes"]), r["blocks"], r["ceiling_gbps"], r["write_cold_gbps"],
-                     r["write_gbps"], r.get("write_ratio"), r["read_gbps"], r.get("read_ratio")])
-    if rows:
-        lines.append(format_table(["tier", "block", "blocks", "ceiling GB/s", "write GB/s (cold arena)",
-                                   "write GB/s", "write/ceiling", "hot read GB/s", "read/ceiling"], rows))
-        lines.append("ceiling: the better of glibc memcpy and a streaming copy from pre-touched shared memory "
-                     "to pre-touched heap, page aligned, same threads and bytes, measured just before each row")
-        if any(r["tier"] == "gpu" for r in report["results"]):
-            lines.append("gpu rows: pageable numpy in and out; ceiling: pinned cudaMemcpy host to device "
-                         "(write/ceiling) and device to host (read/ceiling), measured just before each row")
-    frows = [[fmt_size(r["block_bytes"]), r["blocks"], r["ceiling_gbps"], r["write_gbps"], r["write_ratio"],
-              r["read_ceiling_gbps"], r["read_gbps"], r["read_ratio"]]
-             for r in report["results"] if r["tier"] == "file"]
-    if frows:
-        fd = report.get("file_dir", {})
-        lines.append(format_table(["block", "blocks", "O_DIRECT write GB/s", "write GB/s", "write/ceiling",
-                                   "O_DIRECT read GB/s", "cold read GB/s", "read/ceiling"], frows,
-                                  title=f"file tier ({fd.get('fs', '?')} at {fd.get('path', '?')}, O_DIRECT, "
-                                        "writes include the final flush)"))
-        lines.append("ceiling: raw sequential O_DIRECT writes then reads of the same directory, 16 MiB "
-                     "requests, one file per thread, measured just before each row")
-    if "overflow" in report:
-        ov = report["overflow"]
-        lines.append(format_table(
-            ["overflow", "host capacity", "in file tier", "cold read GB/s", "ideal GB/s", "read/ideal"],
-            [[f"{o['overflow']:.0%}", fmt_size(o['host_capacity']), o["blocks_in_file"], o["read_gbps"],
-              o["ideal_gbps"], o["ratio"]] for o in ov["rows"]],
-            title=f"overflow: {fmt_size(ov['total_bytes'])} of {fmt_size(ov['block_bytes'])} blocks, "
-                  f"pipeline host|file, cold reads"))
-        lines.append("ideal: every byte at its own tier's ceiling, time-weighted: "
-                     f"host {ov['host_ceiling_gbps']:.2f} GB/s, O_DIRECT read {ov['file_ceiling_gbps']:.2f} GB/s")
-    if "python_overhead" in report:
-        p = report["python_overhead"]
-        lines.append(f"python: store.get of a hot {fmt_size(p['block_bytes'])} block: {p['us_per_get']:.2f} µs per call")
-    for ix in report.get("index", []):
-        lines.append(f"index: {ix['threads']} thread(s): {ix['lookups_per_sec_per_thread'] / 1e6:.2f} M lookups/s "
-                     f"per thread, {ix['metadata_bytes_per_block']:.1f} B metadata per block")
-    return "\n".join(lines)
-
-
 def _fs_of(path: str) -> str:
     from cascade.machine import _fs_type
 
     return _fs_type(path)
-
-
-def run_overflow(args, threads: int, directory: str, progress) -> dict:
-    """The overflow table: a working set larger than the host tier by
-    0/50/75/90%, everything read back cold (file reads with O_DIRECT).
-    Promotion is off: a scan larger than the host tier would otherwise evict
-    the blocks it is about to read."""
-    size = args.overflow_block
-    n = max(8, args.total // size)
-    nbytes = n * size
-    data = _make_data(nbytes, seed=7).reshape(n, size)
-    out = np.ones_like(data)
-    ids = [cascade.block_id(f"bench/overflow/{size}/{i}") for i in range(n)]
-    host = memcpy_ceiling(nbytes, threads)
-    disk = direct_io_ceiling(os.path.join(directory, "probe"), nbytes, threads)
-    rows = []
-    for frac in (0.0, 0.5, 0.75, 0.9):
-        cfg = cascade.CascadeConfig()
-        cfg.pipeline = "host|file"
-        cfg.num_io_threads = threads
-        cfg.shm_path = _unique_shm_path("overflow")
-        in_host = n - int(round(n * frac))
-        cfg.shm_capacity_bytes = max(in_host * size, 4096)
-        cfg.file_path = os.path.join(directory, f"overflow-{int(frac * 100)}")
-        cfg.io_direct = True
-        cfg.promote_on_hit = False
-        cfg.use_gpu = False
-        with cascade.CascadeStore(cfg) as store:
-            if store.put_batch(ids, data) != n:
-                raise RuntimeError("overflow: not every block was stored")
-            store.flush()
-            st = store.get_stats()["tiers"]
-            in_file = st["file"]["blocks"]
-            out.fill(0)
-            best = 0.0
-            for _ in range(args.repeats):
-                t, (found, _s) = timed(store.get_batch, ids, out)
-                if found != n:
-                    raise RuntimeError(f"overflow {frac:.0%}: found {found} of {n}")
-                best = max(best, nbytes / t / 1e9)
-            if not np.array_equal(out, data):
-                raise RuntimeError(f"overflow {frac:.0%}: wrong bytes read back")
-        shutil.rmtree(cfg.file_path, ignore_errors=True)
-        f_file = in_file / n
-        ideal = 1.0 / ((1 - f_file) / host["gbps"] + f_file / disk["read_gbps"])
-        rows.append({"overflow": frac, "host_capacity": cfg.shm_capacity_bytes, "blocks_in_file": in_file,
-                     "read_gbps": best, "ideal_gbps": ideal, "ratio": best / ideal})
-        progress(f"overflow {frac:.0%}: {in_file} of {n} blocks in the file tier, read {best:.2f} GB/s "
-                 f"(ideal {ideal:.2f})")
-    return {"block_bytes": size, "total_bytes": nbytes, "threads": threads, "host_ceiling_gbps": host["gbps"],
-            "file_ceiling_gbps": disk["read_gbps"], "rows": rows}

@@ -22,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from cascade.config import canonical_options, config_from_dict, parse_size
 
@@ -59,7 +60,7 @@ class ConnectorConfig:
     use_layerwise: bool = False
     # Cap on the fraction of a prompt served from the cache (experiments):
     # at most hit_ratio * prompt_len tokens count as hits. None = no cap.
-    hit_ratio: Optional[float] = None
+    hit_ratio: float | None = None
     # Requests whose prompt is shorter than this load and save nothing.
     persist_token_threshold: int = 0
     # Count hits and misses, move no data (tells what a cache would give).
@@ -73,8 +74,8 @@ class ConnectorConfig:
 
     # Namespace of the block ids: the model name (default: vLLM's model
     # name, with revision and quantization) and an optional tenant salt.
-    model_name: Optional[str] = None
-    tenant: Optional[str] = None
+    model_name: str | None = None
+    tenant: str | None = None
 
     # How the scheduler learns what workers in other processes hold: "auto"
     # (a worker in the scheduler's process is asked directly; others through
@@ -87,7 +88,7 @@ class ConnectorConfig:
     # worker's answer) before the scheduler counts it as a miss.
     lookup_timeout_ms: int = 1000
 
-    def namespace_tenant(self, request_salt: Optional[str]) -> Optional[str]:
+    def namespace_tenant(self, request_salt: str | None) -> str | None:
         """The tenant salt of a request: the configured tenant and the request's own salt."""
         if request_salt is None:
             return self.tenant
@@ -99,7 +100,14 @@ class ConnectorConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(ConnectorConfig)}
 _SIZE_OPTIONS = {"host_capacity", "gpu_capacity", "file_capacity"}
 _BOOL_OPTIONS = {"io_direct", "use_layerwise", "use_lite", "enable_record_traces", "enable_metrics"}
-_STR_OPTIONS = {"store_pipeline", "storage_path", "shm_dir", "trace_path", "lookup", "lookup_socket_dir"}
+_STR_OPTIONS = {
+    "store_pipeline",
+    "storage_path",
+    "shm_dir",
+    "trace_path",
+    "lookup",
+    "lookup_socket_dir",
+}
 _OPT_STR_OPTIONS = {"model_name", "tenant"}
 _INT_OPTIONS = {"persist_token_threshold", "lookup_timeout_ms"}
 # Keys other connectors' configs use for one of our options; each is refused with the name to use.
@@ -119,21 +127,27 @@ def _read_yaml(path) -> dict:
     try:
         import yaml
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("config_path names a YAML file: reading it needs PyYAML (pip install pyyaml)") from e
+        raise ImportError(
+            "config_path names a YAML file: reading it needs PyYAML (pip install pyyaml)"
+        ) from e
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     except OSError as e:
         raise ValueError(f"config_path: cannot read {path!r}: {e.strerror or e}") from e
     if not isinstance(data, Mapping):
-        raise ValueError(f"config_path {path!r}: expected a mapping of options, got {type(data).__name__}")
+        raise ValueError(
+            f"config_path {path!r}: expected a mapping of options, got {type(data).__name__}"
+        )
     if _YAML_SECTION in data:
         section = data[_YAML_SECTION]
         if not isinstance(section, Mapping):
             raise ValueError(f"config_path {path!r}: '{_YAML_SECTION}' must be a mapping")
         others = sorted(k for k in data if k != _YAML_SECTION)
         if others:
-            raise ValueError(f"config_path {path!r}: keys beside '{_YAML_SECTION}': {', '.join(others)}")
+            raise ValueError(
+                f"config_path {path!r}: keys beside '{_YAML_SECTION}': {', '.join(others)}"
+            )
         data = section
     if "config_path" in data:
         raise ValueError(f"config_path {path!r}: a config file cannot name another (config_path)")
@@ -162,7 +176,11 @@ def _check(name: str, value: Any) -> Any:
     if name == "hit_ratio":
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not 0.0 <= value <= 1.0
+        ):
             raise ValueError(f"hit_ratio: expected a number in [0, 1] or null, got {value!r}")
         return float(value)
     if name == "store":
@@ -172,7 +190,7 @@ def _check(name: str, value: Any) -> Any:
     raise AssertionError(name)  # pragma: no cover
 
 
-def parse_connector_config(extra: Optional[Mapping[str, Any]]) -> ConnectorConfig:
+def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     """A ConnectorConfig from ``kv_connector_extra_config`` (and the YAML file it names)."""
     extra = dict(extra or {})
     options: dict[str, Any] = {}
@@ -188,26 +206,40 @@ def parse_connector_config(extra: Optional[Mapping[str, Any]]) -> ConnectorConfi
         raise ValueError(
             f"unknown Cascade connector option(s): {', '.join(unknown)}"
             + (f"; renamed: {', '.join(hints)}" if hints else "")
-            + f"; known options: {', '.join(known_options())}")
+            + f"; known options: {', '.join(known_options())}"
+        )
     values = {name: _check(name, value) for name, value in options.items()}
     cfg = ConnectorConfig(**values)
     if cfg.lookup not in _LOOKUP_MODES:
         raise ValueError(f"lookup: {cfg.lookup!r} is not one of {', '.join(_LOOKUP_MODES)}")
     tiers = [t.strip() for t in cfg.store_pipeline.split("|")] if cfg.store_pipeline else []
     if any(t in ("file", "lustre", "posix") for t in tiers) and not cfg.storage_path:
-        raise ValueError(f"store_pipeline {cfg.store_pipeline!r} has a file tier: set storage_path "
-                         "(the directory of its segment files)")
+        raise ValueError(
+            f"store_pipeline {cfg.store_pipeline!r} has a file tier: set storage_path "
+            "(the directory of its segment files)"
+        )
     if cfg.enable_record_traces and not cfg.trace_path:
-        raise ValueError("enable_record_traces: set trace_path (the file trace lines are appended to)")
+        raise ValueError(
+            "enable_record_traces: set trace_path (the file trace lines are appended to)"
+        )
     if cfg.use_lite and cfg.use_layerwise:
-        raise ValueError("use_lite moves no data, so use_layerwise has nothing to do: set one of them")
+        raise ValueError(
+            "use_lite moves no data, so use_layerwise has nothing to do: set one of them"
+        )
     # The escape hatch is checked now, not when a worker opens its store.
     config_from_dict(cfg.store)
     return cfg
 
 
-def worker_store_config(cfg: ConnectorConfig, *, engine_key: str, rank: int, world: int,
-                        dp_rank: Optional[int] = None, gpu_device: int = 0):
+def worker_store_config(
+    cfg: ConnectorConfig,
+    *,
+    engine_key: str,
+    rank: int,
+    world: int,
+    dp_rank: int | None = None,
+    gpu_device: int = 0,
+):
     """The CascadeConfig of one worker's store.
 
     Each worker (one per tensor/pipeline-parallel rank) opens its own store:

@@ -31,7 +31,8 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Callable
 
 from cascade.integrations import lookup_wire as wire
 from cascade.integrations.lookup_wire import (  # noqa: F401  (part of this module's interface)
@@ -56,13 +57,13 @@ def register_worker(engine_key: str, rank: int, prefix_fn: PrefixFn) -> None:
         _directory[(engine_key, rank)] = prefix_fn
 
 
-def unregister_worker(engine_key: str, rank: int, prefix_fn: Optional[PrefixFn] = None) -> None:
+def unregister_worker(engine_key: str, rank: int, prefix_fn: PrefixFn | None = None) -> None:
     with _directory_lock:
         if prefix_fn is None or _directory.get((engine_key, rank)) == prefix_fn:
             _directory.pop((engine_key, rank), None)
 
 
-def local_worker(engine_key: str, rank: int) -> Optional[PrefixFn]:
+def local_worker(engine_key: str, rank: int) -> PrefixFn | None:
     with _directory_lock:
         return _directory.get((engine_key, rank))
 
@@ -79,8 +80,17 @@ class LookupService:
     and a new one is refused only when every open one is authenticated.
     """
 
-    def __init__(self, engine_key: str, rank: int, prefix_fn: PrefixFn, *, socket_dir: str = "",
-                 auth_timeout_s: float = 2.0, message_timeout_s: float = 5.0, max_connections: int = 16):
+    def __init__(
+        self,
+        engine_key: str,
+        rank: int,
+        prefix_fn: PrefixFn,
+        *,
+        socket_dir: str = "",
+        auth_timeout_s: float = 2.0,
+        message_timeout_s: float = 5.0,
+        max_connections: int = 16,
+    ):
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         self.directory = service_dir(socket_dir, engine_key, rank)
@@ -122,8 +132,9 @@ class LookupService:
                 conn.close()
                 continue
             try:
-                threading.Thread(target=self._serve, args=(conn,), name="cascade-lookup-conn",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self._serve, args=(conn,), name="cascade-lookup-conn", daemon=True
+                ).start()
             except RuntimeError:  # no thread to be had: refuse this one
                 self._forget(conn)
                 conn.close()
@@ -161,8 +172,12 @@ class LookupService:
                     try:
                         ids = wire.recv_request(conn, self._message_timeout)
                     except wire.BadMessage as e:
-                        wire.send_answer(conn, wire.ST_BAD_REQUEST, 0, Deadline(self._message_timeout))
-                        logger.debug("Cascade lookup service %s: %s; connection closed", self.address, e)
+                        wire.send_answer(
+                            conn, wire.ST_BAD_REQUEST, 0, Deadline(self._message_timeout)
+                        )
+                        logger.debug(
+                            "Cascade lookup service %s: %s; connection closed", self.address, e
+                        )
                         return
                     if ids is None:  # the peer closed between requests
                         return
@@ -170,7 +185,9 @@ class LookupService:
                         n = int(self._prefix_fn(ids))
                         status, n = wire.ST_OK, max(0, min(n, len(ids)))
                     except Exception as e:  # the store said no: answer, keep serving
-                        logger.warning("Cascade lookup service %s: lookup failed (%s)", self.address, e)
+                        logger.warning(
+                            "Cascade lookup service %s: lookup failed (%s)", self.address, e
+                        )
                         status, n = wire.ST_FAILED, 0
                     wire.send_answer(conn, status, n, Deadline(self._message_timeout))
         except (OSError, WireError):  # timeout, reset, closed by close(): this connection ends
@@ -209,13 +226,13 @@ class _RemoteRank:
     def __init__(self, socket_dir: str, engine_key: str, rank: int):
         self.directory = service_dir(socket_dir, engine_key, rank)
         self.address = os.path.join(self.directory, wire.SOCKET_NAME)
-        self._conn: Optional[socket.socket] = None
+        self._conn: socket.socket | None = None
         self._lock = threading.Lock()
         self._next_try = 0.0
         self._backoff = self.RETRY_S
         self._warned = False
 
-    def _connect(self, deadline: Deadline) -> Optional[socket.socket]:
+    def _connect(self, deadline: Deadline) -> socket.socket | None:
         if time.monotonic() < self._next_try:
             return None
         conn = None
@@ -259,8 +276,13 @@ class _RemoteRank:
                 self._failed(f"lookup at {self.address} failed ({e})")
                 return 0
             if status != wire.ST_OK or n > len(query):
-                logger.warning("Cascade lookup at %s: answer %s (%d of %d): counted as a miss",
-                               self.address, wire.status_name(status), n, len(query))
+                logger.warning(
+                    "Cascade lookup at %s: answer %s (%d of %d): counted as a miss",
+                    self.address,
+                    wire.status_name(status),
+                    n,
+                    len(query),
+                )
                 if status != wire.ST_FAILED:
                     self._drop()
                 return 0
@@ -282,8 +304,15 @@ class _RemoteRank:
 class PrefixLookup:
     """The scheduler's view of every rank's store: the leading run of ids all ranks hold."""
 
-    def __init__(self, engine_key: str, world: int, *, mode: str = "auto", socket_dir: str = "",
-                 timeout_ms: int = 1000):
+    def __init__(
+        self,
+        engine_key: str,
+        world: int,
+        *,
+        mode: str = "auto",
+        socket_dir: str = "",
+        timeout_ms: int = 1000,
+    ):
         if mode not in ("auto", "socket", "off"):
             raise ValueError(f"lookup mode {mode!r} is not one of auto, socket, off")
         self.engine_key = engine_key
@@ -294,7 +323,7 @@ class PrefixLookup:
         self._remotes: dict[int, _RemoteRank] = {}
         self._lock = threading.Lock()
 
-    def _rank_fn(self, rank: int, deadline: Deadline) -> Optional[PrefixFn]:
+    def _rank_fn(self, rank: int, deadline: Deadline) -> PrefixFn | None:
         if self.mode in ("auto", "off"):
             fn = local_worker(self.engine_key, rank)
             if fn is not None or self.mode == "off":

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -44,7 +44,7 @@ class KvNamespace:
     block_size: int
     tp_rank: int = 0
     tp_world: int = 1
-    tenant: Optional[str] = None
+    tenant: str | None = None
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -61,7 +61,9 @@ class KvNamespace:
         if self.block_size <= 0:
             raise ValueError(f"KvNamespace.block_size must be positive, got {self.block_size}")
         if self.tp_world <= 0 or not 0 <= self.tp_rank < self.tp_world:
-            raise ValueError(f"KvNamespace: tp_rank {self.tp_rank} is not within tp_world {self.tp_world}")
+            raise ValueError(
+                f"KvNamespace: tp_rank {self.tp_rank} is not within tp_world {self.tp_world}"
+            )
         h = hashlib.sha256(_NS_TAG)
         for v in (self.model, self.dtype, self.layout):
             h.update(_field(v))
@@ -70,19 +72,35 @@ class KvNamespace:
         h.update(b"\x00" if self.tenant is None else b"\x01" + _field(self.tenant))
         object.__setattr__(self, "digest", h.digest())
 
-    def with_tenant(self, tenant: Optional[str]) -> "KvNamespace":
+    def with_tenant(self, tenant: str | None) -> KvNamespace:
         """The same namespace for another tenant salt."""
-        return KvNamespace(self.model, self.dtype, self.layout, self.block_size, self.tp_rank,
-                           self.tp_world, tenant)
+        return KvNamespace(
+            self.model,
+            self.dtype,
+            self.layout,
+            self.block_size,
+            self.tp_rank,
+            self.tp_world,
+            tenant,
+        )
 
-    def for_rank(self, tp_rank: int) -> "KvNamespace":
+    def for_rank(self, tp_rank: int) -> KvNamespace:
         """The same namespace for another tensor-parallel rank."""
-        return KvNamespace(self.model, self.dtype, self.layout, self.block_size, tp_rank,
-                           self.tp_world, self.tenant)
+        return KvNamespace(
+            self.model,
+            self.dtype,
+            self.layout,
+            self.block_size,
+            tp_rank,
+            self.tp_world,
+            self.tenant,
+        )
 
 
 def _tokens_array(tokens) -> np.ndarray:
-    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor, without importing torch
+    if hasattr(tokens, "detach") and hasattr(
+        tokens, "cpu"
+    ):  # a torch tensor, without importing torch
         tokens = tokens.detach().cpu().numpy()
     arr = np.asarray(tokens)
     if arr.ndim != 1:
@@ -123,6 +141,6 @@ def prefix_block_ids(tokens: Sequence[int], ns: KvNamespace, *, parent=None) -> 
     head = _BLOCK_TAG + ns.digest
     out = []
     for i in range(n):
-        prev = hashlib.sha256(head + prev + raw[i * stride:(i + 1) * stride]).digest()[:16]
+        prev = hashlib.sha256(head + prev + raw[i * stride : (i + 1) * stride]).digest()[:16]
         out.append(prev.hex())
     return out

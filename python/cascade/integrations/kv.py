@@ -26,7 +26,7 @@ were not all written into the engine's pages.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 from cascade import _core
 
@@ -50,9 +50,23 @@ class PagedKv:
     description is used.
     """
 
-    def __init__(self, layers, layout: str, *, num_blocks: int, num_kv_heads: int = 0, block_size: int = 0,
-                 head_size: int = 0, elem_bytes: int = 1, bytes_per_block: int = 0, block_stride: int = 0,
-                 head_stride: int = 0, token_stride: int = 0, kv_stride: int = 0, device: int = -1):
+    def __init__(
+        self,
+        layers,
+        layout: str,
+        *,
+        num_blocks: int,
+        num_kv_heads: int = 0,
+        block_size: int = 0,
+        head_size: int = 0,
+        elem_bytes: int = 1,
+        bytes_per_block: int = 0,
+        block_stride: int = 0,
+        head_stride: int = 0,
+        token_stride: int = 0,
+        kv_stride: int = 0,
+        device: int = -1,
+    ):
         self.layers = list(layers)
         self.layout = layout
         self.num_layers = len(self.layers)
@@ -67,11 +81,15 @@ class PagedKv:
         if layout == "flat_bytes":
             self.stored_block_bytes = self.num_layers * bytes_per_block
         else:
-            self.stored_block_bytes = self.num_layers * 2 * block_size * num_kv_heads * head_size * elem_bytes
-        self._movers = {}
+            self.stored_block_bytes = (
+                self.num_layers * 2 * block_size * num_kv_heads * head_size * elem_bytes
+            )
+        self._movers: dict = {}
 
     @classmethod
-    def from_layers(cls, layers, layout: str = "packed_kv", block_size: Optional[int] = None) -> "PagedKv":
+    def from_layers(
+        cls, layers, layout: str = "packed_kv", block_size: int | None = None
+    ) -> PagedKv:
         """Describes ``layers`` (one torch tensor per attention layer)."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown KV layout {layout!r}: one of {', '.join(LAYOUTS)}")
@@ -84,11 +102,17 @@ class PagedKv:
         for i, t in enumerate(layers):
             if not (hasattr(t, "data_ptr") and hasattr(t, "stride")):
                 raise TypeError(f"layer {i} is not a tensor ({type(t).__name__})")
-            if (tuple(t.shape) != tuple(first.shape) or t.stride() != first.stride()
-                    or t.dtype != first.dtype or t.device != first.device):
-                raise ValueError(f"layer {i} differs from layer 0 in shape, strides, dtype or device "
-                                 f"({tuple(t.shape)} {t.stride()} {t.dtype} {t.device} vs "
-                                 f"{tuple(first.shape)} {first.stride()} {first.dtype} {first.device})")
+            if (
+                tuple(t.shape) != tuple(first.shape)
+                or t.stride() != first.stride()
+                or t.dtype != first.dtype
+                or t.device != first.device
+            ):
+                raise ValueError(
+                    f"layer {i} differs from layer 0 in shape, strides, dtype or device "
+                    f"({tuple(t.shape)} {t.stride()} {t.dtype} {t.device} vs "
+                    f"{tuple(first.shape)} {first.stride()} {first.dtype} {first.device})"
+                )
         dev = first.device
         if dev.type == "cpu":
             device = -1
@@ -100,35 +124,64 @@ class PagedKv:
         elem = first.element_size()
         if layout == "flat_bytes":
             if len(shape) != 2 or elem != 1:
-                raise ValueError(f"flat_bytes layers are [num_blocks, bytes_per_block] uint8, got {shape} "
-                                 f"of {first.dtype}")
+                raise ValueError(
+                    f"flat_bytes layers are [num_blocks, bytes_per_block] uint8, got {shape} "
+                    f"of {first.dtype}"
+                )
             if st[1] != 1:
                 raise ValueError("the bytes of a block must be contiguous")
-            return cls(layers, layout, num_blocks=shape[0], bytes_per_block=shape[1], block_stride=st[0],
-                       device=device)
+            return cls(
+                layers,
+                layout,
+                num_blocks=shape[0],
+                bytes_per_block=shape[1],
+                block_stride=st[0],
+                device=device,
+            )
         if elem not in (1, 2, 4):
             raise ValueError(f"unsupported KV dtype {first.dtype} ({elem} bytes per element)")
         if layout == "packed_kv":
             if len(shape) != 4 or shape[3] % 2:
-                raise ValueError(f"packed_kv layers are [num_blocks, num_kv_heads, block_size, 2*head_size], "
-                                 f"got {shape}")
+                raise ValueError(
+                    f"packed_kv layers are [num_blocks, num_kv_heads, block_size, 2*head_size], "
+                    f"got {shape}"
+                )
             nb, heads, bs, two_d = shape
             head = two_d // 2
-            strides = dict(block_stride=st[0], head_stride=st[1], token_stride=st[2], kv_stride=head)
+            strides = dict(
+                block_stride=st[0], head_stride=st[1], token_stride=st[2], kv_stride=head
+            )
             inner = st[3]
         else:
             if len(shape) != 5 or shape[0] != 2:
-                raise ValueError(f"split_kv layers are [2, num_blocks, block_size, num_kv_heads, head_size], "
-                                 f"got {shape}")
+                raise ValueError(
+                    f"split_kv layers are [2, num_blocks, block_size, num_kv_heads, head_size], "
+                    f"got {shape}"
+                )
             _, nb, bs, heads, head = shape
-            strides = dict(block_stride=st[1], head_stride=st[3], token_stride=st[2], kv_stride=st[0])
+            strides = dict(
+                block_stride=st[1], head_stride=st[3], token_stride=st[2], kv_stride=st[0]
+            )
             inner = st[4]
         if inner != 1:
-            raise ValueError(f"the innermost (head_size) dimension must be contiguous, its stride is {inner}")
+            raise ValueError(
+                f"the innermost (head_size) dimension must be contiguous, its stride is {inner}"
+            )
         if block_size is not None and block_size != bs:
-            raise ValueError(f"block_size {block_size} given but the tensors hold blocks of {bs} tokens")
-        return cls(layers, layout, num_blocks=nb, num_kv_heads=heads, block_size=bs, head_size=head,
-                   elem_bytes=elem, device=device, **strides)
+            raise ValueError(
+                f"block_size {block_size} given but the tensors hold blocks of {bs} tokens"
+            )
+        return cls(
+            layers,
+            layout,
+            num_blocks=nb,
+            num_kv_heads=heads,
+            block_size=bs,
+            head_size=head,
+            elem_bytes=elem,
+            device=device,
+            **strides,
+        )
 
     def _mover(self, store):
         key = id(store)
@@ -136,9 +189,22 @@ class PagedKv:
         if entry is None or entry[0] is not store:
             bs, hs, ts, kvs = self.strides
             mover = _core.KvBlockMover(
-                store, self.layout, self.device, self.num_layers, self.num_blocks, self.num_kv_heads,
-                self.block_size, self.head_size, self.elem_bytes, self.bytes_per_block,
-                [t.data_ptr() for t in self.layers], bs, hs, ts, kvs)
+                store,
+                self.layout,
+                self.device,
+                self.num_layers,
+                self.num_blocks,
+                self.num_kv_heads,
+                self.block_size,
+                self.head_size,
+                self.elem_bytes,
+                self.bytes_per_block,
+                [t.data_ptr() for t in self.layers],
+                bs,
+                hs,
+                ts,
+                kvs,
+            )
             entry = (store, mover)
             self._movers[key] = entry
         return entry[1]
@@ -148,6 +214,7 @@ class PagedKv:
             return 0
         if cuda_stream is None:
             import torch
+
             return int(torch.cuda.current_stream(self.device).cuda_stream)
         if isinstance(cuda_stream, int):
             return cuda_stream
@@ -157,9 +224,12 @@ class PagedKv:
 
     def __repr__(self) -> str:
         where = "cpu" if self.device < 0 else f"cuda:{self.device}"
-        return (f"PagedKv({self.layout}, layers={self.num_layers}, blocks={self.num_blocks}, "
-                f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
-                f"elem_bytes={self.elem_bytes}, {where}, stored_block_bytes={self.stored_block_bytes})")
+        return (
+            f"PagedKv({self.layout}, layers={self.num_layers}, blocks={self.num_blocks}, "
+            f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, "
+            f"head_size={self.head_size}, elem_bytes={self.elem_bytes}, {where}, "
+            f"stored_block_bytes={self.stored_block_bytes})"
+        )
 
 
 def _layer_range(kv: PagedKv, layers) -> tuple:
@@ -173,8 +243,15 @@ def _layer_range(kv: PagedKv, layers) -> tuple:
     return int(begin), int(end)
 
 
-def save_paged(store, kv: PagedKv, engine_blocks: Sequence[int], ids: Sequence[str], *, layers=None,
-               cuda_stream=None) -> list:
+def save_paged(
+    store,
+    kv: PagedKv,
+    engine_blocks: Sequence[int],
+    ids: Sequence[str],
+    *,
+    layers=None,
+    cuda_stream=None,
+) -> list:
     """Stores engine block ``engine_blocks[i]`` (every layer) under ``ids[i]``.
 
     Per item: None when stored or already present, else the reason. A block
@@ -186,8 +263,15 @@ def save_paged(store, kv: PagedKv, engine_blocks: Sequence[int], ids: Sequence[s
     return kv._mover(store).save(blocks, list(ids), kv._stream(cuda_stream))
 
 
-def load_paged(store, kv: PagedKv, engine_blocks: Sequence[int], ids: Sequence[str], *, layers=None,
-               cuda_stream=None) -> list:
+def load_paged(
+    store,
+    kv: PagedKv,
+    engine_blocks: Sequence[int],
+    ids: Sequence[str],
+    *,
+    layers=None,
+    cuda_stream=None,
+) -> list:
     """Loads store block ``ids[i]`` into engine block ``engine_blocks[i]``.
 
     ``layers``: None (all), a ``range`` or a ``(begin, end)`` pair for a

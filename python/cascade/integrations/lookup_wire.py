@@ -42,7 +42,7 @@ import stat
 import struct
 import tempfile
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 MAGIC = b"CSLK"
 VERSION = 1
@@ -50,8 +50,12 @@ HEADER = struct.Struct("<4sBBI")
 
 CHALLENGE, AUTH, WELCOME, PREFIX = 1, 2, 3, 4
 ST_OK, ST_BAD_REQUEST, ST_FAILED, ST_REFUSED = 0x80, 0x81, 0x82, 0x83
-_STATUS_NAMES = {ST_OK: "ok", ST_BAD_REQUEST: "bad request", ST_FAILED: "lookup failed",
-                 ST_REFUSED: "refused"}
+_STATUS_NAMES = {
+    ST_OK: "ok",
+    ST_BAD_REQUEST: "bad request",
+    ST_FAILED: "lookup failed",
+    ST_REFUSED: "refused",
+}
 
 ID_BYTES = 16
 NONCE_BYTES = 32
@@ -99,6 +103,7 @@ def status_name(status: int) -> str:
 # ---------------------------------------------------------------------------
 # Files
 
+
 def service_dir(socket_dir: str, engine_key: str, rank: int) -> str:
     """The private directory of one rank's lookup service."""
     short = hashlib.sha256(engine_key.encode()).hexdigest()[:16]
@@ -114,8 +119,10 @@ def _check_private(st: os.stat_result, path: str, *, directory: bool) -> None:
     kind_ok = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
     if not kind_ok or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         what = "directory (mode 0700)" if directory else "file (mode 0600)"
-        raise PermissionError(f"{path} is not a private {what} of this user; "
-                              "remove it or choose another lookup_socket_dir")
+        raise PermissionError(
+            f"{path} is not a private {what} of this user; "
+            "remove it or choose another lookup_socket_dir"
+        )
 
 
 def _open_private_dir(path: str) -> int:
@@ -146,8 +153,12 @@ def create_service_dir(path: str) -> bytes:
         for name in (SOCKET_NAME, SECRET_NAME, SECRET_NAME + ".new"):
             _unlink_at(name, dfd)  # left by a dead service of the same engine and rank
         secret = secrets.token_bytes(SECRET_BYTES)
-        fd = os.open(SECRET_NAME + ".new", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600, dir_fd=dfd)
+        fd = os.open(
+            SECRET_NAME + ".new",
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=dfd,
+        )
         try:
             os.fchmod(fd, 0o600)
             os.write(fd, secret)
@@ -176,7 +187,7 @@ def read_secret(path: str) -> bytes:
     return data
 
 
-def remove_service_dir(path: str, socket_id: Optional[tuple] = None) -> None:
+def remove_service_dir(path: str, socket_id: tuple | None = None) -> None:
     """Removes the service's socket (only if it is still ``socket_id``), secret and directory."""
     try:
         dfd = _open_private_dir(path)
@@ -202,8 +213,10 @@ def remove_service_dir(path: str, socket_id: Optional[tuple] = None) -> None:
 def listen(address: str) -> tuple[socket.socket, tuple]:
     """A listening socket at ``address`` (in a private directory), mode 0600; and its (dev, ino)."""
     if len(os.fsencode(address)) > _SUN_PATH_MAX:
-        raise ValueError(f"lookup socket path {address!r} is longer than {_SUN_PATH_MAX} bytes; "
-                         "choose a shorter lookup_socket_dir")
+        raise ValueError(
+            f"lookup socket path {address!r} is longer than {_SUN_PATH_MAX} bytes; "
+            "choose a shorter lookup_socket_dir"
+        )
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(address)
@@ -240,8 +253,10 @@ def peer_is_same_user(sock: socket.socket) -> bool:
 # ---------------------------------------------------------------------------
 # Messages
 
-def _recv_exact(sock: socket.socket, n: int, deadline: Deadline, buf: Optional[bytearray] = None,
-                got: int = 0) -> bytes:
+
+def _recv_exact(
+    sock: socket.socket, n: int, deadline: Deadline, buf: bytearray | None = None, got: int = 0
+) -> bytes:
     buf = buf if buf is not None else bytearray(n)
     view = memoryview(buf)
     while got < n:
@@ -273,14 +288,18 @@ def _recv_fixed(sock: socket.socket, kind: int, n: int, deadline: Deadline) -> b
     if got_kind == ST_REFUSED:
         raise WireError("refused: the lookup secret does not match")
     if got_kind != kind or got_n != n:
-        raise WireError(f"expected message kind {kind} of {n} bytes, got kind {got_kind} of {got_n}")
+        raise WireError(
+            f"expected message kind {kind} of {n} bytes, got kind {got_kind} of {got_n}"
+        )
     return _recv_exact(sock, n, deadline)
 
 
 def _macs(secret: bytes, server_nonce: bytes, client_nonce: bytes) -> tuple[bytes, bytes]:
     nonces = server_nonce + client_nonce
-    return (hmac.new(secret, _CLIENT_TAG + nonces, hashlib.sha256).digest(),
-            hmac.new(secret, _SERVER_TAG + nonces, hashlib.sha256).digest())
+    return (
+        hmac.new(secret, _CLIENT_TAG + nonces, hashlib.sha256).digest(),
+        hmac.new(secret, _SERVER_TAG + nonces, hashlib.sha256).digest(),
+    )
 
 
 def client_handshake(sock: socket.socket, secret: bytes, deadline: Deadline) -> None:
@@ -315,7 +334,9 @@ def encode_ids(ids: Sequence) -> bytes:
     if all(isinstance(i, str) and len(i) == 2 * ID_BYTES for i in ids):
         body = bytes.fromhex("".join(ids))
     else:
-        body = b"".join(bytes(i) if isinstance(i, (bytes, bytearray)) else bytes.fromhex(str(i)) for i in ids)
+        body = b"".join(
+            bytes(i) if isinstance(i, (bytes, bytearray)) else bytes.fromhex(str(i)) for i in ids
+        )
     if len(body) != ID_BYTES * len(ids):
         raise ValueError("lookup ids must be block ids (32 hex characters or 16 bytes)")
     return body
@@ -334,7 +355,7 @@ def recv_answer(sock: socket.socket, deadline: Deadline) -> tuple[int, int]:
     return status, n
 
 
-def recv_request(sock: socket.socket, timeout_s: float) -> Optional[list]:
+def recv_request(sock: socket.socket, timeout_s: float) -> list | None:
     """The next request's ids (32-hex str); None when the peer closed between requests.
 
     Waits for a request as long as it takes; once its first byte is in, the
@@ -352,7 +373,7 @@ def recv_request(sock: socket.socket, timeout_s: float) -> Optional[list]:
         raise BadMessage(f"{n} ids in one request, at most {MAX_IDS}")
     h = _recv_exact(sock, n * ID_BYTES, deadline).hex()
     step = 2 * ID_BYTES
-    return [h[i:i + step] for i in range(0, len(h), step)]
+    return [h[i : i + step] for i in range(0, len(h), step)]
 
 
 def send_answer(sock: socket.socket, status: int, n: int, deadline: Deadline) -> None:

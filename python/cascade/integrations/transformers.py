@@ -45,16 +45,24 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any
 
 import torch
 
 from cascade.integrations.ids import KvNamespace, prefix_block_ids
 from cascade.integrations.kv import PagedKv, cached_prefix_length, load_paged, save_paged
 
-__all__ = ["PrefixCache", "PrefillResult", "LookupPlan", "kv_geometry", "forward_chunked", "past_from_kv",
-           "kv_from_past"]
+__all__ = [
+    "PrefixCache",
+    "PrefillResult",
+    "LookupPlan",
+    "kv_geometry",
+    "forward_chunked",
+    "past_from_kv",
+    "kv_from_past",
+]
 
 DEFAULT_BLOCK_SIZE = 256
 
@@ -95,15 +103,20 @@ def kv_geometry(model) -> KvGeometry:
     layers = getattr(cfg, "num_hidden_layers", None)
     heads = getattr(cfg, "num_attention_heads", None)
     if not layers or not heads:
-        raise ValueError(f"{type(model).__name__}: config has no num_hidden_layers/num_attention_heads; "
-                         "not a decoder with a per-layer K/V cache")
+        raise ValueError(
+            f"{type(model).__name__}: config has no num_hidden_layers/num_attention_heads; "
+            "not a decoder with a per-layer K/V cache"
+        )
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     layer_types = getattr(cfg, "layer_types", None) or []
     if any("sliding" in str(t) for t in layer_types) or (
-            getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)):
-        raise NotImplementedError(f"{type(cfg).__name__}: sliding-window attention layers keep only part of "
-                                  "the prompt in their cache; the prefix cache supports full attention only")
+        getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    ):
+        raise NotImplementedError(
+            f"{type(cfg).__name__}: sliding-window attention layers keep only part of "
+            "the prompt in their cache; the prefix cache supports full attention only"
+        )
     return KvGeometry(int(layers), int(kv_heads), int(head_dim), model.dtype)
 
 
@@ -132,13 +145,17 @@ def past_from_kv(model, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
             cache.update(k[..., :0, :], v[..., :0, :], i)
             layer = cache.layers[i]
             if getattr(layer, "is_sliding", False) or not hasattr(layer, "keys"):
-                raise NotImplementedError(f"cache layer {i} is {type(layer).__name__}: the prefix cache "
-                                          "supports full-attention dynamic layers only")
+                raise NotImplementedError(
+                    f"cache layer {i} is {type(layer).__name__}: the prefix cache "
+                    "supports full-attention dynamic layers only"
+                )
             layer.keys, layer.values = k, v
     for i in range(len(pairs)):
         if cache.get_seq_length(i) != seq:
-            raise RuntimeError(f"transformers cache layer {i} reports {cache.get_seq_length(i)} tokens after "
-                               f"being given {seq}: unsupported transformers version")
+            raise RuntimeError(
+                f"transformers cache layer {i} reports {cache.get_seq_length(i)} tokens after "
+                f"being given {seq}: unsupported transformers version"
+            )
     return cache
 
 
@@ -154,7 +171,7 @@ def kv_from_past(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     raise TypeError(f"unsupported past_key_values type {type(cache).__name__}")
 
 
-def _logits_kwarg(model) -> Optional[str]:
+def _logits_kwarg(model) -> str | None:
     params = inspect.signature(model.forward).parameters
     for name in ("logits_to_keep", "num_logits_to_keep"):
         if name in params:
@@ -163,12 +180,14 @@ def _logits_kwarg(model) -> Optional[str]:
 
 
 @torch.no_grad()
-def forward_chunked(model, input_ids: torch.Tensor, past=None, chunk_tokens: Optional[int] = None):
+def forward_chunked(model, input_ids: torch.Tensor, past=None, chunk_tokens: int | None = None):
     """Runs the model on input_ids [B, N] after `past` (a cache of P tokens or
     None), at most `chunk_tokens` tokens (all rows together) per forward.
     Returns (last-token logits [B, vocab], the cache of P + N tokens)."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be [batch, tokens] with tokens >= 1, got {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"input_ids must be [batch, tokens] with tokens >= 1, got {tuple(input_ids.shape)}"
+        )
     b, n = input_ids.shape
     step = n if not chunk_tokens else max(1, int(chunk_tokens) // b)
     if past is None:
@@ -177,9 +196,11 @@ def forward_chunked(model, input_ids: torch.Tensor, past=None, chunk_tokens: Opt
     name = _logits_kwarg(model)
     if name:
         kw[name] = 1
-    logits = None
+    logits: Any = None
     for s in range(0, n, step):
-        out = model(input_ids=input_ids[:, s:s + step], past_key_values=past, use_cache=True, **kw)
+        out = model(
+            input_ids=input_ids[:, s : s + step], past_key_values=past, use_cache=True, **kw
+        )
         past = out.past_key_values
         logits = out.logits
     return logits[:, -1, :], past
@@ -192,29 +213,32 @@ def forward_chunked(model, input_ids: torch.Tensor, past=None, chunk_tokens: Opt
 class LookupPlan:
     """What a lookup found: ids of every full block of each row, and the
     number of leading blocks present in the store for each row."""
+
     ids: list[list[str]]
     present_blocks: list[int]
-    usable_blocks: int          # blocks that prefill will try to load (common to all rows)
-    tokens: int                 # prompt length (every row)
+    usable_blocks: int  # blocks that prefill will try to load (common to all rows)
+    tokens: int  # prompt length (every row)
     block_size: int = DEFAULT_BLOCK_SIZE
 
     @property
     def cached_tokens(self) -> int:
         """Tokens prefill will take from the store (all loads succeeding)."""
-        return min(self.usable_blocks * self.block_size, self.tokens - 1) if self.usable_blocks else 0
+        return (
+            min(self.usable_blocks * self.block_size, self.tokens - 1) if self.usable_blocks else 0
+        )
 
 
 @dataclass
 class PrefillResult:
-    logits: torch.Tensor                     # [B, vocab], the last prompt token
-    past_key_values: object                  # transformers cache of all prompt tokens
-    cached_tokens: int                       # per row, taken from the store
-    computed_tokens: int                     # per row, run through the model
-    loaded_blocks: int                       # per row
-    saved_blocks: int = 0                    # over all rows
-    load_errors: list[tuple[int, int, str]] = field(default_factory=list)   # (row, block, why)
+    logits: torch.Tensor  # [B, vocab], the last prompt token
+    past_key_values: object  # transformers cache of all prompt tokens
+    cached_tokens: int  # per row, taken from the store
+    computed_tokens: int  # per row, run through the model
+    loaded_blocks: int  # per row
+    saved_blocks: int = 0  # over all rows
+    load_errors: list[tuple[int, int, str]] = field(default_factory=list)  # (row, block, why)
     save_errors: list[tuple[int, int, str]] = field(default_factory=list)
-    timings: dict = field(default_factory=dict)   # seconds: lookup, load, forward, save
+    timings: dict = field(default_factory=dict)  # seconds: lookup, load, forward, save
 
 
 class PrefixCache:
@@ -235,10 +259,21 @@ class PrefixCache:
         blocks in parallel (store.prefetch) before the copy to the device.
     """
 
-    def __init__(self, model, store, *, model_name: Optional[str] = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 tenant: Optional[str] = None, tp_rank: int = 0, tp_world: int = 1,
-                 hit_ratio: Optional[float] = None, chunk_tokens: Optional[int] = None,
-                 save_chunk_bytes: int = 1 << 30, prefetch: bool = True):
+    def __init__(
+        self,
+        model,
+        store,
+        *,
+        model_name: str | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        tenant: str | None = None,
+        tp_rank: int = 0,
+        tp_world: int = 1,
+        hit_ratio: float | None = None,
+        chunk_tokens: int | None = None,
+        save_chunk_bytes: int = 1 << 30,
+        prefetch: bool = True,
+    ):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if hit_ratio is not None and not 0.0 <= hit_ratio <= 1.0:
@@ -248,20 +283,34 @@ class PrefixCache:
         self.model = model
         self.store = store
         self.geometry = kv_geometry(model)
-        name = model_name or getattr(model.config, "_name_or_path", "") or getattr(model.config, "name_or_path", "")
+        name = (
+            model_name
+            or getattr(model.config, "_name_or_path", "")
+            or getattr(model.config, "name_or_path", "")
+        )
         if not name:
-            raise ValueError("the model has no name_or_path in its config: pass model_name= (a name that no "
-                             "other weights share)")
+            raise ValueError(
+                "the model has no name_or_path in its config: pass model_name= (a name that no "
+                "other weights share)"
+            )
         g = self.geometry
-        self.model_name = f"{name}|layers={g.num_layers}|kv_heads={g.num_kv_heads}|head_dim={g.head_dim}"
+        self.model_name = (
+            f"{name}|layers={g.num_layers}|kv_heads={g.num_kv_heads}|head_dim={g.head_dim}"
+        )
         self.block_size = block_size
         self.hit_ratio = hit_ratio
         self.chunk_tokens = chunk_tokens
         self.save_chunk_bytes = int(save_chunk_bytes)
         self.prefetch = prefetch
-        self.namespace = KvNamespace(model=self.model_name, dtype=str(g.dtype).replace("torch.", ""),
-                                     layout="split_kv", block_size=block_size, tp_rank=tp_rank,
-                                     tp_world=tp_world, tenant=tenant)
+        self.namespace = KvNamespace(
+            model=self.model_name,
+            dtype=str(g.dtype).replace("torch.", ""),
+            layout="split_kv",
+            block_size=block_size,
+            tp_rank=tp_rank,
+            tp_world=tp_world,
+            tenant=tenant,
+        )
 
     # -- ids and lookup -----------------------------------------------------------------
 
@@ -279,8 +328,10 @@ class PrefixCache:
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be [tokens] or [batch, tokens] with both >= 1, "
-                             f"got shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must be [tokens] or [batch, tokens] with both >= 1, "
+                f"got shape {tuple(input_ids.shape)}"
+            )
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be integer token ids, got {input_ids.dtype}")
         return input_ids
@@ -290,7 +341,7 @@ class PrefixCache:
         batch = self._as_batch(input_ids).cpu()
         return [prefix_block_ids(row.tolist(), self.namespace) for row in batch]
 
-    def lookup(self, input_ids, hit_ratio: Optional[float] = None) -> LookupPlan:
+    def lookup(self, input_ids, hit_ratio: float | None = None) -> LookupPlan:
         """The cached prefix of a prompt (or of every row). No side effects."""
         batch = self._as_batch(input_ids)
         ids = self.block_ids(batch)
@@ -299,21 +350,34 @@ class PrefixCache:
         ratio = self.hit_ratio if hit_ratio is None else hit_ratio
         if ratio is not None:
             usable = min(usable, int(ratio * batch.shape[1]) // self.block_size)
-        return LookupPlan(ids=ids, present_blocks=present, usable_blocks=usable, tokens=int(batch.shape[1]),
-                          block_size=self.block_size)
+        return LookupPlan(
+            ids=ids,
+            present_blocks=present,
+            usable_blocks=usable,
+            tokens=int(batch.shape[1]),
+            block_size=self.block_size,
+        )
 
     # -- buffers ------------------------------------------------------------------------
 
     def _buffer(self, rows: int, blocks: int) -> torch.Tensor:
         g = self.geometry
-        return torch.empty((g.num_layers, 2, g.num_kv_heads, rows * blocks * self.block_size, g.head_dim),
-                           dtype=g.dtype, device=self.device)
+        return torch.empty(
+            (g.num_layers, 2, g.num_kv_heads, rows * blocks * self.block_size, g.head_dim),
+            dtype=g.dtype,
+            device=self.device,
+        )
 
     def _paged(self, buf: torch.Tensor) -> PagedKv:
         layers, _, heads, tokens, dim = buf.shape
         nb = tokens // self.block_size
-        return PagedKv.from_layers([buf[l].view(2, heads, nb, self.block_size, dim).permute(0, 2, 3, 1, 4)
-                                    for l in range(layers)], layout="split_kv")
+        return PagedKv.from_layers(
+            [
+                buf[layer].view(2, heads, nb, self.block_size, dim).permute(0, 2, 3, 1, 4)
+                for layer in range(layers)
+            ],
+            layout="split_kv",
+        )
 
     def _stream(self):
         dev = self.device
@@ -325,7 +389,7 @@ class PrefixCache:
 
     # -- load -----------------------------------------------------------------------------
 
-    def load(self, plan: LookupPlan, blocks: Optional[int] = None):
+    def load(self, plan: LookupPlan, blocks: int | None = None):
         """Loads the first `blocks` blocks of every row (default: the plan's
         usable blocks) into a fresh buffer. Returns (buffer or None, blocks
         that loaded in every row, errors [(row, block, why)])."""
@@ -357,16 +421,21 @@ class PrefixCache:
         layers, _, heads, total, dim = buf.shape
         per_row = total // rows
         pairs = []
-        for l in range(layers):
-            k = buf[l, 0].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
-            v = buf[l, 1].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
+        for layer in range(layers):
+            k = buf[layer, 0].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
+            v = buf[layer, 1].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
             pairs.append((k, v))
         return past_from_kv(self.model, pairs)
 
     # -- save -----------------------------------------------------------------------------
 
-    def save(self, input_ids, past_key_values, ids: Optional[list[list[str]]] = None,
-             skip_present: bool = True) -> tuple[int, list[tuple[int, int, str]]]:
+    def save(
+        self,
+        input_ids,
+        past_key_values,
+        ids: list[list[str]] | None = None,
+        skip_present: bool = True,
+    ) -> tuple[int, list[tuple[int, int, str]]]:
         """Stores every full block of each row that the store lacks, copied
         from a transformers cache holding (at least) the prompt's tokens.
         Returns (blocks stored, errors [(row, block, why)])."""
@@ -378,13 +447,21 @@ class PrefixCache:
             raise ValueError(f"cache has {len(pairs)} layers, the model {g.num_layers}")
         k0 = pairs[0][0]
         want = (batch.shape[0], g.num_kv_heads, g.head_dim)
-        if k0.dim() != 4 or (k0.shape[0], k0.shape[1], k0.shape[3]) != want or k0.shape[2] < batch.shape[1] - 1:
-            raise ValueError(f"cache K of shape {tuple(k0.shape)} does not hold [batch={want[0]}, "
-                             f"kv_heads={want[1]}, >= {batch.shape[1] - 1} tokens, head_dim={want[2]}]")
+        if (
+            k0.dim() != 4
+            or (k0.shape[0], k0.shape[1], k0.shape[3]) != want
+            or k0.shape[2] < batch.shape[1] - 1
+        ):
+            raise ValueError(
+                f"cache K of shape {tuple(k0.shape)} does not hold [batch={want[0]}, "
+                f"kv_heads={want[1]}, >= {batch.shape[1] - 1} tokens, head_dim={want[2]}]"
+            )
         if k0.dtype != g.dtype:
-            raise ValueError(f"cache dtype {k0.dtype} differs from the model's {g.dtype} (the namespace's)")
+            raise ValueError(
+                f"cache dtype {k0.dtype} differs from the model's {g.dtype} (the namespace's)"
+            )
         have = k0.shape[2]
-        todo = []   # (row, block)
+        todo = []  # (row, block)
         for r, row_ids in enumerate(ids):
             for j, bid in enumerate(row_ids):
                 if (j + 1) * self.block_size > have:
@@ -398,22 +475,27 @@ class PrefixCache:
         stored, errors = 0, []
         bs = self.block_size
         for c in range(0, len(todo), per_chunk):
-            part = todo[c:c + per_chunk]
+            part = todo[c : c + per_chunk]
             # Runs of consecutive blocks of one row: one copy per run and layer.
-            runs = []   # (row, first block, count, first buffer block)
+            runs: list = []  # (row, first block, count, first buffer block)
             for i, (r, j) in enumerate(part):
                 if runs and runs[-1][0] == r and runs[-1][1] + runs[-1][2] == j:
                     runs[-1][2] += 1
                 else:
                     runs.append([r, j, 1, i])
             buf = self._buffer(1, len(part))
-            for l, (k, v) in enumerate(pairs):
+            for layer, (k, v) in enumerate(pairs):
                 for r, j, n, i in runs:
-                    buf[l, 0, :, i * bs:(i + n) * bs].copy_(k[r, :, j * bs:(j + n) * bs])
-                    buf[l, 1, :, i * bs:(i + n) * bs].copy_(v[r, :, j * bs:(j + n) * bs])
+                    buf[layer, 0, :, i * bs : (i + n) * bs].copy_(k[r, :, j * bs : (j + n) * bs])
+                    buf[layer, 1, :, i * bs : (i + n) * bs].copy_(v[r, :, j * bs : (j + n) * bs])
             kv = self._paged(buf)
-            errs = save_paged(self.store, kv, list(range(len(part))), [ids[r][j] for r, j in part],
-                              cuda_stream=self._stream())
+            errs = save_paged(
+                self.store,
+                kv,
+                list(range(len(part))),
+                [ids[r][j] for r, j in part],
+                cuda_stream=self._stream(),
+            )
             for (r, j), e in zip(part, errs):
                 if e is None:
                     stored += 1
@@ -424,8 +506,15 @@ class PrefixCache:
 
     # -- prefill --------------------------------------------------------------------------
 
-    def prefill(self, input_ids, *, plan: Optional[LookupPlan] = None, save: bool = True,
-                hit_ratio: Optional[float] = None, chunk_tokens: Optional[int] = None) -> PrefillResult:
+    def prefill(
+        self,
+        input_ids,
+        *,
+        plan: LookupPlan | None = None,
+        save: bool = True,
+        hit_ratio: float | None = None,
+        chunk_tokens: int | None = None,
+    ) -> PrefillResult:
         """Logits of the last prompt token and the cache of every prompt token,
         with the longest cached prefix loaded instead of computed. `plan`
         (from lookup) skips the lookup; blocks that fail to load then are
@@ -443,14 +532,21 @@ class PrefixCache:
         t2 = time.perf_counter()
         cached = min(good * self.block_size, tokens - 1)
         past = self._past_from_buffer(buf, rows, cached) if cached > 0 else None
-        del buf   # the cache views keep it alive until the model replaces them
-        logits, past = forward_chunked(self.model, batch[:, cached:], past,
-                                       chunk_tokens or self.chunk_tokens)
+        del buf  # the cache views keep it alive until the model replaces them
+        logits, past = forward_chunked(
+            self.model, batch[:, cached:], past, chunk_tokens or self.chunk_tokens
+        )
         self._sync()
         t3 = time.perf_counter()
-        result = PrefillResult(logits=logits, past_key_values=past, cached_tokens=cached,
-                               computed_tokens=tokens - cached, loaded_blocks=good, load_errors=errors,
-                               timings={"lookup": t1 - t0, "load": t2 - t1, "forward": t3 - t2})
+        result = PrefillResult(
+            logits=logits,
+            past_key_values=past,
+            cached_tokens=cached,
+            computed_tokens=tokens - cached,
+            loaded_blocks=good,
+            load_errors=errors,
+            timings={"lookup": t1 - t0, "load": t2 - t1, "forward": t3 - t2},
+        )
         if save:
             with torch.no_grad():
                 result.saved_blocks, result.save_errors = self.save(batch, past, ids=plan.ids)

@@ -5,7 +5,8 @@ Enable it with (docs/vllm.md lists every option):
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "CascadeConnector",
         "kv_connector_module_path": "cascade.integrations.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"store_pipeline": "host|file", "storage_path": "/mnt/nvme/kv"}}'
+        "kv_connector_extra_config": {"store_pipeline": "host|file",
+                                      "storage_path": "/mnt/nvme/kv"}}'
 
 This class only adapts vLLM's v1 connector API (vllm 0.33,
 ``KVConnectorBase_V1``) to ``cascade.integrations.connector_core``, which
@@ -30,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -92,8 +93,8 @@ class CascadeConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class CascadeConnectorStats(KVConnectorStats):
-    """Counter deltas (``connector_core.COUNTERS`` keys, ``tier_hits:<tier>``, ``tier_misses:<tier>``),
-    summed over workers."""
+    """Counter deltas (``connector_core.COUNTERS`` keys, ``tier_hits:<tier>``,
+    ``tier_misses:<tier>``), summed over workers."""
 
     def reset(self):
         self.data = {}
@@ -126,7 +127,7 @@ class CascadePromMetrics(KVConnectorPromMetrics):
         self._counters.observe(transfer_stats_data, labels)
 
 
-def _model_name(vllm_config: "VllmConfig") -> str:
+def _model_name(vllm_config: VllmConfig) -> str:
     mc = vllm_config.model_config
     name = str(mc.model)
     if getattr(mc, "revision", None):
@@ -136,14 +137,14 @@ def _model_name(vllm_config: "VllmConfig") -> str:
     return name
 
 
-def _kv_dtype(vllm_config: "VllmConfig") -> str:
+def _kv_dtype(vllm_config: VllmConfig) -> str:
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype != "auto":
         return cache_dtype
     return str(vllm_config.model_config.dtype).replace("torch.", "")
 
 
-def request_salt(request: "Request") -> Optional[str]:
+def request_salt(request: Request) -> str | None:
     """What, besides its tokens, makes a request's KV differ: vLLM's
     ``cache_salt``, a LoRA adapter, multimodal inputs (by content hash and place)."""
     parts = []
@@ -158,7 +159,8 @@ def request_salt(request: "Request") -> Optional[str]:
         h = hashlib.sha256()
         for f in features:
             pos = getattr(f, "mm_position", None)
-            h.update(f"{f.identifier}@{getattr(pos, 'offset', '')}+{getattr(pos, 'length', '')};".encode())
+            offset, length = getattr(pos, "offset", ""), getattr(pos, "length", "")
+            h.update(f"{f.identifier}@{offset}+{length};".encode())
         parts.append("mm=" + h.hexdigest()[:32])
     return "|".join(parts) if parts else None
 
@@ -166,8 +168,12 @@ def request_salt(request: "Request") -> Optional[str]:
 class CascadeConnector(KVConnectorBase_V1):
     """Cascade behind vLLM's v1 KV connector API (see the module docstring)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: Optional["KVCacheConfig"] = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         self.config = parse_connector_config(ktc.kv_connector_extra_config)
@@ -175,27 +181,37 @@ class CascadeConnector(KVConnectorBase_V1):
             raise NotImplementedError(
                 "CascadeConnector supports models with one KV cache group (full attention in every "
                 f"layer); this model has {len(kv_cache_config.kv_cache_groups)} (sliding-window, "
-                "Mamba or other hybrid layers)")
+                "Mamba or other hybrid layers)"
+            )
         self.block_size = self._manager_block_size(vllm_config, kv_cache_config)
         parallel = vllm_config.parallel_config
         self.world = int(parallel.world_size)
         dp_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
         self.dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0) if dp_size > 1 else None
         self.engine_key = f"{ktc.engine_id}/dp{self.dp_rank or 0}"
-        self.namespace = KvNamespace(model=self.config.model_name or _model_name(vllm_config),
-                                     dtype=_kv_dtype(vllm_config), layout=NAMESPACE_LAYOUT,
-                                     block_size=self.block_size, tp_rank=0, tp_world=self.world,
-                                     tenant=self.config.tenant)
+        self.namespace = KvNamespace(
+            model=self.config.model_name or _model_name(vllm_config),
+            dtype=_kv_dtype(vllm_config),
+            layout=NAMESPACE_LAYOUT,
+            block_size=self.block_size,
+            tp_rank=0,
+            tp_world=self.world,
+            tenant=self.config.tenant,
+        )
         if CacheHitSource is not None:
             top = self.config.store_pipeline.split("|")[0].strip()
-            self._cache_hit_source = {"gpu": CacheHitSource.DEVICE, "hbm": CacheHitSource.DEVICE,
-                                      "file": CacheHitSource.DISK, "lustre": CacheHitSource.DISK,
-                                      "posix": CacheHitSource.DISK}.get(top, CacheHitSource.HOST)
+            self._cache_hit_source = {
+                "gpu": CacheHitSource.DEVICE,
+                "hbm": CacheHitSource.DEVICE,
+                "file": CacheHitSource.DISK,
+                "lustre": CacheHitSource.DISK,
+                "posix": CacheHitSource.DISK,
+            }.get(top, CacheHitSource.HOST)
         self.metrics = ConnectorMetrics()
-        self.planner: Optional[SchedulerPlanner] = None
-        self.worker: Optional[KvTransferWorker] = None
-        self._lookup: Optional[PrefixLookup] = None
-        self._service: Optional[LookupService] = None
+        self.planner: SchedulerPlanner | None = None
+        self.worker: KvTransferWorker | None = None
+        self._lookup: PrefixLookup | None = None
+        self._service: LookupService | None = None
         self._rank = 0
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(vllm_config, kv_cache_config)
@@ -212,7 +228,9 @@ class CascadeConnector(KVConnectorBase_V1):
         return int(bs)
 
     def _traces(self, role: str) -> TraceRecorder:
-        return TraceRecorder(self.config.trace_path if self.config.enable_record_traces else None, role)
+        return TraceRecorder(
+            self.config.trace_path if self.config.enable_record_traces else None, role
+        )
 
     # ------------------------------------------------------------------
     # Scheduler side
@@ -224,52 +242,94 @@ class CascadeConnector(KVConnectorBase_V1):
             group = kv_cache_config.kv_cache_groups[0]
             # One worker's block (the spec is per worker: its share of the heads), every layer.
             block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-            capacity = self.config.host_capacity + (self.config.file_capacity if self.config.storage_path else 0)
+            capacity = self.config.host_capacity + (
+                self.config.file_capacity if self.config.storage_path else 0
+            )
             lite_blocks = max(1, capacity // max(1, block_bytes))
-        self._lookup = PrefixLookup(self.engine_key, self.world, mode=self.config.lookup,
-                                    socket_dir=self.config.lookup_socket_dir,
-                                    timeout_ms=self.config.lookup_timeout_ms)
-        self.planner = SchedulerPlanner(self.config, self.namespace, self._lookup,
-                                        can_load=ktc.is_kv_consumer, can_save=ktc.is_kv_producer,
-                                        metrics=self.metrics, traces=self._traces("scheduler"),
-                                        lite_capacity_blocks=lite_blocks)
+        self._lookup = PrefixLookup(
+            self.engine_key,
+            self.world,
+            mode=self.config.lookup,
+            socket_dir=self.config.lookup_socket_dir,
+            timeout_ms=self.config.lookup_timeout_ms,
+        )
+        self.planner = SchedulerPlanner(
+            self.config,
+            self.namespace,
+            self._lookup,
+            can_load=ktc.is_kv_consumer,
+            can_save=ktc.is_kv_producer,
+            metrics=self.metrics,
+            traces=self._traces("scheduler"),
+            lite_capacity_blocks=lite_blocks,
+        )
 
-    def on_new_request(self, request: "Request") -> None:
-        self.planner.track(request.request_id, request.prompt_token_ids, request_salt(request))
+    def _scheduler(self) -> SchedulerPlanner:
+        """The planner; vLLM calls the scheduler hooks only in the scheduler role."""
+        if self.planner is None:
+            raise RuntimeError("CascadeConnector: a scheduler hook called on a worker")
+        return self.planner
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        n = self.planner.matched_tokens(request.request_id, request.prompt_token_ids, request_salt(request),
-                                        num_computed_tokens)
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler().track(request.request_id, request.prompt_token_ids, request_salt(request))
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        n = self._scheduler().matched_tokens(
+            request.request_id, request.prompt_token_ids, request_salt(request), num_computed_tokens
+        )
         return n, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ):
         table = blocks.get_block_ids()
-        self.planner.after_alloc(request.request_id, request.prompt_token_ids, request_salt(request),
-                                 table[0] if table else [], num_external_tokens)
+        self._scheduler().after_alloc(
+            request.request_id,
+            request.prompt_token_ids,
+            request_salt(request),
+            table[0] if table else [],
+            num_external_tokens,
+        )
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         num_sched = scheduler_output.num_scheduled_tokens
         scheduled = []
         for r in scheduler_output.scheduled_new_reqs:
-            scheduled.append(ScheduledRequest(
-                r.req_id, r.num_computed_tokens, num_sched.get(r.req_id, 0),
-                block_ids=list(r.block_ids[0]) if r.block_ids else [], replace_blocks=True,
-                prompt=r.prompt_token_ids))
+            scheduled.append(
+                ScheduledRequest(
+                    r.req_id,
+                    r.num_computed_tokens,
+                    num_sched.get(r.req_id, 0),
+                    block_ids=list(r.block_ids[0]) if r.block_ids else [],
+                    replace_blocks=True,
+                    prompt=r.prompt_token_ids,
+                )
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
-            scheduled.append(ScheduledRequest(
-                req_id, cached.num_computed_tokens[i], num_sched.get(req_id, 0),
-                block_ids=list(new_blocks[0]) if new_blocks else None,
-                replace_blocks=req_id in cached.resumed_req_ids))
-        plan = self.planner.build_plan(scheduled, scheduler_output.preempted_req_ids or ())
+            scheduled.append(
+                ScheduledRequest(
+                    req_id,
+                    cached.num_computed_tokens[i],
+                    num_sched.get(req_id, 0),
+                    block_ids=list(new_blocks[0]) if new_blocks else None,
+                    replace_blocks=req_id in cached.resumed_req_ids,
+                )
+            )
+        plan = self._scheduler().build_plan(scheduled, scheduler_output.preempted_req_ids or ())
         return CascadeConnectorMetadata(plan)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.planner.request_finished(request.request_id), None
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request.request_id), None
 
     def reset_cache(self) -> bool | None:
-        """vLLM resets its prefix cache (e.g. after a weight update): nothing saved before is served."""
+        """vLLM resets its prefix cache (e.g. after a weight update): nothing saved before is
+        served."""
         if self.planner is None:
             return None
         self.planner.reset()
@@ -286,44 +346,66 @@ class CascadeConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         self._rank = int(parallel.rank)
         if not 0 <= self._rank < self.world:
-            raise ValueError(f"CascadeConnector: worker rank {self._rank} outside world size {self.world}")
+            raise ValueError(
+                f"CascadeConnector: worker rank {self._rank} outside world size {self.world}"
+            )
         if self.config.use_lite:
             return  # lite mode: the scheduler counts, the workers move nothing
         gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        store_cfg = worker_store_config(self.config, engine_key=self.engine_key, rank=self._rank,
-                                        world=self.world, dp_rank=self.dp_rank, gpu_device=gpu)
+        store_cfg = worker_store_config(
+            self.config,
+            engine_key=self.engine_key,
+            rank=self._rank,
+            world=self.world,
+            dp_rank=self.dp_rank,
+            gpu_device=gpu,
+        )
         store = cascade.CascadeStore(store_cfg)
-        self.worker = KvTransferWorker(self.config, store, rank=self._rank, world=self.world,
-                                       metrics=self.metrics, traces=self._traces(f"rank{self._rank}"))
+        self.worker = KvTransferWorker(
+            self.config,
+            store,
+            rank=self._rank,
+            world=self.world,
+            metrics=self.metrics,
+            traces=self._traces(f"rank{self._rank}"),
+        )
         if self.config.lookup != "socket":
             register_worker(self.engine_key, self._rank, self.worker.prefix_length)
         backend = getattr(parallel, "distributed_executor_backend", None)
         if self.config.lookup == "socket" or (self.config.lookup == "auto" and backend != "uni"):
-            self._service = LookupService(self.engine_key, self._rank, self.worker.prefix_length,
-                                          socket_dir=self.config.lookup_socket_dir)
+            self._service = LookupService(
+                self.engine_key,
+                self._rank,
+                self.worker.prefix_length,
+                socket_dir=self.config.lookup_socket_dir,
+            )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         if self.worker is None:
             return
         first = next(iter(kv_caches.values()))
         packed = first.dim() == 4
-        blocks, tokens = (first.shape[0], first.shape[2]) if packed else (first.shape[1], first.shape[2])
+        blocks, tokens = (
+            (first.shape[0], first.shape[2]) if packed else (first.shape[1], first.shape[2])
+        )
         if tokens != self.block_size:
             raise NotImplementedError(
-                f"CascadeConnector: the attention kernel splits each {self.block_size}-token block into "
-                f"blocks of {tokens} tokens; run vLLM with --block-size {tokens}")
-        self.worker.register(kv_caches, block_size=self.block_size,
-                             layout="packed_kv" if packed else "split_kv")
+                f"CascadeConnector: the attention kernel splits each {self.block_size}-token block "
+                f"into blocks of {tokens} tokens; run vLLM with --block-size {tokens}"
+            )
+        self.worker.register(
+            kv_caches, block_size=self.block_size, layout="packed_kv" if packed else "split_kv"
+        )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
         if self.worker is not None and isinstance(kv_connector_metadata, CascadeConnectorMetadata):
             self.worker.flush(kv_connector_metadata.plan.flush_req_ids)
 
-    def _plan(self) -> Optional[StepPlan]:
+    def _plan(self) -> StepPlan | None:
         meta = self._connector_metadata
         return meta.plan if isinstance(meta, CascadeConnectorMetadata) else None
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
         if self.worker is not None and plan is not None:
             self.worker.start_load(plan)
@@ -332,7 +414,9 @@ class CascadeConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.wait_layer(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any
+    ) -> None:
         # Blocks are stored whole (every layer), after the forward pass: wait_for_save.
         return
 
@@ -357,14 +441,16 @@ class CascadeConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------
     # Both sides
 
-    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if not self.config.enable_metrics:
             return None
         data = self.metrics.take()
         return CascadeConnectorStats(data=data) if any(data.values()) else None
 
     @classmethod
-    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[KVConnectorStats]:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
         return CascadeConnectorStats(data=dict(data or {}))
 
     @classmethod
@@ -379,7 +465,7 @@ class CascadeConnector(KVConnectorBase_V1):
             return False  # the constructor reports the bad option
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None  # any layout: the stored bytes do not depend on it
 
     def shutdown(self):

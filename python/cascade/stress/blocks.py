@@ -32,8 +32,14 @@ def _mix(x: int) -> int:
 class KeySpace:
     """Ids 0..keys-1 of one seed: ids, sizes, contents and checks."""
 
-    def __init__(self, seed: int, keys: int, min_size: int = 1024, max_size: int = 32 << 10,
-                 dup_keys: int = 0):
+    def __init__(
+        self,
+        seed: int,
+        keys: int,
+        min_size: int = 1024,
+        max_size: int = 32 << 10,
+        dup_keys: int = 0,
+    ):
         if min_size < HEADER.size or max_size < min_size:
             raise ValueError("block sizes must be at least 32 bytes and min_size <= max_size")
         self.seed = seed & MASK64
@@ -73,13 +79,15 @@ class KeySpace:
         if offset + size > len(want):
             return False
         view = memoryview(got).cast("B")[:size]
-        return view == memoryview(want)[offset:offset + size]
+        return view == memoryview(want)[offset : offset + size]
 
     def describe(self, key: int, got, size: int) -> str:
         """What a wrong read returned: whose header its first bytes carry."""
-        head = bytes(memoryview(got).cast("B")[:HEADER.size])
+        head = bytes(memoryview(got).cast("B")[: HEADER.size])
         if len(head) == HEADER.size and head[:8] == MAGIC:
             _, ckey, seed, length = HEADER.unpack(head)
-            return (f"key {key}: got {size} bytes headed as content key {ckey} seed {seed:x} length {length}, "
-                    f"want content key {self.content_key(key)} length {self.size(key)}")
+            return (
+                f"key {key}: got {size} bytes headed as content key {ckey} seed {seed:x} length "
+                f"{length}, want content key {self.content_key(key)} length {self.size(key)}"
+            )
         return f"key {key}: got {size} bytes without a stress header (first bytes {head[:8].hex()})"

@@ -43,8 +43,17 @@ from cascade.stress.report import ModeResult
 PAGE = 4096
 RECORD_MAGIC = 0x52534143
 INLINE_MAX = PAGE - 64
-KINDS = ["flip", "zero_page", "truncate", "dup_page", "swap_pages", "rm_summary", "bad_summary", "other_file",
-         "plant"]
+KINDS = [
+    "flip",
+    "zero_page",
+    "truncate",
+    "dup_page",
+    "swap_pages",
+    "rm_summary",
+    "bad_summary",
+    "other_file",
+    "plant",
+]
 
 
 def _open(path: str, segment_bytes: int):
@@ -88,7 +97,7 @@ def read_all(ks: KeySpace, path: str, segment_bytes: int) -> dict:
     return {"hits": hits, "misses": misses, "wrong": wrong, "failures": failures[:5]}
 
 
-# ---- corruptions ------------------------------------------------------------------------------------
+# ---- corruptions ---------------------------------------------------------------------------------
 def _files(d: str):
     names = sorted(os.listdir(d))
     segs = [n for n in names if n.startswith("seg-") and n.endswith(".dat")]
@@ -116,15 +125,15 @@ def records(p: str):
         data = f.read()
     out, off = [], 0
     while off + 64 <= len(data):
-        magic, = struct.unpack_from("<I", data, off)
+        (magic,) = struct.unpack_from("<I", data, off)
         if magic != RECORD_MAGIC:
             off += PAGE
             continue
-        plen, = struct.unpack_from("<Q", data, off + 24)
+        (plen,) = struct.unpack_from("<Q", data, off + 24)
         if plen >= 1 << 40:
             off += PAGE
             continue
-        out.append((off, plen, data[off + 8:off + 24]))
+        out.append((off, plen, data[off + 8 : off + 24]))
         off += PAGE if plen <= INLINE_MAX else PAGE + -(-plen // PAGE) * PAGE
     return out
 
@@ -148,7 +157,9 @@ def _plant(d: str, segs: list[str], rng: random.Random, ks: KeySpace) -> bool:
         if need > pages:
             return False
     at = host_off + PAGE + PAGE * rng.randrange(pages - need + 1)
-    forged = bytes(rng.getrandbits(8) for _ in range(min(vsize, 64))) + os.urandom(max(0, vsize - 64))
+    forged = bytes(rng.getrandbits(8) for _ in range(min(vsize, 64))) + os.urandom(
+        max(0, vsize - 64)
+    )
     seg_id = int(seg[4:20], 16)
     header = _core.stress_forge_record_header(ks.block_id(victim), forged, seg_id, at)
     image = header + (forged if vsize <= INLINE_MAX else b"\0" * (PAGE - 64) + forged)
@@ -179,8 +190,8 @@ def corrupt_once(d: str, kind: str, rng: random.Random, ks: KeySpace) -> bool:
             return False
         for _ in range(rng.randint(1, 8)):
             off = rng.randrange(n)
-            b = _rw(p, off, n=1)
-            _rw(p, off, bytes([b[0] ^ rng.randint(1, 255)]))
+            byte = _rw(p, off, n=1)
+            _rw(p, off, bytes([byte[0] ^ rng.randint(1, 255)]))
     elif kind == "zero_page":
         p = os.path.join(d, rng.choice(segs))
         n = _size(p)
@@ -218,8 +229,8 @@ def corrupt_once(d: str, kind: str, rng: random.Random, ks: KeySpace) -> bool:
             _rw(p, rng.randrange(n), os.urandom(rng.randint(1, 64)))
         else:
             off = rng.randrange(n)
-            b = _rw(p, off, n=1)
-            _rw(p, off, bytes([b[0] ^ (1 << rng.randrange(8))]))
+            byte = _rw(p, off, n=1)
+            _rw(p, off, bytes([byte[0] ^ (1 << rng.randrange(8))]))
     elif kind == "other_file":
         cands = [o for o in others if os.path.isfile(os.path.join(d, o))]
         if not cands:
@@ -239,10 +250,13 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
     ks = KeySpace(args.seed, args.corrupt_keys, 200, args.max_block)
     pristine = scratch.path("corrupt-pristine")
     seg_bytes = 64 << 10
-    b = proc.run_child(lambda: build(ks, pristine, seg_bytes, args.seed),
-                       args.iteration_deadline * 4)
+    b = proc.run_child(
+        lambda: build(ks, pristine, seg_bytes, args.seed), args.iteration_deadline * 4
+    )
     if b.status != "ok":
-        result.add("crashes" if b.status == "crash" else "hangs" if b.status == "hang" else "exceptions")
+        result.add(
+            "crashes" if b.status == "crash" else "hangs" if b.status == "hang" else "exceptions"
+        )
         result.fail(f"building the store failed: {b.status} {b.detail}")
         return result.finish()
     trial_dir = scratch.path("corrupt-trial")
@@ -280,6 +294,9 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
             result.fail(f"trial {trial} ({what}): reopen/read hung")
         else:
             result.add("exceptions")
-            result.fail(f"trial {trial} ({what}): {r.detail.strip().splitlines()[-1] if r.detail else r.status}")
+            result.fail(
+                f"trial {trial} ({what}): "
+                f"{r.detail.strip().splitlines()[-1] if r.detail else r.status}"
+            )
     shutil.rmtree(trial_dir, ignore_errors=True)
     return result.finish()

@@ -18,6 +18,7 @@ file_capacity_bytes (puts meet NoSpace, compaction runs inline).
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 
@@ -38,10 +39,19 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
     progress = scratch.path("faults-progress")
     for wi, (name, capacity) in enumerate(WORKLOADS):
         d = scratch.path(f"faults-{name}")
-        params = dict(dir=d, seed=args.seed + wi, puts=args.fault_puts, key_space=max(4, args.fault_puts * 3 // 5),
-                      max_block_bytes=20 << 10, segment_bytes=64 << 10, capacity_bytes=capacity)
-        t = proc.run_child(lambda: _core.stress_fault_points(**params, kinds=args.fault_kinds),
-                           args.iteration_deadline * 4)
+        params = dict(
+            dir=d,
+            seed=args.seed + wi,
+            puts=args.fault_puts,
+            key_space=max(4, args.fault_puts * 3 // 5),
+            max_block_bytes=20 << 10,
+            segment_bytes=64 << 10,
+            capacity_bytes=capacity,
+        )
+        t = proc.run_child(
+            functools.partial(_core.stress_fault_points, **params, kinds=args.fault_kinds),
+            args.iteration_deadline * 4,
+        )
         if t.status != "ok":
             key = {"crash": "crashes", "hang": "hangs"}.get(t.status, "exceptions")
             result.add(key)
@@ -51,22 +61,39 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
         result.add("env_calls", calls)
         result.add("fault_points_total", len(points))
         if args.max_points and len(points) > args.max_points // len(WORKLOADS):
-            points = sorted(rng.sample(points, args.max_points // len(WORKLOADS)),
-                            key=lambda p: (KINDS.index(p[0]), p[1]))
+            points = sorted(
+                rng.sample(points, args.max_points // len(WORKLOADS)),
+                key=lambda p: (KINDS.index(p[0]), p[1]),
+            )
         todo = [(p[0], p[1]) for p in points]
         i = 0
         while i < len(todo):
-            batch = todo[i:i + BATCH]
+            batch = todo[i : i + BATCH]
             if os.path.exists(progress):
                 os.unlink(progress)
-            r = proc.run_child(lambda batch=batch: _core.stress_fault_run(**params, points=batch,
-                                                                          progress_path=progress),
-                               args.iteration_deadline * len(batch) + 60, progress_path=progress,
-                               progress_deadline_s=args.iteration_deadline)
+            r = proc.run_child(
+                functools.partial(
+                    _core.stress_fault_run, **params, points=batch, progress_path=progress
+                ),
+                args.iteration_deadline * len(batch) + 60,
+                progress_path=progress,
+                progress_deadline_s=args.iteration_deadline,
+            )
             if r.status == "ok":
                 v = r.value
-                for k in ("points", "fired", "injected", "failed_ops", "open_failures", "reopen_failures", "acked",
-                          "hits", "misses", "wrong", "lost"):
+                for k in (
+                    "points",
+                    "fired",
+                    "injected",
+                    "failed_ops",
+                    "open_failures",
+                    "reopen_failures",
+                    "acked",
+                    "hits",
+                    "misses",
+                    "wrong",
+                    "lost",
+                ):
                     result.add(k, v[k])
                 result.add("ops", v["reads"])
                 result.add("runs", v["points"])
@@ -84,7 +111,7 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
             result.add("points")
             result.add({"crash": "crashes", "hang": "hangs"}.get(r.status, "exceptions"))
             result.fail(f"{name}: {r.status} at {where}: {r.detail.strip()[-200:]}")
-            todo[i:i + len(batch)] = batch[:done] + batch[done + 1:]
+            todo[i : i + len(batch)] = batch[:done] + batch[done + 1 :]
     return result.finish()
 
 

@@ -23,6 +23,7 @@ anything but our SIGKILL is a crash; a verifier past its deadline a hang.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
@@ -66,7 +67,9 @@ def _writer(ks: KeySpace, cfg_fn, log_path: str, threads: int, seed: int) -> Non
                             live.add(k)
                 elif r < 0.65:
                     keys = rng.sample(mine, min(len(mine), rng.randint(2, 5)))
-                    if s.put_batch([ks.block_id(x) for x in keys], [ks.array(x) for x in keys]) == len(keys):
+                    if s.put_batch(
+                        [ks.block_id(x) for x in keys], [ks.array(x) for x in keys]
+                    ) == len(keys):
                         with lock:
                             live.update(keys)
                 elif r < 0.8:
@@ -128,7 +131,7 @@ def parse_log(text: str) -> tuple[set[int], list[str], int]:
     seq = parts[1]
     owed = {int(x) for x in parts[2:]}
     start = max(i for i in range(last_f) if lines[i] == f"S {seq}")
-    removed = {int(x.split()[1]) for x in lines[start + 1:] if x.startswith("R ")}
+    removed = {int(x.split()[1]) for x in lines[start + 1 :] if x.startswith("R ")}
     return owed - removed, wrong, flushes
 
 
@@ -155,10 +158,20 @@ def _verify(ks: KeySpace, cfg, log_path: str) -> dict:
             failures.append(f"after reopen: {ks.describe(k, out, size)}")
     store.close()
     if missing:
-        failures.append(f"{len(missing)} of {len(owed)} flushed blocks missing after reopen "
-                        f"(ids {missing[:8]}{'...' if len(missing) > 8 else ''})")
-    return {"hits": hits, "misses": misses, "wrong": wrong + len(wrong_lines), "lost": len(missing),
-            "owed": len(owed), "flushes": flushes, "reopen_ms": reopen_s * 1000, "failures": failures}
+        failures.append(
+            f"{len(missing)} of {len(owed)} flushed blocks missing after reopen "
+            f"(ids {missing[:8]}{'...' if len(missing) > 8 else ''})"
+        )
+    return {
+        "hits": hits,
+        "misses": misses,
+        "wrong": wrong + len(wrong_lines),
+        "lost": len(missing),
+        "owed": len(owed),
+        "flushes": flushes,
+        "reopen_ms": reopen_s * 1000,
+        "failures": failures,
+    }
 
 
 def run(args, scratch, result: ModeResult) -> ModeResult:
@@ -179,14 +192,20 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
         ks = KeySpace(args.seed, args.kill_keys, 512, args.max_block, dup_keys=args.kill_keys // 4)
         shm = scratch.shm_path(scratch.unique("killw"))
         log_path = scratch.path(scratch.unique("kill-log"))
-        cfg_fn = (lambda shm=shm, fdir=fdir, setup=setup:
-                  make_config(setup, shm, fdir, args.shm_bytes, 0, args.segment_bytes))
+        cfg_fn = functools.partial(
+            make_config, setup, shm, fdir, args.shm_bytes, 0, args.segment_bytes
+        )
         wseed = args.seed * 100003 + i
         started = time.monotonic()
-        pid, out = proc.spawn(lambda: _writer(ks, cfg_fn, log_path, args.kill_threads, wseed))
+        pid, out = proc.spawn(
+            functools.partial(_writer, ks, cfg_fn, log_path, args.kill_threads, wseed)
+        )
         delay = rng.uniform(args.kill_min, args.kill_max)
-        w = proc.wait(pid, out, None, started, killed_by_us=True) if _sleep_or_exit(pid, started + delay) \
+        w = (
+            proc.wait(pid, out, None, started, killed_by_us=True)
+            if _sleep_or_exit(pid, started + delay)
             else _kill(pid, out, started)
+        )
         result.add("runs")
         result.add("kills", 1 if w.status == "killed" else 0)
         remove_arena(shm)
@@ -195,12 +214,13 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
                 result.add("crashes")
             else:
                 result.add("exceptions")
-            result.fail(f"{setup} iteration {i}: writer {w.status}: "
-                        f"{w.detail.strip().splitlines()[-1] if w.detail else ''}")
+            result.fail(
+                f"{setup} iteration {i}: writer {w.status}: "
+                f"{w.detail.strip().splitlines()[-1] if w.detail else ''}"
+            )
         vshm = scratch.shm_path(scratch.unique("killv"))
-        vcfg_fn = lambda vshm=vshm, fdir=fdir, setup=setup: make_config(  # noqa: E731
-            setup, vshm, fdir, args.shm_bytes, 0, args.segment_bytes)
-        v = proc.run_child(lambda: _verify(ks, vcfg_fn(), log_path), args.iteration_deadline)
+        vcfg = make_config(setup, vshm, fdir, args.shm_bytes, 0, args.segment_bytes)
+        v = proc.run_child(functools.partial(_verify, ks, vcfg, log_path), args.iteration_deadline)
         remove_arena(vshm)
         _unlink(log_path)
         if v.status == "ok":
@@ -220,8 +240,10 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
             result.fail(f"{setup} iteration {i}: reopen/verify hung ({v.detail})")
         else:
             result.add("reopen_failures")
-            result.fail(f"{setup} iteration {i}: reopen/verify failed: "
-                        f"{v.detail.strip().splitlines()[-1] if v.detail else ''}")
+            result.fail(
+                f"{setup} iteration {i}: reopen/verify failed: "
+                f"{v.detail.strip().splitlines()[-1] if v.detail else ''}"
+            )
     for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
     if reopen_ms:

@@ -20,6 +20,7 @@ is a crash.
 from __future__ import annotations
 
 import ctypes
+import functools
 import random
 import threading
 import time
@@ -34,8 +35,18 @@ from cascade.stress.report import ModeResult
 from cascade.stress.stores import make_config, parse_setup
 
 OPS = {  # weight of each operation
-    "put": 26, "get": 20, "get_bytes": 4, "get_range": 6, "remove": 10, "put_batch": 5, "get_batch": 5,
-    "put_batch_async": 3, "get_batch_async": 3, "acquire": 8, "contains": 6, "flush": 1,
+    "put": 26,
+    "get": 20,
+    "get_bytes": 4,
+    "get_range": 6,
+    "remove": 10,
+    "put_batch": 5,
+    "get_batch": 5,
+    "put_batch_async": 3,
+    "get_batch_async": 3,
+    "acquire": 8,
+    "contains": 6,
+    "flush": 1,
 }
 
 
@@ -74,8 +85,17 @@ class Gate:
 class Workload:
     """One store and T threads on it (runs inside a child process)."""
 
-    def __init__(self, setup: str, ks: KeySpace, config_fn, threads: int, seconds: float, op_deadline: float,
-                 reopen_every: float, seed: int):
+    def __init__(
+        self,
+        setup: str,
+        ks: KeySpace,
+        config_fn,
+        threads: int,
+        seconds: float,
+        op_deadline: float,
+        reopen_every: float,
+        seed: int,
+    ):
         self.setup = setup
         self.ks = ks
         self.config_fn = config_fn
@@ -89,8 +109,15 @@ class Workload:
         self.stop = False
         self.store = cascade.CascadeStore(config_fn())
         self.running: dict[int, tuple[str, int, float]] = {}  # thread -> (op, key, started)
-        self.counts = {"ops": 0, "hits": 0, "misses": 0, "wrong": 0, "exceptions": 0, "reopens": 0,
-                       "verified_bytes": 0}
+        self.counts = {
+            "ops": 0,
+            "hits": 0,
+            "misses": 0,
+            "wrong": 0,
+            "exceptions": 0,
+            "reopens": 0,
+            "verified_bytes": 0,
+        }
         self.by_kind: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.failures: list[str] = []
@@ -139,8 +166,10 @@ class Workload:
             elif copied != min(n, size - offset):
                 local["hits"] += 1
                 local["wrong"] += 1
-                self._fail(f"get_range key {key} offset {offset} len {n}: copied {copied}, "
-                           f"want {min(n, size - offset)}")
+                self._fail(
+                    f"get_range key {key} offset {offset} len {n}: copied {copied}, "
+                    f"want {min(n, size - offset)}"
+                )
             else:
                 self._read(local, key, out, copied, offset, whole=False)
         elif op == "remove":
@@ -154,7 +183,7 @@ class Workload:
                 s.put_batch_async(ids, data).wait()
         elif op in ("get_batch", "get_batch_async"):
             keys = rng.sample(range(ks.keys), rng.randint(2, len(outs)))
-            rows = outs[:len(keys)]
+            rows = outs[: len(keys)]
             ids = [ks.block_id(k) for k in keys]
             if op == "get_batch":
                 count, sizes = s.get_batch(ids, rows)
@@ -224,8 +253,10 @@ class Workload:
             now = time.monotonic()
             for tid, (op, key, started) in list(self.running.items()):
                 if now - started > self.op_deadline:
-                    proc.report_hang(f"{self.setup}: {op} of key {key} running for {now - started:.0f} s "
-                                     f"(thread {tid})")
+                    proc.report_hang(
+                        f"{self.setup}: {op} of key {key} running for {now - started:.0f} s "
+                        f"(thread {tid})"
+                    )
 
     def _reopen(self):
         self.gate.pause()
@@ -241,7 +272,10 @@ class Workload:
             self.gate.resume()
 
     def run(self) -> dict:
-        threads = [threading.Thread(target=self._worker, args=(t,), daemon=True) for t in range(self.threads)]
+        threads = [
+            threading.Thread(target=self._worker, args=(t,), daemon=True)
+            for t in range(self.threads)
+        ]
         dog = threading.Thread(target=self._watchdog, daemon=True)
         dog.start()
         for t in threads:
@@ -249,7 +283,9 @@ class Workload:
         rng = random.Random(self.seed)
         end = time.monotonic() + self.seconds
         while time.monotonic() < end:
-            time.sleep(min(max(0.0, end - time.monotonic()), rng.uniform(0.5, 1.5) * self.reopen_every))
+            time.sleep(
+                min(max(0.0, end - time.monotonic()), rng.uniform(0.5, 1.5) * self.reopen_every)
+            )
             if time.monotonic() < end - 0.1:
                 self._reopen()
         self.stop = True
@@ -257,7 +293,12 @@ class Workload:
             t.join()
         self._final_check()
         self.stop = True
-        return {"counts": self.counts, "by_kind": self.by_kind, "errors": self.errors, "failures": self.failures}
+        return {
+            "counts": self.counts,
+            "by_kind": self.by_kind,
+            "errors": self.errors,
+            "failures": self.failures,
+        }
 
     def _final_check(self):
         """Close, reopen, read the whole key space once more."""
@@ -293,12 +334,22 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
             name = scratch.unique(f"ops{i}p{p}")
             shm, fdir = scratch.shm_path(name), scratch.path(name)
             ks = KeySpace(args.seed + i, args.keys, 512, args.max_block, dup_keys=args.keys // 4)
-            cfg = (lambda shm=shm, fdir=fdir, setup=setup:
-                   make_config(setup, shm, fdir, args.shm_bytes, args.file_bytes, args.segment_bytes))
+            cfg = functools.partial(
+                make_config, setup, shm, fdir, args.shm_bytes, args.file_bytes, args.segment_bytes
+            )
             seed = args.seed * 1000 + i * 10 + p
 
             def body(setup=setup, ks=ks, cfg=cfg, seed=seed):
-                w = Workload(setup, ks, cfg, args.threads, args.duration, args.op_deadline, args.reopen_every, seed)
+                w = Workload(
+                    setup,
+                    ks,
+                    cfg,
+                    args.threads,
+                    args.duration,
+                    args.op_deadline,
+                    args.reopen_every,
+                    seed,
+                )
                 return w.run()
 
             started = time.monotonic()

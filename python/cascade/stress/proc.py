@@ -22,7 +22,9 @@ HANG_EXIT = 97  # a child's own watchdog found an operation past its deadline
 
 
 class ChildResult:
-    def __init__(self, status: str, value=None, detail: str = "", seconds: float = 0.0, pid: int = 0):
+    def __init__(
+        self, status: str, value=None, detail: str = "", seconds: float = 0.0, pid: int = 0
+    ):
         self.status = status  # ok | crash | hang | error
         self.value = value
         self.detail = detail
@@ -64,9 +66,15 @@ def spawn(fn) -> tuple[int, str]:
     return pid, out_path
 
 
-def wait(pid: int, out_path: str, deadline: float | None, started: float,
-         progress_path: str | None = None, progress_deadline: float | None = None,
-         killed_by_us: bool = False) -> ChildResult:
+def wait(
+    pid: int,
+    out_path: str,
+    deadline: float | None,
+    started: float,
+    progress_path: str | None = None,
+    progress_deadline: float | None = None,
+    killed_by_us: bool = False,
+) -> ChildResult:
     """Waits for a spawned child. deadline: absolute time.monotonic() after which
     it is killed and reported as a hang. With progress_path, the child is also a
     hang when that file has not changed for progress_deadline seconds."""
@@ -91,7 +99,9 @@ def wait(pid: int, out_path: str, deadline: float | None, started: float,
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             _unlink(out_path)
-            return ChildResult("hang", detail=what or "past its deadline", seconds=now - started, pid=pid)
+            return ChildResult(
+                "hang", detail=what or "past its deadline", seconds=now - started, pid=pid
+            )
         time.sleep(sleep)
         sleep = min(sleep * 2, 0.02)
     seconds = time.monotonic() - started
@@ -101,18 +111,34 @@ def wait(pid: int, out_path: str, deadline: float | None, started: float,
         sig = os.WTERMSIG(status)
         if sig == signal.SIGKILL and killed_by_us:
             return ChildResult("killed", seconds=seconds, pid=pid)
-        return ChildResult("crash", detail=f"killed by signal {signal.Signals(sig).name}", seconds=seconds, pid=pid)
+        return ChildResult(
+            "crash", detail=f"killed by signal {signal.Signals(sig).name}", seconds=seconds, pid=pid
+        )
     code = os.WEXITSTATUS(status)
     if code == HANG_EXIT:
-        return ChildResult("hang", value=(data or {}).get("value"), detail=(data or {}).get("hang", "hang"),
-                           seconds=seconds, pid=pid)
+        return ChildResult(
+            "hang",
+            value=(data or {}).get("value"),
+            detail=(data or {}).get("hang", "hang"),
+            seconds=seconds,
+            pid=pid,
+        )
     if code != 0 or data is None or "error" in data:
-        return ChildResult("error", detail=(data or {}).get("error", f"exit status {code}"), seconds=seconds, pid=pid)
+        return ChildResult(
+            "error",
+            detail=(data or {}).get("error", f"exit status {code}"),
+            seconds=seconds,
+            pid=pid,
+        )
     return ChildResult("ok", value=data.get("value"), seconds=seconds, pid=pid)
 
 
-def run_child(fn, deadline_s: float, progress_path: str | None = None,
-              progress_deadline_s: float | None = None) -> ChildResult:
+def run_child(
+    fn,
+    deadline_s: float,
+    progress_path: str | None = None,
+    progress_deadline_s: float | None = None,
+) -> ChildResult:
     started = time.monotonic()
     pid, out = spawn(fn)
     return wait(pid, out, started + deadline_s, started, progress_path, progress_deadline_s)

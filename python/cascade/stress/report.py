@@ -8,7 +8,18 @@ import time
 # Counts that make a run fail when non-zero.
 FAILING = ("wrong", "lost", "crashes", "hangs", "exceptions", "reopen_failures")
 # Columns of the summary table, in order (mode-specific counts follow).
-COLUMNS = ("runs", "ops", "hits", "misses", "wrong", "lost", "crashes", "hangs", "errors", "seconds")
+COLUMNS = (
+    "runs",
+    "ops",
+    "hits",
+    "misses",
+    "wrong",
+    "lost",
+    "crashes",
+    "hangs",
+    "errors",
+    "seconds",
+)
 
 
 class ModeResult:
@@ -16,16 +27,28 @@ class ModeResult:
 
     def __init__(self, mode: str):
         self.mode = mode
-        self.counts: dict[str, int] = {}
-        self.by_kind: dict[str, int] = {}   # ops (or corruptions, fault kinds) by kind
-        self.errors: dict[str, int] = {}    # store errors by exception class (expected under pressure)
-        self.failures: list[str] = []       # described, first ones kept
+        self.counts: dict[str, float] = {}
+        self.by_kind: dict[str, int] = {}  # ops (or corruptions, fault kinds) by kind
+        self.errors: dict[
+            str, int
+        ] = {}  # store errors by exception class (expected under pressure)
+        self.failures: list[str] = []  # described, first ones kept
         self.started = time.monotonic()
         self.seconds = 0.0
-        for k in ("runs", "ops", "hits", "misses", "wrong", "lost", "crashes", "hangs", "exceptions"):
+        for k in (
+            "runs",
+            "ops",
+            "hits",
+            "misses",
+            "wrong",
+            "lost",
+            "crashes",
+            "hangs",
+            "exceptions",
+        ):
             self.counts[k] = 0
 
-    def add(self, key: str, n: int = 1) -> None:
+    def add(self, key: str, n: float = 1) -> None:
         self.counts[key] = self.counts.get(key, 0) + n
 
     def merge_counts(self, counts: dict, prefix: str = "") -> None:
@@ -41,7 +64,7 @@ class ModeResult:
         if len(self.failures) < 50:
             self.failures.append(text)
 
-    def finish(self) -> "ModeResult":
+    def finish(self) -> ModeResult:
         self.seconds = time.monotonic() - self.started
         return self
 
@@ -50,8 +73,15 @@ class ModeResult:
         return all(self.counts.get(k, 0) == 0 for k in FAILING)
 
     def to_json(self) -> dict:
-        return {"mode": self.mode, "ok": self.ok, "seconds": round(self.seconds, 3), "counts": self.counts,
-                "by_kind": self.by_kind, "errors": self.errors, "failures": self.failures}
+        return {
+            "mode": self.mode,
+            "ok": self.ok,
+            "seconds": round(self.seconds, 3),
+            "counts": self.counts,
+            "by_kind": self.by_kind,
+            "errors": self.errors,
+            "failures": self.failures,
+        }
 
 
 def format_summary(results: list[ModeResult]) -> str:
@@ -68,21 +98,33 @@ def format_summary(results: list[ModeResult]) -> str:
                 row.append(str(r.counts.get(c, 0)))
         row.append("ok" if r.ok else "FAIL")
         rows.append(row)
-    widths = [max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(head)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths)),
-             "  ".join("-" * w for w in widths)]
+    widths = [
+        max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(head)
+    ]
+    lines = [
+        "  ".join(h.rjust(w) for h, w in zip(head, widths)),
+        "  ".join("-" * w for w in widths),
+    ]
     lines += ["  ".join(x.rjust(w) for x, w in zip(row, widths)) for row in rows]
     out = ["cascade stress: summary", *lines]
     for r in results:
-        extra = {k: v for k, v in r.counts.items() if k not in COLUMNS and k != "exceptions" or
-                 (k == "exceptions" and v)}
+        extra = {
+            k: v
+            for k, v in r.counts.items()
+            if k not in COLUMNS and k != "exceptions" or (k == "exceptions" and v)
+        }
         out.append("")
         out.append(f"[{r.mode}] " + ", ".join(f"{k}={v}" for k, v in sorted(extra.items())))
         if r.by_kind:
-            out.append(f"[{r.mode}] by kind: " + ", ".join(f"{k}={v}" for k, v in sorted(r.by_kind.items())))
+            out.append(
+                f"[{r.mode}] by kind: "
+                + ", ".join(f"{k}={v}" for k, v in sorted(r.by_kind.items()))
+            )
         if r.errors:
-            out.append(f"[{r.mode}] store errors (expected under pressure, not failures): " +
-                       ", ".join(f"{k}={v}" for k, v in sorted(r.errors.items())))
+            out.append(
+                f"[{r.mode}] store errors (expected under pressure, not failures): "
+                + ", ".join(f"{k}={v}" for k, v in sorted(r.errors.items()))
+            )
         for f in r.failures[:12]:
             out.append(f"[{r.mode}] FAILURE: {f}")
         if len(r.failures) > 12:
@@ -92,5 +134,12 @@ def format_summary(results: list[ModeResult]) -> str:
 
 def write_json(path: str, results: list[ModeResult], argv: list[str]) -> None:
     with open(path, "w") as f:
-        json.dump({"argv": argv, "ok": all(r.ok for r in results), "modes": [r.to_json() for r in results]},
-                  f, indent=2)
+        json.dump(
+            {
+                "argv": argv,
+                "ok": all(r.ok for r in results),
+                "modes": [r.to_json() for r in results],
+            },
+            f,
+            indent=2,
+        )

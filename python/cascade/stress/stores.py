@@ -9,9 +9,24 @@ import tempfile
 import cascade
 
 # A store setup: pipeline, dedup, write policy. Written "host|file+dedup+wt".
-SETUPS_OPS = ["host", "host+dedup", "host|file", "host|file+dedup", "host|file+wt", "host|file+dedup+wt",
-              "file", "file+dedup"]
-SETUPS_KILL = ["host|file", "host|file+wt", "file", "host|file+dedup", "file+dedup", "host|file+dedup+wt"]
+SETUPS_OPS = [
+    "host",
+    "host+dedup",
+    "host|file",
+    "host|file+dedup",
+    "host|file+wt",
+    "host|file+dedup+wt",
+    "file",
+    "file+dedup",
+]
+SETUPS_KILL = [
+    "host|file",
+    "host|file+wt",
+    "file",
+    "host|file+dedup",
+    "file+dedup",
+    "host|file+dedup+wt",
+]
 
 
 def parse_setup(text: str) -> tuple[str, bool, bool]:
@@ -19,7 +34,9 @@ def parse_setup(text: str) -> tuple[str, bool, bool]:
     pipeline, flags = parts[0], set(parts[1:])
     unknown = flags - {"dedup", "wt"}
     if unknown or pipeline not in ("host", "host|file", "file"):
-        raise ValueError(f"unknown store setup {text!r} (pipeline host, host|file or file; +dedup, +wt)")
+        raise ValueError(
+            f"unknown store setup {text!r} (pipeline host, host|file or file; +dedup, +wt)"
+        )
     return pipeline, "dedup" in flags, "wt" in flags
 
 
@@ -62,8 +79,15 @@ def remove_arena(path: str) -> None:
         pass
 
 
-def make_config(setup: str, shm_path: str, file_dir: str, shm_bytes: int, file_bytes: int,
-                segment_bytes: int, io_threads: int = 2) -> "cascade.CascadeConfig":
+def make_config(
+    setup: str,
+    shm_path: str,
+    file_dir: str,
+    shm_bytes: int,
+    file_bytes: int,
+    segment_bytes: int,
+    io_threads: int = 2,
+) -> cascade.CascadeConfig:
     pipeline, dedup, write_through = parse_setup(setup)
     c = cascade.CascadeConfig()
     c.pipeline = pipeline
@@ -75,7 +99,9 @@ def make_config(setup: str, shm_path: str, file_dir: str, shm_bytes: int, file_b
         c.file_capacity_bytes = file_bytes
         c.segment_size_bytes = segment_bytes
     c.dedup_enabled = dedup
-    c.write_policy = cascade.WritePolicy.WRITE_THROUGH if write_through else cascade.WritePolicy.WRITE_BACK
+    c.write_policy = (
+        cascade.WritePolicy.WRITE_THROUGH if write_through else cascade.WritePolicy.WRITE_BACK
+    )
     c.num_io_threads = io_threads
     c.index_shards = 16
     return c

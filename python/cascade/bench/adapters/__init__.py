@@ -18,7 +18,7 @@ _NOT_ADAPTERS = {"base", "lmcache_driver"}
 
 def all_adapters() -> list:
     """Every adapter class, Cascade's rows first, then peers by module name."""
-    found = []
+    found: list = []
     for mod in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if mod.name in _NOT_ADAPTERS or mod.name.startswith("_"):
             continue

@@ -32,8 +32,9 @@ from __future__ import annotations
 import concurrent.futures
 import mmap
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -50,14 +51,14 @@ class Workload:
     blocks: int
     threads: int
     keys: list
-    data: np.ndarray            # (blocks, block_bytes) uint8, page aligned, shared memory
-    out: np.ndarray             # same shape: reads land here
-    data_path: str              # the shared-memory files behind data and out, for
-    out_path: str               # systems driven in another process
-    workdir: str                # empty directory for file-based systems
+    data: np.ndarray  # (blocks, block_bytes) uint8, page aligned, shared memory
+    out: np.ndarray  # same shape: reads land here
+    data_path: str  # the shared-memory files behind data and out, for
+    out_path: str  # systems driven in another process
+    workdir: str  # empty directory for file-based systems
     seed: int = 0
-    host_capacity: Optional[int] = None   # overflow workload: bytes of the host tier
-    dedup: bool = False                   # prefix workload: ask systems that can to dedup
+    host_capacity: int | None = None  # overflow workload: bytes of the host tier
+    dedup: bool = False  # prefix workload: ask systems that can to dedup
     extra: dict = field(default_factory=dict)
 
     @property
@@ -84,7 +85,7 @@ class Adapter:
     workloads: tuple = ("sizes", "threads", "prefix")
 
     @classmethod
-    def why_unavailable(cls) -> Optional[str]:
+    def why_unavailable(cls) -> str | None:
         return None
 
     @classmethod
@@ -95,10 +96,10 @@ class Adapter:
     def setup(self, wl: Workload) -> None:
         self.wl = wl
 
-    def put_many(self, indices: Sequence[int]) -> Optional[float]:
+    def put_many(self, indices: Sequence[int]) -> float | None:
         raise NotImplementedError
 
-    def get_many(self, indices: Sequence[int]) -> Optional[float]:
+    def get_many(self, indices: Sequence[int]) -> float | None:
         raise NotImplementedError
 
     def drop_caches(self) -> bool:
@@ -107,7 +108,7 @@ class Adapter:
     def clear(self) -> None:
         raise NotImplementedError
 
-    def footprint(self) -> Optional[int]:
+    def footprint(self) -> int | None:
         return None
 
     def teardown(self) -> None:
@@ -119,6 +120,7 @@ class Adapter:
 
 
 # ---- helpers shared by adapters -------------------------------------------
+
 
 def split(indices: Sequence[int], parts: int) -> list:
     """indices cut into at most `parts` contiguous, non-empty pieces."""
@@ -168,7 +170,7 @@ def drop_file_cache(path: str) -> int:
 def _files_under(path: str) -> list:
     if os.path.isfile(path):
         return [path]
-    out = []
+    out: list[str] = []
     for root, _dirs, names in os.walk(path):
         out.extend(os.path.join(root, n) for n in names)
     return out
@@ -182,12 +184,19 @@ def resident_bytes(path: str) -> int:
     (mmap + mincore, which reads nothing): what a "cold" read would still
     find in memory. Files removed meanwhile count as 0."""
     import ctypes
+
     global _libc
     if _libc is None:
         lib = ctypes.CDLL(None, use_errno=True)
         lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                             ctypes.c_long]
+        lib.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         _libc = lib
@@ -240,7 +249,7 @@ def is_aligned(arr: np.ndarray, alignment: int = 4096) -> bool:
     return arr.ctypes.data % alignment == 0 and arr.nbytes % alignment == 0
 
 
-def write_all(fd: int, buf, offset: Optional[int] = None) -> None:
+def write_all(fd: int, buf, offset: int | None = None) -> None:
     """Write every byte of buf (the kernel may write less than asked)."""
     mv = memoryview(buf).cast("B")
     done = 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import os
 import tempfile
-from typing import Optional
 
 import cascade
 from cascade.bench.adapters.base import Adapter, Unsupported, drop_file_cache
@@ -15,7 +14,7 @@ from cascade.bench.adapters.base import Adapter, Unsupported, drop_file_cache
 _counter = itertools.count()
 
 
-def _contiguous(indices) -> Optional[slice]:
+def _contiguous(indices) -> slice | None:
     if isinstance(indices, range) and indices.step == 1:
         return slice(indices.start, indices.stop)
     idx = list(indices)
@@ -30,8 +29,12 @@ class _CascadeAdapter(Adapter):
 
     @classmethod
     def versions(cls) -> dict:
-        return {"cascade": cascade.__version__,
-                "build": f"cuda={cascade.HAVE_CUDA} io_uring={cascade.HAVE_URING} mpi={cascade.HAVE_MPI}"}
+        return {
+            "cascade": cascade.__version__,
+            "build": (
+                f"cuda={cascade.HAVE_CUDA} io_uring={cascade.HAVE_URING} mpi={cascade.HAVE_MPI}"
+            ),
+        }
 
     def _config(self, wl):
         cfg = cascade.CascadeConfig()
@@ -81,7 +84,7 @@ class _CascadeAdapter(Adapter):
     def clear(self) -> None:
         self.store.clear()
 
-    def footprint(self) -> Optional[int]:
+    def footprint(self) -> int | None:
         return int(self.store.get_stats()["physical_bytes"])
 
     def stats(self) -> dict:
@@ -91,7 +94,7 @@ class _CascadeAdapter(Adapter):
         store = getattr(self, "store", None)
         if store is not None:
             store.close()
-            self.store = None
+            del self.store
 
 
 class CascadeHost(_CascadeAdapter):
@@ -100,7 +103,7 @@ class CascadeHost(_CascadeAdapter):
     description = "Cascade host tier (/dev/shm arena), put_batch/get_batch"
 
 
-def _file_tier_problem() -> Optional[str]:
+def _file_tier_problem() -> str | None:
     """None when a store with a file tier opens here, else why not."""
     d = tempfile.mkdtemp(prefix="cascade-compare-probe-")
     cfg = cascade.CascadeConfig()
@@ -128,7 +131,7 @@ class _CascadeFileAdapter(_CascadeAdapter):
     io_direct = False
 
     @classmethod
-    def why_unavailable(cls) -> Optional[str]:
+    def why_unavailable(cls) -> str | None:
         return _file_tier_problem()
 
     def _config(self, wl):
@@ -165,8 +168,10 @@ class CascadeHostFile(_CascadeFileAdapter):
     name = "cascade-host|file"
     pipeline = "host|file"
     workloads = ("overflow",)
-    description = ("Cascade host|file: host arena sized to hold part of the data, the rest demoted "
-                   "to segment files; reads without promotion")
+    description = (
+        "Cascade host|file: host arena sized to hold part of the data, the rest demoted "
+        "to segment files; reads without promotion"
+    )
 
     def _config(self, wl):
         cfg = super()._config(wl)
@@ -187,12 +192,17 @@ class CascadeGpu(_CascadeAdapter):
     pipeline = "gpu"
     medium = "gpu"
     workloads = ("sizes",)
-    description = "Cascade GPU tier: put_batch from host memory (H2D), get_batch into host memory (D2H)"
+    description = (
+        "Cascade GPU tier: put_batch from host memory (H2D), get_batch into host memory (D2H)"
+    )
 
     @classmethod
-    def why_unavailable(cls) -> Optional[str]:
+    def why_unavailable(cls) -> str | None:
         if not cascade.HAVE_CUDA:
-            return "this build of cascade has no CUDA (built with CASCADE_WITH_CUDA=OFF or without nvcc)"
+            return (
+                "this build of cascade has no CUDA (built with CASCADE_WITH_CUDA=OFF or "
+                "without nvcc)"
+            )
         if not cascade.gpu_usable():
             return "no usable CUDA GPU on this machine"
         return None
@@ -205,21 +215,25 @@ class CascadeGpu(_CascadeAdapter):
 
 class CascadeGpuPinned(CascadeGpu):
     name = "cascade-gpu-pinned"
-    description = ("Cascade GPU tier with the caller's host buffers registered with cudaHostRegister "
-                   "(through torch, as for torch-pinned): DMA straight from/to them")
+    description = (
+        "Cascade GPU tier with the caller's host buffers registered with cudaHostRegister "
+        "(through torch, as for torch-pinned): DMA straight from/to them"
+    )
 
     @classmethod
-    def why_unavailable(cls) -> Optional[str]:
+    def why_unavailable(cls) -> str | None:
         why = super().why_unavailable()
         if why:
             return why
         from cascade.bench.adapters.torch_copy import _torch_problem
+
         problem = _torch_problem()
         # cascade has no call to register a caller's memory; torch's runtime bindings do it.
         return f"registering host memory needs torch with CUDA: {problem}" if problem else None
 
     def setup(self, wl) -> None:
         from cascade.bench.adapters.torch_copy import register_host
+
         self.registered = register_host([wl.data, wl.out])
         super().setup(wl)
 
@@ -229,10 +243,18 @@ class CascadeGpuPinned(CascadeGpu):
         finally:
             if getattr(self, "registered", None):
                 from cascade.bench.adapters.torch_copy import unregister_host
+
                 unregister_host(self.registered)
                 self.registered = []
 
 
-ADAPTERS = [CascadeHost, CascadeFile, CascadeFileDirect, CascadeHostFile, CascadeGpu, CascadeGpuPinned]
+ADAPTERS = [
+    CascadeHost,
+    CascadeFile,
+    CascadeFileDirect,
+    CascadeHostFile,
+    CascadeGpu,
+    CascadeGpuPinned,
+]
 
 __all__ = ["ADAPTERS", "Unsupported"]

@@ -8,7 +8,6 @@ call on one lock, so the thread count does not apply.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 from cascade.bench.adapters.base import Adapter, drop_file_cache
 
@@ -22,7 +21,7 @@ class _Hdf5(Adapter):
     chunked = False
 
     @classmethod
-    def why_unavailable(cls) -> Optional[str]:
+    def why_unavailable(cls) -> str | None:
         try:
             import h5py  # noqa: F401
         except ImportError:
@@ -32,10 +31,12 @@ class _Hdf5(Adapter):
     @classmethod
     def versions(cls) -> dict:
         import h5py
+
         return {"h5py": h5py.__version__, "libhdf5": h5py.version.hdf5_version}
 
     def setup(self, wl) -> None:
         import h5py
+
         self.h5py = h5py
         self.wl = wl
         self.path = os.path.join(wl.workdir, f"{self.name}.h5")
@@ -78,7 +79,7 @@ class _Hdf5(Adapter):
     def clear(self) -> None:
         self._reopen("w")
 
-    def footprint(self) -> Optional[int]:
+    def footprint(self) -> int | None:
         self.f.flush()
         return os.stat(self.path).st_blocks * 512
 

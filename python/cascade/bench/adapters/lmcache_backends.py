@@ -17,7 +17,6 @@ import os
 import select
 import subprocess
 import time
-from typing import Optional
 
 from cascade.bench.adapters.base import Adapter
 
@@ -26,7 +25,7 @@ _REPLY_TIMEOUT_S = 900.0
 _probe_cache: dict = {}
 
 
-def lmcache_python() -> Optional[str]:
+def lmcache_python() -> str | None:
     env = os.environ.get("CASCADE_LMCACHE_PYTHON")
     if env:
         return env
@@ -40,15 +39,19 @@ def _probe() -> dict:
     if py in _probe_cache:
         return _probe_cache[py]
     if py is None:
-        r = {"error": "no LMCache environment: create one with `python3 -m venv .venv-lmcache && "
-                      ".venv-lmcache/bin/pip install lmcache`, or name its interpreter with "
-                      "--lmcache-python"}
+        r = {
+            "error": "no LMCache environment: create one with `python3 -m venv .venv-lmcache && "
+            ".venv-lmcache/bin/pip install lmcache`, or name its interpreter with "
+            "--lmcache-python"
+        }
     else:
-        code = ("import json, lmcache, torch, numpy\n"
-                "from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend\n"
-                "from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend\n"
-                "print('CASCADE-PROBE ' + json.dumps({'lmcache': lmcache.__version__, "
-                "'torch': torch.__version__, 'numpy': numpy.__version__}))\n")
+        code = (
+            "import json, lmcache, torch, numpy\n"
+            "from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend\n"
+            "from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend\n"
+            "print('CASCADE-PROBE ' + json.dumps({'lmcache': lmcache.__version__, "
+            "'torch': torch.__version__, 'numpy': numpy.__version__}))\n"
+        )
         try:
             p = subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=300)
             line = [x for x in p.stdout.splitlines() if x.startswith("CASCADE-PROBE ")]
@@ -56,8 +59,10 @@ def _probe() -> dict:
                 r = {"versions": json.loads(line[-1].split(" ", 1)[1])}
             else:
                 tail = [x for x in (p.stderr or p.stdout).strip().splitlines() if x.strip()]
-                r = {"error": f"LMCache does not import under {py}: "
-                              f"{tail[-1] if tail else 'exit status ' + str(p.returncode)}"}
+                r = {
+                    "error": f"LMCache does not import under {py}: "
+                    f"{tail[-1] if tail else 'exit status ' + str(p.returncode)}"
+                }
         except (OSError, subprocess.SubprocessError) as e:
             r = {"error": f"could not run {py}: {e}"}
     _probe_cache[py] = r
@@ -69,8 +74,15 @@ class _DriverProcess:
         self.log_path = log_path
         with open(log_path, "w") as log:
             env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")  # no spinning threads between copies
-            self.proc = subprocess.Popen([python, _DRIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, text=True, bufsize=1, env=env)
+            self.proc = subprocess.Popen(
+                [python, _DRIVER],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                bufsize=1,
+                env=env,
+            )
 
     def _log_tail(self) -> str:
         try:
@@ -81,6 +93,7 @@ class _DriverProcess:
             return ""
 
     def call(self, op: str, **kw) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both are pipes
         self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
         self.proc.stdin.flush()
         deadline = time.monotonic() + _REPLY_TIMEOUT_S
@@ -88,17 +101,22 @@ class _DriverProcess:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.kill()
-                raise RuntimeError(f"LMCache driver gave no answer to {op!r} within {_REPLY_TIMEOUT_S:.0f} s")
+                raise RuntimeError(
+                    f"LMCache driver gave no answer to {op!r} within {_REPLY_TIMEOUT_S:.0f} s"
+                )
             ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 5.0))
             if ready:
                 break
             if self.proc.poll() is not None:
-                raise RuntimeError(f"LMCache driver exited with status {self.proc.returncode} "
-                                   f"during {op!r}{self._log_tail()}")
+                raise RuntimeError(
+                    f"LMCache driver exited with status {self.proc.returncode} "
+                    f"during {op!r}{self._log_tail()}"
+                )
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"LMCache driver exited during {op!r} (status {self.proc.poll()})"
-                               f"{self._log_tail()}")
+            raise RuntimeError(
+                f"LMCache driver exited during {op!r} (status {self.proc.poll()}){self._log_tail()}"
+            )
         reply = json.loads(line)
         if not reply.get("ok"):
             raise RuntimeError(f"LMCache: {reply.get('error')}")
@@ -131,7 +149,7 @@ class _LMCache(Adapter):
     backend = "cpu"
 
     @classmethod
-    def why_unavailable(cls) -> Optional[str]:
+    def why_unavailable(cls) -> str | None:
         return _probe().get("error")
 
     @classmethod
@@ -140,10 +158,21 @@ class _LMCache(Adapter):
 
     def setup(self, wl) -> None:
         self.wl = wl
-        self.driver = _DriverProcess(lmcache_python(), os.path.join(wl.workdir, f"{self.name}-driver.log"))
-        self.driver.call("setup", backend=self.backend, data_path=wl.data_path, out_path=wl.out_path,
-                         blocks=wl.blocks, block_bytes=wl.block_bytes, threads=wl.threads,
-                         keys=list(wl.keys), workdir=wl.workdir)
+        python = lmcache_python()
+        if python is None:
+            raise RuntimeError("LMCache's environment is not installed (make bench-compare)")
+        self.driver = _DriverProcess(python, os.path.join(wl.workdir, f"{self.name}-driver.log"))
+        self.driver.call(
+            "setup",
+            backend=self.backend,
+            data_path=wl.data_path,
+            out_path=wl.out_path,
+            blocks=wl.blocks,
+            block_bytes=wl.block_bytes,
+            threads=wl.threads,
+            keys=list(wl.keys),
+            workdir=wl.workdir,
+        )
 
     def put_many(self, indices):
         return self.driver.call("put", **_index_args(indices))["seconds"]
@@ -157,7 +186,7 @@ class _LMCache(Adapter):
     def clear(self) -> None:
         self.driver.call("clear")
 
-    def footprint(self) -> Optional[int]:
+    def footprint(self) -> int | None:
         return int(self.driver.call("footprint")["bytes"])
 
     def teardown(self) -> None:
@@ -167,7 +196,7 @@ class _LMCache(Adapter):
                 d.call("teardown")
             finally:
                 d.close()
-            self.driver = None
+            del self.driver
 
 
 class LMCacheCPU(_LMCache):
@@ -176,8 +205,10 @@ class LMCacheCPU(_LMCache):
     compare_to = "cascade-host"
     uses_threads = False
     workloads = ("sizes", "prefix")
-    description = ("LMCache LocalCPUBackend: allocate a MemoryObj, copy the block in, "
-                   "submit_put_task; get_blocking and copy out")
+    description = (
+        "LMCache LocalCPUBackend: allocate a MemoryObj, copy the block in, "
+        "submit_put_task; get_blocking and copy out"
+    )
 
 
 class LMCacheDisk(_LMCache):
@@ -186,8 +217,10 @@ class LMCacheDisk(_LMCache):
     medium = "file"
     compare_to = "cascade-file"
     workloads = ("sizes", "threads", "overflow")
-    description = ("LMCache LocalDiskBackend: one file per block written by its disk worker "
-                   "threads (disk_io_threads = threads), batched_get_blocking")
+    description = (
+        "LMCache LocalDiskBackend: one file per block written by its disk worker "
+        "threads (disk_io_threads = threads), batched_get_blocking"
+    )
 
 
 ADAPTERS = [LMCacheCPU, LMCacheDisk]

@@ -49,6 +49,7 @@ class Driver:
     def __init__(self):
         import numpy as np
         import torch
+
         self.np, self.torch = np, torch
         from lmcache.utils import CacheEngineKey
         from lmcache.v1.config import LMCacheEngineConfig
@@ -56,6 +57,7 @@ class Driver:
         from lmcache.v1.memory_management import MemoryFormat
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
         from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
         self.CacheEngineKey = CacheEngineKey
         self.LMCacheEngineConfig = LMCacheEngineConfig
         self.MixedMemoryAllocator = MixedMemoryAllocator
@@ -76,8 +78,10 @@ class Driver:
         data, self._dm = _open_array(req["data_path"], self.n, self.size, np)
         out, self._om = _open_array(req["out_path"], self.n, self.size, np)
         self.src, self.dst = torch.from_numpy(data), torch.from_numpy(out)
-        self.keys = [self.CacheEngineKey("cascade-compare", 1, 0, int(k, 16), torch.uint8)
-                     for k in req["keys"]]
+        self.keys = [
+            self.CacheEngineKey("cascade-compare", 1, 0, int(k, 16), torch.uint8)
+            for k in req["keys"]
+        ]
         self.shape = torch.Size([self.size])
         self.disk_dir = os.path.join(req["workdir"], "lmcache-disk") + "/"
         self._make()
@@ -92,10 +96,13 @@ class Driver:
             pool = min(total, 1 << 30) + self.size + (64 << 20)
         pool = (pool + 4095) // 4096 * 4096
         cfg = self.LMCacheEngineConfig.from_defaults(
-            chunk_size=256, local_cpu=(self.backend == "cpu"), max_local_cpu_size=pool / gib,
+            chunk_size=256,
+            local_cpu=(self.backend == "cpu"),
+            max_local_cpu_size=pool / gib,
             local_disk=self.disk_dir if self.backend == "disk" else None,
             max_local_disk_size=(2 * total + (256 << 20)) / gib,
-            extra_config={"disk_io_threads": self.threads})
+            extra_config={"disk_io_threads": self.threads},
+        )
         self.pool_bytes = pool
         alloc = self.MixedMemoryAllocator(pool)
         self.cpu = self.LocalCPUBackend(cfg, memory_allocator=alloc)
@@ -148,8 +155,10 @@ class Driver:
             if mo is not None:
                 return mo
             if time.monotonic() > deadline:
-                raise RuntimeError("LMCache's allocator found no room within "
-                                   f"{_ALLOC_TIMEOUT_S:.0f} s (pool {self.pool_bytes} bytes)")
+                raise RuntimeError(
+                    "LMCache's allocator found no room within "
+                    f"{_ALLOC_TIMEOUT_S:.0f} s (pool {self.pool_bytes} bytes)"
+                )
             time.sleep(0.001)
 
     def put(self, req):
@@ -188,8 +197,10 @@ class Driver:
                 while pending:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise RuntimeError(f"{len(pending)} LMCache disk writes did not complete "
-                                           f"within {_WRITE_TIMEOUT_S:.0f} s")
+                        raise RuntimeError(
+                            f"{len(pending)} LMCache disk writes did not complete "
+                            f"within {_WRITE_TIMEOUT_S:.0f} s"
+                        )
                     done.wait(min(left, 1.0))
         return {"seconds": time.perf_counter() - t0}
 
@@ -208,7 +219,7 @@ class Driver:
             # allocates every buffer of a batch before reading).
             per = max(1, (self.pool_bytes - (64 << 20)) // max(self.size, 1) // 2)
             for s in range(0, len(idx), per):
-                part = idx[s:s + per]
+                part = idx[s : s + per]
                 mos = self.disk.batched_get_blocking([self.keys[i] for i in part])
                 for i, mo in zip(part, mos):
                     if mo is None:
@@ -248,12 +259,16 @@ def _indices(req):
 
 
 def _versions():
+    import lmcache
     import numpy
     import torch
 
-    import lmcache
-    return {"lmcache": getattr(lmcache, "__version__", "unknown"), "torch": torch.__version__,
-            "numpy": numpy.__version__, "python": sys.version.split()[0]}
+    return {
+        "lmcache": getattr(lmcache, "__version__", "unknown"),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "python": sys.version.split()[0],
+    }
 
 
 def main():

@@ -14,12 +14,19 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from typing import Optional
 
 import numpy as np
 
-from cascade.bench.adapters.base import (Adapter, Unsupported, aligned_buffer, disk_usage, drop_file_cache,
-                                         read_all, run_parallel, write_all)
+from cascade.bench.adapters.base import (
+    Adapter,
+    Unsupported,
+    aligned_buffer,
+    disk_usage,
+    drop_file_cache,
+    read_all,
+    run_parallel,
+    write_all,
+)
 
 _ALIGN = 4096
 
@@ -37,10 +44,13 @@ class _FilePerBlock(Adapter):
         self.dir = os.path.join(wl.workdir, self.name)
         shutil.rmtree(self.dir, ignore_errors=True)
         os.makedirs(self.dir)
-        self._made = set()
-        self._bounce = {}
-        self.row_aligned = (wl.block_bytes % _ALIGN == 0 and wl.data.ctypes.data % _ALIGN == 0
-                            and wl.out.ctypes.data % _ALIGN == 0)
+        self._made: set = set()
+        self._bounce: dict = {}
+        self.row_aligned = (
+            wl.block_bytes % _ALIGN == 0
+            and wl.data.ctypes.data % _ALIGN == 0
+            and wl.out.ctypes.data % _ALIGN == 0
+        )
 
     def _path(self, i: int) -> str:
         key = self.wl.keys[i]
@@ -77,7 +87,7 @@ class _FilePerBlock(Adapter):
                 b = self._bounce_for(slot)
                 n = wl.block_bytes
                 np.frombuffer(b, dtype=np.uint8, count=n)[:] = row
-                write_all(fd, b[:_round_up(n)])
+                write_all(fd, b[: _round_up(n)])
                 os.ftruncate(fd, n)
         finally:
             os.close(fd)
@@ -96,7 +106,7 @@ class _FilePerBlock(Adapter):
                 got = read_all(fd, wl.out[i])
             else:
                 b = self._bounce_for(slot)
-                got = read_all(fd, b[:_round_up(n)])
+                got = read_all(fd, b[: _round_up(n)])
                 wl.out[i] = np.frombuffer(b, dtype=np.uint8, count=n)
             if got != n:
                 raise RuntimeError(f"{self.name}: block {i} has {got} bytes, expected {n}")
@@ -107,6 +117,7 @@ class _FilePerBlock(Adapter):
         def work(slot, idx):
             for i in idx:
                 self._write_one(slot, i)
+
         run_parallel(work, indices, self.wl.threads)
         return None
 
@@ -114,6 +125,7 @@ class _FilePerBlock(Adapter):
         def work(slot, idx):
             for i in idx:
                 self._read_one(slot, i)
+
         run_parallel(work, indices, self.wl.threads)
         return None
 
@@ -126,7 +138,7 @@ class _FilePerBlock(Adapter):
         os.makedirs(self.dir)
         self._made = set()
 
-    def footprint(self) -> Optional[int]:
+    def footprint(self) -> int | None:
         return disk_usage(self.dir)
 
     def teardown(self) -> None:
@@ -139,19 +151,23 @@ class PosixPsync(_FilePerBlock):
     name = "posix-psync"
     compare_to = "cascade-file"
     workloads = ("sizes", "threads", "overflow", "prefix")
-    description = ("file per block in 4096 subdirectories, temp file then rename, buffered "
-                   "write/pread from a thread pool (LMCache local disk / UCM Posix psync)")
+    description = (
+        "file per block in 4096 subdirectories, temp file then rename, buffered "
+        "write/pread from a thread pool (LMCache local disk / UCM Posix psync)"
+    )
 
 
 class PosixDirect(_FilePerBlock):
     name = "posix-odirect"
     compare_to = "cascade-file-direct"
     direct = True
-    description = ("file per block as posix-psync, O_DIRECT from page-aligned buffers "
-                   "(UCM Posix with io_direct)")
+    description = (
+        "file per block as posix-psync, O_DIRECT from page-aligned buffers "
+        "(UCM Posix with io_direct)"
+    )
 
     @classmethod
-    def why_unavailable(cls) -> Optional[str]:
+    def why_unavailable(cls) -> str | None:
         if not hasattr(os, "O_DIRECT"):
             return "this platform has no O_DIRECT"
         return None

@@ -14,7 +14,6 @@ import shutil
 import socket
 import subprocess
 import time
-from typing import Optional
 
 import numpy as np
 
@@ -45,11 +44,35 @@ class RedisServer:
             port = _free_port()
             log = open(os.path.join(self.dir, "redis.log"), "w")
             proc = subprocess.Popen(
-                ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--protected-mode", "yes",
-                 "--save", "", "--appendonly", "no", "--dir", self.dir, "--daemonize", "no",
-                 "--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "1gb",
-                 "--maxmemory", "0", "--loglevel", "warning"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                [
+                    "redis-server",
+                    "--bind",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--protected-mode",
+                    "yes",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    self.dir,
+                    "--daemonize",
+                    "no",
+                    "--proto-max-bulk-len",
+                    "1gb",
+                    "--client-query-buffer-limit",
+                    "1gb",
+                    "--maxmemory",
+                    "0",
+                    "--loglevel",
+                    "warning",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
             log.close()
             deadline = time.monotonic() + start_timeout
             while time.monotonic() < deadline and proc.poll() is None:
@@ -71,8 +94,10 @@ class RedisServer:
 
     def client(self):
         import redis
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=300,
-                           single_connection_client=True)
+
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, socket_timeout=300, single_connection_client=True
+        )
 
     def stop(self) -> None:
         if self.proc is None:
@@ -89,7 +114,9 @@ class RedisServer:
 
 def _redis_server_version() -> str:
     try:
-        out = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            ["redis-server", "--version"], capture_output=True, text=True, timeout=10
+        ).stdout
         for part in out.split():
             if part.startswith("v="):
                 return part[2:]
@@ -102,11 +129,13 @@ class Redis(Adapter):
     name = "redis"
     medium = "memory"
     compare_to = "cascade-host"
-    description = ("redis-server on 127.0.0.1 (persistence off), pipelined SET/GET via redis-py+hiredis, "
-                   "one connection per thread")
+    description = (
+        "redis-server on 127.0.0.1 (persistence off), pipelined SET/GET via redis-py+hiredis, "
+        "one connection per thread"
+    )
 
     @classmethod
-    def why_unavailable(cls) -> Optional[str]:
+    def why_unavailable(cls) -> str | None:
         if shutil.which("redis-server") is None:
             return "redis-server is not installed (apt-get install redis-server)"
         try:
@@ -123,15 +152,19 @@ class Redis(Adapter):
     def versions(cls) -> dict:
         import hiredis
         import redis
-        return {"redis-server": _redis_server_version(), "redis-py": redis.__version__,
-                "hiredis": getattr(hiredis, "__version__", "installed")}
+
+        return {
+            "redis-server": _redis_server_version(),
+            "redis-py": redis.__version__,
+            "hiredis": getattr(hiredis, "__version__", "installed"),
+        }
 
     def setup(self, wl) -> None:
         self.wl = wl
         self.server = RedisServer(wl.workdir)
         self.admin = self.server.client()
         self.baseline = int(self.admin.info("memory")["used_memory"])
-        self._clients = {}
+        self._clients: dict = {}
 
     def _client(self, slot: int):
         c = self._clients.get(slot)
@@ -144,10 +177,11 @@ class Redis(Adapter):
         size = self.wl.block_bytes
         per = max(1, min(_PIPELINE_COMMANDS, _PIPELINE_BYTES // max(size, 1)))
         for i in range(0, len(idx), per):
-            yield idx[i:i + per]
+            yield idx[i : i + per]
 
     def put_many(self, indices):
         wl = self.wl
+
         def work(slot, idx):
             client = self._client(slot)
             for piece in self._chunks(idx):
@@ -161,6 +195,7 @@ class Redis(Adapter):
 
     def get_many(self, indices):
         wl = self.wl
+
         def work(slot, idx):
             client = self._client(slot)
             for piece in self._chunks(idx):
@@ -178,7 +213,7 @@ class Redis(Adapter):
     def clear(self) -> None:
         self.admin.flushall()
 
-    def footprint(self) -> Optional[int]:
+    def footprint(self) -> int | None:
         return max(0, int(self.admin.info("memory")["used_memory"]) - self.baseline)
 
     def teardown(self) -> None:
@@ -195,7 +230,7 @@ class Redis(Adapter):
                 pass
         if getattr(self, "server", None) is not None:
             self.server.stop()
-            self.server = None
+            del self.server
 
     def notes(self) -> str:
         return "redis-server executes commands on one thread"

@@ -12,15 +12,13 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from typing import Optional
 
 from cascade.bench.adapters.base import Adapter
-
 
 _problem_cache: dict = {}
 
 
-def _torch_problem() -> Optional[str]:
+def _torch_problem() -> str | None:
     """None when torch with a usable CUDA GPU can be imported in this process."""
     if "answer" in _problem_cache:
         return _problem_cache["answer"]
@@ -34,19 +32,26 @@ def _torch_problem() -> Optional[str]:
             # ("free(): invalid pointer"); that must cost a row, not the run.
             code = "import cascade, torch; print('CASCADE-TORCH', torch.cuda.is_available())"
             try:
-                p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+                p = subprocess.run(
+                    [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+                )
                 if p.returncode != 0:
                     tail = [x for x in (p.stderr or "").splitlines() if x.strip()]
-                    answer = ("importing torch after cascade fails in this environment (exit status "
-                              f"{p.returncode}: {tail[-1] if tail else 'no message'}); import torch first: "
-                              "python -c 'import torch, sys; from cascade.cli import main; "
-                              "sys.exit(main(sys.argv[1:]))' bench compare ...")
+                    answer = (
+                        "importing torch after cascade fails in this environment (exit status "
+                        f"{p.returncode}: {tail[-1] if tail else 'no message'}); import torch "
+                        "first: python -c 'import torch, sys; from cascade.cli import main; "
+                        "sys.exit(main(sys.argv[1:]))' bench compare ..."
+                    )
             except (OSError, subprocess.SubprocessError) as e:
                 answer = f"could not try importing torch: {e}"
     if answer is None:
         import torch
+
         if not torch.cuda.is_available():
-            answer = f"torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() is False)"
+            answer = (
+                f"torch {torch.__version__} sees no CUDA GPU (torch.cuda.is_available() is False)"
+            )
     _problem_cache["answer"] = answer
     return answer
 
@@ -55,8 +60,9 @@ def register_host(arrays) -> list:
     """Pins numpy arrays in place with cudaHostRegister (through torch's
     runtime bindings); returns the base addresses for unregister_host."""
     import torch
+
     rt = torch.cuda.cudart()
-    done = []
+    done: list = []
     for arr in arrays:
         err = rt.cudaHostRegister(arr.ctypes.data, arr.nbytes, 0)
         if int(err) != 0:
@@ -68,6 +74,7 @@ def register_host(arrays) -> list:
 
 def unregister_host(bases) -> None:
     import torch
+
     rt = torch.cuda.cudart()
     for b in bases:
         rt.cudaHostUnregister(b)
@@ -78,6 +85,7 @@ def pinned_copy_ceiling(nbytes: int, repeats: int = 3) -> dict:
     import time
 
     import torch
+
     nbytes = max(64 << 20, min(nbytes, 1 << 30))
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host.fill_(1)
@@ -96,9 +104,14 @@ def pinned_copy_ceiling(nbytes: int, repeats: int = 3) -> dict:
         best["d2h"] = max(best["d2h"], nbytes / (t2 - t1) / 1e9)
     del host, dev
     torch.cuda.empty_cache()
-    return {"kind": "cudaMemcpy pinned (torch)", "bytes": nbytes, "write_gbps": best["h2d"],
-            "read_gbps": best["d2h"], "gbps": min(best["h2d"], best["d2h"]),
-            "device": torch.cuda.get_device_name()}
+    return {
+        "kind": "cudaMemcpy pinned (torch)",
+        "bytes": nbytes,
+        "write_gbps": best["h2d"],
+        "read_gbps": best["d2h"],
+        "gbps": min(best["h2d"], best["d2h"]),
+        "device": torch.cuda.get_device_name(),
+    }
 
 
 class _TorchCopy(Adapter):
@@ -109,19 +122,21 @@ class _TorchCopy(Adapter):
     pinned = False
 
     @classmethod
-    def why_unavailable(cls) -> Optional[str]:
+    def why_unavailable(cls) -> str | None:
         return _torch_problem()
 
     @classmethod
     def versions(cls) -> dict:
         import torch
+
         return {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
 
     def setup(self, wl) -> None:
         import torch
+
         self.torch = torch
         self.wl = wl
-        self.dev = {}
+        self.dev: dict = {}
         self.registered = register_host([wl.data, wl.out]) if self.pinned else []
         self.src = torch.from_numpy(wl.data)
         self.dst = torch.from_numpy(wl.out)
@@ -146,7 +161,7 @@ class _TorchCopy(Adapter):
     def clear(self) -> None:
         self.dev = {}
 
-    def footprint(self) -> Optional[int]:
+    def footprint(self) -> int | None:
         return sum(t.numel() for t in self.dev.values())
 
     def teardown(self) -> None:
@@ -162,7 +177,9 @@ class TorchPinned(_TorchCopy):
     name = "torch-pinned"
     compare_to = "cascade-gpu-pinned"
     pinned = True
-    description = "torch .to('cuda') / .copy_() from host memory registered with cudaHostRegister, async"
+    description = (
+        "torch .to('cuda') / .copy_() from host memory registered with cudaHostRegister, async"
+    )
 
 
 class TorchPageable(_TorchCopy):

@@ -31,15 +31,46 @@ command (flags and main).
 
 from cascade.bench.compare.buffers import SharedArrays
 from cascade.bench.compare.ceilings import (
-    CEILING_MIN_BYTES, FILE_CEILING_MIN_BYTES, Ceilings, file_ceiling, gpu_ceiling, memcpy_ceiling)
-from cascade.bench.compare.command import DEFAULT_SIZES, WORKLOADS, add_arguments, list_systems, main, normalise_args
+    CEILING_MIN_BYTES,
+    FILE_CEILING_MIN_BYTES,
+    Ceilings,
+    file_ceiling,
+    gpu_ceiling,
+    memcpy_ceiling,
+)
+from cascade.bench.compare.command import (
+    DEFAULT_SIZES,
+    WORKLOADS,
+    add_arguments,
+    list_systems,
+    main,
+    normalise_args,
+)
 from cascade.bench.compare.measure import _annotate, measure
 from cascade.bench.compare.report import format_markdown, format_report, prefix_table, rows_table
 from cascade.bench.compare.workloads import Runner, _keys, run_compare
 
 __all__ = [
-    "CEILING_MIN_BYTES", "DEFAULT_SIZES", "FILE_CEILING_MIN_BYTES", "WORKLOADS", "Ceilings", "Runner",
-    "SharedArrays", "_annotate", "_keys", "add_arguments", "file_ceiling", "format_markdown", "format_report",
-    "gpu_ceiling", "list_systems", "main", "measure", "memcpy_ceiling", "normalise_args", "prefix_table",
-    "rows_table", "run_compare",
+    "CEILING_MIN_BYTES",
+    "DEFAULT_SIZES",
+    "FILE_CEILING_MIN_BYTES",
+    "WORKLOADS",
+    "Ceilings",
+    "Runner",
+    "SharedArrays",
+    "_annotate",
+    "_keys",
+    "add_arguments",
+    "file_ceiling",
+    "format_markdown",
+    "format_report",
+    "gpu_ceiling",
+    "list_systems",
+    "main",
+    "measure",
+    "memcpy_ceiling",
+    "normalise_args",
+    "prefix_table",
+    "rows_table",
+    "run_compare",
 ]

@@ -36,7 +36,7 @@ class SharedArrays:
         tag = f"{os.getpid()}-{next(_seq)}"
         self.data_path = os.path.join(shm_dir, f"cascade-compare-{tag}-data")
         self.out_path = os.path.join(shm_dir, f"cascade-compare-{tag}-out")
-        self._maps = []
+        self._maps: list = []
         self.data = self._map(self.data_path)
         self.out = self._map(self.out_path)
 
@@ -62,7 +62,7 @@ class SharedArrays:
         self.out.reshape(-1)[:] = 1  # touched, so reads do not time first-touch faults
 
     def close(self) -> None:
-        self.data = self.out = None
+        del self.data, self.out  # the maps close only when no view is left
         for m in self._maps:
             try:
                 m.close()
@@ -80,7 +80,7 @@ class SharedArrays:
 def _verify(wl: Workload) -> None:
     rows = max(1, (64 << 20) // max(wl.block_bytes, 1))
     for s in range(0, wl.blocks, rows):
-        a, b = wl.data[s:s + rows], wl.out[s:s + rows]
+        a, b = wl.data[s : s + rows], wl.out[s : s + rows]
         if not np.array_equal(a, b):
             bad = s + int(np.nonzero((a != b).any(axis=1))[0][0])
             raise RuntimeError(f"bytes read back differ from bytes written (block {bad})")

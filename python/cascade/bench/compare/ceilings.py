@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Optional
 
 import numpy as np
 
 import cascade
 from cascade import _core
-from cascade.bench.adapters.base import aligned_buffer, drop_file_cache, read_all, resident_bytes, write_all
+from cascade.bench.adapters.base import (
+    aligned_buffer,
+    drop_file_cache,
+    read_all,
+    resident_bytes,
+    write_all,
+)
 
 # Ceilings use at least this many bytes (less is dominated by setup, or on a
 # disk by its burst behaviour); --quick lowers both.
@@ -23,12 +28,19 @@ FILE_CEILING_MIN_BYTES = 1 << 30
 def memcpy_ceiling(nbytes: int, threads: int, min_bytes: int = CEILING_MIN_BYTES) -> dict:
     nbytes = max(min_bytes, min(nbytes, 2 << 30))
     c = _core.memcpy_bandwidth(nbytes, threads, 3)
-    return {"kind": "host copy", "bytes": nbytes, "threads": threads, "gbps": c["gbps"],
-            "memcpy_gbps": c.get("memcpy_gbps"), "stream_gbps": c.get("stream_gbps")}
+    return {
+        "kind": "host copy",
+        "bytes": nbytes,
+        "threads": threads,
+        "gbps": c["gbps"],
+        "memcpy_gbps": c.get("memcpy_gbps"),
+        "stream_gbps": c.get("stream_gbps"),
+    }
 
 
-def _sequential_probe(directory: str, total: int, streams: int, io_bytes: int, direct: bool,
-                      repeats: int) -> tuple:
+def _sequential_probe(
+    directory: str, total: int, streams: int, io_bytes: int, direct: bool, repeats: int
+) -> tuple:
     """(write GB/s, read GB/s, bytes) of `streams` threads each writing then
     reading a file of its own sequentially, `io_bytes` per call, from
     page-aligned mmap buffers, best of `repeats` passes. Writes end with
@@ -76,8 +88,10 @@ def _sequential_probe(directory: str, total: int, streams: int, io_bytes: int, d
                         drop_file_cache(p)
                     left = sum(resident_bytes(p) for p in paths)
                     if left > per * streams // 100:
-                        raise RuntimeError(f"the page cache kept {left} of {per * streams} probe bytes "
-                                           "after posix_fadvise(DONTNEED): no cold read possible here")
+                        raise RuntimeError(
+                            f"the page cache kept {left} of {per * streams} probe bytes "
+                            "after posix_fadvise(DONTNEED): no cold read possible here"
+                        )
                 t2 = time.perf_counter()
                 list(pool.map(read, range(streams)))
                 t3 = time.perf_counter()
@@ -92,8 +106,14 @@ def _sequential_probe(directory: str, total: int, streams: int, io_bytes: int, d
     return best_w, best_r, per * streams
 
 
-def file_ceiling(directory: str, nbytes: int, threads: int, io_bytes: int = 16 << 20, repeats: int = 2,
-                 min_bytes: int = FILE_CEILING_MIN_BYTES) -> dict:
+def file_ceiling(
+    directory: str,
+    nbytes: int,
+    threads: int,
+    io_bytes: int = 16 << 20,
+    repeats: int = 2,
+    min_bytes: int = FILE_CEILING_MIN_BYTES,
+) -> dict:
     """What the device under `directory` can do sequentially, in this run.
 
     Two probes on the same directory, each writing max(4, threads) files of
@@ -113,8 +133,12 @@ def file_ceiling(directory: str, nbytes: int, threads: int, io_bytes: int = 16 <
     streams = max(4, threads)
     total = max(min_bytes, min(nbytes, 2 << 30))
     io_bytes = max(1 << 20, min(io_bytes, (total // streams) >> 20 << 20))
-    out = {"kind": "sequential, best of O_DIRECT and buffered+fdatasync (cold)", "streams": streams,
-           "io_bytes": io_bytes, "repeats": repeats}
+    out = {
+        "kind": "sequential, best of O_DIRECT and buffered+fdatasync (cold)",
+        "streams": streams,
+        "io_bytes": io_bytes,
+        "repeats": repeats,
+    }
     direct = None
     core_probe = getattr(_core, "probe_direct_io", None)
     if core_probe is not None:
@@ -125,8 +149,11 @@ def file_ceiling(directory: str, nbytes: int, threads: int, io_bytes: int = 16 <
         else:
             out["direct_probe"] = "probe_direct_io"
             if all(r["direct"] for r in runs):
-                direct = (max(r["write_gbps"] for r in runs), max(r["read_gbps"] for r in runs),
-                          runs[0]["bytes"])
+                direct = (
+                    max(r["write_gbps"] for r in runs),
+                    max(r["read_gbps"] for r in runs),
+                    runs[0]["bytes"],
+                )
             else:  # the probe fell back to buffered I/O: not an O_DIRECT figure
                 out["direct_error"] = f"the file system of {directory} refuses O_DIRECT"
     if direct is None and "direct_error" not in out:
@@ -137,20 +164,33 @@ def file_ceiling(directory: str, nbytes: int, threads: int, io_bytes: int = 16 <
             out["direct_error"] = f"O_DIRECT: {e}"
     buffered = _sequential_probe(directory, total, streams, io_bytes, False, repeats)
     dw, dr = (direct[0], direct[1]) if direct else (0.0, 0.0)
-    out.update({"bytes": buffered[2], "direct": direct is not None, "direct_write_gbps": dw,
-                "direct_read_gbps": dr, "buffered_write_gbps": buffered[0], "buffered_read_gbps": buffered[1],
-                "write_gbps": max(dw, buffered[0]), "read_gbps": max(dr, buffered[1])})
+    out.update(
+        {
+            "bytes": buffered[2],
+            "direct": direct is not None,
+            "direct_write_gbps": dw,
+            "direct_read_gbps": dr,
+            "buffered_write_gbps": buffered[0],
+            "buffered_read_gbps": buffered[1],
+            "write_gbps": max(dw, buffered[0]),
+            "read_gbps": max(dr, buffered[1]),
+        }
+    )
     return out
 
 
 def _file_detail(f: dict) -> str:
-    direct = (f"O_DIRECT {f['direct_write_gbps']:.2f}/{f['direct_read_gbps']:.2f}" if f.get("direct", True)
-              else f"no O_DIRECT: {f.get('direct_error', 'refused')}")
+    direct = (
+        f"O_DIRECT {f['direct_write_gbps']:.2f}/{f['direct_read_gbps']:.2f}"
+        if f.get("direct", True)
+        else f"no O_DIRECT: {f.get('direct_error', 'refused')}"
+    )
     return f"{direct}, buffered {f['buffered_write_gbps']:.2f}/{f['buffered_read_gbps']:.2f}"
 
 
-def gpu_ceiling(nbytes: int) -> Optional[dict]:
+def gpu_ceiling(nbytes: int) -> dict | None:
     from cascade.bench.adapters.torch_copy import _torch_problem, pinned_copy_ceiling
+
     if _torch_problem():
         return None
     return pinned_copy_ceiling(nbytes)
@@ -159,39 +199,59 @@ def gpu_ceiling(nbytes: int) -> Optional[dict]:
 class Ceilings:
     """The ceilings of one workload step, measured on demand, once."""
 
-    def __init__(self, workdir: str, nbytes: int, threads: int, progress, min_bytes: int = CEILING_MIN_BYTES,
-                 repeats: int = 2, file_min_bytes: int = FILE_CEILING_MIN_BYTES):
+    def __init__(
+        self,
+        workdir: str,
+        nbytes: int,
+        threads: int,
+        progress,
+        min_bytes: int = CEILING_MIN_BYTES,
+        repeats: int = 2,
+        file_min_bytes: int = FILE_CEILING_MIN_BYTES,
+    ):
         self.workdir, self.nbytes, self.threads, self.progress = workdir, nbytes, threads, progress
         self.min_bytes, self.repeats, self.file_min_bytes = min_bytes, repeats, file_min_bytes
-        self._mem = self._file = self._gpu = None
+        # Each ceiling is measured on first use.
+        self._mem: dict | None = None
+        self._file: dict | None = None
+        self._gpu: dict | None = None
 
     def memory(self) -> dict:
         if self._mem is None:
-            self._mem = memcpy_ceiling(self.nbytes, self.threads, self.min_bytes)
-            self.progress(f"  ceiling: host copy {self._mem['gbps']:.2f} GB/s ({self.threads} threads)")
+            m = self._mem = memcpy_ceiling(self.nbytes, self.threads, self.min_bytes)
+            self.progress(f"  ceiling: host copy {m['gbps']:.2f} GB/s ({self.threads} threads)")
         return self._mem
 
     def file(self) -> dict:
         if self._file is None:
-            self._file = file_ceiling(self.workdir, self.nbytes, self.threads, repeats=self.repeats,
-                                      min_bytes=self.file_min_bytes)
-            f = self._file
-            self.progress(f"  ceiling: disk write {f['write_gbps']:.2f} / read {f['read_gbps']:.2f} GB/s "
-                          f"({_file_detail(f)}, {f['streams']} streams, {f['bytes'] / 2**30:.2f} GiB)")
+            f = self._file = file_ceiling(
+                self.workdir,
+                self.nbytes,
+                self.threads,
+                repeats=self.repeats,
+                min_bytes=self.file_min_bytes,
+            )
+            self.progress(
+                f"  ceiling: disk write {f['write_gbps']:.2f} / read {f['read_gbps']:.2f} GB/s "
+                f"({_file_detail(f)}, {f['streams']} streams, {f['bytes'] / 2**30:.2f} GiB)"
+            )
         return self._file
 
-    def gpu(self) -> Optional[dict]:
+    def gpu(self) -> dict | None:
         if self._gpu is None:
             self._gpu = gpu_ceiling(self.nbytes) or {}
             if self._gpu:
-                self.progress(f"  ceiling: pinned H2D {self._gpu['write_gbps']:.2f} / D2H "
-                              f"{self._gpu['read_gbps']:.2f} GB/s")
+                self.progress(
+                    f"  ceiling: pinned H2D {self._gpu['write_gbps']:.2f} / D2H "
+                    f"{self._gpu['read_gbps']:.2f} GB/s"
+                )
         return self._gpu or None
 
     def refresh(self) -> None:
         """Measure the ceilings taken so far again and keep the better value of
         each: a ceiling taken while the shared machine was busy would flatter
         every ratio; the rows ran between the two measurements."""
+
         def merge(old, new, keys):
             if not old or not new:
                 return old
@@ -202,21 +262,52 @@ class Ceilings:
             return out
 
         if self._mem:
-            self._mem = merge(self._mem, memcpy_ceiling(self.nbytes, self.threads, self.min_bytes), ["gbps"])
+            self._mem = merge(
+                self._mem, memcpy_ceiling(self.nbytes, self.threads, self.min_bytes), ["gbps"]
+            )
         if self._file:
-            self._file = merge(self._file, file_ceiling(self.workdir, self.nbytes, self.threads,
-                                                        repeats=self.repeats, min_bytes=self.file_min_bytes),
-                               ["write_gbps", "read_gbps", "direct_write_gbps", "direct_read_gbps",
-                                "buffered_write_gbps", "buffered_read_gbps"])
+            self._file = merge(
+                self._file,
+                file_ceiling(
+                    self.workdir,
+                    self.nbytes,
+                    self.threads,
+                    repeats=self.repeats,
+                    min_bytes=self.file_min_bytes,
+                ),
+                [
+                    "write_gbps",
+                    "read_gbps",
+                    "direct_write_gbps",
+                    "direct_read_gbps",
+                    "buffered_write_gbps",
+                    "buffered_read_gbps",
+                ],
+            )
         if self._gpu:
-            self._gpu = merge(self._gpu, gpu_ceiling(self.nbytes), ["write_gbps", "read_gbps", "gbps"])
-        self.progress("  ceilings again after the rows: " + ", ".join(
-            f"{k} {v}" for k, v in (("host copy", self._mem and f"{self._mem['gbps']:.2f}"),
-                                    ("disk w/r", self._file and f"{self._file['write_gbps']:.2f}/"
-                                                                     f"{self._file['read_gbps']:.2f}"),
-                                    ("pinned H2D/D2H", self._gpu and f"{self._gpu['write_gbps']:.2f}/"
-                                                                      f"{self._gpu['read_gbps']:.2f}"))
-            if v) + " GB/s (best of before and after kept)")
+            self._gpu = merge(
+                self._gpu, gpu_ceiling(self.nbytes), ["write_gbps", "read_gbps", "gbps"]
+            )
+        self.progress(
+            "  ceilings again after the rows: "
+            + ", ".join(
+                f"{k} {v}"
+                for k, v in (
+                    ("host copy", self._mem and f"{self._mem['gbps']:.2f}"),
+                    (
+                        "disk w/r",
+                        self._file
+                        and f"{self._file['write_gbps']:.2f}/{self._file['read_gbps']:.2f}",
+                    ),
+                    (
+                        "pinned H2D/D2H",
+                        self._gpu and f"{self._gpu['write_gbps']:.2f}/{self._gpu['read_gbps']:.2f}",
+                    ),
+                )
+                if v
+            )
+            + " GB/s (best of before and after kept)"
+        )
 
     def for_adapter(self, cls) -> dict:
         """{write, hot, cold} ceilings (GB/s) for a row of this adapter."""
@@ -226,11 +317,21 @@ class Ceilings:
         if cls.medium == "file":
             f = self.file()
             direct = getattr(cls, "direct", False) or getattr(cls, "io_direct", False)
-            return {"write": f["write_gbps"], "hot": f["read_gbps"] if direct else mem,
-                    "cold": f["read_gbps"], "kind": "disk sequential / host copy"}
+            return {
+                "write": f["write_gbps"],
+                "hot": f["read_gbps"] if direct else mem,
+                "cold": f["read_gbps"],
+                "kind": "disk sequential / host copy",
+            }
         g = self.gpu() or {}
-        return {"write": g.get("write_gbps"), "hot": g.get("read_gbps"), "cold": None,
-                "kind": "cudaMemcpy pinned"}
+        return {
+            "write": g.get("write_gbps"),
+            "hot": g.get("read_gbps"),
+            "cold": None,
+            "kind": "cudaMemcpy pinned",
+        }
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in (("memory", self._mem), ("file", self._file), ("gpu", self._gpu)) if v}
+        return {
+            k: v for k, v in (("memory", self._mem), ("file", self._file), ("gpu", self._gpu)) if v
+        }

@@ -20,37 +20,67 @@ DEFAULT_SIZES = ("64KiB", "1MiB", "16MiB", "512MiB")
 def add_arguments(p) -> None:
     p.add_argument("--systems", help="comma-separated systems (default: all; see --list)")
     p.add_argument("--exclude", help="comma-separated systems to leave out")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
-    p.add_argument("--size", action="append", help="block size, repeatable (default: 64KiB 1MiB 16MiB 512MiB)")
+    p.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)",
+    )
+    p.add_argument(
+        "--size", action="append", help="block size, repeatable (default: 64KiB 1MiB 16MiB 512MiB)"
+    )
     p.add_argument("--total", default="1GiB", help="bytes per block size (default 1GiB)")
     p.add_argument("--blocks", type=int, default=None, help="blocks per size (overrides --total)")
-    p.add_argument("--min-blocks", type=int, default=2, help="at least this many blocks per size (default 2)")
+    p.add_argument(
+        "--min-blocks", type=int, default=2, help="at least this many blocks per size (default 2)"
+    )
     p.add_argument("--threads", type=int, default=0, help="threads (default: one per core)")
-    p.add_argument("--thread-list", help="thread counts for the scaling workload (default 1,2,4..cores)")
+    p.add_argument(
+        "--thread-list", help="thread counts for the scaling workload (default 1,2,4..cores)"
+    )
     p.add_argument("--thread-size", default="1MiB", help="block size of the scaling workload")
     p.add_argument("--thread-total", default="512MiB", help="bytes of the scaling workload")
-    p.add_argument("--overflow", default="0,50,75,90", help="percent of the data beyond the host tier")
+    p.add_argument(
+        "--overflow", default="0,50,75,90", help="percent of the data beyond the host tier"
+    )
     p.add_argument("--overflow-size", default="1MiB", help="block size of the overflow workload")
     p.add_argument("--overflow-total", default="1GiB", help="bytes of the overflow workload")
-    p.add_argument("--prefix-size", default="256KiB", help="block size of the prefix-sharing workload")
+    p.add_argument(
+        "--prefix-size", default="256KiB", help="block size of the prefix-sharing workload"
+    )
     p.add_argument("--prefix-prompts", type=int, default=4, help="distinct system prompts")
     p.add_argument("--prefix-blocks", type=int, default=8, help="blocks per system prompt")
     p.add_argument("--prefix-conversations", type=int, default=64, help="conversations")
     p.add_argument("--unique-blocks", type=int, default=4, help="blocks of each conversation's own")
-    p.add_argument("--repeats", type=int, default=3, help="timed passes per phase; the best is reported")
-    p.add_argument("--large-repeats", type=int, default=5,
-                   help="at least this many passes for blocks of 256 MiB and more (default 5)")
-    p.add_argument("--latency-samples", type=int, default=200, help="blocks timed one by one per row")
-    p.add_argument("--dir", help="directory for file-based systems (default: a new temporary directory)")
-    p.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed passes per phase; the best is reported"
+    )
+    p.add_argument(
+        "--large-repeats",
+        type=int,
+        default=5,
+        help="at least this many passes for blocks of 256 MiB and more (default 5)",
+    )
+    p.add_argument(
+        "--latency-samples", type=int, default=200, help="blocks timed one by one per row"
+    )
+    p.add_argument(
+        "--dir", help="directory for file-based systems (default: a new temporary directory)"
+    )
+    p.add_argument(
+        "--out", default="bench-results", help="output directory (default bench-results)"
+    )
     p.add_argument("--json", metavar="FILE", help="JSON path (default OUT/compare.json)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--lmcache-python", help="interpreter of an environment with LMCache installed")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of every system")
-    p.add_argument("--list", action="store_true", help="list the systems and whether each can run here")
-    p.add_argument("--from-json", metavar="FILE",
-                   help="measure nothing: print the tables and write the Markdown and plots of a saved report")
+    p.add_argument(
+        "--list", action="store_true", help="list the systems and whether each can run here"
+    )
+    p.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="measure nothing: print the tables and write the Markdown and plots of a saved report",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -71,15 +101,23 @@ def normalise_args(args) -> None:
         _apply_quick(args)
     args.sizes = [parse_size_arg(s) for s in (args.size or DEFAULT_SIZES)]
     args.total = parse_size_arg(args.total)
-    args.thread_size, args.thread_total = parse_size_arg(args.thread_size), parse_size_arg(args.thread_total)
-    args.overflow_size, args.overflow_total = parse_size_arg(args.overflow_size), parse_size_arg(args.overflow_total)
+    args.thread_size, args.thread_total = (
+        parse_size_arg(args.thread_size),
+        parse_size_arg(args.thread_total),
+    )
+    args.overflow_size, args.overflow_total = (
+        parse_size_arg(args.overflow_size),
+        parse_size_arg(args.overflow_total),
+    )
     args.prefix_size = parse_size_arg(args.prefix_size)
     args.threads = args.threads or os.cpu_count() or 1
     if args.thread_list:
         args.thread_list = [int(t) for t in str(args.thread_list).split(",") if t.strip()]
     else:
         cores = os.cpu_count() or 1
-        args.thread_list = sorted({1 << k for k in range(cores.bit_length()) if (1 << k) <= cores} | {cores})
+        args.thread_list = sorted(
+            {1 << k for k in range(cores.bit_length()) if (1 << k) <= cores} | {cores}
+        )
     args.overflow = [int(p) for p in str(args.overflow).split(",") if p.strip()]
     if isinstance(args.workloads, str):
         args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -124,7 +162,9 @@ def main(args, progress) -> int:
         f.write(text + "\n")
     with open(os.path.join(args.out, "compare.md"), "w") as f:
         f.write(format_markdown(report))
-    progress(f"wrote {'' if args.from_json else path + ', '}compare.txt and compare.md in {args.out}")
+    progress(
+        f"wrote {'' if args.from_json else path + ', '}compare.txt and compare.md in {args.out}"
+    )
     if not args.no_plots:
         try:
             import matplotlib  # noqa: F401
@@ -132,6 +172,7 @@ def main(args, progress) -> int:
             progress("plots skipped: matplotlib is not installed (pip install matplotlib)")
         else:
             from cascade.bench.plots import plot_report
+
             for p in plot_report(report, args.out):
                 progress(f"wrote {p}")
     failed = [r for w in report["workloads"].values() for r in w["rows"] if "error" in r]

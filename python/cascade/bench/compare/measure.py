@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Optional
 
 from cascade.bench.adapters import Unsupported, Workload
 from cascade.bench.adapters.base import resident_bytes
 from cascade.bench.compare.buffers import _verify
 from cascade.bench.compare.ceilings import Ceilings
+
 
 def _timed(fn, *args) -> float:
     t0 = time.perf_counter()
@@ -20,7 +20,7 @@ def _timed(fn, *args) -> float:
     return own if own is not None else wall
 
 
-def _percentile(values, q: float) -> Optional[float]:
+def _percentile(values, q: float) -> float | None:
     if not values:
         return None
     v = sorted(values)
@@ -37,12 +37,25 @@ def _sample(n: int, k: int) -> list:
     return sorted({int(i * n / k) for i in range(k)})
 
 
-def measure(cls, wl: Workload, *, repeats: int = 3, latency_samples: int = 200, cold: bool = True,
-            progress=lambda m: None) -> dict:
+def measure(
+    cls,
+    wl: Workload,
+    *,
+    repeats: int = 3,
+    latency_samples: int = 200,
+    cold: bool = True,
+    progress=lambda m: None,
+) -> dict:
     """Run one system on one workload: write passes, hot reads, cold reads,
     per-block latencies; bytes checked. Returns the row (GB/s are 1e9 B/s)."""
-    row = {"system": cls.name, "workload": wl.name, "block_bytes": wl.block_bytes, "blocks": wl.blocks,
-           "threads": wl.threads if cls.uses_threads else 1, "total_bytes": wl.total_bytes}
+    row = {
+        "system": cls.name,
+        "workload": wl.name,
+        "block_bytes": wl.block_bytes,
+        "blocks": wl.blocks,
+        "threads": wl.threads if cls.uses_threads else 1,
+        "total_bytes": wl.total_bytes,
+    }
     a = cls()
     t_start = time.perf_counter()
     try:
@@ -83,9 +96,10 @@ def measure(cls, wl: Workload, *, repeats: int = 3, latency_samples: int = 200, 
             row["cold_resident_bytes"] = resident
         row["verified"] = True
         for name, lat in (("put", put_lat), ("get", get_lat)):
-            if lat:
-                row[f"{name}_p50_us"] = _percentile(lat, 0.5) * 1e6
-                row[f"{name}_p99_us"] = _percentile(lat, 0.99) * 1e6
+            p50, p99 = _percentile(lat, 0.5), _percentile(lat, 0.99)
+            if p50 is not None and p99 is not None:
+                row[f"{name}_p50_us"] = p50 * 1e6
+                row[f"{name}_p99_us"] = p99 * 1e6
         row["latency_samples"] = len(sample)
         split = getattr(a, "tier_split", None)
         if split is not None:
@@ -109,11 +123,16 @@ def measure(cls, wl: Workload, *, repeats: int = 3, latency_samples: int = 200, 
         progress(f"  {cls.name}: skipped ({row['skipped']})")
     else:
         cached = row.get("cold_resident_bytes", 0)
-        progress(f"  {cls.name}: write {row['write_gbps']:.2f}  hot {row['hot_read_gbps']:.2f}"
-                 + (f"  cold {row['cold_read_gbps']:.2f}" if "cold_read_gbps" in row else "")
-                 + f" GB/s  ({row['seconds']:.1f} s)"
-                 + (f"  [cold reads found {cached / 2**20:.1f} MiB still in the page cache]"
-                    if cached > wl.total_bytes // 100 else ""))
+        progress(
+            f"  {cls.name}: write {row['write_gbps']:.2f}  hot {row['hot_read_gbps']:.2f}"
+            + (f"  cold {row['cold_read_gbps']:.2f}" if "cold_read_gbps" in row else "")
+            + f" GB/s  ({row['seconds']:.1f} s)"
+            + (
+                f"  [cold reads found {cached / 2**20:.1f} MiB still in the page cache]"
+                if cached > wl.total_bytes // 100
+                else ""
+            )
+        )
     return row
 
 
@@ -123,8 +142,12 @@ def _annotate(rows: list, ceilings: Ceilings, classes: dict, ref_of=None) -> Non
     for r in rows:
         cls = classes[r["system"]]
         c = ceilings.for_adapter(cls)
-        r["ceiling"] = {"write_gbps": c["write"], "hot_read_gbps": c["hot"], "cold_read_gbps": c["cold"],
-                        "kind": c["kind"]}
+        r["ceiling"] = {
+            "write_gbps": c["write"],
+            "hot_read_gbps": c["hot"],
+            "cold_read_gbps": c["cold"],
+            "kind": c["kind"],
+        }
         for m, ck in (("write", "write"), ("hot_read", "hot"), ("cold_read", "cold")):
             if r.get(f"{m}_gbps") and c[ck]:
                 r[f"{m}_ratio"] = r[f"{m}_gbps"] / c[ck]

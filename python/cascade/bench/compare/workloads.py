@@ -4,6 +4,7 @@ ceilings, and the report that gathers them."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -20,6 +21,7 @@ from cascade.bench.compare.buffers import SharedArrays
 from cascade.bench.compare.ceilings import Ceilings
 from cascade.bench.compare.measure import _annotate, measure
 
+
 def _keys(prefix: str, n: int) -> list:
     return [cascade.block_id(f"compare/{prefix}/{i}") for i in range(n)]
 
@@ -28,7 +30,11 @@ class Runner:
     def __init__(self, args, progress):
         self.args, self.progress = args, progress
         self.classes = {c.name: c for c in all_adapters()}
-        wanted = list(self.classes) if not args.systems else [s.strip() for s in args.systems.split(",") if s.strip()]
+        wanted = (
+            list(self.classes)
+            if not args.systems
+            else [s.strip() for s in args.systems.split(",") if s.strip()]
+        )
         unknown = [s for s in wanted if s not in self.classes]
         if unknown:
             raise ValueError(f"unknown systems {unknown}; known: {', '.join(self.classes)}")
@@ -60,17 +66,35 @@ class Runner:
     def _systems(self, workload: str) -> list:
         return [c for c in self.selected if workload in c.workloads]
 
-    def _ceilings(self, nbytes: int, threads: int) -> "Ceilings":
-        return Ceilings(self._workdir(), nbytes, threads, self.progress, self.args.ceiling_min_bytes,
-                        self.args.ceiling_repeats, self.args.file_ceiling_min_bytes)
+    def _ceilings(self, nbytes: int, threads: int) -> Ceilings:
+        return Ceilings(
+            self._workdir(),
+            nbytes,
+            threads,
+            self.progress,
+            self.args.ceiling_min_bytes,
+            self.args.ceiling_repeats,
+            self.args.file_ceiling_min_bytes,
+        )
 
     def _workdir(self) -> str:
         return tempfile.mkdtemp(prefix="w", dir=self.root)
 
     def _wl(self, name, arrays, block_bytes, threads, keys, seed, **kw) -> Workload:
-        return Workload(name=name, block_bytes=block_bytes, blocks=arrays.blocks, threads=threads, keys=keys,
-                        data=arrays.data, out=arrays.out, data_path=arrays.data_path, out_path=arrays.out_path,
-                        workdir=self._workdir(), seed=seed, **kw)
+        return Workload(
+            name=name,
+            block_bytes=block_bytes,
+            blocks=arrays.blocks,
+            threads=threads,
+            keys=keys,
+            data=arrays.data,
+            out=arrays.out,
+            data_path=arrays.data_path,
+            out_path=arrays.out_path,
+            workdir=self._workdir(),
+            seed=seed,
+            **kw,
+        )
 
     def _run_rows(self, systems, make_wl, ceilings, ref_of=None, cold=True, repeats=None) -> list:
         # Memory and GPU rows first, then file rows: the disk probe and the file
@@ -88,8 +112,16 @@ class Runner:
                 ceilings.gpu()
             wl = make_wl()
             try:
-                rows.append(measure(cls, wl, repeats=repeats or self.args.repeats,
-                                    latency_samples=self.args.latency_samples, cold=cold, progress=self.progress))
+                rows.append(
+                    measure(
+                        cls,
+                        wl,
+                        repeats=repeats or self.args.repeats,
+                        latency_samples=self.args.latency_samples,
+                        cold=cold,
+                        progress=self.progress,
+                    )
+                )
             finally:
                 shutil.rmtree(wl.workdir, ignore_errors=True)
         if self.args.refresh_ceilings:
@@ -99,21 +131,29 @@ class Runner:
 
     # -- sizes ---------------------------------------------------------------
     def sizes(self) -> dict:
-        a, out = self.args, {"rows": [], "ceilings": []}
+        a = self.args
+        out: dict = {"rows": [], "ceilings": []}
         systems = self._systems("sizes")
         for size in a.sizes:
             n = a.blocks or max(a.min_blocks, a.total // size)
-            self.progress(f"sizes: {fmt_size(size)} x {n} blocks ({n * size / 2**30:.2f} GiB), "
-                          f"{a.threads} threads")
+            self.progress(
+                f"sizes: {fmt_size(size)} x {n} blocks ({n * size / 2**30:.2f} GiB), "
+                f"{a.threads} threads"
+            )
             arrays = SharedArrays(n, size)
             try:
                 arrays.fill_random(seed=size)
                 keys = _keys(f"sizes/{size}", n)
                 ceilings = self._ceilings(n * size, a.threads)
-                # Few large blocks make short passes: blocks of 256 MiB and more take --large-repeats.
+                # Few large blocks make short passes: blocks of 256 MiB and more take
+                # --large-repeats.
                 reps = max(a.repeats, a.large_repeats) if size >= (256 << 20) else a.repeats
-                rows = self._run_rows(systems, lambda: self._wl("sizes", arrays, size, a.threads, keys, size),
-                                      ceilings, repeats=reps)
+                rows = self._run_rows(
+                    systems,
+                    functools.partial(self._wl, "sizes", arrays, size, a.threads, keys, size),
+                    ceilings,
+                    repeats=reps,
+                )
                 out["rows"].extend(rows)
                 out["ceilings"].append({"block_bytes": size, **ceilings.as_dict()})
                 self._step_done("sizes", out)
@@ -135,8 +175,11 @@ class Runner:
             for t in a.thread_list:
                 self.progress(f"threads: {t} thread(s), {fmt_size(size)} x {n} blocks")
                 ceilings = self._ceilings(n * size, t)
-                rows = self._run_rows(systems, lambda: self._wl("threads", arrays, size, t, keys, size + 1),
-                                      ceilings)
+                rows = self._run_rows(
+                    systems,
+                    functools.partial(self._wl, "threads", arrays, size, t, keys, size + 1),
+                    ceilings,
+                )
                 out["rows"].extend(rows)
                 out["ceilings"].append({"threads": t, **ceilings.as_dict()})
                 self._step_done("threads", out)
@@ -162,13 +205,27 @@ class Runner:
                     cap = total + max(64 << 20, total // 16)
                 else:
                     cap = max(4096, int(math.ceil(total * (1 - frac) / 4096.0)) * 4096)
-                self.progress(f"overflow: {pct}% beyond a host tier of {cap / 2**20:.0f} MiB "
-                              f"({n} x {fmt_size(size)})")
+                self.progress(
+                    f"overflow: {pct}% beyond a host tier of {cap / 2**20:.0f} MiB "
+                    f"({n} x {fmt_size(size)})"
+                )
                 ceilings = self._ceilings(total, a.threads)
                 ref = "cascade-host|file"
                 rows = self._run_rows(
-                    systems, lambda: self._wl("overflow", arrays, size, a.threads, keys, size + 2,
-                                              host_capacity=cap), ceilings, ref_of=lambda c: ref)
+                    systems,
+                    functools.partial(
+                        self._wl,
+                        "overflow",
+                        arrays,
+                        size,
+                        a.threads,
+                        keys,
+                        size + 2,
+                        host_capacity=cap,
+                    ),
+                    ceilings,
+                    ref_of=lambda c, ref=ref: ref,
+                )
                 mem, f = ceilings.memory()["gbps"], ceilings.file()
                 model_read = 1.0 / ((1 - frac) / mem + frac / f["read_gbps"])
                 model_write = 1.0 / ((1 - frac) / mem + frac / f["write_gbps"])
@@ -178,15 +235,24 @@ class Runner:
                     if r["system"] == ref and "write_gbps" in r:
                         # The ceiling of a split placement: the host part at copy speed,
                         # the rest at the disk's sequential speed.
-                        r["ceiling"] = {"write_gbps": model_write, "hot_read_gbps": mem,
-                                        "cold_read_gbps": model_read,
-                                        "kind": "host copy for the host part, disk sequential for the rest"}
+                        r["ceiling"] = {
+                            "write_gbps": model_write,
+                            "hot_read_gbps": mem,
+                            "cold_read_gbps": model_read,
+                            "kind": "host copy for the host part, disk sequential for the rest",
+                        }
                         r["write_ratio"] = r["write_gbps"] / model_write
                         if r.get("cold_read_gbps"):
                             r["cold_read_ratio"] = r["cold_read_gbps"] / model_read
                 out["rows"].extend(rows)
-                out["ceilings"].append({"overflow_pct": pct, "model_cold_read_gbps": model_read,
-                                        "model_write_gbps": model_write, **ceilings.as_dict()})
+                out["ceilings"].append(
+                    {
+                        "overflow_pct": pct,
+                        "model_cold_read_gbps": model_read,
+                        "model_write_gbps": model_write,
+                        **ceilings.as_dict(),
+                    }
+                )
                 self._step_done("overflow", out)
         finally:
             arrays.close()
@@ -195,23 +261,43 @@ class Runner:
     # -- prefix sharing ------------------------------------------------------
     def prefix(self) -> dict:
         a = self.args
-        size, P, pb, C, ub = a.prefix_size, a.prefix_prompts, a.prefix_blocks, a.prefix_conversations, a.unique_blocks
+        size, P, pb, C, ub = (
+            a.prefix_size,
+            a.prefix_prompts,
+            a.prefix_blocks,
+            a.prefix_conversations,
+            a.unique_blocks,
+        )
         per_conv = pb + ub
         n = C * per_conv
-        out = {"rows": [], "ceilings": [], "block_bytes": size, "prompts": P, "prompt_blocks": pb,
-               "conversations": C, "unique_blocks": ub, "logical_bytes": n * size,
-               "unique_bytes": (P * pb + C * ub) * size}
+        out = {
+            "rows": [],
+            "ceilings": [],
+            "block_bytes": size,
+            "prompts": P,
+            "prompt_blocks": pb,
+            "conversations": C,
+            "unique_blocks": ub,
+            "logical_bytes": n * size,
+            "unique_bytes": (P * pb + C * ub) * size,
+        }
         systems = self._systems("prefix")
         arrays = SharedArrays(n, size)
         try:
             rng = np.random.default_rng(size + 3)
-            prompts = [np.frombuffer(rng.bytes(pb * size), np.uint8).reshape(pb, size) for _ in range(P)]
+            prompts = [
+                np.frombuffer(rng.bytes(pb * size), np.uint8).reshape(pb, size) for _ in range(P)
+            ]
             for c in range(C):
                 base = c * per_conv
-                arrays.data[base:base + pb] = prompts[c % P]
-                arrays.data[base + pb:base + per_conv] = np.frombuffer(rng.bytes(ub * size), np.uint8).reshape(ub, size)
+                arrays.data[base : base + pb] = prompts[c % P]
+                arrays.data[base + pb : base + per_conv] = np.frombuffer(
+                    rng.bytes(ub * size), np.uint8
+                ).reshape(ub, size)
             arrays.out.reshape(-1)[:] = 1
-            named = [cascade.block_id(f"conv-{c}/block-{j}") for c in range(C) for j in range(per_conv)]
+            named = [
+                cascade.block_id(f"conv-{c}/block-{j}") for c in range(C) for j in range(per_conv)
+            ]
             chained = []
             for c in range(C):
                 prev = b"namespace:model=synthetic;dtype=uint8;tp=0"
@@ -220,11 +306,19 @@ class Runner:
                     prev = hashlib.sha256(prev + tokens.encode()).digest()[:16]
                     chained.append(prev.hex())
             for mode, keys in (("per-request ids", named), ("prefix-chained ids", chained)):
-                self.progress(f"prefix: {C} conversations over {P} system prompts, {mode}, "
-                              f"{n} x {fmt_size(size)}")
+                self.progress(
+                    f"prefix: {C} conversations over {P} system prompts, {mode}, "
+                    f"{n} x {fmt_size(size)}"
+                )
                 ceilings = self._ceilings(n * size, a.threads)
-                rows = self._run_rows(systems, lambda: self._wl("prefix", arrays, size, a.threads, keys, size + 3,
-                                                                dedup=True), ceilings, cold=False)
+                rows = self._run_rows(
+                    systems,
+                    functools.partial(
+                        self._wl, "prefix", arrays, size, a.threads, keys, size + 3, dedup=True
+                    ),
+                    ceilings,
+                    cold=False,
+                )
                 for r in rows:
                     r["key_mode"] = mode
                     r["logical_bytes"] = n * size
@@ -251,13 +345,23 @@ def run_compare(args, progress, on_step=None) -> dict:
         "command": "cascade " + " ".join(getattr(args, "argv", [])),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": machine_info(),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("fn", "argv") and not callable(v)},
-        "systems": {c.name: {"description": c.description, "medium": c.medium, "compare_to": c.compare_to,
-                             "versions": runner.versions.get(c.name, {})} for c in runner.selected},
+        "settings": {
+            k: v for k, v in vars(args).items() if k not in ("fn", "argv") and not callable(v)
+        },
+        "systems": {
+            c.name: {
+                "description": c.description,
+                "medium": c.medium,
+                "compare_to": c.compare_to,
+                "versions": runner.versions.get(c.name, {}),
+            }
+            for c in runner.selected
+        },
         "unavailable": runner.unavailable,
         "work_dir_filesystem": _fs_type(runner.root),
         "workloads": {},
     }
+
     def step(workload, partial):
         report["workloads"][workload] = partial
         if on_step is not None:
@@ -282,7 +386,11 @@ def _fs_type(path: str) -> str:
         with open("/proc/mounts") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) > 2 and os.path.abspath(path).startswith(parts[1]) and len(parts[1]) > len(best):
+                if (
+                    len(parts) > 2
+                    and os.path.abspath(path).startswith(parts[1])
+                    and len(parts[1]) > len(best)
+                ):
                     best, fstype = parts[1], f"{parts[2]} ({parts[0]} on {parts[1]})"
     except OSError:
         pass

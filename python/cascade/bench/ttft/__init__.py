@@ -46,9 +46,21 @@ from cascade.bench.ttft.model import PRESETS, build_model
 from cascade.bench.ttft.report import format_report, goal_rows
 from cascade.bench.ttft.runner import TtftBench
 from cascade.bench.ttft.serving import schedule
-from cascade.bench.ttft.settings import GiB, MODES
+from cascade.bench.ttft.settings import MODES, GiB
 
 __all__ = [
-    "GiB", "MODES", "NEAR_TIE_ULPS", "PRESETS", "TtftBench", "add_ttft_arguments", "build_model",
-    "compare_logits", "failures", "format_report", "goal_rows", "greedy_mismatches", "main", "schedule",
+    "GiB",
+    "MODES",
+    "NEAR_TIE_ULPS",
+    "PRESETS",
+    "TtftBench",
+    "add_ttft_arguments",
+    "build_model",
+    "compare_logits",
+    "failures",
+    "format_report",
+    "goal_rows",
+    "greedy_mismatches",
+    "main",
+    "schedule",
 ]

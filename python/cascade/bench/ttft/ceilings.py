@@ -28,7 +28,12 @@ def pcie_ceiling(device, nbytes: int = GiB, repeats: int = 5) -> dict:
         torch.cuda.synchronize(device)
         speeds.append(nbytes / (time.perf_counter() - t0) / 1e9)
     del src, dst
-    return {"kind": "torch pinned H2D", "bytes": nbytes, "gbps": max(speeds), "gbps_median": statistics.median(speeds)}
+    return {
+        "kind": "torch pinned H2D",
+        "bytes": nbytes,
+        "gbps": max(speeds),
+        "gbps_median": statistics.median(speeds),
+    }
 
 
 def file_ceiling(file_root: str, quick: bool, progress) -> dict:
@@ -40,8 +45,10 @@ def file_ceiling(file_root: str, quick: bool, progress) -> dict:
     probe = os.path.join(file_root, "probe")
     try:
         c = direct_io_ceiling(probe, 1 << 30, 8)
-        progress(f"file ceiling (O_DIRECT, 16 MiB requests): read {c['read_gbps']:.2f} GB/s, "
-                 f"write {c['write_gbps']:.2f} GB/s")
+        progress(
+            f"file ceiling (O_DIRECT, 16 MiB requests): read {c['read_gbps']:.2f} GB/s, "
+            f"write {c['write_gbps']:.2f} GB/s"
+        )
         return c
     except Exception as e:  # the bench goes on without it; the report says why
         return {"error": f"{type(e).__name__}: {e}"}

@@ -5,6 +5,7 @@ and a report's failures listed one per line."""
 
 from __future__ import annotations
 
+
 def _tolerance(dtype) -> float:
     """Largest |logit difference| / max |logit| accepted between a cached run
     and the full prefill. The KV bytes themselves are compared exactly
@@ -39,15 +40,22 @@ def compare_logits(ref, got, dtype) -> dict:
     got = got.float().cpu()
     err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
     top = torch.topk(ref, 5)
-    r, g = int(ref.argmax()), int(got.argmax())   # argmax both: the same choice among exact ties
+    r, g = int(ref.argmax()), int(got.argmax())  # argmax both: the same choice among exact ties
     finite = bool(torch.isfinite(got).all())
     top_val = float(ref[r])
     ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(abs(top_val), 1e-30)))
     gap = top_val - float(ref[g])
     near_tie = r != g and g in top.indices.tolist() and gap <= NEAR_TIE_ULPS * ulp
-    return {"rel_err": err, "greedy_ref": r, "greedy": g, "margin": float(top.values[0] - top.values[1]),
-            "gap": gap, "gap_ulps": gap / ulp, "near_tie": near_tie,
-            "ok": finite and err <= _tolerance(dtype) and (r == g or near_tie)}
+    return {
+        "rel_err": err,
+        "greedy_ref": r,
+        "greedy": g,
+        "margin": float(top.values[0] - top.values[1]),
+        "gap": gap,
+        "gap_ulps": gap / ulp,
+        "near_tie": near_tie,
+        "ok": finite and err <= _tolerance(dtype) and (r == g or near_tie),
+    }
 
 
 def verify_kv(pc, prompt, ref_kv, block_size: int) -> dict:
@@ -65,8 +73,10 @@ def verify_kv(pc, prompt, ref_kv, block_size: int) -> dict:
     got = buf[..., :n, :].cpu()
     out["exact"] = bool(torch.equal(got, ref_kv[..., :n, :]))
     if not out["exact"]:
-        diff = (got != ref_kv[..., :n, :]).reshape(got.shape[0], 2, got.shape[2], n // block_size, block_size, -1)
-        bad = diff.any(-1).any(-1).any(2).any(1).nonzero().tolist()   # (layer, block)
+        diff = (got != ref_kv[..., :n, :]).reshape(
+            got.shape[0], 2, got.shape[2], n // block_size, block_size, -1
+        )
+        bad = diff.any(-1).any(-1).any(2).any(1).nonzero().tolist()  # (layer, block)
         out["mismatched_layer_block"] = bad[:10]
     return out
 
@@ -80,15 +90,19 @@ def failures(report: dict) -> list[str]:
             continue
         where = f"{row['tokens']} tokens x {row['concurrency']} {row['mode']}"
         for f in c["failed"]:
-            out.append(f"{where}: prompt {f['prompt']}: rel err {f['rel_err']:.3g} (tolerance {c['tolerance']:.3g}), "
-                       f"greedy {f['greedy']} vs {f['greedy_ref']} (reference gap {f['gap']:.3g}, "
-                       f"{f['gap_ulps']:.1f} ulps)")
+            out.append(
+                f"{where}: prompt {f['prompt']}: rel err {f['rel_err']:.3g} (tolerance "
+                f"{c['tolerance']:.3g}), greedy {f['greedy']} vs {f['greedy_ref']} (reference gap "
+                f"{f['gap']:.3g}, {f['gap_ulps']:.1f} ulps)"
+            )
         if "hit_mismatch" in c:
             out.append(f"{where}: {c['hit_mismatch']}")
         kv = c.get("kv_exact")
         if kv is not None and not kv["exact"]:
-            out.append(f"{where}: prompt 0's loaded KV differs from the computed KV ({kv['tokens']} tokens; "
-                       f"layer/block {kv.get('mismatched_layer_block')}; errors {kv['errors']})")
+            out.append(
+                f"{where}: prompt 0's loaded KV differs from the computed KV ({kv['tokens']} "
+                f"tokens; layer/block {kv.get('mismatched_layer_block')}; errors {kv['errors']})"
+            )
         if row.get("load_errors"):
             out.append(f"{where}: load errors: {row['load_errors'][:3]}")
     return out
@@ -100,7 +114,9 @@ def greedy_mismatches(report: dict) -> list[str]:
     for row in report["rows"]:
         for m in (row.get("check") or {}).get("greedy_mismatches", []):
             kind = "near-tie" if m["near_tie"] else "MISMATCH"
-            out.append(f"{row['tokens']} tokens x {row['concurrency']} {row['mode']}: prompt {m['prompt']}: greedy "
-                       f"{m['greedy']} vs {m['greedy_ref']}: {kind}, reference gap {m['gap']:.3g} "
-                       f"({m['gap_ulps']:.1f} ulps), logits rel err {m['rel_err']:.3g}")
+            out.append(
+                f"{row['tokens']} tokens x {row['concurrency']} {row['mode']}: prompt "
+                f"{m['prompt']}: greedy {m['greedy']} vs {m['greedy_ref']}: {kind}, reference gap "
+                f"{m['gap']:.3g} ({m['gap_ulps']:.1f} ulps), logits rel err {m['rel_err']:.3g}"
+            )
     return out

@@ -34,20 +34,30 @@ class TtftBench:
         r = self.r
         self.device, self.dtype = r["device"], r["dtype"]
         self.t_start = time.perf_counter()
-        progress(f"building {args.model} ({args.dtype}, random weights, seed {args.seed}) on {self.device}")
+        progress(
+            f"building {args.model} ({args.dtype}, random weights, seed {args.seed}) on "
+            f"{self.device}"
+        )
         t0 = time.perf_counter()
         self.model = build_model(args.model, self.device, self.dtype, args.seed, max(r["lengths"]))
         self.model_s = time.perf_counter() - t0
         self.vocab = self.model.config.vocab_size
         self.name = f"cascade-bench/random-llama-{args.model}-seed{args.seed}"
         self._prefix_cache = lambda store, ratio=None: PrefixCache(
-            self.model, store, model_name=self.name, block_size=args.block_size, hit_ratio=ratio,
-            chunk_tokens=r["budget"])
+            self.model,
+            store,
+            model_name=self.name,
+            block_size=args.block_size,
+            hit_ratio=ratio,
+            chunk_tokens=r["budget"],
+        )
         probe = self._prefix_cache(None)
         self.geometry = probe.geometry
         self.bpt = self.geometry.bytes_per_token
-        progress(f"model ready in {self.model_s:.1f} s; KV {fmt_size(self.bpt)} per token, "
-                 f"{fmt_size(self.bpt * args.block_size)} per {args.block_size}-token block")
+        progress(
+            f"model ready in {self.model_s:.1f} s; KV {fmt_size(self.bpt)} per token, "
+            f"{fmt_size(self.bpt * args.block_size)} per {args.block_size}-token block"
+        )
         self.pcie = None
         if r["gpu"]:
             self.pcie = pcie_ceiling(self.device)
@@ -56,15 +66,20 @@ class TtftBench:
         if r["gpu"]:
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
-            self.kv_memory = (free - 8 * GiB if args.kv_memory == "auto"
-                              else self._size(args.kv_memory, "--kv-memory"))
+            self.kv_memory = (
+                free - 8 * GiB
+                if args.kv_memory == "auto"
+                else self._size(args.kv_memory, "--kv-memory")
+            )
             self.gpu_name = torch.cuda.get_device_name(self.device)
         else:
-            self.kv_memory = (4 * GiB if args.kv_memory == "auto" else self._size(args.kv_memory, "--kv-memory"))
+            self.kv_memory = (
+                4 * GiB if args.kv_memory == "auto" else self._size(args.kv_memory, "--kv-memory")
+            )
             self.gpu_name = None
         if self.kv_memory <= 0:
             raise RuntimeError("no GPU memory left for KV after loading the model")
-        self.file_root = None
+        self.file_root: str | None = None
         self.file_ceiling = None
         if any(m.startswith("cold") for m in r["modes"]):
             self.file_root = tempfile.mkdtemp(prefix="cascade-ttft-", dir=args.file_dir)
@@ -114,9 +129,15 @@ class TtftBench:
         row_bytes = conc * kv_prompt
         base = {"tokens": length, "concurrency": conc, "kv_bytes_per_prompt": kv_prompt}
         if 2 * kv_prompt > self.kv_memory:
-            return [dict(base, mode="full", skipped=f"one prompt's KV ({fmt_size(2 * kv_prompt)} with the "
-                                                    f"model's copy) exceeds the GPU memory left "
-                                                    f"({self.kv_memory / GiB:.1f} GiB)")]
+            return [
+                dict(
+                    base,
+                    mode="full",
+                    skipped=f"one prompt's KV ({fmt_size(2 * kv_prompt)} with the "
+                    f"model's copy) exceeds the GPU memory left "
+                    f"({self.kv_memory / GiB:.1f} GiB)",
+                )
+            ]
         prompts = self.prompts(length, conc)
         cached_modes = [m for m in r["modes"] if m != "full"]
         skipped = {}
@@ -124,23 +145,29 @@ class TtftBench:
         want_cold = any(m.startswith("cold") for m in cached_modes)
         if want_hot and row_bytes > r["host_budget"]:
             for m in cached_modes:
-                skipped[m] = (f"needs {row_bytes / GiB:.1f} GiB in the host tier, over the host budget "
-                              f"{r['host_budget'] / GiB:.1f} GiB")
+                skipped[m] = (
+                    f"needs {row_bytes / GiB:.1f} GiB in the host tier, over the host budget "
+                    f"{r['host_budget'] / GiB:.1f} GiB"
+                )
             want_hot = want_cold = False
         if want_cold and row_bytes > r["file_budget"]:
             for m in cached_modes:
                 if m.startswith("cold"):
-                    skipped[m] = (f"needs {row_bytes / GiB:.1f} GiB in the file tier, over --file-budget "
-                                  f"{r['file_budget'] / GiB:.1f} GiB")
+                    skipped[m] = (
+                        f"needs {row_bytes / GiB:.1f} GiB in the file tier, over --file-budget "
+                        f"{r['file_budget'] / GiB:.1f} GiB"
+                    )
             want_cold = False
         if want_hot:
             self._ensure_hot_store()
             self.hot_store.clear()
-        file_dir = os.path.join(self.file_root, f"L{length}-c{conc}") if want_cold else None
+        file_dir = None
         writer = None
         if want_cold:
             import cascade
 
+            assert self.file_root is not None  # made when any mode is cold
+            file_dir = os.path.join(self.file_root, f"L{length}-c{conc}")
             shutil.rmtree(file_dir, ignore_errors=True)
             writer = cascade.CascadeStore(_config("file", directory=file_dir))
         saver = self._prefix_cache(self.hot_store) if want_hot else None
@@ -148,14 +175,14 @@ class TtftBench:
 
         # Full prefill: the baseline, the reference logits and prompt 0's KV, and
         # (untimed) the stores filled.
-        ref = [None] * conc
-        ref_kv = {}
-        resident = {}
+        ref: list = [None] * conc
+        ref_kv: dict = {}
+        resident: dict = {}
         save_s = [0.0, 0.0]
         groups = schedule(conc, length, kv_prompt, budget, self.kv_memory)
         self.progress(f"{length} tokens x {conc}: full prefill, {len(groups)} group(s)")
         single_runs = args.repeats if conc == 1 else 1
-        full_runs = []
+        full_runs: list = []
 
         def run_full(g):
             return forward_chunked(self.model, prompts[g].to(self.device), None, budget)
@@ -166,10 +193,12 @@ class TtftBench:
                 ref[i] = logits[j].float().cpu()
             if 0 in g and not ref_kv and (want_hot or want_cold):
                 j = g.index(0)
-                ref_kv["kv"] = torch.stack([torch.stack([k[j], v[j]]) for k, v in kv_from_past(past)]).cpu()
+                ref_kv["kv"] = torch.stack(
+                    [torch.stack([k[j], v[j]]) for k, v in kv_from_past(past)]
+                ).cpu()
             if conc == 1 and not resident:
                 resident.update(self._resident(prompts[g].to(self.device), past, ref[g[0]]))
-            if full_runs:   # the first run fills the stores
+            if full_runs:  # the first run fills the stores
                 return
             for k, (tier, pc) in enumerate((("host", saver), ("file", file_saver))):
                 if pc is None:
@@ -183,11 +212,17 @@ class TtftBench:
 
         # Untimed warm-up (kernels and allocator at this shape): the first group once.
         run_full(groups[0])
-        for rep in range(single_runs):
+        for _ in range(single_runs):
             full_runs.append(_serve(groups, run_full, after_full, self.device))
         rows = []
-        full = dict(base, mode="full", hit_tokens=0, groups=len(groups), runs=single_runs,
-                    **self._pick(full_runs))
+        full = dict(
+            base,
+            mode="full",
+            hit_tokens=0,
+            groups=len(groups),
+            runs=single_runs,
+            **self._pick(full_runs),
+        )
         full["save_host_s"], full["save_file_s"] = save_s
         if resident:
             full["resident"] = resident
@@ -203,7 +238,11 @@ class TtftBench:
             if args.time_limit and time.perf_counter() - self.t_start > args.time_limit:
                 rows.append(dict(base, mode=mode, skipped="time limit"))
                 continue
-            rows.append(self._cached_mode(mode, base, prompts, ref, ref_kv.get("kv"), full, file_dir, resident))
+            rows.append(
+                self._cached_mode(
+                    mode, base, prompts, ref, ref_kv.get("kv"), full, file_dir, resident
+                )
+            )
         if file_dir:
             shutil.rmtree(file_dir, ignore_errors=True)
         if self.hot_store is not None:
@@ -244,9 +283,14 @@ class TtftBench:
                 times.append(time.perf_counter() - t0)
                 runs.append(logits[0].float().cpu())
                 del cut, logits
-            out[key] = {"hit_tokens": h, "suffix_tokens": length - h, "suffix_ms": statistics.median(times) * 1e3,
-                        "logits": runs[-1], "repeats_identical": all(torch.equal(x, runs[0]) for x in runs),
-                        "noise_rel_err": compare_logits(ref0, runs[-1], self.dtype)["rel_err"]}
+            out[key] = {
+                "hit_tokens": h,
+                "suffix_tokens": length - h,
+                "suffix_ms": statistics.median(times) * 1e3,
+                "logits": runs[-1],
+                "repeats_identical": all(torch.equal(x, runs[0]) for x in runs),
+                "noise_rel_err": compare_logits(ref0, runs[-1], self.dtype)["rel_err"],
+            }
         return out
 
     def _ensure_hot_store(self):
@@ -256,9 +300,18 @@ class TtftBench:
         import cascade
 
         if self.hot_store is None:
-            need = max((c * n * self.bpt for c in self.r["concurrency"] for n in self.r["lengths"]
-                        if c * n * self.bpt <= self.r["host_budget"]), default=0)
-            self.hot_store = cascade.CascadeStore(_config("host", capacity=need + need // 16 + (256 << 20)))
+            need = max(
+                (
+                    c * n * self.bpt
+                    for c in self.r["concurrency"]
+                    for n in self.r["lengths"]
+                    if c * n * self.bpt <= self.r["host_budget"]
+                ),
+                default=0,
+            )
+            self.hot_store = cascade.CascadeStore(
+                _config("host", capacity=need + need // 16 + (256 << 20))
+            )
 
     def _cached_mode(self, mode, base, prompts, ref, ref_kv, full, file_dir, resident) -> dict:
         import torch
@@ -269,34 +322,51 @@ class TtftBench:
         length, conc = base["tokens"], base["concurrency"]
         ratio = args.hit_ratio if mode.endswith("80") else None
         expect_hit = self.hit_tokens(length, mode)
-        groups = schedule(conc, length - expect_hit, base["kv_bytes_per_prompt"], r["budget"], self.kv_memory)
+        groups = schedule(
+            conc, length - expect_hit, base["kv_bytes_per_prompt"], r["budget"], self.kv_memory
+        )
         runs = args.repeats if conc == 1 else 1
-        self.progress(f"{length} tokens x {conc}: {mode} ({expect_hit} tokens cached), {len(groups)} group(s)")
-        results = [None] * conc
+        self.progress(
+            f"{length} tokens x {conc}: {mode} ({expect_hit} tokens cached), {len(groups)} group(s)"
+        )
+        results: list = [None] * conc
         all_runs, all_phases, dropped = [], [], 0
         if mode.startswith("hot"):
             # Untimed warm-up pass, as a running server would have had: the
             # host arena is registered with CUDA in 64 MiB chunks on first
             # use, and the allocator and kernels meet this row's shapes.
             pc = self._prefix_cache(self.hot_store, ratio)
-            _serve(groups, lambda g: pc.prefill(prompts[g], save=False), lambda g, res: None, self.device)
+            _serve(
+                groups,
+                lambda g: pc.prefill(prompts[g], save=False),
+                lambda g, res: None,
+                self.device,
+            )
         for rep in range(runs):
             if mode.startswith("cold"):
                 dropped = drop_file_cache(file_dir)
-                store = cascade.CascadeStore(_config("host|file", capacity=conc * base["kv_bytes_per_prompt"]
-                                                     + (256 << 20), directory=file_dir))
+                store = cascade.CascadeStore(
+                    _config(
+                        "host|file",
+                        capacity=conc * base["kv_bytes_per_prompt"] + (256 << 20),
+                        directory=file_dir,
+                    )
+                )
             else:
                 store = self.hot_store
             pc = self._prefix_cache(store, ratio)
             phase_run = {"lookup": 0.0, "load": 0.0, "forward": 0.0}
 
-            def run(g):
+            def run(g, pc=pc):
                 return pc.prefill(prompts[g], save=False)
 
-            def after(g, res):
-                for j, i in enumerate(g):   # logits to the host; the KV is dropped
-                    results[i] = (res.logits[j].float().cpu(), res.cached_tokens,
-                                  [e for e in res.load_errors if e[0] == j])
+            def after(g, res, phase_run=phase_run):
+                for j, i in enumerate(g):  # logits to the host; the KV is dropped
+                    results[i] = (
+                        res.logits[j].float().cpu(),
+                        res.cached_tokens,
+                        [e for e in res.load_errors if e[0] == j],
+                    )
                 for k in phase_run:
                     phase_run[k] += res.timings.get(k, 0.0)
 
@@ -310,7 +380,14 @@ class TtftBench:
                     store.close()
         median = sorted(range(runs), key=lambda k: statistics.mean(all_runs[k]))[runs // 2]
         phases = all_phases[median]
-        row = dict(base, mode=mode, hit_tokens=expect_hit, groups=len(groups), runs=runs, **self._pick(all_runs))
+        row = dict(
+            base,
+            mode=mode,
+            hit_tokens=expect_hit,
+            groups=len(groups),
+            runs=runs,
+            **self._pick(all_runs),
+        )
         row["speedup"] = full["mean_ms"] / row["mean_ms"]
         row["phases_ms"] = {k: v * 1e3 for k, v in phases.items()}
         loaded = conc * expect_hit * self.bpt
@@ -327,13 +404,18 @@ class TtftBench:
             checks.append(c)
             hits.append(cached)
             errors += [f"prompt {i} block {b}: {why}" for (_r, b, why) in load_errors]
-        row["check"] = {"ok": sum(c["ok"] for c in checks), "of": len(checks),
-                        "max_rel_err": max(c["rel_err"] for c in checks),
-                        "tolerance": _tolerance(self.dtype),
-                        "greedy_mismatches": [c for c in checks if c["greedy"] != c["greedy_ref"]],
-                        "failed": [c for c in checks if not c["ok"]]}
+        row["check"] = {
+            "ok": sum(c["ok"] for c in checks),
+            "of": len(checks),
+            "max_rel_err": max(c["rel_err"] for c in checks),
+            "tolerance": _tolerance(self.dtype),
+            "greedy_mismatches": [c for c in checks if c["greedy"] != c["greedy_ref"]],
+            "failed": [c for c in checks if not c["ok"]],
+        }
         if any(h != expect_hit for h in hits):
-            row["check"]["hit_mismatch"] = f"cached tokens {sorted(set(hits))}, expected {expect_hit}"
+            row["check"]["hit_mismatch"] = (
+                f"cached tokens {sorted(set(hits))}, expected {expect_hit}"
+            )
         if ref_kv is not None:
             row["check"]["kv_exact"] = kv_check
         if errors:
@@ -346,7 +428,9 @@ class TtftBench:
             links = [self.pcie["gbps"]] if self.pcie else []
             if mode.startswith("cold") and self.file_ceiling and "read_gbps" in self.file_ceiling:
                 links.append(self.file_ceiling["read_gbps"])
-            ceiling_s = res_info["suffix_ms"] / 1e3 + (loaded / (min(links) * 1e9) if links else 0.0)
+            ceiling_s = res_info["suffix_ms"] / 1e3 + (
+                loaded / (min(links) * 1e9) if links else 0.0
+            )
             row["ceiling_ms"] = ceiling_s * 1e3
             row["suffix_ms"] = res_info["suffix_ms"]
             row["goal_ratio"] = row["mean_ms"] / row["ceiling_ms"]
@@ -363,8 +447,18 @@ class TtftBench:
         try:
             for conc in self.r["concurrency"]:
                 for length in self.r["lengths"]:
-                    if self.args.time_limit and time.perf_counter() - self.t_start > self.args.time_limit:
-                        rows.append({"tokens": length, "concurrency": conc, "mode": "full", "skipped": "time limit"})
+                    if (
+                        self.args.time_limit
+                        and time.perf_counter() - self.t_start > self.args.time_limit
+                    ):
+                        rows.append(
+                            {
+                                "tokens": length,
+                                "concurrency": conc,
+                                "mode": "full",
+                                "skipped": "time limit",
+                            }
+                        )
                         continue
                     for row in self.run_row(length, conc):
                         for res in row.get("resident", {}).values():
@@ -388,14 +482,26 @@ class TtftBench:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": platform.node(),
             "device": self.gpu_name or f"CPU ({os.cpu_count()} cores)",
-            "model": {"preset": self.args.model, "name": self.name, **PRESETS[self.args.model],
-                      "dtype": self.args.dtype, "kv_bytes_per_token": self.bpt, "layers": g.num_layers,
-                      "kv_heads": g.num_kv_heads, "head_dim": g.head_dim, "build_s": self.model_s},
+            "model": {
+                "preset": self.args.model,
+                "name": self.name,
+                **PRESETS[self.args.model],
+                "dtype": self.args.dtype,
+                "kv_bytes_per_token": self.bpt,
+                "layers": g.num_layers,
+                "kv_heads": g.num_kv_heads,
+                "head_dim": g.head_dim,
+                "build_s": self.model_s,
+            },
             "transformers": __import__("transformers").__version__,
             "torch": __import__("torch").__version__,
             "cascade_cuda": bool(cascade.HAVE_CUDA),
-            "block_size": self.args.block_size, "token_budget": self.r["budget"], "kv_memory": self.kv_memory,
-            "hit_ratio": self.args.hit_ratio, "repeats": self.args.repeats,
-            "pcie_ceiling": self.pcie, "file_ceiling": self.file_ceiling,
+            "block_size": self.args.block_size,
+            "token_budget": self.r["budget"],
+            "kv_memory": self.kv_memory,
+            "hit_ratio": self.args.hit_ratio,
+            "repeats": self.args.repeats,
+            "pcie_ceiling": self.pcie,
+            "file_ceiling": self.file_ceiling,
             "rows": rows,
         }

@@ -8,11 +8,15 @@ import statistics
 import time
 
 
-def schedule(n: int, new_tokens: int, kv_bytes: int, token_budget: int, kv_memory: int) -> list[list[int]]:
+def schedule(
+    n: int, new_tokens: int, kv_bytes: int, token_budget: int, kv_memory: int
+) -> list[list[int]]:
     """First come first served: prompts join the current forward while their
     new tokens fit the token budget and their KV (twice: loaded buffer and the
     model's copy) fits kv_memory. A prompt alone over the budget is chunked."""
-    groups, cur, toks, mem = [], [], 0, 0
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    toks = mem = 0
     for i in range(n):
         if cur and (toks + new_tokens > token_budget or mem + 2 * kv_bytes > kv_memory):
             groups.append(cur)
@@ -47,10 +51,13 @@ def _serve(groups, run, after, device) -> list[float]:
         for i in g:
             ttft[i] = clock
         after(g, out)
-        del out   # the group's KV is freed before the next group runs
+        del out  # the group's KV is freed before the next group runs
     return ttft
 
 
 def _summary(ttft: list[float]) -> dict:
-    return {"ttft_ms": [t * 1e3 for t in ttft], "mean_ms": statistics.mean(ttft) * 1e3,
-            "max_ms": max(ttft) * 1e3}
+    return {
+        "ttft_ms": [t * 1e3 for t in ttft],
+        "mean_ms": statistics.mean(ttft) * 1e3,
+        "max_ms": max(ttft) * 1e3,
+    }

@@ -53,7 +53,9 @@ def _resolve(args):
     if args.dtype == "auto":
         args.dtype = "bfloat16" if gpu else "float32"
     dtype = getattr(torch, args.dtype)
-    lengths = _int_list(args.lengths or ("4096,8192,16384,32768" if gpu else "1024,2048,4096"), "--lengths")
+    lengths = _int_list(
+        args.lengths or ("4096,8192,16384,32768" if gpu else "1024,2048,4096"), "--lengths"
+    )
     conc = _int_list(args.concurrency or ("1,8,16" if gpu else "1,4"), "--concurrency")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
@@ -69,11 +71,23 @@ def _resolve(args):
     budget = args.token_budget or (16384 if gpu else 4096)
     if budget <= 0:
         raise ValueError("--token-budget must be positive")
-    host_budget = (int(0.6 * _available_memory()) if args.host_budget == "auto"
-                   else parse_size(args.host_budget, "--host-budget"))
+    host_budget = (
+        int(0.6 * _available_memory())
+        if args.host_budget == "auto"
+        else parse_size(args.host_budget, "--host-budget")
+    )
     file_budget = parse_size(args.file_budget, "--file-budget")
-    return dict(device=device, gpu=gpu, dtype=dtype, lengths=lengths, concurrency=conc, modes=modes,
-                budget=budget, host_budget=host_budget, file_budget=file_budget)
+    return dict(
+        device=device,
+        gpu=gpu,
+        dtype=dtype,
+        lengths=lengths,
+        concurrency=conc,
+        modes=modes,
+        budget=budget,
+        host_budget=host_budget,
+        file_budget=file_budget,
+    )
 
 
 def _available_memory() -> int:

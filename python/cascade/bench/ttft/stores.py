@@ -26,4 +26,3 @@ def _config(pipeline: str, *, capacity: int = 0, directory: str = "", direct: bo
         cfg.file_path = directory
         cfg.io_direct = direct
     return cfg
-
