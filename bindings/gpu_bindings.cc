@@ -236,7 +236,7 @@ int bench_main(const std::vector<std::string>& args) {
 }
 
 // Pinned host <-> device cudaMemcpy bandwidth: the PCIe ceiling.
-nb::dict copy_bandwidth(uint64_t bytes, int device, int repeats) {
+nb::dict copy_bandwidth(uint64_t /*bytes*/, int /*device*/, int /*repeats*/) {
 #if CASCADE_HAVE_CUDA
   double h2d = 0, d2h = 0;
   std::string err;

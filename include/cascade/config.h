@@ -143,8 +143,8 @@ struct CascadeConfig {
   // The pipeline must resolve (as if a GPU were usable, so with use_gpu the
   // automatic pipeline includes "gpu"), and each tier in it needs its fields:
   // host or remote: shm_capacity_bytes > 0 and shm_path set; gpu:
-  // gpu_capacity_bytes > 0 and gpu_device_id >= 0; file: lustre_path set and
-  // segment_size_bytes >= 1 MiB. Whatever the pipeline: lustre_stripe_count
+  // gpu_capacity_bytes > 0 and gpu_device_id >= 0; file: file_path set and
+  // segment_size_bytes >= 1 MiB. Whatever the pipeline: file_stripe_count
   // >= 0; file_mode holds permission bits only (<= 0777) and grants the owner
   // read and write; num_io_threads is 0 to 1024; index_shards is a power of
   // two from 1 to 65536. InvalidArgument when one fails; NotSupported when

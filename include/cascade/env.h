@@ -165,8 +165,8 @@ class Env {
   // directory's default for either). NotSupported when path is not on
   // Lustre or the lfs tool is missing: the caller then creates the file
   // normally (a documented no-op elsewhere).
-  virtual Status create_striped(const std::string& path, uint64_t stripe_size, int stripe_count,
-                                uint32_t mode = 0600) {
+  virtual Status create_striped(const std::string& /*path*/, uint64_t /*stripe_size*/, int /*stripe_count*/,
+                                uint32_t /*mode*/ = 0600) {
     return Status::NotSupported("striping is a Lustre feature");
   }
 };

@@ -182,7 +182,7 @@ class Tier {
   // Calls fn(id, size) for every block the tier holds now. A snapshot taken
   // shard by shard: blocks stored or removed meanwhile may or may not be
   // seen. fn must not call back into the tier.
-  virtual void for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const {}
+  virtual void for_each_block(const std::function<void(const BlockId&, uint64_t)>& /*fn*/) const {}
 
   // Dedup aliases: `alias` names the bytes stored in this tier under
   // `target`. A persistent tier writes the pair down (durable after the next
@@ -190,7 +190,7 @@ class Tier {
   // holds through aliases(), newest pair of an alias winning. Removals are
   // not written down (as for blocks). NotSupported for tiers that forget
   // everything on close.
-  virtual Status put_alias(const BlockId& alias, const BlockId& target) {
+  virtual Status put_alias(const BlockId& /*alias*/, const BlockId& /*target*/) {
     return Status::NotSupported(std::string(name()) + " tier does not keep aliases");
   }
   virtual std::vector<std::pair<BlockId, BlockId>> aliases() const { return {}; }

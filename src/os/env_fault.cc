@@ -4,7 +4,7 @@
 #include <cerrno>
 
 #include "cascade/env.h"
-#include "os/errno_status.h"
+#include "util/errno_status.h"
 
 namespace cascade {
 

@@ -19,7 +19,7 @@
 #include <shared_mutex>
 
 #include "cascade/env.h"
-#include "os/errno_status.h"
+#include "util/errno_status.h"
 
 namespace cascade {
 namespace {

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "cascade/env.h"
-#include "os/errno_status.h"
+#include "util/errno_status.h"
 
 extern char** environ;
 

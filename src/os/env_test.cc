@@ -144,7 +144,9 @@ TEST(EnvTest, PunchHoleGivesSpaceBack) {
       bool hole = i >= 4096 && i < 4096 + (32 << 10);
       ASSERT_EQ(back[i], hole ? 0 : 0x5a) << i;
     }
-    if (counts) EXPECT_EQ(env->space(dir)->free_bytes, before + (32 << 10));
+    if (counts) {
+      EXPECT_EQ(env->space(dir)->free_bytes, before + (32 << 10));
+    }
   };
   file_test::TempDir tmp;
   check(Env::Default(), tmp.path(), false);

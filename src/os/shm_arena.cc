@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "cascade/config.h"
-#include "os/errno_status.h"
+#include "util/errno_status.h"
 
 namespace cascade {
 

@@ -238,7 +238,7 @@ class CascadeStore::Impl {
 
   // Outcome of reading one tier: true when the item is settled (hit, or an
   // answer such as "buffer too small" that another tier would repeat).
-  bool settle(size_t t, const BlockId& phys, const ReadRequest& rq, const Status& st,
+  bool settle(size_t t, const BlockId& /*phys*/, const ReadRequest& /*rq*/, const Status& st,
               const ReadResult& rr, GetResult* r, Status* out_st) {
     if (st.ok()) {
       r->found = true;

@@ -36,7 +36,7 @@ std::unique_ptr<CascadeStore> open_with_disk(std::shared_ptr<SimulatedDisk> disk
   c.pipeline = "host|file";
   c.shm_capacity_bytes = 16 << 20;
   c.shm_path = shm_path();
-  c.lustre_path = "/nonexistent/simulated";
+  c.file_path = "/nonexistent/simulated";
   c.num_io_threads = 2;
   c.index_shards = 16;
   c.promote_on_hit = promote_on_hit;

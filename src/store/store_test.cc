@@ -56,7 +56,9 @@ TEST(StoreTest, PutGetRoundTripBytes) {
     ASSERT_TRUE(store->get(id, out.data(), out.size(), &r).ok());
     EXPECT_TRUE(r.found);
     EXPECT_EQ(r.size, size);
-    if (size) EXPECT_EQ(0, memcmp(out.data(), data.data(), size));  // an empty vector's data() may be null
+    if (size) {  // an empty vector's data() may be null
+      EXPECT_EQ(0, memcmp(out.data(), data.data(), size));
+    }
     for (size_t i = size; i < out.size(); ++i) ASSERT_EQ(out[i], 0xEE);
   }
 }
@@ -119,7 +121,9 @@ TEST(StoreTest, FullStoreEvictsLeastRecentlyUsedKeepsPrefix) {
   for (int i = 0; i < 40; ++i) {
     GetResult r;
     ASSERT_TRUE(store->get(ids[i], out.data(), out.size(), &r).ok());
-    if (r.found) EXPECT_EQ(0, memcmp(out.data(), blocks[i].data(), out.size())) << i;
+    if (r.found) {
+      EXPECT_EQ(0, memcmp(out.data(), blocks[i].data(), out.size())) << i;
+    }
   }
 }
 

@@ -5,7 +5,7 @@
 #include <cerrno>
 #include <limits>
 
-#include "os/errno_status.h"
+#include "util/errno_status.h"
 
 namespace cascade::stress {
 
@@ -188,7 +188,7 @@ bool PointFaultEnv::enter(EnvCall c, const std::string& path, uint64_t bytes) {
   }
 }
 
-void PointFaultEnv::leave(EnvCall c) {
+void PointFaultEnv::leave(EnvCall /*c*/) {
   if (!one_shot_active_) return;
   one_shot_active_ = false;
   fault_.clear_faults();

@@ -79,12 +79,12 @@ class ArenaTier : public Tier {
   // (the put is then NoSpace); backing of [0, end) for a range just
   // allocated; the copies into a block's range at `offset` and out of the
   // arena.
-  virtual std::optional<uint64_t> allocate(uint64_t size) { return std::nullopt; }
-  virtual Status commit(uint64_t end) { return Status::OK(); }
-  virtual Status copy_in(uint64_t offset, const void* src, uint64_t n, const PutOptions& options) {
+  virtual std::optional<uint64_t> allocate(uint64_t /*size*/) { return std::nullopt; }
+  virtual Status commit(uint64_t /*end*/) { return Status::OK(); }
+  virtual Status copy_in(uint64_t /*offset*/, const void* /*src*/, uint64_t /*n*/, const PutOptions& /*options*/) {
     return Status::NotSupported("no plain put");
   }
-  virtual Status copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req) {
+  virtual Status copy_out(void* /*dst*/, const uint8_t* /*src*/, uint64_t /*n*/, const ReadRequest& /*req*/) {
     return Status::NotSupported("no plain read");
   }
 

@@ -1,7 +1,7 @@
 #include "util/thread_pool.h"
 
 #include "util/copy_bytes.h"
-#include "os/errno_status.h"
+#include "util/errno_status.h"
 
 #include <algorithm>
 #include <atomic>

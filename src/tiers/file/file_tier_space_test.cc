@@ -141,7 +141,9 @@ void fill_remove_refill(Env* env, const std::string& dir, ThreadPool* pool) {
     }
     ASSERT_GT(n, 50);
     for (int i = 0; i < n; ++i)
-      if (i % 10) ASSERT_TRUE(tier->remove(id_of(i)).ok());
+      if (i % 10) {
+        ASSERT_TRUE(tier->remove(id_of(i)).ok());
+      }
     int stored = 0;
     for (int i = 0; i < n / 2; ++i) {
       auto d = bytes_of(100000 + i, size);

@@ -10,7 +10,7 @@
 #include <deque>
 #include <vector>
 
-#include "os/errno_status.h"
+#include "util/errno_status.h"
 #include "tiers/file/io_engine.h"
 
 namespace cascade::file {

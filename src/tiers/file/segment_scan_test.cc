@@ -52,7 +52,9 @@ std::unique_ptr<File> write_file(Env* env, const std::string& path, const uint8_
   o.write = o.create = o.truncate = true;
   auto f = env->open(path, o);
   EXPECT_TRUE(f.ok());
-  if (n) EXPECT_TRUE((*f)->pwrite(data, n, 0).ok());
+  if (n) {
+    EXPECT_TRUE((*f)->pwrite(data, n, 0).ok());
+  }
   return std::move(f.value());
 }
 

@@ -17,7 +17,6 @@
 #include "util/thread_pool.h"
 #include "cuda/device_copy.h"
 #include "cuda/device_buffer.h"
-#include "tiers/host/host_tier.h"
 
 namespace cascade {
 namespace {
@@ -505,62 +504,6 @@ TEST(GpuTierTest, ArenaGrowsAndShrinksUnderLoad) {
   GpuArenaStats s3 = (*tier)->arena_stats();
   EXPECT_GE(s3.mapped_bytes, (keep + 100) * block);
   EXPECT_EQ((*tier)->stats().committed_bytes, s3.mapped_bytes);
-}
-
-TEST(GpuTierTest, HostTierMovesBlocksToAndFromDeviceMemory) {
-  SKIP_WITHOUT_GPU();
-  ThreadPool pool(4);
-  CascadeConfig c;
-  c.pipeline = "host";
-  c.shm_capacity_bytes = 256 << 20;
-  c.shm_path = "/dev/shm/cascade-gpu-test-" + std::to_string(getpid());
-  auto host = HostTier::Open(c, &pool);
-  ASSERT_TRUE(host.ok()) << host.status().ToString();
-  const size_t n = (5 << 20) + 3;
-  std::vector<uint8_t> data(n);
-  fill_random(data.data(), n, 17);
-  auto dev = DeviceBuffer::Allocate(0, n);
-  ASSERT_TRUE(dev.ok());
-  ASSERT_TRUE(copy_to_device(dev->data(), data.data(), n).ok());
-  // Demotion path: device bytes into the (registered) host arena.
-  PutOptions po;
-  po.src_kind = MemoryKind::kDevice;
-  ASSERT_TRUE((*host)->put(make_id(1), dev->data(), n, po).ok());
-  {
-    // A block across the arena's 64 MiB registration chunks.
-    const size_t big = 70 << 20;
-    auto bigdev = DeviceBuffer::Allocate(0, big);
-    ASSERT_TRUE(bigdev.ok());
-    ASSERT_TRUE(fill_device_pattern(bigdev->data(), big, 8, nullptr).ok());
-    ASSERT_TRUE((*host)->put(make_id(2), bigdev->data(), big, po).ok());
-    std::vector<uint8_t> out(big);
-    ReadRequest brq;
-    brq.out = out.data();
-    brq.capacity = big;
-    ReadResult brr;
-    ASSERT_TRUE((*host)->read(make_id(2), brq, &brr).ok());
-    for (size_t i = 0; i < big; i += 4099) ASSERT_EQ(out[i], pattern_byte(8, i)) << i;
-    brq.out = bigdev->data();
-    brq.out_kind = MemoryKind::kDevice;
-    ASSERT_TRUE(device_synchronize(0).ok());
-    ASSERT_TRUE((*host)->read(make_id(2), brq, &brr).ok());
-  }
-  std::vector<uint8_t> back(n);
-  ReadRequest rq;
-  rq.out = back.data();
-  rq.capacity = n;
-  ReadResult rr;
-  ASSERT_TRUE((*host)->read(make_id(1), rq, &rr).ok());
-  EXPECT_EQ(back, data);
-  // Promotion path: host arena into device memory.
-  auto dst = DeviceBuffer::Allocate(0, n);
-  ASSERT_TRUE(dst.ok());
-  rq.out = dst->data();
-  rq.out_kind = MemoryKind::kDevice;
-  ASSERT_TRUE((*host)->read(make_id(1), rq, &rr).ok());
-  std::fill(back.begin(), back.end(), 0);
-  ASSERT_TRUE(copy_to_host(back.data(), dst->data(), n).ok());
-  EXPECT_EQ(back, data);
 }
 
 }  // namespace

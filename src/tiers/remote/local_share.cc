@@ -7,7 +7,7 @@
 #include <cerrno>
 #include <string>
 
-#include "os/errno_status.h"
+#include "util/errno_status.h"
 #include "tiers/remote/block_checksum.h"
 
 namespace cascade::remote {

@@ -1,4 +1,4 @@
-#include "os/errno_status.h"
+#include "util/errno_status.h"
 
 #include <cerrno>
 #include <cstring>
