@@ -17,7 +17,8 @@ PyObject* g_unavailable = nullptr;  // cascade.UnavailableError(CascadeError)
 PyObject* g_too_small = nullptr;    // cascade.BufferTooSmallError(CascadeError, ValueError)
 PyObject* g_invalid = nullptr;      // cascade.InvalidArgumentError(CascadeError, ValueError)
 PyObject* g_not_found = nullptr;    // cascade.NotFoundError(CascadeError, KeyError)
-PyObject* g_not_supported = nullptr;  // cascade.NotSupportedError(CascadeError, NotImplementedError)
+PyObject* g_not_supported =
+    nullptr;  // cascade.NotSupportedError(CascadeError, NotImplementedError)
 
 PyObject* make_exc(nb::module_& m, const char* name, PyObject* bases, const char* doc) {
   std::string full = std::string("cascade.") + name;
@@ -31,16 +32,19 @@ PyObject* make_exc(nb::module_& m, const char* name, PyObject* bases, const char
 void raise_status(const Status& status) { throw StatusError{status}; }
 
 void register_exceptions(nb::module_& m) {
-  g_base = make_exc(m, "CascadeError", PyExc_Exception, "Base class of every error Cascade raises.");
+  g_base =
+      make_exc(m, "CascadeError", PyExc_Exception, "Base class of every error Cascade raises.");
   auto two = [&](PyObject* other) { return PyTuple_Pack(2, g_base, other); };
   g_no_space = make_exc(m, "NoSpaceError", g_base,
                         "A tier is full and nothing could be evicted (every block is in use).");
-  g_io = make_exc(m, "CascadeIOError", two(PyExc_OSError), "The OS or a device failed an operation.");
+  g_io =
+      make_exc(m, "CascadeIOError", two(PyExc_OSError), "The OS or a device failed an operation.");
   g_corruption = make_exc(m, "CorruptionError", g_base, "Stored bytes failed verification.");
   g_busy = make_exc(m, "BusyError", g_base, "A resource (e.g. shm_path) is held by another store.");
   g_unavailable = make_exc(m, "UnavailableError", g_base,
                            "A tier's hardware or library is absent, or the store is closed.");
-  g_invalid = make_exc(m, "InvalidArgumentError", two(PyExc_ValueError), "An argument is unusable.");
+  g_invalid =
+      make_exc(m, "InvalidArgumentError", two(PyExc_ValueError), "An argument is unusable.");
   g_too_small = make_exc(m, "BufferTooSmallError", PyTuple_Pack(1, g_invalid),
                          "The output buffer is smaller than the block; .needed holds its size.");
   g_not_found = make_exc(m, "NotFoundError", two(PyExc_KeyError), "The block is not stored.");
@@ -139,13 +143,16 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what) {
     if (PyObject_GetBuffer(obj.ptr(), &ref.view_, flags) != 0) throw nb::python_error();
     ref.has_view_ = true;
     if (!PyBuffer_IsContiguous(&ref.view_, 'C')) {
-      throw nb::value_error((w + " is not contiguous; pass a contiguous array "
+      throw nb::value_error((w +
+                             " is not contiguous; pass a contiguous array "
                              "(numpy.ascontiguousarray, tensor.contiguous()): cascade never copies "
-                             "input silently").c_str());
+                             "input silently")
+                                .c_str());
     }
     if (writable && ref.view_.readonly) {
       throw nb::type_error((w + " is read-only (" + nb::type_name(obj.type()).c_str() +
-                            "); pass a writable buffer such as a numpy array or bytearray").c_str());
+                            "); pass a writable buffer such as a numpy array or bytearray")
+                               .c_str());
     }
     ref.data_ = ref.view_.buf;
     ref.size_ = static_cast<uint64_t>(ref.view_.len);
@@ -161,7 +168,8 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what) {
     for (size_t d = ndim; d-- > 0;) {
       if (arr.shape(d) != 1 && arr.stride(d) != expect) {
         throw nb::value_error((w + " is not contiguous; pass a contiguous tensor "
-                               "(tensor.contiguous()): cascade never copies input silently").c_str());
+                                   "(tensor.contiguous()): cascade never copies input silently")
+                                  .c_str());
       }
       expect *= static_cast<int64_t>(arr.shape(d));
     }
@@ -175,14 +183,17 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what) {
       ref.device_ = arr.device_id();
     } else {
       throw nb::value_error((w + " lives on a device cascade cannot reach (DLPack device type " +
-                             std::to_string(dev) + ")").c_str());
+                             std::to_string(dev) + ")")
+                                .c_str());
     }
     ref.keep_ = nb::cast(arr);
     return ref;
   }
-  throw nb::type_error((w + " must be a contiguous buffer (bytes, bytearray, memoryview, numpy "
+  throw nb::type_error((w +
+                        " must be a contiguous buffer (bytes, bytearray, memoryview, numpy "
                         "array) or a DLPack tensor (torch); got " +
-                        nb::type_name(obj.type()).c_str()).c_str());
+                        nb::type_name(obj.type()).c_str())
+                           .c_str());
 }
 
 static bool is_single_buffer(nb::handle obj) {
@@ -198,11 +209,13 @@ BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable) {
   if (!buffers.is_valid()) return a;
   const char* what = writable ? "out_list" : "data_list";
   if (is_single_buffer(buffers)) {
-    BufferRef big = writable ? BufferRef::writable(buffers, what) : BufferRef::readable(buffers, what);
+    BufferRef big =
+        writable ? BufferRef::writable(buffers, what) : BufferRef::readable(buffers, what);
     if (n == 0 || big.size() % n != 0) {
       throw nb::value_error((std::string(what) + " is one buffer of " + std::to_string(big.size()) +
                              " bytes, which does not split into " + std::to_string(n) +
-                             " equal blocks; pass one row per block or a list of buffers").c_str());
+                             " equal blocks; pass one row per block or a list of buffers")
+                                .c_str());
     }
     uint64_t row = big.size() / n;
     a.kind = big.kind();
@@ -214,7 +227,8 @@ BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable) {
   nb::sequence bs = nb::borrow<nb::sequence>(buffers);
   if (nb::len(bs) != n) {
     throw nb::value_error(("got " + std::to_string(n) + " keys and " + std::to_string(nb::len(bs)) +
-                           " buffers; they must pair up").c_str());
+                           " buffers; they must pair up")
+                              .c_str());
   }
   a.refs.reserve(n);
   a.spans.reserve(n);
@@ -252,8 +266,11 @@ std::vector<uint64_t> BatchArgs::sizes() const {
 }
 
 void raise_too_small(uint64_t have, uint64_t needed) {
-  nb::object exc = nb::module_::import_("cascade._core").attr("BufferTooSmallError")(
-      "out holds " + std::to_string(have) + " bytes; the block has " + std::to_string(needed), needed);
+  nb::object exc =
+      nb::module_::import_("cascade._core")
+          .attr("BufferTooSmallError")("out holds " + std::to_string(have) +
+                                           " bytes; the block has " + std::to_string(needed),
+                                       needed);
   exc.attr("needed") = needed;
   PyErr_SetObject(exc.type().ptr(), exc.ptr());
   throw nb::python_error();
@@ -270,7 +287,8 @@ void* stream_arg(nb::handle stream) {
     v = stream.attr("cuda_stream");
   } else {
     throw nb::type_error(("stream must be None, an int cudaStream_t or an object with .cuda_stream "
-                          "(torch.cuda.Stream); got " + std::string(nb::type_name(stream.type()).c_str()))
+                          "(torch.cuda.Stream); got " +
+                          std::string(nb::type_name(stream.type()).c_str()))
                              .c_str());
   }
   return reinterpret_cast<void*>(nb::cast<uintptr_t>(v));

@@ -16,8 +16,8 @@
 
 #include "cascade/block_id.h"
 #include "cascade/stats.h"
-#include "cascade/store.h"
 #include "cascade/status.h"
+#include "cascade/store.h"
 #include "cascade/tier.h"
 
 namespace nb = nanobind;

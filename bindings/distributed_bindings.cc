@@ -32,7 +32,8 @@ void register_distributed(nb::module_& m) {
 
   m.def(
       "open_distributed",
-      [](const CascadeConfig& config, nb::handle comm, const DistributedOptions& options) -> nb::object {
+      [](const CascadeConfig& config, nb::handle comm,
+         const DistributedOptions& options) -> nb::object {
         MpiCommunicator c = MpiCommunicator::World();
         if (nb::hasattr(comm, "py2f")) {
           c = MpiCommunicator::FromFortran(nb::cast<int64_t>(comm.attr("py2f")()));
@@ -48,7 +49,8 @@ void register_distributed(nb::module_& m) {
         return wrap_store(std::move(store.value()));
       },
       "config"_a, "comm"_a = nb::none(), "options"_a = DistributedOptions(),
-      "Opens this rank's part of a distributed store. Collective over comm (an mpi4py communicator, "
+      "Opens this rank's part of a distributed store. Collective over comm (an mpi4py "
+      "communicator, "
       "a Fortran handle, or None for MPI_COMM_WORLD).");
 
   m.def(

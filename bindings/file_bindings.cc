@@ -4,9 +4,9 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
+#include "bench/file_probe.h"
 #include "cascade/file_tier.h"
 #include "common.h"
-#include "bench/file_probe.h"
 
 namespace cascade::py {
 namespace {
@@ -54,36 +54,42 @@ nb::dict inspection_dict(const InspectReport& r) {
 }  // namespace
 
 void register_file(nb::module_& m) {
-  m.def("inspect_directory", [](const std::string& dir, bool verify) {
-    Result<InspectReport> r = Status::OK();
-    {
-      nb::gil_scoped_release release;
-      r = inspect_directory(dir, verify);
-    }
-    check(r.status());
-    return inspection_dict(r.value());
-  }, "dir"_a, "verify"_a = true,
-        "Segments, records, live and dead bytes of a file-tier directory; with verify, every "
-        "record's checksum (keyed: the directory's KEY file must be readable). Safe while a store "
-        "has the directory open.");
+  m.def(
+      "inspect_directory",
+      [](const std::string& dir, bool verify) {
+        Result<InspectReport> r = Status::OK();
+        {
+          nb::gil_scoped_release release;
+          r = inspect_directory(dir, verify);
+        }
+        check(r.status());
+        return inspection_dict(r.value());
+      },
+      "dir"_a, "verify"_a = true,
+      "Segments, records, live and dead bytes of a file-tier directory; with verify, every "
+      "record's checksum (keyed: the directory's KEY file must be readable). Safe while a store "
+      "has the directory open.");
 
-  m.def("probe_direct_io", [](const std::string& dir, uint64_t bytes, uint64_t block_size, int threads) {
-    Result<ProbeResult> r = Status::OK();
-    {
-      nb::gil_scoped_release release;
-      r = probe_direct_io(dir, bytes, block_size, threads);
-    }
-    check(r.status());
-    nb::dict d;
-    d["bytes"] = r->bytes;
-    d["block_size"] = r->block_size;
-    d["threads"] = r->threads;
-    d["direct"] = r->direct;
-    d["write_gbps"] = r->write_gbps;
-    d["read_gbps"] = r->read_gbps;
-    return d;
-  }, "dir"_a, "bytes"_a, "block_size"_a, "threads"_a,
-        "Raw sequential O_DIRECT write and read bandwidth of a directory (the file tier's ceiling).");
+  m.def(
+      "probe_direct_io",
+      [](const std::string& dir, uint64_t bytes, uint64_t block_size, int threads) {
+        Result<ProbeResult> r = Status::OK();
+        {
+          nb::gil_scoped_release release;
+          r = probe_direct_io(dir, bytes, block_size, threads);
+        }
+        check(r.status());
+        nb::dict d;
+        d["bytes"] = r->bytes;
+        d["block_size"] = r->block_size;
+        d["threads"] = r->threads;
+        d["direct"] = r->direct;
+        d["write_gbps"] = r->write_gbps;
+        d["read_gbps"] = r->read_gbps;
+        return d;
+      },
+      "dir"_a, "bytes"_a, "block_size"_a, "threads"_a,
+      "Raw sequential O_DIRECT write and read bandwidth of a directory (the file tier's ceiling).");
 }
 
 }  // namespace cascade::py

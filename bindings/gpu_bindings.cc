@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu_bench_cli.h"
 #include "common.h"
 #include "guarded.h"
-#include "bench/gpu_bench_cli.h"
 
 #if CASCADE_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -73,7 +73,10 @@ constexpr int32_t kDLCUDA = 2;
 class PyBlockLease {
  public:
   PyBlockLease(BlockView view, nb::object owner, Lifeline* owner_life, int device)
-      : owner_(std::move(owner)), owner_life_(owner_life), view_(std::move(view)), device_(device) {}
+      : owner_(std::move(owner)),
+        owner_life_(owner_life),
+        view_(std::move(view)),
+        device_(device) {}
   PyBlockLease(const PyBlockLease&) = delete;
   ~PyBlockLease() { end(); }
 
@@ -121,8 +124,8 @@ class PyBlockLease {
     view_ = BlockView();
   }
 
-  nb::object owner_;       // the backend or store; outlives view_ (declared first)
-  Lifeline* owner_life_;   // owner_'s, valid while owner_ is held
+  nb::object owner_;      // the backend or store; outlives view_ (declared first)
+  Lifeline* owner_life_;  // owner_'s, valid while owner_ is held
   BlockView view_;
   int device_;
   int exports_ = 0;
@@ -147,7 +150,9 @@ void finish_export(ExportCtx* ctx) {
   delete ctx;
 }
 void legacy_deleter(DLManagedTensor* t) { finish_export(static_cast<ExportCtx*>(t->manager_ctx)); }
-void versioned_deleter(DLManagedTensorVersioned* t) { finish_export(static_cast<ExportCtx*>(t->manager_ctx)); }
+void versioned_deleter(DLManagedTensorVersioned* t) {
+  finish_export(static_cast<ExportCtx*>(t->manager_ctx));
+}
 
 // Capsule destructors: a capsule the consumer took is renamed used_*.
 void legacy_capsule_dtor(PyObject* cap) {
@@ -161,8 +166,8 @@ void versioned_capsule_dtor(PyObject* cap) {
   if (t && t->deleter) t->deleter(t);
 }
 
-nb::object dlpack_export(nb::handle self, nb::handle stream, nb::handle max_version, nb::handle dl_device,
-                         nb::handle copy) {
+nb::object dlpack_export(nb::handle self, nb::handle stream, nb::handle max_version,
+                         nb::handle dl_device, nb::handle copy) {
   PyBlockLease& lease = nb::cast<PyBlockLease&>(self);
   if (lease.released()) throw nb::buffer_error("the lease was released; nothing to export");
   if (copy.is_valid() && !copy.is_none() && nb::cast<bool>(copy))
@@ -263,7 +268,8 @@ nb::dict copy_bandwidth(uint64_t /*bytes*/, int /*device*/, int /*repeats*/) {
       }
       return best;
     };
-    if (!fail(cudaSetDevice(device), "select the GPU") && !fail(cudaMallocHost(&host, bytes), "pinned allocation") &&
+    if (!fail(cudaSetDevice(device), "select the GPU") &&
+        !fail(cudaMallocHost(&host, bytes), "pinned allocation") &&
         !fail(cudaMalloc(&dev, bytes), "device allocation") &&
         !fail(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream")) {
       std::memset(host, 1, bytes);
@@ -294,12 +300,13 @@ nb::object make_block_lease(BlockView view, nb::object owner, Lifeline* owner_li
 }
 
 void register_gpu(nb::module_& m) {
-  nb::class_<PyBlockLease>(m, "BlockLease",
-                           "A block leased in place (no copy): while the lease is held the block is neither "
-                           "evicted nor its memory reused. `ptr` is its address (device memory when `device` "
-                           ">= 0). torch.from_dlpack(lease) gives a 1-D uint8 view that keeps the lease alive; "
-                           "release() ends it once no such view remains. Never write through it. A caller "
-                           "launching kernels on `ptr` must finish them before releasing.")
+  nb::class_<PyBlockLease>(
+      m, "BlockLease",
+      "A block leased in place (no copy): while the lease is held the block is neither "
+      "evicted nor its memory reused. `ptr` is its address (device memory when `device` "
+      ">= 0). torch.from_dlpack(lease) gives a 1-D uint8 view that keeps the lease alive; "
+      "release() ends it once no such view remains. Never write through it. A caller "
+      "launching kernels on `ptr` must finish them before releasing.")
       .def_prop_ro("ptr", &PyBlockLease::ptr, "The block's address (int).")
       .def_prop_ro("size", &PyBlockLease::size, "The block's size in bytes.")
       .def_prop_ro("device", &PyBlockLease::device, "CUDA device of the block; -1 for host memory.")
@@ -322,10 +329,13 @@ void register_gpu(nb::module_& m) {
       });
 
   m.def("gpu_bench_main", &bench_main, "args"_a,
-        "Runs the GPU benchmark command line (`vmm ...` or `transfers ...`, as cascade-gpu-bench) in this "
-        "process, writing to its stdout/stderr; returns the exit code. The vmm benchmark forks: call it "
+        "Runs the GPU benchmark command line (`vmm ...` or `transfers ...`, as cascade-gpu-bench) "
+        "in this "
+        "process, writing to its stdout/stderr; returns the exit code. The vmm benchmark forks: "
+        "call it "
         "only from a process that has not used CUDA.");
-  m.def("gpu_copy_bandwidth", &copy_bandwidth, "bytes"_a = 256ULL << 20, "device"_a = 0, "repeats"_a = 3,
+  m.def("gpu_copy_bandwidth", &copy_bandwidth, "bytes"_a = 256ULL << 20, "device"_a = 0,
+        "repeats"_a = 3,
         "Pinned host <-> device cudaMemcpy bandwidth (the PCIe ceiling), best of `repeats`, GB/s.");
 }
 

@@ -182,9 +182,10 @@ class Guarded {
 // points into memory that closing would free.
 inline Status refuse_if_leased(uint64_t leased) {
   if (leased == 0) return Status::OK();
-  return Status::Busy(std::to_string(leased) +
-                      " block(s) are still leased (a BlockLease from acquire() or get_gpu_ptr(), or a "
-                      "read in progress); release them before closing");
+  return Status::Busy(
+      std::to_string(leased) +
+      " block(s) are still leased (a BlockLease from acquire() or get_gpu_ptr(), or a "
+      "read in progress); release them before closing");
 }
 
 }  // namespace cascade::py

@@ -18,18 +18,20 @@ namespace cascade::py {
 namespace {
 
 PagedKvLayout parse_layout(const std::string& name) {
-  for (PagedKvLayout l : {PagedKvLayout::kPackedKv, PagedKvLayout::kSplitKv, PagedKvLayout::kFlatBytes}) {
+  for (PagedKvLayout l :
+       {PagedKvLayout::kPackedKv, PagedKvLayout::kSplitKv, PagedKvLayout::kFlatBytes}) {
     if (name == paged_kv_layout_name(l)) return l;
   }
-  raise_status(Status::InvalidArgument("unknown KV layout '" + name + "' (packed_kv, split_kv or flat_bytes)"));
+  raise_status(Status::InvalidArgument("unknown KV layout '" + name +
+                                       "' (packed_kv, split_kv or flat_bytes)"));
 }
 
 class PyKvMover {
  public:
-  PyKvMover(nb::object store, const std::string& layout, int device, int num_layers, int64_t num_blocks,
-            int num_kv_heads, int block_size, int head_size, int elem_bytes, uint64_t bytes_per_block,
-            const std::vector<uintptr_t>& layers, int64_t block_stride, int64_t head_stride, int64_t token_stride,
-            int64_t kv_stride)
+  PyKvMover(nb::object store, const std::string& layout, int device, int num_layers,
+            int64_t num_blocks, int num_kv_heads, int block_size, int head_size, int elem_bytes,
+            uint64_t bytes_per_block, const std::vector<uintptr_t>& layers, int64_t block_stride,
+            int64_t head_stride, int64_t token_stride, int64_t kv_stride)
       : store_obj_(std::move(store)) {
     PagedKvCache c;
     c.layout = parse_layout(layout);
@@ -58,14 +60,15 @@ class PyKvMover {
                                                uintptr_t stream) {
     return run(blocks, ids, 0, -1, stream, true);
   }
-  std::vector<std::optional<std::string>> load(const std::vector<int64_t>& blocks, nb::handle ids, int layer_begin,
-                                               int layer_end, uintptr_t stream) {
+  std::vector<std::optional<std::string>> load(const std::vector<int64_t>& blocks, nb::handle ids,
+                                               int layer_begin, int layer_end, uintptr_t stream) {
     return run(blocks, ids, layer_begin, layer_end, stream, false);
   }
 
  private:
-  std::vector<std::optional<std::string>> run(const std::vector<int64_t>& blocks, nb::handle key_list,
-                                              int layer_begin, int layer_end, uintptr_t stream, bool save) {
+  std::vector<std::optional<std::string>> run(const std::vector<int64_t>& blocks,
+                                              nb::handle key_list, int layer_begin, int layer_end,
+                                              uintptr_t stream, bool save) {
     std::vector<BlockId> ids;
     for (nb::handle k : key_list) ids.push_back(parse_key(k));
     // UnavailableError once the store is closed; otherwise it stays open
@@ -96,19 +99,21 @@ class PyKvMover {
 }  // namespace
 
 void register_kv(nb::module_& m) {
-  nb::class_<PyKvMover>(m, "KvBlockMover",
-                        "Moves paged KV blocks between an engine's cache and a CascadeStore. Use "
-                        "cascade.integrations.kv (PagedKv, save_paged, load_paged) rather than this class.")
+  nb::class_<PyKvMover>(
+      m, "KvBlockMover",
+      "Moves paged KV blocks between an engine's cache and a CascadeStore. Use "
+      "cascade.integrations.kv (PagedKv, save_paged, load_paged) rather than this class.")
       .def(nb::init<nb::object, const std::string&, int, int, int64_t, int, int, int, int, uint64_t,
                     const std::vector<uintptr_t>&, int64_t, int64_t, int64_t, int64_t>(),
-           "store"_a, "layout"_a, "device"_a, "num_layers"_a, "num_blocks"_a, "num_kv_heads"_a, "block_size"_a,
-           "head_size"_a, "elem_bytes"_a, "bytes_per_block"_a, "layers"_a, "block_stride"_a, "head_stride"_a,
-           "token_stride"_a, "kv_stride"_a)
+           "store"_a, "layout"_a, "device"_a, "num_layers"_a, "num_blocks"_a, "num_kv_heads"_a,
+           "block_size"_a, "head_size"_a, "elem_bytes"_a, "bytes_per_block"_a, "layers"_a,
+           "block_stride"_a, "head_stride"_a, "token_stride"_a, "kv_stride"_a)
       .def_prop_ro("block_bytes", &PyKvMover::block_bytes)
       .def("save", &PyKvMover::save, "engine_blocks"_a, "ids"_a, "stream"_a = 0,
            "Per item: None when stored (or already present), else why not.")
-      .def("load", &PyKvMover::load, "engine_blocks"_a, "ids"_a, "layer_begin"_a = 0, "layer_end"_a = -1,
-           "stream"_a = 0, "Per item: None when every byte was loaded, else why not.");
+      .def("load", &PyKvMover::load, "engine_blocks"_a, "ids"_a, "layer_begin"_a = 0,
+           "layer_end"_a = -1, "stream"_a = 0,
+           "Per item: None when every byte was loaded, else why not.");
 }
 
 }  // namespace cascade::py

@@ -1,10 +1,10 @@
 // cascade._core: the compiled half of the cascade package.
 #include <nanobind/stl/string.h>
 
-#include "cascade/config.h"
-#include "common.h"
 #include "bench/index_probe.h"
 #include "bench/memory_probe.h"
+#include "cascade/config.h"
+#include "common.h"
 #include "cuda/device_copy.h"
 
 namespace cascade::py {
@@ -15,7 +15,7 @@ void register_tier_handles(nb::module_& m);
 void register_gpu(nb::module_& m);
 void register_kv(nb::module_& m);
 void register_stress(nb::module_& m);
-}
+}  // namespace cascade::py
 
 using namespace cascade;
 using namespace cascade::py;
@@ -34,8 +34,9 @@ NB_MODULE(_core, m) {
       .value("PSYNC", FileIoEngine::kPsync)
       .value("IO_URING", FileIoEngine::kIoUring);
 
-  nb::class_<CascadeConfig>(m, "CascadeConfig",
-                            "Every option of a store; see docs/configuration.md for defaults and reasons.")
+  nb::class_<CascadeConfig>(
+      m, "CascadeConfig",
+      "Every option of a store; see docs/configuration.md for defaults and reasons.")
       .def(nb::init<>())
       .def_rw("pipeline", &CascadeConfig::pipeline)
       .def_rw("gpu_capacity_bytes", &CascadeConfig::gpu_capacity_bytes)
@@ -48,12 +49,16 @@ NB_MODULE(_core, m) {
       .def_rw("file_stripe_size", &CascadeConfig::file_stripe_size)
       .def_rw("file_stripe_count", &CascadeConfig::file_stripe_count)
       // The file tier's fields under their older names (cascade.config.ALIASES).
-      .def_prop_rw("lustre_path", [](const CascadeConfig& c) { return c.file_path; },
-                   [](CascadeConfig& c, const std::string& v) { c.file_path = v; }, "Alias of file_path.")
-      .def_prop_rw("lustre_stripe_size", [](const CascadeConfig& c) { return c.file_stripe_size; },
-                   [](CascadeConfig& c, uint64_t v) { c.file_stripe_size = v; }, "Alias of file_stripe_size.")
-      .def_prop_rw("lustre_stripe_count", [](const CascadeConfig& c) { return c.file_stripe_count; },
-                   [](CascadeConfig& c, int v) { c.file_stripe_count = v; }, "Alias of file_stripe_count.")
+      .def_prop_rw(
+          "lustre_path", [](const CascadeConfig& c) { return c.file_path; },
+          [](CascadeConfig& c, const std::string& v) { c.file_path = v; }, "Alias of file_path.")
+      .def_prop_rw(
+          "lustre_stripe_size", [](const CascadeConfig& c) { return c.file_stripe_size; },
+          [](CascadeConfig& c, uint64_t v) { c.file_stripe_size = v; },
+          "Alias of file_stripe_size.")
+      .def_prop_rw(
+          "lustre_stripe_count", [](const CascadeConfig& c) { return c.file_stripe_count; },
+          [](CascadeConfig& c, int v) { c.file_stripe_count = v; }, "Alias of file_stripe_count.")
       .def_rw("file_capacity_bytes", &CascadeConfig::file_capacity_bytes)
       .def_rw("segment_size_bytes", &CascadeConfig::segment_size_bytes)
       .def_rw("io_direct", &CascadeConfig::io_direct)
@@ -69,49 +74,62 @@ NB_MODULE(_core, m) {
       .def_rw("ephemeral", &CascadeConfig::ephemeral)
       .def_rw("promote_on_hit", &CascadeConfig::promote_on_hit)
       .def_rw("index_shards", &CascadeConfig::index_shards)
-      .def("validate", [](const CascadeConfig& c) { check(c.validate()); },
-           "Raises when fields are unusable alone or together.");
+      .def(
+          "validate", [](const CascadeConfig& c) { check(c.validate()); },
+          "Raises when fields are unusable alone or together.");
 
-  m.def("compute_block_id", [](nb::handle data) {
-    BufferRef buf = BufferRef::readable(data, "data");
-    if (buf.kind() != MemoryKind::kHost) throw nb::value_error("compute_block_id hashes host memory");
-    BlockId id;
-    {
-      nb::gil_scoped_release release;
-      id = cascade::compute_block_id(buf.data(), buf.size());
-    }
-    return id.hex();
-  }, "data"_a, "SHA-256 of the bytes, first 128 bits, as 32 lowercase hex characters.");
-  m.def("block_id", [](nb::handle key) { return parse_key(key).hex(); }, "key"_a,
-        "The 32-hex id a key maps to (a 32-hex key is itself; other keys are hashed).");
-  m.def("memcpy_bandwidth", [](size_t bytes, int threads, int repeats) {
-    MemcpyCeiling c;
-    {
-      nb::gil_scoped_release release;
-      c = measure_memcpy_ceiling(bytes, threads, repeats);
-    }
-    nb::dict d;
-    d["memcpy_gbps"] = c.memcpy_gbps;
-    d["stream_gbps"] = c.stream_gbps;
-    d["gbps"] = c.best();
-    return d;
-  }, "bytes"_a, "threads"_a, "repeats"_a = 3,
-        "Host copy ceiling with `threads` threads: glibc memcpy, streaming copy, and the better "
-        "(GB/s, bytes copied per second).");
-  m.def("index_lookup_rate", [](uint64_t blocks, int threads, uint64_t lookups) {
-    IndexProbeResult r;
-    {
-      nb::gil_scoped_release release;
-      r = measure_index_lookups(blocks, threads, lookups);
-    }
-    nb::dict d;
-    d["threads"] = r.threads;
-    d["lookups_per_sec_per_thread"] = r.lookups_per_sec_per_thread;
-    d["metadata_bytes_per_block"] = r.metadata_bytes_per_block;
-    return d;
-  }, "blocks"_a, "threads"_a, "lookups"_a,
-        "Index lookups (lease+release) per second per thread, and metadata bytes per block.");
-  m.def("gpu_usable", [](int device) { return gpu_usable(device); }, "device"_a = 0);
+  m.def(
+      "compute_block_id",
+      [](nb::handle data) {
+        BufferRef buf = BufferRef::readable(data, "data");
+        if (buf.kind() != MemoryKind::kHost)
+          throw nb::value_error("compute_block_id hashes host memory");
+        BlockId id;
+        {
+          nb::gil_scoped_release release;
+          id = cascade::compute_block_id(buf.data(), buf.size());
+        }
+        return id.hex();
+      },
+      "data"_a, "SHA-256 of the bytes, first 128 bits, as 32 lowercase hex characters.");
+  m.def(
+      "block_id", [](nb::handle key) { return parse_key(key).hex(); }, "key"_a,
+      "The 32-hex id a key maps to (a 32-hex key is itself; other keys are hashed).");
+  m.def(
+      "memcpy_bandwidth",
+      [](size_t bytes, int threads, int repeats) {
+        MemcpyCeiling c;
+        {
+          nb::gil_scoped_release release;
+          c = measure_memcpy_ceiling(bytes, threads, repeats);
+        }
+        nb::dict d;
+        d["memcpy_gbps"] = c.memcpy_gbps;
+        d["stream_gbps"] = c.stream_gbps;
+        d["gbps"] = c.best();
+        return d;
+      },
+      "bytes"_a, "threads"_a, "repeats"_a = 3,
+      "Host copy ceiling with `threads` threads: glibc memcpy, streaming copy, and the better "
+      "(GB/s, bytes copied per second).");
+  m.def(
+      "index_lookup_rate",
+      [](uint64_t blocks, int threads, uint64_t lookups) {
+        IndexProbeResult r;
+        {
+          nb::gil_scoped_release release;
+          r = measure_index_lookups(blocks, threads, lookups);
+        }
+        nb::dict d;
+        d["threads"] = r.threads;
+        d["lookups_per_sec_per_thread"] = r.lookups_per_sec_per_thread;
+        d["metadata_bytes_per_block"] = r.metadata_bytes_per_block;
+        return d;
+      },
+      "blocks"_a, "threads"_a, "lookups"_a,
+      "Index lookups (lease+release) per second per thread, and metadata bytes per block.");
+  m.def(
+      "gpu_usable", [](int device) { return gpu_usable(device); }, "device"_a = 0);
   m.attr("HAVE_CUDA") = bool(CASCADE_HAVE_CUDA);
   m.attr("HAVE_URING") = bool(CASCADE_HAVE_URING);
   m.attr("HAVE_MPI") = bool(CASCADE_HAVE_MPI);

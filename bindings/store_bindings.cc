@@ -54,7 +54,8 @@ nb::dict stats_dict(const StoreStats& s) {
   d["logical_blocks"] = s.logical_blocks;
   d["logical_bytes"] = s.logical_bytes;
   d["physical_bytes"] = s.physical_bytes;
-  d["dedup_saved_bytes"] = s.logical_bytes > s.physical_bytes ? s.logical_bytes - s.physical_bytes : 0;
+  d["dedup_saved_bytes"] =
+      s.logical_bytes > s.physical_bytes ? s.logical_bytes - s.physical_bytes : 0;
   d["bytes_put"] = s.bytes_put;
   d["bytes_got"] = s.bytes_got;
   d["corrupt_blocks"] = corrupt;
@@ -146,11 +147,7 @@ class PyStore {
       {
         auto s = use();
         nb::gil_scoped_release release;
-        for (int attempt = 0; attempt < 4; ++attempt) {
-          st = s->get(id, tmp.data(), tmp.size(), &r);
-          if (!(st.is(Code::kInvalidArgument) && r.found && r.size > tmp.size())) break;
-          tmp.resize(r.size);
-        }
+        st = s->get(id, &tmp, &r);  // one walk through the tiers, one read
       }
       check(st);
       if (!r.found) return nb::none();
@@ -162,7 +159,8 @@ class PyStore {
       nb::gil_scoped_release release;
       st = s->get(id, buf.data(), buf.size(), &r, buf.kind());
     }
-    if (st.is(Code::kInvalidArgument) && r.found && r.size > buf.size()) raise_too_small(buf.size(), r.size);
+    if (st.is(Code::kInvalidArgument) && r.found && r.size > buf.size())
+      raise_too_small(buf.size(), r.size);
     check(st);
     return nb::make_tuple(r.found, r.found ? r.size : 0);
   }
@@ -170,7 +168,8 @@ class PyStore {
   std::pair<bool, uint64_t> get_range(nb::handle key, uint64_t offset, nb::handle out) {
     BlockId id = parse_key(key);
     BufferRef buf = BufferRef::writable(out, "out");
-    if (buf.kind() != MemoryKind::kHost) throw nb::value_error("get_range writes host buffers only");
+    if (buf.kind() != MemoryKind::kHost)
+      throw nb::value_error("get_range writes host buffers only");
     GetResult r;
     Status st;
     {
@@ -222,7 +221,8 @@ class PyStore {
   std::pair<size_t, std::vector<uint64_t>> get_batch(nb::handle keys, nb::handle outs) {
     BatchArgs a = batch_args(keys, outs, true);
     if (a.kind != MemoryKind::kHost)
-      throw nb::value_error("get_batch writes host buffers; use the GPU tier's calls for device memory");
+      throw nb::value_error(
+          "get_batch writes host buffers; use the GPU tier's calls for device memory");
     std::vector<MutableBuffer> out = a.mutable_spans();
     std::vector<GetResult> results;
     std::vector<Status> statuses;
@@ -232,7 +232,8 @@ class PyStore {
       nb::gil_scoped_release release;
       n = s->get_batch(a.ids, out, &results, &statuses);
     }
-    for (auto& st : statuses)  // too-small buffers show as size > len(out) with the item not counted
+    for (auto& st :
+         statuses)  // too-small buffers show as size > len(out) with the item not counted
       if (!st.ok() && !st.is(Code::kInvalidArgument)) raise_status(st);
     std::vector<uint64_t> sizes;
     for (auto& r : results) sizes.push_back(r.found ? r.size : 0);
@@ -252,7 +253,8 @@ class PyStore {
 
   BatchHandle* get_batch_async(nb::handle keys, nb::handle outs) {
     BatchArgs a = batch_args(keys, outs, true);
-    if (a.kind != MemoryKind::kHost) throw nb::value_error("get_batch_async writes host buffers only");
+    if (a.kind != MemoryKind::kHost)
+      throw nb::value_error("get_batch_async writes host buffers only");
     auto task = use()->get_batch_async(a.ids, a.mutable_spans());
     return new BatchHandle(std::move(task), std::move(a), true);
   }
@@ -331,8 +333,9 @@ nb::object wrap_store(std::unique_ptr<CascadeStore> store) {
 Guarded<CascadeStore>::Use use_store(nb::handle obj) {
   PyStore* s = nullptr;
   if (!nb::try_cast<PyStore*>(obj, s) || s == nullptr) {
-    throw nb::type_error(("expected a cascade.CascadeStore, got " + std::string(nb::type_name(obj.type()).c_str()))
-                             .c_str());
+    throw nb::type_error(
+        ("expected a cascade.CascadeStore, got " + std::string(nb::type_name(obj.type()).c_str()))
+            .c_str());
   }
   return s->use();
 }
@@ -348,21 +351,25 @@ void register_store(nb::module_& m) {
 
   nb::class_<PyStore>(m, "CascadeStore", "The tiered block store (see docs/design.md).")
       .def(nb::init<const CascadeConfig&>(), "config"_a)
-      .def("put", &PyStore::put, "block_id"_a, "data"_a, "is_prefix"_a = false,
-           "Stores a copy of data under block_id. True when stored (or already present); False when "
-           "no tier had room (every block in use).")
-      .def("get", &PyStore::get, "block_id"_a, "out"_a = nb::none(),
-           "With out: copies the block into out and returns (found, size); raises "
-           "BufferTooSmallError (with .needed) when out is too small, writing nothing. Without out: "
-           "returns the block as bytes, or None.")
+      .def(
+          "put", &PyStore::put, "block_id"_a, "data"_a, "is_prefix"_a = false,
+          "Stores a copy of data under block_id. True when stored (or already present); False when "
+          "no tier had room (every block in use).")
+      .def(
+          "get", &PyStore::get, "block_id"_a, "out"_a = nb::none(),
+          "With out: copies the block into out and returns (found, size); raises "
+          "BufferTooSmallError (with .needed) when out is too small, writing nothing. Without out: "
+          "returns the block as bytes, or None.")
       .def("get_range", &PyStore::get_range, "block_id"_a, "offset"_a, "out"_a,
            "Copies min(len(out), size - offset) bytes from offset; returns (found, bytes_copied).")
       .def("contains", &PyStore::contains, "block_id"_a)
       .def("__contains__", &PyStore::contains)
-      .def("remove", &PyStore::remove, "block_id"_a, "Removes the block; False when it was not stored.")
-      .def("put_batch", &PyStore::put_batch, "block_ids"_a, "data_list"_a, "is_prefix"_a = false,
-           "Stores many blocks in parallel; returns how many are stored. data_list is a sequence of "
-           "buffers, or one contiguous buffer with one row per block.")
+      .def("remove", &PyStore::remove, "block_id"_a,
+           "Removes the block; False when it was not stored.")
+      .def(
+          "put_batch", &PyStore::put_batch, "block_ids"_a, "data_list"_a, "is_prefix"_a = false,
+          "Stores many blocks in parallel; returns how many are stored. data_list is a sequence of "
+          "buffers, or one contiguous buffer with one row per block.")
       .def("get_batch", &PyStore::get_batch, "block_ids"_a, "out_list"_a,
            "Reads many blocks in parallel; returns (count_found, sizes) with size 0 for a miss. "
            "out_list is a sequence of buffers, or one contiguous buffer with one row per block.")
@@ -370,32 +377,39 @@ void register_store(nb::module_& m) {
            "is_prefix"_a = false, nb::rv_policy::take_ownership)
       .def("get_batch_async", &PyStore::get_batch_async, "block_ids"_a, "out_list"_a,
            nb::rv_policy::take_ownership)
-      .def("acquire", [](nb::handle self, nb::handle key) {
-             PyStore& py = nb::cast<PyStore&>(self);
-             BlockId id = parse_key(key);
-             Result<BlockView> v = Status::OK();
-             int device;
-             {
-               auto store = py.use();
-               device = store->config().gpu_device_id;
-               nb::gil_scoped_release release;
-               v = store->acquire(id);
-             }
-             check(v.status());
-             return make_block_lease(std::move(v.value()), nb::borrow(self), py.lifeline(), device);
-           }, "block_id"_a,
-           "The block in place in the top memory tier (device memory for a gpu pipeline), under a lease "
-           "(BlockLease: ptr, size, device, release(), DLPack), no copy. A block found only below is "
-           "promoted first. NotFoundError on a miss. Release leases before closing the store.")
+      .def(
+          "acquire",
+          [](nb::handle self, nb::handle key) {
+            PyStore& py = nb::cast<PyStore&>(self);
+            BlockId id = parse_key(key);
+            Result<BlockView> v = Status::OK();
+            int device;
+            {
+              auto store = py.use();
+              device = store->config().gpu_device_id;
+              nb::gil_scoped_release release;
+              v = store->acquire(id);
+            }
+            check(v.status());
+            return make_block_lease(std::move(v.value()), nb::borrow(self), py.lifeline(), device);
+          },
+          "block_id"_a,
+          "The block in place in the top memory tier (device memory for a gpu pipeline), under a "
+          "lease "
+          "(BlockLease: ptr, size, device, release(), DLPack), no copy. A block found only below "
+          "is "
+          "promoted first. NotFoundError on a miss. Release leases before closing the store.")
       .def("prefetch", &PyStore::prefetch, "block_ids"_a, nb::rv_policy::take_ownership,
            "Moves blocks from lower tiers into the top tier in the background.")
       .def("get_stats", &PyStore::get_stats)
       .def("clear", &PyStore::clear)
       .def("flush", &PyStore::flush)
       .def("close", &PyStore::close,
-           "Writes memory-only blocks down to a persistent tier (unless ephemeral), flushes and releases "
+           "Writes memory-only blocks down to a persistent tier (unless ephemeral), flushes and "
+           "releases "
            "the tiers. Calls in progress in other threads finish first; later calls raise "
-           "UnavailableError. BusyError (the store stays open) while a BlockLease is held. When blocks "
+           "UnavailableError. BusyError (the store stays open) while a BlockLease is held. When "
+           "blocks "
            "could not be made durable the store still closes and the error is raised. Idempotent.")
       .def_prop_ro("closed", &PyStore::closed)
       .def_prop_ro("pipeline", &PyStore::pipeline)

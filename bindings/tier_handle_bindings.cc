@@ -116,10 +116,8 @@ class PyTierHandle {
     }
     size_t stored = 0;
     for (auto& st : statuses) {  // a full tier is a per-item "not stored"
-      if (st.ok())
-        ++stored;
-      else if (!st.is(Code::kNoSpace))
-        raise_status(st);
+      if (st.ok()) ++stored;
+      else if (!st.is(Code::kNoSpace)) raise_status(st);
     }
     return stored;
   }

@@ -56,16 +56,21 @@ def _documented_pipeline_names():
     """{tier: [aliases]} from the pipeline row of docs/configuration.md."""
     doc = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
     row = next(line for line in doc.read_text().splitlines() if line.startswith("| `pipeline` |"))
-    return {tier: re.findall(r"`(\w+)`", aliases)
-            for tier, aliases in re.findall(r"`(\w+)` \(aliases ([^)]*)\)", row)}
+    return {
+        tier: re.findall(r"`(\w+)`", aliases)
+        for tier, aliases in re.findall(r"`(\w+)` \(aliases ([^)]*)\)", row)
+    }
 
 
 def test_documented_pipeline_aliases_are_the_ones_accepted():
     names = _documented_pipeline_names()
     assert sorted(names) == ["file", "gpu", "host"]
     # Each alias stands at its tier's place in the order gpu, host, file.
-    order = {"gpu": ("{}|host", "host|{}"), "host": ("gpu|{}|file", "file|{}"),
-             "file": ("host|{}", "{}|host")}
+    order = {
+        "gpu": ("{}|host", "host|{}"),
+        "host": ("gpu|{}|file", "file|{}"),
+        "file": ("host|{}", "{}|host"),
+    }
     for tier, aliases in names.items():
         assert aliases, tier
         ok, wrong = order[tier]

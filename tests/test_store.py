@@ -303,3 +303,18 @@ def test_acquire_leases_host_bytes_in_place(make_config):
     assert store.closed
     with pytest.raises(cascade.NotFoundError):
         cascade.CascadeStore(make_config()).acquire("absent")
+
+
+def test_get_without_out_reads_the_block_once(store):
+    # get(key) sizes and reads the block in one walk: one get in the store's
+    # stats and one hit in the tier that served it.
+    data = random_bytes(1 << 20, 5)
+    store.put("once", data)
+    before = store.get_stats()
+    assert store.get("once") == bytes(data)
+    after = store.get_stats()
+    assert after["gets"] - before["gets"] == 1
+    assert after["hits"] - before["hits"] == 1
+    assert after["tiers"]["host"]["hits"] - before["tiers"]["host"]["hits"] == 1
+    assert store.get("absent") is None
+    assert store.get_stats()["gets"] - after["gets"] == 1

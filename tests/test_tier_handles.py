@@ -52,7 +52,7 @@ def test_found_rule_hit_miss_too_small(handle):
     assert handle.put("blk", data)
     out = np.zeros(20_000, dtype=np.uint8)
     assert handle.get("blk", out) == (True, data.nbytes)  # a hit
-    assert np.array_equal(out[:data.nbytes], data)
+    assert np.array_equal(out[: data.nbytes], data)
     assert handle.get("missing", out) == (False, 0)  # a miss
     small = np.full(100, 0xEE, dtype=np.uint8)
     with pytest.raises(cascade.BufferTooSmallError) as e:  # out too small
@@ -65,11 +65,15 @@ def test_found_rule_hit_miss_too_small(handle):
 def test_found_rule_in_batches(handle):
     data = random_bytes(10_000, seed=2)
     assert handle.put_batch(["a", "b"], [data, data]) == 2
-    outs = [np.zeros(20_000, dtype=np.uint8), np.zeros(20_000, dtype=np.uint8), np.zeros(100, dtype=np.uint8)]
+    outs = [
+        np.zeros(20_000, dtype=np.uint8),
+        np.zeros(20_000, dtype=np.uint8),
+        np.zeros(100, dtype=np.uint8),
+    ]
     n, sizes = handle.get_batch(["a", "missing", "b"], outs)
     assert n == 1  # the too-small item is not counted
     assert sizes == [data.nbytes, 0, data.nbytes]
-    assert np.array_equal(outs[0][:data.nbytes], data)
+    assert np.array_equal(outs[0][: data.nbytes], data)
 
 
 def test_remove_contains_close(handle):
@@ -152,8 +156,12 @@ def test_config_attribute_aliases():
 
 
 def test_config_dict_and_yaml_take_both_names(tmp_path):
-    new = cascade.load_config({"file_path": "/x", "file_stripe_size": "1MiB", "file_stripe_count": 2})
-    old = cascade.load_config({"lustre_path": "/x", "lustre_stripe_size": "1MiB", "lustre_stripe_count": 2})
+    new = cascade.load_config(
+        {"file_path": "/x", "file_stripe_size": "1MiB", "file_stripe_count": 2}
+    )
+    old = cascade.load_config(
+        {"lustre_path": "/x", "lustre_stripe_size": "1MiB", "lustre_stripe_count": 2}
+    )
     assert new.to_dict() == old.to_dict()
     assert old.file_path == "/x" and old.file_stripe_size == 1 << 20 and old.file_stripe_count == 2
     d = old.to_dict()
@@ -186,8 +194,13 @@ def test_store_opens_with_either_name(make_config, tmp_path, key):
 def test_connector_store_options_take_the_older_name(tmp_path):
     from cascade.integrations.connector_config import parse_connector_config, worker_store_config
 
-    cfg = parse_connector_config({"store_pipeline": "host|file", "storage_path": str(tmp_path / "s"),
-                                  "store": {"lustre_path": str(tmp_path / "mine")}})
+    cfg = parse_connector_config(
+        {
+            "store_pipeline": "host|file",
+            "storage_path": str(tmp_path / "s"),
+            "store": {"lustre_path": str(tmp_path / "mine")},
+        }
+    )
     store_cfg = worker_store_config(cfg, engine_key="e", rank=0, world=1)
     assert store_cfg.file_path == str(tmp_path / "mine")
     assert os.path.isdir(store_cfg.file_path)

@@ -23,7 +23,11 @@ from pathlib import Path
 # (folder, rank, what it holds), from the bottom up.
 LAYERS: list[tuple[str, float, str]] = [
     ("include/cascade", 0, "public API: includes only itself"),
-    ("src/util", 1, "Status and errno mapping, block ids, extent allocator, thread pool, copy_bytes"),
+    (
+        "src/util",
+        1,
+        "Status and errno mapping, block ids, extent allocator, thread pool, copy_bytes",
+    ),
     ("src/os", 2, "Env implementations, shared-memory arena, committed memory"),
     ("src/index", 3, "BlockIndex"),
     ("src/cuda", 4, "CUDA device layer: context, buffers, arena, transfers, device_copy"),

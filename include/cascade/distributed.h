@@ -87,9 +87,9 @@ struct MpiCommunicator {
 // share. Unavailable when the build has no MPI, MPI lacks
 // MPI_THREAD_MULTIPLE, or a peer cannot be reached; every rank gets the same
 // outcome.
-Result<std::unique_ptr<CascadeStore>> OpenDistributed(const CascadeConfig& config,
-                                                      const DistributedOptions& options,
-                                                      MpiCommunicator comm = MpiCommunicator::World());
+Result<std::unique_ptr<CascadeStore>> OpenDistributed(
+    const CascadeConfig& config, const DistributedOptions& options,
+    MpiCommunicator comm = MpiCommunicator::World());
 
 // True when this build has MPI (the remote tier can be opened).
 bool distributed_available();
@@ -97,6 +97,7 @@ bool distributed_available();
 // The rank that owns `id` in a group of `ranks` ranks, all present, with
 // `points_per_rank` ring points each: the same answer every rank computes.
 // For benchmarks and tools that want to know which reads are local.
-int ring_owner(const BlockId& id, int ranks, int points_per_rank = DistributedOptions{}.ring_points_per_rank);
+int ring_owner(const BlockId& id, int ranks,
+               int points_per_rank = DistributedOptions{}.ring_points_per_rank);
 
 }  // namespace cascade

@@ -48,10 +48,10 @@ namespace cascade {
 inline constexpr uint64_t kDirectIoAlignment = 4096;
 
 struct FileOpenOptions {
-  bool write = false;     // open for reading and writing (else read only)
-  bool create = false;    // create the file when missing (REQUIRES: write)
-  bool exclusive = false; // with create: fail (InvalidArgument/IOError) if it exists
-  bool truncate = false;  // cut the file to zero length on open (REQUIRES: write)
+  bool write = false;      // open for reading and writing (else read only)
+  bool create = false;     // create the file when missing (REQUIRES: write)
+  bool exclusive = false;  // with create: fail (InvalidArgument/IOError) if it exists
+  bool truncate = false;   // cut the file to zero length on open (REQUIRES: write)
   // O_DIRECT: no page cache. Every buffer, offset and length must then be a
   // multiple of kDirectIoAlignment. Falls back to buffered I/O (with
   // File::direct() false) on file systems that refuse O_DIRECT (tmpfs).
@@ -153,7 +153,8 @@ class Env {
   // Creates path if needed (with permission bits `mode`) and takes an
   // exclusive advisory lock on it (flock). Busy when another holder (this
   // process or another) has it.
-  virtual Result<std::unique_ptr<FileLock>> lock_file(const std::string& path, uint32_t mode = 0600) = 0;
+  virtual Result<std::unique_ptr<FileLock>> lock_file(const std::string& path,
+                                                      uint32_t mode = 0600) = 0;
   // What is at path, without following a symbolic link (lstat). NotFound
   // when nothing is there: the one call that answers "does it exist".
   virtual Result<FileInfo> stat(const std::string& path) = 0;
@@ -165,8 +166,8 @@ class Env {
   // directory's default for either). NotSupported when path is not on
   // Lustre or the lfs tool is missing: the caller then creates the file
   // normally (a documented no-op elsewhere).
-  virtual Status create_striped(const std::string& /*path*/, uint64_t /*stripe_size*/, int /*stripe_count*/,
-                                uint32_t /*mode*/ = 0600) {
+  virtual Status create_striped(const std::string& /*path*/, uint64_t /*stripe_size*/,
+                                int /*stripe_count*/, uint32_t /*mode*/ = 0600) {
     return Status::NotSupported("striping is a Lustre feature");
   }
 };
@@ -210,14 +211,16 @@ class FaultInjectingEnv : public Env {
   uint64_t bytes_written() const { return written_.load(); }
   uint64_t injected_faults() const { return injected_.load(); }
 
-  Result<std::unique_ptr<File>> open(const std::string& path, const FileOpenOptions& options) override;
+  Result<std::unique_ptr<File>> open(const std::string& path,
+                                     const FileOpenOptions& options) override;
   Status create_dirs(const std::string& dir, uint32_t mode = 0700) override;
   Result<std::vector<std::string>> list_dir(const std::string& dir) override;
   Status rename(const std::string& from, const std::string& to) override;
   Status unlink(const std::string& path) override;
   Status sync_dir(const std::string& dir) override;
   Result<FsSpace> space(const std::string& path) override;
-  Result<std::unique_ptr<FileLock>> lock_file(const std::string& path, uint32_t mode = 0600) override;
+  Result<std::unique_ptr<FileLock>> lock_file(const std::string& path,
+                                              uint32_t mode = 0600) override;
   Result<FileInfo> stat(const std::string& path) override;
   Status create_striped(const std::string& path, uint64_t stripe_size, int stripe_count,
                         uint32_t mode = 0600) override;

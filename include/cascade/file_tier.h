@@ -22,25 +22,25 @@ namespace cascade {
 
 struct SegmentInspection {
   uint64_t segment_id = 0;
-  std::string file;            // file name inside the directory
+  std::string file;  // file name inside the directory
   uint64_t file_bytes = 0;
-  bool sealed = false;         // has a valid summary
-  uint64_t records = 0;        // valid records
-  uint64_t live_records = 0;   // newest valid record of its id in the directory
-  uint64_t live_bytes = 0;     // record bytes of live records
-  uint64_t dead_bytes = 0;     // file_bytes - live_bytes
+  bool sealed = false;        // has a valid summary
+  uint64_t records = 0;       // valid records
+  uint64_t live_records = 0;  // newest valid record of its id in the directory
+  uint64_t live_bytes = 0;    // record bytes of live records
+  uint64_t dead_bytes = 0;    // file_bytes - live_bytes
   uint64_t corrupt_records = 0;
-  uint64_t tail_bytes = 0;     // bytes after the last valid record (a torn tail)
-  uint64_t aliases = 0;        // alias records among the records
+  uint64_t tail_bytes = 0;  // bytes after the last valid record (a torn tail)
+  uint64_t aliases = 0;     // alias records among the records
   // Not this directory's (format 1, or written with another key): a store
   // leaves it alone and serves nothing from it.
   bool foreign = false;
-  uint16_t format_version = 0; // of its first record (0: none)
+  uint16_t format_version = 0;  // of its first record (0: none)
 };
 
 struct InspectReport {
   std::string dir;
-  bool verified = false;       // payload checksums were checked
+  bool verified = false;  // payload checksums were checked
   std::vector<SegmentInspection> segments;
   uint64_t records = 0;
   uint64_t live_records = 0;
@@ -52,9 +52,9 @@ struct InspectReport {
   uint64_t corrupt_records = 0;  // damaged records; with verify also payload mismatches
   uint64_t tail_bytes = 0;
   uint64_t unreadable_segments = 0;
-  uint64_t foreign_segments = 0; // segment files a store would not read (see SegmentInspection)
-  uint64_t aliases = 0;          // live alias records
-  uint64_t other_files = 0;    // names that are not the tier's
+  uint64_t foreign_segments = 0;  // segment files a store would not read (see SegmentInspection)
+  uint64_t aliases = 0;           // live alias records
+  uint64_t other_files = 0;       // names that are not the tier's
 
   // Nothing damaged was found (torn tails after a crash are not damage;
   // foreign segments are reported, not damage).

@@ -43,17 +43,18 @@
 namespace cascade {
 
 struct KvMoveOptions {
-  void* cuda_stream = nullptr;  // cudaStream_t the copies are ordered after; nullptr = default stream
-  int layer_begin = 0;          // load only: layers [layer_begin, layer_end)
-  int layer_end = -1;           // -1 = num_layers
+  void* cuda_stream =
+      nullptr;          // cudaStream_t the copies are ordered after; nullptr = default stream
+  int layer_begin = 0;  // load only: layers [layer_begin, layer_end)
+  int layer_end = -1;   // -1 = num_layers
 };
 
 class KvBlockMover {
  public:
   // `device` is the CUDA device of a device-memory cache (ignored for a host
   // cache). InvalidArgument for a bad cache description.
-  static Result<std::unique_ptr<KvBlockMover>> Create(CascadeStore* store, const PagedKvCache& cache,
-                                                      int device = 0);
+  static Result<std::unique_ptr<KvBlockMover>> Create(CascadeStore* store,
+                                                      const PagedKvCache& cache, int device = 0);
   ~KvBlockMover();
   KvBlockMover(const KvBlockMover&) = delete;
   KvBlockMover& operator=(const KvBlockMover&) = delete;
@@ -81,8 +82,8 @@ class KvBlockMover {
   // Gathers/scatters through the paged-KV code for the cache's memory kind.
   Status gather(std::span<const int64_t> blocks, std::span<void* const> dst, MemoryKind dst_kind,
                 const KvMoveOptions& o) const;
-  Status scatter(std::span<const int64_t> blocks, std::span<const void* const> src, MemoryKind src_kind,
-                 const KvMoveOptions& o) const;
+  Status scatter(std::span<const int64_t> blocks, std::span<const void* const> src,
+                 MemoryKind src_kind, const KvMoveOptions& o) const;
   // A staging buffer of at least `bytes` (kept and reused).
   Result<uint8_t*> staging(Staging& s, uint64_t bytes, MemoryKind kind);
 

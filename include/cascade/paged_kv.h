@@ -59,11 +59,11 @@ struct PagedKvCache {
   PagedKvLayout layout = PagedKvLayout::kPackedKv;
   MemoryKind memory = MemoryKind::kDevice;  // where the layer pools live
   int num_layers = 0;
-  int64_t num_blocks = 0;   // blocks in each layer's pool
-  int num_kv_heads = 0;     // kPackedKv, kSplitKv
-  int block_size = 0;       // tokens per block; kPackedKv, kSplitKv
-  int head_size = 0;        // elements; kPackedKv, kSplitKv
-  int elem_bytes = 2;       // 1 (fp8), 2 (bf16/fp16), 4 (fp32); kPackedKv, kSplitKv
+  int64_t num_blocks = 0;        // blocks in each layer's pool
+  int num_kv_heads = 0;          // kPackedKv, kSplitKv
+  int block_size = 0;            // tokens per block; kPackedKv, kSplitKv
+  int head_size = 0;             // elements; kPackedKv, kSplitKv
+  int elem_bytes = 2;            // 1 (fp8), 2 (bf16/fp16), 4 (fp32); kPackedKv, kSplitKv
   uint64_t bytes_per_block = 0;  // kFlatBytes only
   // Element 0 of each layer's view (its [0, 0, ...] element). Size num_layers.
   std::vector<void*> layers;
@@ -93,8 +93,8 @@ struct PagedKvOptions {
   void* cuda_stream = nullptr;  // cudaStream_t; nullptr = the legacy default stream
   bool wait = true;             // return once the bytes have arrived
   PagedKvPath path = PagedKvPath::kAuto;
-  int layer_begin = 0;          // copy layers [layer_begin, layer_end) only
-  int layer_end = -1;           // -1 = num_layers
+  int layer_begin = 0;  // copy layers [layer_begin, layer_end) only
+  int layer_end = -1;   // -1 = num_layers
 };
 
 // Gathers engine_blocks[i] of every layer into store_blocks[i]
@@ -112,7 +112,8 @@ Status load_paged_kv(const PagedKvCache& cache, std::span<const int64_t> engine_
 
 // CPU reference: cache and store blocks in host memory; any build.
 Status save_paged_kv_cpu(const PagedKvCache& cache, std::span<const int64_t> engine_blocks,
-                         std::span<void* const> store_blocks, int layer_begin = 0, int layer_end = -1);
+                         std::span<void* const> store_blocks, int layer_begin = 0,
+                         int layer_end = -1);
 Status load_paged_kv_cpu(const PagedKvCache& cache, std::span<const int64_t> engine_blocks,
                          std::span<const void* const> store_blocks, int layer_begin = 0,
                          int layer_end = -1);

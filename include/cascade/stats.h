@@ -25,10 +25,10 @@ struct TierStats {
   uint64_t promotions_in = 0;    // blocks copied up into this tier on a hit below
   uint64_t bytes_written = 0;
   uint64_t bytes_read = 0;
-  uint64_t corrupt_blocks = 0;   // reads that failed verification (counted, never served)
-  uint64_t read_errors = 0;      // reads the device failed (I/O error): misses, block kept
-  uint64_t leased_blocks = 0;    // blocks with a reader or a zero-copy lease right now
-  bool persistent = false;       // its blocks outlive the store (Tier::persistent)
+  uint64_t corrupt_blocks = 0;  // reads that failed verification (counted, never served)
+  uint64_t read_errors = 0;     // reads the device failed (I/O error): misses, block kept
+  uint64_t leased_blocks = 0;   // blocks with a reader or a zero-copy lease right now
+  bool persistent = false;      // its blocks outlive the store (Tier::persistent)
 };
 
 struct StoreStats {
@@ -38,10 +38,10 @@ struct StoreStats {
   uint64_t gets = 0;
   uint64_t hits = 0;
   uint64_t misses = 0;
-  uint64_t dedup_hits = 0;       // puts whose content was already stored under another id
-  uint64_t logical_blocks = 0;   // ids the store answers for
-  uint64_t logical_bytes = 0;    // sum of their sizes
-  uint64_t physical_bytes = 0;   // payload bytes stored, summed over tiers
+  uint64_t dedup_hits = 0;      // puts whose content was already stored under another id
+  uint64_t logical_blocks = 0;  // ids the store answers for
+  uint64_t logical_bytes = 0;   // sum of their sizes
+  uint64_t physical_bytes = 0;  // payload bytes stored, summed over tiers
   uint64_t bytes_put = 0;
   uint64_t bytes_got = 0;
 };

@@ -65,7 +65,7 @@ class [[nodiscard]] Status {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : v_(std::move(value)) {}         // NOLINT: implicit by design
   Result(Status status) : v_(std::move(status)) {}  // NOLINT
   // REQUIRES: !status.ok() when constructing from a Status.
 
@@ -89,8 +89,8 @@ class [[nodiscard]] Result {
 
 }  // namespace cascade
 
-#define CASCADE_RETURN_IF_ERROR(expr)      \
-  do {                                     \
-    ::cascade::Status _st = (expr);        \
-    if (!_st.ok()) return _st;             \
+#define CASCADE_RETURN_IF_ERROR(expr) \
+  do {                                \
+    ::cascade::Status _st = (expr);   \
+    if (!_st.ok()) return _st;        \
   } while (0)

@@ -42,9 +42,9 @@ struct MutableBuffer {
 
 struct GetResult {
   bool found = false;
-  uint64_t size = 0;     // block size on a hit, also when `out` was too small
-  uint64_t copied = 0;   // bytes written to out
-  int tier = -1;         // index in the pipeline of the tier that served it
+  uint64_t size = 0;    // block size on a hit, also when `out` was too small
+  uint64_t copied = 0;  // bytes written to out
+  int tier = -1;        // index in the pipeline of the tier that served it
 };
 
 // Handle of an asynchronous batch. wait() blocks until every item is done.

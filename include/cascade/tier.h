@@ -37,16 +37,16 @@ namespace cascade {
 enum class PutOrigin : uint8_t { kUser, kDemotion, kPromotion };
 
 struct PutOptions {
-  bool is_prefix = false;               // keep longer than ordinary blocks
+  bool is_prefix = false;  // keep longer than ordinary blocks
   PutOrigin origin = PutOrigin::kUser;
   MemoryKind src_kind = MemoryKind::kHost;
-  void* cuda_stream = nullptr;          // order device copies after this stream's work
+  void* cuda_stream = nullptr;  // order device copies after this stream's work
 };
 
 struct ReadRequest {
-  uint64_t offset = 0;      // first byte of the block to read
-  void* out = nullptr;      // destination
-  uint64_t capacity = 0;    // bytes available at out
+  uint64_t offset = 0;    // first byte of the block to read
+  void* out = nullptr;    // destination
+  uint64_t capacity = 0;  // bytes available at out
   // true: read the whole block (offset must be 0); if it does not fit in
   // capacity nothing is written and the status is InvalidArgument with
   // ReadResult::block_size set. false: copy min(capacity, size - offset).

@@ -217,8 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--size",
         action="append",
-        help="block size; repeatable. A plain number is KiB; "
-        "default: 64KiB 1MiB 16MiB 512MiB",
+        help="block size; repeatable. A plain number is KiB; default: 64KiB 1MiB 16MiB 512MiB",
     )
     bench.add_argument(
         "--blocks",
@@ -267,9 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_gpu_arguments(gpu)
     gpu.set_defaults(fn=_cmd_gpu)
-    vmm = bench_sub.add_parser(
-        "vmm", help="GPU page-mapping parallelism over processes"
-    )
+    vmm = bench_sub.add_parser("vmm", help="GPU page-mapping parallelism over processes")
     add_vmm_arguments(vmm)
     vmm.set_defaults(fn=_cmd_vmm)
     from cascade.bench.ttft import add_ttft_arguments

@@ -65,8 +65,11 @@ _UNITS = {
 def fields() -> list[str]:
     """Names of every CascadeConfig field (older names in ALIASES excluded)."""
     cfg = CascadeConfig()
-    return sorted(n for n in dir(cfg)
-                  if not n.startswith("_") and n not in ALIASES and not callable(getattr(cfg, n)))
+    return sorted(
+        n
+        for n in dir(cfg)
+        if not n.startswith("_") and n not in ALIASES and not callable(getattr(cfg, n))
+    )
 
 
 def canonical_options(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -78,8 +81,10 @@ def canonical_options(options: Mapping[str, Any]) -> dict[str, Any]:
     for name, value in options.items():
         field = ALIASES.get(name, name)
         if field in out and out[field] != value:
-            raise ValueError(f"{name} and {field} name one option; they are given different values "
-                             f"({value!r}, {out[field]!r})")
+            raise ValueError(
+                f"{name} and {field} name one option; they are given different values "
+                f"({value!r}, {out[field]!r})"
+            )
         out[field] = value
     return out
 

@@ -35,7 +35,8 @@ TEST(FileTierPerfTest, VersusDirectIoProbe) {
     for (uint64_t block : {uint64_t{64} << 10, uint64_t{1} << 20, uint64_t{16} << 20}) {
       auto probe = probe_direct_io(root + "/probe", total, block, threads);
       ASSERT_TRUE(probe.ok()) << probe.status().ToString();
-      std::string dir = root + "/tier-" + std::to_string(block) + "-" + std::to_string(static_cast<int>(engine));
+      std::string dir =
+          root + "/tier-" + std::to_string(block) + "-" + std::to_string(static_cast<int>(engine));
       CascadeConfig c = file_test::file_config(dir);
       c.io_direct = true;
       c.file_io_engine = engine;
@@ -51,11 +52,15 @@ TEST(FileTierPerfTest, VersusDirectIoProbe) {
         for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 131);
         std::atomic<uint64_t> next{0};
         auto t0 = std::chrono::steady_clock::now();
-        pool.parallel_for(threads, [&](size_t) {
-          for (uint64_t i; (i = next.fetch_add(1)) < n;) {
-            ASSERT_TRUE((*t)->put(file_test::id_of(i), src.data() + 16, block, PutOptions{}).ok());
-          }
-        }, threads - 1);
+        pool.parallel_for(
+            threads,
+            [&](size_t) {
+              for (uint64_t i; (i = next.fetch_add(1)) < n;) {
+                ASSERT_TRUE(
+                    (*t)->put(file_test::id_of(i), src.data() + 16, block, PutOptions{}).ok());
+              }
+            },
+            threads - 1);
         ASSERT_TRUE((*t)->flush().ok());
         write_s = seconds_since(t0);
       }
@@ -81,12 +86,14 @@ TEST(FileTierPerfTest, VersusDirectIoProbe) {
       }
       read_s = seconds_since(t0);
       double bytes = static_cast<double>(n * block);
-      std::printf("%-8s block %8lu KiB: probe write %.2f read %.2f GB/s (%d threads, %s) | tier write %.2f (%.0f%%) "
-                  "cold read %.2f (%.0f%%) GB/s\n",
-                  (*t)->io_engine_name(), static_cast<unsigned long>(block >> 10), probe->write_gbps, probe->read_gbps,
-                  threads, probe->direct ? "O_DIRECT" : "buffered", bytes / write_s / 1e9,
-                  100 * bytes / write_s / 1e9 / probe->write_gbps, bytes / read_s / 1e9,
-                  100 * bytes / read_s / 1e9 / probe->read_gbps);
+      std::printf(
+          "%-8s block %8lu KiB: probe write %.2f read %.2f GB/s (%d threads, %s) | tier write %.2f "
+          "(%.0f%%) "
+          "cold read %.2f (%.0f%%) GB/s\n",
+          (*t)->io_engine_name(), static_cast<unsigned long>(block >> 10), probe->write_gbps,
+          probe->read_gbps, threads, probe->direct ? "O_DIRECT" : "buffered", bytes / write_s / 1e9,
+          100 * bytes / write_s / 1e9 / probe->write_gbps, bytes / read_s / 1e9,
+          100 * bytes / read_s / 1e9 / probe->read_gbps);
       t->reset();
       std::filesystem::remove_all(dir);
     }

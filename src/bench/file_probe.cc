@@ -19,7 +19,8 @@ namespace cascade {
 Result<ProbeResult> probe_direct_io(const std::string& dir, uint64_t bytes, uint64_t block_size,
                                     int threads) {
   if (threads < 1 || block_size == 0 || block_size % kDirectIoAlignment)
-    return Status::InvalidArgument("probe needs threads >= 1 and a block size that is a multiple of 4096");
+    return Status::InvalidArgument(
+        "probe needs threads >= 1 and a block size that is a multiple of 4096");
   Env* env = Env::Default();
   CASCADE_RETURN_IF_ERROR(env->create_dirs(dir));
   uint64_t per_thread = bytes / threads / block_size * block_size;
@@ -32,7 +33,8 @@ Result<ProbeResult> probe_direct_io(const std::string& dir, uint64_t bytes, uint
   std::vector<std::unique_ptr<File>> files(threads);
   std::vector<std::string> paths(threads);
   for (int t = 0; t < threads; ++t) {
-    paths[t] = file::join_path(dir, ".probe-" + std::to_string(::getpid()) + "-" + std::to_string(t) + ".tmp");
+    paths[t] = file::join_path(
+        dir, ".probe-" + std::to_string(::getpid()) + "-" + std::to_string(t) + ".tmp");
     FileOpenOptions o;
     o.write = o.create = o.truncate = true;
     o.direct = true;

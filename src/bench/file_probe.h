@@ -22,10 +22,10 @@ struct ProbeResult {
   uint64_t bytes = 0;       // bytes written and then read
   uint64_t block_size = 0;  // bytes per request
   int threads = 0;
-  bool direct = false;      // O_DIRECT was in effect
+  bool direct = false;       // O_DIRECT was in effect
   double write_seconds = 0;  // including the final fsync
   double read_seconds = 0;
-  double write_gbps = 0;    // 1e9 bytes per second
+  double write_gbps = 0;  // 1e9 bytes per second
   double read_gbps = 0;
 };
 

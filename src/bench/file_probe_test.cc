@@ -23,8 +23,8 @@ TEST(FileProbeTest, MeasuresWriteAndRead) {
   EXPECT_EQ(r->bytes, 8u << 20);
   EXPECT_GT(r->write_gbps, 0);
   EXPECT_GT(r->read_gbps, 0);
-  std::printf("probe: %s write %.2f GB/s read %.2f GB/s\n", r->direct ? "O_DIRECT" : "buffered", r->write_gbps,
-              r->read_gbps);
+  std::printf("probe: %s write %.2f GB/s read %.2f GB/s\n", r->direct ? "O_DIRECT" : "buffered",
+              r->write_gbps, r->read_gbps);
   EXPECT_TRUE(std::filesystem::is_empty(tmp.path()));
   EXPECT_TRUE(probe_direct_io(tmp.path(), 1 << 20, 1000, 1).status().is(Code::kInvalidArgument));
 }
@@ -45,13 +45,16 @@ TEST(FileTierReopenTest, ReopenTimeOfManyBlocks) {
     auto t = FileTier::Open(c, &pool);
     ASSERT_TRUE(t.ok());
     std::atomic<uint64_t> next{0};
-    pool.parallel_for(pool.size() + 1, [&](size_t) {
-      std::vector<uint8_t> payload(64, 7);
-      for (uint64_t i; (i = next.fetch_add(1)) < n;) {
-        std::memcpy(payload.data(), &i, 8);
-        ASSERT_TRUE((*t)->put(id_of(i), payload.data(), payload.size(), PutOptions{}).ok());
-      }
-    }, pool.size());
+    pool.parallel_for(
+        pool.size() + 1,
+        [&](size_t) {
+          std::vector<uint8_t> payload(64, 7);
+          for (uint64_t i; (i = next.fetch_add(1)) < n;) {
+            std::memcpy(payload.data(), &i, 8);
+            ASSERT_TRUE((*t)->put(id_of(i), payload.data(), payload.size(), PutOptions{}).ok());
+          }
+        },
+        pool.size());
   }
   auto t1 = std::chrono::steady_clock::now();
   auto t = FileTier::Open(c, &pool);
@@ -66,10 +69,11 @@ TEST(FileTierReopenTest, ReopenTimeOfManyBlocks) {
   ASSERT_TRUE(t.ok());
   ASSERT_EQ((*t)->stats().blocks, n);
   double scanned = (*t)->recovery_report().seconds;
-  std::printf("reopen of %lu blocks: %.3f s from summaries, %.3f s scanning every segment "
-              "(%.3f s to write them, %u threads)\n",
-              static_cast<unsigned long>(n), clean, scanned,
-              std::chrono::duration<double>(t1 - t0).count(), static_cast<unsigned>(pool.size()));
+  std::printf(
+      "reopen of %lu blocks: %.3f s from summaries, %.3f s scanning every segment "
+      "(%.3f s to write them, %u threads)\n",
+      static_cast<unsigned long>(n), clean, scanned, std::chrono::duration<double>(t1 - t0).count(),
+      static_cast<unsigned>(pool.size()));
   std::vector<uint8_t> out(64);
   ReadRequest req;
   req.out = out.data();

@@ -13,11 +13,13 @@ namespace cascade {
 namespace {
 
 int usage() {
-  std::fprintf(stderr,
-               "usage: cascade-gpu-bench vmm --pages-total N --procs P --iters K [--not-contiguous]\n"
-               "                             [--layers L] [--warmup W] [--no-arena] [--arena-page-mib M] [--json]\n"
-               "       cascade-gpu-bench transfers [--device D] [--total-mib M] [--repeats R]\n"
-               "                             [--kv-tokens T] [--no-methods] [--shm-dir DIR]\n");
+  std::fprintf(
+      stderr,
+      "usage: cascade-gpu-bench vmm --pages-total N --procs P --iters K [--not-contiguous]\n"
+      "                             [--layers L] [--warmup W] [--no-arena] [--arena-page-mib M] "
+      "[--json]\n"
+      "       cascade-gpu-bench transfers [--device D] [--total-mib M] [--repeats R]\n"
+      "                             [--kv-tokens T] [--no-methods] [--shm-dir DIR]\n");
   return 2;
 }
 
@@ -48,7 +50,8 @@ int run_vmm(int argc, char** argv) {
     else if (a == "--iters" && to_int(value(argc, argv, &i), &v)) o.iters = int(v);
     else if (a == "--layers" && to_int(value(argc, argv, &i), &v)) o.layers = int(v);
     else if (a == "--warmup" && to_int(value(argc, argv, &i), &v)) o.warmup = int(v);
-    else if (a == "--arena-page-mib" && to_int(value(argc, argv, &i), &v)) o.arena_page_mib = int(v);
+    else if (a == "--arena-page-mib" && to_int(value(argc, argv, &i), &v))
+      o.arena_page_mib = int(v);
     else return usage();
   }
   auto r = run_vmm_bench(o);
@@ -68,7 +71,8 @@ int run_transfers(int argc, char** argv) {
     long long v = 0;
     if (a == "--no-methods") o.compare_methods = false;
     else if (a == "--device" && to_int(value(argc, argv, &i), &v)) o.device = int(v);
-    else if (a == "--total-mib" && to_int(value(argc, argv, &i), &v)) o.total_bytes = uint64_t(v) << 20;
+    else if (a == "--total-mib" && to_int(value(argc, argv, &i), &v))
+      o.total_bytes = uint64_t(v) << 20;
     else if (a == "--repeats" && to_int(value(argc, argv, &i), &v)) o.repeats = int(v);
     else if (a == "--kv-tokens" && to_int(value(argc, argv, &i), &v)) o.kv_tokens = int(v);
     else if (a == "--shm-dir") {

@@ -11,20 +11,20 @@
 #include <functional>
 #include <memory>
 #include <numeric>
-#include <tuple>
 #include <random>
+#include <tuple>
 #include <vector>
 
+#include "bench/gpu_bench.h"
 #include "cascade/paged_kv.h"
-#include "util/thread_pool.h"
-#include "cuda/device_copy.h"
-#include "os/shm_arena.h"
 #include "cuda/cuda_status.h"
 #include "cuda/device_buffer.h"
 #include "cuda/device_context.h"
-#include "bench/gpu_bench.h"
-#include "tiers/gpu/gpu_tier.h"
+#include "cuda/device_copy.h"
 #include "cuda/host_registration.h"
+#include "os/shm_arena.h"
+#include "tiers/gpu/gpu_tier.h"
+#include "util/thread_pool.h"
 
 namespace cascade {
 namespace {
@@ -38,10 +38,14 @@ struct Runs {
     std::sort(v.begin(), v.end());
     return v.empty() ? 0 : v[v.size() / 2];
   }
-  double best() const { return seconds.empty() ? 0 : *std::min_element(seconds.begin(), seconds.end()); }
+  double best() const {
+    return seconds.empty() ? 0 : *std::min_element(seconds.begin(), seconds.end());
+  }
 };
 
-double gbps(uint64_t bytes, double seconds) { return seconds > 0 ? double(bytes) / seconds / 1e9 : 0; }
+double gbps(uint64_t bytes, double seconds) {
+  return seconds > 0 ? double(bytes) / seconds / 1e9 : 0;
+}
 
 // Times `repeats` runs of fn (each preceded by prep, untimed).
 Result<Runs> time_runs(int repeats, const std::function<Status()>& fn,
@@ -113,18 +117,22 @@ class Bench {
     if (o_.kv_tokens > 0) CASCADE_RETURN_IF_ERROR(paged_kv());
     std::string out = "{\n  \"benchmark\": \"gpu\",\n";
     out += "  \"device\": \"" + device_name_ + "\",\n";
-    out += fmt("  \"driver_version\": %d, \"runtime_version\": %d, \"total_bytes\": %llu, \"repeats\": %d,\n",
-               driver_, runtime_, (unsigned long long)o_.total_bytes, o_.repeats);
-    out += fmt("  \"ceilings_gbps\": {\"h2d_pinned\": %.2f, \"d2h_pinned\": %.2f, \"d2d\": %.1f, "
-               "\"h2d_shm_registered\": %.2f, \"d2h_shm_registered\": %.2f},\n",
-               c_.h2d, c_.d2h, c_.d2d, c_.h2d_shm, c_.d2h_shm);
+    out +=
+        fmt("  \"driver_version\": %d, \"runtime_version\": %d, \"total_bytes\": %llu, "
+            "\"repeats\": %d,\n",
+            driver_, runtime_, (unsigned long long)o_.total_bytes, o_.repeats);
+    out +=
+        fmt("  \"ceilings_gbps\": {\"h2d_pinned\": %.2f, \"d2h_pinned\": %.2f, \"d2d\": %.1f, "
+            "\"h2d_shm_registered\": %.2f, \"d2h_shm_registered\": %.2f},\n",
+            c_.h2d, c_.d2h, c_.d2d, c_.h2d_shm, c_.d2h_shm);
     out += "  \"results\": " + results_.str() + "\n}\n";
     return out;
   }
 
  private:
   Status setup() {
-    if (o_.total_bytes < (64ULL << 20)) return Status::InvalidArgument("gpu bench: total_bytes must be at least 64 MiB");
+    if (o_.total_bytes < (64ULL << 20))
+      return Status::InvalidArgument("gpu bench: total_bytes must be at least 64 MiB");
     if (o_.repeats < 1) return Status::InvalidArgument("gpu bench: repeats must be at least 1");
     auto ctx = DeviceContext::For(o_.device);
     if (!ctx.ok()) return ctx.status();
@@ -135,7 +143,8 @@ class Bench {
     device_name_ = prop.name;
     cudaDriverGetVersion(&driver_);
     cudaRuntimeGetVersion(&runtime_);
-    CASCADE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "create a stream");
+    CASCADE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                        "create a stream");
     const std::string tag = std::to_string(getpid());
     auto src = ShmArena::Create(o_.shm_dir + "/cascade-gpu-bench-src-" + tag, o_.total_bytes, true);
     if (!src.ok()) return src.status();
@@ -164,7 +173,8 @@ class Bench {
     if (!d2.ok()) return d2.status();
     dev2_ = std::move(d2.value());
     std::memcpy(pinned_.data(), src_->base(), o_.total_bytes);
-    CASCADE_CUDA_RETURN(cudaMemcpy(dev1_.data(), pinned_.data(), o_.total_bytes, cudaMemcpyDefault), "fill");
+    CASCADE_CUDA_RETURN(cudaMemcpy(dev1_.data(), pinned_.data(), o_.total_bytes, cudaMemcpyDefault),
+                        "fill");
     auto pool = ThreadPool::Create(8);
     if (!pool.ok()) return pool.status();
     pool_ = std::move(pool.value());
@@ -178,7 +188,8 @@ class Bench {
     if (piece == 0) piece = n;
     auto runs = time_runs(o_.repeats, [&]() -> Status {
       for (uint64_t off = 0; off < n; off += piece) {
-        CASCADE_CUDA_RETURN(cudaMemcpyAsync(static_cast<uint8_t*>(dst) + off, static_cast<const uint8_t*>(src) + off,
+        CASCADE_CUDA_RETURN(cudaMemcpyAsync(static_cast<uint8_t*>(dst) + off,
+                                            static_cast<const uint8_t*>(src) + off,
                                             std::min(piece, n - off), cudaMemcpyDefault, stream_),
                             "copy");
       }
@@ -198,7 +209,9 @@ class Bench {
     for (auto* r : {&a, &b, &c, &d, &e})
       if (!r->ok()) return r->status();
     c_ = Ceilings{*a, *b, *c, *d, *e};
-    std::fprintf(stderr, "ceilings: h2d %.2f, d2h %.2f (pinned); h2d %.2f, d2h %.2f (registered shm); d2d %.1f GB/s\n",
+    std::fprintf(stderr,
+                 "ceilings: h2d %.2f, d2h %.2f (pinned); h2d %.2f, d2h %.2f (registered shm); d2d "
+                 "%.1f GB/s\n",
                  c_.h2d, c_.d2h, c_.h2d_shm, c_.d2h_shm, c_.d2d);
     return Status::OK();
   }
@@ -216,9 +229,9 @@ class Bench {
 
   // One batch measurement: put n blocks of `block` bytes from src slots
   // order[k], read them back into dst slots order[k].
-  Status batch_case(GpuTier* tier, const char* placement, const char* source, const char* method, uint64_t block,
-                    uint8_t* src, uint8_t* dst, MemoryKind kind, const std::vector<size_t>& order,
-                    double ceil_put, double ceil_get) {
+  Status batch_case(GpuTier* tier, const char* placement, const char* source, const char* method,
+                    uint64_t block, uint8_t* src, uint8_t* dst, MemoryKind kind,
+                    const std::vector<size_t>& order, double ceil_put, double ceil_get) {
     const size_t n = order.size();
     std::vector<BlockId> ids(n);
     std::vector<const void*> data(n);
@@ -263,17 +276,19 @@ class Bench {
         verified = std::memcmp(dst + order[k] * block, src + order[k] * block, block) == 0;
     }
     const uint64_t bytes = n * block;
-    auto record = [&](const char* op, const char* dir, const Runs& r, double ceiling, double cold_gbps) {
+    auto record = [&](const char* op, const char* dir, const Runs& r, double ceiling,
+                      double cold_gbps) {
       double g = gbps(bytes, r.median());
-      results_.add(fmt("{\"op\": \"%s\", \"direction\": \"%s\", \"memory\": \"%s\", \"placement\": \"%s\", "
-                       "\"method\": \"%s\", \"block_bytes\": %llu, \"blocks\": %zu, \"gbps\": %.2f, "
-                       "\"gbps_best\": %.2f, \"ceiling_gbps\": %.2f, \"ratio\": %.3f%s, \"verified\": %s}",
-                       op, dir, source, placement, method, (unsigned long long)block, n, g,
-                       gbps(bytes, r.best()), ceiling, ceiling > 0 ? g / ceiling : 0,
-                       cold_gbps > 0 ? fmt(", \"cold_gbps\": %.2f", cold_gbps).c_str() : "",
-                       verified ? "true" : "false"));
-      std::fprintf(stderr, "  %-9s %-4s %-14s %-10s %-9s %8llu KiB  %7.2f GB/s  (%.0f%% of %.1f)\n", op, dir,
-                   source, placement, method, (unsigned long long)(block >> 10), g,
+      results_.add(
+          fmt("{\"op\": \"%s\", \"direction\": \"%s\", \"memory\": \"%s\", \"placement\": \"%s\", "
+              "\"method\": \"%s\", \"block_bytes\": %llu, \"blocks\": %zu, \"gbps\": %.2f, "
+              "\"gbps_best\": %.2f, \"ceiling_gbps\": %.2f, \"ratio\": %.3f%s, \"verified\": %s}",
+              op, dir, source, placement, method, (unsigned long long)block, n, g,
+              gbps(bytes, r.best()), ceiling, ceiling > 0 ? g / ceiling : 0,
+              cold_gbps > 0 ? fmt(", \"cold_gbps\": %.2f", cold_gbps).c_str() : "",
+              verified ? "true" : "false"));
+      std::fprintf(stderr, "  %-9s %-4s %-14s %-10s %-9s %8llu KiB  %7.2f GB/s  (%.0f%% of %.1f)\n",
+                   op, dir, source, placement, method, (unsigned long long)(block >> 10), g,
                    ceiling > 0 ? 100 * g / ceiling : 0, ceiling);
     };
     const bool d2d = kind == MemoryKind::kDevice;
@@ -302,23 +317,26 @@ class Bench {
       std::iota(seq.begin(), seq.end(), 0);
       perm = seq;
       std::shuffle(perm.begin(), perm.end(), std::mt19937(7));
-      CASCADE_RETURN_IF_ERROR(batch_case(by_method[0].get(), "sequential", "shm_registered", "auto", block,
-                                         src_->base(), dst_->base(), MemoryKind::kHost, seq, c_.h2d, c_.d2h));
+      CASCADE_RETURN_IF_ERROR(batch_case(by_method[0].get(), "sequential", "shm_registered", "auto",
+                                         block, src_->base(), dst_->base(), MemoryKind::kHost, seq,
+                                         c_.h2d, c_.d2h));
       for (int m = 0; m < (o_.compare_methods ? 4 : 1); ++m) {
         if (block >= (16 << 20) && m > 0) continue;  // large blocks use one DMA copy each anyway
         CASCADE_RETURN_IF_ERROR(batch_case(by_method[m].get(), "scattered", "shm_registered",
-                                           method_name(SmallCopyMethod(m)), block, src_->base(), dst_->base(),
-                                           MemoryKind::kHost, perm, c_.h2d, c_.d2h));
+                                           method_name(SmallCopyMethod(m)), block, src_->base(),
+                                           dst_->base(), MemoryKind::kHost, perm, c_.h2d, c_.d2h));
       }
     }
     // Pageable user memory goes through the staging ring.
-    std::vector<uint8_t> pg_src(src_->base(), src_->base() + o_.total_bytes), pg_dst(o_.total_bytes);
+    std::vector<uint8_t> pg_src(src_->base(), src_->base() + o_.total_bytes),
+        pg_dst(o_.total_bytes);
     for (uint64_t block : {uint64_t(64 << 10), uint64_t(1 << 20)}) {
       const size_t n = o_.total_bytes / block;
       std::vector<size_t> seq(n);
       std::iota(seq.begin(), seq.end(), 0);
-      CASCADE_RETURN_IF_ERROR(batch_case(by_method[0].get(), "sequential", "pageable", "staged", block, pg_src.data(),
-                                         pg_dst.data(), MemoryKind::kHost, seq, c_.h2d, c_.d2h));
+      CASCADE_RETURN_IF_ERROR(batch_case(by_method[0].get(), "sequential", "pageable", "staged",
+                                         block, pg_src.data(), pg_dst.data(), MemoryKind::kHost,
+                                         seq, c_.h2d, c_.d2h));
     }
     return Status::OK();
   }
@@ -333,10 +351,12 @@ class Bench {
       std::iota(seq.begin(), seq.end(), 0);
       perm = seq;
       std::shuffle(perm.begin(), perm.end(), std::mt19937(9));
-      CASCADE_RETURN_IF_ERROR(batch_case(t->get(), "sequential", "device", "auto", block, dev1_.data(), dev2_.data(),
-                                         MemoryKind::kDevice, seq, c_.d2d, c_.d2d));
-      CASCADE_RETURN_IF_ERROR(batch_case(t->get(), "scattered", "device", "auto", block, dev1_.data(), dev2_.data(),
-                                         MemoryKind::kDevice, perm, c_.d2d, c_.d2d));
+      CASCADE_RETURN_IF_ERROR(batch_case(t->get(), "sequential", "device", "auto", block,
+                                         dev1_.data(), dev2_.data(), MemoryKind::kDevice, seq,
+                                         c_.d2d, c_.d2d));
+      CASCADE_RETURN_IF_ERROR(batch_case(t->get(), "scattered", "device", "auto", block,
+                                         dev1_.data(), dev2_.data(), MemoryKind::kDevice, perm,
+                                         c_.d2d, c_.d2d));
     }
     return Status::OK();
   }
@@ -351,35 +371,49 @@ class Bench {
       const size_t n = o_.total_bytes / block;
       std::atomic<int> failures{0};
       auto put_all = [&]() -> Status {
-        pool_->parallel_for(n, [&](size_t k) {
-          if (!tier->put(bench_id(k), src_->base() + k * block, block, PutOptions{}).ok()) failures.fetch_add(1);
-        }, pool_->size());
+        pool_->parallel_for(
+            n,
+            [&](size_t k) {
+              if (!tier->put(bench_id(k), src_->base() + k * block, block, PutOptions{}).ok())
+                failures.fetch_add(1);
+            },
+            pool_->size());
         return failures.load() ? Status::IOError("single puts failed") : Status::OK();
       };
       auto get_all = [&]() -> Status {
-        pool_->parallel_for(n, [&](size_t k) {
-          ReadRequest rq;
-          rq.out = dst_->base() + k * block;
-          rq.capacity = block;
-          ReadResult rr;
-          if (!tier->read(bench_id(k), rq, &rr).ok()) failures.fetch_add(1);
-        }, pool_->size());
+        pool_->parallel_for(
+            n,
+            [&](size_t k) {
+              ReadRequest rq;
+              rq.out = dst_->base() + k * block;
+              rq.capacity = block;
+              ReadResult rr;
+              if (!tier->read(bench_id(k), rq, &rr).ok()) failures.fetch_add(1);
+            },
+            pool_->size());
         return failures.load() ? Status::IOError("single reads failed") : Status::OK();
       };
       tier->clear();
-      auto puts = time_runs(o_.repeats, put_all, [&] { tier->clear(); return Status::OK(); });
+      auto puts = time_runs(o_.repeats, put_all, [&] {
+        tier->clear();
+        return Status::OK();
+      });
       if (!puts.ok()) return puts.status();
       auto gets = time_runs(o_.repeats, get_all);
       if (!gets.ok()) return gets.status();
-      for (auto [op, dir, runs, ceil] : {std::tuple{"put", "h2d", *puts, c_.h2d}, std::tuple{"get", "d2h", *gets, c_.d2h}}) {
+      for (auto [op, dir, runs, ceil] :
+           {std::tuple{"put", "h2d", *puts, c_.h2d}, std::tuple{"get", "d2h", *gets, c_.d2h}}) {
         double g = gbps(n * block, runs.median());
-        results_.add(fmt("{\"op\": \"%s\", \"direction\": \"%s\", \"memory\": \"shm_registered\", \"placement\": "
-                         "\"sequential\", \"method\": \"single_calls_%d_threads\", \"block_bytes\": %llu, \"blocks\": %zu, "
-                         "\"gbps\": %.2f, \"gbps_best\": %.2f, \"ceiling_gbps\": %.2f, \"ratio\": %.3f}",
-                         op, dir, pool_->size(), (unsigned long long)block, n, g, gbps(n * block, runs.best()), ceil,
-                         g / ceil));
-        std::fprintf(stderr, "  %-9s %-4s single calls %8llu KiB  %7.2f GB/s  (%.0f%% of %.1f)\n", op, dir,
-                     (unsigned long long)(block >> 10), g, 100 * g / ceil, ceil);
+        results_.add(
+            fmt("{\"op\": \"%s\", \"direction\": \"%s\", \"memory\": \"shm_registered\", "
+                "\"placement\": "
+                "\"sequential\", \"method\": \"single_calls_%d_threads\", \"block_bytes\": %llu, "
+                "\"blocks\": %zu, "
+                "\"gbps\": %.2f, \"gbps_best\": %.2f, \"ceiling_gbps\": %.2f, \"ratio\": %.3f}",
+                op, dir, pool_->size(), (unsigned long long)block, n, g,
+                gbps(n * block, runs.best()), ceil, g / ceil));
+        std::fprintf(stderr, "  %-9s %-4s single calls %8llu KiB  %7.2f GB/s  (%.0f%% of %.1f)\n",
+                     op, dir, (unsigned long long)(block >> 10), g, 100 * g / ceil, ceil);
       }
     }
     // get_gpu_ptr: a lease and a pointer, no bytes moved.
@@ -393,7 +427,9 @@ class Bench {
     });
     if (!lookups.ok()) return lookups.status();
     double us = lookups->median() / n * 1e6;
-    results_.add(fmt("{\"op\": \"get_gpu_ptr\", \"calls\": %zu, \"us_per_call\": %.3f, \"bytes_copied\": 0}", n, us));
+    results_.add(
+        fmt("{\"op\": \"get_gpu_ptr\", \"calls\": %zu, \"us_per_call\": %.3f, \"bytes_copied\": 0}",
+            n, us));
     std::fprintf(stderr, "  get_gpu_ptr: %.3f us per call, no bytes copied\n", us);
     return Status::OK();
   }
@@ -401,10 +437,11 @@ class Bench {
   Status paged_kv() {
     const int layers = 32, heads = 8, head = 128, bs = 16, elem = 2;
     const int64_t blocks = (o_.kv_tokens + bs - 1) / bs;
-    const uint64_t per_block_layer = uint64_t(heads) * bs * 2 * head * elem;  // K and V of one layer
+    const uint64_t per_block_layer =
+        uint64_t(heads) * bs * 2 * head * elem;  // K and V of one layer
     const uint64_t layer_bytes = per_block_layer * blocks;
-    std::fprintf(stderr, "paged KV: %d tokens, %lld blocks, %.2f GiB\n", o_.kv_tokens, (long long)blocks,
-                 double(layer_bytes * layers) / (1 << 30));
+    std::fprintf(stderr, "paged KV: %d tokens, %lld blocks, %.2f GiB\n", o_.kv_tokens,
+                 (long long)blocks, double(layer_bytes * layers) / (1 << 30));
     auto cache = DeviceBuffer::Allocate(o_.device, layer_bytes * layers);
     if (!cache.ok()) return cache.status();
     CASCADE_RETURN_IF_ERROR(fill_device_pattern(cache->data(), layer_bytes * layers, 5, nullptr));
@@ -419,7 +456,8 @@ class Bench {
     for (int l = 0; l < layers; ++l) c.layers.push_back(cache->data() + l * layer_bytes);
     const uint64_t block_bytes = stored_kv_block_bytes(c);
     const uint64_t total = block_bytes * blocks;
-    auto host = ShmArena::Create(o_.shm_dir + "/cascade-gpu-bench-kv-" + std::to_string(getpid()), total, true);
+    auto host = ShmArena::Create(o_.shm_dir + "/cascade-gpu-bench-kv-" + std::to_string(getpid()),
+                                 total, true);
     if (!host.ok()) return host.status();
     CASCADE_RETURN_IF_ERROR(register_host_memory((*host)->base(), total));
     if (!host_range_device_accessible((*host)->base(), total))
@@ -445,12 +483,18 @@ class Bench {
       std::vector<void*> ptrs;
     };
     std::vector<Case> cases = {
-        {"shm_registered", "in_order", PagedKvPath::kDirect, MemoryKind::kHost, ptrs((*host)->base(), slot)},
-        {"shm_registered", "in_order", PagedKvPath::kStaged, MemoryKind::kHost, ptrs((*host)->base(), slot)},
-        {"shm_registered", "reversed", PagedKvPath::kDirect, MemoryKind::kHost, ptrs((*host)->base(), reversed)},
-        {"shm_registered", "reversed", PagedKvPath::kStaged, MemoryKind::kHost, ptrs((*host)->base(), reversed)},
-        {"shm_registered", "in_order", PagedKvPath::kAuto, MemoryKind::kHost, ptrs((*host)->base(), slot)},
-        {"device", "in_order", PagedKvPath::kAuto, MemoryKind::kDevice, ptrs(dev_store->data(), slot)},
+        {"shm_registered", "in_order", PagedKvPath::kDirect, MemoryKind::kHost,
+         ptrs((*host)->base(), slot)},
+        {"shm_registered", "in_order", PagedKvPath::kStaged, MemoryKind::kHost,
+         ptrs((*host)->base(), slot)},
+        {"shm_registered", "reversed", PagedKvPath::kDirect, MemoryKind::kHost,
+         ptrs((*host)->base(), reversed)},
+        {"shm_registered", "reversed", PagedKvPath::kStaged, MemoryKind::kHost,
+         ptrs((*host)->base(), reversed)},
+        {"shm_registered", "in_order", PagedKvPath::kAuto, MemoryKind::kHost,
+         ptrs((*host)->base(), slot)},
+        {"device", "in_order", PagedKvPath::kAuto, MemoryKind::kDevice,
+         ptrs(dev_store->data(), slot)},
     };
     bool checked = false;
     for (Case& k : cases) {
@@ -458,9 +502,11 @@ class Bench {
       po.path = k.path;
       po.cuda_stream = stream_;
       std::vector<const void*> cptrs(k.ptrs.begin(), k.ptrs.end());
-      auto save = time_runs(o_.repeats, [&] { return save_paged_kv(c, engine, k.ptrs, k.kind, po); });
+      auto save =
+          time_runs(o_.repeats, [&] { return save_paged_kv(c, engine, k.ptrs, k.kind, po); });
       if (!save.ok()) return save.status();
-      auto load = time_runs(o_.repeats, [&] { return load_paged_kv(c, engine, cptrs, k.kind, po); });
+      auto load =
+          time_runs(o_.repeats, [&] { return load_paged_kv(c, engine, cptrs, k.kind, po); });
       if (!load.ok()) return load.status();
       if (!checked && k.kind == MemoryKind::kHost) {
         // Spot check against the CPU reference on a host copy of one block's layers.
@@ -469,8 +515,9 @@ class Bench {
         hc.num_blocks = 1;
         std::vector<std::vector<uint8_t>> hl(layers, std::vector<uint8_t>(per_block_layer));
         for (int l = 0; l < layers; ++l) {
-          CASCADE_RETURN_IF_ERROR(copy_to_host(hl[l].data(), cache->data() + l * layer_bytes + engine[0] * per_block_layer,
-                                               per_block_layer));
+          CASCADE_RETURN_IF_ERROR(copy_to_host(
+              hl[l].data(), cache->data() + l * layer_bytes + engine[0] * per_block_layer,
+              per_block_layer));
           hc.layers[l] = hl[l].data();
         }
         std::vector<uint8_t> ref(block_bytes);
@@ -478,21 +525,27 @@ class Bench {
         void* rp = ref.data();
         CASCADE_RETURN_IF_ERROR(save_paged_kv_cpu(hc, {&zero, 1}, {&rp, 1}));
         if (std::memcmp(ref.data(), k.ptrs[0], block_bytes) != 0)
-          return Status::Corruption("paged KV benchmark: saved bytes differ from the CPU reference");
+          return Status::Corruption(
+              "paged KV benchmark: saved bytes differ from the CPU reference");
         checked = true;
       }
       const bool dev = k.kind == MemoryKind::kDevice;
-      const char* path = k.path == PagedKvPath::kDirect ? "direct" : k.path == PagedKvPath::kStaged ? "staged" : "auto";
+      const char* path = k.path == PagedKvPath::kDirect   ? "direct"
+                         : k.path == PagedKvPath::kStaged ? "staged"
+                                                          : "auto";
       for (auto [op, runs, ceil] : {std::tuple{"save", *save, dev ? c_.d2d : c_.d2h},
-                                     std::tuple{"load", *load, dev ? c_.d2d : c_.h2d}}) {
+                                    std::tuple{"load", *load, dev ? c_.d2d : c_.h2d}}) {
         double g = gbps(total, runs.median());
-        results_.add(fmt("{\"op\": \"paged_kv_%s\", \"layout\": \"packed_kv\", \"tokens\": %d, \"layers\": %d, "
-                         "\"store\": \"%s\", \"placement\": \"%s\", \"path\": \"%s\", \"bytes\": %llu, \"ms\": %.3f, "
-                         "\"gbps\": %.2f, \"gbps_best\": %.2f, \"ceiling_gbps\": %.2f, \"ratio\": %.3f}",
-                         op, o_.kv_tokens, layers, k.store, k.placement, path, (unsigned long long)total,
-                         runs.median() * 1e3, g, gbps(total, runs.best()), ceil, g / ceil));
-        std::fprintf(stderr, "  paged_kv_%s %-14s %-8s %-6s %8.3f ms  %7.2f GB/s  (%.0f%% of %.1f)\n", op, k.store,
-                     k.placement, path, runs.median() * 1e3, g, 100 * g / ceil, ceil);
+        results_.add(fmt(
+            "{\"op\": \"paged_kv_%s\", \"layout\": \"packed_kv\", \"tokens\": %d, \"layers\": %d, "
+            "\"store\": \"%s\", \"placement\": \"%s\", \"path\": \"%s\", \"bytes\": %llu, \"ms\": "
+            "%.3f, "
+            "\"gbps\": %.2f, \"gbps_best\": %.2f, \"ceiling_gbps\": %.2f, \"ratio\": %.3f}",
+            op, o_.kv_tokens, layers, k.store, k.placement, path, (unsigned long long)total,
+            runs.median() * 1e3, g, gbps(total, runs.best()), ceil, g / ceil));
+        std::fprintf(stderr,
+                     "  paged_kv_%s %-14s %-8s %-6s %8.3f ms  %7.2f GB/s  (%.0f%% of %.1f)\n", op,
+                     k.store, k.placement, path, runs.median() * 1e3, g, 100 * g / ceil, ceil);
       }
     }
     unregister_host_memory((*host)->base());

@@ -18,10 +18,11 @@ MemcpyCeiling measure_memcpy_ceiling(size_t bytes, int threads, int repeats) {
   // ordinary anonymous memory: "shm -> heap", the copy a host-tier read makes.
   int fd = memfd_create("cascade-probe", MFD_CLOEXEC);
   if (fd < 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) return {};
-  auto* src = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  auto* src =
+      static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
   close(fd);
-  auto* dst = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
-                                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  auto* dst = static_cast<uint8_t*>(
+      mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   if (src == MAP_FAILED || dst == MAP_FAILED) return {};
   threads = std::max(threads, 1);
   ThreadPool pool(threads);  // caller + threads-1 workers copy

@@ -35,18 +35,18 @@
 namespace cascade {
 
 struct VmmBenchOptions {
-  int pages_total = 100;   // N: KV pages mapped per iteration
-  int procs = 4;           // P
-  int iters = 20;          // K timed iterations per case
-  int warmup = 1;          // untimed iterations first
+  int pages_total = 100;  // N: KV pages mapped per iteration
+  int procs = 4;          // P
+  int iters = 20;         // K timed iterations per case
+  int warmup = 1;         // untimed iterations first
   bool contiguous = true;
-  int layers = 32;         // layers of the modelled KV cache (Llama-3-8B)
-  bool arena_case = true;  // also time the gpu tier's way of mapping
-  int arena_page_mib = 32; // its physical page size (GpuArenaOptions::page_bytes)
+  int layers = 32;          // layers of the modelled KV cache (Llama-3-8B)
+  bool arena_case = true;   // also time the gpu tier's way of mapping
+  int arena_page_mib = 32;  // its physical page size (GpuArenaOptions::page_bytes)
 };
 
 struct VmmCase {
-  std::string name;         // "single", "serial", "parallel", "arena"
+  std::string name;  // "single", "serial", "parallel", "arena"
   int procs = 0;
   int pages_per_proc = 0;
   int pages_total = 0;

@@ -15,9 +15,9 @@
 #include <new>
 #include <vector>
 
+#include "bench/vmm_bench.h"
 #include "cuda/cuda_driver.h"
 #include "cuda/cuda_status.h"
-#include "bench/vmm_bench.h"
 
 namespace cascade {
 namespace {
@@ -60,16 +60,25 @@ bool barrier(Shared* s, int n) {
 
 class Worker {
  public:
-  Worker(Shared* sh, double* start, double* end, int rank, int procs, int pages, Mode mode, int layers, int iters,
-         uint64_t arena_page)
-      : sh_(sh), start_(start), end_(end), rank_(rank), procs_(procs), pages_(pages), mode_(mode),
-        layers_(layers), iters_(iters), arena_page_(arena_page) {}
+  Worker(Shared* sh, double* start, double* end, int rank, int procs, int pages, Mode mode,
+         int layers, int iters, uint64_t arena_page)
+      : sh_(sh),
+        start_(start),
+        end_(end),
+        rank_(rank),
+        procs_(procs),
+        pages_(pages),
+        mode_(mode),
+        layers_(layers),
+        iters_(iters),
+        arena_page_(arena_page) {}
 
   int run() {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) return fail("no usable GPU");
     const int dev = rank_ % count;
-    if (cudaSetDevice(dev) != cudaSuccess || cudaFree(nullptr) != cudaSuccess) return fail("cannot initialize the GPU");
+    if (cudaSetDevice(dev) != cudaSuccess || cudaFree(nullptr) != cudaSuccess)
+      return fail("cannot initialize the GPU");
     if (rank_ == 0) {
       cudaDeviceProp prop{};
       if (cudaGetDeviceProperties(&prop, dev) == cudaSuccess)
@@ -84,7 +93,8 @@ class Worker {
     access_.location = prop_.location;
     access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     size_t gran = 0;
-    if (!ok(api_->cuMemGetAllocationGranularity(&gran, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity"))
+    if (!ok(api_->cuMemGetAllocationGranularity(&gran, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+            "granularity"))
       return 1;
     page_ = std::max<uint64_t>(2ULL << 20, gran);
     if (rank_ == 0) sh_->page_bytes = page_;
@@ -101,7 +111,8 @@ class Worker {
       unit_ = std::max<uint64_t>(page_, (arena_page_ + gran - 1) / gran * gran);
       maps_ = size_t((kv_bytes + unit_ - 1) / unit_);
     }
-    if (!ok(api_->cuMemAddressReserve(&va_, unit_ * maps_, page_, 0, 0), "reserve address space")) return 1;
+    if (!ok(api_->cuMemAddressReserve(&va_, unit_ * maps_, page_, 0, 0), "reserve address space"))
+      return 1;
     handles_.assign(maps_, 0);
     int rc = 0;
     for (int it = 0; it < iters_ && rc == 0; ++it) rc = iteration(it);
@@ -173,8 +184,8 @@ class Worker {
   std::vector<CUmemGenericAllocationHandle> handles_;
 };
 
-Status run_case(const VmmBenchOptions& o, const char* name, int procs, int pages_per_proc, Mode mode,
-                VmmCase* out, VmmBenchResult* r) {
+Status run_case(const VmmBenchOptions& o, const char* name, int procs, int pages_per_proc,
+                Mode mode, VmmCase* out, VmmBenchResult* r) {
   const int iters = o.warmup + o.iters;
   const size_t times = size_t(iters) * procs;
   const size_t bytes = sizeof(Shared) + 2 * times * sizeof(double);
@@ -188,7 +199,8 @@ Status run_case(const VmmBenchOptions& o, const char* name, int procs, int pages
   for (int rank = 0; rank < procs; ++rank) {
     pid_t pid = fork();
     if (pid == 0) {
-      Worker w(sh, start, end, rank, procs, pages_per_proc, mode, o.layers, iters, uint64_t(o.arena_page_mib) << 20);
+      Worker w(sh, start, end, rank, procs, pages_per_proc, mode, o.layers, iters,
+               uint64_t(o.arena_page_mib) << 20);
       _exit(w.run());
     }
     if (pid < 0) {
@@ -201,11 +213,12 @@ Status run_case(const VmmBenchOptions& o, const char* name, int procs, int pages
   bool all_ok = st.ok();
   for (pid_t pid : children) {
     int wstatus = 0;
-    if (waitpid(pid, &wstatus, 0) < 0 || !WIFEXITED(wstatus) || WEXITSTATUS(wstatus) != 0) all_ok = false;
+    if (waitpid(pid, &wstatus, 0) < 0 || !WIFEXITED(wstatus) || WEXITSTATUS(wstatus) != 0)
+      all_ok = false;
   }
   if (st.ok() && !all_ok)
-    st = Status::IOError(std::string("vmm benchmark case '") + name + "' failed: " +
-                         (sh->error[0] ? sh->error : "a process died"));
+    st = Status::IOError(std::string("vmm benchmark case '") + name +
+                         "' failed: " + (sh->error[0] ? sh->error : "a process died"));
   if (st.ok()) {
     out->name = name;
     out->procs = procs;
@@ -233,9 +246,10 @@ Status run_case(const VmmBenchOptions& o, const char* name, int procs, int pages
 }  // namespace
 
 Result<VmmBenchResult> run_vmm_bench(const VmmBenchOptions& o) {
-  if (o.pages_total < 1 || o.procs < 1 || o.procs > 256 || o.iters < 1 || o.warmup < 0 || o.layers < 1 ||
-      o.arena_page_mib < 2)
-    return Status::InvalidArgument("vmm bench: pages_total, procs (1-256), iters and layers must be positive");
+  if (o.pages_total < 1 || o.procs < 1 || o.procs > 256 || o.iters < 1 || o.warmup < 0 ||
+      o.layers < 1 || o.arena_page_mib < 2)
+    return Status::InvalidArgument(
+        "vmm bench: pages_total, procs (1-256), iters and layers must be positive");
   if (o.pages_total % o.procs != 0)
     return Status::InvalidArgument("vmm bench: pages_total must be a multiple of procs");
   VmmBenchResult r;
@@ -245,7 +259,8 @@ Result<VmmBenchResult> run_vmm_bench(const VmmBenchOptions& o) {
   CASCADE_RETURN_IF_ERROR(run_case(o, "single", 1, per, mode, &r.single, &r));
   CASCADE_RETURN_IF_ERROR(run_case(o, "serial", 1, o.pages_total, mode, &r.serial, &r));
   CASCADE_RETURN_IF_ERROR(run_case(o, "parallel", o.procs, per, mode, &r.parallel, &r));
-  if (o.arena_case) CASCADE_RETURN_IF_ERROR(run_case(o, "arena", 1, o.pages_total, Mode::kArena, &r.arena, &r));
+  if (o.arena_case)
+    CASCADE_RETURN_IF_ERROR(run_case(o, "arena", 1, o.pages_total, Mode::kArena, &r.arena, &r));
   r.speedup_mean = r.parallel.mean_ms > 0 ? r.serial.mean_ms / r.parallel.mean_ms : 0;
   return r;
 }

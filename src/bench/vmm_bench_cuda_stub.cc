@@ -4,7 +4,8 @@
 namespace cascade {
 
 Result<VmmBenchResult> run_vmm_bench(const VmmBenchOptions&) {
-  return Status::Unavailable("this build of cascade has no CUDA support; the vmm benchmark needs a GPU");
+  return Status::Unavailable(
+      "this build of cascade has no CUDA support; the vmm benchmark needs a GPU");
 }
 
 }  // namespace cascade

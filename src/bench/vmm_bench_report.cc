@@ -25,7 +25,8 @@ std::string table(const char* title, const VmmCase& c, int iters) {
                 "| max wall        | %11.3f |\n"
                 "| min wall        | %11.3f |\n"
                 "+-----------------+-------------+\n",
-                title, c.procs, iters, c.pages_total, c.pages_per_proc, c.mean_ms, c.p95_ms, c.max_ms, c.min_ms);
+                title, c.procs, iters, c.pages_total, c.pages_per_proc, c.mean_ms, c.p95_ms,
+                c.max_ms, c.min_ms);
   return buf;
 }
 
@@ -35,8 +36,8 @@ std::string case_json(const VmmCase& c) {
                 "{\"name\": \"%s\", \"procs\": %d, \"pages_per_proc\": %d, \"pages_total\": %d, "
                 "\"mean_ms\": %.4f, \"p95_ms\": %.4f, \"max_ms\": %.4f, \"min_ms\": %.4f, "
                 "\"mean_ms_per_page\": %.5f}",
-                c.name.c_str(), c.procs, c.pages_per_proc, c.pages_total, c.mean_ms, c.p95_ms, c.max_ms,
-                c.min_ms, c.pages_total ? c.mean_ms / c.pages_total : 0.0);
+                c.name.c_str(), c.procs, c.pages_per_proc, c.pages_total, c.mean_ms, c.p95_ms,
+                c.max_ms, c.min_ms, c.pages_total ? c.mean_ms / c.pages_total : 0.0);
   return buf;
 }
 
@@ -55,7 +56,8 @@ void summarize_vmm_case(VmmCase* c) {
 
 std::string format_vmm_report(const VmmBenchResult& r) {
   const VmmBenchOptions& o = r.options;
-  std::string out = std::string("Using layout contiguous=") + (o.contiguous ? "True" : "False") + "\n";
+  std::string out =
+      std::string("Using layout contiguous=") + (o.contiguous ? "True" : "False") + "\n";
   char line[512];
   std::snprintf(line, sizeof line,
                 "Device: %s (%d visible), page %llu MiB, %d layers: one KV page = %d x %llu MiB\n",
@@ -68,11 +70,13 @@ std::string format_vmm_report(const VmmBenchResult& r) {
   std::snprintf(title, sizeof title, "Parallel case (%d procs map N/P each)", o.procs);
   out += table(title, r.parallel, o.iters);
   std::snprintf(line, sizeof line,
-                "\nSpeedup (parallel vs serial): mean x%.2f   (ideal being approximately %.2f if perfect overlap)\n",
+                "\nSpeedup (parallel vs serial): mean x%.2f   (ideal being approximately %.2f if "
+                "perfect overlap)\n",
                 r.speedup_mean, double(o.procs));
   out += line;
   if (!r.arena.wall_ms.empty()) {
-    std::snprintf(title, sizeof title, "Arena case (1 proc maps N pages as %d MiB pages created ahead, one access call)",
+    std::snprintf(title, sizeof title,
+                  "Arena case (1 proc maps N pages as %d MiB pages created ahead, one access call)",
                   o.arena_page_mib);
     out += table(title, r.arena, o.iters);
   }
@@ -90,13 +94,14 @@ std::string format_vmm_report(const VmmBenchResult& r) {
 std::string vmm_report_json(const VmmBenchResult& r) {
   const VmmBenchOptions& o = r.options;
   char head[512];
-  std::snprintf(head, sizeof head,
-                "{\"benchmark\": \"vmm\", \"device\": \"%s\", \"gpus\": %d, \"page_bytes\": %llu, "
-                "\"layers\": %d, \"contiguous\": %s, \"pages_total\": %d, \"procs\": %d, \"iters\": %d, "
-                "\"warmup\": %d, \"arena_page_mib\": %d, \"speedup_mean\": %.3f, \"cases\": [",
-                r.device_name.c_str(), r.gpus, (unsigned long long)r.page_bytes, o.layers,
-                o.contiguous ? "true" : "false", o.pages_total, o.procs, o.iters, o.warmup, o.arena_page_mib,
-                r.speedup_mean);
+  std::snprintf(
+      head, sizeof head,
+      "{\"benchmark\": \"vmm\", \"device\": \"%s\", \"gpus\": %d, \"page_bytes\": %llu, "
+      "\"layers\": %d, \"contiguous\": %s, \"pages_total\": %d, \"procs\": %d, \"iters\": %d, "
+      "\"warmup\": %d, \"arena_page_mib\": %d, \"speedup_mean\": %.3f, \"cases\": [",
+      r.device_name.c_str(), r.gpus, (unsigned long long)r.page_bytes, o.layers,
+      o.contiguous ? "true" : "false", o.pages_total, o.procs, o.iters, o.warmup, o.arena_page_mib,
+      r.speedup_mean);
   std::string out = head;
   out += case_json(r.single) + ", " + case_json(r.serial) + ", " + case_json(r.parallel);
   if (!r.arena.wall_ms.empty()) out += ", " + case_json(r.arena);

@@ -29,11 +29,15 @@ TEST(GpuVmmBenchReport, StatisticsAndSeedFormat) {
   r.speedup_mean = 1.94;
   std::string text = format_vmm_report(r);
   EXPECT_NE(text.find("Using layout contiguous=True"), std::string::npos);
-  EXPECT_NE(text.find("========== Single Process case (1 proc maps N/P pages) =========="), std::string::npos);
-  EXPECT_NE(text.find("========== Serial case (1 proc maps N pages) =========="), std::string::npos);
-  EXPECT_NE(text.find("========== Parallel case (4 procs map N/P each) =========="), std::string::npos);
+  EXPECT_NE(text.find("========== Single Process case (1 proc maps N/P pages) =========="),
+            std::string::npos);
+  EXPECT_NE(text.find("========== Serial case (1 proc maps N pages) =========="),
+            std::string::npos);
+  EXPECT_NE(text.find("========== Parallel case (4 procs map N/P each) =========="),
+            std::string::npos);
   EXPECT_NE(text.find("| mean wall       |      10.500 |"), std::string::npos) << text;
-  EXPECT_NE(text.find("Speedup (parallel vs serial): mean x1.94   (ideal being approximately 4.00"), std::string::npos);
+  EXPECT_NE(text.find("Speedup (parallel vs serial): mean x1.94   (ideal being approximately 4.00"),
+            std::string::npos);
   std::string json = vmm_report_json(r);
   EXPECT_NE(json.find("\"speedup_mean\": 1.940"), std::string::npos) << json;
 }

@@ -7,8 +7,8 @@ constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // loads in flight per thread before the stores
 
 template <typename V>
-__device__ __forceinline__ void copy_vectors(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
-                                             uint64_t count) {
+__device__ __forceinline__ void copy_vectors(const uint8_t* __restrict__ src,
+                                             uint8_t* __restrict__ dst, uint64_t count) {
   const V* s = reinterpret_cast<const V*>(src);
   V* d = reinterpret_cast<V*>(dst);
   for (uint64_t base = threadIdx.x; base < count; base += uint64_t(kThreads) * kUnroll) {
@@ -26,7 +26,8 @@ __device__ __forceinline__ void copy_vectors(const uint8_t* __restrict__ src, ui
   }
 }
 
-__global__ void __launch_bounds__(kThreads) batch_copy_kernel(const CopySegment* __restrict__ segments) {
+__global__ void __launch_bounds__(kThreads)
+    batch_copy_kernel(const CopySegment* __restrict__ segments) {
   const CopySegment seg = segments[blockIdx.x];
   const uintptr_t mis = reinterpret_cast<uintptr_t>(seg.src) | reinterpret_cast<uintptr_t>(seg.dst);
   uint64_t done = 0;

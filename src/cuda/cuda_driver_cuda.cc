@@ -13,8 +13,8 @@ template <typename Fn>
 bool resolve(const char* symbol, Fn* out) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  cudaError_t err = cudaGetDriverEntryPointByVersion(symbol, &fn, kEntryPointVersion,
-                                                     cudaEnableDefault, &found);
+  cudaError_t err =
+      cudaGetDriverEntryPointByVersion(symbol, &fn, kEntryPointVersion, cudaEnableDefault, &found);
   if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
     (void)cudaGetLastError();  // do not leave the failure for the next runtime call
     return false;
@@ -31,8 +31,7 @@ const DriverApi* load() {
             resolve("cuMemAddressReserve", &api.cuMemAddressReserve) &&
             resolve("cuMemAddressFree", &api.cuMemAddressFree) &&
             resolve("cuMemCreate", &api.cuMemCreate) &&
-            resolve("cuMemRelease", &api.cuMemRelease) &&
-            resolve("cuMemMap", &api.cuMemMap) &&
+            resolve("cuMemRelease", &api.cuMemRelease) && resolve("cuMemMap", &api.cuMemMap) &&
             resolve("cuMemUnmap", &api.cuMemUnmap) &&
             resolve("cuMemSetAccess", &api.cuMemSetAccess) &&
             resolve("cuPointerGetAttribute", &api.cuPointerGetAttribute);

@@ -65,14 +65,14 @@ struct GpuArenaOptions {
 
 struct GpuArenaStats {
   bool elastic = false;
-  uint64_t page_bytes = 0;         // physical page size (GpuArenaOptions::page_bytes)
-  uint64_t reserved_bytes = 0;     // virtual range reserved at open
-  uint64_t mapped_bytes = 0;       // backed by physical pages now
+  uint64_t page_bytes = 0;      // physical page size (GpuArenaOptions::page_bytes)
+  uint64_t reserved_bytes = 0;  // virtual range reserved at open
+  uint64_t mapped_bytes = 0;    // backed by physical pages now
   uint64_t peak_mapped_bytes = 0;
-  uint64_t live_end = 0;           // end of the highest live allocation
-  uint64_t pooled_pages = 0;       // created, not mapped (ready for growth)
-  uint64_t growths = 0;            // map calls (each maps one or more pages)
-  uint64_t pages_mapped = 0;       // totals since open
+  uint64_t live_end = 0;      // end of the highest live allocation
+  uint64_t pooled_pages = 0;  // created, not mapped (ready for growth)
+  uint64_t growths = 0;       // map calls (each maps one or more pages)
+  uint64_t pages_mapped = 0;  // totals since open
   uint64_t pages_unmapped = 0;
   uint64_t trims = 0;
   uint64_t creates_on_demand = 0;  // pages created on the hot path (pool empty)

@@ -25,8 +25,8 @@ Status cu_status(CUresult err, std::string_view what);
 }  // namespace cascade
 
 // Returns the mapped Status from the enclosing function when a runtime call fails.
-#define CASCADE_CUDA_RETURN(call, what)                       \
-  do {                                                        \
-    cudaError_t _e = (call);                                  \
+#define CASCADE_CUDA_RETURN(call, what)                             \
+  do {                                                              \
+    cudaError_t _e = (call);                                        \
     if (_e != cudaSuccess) return ::cascade::cuda_status(_e, what); \
   } while (0)

@@ -9,8 +9,7 @@ namespace {
 
 Code code_for_runtime(cudaError_t err) {
   switch (err) {
-    case cudaErrorMemoryAllocation:
-      return Code::kNoSpace;
+    case cudaErrorMemoryAllocation: return Code::kNoSpace;
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:
     case cudaErrorInvalidDevice:
@@ -19,39 +18,30 @@ Code code_for_runtime(cudaError_t err) {
     case cudaErrorSystemDriverMismatch:
     case cudaErrorCompatNotSupportedOnDevice:
     case cudaErrorNoKernelImageForDevice:
-    case cudaErrorInitializationError:
-      return Code::kUnavailable;
+    case cudaErrorInitializationError: return Code::kUnavailable;
     case cudaErrorInvalidValue:
     case cudaErrorInvalidDevicePointer:
     case cudaErrorInvalidMemcpyDirection:
     case cudaErrorInvalidResourceHandle:
     case cudaErrorHostMemoryAlreadyRegistered:
-    case cudaErrorHostMemoryNotRegistered:
-      return Code::kInvalidArgument;
-    case cudaErrorNotSupported:
-      return Code::kNotSupported;
-    default:
-      return Code::kIOError;
+    case cudaErrorHostMemoryNotRegistered: return Code::kInvalidArgument;
+    case cudaErrorNotSupported: return Code::kNotSupported;
+    default: return Code::kIOError;
   }
 }
 
 Code code_for_driver(CUresult err) {
   switch (err) {
-    case CUDA_ERROR_OUT_OF_MEMORY:
-      return Code::kNoSpace;
+    case CUDA_ERROR_OUT_OF_MEMORY: return Code::kNoSpace;
     case CUDA_ERROR_NO_DEVICE:
     case CUDA_ERROR_INVALID_DEVICE:
     case CUDA_ERROR_NOT_INITIALIZED:
-    case CUDA_ERROR_DEINITIALIZED:
-      return Code::kUnavailable;
+    case CUDA_ERROR_DEINITIALIZED: return Code::kUnavailable;
     case CUDA_ERROR_INVALID_VALUE:
-    case CUDA_ERROR_INVALID_HANDLE:
-      return Code::kInvalidArgument;
+    case CUDA_ERROR_INVALID_HANDLE: return Code::kInvalidArgument;
     case CUDA_ERROR_NOT_SUPPORTED:
-    case CUDA_ERROR_NOT_PERMITTED:
-      return Code::kNotSupported;
-    default:
-      return Code::kIOError;
+    case CUDA_ERROR_NOT_PERMITTED: return Code::kNotSupported;
+    default: return Code::kIOError;
   }
 }
 

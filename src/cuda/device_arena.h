@@ -2,8 +2,8 @@
 //
 // One virtual range of the tier's capacity is reserved at open
 // (cuMemAddressReserve). Physical pages (GpuArenaOptions::page_bytes, a
-// multiple of the driver's 2 MiB granularity) are mapped at its start as the live end of the allocations rises, several
-// at a time, with access set once over each newly mapped range. A
+// multiple of the driver's 2 MiB granularity) are mapped at its start as the live end of the
+// allocations rises, several at a time, with access set once over each newly mapped range. A
 // background thread keeps a few pages created ahead of need (cuMemCreate is
 // the slow call) and performs trims: when enough mapped memory lies above
 // the live end, it synchronizes the device (no kernel or copy can still be
@@ -58,7 +58,8 @@ class DeviceArena {
   // them all, one allocator call (blocks laid out in order, so batch copies
   // merge). Fills offsets[i] for sizes[i] (> 0) and returns how many leading
   // items got space; the first that did not is NoSpace (*failure says why).
-  size_t allocate_many(std::span<const uint64_t> sizes, std::span<uint64_t> offsets, Status* failure);
+  size_t allocate_many(std::span<const uint64_t> sizes, std::span<uint64_t> offsets,
+                       Status* failure);
   // REQUIRES: (offset, size) came from allocate(); no queued work uses it.
   void free(uint64_t offset, uint64_t size);
   uint64_t used() const { return alloc_.used(); }
@@ -72,10 +73,10 @@ class DeviceArena {
   // Makes [0, end) mapped for a range just allocated; waits for a trim in
   // progress above it. REQUIRES: mu_ held (through lock).
   Status make_mapped(uint64_t end, std::unique_lock<std::mutex>& lock);
-  Status grow_locked(uint64_t end);               // REQUIRES: mu_ held
-  void unmap_from_locked(uint64_t new_end);       // REQUIRES: mu_ held
+  Status grow_locked(uint64_t end);                              // REQUIRES: mu_ held
+  void unmap_from_locked(uint64_t new_end);                      // REQUIRES: mu_ held
   void count_pages(uint64_t offset, uint64_t bytes, int delta);  // REQUIRES: mu_ held
-  uint64_t live_end_locked() const;               // REQUIRES: mu_ held
+  uint64_t live_end_locked() const;                              // REQUIRES: mu_ held
   uint64_t page_round(uint64_t x) const { return (x + page_ - 1) / page_ * page_; }
   void background();
 
@@ -97,15 +98,16 @@ class DeviceArena {
   // Live allocations overlapping each page (elastic arenas): the live end
   // is just above the highest page in use. Guarded by mu_.
   std::vector<uint32_t> page_users_;
-  uint64_t mapped_end_ = 0;                           // guarded by mu_
-  std::vector<CUmemGenericAllocationHandle> mapped_;  // page i backs [i*page, (i+1)*page); guarded by mu_
-  std::vector<CUmemGenericAllocationHandle> ready_;   // created, unmapped; guarded by mu_
-  bool trimming_ = false;                             // guarded by mu_
-  uint64_t trim_floor_ = 0;                           // guarded by mu_
-  bool trim_requested_ = false;                       // guarded by mu_
-  bool refill_blocked_ = false;                       // the device refused a page; guarded by mu_
-  bool stop_ = false;                                 // guarded by mu_
-  GpuArenaStats counters_;                            // guarded by mu_
+  uint64_t mapped_end_ = 0;  // guarded by mu_
+  std::vector<CUmemGenericAllocationHandle>
+      mapped_;  // page i backs [i*page, (i+1)*page); guarded by mu_
+  std::vector<CUmemGenericAllocationHandle> ready_;  // created, unmapped; guarded by mu_
+  bool trimming_ = false;                            // guarded by mu_
+  uint64_t trim_floor_ = 0;                          // guarded by mu_
+  bool trim_requested_ = false;                      // guarded by mu_
+  bool refill_blocked_ = false;                      // the device refused a page; guarded by mu_
+  bool stop_ = false;                                // guarded by mu_
+  GpuArenaStats counters_;                           // guarded by mu_
   std::thread background_;
 };
 

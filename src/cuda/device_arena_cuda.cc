@@ -10,7 +10,9 @@
 namespace cascade {
 
 DeviceArena::DeviceArena(int device, uint64_t capacity, const GpuArenaOptions& options)
-    : device_(device), options_(options), alloc_(capacity, std::max<uint64_t>(options.allocation_unit, 256)) {}
+    : device_(device),
+      options_(options),
+      alloc_(capacity, std::max<uint64_t>(options.allocation_unit, 256)) {}
 
 Result<std::unique_ptr<DeviceArena>> DeviceArena::Create(int device, uint64_t capacity,
                                                          const GpuArenaOptions& options) {
@@ -34,7 +36,8 @@ Result<std::unique_ptr<DeviceArena>> DeviceArena::Create(int device, uint64_t ca
     a->prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     a->prop_.location.id = device;
     size_t gran = 0;
-    CUresult r = a->api_->cuMemGetAllocationGranularity(&gran, &a->prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    CUresult r =
+        a->api_->cuMemGetAllocationGranularity(&gran, &a->prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
     if (r != CUDA_SUCCESS) return cu_status(r, "query the GPU page size");
     a->page_ = std::max<uint64_t>(gran, options.page_bytes);
     a->page_ = (a->page_ + gran - 1) / gran * gran;
@@ -85,7 +88,8 @@ DeviceArena::~DeviceArena() {
 
 void DeviceArena::count_pages(uint64_t offset, uint64_t bytes, int delta) {
   if (!elastic_ || bytes == 0) return;
-  for (uint64_t p = offset / page_, last = (offset + bytes - 1) / page_; p <= last; ++p) page_users_[p] += delta;
+  for (uint64_t p = offset / page_, last = (offset + bytes - 1) / page_; p <= last; ++p)
+    page_users_[p] += delta;
 }
 
 uint64_t DeviceArena::live_end_locked() const {
@@ -117,7 +121,8 @@ Result<uint64_t> DeviceArena::allocate(uint64_t size) {
   return *off;
 }
 
-size_t DeviceArena::allocate_many(std::span<const uint64_t> sizes, std::span<uint64_t> offsets, Status* failure) {
+size_t DeviceArena::allocate_many(std::span<const uint64_t> sizes, std::span<uint64_t> offsets,
+                                  Status* failure) {
   *failure = Status::OK();
   if (sizes.empty()) return 0;
   uint64_t total = 0;
@@ -169,7 +174,8 @@ void DeviceArena::free(uint64_t offset, uint64_t size) {
     count_pages(offset, alloc_.round_up(size), -1);
     if (elastic_) {
       refill_blocked_ = false;  // memory may be available again
-      if (!trimming_ && !trim_requested_ && mapped_end_ >= std::max(options_.trim_threshold_bytes, page_)) {
+      if (!trimming_ && !trim_requested_ &&
+          mapped_end_ >= std::max(options_.trim_threshold_bytes, page_)) {
         uint64_t need = live_end_locked();
         if (mapped_end_ - need >= std::max(options_.trim_threshold_bytes, page_)) {
           trim_requested_ = true;
@@ -184,8 +190,8 @@ void DeviceArena::free(uint64_t offset, uint64_t size) {
 Status DeviceArena::grow_locked(uint64_t end) {
   const uint64_t start = mapped_end_;
   const uint64_t need = std::min(va_bytes_, page_round(end));
-  const uint64_t want =
-      std::min(va_bytes_, std::max(need, start + uint64_t(std::max(options_.map_batch_pages, 1)) * page_));
+  const uint64_t want = std::min(
+      va_bytes_, std::max(need, start + uint64_t(std::max(options_.map_batch_pages, 1)) * page_));
   uint64_t at = start;
   Status failure;
   while (at < want) {

@@ -24,7 +24,10 @@ class DeviceBuffer {
   static Result<DeviceBuffer> Allocate(int device, size_t bytes);  // cudaMalloc
   DeviceBuffer() = default;
   DeviceBuffer(DeviceBuffer&& o) noexcept { swap(o); }
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept { swap(o); return *this; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    swap(o);
+    return *this;
+  }
   ~DeviceBuffer();
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
@@ -45,7 +48,10 @@ class PinnedBuffer {
   static Result<PinnedBuffer> Allocate(size_t bytes);  // cudaHostAlloc (portable, mapped)
   PinnedBuffer() = default;
   PinnedBuffer(PinnedBuffer&& o) noexcept { swap(o); }
-  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept { swap(o); return *this; }
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
+    swap(o);
+    return *this;
+  }
   ~PinnedBuffer();
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
@@ -64,7 +70,10 @@ class GpuStream {
   static Result<GpuStream> Create(int device);  // non-blocking stream
   GpuStream() = default;
   GpuStream(GpuStream&& o) noexcept { swap(o); }
-  GpuStream& operator=(GpuStream&& o) noexcept { swap(o); return *this; }
+  GpuStream& operator=(GpuStream&& o) noexcept {
+    swap(o);
+    return *this;
+  }
   ~GpuStream();
   void* handle() const { return stream_; }  // cudaStream_t
   Status synchronize() const;
@@ -106,7 +115,10 @@ class GpuTimer {
   static Result<GpuTimer> Create(int device);
   GpuTimer() = default;
   GpuTimer(GpuTimer&& o) noexcept { swap(o); }
-  GpuTimer& operator=(GpuTimer&& o) noexcept { swap(o); return *this; }
+  GpuTimer& operator=(GpuTimer&& o) noexcept {
+    swap(o);
+    return *this;
+  }
   ~GpuTimer();
   Status start(void* stream);
   Result<double> stop(void* stream);

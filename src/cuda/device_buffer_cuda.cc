@@ -36,8 +36,9 @@ DeviceBuffer::~DeviceBuffer() {
 Result<PinnedBuffer> PinnedBuffer::Allocate(size_t bytes) {
   PinnedBuffer b;
   void* p = nullptr;
-  CASCADE_CUDA_RETURN(cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable | cudaHostAllocMapped),
-                      "cudaHostAlloc");
+  CASCADE_CUDA_RETURN(
+      cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable | cudaHostAllocMapped),
+      "cudaHostAlloc");
   b.data_ = static_cast<uint8_t*>(p);
   b.size_ = bytes;
   return b;
@@ -65,7 +66,8 @@ GpuStream::~GpuStream() {
 }
 
 Status GpuStream::synchronize() const {
-  return cuda_status(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "synchronize a stream");
+  return cuda_status(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)),
+                     "synchronize a stream");
 }
 
 Status copy_to_host(void* dst, const void* src, size_t n) {
@@ -101,8 +103,9 @@ GpuTimer::~GpuTimer() {
 }
 
 Status GpuTimer::start(void* stream) {
-  return cuda_status(cudaEventRecord(static_cast<cudaEvent_t>(begin_), static_cast<cudaStream_t>(stream)),
-                     "record an event");
+  return cuda_status(
+      cudaEventRecord(static_cast<cudaEvent_t>(begin_), static_cast<cudaStream_t>(stream)),
+      "record an event");
 }
 
 Result<double> GpuTimer::stop(void* stream) {
@@ -110,7 +113,8 @@ Result<double> GpuTimer::stop(void* stream) {
   CASCADE_CUDA_RETURN(cudaEventRecord(e, static_cast<cudaStream_t>(stream)), "record an event");
   CASCADE_CUDA_RETURN(cudaEventSynchronize(e), "wait for an event");
   float ms = 0;
-  CASCADE_CUDA_RETURN(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(begin_), e), "read a timer");
+  CASCADE_CUDA_RETURN(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(begin_), e),
+                      "read a timer");
   return double(ms);
 }
 

@@ -115,7 +115,7 @@ class DeviceContext {
   };
   bool place_arg(size_t bytes, size_t* offset) const;  // REQUIRES: args_mu_ held
   std::mutex args_mu_;
-  uint8_t* args_host_ = nullptr;    // pinned
+  uint8_t* args_host_ = nullptr;  // pinned
   uint8_t* args_device_ = nullptr;
   std::deque<ArgEntry> args_live_;  // allocation order; guarded by args_mu_
   uint64_t next_ticket_ = 1;        // guarded by args_mu_
@@ -124,8 +124,8 @@ class DeviceContext {
 
   std::mutex staging_mu_;
   std::condition_variable staging_cv_;
-  uint8_t* staging_host_ = nullptr;          // guarded by staging_mu_
-  std::vector<StagingSlot> staging_free_;    // guarded by staging_mu_
+  uint8_t* staging_host_ = nullptr;        // guarded by staging_mu_
+  std::vector<StagingSlot> staging_free_;  // guarded by staging_mu_
   bool staging_failed_ = false;
 };
 

@@ -65,7 +65,8 @@ Status DeviceContext::init() {
   (void)cudaGetLastError();
   kernels_reach_host_ = uva && host_ptr;
   for (auto& s : streams_)
-    CASCADE_CUDA_RETURN(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "create a CUDA stream");
+    CASCADE_CUDA_RETURN(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
+                        "create a CUDA stream");
   CASCADE_CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&args_host_), kArgRingBytes,
                                     cudaHostAllocPortable | cudaHostAllocMapped),
                       "allocate the pinned argument ring");
@@ -153,9 +154,11 @@ bool DeviceContext::place_arg(size_t bytes, size_t* offset) const {
   return false;
 }
 
-Result<DeviceContext::Upload> DeviceContext::upload(const void* host, size_t bytes, cudaStream_t s) {
+Result<DeviceContext::Upload> DeviceContext::upload(const void* host, size_t bytes,
+                                                    cudaStream_t s) {
   if (bytes > kMaxUploadBytes)
-    return Status::InvalidArgument("argument table of " + std::to_string(bytes) + " bytes is too large");
+    return Status::InvalidArgument("argument table of " + std::to_string(bytes) +
+                                   " bytes is too large");
   const size_t need = (bytes + 255) & ~size_t{255};
   size_t offset = 0;
   uint64_t ticket = 0;
@@ -189,8 +192,8 @@ Result<DeviceContext::Upload> DeviceContext::upload(const void* host, size_t byt
     args_live_.push_back(ArgEntry{offset, need, ticket, false, nullptr});
   }
   std::memcpy(args_host_ + offset, host, bytes);
-  cudaError_t err = cudaMemcpyAsync(args_device_ + offset, args_host_ + offset, bytes,
-                                    cudaMemcpyHostToDevice, s);
+  cudaError_t err =
+      cudaMemcpyAsync(args_device_ + offset, args_host_ + offset, bytes, cudaMemcpyHostToDevice, s);
   if (err != cudaSuccess) {
     retire(ticket, s);
     return cuda_status(err, "upload a kernel argument table");
@@ -226,7 +229,8 @@ Result<void*> DeviceContext::scratch_alloc(size_t bytes, cudaStream_t s) {
   void* p = nullptr;
   cudaError_t err = scratch_pool_ ? cudaMallocFromPoolAsync(&p, bytes, scratch_pool_, s)
                                   : cudaMallocAsync(&p, bytes, s);
-  if (err != cudaSuccess) return cuda_status(err, "allocate " + std::to_string(bytes >> 20) + " MiB of GPU scratch");
+  if (err != cudaSuccess)
+    return cuda_status(err, "allocate " + std::to_string(bytes >> 20) + " MiB of GPU scratch");
   return p;
 }
 

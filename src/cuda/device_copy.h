@@ -5,8 +5,8 @@
 
 #include <cstddef>
 
-#include "cascade/status.h"
 #include "cascade/memory_kind.h"
+#include "cascade/status.h"
 
 namespace cascade {
 

@@ -4,9 +4,9 @@
 #include <cstring>
 #include <mutex>
 
-#include "cuda/device_copy.h"
 #include "cuda/cuda_status.h"
 #include "cuda/device_context.h"
+#include "cuda/device_copy.h"
 #include "cuda/device_transfers.h"
 #include "cuda/host_registration.h"
 
@@ -20,7 +20,8 @@ int device_of(const void* p) {
     (void)cudaGetLastError();
     return -1;
   }
-  return (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) ? attr.device : -1;
+  return (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) ? attr.device
+                                                                                   : -1;
 }
 
 }  // namespace
@@ -34,7 +35,8 @@ Status device_copy(void* dst, MemoryKind dst_kind, const void* src, MemoryKind s
     return Status::OK();
   }
   int device = device_of(dst_kind == MemoryKind::kDevice ? dst : src);
-  if (device < 0 && dst_kind == MemoryKind::kDevice && src_kind == MemoryKind::kDevice) device = device_of(src);
+  if (device < 0 && dst_kind == MemoryKind::kDevice && src_kind == MemoryKind::kDevice)
+    device = device_of(src);
   if (device < 0) {
     if (cudaGetDevice(&device) != cudaSuccess) {
       (void)cudaGetLastError();

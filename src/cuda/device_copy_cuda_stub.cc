@@ -4,7 +4,8 @@
 namespace cascade {
 
 Status device_copy(void*, MemoryKind, const void*, MemoryKind, size_t, void*) {
-  return Status::Unavailable("this build of cascade has no CUDA support; device memory cannot be used");
+  return Status::Unavailable(
+      "this build of cascade has no CUDA support; device memory cannot be used");
 }
 
 bool gpu_usable(int) { return false; }

@@ -24,7 +24,8 @@ __global__ void fill_pattern_kernel(uint8_t* dst, uint64_t n, uint64_t seed, uin
     while (clock64() < until) {
     }
   }
-  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n; i += uint64_t(gridDim.x) * blockDim.x)
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < n;
+       i += uint64_t(gridDim.x) * blockDim.x)
     dst[i] = pattern_byte_dev(seed, i);
 }
 

@@ -32,8 +32,8 @@
 #include <vector>
 
 #include "cascade/memory_kind.h"
-#include "cuda/device_context.h"
 #include "cuda/cuda_options.h"
+#include "cuda/device_context.h"
 
 namespace cascade {
 
@@ -51,7 +51,9 @@ class DeviceTransfers {
   // its pointers need no attribute query. pool may be null.
   DeviceTransfers(DeviceContext* ctx, ThreadPool* pool, const TransferTuning& tuning,
                   const void* local_base = nullptr, uint64_t local_bytes = 0)
-      : ctx_(ctx), pool_(pool), tuning_(tuning),
+      : ctx_(ctx),
+        pool_(pool),
+        tuning_(tuning),
         local_lo_(reinterpret_cast<uintptr_t>(local_base)),
         local_hi_(reinterpret_cast<uintptr_t>(local_base) + local_bytes) {}
 
@@ -69,7 +71,8 @@ class DeviceTransfers {
 
   // Queues items whose both sides the GPU reaches directly (device memory of
   // this device, registered or pinned host memory).
-  Status enqueue_reachable(std::span<const CopyItem> items, bool device_to_device, cudaStream_t s) const;
+  Status enqueue_reachable(std::span<const CopyItem> items, bool device_to_device,
+                           cudaStream_t s) const;
 
  private:
   // A device allocation found on this device, remembered while one call
@@ -79,7 +82,8 @@ class DeviceTransfers {
   };
   bool device_side_local(const void* p, KnownRange* known) const;
   // REQUIRES: method is kKernel or kBatchApi (and allowed on s).
-  Status enqueue_small(std::span<const CopyItem> items, SmallCopyMethod method, cudaStream_t s) const;
+  Status enqueue_small(std::span<const CopyItem> items, SmallCopyMethod method,
+                       cudaStream_t s) const;
   Status copy_staged(std::span<const CopyItem> items, bool to_device, cudaStream_t s) const;
 
   DeviceContext* ctx_;

@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <cstring>
 
-#include "util/copy_bytes.h"
-#include "util/thread_pool.h"
 #include "cuda/batch_copy.h"
 #include "cuda/cuda_driver.h"
 #include "cuda/cuda_status.h"
 #include "cuda/host_registration.h"
+#include "util/copy_bytes.h"
+#include "util/thread_pool.h"
 
 namespace cascade {
 namespace {
@@ -36,7 +36,8 @@ Status for_each_dma_piece(const CopyItem& it, Fn&& fn) {
 
 Status dma_copy(const CopyItem& it, cudaStream_t s) {
   return for_each_dma_piece(it, [s](const CopyItem& p) {
-    return cuda_status(cudaMemcpyAsync(p.dst, p.src, p.bytes, cudaMemcpyDefault, s), "queue a GPU copy");
+    return cuda_status(cudaMemcpyAsync(p.dst, p.src, p.bytes, cudaMemcpyDefault, s),
+                       "queue a GPU copy");
   });
 }
 
@@ -63,8 +64,10 @@ bool DeviceTransfers::device_side_local(const void* p, KnownRange* known) const 
     CUdeviceptr start = 0;
     size_t size = 0;
     if (api &&
-        api->cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CUdeviceptr(a)) == CUDA_SUCCESS &&
-        api->cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, CUdeviceptr(a)) == CUDA_SUCCESS &&
+        api->cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CUdeviceptr(a)) ==
+            CUDA_SUCCESS &&
+        api->cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, CUdeviceptr(a)) ==
+            CUDA_SUCCESS &&
         start <= a && a < start + size) {
       known->lo = start;
       known->hi = start + size;
@@ -73,15 +76,15 @@ bool DeviceTransfers::device_side_local(const void* p, KnownRange* known) const 
   return local;
 }
 
-Status DeviceTransfers::copy(std::span<const CopyItem> items, MemoryKind dst_kind, MemoryKind src_kind,
-                             cudaStream_t s) const {
+Status DeviceTransfers::copy(std::span<const CopyItem> items, MemoryKind dst_kind,
+                             MemoryKind src_kind, cudaStream_t s) const {
   Status st = enqueue(items, dst_kind, src_kind, s);
   Status waited = ctx_->wait_for(s);
   return st.ok() ? waited : st;
 }
 
-Status DeviceTransfers::enqueue(std::span<const CopyItem> items, MemoryKind dst_kind, MemoryKind src_kind,
-                                cudaStream_t s) const {
+Status DeviceTransfers::enqueue(std::span<const CopyItem> items, MemoryKind dst_kind,
+                                MemoryKind src_kind, cudaStream_t s) const {
   if (dst_kind == MemoryKind::kHost && src_kind == MemoryKind::kHost) {
     for (const CopyItem& it : items) std::memcpy(it.dst, it.src, it.bytes);
     return Status::OK();
@@ -134,18 +137,25 @@ Status DeviceTransfers::enqueue_reachable(std::span<const CopyItem> items, bool 
   }
   // Sort the merged items by how they move (see TransferTuning).
   const bool kernel_ok = device_to_device || ctx_->kernels_reach_host_memory();
-  const uint64_t large = device_to_device ? tuning_.large_device_copy_bytes : tuning_.large_copy_bytes;
+  const uint64_t large =
+      device_to_device ? tuning_.large_device_copy_bytes : tuning_.large_copy_bytes;
   std::vector<CopyItem> by_kernel, by_batch, by_copy;
   for (const CopyItem& it : merged) {
     SmallCopyMethod m = tuning_.small_method;
     if (it.bytes >= large) m = SmallCopyMethod::kPerCopy;
     else if (device_to_device) m = SmallCopyMethod::kKernel;
     else if (m == SmallCopyMethod::kAuto)
-      m = it.bytes < tuning_.kernel_copy_max_bytes ? SmallCopyMethod::kKernel : SmallCopyMethod::kBatchApi;
+      m = it.bytes < tuning_.kernel_copy_max_bytes ? SmallCopyMethod::kKernel
+                                                   : SmallCopyMethod::kBatchApi;
     if (m == SmallCopyMethod::kKernel && !kernel_ok) m = SmallCopyMethod::kBatchApi;
-    if (m == SmallCopyMethod::kBatchApi && is_default_stream(s)) m = SmallCopyMethod::kPerCopy;  // not allowed there
-    if (merged.size() == 1 && !device_to_device) m = SmallCopyMethod::kPerCopy;  // one copy: one call
-    (m == SmallCopyMethod::kKernel ? by_kernel : m == SmallCopyMethod::kBatchApi ? by_batch : by_copy).push_back(it);
+    if (m == SmallCopyMethod::kBatchApi && is_default_stream(s))
+      m = SmallCopyMethod::kPerCopy;  // not allowed there
+    if (merged.size() == 1 && !device_to_device)
+      m = SmallCopyMethod::kPerCopy;  // one copy: one call
+    (m == SmallCopyMethod::kKernel     ? by_kernel
+     : m == SmallCopyMethod::kBatchApi ? by_batch
+                                       : by_copy)
+        .push_back(it);
   }
   if (by_batch.size() == 1) {
     by_copy.push_back(by_batch[0]);
@@ -156,7 +166,8 @@ Status DeviceTransfers::enqueue_reachable(std::span<const CopyItem> items, bool 
   return enqueue_small(by_kernel, SmallCopyMethod::kKernel, s);
 }
 
-Status DeviceTransfers::enqueue_small(std::span<const CopyItem> items, SmallCopyMethod method, cudaStream_t s) const {
+Status DeviceTransfers::enqueue_small(std::span<const CopyItem> items, SmallCopyMethod method,
+                                      cudaStream_t s) const {
   if (items.empty()) return Status::OK();
   if (method == SmallCopyMethod::kBatchApi) {
 #if CUDART_VERSION >= 13000
@@ -184,8 +195,8 @@ Status DeviceTransfers::enqueue_small(std::span<const CopyItem> items, SmallCopy
       cudaMemcpyAttributes attr{};
       attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
       size_t attr_index = 0;
-      cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, &attr,
-                                             &attr_index, 1, s);
+      cudaError_t err =
+          cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), n, &attr, &attr_index, 1, s);
       if (err != cudaSuccess) {
         (void)cudaGetLastError();  // unsupported here: fall back for the rest
         return per_copy(std::span<const CopyItem>(pieces).subspan(begin), s);
@@ -222,7 +233,8 @@ Status DeviceTransfers::enqueue_small(std::span<const CopyItem> items, SmallCopy
   return flush();
 }
 
-Status DeviceTransfers::copy_staged(std::span<const CopyItem> items, bool to_device, cudaStream_t s) const {
+Status DeviceTransfers::copy_staged(std::span<const CopyItem> items, bool to_device,
+                                    cudaStream_t s) const {
   constexpr uint64_t kSlot = DeviceContext::kStagingSlotBytes;
   struct Piece {
     uint8_t* host;    // caller's pageable memory
@@ -289,7 +301,8 @@ Status DeviceTransfers::copy_staged(std::span<const CopyItem> items, bool to_dev
       }
     }
     if (pool_ && slices.size() > 2) {
-      pool_->parallel_for(slices.size(), [&](size_t i) { copy_bytes(slices[i].dst, slices[i].src, slices[i].n); });
+      pool_->parallel_for(slices.size(),
+                          [&](size_t i) { copy_bytes(slices[i].dst, slices[i].src, slices[i].n); });
     } else {
       for (const Slice& sl : slices) copy_bytes(sl.dst, sl.src, sl.n);
     }

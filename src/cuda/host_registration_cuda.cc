@@ -54,7 +54,8 @@ bool ensure_chunks(Range& r, size_t c0, size_t c1) {
       continue;
     }
     void* p = reinterpret_cast<void*>(r.base + c * kHostRegistrationChunk);
-    cudaError_t err = cudaHostRegister(p, r.chunk_len(c), cudaHostRegisterPortable | cudaHostRegisterMapped);
+    cudaError_t err =
+        cudaHostRegister(p, r.chunk_len(c), cudaHostRegisterPortable | cudaHostRegisterMapped);
     if (err == cudaErrorHostMemoryAlreadyRegistered) err = cudaSuccess;  // someone else pinned it
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
@@ -76,7 +77,8 @@ Status register_host_range(void* base, size_t bytes) {
   r->bytes = bytes;
   r->chunks = (bytes + kHostRegistrationChunk - 1) / kHostRegistrationChunk;
   r->chunk.reset(new std::atomic<uint8_t>[r->chunks]);
-  for (size_t c = 0; c < r->chunks; ++c) r->chunk[c].store(kUnregistered, std::memory_order_relaxed);
+  for (size_t c = 0; c < r->chunks; ++c)
+    r->chunk[c].store(kUnregistered, std::memory_order_relaxed);
   Registry& reg = registry();
   std::unique_lock<std::shared_mutex> lock(reg.mu);
   auto next = reg.ranges.lower_bound(r->base);
@@ -104,7 +106,8 @@ void unregister_host_range(void* base) {
   std::lock_guard<std::mutex> lock(r->mu);
   for (size_t c = 0; c < r->chunks; ++c) {
     if (r->chunk[c].load(std::memory_order_acquire) != kRegistered) continue;
-    if (cudaHostUnregister(reinterpret_cast<void*>(r->base + c * kHostRegistrationChunk)) != cudaSuccess)
+    if (cudaHostUnregister(reinterpret_cast<void*>(r->base + c * kHostRegistrationChunk)) !=
+        cudaSuccess)
       (void)cudaGetLastError();
     r->chunk[c].store(kUnregistered, std::memory_order_release);
   }
@@ -123,7 +126,8 @@ bool host_range_device_accessible(const void* p, size_t n) {
       if (a < r.base + r.bytes) {
         uintptr_t last = a + (n ? n - 1 : 0);
         if (last >= r.base + r.bytes) return false;  // runs past the recorded range
-        return ensure_chunks(r, (a - r.base) / kHostRegistrationChunk, (last - r.base) / kHostRegistrationChunk);
+        return ensure_chunks(r, (a - r.base) / kHostRegistrationChunk,
+                             (last - r.base) / kHostRegistrationChunk);
       }
     }
   }
@@ -145,7 +149,8 @@ size_t host_registration_run(const void* p, size_t n) {
   --it;
   const Range& r = *it->second;
   if (a >= r.base + r.bytes) return n;
-  uintptr_t chunk_end = r.base + ((a - r.base) / kHostRegistrationChunk + 1) * kHostRegistrationChunk;
+  uintptr_t chunk_end =
+      r.base + ((a - r.base) / kHostRegistrationChunk + 1) * kHostRegistrationChunk;
   chunk_end = std::min<uintptr_t>(chunk_end, r.base + r.bytes);
   return std::min<size_t>(n, chunk_end - a);
 }

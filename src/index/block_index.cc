@@ -83,7 +83,8 @@ struct BlockIndex::Shard {
   uint32_t number_of(const Entry* x) const {
     for (uint32_t c = 0; c < chunks.size(); ++c) {
       const Entry* base = chunks[c].get();
-      if (x >= base && x < base + kChunk) return (c << kChunkBits) | static_cast<uint32_t>(x - base);
+      if (x >= base && x < base + kChunk)
+        return (c << kChunkBits) | static_cast<uint32_t>(x - base);
     }
     return kNil;
   }
@@ -96,8 +97,7 @@ struct BlockIndex::Shard {
     for (size_t pos = fp & m;; pos = (pos + 1) & m) {
       uint64_t s = table[pos];
       if (s == 0) return -1;
-      if (static_cast<uint32_t>(s >> 32) == fp &&
-          at(static_cast<uint32_t>(s) - 1).id == id)
+      if (static_cast<uint32_t>(s >> 32) == fp && at(static_cast<uint32_t>(s) - 1).id == id)
         return static_cast<long>(pos);
     }
   }
@@ -170,7 +170,8 @@ struct BlockIndex::Shard {
 
   void unlink(int l, uint32_t e) {
     Entry& x = at(e);
-    if (x.prev != kNil) at(x.prev).next = x.next; else head[l] = x.next;
+    if (x.prev != kNil) at(x.prev).next = x.next;
+    else head[l] = x.next;
     if (x.next != kNil) {
       at(x.next).prev = x.prev;
     } else {
@@ -208,7 +209,8 @@ bool BlockIndex::insert(const BlockId& id, const Location& loc, bool is_prefix) 
   x.id = id;
   x.set_loc(loc);
   x.state.store(is_prefix ? kPrefix : 0, std::memory_order_relaxed);
-  s.push_head(is_prefix ? 1 : 0, e, static_cast<uint32_t>(clock_.fetch_add(1, std::memory_order_relaxed)));
+  s.push_head(is_prefix ? 1 : 0, e,
+              static_cast<uint32_t>(clock_.fetch_add(1, std::memory_order_relaxed)));
   s.place((uint64_t{fp} << 32) | (e + 1));
   ++s.in_table;
   s.live.fetch_add(1, std::memory_order_relaxed);

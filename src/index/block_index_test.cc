@@ -36,7 +36,8 @@ struct Reclaimed {
 TEST(BlockIndexTest, InsertLookupRemove) {
   Reclaimed r;
   BlockIndex idx(256, EvictionPolicy::kLru, r.fn());
-  for (uint64_t i = 0; i < 10000; ++i) ASSERT_TRUE(idx.insert(make_id(i), {i * 4096, i + 1}, false));
+  for (uint64_t i = 0; i < 10000; ++i)
+    ASSERT_TRUE(idx.insert(make_id(i), {i * 4096, i + 1}, false));
   EXPECT_FALSE(idx.insert(make_id(5), {0, 1}, false));
   EXPECT_EQ(idx.size(), 10000u);
   for (uint64_t i = 0; i < 10000; ++i) {

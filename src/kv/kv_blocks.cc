@@ -48,11 +48,12 @@ KvBlockMover::KvBlockMover(CascadeStore* store, const PagedKvCache& cache, int d
 
 KvBlockMover::~KvBlockMover() = default;
 
-Result<std::unique_ptr<KvBlockMover>> KvBlockMover::Create(CascadeStore* store, const PagedKvCache& cache,
-                                                           int device) {
+Result<std::unique_ptr<KvBlockMover>> KvBlockMover::Create(CascadeStore* store,
+                                                           const PagedKvCache& cache, int device) {
   if (store == nullptr) return Status::InvalidArgument("no store");
   CASCADE_RETURN_IF_ERROR(validate_paged_kv(cache));
-  if (stored_kv_block_bytes(cache) == 0) return Status::InvalidArgument("the cache's blocks are empty");
+  if (stored_kv_block_bytes(cache) == 0)
+    return Status::InvalidArgument("the cache's blocks are empty");
   return std::unique_ptr<KvBlockMover>(new KvBlockMover(store, cache, device));
 }
 
@@ -78,7 +79,8 @@ Result<uint8_t*> KvBlockMover::staging(Staging& s, uint64_t bytes, MemoryKind ki
     const uint64_t rounded = (bytes + 4095) & ~uint64_t(4095);
     s.host.reset(static_cast<uint8_t*>(std::aligned_alloc(4096, rounded)));
     if (!s.host) {
-      return Status::NoSpace("could not allocate " + std::to_string(bytes) + " bytes of staging memory");
+      return Status::NoSpace("could not allocate " + std::to_string(bytes) +
+                             " bytes of staging memory");
     }
     s.data = s.host.get();
   }
@@ -87,10 +89,11 @@ Result<uint8_t*> KvBlockMover::staging(Staging& s, uint64_t bytes, MemoryKind ki
   return s.data;
 }
 
-Status KvBlockMover::gather(std::span<const int64_t> blocks, std::span<void* const> dst, MemoryKind dst_kind,
-                            const KvMoveOptions& o) const {
+Status KvBlockMover::gather(std::span<const int64_t> blocks, std::span<void* const> dst,
+                            MemoryKind dst_kind, const KvMoveOptions& o) const {
   if (cache_.memory == MemoryKind::kHost) {
-    if (dst_kind != MemoryKind::kHost) return Status::InvalidArgument("a host cache saves into host memory");
+    if (dst_kind != MemoryKind::kHost)
+      return Status::InvalidArgument("a host cache saves into host memory");
     return save_paged_kv_cpu(cache_, blocks, dst);
   }
   PagedKvOptions po;
@@ -102,7 +105,8 @@ Status KvBlockMover::gather(std::span<const int64_t> blocks, std::span<void* con
 Status KvBlockMover::scatter(std::span<const int64_t> blocks, std::span<const void* const> src,
                              MemoryKind src_kind, const KvMoveOptions& o) const {
   if (cache_.memory == MemoryKind::kHost) {
-    if (src_kind != MemoryKind::kHost) return Status::InvalidArgument("a host cache loads from host memory");
+    if (src_kind != MemoryKind::kHost)
+      return Status::InvalidArgument("a host cache loads from host memory");
     return load_paged_kv_cpu(cache_, blocks, src, o.layer_begin, o.layer_end);
   }
   PagedKvOptions po;
@@ -117,31 +121,36 @@ namespace {
 
 Status check_spans(size_t blocks, size_t ids) {
   if (blocks != ids) {
-    return Status::InvalidArgument(std::to_string(blocks) + " engine blocks but " + std::to_string(ids) +
-                                   " ids: one id per engine block");
+    return Status::InvalidArgument(std::to_string(blocks) + " engine blocks but " +
+                                   std::to_string(ids) + " ids: one id per engine block");
   }
   return Status::OK();
 }
 
 Status check_block(int64_t b, int64_t num_blocks) {
   if (b < 0 || b >= num_blocks) {
-    return Status::InvalidArgument("engine block " + std::to_string(b) + " is outside the cache's " +
-                                   std::to_string(num_blocks) + " blocks");
+    return Status::InvalidArgument("engine block " + std::to_string(b) +
+                                   " is outside the cache's " + std::to_string(num_blocks) +
+                                   " blocks");
   }
   return Status::OK();
 }
 
 size_t count_ok(const std::vector<Status>& st) {
-  return static_cast<size_t>(std::count_if(st.begin(), st.end(), [](const Status& s) { return s.ok(); }));
+  return static_cast<size_t>(
+      std::count_if(st.begin(), st.end(), [](const Status& s) { return s.ok(); }));
 }
 
 }  // namespace
 
-Result<size_t> KvBlockMover::save(std::span<const int64_t> engine_blocks, std::span<const BlockId> ids,
-                                  const KvMoveOptions& options, std::vector<Status>* statuses) {
+Result<size_t> KvBlockMover::save(std::span<const int64_t> engine_blocks,
+                                  std::span<const BlockId> ids, const KvMoveOptions& options,
+                                  std::vector<Status>* statuses) {
   CASCADE_RETURN_IF_ERROR(check_spans(engine_blocks.size(), ids.size()));
-  if (options.layer_begin != 0 || (options.layer_end != -1 && options.layer_end != cache_.num_layers)) {
-    return Status::InvalidArgument("a save copies every layer (a stored block is written once, whole)");
+  if (options.layer_begin != 0 ||
+      (options.layer_end != -1 && options.layer_end != cache_.num_layers)) {
+    return Status::InvalidArgument(
+        "a save copies every layer (a stored block is written once, whole)");
   }
   statuses->assign(ids.size(), Status::OK());
   // Items that need a copy: not already stored, block in range.
@@ -157,11 +166,13 @@ Result<size_t> KvBlockMover::save(std::span<const int64_t> engine_blocks, std::s
   }
   if (todo.empty()) return count_ok(*statuses);
 
-  const MemoryKind kind =
-      (cache_.memory == MemoryKind::kDevice && top_is_gpu_) ? MemoryKind::kDevice : MemoryKind::kHost;
+  const MemoryKind kind = (cache_.memory == MemoryKind::kDevice && top_is_gpu_)
+                              ? MemoryKind::kDevice
+                              : MemoryKind::kHost;
   const size_t per_chunk = std::max<uint64_t>(1, kStagingCapBytes / block_bytes_);
   std::lock_guard<std::mutex> lock(save_mu_);
-  auto buf = staging(*save_staging_, std::min<uint64_t>(per_chunk, todo.size()) * block_bytes_, kind);
+  auto buf =
+      staging(*save_staging_, std::min<uint64_t>(per_chunk, todo.size()) * block_bytes_, kind);
   if (!buf.ok()) {
     for (size_t i : todo) (*statuses)[i] = buf.status();
     return count_ok(*statuses);
@@ -198,8 +209,9 @@ Result<size_t> KvBlockMover::save(std::span<const int64_t> engine_blocks, std::s
   return count_ok(*statuses);
 }
 
-Result<size_t> KvBlockMover::load(std::span<const int64_t> engine_blocks, std::span<const BlockId> ids,
-                                  const KvMoveOptions& options, std::vector<Status>* statuses) {
+Result<size_t> KvBlockMover::load(std::span<const int64_t> engine_blocks,
+                                  std::span<const BlockId> ids, const KvMoveOptions& options,
+                                  std::vector<Status>* statuses) {
   CASCADE_RETURN_IF_ERROR(check_spans(engine_blocks.size(), ids.size()));
   const int end = options.layer_end < 0 ? cache_.num_layers : options.layer_end;
   if (options.layer_begin < 0 || options.layer_begin >= end || end > cache_.num_layers) {
@@ -241,8 +253,9 @@ Result<size_t> KvBlockMover::load(std::span<const int64_t> engine_blocks, std::s
         continue;
       }
       if (v->size() != block_bytes_) {
-        (*statuses)[i] = Status::InvalidArgument("block " + ids[i].hex() + " holds " + std::to_string(v->size()) +
-                                                 " bytes, the cache's blocks " + std::to_string(block_bytes_));
+        (*statuses)[i] = Status::InvalidArgument(
+            "block " + ids[i].hex() + " holds " + std::to_string(v->size()) +
+            " bytes, the cache's blocks " + std::to_string(block_bytes_));
         continue;
       }
       // A host cache cannot read device leases directly.
@@ -273,7 +286,8 @@ Result<size_t> KvBlockMover::load(std::span<const int64_t> engine_blocks, std::s
     // Blocks that could not be leased: read into staging, then scatter.
     if (!fallback.empty()) {
       const size_t per_chunk = std::max<uint64_t>(1, kStagingCapBytes / block_bytes_);
-      auto buf = staging(*load_staging_, std::min<uint64_t>(per_chunk, fallback.size()) * block_bytes_, host);
+      auto buf = staging(*load_staging_,
+                         std::min<uint64_t>(per_chunk, fallback.size()) * block_bytes_, host);
       for (size_t fb = 0; fb < fallback.size(); fb += per_chunk) {
         const size_t m = std::min(per_chunk, fallback.size() - fb);
         std::vector<int64_t> blocks;
@@ -288,10 +302,12 @@ Result<size_t> KvBlockMover::load(std::span<const int64_t> engine_blocks, std::s
           uint8_t* out = *buf + k * block_bytes_;
           GetResult r;
           Status st = store_->get(ids[i], out, block_bytes_, &r);
-          if (st.ok() && !r.found) st = Status::NotFound("block " + ids[i].hex() + " is not stored");
+          if (st.ok() && !r.found)
+            st = Status::NotFound("block " + ids[i].hex() + " is not stored");
           if (st.ok() && r.size != block_bytes_) {
-            st = Status::InvalidArgument("block " + ids[i].hex() + " holds " + std::to_string(r.size) +
-                                         " bytes, the cache's blocks " + std::to_string(block_bytes_));
+            st = Status::InvalidArgument("block " + ids[i].hex() + " holds " +
+                                         std::to_string(r.size) + " bytes, the cache's blocks " +
+                                         std::to_string(block_bytes_));
           }
           if (!st.ok()) {
             (*statuses)[i] = st;

@@ -57,8 +57,11 @@ struct HostCache {
     for (auto& l : layers) desc.layers.push_back(l.data());
   }
   // The bytes of engine block b of layer l (contiguous in this layout).
-  const uint8_t* block(int l, int64_t b) const { return layers[l].data() + b * (kLayerBytes / kBlocks); }
-  bool same_block(const HostCache& o, int64_t b, int64_t ob, int layer_begin = 0, int layer_end = kLayers) const {
+  const uint8_t* block(int l, int64_t b) const {
+    return layers[l].data() + b * (kLayerBytes / kBlocks);
+  }
+  bool same_block(const HostCache& o, int64_t b, int64_t ob, int layer_begin = 0,
+                  int layer_end = kLayers) const {
     for (int l = layer_begin; l < layer_end; ++l)
       if (std::memcmp(block(l, b), o.block(l, ob), kLayerBytes / kBlocks) != 0) return false;
     return true;
@@ -126,14 +129,17 @@ TEST(KvBlockMoverTest, PerItemErrorsNeverLoadWrongBytes) {
   EXPECT_EQ(store->stats().tiers[0].leased_blocks, 0u);
 
   // Whole-call errors.
-  EXPECT_FALSE(loader->load(std::vector<int64_t>{0, 1}, std::vector<BlockId>{id_of(10)}, {}, &st).ok());
+  EXPECT_FALSE(
+      loader->load(std::vector<int64_t>{0, 1}, std::vector<BlockId>{id_of(10)}, {}, &st).ok());
   KvMoveOptions bad;
   bad.layer_begin = 2;
   bad.layer_end = 1;
-  EXPECT_FALSE(loader->load(std::vector<int64_t>{0}, std::vector<BlockId>{id_of(10)}, bad, &st).ok());
+  EXPECT_FALSE(
+      loader->load(std::vector<int64_t>{0}, std::vector<BlockId>{id_of(10)}, bad, &st).ok());
   KvMoveOptions some_layers;
   some_layers.layer_end = 1;
-  EXPECT_FALSE(saver->save(std::vector<int64_t>{0}, std::vector<BlockId>{id_of(13)}, some_layers, &st).ok());
+  EXPECT_FALSE(
+      saver->save(std::vector<int64_t>{0}, std::vector<BlockId>{id_of(13)}, some_layers, &st).ok());
   // Out-of-range engine block on save: that item fails, nothing stored.
   n = saver->save(std::vector<int64_t>{-1}, std::vector<BlockId>{id_of(14)}, {}, &st);
   ASSERT_TRUE(n.ok());
@@ -160,8 +166,8 @@ TEST(KvBlockMoverTest, LayerRangeLoadsOnlyThoseLayers) {
 
 TEST(KvBlockMoverTest, LoadsBlocksFromTheFileTier) {
   const char* base = std::getenv("CASCADE_TEST_TMP");
-  std::filesystem::path dir = std::filesystem::path(base ? base : "/tmp") /
-                              ("kvblocks-" + std::to_string(getpid()));
+  std::filesystem::path dir =
+      std::filesystem::path(base ? base : "/tmp") / ("kvblocks-" + std::to_string(getpid()));
   std::filesystem::remove_all(dir);
   HostCache src(7), dst(8);
   std::vector<int64_t> all = {0, 1, 2, 3, 4, 5, 6, 7};

@@ -29,9 +29,7 @@ Strides effective_strides(const PagedKvCache& c) {
       s.block = bs * h * d;
       s.kv = c.num_blocks * bs * h * d;
       break;
-    case PagedKvLayout::kFlatBytes:
-      s.block = static_cast<int64_t>(c.bytes_per_block);
-      break;
+    case PagedKvLayout::kFlatBytes: s.block = static_cast<int64_t>(c.bytes_per_block); break;
   }
   if (c.block_stride) s.block = c.block_stride;
   if (c.kv_stride) s.kv = c.kv_stride;
@@ -55,7 +53,8 @@ Status validate_paged_kv(const PagedKvCache& c) {
   if (c.num_layers < 1) return Status::InvalidArgument("paged KV: num_layers must be at least 1");
   if (c.layers.size() != static_cast<size_t>(c.num_layers))
     return Status::InvalidArgument("paged KV: " + std::to_string(c.layers.size()) +
-                                   " layer pointers for " + std::to_string(c.num_layers) + " layers");
+                                   " layer pointers for " + std::to_string(c.num_layers) +
+                                   " layers");
   for (void* p : c.layers)
     if (!p) return Status::InvalidArgument("paged KV: a layer pointer is null");
   if (c.num_blocks < 1) return Status::InvalidArgument("paged KV: num_blocks must be at least 1");
@@ -69,17 +68,20 @@ Status validate_paged_kv(const PagedKvCache& c) {
   if (c.layout != PagedKvLayout::kPackedKv && c.layout != PagedKvLayout::kSplitKv)
     return Status::InvalidArgument("paged KV: unknown layout");
   if (c.num_kv_heads < 1 || c.block_size < 1 || c.head_size < 1)
-    return Status::InvalidArgument("paged KV: num_kv_heads, block_size and head_size must be at least 1");
+    return Status::InvalidArgument(
+        "paged KV: num_kv_heads, block_size and head_size must be at least 1");
   if (c.elem_bytes != 1 && c.elem_bytes != 2 && c.elem_bytes != 4 && c.elem_bytes != 8)
     return Status::InvalidArgument("paged KV: elem_bytes must be 1, 2, 4 or 8");
   int64_t section = int64_t(c.block_size) * c.num_kv_heads * c.head_size * c.elem_bytes;
-  if (section > kMaxSection) return Status::InvalidArgument("paged KV: a block's K or V part exceeds 2 GiB");
+  if (section > kMaxSection)
+    return Status::InvalidArgument("paged KV: a block's K or V part exceeds 2 GiB");
   return Status::OK();
 }
 
 uint64_t stored_kv_block_bytes(const PagedKvCache& c) {
   if (c.layout == PagedKvLayout::kFlatBytes) return uint64_t(c.num_layers) * c.bytes_per_block;
-  return uint64_t(c.num_layers) * 2 * uint64_t(c.block_size) * c.num_kv_heads * c.head_size * c.elem_bytes;
+  return uint64_t(c.num_layers) * 2 * uint64_t(c.block_size) * c.num_kv_heads * c.head_size *
+         c.elem_bytes;
 }
 
 Status make_kv_geometry(const PagedKvCache& c, int layer_begin, int layer_end, KvGeometry* g) {
@@ -130,14 +132,16 @@ Status make_kv_geometry(const PagedKvCache& c, int layer_begin, int layer_end, K
   return Status::OK();
 }
 
-Status check_kv_request(const PagedKvCache& c, std::span<const int64_t> engine_blocks, size_t store_blocks) {
+Status check_kv_request(const PagedKvCache& c, std::span<const int64_t> engine_blocks,
+                        size_t store_blocks) {
   if (engine_blocks.size() != store_blocks)
     return Status::InvalidArgument("paged KV: " + std::to_string(engine_blocks.size()) +
-                                   " engine blocks but " + std::to_string(store_blocks) + " store blocks");
+                                   " engine blocks but " + std::to_string(store_blocks) +
+                                   " store blocks");
   for (int64_t b : engine_blocks)
     if (b < 0 || b >= c.num_blocks)
-      return Status::InvalidArgument("paged KV: engine block " + std::to_string(b) + " is outside [0, " +
-                                     std::to_string(c.num_blocks) + ")");
+      return Status::InvalidArgument("paged KV: engine block " + std::to_string(b) +
+                                     " is outside [0, " + std::to_string(c.num_blocks) + ")");
   return Status::OK();
 }
 
@@ -170,16 +174,22 @@ Status transfer_cpu(const PagedKvCache& c, std::span<const int64_t> blocks, uint
 
 Status save_paged_kv_cpu(const PagedKvCache& c, std::span<const int64_t> engine_blocks,
                          std::span<void* const> store_blocks, int layer_begin, int layer_end) {
-  if (store_blocks.size() != engine_blocks.size()) return check_kv_request(c, engine_blocks, store_blocks.size());
-  return transfer_cpu<true>(c, engine_blocks, reinterpret_cast<uint8_t* const*>(store_blocks.data()),
-                            layer_begin, layer_end);
+  if (store_blocks.size() != engine_blocks.size())
+    return check_kv_request(c, engine_blocks, store_blocks.size());
+  return transfer_cpu<true>(c, engine_blocks,
+                            reinterpret_cast<uint8_t* const*>(store_blocks.data()), layer_begin,
+                            layer_end);
 }
 
 Status load_paged_kv_cpu(const PagedKvCache& c, std::span<const int64_t> engine_blocks,
-                         std::span<const void* const> store_blocks, int layer_begin, int layer_end) {
-  if (store_blocks.size() != engine_blocks.size()) return check_kv_request(c, engine_blocks, store_blocks.size());
-  return transfer_cpu<false>(c, engine_blocks, const_cast<uint8_t* const*>(reinterpret_cast<const uint8_t* const*>(store_blocks.data())),
-                             layer_begin, layer_end);
+                         std::span<const void* const> store_blocks, int layer_begin,
+                         int layer_end) {
+  if (store_blocks.size() != engine_blocks.size())
+    return check_kv_request(c, engine_blocks, store_blocks.size());
+  return transfer_cpu<false>(
+      c, engine_blocks,
+      const_cast<uint8_t* const*>(reinterpret_cast<const uint8_t* const*>(store_blocks.data())),
+      layer_begin, layer_end);
 }
 
 }  // namespace cascade

@@ -43,13 +43,14 @@ int device_of(const void* p) {
     (void)cudaGetLastError();
     return -1;
   }
-  return (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) ? attr.device : -1;
+  return (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) ? attr.device
+                                                                                   : -1;
 }
 
 class KvTransfer {
  public:
-  KvTransfer(const PagedKvCache& c, const KvGeometry& g, std::span<const int64_t> blocks, uint8_t* const* store,
-             bool save, DeviceContext* ctx, cudaStream_t s)
+  KvTransfer(const PagedKvCache& c, const KvGeometry& g, std::span<const int64_t> blocks,
+             uint8_t* const* store, bool save, DeviceContext* ctx, cudaStream_t s)
       : c_(c), g_(g), blocks_(blocks), store_(store), save_(save), ctx_(ctx), s_(s) {}
 
   // The kernel touches the store blocks where they are (device memory, or
@@ -69,7 +70,8 @@ class KvTransfer {
   // store blocks on a second stream, two chunks in flight.
   Status staged(bool host_reachable) {
     const uint64_t block_bytes = uint64_t(g_.block_bytes);
-    const size_t per_chunk = std::max<uint64_t>(1, std::min<uint64_t>(kMaxBlocksPerLaunch, kBounceBytes / block_bytes));
+    const size_t per_chunk =
+        std::max<uint64_t>(1, std::min<uint64_t>(kMaxBlocksPerLaunch, kBounceBytes / block_bytes));
     const size_t chunks = (blocks_.size() + per_chunk - 1) / per_chunk;
     const uint32_t vec = vector_width(geometry_misalignment(c_, g_) | block_bytes);
     const int nbuf = chunks > 1 ? 2 : 1;
@@ -83,7 +85,8 @@ class KvTransfer {
       bounce[j] = static_cast<uint8_t*>(*p);
     }
     cudaStream_t dma = ctx_->next_stream();
-    cudaEvent_t start = ctx_->take_event(), kernel_done[2] = {ctx_->take_event(), ctx_->take_event()},
+    cudaEvent_t start = ctx_->take_event(),
+                kernel_done[2] = {ctx_->take_event(), ctx_->take_event()},
                 dma_done[2] = {ctx_->take_event(), ctx_->take_event()};
     Status st;
     if (!start || !kernel_done[0] || !kernel_done[1] || !dma_done[0] || !dma_done[1]) {
@@ -99,7 +102,8 @@ class KvTransfer {
       }
       if (host_reachable) return dmas.enqueue_reachable(items, false, dma);
       for (const CopyItem& it : items)
-        CASCADE_CUDA_RETURN(cudaMemcpyAsync(it.dst, it.src, it.bytes, cudaMemcpyDefault, dma), "queue a KV copy");
+        CASCADE_CUDA_RETURN(cudaMemcpyAsync(it.dst, it.src, it.bytes, cudaMemcpyDefault, dma),
+                            "queue a KV copy");
       return Status::OK();
     };
     // The DMA stream starts after the caller's work (and the bounce allocation).
@@ -110,14 +114,17 @@ class KvTransfer {
       const int j = static_cast<int>(k % nbuf);
       const size_t begin = k * per_chunk, n = std::min(per_chunk, blocks_.size() - begin);
       if (save_) {
-        if (k >= size_t(nbuf)) st = cuda_status(cudaStreamWaitEvent(s_, dma_done[j], 0), "wait for a bounce buffer");
+        if (k >= size_t(nbuf))
+          st = cuda_status(cudaStreamWaitEvent(s_, dma_done[j], 0), "wait for a bounce buffer");
         if (st.ok()) st = launch(begin, n, nullptr, bounce[j], block_bytes, vec);
         if (st.ok()) st = cuda_status(cudaEventRecord(kernel_done[j], s_), "record an event");
-        if (st.ok()) st = cuda_status(cudaStreamWaitEvent(dma, kernel_done[j], 0), "order a KV copy");
+        if (st.ok())
+          st = cuda_status(cudaStreamWaitEvent(dma, kernel_done[j], 0), "order a KV copy");
         if (st.ok()) st = queue_dma(begin, n, bounce[j]);
         if (st.ok()) st = cuda_status(cudaEventRecord(dma_done[j], dma), "record an event");
       } else {
-        if (k >= size_t(nbuf)) st = cuda_status(cudaStreamWaitEvent(dma, kernel_done[j], 0), "wait for a bounce buffer");
+        if (k >= size_t(nbuf))
+          st = cuda_status(cudaStreamWaitEvent(dma, kernel_done[j], 0), "wait for a bounce buffer");
         if (st.ok()) st = queue_dma(begin, n, bounce[j]);
         if (st.ok()) st = cuda_status(cudaEventRecord(dma_done[j], dma), "record an event");
         if (st.ok()) st = cuda_status(cudaStreamWaitEvent(s_, dma_done[j], 0), "order a KV kernel");
@@ -148,8 +155,8 @@ class KvTransfer {
 
  private:
   // One kernel launch over items [begin, begin + n).
-  Status launch(size_t begin, size_t n, uint8_t* const* store, uint8_t* store_base, int64_t store_stride,
-                uint32_t vec) {
+  Status launch(size_t begin, size_t n, uint8_t* const* store, uint8_t* store_base,
+                int64_t store_stride, uint32_t vec) {
     // Table: layer pointers, engine blocks, store pointers (16-byte aligned parts).
     const size_t layers_bytes = (size_t(c_.num_layers) * sizeof(void*) + 15) & ~size_t{15};
     const size_t blocks_bytes = n * sizeof(int64_t);
@@ -165,7 +172,8 @@ class KvTransfer {
     a.g = g_;
     a.layers = reinterpret_cast<uint8_t* const*>(dev);
     a.blocks = reinterpret_cast<const int64_t*>(dev + layers_bytes);
-    a.store = store ? reinterpret_cast<uint8_t* const*>(dev + layers_bytes + blocks_bytes) : nullptr;
+    a.store =
+        store ? reinterpret_cast<uint8_t* const*>(dev + layers_bytes + blocks_bytes) : nullptr;
     a.store_base = store_base;
     a.store_stride = store_stride;
     a.count = static_cast<uint32_t>(n);
@@ -184,8 +192,8 @@ class KvTransfer {
   cudaStream_t s_;
 };
 
-Status transfer(const PagedKvCache& c, std::span<const int64_t> blocks, uint8_t* const* store, size_t nstore,
-                MemoryKind store_kind, const PagedKvOptions& o, bool save) {
+Status transfer(const PagedKvCache& c, std::span<const int64_t> blocks, uint8_t* const* store,
+                size_t nstore, MemoryKind store_kind, const PagedKvOptions& o, bool save) {
   KvGeometry g;
   CASCADE_RETURN_IF_ERROR(make_kv_geometry(c, o.layer_begin, o.layer_end, &g));
   CASCADE_RETURN_IF_ERROR(check_kv_request(c, blocks, nstore));
@@ -194,14 +202,17 @@ Status transfer(const PagedKvCache& c, std::span<const int64_t> blocks, uint8_t*
   if (blocks.empty()) return Status::OK();
   if (c.memory == MemoryKind::kHost) {
     if (store_kind != MemoryKind::kHost)
-      return Status::InvalidArgument("paged KV: a cache in host memory needs store blocks in host memory");
+      return Status::InvalidArgument(
+          "paged KV: a cache in host memory needs store blocks in host memory");
     std::span<void* const> ptrs(reinterpret_cast<void* const*>(store), nstore);
     return save ? save_paged_kv_cpu(c, blocks, ptrs, o.layer_begin, o.layer_end)
-                : load_paged_kv_cpu(c, blocks, std::span<const void* const>(ptrs.data(), ptrs.size()),
+                : load_paged_kv_cpu(c, blocks,
+                                    std::span<const void* const>(ptrs.data(), ptrs.size()),
                                     o.layer_begin, o.layer_end);
   }
   const int device = device_of(c.layers[0]);
-  if (device < 0) return Status::InvalidArgument("paged KV: the cache is not in GPU memory (memory = kDevice)");
+  if (device < 0)
+    return Status::InvalidArgument("paged KV: the cache is not in GPU memory (memory = kDevice)");
   auto ctx = DeviceContext::For(device);
   if (!ctx.ok()) return ctx.status();
   ScopedDevice on(device);
@@ -227,7 +238,8 @@ Status transfer(const PagedKvCache& c, std::span<const int64_t> blocks, uint8_t*
 }  // namespace
 
 Status save_paged_kv(const PagedKvCache& cache, std::span<const int64_t> engine_blocks,
-                     std::span<void* const> store_blocks, MemoryKind store_kind, const PagedKvOptions& options) {
+                     std::span<void* const> store_blocks, MemoryKind store_kind,
+                     const PagedKvOptions& options) {
   return transfer(cache, engine_blocks, reinterpret_cast<uint8_t* const*>(store_blocks.data()),
                   store_blocks.size(), store_kind, options, true);
 }
@@ -235,9 +247,10 @@ Status save_paged_kv(const PagedKvCache& cache, std::span<const int64_t> engine_
 Status load_paged_kv(const PagedKvCache& cache, std::span<const int64_t> engine_blocks,
                      std::span<const void* const> store_blocks, MemoryKind store_kind,
                      const PagedKvOptions& options) {
-  return transfer(cache, engine_blocks,
-                  const_cast<uint8_t* const*>(reinterpret_cast<const uint8_t* const*>(store_blocks.data())),
-                  store_blocks.size(), store_kind, options, false);
+  return transfer(
+      cache, engine_blocks,
+      const_cast<uint8_t* const*>(reinterpret_cast<const uint8_t* const*>(store_blocks.data())),
+      store_blocks.size(), store_kind, options, false);
 }
 
 }  // namespace cascade

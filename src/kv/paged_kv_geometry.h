@@ -25,15 +25,15 @@
 namespace cascade {
 
 struct KvGeometry {
-  int32_t layer_begin = 0;     // absolute index of the first layer copied
-  int32_t layer_count = 0;     // layers copied
-  int32_t sections = 0;        // per layer: 2 (K, V) or 1 (flat)
+  int32_t layer_begin = 0;         // absolute index of the first layer copied
+  int32_t layer_count = 0;         // layers copied
+  int32_t sections = 0;            // per layer: 2 (K, V) or 1 (flat)
   uint32_t heads_per_run_row = 1;  // runs per token (num_kv_heads, or 1 when a token is one run)
   uint32_t run_bytes = 0;          // contiguous bytes of one run in the engine pool
   uint32_t runs_per_section = 0;
-  uint32_t section_bytes = 0;      // = runs_per_section * run_bytes
-  int64_t layer_bytes = 0;         // stored bytes of one layer = sections * section_bytes
-  int64_t block_bytes = 0;         // stored bytes of one block (all layers)
+  uint32_t section_bytes = 0;  // = runs_per_section * run_bytes
+  int64_t layer_bytes = 0;     // stored bytes of one layer = sections * section_bytes
+  int64_t block_bytes = 0;     // stored bytes of one block (all layers)
   // Byte strides in the engine pool.
   int64_t block_stride = 0, kv_stride = 0, token_stride = 0, head_stride = 0;
 };

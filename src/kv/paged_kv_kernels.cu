@@ -60,7 +60,11 @@ cudaError_t launch(const KvLaunch& a, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_kv_save(const KvLaunch& a, cudaStream_t stream) { return launch<true>(a, stream); }
-cudaError_t launch_kv_load(const KvLaunch& a, cudaStream_t stream) { return launch<false>(a, stream); }
+cudaError_t launch_kv_save(const KvLaunch& a, cudaStream_t stream) {
+  return launch<true>(a, stream);
+}
+cudaError_t launch_kv_load(const KvLaunch& a, cudaStream_t stream) {
+  return launch<false>(a, stream);
+}
 
 }  // namespace cascade

@@ -19,9 +19,9 @@ namespace cascade {
 
 struct KvLaunch {
   KvGeometry g;
-  const int64_t* blocks = nullptr;   // device table: engine block index of item i
-  uint8_t* const* store = nullptr;   // device table of store block pointers, or null:
-  uint8_t* store_base = nullptr;     //   then item i's store block is store_base + i * store_stride
+  const int64_t* blocks = nullptr;  // device table: engine block index of item i
+  uint8_t* const* store = nullptr;  // device table of store block pointers, or null:
+  uint8_t* store_base = nullptr;    //   then item i's store block is store_base + i * store_stride
   int64_t store_stride = 0;
   uint8_t* const* layers = nullptr;  // device table: base of each layer (absolute index)
   uint32_t count = 0;                // items

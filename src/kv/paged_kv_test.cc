@@ -37,8 +37,8 @@ struct TestCache {
 
 // Shapes under test. `pad` adds elements to strides so views are not
 // contiguous (vLLM's packed view of a shared buffer).
-TestCache make_cache(PagedKvLayout layout, int layers, int blocks, int heads, int block_size, int head_size,
-                     int elem, int pad, uint64_t seed) {
+TestCache make_cache(PagedKvLayout layout, int layers, int blocks, int heads, int block_size,
+                     int head_size, int elem, int pad, uint64_t seed) {
   TestCache t;
   PagedKvCache& c = t.desc;
   c.layout = layout;
@@ -92,7 +92,8 @@ void check_stored_block(const TestCache& t, int64_t b, const uint8_t* stored) {
       for (int tok = 0; tok < c.block_size; ++tok)
         for (int h = 0; h < c.num_kv_heads; ++h)
           for (int d = 0; d < c.head_size; ++d) {
-            int64_t src_elem = b * c.block_stride + kv * c.kv_stride + tok * c.token_stride + h * c.head_stride + d;
+            int64_t src_elem = b * c.block_stride + kv * c.kv_stride + tok * c.token_stride +
+                               h * c.head_stride + d;
             uint64_t dst = l * 2 * section + kv * section +
                            ((uint64_t(tok) * c.num_kv_heads + h) * c.head_size + d) * e;
             ASSERT_EQ(0, std::memcmp(stored + dst, t.layer_bytes[l].data() + src_elem * e, e))
@@ -124,7 +125,8 @@ std::vector<void*> store_ptrs(std::vector<std::vector<uint8_t>>& blocks) {
 TEST(PagedKvCpu, StoredLayoutMatchesModel) {
   for (const Shape& sh : kShapes) {
     SCOPED_TRACE(paged_kv_layout_name(sh.layout));
-    TestCache t = make_cache(sh.layout, 3, 10, sh.heads, sh.block_size, sh.head_size, sh.elem, sh.pad, 7);
+    TestCache t =
+        make_cache(sh.layout, 3, 10, sh.heads, sh.block_size, sh.head_size, sh.elem, sh.pad, 7);
     const uint64_t bytes = stored_kv_block_bytes(t.desc);
     std::vector<int64_t> engine = {7, 0, 9, 3};
     std::vector<std::vector<uint8_t>> stored(engine.size(), std::vector<uint8_t>(bytes, 0xee));
@@ -137,10 +139,12 @@ TEST(PagedKvCpu, StoredLayoutMatchesModel) {
 TEST(PagedKvCpu, RoundTripRestoresOnlyThoseBlocks) {
   for (const Shape& sh : kShapes) {
     SCOPED_TRACE(paged_kv_layout_name(sh.layout));
-    TestCache t = make_cache(sh.layout, 2, 12, sh.heads, sh.block_size, sh.head_size, sh.elem, sh.pad, 11);
+    TestCache t =
+        make_cache(sh.layout, 2, 12, sh.heads, sh.block_size, sh.head_size, sh.elem, sh.pad, 11);
     auto original = t.layer_bytes;
     std::vector<int64_t> engine = {1, 5, 11};
-    std::vector<std::vector<uint8_t>> stored(engine.size(), std::vector<uint8_t>(stored_kv_block_bytes(t.desc)));
+    std::vector<std::vector<uint8_t>> stored(engine.size(),
+                                             std::vector<uint8_t>(stored_kv_block_bytes(t.desc)));
     auto ptrs = store_ptrs(stored);
     ASSERT_TRUE(save_paged_kv_cpu(t.desc, engine, ptrs).ok());
     // Scribble over the cache, then load: the three blocks come back, the
@@ -170,7 +174,8 @@ TEST(PagedKvCpu, BlocksMoveBetweenLayoutsOfOneShape) {
   TestCache split = make_cache(PagedKvLayout::kSplitKv, 2, 6, 4, 8, 16, 2, 0, 99);
   ASSERT_EQ(stored_kv_block_bytes(packed.desc), stored_kv_block_bytes(split.desc));
   std::vector<int64_t> from = {4, 2}, to = {0, 5};
-  std::vector<std::vector<uint8_t>> stored(2, std::vector<uint8_t>(stored_kv_block_bytes(packed.desc)));
+  std::vector<std::vector<uint8_t>> stored(
+      2, std::vector<uint8_t>(stored_kv_block_bytes(packed.desc)));
   auto ptrs = store_ptrs(stored);
   ASSERT_TRUE(save_paged_kv_cpu(packed.desc, from, ptrs).ok());
   std::vector<const void*> cptrs(ptrs.begin(), ptrs.end());
@@ -183,9 +188,12 @@ TEST(PagedKvCpu, BlocksMoveBetweenLayoutsOfOneShape) {
         for (int tok = 0; tok < 8; ++tok)
           for (int h = 0; h < 4; ++h)
             for (int d = 0; d < 16; ++d) {
-              int64_t a = from[i] * p.block_stride + kv * p.kv_stride + tok * p.token_stride + h * p.head_stride + d;
-              int64_t b = to[i] * s.block_stride + kv * s.kv_stride + tok * s.token_stride + h * s.head_stride + d;
-              ASSERT_EQ(0, std::memcmp(packed.layer_bytes[l].data() + a * 2, split.layer_bytes[l].data() + b * 2, 2));
+              int64_t a = from[i] * p.block_stride + kv * p.kv_stride + tok * p.token_stride +
+                          h * p.head_stride + d;
+              int64_t b = to[i] * s.block_stride + kv * s.kv_stride + tok * s.token_stride +
+                          h * s.head_stride + d;
+              ASSERT_EQ(0, std::memcmp(packed.layer_bytes[l].data() + a * 2,
+                                       split.layer_bytes[l].data() + b * 2, 2));
             }
 }
 
@@ -193,7 +201,8 @@ TEST(PagedKvCpu, LayerRangeWritesOnlyThoseLayers) {
   TestCache t = make_cache(PagedKvLayout::kPackedKv, 5, 4, 2, 4, 8, 2, 0, 5);
   const uint64_t bytes = stored_kv_block_bytes(t.desc), per_layer = bytes / 5;
   std::vector<int64_t> engine = {3};
-  std::vector<std::vector<uint8_t>> full(1, std::vector<uint8_t>(bytes)), part(1, std::vector<uint8_t>(bytes, 0x77));
+  std::vector<std::vector<uint8_t>> full(1, std::vector<uint8_t>(bytes)),
+      part(1, std::vector<uint8_t>(bytes, 0x77));
   auto fp = store_ptrs(full), pp = store_ptrs(part);
   ASSERT_TRUE(save_paged_kv_cpu(t.desc, engine, fp).ok());
   ASSERT_TRUE(save_paged_kv_cpu(t.desc, engine, pp, 1, 3).ok());
@@ -293,8 +302,12 @@ struct Stores {
       for (size_t i = 0; i < n; ++i) ptrs.push_back(pinned.data() + (2 * (n - 1 - i)) * b);
     }
   }
-  MemoryKind memory() const { return kind == StoreKind::kDevice ? MemoryKind::kDevice : MemoryKind::kHost; }
-  PagedKvPath path() const { return kind == StoreKind::kPinnedStaged ? PagedKvPath::kStaged : PagedKvPath::kDirect; }
+  MemoryKind memory() const {
+    return kind == StoreKind::kDevice ? MemoryKind::kDevice : MemoryKind::kHost;
+  }
+  PagedKvPath path() const {
+    return kind == StoreKind::kPinnedStaged ? PagedKvPath::kStaged : PagedKvPath::kDirect;
+  }
   std::vector<uint8_t> read(size_t i) const {
     std::vector<uint8_t> out(bytes);
     if (kind == StoreKind::kDevice) EXPECT_TRUE(copy_to_host(out.data(), ptrs[i], bytes).ok());
@@ -315,7 +328,8 @@ void gpu_round_trip(const TestCache& t, std::vector<int64_t> engine, StoreKind k
   std::vector<std::vector<uint8_t>> ref(engine.size(), std::vector<uint8_t>(bytes));
   auto rptrs = store_ptrs(ref);
   ASSERT_TRUE(save_paged_kv_cpu(t.desc, engine, rptrs).ok());
-  for (size_t i = 0; i < engine.size(); ++i) ASSERT_EQ(stores.read(i), ref[i]) << "store block " << i;
+  for (size_t i = 0; i < engine.size(); ++i)
+    ASSERT_EQ(stores.read(i), ref[i]) << "store block " << i;
   // Load into a zeroed device cache: those blocks come back byte for byte.
   TestCache zero = t;
   for (auto& layer : zero.layer_bytes) std::fill(layer.begin(), layer.end(), 0);
@@ -336,8 +350,10 @@ void gpu_round_trip(const TestCache& t, std::vector<int64_t> engine, StoreKind k
 TEST(PagedKvGpu, EveryLayoutAndStoreKindMatchesTheCpuReference) {
   SKIP_WITHOUT_GPU();
   for (const Shape& sh : kShapes) {
-    TestCache t = make_cache(sh.layout, 3, 24, sh.heads, sh.block_size, sh.head_size, sh.elem, sh.pad, 31);
-    for (StoreKind k : {StoreKind::kDevice, StoreKind::kPinnedDirect, StoreKind::kPinnedStaged, StoreKind::kPageable})
+    TestCache t =
+        make_cache(sh.layout, 3, 24, sh.heads, sh.block_size, sh.head_size, sh.elem, sh.pad, 31);
+    for (StoreKind k : {StoreKind::kDevice, StoreKind::kPinnedDirect, StoreKind::kPinnedStaged,
+                        StoreKind::kPageable})
       gpu_round_trip(t, {23, 0, 7, 8, 9, 15}, k);
   }
 }
@@ -362,7 +378,8 @@ TEST(PagedKvGpu, SaveIsOrderedAfterWorkOnTheCallersStream) {
   for (StoreKind k : {StoreKind::kDevice, StoreKind::kPinnedDirect, StoreKind::kPinnedStaged}) {
     // A slow kernel rewrites layer 0 on the stream; the save must see its bytes.
     ++seed;
-    ASSERT_TRUE(fill_device_pattern(d.layers[0].data(), t.layer_size, seed, stream->handle(), 20000).ok());
+    ASSERT_TRUE(
+        fill_device_pattern(d.layers[0].data(), t.layer_size, seed, stream->handle(), 20000).ok());
     for (size_t i = 0; i < t.layer_size; ++i) t.layer_bytes[0][i] = pattern_byte(seed, i);
     t.point_at_host();
     Stores stores(k, engine.size(), stored_kv_block_bytes(t.desc));

@@ -89,7 +89,8 @@ void FaultInjectingEnv::fail_writes_after(uint64_t bytes) {
   limit_left_ = bytes;
 }
 
-void FaultInjectingEnv::fail_reads(const std::string& path_substring, uint64_t begin, uint64_t end) {
+void FaultInjectingEnv::fail_reads(const std::string& path_substring, uint64_t begin,
+                                   uint64_t end) {
   std::lock_guard<std::mutex> lock(mu_);
   read_faults_.push_back({path_substring, begin, end});
 }
@@ -179,13 +180,13 @@ Result<std::unique_ptr<File>> FaultInjectingEnv::open(const std::string& path,
   return std::unique_ptr<File>(new FaultFile(this, std::move(f.value())));
 }
 
-#define CASCADE_FAULT_READ_ONLY(what)                 \
-  do {                                                \
-    std::lock_guard<std::mutex> lock(mu_);            \
-    if (read_only_) {                                 \
-      injected_.fetch_add(1);                         \
-      return read_only_error(what);                   \
-    }                                                 \
+#define CASCADE_FAULT_READ_ONLY(what)      \
+  do {                                     \
+    std::lock_guard<std::mutex> lock(mu_); \
+    if (read_only_) {                      \
+      injected_.fetch_add(1);              \
+      return read_only_error(what);        \
+    }                                      \
   } while (0)
 
 Status FaultInjectingEnv::create_dirs(const std::string& dir, uint32_t mode) {
@@ -220,15 +221,16 @@ Status FaultInjectingEnv::sync_dir(const std::string& dir) {
 
 Result<FsSpace> FaultInjectingEnv::space(const std::string& path) { return base_->space(path); }
 
-Result<std::unique_ptr<FileLock>> FaultInjectingEnv::lock_file(const std::string& path, uint32_t mode) {
+Result<std::unique_ptr<FileLock>> FaultInjectingEnv::lock_file(const std::string& path,
+                                                               uint32_t mode) {
   CASCADE_FAULT_READ_ONLY("open lock file " + path);
   return base_->lock_file(path, mode);
 }
 
 Result<FileInfo> FaultInjectingEnv::stat(const std::string& path) { return base_->stat(path); }
 
-Status FaultInjectingEnv::create_striped(const std::string& path, uint64_t stripe_size, int stripe_count,
-                                         uint32_t mode) {
+Status FaultInjectingEnv::create_striped(const std::string& path, uint64_t stripe_size,
+                                         int stripe_count, uint32_t mode) {
   CASCADE_FAULT_READ_ONLY("create " + path);
   return base_->create_striped(path, stripe_size, stripe_count, mode);
 }

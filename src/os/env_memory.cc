@@ -48,7 +48,8 @@ struct Space {
 };
 
 struct FileData {
-  explicit FileData(std::shared_ptr<Space> space, uint32_t mode) : space(std::move(space)), mode(mode) {}
+  explicit FileData(std::shared_ptr<Space> space, uint32_t mode)
+      : space(std::move(space)), mode(mode) {}
   ~FileData() { space->give(pages_in_use); }
 
   // REQUIRES: mu held exclusively. Allocates the pages of [offset, offset +
@@ -135,7 +136,8 @@ class MemoryFile final : public File {
     if (!writable_) return errno_status(EBADF, "punch a hole in " + path());
     std::unique_lock<std::shared_mutex> lock(data_->mu);
     auto& b = data_->bytes;
-    if (offset < b.size()) std::memset(b.data() + offset, 0, std::min<uint64_t>(n, b.size() - offset));
+    if (offset < b.size())
+      std::memset(b.data() + offset, 0, std::min<uint64_t>(n, b.size() - offset));
     data_->release(offset, offset + n);
     return Status::OK();
   }
@@ -182,7 +184,9 @@ class MemoryFileLock final : public FileLock {
 
 class MemoryEnv final : public Env {
  public:
-  explicit MemoryEnv(uint64_t capacity) : space_(std::make_shared<Space>(capacity)) { dirs_["/"] = 0700; }
+  explicit MemoryEnv(uint64_t capacity) : space_(std::make_shared<Space>(capacity)) {
+    dirs_["/"] = 0700;
+  }
 
   Result<std::unique_ptr<File>> open(const std::string& path, const FileOpenOptions& o) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -256,7 +260,8 @@ class MemoryEnv final : public Env {
 
   Status sync_dir(const std::string& dir) override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!dirs_.count(strip_trailing_slash(dir))) return errno_status(ENOENT, "open directory " + dir);
+    if (!dirs_.count(strip_trailing_slash(dir)))
+      return errno_status(ENOENT, "open directory " + dir);
     return Status::OK();
   }
 
@@ -317,6 +322,8 @@ MemoryFileLock::~MemoryFileLock() { env_->unlock(path_); }
 
 }  // namespace
 
-std::unique_ptr<Env> NewMemoryEnv(uint64_t capacity_bytes) { return std::make_unique<MemoryEnv>(capacity_bytes); }
+std::unique_ptr<Env> NewMemoryEnv(uint64_t capacity_bytes) {
+  return std::make_unique<MemoryEnv>(capacity_bytes);
+}
 
 }  // namespace cascade

@@ -122,13 +122,15 @@ constexpr int kMaxIov = 64;
 
 class PosixFile final : public File {
  public:
-  PosixFile(std::string path, int fd, bool direct) : File(std::move(path)), fd_(fd), direct_(direct) {}
+  PosixFile(std::string path, int fd, bool direct)
+      : File(std::move(path)), fd_(fd), direct_(direct) {}
   ~PosixFile() override { ::close(fd_); }
 
   Result<size_t> pread(void* buf, size_t n, uint64_t offset) override {
     size_t done = 0;
     while (done < n) {
-      ssize_t r = ::pread(fd_, static_cast<char*>(buf) + done, n - done, static_cast<off_t>(offset + done));
+      ssize_t r =
+          ::pread(fd_, static_cast<char*>(buf) + done, n - done, static_cast<off_t>(offset + done));
       if (r < 0) {
         if (errno == EINTR) continue;
         return errno_status(errno, "read " + path());
@@ -209,7 +211,8 @@ class PosixFile final : public File {
       rc = ::fallocate(fd_, 0, static_cast<off_t>(offset), static_cast<off_t>(n));
     } while (rc != 0 && errno == EINTR);
     if (rc == 0) return Status::OK();
-    if (errno == EOPNOTSUPP) return Status::NotSupported("fallocate is not supported for " + path());
+    if (errno == EOPNOTSUPP)
+      return Status::NotSupported("fallocate is not supported for " + path());
     return errno_status(errno, "fallocate " + path());
   }
 
@@ -220,12 +223,14 @@ class PosixFile final : public File {
                        static_cast<off_t>(n));
     } while (rc != 0 && errno == EINTR);
     if (rc == 0) return Status::OK();
-    if (errno == EOPNOTSUPP) return Status::NotSupported("punching holes is not supported for " + path());
+    if (errno == EOPNOTSUPP)
+      return Status::NotSupported("punching holes is not supported for " + path());
     return errno_status(errno, "punch a hole in " + path());
   }
 
   Status truncate(uint64_t size) override {
-    if (::ftruncate(fd_, static_cast<off_t>(size)) != 0) return errno_status(errno, "truncate " + path());
+    if (::ftruncate(fd_, static_cast<off_t>(size)) != 0)
+      return errno_status(errno, "truncate " + path());
     return Status::OK();
   }
 
@@ -306,14 +311,15 @@ class PosixEnv final : public Env {
     int fd = -1;
     bool created = false;
     while (true) {
-      fd = open_with_mode(path, flags | (direct ? O_DIRECT : 0), o.create, o.exclusive, o.mode & 07777,
-                          &created);
+      fd = open_with_mode(path, flags | (direct ? O_DIRECT : 0), o.create, o.exclusive,
+                          o.mode & 07777, &created);
       if (fd >= 0) break;
       if (errno == EINVAL && direct) {
         direct = false;  // tmpfs and some FUSE file systems refuse O_DIRECT
         continue;
       }
-      if (errno == ELOOP && o.no_follow) return Status::IOError("open " + path + ": is a symbolic link");
+      if (errno == ELOOP && o.no_follow)
+        return Status::IOError("open " + path + ": is a symbolic link");
       return errno_status(errno, "open " + path);
     }
     return std::unique_ptr<File>(new PosixFile(path, fd, direct));
@@ -323,11 +329,13 @@ class PosixEnv final : public Env {
     if (dir.empty()) return Status::InvalidArgument("empty directory name");
     struct stat st;
     if (::stat(dir.c_str(), &st) == 0) {
-      if (!S_ISDIR(st.st_mode)) return Status::InvalidArgument(dir + " exists and is not a directory");
+      if (!S_ISDIR(st.st_mode))
+        return Status::InvalidArgument(dir + " exists and is not a directory");
       return Status::OK();
     }
     std::string parent = parent_dir(dir);
-    if (parent != dir && parent != "." && parent != "/") CASCADE_RETURN_IF_ERROR(create_dirs(parent, mode));
+    if (parent != dir && parent != "." && parent != "/")
+      CASCADE_RETURN_IF_ERROR(create_dirs(parent, mode));
     if (::mkdir(dir.c_str(), mode & 07777) != 0) {
       if (errno == EEXIST) return Status::OK();
       return errno_status(errno, "mkdir " + dir);
@@ -353,7 +361,8 @@ class PosixEnv final : public Env {
   }
 
   Status rename(const std::string& from, const std::string& to) override {
-    if (::rename(from.c_str(), to.c_str()) != 0) return errno_status(errno, "rename " + from + " to " + to);
+    if (::rename(from.c_str(), to.c_str()) != 0)
+      return errno_status(errno, "rename " + from + " to " + to);
     return Status::OK();
   }
 
@@ -388,7 +397,8 @@ class PosixEnv final : public Env {
 
   Result<std::unique_ptr<FileLock>> lock_file(const std::string& path, uint32_t mode) override {
     bool created = false;
-    int fd = open_with_mode(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW, true, false, mode & 07777, &created);
+    int fd =
+        open_with_mode(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW, true, false, mode & 07777, &created);
     if (fd < 0) return errno_status(errno, "open lock file " + path);
     if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
       int err = errno;

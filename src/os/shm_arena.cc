@@ -51,8 +51,9 @@ std::string type_name(mode_t m) {
 }
 
 Status not_ours(const std::string& path, const std::string& why) {
-  return Status::InvalidArgument("shm_path '" + path + "' exists and is not a Cascade arena of this user: " +
-                                 why + "; it was left untouched: remove it or choose another shm_path");
+  return Status::InvalidArgument("shm_path '" + path +
+                                 "' exists and is not a Cascade arena of this user: " + why +
+                                 "; it was left untouched: remove it or choose another shm_path");
 }
 
 // Why an existing file may not be adopted; empty when its metadata says it
@@ -65,7 +66,8 @@ std::string refusal(const struct stat& st, dev_t dir_dev) {
            std::to_string(::geteuid());
   if ((st.st_mode & 07777) != 0600) {
     char buf[64];
-    snprintf(buf, sizeof buf, "it has mode %04o, an arena has mode 0600", unsigned(st.st_mode & 07777));
+    snprintf(buf, sizeof buf, "it has mode %04o, an arena has mode 0600",
+             unsigned(st.st_mode & 07777));
     return buf;
   }
   if (st.st_nlink != 1) return "it has " + std::to_string(st.st_nlink) + " links, an arena has one";
@@ -93,7 +95,8 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
   if (capacity == 0) return Status::InvalidArgument("shm_capacity_bytes is 0");
   const uint64_t header = std::max<uint64_t>(4096, uint64_t(::sysconf(_SC_PAGESIZE)));
   if (capacity > uint64_t(INT64_MAX) - header)
-    return Status::InvalidArgument("shm_capacity_bytes " + std::to_string(capacity) + " is too large");
+    return Status::InvalidArgument("shm_capacity_bytes " + std::to_string(capacity) +
+                                   " is too large");
   const size_t slash = path.find_last_of('/');
   const std::string dir = slash == std::string::npos ? std::string(".") : path.substr(0, slash + 1);
   struct stat dir_st;
@@ -160,8 +163,9 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     int err = errno;
     if (err == EWOULDBLOCK)
-      return fail(Status::Busy("shm_path '" + path +
-                               "' is in use by another open store; give each store its own shm_path"));
+      return fail(
+          Status::Busy("shm_path '" + path +
+                       "' is in use by another open store; give each store its own shm_path"));
     return fail(errno_status(err, "lock shm_path '" + path + "'"));
   }
   if (!created) {
@@ -171,9 +175,10 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
     free_bytes += uint64_t(st.st_blocks) * 512;
   }
   if (header + capacity > free_bytes)
-    return fail(Status::InvalidArgument("shm_capacity_bytes " + human(capacity) +
-                                        " is larger than the free space of the file system holding '" +
-                                        path + "' (" + human(free_bytes) + ")"));
+    return fail(
+        Status::InvalidArgument("shm_capacity_bytes " + human(capacity) +
+                                " is larger than the free space of the file system holding '" +
+                                path + "' (" + human(free_bytes) + ")"));
   // From here the file is ours: created by this call, or a stale arena of
   // this user whose contents are discarded (the host tier starts empty).
   owned = true;
@@ -196,9 +201,11 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
   std::memcpy(page.data(), &h, sizeof h);
   ssize_t wrote = ::pwrite(fd, page.data(), header, 0);
   if (wrote != ssize_t(header))
-    return fail(errno_status(wrote < 0 ? errno : EIO, "write the header of shm_path '" + path + "'"));
+    return fail(
+        errno_status(wrote < 0 ? errno : EIO, "write the header of shm_path '" + path + "'"));
 
-  void* p = ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(header));
+  void* p =
+      ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(header));
   if (p == MAP_FAILED) return fail(errno_status(errno, "map shm_path '" + path + "'"));
   ::madvise(p, capacity, MADV_HUGEPAGE);  // best effort: honoured where shmem THP is enabled
   a->fd_ = fd;
@@ -220,13 +227,16 @@ ShmArena::~ShmArena() {
 }
 
 ShmArena::ShmArena(uint64_t capacity)
-    : capacity_(capacity), committed_(capacity, [this](uint64_t from, uint64_t to) { return back(from, to); }) {}
+    : capacity_(capacity),
+      committed_(capacity, [this](uint64_t from, uint64_t to) { return back(from, to); }) {}
 
 Status ShmArena::back(uint64_t from, uint64_t to) {
-  int rc = ::posix_fallocate(fd_, static_cast<off_t>(header_bytes_ + from), static_cast<off_t>(to - from));
+  int rc = ::posix_fallocate(fd_, static_cast<off_t>(header_bytes_ + from),
+                             static_cast<off_t>(to - from));
   // posix_fallocate may leave a partial allocation; CommittedMemory then
   // advertises none of the step.
-  if (rc != 0) return errno_status(rc, "commit host arena memory in '" + path_ + "' (is /dev/shm full?)");
+  if (rc != 0)
+    return errno_status(rc, "commit host arena memory in '" + path_ + "' (is /dev/shm full?)");
   (void)populate_pages(base_ + from, to - from);  // best effort: the pages are allocated already
   return Status::OK();
 }

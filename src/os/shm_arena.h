@@ -9,8 +9,8 @@
 // the allocator's high-water mark rises: a full /dev/shm then fails a put with
 // NoSpace instead of killing the process with SIGBUS on first touch.
 // Committed steps are pre-mapped (MADV_POPULATE_WRITE) so copies do not take a
-// page fault per page (CommittedMemory does the stepping). Huge pages are requested with MADV_HUGEPAGE where the
-// kernel allows them on shared memory.
+// page fault per page (CommittedMemory does the stepping). Huge pages are requested with
+// MADV_HUGEPAGE where the kernel allows them on shared memory.
 //
 // Path safety: the file is created with O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600,
 // so its memory is private to this user. A file already at the path is

@@ -113,8 +113,9 @@ TEST(ShmArena, RefusesFilesThatAreNotItsArenaAndLeavesThemAlone) {
     std::string tag, why;
     mode_t mode;
   };
-  for (const Case& c : {Case{"mode", "mode 0644", 0644}, Case{"header", "no Cascade arena header", 0600},
-                        Case{"exec", "mode 0700", 0700}}) {
+  for (const Case& c :
+       {Case{"mode", "mode 0644", 0644}, Case{"header", "no Cascade arena header", 0600},
+        Case{"exec", "mode 0700", 0700}}) {
     std::string path = unique_path(c.tag);
     write_file(path, other, c.mode);
     Snapshot before = snapshot(path);

@@ -16,12 +16,12 @@
 #include <shared_mutex>
 
 #include "cascade/tier_handle.h"
-#include "util/thread_pool.h"
 #include "cuda/device_copy.h"
 #include "store/dedup_table.h"
 #include "store/store_open.h"
 #include "store/tier_factory.h"
 #include "store/write_down.h"
+#include "util/thread_pool.h"
 
 namespace cascade {
 namespace {
@@ -126,7 +126,8 @@ class CascadeStore::Impl {
   }
 
   // Stores into tier t, evicting as needed.
-  Status put_into(size_t t, const BlockId& id, const void* data, uint64_t size, const PutOptions& o) {
+  Status put_into(size_t t, const BlockId& id, const void* data, uint64_t size,
+                  const PutOptions& o) {
     Status st;
     // Each round evicts at least one block; fragmentation may need a few.
     for (int round = 0; round < 256; ++round) {
@@ -148,7 +149,8 @@ class CascadeStore::Impl {
     BlockId phys = id;
     if (dedup_puts) {
       if (options.src_kind != MemoryKind::kHost)
-        return fail(Status::NotSupported("dedup fingerprints host memory; put device blocks with dedup_enabled=false"));
+        return fail(Status::NotSupported(
+            "dedup fingerprints host memory; put device blocks with dedup_enabled=false"));
     }
     // Immutable: an id stored already (through an alias, or under itself by
     // a store without dedup) is not written again.
@@ -179,7 +181,8 @@ class CascadeStore::Impl {
       st = put_into(++top, phys, data, size, options);
     }
     if (st.ok() && config.write_policy == WritePolicy::kWriteThrough) {
-      for (size_t t = top + 1; t < tiers.size() && st.ok(); ++t) st = put_into(t, phys, data, size, options);
+      for (size_t t = top + 1; t < tiers.size() && st.ok(); ++t)
+        st = put_into(t, phys, data, size, options);
     } else if (st.ok() && remote > top && remote < tiers.size()) {
       // A distributed store publishes every put to the remote tier (the
       // block's owner rank) before returning, so every rank can read it.
@@ -289,7 +292,8 @@ class CascadeStore::Impl {
 
   // With `whole` set, rq's buffer is ignored: the block goes into *whole,
   // resized to fit.
-  Status get_impl(const BlockId& id, ReadRequest rq, GetResult* r, std::vector<uint8_t>* whole = nullptr) {
+  Status get_impl(const BlockId& id, ReadRequest rq, GetResult* r,
+                  std::vector<uint8_t>* whole = nullptr) {
     gets.fetch_add(1, std::memory_order_relaxed);
     *r = GetResult{};
     const BlockId phys = physical(id);
@@ -352,7 +356,8 @@ class CascadeStore::Impl {
       if (!promote.empty() && config.promote_on_hit) {
         pool->parallel_for(promote.size(), [&](size_t j) {
           size_t k = promote[j];
-          maybe_promote(t, pid[k], rqs[k].out, rrs[k].block_size, rrs[k].is_prefix, MemoryKind::kHost);
+          maybe_promote(t, pid[k], rqs[k].out, rrs[k].block_size, rrs[k].is_prefix,
+                        MemoryKind::kHost);
         });
       }
       pending.swap(still);
@@ -440,7 +445,8 @@ class CascadeStore::Impl {
           puts.fetch_add(1, std::memory_order_relaxed);
           bytes_put.fetch_add(sizes[i], std::memory_order_relaxed);
         } else {
-          rest.push_back(i);  // no room (evict first), too large (lower tier), or an error to repeat
+          rest.push_back(
+              i);  // no room (evict first), too large (lower tier), or an error to repeat
         }
       }
     } else {
@@ -518,12 +524,13 @@ Result<std::unique_ptr<CascadeStore>> CascadeStore::Open(const CascadeConfig& co
 Result<std::unique_ptr<CascadeStore>> StoreOpener::Open(const CascadeConfig& config,
                                                         const RemoteTierOpener& open_remote) {
   return OpenWithTiers(config, [&](TierKind k, const CascadeConfig& c, ThreadPool* pool) {
-    return (k == TierKind::kRemote && open_remote) ? open_remote(k, c, pool) : open_tier(k, c, pool);
+    return (k == TierKind::kRemote && open_remote) ? open_remote(k, c, pool)
+                                                   : open_tier(k, c, pool);
   });
 }
 
-Result<std::unique_ptr<CascadeStore>> StoreOpener::OpenWithTiers(const CascadeConfig& config,
-                                                                 const RemoteTierOpener& open_stage) {
+Result<std::unique_ptr<CascadeStore>> StoreOpener::OpenWithTiers(
+    const CascadeConfig& config, const RemoteTierOpener& open_stage) {
   CASCADE_RETURN_IF_ERROR(config.validate());
   auto kinds = config.resolve_pipeline(gpu_usable(config.gpu_device_id));
   if (!kinds.ok()) return kinds.status();
@@ -535,8 +542,8 @@ Result<std::unique_ptr<CascadeStore>> StoreOpener::OpenWithTiers(const CascadeCo
   for (TierKind k : *kinds) {
     auto tier = open_stage(k, config, impl->pool.get());
     if (!tier.ok()) {
-      return Status(tier.status().code(),
-                    std::string("cannot open the ") + tier_kind_name(k) + " tier: " + tier.status().message());
+      return Status(tier.status().code(), std::string("cannot open the ") + tier_kind_name(k) +
+                                              " tier: " + tier.status().message());
     }
     if (k == TierKind::kRemote) impl->remote = impl->tiers.size();
     impl->tiers.push_back(std::move(tier.value()));
@@ -557,13 +564,14 @@ Result<std::unique_ptr<CascadeStore>> StoreOpener::OpenWithTiers(const CascadeCo
 CascadeStore::CascadeStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CascadeStore::~CascadeStore() { close(); }
 
-#define CASCADE_LIVE_OR(ret)                                        \
+#define CASCADE_LIVE_OR(ret)                                       \
   std::shared_lock<std::shared_mutex> live_lock(impl_->lifecycle); \
   if (impl_->closed.load(std::memory_order_acquire)) return ret
 
 static Status closed_status() { return Status::Unavailable("the store is closed"); }
 
-Status CascadeStore::put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) {
+Status CascadeStore::put(const BlockId& id, const void* data, uint64_t size,
+                         const PutOptions& options) {
   CASCADE_LIVE_OR(closed_status());
   if (size && !data) return Status::InvalidArgument("data is null");
   return impl_->put_impl(id, data, size, options);
@@ -629,7 +637,8 @@ size_t CascadeStore::put_batch(std::span<const BlockId> ids, std::span<const Con
 
 size_t CascadeStore::get_batch(std::span<const BlockId> ids, std::span<const MutableBuffer> out,
                                std::vector<GetResult>* results, std::vector<Status>* statuses) {
-  CASCADE_LIVE_OR((results->assign(ids.size(), GetResult{}), statuses->assign(ids.size(), closed_status()), 0));
+  CASCADE_LIVE_OR(
+      (results->assign(ids.size(), GetResult{}), statuses->assign(ids.size(), closed_status()), 0));
   if (ids.size() != out.size()) {
     results->assign(ids.size(), GetResult{});
     statuses->assign(ids.size(), Status::InvalidArgument("ids and buffers differ in length"));
@@ -645,7 +654,8 @@ std::shared_ptr<BatchTask> CascadeStore::put_batch_async(std::vector<BlockId> id
   std::shared_lock<std::shared_mutex> live_lock(impl_->lifecycle);
   if (impl_->closed.load() || ids.size() != data.size()) {
     task->statuses_.assign(ids.size(), impl_->closed.load() ? closed_status()
-                                                            : Status::InvalidArgument("ids and data differ in length"));
+                                                            : Status::InvalidArgument(
+                                                                  "ids and data differ in length"));
     task->finish(0);
     return task;
   }
@@ -660,8 +670,10 @@ std::shared_ptr<BatchTask> CascadeStore::get_batch_async(std::vector<BlockId> id
   auto task = std::make_shared<Task>(ids.size(), true);
   std::shared_lock<std::shared_mutex> live_lock(impl_->lifecycle);
   if (impl_->closed.load() || ids.size() != out.size()) {
-    task->statuses_.assign(ids.size(), impl_->closed.load() ? closed_status()
-                                                            : Status::InvalidArgument("ids and buffers differ in length"));
+    task->statuses_.assign(ids.size(),
+                           impl_->closed.load()
+                               ? closed_status()
+                               : Status::InvalidArgument("ids and buffers differ in length"));
     task->finish(0);
     return task;
   }

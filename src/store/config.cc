@@ -22,7 +22,8 @@ Result<TierKind> parse_tier(std::string_view name) {
   // level of memory (docs/configuration.md lists them).
   if (name == "gpu" || name == "hbm" || name == "device") return TierKind::kGpu;
   if (name == "host" || name == "shm" || name == "cache" || name == "dram") return TierKind::kHost;
-  if (name == "file" || name == "lustre" || name == "posix" || name == "disk") return TierKind::kFile;
+  if (name == "file" || name == "lustre" || name == "posix" || name == "disk")
+    return TierKind::kFile;
   if (name == "remote") return TierKind::kRemote;
   return Status::InvalidArgument("unknown tier '" + std::string(name) +
                                  "' in pipeline (expected gpu, host, remote or file)");
@@ -66,8 +67,9 @@ Result<std::vector<TierKind>> CascadeConfig::resolve_pipeline(bool gpu_available
     auto kind = parse_tier(name);
     if (!kind.ok()) return kind.status();
     if (!tiers.empty() && tier_level(*kind) <= tier_level(tiers.back())) {
-      return Status::InvalidArgument("pipeline '" + pipeline +
-                                     "': tiers must be ordered gpu, host (or remote), file, each at most once");
+      return Status::InvalidArgument(
+          "pipeline '" + pipeline +
+          "': tiers must be ordered gpu, host (or remote), file, each at most once");
     }
     tiers.push_back(*kind);
     if (bar == std::string_view::npos) break;
@@ -82,12 +84,14 @@ Status CascadeConfig::validate() const {
   for (TierKind t : *tiers) {
     if (t == TierKind::kHost || t == TierKind::kRemote) {
       if (shm_capacity_bytes == 0)
-        return Status::InvalidArgument("shm_capacity_bytes is 0: the host tier needs room for at least one block");
+        return Status::InvalidArgument(
+            "shm_capacity_bytes is 0: the host tier needs room for at least one block");
       if (shm_path.empty()) return Status::InvalidArgument("shm_path is empty");
     }
     if (t == TierKind::kGpu) {
       if (gpu_capacity_bytes == 0)
-        return Status::InvalidArgument("gpu_capacity_bytes is 0: the gpu tier needs room for at least one block");
+        return Status::InvalidArgument(
+            "gpu_capacity_bytes is 0: the gpu tier needs room for at least one block");
       if (gpu_device_id < 0) return Status::InvalidArgument("gpu_device_id is negative");
     }
     if (t == TierKind::kFile) {

@@ -10,7 +10,8 @@ namespace cascade {
 
 Status DistributedOptions::validate() const {
   if (request_timeout_ms == 0)
-    return Status::InvalidArgument("request_timeout_ms is 0: a rank must wait some time for an owner's answer");
+    return Status::InvalidArgument(
+        "request_timeout_ms is 0: a rank must wait some time for an owner's answer");
   if (ring_points_per_rank < 1 || ring_points_per_rank > 4096)
     return Status::InvalidArgument("ring_points_per_rank must be from 1 to 4096");
   if (static_cast<uint8_t>(checksum) > static_cast<uint8_t>(RemoteChecksum::kAlways))

@@ -12,15 +12,14 @@
 
 #include "cascade/distributed.h"
 #include "cuda/device_copy.h"
+#include "store/store_open.h"
 #include "tiers/remote/mpi_status.h"
 #include "tiers/remote/rank_fabric.h"
 #include "tiers/remote/remote_tier.h"
-#include "store/store_open.h"
 
 namespace cascade {
 
 bool distributed_available() { return true; }
-
 
 namespace {
 
@@ -65,7 +64,9 @@ Status prepare_rank_config(const CascadeConfig& config, const DistributedOptions
     std::filesystem::path dir = std::filesystem::path(config.file_path) / name;
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
-    if (ec) return Status::IOError("create the file tier directory '" + dir.string() + "': " + ec.message());
+    if (ec)
+      return Status::IOError("create the file tier directory '" + dir.string() +
+                             "': " + ec.message());
     out->file_path = dir.string();
   }
   return out->validate();
@@ -87,13 +88,15 @@ Result<MPI_Comm> communicator(MpiCommunicator comm) {
     if (comm.fortran_handle != MpiCommunicator::kWorldHandle)
       return Status::InvalidArgument("a communicator was given but MPI is not initialized");
     int provided = 0;
-    if (int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided); rc != MPI_SUCCESS)
+    if (int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+        rc != MPI_SUCCESS)
       return remote::mpi_status(rc, "MPI_Init_thread");
     std::atexit(finalize_mpi_at_exit);
   }
   if (comm.fortran_handle == MpiCommunicator::kWorldHandle) return MPI_COMM_WORLD;
   MPI_Comm c = MPI_Comm_f2c(static_cast<MPI_Fint>(comm.fortran_handle));
-  if (c == MPI_COMM_NULL) return Status::InvalidArgument("the communicator handle is MPI_COMM_NULL");
+  if (c == MPI_COMM_NULL)
+    return Status::InvalidArgument("the communicator handle is MPI_COMM_NULL");
   return c;
 }
 
@@ -105,7 +108,9 @@ Status agree_on_user_comm(MPI_Comm comm, const Status& local) {
   if (int rc = MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm); rc != MPI_SUCCESS)
     return remote::mpi_status(rc, "MPI_Allreduce");
   if (!local.ok()) return local;
-  if (!all) return Status::InvalidArgument("another rank's configuration of the distributed store is unusable");
+  if (!all)
+    return Status::InvalidArgument(
+        "another rank's configuration of the distributed store is unusable");
   return Status::OK();
 }
 
@@ -123,7 +128,8 @@ Result<std::unique_ptr<CascadeStore>> OpenDistributed(const CascadeConfig& confi
   if (local.ok()) local = prepare_rank_config(config, options, rank, &rank_config);
   CASCADE_RETURN_IF_ERROR(agree_on_user_comm(*c, local));
 
-  auto fabric = remote::RankFabric::Open(*c, rank_config.shm_capacity_bytes, options.node_local_loads);
+  auto fabric =
+      remote::RankFabric::Open(*c, rank_config.shm_capacity_bytes, options.node_local_loads);
   if (!fabric.ok()) return fabric.status();
   std::shared_ptr<remote::RankFabric> f = *fabric;
   // Settings every rank must share (ownership and transfers depend on them).
@@ -146,6 +152,5 @@ Result<std::unique_ptr<CascadeStore>> OpenDistributed(const CascadeConfig& confi
   if (!all.ok()) return all;
   return std::move(store.value());
 }
-
 
 }  // namespace cascade

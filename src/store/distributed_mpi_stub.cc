@@ -4,8 +4,8 @@
 
 namespace cascade {
 
-Result<std::unique_ptr<CascadeStore>> OpenDistributed(const CascadeConfig&, const DistributedOptions&,
-                                                      MpiCommunicator) {
+Result<std::unique_ptr<CascadeStore>> OpenDistributed(const CascadeConfig&,
+                                                      const DistributedOptions&, MpiCommunicator) {
   return Status::Unavailable(
       "this build of cascade has no MPI: install an MPI (e.g. libopenmpi-dev) and rebuild to use a "
       "distributed store");

@@ -37,11 +37,13 @@ CascadeConfig host_disk_config(uint64_t host_capacity) {
 }
 
 std::unique_ptr<CascadeStore> open_on(const CascadeConfig& c, std::shared_ptr<SimulatedDisk> disk) {
-  auto s = StoreOpener::OpenWithTiers(
-      c, [disk](TierKind k, const CascadeConfig& cfg, ThreadPool* pool) -> Result<std::unique_ptr<Tier>> {
-        if (k == TierKind::kFile) return std::unique_ptr<Tier>(new SimulatedDiskTier(disk));
-        return open_tier(k, cfg, pool);
-      });
+  auto s = StoreOpener::OpenWithTiers(c,
+                                      [disk](TierKind k, const CascadeConfig& cfg,
+                                             ThreadPool* pool) -> Result<std::unique_ptr<Tier>> {
+                                        if (k == TierKind::kFile)
+                                          return std::unique_ptr<Tier>(new SimulatedDiskTier(disk));
+                                        return open_tier(k, cfg, pool);
+                                      });
   EXPECT_TRUE(s.ok()) << s.status().ToString();
   return s.ok() ? std::move(s.value()) : nullptr;
 }
@@ -243,7 +245,8 @@ TEST(DurabilityTest, FlushDuringConcurrentPutsKeepsEveryEarlierPut) {
       size_t i = w * kPer + k;
       GetResult g;
       ASSERT_TRUE(r->get(id_of(i), out.data(), out.size(), &g).ok());
-      ASSERT_TRUE(g.found) << "writer " << w << " block " << k << " acknowledged before flush is lost";
+      ASSERT_TRUE(g.found) << "writer " << w << " block " << k
+                           << " acknowledged before flush is lost";
       ASSERT_TRUE(out == bytes_of(i, kSize));
     }
   }

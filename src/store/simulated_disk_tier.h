@@ -29,12 +29,12 @@ struct SimulatedDisk {
   std::map<BlockId, std::vector<uint8_t>> durable, pending;
   std::vector<std::pair<BlockId, BlockId>> durable_aliases, pending_aliases;  // oldest first
   bool dead = false;
-  uint64_t capacity = 0;          // 0: unbounded
-  std::set<BlockId> fail_puts;    // put fails with IOError for these ids
-  bool fail_aliases = false;      // put_alias fails with IOError
-  bool fail_flush = false;        // flush fails with IOError
+  uint64_t capacity = 0;        // 0: unbounded
+  std::set<BlockId> fail_puts;  // put fails with IOError for these ids
+  bool fail_aliases = false;    // put_alias fails with IOError
+  bool fail_flush = false;      // flush fails with IOError
   uint64_t flushes = 0;
-  uint64_t reads = 0;             // read() calls, hits and misses
+  uint64_t reads = 0;  // read() calls, hits and misses
 
   void kill(bool power_loss) {
     std::lock_guard<std::mutex> lock(mu);
@@ -75,7 +75,8 @@ class SimulatedDiskTier final : public Tier {
     if (size && o.src_kind == MemoryKind::kHost) {
       std::memcpy(bytes.data(), data, size);
     } else if (size) {  // staged out of device memory, as the file tier does
-      Status st = device_copy(bytes.data(), MemoryKind::kHost, data, o.src_kind, size, o.cuda_stream);
+      Status st =
+          device_copy(bytes.data(), MemoryKind::kHost, data, o.src_kind, size, o.cuda_stream);
       if (!st.ok()) return st;
     }
     disk_->pending[id] = bytes;

@@ -31,7 +31,8 @@ BlockId id_of(uint64_t i) { return compute_block_id(&i, sizeof(i)); }
 
 // A host|file store whose file stage is a simulated disk that already
 // holds `blocks` (so they are found only below the host tier).
-std::unique_ptr<CascadeStore> open_with_disk(std::shared_ptr<SimulatedDisk> disk, bool promote_on_hit) {
+std::unique_ptr<CascadeStore> open_with_disk(std::shared_ptr<SimulatedDisk> disk,
+                                             bool promote_on_hit) {
   CascadeConfig c;
   c.pipeline = "host|file";
   c.shm_capacity_bytes = 16 << 20;
@@ -40,11 +41,13 @@ std::unique_ptr<CascadeStore> open_with_disk(std::shared_ptr<SimulatedDisk> disk
   c.num_io_threads = 2;
   c.index_shards = 16;
   c.promote_on_hit = promote_on_hit;
-  auto s = StoreOpener::OpenWithTiers(
-      c, [disk](TierKind k, const CascadeConfig& cfg, ThreadPool* pool) -> Result<std::unique_ptr<Tier>> {
-        if (k == TierKind::kFile) return std::unique_ptr<Tier>(new SimulatedDiskTier(disk));
-        return open_tier(k, cfg, pool);
-      });
+  auto s = StoreOpener::OpenWithTiers(c,
+                                      [disk](TierKind k, const CascadeConfig& cfg,
+                                             ThreadPool* pool) -> Result<std::unique_ptr<Tier>> {
+                                        if (k == TierKind::kFile)
+                                          return std::unique_ptr<Tier>(new SimulatedDiskTier(disk));
+                                        return open_tier(k, cfg, pool);
+                                      });
   EXPECT_TRUE(s.ok()) << s.status().ToString();
   return s.ok() ? std::move(s.value()) : nullptr;
 }

@@ -161,7 +161,8 @@ TEST(StoreTest, AllLeasedMeansNoSpace) {
     views.push_back(std::move(store->acquire(id).value()));
   }
   auto b = random_bytes(64 << 10, 99);
-  EXPECT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).is(Code::kNoSpace));
+  EXPECT_TRUE(
+      store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).is(Code::kNoSpace));
   EXPECT_EQ(store->stats().put_failures, 1u);
   views.clear();
   EXPECT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).ok());
@@ -170,7 +171,9 @@ TEST(StoreTest, AllLeasedMeansNoSpace) {
 TEST(StoreTest, AllLeasedInTopTierGoesToTheTierBelow) {
   auto c = host_config(128 << 10);
   c.pipeline = "host|file";
-  c.file_path = (std::filesystem::temp_directory_path() / ("cascade-unit-below-" + std::to_string(getpid()))).string();
+  c.file_path =
+      (std::filesystem::temp_directory_path() / ("cascade-unit-below-" + std::to_string(getpid())))
+          .string();
   c.file_capacity_bytes = 64 << 20;
   c.segment_size_bytes = 8 << 20;
   c.io_direct = false;
@@ -201,7 +204,8 @@ TEST(StoreTest, AllLeasedInTopTierGoesToTheTierBelow) {
 TEST(StoreTest, BlockLargerThanTierIsRejected) {
   auto store = open(host_config(1 << 20));
   auto b = random_bytes((1 << 20) + 1, 3);
-  EXPECT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).is(Code::kInvalidArgument));
+  EXPECT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size())
+                  .is(Code::kInvalidArgument));
 }
 
 TEST(StoreTest, DedupStoresIdenticalContentOnce) {
@@ -226,7 +230,8 @@ TEST(StoreTest, DedupStoresIdenticalContentOnce) {
   ASSERT_TRUE(store->remove(*block_id_from_key("session-0")).ok());
   EXPECT_FALSE(store->contains(*block_id_from_key("session-0")));
   EXPECT_TRUE(store->contains(*block_id_from_key("session-1")));
-  for (int i = 1; i < 5; ++i) ASSERT_TRUE(store->remove(*block_id_from_key("session-" + std::to_string(i))).ok());
+  for (int i = 1; i < 5; ++i)
+    ASSERT_TRUE(store->remove(*block_id_from_key("session-" + std::to_string(i))).ok());
   EXPECT_EQ(store->stats().physical_bytes, 0u);
 }
 
@@ -334,7 +339,8 @@ TEST(StoreTest, BadConfigsFailClearly) {
   c = host_config(1ULL << 50);
   auto s = CascadeStore::Open(c);
   EXPECT_TRUE(s.status().is(Code::kInvalidArgument));
-  EXPECT_NE(s.status().message().find("larger than the free space"), std::string::npos) << s.status().ToString();
+  EXPECT_NE(s.status().message().find("larger than the free space"), std::string::npos)
+      << s.status().ToString();
   c = host_config(1 << 20);
   c.pipeline = "file|host";
   EXPECT_TRUE(CascadeStore::Open(c).status().is(Code::kInvalidArgument));

@@ -6,21 +6,20 @@
 
 namespace cascade {
 
-Result<std::unique_ptr<Tier>> open_tier(TierKind kind, const CascadeConfig& config, ThreadPool* pool) {
+Result<std::unique_ptr<Tier>> open_tier(TierKind kind, const CascadeConfig& config,
+                                        ThreadPool* pool) {
   switch (kind) {
     case TierKind::kHost: {
       auto t = HostTier::Open(config, pool);
       if (!t.ok()) return t.status();
       return std::unique_ptr<Tier>(std::move(t.value()));
     }
-    case TierKind::kGpu:
-      return open_gpu_tier(config, pool);
+    case TierKind::kGpu: return open_gpu_tier(config, pool);
     case TierKind::kRemote:
       return Status::Unavailable(
           "the remote tier belongs to distributed stores: open one with OpenDistributed "
           "(cascade/distributed.h; Python: cascade.distributed.open_store), collectively over MPI");
-    case TierKind::kFile:
-      return open_file_tier(config, pool, nullptr);
+    case TierKind::kFile: return open_file_tier(config, pool, nullptr);
   }
   return Status::InvalidArgument("unknown tier kind");
 }

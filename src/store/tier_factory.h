@@ -10,6 +10,7 @@
 
 namespace cascade {
 
-Result<std::unique_ptr<Tier>> open_tier(TierKind kind, const CascadeConfig& config, ThreadPool* pool);
+Result<std::unique_ptr<Tier>> open_tier(TierKind kind, const CascadeConfig& config,
+                                        ThreadPool* pool);
 
 }  // namespace cascade

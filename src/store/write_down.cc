@@ -104,10 +104,14 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
   for (const auto& t : tiers) {
     Status st = t->flush();
     if (!st.ok() && flushed.ok())
-      flushed = Status(st.code(), std::string("the ") + t->name() + " tier could not flush: " + st.message());
+      flushed = Status(st.code(),
+                       std::string("the ") + t->name() + " tier could not flush: " + st.message());
   }
-  Status st = block_failures.summary(blocks, "blocks could not be written down to the " + below + " tier");
-  if (st.ok()) st = alias_failures.summary(aliases, "dedup aliases could not be written to the " + below + " tier");
+  Status st =
+      block_failures.summary(blocks, "blocks could not be written down to the " + below + " tier");
+  if (st.ok())
+    st = alias_failures.summary(aliases,
+                                "dedup aliases could not be written to the " + below + " tier");
   if (st.ok()) st = flushed;
   return st;
 }

@@ -20,8 +20,8 @@
 #include "cascade/block_id.h"
 #include "cascade/status.h"
 #include "cascade/tier.h"
-#include "util/thread_pool.h"
 #include "store/dedup_table.h"
+#include "util/thread_pool.h"
 
 namespace cascade {
 

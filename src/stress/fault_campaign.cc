@@ -69,7 +69,8 @@ struct RunTally {
 
 // Reads block n from t: a miss, or the exact bytes; counts into tally.
 // Returns true on a hit.
-bool check_read(FileTier* t, const FaultCampaignOptions& o, uint64_t n, RunTally* tally, const char* when) {
+bool check_read(FileTier* t, const FaultCampaignOptions& o, uint64_t n, RunTally* tally,
+                const char* when) {
   std::vector<uint8_t> out(o.max_block_bytes + 4096);
   ReadRequest req;
   req.out = out.data();
@@ -86,8 +87,9 @@ bool check_read(FileTier* t, const FaultCampaignOptions& o, uint64_t n, RunTally
   if (r.copied != want.size() || std::memcmp(out.data(), want.data(), want.size()) != 0) {
     ++tally->wrong;
     if (tally->first_wrong.empty())
-      tally->first_wrong = std::string(when) + " read of block " + std::to_string(n) + " returned " +
-                           std::to_string(r.copied) + " bytes that are not the block's";
+      tally->first_wrong = std::string(when) + " read of block " + std::to_string(n) +
+                           " returned " + std::to_string(r.copied) +
+                           " bytes that are not the block's";
   }
   return true;
 }
@@ -165,17 +167,20 @@ Result<std::vector<EnvCall>> trace_fault_workload(const FaultCampaignOptions& o)
   env.set_trace(true);
   RunTally tally;
   run_workload(o, &env, &tally);
-  if (tally.open_failed) return Status::IOError("fault campaign: the clean run could not open " + o.dir);
+  if (tally.open_failed)
+    return Status::IOError("fault campaign: the clean run could not open " + o.dir);
   Status st = reopen_and_check(o, &tally);
   if (!st.ok()) return st;
   if (tally.wrong || tally.lost || tally.failed_ops)
-    return Status::Corruption("fault campaign: the clean run failed (" + std::to_string(tally.wrong) +
-                              " wrong, " + std::to_string(tally.lost) + " lost, " +
+    return Status::Corruption("fault campaign: the clean run failed (" +
+                              std::to_string(tally.wrong) + " wrong, " +
+                              std::to_string(tally.lost) + " lost, " +
                               std::to_string(tally.failed_ops) + " failed operations)");
   return env.trace();
 }
 
-std::vector<FaultPoint> all_fault_points(const std::vector<EnvCall>& trace, const std::vector<FaultKind>& kinds) {
+std::vector<FaultPoint> all_fault_points(const std::vector<EnvCall>& trace,
+                                         const std::vector<FaultKind>& kinds) {
   std::vector<FaultPoint> out;
   for (FaultKind k : kinds) {
     for (uint64_t i = 0; i < trace.size(); ++i) {
@@ -186,7 +191,8 @@ std::vector<FaultPoint> all_fault_points(const std::vector<EnvCall>& trace, cons
   return out;
 }
 
-FaultCampaignResult run_fault_points(const FaultCampaignOptions& o, const std::vector<FaultPoint>& points) {
+FaultCampaignResult run_fault_points(const FaultCampaignOptions& o,
+                                     const std::vector<FaultPoint>& points) {
   FaultCampaignResult res;
   for (const FaultPoint& p : points) {
     std::string where = std::string(fault_kind_name(p.kind)) + "@" + std::to_string(p.index);
@@ -200,7 +206,8 @@ FaultCampaignResult run_fault_points(const FaultCampaignOptions& o, const std::v
     run_workload(o, &env, &tally);
     ++res.points;
     res.fired += env.fired() ? 1 : 0;
-    where += std::string(" (") + (env.fired() ? env_call_name(env.fired_call()) : "not reached") + ")";
+    where +=
+        std::string(" (") + (env.fired() ? env_call_name(env.fired_call()) : "not reached") + ")";
     res.injected += env.injected();
     env.disarm();
     Status st = reopen_and_check(o, &tally);
@@ -221,7 +228,8 @@ FaultCampaignResult run_fault_points(const FaultCampaignOptions& o, const std::v
     if (tally.lost)
       problem += (problem.empty() ? "" : "; ") + std::to_string(tally.lost) + " of " +
                  std::to_string(tally.acked.size()) + " flushed blocks missing after reopen";
-    if (!problem.empty() && res.failures.size() < 20) res.failures.push_back(where + ": " + problem);
+    if (!problem.empty() && res.failures.size() < 20)
+      res.failures.push_back(where + ": " + problem);
   }
   return res;
 }

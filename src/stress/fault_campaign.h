@@ -28,10 +28,10 @@
 namespace cascade::stress {
 
 struct FaultCampaignOptions {
-  std::string dir;                      // scratch directory; emptied before each run
-  uint64_t seed = 1;                    // block contents, workload choices, torn prefixes
-  int puts = 40;                        // puts in the workload
-  uint64_t key_space = 24;              // ids drawn from [0, key_space): re-puts and removes collide
+  std::string dir;          // scratch directory; emptied before each run
+  uint64_t seed = 1;        // block contents, workload choices, torn prefixes
+  int puts = 40;            // puts in the workload
+  uint64_t key_space = 24;  // ids drawn from [0, key_space): re-puts and removes collide
   uint64_t max_block_bytes = 20 << 10;  // block sizes in [256, max_block_bytes)
   uint64_t segment_bytes = 64 << 10;    // small: segments seal (summaries) during the run
   uint64_t capacity_bytes = 0;          // file_capacity_bytes (0: unbounded)
@@ -40,22 +40,22 @@ struct FaultCampaignOptions {
 
 struct FaultPoint {
   FaultKind kind = FaultKind::kEio;
-  uint64_t index = 0;  // Env call number in the clean run
+  uint64_t index = 0;                 // Env call number in the clean run
   EnvCall call = EnvCall::kOpenRead;  // what the clean run made there (informative)
 };
 
 struct FaultCampaignResult {
-  uint64_t env_calls = 0;       // calls of the clean run
-  uint64_t points = 0;          // faulted runs made
-  uint64_t fired = 0;           // runs where the armed call was reached
-  uint64_t injected = 0;        // calls that failed because of a fault (a full disk fails many)
-  uint64_t failed_ops = 0;      // workload operations that returned an error
-  uint64_t open_failures = 0;   // faulted runs whose open failed (the workload then stops)
-  uint64_t reopen_failures = 0; // clean reopens that failed: a failure
-  uint64_t acked = 0;           // blocks put and flushed, summed over runs
+  uint64_t env_calls = 0;        // calls of the clean run
+  uint64_t points = 0;           // faulted runs made
+  uint64_t fired = 0;            // runs where the armed call was reached
+  uint64_t injected = 0;         // calls that failed because of a fault (a full disk fails many)
+  uint64_t failed_ops = 0;       // workload operations that returned an error
+  uint64_t open_failures = 0;    // faulted runs whose open failed (the workload then stops)
+  uint64_t reopen_failures = 0;  // clean reopens that failed: a failure
+  uint64_t acked = 0;            // blocks put and flushed, summed over runs
   uint64_t reads = 0, hits = 0, misses = 0;
-  uint64_t wrong = 0;           // reads that returned bytes other than the block's
-  uint64_t lost = 0;            // acknowledged blocks missing after reopen
+  uint64_t wrong = 0;                 // reads that returned bytes other than the block's
+  uint64_t lost = 0;                  // acknowledged blocks missing after reopen
   std::vector<std::string> failures;  // the first few, described
 };
 

@@ -86,7 +86,9 @@ class PointFaultEnv::CountingFile final : public File {
     env_->leave(EnvCall::kWrite);
     return st;
   }
-  Status sync() override { return call(EnvCall::kSync, [&] { return base_->sync(); }); }
+  Status sync() override {
+    return call(EnvCall::kSync, [&] { return base_->sync(); });
+  }
   Status allocate(uint64_t offset, uint64_t n) override {
     return call(EnvCall::kAllocate, [&] { return base_->allocate(offset, n); });
   }
@@ -108,7 +110,9 @@ class PointFaultEnv::CountingFile final : public File {
     env_->leave(EnvCall::kInfo);
     return r;
   }
-  Status drop_cache() override { return call(EnvCall::kDropCache, [&] { return base_->drop_cache(); }); }
+  Status drop_cache() override {
+    return call(EnvCall::kDropCache, [&] { return base_->drop_cache(); });
+  }
   int native_handle() const override { return -1; }  // every I/O through pread/pwrite
   bool direct() const override { return base_->direct(); }
 
@@ -164,23 +168,17 @@ bool PointFaultEnv::enter(EnvCall c, const std::string& path, uint64_t bytes) {
   }
   one_shot_active_ = true;
   switch (c) {
-    case EnvCall::kWrite:
-      fault_.tear_next_write(0);
-      return false;
+    case EnvCall::kWrite: fault_.tear_next_write(0); return false;
     case EnvCall::kRead:
       fault_.fail_reads(path, 0, std::numeric_limits<uint64_t>::max());
       return false;
     case EnvCall::kSync:
-    case EnvCall::kSyncDir:
-      fault_.fail_syncs(true);
-      return false;
+    case EnvCall::kSyncDir: fault_.fail_syncs(true); return false;
     case EnvCall::kOpenWrite:
     case EnvCall::kRename:
     case EnvCall::kUnlink:
     case EnvCall::kLock:
-    case EnvCall::kCreateStriped:
-      fault_.set_read_only(true);
-      return false;
+    case EnvCall::kCreateStriped: fault_.set_read_only(true); return false;
     default:
       one_shot_active_ = false;
       injected_.fetch_add(1);
@@ -198,7 +196,8 @@ Status PointFaultEnv::own_error(EnvCall c, const std::string& path) {
   return errno_status(EIO, std::string(env_call_name(c)) + " " + path);
 }
 
-Result<std::unique_ptr<File>> PointFaultEnv::open(const std::string& path, const FileOpenOptions& options) {
+Result<std::unique_ptr<File>> PointFaultEnv::open(const std::string& path,
+                                                  const FileOpenOptions& options) {
   EnvCall c = options.write || options.create ? EnvCall::kOpenWrite : EnvCall::kOpenRead;
   if (enter(c, path, 0)) return own_error(c, path);
   auto f = fault_.open(path, options);
@@ -207,12 +206,12 @@ Result<std::unique_ptr<File>> PointFaultEnv::open(const std::string& path, const
   return std::unique_ptr<File>(new CountingFile(this, std::move(f.value())));
 }
 
-#define CASCADE_POINT_CALL(kind, path, expr) \
-  do {                                       \
+#define CASCADE_POINT_CALL(kind, path, expr)                \
+  do {                                                      \
     if (enter(kind, path, 0)) return own_error(kind, path); \
-    auto result_ = (expr);                   \
-    leave(kind);                             \
-    return result_;                          \
+    auto result_ = (expr);                                  \
+    leave(kind);                                            \
+    return result_;                                         \
   } while (0)
 
 Status PointFaultEnv::create_dirs(const std::string& dir, uint32_t mode) {
@@ -239,8 +238,8 @@ Result<std::unique_ptr<FileLock>> PointFaultEnv::lock_file(const std::string& pa
 Result<FileInfo> PointFaultEnv::stat(const std::string& path) {
   CASCADE_POINT_CALL(EnvCall::kStat, path, fault_.stat(path));
 }
-Status PointFaultEnv::create_striped(const std::string& path, uint64_t stripe_size, int stripe_count,
-                                     uint32_t mode) {
+Status PointFaultEnv::create_striped(const std::string& path, uint64_t stripe_size,
+                                     int stripe_count, uint32_t mode) {
   CASCADE_POINT_CALL(EnvCall::kCreateStriped, path,
                      fault_.create_striped(path, stripe_size, stripe_count, mode));
 }

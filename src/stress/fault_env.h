@@ -32,8 +32,25 @@
 namespace cascade::stress {
 
 enum class EnvCall : uint8_t {
-  kOpenRead, kOpenWrite, kRead, kWrite, kSync, kAllocate, kPunchHole, kTruncate, kSize, kInfo,
-  kDropCache, kCreateDirs, kListDir, kRename, kUnlink, kSyncDir, kSpace, kLock, kStat,
+  kOpenRead,
+  kOpenWrite,
+  kRead,
+  kWrite,
+  kSync,
+  kAllocate,
+  kPunchHole,
+  kTruncate,
+  kSize,
+  kInfo,
+  kDropCache,
+  kCreateDirs,
+  kListDir,
+  kRename,
+  kUnlink,
+  kSyncDir,
+  kSpace,
+  kLock,
+  kStat,
   kCreateStriped,
 };
 const char* env_call_name(EnvCall c);
@@ -60,7 +77,8 @@ class PointFaultEnv : public Env {
   EnvCall fired_call() const { return fired_call_; }
   uint64_t injected() const { return injected_.load() + fault_.injected_faults(); }
 
-  Result<std::unique_ptr<File>> open(const std::string& path, const FileOpenOptions& options) override;
+  Result<std::unique_ptr<File>> open(const std::string& path,
+                                     const FileOpenOptions& options) override;
   Status create_dirs(const std::string& dir, uint32_t mode) override;
   Result<std::vector<std::string>> list_dir(const std::string& dir) override;
   Status rename(const std::string& from, const std::string& to) override;

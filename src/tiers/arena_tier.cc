@@ -6,20 +6,21 @@
 
 namespace cascade {
 
-ArenaTier::ArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capacity, MemoryKind memory,
-                     std::string where)
+ArenaTier::ArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capacity,
+                     MemoryKind memory, std::string where)
     : base_(base),
       capacity_(capacity),
       memory_(memory),
       where_(std::move(where)),
-      index_(config.index_shards, config.eviction_policy, [this](const BlockId&, const Location& loc) {
-        if (loc.size) free_space(loc.offset, loc.size);
-      }) {}
+      index_(config.index_shards, config.eviction_policy,
+             [this](const BlockId&, const Location& loc) {
+               if (loc.size) free_space(loc.offset, loc.size);
+             }) {}
 
 Status ArenaTier::check_fits(uint64_t size) const {
   if (size <= capacity_) return Status::OK();
-  return Status::InvalidArgument("block of " + std::to_string(size) + " bytes is larger than " + where_ +
-                                 " (" + std::to_string(capacity_) + " bytes)");
+  return Status::InvalidArgument("block of " + std::to_string(size) + " bytes is larger than " +
+                                 where_ + " (" + std::to_string(capacity_) + " bytes)");
 }
 
 bool ArenaTier::publish(const BlockId& id, const Location& loc, const PutOptions& options) {
@@ -28,7 +29,8 @@ bool ArenaTier::publish(const BlockId& id, const Location& loc, const PutOptions
   return true;
 }
 
-Status ArenaTier::put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) {
+Status ArenaTier::put(const BlockId& id, const void* data, uint64_t size,
+                      const PutOptions& options) {
   CASCADE_RETURN_IF_ERROR(check_fits(size));
   if (size && !data) return Status::InvalidArgument("data is null");
   if (index_.contains(id)) return Status::OK();  // blocks are immutable
@@ -85,7 +87,9 @@ Result<uint64_t> ArenaTier::size_of(const BlockId& id) {
   return not_found();
 }
 
-Status ArenaTier::remove(const BlockId& id) { return index_.remove(id) ? Status::OK() : not_found(); }
+Status ArenaTier::remove(const BlockId& id) {
+  return index_.remove(id) ? Status::OK() : not_found();
+}
 
 std::vector<Victim> ArenaTier::claim_victims(uint64_t bytes) {
   std::vector<BlockIndex::Claimed> claims = index_.claim_victims(bytes);
@@ -128,14 +132,15 @@ void ArenaTier::for_each_block(const std::function<void(const BlockId&, uint64_t
   index_.for_each([&](const BlockId& id, const Location& loc, bool) { fn(id, loc.size); });
 }
 
-HostArenaTier::HostArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capacity, ThreadPool* pool,
-                             std::string where)
+HostArenaTier::HostArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capacity,
+                             ThreadPool* pool, std::string where)
     : ArenaTier(config, base, capacity, MemoryKind::kHost, std::move(where)),
       pool_(pool),
       parallel_threshold_(config.parallel_copy_threshold),
       alloc_(capacity, kUnit) {}
 
-Status HostArenaTier::copy_to_arena(uint8_t* dst, const void* src, uint64_t n, const PutOptions& options) {
+Status HostArenaTier::copy_to_arena(uint8_t* dst, const void* src, uint64_t n,
+                                    const PutOptions& options) {
   if (options.src_kind == MemoryKind::kHost) {
     parallel_memcpy(pool_, dst, src, n, parallel_threshold_);
     return Status::OK();

@@ -42,7 +42,8 @@ namespace cascade {
 
 class ArenaTier : public Tier {
  public:
-  Status put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) override;
+  Status put(const BlockId& id, const void* data, uint64_t size,
+             const PutOptions& options) override;
   Status read(const BlockId& id, const ReadRequest& req, ReadResult* result) override;
   Result<BlockView> acquire(const BlockId& id) override;
   Result<uint64_t> size_of(const BlockId& id) override;
@@ -81,10 +82,12 @@ class ArenaTier : public Tier {
   // arena.
   virtual std::optional<uint64_t> allocate(uint64_t /*size*/) { return std::nullopt; }
   virtual Status commit(uint64_t /*end*/) { return Status::OK(); }
-  virtual Status copy_in(uint64_t /*offset*/, const void* /*src*/, uint64_t /*n*/, const PutOptions& /*options*/) {
+  virtual Status copy_in(uint64_t /*offset*/, const void* /*src*/, uint64_t /*n*/,
+                         const PutOptions& /*options*/) {
     return Status::NotSupported("no plain put");
   }
-  virtual Status copy_out(void* /*dst*/, const uint8_t* /*src*/, uint64_t /*n*/, const ReadRequest& /*req*/) {
+  virtual Status copy_out(void* /*dst*/, const uint8_t* /*src*/, uint64_t /*n*/,
+                          const ReadRequest& /*req*/) {
     return Status::NotSupported("no plain read");
   }
 

@@ -14,7 +14,9 @@ struct TierCounters {
   std::atomic<uint64_t> hits{0}, misses{0}, evictions{0}, demotions_in{0}, promotions_in{0};
   std::atomic<uint64_t> bytes_written{0}, bytes_read{0};
 
-  static void add(std::atomic<uint64_t>& c, uint64_t n = 1) { c.fetch_add(n, std::memory_order_relaxed); }
+  static void add(std::atomic<uint64_t>& c, uint64_t n = 1) {
+    c.fetch_add(n, std::memory_order_relaxed);
+  }
 
   // A block stored: its bytes, and whether it came from the tier above or below.
   void stored(const PutOptions& options, uint64_t bytes) {

@@ -11,7 +11,8 @@ TEST(BlockIdTest, Sha256KnownVectors) {
   const char* m = "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq";
   EXPECT_EQ(compute_block_id(m, strlen(m)).hex(), "248d6a61d20638b8e5c026930c3e6039");
   std::string million(1000000, 'a');
-  EXPECT_EQ(compute_block_id(million.data(), million.size()).hex(), "cdc76e5c9914fb9281a1c7e284d73e67");
+  EXPECT_EQ(compute_block_id(million.data(), million.size()).hex(),
+            "cdc76e5c9914fb9281a1c7e284d73e67");
 }
 
 TEST(BlockIdTest, HexRoundTrip) {

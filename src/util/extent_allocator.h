@@ -32,8 +32,8 @@ class ExtentAllocator {
 
   uint64_t round_up(uint64_t size) const { return (size + unit_ - 1) & ~(unit_ - 1); }
   uint64_t capacity() const { return capacity_; }
-  uint64_t used() const;          // bytes handed out (rounded)
-  uint64_t high_water() const;    // end of the highest range ever handed out
+  uint64_t used() const;        // bytes handed out (rounded)
+  uint64_t high_water() const;  // end of the highest range ever handed out
   uint64_t largest_free() const;
   size_t free_extents() const;
   // 1 - largest_free / total_free: 0 when free space is one extent.
@@ -44,7 +44,7 @@ class ExtentAllocator {
   const uint64_t capacity_;
   const uint64_t unit_;
   mutable std::mutex mu_;
-  std::map<uint64_t, uint64_t> by_offset_;          // offset -> length
+  std::map<uint64_t, uint64_t> by_offset_;           // offset -> length
   std::set<std::pair<uint64_t, uint64_t>> by_size_;  // (length, offset)
   uint64_t used_ = 0;
   uint64_t high_water_ = 0;

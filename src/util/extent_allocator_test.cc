@@ -39,8 +39,8 @@ TEST(ExtentAllocatorTest, BestFitPrefersSmallestHole) {
   ExtentAllocator a(1 << 20, 4096);
   auto a1 = a.allocate(8192), b = a.allocate(4096), c = a.allocate(16384), d = a.allocate(4096);
   ASSERT_TRUE(a1 && b && c && d);
-  a.free(*a1, 8192);   // 8 KiB hole at the start
-  a.free(*c, 16384);   // 16 KiB hole later
+  a.free(*a1, 8192);                // 8 KiB hole at the start
+  a.free(*c, 16384);                // 16 KiB hole later
   EXPECT_EQ(a.allocate(8192), a1);  // the exact fit, not the larger hole
 }
 
@@ -83,9 +83,11 @@ TEST(ExtentAllocatorTest, FragmentationUnderMixedChurn) {
     if (a.used() > cap * 9 / 10) worst_frag = std::max(worst_frag, a.fragmentation());
   }
   double util = static_cast<double>(a.used()) / cap;
-  printf("[fragmentation] 200k ops, sizes 16KiB-8MiB: utilisation at end %.3f, "
-         "failed allocations %lu (of %lu), worst fragmentation above 90%% full %.3f, free extents %zu\n",
-         util, (unsigned long)failed, (unsigned long)(done + failed), worst_frag, a.free_extents());
+  printf(
+      "[fragmentation] 200k ops, sizes 16KiB-8MiB: utilisation at end %.3f, "
+      "failed allocations %lu (of %lu), worst fragmentation above 90%% full %.3f, free extents "
+      "%zu\n",
+      util, (unsigned long)failed, (unsigned long)(done + failed), worst_frag, a.free_extents());
   // A failed allocation must only happen when the arena is nearly full.
   EXPECT_GT(util, 0.5);
   for (auto& [o, s] : live) a.free(o, s);

@@ -20,8 +20,9 @@ int ThreadPool::default_threads() {
 
 Result<std::unique_ptr<ThreadPool>> ThreadPool::Create(int threads) {
   if (threads < 0 || threads > kMaxThreads) {
-    return Status::InvalidArgument("threads must be 0 (one per core) or 1 to " + std::to_string(kMaxThreads) +
-                                   "; got " + std::to_string(threads));
+    return Status::InvalidArgument("threads must be 0 (one per core) or 1 to " +
+                                   std::to_string(kMaxThreads) + "; got " +
+                                   std::to_string(threads));
   }
   int n = threads == 0 ? default_threads() : threads;
   try {

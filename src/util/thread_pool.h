@@ -59,7 +59,7 @@ class ThreadPool {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> jobs_;  // guarded by mu_
-  bool stop_ = false;                        // guarded by mu_
+  bool stop_ = false;                       // guarded by mu_
   std::vector<std::thread> workers_;
 };
 

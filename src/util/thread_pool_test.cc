@@ -23,7 +23,8 @@ TEST(ThreadPoolTest, ParallelForVisitsEveryItemOnce) {
 TEST(ThreadPoolTest, NestedParallelForDoesNotDeadlock) {
   ThreadPool pool(2);
   std::atomic<int> total{0};
-  pool.parallel_for(16, [&](size_t) { pool.parallel_for(16, [&](size_t) { total.fetch_add(1); }); });
+  pool.parallel_for(16,
+                    [&](size_t) { pool.parallel_for(16, [&](size_t) { total.fetch_add(1); }); });
   EXPECT_EQ(total.load(), 256);
 }
 
@@ -41,7 +42,8 @@ TEST(ThreadPoolTest, CreateRejectsBadThreadCounts) {
     auto p = ThreadPool::Create(bad);
     ASSERT_FALSE(p.ok()) << bad;
     EXPECT_TRUE(p.status().is(Code::kInvalidArgument)) << p.status().ToString();
-    EXPECT_NE(p.status().message().find("threads must be 0 (one per core) or 1 to 1024"), std::string::npos)
+    EXPECT_NE(p.status().message().find("threads must be 0 (one per core) or 1 to 1024"),
+              std::string::npos)
         << p.status().ToString();
   }
   auto per_core = ThreadPool::Create(0);
@@ -75,7 +77,8 @@ TEST(ThreadPoolTest, ThreadStartFailureIsAStatusNotAnAbort) {
   }
   int status = 0;
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status)) << "child killed by signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  ASSERT_TRUE(WIFEXITED(status)) << "child killed by signal "
+                                 << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
   EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 

@@ -262,7 +262,9 @@ def worker_store_config(
         sub = f"rank{rank}-of-{world}" + (f"-dp{dp_rank}" if dp_rank is not None else "")
         options["file_path"] = os.path.join(cfg.storage_path, sub)
         options["file_capacity_bytes"] = cfg.file_capacity
-    options.update(canonical_options(cfg.store))  # the store's older names (lustre_path) override too
+    options.update(
+        canonical_options(cfg.store)
+    )  # the store's older names (lustre_path) override too
     if options.get("file_path"):
         os.makedirs(options["file_path"], exist_ok=True)
     return config_from_dict(options)

@@ -115,7 +115,8 @@ TEST(FileCompactionTest, CopiesLeftBehindResolveToOneBlockOnReopen) {
     uint64_t rec = file::record_size(h.payload_length);
     std::vector<uint8_t> buf(rec);
     ASSERT_EQ(*(*src)->pread(buf.data(), rec, h.record_offset), rec);
-    auto nh = file::make_record_header(key, h.id(), h.payload_length, h.payload_xxh3, h.flags, h.sequence, 9, off);
+    auto nh = file::make_record_header(key, h.id(), h.payload_length, h.payload_xxh3, h.flags,
+                                       h.sequence, 9, off);
     std::memcpy(buf.data(), &nh, sizeof(nh));
     ASSERT_TRUE((*dst)->pwrite(buf.data(), rec, off).ok());
     off += rec;

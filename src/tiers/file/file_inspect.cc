@@ -43,7 +43,8 @@ Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
   bool have_key = loaded_key.ok();
   if (!have_key && !loaded_key.status().is(Code::kNotFound))
     return Status(loaded_key.status().code(),
-                  "cannot read the directory's key (needed to check its records): " + loaded_key.status().message());
+                  "cannot read the directory's key (needed to check its records): " +
+                      loaded_key.status().message());
   file::RecordKey key = have_key ? loaded_key.value() : file::RecordKey();
 
   struct Seen {
@@ -104,10 +105,12 @@ Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
       }
       scan = std::move(sc.value());
       s.format_version = scan.first_version;
-      if (scan.first_header != file::HeaderCheck::kValid && scan.first_header != file::HeaderCheck::kZero) {
+      if (scan.first_header != file::HeaderCheck::kValid &&
+          scan.first_header != file::HeaderCheck::kZero) {
         if (!have_key && scan.first_version == file::kFormatVersion)
-          return Status::IOError(file::join_path(dir, file::kKeyFileName) +
-                                 " is missing: the directory's records cannot be checked without its key");
+          return Status::IOError(
+              file::join_path(dir, file::kKeyFileName) +
+              " is missing: the directory's records cannot be checked without its key");
         s.foreign = true;
         ++report.foreign_segments;
         report.file_bytes += s.file_bytes;
@@ -140,8 +143,14 @@ Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
     const auto& scan = seen[i].scan;
     size_t t = 0;
     for (const auto& h : scan.records) {
-      Best b{h.sequence, report.segments[i].segment_id, h.record_offset, i,
-             file::record_size(h.payload_length), h.payload_length, h.is_alias(), BlockId{}};
+      Best b{h.sequence,
+             report.segments[i].segment_id,
+             h.record_offset,
+             i,
+             file::record_size(h.payload_length),
+             h.payload_length,
+             h.is_alias(),
+             BlockId{}};
       auto& table = h.is_alias() ? aliases : blocks;
       if (h.is_alias()) b.target = scan.alias_targets[t++];
       auto [it, fresh] = table.emplace(h.id(), b);

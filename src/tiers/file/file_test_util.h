@@ -77,7 +77,8 @@ inline std::vector<std::string> segment_files(const std::string& dir) {
   std::vector<std::string> out;
   for (auto& e : std::filesystem::directory_iterator(dir)) {
     std::string n = e.path().filename().string();
-    if (n.size() == 24 && n.rfind("seg-", 0) == 0 && n.substr(20) == ".dat") out.push_back(e.path().string());
+    if (n.size() == 24 && n.rfind("seg-", 0) == 0 && n.substr(20) == ".dat")
+      out.push_back(e.path().string());
   }
   std::sort(out.begin(), out.end());
   return out;

@@ -19,11 +19,12 @@ using file::Segment;
 
 namespace {
 
-constexpr uint64_t kStagingPiece = 8 << 20;     // largest staged write
+constexpr uint64_t kStagingPiece = 8 << 20;  // largest staged write
 
 // Copies bytes [from, from + len) of the record image
 // [header][zeros][payload][zeros] into dst.
-void fill_record(uint8_t* dst, uint64_t from, uint64_t len, const RecordHeader& h, const uint8_t* payload) {
+void fill_record(uint8_t* dst, uint64_t from, uint64_t len, const RecordHeader& h,
+                 const uint8_t* payload) {
   const uint64_t size = h.payload_length;
   const uint64_t poff = file::payload_offset(size);
   const uint64_t end = from + len;
@@ -103,7 +104,8 @@ Result<FileTier::SegmentRef> FileTier::create_segment() {
   if (stripe_size_ || stripe_count_) {
     // Lustre: the layout is fixed when the file is created. Elsewhere (or
     // without the lfs tool) this is a no-op and the file is created plainly.
-    if (env_->create_striped(path, stripe_size_, stripe_count_, file_mode_).ok()) o.exclusive = false;
+    if (env_->create_striped(path, stripe_size_, stripe_count_, file_mode_).ok())
+      o.exclusive = false;
   }
   auto f = env_->open(path, o);
   if (!f.ok()) return with_context(f.status(), "cannot create a segment file in " + dir_);
@@ -134,7 +136,8 @@ void FileTier::seal_segment(Segment& seg) {
   Status st = seg.file->sync();
   seg.unsynced.store(false);
   if (st.ok())
-    (void)file::write_summary(env_, dir_, seg.id, key_, seg.headers, seg.alias_targets, seg.bytes.load(),
+    (void)file::write_summary(env_, dir_, seg.id, key_, seg.headers, seg.alias_targets,
+                              seg.bytes.load(),
                               /*sync=*/true, file_mode_);
   seg.headers = {};
   seg.alias_targets = {};
@@ -154,13 +157,15 @@ Status FileTier::ensure_room(Lane& lane, uint64_t record_bytes) {
 }
 
 Status FileTier::write_record(Lane& lane, const BlockId& id, const void* data, uint64_t size,
-                              uint16_t flags, Location* loc, SegmentRef* seg_out, RecordHeader* header) {
+                              uint16_t flags, Location* loc, SegmentRef* seg_out,
+                              RecordHeader* header) {
   Segment& seg = *lane.active;
   const uint64_t off = seg.bytes.load();
   const uint64_t rec = file::record_size(size);
   const auto* payload = static_cast<const uint8_t*>(data);
-  RecordHeader h = file::make_record_header(key_, id, size, file::payload_checksum(key_, data, size), flags,
-                                            next_sequence_.fetch_add(1), seg.id, off);
+  RecordHeader h =
+      file::make_record_header(key_, id, size, file::payload_checksum(key_, data, size), flags,
+                               next_sequence_.fetch_add(1), seg.id, off);
   AlignedBuffer& staging = lane.staging;
   IoRequest io;
   io.file = seg.file.get();
@@ -226,7 +231,8 @@ Status FileTier::write_record(Lane& lane, const BlockId& id, const void* data, u
 }
 
 template <typename Publish>
-Status FileTier::append(const BlockId& id, const void* data, uint64_t size, uint16_t flags, Publish&& publish) {
+Status FileTier::append(const BlockId& id, const void* data, uint64_t size, uint16_t flags,
+                        Publish&& publish) {
   const uint64_t rec = file::record_size(size);
   for (int attempt = 0;; ++attempt) {
     CASCADE_RETURN_IF_ERROR(admit(rec));
@@ -261,14 +267,17 @@ Status FileTier::append(const BlockId& id, const void* data, uint64_t size, uint
   }
 }
 
-Status FileTier::put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) {
+Status FileTier::put(const BlockId& id, const void* data, uint64_t size,
+                     const PutOptions& options) {
   if (index_.contains(id)) return Status::OK();
   const uint64_t rec = file::record_size(size);
   if (rec > file::kMaxSegmentBytes || (put_limit_ && rec > put_limit_))
-    return Status::InvalidArgument("block of " + std::to_string(size) + " bytes cannot fit in the file tier");
+    return Status::InvalidArgument("block of " + std::to_string(size) +
+                                   " bytes cannot fit in the file tier");
   AlignedBuffer device_staging;
   if (options.src_kind != MemoryKind::kHost && size) {
-    if (!device_staging.reserve(size)) return Status::NoSpace("out of memory staging a device block");
+    if (!device_staging.reserve(size))
+      return Status::NoSpace("out of memory staging a device block");
     CASCADE_RETURN_IF_ERROR(device_copy(device_staging.data(), MemoryKind::kHost, data,
                                         options.src_kind, size, options.cuda_stream));
     data = device_staging.data();
@@ -290,22 +299,24 @@ Status FileTier::put_alias(const BlockId& alias, const BlockId& target) {
   // record behind it may be on its way out (a compaction that found the
   // target gone drops it), and the caller asks because the pair must be on
   // disk now.
-  if (!index_.contains(target)) return Status::NotFound("alias target " + target.hex() + " is not in the file tier");
-  return append(alias, target.bytes.data(), 16, file::kFlagAlias,
-                [&](const Location& loc, const SegmentRef&, const RecordHeader& h) {
-                  Location replaced;
-                  {
-                    std::lock_guard<std::mutex> lock(alias_mu_);
-                    auto [it, fresh] = aliases_.try_emplace(alias, AliasEntry{target, loc, h.sequence});
-                    if (fresh) return true;
-                    // Two writers of one alias: the larger sequence wins, as on reopen.
-                    if (it->second.sequence > h.sequence) return false;
-                    replaced = it->second.loc;
-                    it->second = AliasEntry{target, loc, h.sequence};
-                  }
-                  forget_record(replaced);
-                  return true;
-                });
+  if (!index_.contains(target))
+    return Status::NotFound("alias target " + target.hex() + " is not in the file tier");
+  return append(
+      alias, target.bytes.data(), 16, file::kFlagAlias,
+      [&](const Location& loc, const SegmentRef&, const RecordHeader& h) {
+        Location replaced;
+        {
+          std::lock_guard<std::mutex> lock(alias_mu_);
+          auto [it, fresh] = aliases_.try_emplace(alias, AliasEntry{target, loc, h.sequence});
+          if (fresh) return true;
+          // Two writers of one alias: the larger sequence wins, as on reopen.
+          if (it->second.sequence > h.sequence) return false;
+          replaced = it->second.loc;
+          it->second = AliasEntry{target, loc, h.sequence};
+        }
+        forget_record(replaced);
+        return true;
+      });
 }
 
 std::vector<std::pair<BlockId, BlockId>> FileTier::aliases() const {

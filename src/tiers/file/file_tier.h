@@ -93,12 +93,12 @@
 #include "cascade/env.h"
 #include "cascade/tier.h"
 #include "index/block_index.h"
-#include "util/thread_pool.h"
 #include "tiers/file/aligned_buffer.h"
 #include "tiers/file/io_engine.h"
 #include "tiers/file/record_format.h"
 #include "tiers/file/segment.h"
 #include "tiers/tier_counters.h"
+#include "util/thread_pool.h"
 
 namespace cascade {
 
@@ -118,9 +118,10 @@ struct FileRecoveryReport {
   uint64_t duplicate_records = 0;      // same id found again (compaction copies, re-puts)
   uint64_t corrupt_records = 0;        // damaged records skipped
   uint64_t tail_bytes = 0;             // bytes after the last valid record of scanned segments
-  uint64_t foreign_segments = 0;       // segment files not of this directory's key or format (left alone)
-  uint64_t aliases = 0;                // alias records whose alias was restored
-  double seconds = 0;                  // wall time of the whole open
+  uint64_t foreign_segments =
+      0;                 // segment files not of this directory's key or format (left alone)
+  uint64_t aliases = 0;  // alias records whose alias was restored
+  double seconds = 0;    // wall time of the whole open
 };
 
 class FileTier final : public Tier {
@@ -131,7 +132,8 @@ class FileTier final : public Tier {
   ~FileTier() override;  // seals open segments and waits for compaction
 
   TierKind kind() const override { return TierKind::kFile; }
-  Status put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) override;
+  Status put(const BlockId& id, const void* data, uint64_t size,
+             const PutOptions& options) override;
   Status read(const BlockId& id, const ReadRequest& req, ReadResult* result) override;
   void read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                   std::span<ReadResult> results, std::span<Status> statuses) override;
@@ -166,7 +168,7 @@ class FileTier final : public Tier {
 
   const FileRecoveryReport& recovery_report() const { return recovery_; }
   uint64_t disk_bytes() const { return disk_bytes_.load(std::memory_order_relaxed); }
-  uint64_t dead_bytes() const;     // disk bytes not holding a live record
+  uint64_t dead_bytes() const;  // disk bytes not holding a live record
   size_t segment_count() const;
   uint64_t compactions() const { return compactions_.load(std::memory_order_relaxed); }
   const std::string& dir() const { return dir_; }
@@ -194,9 +196,10 @@ class FileTier final : public Tier {
   // publish(loc, seg, header), which returns whether the record is live.
   // On ENOSPC reclaims space in place and tries once more.
   template <typename Publish>
-  Status append(const BlockId& id, const void* data, uint64_t size, uint16_t flags, Publish&& publish);
-  Status write_record(Lane& lane, const BlockId& id, const void* data, uint64_t size, uint16_t flags,
-                      Location* loc, SegmentRef* seg, file::RecordHeader* header);
+  Status append(const BlockId& id, const void* data, uint64_t size, uint16_t flags,
+                Publish&& publish);
+  Status write_record(Lane& lane, const BlockId& id, const void* data, uint64_t size,
+                      uint16_t flags, Location* loc, SegmentRef* seg, file::RecordHeader* header);
   Status ensure_room(Lane& lane, uint64_t record_bytes);
   Result<SegmentRef> create_segment();
   void seal_segment(file::Segment& seg);
@@ -277,11 +280,12 @@ class FileTier final : public Tier {
   bool closing_ = false;             // guarded by background_mu_
 
   std::mutex claimed_mu_;
-  std::unordered_map<BlockId, uint64_t> claimed_;  // victim id -> lease token; guarded by claimed_mu_
+  std::unordered_map<BlockId, uint64_t>
+      claimed_;  // victim id -> lease token; guarded by claimed_mu_
 
-  std::atomic<uint64_t> disk_bytes_{0};  // segment bytes + admitted puts not yet written
+  std::atomic<uint64_t> disk_bytes_{0};         // segment bytes + admitted puts not yet written
   std::atomic<uint64_t> live_record_bytes_{0};  // record bytes of indexed blocks
-  std::atomic<bool> disk_full_{false};   // the file system said ENOSPC
+  std::atomic<bool> disk_full_{false};          // the file system said ENOSPC
   TierCounters counters_;
   std::atomic<uint64_t> corrupt_blocks_{0}, read_errors_{0}, compactions_{0};
 };

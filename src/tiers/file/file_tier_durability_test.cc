@@ -8,10 +8,10 @@
 #include <thread>
 
 #include "cascade/env.h"
-#include "util/thread_pool.h"
 #include "tiers/file/file_test_util.h"
 #include "tiers/file/file_tier.h"
 #include "tiers/file/segment_scan.h"
+#include "util/thread_pool.h"
 
 namespace cascade {
 namespace {
@@ -54,7 +54,8 @@ TEST(FileTierReopenOrderTest, NewestRecordOfAnIdWins) {
     EXPECT_EQ(read_block(t->get(), x), v2);
     EXPECT_EQ((*t)->recovery_report().duplicate_records, 1u);
     ASSERT_TRUE((*t)->remove(x).ok());
-    for (uint64_t i = 0; i < 20; ++i) ASSERT_TRUE(put_bytes(t->get(), id_of(100 + i), bytes_of(i, 5000)).ok());
+    for (uint64_t i = 0; i < 20; ++i)
+      ASSERT_TRUE(put_bytes(t->get(), id_of(100 + i), bytes_of(i, 5000)).ok());
     ASSERT_TRUE(put_bytes(t->get(), x, v3).ok());  // a later segment, other size
   }
   auto t = FileTier::Open(c, nullptr);
@@ -212,7 +213,8 @@ TEST(FileTierReadErrorTest, ReadErrorsAreNotDamage) {
     auto t = FileTier::Open(c, nullptr, &env);
     ASSERT_TRUE(t.ok());
     Tier* tier = t->get();
-    for (uint64_t i = 0; i < 40; ++i) ASSERT_TRUE(put_bytes(tier, id_of(i), bytes_of(i, 6000)).ok());
+    for (uint64_t i = 0; i < 40; ++i)
+      ASSERT_TRUE(put_bytes(tier, id_of(i), bytes_of(i, 6000)).ok());
     for (uint64_t i = 0; i < 40; i += 2) ASSERT_TRUE(tier->remove(id_of(i)).ok());
     ASSERT_TRUE(tier->flush().ok());
 
@@ -224,11 +226,13 @@ TEST(FileTierReadErrorTest, ReadErrorsAreNotDamage) {
     EXPECT_TRUE(tier->contains(id_of(1)));
     EXPECT_EQ(tier->stats().corrupt_blocks, 0u);
     EXPECT_EQ(tier->stats().read_errors, 1u);
-    for (uint64_t i = 1; i < 40; i += 2) EXPECT_EQ(read_block(tier, id_of(i)), bytes_of(i, 6000)) << i;
+    for (uint64_t i = 1; i < 40; i += 2)
+      EXPECT_EQ(read_block(tier, id_of(i)), bytes_of(i, 6000)) << i;
   }
   auto t = FileTier::Open(c, nullptr);
   ASSERT_TRUE(t.ok());
-  for (uint64_t i = 1; i < 40; i += 2) EXPECT_EQ(read_block(t->get(), id_of(i)), bytes_of(i, 6000)) << i;
+  for (uint64_t i = 1; i < 40; i += 2)
+    EXPECT_EQ(read_block(t->get(), id_of(i)), bytes_of(i, 6000)) << i;
 }
 
 }  // namespace

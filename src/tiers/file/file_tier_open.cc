@@ -32,7 +32,8 @@ Status with_context(const Status& st, const std::string& context) {
 
 }  // namespace
 
-Result<std::unique_ptr<Tier>> open_file_tier(const CascadeConfig& config, ThreadPool* pool, Env* env) {
+Result<std::unique_ptr<Tier>> open_file_tier(const CascadeConfig& config, ThreadPool* pool,
+                                             Env* env) {
   auto t = FileTier::Open(config, pool, env);
   if (!t.ok()) return t.status();
   return std::unique_ptr<Tier>(std::move(t.value()));
@@ -46,14 +47,13 @@ FileTier::FileTier(const CascadeConfig& config, ThreadPool* pool, Env* env)
       capacity_(config.file_capacity_bytes),
       put_limit_(config.file_capacity_bytes
                      ? config.file_capacity_bytes -
-                           std::min<uint64_t>(
-                               file::round_up_page(std::clamp<uint64_t>(config.segment_size_bytes,
-                                                                        kMinSegmentBytes,
-                                                                        file::kMaxSegmentBytes)),
-                               config.file_capacity_bytes / 4)
+                           std::min<uint64_t>(file::round_up_page(std::clamp<uint64_t>(
+                                                  config.segment_size_bytes, kMinSegmentBytes,
+                                                  file::kMaxSegmentBytes)),
+                                              config.file_capacity_bytes / 4)
                      : 0),
-      segment_bytes_(file::round_up_page(
-          std::clamp<uint64_t>(config.segment_size_bytes, kMinSegmentBytes, file::kMaxSegmentBytes))),
+      segment_bytes_(file::round_up_page(std::clamp<uint64_t>(
+          config.segment_size_bytes, kMinSegmentBytes, file::kMaxSegmentBytes))),
       direct_(config.io_direct),
       sync_writes_(config.sync_writes),
       stripe_size_(config.file_stripe_size),
@@ -67,14 +67,16 @@ FileTier::FileTier(const CascadeConfig& config, ThreadPool* pool, Env* env)
   compaction_lane_ = std::make_unique<Lane>();
 }
 
-Result<std::unique_ptr<FileTier>> FileTier::Open(const CascadeConfig& config, ThreadPool* pool, Env* env) {
+Result<std::unique_ptr<FileTier>> FileTier::Open(const CascadeConfig& config, ThreadPool* pool,
+                                                 Env* env) {
   auto t0 = std::chrono::steady_clock::now();
   if (config.file_path.empty())
     return Status::InvalidArgument("the file tier needs a directory: set file_path");
   if (config.file_capacity_bytes && config.file_capacity_bytes < 4 * kPage)
     return Status::InvalidArgument("file_capacity_bytes must be 0 (unbounded) or at least 16 KiB");
   if ((config.file_mode & ~0777u) || (config.file_mode & 0600u) != 0600u)
-    return Status::InvalidArgument("file_mode must be permission bits (at most 0777) with 0600 set");
+    return Status::InvalidArgument(
+        "file_mode must be permission bits (at most 0777) with 0600 set");
   if (!env) env = Env::Default();
   std::unique_ptr<FileTier> tier(new FileTier(config, pool, env));
   const std::string& dir = tier->dir_;
@@ -90,8 +92,10 @@ Result<std::unique_ptr<FileTier>> FileTier::Open(const CascadeConfig& config, Th
     return with_context(lock.status(), "the file tier directory " + dir + " is not writable");
   }
   tier->dir_lock_ = std::move(lock.value());
-  auto key = file::load_store_key(env, dir, tier->file_mode_, /*create=*/true, /*check_owner=*/true);
-  if (!key.ok()) return with_context(key.status(), "the file tier directory " + dir + " has no usable key");
+  auto key =
+      file::load_store_key(env, dir, tier->file_mode_, /*create=*/true, /*check_owner=*/true);
+  if (!key.ok())
+    return with_context(key.status(), "the file tier directory " + dir + " has no usable key");
   tier->key_ = key.value();
 
   if (config.file_io_engine == FileIoEngine::kIoUring) {
@@ -215,7 +219,8 @@ Status FileTier::load_directory() {
         continue;
       }
       // Seal it: it is never appended to again, and the next open is fast.
-      (void)file::write_summary(env_, dir_, l.id, key_, l.scan.records, l.scan.alias_targets, l.scan.end,
+      (void)file::write_summary(env_, dir_, l.id, key_, l.scan.records, l.scan.alias_targets,
+                                l.scan.end,
                                 /*sync=*/true, file_mode_);
     } else {
       ++recovery_.segments_from_summary;
@@ -256,8 +261,9 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
     if (it == by_slot.end()) return nullptr;
     const auto& recs = it->second->scan.records;
     uint64_t off = file::location_record_offset(loc.offset);
-    auto r = std::lower_bound(recs.begin(), recs.end(), off,
-                              [](const RecordHeader& h, uint64_t o) { return h.record_offset < o; });
+    auto r = std::lower_bound(recs.begin(), recs.end(), off, [](const RecordHeader& h, uint64_t o) {
+      return h.record_offset < o;
+    });
     return r != recs.end() && r->record_offset == off ? &*r : nullptr;
   };
   struct AliasCandidate {
@@ -295,8 +301,9 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
       ++recovery_.duplicate_records;
       auto cur = index_.peek(h.id());
       const RecordHeader* old = cur ? record_at(*cur) : nullptr;
-      bool newer = !old || ref.newer_than(Ref{old->sequence, by_slot[file::location_slot(cur->offset)]->id,
-                                              old->record_offset});
+      bool newer =
+          !old || ref.newer_than(Ref{old->sequence, by_slot[file::location_slot(cur->offset)]->id,
+                                     old->record_offset});
       if (!newer) {
         seg.live_bytes.fetch_sub(rec);
         live_record_bytes_.fetch_sub(rec);
@@ -314,7 +321,8 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
   for (auto& [alias, c] : alias_candidates) {
     if (!index_.contains(c.target)) continue;
     aliases_[alias] = AliasEntry{c.target, c.loc, c.ref.sequence};
-    by_slot[file::location_slot(c.loc.offset)]->seg->live_bytes.fetch_add(file::record_size(c.loc.size));
+    by_slot[file::location_slot(c.loc.offset)]->seg->live_bytes.fetch_add(
+        file::record_size(c.loc.size));
     live_record_bytes_.fetch_add(file::record_size(c.loc.size));
     ++recovery_.aliases;
   }

@@ -16,7 +16,7 @@ using file::Segment;
 
 namespace {
 
-constexpr size_t kKeepBounceBytes = 64 << 20;   // larger per-thread bounce buffers are freed
+constexpr size_t kKeepBounceBytes = 64 << 20;  // larger per-thread bounce buffers are freed
 
 AlignedBuffer& thread_bounce() {
   thread_local AlignedBuffer buf;
@@ -59,8 +59,8 @@ bool FileTier::drop_damaged(const BlockId& id, const Location& loc) {
   return true;
 }
 
-bool FileTier::plan_read(const BlockId& id, const ReadRequest& req, ReadResult* result, ReadPlan* plan,
-                         Status* status, AlignedBuffer* bounce) {
+bool FileTier::plan_read(const BlockId& id, const ReadRequest& req, ReadResult* result,
+                         ReadPlan* plan, Status* status, AlignedBuffer* bounce) {
   std::optional<BlockIndex::Lease> lease;
   {
     std::shared_lock<std::shared_mutex> lock(table_mu_);
@@ -93,8 +93,9 @@ bool FileTier::plan_read(const BlockId& id, const ReadRequest& req, ReadResult* 
     n = size;
   } else if (req.offset > size) {
     index_.release(lease->token);
-    *status = Status::InvalidArgument("offset " + std::to_string(req.offset) + " is past the end of a " +
-                                      std::to_string(size) + "-byte block");
+    *status =
+        Status::InvalidArgument("offset " + std::to_string(req.offset) + " is past the end of a " +
+                                std::to_string(size) + "-byte block");
     return false;
   } else {
     n = std::min(req.capacity, size - req.offset);
@@ -106,7 +107,8 @@ bool FileTier::plan_read(const BlockId& id, const ReadRequest& req, ReadResult* 
   plan->copy_bytes = n;
   plan->bounce = bounce;
   const bool direct = plan->seg->file->direct();
-  const bool to_user = req.whole && req.out_kind == MemoryKind::kHost && size > file::kInlinePayloadMax;
+  const bool to_user =
+      req.whole && req.out_kind == MemoryKind::kHost && size > file::kInlinePayloadMax;
   IoRequest& io = plan->io;
   io = IoRequest();
   io.file = plan->seg->file.get();
@@ -153,10 +155,11 @@ Status FileTier::finish_read(ReadPlan* plan, const ReadRequest& req, ReadResult*
     plan->seg.reset();
     counters_.misses.fetch_add(1, std::memory_order_relaxed);
     read_errors_.fetch_add(1, std::memory_order_relaxed);
-    return Status::IOError("reading block " + plan->id.hex() + " from the file tier failed: " +
-                           plan->io.status.message());
+    return Status::IOError("reading block " + plan->id.hex() +
+                           " from the file tier failed: " + plan->io.status.message());
   } else {
-    file::HeaderCheck check = file::check_record_header(key_, bounce, plan->seg->id, plan->record_offset);
+    file::HeaderCheck check =
+        file::check_record_header(key_, bounce, plan->seg->id, plan->record_offset);
     RecordHeader h;
     std::memcpy(&h, bounce, sizeof(h));
     if (check != file::HeaderCheck::kValid) {
@@ -167,14 +170,16 @@ Status FileTier::finish_read(ReadPlan* plan, const ReadRequest& req, ReadResult*
       switch (plan->mode) {
         case ReadPlan::Mode::kDirectToUser: {
           uint64_t full = size & ~(kPage - 1);
-          if (full < size) std::memcpy(static_cast<uint8_t*>(req.out) + full, bounce + kPage, size - full);
+          if (full < size)
+            std::memcpy(static_cast<uint8_t*>(req.out) + full, bounce + kPage, size - full);
           payload = static_cast<const uint8_t*>(req.out);
           break;
         }
         case ReadPlan::Mode::kToUser: payload = static_cast<const uint8_t*>(req.out); break;
         case ReadPlan::Mode::kBounce: payload = bounce + file::payload_offset(size); break;
       }
-      if (file::payload_checksum(key_, payload, size) != h.payload_xxh3) problem = "payload checksum mismatch";
+      if (file::payload_checksum(key_, payload, size) != h.payload_xxh3)
+        problem = "payload checksum mismatch";
     }
   }
   Status st;
@@ -183,7 +188,8 @@ Status FileTier::finish_read(ReadPlan* plan, const ReadRequest& req, ReadResult*
     if (req.out_kind == MemoryKind::kHost) {
       parallel_memcpy(pool_, req.out, src, plan->copy_bytes, parallel_copy_threshold_);
     } else {
-      st = device_copy(req.out, req.out_kind, src, MemoryKind::kHost, plan->copy_bytes, req.cuda_stream);
+      st = device_copy(req.out, req.out_kind, src, MemoryKind::kHost, plan->copy_bytes,
+                       req.cuda_stream);
     }
   }
   index_.release(plan->token);

@@ -70,7 +70,8 @@ TEST(FileTierSecurityTest, OwnerOnlyModesByDefault) {
   {
     auto t = FileTier::Open(c, nullptr);
     ASSERT_TRUE(t.ok()) << t.status().ToString();
-    for (uint64_t i = 0; i < 40; ++i) ASSERT_TRUE(put(t->get(), i, 5000).ok());  // several sealed segments
+    for (uint64_t i = 0; i < 40; ++i)
+      ASSERT_TRUE(put(t->get(), i, 5000).ok());  // several sealed segments
   }
   expect_modes(c.file_path, 0700, 0600);
   // A directory that exists keeps its mode; the files still get file_mode.
@@ -116,7 +117,9 @@ TEST(FileTierSecurityTest, KeyIsCreatedOnceAndRefusedWhenNotOurs) {
     ASSERT_TRUE(t.ok());
     EXPECT_TRUE(reads_back(t->get(), 1, 3000));  // the same key read back
   }
-  EXPECT_EQ(std::memcmp(first.secret(), file_test::dir_key(c.file_path).secret(), file::kKeySecretBytes), 0);
+  EXPECT_EQ(
+      std::memcmp(first.secret(), file_test::dir_key(c.file_path).secret(), file::kKeySecretBytes),
+      0);
 
   auto refused = [&](const char* why) {
     auto t = FileTier::Open(c, nullptr);
@@ -142,7 +145,11 @@ TEST(FileTierSecurityTest, KeyIsCreatedOnceAndRefusedWhenNotOurs) {
   refused("a symbolic link");
   std::filesystem::remove(key);
   // Not a key at all.
-  { FILE* f = std::fopen(key.c_str(), "wb"); std::fputs("short", f); std::fclose(f); }
+  {
+    FILE* f = std::fopen(key.c_str(), "wb");
+    std::fputs("short", f);
+    std::fclose(f);
+  }
   ::chmod(key.c_str(), 0600);
   refused("5 bytes");
   std::filesystem::rename(tmp.sub("real-key"), key);
@@ -153,8 +160,8 @@ TEST(FileTierSecurityTest, KeyIsCreatedOnceAndRefusedWhenNotOurs) {
 
 // The v1 (unkeyed) header of a record at (segment, offset), as the format 1
 // tier wrote it: anyone could compute it.
-file::RecordHeader legacy_v1_header(const BlockId& id, const uint8_t* payload, uint64_t n, uint64_t segment_id,
-                                    uint64_t offset) {
+file::RecordHeader legacy_v1_header(const BlockId& id, const uint8_t* payload, uint64_t n,
+                                    uint64_t segment_id, uint64_t offset) {
   file::RecordHeader h;
   std::memset(&h, 0, sizeof(h));
   h.magic = file::kRecordMagic;
@@ -181,7 +188,8 @@ TEST(FileTierSecurityTest, RecordPlantedInABlockIsNotServedAfterReopen) {
     const BlockId victim = id_of(777);
     std::vector<uint8_t> fake(100, 0xAB);
     std::vector<uint8_t> carrier = bytes_of(1, 64 << 10);
-    const uint64_t planted_at = file::kPage + 8192;  // segment 1, payload byte 8192 of the first record
+    const uint64_t planted_at =
+        file::kPage + 8192;  // segment 1, payload byte 8192 of the first record
     {
       auto t = FileTier::Open(c, nullptr);
       ASSERT_TRUE(t.ok());
@@ -190,8 +198,9 @@ TEST(FileTierSecurityTest, RecordPlantedInABlockIsNotServedAfterReopen) {
         h = legacy_v1_header(victim, fake.data(), fake.size(), 1, planted_at);
       } else {  // even an image made with the directory's own key
         file::RecordKey key = file_test::dir_key(tmp.path());
-        h = file::make_record_header(key, victim, fake.size(), file::payload_checksum(key, fake.data(), fake.size()),
-                                     0, 1000, 1, planted_at);
+        h = file::make_record_header(key, victim, fake.size(),
+                                     file::payload_checksum(key, fake.data(), fake.size()), 0, 1000,
+                                     1, planted_at);
       }
       std::memcpy(carrier.data() + 8192, &h, sizeof(h));
       std::memcpy(carrier.data() + 8192 + file::kRecordHeaderSize, fake.data(), fake.size());
@@ -232,8 +241,8 @@ TEST(FileTierSecurityTest, PlantedSummaryIsNotTrusted) {
   // The forger lists a record for id 777 at offset 0 with a key of its own.
   file::RecordKey forger;
   auto fake = file::make_record_header(forger, id_of(777), 10000, 0, 0, 1, 1, 0);
-  ASSERT_TRUE(file::write_summary(Env::Default(), tmp.path(), 1, forger, {fake}, {}, std::filesystem::file_size(segs[0]),
-                                  true)
+  ASSERT_TRUE(file::write_summary(Env::Default(), tmp.path(), 1, forger, {fake}, {},
+                                  std::filesystem::file_size(segs[0]), true)
                   .ok());
   auto t = FileTier::Open(c, nullptr);
   ASSERT_TRUE(t.ok());

@@ -21,7 +21,8 @@ void file::sort_most_dead_first(std::vector<std::shared_ptr<Segment>>* segments)
   std::vector<std::pair<uint64_t, std::shared_ptr<Segment>>> keyed;
   keyed.reserve(segments->size());
   for (auto& s : *segments) keyed.emplace_back(dead_of(*s), std::move(s));
-  std::sort(keyed.begin(), keyed.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::sort(keyed.begin(), keyed.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
   for (size_t i = 0; i < keyed.size(); ++i) (*segments)[i] = std::move(keyed[i].second);
 }
 
@@ -86,7 +87,8 @@ void FileTier::maybe_schedule_compaction() {
       {
         std::shared_lock<std::shared_mutex> lock(table_mu_);
         for (auto& [slot, seg] : slots_)
-          if (seg->sealed.load() && dead_of(*seg) * 2 >= seg->bytes.load()) candidates.push_back(seg);
+          if (seg->sealed.load() && dead_of(*seg) * 2 >= seg->bytes.load())
+            candidates.push_back(seg);
       }
       file::sort_most_dead_first(&candidates);
       for (auto& seg : candidates) {
@@ -165,12 +167,14 @@ bool FileTier::reclaim_space(uint64_t need, bool disk_full) {
 std::vector<FileTier::LiveRecord> FileTier::live_records_of(const Segment& seg) const {
   std::vector<LiveRecord> live;
   index_.for_each([&](const BlockId& id, const Location& loc, bool is_prefix) {
-    if (file::location_slot(loc.offset) == seg.slot) live.push_back({id, loc, is_prefix, false, BlockId{}});
+    if (file::location_slot(loc.offset) == seg.slot)
+      live.push_back({id, loc, is_prefix, false, BlockId{}});
   });
   {
     std::lock_guard<std::mutex> lock(alias_mu_);
     for (const auto& [alias, e] : aliases_)
-      if (file::location_slot(e.loc.offset) == seg.slot) live.push_back({alias, e.loc, false, true, e.target});
+      if (file::location_slot(e.loc.offset) == seg.slot)
+        live.push_back({alias, e.loc, false, true, e.target});
   }
   std::sort(live.begin(), live.end(),
             [](const LiveRecord& a, const LiveRecord& b) { return a.loc.offset < b.loc.offset; });
@@ -199,7 +203,8 @@ bool FileTier::punch_dead_space(const SegmentRef& seg) {
   // The records a new summary lists: the live ones, from the old summary
   // (or, without one, a walk of the segment, which holes do not stop).
   auto listed = file::read_summary(env_, dir_, seg->id, key_);
-  if (!listed.ok()) listed = file::scan_segment(seg->file.get(), seg->id, key_, /*verify_payloads=*/false);
+  if (!listed.ok())
+    listed = file::scan_segment(seg->file.get(), seg->id, key_, /*verify_payloads=*/false);
   if (!listed.ok()) return false;
   // A stale summary must not list records about to become holes: remove it
   // first; until the new one exists a reopen walks the segment.
@@ -231,12 +236,15 @@ bool FileTier::punch_dead_space(const SegmentRef& seg) {
   for (const RecordHeader& h : listed->records) {
     BlockId target;
     if (h.is_alias()) target = listed->alias_targets[next_target++];
-    while (li < live.size() && file::location_record_offset(live[li].loc.offset) < h.record_offset) ++li;
-    if (li == live.size() || file::location_record_offset(live[li].loc.offset) != h.record_offset) continue;
+    while (li < live.size() && file::location_record_offset(live[li].loc.offset) < h.record_offset)
+      ++li;
+    if (li == live.size() || file::location_record_offset(live[li].loc.offset) != h.record_offset)
+      continue;
     keep.push_back(h);
     if (h.is_alias()) targets.push_back(target);
   }
-  (void)file::write_summary(env_, dir_, seg->id, key_, keep, targets, end, /*sync=*/true, file_mode_);
+  (void)file::write_summary(env_, dir_, seg->id, key_, keep, targets, end, /*sync=*/true,
+                            file_mode_);
   return punched;
 }
 
@@ -247,7 +255,8 @@ Status FileTier::compact(int max_segments) {
   {
     std::shared_lock<std::shared_mutex> lock(table_mu_);
     for (auto& [slot, seg] : slots_)
-      if (seg->sealed.load() && !seg->retired.load() && dead_of(*seg) > 0) candidates.push_back(seg);
+      if (seg->sealed.load() && !seg->retired.load() && dead_of(*seg) > 0)
+        candidates.push_back(seg);
   }
   file::sort_most_dead_first(&candidates);
   int done = 0;
@@ -305,9 +314,11 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
     RecordHeader h;
     std::memcpy(&h, buf.data(), sizeof(h));
     const uint8_t* payload = buf.data() + file::payload_offset(size);
-    bool good = io.status.ok() && file::check_record_header(key_, buf.data(), seg->id, from_off) == file::HeaderCheck::kValid &&
-                h.id() == e.id && h.payload_length == size && h.is_alias() == e.alias && !h.is_hole() &&
-                file::payload_checksum(key_, payload, size) == h.payload_xxh3 &&
+    bool good = io.status.ok() &&
+                file::check_record_header(key_, buf.data(), seg->id, from_off) ==
+                    file::HeaderCheck::kValid &&
+                h.id() == e.id && h.payload_length == size && h.is_alias() == e.alias &&
+                !h.is_hole() && file::payload_checksum(key_, payload, size) == h.payload_xxh3 &&
                 (!e.alias || std::memcmp(payload, e.target.bytes.data(), 16) == 0);
     if (!good) {  // damaged: a miss from now on
       if (e.alias) {
@@ -322,8 +333,8 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
     Segment& dest = *lane.active;
     const uint64_t to_off = dest.bytes.load();
     // The copy keeps the record's sequence: it is the same write.
-    RecordHeader nh = file::make_record_header(key_, e.id, size, h.payload_xxh3, h.flags, h.sequence, dest.id,
-                                               to_off);
+    RecordHeader nh = file::make_record_header(key_, e.id, size, h.payload_xxh3, h.flags,
+                                               h.sequence, dest.id, to_off);
     std::memcpy(buf.data(), &nh, sizeof(nh));
     io = IoRequest();
     io.file = dest.file.get();

@@ -12,9 +12,9 @@
 #include <thread>
 
 #include "cascade/file_tier.h"
-#include "util/thread_pool.h"
 #include "tiers/file/file_test_util.h"
 #include "tiers/file/file_tier.h"
+#include "util/thread_pool.h"
 
 namespace cascade {
 namespace {
@@ -37,7 +37,8 @@ std::vector<std::shared_ptr<file::Segment>> make_segments(size_t n) {
 TEST(SegmentSortTest, MostDeadFirst) {
   auto segs = make_segments(100);
   file::sort_most_dead_first(&segs);
-  for (size_t i = 1; i < segs.size(); ++i) EXPECT_GE(file::dead_of(*segs[i - 1]), file::dead_of(*segs[i]));
+  for (size_t i = 1; i < segs.size(); ++i)
+    EXPECT_GE(file::dead_of(*segs[i - 1]), file::dead_of(*segs[i]));
 }
 
 // Removals change a segment's dead bytes while compaction sorts the
@@ -52,7 +53,8 @@ TEST(SegmentSortTest, ToleratesDeadBytesChangingDuringTheSort) {
           writers.emplace_back([&, w] {
             std::mt19937_64 rng(w);
             while (!stop.load(std::memory_order_relaxed))
-              segs[rng() % segs.size()]->live_bytes.store(rng() % (1 << 20), std::memory_order_relaxed);
+              segs[rng() % segs.size()]->live_bytes.store(rng() % (1 << 20),
+                                                          std::memory_order_relaxed);
           });
         bool lost = false;
         for (int round = 0; round < 3000 && !lost; ++round) {
@@ -104,7 +106,8 @@ TEST(FileTierStressTest, ConcurrentPutGetRemoveOnASmallTier) {
               r.capacity = out.size();
               ReadResult rr;
               if (tier->read(id_of(n), r, &rr).ok() &&
-                  (rr.block_size != size || std::memcmp(out.data(), bytes_of(n, size).data(), size) != 0))
+                  (rr.block_size != size ||
+                   std::memcmp(out.data(), bytes_of(n, size).data(), size) != 0))
                 wrong.fetch_add(1);
               break;
             }

@@ -45,7 +45,8 @@ Status put(Tier* t, uint64_t n, size_t size, bool prefix = false) {
   Status st = t->read(id_of(n), req, &r);
   if (!st.ok()) return ::testing::AssertionFailure() << "block " << n << ": " << st.ToString();
   if (r.block_size != size || r.copied != size)
-    return ::testing::AssertionFailure() << "block " << n << " size " << r.block_size << " copied " << r.copied;
+    return ::testing::AssertionFailure()
+           << "block " << n << " size " << r.block_size << " copied " << r.copied;
   if (size && std::memcmp(out, want.data(), size) != 0)
     return ::testing::AssertionFailure() << "block " << n << " bytes differ";
   return ::testing::AssertionSuccess();
@@ -82,7 +83,8 @@ TEST_P(FileTierModeTest, RoundTripAndReopen) {
     auto t = open_tier(c, &pool);
     ASSERT_TRUE(t);
     EXPECT_STREQ(t->io_engine_name(), m.engine == FileIoEngine::kIoUring ? "io_uring" : "psync");
-    for (size_t i = 0; i < kSizes.size(); ++i) ASSERT_TRUE(put(t.get(), i, kSizes[i], i % 3 == 0).ok());
+    for (size_t i = 0; i < kSizes.size(); ++i)
+      ASSERT_TRUE(put(t.get(), i, kSizes[i], i % 3 == 0).ok());
     EXPECT_TRUE(put(t.get(), 0, kSizes[0]).ok());  // again: a no-op
     for (size_t i = 0; i < kSizes.size(); ++i) {
       EXPECT_TRUE(reads_back(t.get(), i, kSizes[i], false));
@@ -166,7 +168,8 @@ TEST_P(FileTierModeTest, ReadBatchPartialReadsAndSmallBuffers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(FileModes, FileTierModeTest,
-                         ::testing::Values(Mode{false, FileIoEngine::kPsync}, Mode{true, FileIoEngine::kPsync},
+                         ::testing::Values(Mode{false, FileIoEngine::kPsync},
+                                           Mode{true, FileIoEngine::kPsync},
                                            Mode{false, FileIoEngine::kIoUring},
                                            Mode{true, FileIoEngine::kIoUring}),
                          [](const ::testing::TestParamInfo<Mode>& p) {
@@ -301,7 +304,8 @@ TEST(FileTierTest, TwoOpensOfOneDirectoryAreRefused) {
   auto second = FileTier::Open(c, nullptr);
   ASSERT_FALSE(second.ok());
   EXPECT_TRUE(second.status().is(Code::kBusy));
-  EXPECT_NE(second.status().message().find("another store"), std::string::npos) << second.status().ToString();
+  EXPECT_NE(second.status().message().find("another store"), std::string::npos)
+      << second.status().ToString();
   first->reset();
   EXPECT_TRUE(FileTier::Open(c, nullptr).ok());
 }
@@ -318,7 +322,10 @@ TEST(FileTierTest, MissingDirectoryIsCreated) {
 TEST(FileTierTest, UnusableDirectoryGivesAClearError) {
   TempDir tmp;
   // A regular file where the directory should be.
-  { FILE* f = std::fopen(tmp.sub("plain").c_str(), "w"); std::fclose(f); }
+  {
+    FILE* f = std::fopen(tmp.sub("plain").c_str(), "w");
+    std::fclose(f);
+  }
   auto t = FileTier::Open(file_test::file_config(tmp.sub("plain")), nullptr);
   ASSERT_FALSE(t.ok());
   EXPECT_NE(t.status().message().find("plain"), std::string::npos);
@@ -356,7 +363,8 @@ TEST(FileTierTest, DiskFullFailsThePutCleanlyAndKeepsServing) {
   EXPECT_TRUE(st.is(Code::kNoSpace)) << st.ToString();
   EXPECT_GE(stored, 2);
   EXPECT_LE(stored, 4);
-  for (uint64_t i = 0; i < 10 + static_cast<uint64_t>(stored); ++i) EXPECT_TRUE(reads_back(t.get(), i, 30000));
+  for (uint64_t i = 0; i < 10 + static_cast<uint64_t>(stored); ++i)
+    EXPECT_TRUE(reads_back(t.get(), i, 30000));
   EXPECT_FALSE(t->contains(id_of(10 + stored)));  // the failed put left nothing visible
   EXPECT_TRUE(put(t.get(), 100, 30000).is(Code::kNoSpace));
   env.clear_faults();
@@ -366,7 +374,8 @@ TEST(FileTierTest, DiskFullFailsThePutCleanlyAndKeepsServing) {
   // Nothing stored was lost, and the torn attempt is not served after reopen.
   t = open_tier(c, &pool);
   ASSERT_TRUE(t);
-  for (uint64_t i = 0; i < 10 + static_cast<uint64_t>(stored); ++i) EXPECT_TRUE(reads_back(t.get(), i, 30000));
+  for (uint64_t i = 0; i < 10 + static_cast<uint64_t>(stored); ++i)
+    EXPECT_TRUE(reads_back(t.get(), i, 30000));
   EXPECT_TRUE(reads_back(t.get(), 100, 30000));
   EXPECT_EQ(t->stats().blocks, 11u + stored);
 }
@@ -419,10 +428,11 @@ TEST(FileTierTest, SegmentTruncatedOrDeletedUnderARunningStore) {
   auto segs = file_test::segment_files(tmp.path());
   ASSERT_GE(segs.size(), 3u);
   std::filesystem::resize_file(segs[0], 10000);  // first segment cut short
-  std::filesystem::remove(segs[1]);               // second deleted
+  std::filesystem::remove(segs[1]);              // second deleted
   int hits = 0, missed = 0;
   for (uint64_t i = 0; i < 20; ++i) {
-    if (reads_back(t.get(), i, 20000)) ++hits; else ++missed;
+    if (reads_back(t.get(), i, 20000)) ++hits;
+    else ++missed;
   }
   EXPECT_GT(missed, 0);  // the truncated segment's blocks
   EXPECT_GT(hits, 0);
@@ -542,7 +552,8 @@ TEST(FileTierTest, ConcurrentPutsAndReads) {
   t.reset();
   t = open_tier(c, &pool);
   for (int w = 0; w < 4; ++w)
-    for (uint64_t i = 0; i < 50; ++i) EXPECT_TRUE(reads_back(t.get(), w * 1000 + i, 3000 + ((w * 1000 + i) % 7) * 5000));
+    for (uint64_t i = 0; i < 50; ++i)
+      EXPECT_TRUE(reads_back(t.get(), w * 1000 + i, 3000 + ((w * 1000 + i) % 7) * 5000));
 }
 
 TEST(FileTierTest, SyncWritesAndFlush) {

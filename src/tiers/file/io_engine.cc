@@ -33,8 +33,8 @@ class PsyncEngine final : public IoEngine {
       return;
     }
     // Every pool thread may block in I/O here: use them all.
-    pool_->parallel_for(requests.size(), [&](size_t i) { run_request_sync(requests[i]); },
-                        pool_->size());
+    pool_->parallel_for(
+        requests.size(), [&](size_t i) { run_request_sync(requests[i]); }, pool_->size());
   }
 
  private:
@@ -43,6 +43,8 @@ class PsyncEngine final : public IoEngine {
 
 }  // namespace
 
-std::unique_ptr<IoEngine> make_psync_engine(ThreadPool* pool) { return std::make_unique<PsyncEngine>(pool); }
+std::unique_ptr<IoEngine> make_psync_engine(ThreadPool* pool) {
+  return std::make_unique<PsyncEngine>(pool);
+}
 
 }  // namespace cascade::file

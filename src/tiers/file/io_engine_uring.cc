@@ -10,8 +10,8 @@
 #include <deque>
 #include <vector>
 
-#include "util/errno_status.h"
 #include "tiers/file/io_engine.h"
+#include "util/errno_status.h"
 
 namespace cascade::file {
 namespace {
@@ -122,14 +122,16 @@ class UringEngine final : public IoEngine {
       return;
     }
     if (res < 0) {
-      t.req->status = errno_status(-res, std::string(t.req->write ? "write " : "read ") + t.req->file->path());
+      t.req->status =
+          errno_status(-res, std::string(t.req->write ? "write " : "read ") + t.req->file->path());
       return;
     }
     if (res == 0) {
-      t.req->status = t.req->write
-                          ? errno_status(EIO, "write " + t.req->file->path() + " made no progress")
-                          : Status::Corruption("short read of " + t.req->file->path() + " at offset " +
-                                               std::to_string(t.req->offset) + ": the file ends early");
+      t.req->status =
+          t.req->write
+              ? errno_status(EIO, "write " + t.req->file->path() + " made no progress")
+              : Status::Corruption("short read of " + t.req->file->path() + " at offset " +
+                                   std::to_string(t.req->offset) + ": the file ends early");
       return;
     }
     t.advance(static_cast<size_t>(res));
@@ -172,7 +174,8 @@ Result<std::unique_ptr<IoEngine>> make_uring_engine(int queue_depth) {
   unsigned depth = queue_depth > 0 ? static_cast<unsigned>(queue_depth) : 64;
   Ring probe(depth);
   if (!probe.ok)
-    return Status::Unavailable("io_uring is not usable here: " + std::string(std::strerror(probe.err)));
+    return Status::Unavailable("io_uring is not usable here: " +
+                               std::string(std::strerror(probe.err)));
   return std::unique_ptr<IoEngine>(new UringEngine(depth));
 }
 

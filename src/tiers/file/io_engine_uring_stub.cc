@@ -4,7 +4,8 @@
 namespace cascade::file {
 
 Result<std::unique_ptr<IoEngine>> make_uring_engine(int) {
-  return Status::Unavailable("this build has no io_uring support (liburing was not found); use the psync engine");
+  return Status::Unavailable(
+      "this build has no io_uring support (liburing was not found); use the psync engine");
 }
 
 }  // namespace cascade::file

@@ -39,13 +39,13 @@ uint64_t payload_checksum(const RecordKey& key, const void* data, size_t n) {
 
 static uint64_t header_checksum(const RecordKey& key, const RecordHeader& h, uint64_t segment_id,
                                 uint64_t record_offset) {
-  return XXH3_64bits_withSecretandSeed(&h, offsetof(RecordHeader, header_xxh3), key.secret(), kKeySecretBytes,
-                                       key.place_seed(segment_id, record_offset));
+  return XXH3_64bits_withSecretandSeed(&h, offsetof(RecordHeader, header_xxh3), key.secret(),
+                                       kKeySecretBytes, key.place_seed(segment_id, record_offset));
 }
 
 RecordHeader make_record_header(const RecordKey& key, const BlockId& id, uint64_t payload_length,
-                                uint64_t payload_xxh3, uint16_t flags, uint64_t sequence, uint64_t segment_id,
-                                uint64_t record_offset) {
+                                uint64_t payload_xxh3, uint16_t flags, uint64_t sequence,
+                                uint64_t segment_id, uint64_t record_offset) {
   RecordHeader h;
   std::memset(&h, 0, sizeof(h));
   h.magic = kRecordMagic;
@@ -62,7 +62,8 @@ RecordHeader make_record_header(const RecordKey& key, const BlockId& id, uint64_
 
 RecordHeader make_hole_header(const RecordKey& key, uint64_t hole_bytes, uint64_t segment_id,
                               uint64_t record_offset) {
-  return make_record_header(key, BlockId{}, hole_bytes - kPage, 0, kFlagHole, 0, segment_id, record_offset);
+  return make_record_header(key, BlockId{}, hole_bytes - kPage, 0, kFlagHole, 0, segment_id,
+                            record_offset);
 }
 
 const char* header_check_name(HeaderCheck c) {
@@ -95,7 +96,8 @@ HeaderCheck check_record_header(const RecordKey& key, const void* bytes, uint64_
   if (h.format_version != kFormatVersion) return HeaderCheck::kBadVersion;
   // Seeded with the stored offset, so a valid record found at another offset
   // reads as misplaced (kBadPlace); one from another segment fails here.
-  if (h.header_xxh3 != header_checksum(key, h, segment_id, h.record_offset)) return HeaderCheck::kBadChecksum;
+  if (h.header_xxh3 != header_checksum(key, h, segment_id, h.record_offset))
+    return HeaderCheck::kBadChecksum;
   if ((h.flags & ~kKnownFlags) != 0) return HeaderCheck::kBadVersion;
   if (h.record_offset != record_offset) return HeaderCheck::kBadPlace;
   if (h.payload_length >= kMaxSegmentBytes) return HeaderCheck::kBadLength;

@@ -68,7 +68,7 @@ inline constexpr uint16_t kFlagPrefix = 1;
 inline constexpr uint16_t kFlagAlias = 2;
 inline constexpr uint16_t kFlagHole = 4;
 inline constexpr uint16_t kKnownFlags = kFlagPrefix | kFlagAlias | kFlagHole;
-inline constexpr size_t kKeyBytes = 32;      // the directory's secret
+inline constexpr size_t kKeyBytes = 32;         // the directory's secret
 inline constexpr size_t kKeySecretBytes = 192;  // XXH3 secret derived from it
 // Records and segments stay below these bounds (index location encoding:
 // see file_tier.h).
@@ -124,8 +124,8 @@ uint64_t payload_checksum(const RecordKey& key, const void* data, size_t n);
 
 // Fills every field, header checksum last.
 RecordHeader make_record_header(const RecordKey& key, const BlockId& id, uint64_t payload_length,
-                                uint64_t payload_xxh3, uint16_t flags, uint64_t sequence, uint64_t segment_id,
-                                uint64_t record_offset);
+                                uint64_t payload_xxh3, uint16_t flags, uint64_t sequence,
+                                uint64_t segment_id, uint64_t record_offset);
 // A hole record covering [record_offset, record_offset + hole_bytes).
 // REQUIRES: hole_bytes a multiple of kPage, at least 2 pages.
 RecordHeader make_hole_header(const RecordKey& key, uint64_t hole_bytes, uint64_t segment_id,
@@ -133,7 +133,7 @@ RecordHeader make_hole_header(const RecordKey& key, uint64_t hole_bytes, uint64_
 
 enum class HeaderCheck : uint8_t {
   kValid,
-  kZero,         // all 64 bytes are zero: never written (a hole or the unwritten tail)
+  kZero,  // all 64 bytes are zero: never written (a hole or the unwritten tail)
   kBadMagic,
   kBadVersion,   // a format this build does not read (version 1: unkeyed)
   kBadChecksum,  // damaged, forged, another key's, or a record that belongs elsewhere

@@ -36,7 +36,8 @@ TEST(RecordFormatTest, HeaderRoundTrip) {
   RecordKey key = key_of(1);
   BlockId id = file_test::id_of(42);
   auto payload = file_test::bytes_of(42, 1000);
-  RecordHeader h = make_record_header(key, id, payload.size(), payload_checksum(key, payload.data(), payload.size()),
+  RecordHeader h = make_record_header(key, id, payload.size(),
+                                      payload_checksum(key, payload.data(), payload.size()),
                                       kFlagPrefix, 77, 7, 3 * kPage);
   EXPECT_EQ(check_record_header(key, &h, 7, 3 * kPage), HeaderCheck::kValid);
   EXPECT_EQ(h.id(), id);
@@ -45,7 +46,8 @@ TEST(RecordFormatTest, HeaderRoundTrip) {
   EXPECT_EQ(h.payload_length, 1000u);
   EXPECT_EQ(h.sequence, 77u);
   EXPECT_EQ(h.payload_xxh3, payload_checksum(key, payload.data(), payload.size()));
-  RecordHeader plain = make_record_header(key, id, 0, payload_checksum(key, nullptr, 0), 0, 1, 0, 0);
+  RecordHeader plain =
+      make_record_header(key, id, 0, payload_checksum(key, nullptr, 0), 0, 1, 0, 0);
   EXPECT_EQ(check_record_header(key, &plain, 0, 0), HeaderCheck::kValid);
   EXPECT_FALSE(plain.is_prefix());
   // Byte layout: magic bytes "CASR" at offset 0, version 2 at 4, id at 8.
@@ -58,7 +60,8 @@ TEST(RecordFormatTest, HeaderRoundTrip) {
 TEST(RecordFormatTest, ChecksumsAreKeyed) {
   RecordKey a = key_of(1), b = key_of(2);
   auto payload = file_test::bytes_of(3, 5000);
-  EXPECT_NE(payload_checksum(a, payload.data(), payload.size()), payload_checksum(b, payload.data(), payload.size()));
+  EXPECT_NE(payload_checksum(a, payload.data(), payload.size()),
+            payload_checksum(b, payload.data(), payload.size()));
   RecordHeader h = make_record_header(a, file_test::id_of(3), payload.size(), 0, 0, 1, 4, 0);
   EXPECT_EQ(check_record_header(a, &h, 4, 0), HeaderCheck::kValid);
   EXPECT_EQ(check_record_header(b, &h, 4, 0), HeaderCheck::kBadChecksum);

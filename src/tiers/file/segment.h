@@ -50,16 +50,16 @@ struct Segment {
   const std::string path;
   const std::unique_ptr<File> file;
 
-  std::atomic<uint64_t> bytes{0};       // bytes appended (records, incl. dead ones)
-  std::atomic<uint64_t> live_bytes{0};  // record bytes of blocks the index points here
-  std::atomic<bool> sealed{false};      // never written again
-  std::atomic<bool> unsynced{false};    // written since the last fdatasync
-  std::atomic<bool> retired{false};     // removed from the table (deleted or being deleted)
+  std::atomic<uint64_t> bytes{0};         // bytes appended (records, incl. dead ones)
+  std::atomic<uint64_t> live_bytes{0};    // record bytes of blocks the index points here
+  std::atomic<bool> sealed{false};        // never written again
+  std::atomic<bool> unsynced{false};      // written since the last fdatasync
+  std::atomic<bool> retired{false};       // removed from the table (deleted or being deleted)
   std::atomic<uint64_t> punched_dead{0};  // dead bytes when holes were last punched
 
   // Writer only:
-  std::vector<RecordHeader> headers;  // records written so far, for the summary
-  std::vector<BlockId> alias_targets; // payloads of the alias records among them
+  std::vector<RecordHeader> headers;   // records written so far, for the summary
+  std::vector<BlockId> alias_targets;  // payloads of the alias records among them
 };
 
 // Dead bytes of a segment: appended bytes not holding a live record.

@@ -42,7 +42,8 @@ class ChunkReader {
     if (pos + n > file_bytes_) return static_cast<const uint8_t*>(nullptr);
     if (pos < start_ || pos + n > start_ + len_) {
       uint64_t aligned = pos & ~(kPage - 1);
-      size_t want = static_cast<size_t>(std::max<uint64_t>(chunk_, round_up_page(pos + n) - aligned));
+      size_t want =
+          static_cast<size_t>(std::max<uint64_t>(chunk_, round_up_page(pos + n) - aligned));
       if (!buf_.reserve(want)) return Status::NoSpace("out of memory scanning " + file_->path());
       auto got = file_->pread(buf_.data(), want, aligned);
       if (!got.ok()) return got.status();
@@ -119,7 +120,8 @@ std::string summary_file_name(uint64_t segment_id) {
 }
 
 DirEntryKind classify_dir_entry(const std::string& name, uint64_t* segment_id) {
-  if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) return DirEntryKind::kTemporary;
+  if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0)
+    return DirEntryKind::kTemporary;
   if (name.size() != 24 || name.compare(0, 4, "seg-") != 0) return DirEntryKind::kOther;
   uint64_t id = 0;
   for (size_t i = 4; i < 20; ++i) {
@@ -134,7 +136,8 @@ DirEntryKind classify_dir_entry(const std::string& name, uint64_t* segment_id) {
   return DirEntryKind::kOther;
 }
 
-Result<SegmentScan> scan_segment(File* file, uint64_t segment_id, const RecordKey& key, bool verify_payloads) {
+Result<SegmentScan> scan_segment(File* file, uint64_t segment_id, const RecordKey& key,
+                                 bool verify_payloads) {
   auto size = file->size();
   if (!size.ok()) return size.status();
   SegmentScan scan;
@@ -209,7 +212,8 @@ Result<SegmentScan> scan_segment(File* file, uint64_t segment_id, const RecordKe
   return scan;
 }
 
-Result<SegmentScan> read_summary(Env* env, const std::string& dir, uint64_t segment_id, const RecordKey& key) {
+Result<SegmentScan> read_summary(Env* env, const std::string& dir, uint64_t segment_id,
+                                 const RecordKey& key) {
   std::string path = join_path(dir, summary_file_name(segment_id));
   FileOpenOptions o;
   auto file = env->open(path, o);
@@ -234,7 +238,8 @@ Result<SegmentScan> read_summary(Env* env, const std::string& dir, uint64_t segm
     return bad("bad header checksum");
   if (sh.segment_id != segment_id) return bad("names another segment");
   const uint64_t count = sh.record_count;
-  if (count > (*size - sizeof(SummaryHeader)) / kRecordHeaderSize) return bad("record count past its size");
+  if (count > (*size - sizeof(SummaryHeader)) / kRecordHeaderSize)
+    return bad("record count past its size");
   const uint8_t* entries = bytes.data() + sizeof(SummaryHeader);
   const uint64_t rest = *size - sizeof(SummaryHeader) - count * kRecordHeaderSize;  // alias targets
   if (sh.entries_xxh3 != key.summary_checksum(entries, *size - sizeof(SummaryHeader)))
@@ -246,7 +251,8 @@ Result<SegmentScan> read_summary(Env* env, const std::string& dir, uint64_t segm
   for (uint64_t i = 0; i < count; ++i) {
     RecordHeader& h = scan.records[i];
     std::memcpy(&h, entries + i * kRecordHeaderSize, sizeof(h));
-    if (check_record_header(key, &h, segment_id, h.record_offset) != HeaderCheck::kValid || h.is_hole())
+    if (check_record_header(key, &h, segment_id, h.record_offset) != HeaderCheck::kValid ||
+        h.is_hole())
       return bad("bad entry");
     if (h.record_offset < next || h.record_offset % kPage) return bad("entries out of order");
     next = h.record_offset + record_size(h.payload_length);
@@ -257,21 +263,24 @@ Result<SegmentScan> read_summary(Env* env, const std::string& dir, uint64_t segm
   if (rest != aliases * 16) return bad("alias targets do not match the entries");
   scan.alias_targets.resize(aliases);
   const uint8_t* targets = entries + count * kRecordHeaderSize;
-  for (uint64_t i = 0; i < aliases; ++i) std::memcpy(scan.alias_targets[i].bytes.data(), targets + 16 * i, 16);
+  for (uint64_t i = 0; i < aliases; ++i)
+    std::memcpy(scan.alias_targets[i].bytes.data(), targets + 16 * i, 16);
   scan.end = next;
   scan.file_bytes = sh.segment_bytes;
   return scan;
 }
 
 Status write_summary(Env* env, const std::string& dir, uint64_t segment_id, const RecordKey& key,
-                     const std::vector<RecordHeader>& records, const std::vector<BlockId>& alias_targets,
-                     uint64_t segment_bytes, bool sync, uint32_t file_mode) {
+                     const std::vector<RecordHeader>& records,
+                     const std::vector<BlockId>& alias_targets, uint64_t segment_bytes, bool sync,
+                     uint32_t file_mode) {
   const size_t body = records.size() * kRecordHeaderSize + alias_targets.size() * 16;
   std::vector<uint8_t> bytes(sizeof(SummaryHeader) + body);
   uint8_t* entries = bytes.data() + sizeof(SummaryHeader);
   if (!records.empty()) std::memcpy(entries, records.data(), records.size() * kRecordHeaderSize);
   for (size_t i = 0; i < alias_targets.size(); ++i)
-    std::memcpy(entries + records.size() * kRecordHeaderSize + 16 * i, alias_targets[i].bytes.data(), 16);
+    std::memcpy(entries + records.size() * kRecordHeaderSize + 16 * i,
+                alias_targets[i].bytes.data(), 16);
   SummaryHeader sh;
   std::memset(&sh, 0, sizeof(sh));
   sh.magic = kSummaryMagic;
@@ -302,11 +311,13 @@ Status write_summary(Env* env, const std::string& dir, uint64_t segment_id, cons
   return Status::OK();
 }
 
-Status verify_record(File* file, uint64_t segment_id, const RecordKey& key, const RecordHeader& header) {
+Status verify_record(File* file, uint64_t segment_id, const RecordKey& key,
+                     const RecordHeader& header) {
   auto size = file->size();
   if (!size.ok()) return size.status();
-  ChunkReader reader(file, *size,
-                     static_cast<size_t>(std::min<uint64_t>(record_size(header.payload_length), kScanChunk)));
+  ChunkReader reader(
+      file, *size,
+      static_cast<size_t>(std::min<uint64_t>(record_size(header.payload_length), kScanChunk)));
   auto v = reader.view(header.record_offset, kRecordHeaderSize);
   if (!v.ok()) return v.status();
   if (!*v) return Status::Corruption("record past the end of " + file->path());

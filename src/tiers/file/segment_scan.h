@@ -5,8 +5,9 @@
 //   seg-<16 lowercase hex digits of the segment id>.dat  records (record_format.h)
 //   seg-<id>.sum                                        summary of a sealed segment
 //   <name>.tmp                                          a file being written (removed on open)
-//   LOCK                                                flock'ed by the store that owns the directory
-//   KEY                                                 the directory's secret (store_key.h)
+//   LOCK                                                flock'ed by the store that owns the
+//   directory KEY                                                 the directory's secret
+//   (store_key.h)
 //
 // A segment is written by one writer at a time, record after record, and
 // sealed when full or when the store closes: its data is fsynced, then a
@@ -66,41 +67,45 @@ enum class DirEntryKind : uint8_t { kOther, kSegment, kSummary, kTemporary };
 DirEntryKind classify_dir_entry(const std::string& name, uint64_t* segment_id);
 
 struct SegmentScan {
-  std::vector<RecordHeader> records;  // valid records (blocks, aliases), in offset order
-  std::vector<BlockId> alias_targets; // payloads of the alias records among them, in order
-  uint64_t file_bytes = 0;            // size of the segment file
-  uint64_t end = 0;                   // offset just past the last valid record (or hole)
+  std::vector<RecordHeader> records;   // valid records (blocks, aliases), in offset order
+  std::vector<BlockId> alias_targets;  // payloads of the alias records among them, in order
+  uint64_t file_bytes = 0;             // size of the segment file
+  uint64_t end = 0;                    // offset just past the last valid record (or hole)
   // Records whose header validates but whose payload does not, unless only
   // zeros or the end of the file follow them (a torn tail); plus one when
   // the walk stopped at a damaged header or with non-zero bytes after where
   // it stopped. Torn tails are not counted here but in tail_bytes.
   uint64_t corrupt_records = 0;
-  uint64_t tail_bytes = 0;            // file_bytes - end
+  uint64_t tail_bytes = 0;  // file_bytes - end
   // The header at offset 0: kValid for a segment of this directory, kZero
   // for one with nothing written; anything else (a format 1 segment, another
   // directory's key) means the file is not this store's.
   HeaderCheck first_header = HeaderCheck::kZero;
-  uint16_t first_version = 0;         // its format version (0: no record magic)
+  uint16_t first_version = 0;  // its format version (0: no record magic)
   bool from_summary = false;
 };
 
 // Walks the records of the segment from offset 0 (with verify_payloads,
 // checking every payload). IOError only when the file cannot be read at
 // all; damage is reported in the result.
-Result<SegmentScan> scan_segment(File* file, uint64_t segment_id, const RecordKey& key, bool verify_payloads);
+Result<SegmentScan> scan_segment(File* file, uint64_t segment_id, const RecordKey& key,
+                                 bool verify_payloads);
 
 // Reads and checks seg-<id>.sum. NotFound when absent; Corruption when it
 // fails a check (the caller then scans the segment).
-Result<SegmentScan> read_summary(Env* env, const std::string& dir, uint64_t segment_id, const RecordKey& key);
+Result<SegmentScan> read_summary(Env* env, const std::string& dir, uint64_t segment_id,
+                                 const RecordKey& key);
 
 // Writes seg-<id>.sum atomically (temporary file with permission bits
 // file_mode, rename). sync: fsync the summary and the directory.
 Status write_summary(Env* env, const std::string& dir, uint64_t segment_id, const RecordKey& key,
-                     const std::vector<RecordHeader>& records, const std::vector<BlockId>& alias_targets,
-                     uint64_t segment_bytes, bool sync, uint32_t file_mode = 0600);
+                     const std::vector<RecordHeader>& records,
+                     const std::vector<BlockId>& alias_targets, uint64_t segment_bytes, bool sync,
+                     uint32_t file_mode = 0600);
 
 // Reads the record at (segment_id, header.record_offset) and checks its
 // header and payload checksum. OK or Corruption; IOError when unreadable.
-Status verify_record(File* file, uint64_t segment_id, const RecordKey& key, const RecordHeader& header);
+Status verify_record(File* file, uint64_t segment_id, const RecordKey& key,
+                     const RecordHeader& header);
 
 }  // namespace cascade::file

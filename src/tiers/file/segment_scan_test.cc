@@ -30,20 +30,22 @@ struct Image {
 void append_record(Image* img, const RecordKey& key, uint64_t segment_id, const BlockId& id,
                    const std::vector<uint8_t>& payload, uint16_t flags, uint64_t sequence) {
   uint64_t off = img->bytes.size();
-  RecordHeader h = make_record_header(key, id, payload.size(), payload_checksum(key, payload.data(), payload.size()),
-                                      flags, sequence, segment_id, off);
+  RecordHeader h = make_record_header(key, id, payload.size(),
+                                      payload_checksum(key, payload.data(), payload.size()), flags,
+                                      sequence, segment_id, off);
   img->bytes.resize(off + record_size(payload.size()), 0);
   std::memcpy(img->bytes.data() + off, &h, sizeof(h));
   if (!payload.empty())
-    std::memcpy(img->bytes.data() + off + payload_offset(payload.size()), payload.data(), payload.size());
+    std::memcpy(img->bytes.data() + off + payload_offset(payload.size()), payload.data(),
+                payload.size());
   img->headers.push_back(h);
 }
 
 Image build_segment(uint64_t segment_id, const std::vector<size_t>& sizes) {
   Image img;
   for (size_t i = 0; i < sizes.size(); ++i)
-    append_record(&img, test_key(), segment_id, file_test::id_of(i), file_test::bytes_of(i, sizes[i]),
-                  i % 2 ? kFlagPrefix : 0, 100 + i);
+    append_record(&img, test_key(), segment_id, file_test::id_of(i),
+                  file_test::bytes_of(i, sizes[i]), i % 2 ? kFlagPrefix : 0, 100 + i);
   return img;
 }
 
@@ -187,8 +189,8 @@ TEST(SegmentScanTest, RecordPlantedInsideAPayloadIsNeverAccepted) {
   std::vector<uint8_t> carrier = file_test::bytes_of(1, 64 << 10);
   const uint64_t planted_at = kPage + 8192;  // segment offset of payload byte 8192
   RecordHeader h = make_record_header(test_key(), file_test::id_of(777), fake.size(),
-                                      payload_checksum(test_key(), fake.data(), fake.size()), 0, 999, seg,
-                                      planted_at);
+                                      payload_checksum(test_key(), fake.data(), fake.size()), 0,
+                                      999, seg, planted_at);
   std::memcpy(carrier.data() + 8192, &h, sizeof(h));
   std::memcpy(carrier.data() + 8192 + kRecordHeaderSize, fake.data(), fake.size());
   Image img;
@@ -212,10 +214,13 @@ TEST(SegmentScanTest, SummaryRoundTripAndDamage) {
   file_test::TempDir tmp;
   Env* env = Env::Default();
   Image img = build_segment(9, {10, 5000, 70000});
-  append_record(&img, test_key(), 9, file_test::id_of(50), std::vector<uint8_t>(16, 0x42), kFlagAlias, 200);
+  append_record(&img, test_key(), 9, file_test::id_of(50), std::vector<uint8_t>(16, 0x42),
+                kFlagAlias, 200);
   std::vector<BlockId> targets(1);
   std::memset(targets[0].bytes.data(), 0x42, 16);
-  ASSERT_TRUE(write_summary(env, tmp.path(), 9, test_key(), img.headers, targets, img.bytes.size(), true).ok());
+  ASSERT_TRUE(
+      write_summary(env, tmp.path(), 9, test_key(), img.headers, targets, img.bytes.size(), true)
+          .ok());
   auto s = read_summary(env, tmp.path(), 9, test_key());
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   ASSERT_EQ(s->records.size(), 4u);
@@ -229,7 +234,8 @@ TEST(SegmentScanTest, SummaryRoundTripAndDamage) {
   std::string path = tmp.sub(summary_file_name(9));
   for (uint64_t byte : {0ull, 20ull, 60ull, 64ull + 30, 64ull * 3 + 8, 64ull * 5 + 3}) {
     file_test::flip_bit(path, byte, 3);
-    EXPECT_TRUE(read_summary(env, tmp.path(), 9, test_key()).status().is(Code::kCorruption)) << byte;
+    EXPECT_TRUE(read_summary(env, tmp.path(), 9, test_key()).status().is(Code::kCorruption))
+        << byte;
     file_test::flip_bit(path, byte, 3);
   }
   EXPECT_TRUE(read_summary(env, tmp.path(), 9, test_key()).ok());

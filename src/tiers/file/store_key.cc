@@ -17,7 +17,8 @@ std::string octal(uint32_t mode) {
   return buf;
 }
 
-Status check_key_file(const FileInfo& info, const std::string& path, uint32_t file_mode, bool check_owner) {
+Status check_key_file(const FileInfo& info, const std::string& path, uint32_t file_mode,
+                      bool check_owner) {
   if (info.type != FileInfo::Type::kRegular)
     return Status::IOError(path + " is not a regular file; refusing it as the directory's key");
   if (info.size != kKeyBytes)
@@ -35,7 +36,8 @@ Status check_key_file(const FileInfo& info, const std::string& path, uint32_t fi
 
 Result<RecordKey> create_key(Env* env, const std::string& dir, uint32_t file_mode) {
   uint8_t key[kKeyBytes];
-  if (RAND_bytes(key, sizeof(key)) != 1) return Status::IOError("no random bytes for the directory's key");
+  if (RAND_bytes(key, sizeof(key)) != 1)
+    return Status::IOError("no random bytes for the directory's key");
   std::string path = join_path(dir, kKeyFileName);
   std::string tmp = path + ".tmp";
   (void)env->unlink(tmp);
@@ -64,7 +66,8 @@ Result<RecordKey> load_store_key(Env* env, const std::string& dir, uint32_t file
   auto info = env->stat(path);
   if (!info.ok()) {
     if (!info.status().is(Code::kNotFound)) return info.status();
-    if (!create) return Status::NotFound(path + " is missing: the directory's records cannot be checked");
+    if (!create)
+      return Status::NotFound(path + " is missing: the directory's records cannot be checked");
     return create_key(env, dir, file_mode);
   }
   CASCADE_RETURN_IF_ERROR(check_key_file(*info, path, file_mode, check_owner));

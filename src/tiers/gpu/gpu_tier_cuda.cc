@@ -24,7 +24,8 @@ class ArenaGpuTier final : public GpuTier {
 
   int device() const override { return device_; }
 
-  Status put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) override {
+  Status put(const BlockId& id, const void* data, uint64_t size,
+             const PutOptions& options) override {
     Status st;
     put_batch({&id, 1}, {&data, 1}, {&size, 1}, options, {&st, 1});
     return st;
@@ -52,7 +53,8 @@ class ArenaGpuTier final : public GpuTier {
       for (; i < n && bytes < step.bytes && want.size() < step.items; ++i) {
         const uint64_t size = sizes[i];
         statuses[i] = check_fits(size);
-        if (statuses[i].ok() && size && !data[i]) statuses[i] = Status::InvalidArgument("data is null");
+        if (statuses[i].ok() && size && !data[i])
+          statuses[i] = Status::InvalidArgument("data is null");
         if (!statuses[i].ok()) continue;
         if (contains(ids[i])) continue;  // immutable: already stored
         if (size == 0) {
@@ -169,10 +171,13 @@ class ArenaGpuTier final : public GpuTier {
     uint64_t bytes;
     size_t items;
     // The first chunk is smaller, so the GPU starts early.
-    ChunkLimit first() const { return ChunkLimit{std::max<uint64_t>(bytes / 8, 1), std::max<size_t>(items / 8, 1)}; }
+    ChunkLimit first() const {
+      return ChunkLimit{std::max<uint64_t>(bytes / 8, 1), std::max<size_t>(items / 8, 1)};
+    }
   };
   static ChunkLimit chunk_limit(MemoryKind caller_side) {
-    return caller_side == MemoryKind::kDevice ? ChunkLimit{256ULL << 20, 8192} : ChunkLimit{32ULL << 20, 4096};
+    return caller_side == MemoryKind::kDevice ? ChunkLimit{256ULL << 20, 8192}
+                                              : ChunkLimit{32ULL << 20, 4096};
   }
 
   // Without a caller stream: copies between the arena and the caller's
@@ -209,8 +214,8 @@ class ArenaGpuTier final : public GpuTier {
     return c.queued.ok() ? st : c.queued;
   }
 
-  void finish_put(Chunk& c, std::span<const BlockId> ids, const PutOptions& options, std::span<Status> statuses,
-                  cudaStream_t s) {
+  void finish_put(Chunk& c, std::span<const BlockId> ids, const PutOptions& options,
+                  std::span<Status> statuses, cudaStream_t s) {
     if (c.index.empty()) return;
     Status st = wait(c, s);
     for (size_t k = 0; k < c.index.size(); ++k) {
@@ -225,7 +230,8 @@ class ArenaGpuTier final : public GpuTier {
     c.reset();
   }
 
-  void finish_read(Chunk& c, std::span<ReadResult> results, std::span<Status> statuses, cudaStream_t s) {
+  void finish_read(Chunk& c, std::span<ReadResult> results, std::span<Status> statuses,
+                   cudaStream_t s) {
     if (c.index.empty()) return;
     Status st = wait(c, s);
     for (size_t k = 0; k < c.index.size(); ++k) {
@@ -258,7 +264,8 @@ Result<std::unique_ptr<GpuTier>> GpuTier::Open(const CascadeConfig& config, Thre
   if (!ctx.ok()) return ctx.status();
   auto arena = DeviceArena::Create(device, config.gpu_capacity_bytes, options.arena);
   if (!arena.ok()) return arena.status();
-  return std::unique_ptr<GpuTier>(new ArenaGpuTier(config, pool, *ctx, std::move(arena.value()), options));
+  return std::unique_ptr<GpuTier>(
+      new ArenaGpuTier(config, pool, *ctx, std::move(arena.value()), options));
 }
 
 Result<std::unique_ptr<Tier>> open_gpu_tier(const CascadeConfig& config, ThreadPool* pool) {

@@ -14,9 +14,9 @@
 #include <thread>
 #include <vector>
 
-#include "util/thread_pool.h"
-#include "cuda/device_copy.h"
 #include "cuda/device_buffer.h"
+#include "cuda/device_copy.h"
+#include "util/thread_pool.h"
 
 namespace cascade {
 namespace {
@@ -84,7 +84,8 @@ struct CallerBuffer {
   DeviceBuffer dev;
   uint8_t* registered = nullptr;  // inside a RegisteredRegion
 
-  CallerBuffer(Buf k, size_t bytes, RegisteredRegion* region, size_t region_offset) : kind(k), n(bytes) {
+  CallerBuffer(Buf k, size_t bytes, RegisteredRegion* region, size_t region_offset)
+      : kind(k), n(bytes) {
     if (k == Buf::kPageable) pageable.resize(bytes + 1);
     if (k == Buf::kPinned) pinned = std::move(PinnedBuffer::Allocate(bytes + 1).value());
     if (k == Buf::kDevice) dev = std::move(DeviceBuffer::Allocate(0, bytes + 1).value());
@@ -99,7 +100,9 @@ struct CallerBuffer {
     }
     return nullptr;
   }
-  MemoryKind memory() const { return kind == Buf::kDevice ? MemoryKind::kDevice : MemoryKind::kHost; }
+  MemoryKind memory() const {
+    return kind == Buf::kDevice ? MemoryKind::kDevice : MemoryKind::kHost;
+  }
   void set(const std::vector<uint8_t>& v) {
     if (kind == Buf::kDevice) ASSERT_TRUE(copy_to_device(data(), v.data(), v.size()).ok());
     else std::memcpy(data(), v.data(), v.size());
@@ -187,8 +190,8 @@ TEST(GpuTierTest, RoundTripEverySourceAndDestination) {
 TEST(GpuTierTest, BatchesThroughEverySmallCopyMethod) {
   SKIP_WITHOUT_GPU();
   RegisteredRegion region(96 << 20);
-  for (SmallCopyMethod m : {SmallCopyMethod::kAuto, SmallCopyMethod::kKernel, SmallCopyMethod::kBatchApi,
-                             SmallCopyMethod::kPerCopy}) {
+  for (SmallCopyMethod m : {SmallCopyMethod::kAuto, SmallCopyMethod::kKernel,
+                            SmallCopyMethod::kBatchApi, SmallCopyMethod::kPerCopy}) {
     SCOPED_TRACE(int(m));
     ThreadPool pool(4);
     GpuTierOptions opts;
@@ -229,7 +232,8 @@ TEST(GpuTierTest, BatchesThroughEverySmallCopyMethod) {
       for (size_t i = 0; i < n; ++i) {
         ASSERT_TRUE(st[i].ok()) << i;
         ASSERT_EQ(rr[i].copied, sizes[i]);
-        ASSERT_EQ(0, std::memcmp(out + i * block, data[i], sizes[i])) << "block " << i << " registered " << registered;
+        ASSERT_EQ(0, std::memcmp(out + i * block, data[i], sizes[i]))
+            << "block " << i << " registered " << registered;
       }
     }
     // Device to device, batched.
@@ -296,7 +300,8 @@ TEST(GpuTierTest, MixedSizesTakeEveryPathOfOneBatch) {
   (*tier)->read_batch(ids, rqs, rr, st);
   for (auto& x : st) ASSERT_TRUE(x.ok()) << x.ToString();
   for (size_t k = 0; k < sizes.size(); ++k)
-    ASSERT_EQ(0, std::memcmp(region.p + at + offsets[k], region.p + offsets[k], sizes[k])) << "block " << k;
+    ASSERT_EQ(0, std::memcmp(region.p + at + offsets[k], region.p + offsets[k], sizes[k]))
+        << "block " << k;
 }
 
 TEST(GpuTierTest, CopiesSpanningRegisteredChunks) {
@@ -386,7 +391,8 @@ TEST(GpuTierTest, LeasedBlocksSurviveEvictionAndRemoval) {
   ASSERT_TRUE((*tier)->remove(make_id(0)).ok());
   EXPECT_FALSE((*tier)->contains(make_id(0)));
   std::vector<uint8_t> junk(block, 0xab);
-  for (int i = 0; i < 7; ++i) ASSERT_TRUE((*tier)->put(make_id(200 + i), junk.data(), block, PutOptions{}).ok());
+  for (int i = 0; i < 7; ++i)
+    ASSERT_TRUE((*tier)->put(make_id(200 + i), junk.data(), block, PutOptions{}).ok());
   EXPECT_TRUE((*tier)->put(make_id(300), junk.data(), block, PutOptions{}).is(Code::kNoSpace));
   std::vector<uint8_t> back(block);
   ASSERT_TRUE(copy_to_host(back.data(), held->data(), block).ok());

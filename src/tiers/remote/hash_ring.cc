@@ -24,7 +24,8 @@ LiveRanks::LiveRanks(int ranks)
     : ranks_(ranks), words_(new std::atomic<uint64_t>[static_cast<size_t>((ranks + 63) / 64)]) {
   for (int w = 0; w < (ranks + 63) / 64; ++w) {
     int bits = std::min(64, ranks - w * 64);
-    words_[w].store(bits == 64 ? ~uint64_t{0} : ((uint64_t{1} << bits) - 1), std::memory_order_relaxed);
+    words_[w].store(bits == 64 ? ~uint64_t{0} : ((uint64_t{1} << bits) - 1),
+                    std::memory_order_relaxed);
   }
 }
 
@@ -35,7 +36,8 @@ bool LiveRanks::mark_gone(int rank) {
 
 int LiveRanks::count_present() const {
   int n = 0;
-  for (int w = 0; w < (ranks_ + 63) / 64; ++w) n += std::popcount(words_[w].load(std::memory_order_acquire));
+  for (int w = 0; w < (ranks_ + 63) / 64; ++w)
+    n += std::popcount(words_[w].load(std::memory_order_acquire));
   return n;
 }
 

@@ -7,13 +7,13 @@
 #include <cerrno>
 #include <string>
 
-#include "util/errno_status.h"
 #include "tiers/remote/block_checksum.h"
+#include "util/errno_status.h"
 
 namespace cascade::remote {
 
-LocalShare::LocalShare(uint8_t* base, uint64_t capacity, const CascadeConfig& config, ThreadPool* pool,
-                       bool checksums)
+LocalShare::LocalShare(uint8_t* base, uint64_t capacity, const CascadeConfig& config,
+                       ThreadPool* pool, bool checksums)
     : HostArenaTier(config, base, capacity, pool, "this rank's share of the remote tier"),
       checksums_(checksums),
       checksum_shards_(new ChecksumShard[kChecksumShards]),
@@ -33,7 +33,8 @@ Status LocalShare::back(uint64_t from, uint64_t to) {
     // Kernels without MADV_POPULATE_WRITE: touch the pages instead (a full
     // /dev/shm then shows as SIGBUS, as for any shared-memory program).
     const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-    for (uint64_t off = from; off < to; off += page) reinterpret_cast<volatile uint8_t*>(base())[off] = 0;
+    for (uint64_t off = from; off < to; off += page)
+      reinterpret_cast<volatile uint8_t*>(base())[off] = 0;
     return Status::OK();
   }
   if (err == EFAULT || err == ENOMEM || err == ENOSPC)
@@ -50,7 +51,8 @@ Status LocalShare::commit(uint64_t end) {
 
 void LocalShare::commit_ahead() {
   const uint64_t have = committed();
-  if (have >= capacity() || alloc_.high_water() + kCommitStep <= have || pool_ == nullptr || pool_->size() == 0)
+  if (have >= capacity() || alloc_.high_water() + kCommitStep <= have || pool_ == nullptr ||
+      pool_->size() == 0)
     return;
   {
     std::lock_guard<std::mutex> lock(ahead_mu_);
@@ -58,7 +60,8 @@ void LocalShare::commit_ahead() {
     ahead_running_ = true;
   }
   pool_->submit([this, want = have + kCommitStep] {
-    (void)committed_.commit(want);  // a failure shows again, synchronously, at the put that needs the memory
+    (void)committed_.commit(
+        want);  // a failure shows again, synchronously, at the put that needs the memory
     std::lock_guard<std::mutex> lock(ahead_mu_);
     ahead_running_ = false;
     ahead_cv_.notify_all();
@@ -97,7 +100,8 @@ uint64_t LocalShare::checksum_at(const Location& loc) const {
   return it == s.by_offset.end() ? 0 : it->second;
 }
 
-Status LocalShare::copy_in(uint64_t offset, const void* src, uint64_t n, const PutOptions& options) {
+Status LocalShare::copy_in(uint64_t offset, const void* src, uint64_t n,
+                           const PutOptions& options) {
   uint8_t* dst = base() + offset;
   if (!checksums_) return copy_to_arena(dst, src, n, options);
   uint64_t sum = 0;
@@ -137,10 +141,12 @@ Result<Extent> LocalShare::reserve(uint64_t size) {
     }
     evicted_for_peers_.fetch_add(victims.size(), std::memory_order_relaxed);
   }
-  return Status::NoSpace("the owner's share of the remote tier is full and every block in it is leased");
+  return Status::NoSpace(
+      "the owner's share of the remote tier is full and every block in it is leased");
 }
 
-bool LocalShare::publish(const BlockId& id, const Extent& extent, bool is_prefix, uint64_t checksum) {
+bool LocalShare::publish(const BlockId& id, const Extent& extent, bool is_prefix,
+                         uint64_t checksum) {
   if (checksums_ && extent.size) set_checksum(extent.offset, checksum);
   if (index().insert(id, Location{extent.offset, extent.size}, is_prefix)) return true;
   free_extent(extent);

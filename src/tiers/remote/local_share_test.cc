@@ -96,7 +96,8 @@ TEST(LocalShare, ReserveEvictsUnleasedBlocksButNotLeasedOnes) {
   SharedMemory mem(cap);
   LocalShare share(mem.base(), cap, small_config(), nullptr, false);
   auto data = bytes_of(256 << 10, 2);
-  for (uint32_t i = 0; i < 4; ++i) ASSERT_TRUE(share.put(id_of(i), data.data(), data.size(), {}).ok());
+  for (uint32_t i = 0; i < 4; ++i)
+    ASSERT_TRUE(share.put(id_of(i), data.data(), data.size(), {}).ok());
   EXPECT_TRUE(share.put(id_of(9), data.data(), data.size(), {}).is(Code::kNoSpace));
   auto lease = share.index().acquire(id_of(0));
   ASSERT_TRUE(lease);
@@ -140,7 +141,8 @@ TEST(LocalShare, CountsItsOwnTrafficAndAnswersSizes) {
   PutOptions o;
   o.origin = PutOrigin::kDemotion;
   ASSERT_TRUE(share.put(id_of(1), data.data(), data.size(), o).ok());
-  ASSERT_TRUE(share.put(id_of(1), data.data(), data.size(), o).ok());  // stored already: not counted
+  ASSERT_TRUE(
+      share.put(id_of(1), data.data(), data.size(), o).ok());  // stored already: not counted
   auto size = share.size_of(id_of(1));
   ASSERT_TRUE(size.ok());
   EXPECT_EQ(*size, data.size());

@@ -23,10 +23,8 @@ std::optional<Message> RemoteTier::serve(int peer, Message&& request) {
       return std::nullopt;
     case MessageKind::kLeave:  // handled by the fabric
       return std::nullopt;
-    case MessageKind::kReply:
-      return std::nullopt;
-    default:
-      break;
+    case MessageKind::kReply: return std::nullopt;
+    default: break;
   }
   if (leaving && !options_.announce_departure) return std::nullopt;  // leaving silently: no answers
   for (const Item& it : request.items) {
@@ -36,29 +34,22 @@ std::optional<Message> RemoteTier::serve(int peer, Message&& request) {
       out.outcome = Outcome::kGone;
     } else {
       switch (request.kind) {
-        case MessageKind::kPutBegin:
-          out = serve_put_begin(peer, it);
-          break;
-        case MessageKind::kPutCommit:
-          out = serve_put_commit(peer, it);
-          break;
-        case MessageKind::kLookup:
-          out = serve_lookup(peer, it);
-          break;
+        case MessageKind::kPutBegin: out = serve_put_begin(peer, it); break;
+        case MessageKind::kPutCommit: out = serve_put_commit(peer, it); break;
+        case MessageKind::kLookup: out = serve_lookup(peer, it); break;
         case MessageKind::kContains:
           out.outcome = share_.index().contains(it.id) ? Outcome::kFound : Outcome::kMiss;
           break;
         case MessageKind::kRemove:
           out.outcome = share_.index().remove(it.id) ? Outcome::kFound : Outcome::kMiss;
           break;
-        default:
-          out.outcome = Outcome::kNone;
-          break;
+        default: out.outcome = Outcome::kNone; break;
       }
     }
     reply.items.push_back(out);
   }
-  open_reservations_.store(reservations_.live() + reservations_.quarantined(), std::memory_order_release);
+  open_reservations_.store(reservations_.live() + reservations_.quarantined(),
+                           std::memory_order_release);
   return reply;
 }
 
@@ -67,7 +58,7 @@ Item RemoteTier::serve_put_begin(int peer, const Item& it) {
   if (share_.index().contains(it.id)) {
     out.outcome = Outcome::kExists;  // one copy, whoever puts it
   } else if (reservations_.holds(it.id)) {
-    out.outcome = Outcome::kBusy;    // another writer is filling it
+    out.outcome = Outcome::kBusy;  // another writer is filling it
   } else if (it.size > share_.capacity()) {
     out.outcome = Outcome::kTooLarge;
   } else {
@@ -185,12 +176,14 @@ void RemoteTier::on_peer_left(int peer) {
   // leases it held end now.
   for (const Extent& e : reservations_.drop_writer(peer)) share_.free_extent(e);
   drop_peer_leases(peer);
-  open_reservations_.store(reservations_.live() + reservations_.quarantined(), std::memory_order_release);
+  open_reservations_.store(reservations_.live() + reservations_.quarantined(),
+                           std::memory_order_release);
 }
 
 void RemoteTier::on_tick() {
   if (reservations_.live() && reservations_.expire(Clock::now()))
-    open_reservations_.store(reservations_.live() + reservations_.quarantined(), std::memory_order_release);
+    open_reservations_.store(reservations_.live() + reservations_.quarantined(),
+                             std::memory_order_release);
 }
 
 void RemoteTier::leave() {

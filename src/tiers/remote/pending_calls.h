@@ -35,9 +35,9 @@ class PendingCalls {
     uint64_t id = 0;
     int peer = -1;
     std::condition_variable cv;
-    bool done = false;     // guarded by PendingCalls::mu_
-    Message reply;         // guarded by PendingCalls::mu_
-    Status failure;        // guarded by PendingCalls::mu_; non-OK: no reply will come
+    bool done = false;  // guarded by PendingCalls::mu_
+    Message reply;      // guarded by PendingCalls::mu_
+    Status failure;     // guarded by PendingCalls::mu_; non-OK: no reply will come
   };
 
   std::shared_ptr<Call> open(int peer);

@@ -176,7 +176,7 @@ class RankFabric {
   MPI_Win rma_win_ = MPI_WIN_NULL;
   uint8_t* local_base_ = nullptr;
   uint64_t segment_bytes_ = 0;
-  std::vector<uint8_t*> peer_base_;  // null: not reachable with loads
+  std::vector<uint8_t*> peer_base_;   // null: not reachable with loads
   std::vector<uint64_t> peer_bytes_;  // segment size of every rank
   // Per reachable peer, one flag per 64 MiB step: mapped here already.
   std::vector<std::unique_ptr<std::atomic<uint8_t>[]>> peer_mapped_;
@@ -191,7 +191,7 @@ class RankFabric {
   std::thread progress_;
 
   std::mutex recv_mu_;
-  std::vector<uint8_t> recv_buf_;  // guarded by recv_mu_
+  std::vector<uint8_t> recv_buf_;            // guarded by recv_mu_
   std::atomic<int64_t> last_message_ns_{0};  // steady clock of the last message received
   std::mutex handler_mu_;
   RequestHandler* handler_ = nullptr;  // guarded by handler_mu_

@@ -31,7 +31,8 @@ Status agree_all(MPI_Comm comm, Status local) {
   int rc = MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, comm);
   if (rc != MPI_SUCCESS) return mpi_status(rc, "MPI_Allreduce");
   if (!local.ok()) return local;
-  if (!all) return Status::Unavailable("another rank could not open its part of the distributed store");
+  if (!all)
+    return Status::Unavailable("another rank could not open its part of the distributed store");
   return Status::OK();
 }
 
@@ -56,8 +57,7 @@ std::optional<Message> gone_reply(const Message& request) {
       for (Item& it : r.items) it.outcome = Outcome::kGone;
       return r;
     }
-    default:
-      return std::nullopt;
+    default: return std::nullopt;
   }
 }
 
@@ -70,7 +70,8 @@ Status RankFabric::finalized_status() {
 Result<std::shared_ptr<RankFabric>> RankFabric::Open(MPI_Comm comm, uint64_t segment_bytes,
                                                      bool node_local_loads) {
   int provided = MPI_THREAD_SINGLE;
-  if (int rc = MPI_Query_thread(&provided); rc != MPI_SUCCESS) return mpi_status(rc, "MPI_Query_thread");
+  if (int rc = MPI_Query_thread(&provided); rc != MPI_SUCCESS)
+    return mpi_status(rc, "MPI_Query_thread");
   if (provided < MPI_THREAD_MULTIPLE)
     return Status::Unavailable(
         "the distributed store needs MPI initialized with MPI_THREAD_MULTIPLE (a progress thread "
@@ -78,7 +79,8 @@ Result<std::shared_ptr<RankFabric>> RankFabric::Open(MPI_Comm comm, uint64_t seg
         "mpi4py with its default settings");
 
   std::shared_ptr<RankFabric> f(new RankFabric());
-  if (int rc = MPI_Comm_dup(comm, &f->comm_); rc != MPI_SUCCESS) return mpi_status(rc, "MPI_Comm_dup");
+  if (int rc = MPI_Comm_dup(comm, &f->comm_); rc != MPI_SUCCESS)
+    return mpi_status(rc, "MPI_Comm_dup");
   MPI_Comm_set_errhandler(f->comm_, MPI_ERRORS_RETURN);
   MPI_Comm_rank(f->comm_, &f->rank_);
   MPI_Comm_size(f->comm_, &f->size_);
@@ -90,8 +92,10 @@ Result<std::shared_ptr<RankFabric>> RankFabric::Open(MPI_Comm comm, uint64_t seg
     return st;
   };
 
-  int rc = MPI_Comm_split_type(f->comm_, MPI_COMM_TYPE_SHARED, f->rank_, MPI_INFO_NULL, &f->node_comm_);
-  if (Status st = agree_all(f->comm_, mpi_status(rc, "MPI_Comm_split_type")); !st.ok()) return fail(st);
+  int rc =
+      MPI_Comm_split_type(f->comm_, MPI_COMM_TYPE_SHARED, f->rank_, MPI_INFO_NULL, &f->node_comm_);
+  if (Status st = agree_all(f->comm_, mpi_status(rc, "MPI_Comm_split_type")); !st.ok())
+    return fail(st);
   int node_rank = 0, node_size = 1;
   MPI_Comm_rank(f->node_comm_, &node_rank);
   MPI_Comm_size(f->node_comm_, &node_size);
@@ -106,7 +110,8 @@ Result<std::shared_ptr<RankFabric>> RankFabric::Open(MPI_Comm comm, uint64_t seg
   rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(segment_bytes + kSegmentAlign), 1, info,
                                f->node_comm_, &raw, &f->shared_win_);
   MPI_Info_free(&info);
-  if (Status st = agree_all(f->comm_, mpi_status(rc, "MPI_Win_allocate_shared")); !st.ok()) return fail(st);
+  if (Status st = agree_all(f->comm_, mpi_status(rc, "MPI_Win_allocate_shared")); !st.ok())
+    return fail(st);
   MPI_Win_set_errhandler(f->shared_win_, MPI_ERRORS_RETURN);
   uintptr_t aligned = (reinterpret_cast<uintptr_t>(raw) + kSegmentAlign - 1) & ~(kSegmentAlign - 1);
   uint64_t delta = aligned - reinterpret_cast<uintptr_t>(raw);
@@ -118,7 +123,8 @@ Result<std::shared_ptr<RankFabric>> RankFabric::Open(MPI_Comm comm, uint64_t seg
   rc = MPI_Allgather(&delta, 1, MPI_UINT64_T, deltas.data(), 1, MPI_UINT64_T, f->comm_);
   if (rc != MPI_SUCCESS) return fail(mpi_status(rc, "MPI_Allgather"));
   f->peer_bytes_.resize(f->size_);
-  rc = MPI_Allgather(&segment_bytes, 1, MPI_UINT64_T, f->peer_bytes_.data(), 1, MPI_UINT64_T, f->comm_);
+  rc = MPI_Allgather(&segment_bytes, 1, MPI_UINT64_T, f->peer_bytes_.data(), 1, MPI_UINT64_T,
+                     f->comm_);
   if (rc != MPI_SUCCESS) return fail(mpi_status(rc, "MPI_Allgather"));
   f->peer_base_.assign(f->size_, nullptr);
   f->peer_mapped_.resize(f->size_);
@@ -128,7 +134,8 @@ Result<std::shared_ptr<RankFabric>> RankFabric::Open(MPI_Comm comm, uint64_t seg
     MPI_Comm_group(f->node_comm_, &node_group);
     std::vector<int> node_ranks(node_size), world_ranks(node_size);
     std::iota(node_ranks.begin(), node_ranks.end(), 0);
-    MPI_Group_translate_ranks(node_group, node_size, node_ranks.data(), world_group, world_ranks.data());
+    MPI_Group_translate_ranks(node_group, node_size, node_ranks.data(), world_group,
+                              world_ranks.data());
     MPI_Group_free(&world_group);
     MPI_Group_free(&node_group);
     for (int nr = 0; nr < node_size; ++nr) {
@@ -141,15 +148,16 @@ Result<std::shared_ptr<RankFabric>> RankFabric::Open(MPI_Comm comm, uint64_t seg
       f->peer_base_[w] = static_cast<uint8_t*>(base) + deltas[w];
       size_t steps = (f->peer_bytes_[w] + kMapStep - 1) / kMapStep;
       f->peer_mapped_[w].reset(new std::atomic<uint8_t>[steps]);
-      for (size_t i = 0; i < steps; ++i) f->peer_mapped_[w][i].store(w == f->rank_, std::memory_order_relaxed);
+      for (size_t i = 0; i < steps; ++i)
+        f->peer_mapped_[w][i].store(w == f->rank_, std::memory_order_relaxed);
     }
   }
 
   // Ranks on other nodes (or every peer, without node-local loads) are
   // reached through one-sided operations on a window over the same memory.
   if (node_size < f->size_ || !node_local_loads) {
-    rc = MPI_Win_create(f->local_base_, static_cast<MPI_Aint>(segment_bytes), 1, MPI_INFO_NULL, f->comm_,
-                        &f->rma_win_);
+    rc = MPI_Win_create(f->local_base_, static_cast<MPI_Aint>(segment_bytes), 1, MPI_INFO_NULL,
+                        f->comm_, &f->rma_win_);
     Status st = mpi_status(rc, "MPI_Win_create");
     if (!st.ok())
       st = Status::Unavailable(st.message() +
@@ -159,7 +167,8 @@ Result<std::shared_ptr<RankFabric>> RankFabric::Open(MPI_Comm comm, uint64_t seg
     if (st = agree_all(f->comm_, st); !st.ok()) return fail(st);
     MPI_Win_set_errhandler(f->rma_win_, MPI_ERRORS_RETURN);
     rc = MPI_Win_lock_all(MPI_MODE_NOCHECK, f->rma_win_);
-    if (Status st2 = agree_all(f->comm_, mpi_status(rc, "MPI_Win_lock_all")); !st2.ok()) return fail(st2);
+    if (Status st2 = agree_all(f->comm_, mpi_status(rc, "MPI_Win_lock_all")); !st2.ok())
+      return fail(st2);
   }
 
 #if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
@@ -224,7 +233,8 @@ void RankFabric::map_peer_range(int peer, uint64_t offset, uint64_t n) {
     std::atomic<uint8_t>& mapped = peer_mapped_[peer][step];
     uint8_t expected = 0;
     // One thread maps a step; others copy meanwhile (taking page faults).
-    if (mapped.load(std::memory_order_acquire) || !mapped.compare_exchange_strong(expected, 1)) continue;
+    if (mapped.load(std::memory_order_acquire) || !mapped.compare_exchange_strong(expected, 1))
+      continue;
     uint64_t start = step * kMapStep;
     // Best effort: a failure only leaves the page faults to the copy.
     ::madvise(peer_base_[peer] + start, std::min(kMapStep, bytes - start), MADV_POPULATE_WRITE);
@@ -232,15 +242,16 @@ void RankFabric::map_peer_range(int peer, uint64_t offset, uint64_t n) {
 }
 
 Status RankFabric::rma_get(int peer, uint64_t offset, void* dst, uint64_t n) {
-  if (rma_win_ == MPI_WIN_NULL) return Status::Unavailable("no RMA window to reach rank " + std::to_string(peer));
+  if (rma_win_ == MPI_WIN_NULL)
+    return Status::Unavailable("no RMA window to reach rank " + std::to_string(peer));
   auto* d = static_cast<uint8_t*>(dst);
   std::vector<MPI_Request> reqs;
   Status st;
   for (uint64_t off = 0; off < n; off += kMaxTransfer) {
     int len = static_cast<int>(std::min(kMaxTransfer, n - off));
     MPI_Request r;
-    int rc = MPI_Rget(d + off, len, MPI_BYTE, peer, static_cast<MPI_Aint>(offset + off), len, MPI_BYTE,
-                      rma_win_, &r);
+    int rc = MPI_Rget(d + off, len, MPI_BYTE, peer, static_cast<MPI_Aint>(offset + off), len,
+                      MPI_BYTE, rma_win_, &r);
     if (rc != MPI_SUCCESS) {
       st = mpi_status(rc, "MPI_Rget");
       break;
@@ -255,12 +266,14 @@ Status RankFabric::rma_get(int peer, uint64_t offset, void* dst, uint64_t n) {
 }
 
 Status RankFabric::rma_put(int peer, uint64_t offset, const void* src, uint64_t n) {
-  if (rma_win_ == MPI_WIN_NULL) return Status::Unavailable("no RMA window to reach rank " + std::to_string(peer));
+  if (rma_win_ == MPI_WIN_NULL)
+    return Status::Unavailable("no RMA window to reach rank " + std::to_string(peer));
   const auto* s = static_cast<const uint8_t*>(src);
   Status st;
   for (uint64_t off = 0; off < n; off += kMaxTransfer) {
     int len = static_cast<int>(std::min(kMaxTransfer, n - off));
-    int rc = MPI_Put(s + off, len, MPI_BYTE, peer, static_cast<MPI_Aint>(offset + off), len, MPI_BYTE, rma_win_);
+    int rc = MPI_Put(s + off, len, MPI_BYTE, peer, static_cast<MPI_Aint>(offset + off), len,
+                     MPI_BYTE, rma_win_);
     if (rc != MPI_SUCCESS) {
       st = mpi_status(rc, "MPI_Put");
       break;
@@ -278,8 +291,8 @@ Status RankFabric::rma_put(int peer, uint64_t offset, const void* src, uint64_t 
 Status RankFabric::post(int peer, int tag, const Message& m) {
   auto send = std::make_unique<PendingSend>();
   send->bytes = encode_message(m);
-  int rc = MPI_Isend(send->bytes.data(), static_cast<int>(send->bytes.size()), MPI_BYTE, peer, tag, comm_,
-                     &send->request);
+  int rc = MPI_Isend(send->bytes.data(), static_cast<int>(send->bytes.size()), MPI_BYTE, peer, tag,
+                     comm_, &send->request);
   if (rc != MPI_SUCCESS) return mpi_status(rc, "MPI_Isend");
   std::lock_guard<std::mutex> lock(sends_mu_);
   new_sends_.push_back(std::move(send));
@@ -287,7 +300,8 @@ Status RankFabric::post(int peer, int tag, const Message& m) {
 }
 
 Result<std::shared_ptr<PendingCalls::Call>> RankFabric::start_call(int peer, Message request) {
-  if (!live_.present(peer)) return Status::Unavailable("rank " + std::to_string(peer) + " has left the group");
+  if (!live_.present(peer))
+    return Status::Unavailable("rank " + std::to_string(peer) + " has left the group");
   auto c = calls_.open(peer);
   request.call_id = c->id;
   if (Status st = post(peer, kRequestTag, request); !st.ok()) {
@@ -338,7 +352,8 @@ void RankFabric::dispatch(int source, int tag, std::span<const uint8_t> bytes) {
   }
   if (m->kind == MessageKind::kLeave) {
     live_.mark_gone(source);
-    calls_.fail_peer(source, Status::Unavailable("rank " + std::to_string(source) + " left the group"));
+    calls_.fail_peer(source,
+                     Status::Unavailable("rank " + std::to_string(source) + " left the group"));
     std::lock_guard<std::mutex> lock(handler_mu_);
     if (handler_) handler_->on_peer_left(source);
     return;
@@ -380,7 +395,8 @@ bool RankFabric::poll_once() {
     int flag = 0;
     MPI_Message msg;
     MPI_Status st;
-    if (MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, &msg, &st) != MPI_SUCCESS || !flag) break;
+    if (MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, &msg, &st) != MPI_SUCCESS || !flag)
+      break;
     int count = 0;
     MPI_Get_count(&st, MPI_BYTE, &count);
     recv_buf_.resize(static_cast<size_t>(std::max(count, 0)));
@@ -391,7 +407,8 @@ bool RankFabric::poll_once() {
     dispatch(st.MPI_SOURCE, st.MPI_TAG, recv_buf_);
     did = true;
   }
-  if (did) last_message_ns_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  if (did)
+    last_message_ns_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   return did;
 }
 
@@ -431,7 +448,8 @@ void RankFabric::run() {
     // the group was busy lately (a sleeping thread wakes soon on a core
     // with room), and back off to ~1 ms once idle, so an idle group costs
     // no CPU.
-    auto quiet = now - Clock::time_point(Clock::duration(last_message_ns_.load(std::memory_order_relaxed)));
+    auto quiet =
+        now - Clock::time_point(Clock::duration(last_message_ns_.load(std::memory_order_relaxed)));
     if (quiet < std::chrono::microseconds(50)) {
       std::this_thread::yield();
       continue;

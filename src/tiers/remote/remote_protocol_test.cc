@@ -69,7 +69,11 @@ BlockId counting_id() {
   return id;
 }
 
-const std::string kHeaderTail = "000000" "01000000" "00000000" "0807060504030201";
+const std::string kHeaderTail =
+    "000000"
+    "01000000"
+    "00000000"
+    "0807060504030201";
 const std::string kIdHex = "a0a1a2a3a4a5a6a7a8a9aaabacadaeaf";
 
 Message one_item(MessageKind kind, const Item& it) {
@@ -88,15 +92,23 @@ TEST(WireFormat, BytesOfEachKindAreFixed) {
   begin.size = size;
   begin.flags = kItemPrefix;
   EXPECT_EQ(hex_of(encode_message(one_item(MessageKind::kPutBegin, begin))),
-            "434d5231" "01" + kHeaderTail + kIdHex + zero8 + size_hex + zero8 + zero8 + "01" "00" +
+            "434d5231"
+            "01" +
+                kHeaderTail + kIdHex + zero8 + size_hex + zero8 + zero8 +
+                "01"
+                "00" +
                 zero6);
 
   Item granted;  // its reply: the offset to write at
   granted.offset = offset;
   granted.outcome = Outcome::kGranted;
   EXPECT_EQ(hex_of(encode_message(one_item(MessageKind::kReply, granted))),
-            "434d5231" "80" + kHeaderTail + std::string(32, '0') + offset_hex + zero8 + zero8 +
-                zero8 + "00" "01" + zero6);
+            "434d5231"
+            "80" +
+                kHeaderTail + std::string(32, '0') + offset_hex + zero8 + zero8 + zero8 +
+                "00"
+                "01" +
+                zero6);
 
   Item commit;  // PutCommit: id, offset, size, checksum, prefix flag
   commit.id = counting_id();
@@ -105,14 +117,22 @@ TEST(WireFormat, BytesOfEachKindAreFixed) {
   commit.checksum = checksum;
   commit.flags = kItemPrefix;
   EXPECT_EQ(hex_of(encode_message(one_item(MessageKind::kPutCommit, commit))),
-            "434d5231" "02" + kHeaderTail + kIdHex + offset_hex + size_hex + checksum_hex + zero8 +
-                "01" "00" + zero6);
+            "434d5231"
+            "02" +
+                kHeaderTail + kIdHex + offset_hex + size_hex + checksum_hex + zero8 +
+                "01"
+                "00" +
+                zero6);
 
   Item lookup;  // Lookup: id, lease flag
   lookup.id = counting_id();
   lookup.flags = kItemLease;
   EXPECT_EQ(hex_of(encode_message(one_item(MessageKind::kLookup, lookup))),
-            "434d5231" "04" + kHeaderTail + kIdHex + zero8 + zero8 + zero8 + zero8 + "02" "00" +
+            "434d5231"
+            "04" +
+                kHeaderTail + kIdHex + zero8 + zero8 + zero8 + zero8 +
+                "02"
+                "00" +
                 zero6);
 
   Item found;  // its reply: where the block is, its size, checksum and lease token
@@ -124,14 +144,22 @@ TEST(WireFormat, BytesOfEachKindAreFixed) {
   found.flags = kItemPrefix;
   found.outcome = Outcome::kFound;
   EXPECT_EQ(hex_of(encode_message(one_item(MessageKind::kReply, found))),
-            "434d5231" "80" + kHeaderTail + kIdHex + offset_hex + size_hex + checksum_hex +
-                token_hex + "01" "04" + zero6);
+            "434d5231"
+            "80" +
+                kHeaderTail + kIdHex + offset_hex + size_hex + checksum_hex + token_hex +
+                "01"
+                "04" +
+                zero6);
 
   Item release;  // Release: the lease token only, in the word where others carry the offset
   release.lease_token = token;
   EXPECT_EQ(hex_of(encode_message(one_item(MessageKind::kRelease, release))),
-            "434d5231" "05" + kHeaderTail + std::string(32, '0') + token_hex + zero8 + zero8 +
-                zero8 + "00" "00" + zero6);
+            "434d5231"
+            "05" +
+                kHeaderTail + std::string(32, '0') + token_hex + zero8 + zero8 + zero8 +
+                "00"
+                "00" +
+                zero6);
 
   // Decoding the same bytes gives the same fields back.
   auto back = decode_message(encode_message(one_item(MessageKind::kReply, found)));
@@ -210,7 +238,7 @@ TEST(ReservationTable, ExpiredRangeIsQuarantinedUntilTheWriterAnswers) {
   EXPECT_EQ(t.expire(now), 1u);
   EXPECT_FALSE(t.holds(id_of(1)));  // the id is free for other writers
   EXPECT_TRUE(t.holds(id_of(2)));
-  EXPECT_EQ(t.quarantined(), 1u);   // but its range is not reused yet
+  EXPECT_EQ(t.quarantined(), 1u);  // but its range is not reused yet
   EXPECT_FALSE(t.take(id_of(1), 1, 0));
   EXPECT_FALSE(t.take_quarantined(2, 0));
   auto e = t.take_quarantined(1, 0);

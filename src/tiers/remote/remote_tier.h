@@ -40,12 +40,12 @@
 
 #include "cascade/distributed.h"
 #include "cascade/tier.h"
-#include "util/thread_pool.h"
 #include "tiers/remote/hash_ring.h"
 #include "tiers/remote/local_share.h"
 #include "tiers/remote/rank_fabric.h"
 #include "tiers/remote/reservation_table.h"
 #include "tiers/tier_counters.h"
+#include "util/thread_pool.h"
 
 namespace cascade::remote {
 
@@ -57,7 +57,8 @@ class RemoteTier final : public Tier, private RequestHandler {
   ~RemoteTier() override;  // leaves the group
 
   TierKind kind() const override { return TierKind::kRemote; }
-  Status put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) override;
+  Status put(const BlockId& id, const void* data, uint64_t size,
+             const PutOptions& options) override;
   Status read(const BlockId& id, const ReadRequest& req, ReadResult* result) override;
   void read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                   std::span<ReadResult> results, std::span<Status> statuses) override;
@@ -95,7 +96,8 @@ class RemoteTier final : public Tier, private RequestHandler {
   Clock::time_point deadline() const;
   // A failed call: an owner that timed out is treated as gone.
   Status call_failed(int owner, const Status& st) const;
-  Status put_unlocked(const BlockId& id, const void* data, uint64_t size, const PutOptions& options);
+  Status put_unlocked(const BlockId& id, const void* data, uint64_t size,
+                      const PutOptions& options);
   void count_put(uint64_t size, const PutOptions& options);
   Status put_to_peer(int owner, const BlockId& id, const void* data, uint64_t size,
                      const PutOptions& options, Clock::time_point until, bool* retry);

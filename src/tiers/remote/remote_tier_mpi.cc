@@ -81,7 +81,8 @@ void RemoteTier::release_remote(int owner, uint64_t token) const {
 
 // ---- put ---------------------------------------------------------------------------
 
-Status RemoteTier::put(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) {
+Status RemoteTier::put(const BlockId& id, const void* data, uint64_t size,
+                       const PutOptions& options) {
   auto use = fabric_->use();
   if (!use.ok()) return RankFabric::finalized_status();
   return put_unlocked(id, data, size, options);
@@ -91,7 +92,8 @@ void RemoteTier::count_put(uint64_t size, const PutOptions& options) {
   counters_.stored(options, size);
 }
 
-Status RemoteTier::put_unlocked(const BlockId& id, const void* data, uint64_t size, const PutOptions& options) {
+Status RemoteTier::put_unlocked(const BlockId& id, const void* data, uint64_t size,
+                                const PutOptions& options) {
   if (size > share_.capacity())
     return Status::InvalidArgument("block of " + std::to_string(size) +
                                    " bytes is larger than a rank's share of the remote tier (" +
@@ -109,7 +111,8 @@ Status RemoteTier::put_unlocked(const BlockId& id, const void* data, uint64_t si
   }
 }
 
-Status RemoteTier::begin_refused(int owner, const BlockId& id, uint64_t size, Outcome outcome, bool* retry) {
+Status RemoteTier::begin_refused(int owner, const BlockId& id, uint64_t size, Outcome outcome,
+                                 bool* retry) {
   *retry = false;
   switch (outcome) {
     case Outcome::kExists:
@@ -126,14 +129,15 @@ Status RemoteTier::begin_refused(int owner, const BlockId& id, uint64_t size, Ou
     case Outcome::kNoSpace:
       // Not NoSpace: that would make our store evict our own blocks, which
       // frees nothing at the owner.
-      return Status::Busy(rank_name(owner) +
-                          "'s share of the remote tier is full and every block in it is being read");
+      return Status::Busy(
+          rank_name(owner) +
+          "'s share of the remote tier is full and every block in it is being read");
     case Outcome::kTooLarge:
       return Status::InvalidArgument("block of " + std::to_string(size) + " bytes is larger than " +
                                      rank_name(owner) + "'s share of the remote tier");
     default:
-      return Status::Corruption(rank_name(owner) + " answered PutBegin for " + id.hex() + " with '" +
-                                outcome_name(outcome) + "'");
+      return Status::Corruption(rank_name(owner) + " answered PutBegin for " + id.hex() +
+                                " with '" + outcome_name(outcome) + "'");
   }
 }
 
@@ -169,8 +173,7 @@ Status RemoteTier::put_to_peer(int owner, const BlockId& id, const void* data, u
   auto done = fabric_->call(owner, request_of(MessageKind::kPutCommit, commit), until);
   if (!done.ok()) return call_failed(owner, done.status());
   switch (done->items.at(0).outcome) {
-    case Outcome::kStored:
-      return Status::OK();
+    case Outcome::kStored: return Status::OK();
     case Outcome::kExists:
       dedup_remote_.fetch_add(1, std::memory_order_relaxed);
       return Status::OK();
@@ -222,7 +225,8 @@ void RemoteTier::put_batch(std::span<const BlockId> ids, std::span<const void* c
   auto finish = [&](Round& r) -> Result<Message> {
     Result<Message> m = r.failed;
     if (r.call) m = fabric_->calls().wait(r.call, until, [this] { return fabric_->try_poll(); });
-    if (m.ok() && m->items.size() != r.items.size()) m = Status::Corruption("reply has the wrong item count");
+    if (m.ok() && m->items.size() != r.items.size())
+      m = Status::Corruption("reply has the wrong item count");
     if (!m.ok()) {
       Status st = call_failed(r.owner, m.status());
       for (size_t i : r.items) statuses[i] = st;
@@ -233,7 +237,8 @@ void RemoteTier::put_batch(std::span<const BlockId> ids, std::span<const void* c
   std::vector<Round> begins;
   for (auto& [owner, items] : by_owner) {
     for (size_t s = 0; s < items.size(); s += kMaxItems) {
-      std::vector<size_t> part(items.begin() + s, items.begin() + std::min(items.size(), s + kMaxItems));
+      std::vector<size_t> part(items.begin() + s,
+                               items.begin() + std::min(items.size(), s + kMaxItems));
       Message m;
       m.kind = MessageKind::kPutBegin;
       for (size_t i : part) {
@@ -317,9 +322,7 @@ void RemoteTier::put_batch(std::span<const BlockId> ids, std::span<const void* c
     for (size_t k = 0; k < r.items.size(); ++k) {
       size_t i = r.items[k];
       switch (m->items[k].outcome) {
-        case Outcome::kStored:
-          count_put(sizes[i], options);
-          break;
+        case Outcome::kStored: count_put(sizes[i], options); break;
         case Outcome::kExists:
           dedup_remote_.fetch_add(1, std::memory_order_relaxed);
           count_put(sizes[i], options);
@@ -328,9 +331,7 @@ void RemoteTier::put_batch(std::span<const BlockId> ids, std::span<const void* c
           fabric_->live().mark_gone(r.owner);
           slow.push_back(i);
           break;
-        case Outcome::kRejected:
-          slow.push_back(i);
-          break;
+        case Outcome::kRejected: slow.push_back(i); break;
         default:
           statuses[i] = Status::Corruption(rank_name(r.owner) + " answered PutCommit with '" +
                                            outcome_name(m->items[k].outcome) + "'");
@@ -358,7 +359,8 @@ Status RemoteTier::write_to_peer(int owner, uint64_t offset, const void* data, u
       else parallel_memcpy(pool_, dst, data, size, parallel_threshold_);
       return Status::OK();
     }
-    CASCADE_RETURN_IF_ERROR(device_copy(dst, MemoryKind::kHost, data, options.src_kind, size, options.cuda_stream));
+    CASCADE_RETURN_IF_ERROR(
+        device_copy(dst, MemoryKind::kHost, data, options.src_kind, size, options.cuda_stream));
     if (checksums_) *checksum = block_checksum(dst, size, pool_, parallel_threshold_);
     return Status::OK();
   }
@@ -369,15 +371,16 @@ Status RemoteTier::write_to_peer(int owner, uint64_t offset, const void* data, u
   if (fabric_->cuda_aware() && !checksums_) return fabric_->rma_put(owner, offset, data, size);
   // Device memory this MPI cannot read: stage through host memory.
   std::vector<uint8_t> staged(size);
-  CASCADE_RETURN_IF_ERROR(
-      device_copy(staged.data(), MemoryKind::kHost, data, options.src_kind, size, options.cuda_stream));
+  CASCADE_RETURN_IF_ERROR(device_copy(staged.data(), MemoryKind::kHost, data, options.src_kind,
+                                      size, options.cuda_stream));
   if (checksums_) *checksum = block_checksum(staged.data(), size, pool_, parallel_threshold_);
   return fabric_->rma_put(owner, offset, staged.data(), size);
 }
 
 // ---- read ------------------------------------------------------------------------------
 
-Status RemoteTier::copy_from_peer(int owner, const Item& found, const ReadRequest& req, uint64_t n) {
+Status RemoteTier::copy_from_peer(int owner, const Item& found, const ReadRequest& req,
+                                  uint64_t n) {
   if (n == 0) return Status::OK();
   const uint64_t src_off = found.offset + (req.whole ? 0 : req.offset);
   // A checksum covers the whole block: ranges are not verified.
@@ -403,7 +406,8 @@ Status RemoteTier::copy_from_peer(int owner, const Item& found, const ReadReques
     std::vector<uint8_t> staged(n);
     st = fabric_->rma_get(owner, src_off, staged.data(), n);
     if (st.ok() && verify) sum = block_checksum(staged.data(), n, pool_, parallel_threshold_);
-    if (st.ok()) st = device_copy(req.out, req.out_kind, staged.data(), MemoryKind::kHost, n, req.cuda_stream);
+    if (st.ok())
+      st = device_copy(req.out, req.out_kind, staged.data(), MemoryKind::kHost, n, req.cuda_stream);
   }
   if (st.ok() && verify && sum != found.checksum) {
     corrupt_.fetch_add(1, std::memory_order_relaxed);
@@ -517,7 +521,8 @@ void RemoteTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRe
     Result<Message> r = b.failed;
     if (b.call) r = fabric_->calls().wait(b.call, until, [this] { return fabric_->try_poll(); });
     if (!r.ok() || r->items.size() != b.items.size()) {
-      Status st = call_failed(b.owner, r.ok() ? Status::Corruption("reply has the wrong item count") : r.status());
+      Status st = call_failed(
+          b.owner, r.ok() ? Status::Corruption("reply has the wrong item count") : r.status());
       for (size_t i : b.items) statuses[i] = st;
       counters_.misses.fetch_add(b.items.size(), std::memory_order_relaxed);
       continue;
@@ -568,7 +573,8 @@ void RemoteTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRe
     }
   }
   for (auto& [owner, m] : releases)
-    if (!m.items.empty() && fabric_->live().present(owner)) (void)fabric_->post(owner, kRequestTag, m);
+    if (!m.items.empty() && fabric_->live().present(owner))
+      (void)fabric_->post(owner, kRequestTag, m);
   for (size_t i : retry) statuses[i] = read_unlocked(ids[i], reqs[i], &results[i]);
 }
 
@@ -601,7 +607,8 @@ Result<BlockView> RemoteTier::acquire(const BlockId& id) {
   if (verifies(owner) && block_checksum(data, f.size, pool_, parallel_threshold_) != f.checksum) {
     release_remote(owner, f.lease_token);
     corrupt_.fetch_add(1, std::memory_order_relaxed);
-    return Status::Corruption("block " + id.hex() + " held by " + rank_name(owner) + " failed its checksum");
+    return Status::Corruption("block " + id.hex() + " held by " + rank_name(owner) +
+                              " failed its checksum");
   }
   counters_.hits.fetch_add(1, std::memory_order_relaxed);
   remote_hits_.fetch_add(1, std::memory_order_relaxed);
@@ -713,7 +720,8 @@ TierStats RemoteTier::stats() const {
   counters_.add_to(&s);
   s.evictions += share_.evicted_for_peers();
   s.corrupt_blocks = corrupt_.load(std::memory_order_relaxed);
-  s.leased_blocks = static_cast<uint64_t>(std::max<int64_t>(0, views_.load(std::memory_order_relaxed)));
+  s.leased_blocks =
+      static_cast<uint64_t>(std::max<int64_t>(0, views_.load(std::memory_order_relaxed)));
   return s;
 }
 

@@ -3,7 +3,7 @@
 namespace cascade::remote {
 
 std::optional<ReservationTable::Reservation> ReservationTable::take(const BlockId& id, int writer,
-                                                                   uint64_t offset) {
+                                                                    uint64_t offset) {
   auto it = live_.find(id);
   if (it == live_.end() || it->second.writer != writer || it->second.extent.offset != offset)
     return std::nullopt;

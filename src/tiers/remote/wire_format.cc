@@ -27,7 +27,8 @@ constexpr size_t kFlagsAt = 48;
 constexpr size_t kOutcomeAt = 49;
 
 bool known_kind(uint8_t k) {
-  return (k >= static_cast<uint8_t>(MessageKind::kPutBegin) && k <= static_cast<uint8_t>(MessageKind::kLeave)) ||
+  return (k >= static_cast<uint8_t>(MessageKind::kPutBegin) &&
+          k <= static_cast<uint8_t>(MessageKind::kLeave)) ||
          k == static_cast<uint8_t>(MessageKind::kReply);
 }
 
@@ -89,10 +90,13 @@ std::vector<uint8_t> encode_message(const Message& m) {
 
 Result<Message> decode_message(std::span<const uint8_t> bytes) {
   if (bytes.size() < kHeaderBytes)
-    return Status::Corruption("remote message of " + std::to_string(bytes.size()) + " bytes is shorter than its header");
+    return Status::Corruption("remote message of " + std::to_string(bytes.size()) +
+                              " bytes is shorter than its header");
   const uint8_t* p = bytes.data();
-  if (get<uint32_t>(p) != kMessageMagic) return Status::Corruption("remote message has a bad magic or format version");
-  if (!known_kind(p[4])) return Status::Corruption("remote message of unknown kind " + std::to_string(p[4]));
+  if (get<uint32_t>(p) != kMessageMagic)
+    return Status::Corruption("remote message has a bad magic or format version");
+  if (!known_kind(p[4]))
+    return Status::Corruption("remote message of unknown kind " + std::to_string(p[4]));
   uint32_t count = get<uint32_t>(p + 8);
   if (count > kMaxItems || bytes.size() != kHeaderBytes + size_t{count} * kItemBytes)
     return Status::Corruption("remote message says " + std::to_string(count) + " items but has " +
