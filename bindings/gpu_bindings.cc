@@ -241,7 +241,7 @@ int bench_main(const std::vector<std::string>& args) {
 }
 
 // Pinned host <-> device cudaMemcpy bandwidth: the PCIe ceiling.
-nb::dict copy_bandwidth(uint64_t /*bytes*/, int /*device*/, int /*repeats*/) {
+nb::dict copy_bandwidth(uint64_t bytes, int device, int repeats) {
 #if CASCADE_HAVE_CUDA
   double h2d = 0, d2h = 0;
   std::string err;
@@ -288,6 +288,7 @@ nb::dict copy_bandwidth(uint64_t /*bytes*/, int /*device*/, int /*repeats*/) {
   d["device"] = device;
   return d;
 #else
+  (void)bytes, (void)device, (void)repeats;
   raise_status(Status::Unavailable("this build of cascade has no CUDA support"));
 #endif
 }
