@@ -1,0 +1,213 @@
+// The put side of CascadeStore: which tier a put goes to (the first one the
+// block fits in, further down when every block of it is in use), making room
+// by moving the least valuable blocks down, write-through and publishing to
+// the remote tier, dedup of puts (fingerprint, content lock, link), and
+// batch puts.
+#include "store/store_impl.h"
+
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "store/dedup_table.h"
+
+namespace cascade {
+
+std::mutex& CascadeStore::Impl::content_lock(const BlockId& phys) {
+  return content_mu[std::hash<BlockId>{}(phys) % content_mu.size()];
+}
+
+// Makes room for `need` bytes in tier t by moving its least valuable blocks
+// down (or dropping them from the last tier).
+Status CascadeStore::Impl::make_room(size_t t, uint64_t need) {
+  auto victims = tiers[t]->claim_victims(need);
+  if (victims.empty())
+    return Status::NoSpace(std::string(tiers[t]->name()) +
+                           " tier is full and every block in it is in use (leased)");
+  for (Victim& v : victims) {
+    bool kept_below = false;
+    if (t + 1 < tiers.size() && v.view) {
+      PutOptions o;
+      o.is_prefix = v.is_prefix;
+      o.origin = PutOrigin::kDemotion;
+      o.src_kind = v.view.kind();
+      kept_below = put_into(t + 1, v.id, v.view.data(), v.size, o).ok();
+    }
+    (void)tiers[t]->remove(v.id);  // NotFound: removed meanwhile by a user
+    v.view.reset();
+    // Aliases go with the last copy: a victim of the last tier may still
+    // be held above it (write-through, or written down by flush()).
+    if (!kept_below && dedup && !contains_phys(v.id)) dedup->drop(v.id);
+  }
+  return Status::OK();
+}
+
+// Stores into tier t, evicting as needed.
+Status CascadeStore::Impl::put_into(size_t t, const BlockId& id, const void* data, uint64_t size,
+                                    const PutOptions& o) {
+  Status st;
+  // Each round evicts at least one block; fragmentation may need a few.
+  for (int round = 0; round < 256; ++round) {
+    st = tiers[t]->put(id, data, size, o);
+    if (!st.is(Code::kNoSpace)) return st;
+    Status room = make_room(t, size);
+    if (!room.ok()) return room;
+  }
+  return st;
+}
+
+bool CascadeStore::Impl::fits(size_t t, uint64_t size) const {
+  uint64_t cap = tiers[t]->capacity_bytes();
+  return cap == 0 || size <= cap;
+}
+
+Status CascadeStore::Impl::put_impl(const BlockId& id, const void* data, uint64_t size,
+                                    const PutOptions& options) {
+  puts.fetch_add(1, std::memory_order_relaxed);
+  BlockId phys = id;
+  if (dedup_puts) {
+    if (options.src_kind != MemoryKind::kHost)
+      return fail(Status::NotSupported(
+          "dedup fingerprints host memory; put device blocks with dedup_enabled=false"));
+  }
+  // Immutable: an id stored already (through an alias, or under itself by
+  // a store without dedup) is not written again.
+  if (dedup && dedup->resolve(id)) return Status::OK();
+  std::unique_lock<std::mutex> linking;  // held until id is linked to phys
+  if (dedup_puts) {
+    if (!dedup->is_target(id) && contains_phys(id)) return Status::OK();
+    phys = content_fingerprint(data, size);
+    linking = std::unique_lock<std::mutex>(content_lock(phys));
+    if (dedup->resolve(id)) return Status::OK();  // a put of the same id won meanwhile
+    if (same_content_stored(phys, data, size)) {
+      bool shared = false;
+      if (dedup->link(id, phys, size, &shared) && shared)
+        dedup_hits.fetch_add(1, std::memory_order_relaxed);
+      return Status::OK();
+    }
+    if (contains_phys(phys)) phys = id;  // fingerprint collision: keep apart
+  }
+  size_t top = 0;
+  while (top < tiers.size() && !fits(top, size)) ++top;
+  if (top == tiers.size())
+    return fail(Status::InvalidArgument("block of " + std::to_string(size) +
+                                        " bytes is larger than every tier of the pipeline"));
+  Status st = put_into(top, phys, data, size, options);
+  // Every block of the tier is in use (leased, or being moved down by
+  // concurrent puts): place this one further down rather than fail.
+  while (st.is(Code::kNoSpace) && top + 1 < tiers.size() && fits(top + 1, size)) {
+    st = put_into(++top, phys, data, size, options);
+  }
+  if (st.ok() && config.write_policy == WritePolicy::kWriteThrough) {
+    for (size_t t = top + 1; t < tiers.size() && st.ok(); ++t)
+      st = put_into(t, phys, data, size, options);
+  } else if (st.ok() && remote > top && remote < tiers.size()) {
+    // A distributed store publishes every put to the remote tier (the
+    // block's owner rank) before returning, so every rank can read it.
+    st = put_into(remote, phys, data, size, options);
+  }
+  if (!st.ok()) return fail(st);
+  if (dedup_puts) {
+    bool shared = false;
+    dedup->link(id, phys, size, &shared);
+    if (shared) dedup_hits.fetch_add(1, std::memory_order_relaxed);
+  }
+  bytes_put.fetch_add(size, std::memory_order_relaxed);
+  return Status::OK();
+}
+
+Status CascadeStore::Impl::fail(Status st) {
+  put_failures.fetch_add(1, std::memory_order_relaxed);
+  return st;
+}
+
+bool CascadeStore::Impl::contains_phys(const BlockId& p) const {
+  for (auto& t : tiers)
+    if (t->contains(p)) return true;
+  return false;
+}
+
+// True when p is stored and its bytes equal data.
+bool CascadeStore::Impl::same_content_stored(const BlockId& p, const void* data, uint64_t size) {
+  for (auto& t : tiers) {
+    if (!t->contains(p)) continue;
+    if (is_memory_tier(t->kind())) {
+      auto view = t->acquire(p);
+      if (!view.ok()) continue;
+      if (view->kind() != MemoryKind::kHost) return false;
+      return view->size() == size && std::memcmp(view->data(), data, size) == 0;
+    }
+    std::vector<uint8_t> buf(size);
+    ReadRequest rq;
+    rq.out = buf.data();
+    rq.capacity = size;
+    ReadResult rr;
+    if (!t->read(p, rq, &rr).ok()) continue;
+    return rr.block_size == size && std::memcmp(buf.data(), data, size) == 0;
+  }
+  return false;
+}
+
+// Batch put. A top tier whose copies pipeline (gpu) takes the whole batch
+// in one call; items it has no room for, and every item of other tiers,
+// go through put_impl on the I/O threads (eviction, write-through, dedup).
+size_t CascadeStore::Impl::put_batch_impl(std::span<const BlockId> ids,
+                                          std::span<const ConstBuffer> data,
+                                          std::vector<Status>* statuses,
+                                          const PutOptions& options) {
+  size_t n = ids.size();
+  std::vector<size_t> rest;
+  if (!dedup && config.write_policy == WritePolicy::kWriteBack && tiers[0]->prefers_batches()) {
+    std::vector<const void*> ptrs(n);
+    std::vector<uint64_t> sizes(n);
+    for (size_t i = 0; i < n; ++i) {
+      ptrs[i] = data[i].data;
+      sizes[i] = data[i].size;
+    }
+    tiers[0]->put_batch(ids, ptrs, sizes, options, *statuses);
+    if (remote > 0 && remote < tiers.size()) publish_batch(ids, ptrs, sizes, options, statuses);
+    for (size_t i = 0; i < n; ++i) {
+      if ((*statuses)[i].ok()) {
+        puts.fetch_add(1, std::memory_order_relaxed);
+        bytes_put.fetch_add(sizes[i], std::memory_order_relaxed);
+      } else {
+        rest.push_back(i);  // no room (evict first), too large (lower tier), or an error to repeat
+      }
+    }
+  } else {
+    rest.resize(n);
+    for (size_t i = 0; i < n; ++i) rest[i] = i;
+  }
+  pool->parallel_for(rest.size(), [&](size_t k) {
+    size_t i = rest[k];
+    (*statuses)[i] = put_impl(ids[i], data[i].data, data[i].size, options);
+  });
+  size_t ok = 0;
+  for (auto& st : *statuses) ok += st.ok();
+  return ok;
+}
+
+// The items of a batch the top tier took, published to the remote tier
+// too (see put_impl). An item that fails here is put again item by item.
+void CascadeStore::Impl::publish_batch(std::span<const BlockId> ids,
+                                       const std::vector<const void*>& ptrs,
+                                       const std::vector<uint64_t>& sizes,
+                                       const PutOptions& options, std::vector<Status>* statuses) {
+  std::vector<size_t> idx;
+  std::vector<BlockId> pid;
+  std::vector<const void*> pp;
+  std::vector<uint64_t> ps;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (!(*statuses)[i].ok()) continue;
+    idx.push_back(i);
+    pid.push_back(ids[i]);
+    pp.push_back(ptrs[i]);
+    ps.push_back(sizes[i]);
+  }
+  std::vector<Status> sts(idx.size());
+  tiers[remote]->put_batch(pid, pp, ps, options, sts);
+  for (size_t k = 0; k < idx.size(); ++k)
+    if (!sts[k].ok()) (*statuses)[idx[k]] = sts[k];
+}
+
+}  // namespace cascade

@@ -1,0 +1,178 @@
+// The get side of CascadeStore: reads down the tiers (one item, or a batch
+// tier by tier), promotion of a block found below tier 0 (on a hit, or by
+// acquire and prefetch), and the resolution of an id to the id its bytes are
+// stored under.
+#include "store/store_impl.h"
+
+#include "cascade/tier_handle.h"
+
+namespace cascade {
+
+// The id a block's bytes are stored under: its alias target, or the id
+// itself (stored under its own id, or not at all).
+BlockId CascadeStore::Impl::physical(const BlockId& id) const {
+  if (!dedup) return id;
+  auto p = dedup->resolve(id);
+  return p ? *p : id;
+}
+
+// Outcome of reading one tier: true when the item is settled (hit, or an
+// answer such as "buffer too small" that another tier would repeat).
+bool CascadeStore::Impl::settle(size_t t, const BlockId& /*phys*/, const ReadRequest& /*rq*/,
+                                const Status& st, const ReadResult& rr, GetResult* r,
+                                Status* out_st) {
+  if (st.ok()) {
+    r->found = true;
+    r->size = rr.block_size;
+    r->copied = rr.copied;
+    r->tier = static_cast<int>(t);
+    *out_st = Status::OK();
+    return true;
+  }
+  if (block_found(st, rr)) {  // out too small / bad offset
+    r->found = true;
+    r->size = rr.block_size;
+    r->tier = static_cast<int>(t);
+    *out_st = st;
+    return true;
+  }
+  return false;  // NotFound, or a failed/corrupt copy: try below
+}
+
+void CascadeStore::Impl::maybe_promote(size_t t, const BlockId& phys, const void* data,
+                                       uint64_t size, bool prefix, MemoryKind kind) {
+  if (t == 0 || !config.promote_on_hit) return;
+  PutOptions o;
+  o.is_prefix = prefix;
+  o.origin = PutOrigin::kPromotion;
+  o.src_kind = kind;
+  (void)put_into(0, phys, data, size, o);  // best effort: the read already succeeded
+}
+
+// Reads the whole block from tier t into *buf, sized by the tier's
+// size_of. A block stored again with another size between the two calls
+// is asked for again.
+Status CascadeStore::Impl::read_whole(size_t t, const BlockId& phys, std::vector<uint8_t>* buf,
+                                      ReadRequest* rq, ReadResult* rr) {
+  Status st;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    auto size = tiers[t]->size_of(phys);
+    if (!size.ok()) return size.status();
+    buf->resize(*size);
+    rq->out = buf->data();
+    rq->capacity = buf->size();
+    *rr = ReadResult{};
+    st = tiers[t]->read(phys, *rq, rr);
+    if (!(st.is(Code::kInvalidArgument) && rr->block_size != buf->size())) break;
+  }
+  return st;
+}
+
+// With `whole` set, rq's buffer is ignored: the block goes into *whole,
+// resized to fit.
+Status CascadeStore::Impl::get_impl(const BlockId& id, ReadRequest rq, GetResult* r,
+                                    std::vector<uint8_t>* whole) {
+  gets.fetch_add(1, std::memory_order_relaxed);
+  *r = GetResult{};
+  const BlockId phys = physical(id);
+  Status out_st;
+  for (size_t t = 0; t < tiers.size(); ++t) {
+    ReadResult rr;
+    Status st = whole ? read_whole(t, phys, whole, &rq, &rr) : tiers[t]->read(phys, rq, &rr);
+    if (!settle(t, phys, rq, st, rr, r, &out_st)) continue;
+    if (out_st.ok()) {
+      hits.fetch_add(1, std::memory_order_relaxed);
+      bytes_got.fetch_add(rr.copied, std::memory_order_relaxed);
+      if (rq.whole) maybe_promote(t, phys, rq.out, rr.block_size, rr.is_prefix, rq.out_kind);
+    }
+    return out_st;
+  }
+  misses.fetch_add(1, std::memory_order_relaxed);
+  if (whole) whole->clear();
+  return Status::OK();
+}
+
+size_t CascadeStore::Impl::get_batch_impl(std::span<const BlockId> ids,
+                                          std::span<const MutableBuffer> out,
+                                          std::vector<GetResult>* results,
+                                          std::vector<Status>* statuses) {
+  size_t n = ids.size();
+  results->assign(n, GetResult{});
+  statuses->assign(n, Status::OK());
+  std::vector<BlockId> phys(n);
+  std::vector<size_t> pending(n);
+  for (size_t i = 0; i < n; ++i) {
+    phys[i] = physical(ids[i]);
+    pending[i] = i;
+  }
+  gets.fetch_add(n, std::memory_order_relaxed);
+  for (size_t t = 0; t < tiers.size() && !pending.empty(); ++t) {
+    size_t m = pending.size();
+    std::vector<BlockId> pid(m);
+    std::vector<ReadRequest> rqs(m);
+    std::vector<ReadResult> rrs(m);
+    std::vector<Status> sts(m);
+    for (size_t k = 0; k < m; ++k) {
+      pid[k] = phys[pending[k]];
+      rqs[k].out = out[pending[k]].data;
+      rqs[k].capacity = out[pending[k]].size;
+    }
+    if (is_memory_tier(tiers[t]->kind()) && !tiers[t]->prefers_batches()) {
+      pool->parallel_for(m, [&](size_t k) { sts[k] = tiers[t]->read(pid[k], rqs[k], &rrs[k]); });
+    } else {
+      tiers[t]->read_batch(pid, rqs, rrs, sts);
+    }
+    std::vector<size_t> still;
+    std::vector<size_t> promote;
+    for (size_t k = 0; k < m; ++k) {
+      size_t i = pending[k];
+      if (!settle(t, pid[k], rqs[k], sts[k], rrs[k], &(*results)[i], &(*statuses)[i])) {
+        still.push_back(i);
+      } else if ((*statuses)[i].ok()) {
+        bytes_got.fetch_add(rrs[k].copied, std::memory_order_relaxed);
+        if (t > 0) promote.push_back(k);
+      }
+    }
+    if (!promote.empty() && config.promote_on_hit) {
+      pool->parallel_for(promote.size(), [&](size_t j) {
+        size_t k = promote[j];
+        maybe_promote(t, pid[k], rqs[k].out, rrs[k].block_size, rrs[k].is_prefix,
+                      MemoryKind::kHost);
+      });
+    }
+    pending.swap(still);
+  }
+  size_t found = 0, absent = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if ((*results)[i].found && (*statuses)[i].ok()) ++found;
+    if (!(*results)[i].found) ++absent;
+  }
+  hits.fetch_add(found, std::memory_order_relaxed);
+  misses.fetch_add(absent, std::memory_order_relaxed);
+  return found;
+}
+
+// Brings phys into tier 0 from below. OK when it ends up there.
+Status CascadeStore::Impl::promote(const BlockId& phys) {
+  if (tiers[0]->contains(phys)) return Status::OK();
+  for (size_t t = 1; t < tiers.size(); ++t) {
+    PutOptions o;
+    o.origin = PutOrigin::kPromotion;
+    if (is_memory_tier(tiers[t]->kind())) {
+      if (!tiers[t]->contains(phys)) continue;
+      auto view = tiers[t]->acquire(phys);
+      if (!view.ok()) continue;
+      o.src_kind = view->kind();
+      return put_into(0, phys, view->data(), view->size(), o);
+    }
+    std::vector<uint8_t> buf;
+    ReadRequest rq;
+    ReadResult rr;
+    if (!read_whole(t, phys, &buf, &rq, &rr).ok()) continue;  // a miss is counted as a get's
+    o.is_prefix = rr.is_prefix;
+    return put_into(0, phys, buf.data(), buf.size(), o);
+  }
+  return Status::NotFound("block is in no tier");
+}
+
+}  // namespace cascade

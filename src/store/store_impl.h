@@ -1,0 +1,107 @@
+// CascadeStore::Impl: the state of one store and the methods behind its
+// public calls; private to src/store. The methods are defined by job:
+//   placement.cc      the put side: which tier a put goes to, making room by
+//                     demotion, dedup of puts, batch puts
+//   reads.cc          the get side: reads down the tiers, promotion on a hit,
+//                     batch gets
+//   cascade_store.cc  the public CascadeStore methods, open, close, flush,
+//                     stats, remove, write-down, async tasks
+//
+// Lock order: lifecycle_ (shared for every public call, exclusive in close)
+// is taken first and only by public entry points; then, with dedup, one
+// stripe of content_mu (a put from its fingerprint until its link, a remove
+// of an alias until the bytes are gone); below it, tiers and the dedup table
+// take their own locks one at a time. Work run on the pool calls the *_impl
+// functions, which take no lifecycle lock.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <span>
+#include <vector>
+
+#include "cascade/store.h"
+#include "cascade/tier.h"
+#include "store/dedup_table.h"
+#include "store/write_down.h"
+#include "util/thread_pool.h"
+
+namespace cascade {
+
+// Tiers whose blocks are plain copies out of addressable memory of this
+// process. The remote tier is not one: a block on another node cannot be
+// acquired, so promotion and dedup read it like a file-tier block.
+inline bool is_memory_tier(TierKind k) { return k == TierKind::kGpu || k == TierKind::kHost; }
+
+class CascadeStore::Impl {
+ public:
+  CascadeConfig config;
+  std::unique_ptr<ThreadPool> pool;
+  std::vector<std::unique_ptr<Tier>> tiers;
+  // Present with dedup_enabled, and when the persistent tier reported
+  // aliases at open: then ids resolve through it even if new puts are not
+  // deduplicated (dedup_puts false). An id with no alias names itself.
+  std::unique_ptr<DedupTable> dedup;
+  bool dedup_puts = false;
+  // A put linking an id to stored bytes and a remove of their last alias
+  // must not interleave, or the link would name bytes just removed: both
+  // hold the stripe of the physical id.
+  std::array<std::mutex, 64> content_mu;
+  std::mutex& content_lock(const BlockId& phys);
+  size_t remote = SIZE_MAX;      // index of the remote tier (distributed stores), or SIZE_MAX
+  size_t persistent = SIZE_MAX;  // index of the first persistent tier, or SIZE_MAX
+
+  std::mutex close_mu;
+  Status close_status;  // guarded by close_mu
+
+  mutable std::shared_mutex lifecycle;
+  std::atomic<bool> closed{false};
+  std::mutex inflight_mu;
+  std::condition_variable inflight_cv;
+  size_t inflight = 0;  // async tasks submitted and not finished; guarded by inflight_mu
+
+  std::atomic<uint64_t> puts{0}, put_failures{0}, gets{0}, hits{0}, misses{0}, dedup_hits{0};
+  std::atomic<uint64_t> bytes_put{0}, bytes_got{0};
+
+  // ---- placement (placement.cc) ---------------------------------------------
+  Status make_room(size_t t, uint64_t need);
+  Status put_into(size_t t, const BlockId& id, const void* data, uint64_t size,
+                  const PutOptions& o);
+  bool fits(size_t t, uint64_t size) const;
+  Status put_impl(const BlockId& id, const void* data, uint64_t size, const PutOptions& options);
+  Status fail(Status st);
+  bool contains_phys(const BlockId& p) const;
+  bool same_content_stored(const BlockId& p, const void* data, uint64_t size);
+  size_t put_batch_impl(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
+                        std::vector<Status>* statuses, const PutOptions& options);
+  void publish_batch(std::span<const BlockId> ids, const std::vector<const void*>& ptrs,
+                     const std::vector<uint64_t>& sizes, const PutOptions& options,
+                     std::vector<Status>* statuses);
+
+  // ---- reads (reads.cc) -----------------------------------------------------
+  BlockId physical(const BlockId& id) const;
+  bool settle(size_t t, const BlockId& /*phys*/, const ReadRequest& /*rq*/, const Status& st,
+              const ReadResult& rr, GetResult* r, Status* out_st);
+  void maybe_promote(size_t t, const BlockId& phys, const void* data, uint64_t size, bool prefix,
+                     MemoryKind kind);
+  Status read_whole(size_t t, const BlockId& phys, std::vector<uint8_t>* buf, ReadRequest* rq,
+                    ReadResult* rr);
+  Status get_impl(const BlockId& id, ReadRequest rq, GetResult* r,
+                  std::vector<uint8_t>* whole = nullptr);
+  size_t get_batch_impl(std::span<const BlockId> ids, std::span<const MutableBuffer> out,
+                        std::vector<GetResult>* results, std::vector<Status>* statuses);
+  Status promote(const BlockId& phys);
+
+  // ---- removal, durability, async (cascade_store.cc) ------------------------
+  Status remove_impl(const BlockId& id);
+  Status write_down(const WriteDownOptions& o);
+  void submit(std::function<void()> job);
+};
+
+}  // namespace cascade
