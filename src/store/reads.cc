@@ -18,8 +18,7 @@ BlockId CascadeStore::Impl::physical(const BlockId& id) const {
 
 // Outcome of reading one tier: true when the item is settled (hit, or an
 // answer such as "buffer too small" that another tier would repeat).
-bool CascadeStore::Impl::settle(size_t t, const BlockId& /*phys*/, const ReadRequest& /*rq*/,
-                                const Status& st, const ReadResult& rr, GetResult* r,
+bool CascadeStore::Impl::settle(size_t t, const Status& st, const ReadResult& rr, GetResult* r,
                                 Status* out_st) {
   if (st.ok()) {
     r->found = true;
@@ -79,7 +78,7 @@ Status CascadeStore::Impl::get_impl(const BlockId& id, ReadRequest rq, GetResult
   for (size_t t = 0; t < tiers.size(); ++t) {
     ReadResult rr;
     Status st = whole ? read_whole(t, phys, whole, &rq, &rr) : tiers[t]->read(phys, rq, &rr);
-    if (!settle(t, phys, rq, st, rr, r, &out_st)) continue;
+    if (!settle(t, st, rr, r, &out_st)) continue;
     if (out_st.ok()) {
       hits.fetch_add(1, std::memory_order_relaxed);
       bytes_got.fetch_add(rr.copied, std::memory_order_relaxed);
@@ -126,7 +125,7 @@ size_t CascadeStore::Impl::get_batch_impl(std::span<const BlockId> ids,
     std::vector<size_t> promote;
     for (size_t k = 0; k < m; ++k) {
       size_t i = pending[k];
-      if (!settle(t, pid[k], rqs[k], sts[k], rrs[k], &(*results)[i], &(*statuses)[i])) {
+      if (!settle(t, sts[k], rrs[k], &(*results)[i], &(*statuses)[i])) {
         still.push_back(i);
       } else if ((*statuses)[i].ok()) {
         bytes_got.fetch_add(rrs[k].copied, std::memory_order_relaxed);

@@ -29,15 +29,11 @@
 #include "cascade/store.h"
 #include "cascade/tier.h"
 #include "store/dedup_table.h"
+#include "store/tier_factory.h"
 #include "store/write_down.h"
 #include "util/thread_pool.h"
 
 namespace cascade {
-
-// Tiers whose blocks are plain copies out of addressable memory of this
-// process. The remote tier is not one: a block on another node cannot be
-// acquired, so promotion and dedup read it like a file-tier block.
-inline bool is_memory_tier(TierKind k) { return k == TierKind::kGpu || k == TierKind::kHost; }
 
 class CascadeStore::Impl {
  public:
@@ -86,8 +82,7 @@ class CascadeStore::Impl {
 
   // ---- reads (reads.cc) -----------------------------------------------------
   BlockId physical(const BlockId& id) const;
-  bool settle(size_t t, const BlockId& /*phys*/, const ReadRequest& /*rq*/, const Status& st,
-              const ReadResult& rr, GetResult* r, Status* out_st);
+  bool settle(size_t t, const Status& st, const ReadResult& rr, GetResult* r, Status* out_st);
   void maybe_promote(size_t t, const BlockId& phys, const void* data, uint64_t size, bool prefix,
                      MemoryKind kind);
   Status read_whole(size_t t, const BlockId& phys, std::vector<uint8_t>* buf, ReadRequest* rq,

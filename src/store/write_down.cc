@@ -5,10 +5,10 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "store/tier_factory.h"
+
 namespace cascade {
 namespace {
-
-bool is_memory_tier(TierKind k) { return k == TierKind::kGpu || k == TierKind::kHost; }
 
 // The first failure of a kind of item, and how many failed.
 class Failures {
