@@ -15,6 +15,7 @@ void register_tier_handles(nb::module_& m);
 void register_gpu(nb::module_& m);
 void register_kv(nb::module_& m);
 void register_stress(nb::module_& m);
+void register_serve(nb::module_& m);
 }  // namespace cascade::py
 
 using namespace cascade;
@@ -45,6 +46,10 @@ NB_MODULE(_core, m) {
       .def_rw("shm_capacity_bytes", &CascadeConfig::shm_capacity_bytes)
       .def_rw("shm_path", &CascadeConfig::shm_path)
       .def_rw("shm_prefault", &CascadeConfig::shm_prefault)
+      .def_rw("pool_socket", &CascadeConfig::pool_socket)
+      .def_rw("pool_namespace", &CascadeConfig::pool_namespace)
+      .def_rw("pool_channels", &CascadeConfig::pool_channels)
+      .def_rw("pool_timeout_ms", &CascadeConfig::pool_timeout_ms)
       .def_rw("file_path", &CascadeConfig::file_path)
       .def_rw("file_stripe_size", &CascadeConfig::file_stripe_size)
       .def_rw("file_stripe_count", &CascadeConfig::file_stripe_count)
@@ -141,4 +146,5 @@ NB_MODULE(_core, m) {
   register_gpu(m);
   register_kv(m);
   register_stress(m);
+  register_serve(m);
 }

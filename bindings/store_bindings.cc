@@ -326,6 +326,8 @@ class PyStore {
 
 }  // namespace
 
+nb::dict store_stats_dict(const StoreStats& s) { return stats_dict(s); }
+
 nb::object wrap_store(std::unique_ptr<CascadeStore> store) {
   return nb::cast(new PyStore(std::move(store)), nb::rv_policy::take_ownership);
 }

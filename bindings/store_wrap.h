@@ -18,4 +18,7 @@ nb::object wrap_store(std::unique_ptr<CascadeStore> store);
 // when it is closed. REQUIRES: the GIL is held.
 Guarded<CascadeStore>::Use use_store(nb::handle obj);
 
+// The store's statistics as the dict CascadeStore.stats() returns.
+nb::dict store_stats_dict(const StoreStats& s);
+
 }  // namespace cascade::py

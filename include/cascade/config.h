@@ -34,9 +34,9 @@ enum class FileIoEngine : uint8_t {
 // kRemote: the host-memory level of a distributed store (this rank's arena
 // and, over MPI, every other rank's); opened by OpenDistributed
 // (cascade/distributed.h), never by CascadeStore::Open.
-enum class TierKind : uint8_t { kGpu, kHost, kFile, kRemote };
+enum class TierKind : uint8_t { kGpu, kHost, kFile, kRemote, kPool };
 
-const char* tier_kind_name(TierKind kind);  // "gpu", "host", "file", "remote"
+const char* tier_kind_name(TierKind kind);  // "gpu", "host", "file", "remote", "pool"
 
 // "/dev/shm/cascade-<effective uid>": shm_path's default.
 std::string default_shm_path();
@@ -75,6 +75,25 @@ struct CascadeConfig {
   // Touch the whole arena at open so no put ever takes a first-touch page
   // fault. Off: costs time and memory up front.
   bool shm_prefault = false;
+
+  // ---- node pool (a client of `cascade serve`) ----------------------------
+  // The Unix socket of the node's pool server. Set: the automatic pipeline
+  // uses the pool where it would use the host tier ("gpu|pool"), and a
+  // pipeline may name "pool" (level of host). The pool's blocks live in the
+  // server's shared arena (and the tiers below it on the server), shared by
+  // every process of the node that uses the same namespace.
+  std::string pool_socket;
+  // Which blocks this process shares: processes with the same namespace
+  // (and allowed by the server) see the same blocks; others never do. Put
+  // in it what must not be mixed (model, dtype, layout, rank, tenant); the
+  // server adds the client's uid unless it shares the namespace across users.
+  std::string pool_namespace;
+  // Request channels to the server (one per thread that talks to it at a
+  // time); 0 = one per core, at most 16.
+  int pool_channels = 0;
+  // How long a request may wait for the server before it fails with
+  // Unavailable.
+  uint32_t pool_timeout_ms = 10000;
 
   // ---- file tier --------------------------------------------------------
   // (Python and YAML also accept the names lustre_path, lustre_stripe_size
@@ -142,7 +161,9 @@ struct CascadeConfig {
   // Checks the fields alone and against each other, never the machine.
   // The pipeline must resolve (as if a GPU were usable, so with use_gpu the
   // automatic pipeline includes "gpu"), and each tier in it needs its fields:
-  // host or remote: shm_capacity_bytes > 0 and shm_path set; gpu:
+  // host or remote: shm_capacity_bytes > 0 and shm_path set; pool:
+  // pool_socket set, pool_channels 0 to 64, pool_namespace at most 256
+  // bytes; gpu:
   // gpu_capacity_bytes > 0 and gpu_device_id >= 0; file: file_path set and
   // segment_size_bytes >= 1 MiB. Whatever the pipeline: file_stripe_count
   // >= 0; file_mode holds permission bits only (<= 0777) and grants the owner

@@ -102,6 +102,27 @@ class CascadeStore {
   // found only below is promoted first. NotFound on a miss.
   Result<BlockView> acquire(const BlockId& id);
 
+  // The size of a stored block, from the first tier holding it, without
+  // copying it. NotFound on a miss.
+  Result<uint64_t> size_of(const BlockId& id);
+
+  // ---- puts whose bytes the caller writes (the node pool server) -----------
+  // The top tier's arena as other processes map it; fd -1 unless the top
+  // tier is the host tier.
+  SharedArena shared_arena() const;
+  // A range of the top tier for id's bytes, made room for as a put makes
+  // room, or `present` when the store holds id already (in any tier). The
+  // caller writes the bytes at shared_arena().base + offset, then calls
+  // commit() or abort(). NotSupported with dedup (a put's bytes are
+  // fingerprinted before they are placed) or when the top tier has no
+  // shared arena; NoSpace / InvalidArgument as put().
+  Result<Reservation> reserve(const BlockId& id, uint64_t size, const PutOptions& options = {});
+  // Makes a reserved block visible, then writes it through to the tiers
+  // below when the write policy says so (as put() does).
+  Status commit(const Reservation& r, const PutOptions& options = {});
+  // Gives a reservation's range back.
+  void abort(const Reservation& r);
+
   // Batches: statuses (resized to ids.size()) say per item what happened.
   size_t put_batch(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
                    std::vector<Status>* statuses, const PutOptions& options = {});

@@ -67,6 +67,30 @@ struct ReadResult {
   bool is_prefix = false;
 };
 
+// A range of a memory tier handed to a caller that writes a block's bytes
+// itself (the node pool's clients write straight into the shared host
+// arena). The block is invisible until Tier::commit_reserved(); until then
+// the range belongs to the reservation alone.
+struct Reservation {
+  BlockId id;
+  uint64_t offset = 0;  // within the tier's arena
+  uint64_t size = 0;
+  bool is_prefix = false;
+  // The id was stored already: nothing was reserved, nothing to write
+  // (blocks are immutable).
+  bool present = false;
+};
+
+// A tier's arena as another process maps it: the descriptor of its
+// shared-memory file and where the arena starts in that file. fd is -1 for
+// tiers whose memory cannot be shared (gpu, file).
+struct SharedArena {
+  int fd = -1;
+  uint64_t file_offset = 0;  // bytes before the arena (the file's header)
+  uint64_t capacity = 0;
+  uint8_t* base = nullptr;  // the arena in this process
+};
+
 class Tier;
 
 // A leased, read-only view of a block resident in a memory tier. Move-only;
@@ -194,6 +218,23 @@ class Tier {
     return Status::NotSupported(std::string(name()) + " tier does not keep aliases");
   }
   virtual std::vector<std::pair<BlockId, BlockId>> aliases() const { return {}; }
+
+  // ---- puts written by the caller (memory tiers with a shared arena) -------
+  // reserve: a range of `size` bytes for id, backed by memory, or present
+  // when id is stored already. NoSpace when it does not fit now,
+  // InvalidArgument when it never can; NotSupported for tiers without a
+  // shared arena. commit_reserved makes the block visible with the bytes
+  // the caller wrote (OK also when another put stored the id meanwhile: the
+  // range is then freed). abort_reserved frees the range.
+  virtual Result<Reservation> reserve(const BlockId& /*id*/, uint64_t /*size*/,
+                                      const PutOptions& /*options*/) {
+    return Status::NotSupported(std::string(name()) + " tier takes no reservations");
+  }
+  virtual Status commit_reserved(const Reservation& /*r*/, const PutOptions& /*options*/) {
+    return Status::NotSupported(std::string(name()) + " tier takes no reservations");
+  }
+  virtual void abort_reserved(const Reservation& /*r*/) {}
+  virtual SharedArena shared_arena() const { return {}; }
 
  protected:
   friend class BlockView;

@@ -54,6 +54,9 @@ class ShmArena {
   uint8_t* base() const { return base_; }
   uint64_t capacity() const { return capacity_; }
   const std::string& path() const { return path_; }
+  // The open arena file (valid until destruction), for handing to another
+  // process that maps it (the node pool's clients).
+  int fd() const { return fd_; }
   // Bytes of the header page in front of the usable arena.
   uint64_t header_bytes() const { return header_bytes_; }
   // True when Create found a stale arena at the path and took it over.

@@ -224,6 +224,38 @@ Result<BlockView> CascadeStore::acquire(const BlockId& id) {
   return impl_->tiers[0]->acquire(phys);
 }
 
+Result<uint64_t> CascadeStore::size_of(const BlockId& id) {
+  CASCADE_LIVE_OR(closed_status());
+  const BlockId phys = impl_->physical(id);
+  for (auto& t : impl_->tiers) {
+    if (!t->contains(phys)) continue;
+    auto size = t->size_of(phys);
+    if (size.ok()) return size;
+  }
+  return Status::NotFound("block " + id.hex() + " is not stored");
+}
+
+SharedArena CascadeStore::shared_arena() const {
+  CASCADE_LIVE_OR(SharedArena{});
+  return impl_->tiers[0]->shared_arena();
+}
+
+Result<Reservation> CascadeStore::reserve(const BlockId& id, uint64_t size,
+                                          const PutOptions& options) {
+  CASCADE_LIVE_OR(closed_status());
+  return impl_->reserve_impl(id, size, options);
+}
+
+Status CascadeStore::commit(const Reservation& r, const PutOptions& options) {
+  CASCADE_LIVE_OR(closed_status());
+  return impl_->commit_impl(r, options);
+}
+
+void CascadeStore::abort(const Reservation& r) {
+  CASCADE_LIVE_OR();
+  impl_->tiers[0]->abort_reserved(r);
+}
+
 size_t CascadeStore::put_batch(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
                                std::vector<Status>* statuses, const PutOptions& options) {
   statuses->assign(ids.size(), Status::OK());

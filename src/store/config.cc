@@ -11,6 +11,7 @@ const char* tier_kind_name(TierKind kind) {
     case TierKind::kHost: return "host";
     case TierKind::kFile: return "file";
     case TierKind::kRemote: return "remote";
+    case TierKind::kPool: return "pool";
   }
   return "?";
 }
@@ -25,8 +26,9 @@ Result<TierKind> parse_tier(std::string_view name) {
   if (name == "file" || name == "lustre" || name == "posix" || name == "disk")
     return TierKind::kFile;
   if (name == "remote") return TierKind::kRemote;
+  if (name == "pool" || name == "node") return TierKind::kPool;
   return Status::InvalidArgument("unknown tier '" + std::string(name) +
-                                 "' in pipeline (expected gpu, host, remote or file)");
+                                 "' in pipeline (expected gpu, host, pool, remote or file)");
 }
 
 // Position in the pipeline: host and remote are one level (the remote tier
@@ -35,7 +37,8 @@ int tier_level(TierKind k) {
   switch (k) {
     case TierKind::kGpu: return 0;
     case TierKind::kHost:
-    case TierKind::kRemote: return 1;
+    case TierKind::kRemote:
+    case TierKind::kPool: return 1;
     case TierKind::kFile: return 2;
   }
   return 3;
@@ -55,7 +58,7 @@ Result<std::vector<TierKind>> CascadeConfig::resolve_pipeline(bool gpu_available
   std::vector<TierKind> tiers;
   if (trim(pipeline).empty()) {
     if (use_gpu && gpu_available) tiers.push_back(TierKind::kGpu);
-    tiers.push_back(TierKind::kHost);
+    tiers.push_back(pool_socket.empty() ? TierKind::kHost : TierKind::kPool);
     if (!file_path.empty()) tiers.push_back(TierKind::kFile);
     return tiers;
   }
@@ -69,7 +72,7 @@ Result<std::vector<TierKind>> CascadeConfig::resolve_pipeline(bool gpu_available
     if (!tiers.empty() && tier_level(*kind) <= tier_level(tiers.back())) {
       return Status::InvalidArgument(
           "pipeline '" + pipeline +
-          "': tiers must be ordered gpu, host (or remote), file, each at most once");
+          "': tiers must be ordered gpu, host (or remote, or pool), file, each at most once");
     }
     tiers.push_back(*kind);
     if (bar == std::string_view::npos) break;
@@ -87,6 +90,14 @@ Status CascadeConfig::validate() const {
         return Status::InvalidArgument(
             "shm_capacity_bytes is 0: the host tier needs room for at least one block");
       if (shm_path.empty()) return Status::InvalidArgument("shm_path is empty");
+    }
+    if (t == TierKind::kPool) {
+      if (pool_socket.empty())
+        return Status::InvalidArgument("the pipeline has a pool tier but pool_socket is empty");
+      if (pool_channels < 0 || pool_channels > 64)
+        return Status::InvalidArgument("pool_channels must be 0 (one per core) to 64");
+      if (pool_namespace.size() > 256)
+        return Status::InvalidArgument("pool_namespace is longer than 256 bytes");
     }
     if (t == TierKind::kGpu) {
       if (gpu_capacity_bytes == 0)

@@ -148,6 +148,53 @@ bool CascadeStore::Impl::same_content_stored(const BlockId& p, const void* data,
   return false;
 }
 
+// A put in two steps (the node pool's clients write the bytes themselves):
+// a range of tier 0 now, made room for as put_into does; the block becomes
+// visible in commit_impl.
+Result<Reservation> CascadeStore::Impl::reserve_impl(const BlockId& id, uint64_t size,
+                                                     const PutOptions& options) {
+  if (dedup_puts)
+    return Status::NotSupported(
+        "reserved puts write their bytes after placement, so they cannot be deduplicated: "
+        "use dedup_enabled=false");
+  Reservation present;
+  present.id = id;
+  present.size = size;
+  present.is_prefix = options.is_prefix;
+  present.present = true;
+  if (dedup && dedup->resolve(id)) return present;
+  if (contains_phys(id)) return present;
+  if (!fits(0, size))
+    return Status::InvalidArgument("block of " + std::to_string(size) +
+                                   " bytes is larger than the " + tiers[0]->name() + " tier");
+  Result<Reservation> r = tiers[0]->reserve(id, size, options);
+  // Each round evicts at least one block; fragmentation may need a few.
+  for (int round = 0; round < 256 && r.status().is(Code::kNoSpace); ++round) {
+    CASCADE_RETURN_IF_ERROR(make_room(0, size));
+    r = tiers[0]->reserve(id, size, options);
+  }
+  return r;
+}
+
+Status CascadeStore::Impl::commit_impl(const Reservation& r, const PutOptions& options) {
+  if (r.present) return Status::OK();
+  puts.fetch_add(1, std::memory_order_relaxed);
+  PutOptions o = options;
+  o.is_prefix = r.is_prefix;
+  Status st = tiers[0]->commit_reserved(r, o);
+  if (st.ok() && config.write_policy == WritePolicy::kWriteThrough && tiers.size() > 1) {
+    auto view = tiers[0]->acquire(r.id);
+    if (view.ok()) {
+      o.src_kind = view->kind();
+      for (size_t t = 1; t < tiers.size() && st.ok(); ++t)
+        st = put_into(t, r.id, view->data(), view->size(), o);
+    }
+  }
+  if (!st.ok()) return fail(st);
+  bytes_put.fetch_add(r.size, std::memory_order_relaxed);
+  return Status::OK();
+}
+
 // Batch put. A top tier whose copies pipeline (gpu) takes the whole batch
 // in one call; items it has no room for, and every item of other tiers,
 // go through put_impl on the I/O threads (eviction, write-through, dedup).

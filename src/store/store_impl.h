@@ -76,6 +76,8 @@ class CascadeStore::Impl {
   bool same_content_stored(const BlockId& p, const void* data, uint64_t size);
   size_t put_batch_impl(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
                         std::vector<Status>* statuses, const PutOptions& options);
+  Result<Reservation> reserve_impl(const BlockId& id, uint64_t size, const PutOptions& options);
+  Status commit_impl(const Reservation& r, const PutOptions& options);
   void publish_batch(std::span<const BlockId> ids, const std::vector<const void*>& ptrs,
                      const std::vector<uint64_t>& sizes, const PutOptions& options,
                      std::vector<Status>* statuses);

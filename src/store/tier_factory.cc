@@ -3,6 +3,7 @@
 #include "tiers/file/file_tier.h"
 #include "tiers/gpu/gpu_tier.h"
 #include "tiers/host/host_tier.h"
+#include "tiers/pool/pool_tier.h"
 
 namespace cascade {
 
@@ -20,6 +21,11 @@ Result<std::unique_ptr<Tier>> open_tier(TierKind kind, const CascadeConfig& conf
           "the remote tier belongs to distributed stores: open one with OpenDistributed "
           "(cascade/distributed.h; Python: cascade.distributed.open_store), collectively over MPI");
     case TierKind::kFile: return open_file_tier(config, pool, nullptr);
+    case TierKind::kPool: {
+      auto t = PoolTier::Open(config, pool);
+      if (!t.ok()) return t.status();
+      return std::unique_ptr<Tier>(std::move(t.value()));
+    }
   }
   return Status::InvalidArgument("unknown tier kind");
 }

@@ -51,6 +51,41 @@ Status ArenaTier::put(const BlockId& id, const void* data, uint64_t size,
   return Status::OK();
 }
 
+Result<Reservation> ArenaTier::reserve(const BlockId& id, uint64_t size,
+                                       const PutOptions& options) {
+  CASCADE_RETURN_IF_ERROR(check_fits(size));
+  Reservation r;
+  r.id = id;
+  r.size = size;
+  r.is_prefix = options.is_prefix;
+  if (index_.contains(id)) {
+    r.present = true;
+    return r;
+  }
+  if (size == 0) return r;
+  auto off = allocate(size);
+  if (!off) return Status::NoSpace(where_ + " is full");
+  Status st = commit(*off + size);
+  if (!st.ok()) {
+    free_space(*off, size);
+    return st;
+  }
+  r.offset = *off;
+  return r;
+}
+
+Status ArenaTier::commit_reserved(const Reservation& r, const PutOptions& options) {
+  if (r.present) return Status::OK();
+  PutOptions o = options;
+  o.is_prefix = r.is_prefix;
+  if (!publish(r.id, Location{r.offset, r.size}, o) && r.size) free_space(r.offset, r.size);
+  return Status::OK();
+}
+
+void ArenaTier::abort_reserved(const Reservation& r) {
+  if (!r.present && r.size) free_space(r.offset, r.size);
+}
+
 std::optional<BlockIndex::Lease> ArenaTier::lease_counted(const BlockId& id) {
   auto lease = index_.acquire(id);
   TierCounters::add(lease ? counters_.hits : counters_.misses);

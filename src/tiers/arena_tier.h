@@ -55,6 +55,9 @@ class ArenaTier : public Tier {
   TierStats stats() const override;
   void clear() override { index_.clear(); }
   void for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const override;
+  Result<Reservation> reserve(const BlockId& id, uint64_t size, const PutOptions& options) override;
+  Status commit_reserved(const Reservation& r, const PutOptions& options) override;
+  void abort_reserved(const Reservation& r) override;
 
   uint8_t* arena_base() const { return base_; }
   uint64_t capacity() const { return capacity_; }

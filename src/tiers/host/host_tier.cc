@@ -24,6 +24,15 @@ HostTier::~HostTier() {
   if (registered_) unregister_host_memory(arena_base());
 }
 
+SharedArena HostTier::shared_arena() const {
+  SharedArena a;
+  a.fd = arena_->fd();
+  a.file_offset = arena_->header_bytes();
+  a.capacity = arena_->capacity();
+  a.base = arena_base();
+  return a;
+}
+
 Status HostTier::copy_in(uint64_t offset, const void* src, uint64_t n, const PutOptions& options) {
   uint8_t* dst = arena_base() + offset;
   CASCADE_RETURN_IF_ERROR(copy_to_arena(dst, src, n, options));

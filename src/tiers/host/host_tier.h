@@ -23,6 +23,7 @@ class HostTier final : public HostArenaTier {
   ~HostTier() override;
 
   TierKind kind() const override { return TierKind::kHost; }
+  SharedArena shared_arena() const override;
 
  private:
   HostTier(const CascadeConfig& config, std::unique_ptr<ShmArena> arena, ThreadPool* pool);

@@ -1,0 +1,215 @@
+#include "os/ipc.h"
+
+#include <linux/futex.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "util/errno_status.h"
+
+namespace cascade {
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_us) {
+  struct timespec ts;
+  ts.tv_sec = timeout_us / 1000000;
+  ts.tv_nsec = (timeout_us % 1000000) * 1000;
+  // Not FUTEX_PRIVATE: the word may be shared with another process.
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr,
+            0);
+}
+
+Result<PeerCredentials> peer_credentials(int sock) {
+  struct ucred cred {};
+  socklen_t len = sizeof cred;
+  if (::getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
+    return errno_status(errno, "getsockopt(SO_PEERCRED)");
+  PeerCredentials p;
+  p.pid = cred.pid;
+  p.uid = cred.uid;
+  p.gid = cred.gid;
+  return p;
+}
+
+Status send_message(int sock, const void* data, size_t n, const std::vector<int>& fds) {
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  size_t sent = 0;
+  bool attach = !fds.empty();
+  while (sent < n) {
+    struct iovec iov {
+      const_cast<uint8_t*>(p + sent), n - sent
+    };
+    struct msghdr msg {};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)];
+    if (attach) {
+      if (fds.size() > 8) return Status::InvalidArgument("at most 8 descriptors per message");
+      std::memset(control, 0, sizeof control);
+      msg.msg_control = control;
+      msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+      struct cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+      std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+    }
+    ssize_t k = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EPIPE || errno == ECONNRESET)
+        return Status::Unavailable("the peer closed the connection");
+      return errno_status(errno, "sendmsg");
+    }
+    attach = false;
+    sent += static_cast<size_t>(k);
+  }
+  return Status::OK();
+}
+
+Status receive_message(int sock, void* data, size_t n,
+                       std::chrono::steady_clock::time_point deadline, std::vector<int>* fds,
+                       size_t max_fds) {
+  uint8_t* p = static_cast<uint8_t*>(data);
+  size_t got = 0;
+  std::vector<int> received;
+  auto fail = [&](Status st) {
+    for (int fd : received) ::close(fd);
+    return st;
+  };
+  while (got < n) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                    deadline - std::chrono::steady_clock::now())
+                    .count();
+    if (left <= 0) return fail(Status::Unavailable("no message from the peer before the deadline"));
+    struct pollfd pfd {
+      sock, POLLIN, 0
+    };
+    int r = ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, 1000)));
+    if (r < 0 && errno != EINTR) return fail(errno_status(errno, "poll"));
+    if (r <= 0) continue;
+    struct iovec iov {
+      p + got, n - got
+    };
+    struct msghdr msg {};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(struct cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)];
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    ssize_t k = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (k < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return fail(errno_status(errno, "recvmsg"));
+    }
+    for (struct cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+        received.push_back(fd);
+      }
+    }
+    if (k == 0) return fail(Status::Unavailable("the peer closed the connection"));
+    got += static_cast<size_t>(k);
+  }
+  if (fds) {
+    while (received.size() > max_fds) {
+      ::close(received.back());
+      received.pop_back();
+    }
+    *fds = std::move(received);
+  } else {
+    for (int fd : received) ::close(fd);
+  }
+  return Status::OK();
+}
+
+bool peer_closed(int sock) {
+  struct pollfd pfd {
+    sock, POLLRDHUP, 0
+  };
+  int r = ::poll(&pfd, 1, 0);
+  return r > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL));
+}
+
+namespace {
+
+Status fill_address(const std::string& path, struct sockaddr_un* addr) {
+  std::memset(addr, 0, sizeof *addr);
+  addr->sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof addr->sun_path)
+    return Status::InvalidArgument("socket path '" + path + "' is empty or longer than " +
+                                   std::to_string(sizeof addr->sun_path - 1) + " bytes");
+  std::memcpy(addr->sun_path, path.data(), path.size());
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<int> listen_unix(const std::string& path, uint32_t mode, int backlog) {
+  struct sockaddr_un addr;
+  CASCADE_RETURN_IF_ERROR(fill_address(path, &addr));
+  struct stat st;
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode))
+      return Status::InvalidArgument("socket path '" + path +
+                                     "' exists and is not a socket; it was left untouched");
+    if (st.st_uid != ::geteuid())
+      return Status::InvalidArgument("socket path '" + path + "' belongs to uid " +
+                                     std::to_string(st.st_uid) + "; it was left untouched");
+    auto probe = connect_unix(path);
+    if (probe.ok()) {
+      ::close(*probe);
+      return Status::Busy("a server is listening on '" + path + "' already");
+    }
+    ::unlink(path.c_str());  // a stale socket of ours
+  }
+  int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (sock < 0) return errno_status(errno, "socket");
+  // The socket file is created owner-only, then opened up to `mode`: no
+  // moment exists at which others may connect.
+  mode_t old = ::umask(0177);
+  int rc = ::bind(sock, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr);
+  int err = errno;
+  ::umask(old);
+  if (rc != 0) {
+    ::close(sock);
+    return errno_status(err, "bind " + path);
+  }
+  if (::chmod(path.c_str(), mode) != 0 || ::listen(sock, backlog) != 0) {
+    err = errno;
+    ::close(sock);
+    ::unlink(path.c_str());
+    return errno_status(err, "listen " + path);
+  }
+  return sock;
+}
+
+Result<int> connect_unix(const std::string& path) {
+  struct sockaddr_un addr;
+  CASCADE_RETURN_IF_ERROR(fill_address(path, &addr));
+  int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (sock < 0) return errno_status(errno, "socket");
+  if (::connect(sock, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr) != 0) {
+    int err = errno;
+    ::close(sock);
+    if (err == ENOENT || err == ECONNREFUSED)
+      return Status::Unavailable("no node pool server listens on '" + path + "'");
+    return errno_status(err, "connect " + path);
+  }
+  return sock;
+}
+
+}  // namespace cascade

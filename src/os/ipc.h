@@ -1,0 +1,53 @@
+// Inter-process primitives of the node pool: futex waits on words in shared
+// memory, and a Unix stream socket that passes descriptors and names its
+// peer.
+//
+// Thread-safety: free functions; callers serialize use of one socket.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cascade/status.h"
+
+namespace cascade {
+
+// Sleeps while *word == expected, at most timeout_us microseconds (a
+// spurious or early return is allowed: callers re-check the word). The
+// word may live in memory shared with other processes.
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_us);
+// Wakes every waiter on *word.
+void futex_wake_all(std::atomic<uint32_t>* word);
+
+struct PeerCredentials {
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+};
+// The credentials of the process at the other end of a connected Unix socket.
+Result<PeerCredentials> peer_credentials(int sock);
+
+// Sends all n bytes, with `fds` attached (SCM_RIGHTS) to the first byte.
+Status send_message(int sock, const void* data, size_t n, const std::vector<int>& fds = {});
+// Receives exactly n bytes within the deadline, and the descriptors sent
+// with them (at most max_fds; the rest are closed). Unavailable when the
+// peer closed the connection or the deadline passed; the descriptors
+// received are closed on any error.
+Status receive_message(int sock, void* data, size_t n,
+                       std::chrono::steady_clock::time_point deadline,
+                       std::vector<int>* fds = nullptr, size_t max_fds = 0);
+// True when the peer has closed its end (or the socket failed); does not wait.
+bool peer_closed(int sock);
+
+// A listening Unix socket at path with the given permission bits, and a
+// connection to one. Listen refuses (InvalidArgument) to replace anything at
+// path but a socket that no process listens on.
+Result<int> listen_unix(const std::string& path, uint32_t mode, int backlog);
+Result<int> connect_unix(const std::string& path);
+
+}  // namespace cascade

@@ -1,0 +1,695 @@
+#include "serve/pool_server.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "os/ipc.h"
+#include "tiers/pool/pool_channel.h"
+#include "tiers/pool/pool_wire.h"
+#include "util/errno_status.h"
+
+namespace cascade {
+
+using pool::Channel;
+using pool::Op;
+using pool::ReplyHeader;
+using pool::RequestHeader;
+
+namespace {
+
+constexpr int64_t kWorkerCheckUs = 50000;  // how often an idle worker checks for the end
+constexpr size_t kMaxLeasesPerClient = 1 << 20;
+constexpr size_t kMaxReservationsPerClient = 1 << 16;
+constexpr int kMaxHandshakes = 64;
+
+uint32_t code_of(const Status& st) { return static_cast<uint32_t>(st.code()); }
+
+}  // namespace
+
+struct PoolClient {
+  uint64_t id = 0;
+  PeerCredentials cred;
+  std::string name_space;
+  std::array<uint8_t, 32> digest{};  // of the effective namespace
+  int sock = -1;
+  int channel_fd = -1;
+  uint8_t* channels = nullptr;
+  uint64_t channel_bytes = 0;
+  uint32_t nch = 0;
+  std::atomic<bool> dead{false};
+  std::vector<std::thread> workers;
+  std::atomic<uint64_t> requests{0};
+
+  std::mutex mu;  // guards the maps and next_token
+  std::unordered_map<uint64_t, BlockView> leases;
+  std::unordered_map<uint64_t, Reservation> reservations;
+  uint64_t next_token = 1;
+
+  BlockId scoped(const uint8_t raw[16]) const {
+    uint8_t buf[48];
+    std::memcpy(buf, digest.data(), 32);
+    std::memcpy(buf + 32, raw, 16);
+    auto h = sha256(buf, sizeof buf);
+    BlockId id;
+    std::memcpy(id.bytes.data(), h.data(), 16);
+    return id;
+  }
+};
+
+class PoolServer::Impl {
+ public:
+  PoolServerOptions options;
+  std::unique_ptr<CascadeStore> store;
+  SharedArena arena;
+  bool persistent = false;  // a tier of the store keeps blocks past its close
+  int listen_fd = -1;
+  int wake_fd = -1;  // eventfd: the monitor re-reads its list or stops
+  std::atomic<bool> stopping{false};
+  std::thread monitor;
+  std::thread reaper;
+  std::mutex close_mu;
+  bool closed = false;
+  Status close_status;
+
+  mutable std::mutex mu;  // guards clients, handshakes, reap queue
+  std::map<uint64_t, std::shared_ptr<PoolClient>> clients;
+  int handshakes_running = 0;  // detached handshake threads; close() waits for 0
+  std::condition_variable handshakes_cv;
+  std::deque<std::shared_ptr<PoolClient>> reap_queue;
+  std::condition_variable reap_cv;
+  uint64_t next_client = 1;
+
+  std::atomic<uint64_t> connections{0}, refused{0}, disconnects{0}, requests{0}, malformed{0};
+  std::atomic<uint64_t> reclaimed_leases{0}, reclaimed_reservations{0};
+  std::atomic<uint64_t> lookups{0}, lookup_hits{0}, commits{0}, bytes_committed{0};
+  std::atomic<uint64_t> leases_granted{0}, bytes_leased{0};
+  double open_seconds = 0;
+
+  void wake() {
+    uint64_t one = 1;
+    (void)!::write(wake_fd, &one, sizeof one);
+  }
+
+  // ---- connections ---------------------------------------------------------
+  void monitor_loop();
+  void handshake(int sock);
+  Status admit(int sock, const PeerCredentials& cred, const pool::Hello& hello,
+               std::shared_ptr<PoolClient>* out, std::string* why);
+  void drop(const std::shared_ptr<PoolClient>& c);
+  void reap_loop();
+  void cleanup(PoolClient* c);
+
+  // ---- requests ------------------------------------------------------------
+  void serve_channel(PoolClient* c, uint32_t index);
+  uint32_t handle(PoolClient* c, const uint8_t* req, uint32_t n, uint8_t* reply);
+  uint32_t error_reply(uint8_t* reply, const Status& st);
+};
+
+// ---- start and close ---------------------------------------------------------
+
+Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& config,
+                                                      const PoolServerOptions& options) {
+  if (options.socket_path.empty()) return Status::InvalidArgument("the socket path is empty");
+  if (options.max_clients < 1) return Status::InvalidArgument("max_clients must be at least 1");
+  if (options.socket_mode & ~0777u)
+    return Status::InvalidArgument("socket_mode takes permission bits only (at most 0777)");
+  if (config.dedup_enabled)
+    return Status::NotSupported(
+        "a pool server stores what its clients write into its arena; dedup needs the bytes "
+        "before they are placed: set dedup_enabled to false");
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  auto t0 = std::chrono::steady_clock::now();
+  auto store = CascadeStore::Open(config);
+  if (!store.ok()) return store.status();
+  impl->open_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  impl->store = std::move(store.value());
+  impl->arena = impl->store->shared_arena();
+  for (const auto& t : impl->store->stats().tiers) impl->persistent |= t.persistent;
+  if (impl->arena.fd < 0)
+    return Status::InvalidArgument(
+        "a pool server's pipeline must start with the host tier (its shared arena is what "
+        "clients map): use a pipeline such as \"host\" or \"host|file\"");
+  auto fd = listen_unix(options.socket_path, options.socket_mode, 128);
+  if (!fd.ok()) return fd.status();
+  impl->listen_fd = *fd;
+  impl->wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (impl->wake_fd < 0) {
+    Status st = errno_status(errno, "eventfd");
+    ::close(impl->listen_fd);
+    ::unlink(options.socket_path.c_str());
+    return st;
+  }
+  Impl* p = impl.get();
+  impl->monitor = std::thread([p] { p->monitor_loop(); });
+  impl->reaper = std::thread([p] { p->reap_loop(); });
+  return std::unique_ptr<PoolServer>(new PoolServer(std::move(impl)));
+}
+
+PoolServer::PoolServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+PoolServer::~PoolServer() { (void)close(); }
+
+Status PoolServer::close() {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.close_mu);
+  if (s.closed) return s.close_status;
+  s.closed = true;
+  s.stopping.store(true);
+  s.wake();
+  if (s.monitor.joinable()) s.monitor.join();
+  {
+    std::unique_lock<std::mutex> l(s.mu);
+    s.handshakes_cv.wait(l, [&] { return s.handshakes_running == 0; });
+  }
+  std::vector<std::shared_ptr<PoolClient>> all;
+  {
+    std::lock_guard<std::mutex> l(s.mu);
+    for (auto& [id, c] : s.clients) all.push_back(c);
+  }
+  for (auto& c : all) s.drop(c);
+  {
+    std::lock_guard<std::mutex> l(s.mu);
+    s.reap_cv.notify_all();
+  }
+  if (s.reaper.joinable()) s.reaper.join();
+  if (s.listen_fd >= 0) {
+    ::close(s.listen_fd);
+    ::unlink(s.options.socket_path.c_str());
+  }
+  if (s.wake_fd >= 0) ::close(s.wake_fd);
+  s.store->close();
+  s.close_status = s.store->close_status();
+  return s.close_status;
+}
+
+const std::string& PoolServer::socket_path() const { return impl_->options.socket_path; }
+CascadeStore* PoolServer::store() { return impl_->store.get(); }
+
+// ---- connections ---------------------------------------------------------------
+
+void PoolServer::Impl::monitor_loop() {
+  std::vector<struct pollfd> fds;
+  std::vector<std::shared_ptr<PoolClient>> watched;
+  while (!stopping.load()) {
+    fds.clear();
+    watched.clear();
+    fds.push_back({listen_fd, POLLIN, 0});
+    fds.push_back({wake_fd, POLLIN, 0});
+    {
+      std::lock_guard<std::mutex> l(mu);
+      for (auto& [id, c] : clients) {
+        fds.push_back({c->sock, POLLIN | POLLRDHUP, 0});
+        watched.push_back(c);
+      }
+    }
+    int r = ::poll(fds.data(), fds.size(), 1000);
+    if (r <= 0) continue;
+    if (fds[1].revents) {
+      uint64_t v;
+      (void)!::read(wake_fd, &v, sizeof v);
+    }
+    for (size_t i = 0; i < watched.size(); ++i) {
+      // After the handshake a client sends nothing: any event is its end or
+      // a breach of the protocol, and either way it goes.
+      if (fds[i + 2].revents) drop(watched[i]);
+    }
+    if (fds[0].revents & POLLIN) {
+      int sock = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (sock < 0) continue;
+      std::lock_guard<std::mutex> l(mu);
+      if (handshakes_running >= kMaxHandshakes) {
+        refused.fetch_add(1);
+        ::close(sock);
+        continue;
+      }
+      ++handshakes_running;
+      std::thread([this, sock] { handshake(sock); }).detach();
+    }
+  }
+}
+
+void PoolServer::Impl::handshake(int sock) {
+  pool::Welcome w{};
+  w.magic = pool::kMagic;
+  w.version = pool::kVersion;
+  std::shared_ptr<PoolClient> client;
+  std::string why;
+  Status st;
+  auto cred = peer_credentials(sock);
+  pool::Hello hello{};
+  if (!cred.ok()) {
+    st = cred.status();
+  } else {
+    auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(options.handshake_timeout_ms);
+    st = receive_message(sock, &hello, sizeof hello, deadline);
+    if (st.ok()) st = admit(sock, *cred, hello, &client, &why);
+  }
+  if (st.ok()) {
+    w.code = 0;
+    w.client_id = client->id;
+    w.channels = client->nch;
+    w.arena_capacity = arena.capacity;
+    w.arena_file_offset = arena.file_offset;
+    w.channel_stride = pool::kChannelStride;
+    w.flags = persistent ? pool::kPersistent : 0;
+    st = send_message(sock, &w, sizeof w, {arena.fd, client->channel_fd});
+    if (st.ok()) {
+      {
+        std::lock_guard<std::mutex> l(mu);
+        clients[client->id] = client;
+      }
+      connections.fetch_add(1);
+      for (uint32_t i = 0; i < client->nch; ++i) {
+        PoolClient* c = client.get();
+        client->workers.emplace_back([this, c, i] { serve_channel(c, i); });
+      }
+      wake();
+    } else {
+      cleanup(client.get());
+    }
+  } else {
+    refused.fetch_add(1);
+    if (why.empty()) why = st.message();
+    w.code = code_of(st);
+    w.message_bytes = static_cast<uint32_t>(std::min<size_t>(why.size(), pool::kMaxMessageBytes));
+    std::memcpy(w.message, why.data(), w.message_bytes);
+    (void)send_message(sock, &w, sizeof w);
+    ::close(sock);
+  }
+  std::lock_guard<std::mutex> l(mu);
+  --handshakes_running;
+  handshakes_cv.notify_all();
+}
+
+Status PoolServer::Impl::admit(int sock, const PeerCredentials& cred, const pool::Hello& hello,
+                               std::shared_ptr<PoolClient>* out, std::string* why) {
+  if (cred.uid != ::geteuid() &&
+      !(options.allowed_gid >= 0 && cred.gid == static_cast<gid_t>(options.allowed_gid))) {
+    *why = "uid " + std::to_string(cred.uid) + " may not use this pool";
+    return Status::InvalidArgument(*why);
+  }
+  if (hello.magic != pool::kMagic || hello.version != pool::kVersion) {
+    *why = "not a hello of pool protocol " + std::to_string(pool::kVersion);
+    return Status::InvalidArgument(*why);
+  }
+  if (hello.channels == 0 || hello.channels > pool::kMaxChannels ||
+      hello.namespace_bytes > pool::kMaxNamespaceBytes) {
+    *why = "the hello asks for " + std::to_string(hello.channels) +
+           " channels and a namespace of " + std::to_string(hello.namespace_bytes) + " bytes";
+    return Status::InvalidArgument(*why);
+  }
+  {
+    std::lock_guard<std::mutex> l(mu);
+    if (clients.size() >= static_cast<size_t>(options.max_clients)) {
+      *why = "the pool serves " + std::to_string(clients.size()) + " clients, its limit";
+      return Status::Busy(*why);
+    }
+  }
+  auto c = std::make_shared<PoolClient>();
+  c->cred = cred;
+  c->sock = sock;
+  c->name_space.assign(hello.name_space, hello.namespace_bytes);
+  std::string effective = options.share_across_users
+                              ? "shared\n" + c->name_space
+                              : "uid " + std::to_string(cred.uid) + "\n" + c->name_space;
+  c->digest = sha256(effective.data(), effective.size());
+  c->nch =
+      std::min<uint32_t>(hello.channels, static_cast<uint32_t>(options.max_channels_per_client));
+  c->channel_bytes = uint64_t(c->nch) * pool::kChannelStride;
+  c->channel_fd = ::memfd_create("cascade-pool-channels", MFD_CLOEXEC);
+  if (c->channel_fd < 0) return errno_status(errno, "memfd_create");
+  if (::ftruncate(c->channel_fd, static_cast<off_t>(c->channel_bytes)) != 0) {
+    Status st = errno_status(errno, "ftruncate of the channel file");
+    ::close(c->channel_fd);
+    return st;
+  }
+  void* m = ::mmap(nullptr, c->channel_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, c->channel_fd, 0);
+  if (m == MAP_FAILED) {
+    Status st = errno_status(errno, "mmap of the channel file");
+    ::close(c->channel_fd);
+    return st;
+  }
+  c->channels = static_cast<uint8_t*>(m);
+  {
+    std::lock_guard<std::mutex> l(mu);
+    c->id = next_client++;
+  }
+  *out = std::move(c);
+  return Status::OK();
+}
+
+// Marks a client gone and hands it to the reaper (once).
+void PoolServer::Impl::drop(const std::shared_ptr<PoolClient>& c) {
+  if (c->dead.exchange(true)) return;
+  for (uint32_t i = 0; i < c->nch; ++i)
+    futex_wake_all(&Channel::at(c->channels, i).control->request_seq);
+  std::lock_guard<std::mutex> l(mu);
+  clients.erase(c->id);
+  reap_queue.push_back(c);
+  disconnects.fetch_add(1);
+  reap_cv.notify_all();
+}
+
+void PoolServer::Impl::reap_loop() {
+  std::unique_lock<std::mutex> l(mu);
+  while (true) {
+    reap_cv.wait(l, [&] { return stopping.load() || !reap_queue.empty(); });
+    if (reap_queue.empty()) {
+      if (stopping.load() && clients.empty()) return;
+      continue;
+    }
+    auto c = reap_queue.front();
+    reap_queue.pop_front();
+    l.unlock();
+    cleanup(c.get());
+    l.lock();
+  }
+}
+
+// Joins the client's workers, then ends what it held: its leases and its
+// reservations (a put it never committed stays invisible and its range is
+// free again).
+void PoolServer::Impl::cleanup(PoolClient* c) {
+  c->dead.store(true);
+  for (auto& t : c->workers) t.join();
+  c->workers.clear();
+  size_t leases, reservations;
+  std::unordered_map<uint64_t, Reservation> open;
+  {
+    std::lock_guard<std::mutex> l(c->mu);
+    leases = c->leases.size();
+    reservations = c->reservations.size();
+    c->leases.clear();
+    open.swap(c->reservations);
+  }
+  for (auto& [token, r] : open) store->abort(r);
+  reclaimed_leases.fetch_add(leases);
+  reclaimed_reservations.fetch_add(reservations);
+  if (c->channels) ::munmap(c->channels, c->channel_bytes);
+  c->channels = nullptr;
+  if (c->channel_fd >= 0) ::close(c->channel_fd);
+  c->channel_fd = -1;
+  if (c->sock >= 0) ::close(c->sock);
+  c->sock = -1;
+}
+
+// ---- requests ------------------------------------------------------------------
+
+void PoolServer::Impl::serve_channel(PoolClient* c, uint32_t index) {
+  Channel ch = Channel::at(c->channels, index);
+  // The channel file is new and zeroed: the first request is number 1,
+  // whether or not the client posted it before this thread started.
+  uint32_t last = 0;
+  std::vector<uint8_t> req(pool::kRequestAreaBytes);
+  while (true) {
+    bool got = pool::wait_change(&ch.control->request_seq, last, &ch.control->server_sleeping,
+                                 kWorkerCheckUs, [&] { return c->dead.load() || stopping.load(); });
+    if (!got || c->dead.load()) return;
+    last = ch.control->request_seq.load(std::memory_order_acquire);
+    // The request is copied out of the shared page before it is read: the
+    // client cannot change what is checked after the check.
+    const uint32_t n = std::min<uint32_t>(ch.control->request_bytes,
+                                          static_cast<uint32_t>(pool::kRequestAreaBytes));
+    std::memcpy(req.data(), ch.request, n);
+    const uint32_t bytes = handle(c, req.data(), n, ch.reply);
+    ch.control->reply_bytes = bytes;
+    pool::post(&ch.control->reply_seq, last, &ch.control->client_sleeping);
+  }
+}
+
+uint32_t PoolServer::Impl::error_reply(uint8_t* reply, const Status& st) {
+  ReplyHeader h{};
+  h.code = code_of(st);
+  std::string msg = st.message().substr(0, pool::kMaxMessageBytes);
+  h.message_bytes = static_cast<uint32_t>(msg.size());
+  std::memcpy(reply, &h, sizeof h);
+  std::memcpy(reply + sizeof h, msg.data(), msg.size());
+  return static_cast<uint32_t>(sizeof h + msg.size());
+}
+
+uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n, uint8_t* reply) {
+  requests.fetch_add(1, std::memory_order_relaxed);
+  c->requests.fetch_add(1, std::memory_order_relaxed);
+  RequestHeader h{};
+  if (n < sizeof h) {
+    malformed.fetch_add(1);
+    return error_reply(reply, Status::InvalidArgument("a request shorter than its header"));
+  }
+  std::memcpy(&h, req, sizeof h);
+  const Op op = static_cast<Op>(h.op);
+  if (h.op < static_cast<uint32_t>(Op::kLookup) || h.op > static_cast<uint32_t>(Op::kPing)) {
+    malformed.fetch_add(1);
+    return error_reply(reply, Status::InvalidArgument("unknown op " + std::to_string(h.op)));
+  }
+  const uint64_t item = pool::request_item_bytes(op);
+  if (h.count > pool::kMaxItems || (item == 0 && h.count != 0) ||
+      n != sizeof h + uint64_t(h.count) * item) {
+    malformed.fetch_add(1);
+    return error_reply(reply, Status::InvalidArgument("a request of " + std::to_string(n) +
+                                                      " bytes for " + std::to_string(h.count) +
+                                                      " items of op " + std::to_string(h.op)));
+  }
+  const uint8_t* items = req + sizeof h;
+  uint8_t* out = reply + sizeof(ReplyHeader);
+  const uint32_t count = h.count;
+  auto put_out = [&](uint32_t k, const auto& value) {
+    std::memcpy(out + k * sizeof value, &value, sizeof value);
+  };
+  auto take_token = [&](uint32_t k) {
+    uint64_t t;
+    std::memcpy(&t, items + k * sizeof t, sizeof t);
+    return t;
+  };
+  uint32_t reply_count = count;
+  switch (op) {
+    case Op::kLookup: {
+      lookups.fetch_add(count, std::memory_order_relaxed);
+      for (uint32_t k = 0; k < count; ++k) {
+        pool::LookupReply r{};
+        auto size = store->size_of(c->scoped(items + k * 16));
+        r.code = code_of(size.status());
+        if (size.ok()) {
+          r.size = *size;
+          lookup_hits.fetch_add(1, std::memory_order_relaxed);
+        }
+        put_out(k, r);
+      }
+      break;
+    }
+    case Op::kReserve: {
+      for (uint32_t k = 0; k < count; ++k) {
+        pool::ReserveItem it;
+        std::memcpy(&it, items + k * sizeof it, sizeof it);
+        pool::ReserveReply r{};
+        {
+          std::lock_guard<std::mutex> l(c->mu);
+          if (c->reservations.size() >= kMaxReservationsPerClient) {
+            r.code = static_cast<uint32_t>(Code::kBusy);
+            put_out(k, r);
+            continue;
+          }
+        }
+        PutOptions o;
+        o.is_prefix = it.flags & pool::kPrefix;
+        auto res = store->reserve(c->scoped(it.id), it.size, o);
+        r.code = code_of(res.status());
+        if (res.ok() && res->present) {
+          r.flags = pool::kPresent;
+        } else if (res.ok()) {
+          std::lock_guard<std::mutex> l(c->mu);
+          r.token = c->next_token++;
+          r.offset = res->offset;
+          c->reservations.emplace(r.token, *res);
+        }
+        put_out(k, r);
+      }
+      break;
+    }
+    case Op::kCommit:
+    case Op::kAbort: {
+      for (uint32_t k = 0; k < count; ++k) {
+        pool::CodeReply r{};
+        Reservation res;
+        bool found = false;
+        {
+          std::lock_guard<std::mutex> l(c->mu);
+          auto it = c->reservations.find(take_token(k));
+          if (it != c->reservations.end()) {
+            res = it->second;
+            c->reservations.erase(it);
+            found = true;
+          }
+        }
+        if (!found) {
+          r.code = static_cast<uint32_t>(Code::kInvalidArgument);
+        } else if (op == Op::kAbort) {
+          store->abort(res);
+        } else {
+          Status st = store->commit(res);
+          r.code = code_of(st);
+          if (st.ok()) {
+            commits.fetch_add(1, std::memory_order_relaxed);
+            bytes_committed.fetch_add(res.size, std::memory_order_relaxed);
+          }
+        }
+        put_out(k, r);
+      }
+      break;
+    }
+    case Op::kLease: {
+      for (uint32_t k = 0; k < count; ++k) {
+        pool::LeaseReply r{};
+        {
+          std::lock_guard<std::mutex> l(c->mu);
+          if (c->leases.size() >= kMaxLeasesPerClient) {
+            r.code = static_cast<uint32_t>(Code::kBusy);
+            put_out(k, r);
+            continue;
+          }
+        }
+        auto view = store->acquire(c->scoped(items + k * 16));
+        r.code = code_of(view.status());
+        if (view.ok()) {
+          const uint8_t* p = view->data();
+          if (view->kind() != MemoryKind::kHost || p < arena.base ||
+              p + view->size() > arena.base + arena.capacity) {
+            r.code = static_cast<uint32_t>(Code::kUnavailable);
+          } else {
+            r.offset = static_cast<uint64_t>(p - arena.base);
+            r.size = view->size();
+            leases_granted.fetch_add(1, std::memory_order_relaxed);
+            bytes_leased.fetch_add(r.size, std::memory_order_relaxed);
+            std::lock_guard<std::mutex> l(c->mu);
+            r.token = c->next_token++;
+            c->leases.emplace(r.token, std::move(view.value()));
+          }
+        }
+        put_out(k, r);
+      }
+      break;
+    }
+    case Op::kRelease: {
+      std::vector<BlockView> ended;  // leases end outside the client's lock
+      ended.reserve(count);
+      {
+        std::lock_guard<std::mutex> l(c->mu);
+        for (uint32_t k = 0; k < count; ++k) {
+          pool::CodeReply r{};
+          auto it = c->leases.find(take_token(k));
+          if (it == c->leases.end()) {
+            r.code = static_cast<uint32_t>(Code::kInvalidArgument);
+          } else {
+            ended.push_back(std::move(it->second));
+            c->leases.erase(it);
+          }
+          put_out(k, r);
+        }
+      }
+      break;
+    }
+    case Op::kRemove: {
+      for (uint32_t k = 0; k < count; ++k) {
+        pool::CodeReply r{code_of(store->remove(c->scoped(items + k * 16)))};
+        put_out(k, r);
+      }
+      break;
+    }
+    case Op::kFlush: {
+      Status st = store->flush();
+      if (!st.ok()) return error_reply(reply, st);
+      break;
+    }
+    case Op::kStats: {
+      pool::ServerStatsReply r{};
+      {
+        std::lock_guard<std::mutex> l(mu);
+        r.clients = clients.size();
+        for (auto& [id, cl] : clients) {
+          std::lock_guard<std::mutex> l2(cl->mu);
+          r.leases += cl->leases.size();
+          r.reservations += cl->reservations.size();
+        }
+      }
+      r.requests = requests.load();
+      put_out(0, r);
+      reply_count = 1;
+      break;
+    }
+    case Op::kPing: break;
+  }
+  ReplyHeader rh{};
+  rh.count = reply_count;
+  std::memcpy(reply, &rh, sizeof rh);
+  return static_cast<uint32_t>(sizeof rh + reply_count * pool::reply_item_bytes(op));
+}
+
+// ---- observation ---------------------------------------------------------------
+
+PoolServer::Stats PoolServer::stats() const {
+  const Impl& s = *impl_;
+  Stats out;
+  {
+    std::lock_guard<std::mutex> l(s.mu);
+    out.clients = s.clients.size();
+    for (auto& [id, c] : s.clients) {
+      std::lock_guard<std::mutex> l2(c->mu);
+      out.leases += c->leases.size();
+      out.reservations += c->reservations.size();
+    }
+  }
+  out.connections = s.connections.load();
+  out.refused = s.refused.load();
+  out.disconnects = s.disconnects.load();
+  out.requests = s.requests.load();
+  out.malformed = s.malformed.load();
+  out.reclaimed_leases = s.reclaimed_leases.load();
+  out.reclaimed_reservations = s.reclaimed_reservations.load();
+  out.lookups = s.lookups.load();
+  out.lookup_hits = s.lookup_hits.load();
+  out.commits = s.commits.load();
+  out.bytes_committed = s.bytes_committed.load();
+  out.leases_granted = s.leases_granted.load();
+  out.bytes_leased = s.bytes_leased.load();
+  out.open_seconds = s.open_seconds;
+  out.store = s.store->stats();
+  return out;
+}
+
+std::vector<PoolServer::ClientInfo> PoolServer::clients() const {
+  const Impl& s = *impl_;
+  std::vector<ClientInfo> out;
+  std::lock_guard<std::mutex> l(s.mu);
+  for (auto& [id, c] : s.clients) {
+    ClientInfo i;
+    i.id = c->id;
+    i.pid = c->cred.pid;
+    i.uid = c->cred.uid;
+    i.name_space = c->name_space;
+    i.channels = c->nch;
+    i.requests = c->requests.load();
+    std::lock_guard<std::mutex> l2(c->mu);
+    i.leases = c->leases.size();
+    i.reservations = c->reservations.size();
+    out.push_back(std::move(i));
+  }
+  return out;
+}
+
+}  // namespace cascade

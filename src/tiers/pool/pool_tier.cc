@@ -1,0 +1,573 @@
+#include "tiers/pool/pool_tier.h"
+
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "cuda/device_copy.h"
+#include "util/errno_status.h"
+
+namespace cascade {
+
+using pool::Channel;
+using pool::ReplyHeader;
+using pool::RequestHeader;
+
+namespace {
+
+constexpr int64_t kCheckUs = 10000;              // how often a waiting call checks the server
+constexpr int64_t kFlushTimeoutUs = 3600000000;  // a flush writes blocks down: it may take long
+constexpr size_t kReleaseBatch = 1024;           // queued releases sent by the queuing thread
+
+Status wire_status(uint32_t code, std::string message) {
+  if (code == 0) return Status::OK();
+  if (code > static_cast<uint32_t>(Code::kNotSupported))
+    return Status::Unavailable("the pool server answered an unknown code " + std::to_string(code));
+  return Status(static_cast<Code>(code), std::move(message));
+}
+
+// The server is trusted when it runs as this user, as root, or as the owner
+// of a directory that only its owner may write (an operator's service
+// directory such as /run/cascade) holding the socket.
+Status check_server(uid_t server, const std::string& socket_path) {
+  if (server == ::geteuid() || server == 0) return Status::OK();
+  const size_t slash = socket_path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? std::string(".")
+                          : slash == 0               ? std::string(1, '/')
+                                                     : socket_path.substr(0, slash);
+  struct stat st;
+  if (::stat(dir.c_str(), &st) == 0 && st.st_uid == server && !(st.st_mode & 022))
+    return Status::OK();
+  return Status::InvalidArgument(
+      "the process listening on '" + socket_path + "' runs as uid " + std::to_string(server) +
+      ", neither this user nor the owner of the socket's directory: not trusted as a pool server");
+}
+
+}  // namespace
+
+class PoolTier::Held {
+ public:
+  Held() = default;
+  Held(Slot* slot, std::unique_lock<std::mutex> lock) : slot_(slot), lock_(std::move(lock)) {}
+  Slot* slot() const { return slot_; }
+  void reset() {
+    if (lock_.owns_lock()) lock_.unlock();
+    slot_ = nullptr;
+  }
+
+ private:
+  Slot* slot_ = nullptr;
+  std::unique_lock<std::mutex> lock_;
+};
+
+PoolTier::PoolTier(const CascadeConfig& config, ThreadPool* pool)
+    : pool_(pool),
+      timeout_us_(int64_t(config.pool_timeout_ms) * 1000),
+      parallel_threshold_(config.parallel_copy_threshold) {}
+
+Result<std::unique_ptr<PoolTier>> PoolTier::Open(const CascadeConfig& config, ThreadPool* pool) {
+  std::unique_ptr<PoolTier> tier(new PoolTier(config, pool));
+  CASCADE_RETURN_IF_ERROR(tier->connect(config));
+  if (gpu_usable(config.gpu_device_id)) {
+    // As the host tier: loads to the GPU DMA straight from the arena.
+    tier->registered_ = register_host_memory(tier->base_, tier->capacity_).ok();
+  }
+  tier->releaser_ = std::thread([t = tier.get()] { t->release_loop(); });
+  return tier;
+}
+
+Status PoolTier::connect(const CascadeConfig& config) {
+  if (config.pool_namespace.size() > pool::kMaxNamespaceBytes)
+    return Status::InvalidArgument("pool_namespace is longer than 256 bytes");
+  auto sock = connect_unix(config.pool_socket);
+  if (!sock.ok()) return sock.status();
+  sock_ = *sock;
+  auto peer = peer_credentials(sock_);
+  if (!peer.ok()) return peer.status();
+  CASCADE_RETURN_IF_ERROR(check_server(peer->uid, config.pool_socket));
+
+  int channels = config.pool_channels;
+  if (channels <= 0)
+    channels = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 16u));
+  pool::Hello hello{};
+  hello.magic = pool::kMagic;
+  hello.version = pool::kVersion;
+  hello.channels = static_cast<uint32_t>(std::min<int>(channels, pool::kMaxChannels));
+  hello.namespace_bytes = static_cast<uint32_t>(config.pool_namespace.size());
+  std::memcpy(hello.name_space, config.pool_namespace.data(), config.pool_namespace.size());
+  CASCADE_RETURN_IF_ERROR(send_message(sock_, &hello, sizeof hello));
+
+  pool::Welcome w{};
+  std::vector<int> fds;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us_);
+  Status st = receive_message(sock_, &w, sizeof w, deadline, &fds, 2);
+  if (!st.ok())
+    return Status::Unavailable("the pool server at '" + config.pool_socket +
+                               "' did not answer: " + st.message());
+  auto close_fds = [&] {
+    for (int fd : fds) ::close(fd);
+  };
+  if (w.magic != pool::kMagic || w.version != pool::kVersion) {
+    close_fds();
+    return Status::Unavailable("'" + config.pool_socket +
+                               "' is not a pool server of this version (protocol " +
+                               std::to_string(pool::kVersion) + ")");
+  }
+  if (w.code != 0) {
+    close_fds();
+    std::string msg(w.message, std::min<uint32_t>(w.message_bytes, pool::kMaxMessageBytes));
+    return wire_status(w.code, "the pool server refused this client: " + msg);
+  }
+  if (fds.size() != 2 || w.channels == 0 || w.channels > hello.channels ||
+      w.channel_stride != pool::kChannelStride || w.arena_capacity == 0) {
+    close_fds();
+    return Status::Unavailable("the pool server's welcome is malformed");
+  }
+  client_id_ = w.client_id;
+  capacity_ = w.arena_capacity;
+  persistent_ = w.flags & pool::kPersistent;
+  arena_map_bytes_ = w.arena_file_offset + w.arena_capacity;
+  void* a = ::mmap(nullptr, arena_map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+  int err = errno;
+  ::close(fds[0]);
+  if (a == MAP_FAILED) {
+    ::close(fds[1]);
+    return errno_status(err, "mmap of the pool's arena");
+  }
+  arena_map_ = static_cast<uint8_t*>(a);
+  base_ = arena_map_ + w.arena_file_offset;
+  channel_count_ = w.channels;
+  channel_map_bytes_ = uint64_t(w.channels) * pool::kChannelStride;
+  void* c = ::mmap(nullptr, channel_map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
+  err = errno;
+  ::close(fds[1]);
+  if (c == MAP_FAILED) return errno_status(err, "mmap of the pool's channels");
+  channel_map_ = static_cast<uint8_t*>(c);
+  slots_.reset(new Slot[channel_count_]);
+  for (uint32_t i = 0; i < channel_count_; ++i) {
+    slots_[i].ch = Channel::at(channel_map_, i);
+    slots_[i].seq = 0;  // a new channel file: requests are numbered from 1
+  }
+  return Status::OK();
+}
+
+PoolTier::~PoolTier() {
+  if (releaser_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(release_mu_);
+      stopping_ = true;
+    }
+    release_cv_.notify_all();
+    releaser_.join();
+  }
+  if (registered_) unregister_host_memory(base_);
+  if (channel_map_) ::munmap(channel_map_, channel_map_bytes_);
+  if (arena_map_) ::munmap(arena_map_, arena_map_bytes_);
+  if (sock_ >= 0) ::close(sock_);  // the server ends what this client still held
+}
+
+PoolTier::Held PoolTier::hold() const {
+  const uint32_t n = channel_count_;
+  const uint32_t start = next_slot_.fetch_add(1, std::memory_order_relaxed) % n;
+  for (uint32_t k = 0; k < n; ++k) {
+    Slot* s = &slots_[(start + k) % n];
+    std::unique_lock<std::mutex> lock(s->mu, std::try_to_lock);
+    if (lock.owns_lock() && !s->broken) return Held(s, std::move(lock));
+  }
+  for (uint32_t k = 0; k < n; ++k) {
+    Slot* s = &slots_[(start + k) % n];
+    std::unique_lock<std::mutex> lock(s->mu);
+    if (!s->broken) return Held(s, std::move(lock));
+  }
+  return Held();
+}
+
+Status PoolTier::call(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, ReplyHeader* reply,
+                      int64_t timeout_us) const {
+  if (server_gone_.load(std::memory_order_acquire))
+    return Status::Unavailable("the node pool server is gone");
+  Channel& ch = slot->ch;
+  RequestHeader h{static_cast<uint32_t>(op), count, 0, 0};
+  std::memcpy(ch.request, &h, sizeof h);
+  ch.control->request_bytes = static_cast<uint32_t>(sizeof h + count * item_bytes);
+  const uint32_t seq = ++slot->seq;
+  pool::post(&ch.control->request_seq, seq, &ch.control->server_sleeping);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us);
+  bool gone = false;
+  bool answered = pool::wait_change(&ch.control->reply_seq, seq - 1, &ch.control->client_sleeping,
+                                    kCheckUs, [&] {
+                                      if (peer_closed(sock_)) gone = true;
+                                      return gone || std::chrono::steady_clock::now() > deadline;
+                                    });
+  if (answered && ch.control->reply_seq.load(std::memory_order_acquire) != seq) answered = false;
+  if (!answered) {
+    slot->broken = true;  // a late reply would answer the next request
+    if (gone) {
+      server_gone_.store(true, std::memory_order_release);
+      return Status::Unavailable("the node pool server is gone");
+    }
+    return Status::Unavailable("the node pool server did not answer within " +
+                               std::to_string(timeout_us / 1000) + " ms");
+  }
+  std::memcpy(reply, ch.reply, sizeof *reply);
+  if (reply->code != 0) {
+    std::string msg(reinterpret_cast<const char*>(ch.reply + sizeof *reply),
+                    std::min<uint32_t>(reply->message_bytes, pool::kMaxMessageBytes));
+    return wire_status(reply->code, "node pool server: " + msg);
+  }
+  if (reply->count != count && op != Op::kStats)
+    return Status::Unavailable("the node pool server answered " + std::to_string(reply->count) +
+                               " items for " + std::to_string(count));
+  return Status::OK();
+}
+
+// ---- puts --------------------------------------------------------------------
+
+Status PoolTier::copy_in(uint8_t* dst, const void* src, uint64_t n, const PutOptions& options) {
+  if (options.src_kind == MemoryKind::kHost) {
+    parallel_memcpy(pool_, dst, src, n, parallel_threshold_);
+    return Status::OK();
+  }
+  return device_copy(dst, MemoryKind::kHost, src, options.src_kind, n, options.cuda_stream);
+}
+
+Status PoolTier::put(const BlockId& id, const void* data, uint64_t size,
+                     const PutOptions& options) {
+  Status st;
+  const void* d[1] = {data};
+  uint64_t s[1] = {size};
+  put_batch(std::span<const BlockId>(&id, 1), d, s, options, std::span<Status>(&st, 1));
+  return st;
+}
+
+void PoolTier::put_batch(std::span<const BlockId> ids, std::span<const void* const> data,
+                         std::span<const uint64_t> sizes, const PutOptions& options,
+                         std::span<Status> statuses) {
+  for (size_t begin = 0; begin < ids.size(); begin += pool::kMaxItems) {
+    const uint32_t m = static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, ids.size() - begin));
+    struct Todo {
+      size_t i;
+      uint64_t offset, token;
+    };
+    std::vector<Todo> todo;
+    {
+      Held held = hold();
+      if (!held.slot()) {
+        for (uint32_t k = 0; k < m; ++k)
+          statuses[begin + k] = Status::Unavailable("every channel to the pool server failed");
+        continue;
+      }
+      Channel& ch = held.slot()->ch;
+      for (uint32_t k = 0; k < m; ++k) {
+        const size_t i = begin + k;
+        pool::ReserveItem item{};
+        std::memcpy(item.id, ids[i].bytes.data(), 16);
+        item.size = sizes[i];
+        item.flags = options.is_prefix ? pool::kPrefix : 0;
+        std::memcpy(ch.request + sizeof(RequestHeader) + k * sizeof item, &item, sizeof item);
+      }
+      ReplyHeader reply;
+      Status st =
+          call(held.slot(), Op::kReserve, m, sizeof(pool::ReserveItem), &reply, timeout_us_);
+      for (uint32_t k = 0; k < m && !st.ok(); ++k) statuses[begin + k] = st;
+      if (!st.ok()) continue;
+      for (uint32_t k = 0; k < m; ++k) {
+        const size_t i = begin + k;
+        pool::ReserveReply r;
+        std::memcpy(&r, ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
+        if (r.code != 0) {
+          statuses[i] = wire_status(r.code, "the pool has no room for block " + ids[i].hex());
+        } else if (r.flags & pool::kPresent) {
+          statuses[i] = Status::OK();
+        } else if (r.offset > capacity_ || sizes[i] > capacity_ - r.offset) {
+          statuses[i] = Status::Unavailable("the pool server reserved a range outside its arena");
+        } else {
+          if (sizes[i] && !data[i]) {
+            statuses[i] = Status::InvalidArgument("data is null");
+          }
+          todo.push_back(Todo{i, r.offset, r.token});
+        }
+      }
+    }
+    // The copies run with no channel held.
+    auto copy = [&](size_t k) {
+      const Todo& t = todo[k];
+      if (!statuses[t.i].ok() || sizes[t.i] == 0) return;
+      statuses[t.i] = copy_in(base_ + t.offset, data[t.i], sizes[t.i], options);
+    };
+    if (pool_ && todo.size() > 1) pool_->parallel_for(todo.size(), copy);
+    else
+      for (size_t k = 0; k < todo.size(); ++k) copy(k);
+    std::vector<size_t> commit, abort;
+    for (size_t k = 0; k < todo.size(); ++k)
+      (statuses[todo[k].i].ok() ? commit : abort).push_back(k);
+    for (int pass = 0; pass < 2; ++pass) {
+      const std::vector<size_t>& which = pass == 0 ? commit : abort;
+      if (which.empty()) continue;
+      Held held = hold();
+      Status st = held.slot() ? Status::OK()
+                              : Status::Unavailable("every channel to the pool server failed");
+      if (st.ok()) {
+        Channel& ch = held.slot()->ch;
+        for (size_t k = 0; k < which.size(); ++k) {
+          pool::TokenItem t{todo[which[k]].token};
+          std::memcpy(ch.request + sizeof(RequestHeader) + k * sizeof t, &t, sizeof t);
+        }
+        ReplyHeader reply;
+        st =
+            call(held.slot(), pass == 0 ? Op::kCommit : Op::kAbort,
+                 static_cast<uint32_t>(which.size()), sizeof(pool::TokenItem), &reply, timeout_us_);
+        if (st.ok() && pass == 0) {
+          for (size_t k = 0; k < which.size(); ++k) {
+            pool::CodeReply r;
+            std::memcpy(&r, ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
+            const size_t i = todo[which[k]].i;
+            statuses[i] = wire_status(r.code, "the pool could not store block " + ids[i].hex());
+            if (r.code == 0) counters_.stored(options, sizes[i]);
+          }
+        }
+      }
+      if (!st.ok() && pass == 0)
+        for (size_t k : which) statuses[todo[k].i] = st;
+    }
+  }
+}
+
+// ---- reads -------------------------------------------------------------------
+
+Status PoolTier::copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req) {
+  if (req.out_kind == MemoryKind::kHost) {
+    parallel_memcpy(pool_, dst, src, n, parallel_threshold_);
+    return Status::OK();
+  }
+  return device_copy(dst, req.out_kind, src, MemoryKind::kHost, n, req.cuda_stream);
+}
+
+void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> views,
+                             std::span<Status> statuses) {
+  for (size_t begin = 0; begin < ids.size(); begin += pool::kMaxItems) {
+    const uint32_t m = static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, ids.size() - begin));
+    Held held = hold();
+    if (!held.slot()) {
+      for (uint32_t k = 0; k < m; ++k)
+        statuses[begin + k] = Status::Unavailable("every channel to the pool server failed");
+      continue;
+    }
+    Channel& ch = held.slot()->ch;
+    for (uint32_t k = 0; k < m; ++k)
+      std::memcpy(ch.request + sizeof(RequestHeader) + k * 16, ids[begin + k].bytes.data(), 16);
+    ReplyHeader reply;
+    Status st = call(held.slot(), Op::kLease, m, sizeof(pool::BlockIdItem), &reply, timeout_us_);
+    std::vector<uint64_t> stray;  // leases of a malformed reply, given back
+    for (uint32_t k = 0; k < m; ++k) {
+      const size_t i = begin + k;
+      views[i].reset();
+      if (!st.ok()) {
+        statuses[i] = st;
+        continue;
+      }
+      pool::LeaseReply r;
+      std::memcpy(&r, ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
+      if (r.code != 0) {
+        statuses[i] = wire_status(r.code, "block " + ids[i].hex() + " is not in the pool");
+        if (r.code == static_cast<uint32_t>(Code::kNotFound)) TierCounters::add(counters_.misses);
+        continue;
+      }
+      if (r.offset > capacity_ || r.size > capacity_ - r.offset) {
+        stray.push_back(r.token);
+        statuses[i] = Status::Unavailable("the pool server leased a range outside its arena");
+        continue;
+      }
+      TierCounters::add(counters_.hits);
+      statuses[i] = Status::OK();
+      views[i] = BlockView(this, base_ + r.offset, r.size, MemoryKind::kHost, r.token);
+    }
+    held.reset();
+    if (!stray.empty()) send_releases(std::move(stray));
+  }
+}
+
+Result<BlockView> PoolTier::acquire(const BlockId& id) {
+  BlockView v;
+  Status st;
+  acquire_batch(std::span<const BlockId>(&id, 1), std::span<BlockView>(&v, 1),
+                std::span<Status>(&st, 1));
+  if (!st.ok()) return st;
+  return v;
+}
+
+void PoolTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                          std::span<ReadResult> results, std::span<Status> statuses) {
+  std::vector<BlockView> views(ids.size());
+  acquire_batch(ids, views, statuses);
+  auto copy = [&](size_t i) {
+    results[i] = ReadResult{};
+    if (!statuses[i].ok()) return;
+    results[i].block_size = views[i].size();
+    uint64_t from = 0, n = 0;
+    Status st = reqs[i].span(views[i].size(), &from, &n);
+    if (st.ok() && n) st = copy_out(reqs[i].out, views[i].data() + from, n, reqs[i]);
+    if (st.ok()) {
+      results[i].copied = n;
+      TierCounters::add(counters_.bytes_read, n);
+    }
+    statuses[i] = st;
+  };
+  if (pool_ && ids.size() > 1) pool_->parallel_for(ids.size(), copy);
+  else
+    for (size_t i = 0; i < ids.size(); ++i) copy(i);
+  // views end here: their releases are queued
+}
+
+Status PoolTier::read(const BlockId& id, const ReadRequest& req, ReadResult* result) {
+  Status st;
+  read_batch(std::span<const BlockId>(&id, 1), std::span<const ReadRequest>(&req, 1),
+             std::span<ReadResult>(result, 1), std::span<Status>(&st, 1));
+  return st;
+}
+
+void PoolTier::lookup_batch(std::span<const BlockId> ids, std::span<uint64_t> sizes,
+                            std::span<Status> statuses) const {
+  for (size_t begin = 0; begin < ids.size(); begin += pool::kMaxItems) {
+    const uint32_t m = static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, ids.size() - begin));
+    Held held = hold();
+    Status st =
+        held.slot() ? Status::OK() : Status::Unavailable("every channel to the pool server failed");
+    ReplyHeader reply;
+    if (st.ok()) {
+      Channel& ch = held.slot()->ch;
+      for (uint32_t k = 0; k < m; ++k)
+        std::memcpy(ch.request + sizeof(RequestHeader) + k * 16, ids[begin + k].bytes.data(), 16);
+      st = call(held.slot(), Op::kLookup, m, sizeof(pool::BlockIdItem), &reply, timeout_us_);
+    }
+    for (uint32_t k = 0; k < m; ++k) {
+      const size_t i = begin + k;
+      sizes[i] = 0;
+      if (!st.ok()) {
+        statuses[i] = st;
+        continue;
+      }
+      pool::LookupReply r;
+      std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
+      statuses[i] = wire_status(r.code, "block " + ids[i].hex() + " is not in the pool");
+      if (r.code == 0) sizes[i] = r.size;
+    }
+  }
+}
+
+bool PoolTier::contains(const BlockId& id) const {
+  uint64_t size = 0;
+  Status st;
+  lookup_batch(std::span<const BlockId>(&id, 1), std::span<uint64_t>(&size, 1),
+               std::span<Status>(&st, 1));
+  return st.ok();
+}
+
+Result<uint64_t> PoolTier::size_of(const BlockId& id) {
+  uint64_t size = 0;
+  Status st;
+  lookup_batch(std::span<const BlockId>(&id, 1), std::span<uint64_t>(&size, 1),
+               std::span<Status>(&st, 1));
+  if (st.is(Code::kNotFound)) TierCounters::add(counters_.misses);
+  if (!st.ok()) return st;
+  return size;
+}
+
+Status PoolTier::remove(const BlockId& id) {
+  Held held = hold();
+  if (!held.slot()) return Status::Unavailable("every channel to the pool server failed");
+  std::memcpy(held.slot()->ch.request + sizeof(RequestHeader), id.bytes.data(), 16);
+  ReplyHeader reply;
+  CASCADE_RETURN_IF_ERROR(
+      call(held.slot(), Op::kRemove, 1, sizeof(pool::BlockIdItem), &reply, timeout_us_));
+  pool::CodeReply r;
+  std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader), sizeof r);
+  return wire_status(r.code, "block " + id.hex() + " is not in the pool");
+}
+
+Status PoolTier::flush() {
+  release_queued();
+  Held held = hold();
+  if (!held.slot()) return Status::Unavailable("every channel to the pool server failed");
+  ReplyHeader reply;
+  return call(held.slot(), Op::kFlush, 0, 0, &reply, kFlushTimeoutUs);
+}
+
+Result<pool::ServerStatsReply> PoolTier::server_stats() const {
+  Held held = hold();
+  if (!held.slot()) return Status::Unavailable("every channel to the pool server failed");
+  ReplyHeader reply;
+  CASCADE_RETURN_IF_ERROR(call(held.slot(), Op::kStats, 0, 0, &reply, timeout_us_));
+  pool::ServerStatsReply s;
+  std::memcpy(&s, held.slot()->ch.reply + sizeof(ReplyHeader), sizeof s);
+  return s;
+}
+
+TierStats PoolTier::stats() const {
+  TierStats s;
+  s.name = name();
+  s.capacity_bytes = capacity_;
+  counters_.fill(&s);
+  return s;
+}
+
+// ---- lease releases ----------------------------------------------------------
+
+void PoolTier::release_lease(uint64_t token) {
+  std::vector<uint64_t> now;
+  {
+    std::lock_guard<std::mutex> lock(release_mu_);
+    release_queue_.push_back(token);
+    if (release_queue_.size() >= kReleaseBatch) now.swap(release_queue_);
+  }
+  if (!now.empty()) send_releases(std::move(now));
+  else release_cv_.notify_one();
+}
+
+void PoolTier::release_queued() {
+  std::vector<uint64_t> now;
+  {
+    std::lock_guard<std::mutex> lock(release_mu_);
+    now.swap(release_queue_);
+  }
+  if (!now.empty()) send_releases(std::move(now));
+}
+
+void PoolTier::send_releases(std::vector<uint64_t> tokens) {
+  for (size_t begin = 0; begin < tokens.size(); begin += pool::kMaxItems) {
+    const uint32_t m =
+        static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, tokens.size() - begin));
+    Held held = hold();
+    if (!held.slot()) return;  // the server ends this client's leases when it goes
+    std::memcpy(held.slot()->ch.request + sizeof(RequestHeader), tokens.data() + begin,
+                m * sizeof(uint64_t));
+    ReplyHeader reply;
+    if (!call(held.slot(), Op::kRelease, m, sizeof(pool::TokenItem), &reply, timeout_us_).ok())
+      return;
+  }
+}
+
+void PoolTier::release_loop() {
+  std::unique_lock<std::mutex> lock(release_mu_);
+  while (true) {
+    release_cv_.wait(lock, [&] { return stopping_ || !release_queue_.empty(); });
+    if (!stopping_) {
+      // Gather what a burst of reads releases into one request.
+      release_cv_.wait_for(lock, std::chrono::microseconds(500), [&] { return stopping_; });
+    }
+    std::vector<uint64_t> now;
+    now.swap(release_queue_);
+    bool stop = stopping_;
+    lock.unlock();
+    if (!now.empty()) send_releases(std::move(now));
+    lock.lock();
+    if (stop && release_queue_.empty()) return;
+  }
+}
+
+}  // namespace cascade

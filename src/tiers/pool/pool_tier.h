@@ -1,0 +1,142 @@
+// PoolTier: the node pool as a tier of this process's store.
+//
+// The blocks live in the host arena of a `cascade serve` process (and the
+// tiers below it there); every process of the node that connects with the
+// same namespace sees the same blocks. The arena is mapped into this process
+// (and registered with the GPU when one is usable), so block bytes are copied
+// straight in and out of it; only metadata goes to the server, in batches,
+// over shared-memory channels (pool_wire.h):
+//   put_batch:  reserve (1 request) -> copy every block in -> commit (1)
+//   read_batch: lease (1) -> copy every hit out -> release (batched later)
+//   acquire:    lease (1) -> a BlockView on the arena; release when it ends
+// Lease releases are queued and sent in batches (when many are queued, by a
+// background thread shortly after, and at close): a lease only keeps a block
+// from being evicted a little longer.
+//
+// The server chooses what to evict, so claim_victims() returns nothing, and
+// clear() drops nothing (the blocks are other processes' too). A server that
+// dies or stops answering turns every call into Unavailable; the mapped
+// arena stays valid for views already held.
+//
+// Thread-safety: all methods are thread-safe; a call takes one free channel.
+// Ownership: views must not outlive the tier.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "cascade/config.h"
+#include "cascade/tier.h"
+#include "tiers/pool/pool_channel.h"
+#include "tiers/tier_counters.h"
+#include "util/thread_pool.h"
+
+namespace cascade {
+
+using pool::Op;
+
+class PoolTier final : public Tier {
+ public:
+  // Connects to config.pool_socket. Unavailable when no server listens;
+  // InvalidArgument when the server refuses the namespace or the peer is
+  // not a server of an allowed user.
+  static Result<std::unique_ptr<PoolTier>> Open(const CascadeConfig& config, ThreadPool* pool);
+  ~PoolTier() override;
+
+  TierKind kind() const override { return TierKind::kPool; }
+  Status put(const BlockId& id, const void* data, uint64_t size,
+             const PutOptions& options) override;
+  void put_batch(std::span<const BlockId> ids, std::span<const void* const> data,
+                 std::span<const uint64_t> sizes, const PutOptions& options,
+                 std::span<Status> statuses) override;
+  Status read(const BlockId& id, const ReadRequest& req, ReadResult* result) override;
+  void read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                  std::span<ReadResult> results, std::span<Status> statuses) override;
+  bool prefers_batches() const override { return true; }
+  Result<BlockView> acquire(const BlockId& id) override;
+  bool contains(const BlockId& id) const override;
+  Result<uint64_t> size_of(const BlockId& id) override;
+  Status remove(const BlockId& id) override;
+  std::vector<Victim> claim_victims(uint64_t) override { return {}; }
+  void unclaim(Victim victim) override { victim.view.reset(); }
+  uint64_t capacity_bytes() const override { return capacity_; }
+  TierStats stats() const override;
+  void clear() override {}
+  Status flush() override;
+  bool persistent() const override { return persistent_; }
+
+  // Leases many blocks at once (one request per kMaxItems): views[i] is a
+  // view on a hit, empty on a miss (statuses[i] NotFound) or an error.
+  void acquire_batch(std::span<const BlockId> ids, std::span<BlockView> views,
+                     std::span<Status> statuses);
+  // Looks many ids up at once: sizes[i] on a hit, statuses[i] NotFound on a miss.
+  void lookup_batch(std::span<const BlockId> ids, std::span<uint64_t> sizes,
+                    std::span<Status> statuses) const;
+  // The server's counters (clients, leases, reservations, requests).
+  Result<pool::ServerStatsReply> server_stats() const;
+  uint64_t client_id() const { return client_id_; }
+  // Sends the queued lease releases now.
+  void release_queued();
+
+ protected:
+  void release_lease(uint64_t token) override;
+
+ private:
+  PoolTier(const CascadeConfig& config, ThreadPool* pool);
+  Status connect(const CascadeConfig& config);
+
+  // A channel held by the caller for one request.
+  struct Slot;
+  class Held;
+  Held hold() const;
+  // Sends the request written in the slot's request area (a header and
+  // `count` items of item_bytes) and waits for the reply header. Unavailable
+  // when the server is gone or does not answer within timeout_us (the
+  // channel is not used again).
+  Status call(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, pool::ReplyHeader* reply,
+              int64_t timeout_us) const;
+  void send_releases(std::vector<uint64_t> tokens);
+  void release_loop();
+  Status copy_in(uint8_t* dst, const void* src, uint64_t n, const PutOptions& options);
+  Status copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req);
+
+  ThreadPool* const pool_;
+  const int64_t timeout_us_;
+  const uint64_t parallel_threshold_;
+  int sock_ = -1;
+  uint64_t client_id_ = 0;
+  uint8_t* arena_map_ = nullptr;
+  uint64_t arena_map_bytes_ = 0;
+  uint8_t* base_ = nullptr;
+  uint64_t capacity_ = 0;
+  bool persistent_ = false;
+  bool registered_ = false;
+  uint8_t* channel_map_ = nullptr;
+  uint64_t channel_map_bytes_ = 0;
+  uint32_t channel_count_ = 0;
+  struct Slot {
+    std::mutex mu;  // held for one request
+    pool::Channel ch;
+    uint32_t seq = 0;
+    bool broken = false;
+  };
+  mutable std::unique_ptr<Slot[]> slots_;
+  mutable std::atomic<uint32_t> next_slot_{0};
+  mutable std::atomic<bool> server_gone_{false};
+
+  std::mutex release_mu_;
+  std::condition_variable release_cv_;
+  std::vector<uint64_t> release_queue_;
+  bool stopping_ = false;
+  std::thread releaser_;
+
+  mutable TierCounters counters_;
+};
+
+}  // namespace cascade

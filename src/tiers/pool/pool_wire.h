@@ -1,0 +1,191 @@
+// The node pool's messages: a fixed binary format shared by the pool tier
+// (the client, src/tiers/pool) and the server (src/serve).
+//
+// A client connects to the server's Unix socket and sends a Hello; the
+// server checks the peer's credentials (SO_PEERCRED) and answers with a
+// Welcome carrying two descriptors (SCM_RIGHTS): the host arena's
+// shared-memory file and the client's channel file. After that the socket
+// carries nothing; its end (EOF) tells the server the client is gone, and
+// the server then ends the client's leases and frees its reservations.
+//
+// Requests go through channels: fixed slots in the channel file, each a
+// request area and a reply area with two sequence words that both sides wait
+// on with futexes (ChannelControl). A request is a RequestHeader and `count`
+// items of the op's request type; the reply is a ReplyHeader and `count`
+// items of the op's reply type, or, when ReplyHeader::code is not OK, a
+// message of message_bytes. Every field is little-endian and fixed in size;
+// the server copies a request out of the shared page before it reads it
+// and checks every length against the op, so a malformed request is an
+// InvalidArgument reply and never a crash. docs/formats.md has the tables.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace cascade::pool {
+
+inline constexpr uint32_t kMagic = 0x4c4f4f50;  // "POOL"
+inline constexpr uint32_t kVersion = 1;
+inline constexpr uint32_t kMaxNamespaceBytes = 256;
+inline constexpr uint32_t kMaxChannels = 64;
+inline constexpr uint32_t kMaxItems = 2048;  // items in one request
+inline constexpr uint32_t kMaxMessageBytes = 512;
+
+// ---- handshake (socket) -----------------------------------------------------
+struct Hello {
+  uint32_t magic;
+  uint32_t version;
+  uint32_t channels;         // 1 .. kMaxChannels
+  uint32_t namespace_bytes;  // 0 .. kMaxNamespaceBytes
+  char name_space[kMaxNamespaceBytes];
+};
+static_assert(sizeof(Hello) == 272);
+
+// Welcome::flags
+inline constexpr uint32_t kPersistent = 1;  // the server keeps blocks past its exit
+
+struct Welcome {
+  uint32_t magic;
+  uint32_t version;
+  uint32_t code;  // a cascade::Code; not OK: message says why, no descriptors follow
+  uint32_t channels;
+  uint64_t client_id;
+  uint64_t arena_capacity;     // bytes of the arena
+  uint64_t arena_file_offset;  // where the arena starts in its file
+  uint64_t channel_stride;     // bytes of one channel in the channel file
+  uint32_t flags;
+  uint32_t message_bytes;
+  char message[kMaxMessageBytes];
+};
+static_assert(sizeof(Welcome) == 568);
+
+// ---- channels ---------------------------------------------------------------
+// The two words each side waits on sit on their own cache lines.
+struct ChannelControl {
+  alignas(64) std::atomic<uint32_t> request_seq;  // the client bumps it after writing a request
+  std::atomic<uint32_t> server_sleeping;          // the server waits in futex on request_seq
+  uint32_t request_bytes;
+  alignas(64) std::atomic<uint32_t> reply_seq;  // the server sets it to request_seq when replied
+  std::atomic<uint32_t> client_sleeping;        // the client waits in futex on reply_seq
+  uint32_t reply_bytes;
+};
+static_assert(sizeof(ChannelControl) == 128);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+
+inline constexpr uint64_t kControlBytes = 4096;
+inline constexpr uint64_t kRequestAreaBytes = 16 + 32ULL * kMaxItems;  // largest: reserve
+inline constexpr uint64_t kReplyAreaBytes = 16 + 32ULL * kMaxItems;    // largest: lease
+inline constexpr uint64_t kChannelStride =
+    kControlBytes + ((kRequestAreaBytes + 4095) & ~4095ULL) + ((kReplyAreaBytes + 4095) & ~4095ULL);
+inline constexpr uint64_t kRequestOffset = kControlBytes;
+inline constexpr uint64_t kReplyOffset = kControlBytes + ((kRequestAreaBytes + 4095) & ~4095ULL);
+
+enum class Op : uint32_t {
+  kLookup = 1,   // items BlockIdItem -> LookupReply
+  kReserve = 2,  // ReserveItem -> ReserveReply
+  kCommit = 3,   // TokenItem -> CodeReply
+  kAbort = 4,    // TokenItem -> CodeReply
+  kLease = 5,    // BlockIdItem -> LeaseReply
+  kRelease = 6,  // TokenItem -> CodeReply
+  kRemove = 7,   // BlockIdItem -> CodeReply
+  kFlush = 8,    // no items -> no items
+  kStats = 9,    // no items -> one ServerStatsReply
+  kPing = 10,    // no items -> no items
+};
+
+struct RequestHeader {
+  uint32_t op;
+  uint32_t count;
+  uint32_t flags;
+  uint32_t reserved;
+};
+struct ReplyHeader {
+  uint32_t code;  // OK: count items follow; otherwise message_bytes of text
+  uint32_t count;
+  uint32_t message_bytes;
+  uint32_t reserved;
+};
+static_assert(sizeof(RequestHeader) == 16 && sizeof(ReplyHeader) == 16);
+
+struct BlockIdItem {
+  uint8_t id[16];
+};
+// ReserveItem::flags, LeaseReply::flags
+inline constexpr uint32_t kPrefix = 1;
+// ReserveReply::flags
+inline constexpr uint32_t kPresent = 1;  // stored already: nothing to write, no token
+
+struct ReserveItem {
+  uint8_t id[16];
+  uint64_t size;
+  uint32_t flags;
+  uint32_t reserved;
+};
+struct TokenItem {
+  uint64_t token;
+};
+struct LookupReply {
+  uint32_t code;  // OK (found) or NotFound
+  uint32_t flags;
+  uint64_t size;
+};
+struct ReserveReply {
+  uint32_t code;
+  uint32_t flags;
+  uint64_t offset;  // in the arena
+  uint64_t token;   // for commit or abort
+  uint64_t reserved;
+};
+struct LeaseReply {
+  uint32_t code;
+  uint32_t flags;
+  uint64_t offset;
+  uint64_t size;
+  uint64_t token;  // for release
+};
+struct CodeReply {
+  uint32_t code;
+};
+static_assert(sizeof(ReserveItem) == 32 && sizeof(ReserveReply) == 32 && sizeof(LeaseReply) == 32);
+static_assert(sizeof(LookupReply) == 16 && sizeof(TokenItem) == 8 && sizeof(CodeReply) == 4);
+
+struct ServerStatsReply {
+  uint64_t clients;
+  uint64_t leases;
+  uint64_t reservations;
+  uint64_t requests;
+};
+
+// Bytes of one request item and one reply item of an op; 0 for ops without
+// items. The server refuses a request whose size is not
+// sizeof(RequestHeader) + count * request_item_bytes(op).
+inline uint64_t request_item_bytes(Op op) {
+  switch (op) {
+    case Op::kLookup:
+    case Op::kLease:
+    case Op::kRemove: return sizeof(BlockIdItem);
+    case Op::kReserve: return sizeof(ReserveItem);
+    case Op::kCommit:
+    case Op::kAbort:
+    case Op::kRelease: return sizeof(TokenItem);
+    default: return 0;
+  }
+}
+inline uint64_t reply_item_bytes(Op op) {
+  switch (op) {
+    case Op::kLookup: return sizeof(LookupReply);
+    case Op::kReserve: return sizeof(ReserveReply);
+    case Op::kLease: return sizeof(LeaseReply);
+    case Op::kCommit:
+    case Op::kAbort:
+    case Op::kRelease:
+    case Op::kRemove: return sizeof(CodeReply);
+    case Op::kStats: return sizeof(ServerStatsReply);
+    default: return 0;
+  }
+}
+static_assert(sizeof(RequestHeader) + 32ULL * kMaxItems <= kRequestAreaBytes);
+static_assert(sizeof(ReplyHeader) + 32ULL * kMaxItems <= kReplyAreaBytes);
+
+}  // namespace cascade::pool
