@@ -363,7 +363,6 @@ void PoolServer::Impl::drop(const std::shared_ptr<PoolClient>& c) {
   std::lock_guard<std::mutex> l(mu);
   clients.erase(c->id);
   reap_queue.push_back(c);
-  disconnects.fetch_add(1);
   reap_cv.notify_all();
 }
 
@@ -379,6 +378,7 @@ void PoolServer::Impl::reap_loop() {
     reap_queue.pop_front();
     l.unlock();
     cleanup(c.get());
+    disconnects.fetch_add(1);  // counted once everything it held is given back
     l.lock();
   }
 }

@@ -76,7 +76,7 @@ class PoolServer {
     uint64_t reservations = 0;  // open now
     uint64_t connections = 0;   // accepted since start
     uint64_t refused = 0;       // peers refused (credentials, hello, limits)
-    uint64_t disconnects = 0;
+    uint64_t disconnects = 0;   // clients gone, with their leases and reservations ended
     uint64_t requests = 0;
     uint64_t malformed = 0;  // requests answered InvalidArgument for their form
     uint64_t reclaimed_leases = 0;

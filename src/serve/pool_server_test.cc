@@ -1,0 +1,361 @@
+// The node pool end to end in one process: a PoolServer and client stores
+// (pipeline "pool") or raw protocol clients talking to it over its socket.
+#include "serve/pool_server.h"
+
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "cascade/store.h"
+#include "os/ipc.h"
+#include "tiers/pool/pool_channel.h"
+#include "tiers/pool/pool_wire.h"
+
+namespace cascade {
+namespace {
+
+using pool::Op;
+
+std::string unique(const std::string& what) {
+  static std::atomic<int> n{0};
+  return what + std::to_string(getpid()) + "-" + std::to_string(n++);
+}
+
+struct PoolFixture {
+  std::string socket = "/tmp/" + unique("cascade-pool-test-") + ".sock";
+  std::unique_ptr<PoolServer> server;
+
+  explicit PoolFixture(uint64_t capacity = 64 << 20) {
+    CascadeConfig c;
+    c.pipeline = "host";
+    c.shm_capacity_bytes = capacity;
+    c.shm_path = "/dev/shm/" + unique("cascade-pool-test-");
+    c.num_io_threads = 2;
+    c.index_shards = 16;
+    PoolServerOptions o;
+    o.socket_path = socket;
+    o.handshake_timeout_ms = 300;
+    auto s = PoolServer::Start(c, o);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    if (s.ok()) server = std::move(s.value());
+  }
+
+  std::unique_ptr<CascadeStore> client(const std::string& ns = "ns", uint32_t timeout_ms = 5000) {
+    CascadeConfig c;
+    c.pipeline = "pool";
+    c.pool_socket = socket;
+    c.pool_namespace = ns;
+    c.pool_channels = 2;
+    c.pool_timeout_ms = timeout_ms;
+    c.num_io_threads = 2;
+    c.use_gpu = false;
+    auto s = CascadeStore::Open(c);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    return s.ok() ? std::move(s.value()) : nullptr;
+  }
+
+  // Waits until the server has seen `n` disconnects and cleaned up after them.
+  void wait_disconnects(uint64_t n) {
+    for (int i = 0; i < 500; ++i) {
+      auto st = server->stats();
+      if (st.disconnects >= n) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+};
+
+std::vector<uint8_t> bytes_for(uint64_t seed, size_t n) {
+  std::vector<uint8_t> v(n);
+  std::mt19937_64 rng(seed);
+  for (auto& b : v) b = static_cast<uint8_t>(rng());
+  return v;
+}
+
+BlockId id_of(uint64_t v) { return compute_block_id(&v, sizeof v); }
+
+// A client speaking the wire format by hand, for requests a PoolTier never sends.
+struct RawClient {
+  int sock = -1;
+  uint8_t* channels = nullptr;
+  uint64_t bytes = 0;
+  pool::Channel ch;
+  uint32_t seq = 0;
+  pool::Welcome welcome{};
+
+  Status connect(const std::string& path, const std::string& ns = "ns") {
+    auto s = connect_unix(path);
+    if (!s.ok()) return s.status();
+    sock = *s;
+    pool::Hello h{};
+    h.magic = pool::kMagic;
+    h.version = pool::kVersion;
+    h.channels = 1;
+    h.namespace_bytes = static_cast<uint32_t>(ns.size());
+    std::memcpy(h.name_space, ns.data(), ns.size());
+    CASCADE_RETURN_IF_ERROR(send_message(sock, &h, sizeof h));
+    std::vector<int> fds;
+    CASCADE_RETURN_IF_ERROR(
+        receive_message(sock, &welcome, sizeof welcome,
+                        std::chrono::steady_clock::now() + std::chrono::seconds(5), &fds, 2));
+    if (welcome.code != 0) return Status(static_cast<Code>(welcome.code), welcome.message);
+    if (fds.size() != 2) return Status::IOError("no descriptors");
+    ::close(fds[0]);
+    bytes = pool::kChannelStride;
+    void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
+    ::close(fds[1]);
+    if (m == MAP_FAILED) return Status::IOError("mmap");
+    channels = static_cast<uint8_t*>(m);
+    ch = pool::Channel::at(channels, 0);
+    return Status::OK();
+  }
+  // Sends n bytes already in the request area; the reply header, or false
+  // when none came within a second.
+  bool call(uint32_t n, pool::ReplyHeader* reply) {
+    ch.control->request_bytes = n;
+    pool::post(&ch.control->request_seq, ++seq, &ch.control->server_sleeping);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    bool ok = pool::wait_change(&ch.control->reply_seq, seq - 1, &ch.control->client_sleeping,
+                                10000, [&] { return std::chrono::steady_clock::now() > deadline; });
+    if (!ok) return false;
+    std::memcpy(reply, ch.reply, sizeof *reply);
+    return true;
+  }
+  uint32_t request(Op op, const void* items, uint32_t count, uint64_t item_bytes,
+                   pool::ReplyHeader* reply) {
+    pool::RequestHeader h{static_cast<uint32_t>(op), count, 0, 0};
+    std::memcpy(ch.request, &h, sizeof h);
+    if (count) std::memcpy(ch.request + sizeof h, items, count * item_bytes);
+    EXPECT_TRUE(call(static_cast<uint32_t>(sizeof h + count * item_bytes), reply));
+    return reply->code;
+  }
+  ~RawClient() {
+    if (channels) ::munmap(channels, bytes);
+    if (sock >= 0) ::close(sock);
+  }
+};
+
+TEST(PoolServerTest, ClientsOfOneNamespaceShareBlocksOthersNeverSeeThem) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  auto a = f.client("model-a");
+  auto b = f.client("model-a");
+  auto other = f.client("model-b");
+  ASSERT_TRUE(a && b && other);
+  for (size_t size : {size_t(0), size_t(1), size_t(4096), size_t(65536), size_t(3 << 20)}) {
+    auto data = bytes_for(size, size);
+    BlockId id = id_of(size);
+    ASSERT_TRUE(a->put(id, data.data(), data.size()).ok());
+    ASSERT_TRUE(b->contains(id));
+    EXPECT_FALSE(other->contains(id));
+    std::vector<uint8_t> out(size + 8, 0xEE);
+    GetResult r;
+    ASSERT_TRUE(b->get(id, out.data(), out.size(), &r).ok());
+    ASSERT_TRUE(r.found);
+    ASSERT_EQ(r.size, size);
+    EXPECT_EQ(0, std::memcmp(out.data(), data.data(), size));
+    GetResult miss;
+    ASSERT_TRUE(other->get(id, out.data(), out.size(), &miss).ok());
+    EXPECT_FALSE(miss.found);
+  }
+  // Batches of many blocks, through one request each way.
+  std::vector<BlockId> ids;
+  std::vector<std::vector<uint8_t>> blocks;
+  std::vector<ConstBuffer> in;
+  for (uint64_t i = 0; i < 300; ++i) {
+    ids.push_back(id_of(1000 + i));
+    blocks.push_back(bytes_for(1000 + i, 8192));
+  }
+  for (auto& blk : blocks) in.push_back(ConstBuffer{blk.data(), blk.size()});
+  std::vector<Status> st;
+  EXPECT_EQ(a->put_batch(ids, in, &st), ids.size());
+  std::vector<std::vector<uint8_t>> outs(ids.size(), std::vector<uint8_t>(8192));
+  std::vector<MutableBuffer> mo;
+  for (auto& o : outs) mo.push_back(MutableBuffer{o.data(), o.size()});
+  std::vector<GetResult> results;
+  EXPECT_EQ(b->get_batch(ids, mo, &results, &st), ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) EXPECT_EQ(outs[i], blocks[i]) << i;
+  // A removal through one client is seen by the other.
+  ASSERT_TRUE(a->remove(ids[0]).ok());
+  EXPECT_FALSE(b->contains(ids[0]));
+}
+
+TEST(PoolServerTest, ALeasedBlockKeepsItsBytesWhileOtherClientsEvict) {
+  PoolFixture f(8 << 20);
+  ASSERT_TRUE(f.server);
+  auto a = f.client();
+  auto b = f.client();
+  auto data = bytes_for(7, 1 << 20);
+  ASSERT_TRUE(a->put(id_of(7), data.data(), data.size()).ok());
+  auto view = a->acquire(id_of(7));
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
+  // Twenty more blocks of 1 MiB through an 8 MiB arena: everything else is evicted.
+  for (uint64_t i = 100; i < 120; ++i) {
+    auto d = bytes_for(i, 1 << 20);
+    ASSERT_TRUE(b->put(id_of(i), d.data(), d.size()).ok());
+  }
+  EXPECT_GT(f.server->stats().store.tiers[0].evictions, 0u);
+  ASSERT_EQ(view->size(), data.size());
+  EXPECT_EQ(0, std::memcmp(view->data(), data.data(), data.size()));
+  EXPECT_TRUE(b->contains(id_of(7)));
+  view->reset();
+}
+
+TEST(PoolServerTest, AClientThatGoesAwayLeavesNoLeaseAndNoReservedSpace) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  auto a = f.client();
+  auto data = bytes_for(1, 65536);
+  ASSERT_TRUE(a->put(id_of(1), data.data(), data.size()).ok());
+  const uint64_t reserved_before = f.server->stats().store.tiers[0].reserved_bytes;
+  {
+    RawClient raw;
+    ASSERT_TRUE(raw.connect(f.socket).ok());
+    pool::ReserveItem items[3] = {};
+    for (int i = 0; i < 3; ++i) {
+      BlockId id = id_of(50 + i);
+      std::memcpy(items[i].id, id.bytes.data(), 16);
+      items[i].size = 1 << 20;
+    }
+    pool::ReplyHeader reply;
+    ASSERT_EQ(raw.request(Op::kReserve, items, 3, sizeof items[0], &reply), 0u);
+    BlockId leased = id_of(1);  // in another namespace ("ns" too: the same one)
+    ASSERT_EQ(raw.request(Op::kLease, leased.bytes.data(), 1, 16, &reply), 0u);
+    pool::LeaseReply lr;
+    std::memcpy(&lr, raw.ch.reply + sizeof reply, sizeof lr);
+    ASSERT_EQ(lr.code, 0u);
+    auto st = f.server->stats();
+    EXPECT_EQ(st.reservations, 3u);
+    EXPECT_EQ(st.leases, 1u);
+    EXPECT_GT(st.store.tiers[0].reserved_bytes, reserved_before);
+  }  // the raw client's socket closes: it is gone
+  f.wait_disconnects(1);
+  auto st = f.server->stats();
+  EXPECT_EQ(st.reservations, 0u);
+  EXPECT_EQ(st.leases, 0u);
+  EXPECT_EQ(st.reclaimed_reservations, 3u);
+  EXPECT_EQ(st.reclaimed_leases, 1u);
+  EXPECT_EQ(st.store.tiers[0].reserved_bytes, reserved_before);
+  EXPECT_EQ(st.store.tiers[0].leased_blocks, 0u);
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(a->contains(id_of(50 + i)));  // never committed
+}
+
+TEST(PoolServerTest, MalformedRequestsGetAnErrorAndOtherClientsGoOn) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  auto good = f.client();
+  RawClient raw;
+  ASSERT_TRUE(raw.connect(f.socket).ok());
+  std::mt19937_64 rng(42);
+  uint64_t replies = 0;
+  for (int round = 0; round < 3000; ++round) {
+    // Random ops (known and unknown), counts and lengths, random item bytes.
+    pool::RequestHeader h{};
+    h.op = static_cast<uint32_t>(rng() % 14);
+    h.count = static_cast<uint32_t>(rng() % 3 == 0 ? rng() : rng() % 70);
+    std::memcpy(raw.ch.request, &h, sizeof h);
+    uint32_t n = static_cast<uint32_t>(rng() % (sizeof h + 64 * 32 + 1));
+    if (rng() % 4 == 0) n = static_cast<uint32_t>(rng());  // beyond the area
+    for (uint32_t i = sizeof h; i < std::min<uint64_t>(n, 4096); ++i)
+      raw.ch.request[i] = static_cast<uint8_t>(rng());
+    pool::ReplyHeader reply;
+    ASSERT_TRUE(raw.call(n, &reply)) << "no reply in round " << round;
+    ++replies;
+    ASSERT_LE(reply.code, static_cast<uint32_t>(Code::kNotSupported));
+    if (round % 500 == 0) {
+      auto d = bytes_for(round, 4096);
+      ASSERT_TRUE(good->put(id_of(10000 + round), d.data(), d.size()).ok());
+      ASSERT_TRUE(good->contains(id_of(10000 + round)));
+    }
+  }
+  EXPECT_EQ(replies, 3000u);
+  EXPECT_GT(f.server->stats().malformed, 100u);
+  // Tokens the client never got are refused, one by one.
+  pool::TokenItem bogus[2] = {{12345}, {0}};
+  pool::ReplyHeader reply;
+  ASSERT_EQ(raw.request(Op::kCommit, bogus, 2, sizeof bogus[0], &reply), 0u);
+  pool::CodeReply codes[2];
+  std::memcpy(codes, raw.ch.reply + sizeof reply, sizeof codes);
+  EXPECT_EQ(codes[0].code, static_cast<uint32_t>(Code::kInvalidArgument));
+  EXPECT_EQ(codes[1].code, static_cast<uint32_t>(Code::kInvalidArgument));
+}
+
+TEST(PoolServerTest, BadHellosAreRefusedWithoutStoppingTheServer) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  std::mt19937_64 rng(7);
+  for (int round = 0; round < 40; ++round) {
+    auto s = connect_unix(f.socket);
+    ASSERT_TRUE(s.ok());
+    int sock = *s;
+    pool::Hello h{};
+    h.magic = pool::kMagic;
+    h.version = pool::kVersion;
+    h.channels = 1;
+    switch (round % 5) {
+      case 0: h.magic = static_cast<uint32_t>(rng()); break;
+      case 1: h.channels = 1000; break;
+      case 2: h.namespace_bytes = 100000; break;
+      case 3: break;  // truncated: half a hello, then the end
+      case 4: break;  // silence: nothing until the deadline
+    }
+    if (round % 5 == 3) {
+      ASSERT_TRUE(send_message(sock, &h, sizeof h / 2).ok());
+      ::shutdown(sock, SHUT_WR);
+    } else if (round % 5 != 4) {
+      ASSERT_TRUE(send_message(sock, &h, sizeof h).ok());
+    }
+    pool::Welcome w{};
+    Status st = receive_message(sock, &w, sizeof w,
+                                std::chrono::steady_clock::now() + std::chrono::seconds(3));
+    if (st.ok()) {
+      EXPECT_NE(w.code, 0u) << round;  // refused with a reason
+    }
+    ::close(sock);
+  }
+  auto c = f.client();
+  ASSERT_TRUE(c);
+  auto d = bytes_for(1, 100);
+  EXPECT_TRUE(c->put(id_of(1), d.data(), d.size()).ok());
+  EXPECT_GE(f.server->stats().refused, 32u);
+}
+
+TEST(PoolServerTest, CallsFailWithUnavailableOnceTheServerIsGone) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  auto c = f.client("ns", 2000);
+  auto d = bytes_for(1, 4096);
+  ASSERT_TRUE(c->put(id_of(1), d.data(), d.size()).ok());
+  ASSERT_TRUE(f.server->close().ok());
+  auto t0 = std::chrono::steady_clock::now();
+  Status st = c->put(id_of(2), d.data(), d.size());
+  EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
+  EXPECT_FALSE(c->contains(id_of(1)));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+}
+
+TEST(PoolServerTest, StartRefusesAPipelineWithoutAHostTierAndABusySocket) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  CascadeConfig c;
+  c.pipeline = "host";
+  c.shm_capacity_bytes = 8 << 20;
+  c.shm_path = "/dev/shm/" + unique("cascade-pool-test-");
+  PoolServerOptions o;
+  o.socket_path = f.socket;
+  auto busy = PoolServer::Start(c, o);
+  EXPECT_TRUE(busy.status().is(Code::kBusy)) << busy.status().ToString();
+  c.dedup_enabled = true;
+  o.socket_path = f.socket + "2";
+  EXPECT_TRUE(PoolServer::Start(c, o).status().is(Code::kNotSupported));
+}
+
+}  // namespace
+}  // namespace cascade
