@@ -30,6 +30,10 @@ NB_MODULE(_core, m) {
   nb::enum_<WritePolicy>(m, "WritePolicy")
       .value("WRITE_BACK", WritePolicy::kWriteBack)
       .value("WRITE_THROUGH", WritePolicy::kWriteThrough);
+  nb::enum_<ShmPopulate>(m, "ShmPopulate")
+      .value("LAZY", ShmPopulate::kLazy)
+      .value("AHEAD", ShmPopulate::kAhead)
+      .value("FULL", ShmPopulate::kFull);
   nb::enum_<FileIoEngine>(m, "FileIoEngine")
       .value("PSYNC", FileIoEngine::kPsync)
       .value("IO_URING", FileIoEngine::kIoUring);
@@ -45,6 +49,7 @@ NB_MODULE(_core, m) {
       .def_rw("shm_capacity_bytes", &CascadeConfig::shm_capacity_bytes)
       .def_rw("shm_path", &CascadeConfig::shm_path)
       .def_rw("shm_prefault", &CascadeConfig::shm_prefault)
+      .def_rw("shm_populate", &CascadeConfig::shm_populate)
       .def_rw("file_path", &CascadeConfig::file_path)
       .def_rw("file_stripe_size", &CascadeConfig::file_stripe_size)
       .def_rw("file_stripe_count", &CascadeConfig::file_stripe_count)
