@@ -96,6 +96,8 @@ nb::dict tier_stats_dict(const TierStats& t) {
   d["used_bytes"] = t.used_bytes;
   d["reserved_bytes"] = t.reserved_bytes;
   d["committed_bytes"] = t.committed_bytes;
+  d["warmed_bytes"] = t.warmed_bytes;
+  d["warming"] = t.warming;
   d["blocks"] = t.blocks;
   d["hits"] = t.hits;
   d["misses"] = t.misses;

@@ -31,6 +31,10 @@ NB_MODULE(_core, m) {
   nb::enum_<WritePolicy>(m, "WritePolicy")
       .value("WRITE_BACK", WritePolicy::kWriteBack)
       .value("WRITE_THROUGH", WritePolicy::kWriteThrough);
+  nb::enum_<ShmPopulate>(m, "ShmPopulate")
+      .value("LAZY", ShmPopulate::kLazy)
+      .value("AHEAD", ShmPopulate::kAhead)
+      .value("FULL", ShmPopulate::kFull);
   nb::enum_<FileIoEngine>(m, "FileIoEngine")
       .value("PSYNC", FileIoEngine::kPsync)
       .value("IO_URING", FileIoEngine::kIoUring);
@@ -50,6 +54,7 @@ NB_MODULE(_core, m) {
       .def_rw("pool_namespace", &CascadeConfig::pool_namespace)
       .def_rw("pool_channels", &CascadeConfig::pool_channels)
       .def_rw("pool_timeout_ms", &CascadeConfig::pool_timeout_ms)
+      .def_rw("shm_populate", &CascadeConfig::shm_populate)
       .def_rw("file_path", &CascadeConfig::file_path)
       .def_rw("file_stripe_size", &CascadeConfig::file_stripe_size)
       .def_rw("file_stripe_count", &CascadeConfig::file_stripe_count)

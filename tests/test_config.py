@@ -36,6 +36,41 @@ def test_from_dict_sizes_and_enums():
     assert cascade.CascadeConfig.from_dict(d).to_dict() == d
 
 
+def test_shm_populate_values(tmp_path):
+    assert cascade.CascadeConfig().shm_populate == cascade.ShmPopulate.AHEAD
+    for name in ("lazy", "Ahead", "FULL"):
+        c = cascade.load_config({"shm_populate": name})
+        assert c.shm_populate == getattr(cascade.ShmPopulate, name.upper())
+        assert c.to_dict()["shm_populate"] == name.lower()
+        c.validate()
+    with pytest.raises(ValueError, match="shm_populate: 'eager' is not one of lazy, ahead, full"):
+        cascade.load_config({"shm_populate": "eager"})
+    pytest.importorskip("yaml")
+    p = tmp_path / "cascade.yaml"
+    p.write_text("cascade:\n  pipeline: host\n  shm_populate: full\n")
+    assert cascade.load_config(p).shm_populate == cascade.ShmPopulate.FULL
+
+
+def test_host_stats_show_warming(tmp_path):
+    cfg = cascade.load_config(
+        {
+            "pipeline": "host",
+            "use_gpu": False,
+            "shm_capacity_bytes": "64MiB",
+            "shm_path": f"/dev/shm/cascade-test-populate-{os.getpid()}",
+            "shm_populate": "full",
+        }
+    )
+    with cascade.CascadeStore(cfg) as store:
+        store.put(cascade.block_id("a"), b"x" * 100000)
+        host = store.get_stats()["tiers"]["host"]
+        while host["warming"]:
+            host = store.get_stats()["tiers"]["host"]
+        assert host["committed_bytes"] == 64 << 20
+        assert 0 < host["warmed_bytes"] <= 64 << 20
+    assert not os.path.exists(cfg.shm_path)
+
+
 def test_from_yaml(tmp_path):
     pytest.importorskip("yaml")
     p = tmp_path / "cascade.yaml"

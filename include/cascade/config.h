@@ -21,6 +21,14 @@ enum class EvictionPolicy : uint8_t {
   kFifo,  // oldest insertion first; cheaper bookkeeping, ignores reuse
 };
 
+// How the host tier's arena is backed by memory ahead of use (docs/design.md,
+// "Warming the arena").
+enum class ShmPopulate : uint8_t {
+  kLazy,   // only by the put that needs it, 64 MiB at a time
+  kAhead,  // background threads keep 512 MiB beyond the high-water mark backed
+  kFull,   // background threads back the whole capacity right after open
+};
+
 enum class WritePolicy : uint8_t {
   kWriteBack,     // put writes the top tier; lower tiers get a block when it is evicted
   kWriteThrough,  // put writes every tier of the pipeline before returning
@@ -62,8 +70,8 @@ struct CascadeConfig {
   bool use_gpu = true;
 
   // ---- host tier --------------------------------------------------------
-  // Size of the shared-memory arena. Filled lazily: memory is committed in
-  // 64 MiB steps as blocks arrive, so a large value costs nothing up front.
+  // Size of the shared-memory arena. Memory is committed as blocks arrive
+  // (plus shm_populate's window), so a large value costs nothing up front.
   // 4 GiB fits any machine we run on.
   uint64_t shm_capacity_bytes = 4ULL << 30;
   // The arena's file. Must be on a tmpfs (/dev/shm) for memory speed. One
@@ -73,8 +81,16 @@ struct CascadeConfig {
   // Default: /dev/shm/cascade-<effective uid>, one per user.
   std::string shm_path = default_shm_path();
   // Touch the whole arena at open so no put ever takes a first-touch page
-  // fault. Off: costs time and memory up front.
+  // fault; open waits for it (with every warming thread helping). Off:
+  // costs time and memory up front.
   bool shm_prefault = false;
+  // How the arena is backed ahead of use, in the background, with one
+  // thread per core (at most 16); a put never waits for a warmer except on
+  // the one chunk (4 MiB) being backed that it needs. Ahead: a fresh
+  // store's first puts run near copy speed for the cost of 512 MiB of
+  // memory backed beyond what is used. Full: a node-wide store that should
+  // take its memory once, at start.
+  ShmPopulate shm_populate = ShmPopulate::kAhead;
 
   // ---- node pool (a client of `cascade serve`) ----------------------------
   // The Unix socket of the node's pool server. Set: the automatic pipeline
@@ -161,9 +177,9 @@ struct CascadeConfig {
   // Checks the fields alone and against each other, never the machine.
   // The pipeline must resolve (as if a GPU were usable, so with use_gpu the
   // automatic pipeline includes "gpu"), and each tier in it needs its fields:
-  // host or remote: shm_capacity_bytes > 0 and shm_path set; pool:
-  // pool_socket set, pool_channels 0 to 64, pool_namespace at most 256
-  // bytes; gpu:
+  // host or remote: shm_capacity_bytes > 0, shm_path set and shm_populate
+  // one of its values; pool: pool_socket set, pool_channels 0 to 64,
+  // pool_namespace at most 256 bytes; gpu:
   // gpu_capacity_bytes > 0 and gpu_device_id >= 0; file: file_path set and
   // segment_size_bytes >= 1 MiB. Whatever the pipeline: file_stripe_count
   // >= 0; file_mode holds permission bits only (<= 0777) and grants the owner

@@ -17,6 +17,8 @@ struct TierStats {
   uint64_t used_bytes = 0;       // bytes held by live blocks (payload)
   uint64_t reserved_bytes = 0;   // bytes taken from the medium, incl. alignment and dead space
   uint64_t committed_bytes = 0;  // memory or disk actually backed so far
+  uint64_t warmed_bytes = 0;     // host: memory backed ahead of use by background threads
+  bool warming = false;          // host: background threads are backing memory right now
   uint64_t blocks = 0;           // live blocks
   uint64_t hits = 0;             // reads that found the block here
   uint64_t misses = 0;           // reads that did not

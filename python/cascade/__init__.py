@@ -42,6 +42,7 @@ from cascade._core import (  # noqa: F401
     NotFoundError,
     NotSupportedError,
     ShmBackend,
+    ShmPopulate,
     TierHandle,
     UnavailableError,
     WritePolicy,

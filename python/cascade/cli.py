@@ -43,6 +43,11 @@ def _cmd_bench(args) -> int:
 
         args.tiers = "host,file" + (",gpu" if _core.gpu_usable(0) else "")
     args.tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    if args.shm_populate:
+        args.shm_populate = [m.strip().lower() for m in args.shm_populate.split(",") if m.strip()]
+        bad = [m for m in args.shm_populate if m not in ("lazy", "ahead", "full")]
+        if bad:
+            raise SystemExit(f"--shm-populate: {', '.join(bad)}: not one of lazy, ahead, full")
     if args.overflow and args.only_overflow:
         args.tiers = []
     progress = Progress(not args.quiet)
@@ -229,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=0, help="I/O threads (default: one per core)")
     bench.add_argument(
         "--repeats", type=int, default=3, help="timed passes per phase; the best is reported"
+    )
+    bench.add_argument(
+        "--shm-populate",
+        default=None,
+        help="host tier: comma-separated shm_populate modes to measure, a row each "
+        "(lazy, ahead, full; default: the config's default)",
     )
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     bench.add_argument(

@@ -2,7 +2,7 @@
 
 Every field of ``CascadeConfig`` can be given by name. Sizes accept ints
 (bytes) or strings with a unit ("64GiB", "512MB", "4k"); enums accept their
-names in any case ("lru", "write_through", "io_uring"). Unknown keys are an
+names in any case ("lru", "write_through", "io_uring", "ahead"). Unknown keys are an
 error, so a typo never silently falls back to a default.
 
     cfg = load_config("cascade.yaml")          # or a dict
@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from cascade._core import CascadeConfig, EvictionPolicy, FileIoEngine, WritePolicy
+from cascade._core import CascadeConfig, EvictionPolicy, FileIoEngine, ShmPopulate, WritePolicy
 
 # Older name -> the field's name.
 ALIASES = {
@@ -43,6 +43,7 @@ _ENUMS = {
     "eviction_policy": EvictionPolicy,
     "write_policy": WritePolicy,
     "file_io_engine": FileIoEngine,
+    "shm_populate": ShmPopulate,
 }
 _UNITS = {
     "": 1,

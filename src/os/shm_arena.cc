@@ -216,6 +216,7 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
 }
 
 ShmArena::~ShmArena() {
+  committed_.stop_warming();  // the warmers use the mapping and the file
   if (base_) ::munmap(base_, capacity_);
   if (fd_ < 0) return;
   // Remove the file only while the path still names it: a file someone put

@@ -9,7 +9,8 @@
 // the allocator's high-water mark rises: a full /dev/shm then fails a put with
 // NoSpace instead of killing the process with SIGBUS on first touch.
 // Committed steps are pre-mapped (MADV_POPULATE_WRITE) so copies do not take a
-// page fault per page (CommittedMemory does the stepping). Huge pages are requested with
+// page fault per page (CommittedMemory does the stepping); warm() backs memory
+// ahead of use with background threads, chunk by chunk in parallel. Huge pages are requested with
 // MADV_HUGEPAGE where the kernel allows them on shared memory.
 //
 // Path safety: the file is created with O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600,
@@ -66,6 +67,12 @@ class ShmArena {
   // the file system is full.
   Status commit(uint64_t end) { return committed_.commit(end); }
   uint64_t committed() const { return committed_.committed(); }
+  // Backs memory ahead of use with `threads` background threads, keeping
+  // `ahead` bytes beyond the highest commit backed (>= capacity: all of it);
+  // see CommittedMemory. Stopped and joined on destruction.
+  void warm(uint64_t ahead, int threads) { committed_.start_warming(ahead, threads); }
+  uint64_t warmed_bytes() const { return committed_.warmed_bytes(); }
+  bool warming() const { return committed_.warming(); }
 
  private:
   explicit ShmArena(uint64_t capacity);

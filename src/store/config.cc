@@ -90,6 +90,9 @@ Status CascadeConfig::validate() const {
         return Status::InvalidArgument(
             "shm_capacity_bytes is 0: the host tier needs room for at least one block");
       if (shm_path.empty()) return Status::InvalidArgument("shm_path is empty");
+      if (shm_populate != ShmPopulate::kLazy && shm_populate != ShmPopulate::kAhead &&
+          shm_populate != ShmPopulate::kFull)
+        return Status::InvalidArgument("shm_populate must be lazy, ahead or full");
     }
     if (t == TierKind::kPool) {
       if (pool_socket.empty())

@@ -42,8 +42,12 @@ def bench_store_tier(
     progress,
     file_dir: str | None = None,
     ceiling: dict | None = None,
+    shm_populate: str | None = None,
 ) -> dict:
-    """Write (cold and warm arena) and hot-read throughput of one tier for one block size."""
+    """Write (first fill of a fresh store, then steady state) and hot-read
+    throughput of one tier for one block size. The first fill starts right
+    after open, so for the host tier it shows what `shm_populate` (None: the
+    config's default) gives a freshly started store."""
     n = _blocks_for(size, total, blocks)
     nbytes = n * size
     progress(f"{tier} {fmt_size(size)}: {n} blocks, {nbytes / 2**30:.2f} GiB, {threads} threads")
@@ -65,6 +69,8 @@ def bench_store_tier(
         cfg.pipeline = "host"
         cfg.shm_capacity_bytes = nbytes + max(64 << 20, nbytes // 16)
         cfg.shm_path = _unique_shm_path(f"{size}")
+        if shm_populate is not None:
+            cfg.shm_populate = getattr(cascade.ShmPopulate, shm_populate.upper())
     elif tier == "file":
         # O_DIRECT: every read is a cold read (no page cache), as on a
         # cluster file system where the data is not in this node's memory.
@@ -82,6 +88,7 @@ def bench_store_tier(
         raise ValueError(f"no store benchmark for tier {tier!r}")
     result = {
         "tier": tier,
+        "shm_populate": cfg.shm_populate.name.lower() if tier == "host" else None,
         "block_bytes": size,
         "blocks": n,
         "total_bytes": nbytes,
@@ -91,11 +98,25 @@ def bench_store_tier(
         return _bench_file_tier(
             cfg, result, ids, views, outs, data, out, nbytes, repeats, progress, ceiling
         )
+    if tier == "host" and cfg.shm_populate != cascade.ShmPopulate.LAZY:
+        # A store opened ahead of its traffic: the first fill once warming is done.
+        with cascade.CascadeStore(cfg) as store:
+            while store.get_stats()["tiers"]["host"]["warming"]:
+                time.sleep(0.005)
+            t, stored = timed(store.put_batch, ids, views)
+            if stored != n:
+                raise RuntimeError(f"{tier}: stored {stored} of {n} blocks")
+            result["write_warmed_gbps"] = nbytes / t / 1e9
+            progress(
+                f"{tier} {fmt_size(size)}: first fill after warming "
+                f"{result['write_warmed_gbps']:.2f} GB/s"
+            )
     with cascade.CascadeStore(cfg) as store:
         t, stored = timed(store.put_batch, ids, views)
         if stored != n:
             raise RuntimeError(f"{tier}: stored {stored} of {n} blocks")
         result["write_cold_gbps"] = nbytes / t / 1e9
+        progress(f"{tier} {fmt_size(size)}: first fill {result['write_cold_gbps']:.2f} GB/s")
         writes, reads = [], []
         for r in range(repeats):
             store.clear()
@@ -266,19 +287,22 @@ def run_tier_bench(args, progress) -> dict:
                 else:
                     ceiling = memcpy_ceiling(nbytes, threads)
                     progress(f"host copy ceiling for {fmt_size(size)}: {ceiling['gbps']:.2f} GB/s")
-                r = bench_store_tier(
-                    tier,
-                    size,
-                    total=args.total,
-                    blocks=args.blocks,
-                    threads=threads,
-                    repeats=args.repeats,
-                    progress=progress,
-                    ceiling=ceiling,
-                    file_dir=file_dir,
-                )
-                r["ceiling"] = ceiling
-                report["results"].append(r)
+                modes = getattr(args, "shm_populate", None) if tier == "host" else None
+                for mode in modes or [None]:
+                    r = bench_store_tier(
+                        tier,
+                        size,
+                        total=args.total,
+                        blocks=args.blocks,
+                        threads=threads,
+                        repeats=args.repeats,
+                        progress=progress,
+                        ceiling=ceiling,
+                        file_dir=file_dir,
+                        shm_populate=mode,
+                    )
+                    r["ceiling"] = ceiling
+                    report["results"].append(r)
         if args.overflow:
             from cascade.bench.overflow import run_overflow
 

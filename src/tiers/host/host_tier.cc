@@ -5,8 +5,15 @@
 namespace cascade {
 
 Result<std::unique_ptr<HostTier>> HostTier::Open(const CascadeConfig& config, ThreadPool* pool) {
-  auto arena = ShmArena::Create(config.shm_path, config.shm_capacity_bytes, config.shm_prefault);
+  auto arena = ShmArena::Create(config.shm_path, config.shm_capacity_bytes, false);
   if (!arena.ok()) return arena.status();
+  ShmArena& a = **arena;
+  const ShmPopulate populate = config.shm_prefault ? ShmPopulate::kFull : config.shm_populate;
+  if (populate != ShmPopulate::kLazy)
+    a.warm(populate == ShmPopulate::kFull ? a.capacity() : CommittedMemory::kAheadBytes,
+           default_warm_threads());
+  // Prefault: open backs the whole arena, the warmers helping.
+  if (config.shm_prefault) CASCADE_RETURN_IF_ERROR(a.commit(a.capacity()));
   std::unique_ptr<HostTier> tier(new HostTier(config, std::move(arena.value()), pool));
   if (gpu_usable(config.gpu_device_id)) {
     // Registration lets the GPU DMA straight from the arena; failure only
@@ -19,6 +26,13 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const CascadeConfig& config, Th
 HostTier::HostTier(const CascadeConfig& config, std::unique_ptr<ShmArena> arena, ThreadPool* pool)
     : HostArenaTier(config, arena->base(), arena->capacity(), pool, "the host tier"),
       arena_(std::move(arena)) {}
+
+TierStats HostTier::stats() const {
+  TierStats s = HostArenaTier::stats();
+  s.warmed_bytes = arena_->warmed_bytes();
+  s.warming = arena_->warming();
+  return s;
+}
 
 HostTier::~HostTier() {
   if (registered_) unregister_host_memory(arena_base());

@@ -1,7 +1,8 @@
 // HostTier: blocks in a shared-memory arena (an ArenaTier).
 //
-// Bytes live in a ShmArena at config.shm_path, committed in steps as the
-// allocator's high-water mark rises; ranges come from HostArenaTier's
+// Bytes live in a ShmArena at config.shm_path, committed as the allocator's
+// high-water mark rises and ahead of it in the background
+// (config.shm_populate); ranges come from HostArenaTier's
 // ExtentAllocator (no system call per block). Copies of large blocks are split across the
 // store's I/O threads. When a GPU is present the arena is registered with it
 // so host<->GPU copies are single DMAs.
@@ -24,6 +25,7 @@ class HostTier final : public HostArenaTier {
 
   TierKind kind() const override { return TierKind::kHost; }
   SharedArena shared_arena() const override;
+  TierStats stats() const override;
 
  private:
   HostTier(const CascadeConfig& config, std::unique_ptr<ShmArena> arena, ThreadPool* pool);
