@@ -45,6 +45,8 @@ NB_MODULE(_core, m) {
       .def_rw("shm_capacity_bytes", &CascadeConfig::shm_capacity_bytes)
       .def_rw("shm_path", &CascadeConfig::shm_path)
       .def_rw("shm_prefault", &CascadeConfig::shm_prefault)
+      .def_rw("shm_persist", &CascadeConfig::shm_persist)
+      .def_rw("shm_table_slots", &CascadeConfig::shm_table_slots)
       .def_rw("file_path", &CascadeConfig::file_path)
       .def_rw("file_stripe_size", &CascadeConfig::file_stripe_size)
       .def_rw("file_stripe_count", &CascadeConfig::file_stripe_count)
@@ -106,6 +108,7 @@ NB_MODULE(_core, m) {
         nb::dict d;
         d["memcpy_gbps"] = c.memcpy_gbps;
         d["stream_gbps"] = c.stream_gbps;
+        d["read_gbps"] = c.read_gbps;
         d["gbps"] = c.best();
         return d;
       },

@@ -87,6 +87,9 @@ Status CascadeConfig::validate() const {
         return Status::InvalidArgument(
             "shm_capacity_bytes is 0: the host tier needs room for at least one block");
       if (shm_path.empty()) return Status::InvalidArgument("shm_path is empty");
+      if (shm_table_slots > (1ull << 30))
+        return Status::InvalidArgument("shm_table_slots " + std::to_string(shm_table_slots) +
+                                       " is larger than 2^30");
     }
     if (t == TierKind::kGpu) {
       if (gpu_capacity_bytes == 0)
