@@ -110,6 +110,11 @@ nb::dict tier_stats_dict(const TierStats& t) {
   d["read_errors"] = t.read_errors;
   d["leased_blocks"] = t.leased_blocks;
   d["persistent"] = t.persistent;
+  d["reattached_blocks"] = t.reattached_blocks;
+  d["reattach_dropped"] = t.reattach_dropped;
+  d["reattach_bytes"] = t.reattach_bytes;
+  d["reattach_seconds"] = t.reattach_seconds;
+  d["unpersisted_blocks"] = t.unpersisted_blocks;
   return d;
 }
 

@@ -55,6 +55,8 @@ NB_MODULE(_core, m) {
       .def_rw("pool_channels", &CascadeConfig::pool_channels)
       .def_rw("pool_timeout_ms", &CascadeConfig::pool_timeout_ms)
       .def_rw("shm_populate", &CascadeConfig::shm_populate)
+      .def_rw("shm_persist", &CascadeConfig::shm_persist)
+      .def_rw("shm_table_slots", &CascadeConfig::shm_table_slots)
       .def_rw("file_path", &CascadeConfig::file_path)
       .def_rw("file_stripe_size", &CascadeConfig::file_stripe_size)
       .def_rw("file_stripe_count", &CascadeConfig::file_stripe_count)
@@ -116,6 +118,7 @@ NB_MODULE(_core, m) {
         nb::dict d;
         d["memcpy_gbps"] = c.memcpy_gbps;
         d["stream_gbps"] = c.stream_gbps;
+        d["read_gbps"] = c.read_gbps;
         d["gbps"] = c.best();
         return d;
       },

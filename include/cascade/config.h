@@ -84,6 +84,20 @@ struct CascadeConfig {
   // fault; open waits for it (with every warming thread helping). Off:
   // costs time and memory up front.
   bool shm_prefault = false;
+  // Keep the arena and its blocks across close, a crash or SIGKILL (warm
+  // restart): close leaves the file in place, and the next store opened on
+  // it with the same shm_capacity_bytes and shm_table_slots reattaches it,
+  // verifies each block's checksum and serves what passes. Blocks are
+  // recorded in a block table in the file and sealed (checksummed) in the
+  // background; flush() seals every block stored before it. A crash loses
+  // only blocks not sealed yet. Off: the arena is a cache emptied by close
+  // (and by the next open after a crash).
+  bool shm_persist = false;
+  // Slots of the block table with shm_persist: at most this many blocks are
+  // kept across a restart (more are stored, not kept; counted in the host
+  // tier's unpersisted_blocks). 0 = shm_capacity_bytes / 64 KiB, at least
+  // 1024 and at most one per 4 KiB; 64 bytes of the file each.
+  uint64_t shm_table_slots = 0;
   // How the arena is backed ahead of use, in the background, with one
   // thread per core (at most 16); a put never waits for a warmer except on
   // the one chunk (4 MiB) being backed that it needs. Ahead: a fresh

@@ -31,6 +31,14 @@ struct TierStats {
   uint64_t read_errors = 0;     // reads the device failed (I/O error): misses, block kept
   uint64_t leased_blocks = 0;   // blocks with a reader or a zero-copy lease right now
   bool persistent = false;      // its blocks outlive the store (Tier::persistent)
+  // A host tier with shm_persist: what its open adopted from the arena file
+  // (warm restart), and blocks stored while its block table was full (kept
+  // in memory, not across a restart).
+  uint64_t reattached_blocks = 0;  // sealed blocks verified and adopted
+  uint64_t reattach_dropped = 0;   // slots not adopted: unsealed, torn, corrupt, overlapping
+  uint64_t reattach_bytes = 0;     // bytes verified
+  double reattach_seconds = 0;     // scan, verification and index insertion
+  uint64_t unpersisted_blocks = 0;
 };
 
 struct StoreStats {

@@ -101,6 +101,11 @@ class CascadeStore {
   // Zero-copy view of a block in the top memory tier, under a lease. A block
   // found only below is promoted first. NotFound on a miss.
   Result<BlockView> acquire(const BlockId& id);
+  // acquire() of many blocks: views[i] and statuses[i] (both resized to
+  // ids.size()) as acquire(ids[i]); the top tier leases them in one call
+  // where it can (one request to a node pool).
+  void acquire_batch(std::span<const BlockId> ids, std::vector<BlockView>* views,
+                     std::vector<Status>* statuses);
 
   // The size of a stored block, from the first tier holding it, without
   // copying it. NotFound on a miss.

@@ -167,6 +167,11 @@ class Tier {
   // Zero-copy access under a lease. NotFound on a miss; NotSupported for
   // tiers without addressable memory.
   virtual Result<BlockView> acquire(const BlockId& id);
+  // Many acquires: views[i] and statuses[i] as acquire(ids[i]). Tiers whose
+  // leases cost a round trip (pool) take the batch in one; the default
+  // loops over acquire().
+  virtual void acquire_batch(std::span<const BlockId> ids, std::span<BlockView> views,
+                             std::span<Status> statuses);
 
   virtual bool contains(const BlockId& id) const = 0;
 

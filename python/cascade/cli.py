@@ -8,6 +8,7 @@ cascade bench compare   Cascade beside Redis, HDF5, file-per-block, LMCache, tor
 cascade bench gpu       gpu tier and paged KV transfers vs PCIe/HBM ceilings
 cascade bench vmm --pages-total 100 --procs 4 --iters 20   GPU page-mapping parallelism
 cascade bench ttft      time to first token: full prefill vs prefix from the host/file tier
+cascade bench restart   warm restart: reattach time of a persistent host arena
 cascade stress --quick  randomized reliability harness: ops, kill -9, corruption, I/O faults
 """
 
@@ -88,6 +89,13 @@ def _cmd_vmm(args) -> int:
 def _cmd_ttft(args) -> int:
     from cascade.bench.common import Progress
     from cascade.bench.ttft import main
+
+    return main(args, Progress(not args.quiet))
+
+
+def _cmd_restart(args) -> int:
+    from cascade.bench.common import Progress
+    from cascade.bench.restart import main
 
     return main(args, Progress(not args.quiet))
 
@@ -262,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`--distributed --json` runs",
     )
     bench.set_defaults(fn=_cmd_bench)
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{compare,gpu,vmm,ttft}")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{compare,gpu,vmm,ttft,restart}")
     compare = bench_sub.add_parser(
         "compare", help="Cascade side by side with its peers, ceilings beside"
     )
@@ -289,6 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_ttft_arguments(ttft)
     ttft.set_defaults(fn=_cmd_ttft)
+    from cascade.bench.restart import add_restart_arguments
+
+    restart = bench_sub.add_parser(
+        "restart",
+        help="warm restart of the host tier: reattach time of a persistent arena beside "
+        "the read ceiling",
+    )
+    add_restart_arguments(restart)
+    restart.set_defaults(fn=_cmd_restart)
     return p
 
 

@@ -4,7 +4,7 @@
 // over `threads` threads, best of `repeats`, with glibc memcpy and with the
 // streaming copy_bytes. Bytes copied per second (not read+write). The
 // ceiling is the better of the two: a store that used the slower routine
-// should not look good against it.
+// should not look good against it. Also a read-only pass (read_gbps).
 #pragma once
 
 #include <cstddef>
@@ -14,6 +14,10 @@ namespace cascade {
 struct MemcpyCeiling {
   double memcpy_gbps = 0;  // glibc memcpy
   double stream_gbps = 0;  // copy_bytes
+  // A read-only pass over the shared-memory buffer (words summed), bytes
+  // read per second: the ceiling of anything that only reads the arena
+  // (checksum verification at reattach). Not part of best().
+  double read_gbps = 0;
   double best() const { return memcpy_gbps > stream_gbps ? memcpy_gbps : stream_gbps; }
 };
 

@@ -230,6 +230,11 @@ Result<size_t> KvBlockMover::load(std::span<const int64_t> engine_blocks,
       std::vector<BlockId> chunk(ids.begin() + begin, ids.begin() + begin + n);
       store_->prefetch(std::move(chunk))->wait();
     }
+    // Every block of the chunk is leased in one call (one request to a
+    // node pool).
+    std::vector<BlockView> leased;
+    std::vector<Status> lease_st;
+    store_->acquire_batch(std::span<const BlockId>(ids.data() + begin, n), &leased, &lease_st);
     std::vector<BlockView> views;
     views.reserve(n);
     // Items served from a lease, by the memory kind of the lease.
@@ -243,7 +248,8 @@ Result<size_t> KvBlockMover::load(std::span<const int64_t> engine_blocks,
         (*statuses)[i] = st;
         continue;
       }
-      auto v = store_->acquire(ids[i]);
+      Result<BlockView> v = lease_st[k].ok() ? Result<BlockView>(std::move(leased[k]))
+                                             : Result<BlockView>(lease_st[k]);
       if (!v.ok()) {
         if (v.status().is(Code::kNotFound)) {
           (*statuses)[i] = Status::NotFound("block " + ids[i].hex() + " is not stored");

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -23,15 +24,38 @@ std::string default_shm_path() { return "/dev/shm/cascade-" + std::to_string(::g
 
 namespace {
 
-// The first bytes of the header page.
+// The first bytes of the header page (docs/formats.md). Format version 1
+// had the same first 40 bytes, with table_slots reserved (zero) and no more.
 struct ArenaHeader {
   char magic[16];
   uint32_t version;
   uint32_t header_bytes;
   uint64_t capacity;
   uint32_t creator_uid;
-  uint32_t reserved;
+  uint32_t table_slots;  // 0: an ephemeral arena, no table
+  uint64_t table_bytes;  // bytes between the header page and the usable arena
+  uint8_t key[ShmArena::kKeyBytes];
 };
+static_assert(sizeof(ArenaHeader) == 80, "ArenaHeader is 80 bytes");
+
+uint64_t table_region_bytes(uint64_t header, uint32_t slots) {
+  if (slots == 0) return 0;
+  const uint64_t end = header + uint64_t(slots) * ShmArena::kSlotBytes;
+  return ((end + ShmArena::kTableAlign - 1) & ~(ShmArena::kTableAlign - 1)) - header;
+}
+
+Status random_key(uint8_t* key, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = ::getrandom(key + got, n - got, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return errno_status(errno, "random bytes for the arena's block table key");
+    }
+    got += size_t(r);
+  }
+  return Status::OK();
+}
 
 std::string human(uint64_t b) {
   char buf[64];
@@ -75,14 +99,23 @@ std::string refusal(const struct stat& st, dev_t dir_dev) {
   return "";
 }
 
-std::string header_refusal(int fd) {
+// Why a locked existing file may not be adopted; empty when it may, with its
+// header in *h (fields past a version 1 header are zero for one).
+std::string header_refusal(int fd, ArenaHeader* out) {
   ArenaHeader h{};
+  constexpr size_t kV1Bytes = 40;
   ssize_t n = ::pread(fd, &h, sizeof h, 0);
-  if (n != ssize_t(sizeof h) || std::memcmp(h.magic, ShmArena::kMagic, sizeof h.magic) != 0)
+  if (n < ssize_t(kV1Bytes) || std::memcmp(h.magic, ShmArena::kMagic, sizeof h.magic) != 0)
     return "it has no Cascade arena header";
-  if (h.version != ShmArena::kFormatVersion)
+  if (h.version == 0 || h.version > ShmArena::kFormatVersion)
     return "its arena format version is " + std::to_string(h.version) + ", this build uses " +
            std::to_string(ShmArena::kFormatVersion);
+  if (h.version < ShmArena::kFormatVersion) {  // an older arena: only its first 40 bytes count
+    std::memset(reinterpret_cast<uint8_t*>(&h) + kV1Bytes, 0, sizeof h - kV1Bytes);
+  } else if (n != ssize_t(sizeof h)) {
+    return "it has no Cascade arena header";
+  }
+  *out = h;
   if (h.creator_uid != ::geteuid())
     return "its header names uid " + std::to_string(h.creator_uid) + " as its creator";
   return "";
@@ -91,9 +124,16 @@ std::string header_refusal(int fd) {
 }  // namespace
 
 Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint64_t capacity,
-                                                   bool prefault) {
+                                                   bool prefault, uint32_t table_slots) {
   if (capacity == 0) return Status::InvalidArgument("shm_capacity_bytes is 0");
-  const uint64_t header = std::max<uint64_t>(4096, uint64_t(::sysconf(_SC_PAGESIZE)));
+  if (table_slots > kMaxTableSlots)
+    return Status::InvalidArgument("block table of " + std::to_string(table_slots) +
+                                   " slots is larger than " + std::to_string(kMaxTableSlots));
+  const uint64_t page = std::max<uint64_t>(4096, uint64_t(::sysconf(_SC_PAGESIZE)));
+  // The header page, then the block table region: the file offset of the
+  // usable arena.
+  const uint64_t table_bytes = table_region_bytes(page, table_slots);
+  const uint64_t header = page + table_bytes;
   if (capacity > uint64_t(INT64_MAX) - header)
     return Status::InvalidArgument("shm_capacity_bytes " + std::to_string(capacity) +
                                    " is too large");
@@ -108,6 +148,8 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
   std::unique_ptr<ShmArena> a(new ShmArena(capacity));
   a->path_ = path;
   a->header_bytes_ = header;
+  a->table_bytes_ = table_bytes;
+  a->table_slots_ = table_slots;
   // Until the arena holds the file, a failure closes fd and removes the file
   // only if it is ours (created by this call, or a stale arena whose reset
   // has begun) and the path still names it.
@@ -168,10 +210,15 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
                        "' is in use by another open store; give each store its own shm_path"));
     return fail(errno_status(err, "lock shm_path '" + path + "'"));
   }
+  bool keep = false;  // a persistent arena reattached with its contents
+  ArenaHeader found{};
   if (!created) {
-    std::string why = header_refusal(fd);
+    std::string why = header_refusal(fd, &found);
     if (!why.empty()) return fail(not_ours(path, why));
-    // A stale arena: its memory is given back below, so it counts as free.
+    keep = table_slots > 0 && found.version == kFormatVersion && found.header_bytes == page &&
+           found.capacity == capacity && found.table_slots == table_slots &&
+           found.table_bytes == table_bytes && uint64_t(st.st_size) == header + capacity;
+    // A stale arena: its memory is given back below (or kept), so it counts as free.
     free_bytes += uint64_t(st.st_blocks) * 512;
   }
   if (header + capacity > free_bytes)
@@ -179,31 +226,53 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
         Status::InvalidArgument("shm_capacity_bytes " + human(capacity) +
                                 " is larger than the free space of the file system holding '" +
                                 path + "' (" + human(free_bytes) + ")"));
-  // From here the file is ours: created by this call, or a stale arena of
-  // this user whose contents are discarded (the host tier starts empty).
-  owned = true;
   a->dev_ = st.st_dev;
   a->ino_ = st.st_ino;
-  if (created && ::fchmod(fd, 0600) != 0)  // exactly 0600 whatever the umask
-    return fail(errno_status(errno, "chmod shm_path '" + path + "'"));
-  if ((!created && ::ftruncate(fd, 0) != 0) ||
-      ::ftruncate(fd, static_cast<off_t>(header + capacity)) != 0)
-    return fail(errno_status(errno, "size shm_path '" + path + "'"));
-  if (int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(header)); rc != 0)
-    return fail(errno_status(rc, "write the header of shm_path '" + path + "'"));
-  std::vector<uint8_t> page(header, 0);
-  ArenaHeader h{};
-  std::memcpy(h.magic, kMagic, sizeof h.magic);
-  h.version = kFormatVersion;
-  h.header_bytes = uint32_t(header);
-  h.capacity = capacity;
-  h.creator_uid = ::geteuid();
-  std::memcpy(page.data(), &h, sizeof h);
-  ssize_t wrote = ::pwrite(fd, page.data(), header, 0);
-  if (wrote != ssize_t(header))
-    return fail(
-        errno_status(wrote < 0 ? errno : EIO, "write the header of shm_path '" + path + "'"));
+  if (keep) {
+    // Reattached: the file, its header and its key stay as they are; a
+    // failure from here closes it without removing it.
+    owned = false;
+    std::memcpy(a->key_, found.key, kKeyBytes);
+  } else {
+    // From here the file is ours: created by this call, or a stale arena of
+    // this user whose contents are discarded (the host tier starts empty).
+    owned = true;
+    if (created && ::fchmod(fd, 0600) != 0)  // exactly 0600 whatever the umask
+      return fail(errno_status(errno, "chmod shm_path '" + path + "'"));
+    if ((!created && ::ftruncate(fd, 0) != 0) ||
+        ::ftruncate(fd, static_cast<off_t>(header + capacity)) != 0)
+      return fail(errno_status(errno, "size shm_path '" + path + "'"));
+    // The header page and the table are backed now: the table is written
+    // at every put and must never fault for memory.
+    if (int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(header)); rc != 0)
+      return fail(errno_status(rc, "write the header of shm_path '" + path + "'"));
+    if (table_slots > 0) {
+      Status ks = random_key(a->key_, kKeyBytes);
+      if (!ks.ok()) return fail(ks);
+    }
+    std::vector<uint8_t> head(page, 0);
+    ArenaHeader h{};
+    std::memcpy(h.magic, kMagic, sizeof h.magic);
+    h.version = kFormatVersion;
+    h.header_bytes = uint32_t(page);
+    h.capacity = capacity;
+    h.creator_uid = ::geteuid();
+    h.table_slots = table_slots;
+    h.table_bytes = table_bytes;
+    std::memcpy(h.key, a->key_, kKeyBytes);
+    std::memcpy(head.data(), &h, sizeof h);
+    ssize_t wrote = ::pwrite(fd, head.data(), page, 0);
+    if (wrote != ssize_t(page))
+      return fail(
+          errno_status(wrote < 0 ? errno : EIO, "write the header of shm_path '" + path + "'"));
+  }
 
+  if (table_bytes > 0) {
+    void* t = ::mmap(nullptr, table_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                     static_cast<off_t>(page));
+    if (t == MAP_FAILED) return fail(errno_status(errno, "map shm_path '" + path + "'"));
+    a->table_ = static_cast<uint8_t*>(t);
+  }
   void* p =
       ::mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(header));
   if (p == MAP_FAILED) return fail(errno_status(errno, "map shm_path '" + path + "'"));
@@ -211,6 +280,7 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
   a->fd_ = fd;
   a->base_ = static_cast<uint8_t*>(p);
   a->adopted_ = !created;
+  a->reattached_ = keep;
   if (prefault) CASCADE_RETURN_IF_ERROR(a->commit(capacity));
   return a;
 }
@@ -218,11 +288,14 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
 ShmArena::~ShmArena() {
   committed_.stop_warming();  // the warmers use the mapping and the file
   if (base_) ::munmap(base_, capacity_);
+  if (table_) ::munmap(table_, table_bytes_);
   if (fd_ < 0) return;
-  // Remove the file only while the path still names it: a file someone put
-  // there since is not ours.
+  // A persistent arena stays for the next open. An ephemeral one is removed
+  // only while the path still names it: a file someone put there since is
+  // not ours.
   struct stat now;
-  if (::lstat(path_.c_str(), &now) == 0 && now.st_dev == dev_ && now.st_ino == ino_)
+  if (table_slots_ == 0 && ::lstat(path_.c_str(), &now) == 0 && now.st_dev == dev_ &&
+      now.st_ino == ino_)
     ::unlink(path_.c_str());
   ::close(fd_);  // releases the flock
 }

@@ -2,30 +2,40 @@
 // memory).
 //
 // The file (shm_path, normally under /dev/shm) starts with a header page
-// (magic "CASCADE-ARENA", format version, capacity, creator uid); the usable
-// arena, base() .. base() + capacity(), follows it. The file is locked with
-// flock, so a second store on the same path is refused (Busy) instead of
-// corrupting the first. Memory is committed in 64 MiB steps with fallocate as
-// the allocator's high-water mark rises: a full /dev/shm then fails a put with
-// NoSpace instead of killing the process with SIGBUS on first touch.
-// Committed steps are pre-mapped (MADV_POPULATE_WRITE) so copies do not take a
-// page fault per page (CommittedMemory does the stepping); warm() backs memory
-// ahead of use with background threads, chunk by chunk in parallel. Huge pages are requested with
-// MADV_HUGEPAGE where the kernel allows them on shared memory.
+// (magic "CASCADE-ARENA", format version, capacity, creator uid, block table
+// size and key); a persistent arena then has its block table region (see
+// docs/formats.md; the host tier gives the slots their meaning), and the
+// usable arena, base() .. base() + capacity(), follows. The file is locked
+// with flock, so a second store on the same path is refused (Busy) instead
+// of corrupting the first. Memory is committed in 64 MiB steps with
+// fallocate as the allocator's high-water mark rises: a full /dev/shm then
+// fails a put with NoSpace instead of killing the process with SIGBUS on
+// first touch. Committed steps are pre-mapped (MADV_POPULATE_WRITE) so
+// copies do not take a page fault per page (CommittedMemory does the
+// stepping); warm() backs memory ahead of use with background threads, chunk
+// by chunk in parallel. Huge pages are requested with MADV_HUGEPAGE where
+// the kernel allows them on shared memory.
 //
 // Path safety: the file is created with O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600,
 // so its memory is private to this user. A file already at the path is
 // adopted only when it is the stale arena of a crashed store of this user: a
 // regular file on its directory's file system, owned by the effective uid,
-// mode exactly 0600, one link, flock free and a valid arena header. Its old
-// contents are discarded (the arena starts empty). Anything else is refused
-// and left as it is; the store never truncates or deletes a file that is not
-// its own. On close (and when Create fails after creating the file) the file
-// is removed only while the path still names the file this arena holds.
+// mode exactly 0600, one link, flock free and a valid arena header (this
+// format version or an older one). Anything else is refused and left as it
+// is; the store never truncates or deletes a file that is not its own.
 //
-// The file is a cache, not a database: nothing in it survives close.
+// Ephemeral (table_slots == 0, the default): an adopted file's old contents
+// are discarded (the arena starts empty), and on close (and when Create
+// fails after creating the file) the file is removed, only while the path
+// still names the file this arena holds. Nothing in it survives close.
 //
-// Thread-safety: commit() is thread-safe; base() is immutable.
+// Persistent (table_slots > 0): close leaves the file in place, and an
+// adopted file whose header matches (this format version, the same
+// capacity, header and table sizes, and the file's size) is reattached with
+// its contents and key: reattached() is true and the caller decides what in
+// it to trust. A file whose header does not match is discarded as above.
+//
+// Thread-safety: commit() is thread-safe; base() and table() are immutable.
 #pragma once
 
 #include <sys/types.h>
@@ -43,10 +53,17 @@ class ShmArena {
  public:
   static constexpr uint64_t kCommitStep = CommittedMemory::kStep;
   static constexpr char kMagic[16] = "CASCADE-ARENA";
-  static constexpr uint32_t kFormatVersion = 1;
+  static constexpr uint32_t kFormatVersion = 2;
+  static constexpr uint64_t kSlotBytes = 64;  // one block table slot
+  static constexpr uint64_t kTableAlign = 2
+                                          << 20;  // the arena starts huge-page aligned in the file
+  static constexpr size_t kKeyBytes = 32;
 
+  // table_slots: 0 for an ephemeral arena, else the slots of a persistent
+  // arena's block table (InvalidArgument above kMaxTableSlots).
+  static constexpr uint32_t kMaxTableSlots = 1u << 30;
   static Result<std::unique_ptr<ShmArena>> Create(const std::string& path, uint64_t capacity,
-                                                  bool prefault);
+                                                  bool prefault, uint32_t table_slots = 0);
   ~ShmArena();
   ShmArena(const ShmArena&) = delete;
   ShmArena& operator=(const ShmArena&) = delete;
@@ -58,10 +75,20 @@ class ShmArena {
   // The open arena file (valid until destruction), for handing to another
   // process that maps it (the node pool's clients).
   int fd() const { return fd_; }
-  // Bytes of the header page in front of the usable arena.
+  // File offset of the usable arena: the header page and the block table.
   uint64_t header_bytes() const { return header_bytes_; }
   // True when Create found a stale arena at the path and took it over.
   bool adopted() const { return adopted_; }
+  // True when the adopted arena kept its contents (persistent, header matched).
+  bool reattached() const { return reattached_; }
+  bool persistent() const { return table_slots_ > 0; }
+
+  // The block table of a persistent arena: table_slots() slots of
+  // kSlotBytes (zero on a new arena), and the random key of its checksums,
+  // made when the file was created. Null and 0 for an ephemeral arena.
+  uint8_t* table() const { return table_; }
+  uint32_t table_slots() const { return table_slots_; }
+  const uint8_t* key() const { return key_; }
 
   // Ensures [0, end) of the usable arena is backed by memory. NoSpace when
   // the file system is full.
@@ -86,6 +113,11 @@ class ShmArena {
   uint64_t capacity_ = 0;
   uint64_t header_bytes_ = 0;
   bool adopted_ = false;
+  bool reattached_ = false;
+  uint8_t* table_ = nullptr;
+  uint64_t table_bytes_ = 0;
+  uint32_t table_slots_ = 0;
+  uint8_t key_[kKeyBytes] = {};
   CommittedMemory committed_;
 };
 

@@ -222,6 +222,66 @@ TEST(ShmArena, StaleArenaOfADeadStoreIsAdoptedAndReset) {
   EXPECT_FALSE(exists(path));
 }
 
+TEST(ShmArena, AStaleArenaOfTheOlderFormatIsAdoptedAndReset) {
+  std::string path = unique_path("v1");
+  leave_stale_arena(path, kCap);
+  int fd = ::open(path.c_str(), O_WRONLY);
+  uint32_t v = 1;
+  ASSERT_EQ(::pwrite(fd, &v, sizeof v, 16), ssize_t(sizeof v));
+  ::close(fd);
+  auto a = ShmArena::Create(path, kCap, false, 1024);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_TRUE((*a)->adopted());
+  EXPECT_FALSE((*a)->reattached());
+  ASSERT_TRUE((*a)->commit(kCap).ok());
+  for (uint64_t i = 0; i < kCap; i += 4096) ASSERT_EQ((*a)->base()[i], 0) << i;
+  a->reset();
+  ::unlink(path.c_str());
+}
+
+TEST(ShmArena, APersistentArenaKeepsItsFileBytesAndKeyOnlyWhenItsHeaderMatches) {
+  std::string path = unique_path("persist");
+  std::string key;
+  {
+    auto a = ShmArena::Create(path, kCap, false, 1024);
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    EXPECT_FALSE((*a)->adopted());
+    ASSERT_NE((*a)->table(), nullptr);
+    EXPECT_EQ((*a)->header_bytes() % ShmArena::kTableAlign, 0u);  // huge-page aligned arena
+    key.assign(reinterpret_cast<const char*>((*a)->key()), ShmArena::kKeyBytes);
+    EXPECT_NE(key, std::string(ShmArena::kKeyBytes, '\0'));
+    ASSERT_TRUE((*a)->commit(kCap).ok());
+    std::memset((*a)->base(), 0x3C, kCap);
+    (*a)->table()[5] = 0x77;
+  }
+  ASSERT_TRUE(exists(path));  // kept on close
+  {
+    auto a = ShmArena::Create(path, kCap, false, 1024);
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    EXPECT_TRUE((*a)->reattached());
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>((*a)->key()), ShmArena::kKeyBytes), key);
+    EXPECT_EQ((*a)->table()[5], 0x77);
+    for (uint64_t i = 0; i < kCap; i += 4096) ASSERT_EQ((*a)->base()[i], 0x3C) << i;
+  }
+  {
+    auto a = ShmArena::Create(path, kCap, false, 2048);  // another table: discarded
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    EXPECT_TRUE((*a)->adopted());
+    EXPECT_FALSE((*a)->reattached());
+    EXPECT_EQ((*a)->table()[5], 0);
+    EXPECT_NE(std::string(reinterpret_cast<const char*>((*a)->key()), ShmArena::kKeyBytes), key);
+    ASSERT_TRUE((*a)->commit(kCap).ok());
+    for (uint64_t i = 0; i < kCap; i += 4096) ASSERT_EQ((*a)->base()[i], 0) << i;
+  }
+  {
+    auto a = ShmArena::Create(path, kCap, false);  // ephemeral: discarded and removed on close
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    EXPECT_FALSE((*a)->reattached());
+    EXPECT_EQ((*a)->table(), nullptr);
+  }
+  EXPECT_FALSE(exists(path));
+}
+
 TEST(ShmArena, CapacityOverFreeSpaceDeletesNothing) {
   const uint64_t huge = 1ULL << 55;
   std::string path = unique_path("nospace");

@@ -256,6 +256,28 @@ void CascadeStore::abort(const Reservation& r) {
   impl_->tiers[0]->abort_reserved(r);
 }
 
+void CascadeStore::acquire_batch(std::span<const BlockId> ids, std::vector<BlockView>* views,
+                                 std::vector<Status>* statuses) {
+  views->clear();
+  views->resize(ids.size());
+  statuses->assign(ids.size(), Status::OK());
+  CASCADE_LIVE_OR((statuses->assign(ids.size(), closed_status()), void()));
+  std::vector<BlockId> phys(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) phys[i] = impl_->physical(ids[i]);
+  impl_->tiers[0]->acquire_batch(phys, *views, *statuses);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (!(*statuses)[i].is(Code::kNotFound)) continue;
+    Status st = impl_->promote(phys[i]);
+    if (!st.ok()) {
+      (*statuses)[i] = st;
+      continue;
+    }
+    auto v = impl_->tiers[0]->acquire(phys[i]);
+    (*statuses)[i] = v.status();
+    if (v.ok()) (*views)[i] = std::move(v.value());
+  }
+}
+
 size_t CascadeStore::put_batch(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
                                std::vector<Status>* statuses, const PutOptions& options) {
   statuses->assign(ids.size(), Status::OK());

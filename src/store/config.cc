@@ -93,6 +93,9 @@ Status CascadeConfig::validate() const {
       if (shm_populate != ShmPopulate::kLazy && shm_populate != ShmPopulate::kAhead &&
           shm_populate != ShmPopulate::kFull)
         return Status::InvalidArgument("shm_populate must be lazy, ahead or full");
+      if (shm_table_slots > (1ull << 30))
+        return Status::InvalidArgument("shm_table_slots " + std::to_string(shm_table_slots) +
+                                       " is larger than 2^30");
     }
     if (t == TierKind::kPool) {
       if (pool_socket.empty())

@@ -24,6 +24,7 @@ Status ArenaTier::check_fits(uint64_t size) const {
 }
 
 bool ArenaTier::publish(const BlockId& id, const Location& loc, const PutOptions& options) {
+  on_publish(id, loc, options.is_prefix);
   if (!index_.insert(id, loc, options.is_prefix)) return false;
   counters_.stored(options, loc.size);
   return true;

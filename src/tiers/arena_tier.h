@@ -93,6 +93,11 @@ class ArenaTier : public Tier {
                           const ReadRequest& /*req*/) {
     return Status::NotSupported("no plain read");
   }
+  // Called by publish() for every block about to become visible, its bytes
+  // complete in the range, before the index has it. When publish() then
+  // finds the id stored already, the range goes back through free_space()
+  // like any other.
+  virtual void on_publish(const BlockId& /*id*/, const Location& /*loc*/, bool /*is_prefix*/) {}
 
   // ---- for tiers with their own put and read paths ------------------------
   // InvalidArgument when a block of `size` can never fit.

@@ -61,4 +61,13 @@ Result<BlockView> Tier::acquire(const BlockId&) {
   return Status::NotSupported(std::string(name()) + " tier has no addressable memory");
 }
 
+void Tier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> views,
+                         std::span<Status> statuses) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto v = acquire(ids[i]);
+    statuses[i] = v.status();
+    views[i] = v.ok() ? std::move(v.value()) : BlockView();
+  }
+}
+
 }  // namespace cascade

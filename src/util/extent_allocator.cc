@@ -37,6 +37,26 @@ std::optional<uint64_t> ExtentAllocator::allocate(uint64_t size) {
   return off;
 }
 
+bool ExtentAllocator::take(uint64_t offset, uint64_t size) {
+  const uint64_t need = round_up(size);
+  if (need == 0 || (offset & (unit_ - 1)) != 0 || offset > capacity_ || need > capacity_ - offset)
+    return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  // The free extent that starts at or before offset must cover the range.
+  auto it = by_offset_.upper_bound(offset);
+  if (it == by_offset_.begin()) return false;
+  --it;
+  const auto [off, len] = *it;
+  if (off + len < offset + need) return false;
+  by_size_.erase({len, off});
+  by_offset_.erase(it);
+  if (offset > off) insert_free(off, offset - off);
+  if (off + len > offset + need) insert_free(offset + need, off + len - (offset + need));
+  used_ += need;
+  high_water_ = std::max(high_water_, offset + need);
+  return true;
+}
+
 void ExtentAllocator::free(uint64_t offset, uint64_t size) {
   uint64_t len = round_up(size);
   if (len == 0) return;

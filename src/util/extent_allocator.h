@@ -28,6 +28,11 @@ class ExtentAllocator {
   std::optional<uint64_t> allocate(uint64_t size);
   // REQUIRES: (offset, size) came from allocate() and was not freed since.
   void free(uint64_t offset, uint64_t size);
+  // Marks [offset, offset + round_up(size)) used (a range adopted from an
+  // earlier run). false, and nothing changes, when size is 0, offset is not
+  // a multiple of the unit, or any byte of the range is not free. The range
+  // is given back with free() like an allocated one.
+  bool take(uint64_t offset, uint64_t size);
   void reset();  // everything free again
 
   uint64_t round_up(uint64_t size) const { return (size + unit_ - 1) & ~(unit_ - 1); }

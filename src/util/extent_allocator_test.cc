@@ -95,4 +95,45 @@ TEST(ExtentAllocatorTest, FragmentationUnderMixedChurn) {
   EXPECT_EQ(a.free_extents(), 1u);
 }
 
+TEST(ExtentAllocatorTest, TakeMarksAGivenRangeUsedAndFreeGivesItBack) {
+  ExtentAllocator a(1 << 20, 4096);
+  EXPECT_TRUE(a.take(64 << 10, 5000));  // rounds up to two units
+  EXPECT_EQ(a.used(), 8192u);
+  EXPECT_EQ(a.high_water(), (64u << 10) + 8192);
+  EXPECT_EQ(a.free_extents(), 2u);  // before and after the range
+  // Overlapping, unaligned, empty or out-of-bounds ranges are refused.
+  EXPECT_FALSE(a.take(64 << 10, 4096));
+  EXPECT_FALSE(a.take((64 << 10) - 4096, 8192));
+  EXPECT_FALSE(a.take((64 << 10) + 4096, 4096));
+  EXPECT_FALSE(a.take(100, 4096));
+  EXPECT_FALSE(a.take(0, 0));
+  EXPECT_FALSE(a.take((1 << 20) - 4096, 8192));
+  EXPECT_FALSE(a.take(UINT64_MAX - 4095, 4096));
+  EXPECT_EQ(a.used(), 8192u);
+  // Ranges next to it, and the ends of the arena, can be taken.
+  EXPECT_TRUE(a.take(0, 4096));
+  EXPECT_TRUE(a.take((64 << 10) + 8192, 4096));
+  EXPECT_TRUE(a.take((1 << 20) - 4096, 4096));
+  EXPECT_EQ(a.used(), 4u * 4096 + 4096);
+  // allocate never hands out a taken range.
+  std::vector<uint64_t> got;
+  while (auto o = a.allocate(4096)) got.push_back(*o);
+  EXPECT_EQ(got.size(), (1u << 20) / 4096 - 5);
+  for (uint64_t o : got) {
+    EXPECT_NE(o, 0u);
+    EXPECT_NE(o, 64u << 10);
+    EXPECT_NE(o, (64u << 10) + 4096);
+    EXPECT_NE(o, (64u << 10) + 8192);
+    EXPECT_NE(o, (1u << 20) - 4096);
+  }
+  for (uint64_t o : got) a.free(o, 4096);
+  a.free(64 << 10, 5000);
+  a.free(0, 4096);
+  a.free((64 << 10) + 8192, 4096);
+  a.free((1 << 20) - 4096, 4096);
+  EXPECT_EQ(a.used(), 0u);
+  EXPECT_EQ(a.free_extents(), 1u);
+  EXPECT_EQ(a.largest_free(), 1u << 20);
+}
+
 }  // namespace cascade

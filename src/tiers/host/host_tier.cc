@@ -1,11 +1,23 @@
 #include "tiers/host/host_tier.h"
 
+#include <algorithm>
+
 #include "cuda/device_copy.h"
 
 namespace cascade {
 
+uint32_t HostTier::table_slots_for(const CascadeConfig& config) {
+  if (!config.shm_persist) return 0;
+  if (config.shm_table_slots)
+    return uint32_t(std::min<uint64_t>(config.shm_table_slots, ShmArena::kMaxTableSlots));
+  const uint64_t most = std::max<uint64_t>(1, config.shm_capacity_bytes / kUnit);
+  const uint64_t n = std::max<uint64_t>(config.shm_capacity_bytes / (64 << 10), 1024);
+  return uint32_t(std::min<uint64_t>({n, most, ShmArena::kMaxTableSlots}));
+}
+
 Result<std::unique_ptr<HostTier>> HostTier::Open(const CascadeConfig& config, ThreadPool* pool) {
-  auto arena = ShmArena::Create(config.shm_path, config.shm_capacity_bytes, false);
+  auto arena = ShmArena::Create(config.shm_path, config.shm_capacity_bytes, false,
+                                table_slots_for(config));
   if (!arena.ok()) return arena.status();
   ShmArena& a = **arena;
   const ShmPopulate populate = config.shm_prefault ? ShmPopulate::kFull : config.shm_populate;
@@ -15,6 +27,10 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const CascadeConfig& config, Th
   // Prefault: open backs the whole arena, the warmers helping.
   if (config.shm_prefault) CASCADE_RETURN_IF_ERROR(a.commit(a.capacity()));
   std::unique_ptr<HostTier> tier(new HostTier(config, std::move(arena.value()), pool));
+  if (tier->table_) {
+    if (tier->arena_->reattached()) tier->reattach();
+    tier->start_sealer();
+  }
   if (gpu_usable(config.gpu_device_id)) {
     // Registration lets the GPU DMA straight from the arena; failure only
     // costs speed (copies then stage), so it is not an error.
@@ -25,16 +41,14 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const CascadeConfig& config, Th
 
 HostTier::HostTier(const CascadeConfig& config, std::unique_ptr<ShmArena> arena, ThreadPool* pool)
     : HostArenaTier(config, arena->base(), arena->capacity(), pool, "the host tier"),
-      arena_(std::move(arena)) {}
-
-TierStats HostTier::stats() const {
-  TierStats s = HostArenaTier::stats();
-  s.warmed_bytes = arena_->warmed_bytes();
-  s.warming = arena_->warming();
-  return s;
+      arena_(std::move(arena)) {
+  if (arena_->persistent())
+    table_ = std::make_unique<BlockTable>(arena_->table(), arena_->table_slots(), arena_->key(),
+                                          ShmArena::kKeyBytes);
 }
 
 HostTier::~HostTier() {
+  stop_sealer();  // seals what is queued: a closed tier keeps every block
   if (registered_) unregister_host_memory(arena_base());
 }
 
@@ -47,12 +61,31 @@ SharedArena HostTier::shared_arena() const {
   return a;
 }
 
+void HostTier::free_space(uint64_t offset, uint64_t size) {
+  // The slot goes first: no slot may name a range the allocator hands out.
+  if (table_) table_->drop(offset);
+  alloc_.free(offset, size);
+}
+
 Status HostTier::copy_in(uint64_t offset, const void* src, uint64_t n, const PutOptions& options) {
   uint8_t* dst = arena_base() + offset;
   CASCADE_RETURN_IF_ERROR(copy_to_arena(dst, src, n, options));
   // Loads to the GPU then find the block's memory registered already.
   if (registered_) prepare_host_for_device(dst, n);
   return Status::OK();
+}
+
+TierStats HostTier::stats() const {
+  TierStats s = ArenaTier::stats();
+  s.warmed_bytes = arena_->warmed_bytes();
+  s.warming = arena_->warming();
+  s.reattached_blocks = reattached_blocks_;
+  s.reattach_dropped = reattach_dropped_;
+  s.reattach_bytes = reattach_bytes_;
+  s.reattach_seconds = reattach_seconds_;
+  s.corrupt_blocks += reattach_corrupt_;
+  s.unpersisted_blocks = unpersisted_.load(std::memory_order_relaxed);
+  return s;
 }
 
 }  // namespace cascade

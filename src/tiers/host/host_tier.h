@@ -7,14 +7,31 @@
 // store's I/O threads. When a GPU is present the arena is registered with it
 // so host<->GPU copies are single DMAs.
 //
+// With config.shm_persist the arena file outlives the tier (warm restart):
+// every published block gets a slot in the file's BlockTable (on_publish),
+// a background thread seals it (checksums its bytes), flush() seals every
+// block published before it, and a range's slot is cleared before the range
+// is freed. Opening a tier on an arena file that ShmArena reattaches adopts
+// every sealed block whose bytes still match its checksum (verified in
+// parallel on the pool's threads), in publication order; the rest are
+// dropped. The figures are in stats() (reattached_blocks, reattach_dropped,
+// reattach_bytes, reattach_seconds); checksum failures also count as
+// corrupt_blocks.
+//
 // Thread-safety: all methods are thread-safe (see ArenaTier).
 // Ownership: the pool must outlive the tier.
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 #include "os/shm_arena.h"
 #include "tiers/arena_tier.h"
+#include "tiers/host/block_table.h"
 
 namespace cascade {
 
@@ -25,17 +42,44 @@ class HostTier final : public HostArenaTier {
 
   TierKind kind() const override { return TierKind::kHost; }
   SharedArena shared_arena() const override;
+  // Seals every block published before the call (shm_persist).
+  Status flush() override;
   TierStats stats() const override;
+
+  // The block table's slots for this config (0 without shm_persist).
+  static uint32_t table_slots_for(const CascadeConfig& config);
 
  private:
   HostTier(const CascadeConfig& config, std::unique_ptr<ShmArena> arena, ThreadPool* pool);
   Status commit(uint64_t end) override { return arena_->commit(end); }
-  void free_space(uint64_t offset, uint64_t size) override { alloc_.free(offset, size); }
+  void free_space(uint64_t offset, uint64_t size) override;
   Status copy_in(uint64_t offset, const void* src, uint64_t n, const PutOptions& options) override;
   uint64_t committed_bytes() const override { return arena_->committed(); }
+  void on_publish(const BlockId& id, const Location& loc, bool is_prefix) override;
+
+  // Persistence (host_tier_persist.cc).
+  void reattach();
+  void start_sealer();
+  void stop_sealer();
+  void seal_loop();
 
   std::unique_ptr<ShmArena> arena_;
   bool registered_ = false;
+
+  std::unique_ptr<BlockTable> table_;  // null without shm_persist
+  std::mutex seal_mu_;
+  std::condition_variable seal_cv_;        // work queued, or stop
+  std::condition_variable done_cv_;        // the sealer finished an item
+  std::deque<BlockTable::Pending> queue_;  // guarded by seal_mu_
+  bool sealer_busy_ = false;               // guarded by seal_mu_
+  uint64_t sealer_done_ = 0;               // items the sealer finished; guarded by seal_mu_
+  bool stop_ = false;                      // guarded by seal_mu_
+  std::thread sealer_;
+  std::atomic<uint64_t> unpersisted_{0};
+  // What reattach() found; written before the tier is shared.
+  uint64_t reattached_blocks_ = 0, reattach_dropped_ = 0, reattach_bytes_ = 0;
+  uint64_t reattach_corrupt_ = 0;
+  double reattach_seconds_ = 0;
 };
 
 }  // namespace cascade

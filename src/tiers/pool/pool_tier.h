@@ -74,7 +74,7 @@ class PoolTier final : public Tier {
   // Leases many blocks at once (one request per kMaxItems): views[i] is a
   // view on a hit, empty on a miss (statuses[i] NotFound) or an error.
   void acquire_batch(std::span<const BlockId> ids, std::span<BlockView> views,
-                     std::span<Status> statuses);
+                     std::span<Status> statuses) override;
   // Looks many ids up at once: sizes[i] on a hit, statuses[i] NotFound on a miss.
   void lookup_batch(std::span<const BlockId> ids, std::span<uint64_t> sizes,
                     std::span<Status> statuses) const;
