@@ -216,11 +216,22 @@ def test_serve_shares_blocks_reports_and_writes_down_on_sigterm(tmp):
     assert srv2.wait(20) == 0, srv2.text()
 
 
-def test_info_without_metrics_asks_the_socket(tmp):
+def test_group_socket_and_info_without_metrics(tmp):
     d, shm, servers = tmp
-    srv = Server(d, {"shm_path": shm, "shm_capacity_bytes": "32MiB"}, {})
+    group = os.getegid()
+    srv = Server(
+        d, {"shm_path": shm, "shm_capacity_bytes": "32MiB"}, {"socket_mode": "0660", "group": group}
+    )
     servers.append(srv)
     srv.wait_ready()
+    # The group's members may connect (socket), find it (directory) and read the info file.
+    for path, mode in (
+        (srv.socket, 0o660),
+        (os.path.dirname(srv.socket), 0o710),
+        (serve_status.info_path(srv.socket), 0o640),
+    ):
+        st = os.stat(path)
+        assert (oct(st.st_mode & 0o777), st.st_gid) == (oct(mode), group), path
     r = cli("info", "--pool", srv.socket, "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
@@ -295,3 +306,23 @@ def test_prometheus_text_escapes_and_parses():
     assert 'cascade_pool_tier_hits_total{tier="odd\\"name\\\\"} 3' in text
     assert "cascade_pool_open_seconds 0.25" in text
     assert "# TYPE cascade_pool_requests_total counter" in text
+
+
+def test_client_watcher_logs_arrivals_departures_and_unlisted(caplog):
+    def c(i: int) -> dict:
+        return {"id": i, "pid": 100 + i, "uid": 0, "namespace": "m", "channels": 1, "requests": 0}
+
+    w = serve.ClientWatcher()
+    with caplog.at_level("INFO", logger="cascade.serve"):
+        w.poll(1, [c(1)])
+        assert "client 1 connected: pid 101" in caplog.text
+        caplog.clear()
+        w.poll(3, [c(1)])  # clients 2 and 3 came and went between polls
+        assert "2 client(s) connected and went away" in caplog.text
+        caplog.clear()
+        w.poll(3, [c(1), c(4)])  # 4 is listed before the server counts it
+        assert "went away" not in caplog.text and "client 4 connected" in caplog.text
+        caplog.clear()
+        w.poll(4, [])
+        assert "went away" not in caplog.text
+        assert "client 1 disconnected" in caplog.text and "client 4 disconnected" in caplog.text

@@ -189,19 +189,26 @@ def prepare_socket_dir(socket_path: str, group: int = -1) -> str:
 
 
 class ClientWatcher:
-    """Logs clients that connected or went away since the last poll."""
+    """Logs clients that connected or went away since the last poll, and
+    how many came and went between two polls (never listed)."""
 
-    def __init__(self, connections: int = 0):
+    def __init__(self):
         self.known: dict[int, dict[str, Any]] = {}
-        self.connections = connections
+        self.seen = 0  # clients ever listed
+        self.unlisted = 0  # clients counted by the server and never listed, logged so far
 
-    def poll(self, clients: list[dict[str, Any]], connections: int) -> None:
-        """``connections``: the server's count of connections accepted."""
+    def poll(self, connections: int, clients: list[dict[str, Any]]) -> None:
+        """``connections``: the server's count of connections accepted, read
+        before ``clients`` (a client is listed before it is counted, so a
+        count never runs ahead of the list)."""
         now = {c["id"]: c for c in clients}
-        unseen = connections - self.connections - len(now.keys() - self.known.keys())
-        self.connections = connections
-        if unseen > 0:
-            logger.info("%d client(s) connected and went away within one poll", unseen)
+        self.seen += len(now.keys() - self.known.keys())
+        if connections - self.seen > self.unlisted:
+            logger.info(
+                "%d client(s) connected and went away between two polls",
+                connections - self.seen - self.unlisted,
+            )
+            self.unlisted = connections - self.seen
         for cid, c in now.items():
             if cid not in self.known:
                 logger.info(
@@ -347,10 +354,10 @@ def run(store_options: Mapping[str, Any], opts: ServeOptions) -> int:
             facts["metrics"] = metrics.url
             logger.info("metrics on %s/metrics and %s/stats.json", metrics.url, metrics.url)
         serve_status.write_info_file(socket_path, opts.socket_mode, opts.group, facts)
-        watcher = ClientWatcher(s["connections"])
+        watcher = ClientWatcher()
         next_summary = time.monotonic() + opts.summary_seconds
         while not stop.wait(1.0):
-            watcher.poll(server.clients(), server.stats()["connections"])
+            watcher.poll(server.stats()["connections"], server.clients())
             if opts.summary_seconds > 0 and time.monotonic() >= next_summary:
                 next_summary += opts.summary_seconds
                 logger.info("%s", summary_line(server.stats()))
@@ -365,7 +372,10 @@ def run(store_options: Mapping[str, Any], opts: ServeOptions) -> int:
     if metrics:
         metrics.stop()
     serve_status.remove_info_file(socket_path)
-    return 0 if _close(server, final, cfg.ephemeral) else 1
+    ok = _close(server, final, cfg.ephemeral)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # closed: nothing left to cut short
+        signal.signal(sig, signal.SIG_IGN)
+    return 0 if ok else 1
 
 
 def main(args) -> int:
