@@ -1,6 +1,8 @@
 """The `cascade` command: `cascade info`, `cascade bench`, and the rest.
 
 cascade info            what this machine has
+cascade info --pool /run/cascade/pool.sock   a running pool server's state
+cascade serve --config pool.yaml   the node pool server (docs/node-pool.md)
 cascade bench           per-tier throughput vs the hardware ceiling
 cascade bench --size 1MiB --size 64MiB --threads 8 --json out.json
 mpirun -np 4 cascade bench --distributed   distributed store: aggregate and per-rank GB/s
@@ -21,6 +23,12 @@ import sys
 
 
 def _cmd_info(args) -> int:
+    if args.pool:
+        from cascade.serve_status import format_pool_info, pool_info
+
+        report = pool_info(args.pool)
+        print(json.dumps(report, indent=2) if args.json else format_pool_info(report))
+        return 0
     from cascade.machine import format_info, machine_info
 
     info = machine_info()
@@ -165,6 +173,12 @@ def _cmd_inspect(args) -> int:
     return 0 if report["ok"] else 1
 
 
+def _cmd_serve(args) -> int:
+    from cascade.serve import main
+
+    return main(args)
+
+
 def _cmd_stress(args) -> int:
     from cascade.stress.runner import run
 
@@ -176,10 +190,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser(
-        "info", help="print this machine's cores, memory, /dev/shm, disks and GPUs"
+        "info",
+        help="print this machine's cores, memory, /dev/shm, disks and GPUs "
+        "(with --pool: a pool server's state)",
     )
     info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument(
+        "--pool",
+        metavar="SOCKET_OR_URL",
+        help="instead: the state of a running pool server (its socket, or its metrics URL)",
+    )
     info.set_defaults(fn=_cmd_info)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the node pool server: one store shared by the node's processes "
+        "(SIGTERM or SIGINT: write down per the durability contract and exit)",
+    )
+    from cascade.serve import add_arguments as add_serve_arguments
+
+    add_serve_arguments(serve)
+    serve.set_defaults(fn=_cmd_serve)
 
     insp = sub.add_parser(
         "inspect",

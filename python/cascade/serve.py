@@ -1,0 +1,421 @@
+"""`cascade serve`: the node pool server as a command.
+
+One process per node owns the pool (``cascade._core.PoolServer``): the host
+arena, the index and the tiers below; the node's engine processes connect
+to its Unix socket with ``pool_socket`` set (docs/node-pool.md). This module
+reads the configuration (the store's options plus a ``serve:`` section),
+prepares a private socket directory, logs clients coming and going and a
+periodic summary, serves metrics (cascade.serve_status) and shuts down on
+SIGTERM or SIGINT: close() writes blocks down per the durability contract,
+and the command exits 0 when that succeeded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import grp
+import logging
+import os
+import signal
+import stat
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from cascade.config import config_from_dict
+from cascade.serve_status import human_bytes, summary_line
+
+logger = logging.getLogger("cascade.serve")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclasses.dataclass
+class ServeOptions:
+    """The ``serve:`` section of the configuration file."""
+
+    socket: str = ""  # "": default_socket_path()
+    socket_mode: int = 0o600
+    group: int = -1  # gid whose members may connect (with socket_mode 0660); -1: none
+    max_clients: int = 256
+    share_across_users: bool = False
+    metrics_port: int = 0  # 0: no HTTP endpoint
+    metrics_address: str = "127.0.0.1"
+    log_level: str = "info"
+    summary_seconds: float = 60.0  # 0: no periodic summary
+
+
+def default_socket_path() -> str:
+    """$XDG_RUNTIME_DIR/cascade/pool.sock, or /tmp/cascade-<uid>/pool.sock."""
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    if run and os.path.isabs(run) and os.path.isdir(run):
+        return os.path.join(run, "cascade", "pool.sock")
+    return f"/tmp/cascade-{os.geteuid()}/pool.sock"
+
+
+def _octal(value: Any, what: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected permission bits such as 0600, got {value!r}")
+    if isinstance(value, int):
+        return value
+    try:  # "0660", "0o660", "660": permission bits are octal
+        return int(str(value).strip().lower().removeprefix("0o"), 8)
+    except ValueError:
+        raise ValueError(f"{what}: cannot read {value!r} as octal permission bits") from None
+
+
+def _gid(value: Any) -> int:
+    if value is None or value == "":
+        return -1
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise ValueError(f"serve.group: no group named {text!r}") from None
+
+
+def serve_options(section: Mapping[str, Any]) -> ServeOptions:
+    """ServeOptions from a ``serve:`` mapping; unknown keys are an error."""
+    known = {f.name for f in dataclasses.fields(ServeOptions)}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown serve option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    o = ServeOptions()
+    for name, value in section.items():
+        if value is None:
+            continue
+        if name == "socket":
+            value = os.path.abspath(os.path.expanduser(os.fspath(value)))
+        elif name == "socket_mode":
+            value = _octal(value, "serve.socket_mode")
+            if value & ~0o777 or (value & 0o600) != 0o600:
+                raise ValueError("serve.socket_mode: permission bits granting the owner rw")
+        elif name == "group":
+            value = _gid(value)
+        elif name in ("max_clients", "metrics_port"):
+            value = int(value)
+        elif name == "summary_seconds":
+            value = float(value)
+        elif name == "share_across_users":
+            if not isinstance(value, bool):
+                raise ValueError(f"serve.share_across_users: expected true or false: {value!r}")
+        elif name == "log_level":
+            value = str(value).lower()
+            if value not in ("debug", "info", "warning", "error"):
+                raise ValueError(f"serve.log_level: debug, info, warning or error, not {value!r}")
+        else:
+            value = str(value)
+        setattr(o, name, value)
+    if not 0 <= o.metrics_port <= 65535:
+        raise ValueError(f"serve.metrics_port: 0 (off) or a TCP port, not {o.metrics_port}")
+    if o.max_clients < 1:
+        raise ValueError(f"serve.max_clients: at least 1, not {o.max_clients}")
+    return o
+
+
+def split_config(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(store options, serve section) of a configuration mapping.
+
+    The store's options stand at top level or under ``cascade:`` (as
+    load_config takes them); ``serve:`` is at top level.
+    """
+    data = dict(data)
+    section = data.pop("serve", None) or {}
+    if not isinstance(section, Mapping):
+        raise ValueError("serve: expected a mapping of options")
+    if isinstance(data.get("cascade"), Mapping):
+        data = dict(data["cascade"])
+    return data, dict(section)
+
+
+def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path}: expected a mapping of options, got {type(data).__name__}")
+    return split_config(data)
+
+
+def prepare_socket_dir(socket_path: str, group: int = -1) -> str:
+    """Creates the socket's directory (0700, or 0710 for a group) or checks
+    an existing one: a directory (not a link) of this user that neither group
+    nor others can write, since whoever can write it can replace the socket
+    with one of their own. Returns the directory; ValueError when unsafe."""
+    d = os.path.dirname(os.path.abspath(socket_path))
+    try:
+        os.lstat(d)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(d), exist_ok=True)
+        try:
+            os.mkdir(d, 0o700)
+            if group >= 0:
+                os.chown(d, -1, group)
+                os.chmod(d, 0o710)
+        except FileExistsError:
+            pass  # checked below like any existing directory
+    st = os.lstat(d)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"socket directory {d} is not a directory (a link or a file): refused")
+    if st.st_uid != os.geteuid():
+        raise ValueError(
+            f"socket directory {d} belongs to uid {st.st_uid}, not this user "
+            f"({os.geteuid()}): refused"
+        )
+    if st.st_mode & 0o022:
+        raise ValueError(
+            f"socket directory {d} is writable by its group or others (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): another user could replace the socket; "
+            "refused (use a directory of mode 0700, or 0750 for a group)"
+        )
+    if group >= 0 and not st.st_mode & 0o010:
+        logger.warning(
+            "socket directory %s (mode %04o) does not let group %d search it: "
+            "its members cannot reach the socket",
+            d,
+            stat.S_IMODE(st.st_mode),
+            group,
+        )
+    return d
+
+
+class ClientWatcher:
+    """Logs clients that connected or went away since the last poll, and
+    how many came and went between two polls (never listed)."""
+
+    def __init__(self):
+        self.known: dict[int, dict[str, Any]] = {}
+        self.seen = 0  # clients ever listed
+        self.unlisted = 0  # clients counted by the server and never listed, logged so far
+
+    def poll(self, connections: int, clients: list[dict[str, Any]]) -> None:
+        """``connections``: the server's count of connections accepted, read
+        before ``clients`` (a client is listed before it is counted, so a
+        count never runs ahead of the list)."""
+        now = {c["id"]: c for c in clients}
+        self.seen += len(now.keys() - self.known.keys())
+        if connections - self.seen > self.unlisted:
+            logger.info(
+                "%d client(s) connected and went away between two polls",
+                connections - self.seen - self.unlisted,
+            )
+            self.unlisted = connections - self.seen
+        for cid, c in now.items():
+            if cid not in self.known:
+                logger.info(
+                    "client %d connected: pid %d, uid %d, namespace %r, %d channels",
+                    cid,
+                    c["pid"],
+                    c["uid"],
+                    c["namespace"],
+                    c["channels"],
+                )
+        for cid, c in self.known.items():
+            if cid not in now:
+                logger.info(
+                    "client %d disconnected: pid %d, uid %d, namespace %r (%d requests seen)",
+                    cid,
+                    c["pid"],
+                    c["uid"],
+                    c["namespace"],
+                    c["requests"],
+                )
+        self.known = now
+
+
+def _store_config(options: Mapping[str, Any]):
+    options = dict(options)
+    options.setdefault("use_gpu", False)
+    if not options.get("pipeline"):  # the pool's top tier is the host arena
+        options["pipeline"] = "host|file" if options.get("file_path") else "host"
+    return config_from_dict(options)
+
+
+def _install_signals(stop: threading.Event) -> None:
+    def on_signal(signum, frame):
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            sys.stderr.write(
+                f"cascade serve: {name} again: exiting now; blocks not yet written down "
+                "to a persistent tier are lost\n"
+            )
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        logger.info("%s: shutting down (a second signal exits at once)", name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+def _close(server, stats: Mapping[str, Any], ephemeral: bool) -> bool:
+    """Closes the server from a thread (so the main thread still takes
+    signals), logging what the close writes down. True when it succeeded."""
+    tiers = stats["store"]["tiers"]
+    memory = {n: t for n, t in tiers.items() if not t["persistent"]}
+    persistent = [n for n, t in tiers.items() if t["persistent"]]
+    held = ", ".join(
+        f"{n} {t['blocks']} blocks ({human_bytes(t['used_bytes'])})" for n, t in memory.items()
+    )
+    if persistent and not ephemeral:
+        logger.info(
+            "closing: memory tiers hold %s; writing every block held only there down to %s "
+            "(%d blocks there now)",
+            held,
+            persistent[0],
+            tiers[persistent[0]]["blocks"],
+        )
+    else:
+        why = "the store is ephemeral" if persistent else "no persistent tier"
+        logger.info("closing: %s, so the memory tiers' blocks (%s) are dropped", why, held)
+    error: list[BaseException] = []
+
+    def close_server():
+        try:
+            server.close()
+        except BaseException as e:  # reported by the main thread
+            error.append(e)
+
+    t0 = time.monotonic()
+    closer = threading.Thread(target=close_server, name="cascade-serve-close")
+    closer.start()
+    while closer.is_alive():
+        closer.join(0.2)
+    if error:
+        logger.error("close failed after %.2f s: %s", time.monotonic() - t0, error[0])
+        return False
+    logger.info(
+        "closed in %.2f s%s",
+        time.monotonic() - t0,
+        f": blocks written down to {persistent[0]}" if persistent and not ephemeral else "",
+    )
+    return True
+
+
+def run(store_options: Mapping[str, Any], opts: ServeOptions) -> int:
+    """Serves until SIGTERM or SIGINT. 0 when the store closed cleanly."""
+    from cascade import _core, serve_status
+
+    cfg = _store_config(store_options)
+    socket_path = opts.socket or default_socket_path()
+    prepare_socket_dir(socket_path, opts.group)
+    stop = threading.Event()
+    _install_signals(stop)
+    server = _core.PoolServer(
+        cfg,
+        socket_path,
+        socket_mode=opts.socket_mode,
+        allowed_gid=opts.group,
+        max_clients=opts.max_clients,
+        share_across_users=opts.share_across_users,
+    )
+    started = time.time()
+    metrics = None
+    try:
+        if opts.group >= 0:
+            os.chown(socket_path, -1, opts.group)
+        s = server.stats()
+        tiers = s["store"]["tiers"]
+        host = tiers.get("host", {})
+        logger.info(
+            "serving %s (mode %04o%s): pipeline %s, arena %s of %s at %s, "
+            "opened in %.3f s; blocks: %s",
+            socket_path,
+            opts.socket_mode,
+            f", group {opts.group}" if opts.group >= 0 else "",
+            "|".join(tiers),
+            human_bytes(host.get("used_bytes", 0)),
+            human_bytes(host.get("capacity_bytes", 0)),
+            cfg.shm_path,
+            s["open_seconds"],
+            ", ".join(f"{n} {t['blocks']}" for n, t in tiers.items()),
+        )
+        facts = {
+            "pid": os.getpid(),
+            "socket": socket_path,
+            "started": started,
+            "pipeline": "|".join(tiers),
+            "shm_path": cfg.shm_path,
+            "metrics": None,
+        }
+        if opts.metrics_port:
+            metrics = serve_status.MetricsServer(
+                server, opts.metrics_address, opts.metrics_port, facts
+            )
+            facts["metrics"] = metrics.url
+            logger.info("metrics on %s/metrics and %s/stats.json", metrics.url, metrics.url)
+        serve_status.write_info_file(socket_path, opts.socket_mode, opts.group, facts)
+        watcher = ClientWatcher()
+        next_summary = time.monotonic() + opts.summary_seconds
+        while not stop.wait(1.0):
+            watcher.poll(server.stats()["connections"], server.clients())
+            if opts.summary_seconds > 0 and time.monotonic() >= next_summary:
+                next_summary += opts.summary_seconds
+                logger.info("%s", summary_line(server.stats()))
+        final = server.stats()
+        logger.info("%s", summary_line(final))
+    except BaseException:
+        if metrics:
+            metrics.stop()
+        server.close()
+        serve_status.remove_info_file(socket_path)
+        raise
+    if metrics:
+        metrics.stop()
+    serve_status.remove_info_file(socket_path)
+    ok = _close(server, final, cfg.ephemeral)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # closed: nothing left to cut short
+        signal.signal(sig, signal.SIG_IGN)
+    return 0 if ok else 1
+
+
+def main(args) -> int:
+    """The `cascade serve` command (args from cli.build_parser)."""
+    store_options: dict[str, Any] = {}
+    section: dict[str, Any] = {}
+    if args.config:
+        store_options, section = read_config_file(args.config)
+    for flag, key in (
+        ("socket", "socket"),
+        ("metrics_port", "metrics_port"),
+        ("metrics_address", "metrics_address"),
+        ("log_level", "log_level"),
+    ):
+        if getattr(args, flag) is not None:
+            section[key] = getattr(args, flag)
+    for flag, key in (
+        ("shm_path", "shm_path"),
+        ("capacity", "shm_capacity_bytes"),
+        ("file_path", "file_path"),
+    ):
+        if getattr(args, flag) is not None:
+            store_options[key] = getattr(args, flag)
+    opts = serve_options(section)
+    logging.basicConfig(stream=sys.stderr, level=opts.log_level.upper(), format=LOG_FORMAT)
+    try:
+        return run(store_options, opts)
+    except Exception as e:
+        if os.environ.get("CASCADE_DEBUG"):
+            raise
+        logger.error("%s", e)
+        return 1
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML: the store's options and serve:")
+    p.add_argument("--socket", help="the Unix socket (serve.socket)")
+    p.add_argument("--metrics-port", type=int, help="HTTP port of /metrics; 0: off")
+    p.add_argument("--metrics-address", help="address the metrics port binds (127.0.0.1)")
+    p.add_argument("--shm-path", help="the arena's file (shm_path)")
+    p.add_argument("--capacity", help="the arena's size, e.g. 64GiB (shm_capacity_bytes)")
+    p.add_argument("--file-path", help="directory of a file tier below the arena (file_path)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

@@ -1,0 +1,406 @@
+"""A running pool server's state, for operators and tools.
+
+- ``prometheus_text(stats)``: the Prometheus text format of
+  ``PoolServer.stats()``, served by ``MetricsServer`` (stdlib http.server in
+  a thread) at ``/metrics``, beside ``/stats.json`` (the raw stats, the
+  clients and the server's facts).
+- ``<socket>.json``: the server writes its pid, start time, pipeline and
+  metrics address next to its socket (readable by whoever may connect) and
+  removes it when it stops; ``cascade info --pool`` reads it.
+- ``pool_info(target)``: the state ``cascade info --pool`` prints. With a
+  metrics address (from the info file, or an http:// URL given), everything
+  in /stats.json; without one, a client connection: that the server answers
+  and its arena's capacity, nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+logger = logging.getLogger("cascade.serve")
+
+PREFIX = "cascade_pool_"
+
+# (metric name, stats key, type, help) of the server's own figures.
+POOL_METRICS = [
+    ("clients", "clients", "gauge", "Clients connected now"),
+    ("leases", "leases", "gauge", "Leases held by connected clients now"),
+    ("reservations", "reservations", "gauge", "Reservations open now (puts in progress)"),
+    ("connections_total", "connections", "counter", "Connections accepted"),
+    (
+        "refused_connections_total",
+        "refused",
+        "counter",
+        "Peers refused (credentials, hello, client limit)",
+    ),
+    ("disconnects_total", "disconnects", "counter", "Clients that went away"),
+    ("requests_total", "requests", "counter", "Metadata requests answered"),
+    (
+        "malformed_requests_total",
+        "malformed",
+        "counter",
+        "Requests refused for their form",
+    ),
+    (
+        "reclaimed_leases_total",
+        "reclaimed_leases",
+        "counter",
+        "Leases ended because their client went away",
+    ),
+    (
+        "reclaimed_reservations_total",
+        "reclaimed_reservations",
+        "counter",
+        "Reservations freed because their client went away",
+    ),
+    ("lookups_total", "lookups", "counter", "Block ids looked up"),
+    ("lookup_hits_total", "lookup_hits", "counter", "Block ids looked up and found"),
+    ("commits_total", "commits", "counter", "Blocks committed by clients"),
+    ("committed_bytes_total", "bytes_committed", "counter", "Bytes of committed blocks"),
+    ("leases_granted_total", "leases_granted", "counter", "Leases granted to clients"),
+    ("leased_bytes_total", "bytes_leased", "counter", "Bytes of leased blocks"),
+    (
+        "open_seconds",
+        "open_seconds",
+        "gauge",
+        "Seconds the store took to open, with the reattach of a kept arena",
+    ),
+]
+# (metric name, tier stats key, type, help), labelled tier.
+TIER_METRICS = [
+    ("tier_hits_total", "hits", "counter", "Blocks found in the tier"),
+    ("tier_misses_total", "misses", "counter", "Blocks looked for in the tier and not found"),
+    ("tier_read_bytes_total", "bytes_read", "counter", "Bytes read from the tier"),
+    ("tier_written_bytes_total", "bytes_written", "counter", "Bytes written to the tier"),
+    ("tier_used_bytes", "used_bytes", "gauge", "Bytes of blocks held by the tier"),
+    ("tier_capacity_bytes", "capacity_bytes", "gauge", "Capacity of the tier (0: unbounded)"),
+    ("tier_committed_bytes", "committed_bytes", "gauge", "Memory committed by the tier"),
+    ("tier_blocks", "blocks", "gauge", "Blocks held by the tier"),
+    ("tier_leased_blocks", "leased_blocks", "gauge", "Blocks of the tier leased now"),
+    ("tier_evictions_total", "evictions", "counter", "Blocks evicted from the tier"),
+    (
+        "tier_corrupt_blocks_total",
+        "corrupt_blocks",
+        "counter",
+        "Blocks found corrupt (served as misses)",
+    ),
+    ("tier_read_errors_total", "read_errors", "counter", "Reads of the tier that failed"),
+]
+
+
+def _label(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    v = float(value)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(v)
+
+
+def prometheus_text(stats: Mapping[str, Any], started: float | None = None) -> str:
+    """``PoolServer.stats()`` in the Prometheus text exposition format."""
+    lines: list[str] = []
+
+    def family(name: str, kind: str, doc: str, samples: list[tuple[str, Any]]) -> None:
+        lines.append(f"# HELP {PREFIX}{name} {doc}")
+        lines.append(f"# TYPE {PREFIX}{name} {kind}")
+        lines.extend(f"{PREFIX}{name}{labels} {_number(v)}" for labels, v in samples)
+
+    for name, key, kind, doc in POOL_METRICS:
+        family(name, kind, doc, [("", stats[key])])
+    if started is not None:
+        family(
+            "start_time_seconds", "gauge", "When the server started (Unix time)", [("", started)]
+        )
+    tiers = stats["store"]["tiers"]
+    for name, key, kind, doc in TIER_METRICS:
+        family(name, kind, doc, [(f'{{tier="{_label(t)}"}}', ts[key]) for t, ts in tiers.items()])
+    return "\n".join(lines) + "\n"
+
+
+class MetricsServer:
+    """/metrics and /stats.json over HTTP in a daemon thread."""
+
+    def __init__(self, server, address: str, port: int, facts: Mapping[str, Any]):
+        """``facts``: the server's pid, socket, start time..., served in
+        /stats.json under "server" (read on each request)."""
+        outer = self
+        self.pool = server
+        self.facts = facts
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                path = self.path.split("?", 1)[0]
+                try:
+                    if path == "/metrics":
+                        body = prometheus_text(
+                            outer.pool.stats(), outer.facts.get("started")
+                        ).encode()
+                        ctype = "text/plain; version=0.0.4; charset=utf-8"
+                    elif path == "/stats.json":
+                        body = json.dumps(outer.snapshot()).encode()
+                        ctype = "application/json"
+                    else:
+                        self.send_error(404, "try /metrics or /stats.json")
+                        return
+                except Exception as e:  # the pool is closing
+                    self.send_error(503, str(e))
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format, *args):
+                logger.debug("metrics %s: " + format, self.address_string(), *args)
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            address_family = socket.AF_INET6 if ":" in address else socket.AF_INET
+
+        self.httpd = Server((address, port), Handler)
+        host = address
+        if address in ("", "0.0.0.0"):
+            host = "127.0.0.1"
+        elif address == "::":
+            host = "::1"
+        if ":" in host:
+            host = f"[{host}]"
+        self.url = f"http://{host}:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, name="cascade-serve-metrics", daemon=True
+        )
+        self.thread.start()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "server": dict(self.facts),
+            "stats": self.pool.stats(),
+            "clients": self.pool.clients(),
+        }
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+
+def info_path(socket_path: str) -> str:
+    return socket_path + ".json"
+
+
+def write_info_file(socket_path: str, socket_mode: int, group: int, facts: Mapping) -> None:
+    """Writes ``<socket>.json`` (replacing it whole): readable by the owner,
+    and by the group or others where the socket lets them connect."""
+    mode = 0o600 | (0o040 if socket_mode & 0o060 else 0) | (0o004 if socket_mode & 0o006 else 0)
+    path = info_path(socket_path)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)
+        if group >= 0:
+            os.fchown(fd, -1, group)
+        os.write(fd, (json.dumps(dict(facts), indent=1) + "\n").encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def remove_info_file(socket_path: str) -> None:
+    try:
+        os.unlink(info_path(socket_path))
+    except FileNotFoundError:
+        pass
+
+
+def _fetch_json(url: str, timeout: float) -> dict[str, Any]:
+    with urllib.request.urlopen(url.rstrip("/") + "/stats.json", timeout=timeout) as r:
+        return json.load(r)
+
+
+def _client_probe(socket_path: str, timeout: float) -> dict[str, Any]:
+    from cascade import _core
+    from cascade.config import config_from_dict
+
+    cfg = config_from_dict(
+        {
+            "pipeline": "pool",
+            "pool_socket": socket_path,
+            "pool_channels": 1,
+            "pool_timeout_ms": int(timeout * 1000),
+            "use_gpu": False,
+        }
+    )
+    t0 = time.perf_counter()
+    store = _core.CascadeStore(cfg)
+    try:
+        pool = store.get_stats()["tiers"]["pool"]
+    finally:
+        store.close()
+    return {
+        "answers": True,
+        "connect_seconds": time.perf_counter() - t0,
+        "capacity_bytes": pool["capacity_bytes"],
+    }
+
+
+def pool_info(target: str, timeout: float = 3.0) -> dict[str, Any]:
+    """The state of the pool at ``target``: a socket path or an http:// URL.
+
+    {"target", "info" (the info file, or None), "source": "metrics" or
+    "client", and "server"/"stats"/"clients" (metrics) or "probe"
+    (client: answers, connect_seconds, capacity_bytes), "notes": [...]}.
+    Raises OSError or CascadeError when the pool cannot be reached at all.
+    """
+    out: dict[str, Any] = {"target": target, "info": None, "notes": []}
+    if target.startswith(("http://", "https://")):
+        out.update(_fetch_json(target, timeout), source="metrics", metrics=target)
+        return out
+    socket_path = os.path.abspath(target)
+    try:
+        with open(info_path(socket_path), encoding="utf-8") as f:
+            out["info"] = json.load(f)
+    except FileNotFoundError:
+        out["notes"].append(f"no {info_path(socket_path)}: not started by `cascade serve`?")
+    except (OSError, ValueError) as e:
+        out["notes"].append(f"cannot read {info_path(socket_path)}: {e}")
+    info = out["info"] or {}
+    url = info.get("metrics")
+    if url:
+        try:
+            out.update(_fetch_json(url, timeout), source="metrics", metrics=url)
+            return out
+        except OSError as e:
+            out["notes"].append(f"metrics at {url} do not answer ({e}); asking the socket")
+    else:
+        out["notes"].append(
+            "metrics are off (serve.metrics_port 0): counters, tiers and clients are "
+            "served only over HTTP; shown here is what a client connection tells"
+        )
+    out["probe"] = _client_probe(socket_path, timeout)
+    out["source"] = "client"
+    return out
+
+
+def human_bytes(n: float) -> str:
+    """A byte count for people: "512 B", "1.5 MiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            break
+        n /= 1024
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+
+
+def summary_line(s: Mapping[str, Any]) -> str:
+    tiers = ", ".join(
+        f"{name} {human_bytes(t['used_bytes'])}"
+        + (f"/{human_bytes(t['capacity_bytes'])}" if t["capacity_bytes"] else "")
+        + f" ({t['blocks']} blocks, {t['evictions']} evictions)"
+        for name, t in s["store"]["tiers"].items()
+    )
+    return (
+        f"clients {s['clients']}, leases {s['leases']}, reservations {s['reservations']}; "
+        f"requests {s['requests']} ({s['malformed']} malformed), lookups {s['lookups']} "
+        f"({s['lookup_hits']} hits), commits {s['commits']} "
+        f"({human_bytes(s['bytes_committed'])}), leases granted {s['leases_granted']} "
+        f"({human_bytes(s['bytes_leased'])}); {tiers}"
+    )
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return (f"{d}d " if d else "") + (f"{h}h " if d or h else "") + f"{m}m {s}s"
+
+
+def format_pool_info(r: Mapping[str, Any]) -> str:
+    from cascade.bench.common import format_table
+
+    info = {**(r.get("info") or {}), **(r.get("server") or {})}
+    pid = info.get("pid")
+    started = info.get("started")
+    head = f"pool {info.get('socket', r['target'])}"
+    if pid:
+        head += f", pid {pid}"
+    if started:
+        head += f", up {_duration(time.time() - started)}"
+    lines = [head]
+    if info.get("pipeline"):
+        lines.append(f"pipeline {info['pipeline']}, arena {info.get('shm_path')}")
+    if r.get("source") == "client":
+        p = r["probe"]
+        lines.append(
+            f"answers (connected in {p['connect_seconds'] * 1000:.1f} ms); arena capacity "
+            f"{human_bytes(p['capacity_bytes'])}"
+        )
+    else:
+        s = r["stats"]
+        lines.append(f"metrics {r['metrics']}/metrics; store opened in {s['open_seconds']:.3f} s")
+        lines.append(
+            f"clients {s['clients']}, leases {s['leases']}, reservations {s['reservations']}; "
+            f"{s['connections']} connections, {s['refused']} refused, "
+            f"{s['disconnects']} disconnects"
+        )
+        lines.append(
+            f"requests {s['requests']} ({s['malformed']} malformed); lookups {s['lookups']} "
+            f"({s['lookup_hits']} hits); commits {s['commits']} "
+            f"({human_bytes(s['bytes_committed'])}); leases {s['leases_granted']} "
+            f"({human_bytes(s['bytes_leased'])}); reclaimed from clients gone: "
+            f"{s['reclaimed_leases']} leases, {s['reclaimed_reservations']} reservations"
+        )
+        rows = [
+            [
+                name,
+                human_bytes(t["used_bytes"]),
+                human_bytes(t["capacity_bytes"]) if t["capacity_bytes"] else "-",
+                t["blocks"],
+                t["hits"],
+                t["misses"],
+                human_bytes(t["bytes_read"]),
+                human_bytes(t["bytes_written"]),
+                t["evictions"],
+                t["corrupt_blocks"],
+            ]
+            for name, t in s["store"]["tiers"].items()
+        ]
+        heads = ["tier", "used", "capacity", "blocks", "hits", "misses", "read", "written"]
+        lines.append(format_table(heads + ["evictions", "corrupt"], rows))
+        if r["clients"]:
+            rows = [
+                [
+                    c["id"],
+                    c["pid"],
+                    c["uid"],
+                    c["namespace"],
+                    c["channels"],
+                    c["leases"],
+                    c["reservations"],
+                    c["requests"],
+                ]
+                for c in r["clients"]
+            ]
+            heads = ["client", "pid", "uid", "namespace", "channels", "leases"]
+            lines.append(format_table(heads + ["reservations", "requests"], rows))
+    lines.extend(r.get("notes", []))
+    return "\n".join(lines)

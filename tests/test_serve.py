@@ -1,0 +1,328 @@
+"""`cascade serve` as a real process: clients sharing its pool, metrics,
+`cascade info --pool`, graceful shutdown, refused configurations."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+
+import numpy as np
+import pytest
+import yaml
+
+import cascade
+from cascade import serve, serve_status
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+# A Prometheus text line: a comment, or name{labels} value.
+SAMPLE = re.compile(
+    r'[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*",?)*\})? '
+    r"(-?[0-9.e+-]+|NaN|[+-]Inf)"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m cascade serve` on a temporary config; stop() ends it."""
+
+    def __init__(self, tmp: str, store: dict, serve_section: dict, name: str = "pool.yaml"):
+        self.tmp = tmp
+        self.socket = serve_section.setdefault("socket", os.path.join(tmp, "run", "pool.sock"))
+        self.config = os.path.join(tmp, name)
+        with open(self.config, "w") as f:
+            yaml.safe_dump({**store, "serve": serve_section}, f)
+        self.log = open(os.path.join(tmp, name + ".log"), "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cascade", "serve", "--config", self.config],
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+        )
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(serve_status.info_path(self.socket)):
+            assert self.proc.poll() is None, f"server exited {self.proc.returncode}: {self.text()}"
+            assert time.monotonic() < deadline, f"no socket after {timeout} s: {self.text()}"
+            time.sleep(0.05)
+
+    def text(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def wait(self, timeout: float = 20.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def tmp():
+    d = tempfile.mkdtemp(prefix="cascade-serve-")  # short: a socket path has 107 bytes
+    shm = f"/dev/shm/cascade-test-serve-{uuid.uuid4().hex[:12]}"
+    servers: list[Server] = []
+    yield d, shm, servers
+    for s in servers:
+        s.stop()
+    for p in (shm,):
+        if os.path.exists(p):
+            os.unlink(p)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def client(sock: str, ns: str) -> cascade.CascadeStore:
+    return cascade.CascadeStore(
+        cascade.config_from_dict(
+            {"pool_socket": sock, "pool_namespace": ns, "use_gpu": False, "pool_channels": 2}
+        )
+    )
+
+
+def blocks(n: int = 4, size: int = 64 << 10) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {f"block-{i}": rng.integers(0, 256, size, dtype=np.uint8) for i in range(n)}
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"# (HELP|TYPE) cascade_pool_\w+ ", line), line
+            continue
+        assert SAMPLE.fullmatch(line), line
+        name, value = line.rsplit(" ", 1)
+        values[name] = float(value)
+    return values
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cascade", *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_serve_shares_blocks_reports_and_writes_down_on_sigterm(tmp):
+    d, shm, servers = tmp
+    files = os.path.join(d, "files")
+    store = {
+        "pipeline": "host|file",
+        "shm_path": shm,
+        "shm_capacity_bytes": "64MiB",
+        "file_path": files,
+    }
+    port = free_port()
+    srv = Server(d, dict(store), {"metrics_port": port, "summary_seconds": 1})
+    servers.append(srv)
+    srv.wait_ready()
+    assert oct(os.stat(srv.socket).st_mode & 0o777) == oct(0o600)
+    assert oct(os.stat(os.path.dirname(srv.socket)).st_mode & 0o777) == oct(0o700)
+
+    data = blocks()
+    a, b, other = client(srv.socket, "m"), client(srv.socket, "m"), client(srv.socket, "x")
+    try:
+        for k, v in data.items():
+            a.put(k, v)
+        for k, v in data.items():
+            out = np.zeros_like(v)
+            assert b.get(k, out) == (True, v.nbytes)
+            assert np.array_equal(out, v)
+            assert not other.contains(k)
+
+        url = f"http://127.0.0.1:{port}"
+        m = scrape(url)
+        assert m["cascade_pool_clients"] == 3
+        assert m["cascade_pool_commits_total"] == len(data)
+        assert m["cascade_pool_committed_bytes_total"] == sum(v.nbytes for v in data.values())
+        assert m["cascade_pool_leases_granted_total"] >= len(data)
+        assert m["cascade_pool_lookups_total"] >= len(data)
+        assert m["cascade_pool_requests_total"] > 0
+        assert m['cascade_pool_tier_used_bytes{tier="host"}'] >= 4 * (64 << 10)
+        assert m['cascade_pool_tier_capacity_bytes{tier="host"}'] == 64 << 20
+        assert 'cascade_pool_tier_evictions_total{tier="file"}' in m
+
+        snap = json.load(urllib.request.urlopen(url + "/stats.json", timeout=10))
+        assert snap["server"]["pid"] == srv.proc.pid
+        assert snap["stats"]["commits"] == len(data)
+        assert sorted(c["namespace"] for c in snap["clients"]) == ["m", "m", "x"]
+
+        r = cli("info", "--pool", srv.socket)
+        assert r.returncode == 0, r.stderr
+        assert f"pid {srv.proc.pid}" in r.stdout and "clients 3," in r.stdout
+        assert "| host |" in r.stdout
+        r = cli("info", "--pool", url, "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["stats"]["commits"] == len(data)
+    finally:
+        for s in (a, b, other):
+            s.close()
+
+    # The watcher logged the clients (polled every second).
+    deadline = time.monotonic() + 10
+    while "disconnected" not in srv.text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = srv.text()
+    assert "client 1 connected" in log and "namespace 'x'" in log
+    assert "disconnected" in log
+
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.wait(20) == 0, srv.text()
+    assert "SIGTERM" in srv.text() and "closed in" in srv.text()
+    assert not os.path.exists(srv.socket)
+    assert not os.path.exists(serve_status.info_path(srv.socket))
+    assert not os.path.exists(shm)
+
+    # Everything is in the file tier, intact...
+    report = cascade.inspect_directory(files, True)
+    assert report["ok"] and report["live_records"] == len(data)
+    # ...and a server started again on the same configuration serves it.
+    srv2 = Server(d, dict(store), {}, name="again.yaml")
+    servers.append(srv2)
+    srv2.wait_ready()
+    c = client(srv2.socket, "m")
+    try:
+        for k, v in data.items():
+            out = np.zeros_like(v)
+            assert c.get(k, out) == (True, v.nbytes)
+            assert np.array_equal(out, v)
+    finally:
+        c.close()
+    srv2.proc.send_signal(signal.SIGINT)
+    assert srv2.wait(20) == 0, srv2.text()
+
+
+def test_group_socket_and_info_without_metrics(tmp):
+    d, shm, servers = tmp
+    group = os.getegid()
+    srv = Server(
+        d, {"shm_path": shm, "shm_capacity_bytes": "32MiB"}, {"socket_mode": "0660", "group": group}
+    )
+    servers.append(srv)
+    srv.wait_ready()
+    # The group's members may connect (socket), find it (directory) and read the info file.
+    for path, mode in (
+        (srv.socket, 0o660),
+        (os.path.dirname(srv.socket), 0o710),
+        (serve_status.info_path(srv.socket), 0o640),
+    ):
+        st = os.stat(path)
+        assert (oct(st.st_mode & 0o777), st.st_gid) == (oct(mode), group), path
+    r = cli("info", "--pool", srv.socket, "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["source"] == "client"
+    assert report["probe"]["answers"] and report["probe"]["capacity_bytes"] == 32 << 20
+    assert report["info"]["pid"] == srv.proc.pid and report["info"]["metrics"] is None
+    assert any("metrics are off" in n for n in report["notes"])
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.wait(20) == 0, srv.text()
+    r = cli("info", "--pool", srv.socket)
+    assert r.returncode != 0
+
+
+def test_pipeline_without_host_is_refused(tmp):
+    d, shm, servers = tmp
+    store = {"pipeline": "file", "file_path": os.path.join(d, "files")}
+    srv = Server(d, store, {})
+    servers.append(srv)
+    assert srv.wait(30) != 0
+    assert "must start with the host tier" in srv.text()
+    assert not os.path.exists(srv.socket)
+
+
+def test_unsafe_socket_directory_is_refused(tmp):
+    d, shm, servers = tmp
+    run = os.path.join(d, "open")
+    os.mkdir(run)
+    os.chmod(run, 0o777)
+    srv = Server(d, {"shm_path": shm}, {"socket": os.path.join(run, "pool.sock")})
+    servers.append(srv)
+    assert srv.wait(30) != 0
+    assert "writable by its group or others" in srv.text()
+    assert os.listdir(run) == [] and not os.path.exists(shm)
+
+
+def test_socket_directory_checks(tmp):
+    d, _, _ = tmp
+    made = serve.prepare_socket_dir(os.path.join(d, "new", "pool.sock"))
+    assert os.stat(made).st_mode & 0o777 == 0o700
+    os.symlink(made, os.path.join(d, "link"))
+    with pytest.raises(ValueError, match="not a directory"):
+        serve.prepare_socket_dir(os.path.join(d, "link", "pool.sock"))
+    if os.geteuid() == 0:  # another user's directory
+        theirs = os.path.join(d, "theirs")
+        os.mkdir(theirs, 0o700)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(ValueError, match="belongs to uid 65534"):
+            serve.prepare_socket_dir(os.path.join(theirs, "pool.sock"))
+
+
+def test_serve_options():
+    o = serve.serve_options({"socket_mode": "0660", "group": 0, "metrics_port": 9400})
+    assert (o.socket_mode, o.group, o.metrics_port) == (0o660, 0, 9400)
+    with pytest.raises(ValueError, match="unknown serve option"):
+        serve.serve_options({"metrics": 1})
+    with pytest.raises(ValueError, match="owner rw"):
+        serve.serve_options({"socket_mode": "0060"})
+    with pytest.raises(ValueError, match="no group named"):
+        serve.serve_options({"group": "no-such-group-here"})
+    store, section = serve.split_config({"cascade": {"pipeline": "host"}, "serve": {"x": 1}})
+    assert store == {"pipeline": "host"} and section == {"x": 1}
+
+
+def test_prometheus_text_escapes_and_parses():
+    tier = {k: 0 for _, k, _, _ in serve_status.TIER_METRICS}
+    stats = {k: 1 for _, k, _, _ in serve_status.POOL_METRICS}
+    stats["open_seconds"] = 0.25
+    stats["store"] = {"tiers": {'odd"name\\': dict(tier, hits=3)}}
+    text = serve_status.prometheus_text(stats, started=1.5)
+    for line in text.splitlines():
+        assert line.startswith("# ") or SAMPLE.fullmatch(line), line
+    assert 'cascade_pool_tier_hits_total{tier="odd\\"name\\\\"} 3' in text
+    assert "cascade_pool_open_seconds 0.25" in text
+    assert "# TYPE cascade_pool_requests_total counter" in text
+
+
+def test_client_watcher_logs_arrivals_departures_and_unlisted(caplog):
+    def c(i: int) -> dict:
+        return {"id": i, "pid": 100 + i, "uid": 0, "namespace": "m", "channels": 1, "requests": 0}
+
+    w = serve.ClientWatcher()
+    with caplog.at_level("INFO", logger="cascade.serve"):
+        w.poll(1, [c(1)])
+        assert "client 1 connected: pid 101" in caplog.text
+        caplog.clear()
+        w.poll(3, [c(1)])  # clients 2 and 3 came and went between polls
+        assert "2 client(s) connected and went away" in caplog.text
+        caplog.clear()
+        w.poll(3, [c(1), c(4)])  # 4 is listed before the server counts it
+        assert "went away" not in caplog.text and "client 4 connected" in caplog.text
+        caplog.clear()
+        w.poll(4, [])
+        assert "went away" not in caplog.text
+        assert "client 1 disconnected" in caplog.text and "client 4 disconnected" in caplog.text
