@@ -154,6 +154,10 @@ def test_serve_shares_blocks_reports_and_writes_down_on_sigterm(tmp):
             assert np.array_equal(out, v)
             assert not other.contains(k)
 
+        # The watcher polls once a second: the clients stay until it listed them.
+        deadline = time.monotonic() + 10
+        while "client 3 connected" not in srv.text() and time.monotonic() < deadline:
+            time.sleep(0.1)
         url = f"http://127.0.0.1:{port}"
         m = scrape(url)
         assert m["cascade_pool_clients"] == 3
@@ -195,7 +199,7 @@ def test_serve_shares_blocks_reports_and_writes_down_on_sigterm(tmp):
     assert "SIGTERM" in srv.text() and "closed in" in srv.text()
     assert not os.path.exists(srv.socket)
     assert not os.path.exists(serve_status.info_path(srv.socket))
-    assert not os.path.exists(shm)
+    assert os.path.exists(shm)  # kept for a warm restart (shm_persist)
 
     # Everything is in the file tier, intact...
     report = cascade.inspect_directory(files, True)

@@ -235,6 +235,10 @@ class ClientWatcher:
 def _store_config(options: Mapping[str, Any]):
     options = dict(options)
     options.setdefault("use_gpu", False)
+    # A node's pool takes its memory once, at start, and keeps its blocks
+    # across a restart of the server (verified when reattached).
+    options.setdefault("shm_populate", "full")
+    options.setdefault("shm_persist", True)
     if not options.get("pipeline"):  # the pool's top tier is the host arena
         options["pipeline"] = "host|file" if options.get("file_path") else "host"
     return config_from_dict(options)
