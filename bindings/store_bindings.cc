@@ -188,6 +188,13 @@ class PyStore {
     return s->contains(id);
   }
 
+  std::vector<bool> contains_batch(nb::handle keys) {
+    BatchArgs args = batch_args(keys, nb::handle(), false);
+    auto s = use();
+    nb::gil_scoped_release release;
+    return s->contains_batch(args.ids);
+  }
+
   bool remove(nb::handle key) {
     BlockId id = parse_key(key);
     Status st;
@@ -366,6 +373,8 @@ void register_store(nb::module_& m) {
            "Copies min(len(out), size - offset) bytes from offset; returns (found, bytes_copied).")
       .def("contains", &PyStore::contains, "block_id"_a)
       .def("__contains__", &PyStore::contains)
+      .def("contains_batch", &PyStore::contains_batch, "block_ids"_a,
+           "contains() of many ids in one call per tier (one request to a node pool).")
       .def("remove", &PyStore::remove, "block_id"_a,
            "Removes the block; False when it was not stored.")
       .def(

@@ -94,6 +94,9 @@ class CascadeStore {
                    GetResult* result);
 
   bool contains(const BlockId& id) const;
+  // contains() of many ids, each tier asked once for the ids not found above
+  // it (one request to a node pool per tier).
+  std::vector<bool> contains_batch(std::span<const BlockId> ids) const;
 
   // Removes the block from every tier. NotFound when no tier had it.
   Status remove(const BlockId& id);

@@ -174,6 +174,10 @@ class Tier {
                              std::span<Status> statuses);
 
   virtual bool contains(const BlockId& id) const = 0;
+  // contains() of many ids: found[i] = contains(ids[i]). Tiers whose
+  // lookups cost a round trip (pool) take the batch in one; the default
+  // loops.
+  virtual void contains_batch(std::span<const BlockId> ids, std::span<uint8_t> found) const;
 
   // The size of a stored block, without copying it: a caller sizes its
   // buffer with it and then reads the block once. NotFound on a miss,

@@ -210,6 +210,28 @@ bool CascadeStore::contains(const BlockId& id) const {
   return impl_->contains_phys(impl_->physical(id));
 }
 
+std::vector<bool> CascadeStore::contains_batch(std::span<const BlockId> ids) const {
+  std::vector<bool> out(ids.size(), false);
+  CASCADE_LIVE_OR(out);
+  std::vector<size_t> pending(ids.size());
+  std::vector<BlockId> phys;
+  for (size_t i = 0; i < ids.size(); ++i) pending[i] = i;
+  for (auto& t : impl_->tiers) {
+    if (pending.empty()) break;
+    phys.resize(pending.size());
+    for (size_t k = 0; k < pending.size(); ++k) phys[k] = impl_->physical(ids[pending[k]]);
+    std::vector<uint8_t> found(pending.size(), 0);
+    t->contains_batch(phys, found);
+    std::vector<size_t> still;
+    for (size_t k = 0; k < pending.size(); ++k) {
+      if (found[k]) out[pending[k]] = true;
+      else still.push_back(pending[k]);
+    }
+    pending.swap(still);
+  }
+  return out;
+}
+
 Status CascadeStore::remove(const BlockId& id) {
   CASCADE_LIVE_OR(closed_status());
   return impl_->remove_impl(id);

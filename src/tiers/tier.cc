@@ -70,4 +70,8 @@ void Tier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> view
   }
 }
 
+void Tier::contains_batch(std::span<const BlockId> ids, std::span<uint8_t> found) const {
+  for (size_t i = 0; i < ids.size(); ++i) found[i] = contains(ids[i]);
+}
+
 }  // namespace cascade

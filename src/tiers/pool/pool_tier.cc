@@ -468,6 +468,13 @@ bool PoolTier::contains(const BlockId& id) const {
   return st.ok();
 }
 
+void PoolTier::contains_batch(std::span<const BlockId> ids, std::span<uint8_t> found) const {
+  std::vector<uint64_t> sizes(ids.size());
+  std::vector<Status> st(ids.size());
+  lookup_batch(ids, sizes, st);
+  for (size_t i = 0; i < ids.size(); ++i) found[i] = st[i].ok();
+}
+
 Result<uint64_t> PoolTier::size_of(const BlockId& id) {
   uint64_t size = 0;
   Status st;

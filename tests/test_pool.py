@@ -1,0 +1,189 @@
+"""The node pool with real client processes: clients killed with SIGKILL at
+random points while they put, read and hold leases leave no lease, no
+reserved space and no partial block behind, and every hit is the right bytes."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import cascade
+from cascade import _core
+
+KEYS = 300
+
+# A client that puts, reads (verifying every byte), holds leases and puts
+# batches, forever; it prints "ready" once connected. Exit 3: a wrong byte.
+CLIENT = textwrap.dedent(
+    """
+    import sys, numpy as np, cascade
+    sock, seed, keys = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    def block(i):
+        return np.random.default_rng(i).integers(0, 256, 4096 * (1 + i % 16), dtype=np.uint8)
+    store = cascade.CascadeStore(cascade.config_from_dict(
+        {"pool_socket": sock, "pool_namespace": "kill", "use_gpu": False, "num_io_threads": 2}))
+    rng = np.random.default_rng(seed)
+    print("ready", flush=True)
+    leases = []
+    while True:
+        i = int(rng.integers(keys))
+        op = rng.integers(6)
+        if op == 0:
+            ks = [f"k{j}" for j in range(i, min(keys, i + 8))]
+            store.put_batch(ks, [block(j) for j in range(i, min(keys, i + 8))])
+        elif op == 1:
+            try:
+                leases.append(store.acquire(f"k{i}"))
+            except cascade.NotFoundError:
+                pass
+            if len(leases) > 4:
+                leases.pop(0).release()
+        elif op == 2:
+            store.remove(f"k{i}")
+        else:
+            want = block(i)
+            out = np.empty_like(want)
+            found, size = store.get(f"k{i}", out)
+            if found and (size != want.size or not np.array_equal(out, want)):
+                print("wrong bytes for", i, flush=True)
+                sys.exit(3)
+            if not found:
+                store.put(f"k{i}", want)
+    """
+)
+
+
+def block(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, 4096 * (1 + i % 16), dtype=np.uint8)
+
+
+@pytest.fixture
+def server(tmp_path):
+    cfg = _core.CascadeConfig()
+    cfg.pipeline = "host"
+    cfg.use_gpu = False
+    cfg.shm_capacity_bytes = 16 << 20  # small: clients evict each other's blocks
+    cfg.shm_path = f"/dev/shm/cascade-test-pool-{uuid.uuid4().hex[:12]}"
+    sock = str(tmp_path / "pool.sock")
+    srv = _core.PoolServer(cfg, sock)
+    yield srv, sock
+    srv.close()
+    assert not os.path.exists(cfg.shm_path)
+
+
+def wait_for(pred, what: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_clients_killed_at_random_points_leave_nothing_behind(server):
+    srv, sock = server
+    rng = random.Random(1234)
+    rounds = 16
+    for r in range(rounds):
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", CLIENT, sock, str(r * 10 + k), str(KEYS)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for k in range(2)
+        ]
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.02, 0.4))
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+        for p in procs:
+            assert p.wait(10) == -signal.SIGKILL, p.stdout.read()
+        wait_for(lambda r=r: srv.stats()["disconnects"] >= 2 * (r + 1), "clients not reaped")
+        s = srv.stats()
+        assert s["leases"] == 0 and s["reservations"] == 0 and s["clients"] == 0
+        host = s["store"]["tiers"]["host"]
+        # Block sizes are whole pages: space reserved is exactly space used.
+        assert host["reserved_bytes"] == host["used_bytes"], host
+        assert host["leased_blocks"] == 0
+    s = srv.stats()
+    assert s["reclaimed_leases"] + s["reclaimed_reservations"] > 0, (
+        "no kill caught a client holding"
+    )
+
+    # Every block in the pool is complete and right.
+    verifier = cascade.CascadeStore(
+        cascade.config_from_dict({"pool_socket": sock, "pool_namespace": "kill", "use_gpu": False})
+    )
+    hits = 0
+    for i in range(KEYS):
+        want = block(i)
+        out = np.empty_like(want)
+        found, size = verifier.get(f"k{i}", out)
+        if found:
+            hits += 1
+            assert size == want.size and np.array_equal(out, want), i
+    assert hits > 0
+    verifier.close()
+
+
+def test_a_client_sees_unavailable_when_the_server_goes(tmp_path):
+    cfg = _core.CascadeConfig()
+    cfg.pipeline = "host"
+    cfg.use_gpu = False
+    cfg.shm_capacity_bytes = 8 << 20
+    cfg.shm_path = f"/dev/shm/cascade-test-pool-{uuid.uuid4().hex[:12]}"
+    sock = str(tmp_path / "pool.sock")
+    srv = _core.PoolServer(cfg, sock)
+    client = cascade.CascadeStore(
+        cascade.config_from_dict({"pool_socket": sock, "use_gpu": False, "pool_timeout_ms": 2000})
+    )
+    client.put("a", np.ones(4096, np.uint8))
+    srv.close()
+    with pytest.raises(cascade.UnavailableError):
+        client.put("b", np.ones(4096, np.uint8))
+    # Closing flushes the pool (the server's durability contract); with the
+    # server gone that cannot happen, and close says so. The store is closed.
+    with pytest.raises(cascade.UnavailableError, match="server is gone"):
+        client.close()
+    with pytest.raises(cascade.UnavailableError):
+        client.contains("a")
+
+
+def test_no_server_is_a_clear_error(tmp_path):
+    with pytest.raises(cascade.UnavailableError, match="no node pool server listens"):
+        cascade.CascadeStore(
+            cascade.config_from_dict(
+                {"pool_socket": str(tmp_path / "absent.sock"), "use_gpu": False}
+            )
+        )
+
+
+def test_contains_batch_asks_the_pool_once_per_batch(server):
+    srv, sock = server
+
+    def client(ns):
+        return cascade.CascadeStore(
+            cascade.config_from_dict({"pool_socket": sock, "pool_namespace": ns, "use_gpu": False})
+        )
+
+    a, other = client("a"), client("b")
+    keys = [f"c{i}" for i in range(3000)]
+    page = np.zeros(4096, np.uint8)  # 1500 pages fit the 16 MiB arena: nothing evicted
+    assert a.put_batch(keys[::2], [page] * 1500) == 1500
+    before = srv.stats()["requests"]
+    found = a.contains_batch(keys)
+    assert found == [i % 2 == 0 for i in range(3000)]
+    assert srv.stats()["requests"] - before == 2  # 3000 ids: two requests of at most 2048
+    assert other.contains_batch(keys) == [False] * 3000
+    assert a.contains_batch([]) == []
+    a.close()
+    other.close()
