@@ -2,6 +2,7 @@
 #include <nanobind/stl/string.h>
 
 #include "bench/index_probe.h"
+#include "bench/ipc_probe.h"
 #include "bench/memory_probe.h"
 #include "cascade/config.h"
 #include "common.h"
@@ -141,6 +142,57 @@ NB_MODULE(_core, m) {
       },
       "blocks"_a, "threads"_a, "lookups"_a,
       "Index lookups (lease+release) per second per thread, and metadata bytes per block.");
+  m.def(
+      "socket_round_trips",
+      [](uint64_t count) {
+        Result<RoundTrips> r = Status::OK();
+        {
+          nb::gil_scoped_release release;
+          r = socket_round_trips(count);
+        }
+        check(r.status());
+        nb::dict d;
+        d["count"] = r->count;
+        d["median_us"] = r->median_us;
+        d["p99_us"] = r->p99_us;
+        return d;
+      },
+      "count"_a, "Round trips of a 64-byte message over a Unix socket to a forked echo process.");
+  m.def(
+      "pool_round_trips",
+      [](const std::string& socket, const std::string& ns, uint64_t count) {
+        Result<PoolRoundTrips> r = Status::OK();
+        {
+          nb::gil_scoped_release release;
+          r = pool_round_trips(socket, ns, count);
+        }
+        check(r.status());
+        nb::dict d;
+        d["count"] = r->lookup.count;
+        d["lookup_median_us"] = r->lookup.median_us;
+        d["lookup_p99_us"] = r->lookup.p99_us;
+        d["put_median_us"] = r->put.median_us;
+        d["put_p99_us"] = r->put.p99_us;
+        return d;
+      },
+      "socket"_a, "namespace"_a, "count"_a,
+      "Small requests to a pool server, timed one by one in C++: a lookup of one id, and a put "
+      "of one 64-byte block (reserve, copy, commit).");
+  m.def(
+      "pool_lookup_rate",
+      [](const std::string& socket, const std::string& ns, uint32_t batch, double seconds,
+         int threads) {
+        Result<double> r = 0.0;
+        {
+          nb::gil_scoped_release release;
+          r = pool_lookup_rate(socket, ns, batch, seconds, threads);
+        }
+        check(r.status());
+        return r.value();
+      },
+      "socket"_a, "namespace"_a, "batch"_a, "seconds"_a, "threads"_a = 1,
+      "Ids looked up per second by one client issuing batches of `batch` ids on `threads` "
+      "threads.");
   m.def(
       "gpu_usable", [](int device) { return gpu_usable(device); }, "device"_a = 0);
   m.attr("HAVE_CUDA") = bool(CASCADE_HAVE_CUDA);
