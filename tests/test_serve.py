@@ -24,7 +24,8 @@ import cascade
 from cascade import serve, serve_status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+# The servers import the cascade package this test imported (a source tree or an install).
+ENV = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(cascade.__file__)))
 # A Prometheus text line: a comment, or name{labels} value.
 SAMPLE = re.compile(
     r'[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*",?)*\})? '

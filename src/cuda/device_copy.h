@@ -16,7 +16,8 @@ namespace cascade {
 Status device_copy(void* dst, MemoryKind dst_kind, const void* src, MemoryKind src_kind, size_t n,
                    void* stream);
 
-// True when CUDA is compiled in and device `device` can be used.
+// True when CUDA is compiled in and device `device` can be used. A negative
+// device is never usable, and asking about one does not initialize CUDA.
 bool gpu_usable(int device);
 
 // Registers host memory with the GPU so DMA reads and writes it directly

@@ -53,6 +53,7 @@ Status device_copy(void* dst, MemoryKind dst_kind, const void* src, MemoryKind s
 }
 
 bool gpu_usable(int device) {
+  if (device < 0) return false;  // asks nothing of CUDA
   static std::mutex mu;
   static int count = -1;
   std::lock_guard<std::mutex> lock(mu);

@@ -2,7 +2,7 @@
 #include "cascade/block_id.h"
 
 #include <openssl/evp.h>
-#include <openssl/sha.h>
+#include <openssl/opensslv.h>
 
 namespace cascade {
 namespace {
@@ -12,6 +12,34 @@ int hex_value(char c) {
   if (c >= 'a' && c <= 'f') return c - 'a' + 10;
   if (c >= 'A' && c <= 'F') return c - 'A' + 10;
   return -1;
+}
+
+// The SHA-256 implementation, fetched once: OpenSSL 3 fetches it under a
+// lock on every digest otherwise, which serializes threads that hash many
+// small inputs (the node pool maps every id it is sent).
+const EVP_MD* sha256_md() {
+#if OPENSSL_VERSION_NUMBER >= 0x30000000L
+  static EVP_MD* const md = EVP_MD_fetch(nullptr, "SHA256", nullptr);
+  if (md) return md;
+#endif
+  return EVP_sha256();
+}
+
+// One digest context per thread, reused.
+struct DigestContext {
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  ~DigestContext() { EVP_MD_CTX_free(ctx); }
+};
+
+std::array<uint8_t, 32> digest_of(std::string_view prefix, const void* data, size_t size) {
+  thread_local DigestContext c;
+  std::array<uint8_t, 32> digest{};
+  // EVP picks the SHA-NI / AVX2 implementation when the CPU has it.
+  EVP_DigestInit_ex(c.ctx, sha256_md(), nullptr);
+  if (!prefix.empty()) EVP_DigestUpdate(c.ctx, prefix.data(), prefix.size());
+  EVP_DigestUpdate(c.ctx, data, size);
+  EVP_DigestFinal_ex(c.ctx, digest.data(), nullptr);
+  return digest;
 }
 
 }  // namespace
@@ -43,12 +71,7 @@ Result<BlockId> parse_block_id(std::string_view hex) {
   return id;
 }
 
-std::array<uint8_t, 32> sha256(const void* data, size_t size) {
-  std::array<uint8_t, 32> digest{};
-  // EVP picks the SHA-NI / AVX2 implementation when the CPU has it.
-  EVP_Digest(data, size, digest.data(), nullptr, EVP_sha256(), nullptr);
-  return digest;
-}
+std::array<uint8_t, 32> sha256(const void* data, size_t size) { return digest_of({}, data, size); }
 
 BlockId compute_block_id(const void* data, size_t size) {
   auto digest = sha256(size ? data : "", size);
@@ -64,13 +87,7 @@ Result<BlockId> block_id_from_key(std::string_view key) {
     if (parsed.ok()) return parsed;
   }
   static constexpr std::string_view kDomain = "cascade-key:";
-  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-  std::array<uint8_t, 32> digest{};
-  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
-  EVP_DigestUpdate(ctx, kDomain.data(), kDomain.size());
-  EVP_DigestUpdate(ctx, key.data(), key.size());
-  EVP_DigestFinal_ex(ctx, digest.data(), nullptr);
-  EVP_MD_CTX_free(ctx);
+  auto digest = digest_of(kDomain, key.data(), key.size());
   BlockId id;
   std::memcpy(id.bytes.data(), digest.data(), 16);
   return id;

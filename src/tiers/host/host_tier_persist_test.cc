@@ -35,6 +35,9 @@ CascadeConfig persist_config(const std::string& path, bool persist = true) {
   c.shm_path = path;
   c.index_shards = 8;
   c.shm_persist = persist;
+  // No GPU registration: forked children must not touch CUDA, and a
+  // registered arena is held by the driver for a while after a kill.
+  c.gpu_device_id = -1;
   return c;
 }
 

@@ -128,7 +128,6 @@ class PoolTier final : public Tier {
     bool broken = false;
   };
   mutable std::unique_ptr<Slot[]> slots_;
-  mutable std::atomic<uint32_t> next_slot_{0};
   mutable std::atomic<bool> server_gone_{false};
 
   std::mutex release_mu_;
