@@ -89,6 +89,7 @@ struct SharedArena {
   uint64_t file_offset = 0;  // bytes before the arena (the file's header)
   uint64_t capacity = 0;
   uint8_t* base = nullptr;  // the arena in this process
+  uint64_t committed = 0;   // bytes from the start backed by memory now
 };
 
 class Tier;

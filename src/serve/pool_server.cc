@@ -268,6 +268,7 @@ void PoolServer::Impl::handshake(int sock) {
     w.arena_capacity = arena.capacity;
     w.arena_file_offset = arena.file_offset;
     w.channel_stride = pool::kChannelStride;
+    w.arena_committed = store->shared_arena().committed;
     w.flags = persistent ? pool::kPersistent : 0;
     st = send_message(sock, &w, sizeof w, {arena.fd, client->channel_fd});
     if (st.ok()) {

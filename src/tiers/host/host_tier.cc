@@ -58,6 +58,7 @@ SharedArena HostTier::shared_arena() const {
   a.file_offset = arena_->header_bytes();
   a.capacity = arena_->capacity();
   a.base = arena_base();
+  a.committed = arena_->committed();
   return a;
 }
 

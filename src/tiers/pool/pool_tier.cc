@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "cuda/device_copy.h"
+#include "os/committed_memory.h"
 #include "util/errno_status.h"
 
 namespace cascade {
@@ -78,6 +79,7 @@ Result<std::unique_ptr<PoolTier>> PoolTier::Open(const CascadeConfig& config, Th
     tier->registered_ = register_host_memory(tier->base_, tier->capacity_).ok();
   }
   tier->releaser_ = std::thread([t = tier.get()] { t->release_loop(); });
+  tier->mapper_ = std::thread([t = tier.get()] { t->map_arena(); });
   return tier;
 }
 
@@ -141,6 +143,7 @@ Status PoolTier::connect(const CascadeConfig& config) {
   }
   arena_map_ = static_cast<uint8_t*>(a);
   base_ = arena_map_ + w.arena_file_offset;
+  arena_committed_ = std::min(w.arena_committed, capacity_);
   channel_count_ = w.channels;
   channel_map_bytes_ = uint64_t(w.channels) * pool::kChannelStride;
   void* c = ::mmap(nullptr, channel_map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
@@ -156,7 +159,21 @@ Status PoolTier::connect(const CascadeConfig& config) {
   return Status::OK();
 }
 
+// Maps the arena's backed pages into this process ahead of use, a chunk at
+// a time: without it every page this client touches first takes a page
+// fault, even when the server backed it long ago. Only an optimization:
+// an error just ends it.
+void PoolTier::map_arena() {
+  constexpr uint64_t kChunk = 64ULL << 20;
+  for (uint64_t at = 0; at < arena_committed_ && !stop_mapping_.load(); at += kChunk) {
+    if (populate_pages(base_ + at, std::min(kChunk, arena_committed_ - at)) != 0) return;
+    mapped_bytes_.store(std::min(at + kChunk, arena_committed_), std::memory_order_relaxed);
+  }
+}
+
 PoolTier::~PoolTier() {
+  stop_mapping_.store(true);
+  if (mapper_.joinable()) mapper_.join();
   if (releaser_.joinable()) {
     {
       std::lock_guard<std::mutex> lock(release_mu_);
@@ -523,6 +540,7 @@ TierStats PoolTier::stats() const {
   TierStats s;
   s.name = name();
   s.capacity_bytes = capacity_;
+  s.committed_bytes = mapped_bytes_.load(std::memory_order_relaxed);  // mapped in ahead of use
   counters_.fill(&s);
   return s;
 }

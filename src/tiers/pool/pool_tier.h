@@ -104,6 +104,7 @@ class PoolTier final : public Tier {
               int64_t timeout_us) const;
   void send_releases(std::vector<uint64_t> tokens);
   void release_loop();
+  void map_arena();
   Status copy_in(uint8_t* dst, const void* src, uint64_t n, const PutOptions& options);
   Status copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req);
 
@@ -116,6 +117,10 @@ class PoolTier final : public Tier {
   uint64_t arena_map_bytes_ = 0;
   uint8_t* base_ = nullptr;
   uint64_t capacity_ = 0;
+  uint64_t arena_committed_ = 0;  // backed by the server when this client connected
+  std::thread mapper_;
+  std::atomic<bool> stop_mapping_{false};
+  std::atomic<uint64_t> mapped_bytes_{0};
   bool persistent_ = false;
   bool registered_ = false;
   uint8_t* channel_map_ = nullptr;

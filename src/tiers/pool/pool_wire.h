@@ -54,11 +54,12 @@ struct Welcome {
   uint64_t arena_capacity;     // bytes of the arena
   uint64_t arena_file_offset;  // where the arena starts in its file
   uint64_t channel_stride;     // bytes of one channel in the channel file
+  uint64_t arena_committed;    // bytes from the arena's start backed by memory now
   uint32_t flags;
   uint32_t message_bytes;
   char message[kMaxMessageBytes];
 };
-static_assert(sizeof(Welcome) == 568);
+static_assert(sizeof(Welcome) == 576);
 
 // ---- channels ---------------------------------------------------------------
 // The two words each side waits on sit on their own cache lines.
