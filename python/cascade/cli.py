@@ -8,6 +8,7 @@ cascade bench compare   Cascade beside Redis, HDF5, file-per-block, LMCache, tor
 cascade bench gpu       gpu tier and paged KV transfers vs PCIe/HBM ceilings
 cascade bench vmm --pages-total 100 --procs 4 --iters 20   GPU page-mapping parallelism
 cascade bench ttft      time to first token: full prefill vs prefix from the host/file tier
+cascade bench pool      node pool: client processes vs the host tier; round trips, lookups
 cascade stress --quick  randomized reliability harness: ops, kill -9, corruption, I/O faults
 """
 
@@ -83,6 +84,13 @@ def _cmd_vmm(args) -> int:
 def _cmd_ttft(args) -> int:
     from cascade.bench.common import Progress
     from cascade.bench.ttft import main
+
+    return main(args, Progress(not args.quiet))
+
+
+def _cmd_pool(args) -> int:
+    from cascade.bench.common import Progress
+    from cascade.bench.pool import main
 
     return main(args, Progress(not args.quiet))
 
@@ -251,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`--distributed --json` runs",
     )
     bench.set_defaults(fn=_cmd_bench)
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{compare,gpu,vmm,ttft}")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{compare,gpu,vmm,ttft,pool}")
     compare = bench_sub.add_parser(
         "compare", help="Cascade side by side with its peers, ceilings beside"
     )
@@ -278,6 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_ttft_arguments(ttft)
     ttft.set_defaults(fn=_cmd_ttft)
+    from cascade.bench.pool import add_arguments as add_pool_arguments
+
+    pool = bench_sub.add_parser(
+        "pool",
+        help="the node pool: 1-8 client processes against the single-process host tier and "
+        "memcpy, small-request round trips and batched lookups",
+    )
+    add_pool_arguments(pool)
+    pool.set_defaults(fn=_cmd_pool)
     return p
 
 

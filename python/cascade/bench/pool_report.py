@@ -1,0 +1,150 @@
+"""The report of `cascade bench pool` as text: throughput rows against the
+single-process host tier and the memcpy ceiling, round trips, batched
+lookups, and the goals."""
+
+from __future__ import annotations
+
+from cascade.bench.common import fmt_size, format_table
+
+
+def _throughput(t: dict) -> list[str]:
+    rows = []
+    for r in t["rows"]:
+        pool = r["kind"] == "pool"
+        rows.append(
+            [
+                fmt_size(r["block_bytes"]),
+                f"pool x{r['clients']}" if pool else "host (1 process)",
+                f"{r['clients']}x{r['threads_per_client']}",
+                r["ceiling_gbps"],
+                r["first_fill_gbps"],
+                r["write_gbps"],
+                r.get("write_vs_host"),
+                r["write_vs_ceiling"],
+                r["read_gbps"],
+                r.get("read_vs_host"),
+                r["read_vs_ceiling"],
+                "yes" if r["verified"] else "NO",
+            ]
+        )
+    return [
+        format_table(
+            [
+                "block",
+                "store",
+                "procs x threads",
+                "memcpy GB/s",
+                "first fill GB/s",
+                "write GB/s",
+                "write/host",
+                "write/memcpy",
+                "read GB/s",
+                "read/host",
+                "read/memcpy",
+                "verified",
+            ],
+            rows,
+            title="Throughput (aggregate over all client processes; best of the steady passes)",
+        ),
+        "first fill: the first pass into a fresh arena (the kernel allocates its pages); write: "
+        "later passes into memory freed by removing the previous pass; read: hot. Every read "
+        "pass is compared byte for byte with what was written, after its timing.",
+    ]
+
+
+def _round_trips(m: dict) -> list[str]:
+    rt = m["round_trip"]
+    rows = []
+    names = {
+        "contains": "contains (1 lookup)",
+        "get_64b": "get 64 B (1 lease + copy)",
+        "put_64b": "put 64 B (reserve + commit)",
+    }
+    for key, name in names.items():
+        p, h = rt["pool"][key], rt["host"][key]
+        rows.append([name, p["median_us"], p["p99_us"], h["median_us"], h["p99_us"]])
+    sk = m["socket_round_trip"]
+    rows.append(["socket ping-pong (Python both ends)", sk["median_us"], sk["p99_us"], None, None])
+    rows.append(["timer alone", rt["pool"]["timer"]["median_us"], rt["pool"]["timer"]["p99_us"]])
+    rows[-1] += [None, None]
+    return [
+        format_table(
+            [
+                "call from Python",
+                "pool median µs",
+                "pool p99 µs",
+                "in-process host median µs",
+                "host p99 µs",
+            ],
+            rows,
+            title="Round trips from a client process "
+            f"({rt['pool']['contains']['calls']} calls each)",
+        ),
+        "Python figures include the interpreter and binding (the in-process host column is "
+        "that overhead with no server); the socket row is a SOCK_SEQPACKET socketpair ping-pong "
+        "with a Python echo process.",
+    ]
+
+
+def _lookups(m: dict) -> list[str]:
+    rows = [
+        [
+            r["clients"],
+            r["batch"],
+            r["miss_ids_per_s"] / 1e6,
+            r["hit_ids_per_s"] / 1e6,
+            "yes" if r["verified"] else "NO",
+        ]
+        for r in m["batched_lookups"]
+    ]
+    local = m["round_trip"]["host"].get("absent_batch_ids_per_s")
+    return [
+        format_table(
+            ["client procs", "ids per batch", "M ids/s (absent)", "M ids/s (present)", "verified"],
+            rows,
+            title="Batched lookups (get_batch: the store has no batched contains)",
+        ),
+        "absent: one lease request per batch that finds nothing (a lookup of every id); present: "
+        "a lease request, a 64-byte copy per id and a release request per batch."
+        + (
+            f" The same absent-id get_batch on an in-process host store (no server; the "
+            f"client side's own cost, Python included): {local / 1e6:.2f} M ids/s."
+            if local
+            else ""
+        ),
+    ]
+
+
+def format_report(report: dict) -> str:
+    m = report["machine"]
+    s = report["settings"]
+    lines = [
+        f"cascade bench pool: {m['cpu']}, {m['cores']} cores, {s['threads']} threads in total, "
+        f"{report['date']}{' (quick)' if report['quick'] else ''}"
+    ]
+    if "throughput" in report:
+        lines += _throughput(report["throughput"])
+    if "metadata" in report:
+        lines += _round_trips(report["metadata"])
+        lines += _lookups(report["metadata"])
+    g = report["goals"]
+    if "aggregate_vs_host" in g:
+        a = g["aggregate_vs_host"]
+        lines.append(
+            f"goal: aggregate >= {a['goal']}x the host tier: worst {a['worst']:.2f}x "
+            f"({'met' if a['met'] else 'not met'})"
+        )
+    if "round_trip_us" in g:
+        a = g["round_trip_us"]
+        lines.append(
+            f"goal: small request < {a['goal']:.0f} µs: worst median {a['worst_median']:.1f} µs "
+            f"from Python ({'met' if a['met'] else 'not met'})"
+        )
+    if "batched_lookups_per_s" in g:
+        a = g["batched_lookups_per_s"]
+        lines.append(
+            f"goal: >= {a['goal'] / 1e6:.0f} M ids/s batched: best {a['best'] / 1e6:.2f} M "
+            f"({'met' if a['met'] else 'not met'})"
+        )
+    lines.append("verified: every byte read back matched" if report["verified"] else "NOT VERIFIED")
+    return "\n".join(lines)
