@@ -62,15 +62,20 @@ def _round_trips(m: dict) -> list[str]:
     }
     for key, name in names.items():
         p, h = rt["pool"][key], rt["host"][key]
-        rows.append([name, p["median_us"], p["p99_us"], h["median_us"], h["p99_us"]])
+        rows.append([name, p["min_us"], p["median_us"], p["p99_us"], h["median_us"], h["p99_us"]])
     sk = m["socket_round_trip"]
-    rows.append(["socket ping-pong (Python both ends)", sk["median_us"], sk["p99_us"], None, None])
-    rows.append(["timer alone", rt["pool"]["timer"]["median_us"], rt["pool"]["timer"]["p99_us"]])
-    rows[-1] += [None, None]
+    rows.append(
+        ["socket ping-pong (Python both ends)", sk["min_us"], sk["median_us"], sk["p99_us"]]
+    )
+    tm = rt["pool"]["timer"]
+    rows.append(["timer alone", tm["min_us"], tm["median_us"], tm["p99_us"]])
+    for r in rows[-2:]:
+        r += [None, None]
     return [
         format_table(
             [
                 "call from Python",
+                "pool min µs",
                 "pool median µs",
                 "pool p99 µs",
                 "in-process host median µs",

@@ -124,6 +124,7 @@ def _percentiles(ns: list[int]) -> dict:
     us = sorted(x / 1000 for x in ns)
     return {
         "calls": len(us),
+        "min_us": us[0],
         "median_us": statistics.median(us),
         "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))],
         "mean_us": sum(us) / len(us),
