@@ -65,7 +65,7 @@ def test_quick_run_reports_every_row_verified(tmp_path, capsys):
     assert report["throughput"]["ceilings"][0]["gbps"] > 0
 
     meta = report["metadata"]
-    for side in ("pool", "host"):
+    for side in ("pool", "pool_one_channel", "host"):
         rt = meta["round_trip"][side]
         assert rt["verified"] is True
         for op in ("contains", "get_64b", "put_64b"):

@@ -207,18 +207,23 @@ def absent_batch_rate(store, batch: int, rounds: int, tag: str) -> float:
 
 
 def latency_worker(pool_cfg: dict, host_cfg: dict, plan: dict, results) -> None:
-    """Round trips from a client process: the pool store, then an
-    in-process host store (the same Python calls with no server), whose
-    batched-lookup rate is the client side's own cost."""
+    """Round trips from a client process: the pool store (with the
+    configured channels, then with one), then an in-process host store (the
+    same Python calls with no server), whose batched-lookup rate is the
+    client side's own cost."""
     try:
         with _store(pool_cfg) as store:
             pool = latency_loops(store, plan["calls"], f"{plan['tag']}/pool")
+        # One channel: every call of this lone caller goes to the same
+        # server worker (with several, calls take the channels in turn).
+        with _store({**pool_cfg, "pool_channels": 1}) as store:
+            one = latency_loops(store, plan["calls"], f"{plan['tag']}/pool1")
         with _store(host_cfg) as store:
             host = latency_loops(store, plan["calls"], f"{plan['tag']}/host")
             host["absent_batch_ids_per_s"] = absent_batch_rate(
                 store, 1024, plan["rounds"], plan["tag"]
             )
-        results.put({"pool": pool, "host": host})
+        results.put({"pool": pool, "pool_one_channel": one, "host": host})
     except BaseException:
         results.put({"error": traceback.format_exc()})
 
