@@ -131,9 +131,15 @@ def _percentiles(ns: list[int]) -> dict:
     }
 
 
-def latency_loops(store, calls: int, tag: str, verify: bool = True) -> dict:
-    """Per-call latency of contains (hit), get of a 64-byte block, and put
-    of a new 64-byte block, each call timed on its own."""
+LATENCY_OPS = ("timer", "contains", "get_64b", "put_64b")
+
+
+def latency_samples(store, calls: int, tag: str, samples: dict) -> bool:
+    """Appends to samples[op] the nanoseconds of `calls` calls of each op,
+    each call timed on its own: two clock reads alone (timer), contains of
+    a present id, get of a 64-byte block, put of a new 64-byte block.
+    Returns whether every answer and every byte was right (checked after
+    the timing)."""
     import cascade
 
     clock = time.perf_counter_ns
@@ -143,52 +149,44 @@ def latency_loops(store, calls: int, tag: str, verify: bool = True) -> dict:
         raise RuntimeError("could not store the probe block")
     new_ids = [cascade.block_id(f"{tag}/put/{i}") for i in range(calls)]
     out = np.zeros(64, dtype=np.uint8)
-    res: dict = {}
     warm = min(200, calls)
-    # Timer overhead: two clock reads with nothing between.
-    ns = []
+    ns = samples.setdefault("timer", [])
     for _ in range(calls):
         t0 = clock()
         ns.append(clock() - t0)
-    res["timer"] = _percentiles(ns)
     contains = store.contains
     for _ in range(warm):
         contains(hit)
-    ns, ok = [], True
+    ns, ok = samples.setdefault("contains", []), True
     for _ in range(calls):
         t0 = clock()
         r = contains(hit)
         ns.append(clock() - t0)
         ok &= r
-    res["contains"] = _percentiles(ns)
     get = store.get
     for _ in range(warm):
         get(hit, out)
-    ns = []
+    ns = samples.setdefault("get_64b", [])
     for _ in range(calls):
         t0 = clock()
         found, _ = get(hit, out)
         ns.append(clock() - t0)
         ok &= found
     ok &= bool(np.array_equal(out, tiny))
-    res["get_64b"] = _percentiles(ns)
     put = store.put
-    ns = []
+    ns = samples.setdefault("put_64b", [])
     for i in new_ids:
         t0 = clock()
         r = put(i, tiny)
         ns.append(clock() - t0)
         ok &= r
-    res["put_64b"] = _percentiles(ns)
-    if verify:  # every put block is there with its bytes (untimed)
-        outs = np.zeros((calls, 64), dtype=np.uint8)
-        for b in range(0, calls, 1024):
-            found, _ = store.get_batch(new_ids[b : b + 1024], outs[b : b + 1024])
-            ok &= found == len(new_ids[b : b + 1024])
-        ok &= bool((outs == tiny).all())
-        ok &= not contains(cascade.block_id(f"{tag}/absent"))
-    res["verified"] = bool(ok)
-    return res
+    outs = np.zeros((calls, 64), dtype=np.uint8)
+    for b in range(0, calls, 1024):
+        found, _ = store.get_batch(new_ids[b : b + 1024], outs[b : b + 1024])
+        ok &= found == len(new_ids[b : b + 1024])
+    ok &= bool((outs == tiny).all())
+    ok &= not contains(cascade.block_id(f"{tag}/absent"))
+    return bool(ok)
 
 
 def absent_batch_rate(store, batch: int, rounds: int, tag: str) -> float:
@@ -207,23 +205,39 @@ def absent_batch_rate(store, batch: int, rounds: int, tag: str) -> float:
 
 
 def latency_worker(pool_cfg: dict, host_cfg: dict, plan: dict, results) -> None:
-    """Round trips from a client process: the pool store (with the
-    configured channels, then with one), then an in-process host store (the
-    same Python calls with no server), whose batched-lookup rate is the
-    client side's own cost."""
+    """Round trips from a client process: the pool store with the
+    configured channels and with one channel (every call of this lone
+    caller then goes to the same server worker; with several, successive
+    calls take them in turn), and an in-process host store (the same Python
+    calls with no server), whose batched-lookup rate is the client side's
+    own cost. The three are measured in turns, a quarter of the calls at a
+    time, so that a noisy minute of the machine falls on all of them."""
     try:
-        with _store(pool_cfg) as store:
-            pool = latency_loops(store, plan["calls"], f"{plan['tag']}/pool")
-        # One channel: every call of this lone caller goes to the same
-        # server worker (with several, calls take the channels in turn).
-        with _store({**pool_cfg, "pool_channels": 1}) as store:
-            one = latency_loops(store, plan["calls"], f"{plan['tag']}/pool1")
-        with _store(host_cfg) as store:
-            host = latency_loops(store, plan["calls"], f"{plan['tag']}/host")
-            host["absent_batch_ids_per_s"] = absent_batch_rate(
-                store, 1024, plan["rounds"], plan["tag"]
+        stores = {
+            "pool": _store(pool_cfg),
+            "pool_one_channel": _store({**pool_cfg, "pool_channels": 1}),
+            "host": _store(host_cfg),
+        }
+        try:
+            samples: dict = {k: {} for k in stores}
+            ok = {k: True for k in stores}
+            rounds = 4
+            for r in range(rounds):
+                for k, store in stores.items():
+                    ok[k] &= latency_samples(
+                        store, max(1, plan["calls"] // rounds), f"{plan['tag']}/{k}/{r}", samples[k]
+                    )
+            report: dict = {}
+            for k in stores:
+                report[k] = {op: _percentiles(samples[k][op]) for op in LATENCY_OPS}
+                report[k]["verified"] = ok[k]
+            report["host"]["absent_batch_ids_per_s"] = absent_batch_rate(
+                stores["host"], 1024, plan["rounds"], plan["tag"]
             )
-        results.put({"pool": pool, "pool_one_channel": one, "host": host})
+        finally:
+            for store in stores.values():
+                store.close()
+        results.put(report)
     except BaseException:
         results.put({"error": traceback.format_exc()})
 
