@@ -54,6 +54,7 @@ def test_quick_run_reports_every_row_verified(tmp_path, capsys):
         assert r["total_bytes"] == r["blocks"] * r["block_bytes"] > 0
         for key in ("first_fill_gbps", "write_gbps", "read_gbps", "ceiling_gbps"):
             assert r[key] > 0
+        assert set(r["faults_per_mib"]) == {"first_fill", "write", "read"}
         assert r["write_vs_ceiling"] == pytest.approx(r["write_gbps"] / r["ceiling_gbps"])
     host = rows[0]
     for r in rows[1:]:

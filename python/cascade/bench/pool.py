@@ -218,10 +218,23 @@ def _aggregate(reports: list[dict], key: str, nbytes: int) -> list[float]:
     return out
 
 
+def _faults_per_mib(reports: list[dict], key: str, nbytes: int) -> float:
+    """Minor page faults of all clients together per MiB moved, median over
+    the passes of `key` (a client touching arena pages its own mapping has
+    not touched yet faults once per page)."""
+    passes = [r[key] if isinstance(r[key], list) else [r[key]] for r in reports]
+    per = [sum(p[k][2] for p in passes) for k in range(len(passes[0]))]
+    return statistics.median(per) / (nbytes / (1 << 20))
+
+
 def _phase_rates(reports: list[dict], nbytes: int) -> dict:
     writes = _aggregate(reports, "writes", nbytes)
     reads = _aggregate(reports, "reads", nbytes)
     return {
+        "faults_per_mib": {
+            k: _faults_per_mib(reports, key, nbytes)
+            for k, key in (("first_fill", "fill"), ("write", "writes"), ("read", "reads"))
+        },
         "first_fill_gbps": _aggregate(reports, "fill", nbytes)[0],
         "write_gbps": max(writes),
         "write_gbps_median": statistics.median(writes),

@@ -9,6 +9,7 @@ one machine) and whether every byte read back was the byte written."""
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 import traceback
@@ -63,12 +64,14 @@ def throughput_worker(rank: int, cfg: dict, plan: dict, barrier, results) -> Non
         def ids_of(p: int) -> list[str]:
             return [cascade.block_id(f"{tag}/{rank}/{p}/{i}") for i in range(n)]
 
-        def timed(fn, ids) -> tuple[float, float]:
+        def timed(fn, ids) -> tuple[float, float, int]:
+            """(start, end, minor page faults of this process in between)."""
             barrier.wait(BARRIER_TIMEOUT)
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             fn(ids)
             t1 = time.perf_counter()
-            return t0, t1
+            return t0, t1, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
         with _store(cfg) as store:
 
