@@ -11,6 +11,7 @@ cascade bench gpu       gpu tier and paged KV transfers vs PCIe/HBM ceilings
 cascade bench vmm --pages-total 100 --procs 4 --iters 20   GPU page-mapping parallelism
 cascade bench ttft      time to first token: full prefill vs prefix from the host/file tier
 cascade bench restart   warm restart: reattach time of a persistent host arena
+cascade bench pool      node pool: client processes vs the host tier; round trips, lookups
 cascade stress --quick  randomized reliability harness: ops, kill -9, corruption, I/O faults
 """
 
@@ -104,6 +105,13 @@ def _cmd_ttft(args) -> int:
 def _cmd_restart(args) -> int:
     from cascade.bench.common import Progress
     from cascade.bench.restart import main
+
+    return main(args, Progress(not args.quiet))
+
+
+def _cmd_pool(args) -> int:
+    from cascade.bench.common import Progress
+    from cascade.bench.pool import main
 
     return main(args, Progress(not args.quiet))
 
@@ -301,7 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
         "`--distributed --json` runs",
     )
     bench.set_defaults(fn=_cmd_bench)
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{compare,gpu,vmm,ttft,restart}")
+    bench_sub = bench.add_subparsers(
+        dest="bench_command", metavar="{compare,gpu,vmm,ttft,restart,pool}"
+    )
     compare = bench_sub.add_parser(
         "compare", help="Cascade side by side with its peers, ceilings beside"
     )
@@ -337,6 +347,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_restart_arguments(restart)
     restart.set_defaults(fn=_cmd_restart)
+
+    from cascade.bench.pool import add_arguments as add_pool_arguments
+
+    pool = bench_sub.add_parser(
+        "pool",
+        help="the node pool: 1-8 client processes against the single-process host tier and "
+        "memcpy, small-request round trips and batched lookups",
+    )
+    add_pool_arguments(pool)
+    pool.set_defaults(fn=_cmd_pool)
     return p
 
 
