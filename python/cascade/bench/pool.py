@@ -328,7 +328,8 @@ def run_metadata(run: _Run, s: dict, progress) -> dict:
     try:
         progress(f"round trips from a client process ({s['calls']} calls each)")
         pool_cfg = _client_cfg(server, 1, s["channels"], "bench-meta")
-        host_cfg = _host_cfg(run, 64 << 20, 1)
+        # Room for every probe block: an evicted one would read as a wrong answer.
+        host_cfg = _host_cfg(run, 256 << 20, 1)
         plan = {"calls": s["calls"], "rounds": s["lookup_rounds"], "tag": "bench/pool/meta"}
         [lat] = _spawn(pool_worker.latency_worker, [(pool_cfg, host_cfg, plan)], with_barrier=False)
         res["round_trip"] = lat
@@ -374,8 +375,11 @@ def run_metadata(run: _Run, s: dict, progress) -> dict:
         res["batched_lookups"] = rows
     finally:
         server.close()
-    if not all(lat[k]["verified"] for k in ("pool", "pool_one_channel", "host")):
-        raise RuntimeError("round trips: a call returned a wrong answer or wrong bytes")
+    wrong = [k for k in ("pool", "pool_one_channel", "host") if not lat[k]["verified"]]
+    if wrong:
+        raise RuntimeError(
+            f"round trips: a call returned a wrong answer or wrong bytes ({', '.join(wrong)})"
+        )
     if not res["socket_round_trip"]["verified"]:
         raise RuntimeError("socket ping-pong: a reply differed from its request")
     return res
