@@ -629,6 +629,7 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n,
         }
       }
       r.requests = requests.load();
+      r.arena_committed = store->shared_arena().committed;
       put_out(0, r);
       reply_count = 1;
       break;

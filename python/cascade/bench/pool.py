@@ -142,6 +142,8 @@ def _server(run: _Run, capacity: int):
             "shm_path": run.shm_path("server"),
             "shm_capacity_bytes": capacity,
             "use_gpu": False,
+            # As `cascade serve` runs it: the whole arena backed at start.
+            "shm_populate": "full",
         }
     )
     return _core.PoolServer(cfg, run.socket_path())

@@ -163,25 +163,39 @@ Status PoolTier::connect(const CascadeConfig& config) {
 // a time: without it every page this client touches first takes a page
 // fault, even when the server backed it long ago. Only an optimization:
 // an error just ends it.
+// It follows the server's backing as it grows (asking every 100 ms), until
+// the whole arena is mapped or the tier closes.
 void PoolTier::map_arena() {
   constexpr uint64_t kChunk = 64ULL << 20;
-  for (uint64_t at = 0; at < arena_committed_ && !stop_mapping_.load(); at += kChunk) {
-    if (populate_pages(base_ + at, std::min(kChunk, arena_committed_ - at)) != 0) return;
-    mapped_bytes_.store(std::min(at + kChunk, arena_committed_), std::memory_order_relaxed);
+  uint64_t at = 0, backed = arena_committed_;
+  while (!stop_mapping_.load() && at < capacity_) {
+    if (at < backed) {
+      const uint64_t n = std::min(kChunk, backed - at);
+      if (populate_pages(base_ + at, n) != 0) return;
+      at += n;
+      mapped_bytes_.store(at, std::memory_order_relaxed);
+      continue;
+    }
+    std::unique_lock<std::mutex> lock(release_mu_);
+    map_cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_; });
+    if (stopping_) return;
+    lock.unlock();
+    auto s = server_stats();
+    if (!s.ok()) return;
+    backed = std::min(s->arena_committed, capacity_);
   }
 }
 
 PoolTier::~PoolTier() {
   stop_mapping_.store(true);
-  if (mapper_.joinable()) mapper_.join();
-  if (releaser_.joinable()) {
-    {
-      std::lock_guard<std::mutex> lock(release_mu_);
-      stopping_ = true;
-    }
-    release_cv_.notify_all();
-    releaser_.join();
+  {
+    std::lock_guard<std::mutex> lock(release_mu_);
+    stopping_ = true;
   }
+  release_cv_.notify_all();
+  map_cv_.notify_all();
+  if (mapper_.joinable()) mapper_.join();
+  if (releaser_.joinable()) releaser_.join();
   if (registered_) unregister_host_memory(base_);
   if (channel_map_) ::munmap(channel_map_, channel_map_bytes_);
   if (arena_map_) ::munmap(arena_map_, arena_map_bytes_);

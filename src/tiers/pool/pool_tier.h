@@ -137,6 +137,7 @@ class PoolTier final : public Tier {
 
   std::mutex release_mu_;
   std::condition_variable release_cv_;
+  std::condition_variable map_cv_;  // the mapper's pause (with release_mu_)
   std::vector<uint64_t> release_queue_;
   bool stopping_ = false;
   std::thread releaser_;

@@ -156,6 +156,7 @@ struct ServerStatsReply {
   uint64_t leases;
   uint64_t reservations;
   uint64_t requests;
+  uint64_t arena_committed;  // bytes from the arena's start backed by memory now
 };
 
 // Bytes of one request item and one reply item of an op; 0 for ops without
