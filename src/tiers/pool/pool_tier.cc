@@ -280,11 +280,48 @@ Status PoolTier::put(const BlockId& id, const void* data, uint64_t size,
   return st;
 }
 
+// The sub-batch size that spreads n items over the I/O threads, two
+// sub-batches per thread; 0 when the batch stays whole (no threads, few
+// items, or blocks large enough that each copy is split over the threads).
+size_t PoolTier::sub_batch(std::span<const uint64_t> sizes) const {
+  const size_t n = sizes.size();
+  if (!pool_ || pool_->size() < 2 || n < 32) return 0;
+  for (uint64_t s : sizes)
+    if (s >= parallel_threshold_) return 0;
+  return std::clamp<size_t>(n / (2 * size_t(pool_->size())), 16, pool::kMaxItems);
+}
+
+// A batch is cut into sub-batches run on the I/O threads, each with its
+// own channel: the server's workers then reserve and commit in parallel,
+// overlapping the copies, instead of one worker handling the whole batch
+// while the copies wait.
 void PoolTier::put_batch(std::span<const BlockId> ids, std::span<const void* const> data,
                          std::span<const uint64_t> sizes, const PutOptions& options,
                          std::span<Status> statuses) {
-  for (size_t begin = 0; begin < ids.size(); begin += pool::kMaxItems) {
-    const uint32_t m = static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, ids.size() - begin));
+  const size_t n = ids.size();
+  const size_t sub = sub_batch(sizes);
+  if (sub) {
+    pool_->parallel_for((n + sub - 1) / sub, [&](size_t c) {
+      const size_t b = c * sub, m = std::min(sub, n - b);
+      put_chunk(ids.subspan(b, m), data.subspan(b, m), sizes.subspan(b, m), options,
+                statuses.subspan(b, m), false);
+    });
+    return;
+  }
+  for (size_t b = 0; b < n; b += pool::kMaxItems) {
+    const size_t m = std::min<size_t>(pool::kMaxItems, n - b);
+    put_chunk(ids.subspan(b, m), data.subspan(b, m), sizes.subspan(b, m), options,
+              statuses.subspan(b, m), true);
+  }
+}
+
+// At most kMaxItems items: one reserve, the copies (over the I/O threads
+// when parallel), one commit (and an abort for copies that failed).
+void PoolTier::put_chunk(std::span<const BlockId> ids, std::span<const void* const> data,
+                         std::span<const uint64_t> sizes, const PutOptions& options,
+                         std::span<Status> statuses, bool parallel) {
+  {
+    const uint32_t m = static_cast<uint32_t>(ids.size());
     struct Todo {
       size_t i;
       uint64_t offset, token;
@@ -294,12 +331,12 @@ void PoolTier::put_batch(std::span<const BlockId> ids, std::span<const void* con
       Held held = hold();
       if (!held.slot()) {
         for (uint32_t k = 0; k < m; ++k)
-          statuses[begin + k] = Status::Unavailable("every channel to the pool server failed");
-        continue;
+          statuses[k] = Status::Unavailable("every channel to the pool server failed");
+        return;
       }
       Channel& ch = held.slot()->ch;
       for (uint32_t k = 0; k < m; ++k) {
-        const size_t i = begin + k;
+        const size_t i = k;
         pool::ReserveItem item{};
         std::memcpy(item.id, ids[i].bytes.data(), 16);
         item.size = sizes[i];
@@ -309,10 +346,10 @@ void PoolTier::put_batch(std::span<const BlockId> ids, std::span<const void* con
       ReplyHeader reply;
       Status st =
           call(held.slot(), Op::kReserve, m, sizeof(pool::ReserveItem), &reply, timeout_us_);
-      for (uint32_t k = 0; k < m && !st.ok(); ++k) statuses[begin + k] = st;
-      if (!st.ok()) continue;
+      for (uint32_t k = 0; k < m && !st.ok(); ++k) statuses[k] = st;
+      if (!st.ok()) return;
       for (uint32_t k = 0; k < m; ++k) {
-        const size_t i = begin + k;
+        const size_t i = k;
         pool::ReserveReply r;
         std::memcpy(&r, ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
         if (r.code != 0) {
@@ -335,7 +372,7 @@ void PoolTier::put_batch(std::span<const BlockId> ids, std::span<const void* con
       if (!statuses[t.i].ok() || sizes[t.i] == 0) return;
       statuses[t.i] = copy_in(base_ + t.offset, data[t.i], sizes[t.i], options);
     };
-    if (pool_ && todo.size() > 1) pool_->parallel_for(todo.size(), copy);
+    if (parallel && pool_ && todo.size() > 1) pool_->parallel_for(todo.size(), copy);
     else
       for (size_t k = 0; k < todo.size(); ++k) copy(k);
     std::vector<size_t> commit, abort;
@@ -438,6 +475,26 @@ Result<BlockView> PoolTier::acquire(const BlockId& id) {
 
 void PoolTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                           std::span<ReadResult> results, std::span<Status> statuses) {
+  const size_t n = ids.size();
+  std::vector<uint64_t> sizes(n, 0);  // what the sub-batch choice needs: the requests' sizes
+  for (size_t i = 0; i < n; ++i) sizes[i] = reqs[i].capacity;
+  const size_t sub = sub_batch(sizes);
+  if (sub) {
+    pool_->parallel_for((n + sub - 1) / sub, [&](size_t c) {
+      const size_t b = c * sub, m = std::min(sub, n - b);
+      read_chunk(ids.subspan(b, m), reqs.subspan(b, m), results.subspan(b, m),
+                 statuses.subspan(b, m), false);
+    });
+    return;
+  }
+  read_chunk(ids, reqs, results, statuses, true);
+}
+
+// Leases every item (one request per kMaxItems), copies the hits out (over
+// the I/O threads when parallel), and queues the releases.
+void PoolTier::read_chunk(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                          std::span<ReadResult> results, std::span<Status> statuses,
+                          bool parallel) {
   std::vector<BlockView> views(ids.size());
   acquire_batch(ids, views, statuses);
   auto copy = [&](size_t i) {
@@ -453,7 +510,7 @@ void PoolTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequ
     }
     statuses[i] = st;
   };
-  if (pool_ && ids.size() > 1) pool_->parallel_for(ids.size(), copy);
+  if (parallel && pool_ && ids.size() > 1) pool_->parallel_for(ids.size(), copy);
   else
     for (size_t i = 0; i < ids.size(); ++i) copy(i);
   // views end here: their releases are queued

@@ -105,6 +105,12 @@ class PoolTier final : public Tier {
   void send_releases(std::vector<uint64_t> tokens);
   void release_loop();
   void map_arena();
+  size_t sub_batch(std::span<const uint64_t> sizes) const;
+  void put_chunk(std::span<const BlockId> ids, std::span<const void* const> data,
+                 std::span<const uint64_t> sizes, const PutOptions& options,
+                 std::span<Status> statuses, bool parallel);
+  void read_chunk(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                  std::span<ReadResult> results, std::span<Status> statuses, bool parallel);
   Status copy_in(uint8_t* dst, const void* src, uint64_t n, const PutOptions& options);
   Status copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req);
 
