@@ -87,6 +87,14 @@ class ConnectorConfig:
     # How long one lookup may take in all (connecting, authenticating, every
     # worker's answer) before the scheduler counts it as a miss.
     lookup_timeout_ms: int = 1000
+    # The node pool (`cascade serve`): with pool_socket set, every worker's
+    # store is a client of the node's pool server instead of a store of its
+    # own, so every engine process on the node (DP replicas, TP ranks, a
+    # restarted server) shares one set of blocks. The block ids already name
+    # model, dtype, layout, rank and tenant; pool_namespace separates what
+    # must never be shared beyond that.
+    pool_socket: str = ""
+    pool_namespace: str = "vllm"
 
     def namespace_tenant(self, request_salt: str | None) -> str | None:
         """The tenant salt of a request: the configured tenant and the request's own salt."""
@@ -107,6 +115,8 @@ _STR_OPTIONS = {
     "trace_path",
     "lookup",
     "lookup_socket_dir",
+    "pool_socket",
+    "pool_namespace",
 }
 _OPT_STR_OPTIONS = {"model_name", "tenant"}
 _INT_OPTIONS = {"persist_token_threshold", "lookup_timeout_ms"}
@@ -213,6 +223,14 @@ def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     if cfg.lookup not in _LOOKUP_MODES:
         raise ValueError(f"lookup: {cfg.lookup!r} is not one of {', '.join(_LOOKUP_MODES)}")
     tiers = [t.strip() for t in cfg.store_pipeline.split("|")] if cfg.store_pipeline else []
+    if cfg.pool_socket and (
+        cfg.storage_path or any(t in ("file", "lustre", "posix") for t in tiers)
+    ):
+        raise ValueError(
+            "pool_socket: the node pool's server owns the tiers below the pool; put the file "
+            "tier in the server's configuration (cascade serve) and drop storage_path and the "
+            "file tier from store_pipeline"
+        )
     if any(t in ("file", "lustre", "posix") for t in tiers) and not cfg.storage_path:
         raise ValueError(
             f"store_pipeline {cfg.store_pipeline!r} has a file tier: set storage_path "
@@ -242,13 +260,29 @@ def worker_store_config(
 ):
     """The CascadeConfig of one worker's store.
 
-    Each worker (one per tensor/pipeline-parallel rank) opens its own store:
+    With ``pool_socket`` set, a worker's store is a client of the node's
+    pool server: pipeline ``pool`` (``gpu|pool`` when store_pipeline has a
+    gpu tier), no arena or directory of its own (the server owns the tiers
+    below the pool); the server must be running when the worker starts.
+
+    Otherwise each worker (one per tensor/pipeline-parallel rank) opens its own store:
     its own host arena file and its own file-tier directory. The directory
     is stable across restarts (``<storage_path>/rank<r>-of-<w>``, with
     ``-dp<d>`` for data-parallel engine d when there are several) so blocks
     saved by one run are found by the next; the arena is named after the
     engine so two engines on one machine never collide.
     """
+    if cfg.pool_socket:
+        tiers = [t.strip().lower() for t in cfg.store_pipeline.split("|") if t.strip()]
+        pool_options: dict[str, Any] = {
+            "pipeline": "gpu|pool" if tiers and tiers[0] in ("gpu", "hbm", "device") else "pool",
+            "pool_socket": cfg.pool_socket,
+            "pool_namespace": cfg.pool_namespace,
+            "gpu_capacity_bytes": cfg.gpu_capacity,
+            "gpu_device_id": gpu_device,
+        }
+        pool_options.update(canonical_options(cfg.store))
+        return config_from_dict(pool_options)
     short = hashlib.sha256(engine_key.encode()).hexdigest()[:12]
     options: dict[str, Any] = {
         "pipeline": cfg.store_pipeline,

@@ -16,8 +16,8 @@ uint32_t HostTier::table_slots_for(const CascadeConfig& config) {
 }
 
 Result<std::unique_ptr<HostTier>> HostTier::Open(const CascadeConfig& config, ThreadPool* pool) {
-  auto arena = ShmArena::Create(config.shm_path, config.shm_capacity_bytes, false,
-                                table_slots_for(config));
+  auto arena =
+      ShmArena::Create(config.shm_path, config.shm_capacity_bytes, false, table_slots_for(config));
   if (!arena.ok()) return arena.status();
   ShmArena& a = **arena;
   const ShmPopulate populate = config.shm_prefault ? ShmPopulate::kFull : config.shm_populate;

@@ -1,0 +1,114 @@
+"""Engines on the node pool: the vLLM connector's worker stores and the KV
+path (save_paged / load_paged, what the connector's workers run) through one
+pool server. Replica B loads what replica A saved, a restarted server still
+serves it, and another model never hits it."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+import cascade
+from cascade import _core
+from cascade.integrations.connector_config import parse_connector_config, worker_store_config
+from cascade.integrations.ids import KvNamespace, prefix_block_ids
+
+torch = pytest.importorskip("torch")
+from cascade.integrations.kv import PagedKv, load_paged, save_paged  # noqa: E402
+
+BLOCK = 16
+LAYERS, HEADS, HEAD = 2, 2, 32
+
+
+@pytest.fixture
+def pool(tmp_path):
+    shm = f"/dev/shm/cascade-test-engines-{uuid.uuid4().hex[:12]}"
+    sock = str(tmp_path / "pool.sock")
+
+    def start():
+        cfg = _core.CascadeConfig()
+        cfg.pipeline = "host"
+        cfg.use_gpu = False
+        cfg.shm_capacity_bytes = 64 << 20
+        cfg.shm_path = shm
+        cfg.shm_persist = True  # a restarted server keeps its blocks
+        return _core.PoolServer(cfg, sock)
+
+    servers = [start()]
+    yield sock, servers, start
+    for s in servers:
+        if not s.closed:
+            s.close()
+    if os.path.exists(shm):
+        os.unlink(shm)
+
+
+def engine_store(sock: str, engine_key: str, rank: int = 0):
+    cfg = parse_connector_config({"pool_socket": sock, "store_pipeline": "host"})
+    return cascade.CascadeStore(worker_store_config(cfg, engine_key=engine_key, rank=rank, world=1))
+
+
+def kv_cache(blocks: int, seed: int | None = None):
+    g = torch.Generator().manual_seed(seed if seed is not None else 0)
+    layers = [
+        torch.randn(blocks, HEADS, BLOCK, 2 * HEAD, generator=g)
+        if seed is not None
+        else torch.zeros(blocks, HEADS, BLOCK, 2 * HEAD)
+        for _ in range(LAYERS)
+    ]
+    return layers, PagedKv.from_layers(layers, "packed_kv")
+
+
+def test_worker_store_config_on_the_pool():
+    cfg = parse_connector_config({"pool_socket": "/run/cascade/pool.sock"})
+    c = worker_store_config(cfg, engine_key="e", rank=3, world=4)
+    assert c.pipeline == "pool" and c.pool_socket == "/run/cascade/pool.sock"
+    assert c.pool_namespace == "vllm"
+    cfg = parse_connector_config(
+        {"pool_socket": "/p.sock", "pool_namespace": "team-a", "store_pipeline": "gpu|host"}
+    )
+    c = worker_store_config(cfg, engine_key="e", rank=0, world=1, gpu_device=1)
+    assert c.pipeline == "gpu|pool" and c.pool_namespace == "team-a" and c.gpu_device_id == 1
+    with pytest.raises(ValueError, match="server owns the tiers below the pool"):
+        parse_connector_config({"pool_socket": "/p.sock", "storage_path": "/kv"})
+
+
+def test_replica_b_loads_what_replica_a_saved_and_a_restarted_server_keeps_it(pool):
+    sock, servers, start = pool
+    ns = KvNamespace(model="m", dtype="float32", layout="packed_kv", block_size=BLOCK)
+    tokens = list(range(5 * BLOCK))
+    ids = prefix_block_ids(tokens, ns)
+    blocks = list(range(len(ids)))
+
+    a = engine_store(sock, "replica-a")
+    src, kv_a = kv_cache(len(ids), seed=1)
+    assert save_paged(a, kv_a, blocks, ids) == [None] * len(ids)
+    a.close()
+
+    b = engine_store(sock, "replica-b")
+    dst, kv_b = kv_cache(len(ids))
+    assert load_paged(b, kv_b, blocks, ids) == [None] * len(ids)
+    assert all(torch.equal(x, y) for x, y in zip(src, dst))
+    # Another model's ids for the same tokens: nothing to load.
+    other = prefix_block_ids(
+        tokens, KvNamespace(model="m2", dtype="float32", layout="packed_kv", block_size=BLOCK)
+    )
+    assert b.contains_batch(other) == [False] * len(other)
+    b.close()
+
+    servers[0].close()  # flushes: every block sealed in the kept arena
+    servers.append(start())
+    c = engine_store(sock, "replica-a")
+    dst, kv_c = kv_cache(len(ids))
+    assert load_paged(c, kv_c, blocks, ids) == [None] * len(ids)
+    assert all(torch.equal(x, y) for x, y in zip(src, dst))
+    stats = servers[-1].stats()["store"]["tiers"]["host"]
+    assert stats["reattached_blocks"] >= len(ids)
+    c.close()
+
+
+def test_a_worker_without_its_pool_server_fails_clearly(tmp_path):
+    with pytest.raises(cascade.UnavailableError, match="no node pool server listens"):
+        engine_store(str(tmp_path / "none.sock"), "e")
