@@ -244,6 +244,32 @@ def _store_config(options: Mapping[str, Any]):
     return config_from_dict(options)
 
 
+# A server killed with SIGKILL and restarted at once may find its arena
+# still locked: the kernel can drop a dead process's file lock a moment
+# after its exit is reported. Busy is retried this long before it is final.
+BUSY_RETRY_SECONDS = 5.0
+
+
+def _start_server(cfg, socket_path: str, opts):
+    from cascade import _core
+
+    deadline = time.monotonic() + BUSY_RETRY_SECONDS
+    while True:
+        try:
+            return _core.PoolServer(
+                cfg,
+                socket_path,
+                socket_mode=opts.socket_mode,
+                allowed_gid=opts.group,
+                max_clients=opts.max_clients,
+                share_across_users=opts.share_across_users,
+            )
+        except _core.BusyError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _install_signals(stop: threading.Event) -> None:
     def on_signal(signum, frame):
         name = signal.Signals(signum).name
@@ -307,21 +333,14 @@ def _close(server, stats: Mapping[str, Any], ephemeral: bool) -> bool:
 
 def run(store_options: Mapping[str, Any], opts: ServeOptions) -> int:
     """Serves until SIGTERM or SIGINT. 0 when the store closed cleanly."""
-    from cascade import _core, serve_status
+    from cascade import serve_status
 
     cfg = _store_config(store_options)
     socket_path = opts.socket or default_socket_path()
     prepare_socket_dir(socket_path, opts.group)
     stop = threading.Event()
     _install_signals(stop)
-    server = _core.PoolServer(
-        cfg,
-        socket_path,
-        socket_mode=opts.socket_mode,
-        allowed_gid=opts.group,
-        max_clients=opts.max_clients,
-        share_across_users=opts.share_across_users,
-    )
+    server = _start_server(cfg, socket_path, opts)
     started = time.time()
     metrics = None
     try:

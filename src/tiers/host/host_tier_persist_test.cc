@@ -9,8 +9,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -311,6 +313,7 @@ TEST(HostTierPersistTest, SigkillAtRandomPointsLeavesOnlyCompleteVerifiedBlocks)
   constexpr uint32_t kIds = 600;
   std::mt19937 rng(12345);
   uint64_t adopted_total = 0, dropped_total = 0;
+  double max_wait_ms = 0;
   // At least 24 rounds, and more (up to 96) until both outcomes were seen:
   // a kill between a publish and its seal depends on timing.
   for (int round = 0; round < 96 && (round < 24 || adopted_total == 0 || dropped_total == 0);
@@ -349,8 +352,20 @@ TEST(HostTierPersistTest, SigkillAtRandomPointsLeavesOnlyCompleteVerifiedBlocks)
     ASSERT_TRUE(WIFSIGNALED(status)) << "child exited with " << WEXITSTATUS(status);
 
     ThreadPool pool(2);
-    auto t = open_tier(persist_config(path), &pool);
-    ASSERT_TRUE(t);
+    // The kernel may drop a killed process's lock on the arena file a moment
+    // after reporting its exit (seen on a 16-core machine): retry Busy.
+    auto t0 = std::chrono::steady_clock::now();
+    auto opened = HostTier::Open(persist_config(path), &pool);
+    while (opened.status().is(Code::kBusy) &&
+           std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      opened = HostTier::Open(persist_config(path), &pool);
+    }
+    const double waited =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    max_wait_ms = std::max(max_wait_ms, waited);
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString() << " after " << waited << " ms";
+    std::unique_ptr<HostTier> t = std::move(opened.value());
     TierStats s = t->stats();
     adopted_total += s.reattached_blocks;
     dropped_total += s.reattach_dropped;
@@ -368,6 +383,7 @@ TEST(HostTierPersistTest, SigkillAtRandomPointsLeavesOnlyCompleteVerifiedBlocks)
     EXPECT_EQ(s.blocks, held);
     EXPECT_EQ(s.reserved_bytes, reserved);  // nothing leaked, nothing shared
   }
+  std::printf("longest wait for the killed child's lock: %.1f ms\n", max_wait_ms);
   // The loop must have exercised both outcomes.
   EXPECT_GT(adopted_total, 0u);
   EXPECT_GT(dropped_total, 0u);
