@@ -331,3 +331,41 @@ def test_gpu_model_loads_and_saves_through_the_device_path(model, shm_path, pipe
         assert r.cached_tokens == 96 and not r.load_errors
         assert torch.equal(r.logits, resident)
         torch.testing.assert_close(r.logits.float(), full.float(), atol=0.05, rtol=0.05)
+
+
+def test_two_caches_on_one_node_pool_share_prefixes(model, tmp_path):
+    """Two PrefixCaches on two client stores of one pool server, as two
+    processes of a node would have: the second loads what the first saved,
+    with the output of full compute."""
+    from cascade import _core
+
+    cfg = _core.CascadeConfig()
+    cfg.pipeline = "host"
+    cfg.use_gpu = False
+    cfg.shm_capacity_bytes = 64 << 20
+    cfg.shm_path = f"/dev/shm/cascade-test-tf-pool-{os.getpid()}"
+    sock = str(tmp_path / "pool.sock")
+    server = _core.PoolServer(cfg, sock)
+    try:
+
+        def client():
+            return cascade.CascadeStore(
+                cascade.config_from_dict(
+                    {"pool_socket": sock, "pool_namespace": "tf", "use_gpu": False}
+                )
+            )
+
+        with client() as s1, client() as s2:
+            a = tokens(100, 11)
+            r1 = PrefixCache(model, s1, model_name="tiny-llama-test", block_size=BS).prefill(a)
+            assert r1.saved_blocks == 100 // BS
+            b = torch.cat([a[:90], tokens(20, 12)])
+            r2 = PrefixCache(model, s2, model_name="tiny-llama-test", block_size=BS).prefill(b)
+            assert (r2.cached_tokens, r2.loaded_blocks) == (80, 5)
+            assert not r2.load_errors
+            assert_matches_full(model, b, r2.logits)
+            assert greedy_from_cache(
+                model, r2.logits, r2.past_key_values, 4
+            ) == greedy_from_scratch(model, b, 4)
+    finally:
+        server.close()
