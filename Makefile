@@ -121,9 +121,13 @@ ASAN_ENV       := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
                   UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # Python tests under ASan: all but the model, benchmark, GPU and MPI suites,
 # whose time goes into torch or other processes rather than Cascade's code,
-# and the export check, which inspects the release build.
+# the export check, which inspects the release build, and the suites of
+# Python code alone (configuration parsing, ids, the layer and stub checks,
+# the `cascade serve` command, whose server the pool suite runs in-process).
 ASAN_PY_TESTS  ?= $(filter-out tests/test_transformers_cache.py tests/test_bench_%.py \
-                    tests/test_distributed%.py tests/test_gpu.py tests/test_symbols.py, \
+                    tests/test_distributed%.py tests/test_gpu.py tests/test_symbols.py \
+                    tests/test_config.py tests/test_connector_config.py tests/test_ids.py \
+                    tests/test_layers.py tests/test_stub.py tests/test_serve.py, \
                     $(wildcard tests/test_*.py))
 TSAN_SUITES    := StoreTest FileTierTest.Concurrent FileTierStressTest FileCompactionTest BlockIndexTest \
                   ThreadPoolTest LocalShare ExtentAllocatorTest DurabilityTest SegmentSortTest
