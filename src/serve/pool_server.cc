@@ -15,6 +15,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 
@@ -495,59 +496,69 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n,
       break;
     }
     case Op::kReserve: {
+      // The client's lock is taken twice per batch, not per item: once for
+      // the room left, once to record the reservations made.
+      size_t room;
+      {
+        std::lock_guard<std::mutex> l(c->mu);
+        room =
+            kMaxReservationsPerClient - std::min(c->reservations.size(), kMaxReservationsPerClient);
+      }
+      std::vector<std::pair<uint32_t, Reservation>> made;
+      made.reserve(std::min<size_t>(count, room));
       for (uint32_t k = 0; k < count; ++k) {
         pool::ReserveItem it;
         std::memcpy(&it, items + k * sizeof it, sizeof it);
         pool::ReserveReply r{};
-        {
-          std::lock_guard<std::mutex> l(c->mu);
-          if (c->reservations.size() >= kMaxReservationsPerClient) {
-            r.code = static_cast<uint32_t>(Code::kBusy);
-            put_out(k, r);
-            continue;
-          }
+        if (made.size() >= room) {
+          r.code = static_cast<uint32_t>(Code::kBusy);
+          put_out(k, r);
+          continue;
         }
         PutOptions o;
         o.is_prefix = it.flags & pool::kPrefix;
         auto res = store->reserve(c->scoped(it.id), it.size, o);
         r.code = code_of(res.status());
-        if (res.ok() && res->present) {
-          r.flags = pool::kPresent;
-        } else if (res.ok()) {
-          std::lock_guard<std::mutex> l(c->mu);
-          r.token = c->next_token++;
-          r.offset = res->offset;
-          c->reservations.emplace(r.token, *res);
-        }
+        if (res.ok() && res->present) r.flags = pool::kPresent;
+        else if (res.ok()) made.emplace_back(k, *res);
         put_out(k, r);
+      }
+      if (!made.empty()) {
+        std::lock_guard<std::mutex> l(c->mu);
+        for (auto& [k, res] : made) {
+          pool::ReserveReply r{};
+          r.token = c->next_token++;
+          r.offset = res.offset;
+          c->reservations.emplace(r.token, res);
+          put_out(k, r);
+        }
       }
       break;
     }
     case Op::kCommit:
     case Op::kAbort: {
+      std::vector<std::optional<Reservation>> taken(count);
+      {
+        std::lock_guard<std::mutex> l(c->mu);
+        for (uint32_t k = 0; k < count; ++k) {
+          auto it = c->reservations.find(take_token(k));
+          if (it == c->reservations.end()) continue;
+          taken[k] = it->second;
+          c->reservations.erase(it);
+        }
+      }
       for (uint32_t k = 0; k < count; ++k) {
         pool::CodeReply r{};
-        Reservation res;
-        bool found = false;
-        {
-          std::lock_guard<std::mutex> l(c->mu);
-          auto it = c->reservations.find(take_token(k));
-          if (it != c->reservations.end()) {
-            res = it->second;
-            c->reservations.erase(it);
-            found = true;
-          }
-        }
-        if (!found) {
+        if (!taken[k]) {
           r.code = static_cast<uint32_t>(Code::kInvalidArgument);
         } else if (op == Op::kAbort) {
-          store->abort(res);
+          store->abort(*taken[k]);
         } else {
-          Status st = store->commit(res);
+          Status st = store->commit(*taken[k]);
           r.code = code_of(st);
           if (st.ok()) {
             commits.fetch_add(1, std::memory_order_relaxed);
-            bytes_committed.fetch_add(res.size, std::memory_order_relaxed);
+            bytes_committed.fetch_add(taken[k]->size, std::memory_order_relaxed);
           }
         }
         put_out(k, r);
@@ -555,15 +566,19 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n,
       break;
     }
     case Op::kLease: {
+      size_t room;
+      {
+        std::lock_guard<std::mutex> l(c->mu);
+        room = kMaxLeasesPerClient - std::min(c->leases.size(), kMaxLeasesPerClient);
+      }
+      std::vector<std::pair<uint32_t, BlockView>> granted;
+      granted.reserve(std::min<size_t>(count, room));
       for (uint32_t k = 0; k < count; ++k) {
         pool::LeaseReply r{};
-        {
-          std::lock_guard<std::mutex> l(c->mu);
-          if (c->leases.size() >= kMaxLeasesPerClient) {
-            r.code = static_cast<uint32_t>(Code::kBusy);
-            put_out(k, r);
-            continue;
-          }
+        if (granted.size() >= room) {
+          r.code = static_cast<uint32_t>(Code::kBusy);
+          put_out(k, r);
+          continue;
         }
         auto view = store->acquire(c->scoped(items + k * 16));
         r.code = code_of(view.status());
@@ -577,12 +592,20 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n,
             r.size = view->size();
             leases_granted.fetch_add(1, std::memory_order_relaxed);
             bytes_leased.fetch_add(r.size, std::memory_order_relaxed);
-            std::lock_guard<std::mutex> l(c->mu);
-            r.token = c->next_token++;
-            c->leases.emplace(r.token, std::move(view.value()));
+            granted.emplace_back(k, std::move(view.value()));
           }
         }
         put_out(k, r);
+      }
+      if (!granted.empty()) {
+        std::lock_guard<std::mutex> l(c->mu);
+        for (auto& [k, view] : granted) {
+          pool::LeaseReply r;
+          std::memcpy(&r, out + k * sizeof r, sizeof r);
+          r.token = c->next_token++;
+          c->leases.emplace(r.token, std::move(view));
+          put_out(k, r);
+        }
       }
       break;
     }

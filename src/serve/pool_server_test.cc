@@ -189,6 +189,69 @@ TEST(PoolServerTest, ClientsOfOneNamespaceShareBlocksOthersNeverSeeThem) {
   EXPECT_FALSE(b->contains(ids[0]));
 }
 
+// Batches large enough to go in steps (reserve, copy and commit of
+// different steps overlapping), with failures and misses spread across the
+// steps: every item's status is its own, nothing stays reserved or leased.
+TEST(PoolServerTest, BatchesInStepsKeepEveryItemsOwnOutcome) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  CascadeConfig c;
+  c.pipeline = "pool";
+  c.pool_socket = f.socket;
+  c.pool_namespace = "ns";
+  c.num_io_threads = 4;
+  c.use_gpu = false;
+  auto opened = CascadeStore::Open(c);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  auto a = std::move(opened.value());
+  const size_t n = 700, size = 4096;
+  std::vector<BlockId> ids;
+  std::vector<std::vector<uint8_t>> blocks;
+  for (uint64_t i = 0; i < n; ++i) {
+    ids.push_back(id_of(5000 + i));
+    blocks.push_back(bytes_for(5000 + i, size));
+  }
+  // Every 11th block is in the pool before the batch; every 7th has no data.
+  for (size_t i = 0; i < n; i += 11) ASSERT_TRUE(a->put(ids[i], blocks[i].data(), size).ok());
+  std::vector<ConstBuffer> in;
+  for (size_t i = 0; i < n; ++i)
+    in.push_back(ConstBuffer{i % 7 == 3 ? nullptr : blocks[i].data(), size});
+  std::vector<Status> st;
+  size_t expected = 0;
+  for (size_t i = 0; i < n; ++i) expected += i % 7 == 3 && i % 11 != 0 ? 0 : 1;
+  EXPECT_EQ(a->put_batch(ids, in, &st), expected);
+  for (size_t i = 0; i < n; ++i) {
+    if (i % 7 == 3 && i % 11 != 0) {
+      EXPECT_EQ(st[i].code(), Code::kInvalidArgument) << i;
+    } else {
+      EXPECT_TRUE(st[i].ok()) << i << " " << st[i].ToString();
+    }
+  }
+  // Every 5th id is one never stored.
+  std::vector<BlockId> want = ids;
+  for (size_t i = 0; i < n; i += 5) want[i] = id_of(90000 + i);
+  std::vector<std::vector<uint8_t>> outs(n, std::vector<uint8_t>(size, 0xEE));
+  std::vector<MutableBuffer> mo;
+  for (auto& o : outs) mo.push_back(MutableBuffer{o.data(), o.size()});
+  std::vector<GetResult> results;
+  a->get_batch(want, mo, &results, &st);
+  for (size_t i = 0; i < n; ++i) {
+    const bool stored = i % 5 != 0 && !(i % 7 == 3 && i % 11 != 0);
+    ASSERT_EQ(results[i].found, stored) << i;
+    if (stored) {
+      EXPECT_EQ(outs[i], blocks[i]) << i;
+    } else {
+      EXPECT_EQ(outs[i], std::vector<uint8_t>(size, 0xEE)) << i;
+    }
+  }
+  a.reset();  // the client's deferred releases are sent when it closes
+  f.wait_disconnects(1);
+  auto stats = f.server->stats();
+  EXPECT_EQ(stats.reservations, 0u);
+  EXPECT_EQ(stats.leases, 0u);
+  EXPECT_EQ(stats.store.tiers[0].reserved_bytes, stats.store.tiers[0].used_bytes);
+}
+
 TEST(PoolServerTest, ALeasedBlockKeepsItsBytesWhileOtherClientsEvict) {
   PoolFixture f(8 << 20);
   ASSERT_TRUE(f.server);
