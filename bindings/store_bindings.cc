@@ -195,6 +195,13 @@ class PyStore {
     return s->contains_batch(args.ids);
   }
 
+  std::vector<int> locate_batch(nb::handle keys) {
+    BatchArgs args = batch_args(keys, nb::handle(), false);
+    auto s = use();
+    nb::gil_scoped_release release;
+    return s->locate_batch(args.ids);
+  }
+
   bool remove(nb::handle key) {
     BlockId id = parse_key(key);
     Status st;
@@ -375,6 +382,9 @@ void register_store(nb::module_& m) {
       .def("__contains__", &PyStore::contains)
       .def("contains_batch", &PyStore::contains_batch, "block_ids"_a,
            "contains() of many ids in one call per tier (one request to a node pool).")
+      .def("locate_batch", &PyStore::locate_batch, "block_ids"_a,
+           "For each id, the index in `pipeline` of the first tier holding it (0 = the top "
+           "tier), or -1 for a miss.")
       .def("remove", &PyStore::remove, "block_id"_a,
            "Removes the block; False when it was not stored.")
       .def(

@@ -369,3 +369,83 @@ def test_two_caches_on_one_node_pool_share_prefixes(model, tmp_path):
             ) == greedy_from_scratch(model, b, 4)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(
+    "rates, tokens_per_s, kind",
+    [
+        ({"host": 50.0}, 1e9, "compute"),  # compute looks free: nothing is loaded
+        ({"host": 50.0}, 10.0, "load_prefix"),  # compute looks slow: the whole prefix
+        ({"host": 0.0015}, 1000.0, "front_back"),  # as slow as compute: both at once
+    ],
+)
+def test_planned_prefill_follows_the_plan_and_matches_full_compute(
+    model, kv_store, rates, tokens_per_s, kind
+):
+    from cascade.planner import LoadPlanner
+
+    g = kv_geometry(model)
+    a = tokens(200, 21)
+    assert (
+        PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
+        .prefill(a)
+        .saved_blocks
+        == 12
+    )
+    planner = LoadPlanner(
+        list(kv_store.pipeline),
+        g.bytes_per_token,
+        g.num_layers,
+        rates=rates,
+        default_tokens_per_s=tokens_per_s,
+    )
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS, planner=planner)
+    r = pc.prefill(a, save=False)
+    assert r.plan.kind == kind
+    assert_matches_full(model, a, r.logits)
+    assert r.cached_tokens == r.plan.loaded_tokens and not r.load_errors
+    assert r.cached_tokens + r.computed_tokens == 200
+    assert kv_from_past(r.past_key_values)[0][0].shape[2] == 200
+    if kind == "front_back":
+        assert 0 < r.plan.front_tokens and r.plan.load_end == 12
+    assert "predicted" in r.why and "measured" in r.why
+    assert len(planner.trace) == 1
+    # The prefix cache's next generation step works from the returned cache.
+    want = greedy_from_scratch(model, a, 3)
+    assert greedy_from_cache(model, r.logits, r.past_key_values, 3) == want
+
+
+def test_planned_prefill_recomputes_a_block_that_fails_to_load(model, kv_store):
+    from cascade.planner import LoadPlanner
+
+    g = kv_geometry(model)
+    a = tokens(100, 22)
+    PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS).prefill(a)
+    planner = LoadPlanner(
+        list(kv_store.pipeline), g.bytes_per_token, g.num_layers, default_tokens_per_s=10.0
+    )
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS, planner=planner)
+    ids = pc.block_ids(a)[0]
+    # Block 3 is replaced by one of the wrong size after the plan sees it.
+    orig = planner.plan
+
+    def plan_then_damage(*args):
+        p = orig(*args)
+        kv_store.remove(ids[3])
+        kv_store.put(ids[3], b"x" * 10)
+        return p
+
+    planner.plan = plan_then_damage
+    r = pc.prefill(a, save=False)
+    assert r.plan.kind == "load_prefix" and r.plan.load_end == 6
+    assert r.cached_tokens == 3 * BS and r.load_errors
+    assert_matches_full(model, a, r.logits)
+
+
+def test_planner_true_makes_one_from_the_store(model, kv_store):
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS, planner=True)
+    assert pc.planner.tiers == list(kv_store.pipeline)
+    r = pc.prefill(tokens(64, 23))
+    assert r.plan.kind == "compute" and r.saved_blocks == 4
+    with pytest.raises(ValueError, match="needs a store"):
+        PrefixCache(model, None, model_name="x", block_size=BS, planner=True)

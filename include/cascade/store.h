@@ -96,6 +96,9 @@ class CascadeStore {
   bool contains(const BlockId& id) const;
   // contains() of many ids, each tier asked once for the ids not found above
   // it (one request to a node pool per tier).
+  // The index in the pipeline of the first tier holding each id (0 = the
+  // top tier), -1 for a miss: one call per tier, as contains_batch.
+  std::vector<int> locate_batch(std::span<const BlockId> ids) const;
   std::vector<bool> contains_batch(std::span<const BlockId> ids) const;
 
   // Removes the block from every tier. NotFound when no tier had it.

@@ -211,20 +211,26 @@ bool CascadeStore::contains(const BlockId& id) const {
 }
 
 std::vector<bool> CascadeStore::contains_batch(std::span<const BlockId> ids) const {
-  std::vector<bool> out(ids.size(), false);
+  std::vector<int> where = locate_batch(ids);
+  std::vector<bool> out(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) out[i] = where[i] >= 0;
+  return out;
+}
+
+std::vector<int> CascadeStore::locate_batch(std::span<const BlockId> ids) const {
+  std::vector<int> out(ids.size(), -1);
   CASCADE_LIVE_OR(out);
   std::vector<size_t> pending(ids.size());
   std::vector<BlockId> phys;
   for (size_t i = 0; i < ids.size(); ++i) pending[i] = i;
-  for (auto& t : impl_->tiers) {
-    if (pending.empty()) break;
+  for (size_t t = 0; t < impl_->tiers.size() && !pending.empty(); ++t) {
     phys.resize(pending.size());
     for (size_t k = 0; k < pending.size(); ++k) phys[k] = impl_->physical(ids[pending[k]]);
     std::vector<uint8_t> found(pending.size(), 0);
-    t->contains_batch(phys, found);
+    impl_->tiers[t]->contains_batch(phys, found);
     std::vector<size_t> still;
     for (size_t k = 0; k < pending.size(); ++k) {
-      if (found[k]) out[pending[k]] = true;
+      if (found[k]) out[pending[k]] = static_cast<int>(t);
       else still.push_back(pending[k]);
     }
     pending.swap(still);

@@ -239,6 +239,8 @@ class PrefillResult:
     load_errors: list[tuple[int, int, str]] = field(default_factory=list)  # (row, block, why)
     save_errors: list[tuple[int, int, str]] = field(default_factory=list)
     timings: dict = field(default_factory=dict)  # seconds: lookup, load, forward, save
+    plan: object = None  # the cascade.planner.Plan followed, when the cache has a planner
+    why: str = ""  # the plan in words, with its predicted and measured time
 
 
 class PrefixCache:
@@ -257,6 +259,9 @@ class PrefixCache:
     save_chunk_bytes: size of the device buffer a save copies through.
     prefetch: when the store has tiers below its top one, promote a load's
         blocks in parallel (store.prefetch) before the copy to the device.
+    planner: a cascade.planner.LoadPlanner (or True for one made from the
+        store's pipeline): prefill then loads what its cost model says pays
+        and computes the rest (docs/transformers.md, "Load or compute").
     """
 
     def __init__(
@@ -273,6 +278,7 @@ class PrefixCache:
         chunk_tokens: int | None = None,
         save_chunk_bytes: int = 1 << 30,
         prefetch: bool = True,
+        planner=None,
     ):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -302,6 +308,18 @@ class PrefixCache:
         self.chunk_tokens = chunk_tokens
         self.save_chunk_bytes = int(save_chunk_bytes)
         self.prefetch = prefetch
+        if planner is True:
+            from cascade.planner import LoadPlanner
+
+            if store is None:
+                raise ValueError("planner=True needs a store (its pipeline names the tiers)")
+            planner = LoadPlanner(
+                list(store.pipeline),
+                self.geometry.bytes_per_token,
+                self.geometry.num_layers,
+                layer_overlap=self.device.type == "cuda",
+            )
+        self.planner = planner or None
         self.namespace = KvNamespace(
             model=self.model_name,
             dtype=str(g.dtype).replace("torch.", ""),
@@ -521,6 +539,8 @@ class PrefixCache:
         recomputed."""
         batch = self._as_batch(input_ids).to(self.device)
         rows, tokens = batch.shape
+        if self.planner is not None and plan is None and hit_ratio is None and not self.hit_ratio:
+            return self._planned_prefill(batch, save, chunk_tokens or self.chunk_tokens)
         t0 = time.perf_counter()
         if plan is None:
             plan = self.lookup(batch, hit_ratio=hit_ratio)
@@ -552,4 +572,46 @@ class PrefixCache:
                 result.saved_blocks, result.save_errors = self.save(batch, past, ids=plan.ids)
             self._sync()
             result.timings["save"] = time.perf_counter() - t3
+        return result
+
+    def _planned_prefill(self, batch: torch.Tensor, save: bool, chunk_tokens) -> PrefillResult:
+        from cascade.integrations.planned_prefill import block_tiers, run_plan
+
+        planner = self.planner
+        assert planner is not None
+        rows, tokens = batch.shape
+        t0 = time.perf_counter()
+        ids = self.block_ids(batch)
+        where = block_tiers(self.store, ids)
+        lookup = LookupPlan(
+            ids=ids,
+            present_blocks=[len(where)] * rows,
+            usable_blocks=len(where),
+            tokens=tokens,
+            block_size=self.block_size,
+        )
+        plan = planner.plan(tokens, self.block_size, where, rows)
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            logits, past, cached, loaded, errors, phases = run_plan(
+                self, batch, lookup, plan, planner, chunk_tokens
+            )
+        t2 = time.perf_counter()
+        entry = planner.record(plan, t2 - t0, lookup=t1 - t0, **phases)
+        result = PrefillResult(
+            logits=logits,
+            past_key_values=past,
+            cached_tokens=cached,
+            computed_tokens=tokens - cached,
+            loaded_blocks=loaded,
+            load_errors=errors,
+            timings={"lookup": t1 - t0, **phases},
+            plan=plan,
+            why=entry["why"],
+        )
+        if save:
+            with torch.no_grad():
+                result.saved_blocks, result.save_errors = self.save(batch, past, ids=ids)
+            self._sync()
+            result.timings["save"] = time.perf_counter() - t2
         return result

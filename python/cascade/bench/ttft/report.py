@@ -50,6 +50,7 @@ def format_report(report: dict) -> str:
                     "",
                     "",
                     "",
+                    "",
                     f"skipped: {r['skipped']}",
                 ]
             )
@@ -76,6 +77,9 @@ def format_report(report: dict) -> str:
                 r.get("hit_tokens", 0),
                 r["mean_ms"],
                 r["max_ms"],
+                f"{r['predicted_mean_ms']:.1f} ({100 * r['prediction_error']:+.0f}%)"
+                if "predicted_mean_ms" in r
+                else "",
                 f"{r['speedup']:.2f}x" if "speedup" in r else "",
                 (f"{r['load_gbps']:.1f}" if r["load_gbps"] >= 1 else f"{r['load_gbps']:.3f}")
                 if "load_gbps" in r
@@ -95,6 +99,7 @@ def format_report(report: dict) -> str:
                 "cached tokens",
                 "TTFT mean ms",
                 "TTFT max ms",
+                "predicted ms",
                 "speedup",
                 "load GB/s",
                 "ceiling ms",
@@ -105,6 +110,9 @@ def format_report(report: dict) -> str:
             rows,
         )
     )
+    for r in report["rows"]:
+        for why in r.get("why", [])[:2]:
+            lines.append(f"  {r['tokens']} x {r['concurrency']} {r['mode']}: {why}")
     for r in goal_rows(report):
         if r["tokens"] == 16384:
             verdict = "met" if r["goal_ratio"] <= 1.2 else "NOT met"

@@ -22,6 +22,16 @@ from cascade.bench.ttft.settings import GiB, _resolve
 from cascade.bench.ttft.stores import _config
 
 
+def _mean_of_groups(group_ms: list[float], sizes: list[int]) -> float:
+    """Mean TTFT of prompts served group after group, from each group's time."""
+    t, total, n = 0.0, 0.0, 0
+    for ms, size in zip(group_ms, sizes):
+        t += ms
+        total += t * size
+        n += size
+    return total / n if n else 0.0
+
+
 class TtftBench:
     def __init__(self, args, progress):
         import torch
@@ -43,13 +53,14 @@ class TtftBench:
         self.model_s = time.perf_counter() - t0
         self.vocab = self.model.config.vocab_size
         self.name = f"cascade-bench/random-llama-{args.model}-seed{args.seed}"
-        self._prefix_cache = lambda store, ratio=None: PrefixCache(
+        self._prefix_cache = lambda store, ratio=None, planner=None: PrefixCache(
             self.model,
             store,
             model_name=self.name,
             block_size=args.block_size,
             hit_ratio=ratio,
             chunk_tokens=r["budget"],
+            planner=planner,
         )
         probe = self._prefix_cache(None)
         self.geometry = probe.geometry
@@ -85,6 +96,20 @@ class TtftBench:
             self.file_root = tempfile.mkdtemp(prefix="cascade-ttft-", dir=args.file_dir)
             self.file_ceiling = file_ceiling(self.file_root, args.quick, progress)
         self.hot_store = None
+        self.planner = None
+        if any(m.endswith("auto") for m in r["modes"]):
+            from cascade.planner import LoadPlanner
+
+            self.planner = LoadPlanner(
+                ["host", "file"],
+                self.bpt,
+                self.geometry.num_layers,
+                layer_overlap=self.device.type == "cuda",
+            )
+            if self.pcie:
+                self.planner.set_rate("host", self.pcie["gbps"])
+            if self.file_ceiling and "read_gbps" in self.file_ceiling:
+                self.planner.set_rate("file", self.file_ceiling["read_gbps"])
 
     @staticmethod
     def _size(text, what):
@@ -111,6 +136,7 @@ class TtftBench:
         return torch.randint(0, self.vocab, (conc, length), generator=g)
 
     def hit_tokens(self, length: int, mode: str) -> int:
+        """Tokens the store holds for the mode (an auto mode's plan may load fewer)."""
         bs = self.args.block_size
         if mode.endswith("80"):
             return int(self.args.hit_ratio * length) // bs * bs
@@ -141,7 +167,7 @@ class TtftBench:
         prompts = self.prompts(length, conc)
         cached_modes = [m for m in r["modes"] if m != "full"]
         skipped = {}
-        want_hot = any(m.startswith("hot") for m in cached_modes)
+        want_hot = any(m.startswith("hot") or m == "auto" for m in cached_modes)
         want_cold = any(m.startswith("cold") for m in cached_modes)
         if want_hot and row_bytes > r["host_budget"]:
             for m in cached_modes:
@@ -227,6 +253,15 @@ class TtftBench:
         if resident:
             full["resident"] = resident
         rows.append(full)
+        if self.planner is not None:
+            # The engine's prefill rate, learned from the baseline (per prompt).
+            per_prompt = full["mean_ms"] / 1e3 if conc == 1 else None
+            if per_prompt:
+                self.planner.observe_prefill(length, 0, per_prompt)
+            for res in resident.values():
+                self.planner.observe_prefill(
+                    res["suffix_tokens"], res["hit_tokens"], res["suffix_ms"] / 1e3
+                )
         if writer is not None:
             writer.flush()
             writer.close()
@@ -321,6 +356,8 @@ class TtftBench:
         args, r = self.args, self.r
         length, conc = base["tokens"], base["concurrency"]
         ratio = args.hit_ratio if mode.endswith("80") else None
+        auto = mode.endswith("auto")
+        planner = self.planner if auto else None
         expect_hit = self.hit_tokens(length, mode)
         groups = schedule(
             conc, length - expect_hit, base["kv_bytes_per_prompt"], r["budget"], self.kv_memory
@@ -330,8 +367,8 @@ class TtftBench:
             f"{length} tokens x {conc}: {mode} ({expect_hit} tokens cached), {len(groups)} group(s)"
         )
         results: list = [None] * conc
-        all_runs, all_phases, dropped = [], [], 0
-        if mode.startswith("hot"):
+        all_runs, all_phases, all_plans, dropped = [], [], [], 0
+        if mode.startswith("hot") or mode == "auto":
             # Untimed warm-up pass, as a running server would have had: the
             # host arena is registered with CUDA in 64 MiB chunks on first
             # use, and the allocator and kernels meet this row's shapes.
@@ -354,13 +391,14 @@ class TtftBench:
                 )
             else:
                 store = self.hot_store
-            pc = self._prefix_cache(store, ratio)
+            pc = self._prefix_cache(store, ratio, planner)
             phase_run = {"lookup": 0.0, "load": 0.0, "forward": 0.0}
+            plans: list = []
 
             def run(g, pc=pc):
                 return pc.prefill(prompts[g], save=False)
 
-            def after(g, res, phase_run=phase_run):
+            def after(g, res, phase_run=phase_run, plans=plans):
                 for j, i in enumerate(g):  # logits to the host; the KV is dropped
                     results[i] = (
                         res.logits[j].float().cpu(),
@@ -369,10 +407,13 @@ class TtftBench:
                     )
                 for k in phase_run:
                     phase_run[k] += res.timings.get(k, 0.0)
+                if res.plan is not None:
+                    plans.append((res.plan, res.why, res.cached_tokens))
 
             try:
                 all_runs.append(_serve(groups, run, after, self.device))
                 all_phases.append(phase_run)
+                all_plans.append(plans)
                 if rep == runs - 1 and ref_kv is not None:
                     kv_check = verify_kv(pc, prompts[0:1], ref_kv, self.args.block_size)
             finally:
@@ -380,6 +421,10 @@ class TtftBench:
                     store.close()
         median = sorted(range(runs), key=lambda k: statistics.mean(all_runs[k]))[runs // 2]
         phases = all_phases[median]
+        plans = all_plans[median]
+        if auto and plans:
+            # What was loaded is the plan's choice; the checks compare with it.
+            expect_hit = plans[0][2]
         row = dict(
             base,
             mode=mode,
@@ -396,6 +441,16 @@ class TtftBench:
             row["load_gbps"] = loaded / phases["load"] / 1e9
         if mode.startswith("cold"):
             row["pages_dropped_files"] = dropped
+        if auto and plans:
+            row["plan"] = plans[0][0].kind
+            row["why"] = [w for _p, w, _c in plans]
+            row["predicted_ms"] = sum(p.predicted["total"] for p, _w, _c in plans) * 1e3
+            # A prompt's TTFT ends with its group: the prediction of the group
+            # that served it, summed over the groups before.
+            row["predicted_mean_ms"] = _mean_of_groups(
+                [p.predicted["total"] * 1e3 for p, _w, _c in plans], [len(g) for g in groups]
+            )
+            row["prediction_error"] = row["predicted_mean_ms"] / row["mean_ms"] - 1
         # Checks: every prompt's logits against the full prefill.
         checks, errors, hits = [], [], []
         for i, (logits, cached, load_errors) in enumerate(results):
@@ -412,7 +467,7 @@ class TtftBench:
             "greedy_mismatches": [c for c in checks if c["greedy"] != c["greedy_ref"]],
             "failed": [c for c in checks if not c["ok"]],
         }
-        if any(h != expect_hit for h in hits):
+        if any(h != expect_hit for h in hits) and not auto:
             row["check"]["hit_mismatch"] = (
                 f"cached tokens {sorted(set(hits))}, expected {expect_hit}"
             )
@@ -421,7 +476,7 @@ class TtftBench:
         if errors:
             row["load_errors"] = errors[:20]
         key = "full_hit" if ratio is None else "ratio_hit"
-        if conc == 1 and key in resident:
+        if conc == 1 and key in resident and not auto:
             res_info = resident[key]
             # The KV moves at the slowest link's ceiling: PCIe from the host
             # tier, the disk's O_DIRECT read (if slower) from the file tier.

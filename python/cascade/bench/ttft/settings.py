@@ -4,7 +4,7 @@ host and file budgets (--quick fills in a seconds-long CPU run)."""
 
 from __future__ import annotations
 
-MODES = ("full", "hot", "cold", "hot80", "cold80")
+MODES = ("full", "hot", "cold", "hot80", "cold80", "auto", "coldauto")
 GiB = 1 << 30
 
 

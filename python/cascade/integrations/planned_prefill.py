@@ -1,0 +1,237 @@
+"""Prefill by a load-or-compute plan (cascade.planner) for the transformers
+prefix cache: the plan says which blocks to load and which tokens to
+compute; this module carries it out and tells the planner what it measured.
+
+- compute: one forward over the prompt;
+- load_prefix: the first k blocks loaded, the rest computed on top. On a
+  GPU, with blocks in memory tiers, the load runs layer by layer on its own
+  CUDA stream in a loader thread while the forward pass runs: the cache's
+  update() for layer l waits only for layer l's copies;
+- front_back: blocks s..H loaded in a loader thread while the first s
+  blocks' tokens are computed; then the tokens after block H are computed
+  on top of both.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from cascade.integrations.kv import load_paged
+
+
+def block_tiers(store, ids: list[list[str]]) -> list[int]:
+    """Per block position, the pipeline index of the slowest tier holding it
+    in any row (-1 when a row misses it). Stops at the first miss."""
+    rows = [store.locate_batch(row) for row in ids]
+    n = min(len(r) for r in rows) if rows else 0
+    out = []
+    for j in range(n):
+        w = [r[j] for r in rows]
+        if min(w) < 0:
+            break
+        out.append(max(w))
+    return out
+
+
+class _Loader(threading.Thread):
+    """Loads blocks [first, end) of every row into a fresh buffer, all
+    layers at once or one layer at a time (an event per layer)."""
+
+    def __init__(self, cache, plan, first: int, end: int, layered: bool):
+        super().__init__(name="cascade-kv-loader", daemon=True)
+        self.cache, self.plan, self.first, self.end = cache, plan, first, end
+        self.layered = layered
+        rows = len(plan.ids)
+        self.buf = cache._buffer(rows, end - first)
+        self.kv = cache._paged(self.buf)
+        layers = cache.geometry.num_layers
+        self.ready = [threading.Event() for _ in range(layers)]
+        self.cuda_events: list = [None] * layers
+        self.errors: list[tuple[int, int, str]] = []
+        self.good = end - first
+        self.seconds = 0.0
+        self.failure: BaseException | None = None
+        dev = cache.device
+        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+
+    def run(self):
+        t0 = time.perf_counter()
+        try:
+            nb = self.end - self.first
+            rows = len(self.plan.ids)
+            engine = [r * nb + j for r in range(rows) for j in range(nb)]
+            ids = [self.plan.ids[r][self.first + j] for r in range(rows) for j in range(nb)]
+            handle = self.stream.cuda_stream if self.stream is not None else None
+            layers = self.cache.geometry.num_layers
+            spans = (
+                [(layer, layer + 1) for layer in range(layers)] if self.layered else [(0, layers)]
+            )
+            for begin, end in spans:
+                errs = load_paged(
+                    self.cache.store, self.kv, engine, ids, layers=(begin, end), cuda_stream=handle
+                )
+                for i, e in enumerate(errs):
+                    if e is not None:
+                        r, j = divmod(i, nb)
+                        self.errors.append((r, self.first + j, str(e)))
+                        self.good = min(self.good, j)
+                if self.stream is not None:
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+                    for layer in range(begin, end):
+                        self.cuda_events[layer] = ev
+                for layer in range(begin, end):
+                    self.ready[layer].set()
+            if self.stream is not None:
+                self.stream.synchronize()
+        except BaseException as e:  # reported to the caller, who recomputes
+            self.failure = e
+        finally:
+            self.seconds = time.perf_counter() - t0
+            for ev in self.ready:
+                ev.set()
+
+    def wait_layer(self, layer: int) -> None:
+        self.ready[layer].wait()
+        ev = self.cuda_events[layer]
+        if ev is not None:
+            torch.cuda.current_stream(self.cache.device).wait_event(ev)
+
+
+def _pairs(buf: torch.Tensor, rows: int, tokens: int):
+    layers, _, heads, total, dim = buf.shape
+    per_row = total // rows
+    out = []
+    for layer in range(layers):
+        k = buf[layer, 0].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
+        v = buf[layer, 1].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
+        out.append((k, v))
+    return out
+
+
+def _forward(cache, ids, past, chunk_tokens):
+    from cascade.integrations.transformers import forward_chunked
+
+    return forward_chunked(cache.model, ids, past, chunk_tokens)
+
+
+def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
+    """Carries out `plan` (cascade.planner.Plan) for `batch`; returns
+    (logits, past, cached tokens, loaded blocks, load errors, phase seconds)."""
+    from cascade.integrations.transformers import kv_from_past, past_from_kv
+
+    rows, tokens = batch.shape
+    bs = cache.block_size
+    model = cache.model
+    phases = {"load": 0.0, "forward": 0.0}
+    tier = max(plan.bytes_by_tier, key=plan.bytes_by_tier.get) if plan.bytes_by_tier else None
+
+    def observe_load(loader):
+        nbytes = rows * (loader.good * bs) * cache.geometry.bytes_per_token
+        if tier and loader.failure is None and loader.good and not loader.errors:
+            planner.observe_load(tier, nbytes, loader.seconds)
+
+    if plan.kind == "compute":
+        t0 = time.perf_counter()
+        logits, past = _forward(cache, batch, None, chunk_tokens)
+        cache._sync()
+        phases["forward"] = time.perf_counter() - t0
+        planner.observe_prefill(tokens, 0, phases["forward"] / rows)
+        return logits, past, 0, 0, [], phases
+
+    if plan.kind == "load_prefix":
+        k = plan.load_end
+        layered = plan.layer_overlap and cache.device.type == "cuda"
+        loader = _Loader(cache, lookup, 0, k, layered)
+        t0 = time.perf_counter()
+        with planner.loading(tier, rows * k * bs * cache.geometry.bytes_per_token):
+            loader.start()
+            if not layered:
+                loader.join()
+            cached = min(k * bs, tokens - 1)
+            past = past_from_kv(model, _pairs(loader.buf, rows, cached))
+            original = past.update
+            if layered:
+
+                def update(key_states, value_states, layer_idx, *a, **kw):
+                    loader.wait_layer(layer_idx)
+                    return original(key_states, value_states, layer_idx, *a, **kw)
+
+                past.update = update
+            try:
+                t1 = time.perf_counter()
+                logits, past2 = _forward(cache, batch[:, cached:], past, chunk_tokens)
+                cache._sync()
+                t2 = time.perf_counter()
+            finally:
+                if layered:
+                    del past.update
+                loader.join()
+        phases["load"] = loader.seconds
+        phases["forward"] = t2 - t1 if not layered else t2 - t0
+        if loader.failure is not None or loader.errors:
+            # A block that did not load: everything from it on is computed.
+            good = loader.good if loader.failure is None else 0
+            return _recompute_from(cache, batch, loader, good, chunk_tokens, phases)
+        observe_load(loader)
+        if not layered:
+            planner.observe_prefill(tokens - cached, cached, phases["forward"] / rows)
+        return logits, past2, cached, k, [], phases
+
+    # front_back: blocks [s, H) loaded while the first s blocks' tokens are computed.
+    s, h = plan.load_first, plan.load_end
+    loader = _Loader(cache, lookup, s, h, False)
+    t0 = time.perf_counter()
+    with planner.loading(tier, rows * (h - s) * bs * cache.geometry.bytes_per_token):
+        loader.start()
+        _, front = _forward(cache, batch[:, : s * bs], None, chunk_tokens)
+        cache._sync()
+        t1 = time.perf_counter()
+        loader.join()
+    t2 = time.perf_counter()
+    phases["front"] = t1 - t0
+    phases["load"] = loader.seconds
+    planner.observe_prefill(s * bs, 0, phases["front"] / rows)
+    if loader.failure is not None or loader.errors:
+        good = loader.good if loader.failure is None else 0
+        back = _pairs(loader.buf, rows, good * bs)
+        pairs = [
+            (torch.cat([fk, bk], dim=-2), torch.cat([fv, bv], dim=-2))
+            for (fk, fv), (bk, bv) in zip(kv_from_past(front), back)
+        ]
+        cached_back = good * bs
+        past = past_from_kv(model, pairs)
+        logits, past = _forward(cache, batch[:, s * bs + cached_back :], past, chunk_tokens)
+        cache._sync()
+        phases["forward"] = time.perf_counter() - t2
+        return logits, past, cached_back, good, loader.errors, phases
+    observe_load(loader)
+    back = _pairs(loader.buf, rows, (h - s) * bs)
+    pairs = [
+        (torch.cat([fk, bk], dim=-2), torch.cat([fv, bv], dim=-2))
+        for (fk, fv), (bk, bv) in zip(kv_from_past(front), back)
+    ]
+    past = past_from_kv(model, pairs)
+    t3 = time.perf_counter()
+    logits, past = _forward(cache, batch[:, h * bs :], past, chunk_tokens)
+    cache._sync()
+    phases["forward"] = time.perf_counter() - t3
+    planner.observe_prefill(tokens - h * bs, h * bs, phases["forward"] / rows)
+    return logits, past, (h - s) * bs, h - s, [], phases
+
+
+def _recompute_from(cache, batch, loader, good, chunk_tokens, phases):
+    """After a failed load: keep the `good` leading blocks, compute the rest."""
+    from cascade.integrations.transformers import past_from_kv
+
+    rows, tokens = batch.shape
+    cached = min(good * cache.block_size, tokens - 1)
+    past = past_from_kv(cache.model, _pairs(loader.buf, rows, cached)) if cached else None
+    t0 = time.perf_counter()
+    logits, past = _forward(cache, batch[:, cached:], past, chunk_tokens)
+    cache._sync()
+    phases["forward"] = time.perf_counter() - t0
+    return logits, past, cached, good, loader.errors, phases

@@ -1,0 +1,136 @@
+"""cascade.planner: the cost model (rates from loads, the prefill fit) and
+the plan it gives: compute, load a prefix, or compute the front while the
+back loads; every plan's prediction and its alternatives."""
+
+import threading
+
+import pytest
+
+from cascade.planner import LoadPlanner, PrefillModel
+
+BPT = 128 << 10  # KV bytes per token
+BS = 256
+
+
+def planner(**kw):
+    p = LoadPlanner(["host", "file"], BPT, 32, **kw)
+    return p
+
+
+def test_prefill_model_fits_linear_and_quadratic_terms():
+    m = PrefillModel(default_tokens_per_s=1000.0)
+    assert m.predict(500) == pytest.approx(0.5)  # the default before any step
+    c0, c1, c2 = 0.002, 1e-4, 2e-9
+    for mm, pp in [(1024, 0), (4096, 0), (16384, 0), (1, 16383), (2048, 8192), (512, 512)]:
+        m.observe(mm, pp, c0 + c1 * mm + c2 * mm * (pp + mm / 2))
+    for mm, pp in [(8192, 0), (100, 30000), (3000, 3000)]:
+        want = c0 + c1 * mm + c2 * mm * (pp + mm / 2)
+        assert m.predict(mm, pp) == pytest.approx(want, rel=1e-6)
+
+
+def test_few_shapes_give_a_rate_per_token_and_bad_samples_are_ignored():
+    m = PrefillModel()
+    m.observe(1000, 0, 0.5)
+    m.observe(1000, 0, float("nan"))
+    m.observe(0, 0, 1.0)
+    m.observe(10, 0, -1.0)
+    assert len(m.obs) == 1
+    assert m.predict(2000) == pytest.approx(1.0)
+
+
+def test_fast_tier_loads_the_whole_prefix_layer_by_layer():
+    p = planner(rates={"host": 50.0, "file": 1.5}, default_tokens_per_s=30000.0)
+    tokens = 16384
+    plan = p.plan(tokens, BS, [0] * (tokens // BS))
+    assert plan.kind == "load_prefix"
+    # Most of the prefix; the last token is always computed, and a few
+    # blocks more may be computed while the loads run.
+    assert 0.9 * (tokens // BS) <= plan.load_end <= (tokens - 1) // BS
+    assert plan.layer_overlap
+    assert plan.predicted["total"] == pytest.approx(min(plan.alternatives.values()))
+    load = plan.loaded_tokens * BPT / 50e9
+    assert plan.predicted["load"] == pytest.approx(load)
+    assert plan.predicted["total"] < plan.alternatives["compute"]
+    assert plan.bytes_by_tier == {"host": plan.loaded_tokens * BPT}
+    assert "from host at 50.0 GB/s" in plan.describe(0.05)
+    assert "measured 50 ms" in plan.describe(0.05)
+
+
+def test_a_tier_slower_than_compute_is_not_read_whole():
+    # Compute makes KV at 30k tokens/s * 128 KiB = 3.9 GB/s; the disk reads 1.5 GB/s.
+    p = planner(rates={"host": 50.0, "file": 1.5}, default_tokens_per_s=30000.0)
+    tokens = 16384
+    plan = p.plan(tokens, BS, [1] * (tokens // BS))
+    full = plan.alternatives["compute"]
+    assert plan.kind == "front_back"
+    assert plan.predicted["total"] < full / 1.2  # both run at once
+    assert plan.predicted["total"] <= min(plan.alternatives.values()) + 1e-12
+    # The split balances the two sides within a block.
+    front = plan.front_tokens / 30000.0
+    assert abs(front - plan.predicted["load"]) < 2 * BS * BPT / 1.5e9
+    assert not plan.layer_overlap
+
+
+def test_without_front_back_a_slow_tier_means_compute():
+    p = planner(rates={"file": 1.0}, default_tokens_per_s=30000.0, front_back=False)
+    plan = p.plan(8192, BS, [1] * 32)
+    assert plan.kind == "compute"
+    assert plan.loaded_blocks == 0 and plan.computed_tokens == 8192
+
+
+def test_only_leading_hits_are_loaded():
+    p = planner(rates={"host": 50.0}, default_tokens_per_s=1000.0)
+    plan = p.plan(4096, BS, [0, 0, 0, -1, 0, 0])
+    assert plan.load_end == 3
+
+
+def test_rates_follow_measured_loads_and_queued_loads_delay_the_plan():
+    p = planner(rates={"host": 50.0}, default_tokens_per_s=10.0)
+    p.observe_load("host", 10 << 30, 1.0)  # 10.7 GB/s measured
+    assert p.rates["host"].gbps == pytest.approx((10 << 30) / 1e9)
+    p.observe_load("host", 20 << 30, 1.0)
+    assert (10 << 30) / 1e9 < p.rates["host"].gbps < (20 << 30) / 1e9
+    before = p.plan(4096, BS, [0] * 16).predicted["load"]
+    with p.loading("host", 8 << 30):
+        during = p.plan(4096, BS, [0] * 16).predicted["load"]
+    after = p.plan(4096, BS, [0] * 16).predicted["load"]
+    assert during > before + 0.5 and after == pytest.approx(before)
+
+
+def test_record_keeps_a_trace_and_the_prediction_error():
+    p = planner(rates={"host": 50.0}, default_tokens_per_s=30000.0)
+    plan = p.plan(4096, BS, [0] * 16)
+    e = p.record(plan, plan.predicted["total"] * 1.1, load=0.01)
+    assert e["kind"] == plan.kind and "predicted" in e["why"]
+    s = p.stats()
+    assert s["mean_abs_error"] == pytest.approx(0.1 / 1.1)
+    assert s["plans"] == {"load_prefix": 1}
+    assert s["rates"]["host"]["source"] == "probe"
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError):
+        LoadPlanner(["host"], 0, 32)
+    with pytest.raises(ValueError):
+        planner().plan(0, BS, [])
+    with pytest.raises(ValueError):
+        planner().set_rate("host", 0)
+    with pytest.raises(ValueError):
+        PrefillModel(default_tokens_per_s=0)
+
+
+def test_concurrent_use_is_safe():
+    p = planner(rates={"host": 50.0, "file": 1.5})
+
+    def work(k):
+        for i in range(200):
+            p.observe_load("file", 1 << 20, 0.001 * (1 + k))
+            p.observe_prefill(100 + i, i, 0.01)
+            p.record(p.plan(2048, BS, [1] * 8), 0.01)
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert sum(p.stats()["plans"].values()) == 800
