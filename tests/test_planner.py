@@ -39,7 +39,7 @@ def test_few_shapes_give_a_rate_per_token_and_bad_samples_are_ignored():
 
 
 def test_fast_tier_loads_the_whole_prefix_layer_by_layer():
-    p = planner(rates={"host": 50.0, "file": 1.5}, default_tokens_per_s=30000.0)
+    p = planner(rates={"host": 50.0, "file": 1.5}, default_tokens_per_s=30000.0, layer_overlap=True)
     tokens = 16384
     plan = p.plan(tokens, BS, [0] * (tokens // BS))
     assert plan.kind == "load_prefix"
@@ -54,6 +54,15 @@ def test_fast_tier_loads_the_whole_prefix_layer_by_layer():
     assert plan.bytes_by_tier == {"host": plan.loaded_tokens * BPT}
     assert "from host at 50.0 GB/s" in plan.describe(0.05)
     assert "measured 50 ms" in plan.describe(0.05)
+
+
+def test_without_overlap_a_fast_tier_loads_all_then_computes_the_rest():
+    p = planner(rates={"host": 50.0}, default_tokens_per_s=30000.0, front_back=False)
+    plan = p.plan(16384, BS, [0] * 64)
+    assert plan.kind == "load_prefix" and plan.load_end == 63 and not plan.layer_overlap
+    assert plan.predicted["total"] == pytest.approx(
+        plan.predicted["load"] + plan.predicted["compute"]
+    )
 
 
 def test_a_tier_slower_than_compute_is_not_read_whole():
@@ -98,7 +107,7 @@ def test_rates_follow_measured_loads_and_queued_loads_delay_the_plan():
 
 
 def test_record_keeps_a_trace_and_the_prediction_error():
-    p = planner(rates={"host": 50.0}, default_tokens_per_s=30000.0)
+    p = planner(rates={"host": 50.0}, default_tokens_per_s=30000.0, front_back=False)
     plan = p.plan(4096, BS, [0] * 16)
     e = p.record(plan, plan.predicted["total"] * 1.1, load=0.01)
     assert e["kind"] == plan.kind and "predicted" in e["why"]

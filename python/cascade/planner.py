@@ -195,7 +195,7 @@ class LoadPlanner:
         bytes_per_token: int,
         layers: int,
         *,
-        layer_overlap: bool = True,
+        layer_overlap: bool = False,
         front_back: bool = True,
         default_tokens_per_s: float = 8000.0,
         rates: dict | None = None,

@@ -317,7 +317,6 @@ class PrefixCache:
                 list(store.pipeline),
                 self.geometry.bytes_per_token,
                 self.geometry.num_layers,
-                layer_overlap=self.device.type == "cuda",
             )
         self.planner = planner or None
         self.namespace = KvNamespace(

@@ -46,6 +46,11 @@ def add_ttft_arguments(p) -> None:
         help=f"comma-separated, from {','.join(MODES)} (full is always run: it is the reference)",
     )
     p.add_argument(
+        "--layer-overlap",
+        action="store_true",
+        help="auto modes: let the plan load layer by layer while the forward pass runs (GPU)",
+    )
+    p.add_argument(
         "--hit-ratio", type=float, default=0.8, help="share of the prompt cached in the *80 modes"
     )
     p.add_argument(

@@ -104,7 +104,8 @@ class TtftBench:
                 ["host", "file"],
                 self.bpt,
                 self.geometry.num_layers,
-                layer_overlap=self.device.type == "cuda",
+                layer_overlap=bool(getattr(self.args, "layer_overlap", False))
+                and self.device.type == "cuda",
             )
             if self.pcie:
                 self.planner.set_rate("host", self.pcie["gbps"])
