@@ -39,16 +39,18 @@ def test_few_shapes_give_a_rate_per_token_and_bad_samples_are_ignored():
 
 
 def test_fast_tier_loads_the_whole_prefix_layer_by_layer():
-    p = planner(rates={"host": 50.0, "file": 1.5}, default_tokens_per_s=30000.0, layer_overlap=True)
+    p = planner(
+        rates={"host": 50.0}, default_tokens_per_s=30000.0, layer_overlap=True, front_back=False
+    )
     tokens = 16384
     plan = p.plan(tokens, BS, [0] * (tokens // BS))
     assert plan.kind == "load_prefix"
     # Most of the prefix; the last token is always computed, and a few
     # blocks more may be computed while the loads run.
-    assert 0.9 * (tokens // BS) <= plan.load_end <= (tokens - 1) // BS
+    assert 0.9 * (tokens // BS) <= plan.load_end <= tokens // BS
     assert plan.layer_overlap
     assert plan.predicted["total"] == pytest.approx(min(plan.alternatives.values()))
-    load = plan.loaded_tokens * BPT / 50e9
+    load = plan.loaded_blocks * BS * BPT / 50e9
     assert plan.predicted["load"] == pytest.approx(load)
     assert plan.predicted["total"] < plan.alternatives["compute"]
     assert plan.bytes_by_tier == {"host": plan.loaded_tokens * BPT}
@@ -59,7 +61,8 @@ def test_fast_tier_loads_the_whole_prefix_layer_by_layer():
 def test_without_overlap_a_fast_tier_loads_all_then_computes_the_rest():
     p = planner(rates={"host": 50.0}, default_tokens_per_s=30000.0, front_back=False)
     plan = p.plan(16384, BS, [0] * 64)
-    assert plan.kind == "load_prefix" and plan.load_end == 63 and not plan.layer_overlap
+    assert plan.kind == "load_prefix" and plan.load_end == 64 and not plan.layer_overlap
+    assert plan.loaded_tokens == 16383 and plan.tail_tokens == 1
     assert plan.predicted["total"] == pytest.approx(
         plan.predicted["load"] + plan.predicted["compute"]
     )

@@ -76,15 +76,17 @@ class PrefillModel:
         self.coef = self._fit()
 
     def _fit(self) -> tuple[float, float, float] | None:
-        rows = [(1.0, m, m * (p + m / 2.0), t) for m, p, t in self.obs]
+        # Each row scaled by 1/t: relative errors, so a 30 ms step and a 2 s
+        # step weigh alike.
+        rows = [(1.0 / t, m / t, m * (p + m / 2.0) / t, 1.0) for m, p, t in self.obs]
         if not rows:
             return None
         shapes = {(m, p) for m, p, _ in self.obs}
         if len(shapes) < 3:
             # Too few distinct shapes for three coefficients: a rate per token
             # through the mean of what was seen.
-            tokens = sum(r[1] for r in rows)
-            secs = sum(r[3] for r in rows)
+            tokens = sum(m for m, _p, _t in self.obs)
+            secs = sum(t for _m, _p, t in self.obs)
             return (0.0, secs / tokens, 0.0) if tokens > 0 else None
         # Normal equations of the 3-term least squares, solved by Gaussian
         # elimination; coefficients clamped at 0 (time never falls with work).
@@ -96,13 +98,13 @@ class PrefillModel:
                 for j in range(3):
                     a[i][j] += x[i] * x[j]
         sol = _solve3(a, b)
+        tokens = sum(m for m, _p, _t in self.obs)
+        per_token = (0.0, sum(t for _m, _p, t in self.obs) / tokens, 0.0)
         if sol is None or any(not math.isfinite(v) for v in sol):
-            tokens = sum(r[1] for r in rows)
-            return (0.0, sum(r[3] for r in rows) / tokens, 0.0)
+            return per_token
         c0, c1, c2 = (max(0.0, v) for v in sol)
         if c1 == 0.0 and c2 == 0.0:
-            tokens = sum(r[1] for r in rows)
-            return (0.0, sum(r[3] for r in rows) / tokens, 0.0)
+            return per_token
         return (c0, c1, c2)
 
     def predict(self, m: int, p: int = 0) -> float:
@@ -152,7 +154,8 @@ class Plan:
 
     @property
     def loaded_tokens(self) -> int:
-        return self.loaded_blocks * self.block_size
+        """Tokens taken from loaded blocks (the last one may be used in part)."""
+        return self.tokens - self.front_tokens - self.tail_tokens
 
     @property
     def computed_tokens(self) -> int:
@@ -279,8 +282,9 @@ class LoadPlanner:
             if w < 0 or w >= len(self.tiers):
                 break
             hits += 1
-        # The last token is always computed (its logits are the point).
-        hits = min(hits, (tokens - 1) // block_size)
+        # The last token is always computed (its logits are the point); the
+        # block holding it may still be loaded for the tokens before it.
+        hits = min(hits, -(-(tokens - 1) // block_size))
         with self._mu:
             return self._plan(tokens, block_size, list(where[:hits]), rows)
 
@@ -310,9 +314,13 @@ class LoadPlanner:
         best.predicted = {"load": 0.0, "compute": pre(tokens, 0), "total": pre(tokens, 0)}
         alts = {"compute": best.predicted["total"]}
         L = self.layers
+
+        def cached(k: int) -> int:
+            return min(k * bs, tokens - 1)
+
         for k in range(1, hits + 1):
             load = queued_s + latency(0, k) + cum[k]
-            comp = pre(tokens - k * bs, k * bs)
+            comp = pre(tokens - cached(k), cached(k))
             overlap = self.layer_overlap and mem[k]
             total = max(load + comp / L, comp + load / L) if overlap else load + comp
             key = "load_prefix"
@@ -325,7 +333,7 @@ class LoadPlanner:
                     bs,
                     load_first=0,
                     load_end=k,
-                    tail_tokens=tokens - k * bs,
+                    tail_tokens=tokens - cached(k),
                     layer_overlap=overlap,
                 )
                 best.predicted = {"load": load, "compute": comp, "total": total}
@@ -333,7 +341,7 @@ class LoadPlanner:
             for s in range(1, hits):
                 load = queued_s + latency(s, hits) + cum[hits] - cum[s]
                 front = pre(s * bs, 0)
-                tail = pre(tokens - hits * bs, hits * bs)
+                tail = pre(tokens - cached(hits), cached(hits))
                 total = max(front, load) + tail
                 if total < alts.get("front_back", math.inf):
                     alts["front_back"] = total
@@ -345,7 +353,7 @@ class LoadPlanner:
                         load_first=s,
                         load_end=hits,
                         front_tokens=s * bs,
-                        tail_tokens=tokens - hits * bs,
+                        tail_tokens=tokens - cached(hits),
                     )
                     best.predicted = {"load": load, "compute": front + tail, "total": total}
         by: dict = collections.Counter()

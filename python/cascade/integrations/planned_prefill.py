@@ -195,6 +195,7 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
     phases["front"] = t1 - t0
     phases["load"] = loader.seconds
     planner.observe_prefill(s * bs, 0, phases["front"] / rows)
+    end = min(h * bs, tokens - 1)  # the last token is computed
     if loader.failure is not None or loader.errors:
         good = loader.good if loader.failure is None else 0
         back = _pairs(loader.buf, rows, good * bs)
@@ -209,18 +210,18 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
         phases["forward"] = time.perf_counter() - t2
         return logits, past, cached_back, good, loader.errors, phases
     observe_load(loader)
-    back = _pairs(loader.buf, rows, (h - s) * bs)
+    back = _pairs(loader.buf, rows, end - s * bs)
     pairs = [
         (torch.cat([fk, bk], dim=-2), torch.cat([fv, bv], dim=-2))
         for (fk, fv), (bk, bv) in zip(kv_from_past(front), back)
     ]
     past = past_from_kv(model, pairs)
     t3 = time.perf_counter()
-    logits, past = _forward(cache, batch[:, h * bs :], past, chunk_tokens)
+    logits, past = _forward(cache, batch[:, end:], past, chunk_tokens)
     cache._sync()
     phases["forward"] = time.perf_counter() - t3
-    planner.observe_prefill(tokens - h * bs, h * bs, phases["forward"] / rows)
-    return logits, past, (h - s) * bs, h - s, [], phases
+    planner.observe_prefill(tokens - end, end, phases["forward"] / rows)
+    return logits, past, end - s * bs, h - s, [], phases
 
 
 def _recompute_from(cache, batch, loader, good, chunk_tokens, phases):
