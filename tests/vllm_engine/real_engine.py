@@ -239,16 +239,22 @@ class VllmServer:
         return total
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> None:
-        """Signal the server; kill its process group if it has not ended in `timeout`."""
+        """Signal the server; kill its process group if it has not all ended in `timeout`."""
+        deadline = time.monotonic() + timeout
         if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+        # The server and then its engine process (which closes the connector's stores).
+        while time.monotonic() < deadline:
+            self.proc.poll()
             try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine process, if it outlived it
-        except ProcessLookupError:
-            pass
         self.proc.wait()
         self.log.close()
