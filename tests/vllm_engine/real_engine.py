@@ -70,8 +70,9 @@ def make_llm(model_dir: str, extra: dict[str, Any] | None, **kw):
     """vllm.LLM in this process (engine core too: VLLM_ENABLE_V1_MULTIPROCESSING=0),
     dummy weights (the same in every process), vLLM's own prefix cache off:
     every hit is Cascade's."""
-    from vllm import LLM
     from vllm.config import KVTransferConfig
+
+    from vllm import LLM
 
     args = dict(
         model=model_dir,
@@ -102,8 +103,9 @@ def close_llm(llm) -> None:
 def generate(llm, prompts, max_tokens: int = 8, salt: str | None = None):
     """Greedy outputs: (token ids, logprob of each chosen token, tokens vLLM did not
     compute) per prompt. A cache_salt gives the prompt ids of its own: a full prefill."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, logprobs=0)
     inputs = [
