@@ -112,12 +112,29 @@ def generate(llm, prompts, max_tokens: int = 8, salt: str | None = None):
         TokensPrompt(prompt_token_ids=p, **({"cache_salt": salt} if salt else {})) for p in prompts
     ]
     outs = llm.generate(inputs, sp, use_tqdm=False)
+    wait_saved(llm)
     result = []
     for o in outs:
         c = o.outputs[0]
         chosen = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
         result.append((list(c.token_ids), chosen, o.num_cached_tokens))
     return result
+
+
+def _wait_for_saves(worker) -> bool:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return True
+    connector = get_kv_transfer_group()
+    return connector.worker is None or connector.worker.wait_all_saves(60)
+
+
+def wait_saved(llm) -> None:
+    """Returns once every worker has stored the blocks it was asked to save. vLLM
+    hands a request's output back before its saves end (they run after the forward
+    pass, in the background): a request sent at once may find only part of them."""
+    assert all(llm.collective_rpc(_wait_for_saves)), "saves not done in 60 s"
 
 
 def metrics(llm) -> dict[str, float]:

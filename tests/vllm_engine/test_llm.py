@@ -114,3 +114,20 @@ def test_a_block_corrupted_on_disk_is_recomputed_output_unchanged(engines, work)
     assert m["vllm:cascade_tier_hits{file}"] >= 5  # the blocks before it came from disk
     assert out[0] == ref[0]
     assert out[1] == pytest.approx(ref[1], abs=1e-3)
+
+
+def test_tensor_parallel_2(engines):
+    # Two worker processes (vLLM's CPU backend: gloo); each saves and loads its own
+    # heads under its own ids, the scheduler asks both over the lookup socket.
+    llm = engines(tensor_parallel_size=2, distributed_executor_backend="mp")
+    p = prompt(1500, seed=6)
+    ref = generate(llm, [p], salt="reference")[0]
+    first = generate(llm, [p])[0]
+    cached = generate(llm, [p])[0]
+    m = metrics(llm)
+    hit = full_blocks(1500) * BS
+    assert cached[2] == hit and first[2] == 0
+    assert m["vllm:cascade_hit_tokens"] == hit
+    assert m["vllm:cascade_load_blocks"] == 2 * hit // BS  # summed over the two ranks
+    assert first[0] == ref[0] and cached[0] == ref[0]
+    assert cached[1] == pytest.approx(ref[1], abs=1e-3)

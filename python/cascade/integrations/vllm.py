@@ -357,7 +357,7 @@ class CascadeConnector(KVConnectorBase_V1):
             return  # lite mode: the scheduler counts, the workers move nothing
         if not self.config.pool_socket:
             for path in reclaim_stale_arenas(self.config.shm_dir):
-                logger.info(
+                logger.warning(
                     "CascadeConnector: removed the host arena of a stopped worker: %s", path
                 )
         gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
