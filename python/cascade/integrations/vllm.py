@@ -8,7 +8,7 @@ Enable it with (docs/vllm.md lists every option):
         "kv_connector_extra_config": {"store_pipeline": "host|file",
                                       "storage_path": "/mnt/nvme/kv"}}'
 
-This class only adapts vLLM's v1 connector API (vllm 0.33,
+This class only adapts vLLM's v1 connector API (vllm 0.32 and 0.33,
 ``KVConnectorBase_V1``) to ``cascade.integrations.connector_core``, which
 does the work and is tested without vLLM:
 
