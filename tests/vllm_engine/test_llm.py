@@ -96,17 +96,23 @@ def test_a_block_corrupted_on_disk_is_recomputed_output_unchanged(engines, work)
     a = engines(files)
     ref = generate(a, [p])[0]
     close_llm(a)
-    # Flip a payload byte of the 6th record (records of 32 KiB blocks, 4 KiB aligned).
+    # Flip a payload byte of the 6th record written (records of 32 KiB blocks, 4 KiB
+    # aligned, in segments whose ids grow).
     segs = []
     for root, _, names in os.walk(files["storage_path"]):
-        segs += [os.path.join(root, n) for n in names if n.endswith(".dat")]
-    target = max(segs, key=os.path.getsize)
-    raw = bytearray(open(target, "rb").read())
-    records = [o for o in range(0, len(raw), 4096) if raw[o : o + 4] == b"CASR"]
+        segs += sorted(os.path.join(root, n) for n in names if n.endswith(".dat"))
+    records = []
+    for seg in segs:
+        with open(seg, "rb") as f:
+            raw = f.read()
+        records += [(seg, o) for o in range(0, len(raw), 4096) if raw[o : o + 4] == b"CASR"]
     assert len(records) >= full_blocks(1500)
-    raw[records[5] + 4096 + 1000] ^= 0x01
-    with open(target, "wb") as f:
-        f.write(raw)
+    seg, offset = records[5]
+    with open(seg, "r+b") as f:
+        f.seek(offset + 4096 + 1000)
+        byte = f.read(1)
+        f.seek(offset + 4096 + 1000)
+        f.write(bytes([byte[0] ^ 0x01]))
     b = engines(files)
     out = generate(b, [p])[0]
     m = metrics(b)
