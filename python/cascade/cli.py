@@ -10,6 +10,7 @@ cascade bench compare   Cascade beside Redis, HDF5, file-per-block, LMCache, tor
 cascade bench gpu       gpu tier and paged KV transfers vs PCIe/HBM ceilings
 cascade bench vmm --pages-total 100 --procs 4 --iters 20   GPU page-mapping parallelism
 cascade bench ttft      time to first token: full prefill vs prefix from the host/file tier
+cascade bench vllm      the same through vLLM's real engine and the connector (vLLM installed)
 cascade bench restart   warm restart: reattach time of a persistent host arena
 cascade bench pool      node pool: client processes vs the host tier; round trips, lookups
 cascade stress --quick  randomized reliability harness: ops, kill -9, corruption, I/O faults
@@ -98,6 +99,13 @@ def _cmd_vmm(args) -> int:
 def _cmd_ttft(args) -> int:
     from cascade.bench.common import Progress
     from cascade.bench.ttft import main
+
+    return main(args, Progress(not args.quiet))
+
+
+def _cmd_vllm(args) -> int:
+    from cascade.bench.common import Progress
+    from cascade.bench.vllm_engine import main
 
     return main(args, Progress(not args.quiet))
 
@@ -310,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(fn=_cmd_bench)
     bench_sub = bench.add_subparsers(
-        dest="bench_command", metavar="{compare,gpu,vmm,ttft,restart,pool}"
+        dest="bench_command", metavar="{compare,gpu,vmm,ttft,vllm,restart,pool}"
     )
     compare = bench_sub.add_parser(
         "compare", help="Cascade side by side with its peers, ceilings beside"
@@ -338,6 +346,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_ttft_arguments(ttft)
     ttft.set_defaults(fn=_cmd_ttft)
+    from cascade.bench.vllm_engine import add_vllm_arguments
+
+    vllm_bench = bench_sub.add_parser(
+        "vllm",
+        help="time to first token of vLLM's real engine (vllm installed here) with the "
+        "connector: full prefill vs the prefix from the host or file tier",
+    )
+    add_vllm_arguments(vllm_bench)
+    vllm_bench.set_defaults(fn=_cmd_vllm)
     from cascade.bench.restart import add_restart_arguments
 
     restart = bench_sub.add_parser(

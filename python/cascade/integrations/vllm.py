@@ -8,7 +8,7 @@ Enable it with (docs/vllm.md lists every option):
         "kv_connector_extra_config": {"store_pipeline": "host|file",
                                       "storage_path": "/mnt/nvme/kv"}}'
 
-This class only adapts vLLM's v1 connector API (vllm 0.33,
+This class only adapts vLLM's v1 connector API (vllm 0.32 and 0.33,
 ``KVConnectorBase_V1``) to ``cascade.integrations.connector_core``, which
 does the work and is tested without vLLM:
 
@@ -45,7 +45,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 import cascade
-from cascade.integrations.connector_config import parse_connector_config, worker_store_config
+from cascade.integrations.connector_config import (
+    parse_connector_config,
+    reclaim_stale_arenas,
+    worker_store_config,
+)
 from cascade.integrations.connector_core import (
     ConnectorMetrics,
     KvTransferWorker,
@@ -351,6 +355,11 @@ class CascadeConnector(KVConnectorBase_V1):
             )
         if self.config.use_lite:
             return  # lite mode: the scheduler counts, the workers move nothing
+        if not self.config.pool_socket:
+            for path in reclaim_stale_arenas(self.config.shm_dir):
+                logger.warning(
+                    "CascadeConnector: removed the host arena of a stopped worker: %s", path
+                )
         gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
         store_cfg = worker_store_config(
             self.config,

@@ -1,0 +1,139 @@
+"""`vllm serve` (vLLM's real CPU engine, its OpenAI server) with the Cascade
+connector from --kv-transfer-config, prompts as token ids over HTTP: hits
+shown on /metrics, a restarted server hitting the file tier, and two servers
+sharing one node pool (`cascade serve`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from real_engine import BS, SERVER_ENV, VllmServer, prompt
+
+from cascade import serve_status
+
+PROMPT_TOKENS = 1500
+HIT = (PROMPT_TOKENS - 1) // BS * BS
+
+
+@pytest.fixture
+def servers(model_dir, work):
+    d, shm = work
+    started: list[VllmServer] = []
+
+    def start(extra, name):
+        srv = VllmServer(
+            model_dir,
+            {"host_capacity": "64MiB", "shm_dir": shm, **extra},
+            os.path.join(d, name + ".log"),
+        )
+        started.append(srv)
+        return srv.wait_ready()
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+def test_serve_hits_on_metrics_and_a_restarted_server_hits_the_file_tier(servers, work):
+    d, shm = work
+    files = {
+        "store_pipeline": "host|file",
+        "storage_path": os.path.join(d, "kv"),
+        "store": {"write_policy": "write_through"},
+    }
+    p = prompt(PROMPT_TOKENS, seed=7)
+    a = servers(files, "a")
+    full = a.complete(p)
+    assert a.counter("vllm:cascade_save_blocks_total") == HIT // BS
+    assert a.counter("vllm:cascade_hit_tokens_total") == 0
+    assert a.complete(p) == full
+    # The connector's counters on vLLM's Prometheus endpoint, labelled like vLLM's own.
+    assert a.counter("vllm:cascade_lookup_requests_total") == 2
+    assert a.counter("vllm:cascade_lookup_tokens_total") == 2 * PROMPT_TOKENS
+    assert a.counter("vllm:cascade_hit_tokens_total", engine="0") == HIT
+    assert a.counter("vllm:cascade_miss_tokens_total") == 2 * PROMPT_TOKENS - HIT
+    assert a.counter("vllm:cascade_load_blocks_total") == HIT // BS
+    assert a.counter("vllm:cascade_load_bytes_total") == a.counter("vllm:cascade_save_bytes_total")
+    assert a.counter("vllm:cascade_tier_hits_total", tier="host") == HIT // BS
+    # vLLM (no --shutdown-timeout) ends its worker with SIGKILL: the store is never
+    # closed and its arena stays. The next engine's workers remove it.
+    a.stop()
+    left = os.listdir(shm)
+    b = servers(files, "b")
+    assert not set(left) & set(os.listdir(shm))
+    assert len(os.listdir(shm)) == 1  # b's own
+    if left:
+        assert "removed the host arena of a stopped worker" in b.text()
+    assert b.complete(p) == full
+    assert b.counter("vllm:cascade_hit_tokens_total") == HIT
+    assert b.counter("vllm:cascade_tier_hits_total", tier="file") == HIT // BS
+    assert b.counter("vllm:cascade_load_errors_total") == 0
+
+
+class PoolServer:
+    """`cascade serve` on a host arena of its own; stop() ends it."""
+
+    def __init__(self, d: str, shm: str):
+        self.socket = os.path.join(d, "pool.sock")
+        config = os.path.join(d, "pool.yaml")
+        with open(config, "w") as f:
+            store = {"shm_path": os.path.join(shm, "pool"), "shm_capacity_bytes": "64MiB"}
+            yaml.safe_dump({**store, "serve": {"socket": self.socket}}, f)
+        self.log = open(os.path.join(d, "pool.log"), "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cascade", "serve", "--config", config],
+            env=SERVER_ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+        )
+        deadline = time.monotonic() + 30
+        while not os.path.exists(serve_status.info_path(self.socket)):
+            assert self.proc.poll() is None, f"cascade serve exited: {self.text()}"
+            assert time.monotonic() < deadline, f"cascade serve not up: {self.text()}"
+            time.sleep(0.05)
+
+    def text(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def test_two_servers_share_the_node_pool(servers, work):
+    d, shm = work
+    pool = PoolServer(d, shm)
+    try:
+        p = prompt(PROMPT_TOKENS, seed=8)
+        a = servers({"pool_socket": pool.socket}, "replica-a")
+        full = a.complete(p)
+        assert a.counter("vllm:cascade_save_blocks_total") == HIT // BS
+        # Replica B, another engine process on the same pool, started while A runs.
+        b = servers({"pool_socket": pool.socket}, "replica-b")
+        assert b.complete(p) == full
+        assert b.counter("vllm:cascade_hit_tokens_total") == HIT
+        assert b.counter("vllm:cascade_load_blocks_total") == HIT // BS
+        assert b.counter("vllm:cascade_save_blocks_total") == 0  # nothing new to save
+        assert b.counter("vllm:cascade_load_errors_total") == 0
+        # A different prompt saved by B is a hit for A.
+        q = prompt(PROMPT_TOKENS, seed=9)
+        q_full = b.complete(q)
+        assert a.complete(q) == q_full
+        assert a.counter("vllm:cascade_hit_tokens_total") == HIT
+    finally:
+        for srv in (a, b) if "b" in locals() else ():
+            srv.stop()
+        pool.stop()
