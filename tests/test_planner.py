@@ -146,3 +146,19 @@ def test_concurrent_use_is_safe():
     for t in ts:
         t.join()
     assert sum(p.stats()["plans"].values()) == 800
+
+
+def test_a_tiers_latency_is_paid_once_per_load():
+    p = planner(default_tokens_per_s=10.0, front_back=False)
+    p.set_rate("host", 50.0, latency_s=0.25)
+    p.set_rate("file", 1.0, latency_s=0.5)
+    host_only = p.plan(4096, BS, [0] * 16)
+    assert host_only.predicted["load"] == pytest.approx(0.25 + 16 * BS * BPT / 50e9)
+    mixed = p.plan(4096, BS, [0] * 8 + [1] * 8)
+    want = 0.5 + 8 * BS * BPT / 50e9 + 8 * BS * BPT / 1e9
+    assert mixed.predicted["load"] == pytest.approx(want)
+    q = planner(default_tokens_per_s=1000.0)
+    q.set_rate("file", 1.0, latency_s=0.5)
+    back = q.plan(8192, BS, [1] * 32)
+    assert back.kind == "front_back"
+    assert back.predicted["load"] == pytest.approx(0.5 + back.loaded_blocks * BS * BPT / 1e9)

@@ -295,20 +295,22 @@ class LoadPlanner:
         def pre(m: int, p: int) -> float:
             return rows * self.prefill.predict(m, p)
 
-        # Prefix sums of load seconds per tier, so every candidate is O(1).
+        # Prefix sums of load seconds, and the largest tier latency of every
+        # leading and trailing run, so that every candidate is O(1).
         cum = [0.0]
         mem = [True]
+        lat_head = [0.0]  # lat_head[k]: blocks [0, k)
         for j in range(hits):
             t = self.tiers[tier_idx[j]]
             r = self.rates[t]
             cum.append(cum[-1] + bpb / (r.gbps * 1e9))
             mem.append(mem[-1] and t in MEMORY_TIERS)
+            lat_head.append(max(lat_head[-1], r.latency_s))
+        lat_tail = [0.0] * (hits + 1)  # lat_tail[s]: blocks [s, hits)
+        for j in range(hits - 1, -1, -1):
+            lat_tail[j] = max(lat_tail[j + 1], self.rates[self.tiers[tier_idx[j]]].latency_s)
         wait = {t: q / (self.rates[t].gbps * 1e9) for t, q in self.queued.items() if q > 0}
         queued_s = max(wait.values(), default=0.0)
-
-        def latency(first: int, end: int) -> float:
-            ts = {self.tiers[tier_idx[j]] for j in range(first, end)}
-            return max((self.rates[t].latency_s for t in ts), default=0.0)
 
         best = Plan("compute", tokens, bs, tail_tokens=tokens)
         best.predicted = {"load": 0.0, "compute": pre(tokens, 0), "total": pre(tokens, 0)}
@@ -319,7 +321,7 @@ class LoadPlanner:
             return min(k * bs, tokens - 1)
 
         for k in range(1, hits + 1):
-            load = queued_s + latency(0, k) + cum[k]
+            load = queued_s + lat_head[k] + cum[k]
             comp = pre(tokens - cached(k), cached(k))
             overlap = self.layer_overlap and mem[k]
             total = max(load + comp / L, comp + load / L) if overlap else load + comp
@@ -339,7 +341,7 @@ class LoadPlanner:
                 best.predicted = {"load": load, "compute": comp, "total": total}
         if self.front_back and hits >= 2:
             for s in range(1, hits):
-                load = queued_s + latency(s, hits) + cum[hits] - cum[s]
+                load = queued_s + lat_tail[s] + cum[hits] - cum[s]
                 front = pre(s * bs, 0)
                 tail = pre(tokens - cached(hits), cached(hits))
                 total = max(front, load) + tail

@@ -19,7 +19,12 @@ import time
 
 import torch
 
-from cascade.integrations.kv import load_paged
+from cascade.integrations.transformers import (
+    buffer_pairs,
+    forward_chunked,
+    kv_from_past,
+    past_from_kv,
+)
 
 
 def block_tiers(store, ids: list[list[str]]) -> list[int]:
@@ -61,23 +66,17 @@ class _Loader(threading.Thread):
         t0 = time.perf_counter()
         try:
             nb = self.end - self.first
-            rows = len(self.plan.ids)
-            engine = [r * nb + j for r in range(rows) for j in range(nb)]
-            ids = [self.plan.ids[r][self.first + j] for r in range(rows) for j in range(nb)]
             handle = self.stream.cuda_stream if self.stream is not None else None
             layers = self.cache.geometry.num_layers
             spans = (
                 [(layer, layer + 1) for layer in range(layers)] if self.layered else [(0, layers)]
             )
             for begin, end in spans:
-                errs = load_paged(
-                    self.cache.store, self.kv, engine, ids, layers=(begin, end), cuda_stream=handle
+                good, errors = self.cache.load_range(
+                    self.kv, self.plan, self.first, nb, layers=(begin, end), cuda_stream=handle
                 )
-                for i, e in enumerate(errs):
-                    if e is not None:
-                        r, j = divmod(i, nb)
-                        self.errors.append((r, self.first + j, str(e)))
-                        self.good = min(self.good, j)
+                self.errors += errors
+                self.good = min(self.good, good)
                 if self.stream is not None:
                     ev = torch.cuda.Event()
                     ev.record(self.stream)
@@ -101,28 +100,13 @@ class _Loader(threading.Thread):
             torch.cuda.current_stream(self.cache.device).wait_event(ev)
 
 
-def _pairs(buf: torch.Tensor, rows: int, tokens: int):
-    layers, _, heads, total, dim = buf.shape
-    per_row = total // rows
-    out = []
-    for layer in range(layers):
-        k = buf[layer, 0].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
-        v = buf[layer, 1].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
-        out.append((k, v))
-    return out
-
-
 def _forward(cache, ids, past, chunk_tokens):
-    from cascade.integrations.transformers import forward_chunked
-
     return forward_chunked(cache.model, ids, past, chunk_tokens)
 
 
 def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
     """Carries out `plan` (cascade.planner.Plan) for `batch`; returns
     (logits, past, cached tokens, loaded blocks, load errors, phase seconds)."""
-    from cascade.integrations.transformers import kv_from_past, past_from_kv
-
     rows, tokens = batch.shape
     bs = cache.block_size
     model = cache.model
@@ -152,7 +136,7 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
             if not layered:
                 loader.join()
             cached = min(k * bs, tokens - 1)
-            past = past_from_kv(model, _pairs(loader.buf, rows, cached))
+            past = past_from_kv(model, buffer_pairs(loader.buf, rows, cached))
             original = past.update
             if layered:
 
@@ -191,46 +175,38 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
         cache._sync()
         t1 = time.perf_counter()
         loader.join()
-    t2 = time.perf_counter()
     phases["front"] = t1 - t0
     phases["load"] = loader.seconds
     planner.observe_prefill(s * bs, 0, phases["front"] / rows)
     end = min(h * bs, tokens - 1)  # the last token is computed
-    if loader.failure is not None or loader.errors:
+    failed = loader.failure is not None or bool(loader.errors)
+    if failed:  # the blocks from the first that did not load on are computed
         good = loader.good if loader.failure is None else 0
-        back = _pairs(loader.buf, rows, good * bs)
-        pairs = [
-            (torch.cat([fk, bk], dim=-2), torch.cat([fv, bv], dim=-2))
-            for (fk, fv), (bk, bv) in zip(kv_from_past(front), back)
-        ]
-        cached_back = good * bs
-        past = past_from_kv(model, pairs)
-        logits, past = _forward(cache, batch[:, s * bs + cached_back :], past, chunk_tokens)
-        cache._sync()
-        phases["forward"] = time.perf_counter() - t2
-        return logits, past, cached_back, good, loader.errors, phases
-    observe_load(loader)
-    back = _pairs(loader.buf, rows, end - s * bs)
+        back_tokens = good * bs
+    else:
+        observe_load(loader)
+        good, back_tokens = h - s, end - s * bs
+    back = buffer_pairs(loader.buf, rows, back_tokens)
     pairs = [
         (torch.cat([fk, bk], dim=-2), torch.cat([fv, bv], dim=-2))
         for (fk, fv), (bk, bv) in zip(kv_from_past(front), back)
     ]
     past = past_from_kv(model, pairs)
+    start = s * bs + back_tokens
     t3 = time.perf_counter()
-    logits, past = _forward(cache, batch[:, end:], past, chunk_tokens)
+    logits, past = _forward(cache, batch[:, start:], past, chunk_tokens)
     cache._sync()
     phases["forward"] = time.perf_counter() - t3
-    planner.observe_prefill(tokens - end, end, phases["forward"] / rows)
-    return logits, past, end - s * bs, h - s, [], phases
+    if not failed:
+        planner.observe_prefill(tokens - start, start, phases["forward"] / rows)
+    return logits, past, back_tokens, good, loader.errors, phases
 
 
 def _recompute_from(cache, batch, loader, good, chunk_tokens, phases):
     """After a failed load: keep the `good` leading blocks, compute the rest."""
-    from cascade.integrations.transformers import past_from_kv
-
     rows, tokens = batch.shape
     cached = min(good * cache.block_size, tokens - 1)
-    past = past_from_kv(cache.model, _pairs(loader.buf, rows, cached)) if cached else None
+    past = past_from_kv(cache.model, buffer_pairs(loader.buf, rows, cached)) if cached else None
     t0 = time.perf_counter()
     logits, past = _forward(cache, batch[:, cached:], past, chunk_tokens)
     cache._sync()

@@ -243,6 +243,19 @@ class PrefillResult:
     why: str = ""  # the plan in words, with its predicted and measured time
 
 
+def buffer_pairs(buf: torch.Tensor, rows: int, tokens: int):
+    """(K, V) per layer, [rows, kv_heads, tokens, head_dim] views of the first
+    `tokens` of each row in a load buffer (PrefixCache._buffer's layout)."""
+    layers, _, heads, total, dim = buf.shape
+    per_row = total // rows
+    pairs = []
+    for layer in range(layers):
+        k = buf[layer, 0].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
+        v = buf[layer, 1].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
+        pairs.append((k, v))
+    return pairs
+
+
 class PrefixCache:
     """Longest-cached-prefix prefill for a transformers causal LM backed by a
     CascadeStore. Not thread-safe (one model, one caller at a time); the store
@@ -413,36 +426,47 @@ class PrefixCache:
         nb = plan.usable_blocks if blocks is None else blocks
         if nb <= 0:
             return None, 0, []
+        buf = self._buffer(len(plan.ids), nb)
+        good, errors = self.load_range(
+            self._paged(buf), plan, 0, nb, prefetch=self.prefetch, cuda_stream=self._stream()
+        )
+        self._sync()
+        return buf, good, errors
+
+    def load_range(
+        self,
+        kv,
+        plan: LookupPlan,
+        first: int,
+        nb: int,
+        *,
+        layers=None,
+        prefetch=False,
+        cuda_stream=None,
+    ) -> tuple[int, list[tuple[int, int, str]]]:
+        """Loads blocks [first, first + nb) of every row into buffer blocks
+        row * nb + j of `kv` (layers: as load_paged's). Returns (leading
+        blocks that loaded in every row, errors [(row, block, why)])."""
         rows = len(plan.ids)
-        buf = self._buffer(rows, nb)
-        kv = self._paged(buf)
         engine = [r * nb + j for r in range(rows) for j in range(nb)]
-        ids = [plan.ids[r][j] for r in range(rows) for j in range(nb)]
-        if self.prefetch and len(getattr(self.store, "pipeline", ())) > 1:
+        ids = [plan.ids[r][first + j] for r in range(rows) for j in range(nb)]
+        if prefetch and len(getattr(self.store, "pipeline", ())) > 1:
             # Blocks below the top tier are promoted in parallel over the
             # store's I/O threads; load_paged would otherwise promote them one
             # by one. Its statuses do not matter: load_paged reports per block.
             self.store.prefetch(ids).wait()
-        errs = load_paged(self.store, kv, engine, ids, cuda_stream=self._stream())
+        errs = load_paged(self.store, kv, engine, ids, layers=layers, cuda_stream=cuda_stream)
         good = nb
         errors = []
         for i, e in enumerate(errs):
             if e is not None:
                 r, j = divmod(i, nb)
-                errors.append((r, j, str(e)))
+                errors.append((r, first + j, str(e)))
                 good = min(good, j)
-        self._sync()
-        return buf, good, errors
+        return good, errors
 
     def _past_from_buffer(self, buf: torch.Tensor, rows: int, tokens: int):
-        layers, _, heads, total, dim = buf.shape
-        per_row = total // rows
-        pairs = []
-        for layer in range(layers):
-            k = buf[layer, 0].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
-            v = buf[layer, 1].view(heads, rows, per_row, dim)[:, :, :tokens].permute(1, 0, 2, 3)
-            pairs.append((k, v))
-        return past_from_kv(self.model, pairs)
+        return past_from_kv(self.model, buffer_pairs(buf, rows, tokens))
 
     # -- save -----------------------------------------------------------------------------
 
@@ -566,11 +590,17 @@ class PrefixCache:
             load_errors=errors,
             timings={"lookup": t1 - t0, "load": t2 - t1, "forward": t3 - t2},
         )
+        return self._save_after(result, batch, plan.ids, save, t3)
+
+    def _save_after(self, result: PrefillResult, batch, ids, save: bool, since: float):
+        """Stores the prompt's blocks the store lacks (when `save`), timed from `since`."""
         if save:
             with torch.no_grad():
-                result.saved_blocks, result.save_errors = self.save(batch, past, ids=plan.ids)
+                result.saved_blocks, result.save_errors = self.save(
+                    batch, result.past_key_values, ids=ids
+                )
             self._sync()
-            result.timings["save"] = time.perf_counter() - t3
+            result.timings["save"] = time.perf_counter() - since
         return result
 
     def _planned_prefill(self, batch: torch.Tensor, save: bool, chunk_tokens) -> PrefillResult:
@@ -608,9 +638,4 @@ class PrefixCache:
             plan=plan,
             why=entry["why"],
         )
-        if save:
-            with torch.no_grad():
-                result.saved_blocks, result.save_errors = self.save(batch, past, ids=ids)
-            self._sync()
-            result.timings["save"] = time.perf_counter() - t2
-        return result
+        return self._save_after(result, batch, ids, save, t2)
