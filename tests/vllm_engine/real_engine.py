@@ -56,6 +56,15 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
+def file_tier(directory: str) -> dict[str, Any]:
+    """Connector options of a host|file store writing through to `directory`/kv."""
+    return {
+        "store_pipeline": "host|file",
+        "storage_path": os.path.join(directory, "kv"),
+        "store": {"write_policy": "write_through"},
+    }
+
+
 def transfer_config(extra: dict[str, Any], role: str = "kv_both") -> dict[str, Any]:
     return {
         "kv_connector": "CascadeConnector",

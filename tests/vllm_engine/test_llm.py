@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from real_engine import BS, close_llm, generate, make_llm, metrics, prompt
+from real_engine import BS, close_llm, file_tier, generate, make_llm, metrics, prompt
 
 
 @pytest.fixture
@@ -87,11 +87,7 @@ def test_preemption_with_a_small_kv_cache(engines):
 
 def test_a_block_corrupted_on_disk_is_recomputed_output_unchanged(engines, work):
     d, _ = work
-    files = {
-        "store_pipeline": "host|file",
-        "storage_path": os.path.join(d, "kv"),
-        "store": {"write_policy": "write_through"},
-    }
+    files = file_tier(d)
     p = prompt(1500, seed=5)
     a = engines(files)
     ref = generate(a, [p])[0]

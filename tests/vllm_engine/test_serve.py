@@ -12,7 +12,7 @@ import time
 
 import pytest
 import yaml
-from real_engine import BS, SERVER_ENV, VllmServer, prompt
+from real_engine import BS, SERVER_ENV, VllmServer, file_tier, prompt
 
 from cascade import serve_status
 
@@ -41,11 +41,7 @@ def servers(model_dir, work):
 
 def test_serve_hits_on_metrics_and_a_restarted_server_hits_the_file_tier(servers, work):
     d, shm = work
-    files = {
-        "store_pipeline": "host|file",
-        "storage_path": os.path.join(d, "kv"),
-        "store": {"write_policy": "write_through"},
-    }
+    files = file_tier(d)
     p = prompt(PROMPT_TOKENS, seed=7)
     a = servers(files, "a")
     full = a.complete(p)
