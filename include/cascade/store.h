@@ -133,6 +133,15 @@ class CascadeStore {
   Status commit(const Reservation& r, const PutOptions& options = {});
   // Gives a reservation's range back.
   void abort(const Reservation& r);
+  // reserve() and commit() of many blocks: reservations[i] / statuses[i]
+  // (resized to ids.size()) as reserve(ids[i], sizes[i], options), the
+  // top tier placing the batch in one call; commit_batch's statuses as
+  // commit(reservations[i], options).
+  void reserve_batch(std::span<const BlockId> ids, std::span<const uint64_t> sizes,
+                     const PutOptions& options, std::vector<Reservation>* reservations,
+                     std::vector<Status>* statuses);
+  void commit_batch(std::span<const Reservation> reservations, const PutOptions& options,
+                    std::vector<Status>* statuses);
 
   // Batches: statuses (resized to ids.size()) say per item what happened.
   size_t put_batch(std::span<const BlockId> ids, std::span<const ConstBuffer> data,

@@ -240,6 +240,12 @@ class Tier {
                                       const PutOptions& /*options*/) {
     return Status::NotSupported(std::string(name()) + " tier takes no reservations");
   }
+  // reserve() of many blocks: reservations[i] and statuses[i] as
+  // reserve(ids[i], sizes[i], options). All four spans have one length.
+  // Tiers with an allocator place the whole batch under one lock.
+  virtual void reserve_batch(std::span<const BlockId> ids, std::span<const uint64_t> sizes,
+                             const PutOptions& options, std::span<Reservation> reservations,
+                             std::span<Status> statuses);
   virtual Status commit_reserved(const Reservation& /*r*/, const PutOptions& /*options*/) {
     return Status::NotSupported(std::string(name()) + " tier takes no reservations");
   }

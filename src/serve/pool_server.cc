@@ -497,31 +497,54 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n,
     }
     case Op::kReserve: {
       // The client's lock is taken twice per batch, not per item: once for
-      // the room left, once to record the reservations made.
+      // the room left, once to record the reservations made; the store
+      // places the batch in one call.
       size_t room;
       {
         std::lock_guard<std::mutex> l(c->mu);
         room =
             kMaxReservationsPerClient - std::min(c->reservations.size(), kMaxReservationsPerClient);
       }
-      std::vector<std::pair<uint32_t, Reservation>> made;
-      made.reserve(std::min<size_t>(count, room));
-      for (uint32_t k = 0; k < count; ++k) {
+      const uint32_t asked = static_cast<uint32_t>(std::min<size_t>(count, room));
+      std::vector<BlockId> ids(asked);
+      std::vector<uint64_t> sizes(asked);
+      // One call per kind of put: the prefix flag is an option of the batch.
+      std::vector<uint32_t> order[2];
+      for (uint32_t k = 0; k < asked; ++k) {
         pool::ReserveItem it;
         std::memcpy(&it, items + k * sizeof it, sizeof it);
+        ids[k] = c->scoped(it.id);
+        sizes[k] = it.size;
+        order[(it.flags & pool::kPrefix) ? 1 : 0].push_back(k);
+      }
+      for (uint32_t k = asked; k < count; ++k) {
         pool::ReserveReply r{};
-        if (made.size() >= room) {
-          r.code = static_cast<uint32_t>(Code::kBusy);
-          put_out(k, r);
-          continue;
+        r.code = static_cast<uint32_t>(Code::kBusy);
+        put_out(k, r);
+      }
+      std::vector<std::pair<uint32_t, Reservation>> made;
+      made.reserve(asked);
+      for (int prefix = 0; prefix < 2; ++prefix) {
+        const std::vector<uint32_t>& ks = order[prefix];
+        if (ks.empty()) continue;
+        std::vector<BlockId> some_ids(ks.size());
+        std::vector<uint64_t> some_sizes(ks.size());
+        for (size_t j = 0; j < ks.size(); ++j) {
+          some_ids[j] = ids[ks[j]];
+          some_sizes[j] = sizes[ks[j]];
         }
         PutOptions o;
-        o.is_prefix = it.flags & pool::kPrefix;
-        auto res = store->reserve(c->scoped(it.id), it.size, o);
-        r.code = code_of(res.status());
-        if (res.ok() && res->present) r.flags = pool::kPresent;
-        else if (res.ok()) made.emplace_back(k, *res);
-        put_out(k, r);
+        o.is_prefix = prefix == 1;
+        std::vector<Reservation> res;
+        std::vector<Status> st;
+        store->reserve_batch(some_ids, some_sizes, o, &res, &st);
+        for (size_t j = 0; j < ks.size(); ++j) {
+          pool::ReserveReply r{};
+          r.code = code_of(st[j]);
+          if (st[j].ok() && res[j].present) r.flags = pool::kPresent;
+          else if (st[j].ok()) made.emplace_back(ks[j], res[j]);
+          put_out(ks[j], r);
+        }
       }
       if (!made.empty()) {
         std::lock_guard<std::mutex> l(c->mu);
@@ -547,22 +570,31 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n,
           c->reservations.erase(it);
         }
       }
+      std::vector<uint32_t> held;
+      std::vector<Reservation> batch;
       for (uint32_t k = 0; k < count; ++k) {
-        pool::CodeReply r{};
         if (!taken[k]) {
-          r.code = static_cast<uint32_t>(Code::kInvalidArgument);
+          put_out(k, pool::CodeReply{static_cast<uint32_t>(Code::kInvalidArgument)});
         } else if (op == Op::kAbort) {
           store->abort(*taken[k]);
+          put_out(k, pool::CodeReply{});
         } else {
-          Status st = store->commit(*taken[k]);
-          r.code = code_of(st);
-          if (st.ok()) {
-            commits.fetch_add(1, std::memory_order_relaxed);
-            bytes_committed.fetch_add(taken[k]->size, std::memory_order_relaxed);
-          }
+          held.push_back(k);
+          batch.push_back(*taken[k]);
         }
-        put_out(k, r);
       }
+      if (batch.empty()) break;
+      std::vector<Status> st;
+      store->commit_batch(batch, PutOptions{}, &st);
+      uint64_t ok = 0, bytes = 0;
+      for (size_t j = 0; j < held.size(); ++j) {
+        put_out(held[j], pool::CodeReply{code_of(st[j])});
+        if (!st[j].ok()) continue;
+        ++ok;
+        bytes += batch[j].size;
+      }
+      commits.fetch_add(ok, std::memory_order_relaxed);
+      bytes_committed.fetch_add(bytes, std::memory_order_relaxed);
       break;
     }
     case Op::kLease: {
@@ -571,32 +603,40 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n,
         std::lock_guard<std::mutex> l(c->mu);
         room = kMaxLeasesPerClient - std::min(c->leases.size(), kMaxLeasesPerClient);
       }
+      const uint32_t asked = static_cast<uint32_t>(std::min<size_t>(count, room));
+      std::vector<BlockId> ids(asked);
+      for (uint32_t k = 0; k < asked; ++k) ids[k] = c->scoped(items + k * 16);
+      std::vector<BlockView> views;
+      std::vector<Status> st;
+      store->acquire_batch(ids, &views, &st);
       std::vector<std::pair<uint32_t, BlockView>> granted;
-      granted.reserve(std::min<size_t>(count, room));
+      granted.reserve(asked);
+      uint64_t leased = 0;
       for (uint32_t k = 0; k < count; ++k) {
         pool::LeaseReply r{};
-        if (granted.size() >= room) {
+        if (k >= asked) {
           r.code = static_cast<uint32_t>(Code::kBusy);
           put_out(k, r);
           continue;
         }
-        auto view = store->acquire(c->scoped(items + k * 16));
-        r.code = code_of(view.status());
-        if (view.ok()) {
-          const uint8_t* p = view->data();
-          if (view->kind() != MemoryKind::kHost || p < arena.base ||
-              p + view->size() > arena.base + arena.capacity) {
+        r.code = code_of(st[k]);
+        if (st[k].ok()) {
+          const BlockView& view = views[k];
+          const uint8_t* p = view.data();
+          if (view.kind() != MemoryKind::kHost || p < arena.base ||
+              p + view.size() > arena.base + arena.capacity) {
             r.code = static_cast<uint32_t>(Code::kUnavailable);
           } else {
             r.offset = static_cast<uint64_t>(p - arena.base);
-            r.size = view->size();
-            leases_granted.fetch_add(1, std::memory_order_relaxed);
-            bytes_leased.fetch_add(r.size, std::memory_order_relaxed);
-            granted.emplace_back(k, std::move(view.value()));
+            r.size = view.size();
+            leased += r.size;
+            granted.emplace_back(k, std::move(views[k]));
           }
         }
         put_out(k, r);
       }
+      leases_granted.fetch_add(granted.size(), std::memory_order_relaxed);
+      bytes_leased.fetch_add(leased, std::memory_order_relaxed);
       if (!granted.empty()) {
         std::lock_guard<std::mutex> l(c->mu);
         for (auto& [k, view] : granted) {

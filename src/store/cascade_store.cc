@@ -284,6 +284,27 @@ void CascadeStore::abort(const Reservation& r) {
   impl_->tiers[0]->abort_reserved(r);
 }
 
+void CascadeStore::reserve_batch(std::span<const BlockId> ids, std::span<const uint64_t> sizes,
+                                 const PutOptions& options, std::vector<Reservation>* reservations,
+                                 std::vector<Status>* statuses) {
+  reservations->assign(ids.size(), Reservation{});
+  statuses->assign(ids.size(), Status::OK());
+  CASCADE_LIVE_OR(statuses->assign(ids.size(), closed_status()));
+  if (ids.size() != sizes.size()) {
+    statuses->assign(ids.size(), Status::InvalidArgument("ids and sizes differ in length"));
+    return;
+  }
+  impl_->reserve_batch_impl(ids, sizes, options, reservations, statuses);
+}
+
+void CascadeStore::commit_batch(std::span<const Reservation> reservations,
+                                const PutOptions& options, std::vector<Status>* statuses) {
+  statuses->assign(reservations.size(), Status::OK());
+  CASCADE_LIVE_OR(statuses->assign(reservations.size(), closed_status()));
+  for (size_t i = 0; i < reservations.size(); ++i)
+    (*statuses)[i] = impl_->commit_impl(reservations[i], options);
+}
+
 void CascadeStore::acquire_batch(std::span<const BlockId> ids, std::vector<BlockView>* views,
                                  std::vector<Status>* statuses) {
   views->clear();

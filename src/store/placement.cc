@@ -151,22 +151,29 @@ bool CascadeStore::Impl::same_content_stored(const BlockId& p, const void* data,
 // A put in two steps (the node pool's clients write the bytes themselves):
 // a range of tier 0 now, made room for as put_into does; the block becomes
 // visible in commit_impl.
-Result<Reservation> CascadeStore::Impl::reserve_impl(const BlockId& id, uint64_t size,
-                                                     const PutOptions& options) {
+std::optional<Result<Reservation>> CascadeStore::Impl::reserve_decided(const BlockId& id,
+                                                                       uint64_t size,
+                                                                       const PutOptions& options) {
   if (dedup_puts)
-    return Status::NotSupported(
+    return Result<Reservation>(Status::NotSupported(
         "reserved puts write their bytes after placement, so they cannot be deduplicated: "
-        "use dedup_enabled=false");
+        "use dedup_enabled=false"));
   Reservation present;
   present.id = id;
   present.size = size;
   present.is_prefix = options.is_prefix;
   present.present = true;
-  if (dedup && dedup->resolve(id)) return present;
-  if (contains_phys(id)) return present;
+  if (dedup && dedup->resolve(id)) return Result<Reservation>(present);
+  if (contains_phys(id)) return Result<Reservation>(present);
   if (!fits(0, size))
-    return Status::InvalidArgument("block of " + std::to_string(size) +
-                                   " bytes is larger than the " + tiers[0]->name() + " tier");
+    return Result<Reservation>(Status::InvalidArgument("block of " + std::to_string(size) +
+                                                       " bytes is larger than the " +
+                                                       tiers[0]->name() + " tier"));
+  return std::nullopt;
+}
+
+Result<Reservation> CascadeStore::Impl::reserve_making_room(const BlockId& id, uint64_t size,
+                                                            const PutOptions& options) {
   Result<Reservation> r = tiers[0]->reserve(id, size, options);
   // Each round evicts at least one block; fragmentation may need a few.
   for (int round = 0; round < 256 && r.status().is(Code::kNoSpace); ++round) {
@@ -174,6 +181,50 @@ Result<Reservation> CascadeStore::Impl::reserve_impl(const BlockId& id, uint64_t
     r = tiers[0]->reserve(id, size, options);
   }
   return r;
+}
+
+Result<Reservation> CascadeStore::Impl::reserve_impl(const BlockId& id, uint64_t size,
+                                                     const PutOptions& options) {
+  if (auto decided = reserve_decided(id, size, options)) return std::move(*decided);
+  return reserve_making_room(id, size, options);
+}
+
+// The items reserve_decided leaves go to the top tier in one batch; those
+// it has no room for then make room one by one, as reserve() does.
+void CascadeStore::Impl::reserve_batch_impl(std::span<const BlockId> ids,
+                                            std::span<const uint64_t> sizes,
+                                            const PutOptions& options,
+                                            std::vector<Reservation>* reservations,
+                                            std::vector<Status>* statuses) {
+  const size_t n = ids.size();
+  std::vector<size_t> rest;
+  std::vector<BlockId> rest_ids;
+  std::vector<uint64_t> rest_sizes;
+  for (size_t i = 0; i < n; ++i) {
+    auto decided = reserve_decided(ids[i], sizes[i], options);
+    if (!decided) {
+      rest.push_back(i);
+      rest_ids.push_back(ids[i]);
+      rest_sizes.push_back(sizes[i]);
+      continue;
+    }
+    (*statuses)[i] = decided->status();
+    if (decided->ok()) (*reservations)[i] = decided->value();
+  }
+  if (rest.empty()) return;
+  std::vector<Reservation> got(rest.size());
+  std::vector<Status> st(rest.size());
+  tiers[0]->reserve_batch(rest_ids, rest_sizes, options, got, st);
+  for (size_t k = 0; k < rest.size(); ++k) {
+    const size_t i = rest[k];
+    if (st[k].is(Code::kNoSpace)) {
+      auto r = reserve_making_room(ids[i], sizes[i], options);
+      st[k] = r.status();
+      if (r.ok()) got[k] = *r;
+    }
+    (*statuses)[i] = st[k];
+    if (st[k].ok()) (*reservations)[i] = got[k];
+  }
 }
 
 Status CascadeStore::Impl::commit_impl(const Reservation& r, const PutOptions& options) {

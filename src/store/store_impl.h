@@ -22,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <span>
 #include <vector>
@@ -77,6 +78,16 @@ class CascadeStore::Impl {
   size_t put_batch_impl(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
                         std::vector<Status>* statuses, const PutOptions& options);
   Result<Reservation> reserve_impl(const BlockId& id, uint64_t size, const PutOptions& options);
+  // What reserve_impl decides before the top tier is asked: a present
+  // reservation or an error, or nothing (the tier places it).
+  std::optional<Result<Reservation>> reserve_decided(const BlockId& id, uint64_t size,
+                                                     const PutOptions& options);
+  // The top tier's reserve, making room while it is full.
+  Result<Reservation> reserve_making_room(const BlockId& id, uint64_t size,
+                                          const PutOptions& options);
+  void reserve_batch_impl(std::span<const BlockId> ids, std::span<const uint64_t> sizes,
+                          const PutOptions& options, std::vector<Reservation>* reservations,
+                          std::vector<Status>* statuses);
   Status commit_impl(const Reservation& r, const PutOptions& options);
   void publish_batch(std::span<const BlockId> ids, const std::vector<const void*>& ptrs,
                      const std::vector<uint64_t>& sizes, const PutOptions& options,

@@ -1,6 +1,8 @@
 #include "tiers/arena_tier.h"
 
+#include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "cuda/device_copy.h"
 
@@ -73,6 +75,49 @@ Result<Reservation> ArenaTier::reserve(const BlockId& id, uint64_t size,
   }
   r.offset = *off;
   return r;
+}
+
+// As reserve() per item, with the ranges placed under one allocator lock
+// and backed by one commit.
+void ArenaTier::reserve_batch(std::span<const BlockId> ids, std::span<const uint64_t> sizes,
+                              const PutOptions& options, std::span<Reservation> reservations,
+                              std::span<Status> statuses) {
+  std::vector<size_t> place;
+  std::vector<uint64_t> place_sizes;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    Reservation& r = reservations[i];
+    r = Reservation{};
+    r.id = ids[i];
+    r.size = sizes[i];
+    r.is_prefix = options.is_prefix;
+    statuses[i] = check_fits(sizes[i]);
+    if (!statuses[i].ok()) continue;
+    if (index_.contains(ids[i])) {
+      r.present = true;
+    } else if (sizes[i] > 0) {
+      place.push_back(i);
+      place_sizes.push_back(sizes[i]);
+    }
+  }
+  if (place.empty()) return;
+  std::vector<std::optional<uint64_t>> offsets(place.size());
+  allocate_batch(place_sizes, offsets);
+  uint64_t end = 0;
+  for (size_t k = 0; k < place.size(); ++k) {
+    if (!offsets[k]) {
+      statuses[place[k]] = Status::NoSpace(where_ + " is full");
+      continue;
+    }
+    reservations[place[k]].offset = *offsets[k];
+    end = std::max(end, *offsets[k] + place_sizes[k]);
+  }
+  Status st = end ? commit(end) : Status::OK();
+  if (st.ok()) return;
+  for (size_t k = 0; k < place.size(); ++k) {
+    if (!offsets[k]) continue;
+    free_space(*offsets[k], place_sizes[k]);
+    statuses[place[k]] = st;
+  }
 }
 
 Status ArenaTier::commit_reserved(const Reservation& r, const PutOptions& options) {

@@ -56,6 +56,9 @@ class ArenaTier : public Tier {
   void clear() override { index_.clear(); }
   void for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const override;
   Result<Reservation> reserve(const BlockId& id, uint64_t size, const PutOptions& options) override;
+  void reserve_batch(std::span<const BlockId> ids, std::span<const uint64_t> sizes,
+                     const PutOptions& options, std::span<Reservation> reservations,
+                     std::span<Status> statuses) override;
   Status commit_reserved(const Reservation& r, const PutOptions& options) override;
   void abort_reserved(const Reservation& r) override;
 
@@ -84,6 +87,12 @@ class ArenaTier : public Tier {
   // allocated; the copies into a block's range at `offset` and out of the
   // arena.
   virtual std::optional<uint64_t> allocate(uint64_t /*size*/) { return std::nullopt; }
+  // allocate() of each size, in order (one lock for all where the
+  // allocator has one).
+  virtual void allocate_batch(std::span<const uint64_t> sizes,
+                              std::span<std::optional<uint64_t>> out) {
+    for (size_t i = 0; i < sizes.size(); ++i) out[i] = allocate(sizes[i]);
+  }
   virtual Status commit(uint64_t /*end*/) { return Status::OK(); }
   virtual Status copy_in(uint64_t /*offset*/, const void* /*src*/, uint64_t /*n*/,
                          const PutOptions& /*options*/) {
@@ -135,6 +144,10 @@ class HostArenaTier : public ArenaTier {
                 std::string where);
 
   std::optional<uint64_t> allocate(uint64_t size) override { return alloc_.allocate(size); }
+  void allocate_batch(std::span<const uint64_t> sizes,
+                      std::span<std::optional<uint64_t>> out) override {
+    alloc_.allocate_batch(sizes, out);
+  }
   uint64_t reserved_bytes() const override { return alloc_.used(); }
   Status copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req) override;
   // Copies n bytes of the caller's (options.src_kind) to dst in the arena.

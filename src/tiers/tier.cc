@@ -61,6 +61,16 @@ Result<BlockView> Tier::acquire(const BlockId&) {
   return Status::NotSupported(std::string(name()) + " tier has no addressable memory");
 }
 
+void Tier::reserve_batch(std::span<const BlockId> ids, std::span<const uint64_t> sizes,
+                         const PutOptions& options, std::span<Reservation> reservations,
+                         std::span<Status> statuses) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto r = reserve(ids[i], sizes[i], options);
+    statuses[i] = r.status();
+    reservations[i] = r.ok() ? *r : Reservation{};
+  }
+}
+
 void Tier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> views,
                          std::span<Status> statuses) {
   for (size_t i = 0; i < ids.size(); ++i) {

@@ -23,9 +23,24 @@ void ExtentAllocator::insert_free(uint64_t off, uint64_t len) {
 }
 
 std::optional<uint64_t> ExtentAllocator::allocate(uint64_t size) {
-  uint64_t need = round_up(size);
-  if (need == 0 || need > capacity_) return std::nullopt;
   std::lock_guard<std::mutex> lock(mu_);
+  return allocate_locked(size);
+}
+
+size_t ExtentAllocator::allocate_batch(std::span<const uint64_t> sizes,
+                                       std::span<std::optional<uint64_t>> out) {
+  size_t placed = 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < sizes.size() && i < out.size(); ++i) {
+    out[i] = allocate_locked(sizes[i]);
+    placed += out[i].has_value();
+  }
+  return placed;
+}
+
+std::optional<uint64_t> ExtentAllocator::allocate_locked(uint64_t size) {
+  const uint64_t need = round_up(size);
+  if (need == 0 || need > capacity_) return std::nullopt;
   auto it = by_size_.lower_bound({need, 0});
   if (it == by_size_.end()) return std::nullopt;
   auto [len, off] = *it;

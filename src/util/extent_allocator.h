@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <span>
 #include <utility>
 
 namespace cascade {
@@ -26,6 +27,10 @@ class ExtentAllocator {
   // Offset of a free range of at least `size` bytes, or nullopt. size 0 is
   // never passed (callers store empty blocks without space).
   std::optional<uint64_t> allocate(uint64_t size);
+  // allocate() of every size under one lock: out[i] (out.size() ==
+  // sizes.size()) as allocate(sizes[i]) called in order. Returns how many
+  // were placed.
+  size_t allocate_batch(std::span<const uint64_t> sizes, std::span<std::optional<uint64_t>> out);
   // REQUIRES: (offset, size) came from allocate() and was not freed since.
   void free(uint64_t offset, uint64_t size);
   // Marks [offset, offset + round_up(size)) used (a range adopted from an
@@ -45,7 +50,8 @@ class ExtentAllocator {
   double fragmentation() const;
 
  private:
-  void insert_free(uint64_t off, uint64_t len);  // REQUIRES: mu_ held
+  void insert_free(uint64_t off, uint64_t len);            // REQUIRES: mu_ held
+  std::optional<uint64_t> allocate_locked(uint64_t size);  // REQUIRES: mu_ held
   const uint64_t capacity_;
   const uint64_t unit_;
   mutable std::mutex mu_;

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -134,6 +135,40 @@ TEST(ExtentAllocatorTest, TakeMarksAGivenRangeUsedAndFreeGivesItBack) {
   EXPECT_EQ(a.used(), 0u);
   EXPECT_EQ(a.free_extents(), 1u);
   EXPECT_EQ(a.largest_free(), 1u << 20);
+}
+
+TEST(ExtentAllocatorTest, BatchPlacesEachSizeAsOneCallInOrderWould) {
+  // Two allocators with the same history; one answers a batch, the other
+  // the same sizes one call at a time: the same offsets, the same misses
+  // (sizes that do not fit, zero, more than the arena) in the same places.
+  ExtentAllocator one(256 << 10, 4096), batch(256 << 10, 4096);
+  std::mt19937_64 rng(7);
+  std::vector<uint64_t> held;
+  for (int i = 0; i < 20; ++i) {
+    const uint64_t n = 4096 * (1 + rng() % 3);
+    auto a = one.allocate(n);
+    auto b = batch.allocate(n);
+    ASSERT_EQ(a, b);
+    if (a && rng() % 2) {
+      one.free(*a, n);
+      batch.free(*b, n);
+    }
+  }
+  const std::vector<uint64_t> sizes = {4096,  0,     12288, 1 << 20, 5000, 65536,
+                                       65536, 65536, 65536, 65536,   4096};
+  std::vector<std::optional<uint64_t>> got(sizes.size());
+  size_t placed = batch.allocate_batch(sizes, got);
+  size_t expect_placed = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    auto want = one.allocate(sizes[i]);
+    EXPECT_EQ(got[i], want) << "item " << i;
+    expect_placed += want.has_value();
+  }
+  EXPECT_EQ(placed, expect_placed);
+  EXPECT_FALSE(got[1]);                 // zero bytes
+  EXPECT_FALSE(got[3]);                 // larger than the arena
+  EXPECT_LT(placed, sizes.size() - 2);  // the arena filled up inside the batch
+  EXPECT_EQ(batch.used(), one.used());
 }
 
 }  // namespace cascade
