@@ -56,10 +56,62 @@ struct PoolClient {
   std::vector<std::thread> workers;
   std::atomic<uint64_t> requests{0};
 
-  std::mutex mu;  // guards the maps and next_token
-  std::unordered_map<uint64_t, BlockView> leases;
-  std::unordered_map<uint64_t, Reservation> reservations;
-  uint64_t next_token = 1;
+  // What the client holds, kept per channel so that the channels' workers
+  // do not share a lock: a token names the shard that made it (its top 16
+  // bits), so a commit or release sent on another channel finds it.
+  struct Shard {
+    std::mutex mu;  // guards the maps and next
+    std::unordered_map<uint64_t, BlockView> leases;
+    std::unordered_map<uint64_t, Reservation> reservations;
+    uint64_t next = 1;
+  };
+  std::unique_ptr<Shard[]> shards;  // nch of them
+  // Totals over the shards, for the per-client limits.
+  std::atomic<size_t> lease_count{0}, reservation_count{0};
+
+  static constexpr int kShardShift = 48;
+  uint64_t token(uint32_t shard) { return (uint64_t(shard) << kShardShift) | shards[shard].next++; }
+  Shard* shard_of(uint64_t token) const {
+    const uint64_t i = token >> kShardShift;
+    return i < nch ? &shards[i] : nullptr;
+  }
+  // Calls f(shard, k) for every item k < count whose token is token_of(k),
+  // holding each shard's lock once for all its items (shard is null for a
+  // token no shard made).
+  template <typename TokenOf, typename F>
+  void by_shard(uint32_t count, TokenOf&& token_of, F&& f) {
+    std::vector<uint32_t> order(count);
+    for (uint32_t k = 0; k < count; ++k) order[k] = k;
+    auto key = [&](uint32_t k) { return token_of(k) >> kShardShift; };
+    std::stable_sort(order.begin(), order.end(),
+                     [&](uint32_t a, uint32_t b) { return key(a) < key(b); });
+    for (size_t b = 0; b < order.size();) {
+      size_t e = b;
+      while (e < order.size() && key(order[e]) == key(order[b])) ++e;
+      Shard* sh = shard_of(token_of(order[b]));
+      std::unique_lock<std::mutex> l;
+      if (sh) l = std::unique_lock<std::mutex>(sh->mu);
+      for (size_t j = b; j < e; ++j) f(sh, order[j]);
+      b = e;
+    }
+  }
+  // Sums over the shards (each locked in turn).
+  size_t held_leases() {
+    size_t n = 0;
+    for (uint32_t i = 0; i < nch; ++i) {
+      std::lock_guard<std::mutex> l(shards[i].mu);
+      n += shards[i].leases.size();
+    }
+    return n;
+  }
+  size_t held_reservations() {
+    size_t n = 0;
+    for (uint32_t i = 0; i < nch; ++i) {
+      std::lock_guard<std::mutex> l(shards[i].mu);
+      n += shards[i].reservations.size();
+    }
+    return n;
+  }
 
   BlockId scoped(const uint8_t raw[16]) const {
     uint8_t buf[48];
@@ -117,7 +169,8 @@ class PoolServer::Impl {
 
   // ---- requests ------------------------------------------------------------
   void serve_channel(PoolClient* c, uint32_t index);
-  uint32_t handle(PoolClient* c, const uint8_t* req, uint32_t n, uint8_t* reply);
+  // A request that came on channel `channel` of client c.
+  uint32_t handle(PoolClient* c, uint32_t channel, const uint8_t* req, uint32_t n, uint8_t* reply);
   uint32_t error_reply(uint8_t* reply, const Status& st);
 };
 
@@ -334,6 +387,7 @@ Status PoolServer::Impl::admit(int sock, const PeerCredentials& cred, const pool
   c->digest = sha256(effective.data(), effective.size());
   c->nch =
       std::min<uint32_t>(hello.channels, static_cast<uint32_t>(options.max_channels_per_client));
+  c->shards.reset(new PoolClient::Shard[c->nch]);
   c->channel_bytes = uint64_t(c->nch) * pool::kChannelStride;
   c->channel_fd = ::memfd_create("cascade-pool-channels", MFD_CLOEXEC);
   if (c->channel_fd < 0) return errno_status(errno, "memfd_create");
@@ -392,16 +446,19 @@ void PoolServer::Impl::cleanup(PoolClient* c) {
   c->dead.store(true);
   for (auto& t : c->workers) t.join();
   c->workers.clear();
-  size_t leases, reservations;
-  std::unordered_map<uint64_t, Reservation> open;
-  {
-    std::lock_guard<std::mutex> l(c->mu);
-    leases = c->leases.size();
-    reservations = c->reservations.size();
-    c->leases.clear();
-    open.swap(c->reservations);
+  size_t leases = 0, reservations = 0;
+  for (uint32_t i = 0; i < c->nch && c->shards; ++i) {
+    PoolClient::Shard& sh = c->shards[i];
+    std::unordered_map<uint64_t, Reservation> open;
+    {
+      std::lock_guard<std::mutex> l(sh.mu);
+      leases += sh.leases.size();
+      reservations += sh.reservations.size();
+      sh.leases.clear();
+      open.swap(sh.reservations);
+    }
+    for (auto& [token, r] : open) store->abort(r);
   }
-  for (auto& [token, r] : open) store->abort(r);
   reclaimed_leases.fetch_add(leases);
   reclaimed_reservations.fetch_add(reservations);
   if (c->channels) ::munmap(c->channels, c->channel_bytes);
@@ -430,7 +487,7 @@ void PoolServer::Impl::serve_channel(PoolClient* c, uint32_t index) {
     const uint32_t n = std::min<uint32_t>(ch.control->request_bytes,
                                           static_cast<uint32_t>(pool::kRequestAreaBytes));
     std::memcpy(req.data(), ch.request, n);
-    const uint32_t bytes = handle(c, req.data(), n, ch.reply);
+    const uint32_t bytes = handle(c, index, req.data(), n, ch.reply);
     ch.control->reply_bytes = bytes;
     pool::post(&ch.control->reply_seq, last, &ch.control->client_sleeping);
   }
@@ -446,7 +503,8 @@ uint32_t PoolServer::Impl::error_reply(uint8_t* reply, const Status& st) {
   return static_cast<uint32_t>(sizeof h + msg.size());
 }
 
-uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n, uint8_t* reply) {
+uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t* req, uint32_t n,
+                                  uint8_t* reply) {
   requests.fetch_add(1, std::memory_order_relaxed);
   c->requests.fetch_add(1, std::memory_order_relaxed);
   RequestHeader h{};
@@ -499,12 +557,9 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n,
       // The client's lock is taken twice per batch, not per item: once for
       // the room left, once to record the reservations made; the store
       // places the batch in one call.
-      size_t room;
-      {
-        std::lock_guard<std::mutex> l(c->mu);
-        room =
-            kMaxReservationsPerClient - std::min(c->reservations.size(), kMaxReservationsPerClient);
-      }
+      const size_t room =
+          kMaxReservationsPerClient -
+          std::min(c->reservation_count.load(std::memory_order_relaxed), kMaxReservationsPerClient);
       const uint32_t asked = static_cast<uint32_t>(std::min<size_t>(count, room));
       std::vector<BlockId> ids(asked);
       std::vector<uint64_t> sizes(asked);
@@ -547,29 +602,32 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n,
         }
       }
       if (!made.empty()) {
-        std::lock_guard<std::mutex> l(c->mu);
+        PoolClient::Shard& sh = c->shards[channel];
+        std::lock_guard<std::mutex> l(sh.mu);
         for (auto& [k, res] : made) {
           pool::ReserveReply r{};
-          r.token = c->next_token++;
+          r.token = c->token(channel);
           r.offset = res.offset;
-          c->reservations.emplace(r.token, res);
+          sh.reservations.emplace(r.token, res);
           put_out(k, r);
         }
+        c->reservation_count.fetch_add(made.size(), std::memory_order_relaxed);
       }
       break;
     }
     case Op::kCommit:
     case Op::kAbort: {
       std::vector<std::optional<Reservation>> taken(count);
-      {
-        std::lock_guard<std::mutex> l(c->mu);
-        for (uint32_t k = 0; k < count; ++k) {
-          auto it = c->reservations.find(take_token(k));
-          if (it == c->reservations.end()) continue;
-          taken[k] = it->second;
-          c->reservations.erase(it);
-        }
-      }
+      size_t found = 0;
+      c->by_shard(count, take_token, [&](PoolClient::Shard* sh, uint32_t k) {
+        if (!sh) return;
+        auto it = sh->reservations.find(take_token(k));
+        if (it == sh->reservations.end()) return;
+        taken[k] = it->second;
+        sh->reservations.erase(it);
+        ++found;
+      });
+      c->reservation_count.fetch_sub(found, std::memory_order_relaxed);
       std::vector<uint32_t> held;
       std::vector<Reservation> batch;
       for (uint32_t k = 0; k < count; ++k) {
@@ -598,11 +656,9 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n,
       break;
     }
     case Op::kLease: {
-      size_t room;
-      {
-        std::lock_guard<std::mutex> l(c->mu);
-        room = kMaxLeasesPerClient - std::min(c->leases.size(), kMaxLeasesPerClient);
-      }
+      const size_t room =
+          kMaxLeasesPerClient -
+          std::min(c->lease_count.load(std::memory_order_relaxed), kMaxLeasesPerClient);
       const uint32_t asked = static_cast<uint32_t>(std::min<size_t>(count, room));
       std::vector<BlockId> ids(asked);
       for (uint32_t k = 0; k < asked; ++k) ids[k] = c->scoped(items + k * 16);
@@ -638,34 +694,35 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n,
       leases_granted.fetch_add(granted.size(), std::memory_order_relaxed);
       bytes_leased.fetch_add(leased, std::memory_order_relaxed);
       if (!granted.empty()) {
-        std::lock_guard<std::mutex> l(c->mu);
+        PoolClient::Shard& sh = c->shards[channel];
+        std::lock_guard<std::mutex> l(sh.mu);
         for (auto& [k, view] : granted) {
           pool::LeaseReply r;
           std::memcpy(&r, out + k * sizeof r, sizeof r);
-          r.token = c->next_token++;
-          c->leases.emplace(r.token, std::move(view));
+          r.token = c->token(channel);
+          sh.leases.emplace(r.token, std::move(view));
           put_out(k, r);
         }
+        c->lease_count.fetch_add(granted.size(), std::memory_order_relaxed);
       }
       break;
     }
     case Op::kRelease: {
       std::vector<BlockView> ended;  // leases end outside the client's lock
       ended.reserve(count);
-      {
-        std::lock_guard<std::mutex> l(c->mu);
-        for (uint32_t k = 0; k < count; ++k) {
-          pool::CodeReply r{};
-          auto it = c->leases.find(take_token(k));
-          if (it == c->leases.end()) {
-            r.code = static_cast<uint32_t>(Code::kInvalidArgument);
-          } else {
+      c->by_shard(count, take_token, [&](PoolClient::Shard* sh, uint32_t k) {
+        pool::CodeReply r{static_cast<uint32_t>(Code::kInvalidArgument)};
+        if (sh) {
+          auto it = sh->leases.find(take_token(k));
+          if (it != sh->leases.end()) {
             ended.push_back(std::move(it->second));
-            c->leases.erase(it);
+            sh->leases.erase(it);
+            r.code = 0;
           }
-          put_out(k, r);
         }
-      }
+        put_out(k, r);
+      });
+      c->lease_count.fetch_sub(ended.size(), std::memory_order_relaxed);
       break;
     }
     case Op::kRemove: {
@@ -686,9 +743,8 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, const uint8_t* req, uint32_t n,
         std::lock_guard<std::mutex> l(mu);
         r.clients = clients.size();
         for (auto& [id, cl] : clients) {
-          std::lock_guard<std::mutex> l2(cl->mu);
-          r.leases += cl->leases.size();
-          r.reservations += cl->reservations.size();
+          r.leases += cl->held_leases();
+          r.reservations += cl->held_reservations();
         }
       }
       r.requests = requests.load();
@@ -714,9 +770,8 @@ PoolServer::Stats PoolServer::stats() const {
     std::lock_guard<std::mutex> l(s.mu);
     out.clients = s.clients.size();
     for (auto& [id, c] : s.clients) {
-      std::lock_guard<std::mutex> l2(c->mu);
-      out.leases += c->leases.size();
-      out.reservations += c->reservations.size();
+      out.leases += c->held_leases();
+      out.reservations += c->held_reservations();
     }
   }
   out.connections = s.connections.load();
@@ -749,9 +804,8 @@ std::vector<PoolServer::ClientInfo> PoolServer::clients() const {
     i.name_space = c->name_space;
     i.channels = c->nch;
     i.requests = c->requests.load();
-    std::lock_guard<std::mutex> l2(c->mu);
-    i.leases = c->leases.size();
-    i.reservations = c->reservations.size();
+    i.leases = c->held_leases();
+    i.reservations = c->held_reservations();
     out.push_back(std::move(i));
   }
   return out;

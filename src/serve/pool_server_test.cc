@@ -90,14 +90,14 @@ struct RawClient {
   uint32_t seq = 0;
   pool::Welcome welcome{};
 
-  Status connect(const std::string& path, const std::string& ns = "ns") {
+  Status connect(const std::string& path, const std::string& ns = "ns", uint32_t nch = 1) {
     auto s = connect_unix(path);
     if (!s.ok()) return s.status();
     sock = *s;
     pool::Hello h{};
     h.magic = pool::kMagic;
     h.version = pool::kVersion;
-    h.channels = 1;
+    h.channels = nch;
     h.namespace_bytes = static_cast<uint32_t>(ns.size());
     std::memcpy(h.name_space, ns.data(), ns.size());
     CASCADE_RETURN_IF_ERROR(send_message(sock, &h, sizeof h));
@@ -108,7 +108,8 @@ struct RawClient {
     if (welcome.code != 0) return Status(static_cast<Code>(welcome.code), welcome.message);
     if (fds.size() != 2) return Status::IOError("no descriptors");
     ::close(fds[0]);
-    bytes = pool::kChannelStride;
+    if (welcome.channels != nch) return Status::IOError("fewer channels than asked");
+    bytes = uint64_t(nch) * pool::kChannelStride;
     void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
     ::close(fds[1]);
     if (m == MAP_FAILED) return Status::IOError("mmap");
@@ -116,6 +117,15 @@ struct RawClient {
     ch = pool::Channel::at(channels, 0);
     return Status::OK();
   }
+  // Sends the following requests on channel i (each channel numbers its own).
+  void use(uint32_t i) {
+    seqs[current] = seq;
+    current = i;
+    seq = seqs[i];
+    ch = pool::Channel::at(channels, i);
+  }
+  uint32_t seqs[8] = {};
+  uint32_t current = 0;
   // Sends n bytes already in the request area; the reply header, or false
   // when none came within a second.
   bool call(uint32_t n, pool::ReplyHeader* reply) {
@@ -310,6 +320,71 @@ TEST(PoolServerTest, AClientThatGoesAwayLeavesNoLeaseAndNoReservedSpace) {
   EXPECT_EQ(st.store.tiers[0].reserved_bytes, reserved_before);
   EXPECT_EQ(st.store.tiers[0].leased_blocks, 0u);
   for (int i = 0; i < 3; ++i) EXPECT_FALSE(a->contains(id_of(50 + i)));  // never committed
+}
+
+TEST(PoolServerTest, TokensMadeOnOneChannelAreHonouredOnAnother) {
+  // A client's reservations and leases are kept per channel; a commit or
+  // release may come on any channel of the client, several channels' tokens
+  // mixed in one request, and tokens no channel made are refused.
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  auto reader = f.client();
+  RawClient raw;
+  ASSERT_TRUE(raw.connect(f.socket, "ns", 2).ok());
+  pool::ReplyHeader reply;
+  std::vector<pool::TokenItem> tokens;
+  for (uint32_t c = 0; c < 2; ++c) {
+    raw.use(c);
+    pool::ReserveItem items[2] = {};
+    for (int i = 0; i < 2; ++i) {
+      BlockId id = id_of(700 + 2 * c + i);
+      std::memcpy(items[i].id, id.bytes.data(), 16);
+      items[i].size = 4096;
+    }
+    ASSERT_EQ(raw.request(Op::kReserve, items, 2, sizeof items[0], &reply), 0u);
+    for (int i = 0; i < 2; ++i) {
+      pool::ReserveReply r;
+      std::memcpy(&r, raw.ch.reply + sizeof reply + i * sizeof r, sizeof r);
+      ASSERT_EQ(r.code, 0u);
+      tokens.push_back(pool::TokenItem{r.token});
+    }
+  }
+  // Both channels' tokens, plus two never made (a shard that does not exist,
+  // and one of this client's shards that never issued that number),
+  // committed in one request on channel 1.
+  tokens.push_back(pool::TokenItem{(uint64_t(5) << 48) | 1});
+  tokens.push_back(pool::TokenItem{(uint64_t(1) << 48) | 999});
+  raw.use(1);
+  ASSERT_EQ(raw.request(Op::kCommit, tokens.data(), static_cast<uint32_t>(tokens.size()),
+                        sizeof tokens[0], &reply),
+            0u);
+  std::vector<pool::CodeReply> codes(tokens.size());
+  std::memcpy(codes.data(), raw.ch.reply + sizeof reply, codes.size() * sizeof codes[0]);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(codes[i].code, 0u) << "item " << i;
+  EXPECT_EQ(codes[4].code, static_cast<uint32_t>(Code::kInvalidArgument));
+  EXPECT_EQ(codes[5].code, static_cast<uint32_t>(Code::kInvalidArgument));
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(reader->contains(id_of(700 + i)));
+  EXPECT_EQ(f.server->stats().reservations, 0u);
+  // A lease taken on channel 0, released on channel 1; a second release of
+  // it is refused.
+  raw.use(0);
+  BlockId id = id_of(700);
+  ASSERT_EQ(raw.request(Op::kLease, id.bytes.data(), 1, 16, &reply), 0u);
+  pool::LeaseReply lr;
+  std::memcpy(&lr, raw.ch.reply + sizeof reply, sizeof lr);
+  ASSERT_EQ(lr.code, 0u);
+  EXPECT_EQ(f.server->stats().leases, 1u);
+  raw.use(1);
+  pool::TokenItem t{lr.token};
+  ASSERT_EQ(raw.request(Op::kRelease, &t, 1, sizeof t, &reply), 0u);
+  pool::CodeReply rc;
+  std::memcpy(&rc, raw.ch.reply + sizeof reply, sizeof rc);
+  EXPECT_EQ(rc.code, 0u);
+  EXPECT_EQ(f.server->stats().leases, 0u);
+  raw.use(0);
+  ASSERT_EQ(raw.request(Op::kRelease, &t, 1, sizeof t, &reply), 0u);
+  std::memcpy(&rc, raw.ch.reply + sizeof reply, sizeof rc);
+  EXPECT_EQ(rc.code, static_cast<uint32_t>(Code::kInvalidArgument));
 }
 
 TEST(PoolServerTest, MalformedRequestsGetAnErrorAndOtherClientsGoOn) {
