@@ -26,6 +26,43 @@ PagedKvLayout parse_layout(const std::string& name) {
                                        "' (packed_kv, split_kv or flat_bytes)"));
 }
 
+// A layer-ordered load in flight: it holds the store open (a close waits
+// for finish()) and the blocks' leases until finish().
+class PyLayeredLoad {
+ public:
+  PyLayeredLoad(Guarded<CascadeStore>::Use use, std::unique_ptr<LayeredLoad> load)
+      : use_(std::move(use)), load_(std::move(load)) {}
+  int num_layers() const { return load_->num_layers(); }
+  void wait_layer(int layer, uintptr_t stream) const {
+    check(load_->wait_layer(layer, reinterpret_cast<void*>(stream)));
+  }
+  std::vector<std::optional<std::string>> finish() {
+    if (!done_) {
+      {
+        nb::gil_scoped_release release;
+        statuses_ = load_->finish();
+      }
+      done_ = true;
+      use_.reset();  // the store may close now
+    }
+    std::vector<std::optional<std::string>> out(statuses_.size());
+    for (size_t i = 0; i < statuses_.size(); ++i)
+      if (!statuses_[i].ok()) out[i] = statuses_[i].ToString();
+    return out;
+  }
+  ~PyLayeredLoad() {
+    if (done_) return;
+    nb::gil_scoped_release release;
+    (void)load_->finish();
+  }
+
+ private:
+  std::optional<Guarded<CascadeStore>::Use> use_;
+  std::unique_ptr<LayeredLoad> load_;
+  std::vector<Status> statuses_;
+  bool done_ = false;
+};
+
 class PyKvMover {
  public:
   PyKvMover(nb::object store, const std::string& layout, int device, int num_layers,
@@ -63,6 +100,22 @@ class PyKvMover {
   std::vector<std::optional<std::string>> load(const std::vector<int64_t>& blocks, nb::handle ids,
                                                int layer_begin, int layer_end, uintptr_t stream) {
     return run(blocks, ids, layer_begin, layer_end, stream, false);
+  }
+
+  PyLayeredLoad* load_layers(const std::vector<int64_t>& blocks, nb::handle key_list,
+                             uintptr_t stream) {
+    std::vector<BlockId> ids;
+    for (nb::handle k : key_list) ids.push_back(parse_key(k));
+    auto store = use_store(store_obj_);
+    KvMoveOptions o;
+    o.cuda_stream = reinterpret_cast<void*>(stream);
+    Result<std::unique_ptr<LayeredLoad>> load = Status::OK();
+    {
+      nb::gil_scoped_release release;
+      load = mover_->load_layers(blocks, ids, o);
+    }
+    check(load.status());
+    return new PyLayeredLoad(std::move(store), std::move(load.value()));
   }
 
  private:
@@ -113,7 +166,18 @@ void register_kv(nb::module_& m) {
            "Per item: None when stored (or already present), else why not.")
       .def("load", &PyKvMover::load, "engine_blocks"_a, "ids"_a, "layer_begin"_a = 0,
            "layer_end"_a = -1, "stream"_a = 0,
-           "Per item: None when every byte was loaded, else why not.");
+           "Per item: None when every byte was loaded, else why not.")
+      .def("load_layers", &PyKvMover::load_layers, "engine_blocks"_a, "ids"_a, "stream"_a = 0,
+           nb::rv_policy::take_ownership,
+           "Queues the load layer by layer on `stream` and returns a LayeredLoad at once.");
+  nb::class_<PyLayeredLoad>(
+      m, "LayeredLoad",
+      "A load queued layer by layer: wait_layer(l, stream) orders a stream after layer l's "
+      "copies (on the GPU); finish() waits for all of them, ends the leases and returns per "
+      "item None or why the block did not load. The store cannot close before finish().")
+      .def_prop_ro("num_layers", &PyLayeredLoad::num_layers)
+      .def("wait_layer", &PyLayeredLoad::wait_layer, "layer"_a, "stream"_a = 0)
+      .def("finish", &PyLayeredLoad::finish);
 }
 
 }  // namespace cascade::py

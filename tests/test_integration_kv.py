@@ -8,7 +8,13 @@ torch = pytest.importorskip("torch")
 
 import cascade  # noqa: E402
 from cascade.integrations.ids import KvNamespace, prefix_block_ids  # noqa: E402
-from cascade.integrations.kv import PagedKv, cached_prefix_length, load_paged, save_paged  # noqa: E402
+from cascade.integrations.kv import (  # noqa: E402
+    PagedKv,
+    cached_prefix_length,
+    load_layers,
+    load_paged,
+    save_paged,
+)
 
 L, NB, H, BS, D = 3, 10, 2, 4, 8
 
@@ -93,6 +99,28 @@ def test_layer_by_layer_load(store):
     assert torch.equal(dst[0][3], before[0][3]) and torch.equal(dst[2][3], before[2][3])
     assert load_paged(store, kv_dst, [3], IDS[:1], layers=(0, L)) == [None]
     assert all(torch.equal(dst[i][3], src[i][1]) for i in range(L))
+
+
+def test_layered_load_of_a_host_cache(store):
+    """kv.load_layers on a cache in host memory: loaded whole by the call,
+    waits return at once, finish() reports per item as load_paged does, the
+    leases end and the store can close."""
+    src, dst = packed(8), packed(9)
+    kv_src, kv_dst = PagedKv.from_layers(src), PagedKv.from_layers(dst)
+    save_paged(store, kv_src, [2, 6], IDS[:2])
+    load = load_layers(store, kv_dst, [0, 1, 2], IDS)
+    assert load.num_layers == L
+    for layer in range(L):
+        load.wait_layer(layer)
+    with pytest.raises(ValueError, match="layer"):
+        load.wait_layer(L)
+    res = load.finish()
+    assert res[:2] == [None, None] and "not stored" in res[2]
+    assert load.finish() == res  # once done, the same answer
+    assert all(
+        torch.equal(dst[i][0], src[i][2]) and torch.equal(dst[i][1], src[i][6]) for i in range(L)
+    )
+    assert store.get_stats()["tiers"]["host"]["leased_blocks"] == 0
 
 
 def test_misses_and_wrong_sizes_are_item_errors(store):

@@ -442,6 +442,62 @@ def test_planned_prefill_recomputes_a_block_that_fails_to_load(model, kv_store):
     assert_matches_full(model, a, r.logits)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="no usable CUDA GPU (or a build without CUDA)")
+@pytest.mark.parametrize("damage", [False, True])
+def test_layer_overlapped_prefill_on_a_gpu_matches_full_compute(model, shm_path, damage):
+    """The layer-ordered load (the forward pass waits on the GPU for each
+    layer's copies) gives full compute's output; a block damaged after the
+    plan is recomputed from there."""
+    from cascade.planner import LoadPlanner
+
+    cfg = cascade.CascadeConfig()
+    cfg.pipeline, cfg.shm_path, cfg.shm_capacity_bytes = "host", shm_path, 64 << 20
+    cfg.use_gpu, cfg.num_io_threads = False, 2
+    dev = torch.device("cuda", 0)
+    with cascade.CascadeStore(cfg) as s:
+        m32 = copy.deepcopy(model).to(dev)
+        g = kv_geometry(m32)
+        a = tokens(200, 24).to(dev)
+        assert (
+            PrefixCache(m32, s, model_name="tiny-gpu-layered", block_size=BS)
+            .prefill(a)
+            .saved_blocks
+            == 12
+        )
+        planner = LoadPlanner(
+            list(s.pipeline),
+            g.bytes_per_token,
+            g.num_layers,
+            rates={"host": 50.0},
+            default_tokens_per_s=10.0,
+            layer_overlap=True,
+        )
+        pc = PrefixCache(m32, s, model_name="tiny-gpu-layered", block_size=BS, planner=planner)
+        if damage:
+            ids = pc.block_ids(a)[0]
+            orig = planner.plan
+
+            def plan_then_damage(*args):
+                p = orig(*args)
+                s.remove(ids[4])
+                s.put(ids[4], b"x" * 10)
+                return p
+
+            planner.plan = plan_then_damage
+        r = pc.prefill(a, save=False)
+        assert r.plan.kind == "load_prefix" and r.plan.layer_overlap
+        if damage:
+            assert r.cached_tokens == 4 * BS and r.load_errors
+        else:
+            assert r.cached_tokens == 12 * BS and not r.load_errors
+        assert_matches_full(m32, a, r.logits)
+        assert greedy_from_cache(m32, r.logits, r.past_key_values, 3) == greedy_from_scratch(
+            m32, a, 3
+        )
+        assert s.get_stats()["tiers"]["host"]["leased_blocks"] == 0
+
+
 def test_planner_true_makes_one_from_the_store(model, kv_store):
     pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS, planner=True)
     assert pc.planner.tiers == list(kv_store.pipeline)

@@ -49,6 +49,8 @@ struct KvMoveOptions {
   int layer_end = -1;   // -1 = num_layers
 };
 
+class LayeredLoad;
+
 class KvBlockMover {
  public:
   // `device` is the CUDA device of a device-memory cache (ignored for a host
@@ -75,6 +77,18 @@ class KvBlockMover {
   Result<size_t> load(std::span<const int64_t> engine_blocks, std::span<const BlockId> ids,
                       const KvMoveOptions& options, std::vector<Status>* statuses);
 
+  // load() queued layer by layer, returning before the bytes arrive: every
+  // block is leased (promoted first when below the top tier), then the
+  // copies of layer 0 of every block are queued on options.cuda_stream,
+  // then an event, then layer 1, and so on. A forward pass on another
+  // stream waits for layer l alone (LayeredLoad::wait_layer) and overlaps
+  // the copies of the later layers. The leases last until finish(). A
+  // cache in host memory is loaded whole before the call returns (its
+  // waits return at once). options' layer range must be the whole cache.
+  Result<std::unique_ptr<LayeredLoad>> load_layers(std::span<const int64_t> engine_blocks,
+                                                   std::span<const BlockId> ids,
+                                                   const KvMoveOptions& options);
+
  private:
   struct Staging;
   KvBlockMover(CascadeStore* store, const PagedKvCache& cache, int device);
@@ -87,6 +101,13 @@ class KvBlockMover {
   // A staging buffer of at least `bytes` (kept and reused).
   Result<uint8_t*> staging(Staging& s, uint64_t bytes, MemoryKind kind);
 
+  // Leases ids (prefetching blocks below the top tier) and sorts them into
+  // sources: leased blocks by memory kind, and blocks read into `fallback`
+  // (host memory the caller keeps) when they cannot be leased.
+  struct Sources;
+  void lease_sources(std::span<const int64_t> engine_blocks, std::span<const BlockId> ids,
+                     Sources* out, std::vector<Status>* statuses);
+
   CascadeStore* store_;
   PagedKvCache cache_;
   int device_;
@@ -96,6 +117,33 @@ class KvBlockMover {
   uint64_t top_capacity_ = 0;  // 0 = unbounded
   std::mutex save_mu_, load_mu_;
   std::unique_ptr<Staging> save_staging_, load_staging_;
+};
+
+// A load queued by KvBlockMover::load_layers. Thread-safety: wait_layer
+// may be called from any thread until finish(); finish() once.
+class LayeredLoad {
+ public:
+  ~LayeredLoad();  // finish() if not called: the copies end before the leases
+  LayeredLoad(const LayeredLoad&) = delete;
+  LayeredLoad& operator=(const LayeredLoad&) = delete;
+
+  int num_layers() const;
+  // Orders the work queued on `stream` (cudaStream_t; nullptr = the legacy
+  // default stream) from now on after layer `layer` of every block has
+  // arrived. Returns at once: the wait happens on the GPU.
+  Status wait_layer(int layer, void* stream) const;
+  // Waits for every copy, ends the leases, and returns per item what
+  // load() would: OK (every byte written), NotFound, InvalidArgument, or
+  // the error of a copy.
+  const std::vector<Status>& finish();
+  // Items that loaded (valid after finish()).
+  size_t loaded() const;
+
+ private:
+  friend class KvBlockMover;
+  struct State;
+  explicit LayeredLoad(std::unique_ptr<State> s);
+  std::unique_ptr<State> s_;
 };
 
 }  // namespace cascade

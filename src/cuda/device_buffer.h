@@ -11,6 +11,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "cascade/status.h"
 
@@ -130,6 +132,37 @@ class GpuTimer {
   }
   void* begin_ = nullptr;
   void* end_ = nullptr;
+};
+
+// A fixed set of events on one device, to mark points of a stream that
+// other streams wait for on the GPU (no host wait). Events never recorded
+// are complete: a wait on one returns at once.
+class GpuEvents {
+ public:
+  static Result<GpuEvents> Create(int device, int count);
+  GpuEvents() = default;
+  GpuEvents(GpuEvents&& o) noexcept { swap(o); }
+  GpuEvents& operator=(GpuEvents&& o) noexcept {
+    swap(o);
+    return *this;
+  }
+  ~GpuEvents();
+  int size() const { return static_cast<int>(events_.size()); }
+  // Marks the point of `stream` (cudaStream_t; nullptr = legacy default)
+  // reached by the work queued on it so far.
+  Status record(int i, void* stream);
+  // Work queued on `stream` from now on starts after event i's point.
+  Status make_wait(int i, void* stream) const;
+  // Blocks this thread until event i's point is reached.
+  Status synchronize(int i) const;
+
+ private:
+  void swap(GpuEvents& o) noexcept {
+    std::swap(events_, o.events_);
+    std::swap(device_, o.device_);
+  }
+  std::vector<void*> events_;
+  int device_ = -1;
 };
 
 }  // namespace cascade

@@ -118,4 +118,46 @@ Result<double> GpuTimer::stop(void* stream) {
   return double(ms);
 }
 
+Result<GpuEvents> GpuEvents::Create(int device, int count) {
+  if (count < 0) return Status::InvalidArgument("a negative number of events");
+  ScopedDevice on(device);
+  GpuEvents out;
+  out.device_ = device;
+  out.events_.reserve(size_t(count));
+  for (int i = 0; i < count; ++i) {
+    cudaEvent_t e = nullptr;
+    CASCADE_CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "create an event");
+    out.events_.push_back(e);
+  }
+  return out;
+}
+
+GpuEvents::~GpuEvents() {
+  if (events_.empty()) return;
+  ScopedDevice on(device_);
+  for (void* e : events_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(e));
+}
+
+Status GpuEvents::record(int i, void* stream) {
+  if (i < 0 || i >= size()) return Status::InvalidArgument("no such event");
+  ScopedDevice on(device_);
+  return cuda_status(cudaEventRecord(static_cast<cudaEvent_t>(events_[size_t(i)]),
+                                     stream ? static_cast<cudaStream_t>(stream) : cudaStreamLegacy),
+                     "record an event");
+}
+
+Status GpuEvents::make_wait(int i, void* stream) const {
+  if (i < 0 || i >= size()) return Status::InvalidArgument("no such event");
+  return cuda_status(
+      cudaStreamWaitEvent(stream ? static_cast<cudaStream_t>(stream) : cudaStreamLegacy,
+                          static_cast<cudaEvent_t>(events_[size_t(i)]), 0),
+      "order a stream after an event");
+}
+
+Status GpuEvents::synchronize(int i) const {
+  if (i < 0 || i >= size()) return Status::InvalidArgument("no such event");
+  return cuda_status(cudaEventSynchronize(static_cast<cudaEvent_t>(events_[size_t(i)])),
+                     "wait for an event");
+}
+
 }  // namespace cascade

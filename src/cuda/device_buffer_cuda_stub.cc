@@ -22,5 +22,10 @@ Result<GpuTimer> GpuTimer::Create(int) { return no_cuda(); }
 GpuTimer::~GpuTimer() = default;
 Status GpuTimer::start(void*) { return no_cuda(); }
 Result<double> GpuTimer::stop(void*) { return no_cuda(); }
+Result<GpuEvents> GpuEvents::Create(int, int) { return no_cuda(); }
+GpuEvents::~GpuEvents() = default;
+Status GpuEvents::record(int, void*) { return no_cuda(); }
+Status GpuEvents::make_wait(int, void*) const { return no_cuda(); }
+Status GpuEvents::synchronize(int) const { return no_cuda(); }
 
 }  // namespace cascade

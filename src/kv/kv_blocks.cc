@@ -209,6 +209,90 @@ Result<size_t> KvBlockMover::save(std::span<const int64_t> engine_blocks,
   return count_ok(*statuses);
 }
 
+struct KvBlockMover::Sources {
+  std::vector<BlockView> views;    // the leases, held while copies read them
+  std::vector<size_t> by_kind[2];  // items served from host / device leases
+  std::vector<const void*> src;    // per item of the call: where a leased block is
+  std::vector<size_t> fallback;    // items to read into memory instead
+};
+
+void KvBlockMover::lease_sources(std::span<const int64_t> engine_blocks,
+                                 std::span<const BlockId> ids, Sources* out,
+                                 std::vector<Status>* statuses) {
+  const MemoryKind host = MemoryKind::kHost;
+  if (out->src.size() < ids.size()) out->src.resize(ids.size(), nullptr);
+  for (size_t begin = 0; begin < ids.size(); begin += kLeaseChunk) {
+    const size_t n = std::min(kLeaseChunk, ids.size() - begin);
+    if (tiers_ > 1 && (top_capacity_ == 0 || n * block_bytes_ <= top_capacity_ / 2)) {
+      // Blocks below the top tier come up on the store's I/O threads in
+      // parallel, not one by one inside acquire().
+      std::vector<BlockId> chunk(ids.begin() + begin, ids.begin() + begin + n);
+      store_->prefetch(std::move(chunk))->wait();
+    }
+    // Every block of the chunk is leased in one call (one request to a
+    // node pool).
+    std::vector<BlockView> leased;
+    std::vector<Status> lease_st;
+    store_->acquire_batch(ids.subspan(begin, n), &leased, &lease_st);
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = begin + k;
+      Status st = check_block(engine_blocks[i], cache_.num_blocks);
+      if (!st.ok()) {
+        (*statuses)[i] = st;
+        continue;
+      }
+      if (!lease_st[k].ok()) {
+        if (lease_st[k].is(Code::kNotFound)) {
+          (*statuses)[i] = Status::NotFound("block " + ids[i].hex() + " is not stored");
+        } else {
+          out->fallback.push_back(i);  // no room to promote it, for one: read it instead
+        }
+        continue;
+      }
+      BlockView& v = leased[k];
+      if (v.size() != block_bytes_) {
+        (*statuses)[i] =
+            Status::InvalidArgument("block " + ids[i].hex() + " holds " + std::to_string(v.size()) +
+                                    " bytes, the cache's blocks " + std::to_string(block_bytes_));
+        continue;
+      }
+      // A host cache cannot read device leases directly.
+      if (cache_.memory == MemoryKind::kHost && v.kind() != host) {
+        out->fallback.push_back(i);
+        continue;
+      }
+      out->by_kind[v.kind() == host ? 0 : 1].push_back(i);
+      out->src[i] = v.data();
+      out->views.push_back(std::move(v));
+    }
+  }
+}
+
+namespace {
+
+// Reads ids[i] for every i in `items` into dst + k * block_bytes (k its
+// position in items); per item OK or why not. Returns the items read.
+std::vector<size_t> read_blocks(CascadeStore* store, std::span<const BlockId> ids,
+                                std::span<const size_t> items, uint8_t* dst, uint64_t block_bytes,
+                                std::vector<Status>* statuses) {
+  std::vector<size_t> read;
+  for (size_t k = 0; k < items.size(); ++k) {
+    const size_t i = items[k];
+    GetResult r;
+    Status st = store->get(ids[i], dst + k * block_bytes, block_bytes, &r);
+    if (st.ok() && !r.found) st = Status::NotFound("block " + ids[i].hex() + " is not stored");
+    if (st.ok() && r.size != block_bytes) {
+      st = Status::InvalidArgument("block " + ids[i].hex() + " holds " + std::to_string(r.size) +
+                                   " bytes, the cache's blocks " + std::to_string(block_bytes));
+    }
+    (*statuses)[i] = st;
+    if (st.ok()) read.push_back(k);
+  }
+  return read;
+}
+
+}  // namespace
+
 Result<size_t> KvBlockMover::load(std::span<const int64_t> engine_blocks,
                                   std::span<const BlockId> ids, const KvMoveOptions& options,
                                   std::vector<Status>* statuses) {
@@ -224,114 +308,188 @@ Result<size_t> KvBlockMover::load(std::span<const int64_t> engine_blocks,
   const MemoryKind host = MemoryKind::kHost;
   for (size_t begin = 0; begin < ids.size(); begin += kLeaseChunk) {
     const size_t n = std::min(kLeaseChunk, ids.size() - begin);
-    if (tiers_ > 1 && (top_capacity_ == 0 || n * block_bytes_ <= top_capacity_ / 2)) {
-      // Blocks below the top tier come up on the store's I/O threads in
-      // parallel, not one by one inside acquire().
-      std::vector<BlockId> chunk(ids.begin() + begin, ids.begin() + begin + n);
-      store_->prefetch(std::move(chunk))->wait();
-    }
-    // Every block of the chunk is leased in one call (one request to a
-    // node pool).
-    std::vector<BlockView> leased;
-    std::vector<Status> lease_st;
-    store_->acquire_batch(std::span<const BlockId>(ids.data() + begin, n), &leased, &lease_st);
-    std::vector<BlockView> views;
-    views.reserve(n);
-    // Items served from a lease, by the memory kind of the lease.
-    std::vector<size_t> by_kind[2];
-    std::vector<size_t> fallback;  // items to read through staging
-    std::vector<const void*> src_of(n, nullptr);
-    for (size_t k = 0; k < n; ++k) {
-      const size_t i = begin + k;
-      Status st = check_block(engine_blocks[i], cache_.num_blocks);
-      if (!st.ok()) {
-        (*statuses)[i] = st;
-        continue;
-      }
-      Result<BlockView> v = lease_st[k].ok() ? Result<BlockView>(std::move(leased[k]))
-                                             : Result<BlockView>(lease_st[k]);
-      if (!v.ok()) {
-        if (v.status().is(Code::kNotFound)) {
-          (*statuses)[i] = Status::NotFound("block " + ids[i].hex() + " is not stored");
-        } else {
-          fallback.push_back(i);  // no room to promote it, for one: read it instead
-        }
-        continue;
-      }
-      if (v->size() != block_bytes_) {
-        (*statuses)[i] = Status::InvalidArgument(
-            "block " + ids[i].hex() + " holds " + std::to_string(v->size()) +
-            " bytes, the cache's blocks " + std::to_string(block_bytes_));
-        continue;
-      }
-      // A host cache cannot read device leases directly.
-      if (cache_.memory == MemoryKind::kHost && v->kind() != host) {
-        fallback.push_back(i);
-        continue;
-      }
-      by_kind[v->kind() == host ? 0 : 1].push_back(i);
-      src_of[k] = v->data();
-      views.push_back(std::move(v.value()));
-    }
+    Sources from;
+    std::vector<Status> chunk_st(n, Status::OK());
+    lease_sources(engine_blocks.subspan(begin, n), ids.subspan(begin, n), &from, &chunk_st);
+    for (size_t k = 0; k < n; ++k) (*statuses)[begin + k] = chunk_st[k];
     // Scatter from the leases, one call per memory kind.
     for (int kind = 0; kind < 2; ++kind) {
-      const std::vector<size_t>& items = by_kind[kind];
+      const std::vector<size_t>& items = from.by_kind[kind];
       if (items.empty()) continue;
       std::vector<int64_t> blocks(items.size());
       std::vector<const void*> src(items.size());
       for (size_t k = 0; k < items.size(); ++k) {
-        blocks[k] = engine_blocks[items[k]];
-        src[k] = src_of[items[k] - begin];
+        blocks[k] = engine_blocks[begin + items[k]];
+        src[k] = from.src[items[k]];
       }
       Status st = scatter(blocks, src, kind == 0 ? host : MemoryKind::kDevice, options);
       if (!st.ok()) {
-        for (size_t i : items) (*statuses)[i] = st;
+        for (size_t i : items) (*statuses)[begin + i] = st;
       }
     }
-    views.clear();  // the leases end here, after the copies completed
+    from.views.clear();  // the leases end here, after the copies completed
     // Blocks that could not be leased: read into staging, then scatter.
-    if (!fallback.empty()) {
-      const size_t per_chunk = std::max<uint64_t>(1, kStagingCapBytes / block_bytes_);
-      auto buf = staging(*load_staging_,
-                         std::min<uint64_t>(per_chunk, fallback.size()) * block_bytes_, host);
-      for (size_t fb = 0; fb < fallback.size(); fb += per_chunk) {
-        const size_t m = std::min(per_chunk, fallback.size() - fb);
-        std::vector<int64_t> blocks;
-        std::vector<const void*> src;
-        std::vector<size_t> items;
-        for (size_t k = 0; k < m; ++k) {
-          const size_t i = fallback[fb + k];
-          if (!buf.ok()) {
-            (*statuses)[i] = buf.status();
-            continue;
-          }
-          uint8_t* out = *buf + k * block_bytes_;
-          GetResult r;
-          Status st = store_->get(ids[i], out, block_bytes_, &r);
-          if (st.ok() && !r.found)
-            st = Status::NotFound("block " + ids[i].hex() + " is not stored");
-          if (st.ok() && r.size != block_bytes_) {
-            st = Status::InvalidArgument("block " + ids[i].hex() + " holds " +
-                                         std::to_string(r.size) + " bytes, the cache's blocks " +
-                                         std::to_string(block_bytes_));
-          }
-          if (!st.ok()) {
-            (*statuses)[i] = st;
-            continue;
-          }
-          blocks.push_back(engine_blocks[i]);
-          src.push_back(out);
-          items.push_back(i);
-        }
-        if (items.empty()) continue;
-        Status st = scatter(blocks, src, host, options);
-        if (!st.ok()) {
-          for (size_t i : items) (*statuses)[i] = st;
-        }
+    if (from.fallback.empty()) continue;
+    const size_t per_chunk = std::max<uint64_t>(1, kStagingCapBytes / block_bytes_);
+    auto buf = staging(*load_staging_,
+                       std::min<uint64_t>(per_chunk, from.fallback.size()) * block_bytes_, host);
+    for (size_t fb = 0; fb < from.fallback.size(); fb += per_chunk) {
+      const size_t m = std::min(per_chunk, from.fallback.size() - fb);
+      std::vector<size_t> items(m);
+      for (size_t k = 0; k < m; ++k) items[k] = begin + from.fallback[fb + k];
+      if (!buf.ok()) {
+        for (size_t i : items) (*statuses)[i] = buf.status();
+        continue;
+      }
+      std::vector<size_t> read = read_blocks(store_, ids, items, *buf, block_bytes_, statuses);
+      if (read.empty()) continue;
+      std::vector<int64_t> blocks;
+      std::vector<const void*> src;
+      for (size_t k : read) {
+        blocks.push_back(engine_blocks[items[k]]);
+        src.push_back(*buf + k * block_bytes_);
+      }
+      Status st = scatter(blocks, src, host, options);
+      if (!st.ok()) {
+        for (size_t k : read) (*statuses)[items[k]] = st;
       }
     }
   }
   return count_ok(*statuses);
+}
+
+// ---- layer-ordered loads ---------------------------------------------------------
+
+struct LayeredLoad::State {
+  int layers = 0;
+  GpuEvents events;  // one per layer; none for a host cache (loaded already)
+  void* stream = nullptr;
+  std::vector<BlockView> views;
+  std::unique_ptr<uint8_t, FreeDeleter> fallback;  // blocks read instead of leased
+  std::vector<Status> statuses;
+  bool finished = false;
+};
+
+LayeredLoad::LayeredLoad(std::unique_ptr<State> s) : s_(std::move(s)) {}
+
+LayeredLoad::~LayeredLoad() {
+  if (s_ && !s_->finished) (void)finish();
+}
+
+int LayeredLoad::num_layers() const { return s_->layers; }
+
+Status LayeredLoad::wait_layer(int layer, void* stream) const {
+  if (layer < 0 || layer >= s_->layers)
+    return Status::InvalidArgument("layer " + std::to_string(layer) + " is not within the " +
+                                   std::to_string(s_->layers) + " of the cache");
+  if (s_->events.size() == 0 || s_->finished) return Status::OK();
+  return s_->events.make_wait(layer, stream);
+}
+
+const std::vector<Status>& LayeredLoad::finish() {
+  if (s_->finished) return s_->statuses;
+  s_->finished = true;
+  if (s_->events.size() > 0) {
+    // Every copy was queued on one stream before the last event: it covers them all.
+    Status st = s_->events.synchronize(s_->layers - 1);
+    if (!st.ok())
+      for (Status& item : s_->statuses)
+        if (item.ok()) item = st;
+  }
+  s_->views.clear();
+  s_->fallback.reset();
+  return s_->statuses;
+}
+
+size_t LayeredLoad::loaded() const { return count_ok(s_->statuses); }
+
+Result<std::unique_ptr<LayeredLoad>> KvBlockMover::load_layers(
+    std::span<const int64_t> engine_blocks, std::span<const BlockId> ids,
+    const KvMoveOptions& options) {
+  CASCADE_RETURN_IF_ERROR(check_spans(engine_blocks.size(), ids.size()));
+  if (options.layer_begin != 0 ||
+      (options.layer_end >= 0 && options.layer_end != cache_.num_layers))
+    return Status::InvalidArgument("a layer-ordered load covers every layer of the cache");
+  auto state = std::make_unique<LayeredLoad::State>();
+  state->layers = cache_.num_layers;
+  state->stream = options.cuda_stream;
+  if (cache_.memory == MemoryKind::kHost) {
+    auto n = load(engine_blocks, ids, options, &state->statuses);
+    if (!n.ok()) return n.status();
+    return std::unique_ptr<LayeredLoad>(new LayeredLoad(std::move(state)));
+  }
+  auto events = GpuEvents::Create(device_, cache_.num_layers);
+  if (!events.ok()) return events.status();
+  state->events = std::move(events.value());
+  std::vector<Status>& statuses = state->statuses;
+  statuses.assign(ids.size(), Status::OK());
+  std::lock_guard<std::mutex> lock(load_mu_);
+  Sources from;
+  lease_sources(engine_blocks, ids, &from, &statuses);
+  // Blocks that could not be leased are read whole into memory the load keeps.
+  std::vector<size_t> read_items;
+  if (!from.fallback.empty()) {
+    const uint64_t bytes = from.fallback.size() * block_bytes_;
+    state->fallback.reset(static_cast<uint8_t*>(std::malloc(bytes)));
+    if (!state->fallback) {
+      for (size_t i : from.fallback)
+        statuses[i] = Status::NoSpace("could not allocate " + std::to_string(bytes) +
+                                      " bytes to read blocks into");
+    } else {
+      for (size_t k :
+           read_blocks(store_, ids, from.fallback, state->fallback.get(), block_bytes_, &statuses))
+        read_items.push_back(k);
+    }
+  }
+  // The groups copied per layer: host leases, device leases, blocks read.
+  struct Group {
+    MemoryKind kind;
+    std::vector<size_t> items;
+    std::vector<int64_t> blocks;
+    std::vector<const void*> src;
+  };
+  Group groups[3] = {{MemoryKind::kHost, from.by_kind[0], {}, {}},
+                     {MemoryKind::kDevice, from.by_kind[1], {}, {}},
+                     {MemoryKind::kHost, {}, {}, {}}};
+  for (int g = 0; g < 2; ++g)
+    for (size_t i : groups[g].items) {
+      groups[g].blocks.push_back(engine_blocks[i]);
+      groups[g].src.push_back(from.src[i]);
+    }
+  for (size_t k : read_items) {
+    const size_t i = from.fallback[k];
+    groups[2].items.push_back(i);
+    groups[2].blocks.push_back(engine_blocks[i]);
+    groups[2].src.push_back(state->fallback.get() + k * block_bytes_);
+  }
+  for (int layer = 0; layer < cache_.num_layers; ++layer) {
+    for (Group& g : groups) {
+      if (g.items.empty()) continue;
+      PagedKvOptions po;
+      po.cuda_stream = options.cuda_stream;
+      po.wait = false;
+      po.layer_begin = layer;
+      po.layer_end = layer + 1;
+      Status st = load_paged_kv(cache_, g.blocks, g.src, g.kind, po);
+      if (st.ok()) continue;
+      for (size_t i : g.items)
+        if (statuses[i].ok()) statuses[i] = st;
+      g.items.clear();  // nothing more of this group is queued
+      g.blocks.clear();
+      g.src.clear();
+    }
+    Status st = state->events.record(layer, options.cuda_stream);
+    if (!st.ok()) {
+      // Without the event a wait would not order anything: wait for the
+      // copies here; the events not recorded let every later wait pass.
+      (void)device_synchronize(device_);
+      for (Status& item : statuses)
+        if (item.ok()) item = st;
+      break;
+    }
+  }
+  state->views = std::move(from.views);
+  return std::unique_ptr<LayeredLoad>(new LayeredLoad(std::move(state)));
 }
 
 }  // namespace cascade

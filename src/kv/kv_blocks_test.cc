@@ -8,6 +8,9 @@
 #include <filesystem>
 #include <random>
 
+#include "cuda/device_buffer.h"
+#include "cuda/device_copy.h"
+
 namespace cascade {
 namespace {
 
@@ -195,6 +198,88 @@ TEST(KvBlockMoverTest, LoadsBlocksFromTheFileTier) {
     for (int64_t b : all) EXPECT_TRUE(again.same_block(src, b, b)) << b;
   }
   std::filesystem::remove_all(dir);
+}
+
+TEST(KvBlockMoverTest, LayeredLoadOfAHostCacheLoadsEveryLayerAtOnce) {
+  auto store = open_store(16 << 20);
+  HostCache src(11), dst(12), ref(12);
+  auto saver = KvBlockMover::Create(store.get(), src.desc).value();
+  std::vector<Status> st;
+  ASSERT_EQ(
+      *saver->save(std::vector<int64_t>{1, 3}, std::vector<BlockId>{id_of(30), id_of(31)}, {}, &st),
+      2u);
+  auto loader = KvBlockMover::Create(store.get(), dst.desc).value();
+  auto reference = KvBlockMover::Create(store.get(), ref.desc).value();
+  std::vector<int64_t> to = {0, 5, 6, 99};
+  std::vector<BlockId> ids = {id_of(30), id_of(31), id_of(32), id_of(30)};
+  auto load = loader->load_layers(to, ids, {});
+  ASSERT_TRUE(load.ok()) << load.status().ToString();
+  // Loaded before the call returned: the waits return at once.
+  for (int l = 0; l < HostCache::kLayers; ++l) EXPECT_TRUE((*load)->wait_layer(l, nullptr).ok());
+  EXPECT_TRUE((*load)->wait_layer(HostCache::kLayers, nullptr).is(Code::kInvalidArgument));
+  EXPECT_TRUE((*load)->wait_layer(-1, nullptr).is(Code::kInvalidArgument));
+  std::vector<Status> want;
+  ASSERT_EQ(*reference->load(to, ids, {}, &want), 2u);
+  const std::vector<Status>& got = (*load)->finish();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].code(), want[i].code()) << i;
+  EXPECT_EQ((*load)->loaded(), 2u);
+  EXPECT_TRUE(dst.same_block(src, 0, 1));
+  EXPECT_TRUE(dst.same_block(src, 5, 3));
+  EXPECT_EQ(store->stats().tiers[0].leased_blocks, 0u);
+  // A layer range is not a layer-ordered load; spans of two lengths are refused.
+  KvMoveOptions some;
+  some.layer_end = 1;
+  EXPECT_TRUE(loader->load_layers(to, ids, some).status().is(Code::kInvalidArgument));
+  EXPECT_TRUE(
+      loader->load_layers(std::vector<int64_t>{0}, ids, {}).status().is(Code::kInvalidArgument));
+}
+
+TEST(KvBlockMoverTest, LayeredLoadIntoDeviceMemoryOrdersEachLayerBeforeItsWait) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
+  auto store = open_store(16 << 20);
+  HostCache src(13);
+  auto saver = KvBlockMover::Create(store.get(), src.desc).value();
+  std::vector<int64_t> from = {7, 2, 4};
+  std::vector<BlockId> ids = {id_of(40), id_of(41), id_of(42)};
+  std::vector<Status> st;
+  ASSERT_EQ(*saver->save(from, ids, {}, &st), 3u);
+  // The same cache shape in device memory.
+  std::vector<DeviceBuffer> layers;
+  PagedKvCache dev = src.desc;
+  dev.memory = MemoryKind::kDevice;
+  for (int l = 0; l < HostCache::kLayers; ++l) {
+    layers.push_back(std::move(DeviceBuffer::Allocate(0, HostCache::kLayerBytes).value()));
+    dev.layers[l] = layers.back().data();
+  }
+  auto loads = GpuStream::Create(0).value();
+  auto reads = GpuStream::Create(0).value();
+  // A slow kernel first rewrites every layer on the load stream: a read
+  // not ordered after the load would see its bytes (or the ones before).
+  for (int l = 0; l < HostCache::kLayers; ++l)
+    ASSERT_TRUE(
+        fill_device_pattern(layers[l].data(), HostCache::kLayerBytes, 90 + l, loads.handle(), 20000)
+            .ok());
+  auto loader = KvBlockMover::Create(store.get(), dev, 0).value();
+  std::vector<int64_t> to = {0, 3, 5};
+  KvMoveOptions o;
+  o.cuda_stream = loads.handle();
+  auto load = loader->load_layers(to, ids, o);
+  ASSERT_TRUE(load.ok()) << load.status().ToString();
+  const size_t block = HostCache::kLayerBytes / HostCache::kBlocks;
+  for (int l = HostCache::kLayers - 1; l >= 0; --l) {  // the last layer first
+    ASSERT_TRUE((*load)->wait_layer(l, reads.handle()).ok());
+    std::vector<uint8_t> got(HostCache::kLayerBytes);
+    ASSERT_TRUE(device_copy(got.data(), MemoryKind::kHost, layers[l].data(), MemoryKind::kDevice,
+                            got.size(), reads.handle())
+                    .ok());
+    for (size_t i = 0; i < to.size(); ++i)
+      EXPECT_EQ(0, std::memcmp(got.data() + to[i] * block, src.block(l, from[i]), block))
+          << "layer " << l << " block " << to[i];
+  }
+  const std::vector<Status>& done = (*load)->finish();
+  for (const Status& s : done) EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(store->stats().tiers[0].leased_blocks, 0u);
 }
 
 }  // namespace

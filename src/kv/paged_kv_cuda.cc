@@ -68,12 +68,16 @@ class KvTransfer {
 
   // The kernel works on a device bounce buffer; DMA moves it from/to the
   // store blocks on a second stream, two chunks in flight.
+  // Only the layers of the range move: they are contiguous in a store
+  // block (from part_offset, part_bytes of them), and the bounce holds
+  // just that part of each block.
   Status staged(bool host_reachable) {
-    const uint64_t block_bytes = uint64_t(g_.block_bytes);
+    const uint64_t part_offset = uint64_t(g_.layer_begin) * uint64_t(g_.layer_bytes);
+    const uint64_t block_bytes = uint64_t(g_.layer_count) * uint64_t(g_.layer_bytes);
     const size_t per_chunk =
         std::max<uint64_t>(1, std::min<uint64_t>(kMaxBlocksPerLaunch, kBounceBytes / block_bytes));
     const size_t chunks = (blocks_.size() + per_chunk - 1) / per_chunk;
-    const uint32_t vec = vector_width(geometry_misalignment(c_, g_) | block_bytes);
+    const uint32_t vec = vector_width(geometry_misalignment(c_, g_) | block_bytes | part_offset);
     const int nbuf = chunks > 1 ? 2 : 1;
     uint8_t* bounce[2] = {nullptr, nullptr};
     for (int j = 0; j < nbuf; ++j) {
@@ -92,13 +96,20 @@ class KvTransfer {
     if (!start || !kernel_done[0] || !kernel_done[1] || !dma_done[0] || !dma_done[1]) {
       st = Status::Unavailable("could not create CUDA events");
     }
+    // The kernel addresses a store block's layers by their offsets in the
+    // whole block: the bounce stands in for blocks that start part_offset
+    // bytes before it.
+    auto part_base = [&](uint8_t* buf) {
+      return reinterpret_cast<uint8_t*>(reinterpret_cast<uintptr_t>(buf) - part_offset);
+    };
     DeviceTransfers dmas(ctx_, nullptr, TransferTuning{});
     auto queue_dma = [&](size_t begin, size_t n, uint8_t* buf) -> Status {
       std::vector<CopyItem> items(n);
       for (size_t k = 0; k < n; ++k) {
         uint8_t* staged_block = buf + k * block_bytes;
-        items[k] = save_ ? CopyItem{store_[begin + k], staged_block, block_bytes}
-                         : CopyItem{staged_block, store_[begin + k], block_bytes};
+        uint8_t* part = store_[begin + k] + part_offset;
+        items[k] = save_ ? CopyItem{part, staged_block, block_bytes}
+                         : CopyItem{staged_block, part, block_bytes};
       }
       if (host_reachable) return dmas.enqueue_reachable(items, false, dma);
       for (const CopyItem& it : items)
@@ -116,7 +127,7 @@ class KvTransfer {
       if (save_) {
         if (k >= size_t(nbuf))
           st = cuda_status(cudaStreamWaitEvent(s_, dma_done[j], 0), "wait for a bounce buffer");
-        if (st.ok()) st = launch(begin, n, nullptr, bounce[j], block_bytes, vec);
+        if (st.ok()) st = launch(begin, n, nullptr, part_base(bounce[j]), block_bytes, vec);
         if (st.ok()) st = cuda_status(cudaEventRecord(kernel_done[j], s_), "record an event");
         if (st.ok())
           st = cuda_status(cudaStreamWaitEvent(dma, kernel_done[j], 0), "order a KV copy");
@@ -128,7 +139,7 @@ class KvTransfer {
         if (st.ok()) st = queue_dma(begin, n, bounce[j]);
         if (st.ok()) st = cuda_status(cudaEventRecord(dma_done[j], dma), "record an event");
         if (st.ok()) st = cuda_status(cudaStreamWaitEvent(s_, dma_done[j], 0), "order a KV kernel");
-        if (st.ok()) st = launch(begin, n, nullptr, bounce[j], block_bytes, vec);
+        if (st.ok()) st = launch(begin, n, nullptr, part_base(bounce[j]), block_bytes, vec);
         if (st.ok()) st = cuda_status(cudaEventRecord(kernel_done[j], s_), "record an event");
       }
       if (st.ok()) issued = k + 1;

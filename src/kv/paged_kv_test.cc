@@ -398,5 +398,50 @@ TEST(PagedKvGpu, SaveIsOrderedAfterWorkOnTheCallersStream) {
   }
 }
 
+TEST(PagedKvGpu, LayerRangeOnTheStagedPathMovesOnlyThoseLayers) {
+  SKIP_WITHOUT_GPU();
+  // Layers [1, 3) of 4, packed with padding, through host store blocks on
+  // the staged path: the load writes those layers of the device cache and
+  // no other; the save writes those layers' part of each store block and
+  // leaves the rest of the block as it was.
+  TestCache t = make_cache(PagedKvLayout::kPackedKv, 4, 12, 2, 16, 64, 2, 3, 61);
+  const uint64_t bytes = stored_kv_block_bytes(t.desc);
+  std::vector<int64_t> engine = {9, 2, 5};
+  Stores stores(StoreKind::kPinnedStaged, engine.size(), bytes);
+  std::vector<std::vector<uint8_t>> ref(engine.size(), std::vector<uint8_t>(bytes));
+  auto rptrs = store_ptrs(ref);
+  ASSERT_TRUE(save_paged_kv_cpu(t.desc, engine, rptrs).ok());
+  for (size_t i = 0; i < engine.size(); ++i) std::memcpy(stores.ptrs[i], ref[i].data(), bytes);
+  TestCache zero = t;
+  for (auto& layer : zero.layer_bytes) std::fill(layer.begin(), layer.end(), 0);
+  zero.point_at_host();
+  DeviceCache z = to_device(zero);
+  PagedKvOptions o;
+  o.path = PagedKvPath::kStaged;
+  o.layer_begin = 1;
+  o.layer_end = 3;
+  std::vector<const void*> cptrs(stores.ptrs.begin(), stores.ptrs.end());
+  ASSERT_TRUE(load_paged_kv(z.desc, engine, cptrs, MemoryKind::kHost, o).ok());
+  TestCache want = zero;
+  want.point_at_host();
+  ASSERT_TRUE(load_paged_kv_cpu(want.desc, engine,
+                                std::span<const void* const>(cptrs.data(), cptrs.size()), 1, 3)
+                  .ok());
+  for (int l = 0; l < t.desc.num_layers; ++l) {
+    std::vector<uint8_t> got(t.layer_size);
+    ASSERT_TRUE(copy_to_host(got.data(), z.layers[l].data(), t.layer_size).ok());
+    EXPECT_EQ(got, want.layer_bytes[l]) << "layer " << l;
+  }
+  // Save layers [1, 3) from the source cache over store blocks of 0xEE.
+  DeviceCache d = to_device(t);
+  for (void* p : stores.ptrs) std::memset(p, 0xEE, bytes);
+  ASSERT_TRUE(save_paged_kv(d.desc, engine, stores.ptrs, MemoryKind::kHost, o).ok());
+  std::vector<std::vector<uint8_t>> expect(engine.size(), std::vector<uint8_t>(bytes, 0xEE));
+  auto eptrs = store_ptrs(expect);
+  ASSERT_TRUE(save_paged_kv_cpu(t.desc, engine, eptrs, 1, 3).ok());
+  for (size_t i = 0; i < engine.size(); ++i)
+    EXPECT_EQ(stores.read(i), expect[i]) << "store block " << i;
+}
+
 }  // namespace
 }  // namespace cascade

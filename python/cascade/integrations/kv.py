@@ -284,6 +284,26 @@ def load_paged(
     return kv._mover(store).load(blocks, list(ids), begin, end, kv._stream(cuda_stream))
 
 
+def load_layers(
+    store,
+    kv: PagedKv,
+    engine_blocks: Sequence[int],
+    ids: Sequence[str],
+    *,
+    cuda_stream=None,
+):
+    """Queues the load of ``ids[i]`` into ``engine_blocks[i]`` layer by layer
+    on ``cuda_stream`` and returns at once a ``LayeredLoad``: its
+    ``wait_layer(layer, stream)`` makes another stream's later work wait (on
+    the GPU) for that layer alone, so a forward pass overlaps the copies of
+    the layers after the one it computes; ``finish()`` waits for every copy,
+    ends the leases and returns per item None or why the block did not load.
+    A cache in host memory is loaded before the call returns. The store
+    cannot close until ``finish()``."""
+    blocks = _as_int_list(engine_blocks, "engine_blocks")
+    return kv._mover(store).load_layers(blocks, list(ids), kv._stream(cuda_stream))
+
+
 def cached_prefix_length(store, ids: Iterable[str]) -> int:
     """How many leading ids the store holds (a lookup; moves nothing)."""
     n = 0

@@ -3,10 +3,11 @@ prefix cache: the plan says which blocks to load and which tokens to
 compute; this module carries it out and tells the planner what it measured.
 
 - compute: one forward over the prompt;
-- load_prefix: the first k blocks loaded, the rest computed on top. On a
-  GPU, with blocks in memory tiers, the load runs layer by layer on its own
-  CUDA stream in a loader thread while the forward pass runs: the cache's
-  update() for layer l waits only for layer l's copies;
+- load_prefix: the first k blocks loaded, the rest computed on top. With
+  layer overlap (a GPU, blocks in memory tiers), the load is queued layer by
+  layer on its own CUDA stream before the forward pass starts
+  (kv.load_layers): the cache's update() for layer l makes the forward's
+  stream wait, on the GPU, for layer l's copies alone;
 - front_back: blocks s..H loaded in a loader thread while the first s
   blocks' tokens are computed; then the tokens after block H are computed
   on top of both.
@@ -42,19 +43,15 @@ def block_tiers(store, ids: list[list[str]]) -> list[int]:
 
 
 class _Loader(threading.Thread):
-    """Loads blocks [first, end) of every row into a fresh buffer, all
-    layers at once or one layer at a time (an event per layer)."""
+    """Loads blocks [first, end) of every row into a fresh buffer, every
+    layer in one call, on its own CUDA stream where there is a GPU."""
 
-    def __init__(self, cache, plan, first: int, end: int, layered: bool):
+    def __init__(self, cache, plan, first: int, end: int):
         super().__init__(name="cascade-kv-loader", daemon=True)
         self.cache, self.plan, self.first, self.end = cache, plan, first, end
-        self.layered = layered
         rows = len(plan.ids)
         self.buf = cache._buffer(rows, end - first)
         self.kv = cache._paged(self.buf)
-        layers = cache.geometry.num_layers
-        self.ready = [threading.Event() for _ in range(layers)]
-        self.cuda_events: list = [None] * layers
         self.errors: list[tuple[int, int, str]] = []
         self.good = end - first
         self.seconds = 0.0
@@ -65,39 +62,50 @@ class _Loader(threading.Thread):
     def run(self):
         t0 = time.perf_counter()
         try:
-            nb = self.end - self.first
             handle = self.stream.cuda_stream if self.stream is not None else None
-            layers = self.cache.geometry.num_layers
-            spans = (
-                [(layer, layer + 1) for layer in range(layers)] if self.layered else [(0, layers)]
+            self.good, self.errors = self.cache.load_range(
+                self.kv, self.plan, self.first, self.end - self.first, cuda_stream=handle
             )
-            for begin, end in spans:
-                good, errors = self.cache.load_range(
-                    self.kv, self.plan, self.first, nb, layers=(begin, end), cuda_stream=handle
-                )
-                self.errors += errors
-                self.good = min(self.good, good)
-                if self.stream is not None:
-                    ev = torch.cuda.Event()
-                    ev.record(self.stream)
-                    for layer in range(begin, end):
-                        self.cuda_events[layer] = ev
-                for layer in range(begin, end):
-                    self.ready[layer].set()
             if self.stream is not None:
                 self.stream.synchronize()
         except BaseException as e:  # reported to the caller, who recomputes
             self.failure = e
         finally:
             self.seconds = time.perf_counter() - t0
-            for ev in self.ready:
-                ev.set()
+
+
+class _LayeredLoad:
+    """Blocks [0, end) of every row queued layer by layer on a stream of
+    their own (the outcome as _Loader's once finish() ran)."""
+
+    def __init__(self, cache, plan, end: int):
+        rows = len(plan.ids)
+        dev = cache.device
+        self.cache, self.end = cache, end
+        self.buf = cache._buffer(rows, end)
+        self.stream = torch.cuda.Stream(dev)
+        # The copies start after whatever the forward's stream queued before.
+        self.stream.wait_stream(torch.cuda.current_stream(dev))
+        self.errors: list[tuple[int, int, str]] = []
+        self.good = end
+        self.failure: BaseException | None = None
+        self.t0 = time.perf_counter()
+        self.seconds = 0.0
+        self.load = cache.load_range_layered(
+            cache._paged(self.buf), plan, 0, end, self.stream.cuda_stream
+        )
 
     def wait_layer(self, layer: int) -> None:
-        self.ready[layer].wait()
-        ev = self.cuda_events[layer]
-        if ev is not None:
-            torch.cuda.current_stream(self.cache.device).wait_event(ev)
+        self.load.wait_layer(layer, torch.cuda.current_stream(self.cache.device).cuda_stream)
+
+    def finish(self) -> None:
+        try:
+            errs = self.load.finish()
+            self.good, self.errors = self.cache._range_outcome(errs, 0, self.end)
+        except BaseException as e:  # reported to the caller, who recomputes
+            self.failure = e
+        finally:
+            self.seconds = time.perf_counter() - self.t0
 
 
 def _forward(cache, ids, past, chunk_tokens):
@@ -129,11 +137,13 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
     if plan.kind == "load_prefix":
         k = plan.load_end
         layered = plan.layer_overlap and cache.device.type == "cuda"
-        loader = _Loader(cache, lookup, 0, k, layered)
         t0 = time.perf_counter()
         with planner.loading(tier, rows * k * bs * cache.geometry.bytes_per_token):
-            loader.start()
-            if not layered:
+            if layered:
+                loader = _LayeredLoad(cache, lookup, k)
+            else:
+                loader = _Loader(cache, lookup, 0, k)
+                loader.start()
                 loader.join()
             cached = min(k * bs, tokens - 1)
             past = past_from_kv(model, buffer_pairs(loader.buf, rows, cached))
@@ -153,21 +163,21 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
             finally:
                 if layered:
                     del past.update
-                loader.join()
+                    loader.finish()
         phases["load"] = loader.seconds
         phases["forward"] = t2 - t1 if not layered else t2 - t0
         if loader.failure is not None or loader.errors:
             # A block that did not load: everything from it on is computed.
             good = loader.good if loader.failure is None else 0
             return _recompute_from(cache, batch, loader, good, chunk_tokens, phases)
-        observe_load(loader)
         if not layered:
+            observe_load(loader)
             planner.observe_prefill(tokens - cached, cached, phases["forward"] / rows)
         return logits, past2, cached, k, [], phases
 
     # front_back: blocks [s, H) loaded while the first s blocks' tokens are computed.
     s, h = plan.load_first, plan.load_end
-    loader = _Loader(cache, lookup, s, h, False)
+    loader = _Loader(cache, lookup, s, h)
     t0 = time.perf_counter()
     with planner.loading(tier, rows * (h - s) * bs * cache.geometry.bytes_per_token):
         loader.start()

@@ -52,7 +52,13 @@ from typing import Any
 import torch
 
 from cascade.integrations.ids import KvNamespace, prefix_block_ids
-from cascade.integrations.kv import PagedKv, cached_prefix_length, load_paged, save_paged
+from cascade.integrations.kv import (
+    PagedKv,
+    cached_prefix_length,
+    load_layers,
+    load_paged,
+    save_paged,
+)
 
 __all__ = [
     "PrefixCache",
@@ -326,10 +332,12 @@ class PrefixCache:
 
             if store is None:
                 raise ValueError("planner=True needs a store (its pipeline names the tiers)")
+            # On a GPU the load runs layer by layer under the forward pass.
             planner = LoadPlanner(
                 list(store.pipeline),
                 self.geometry.bytes_per_token,
                 self.geometry.num_layers,
+                layer_overlap=self.device.type == "cuda",
             )
         self.planner = planner or None
         self.namespace = KvNamespace(
@@ -447,15 +455,33 @@ class PrefixCache:
         """Loads blocks [first, first + nb) of every row into buffer blocks
         row * nb + j of `kv` (layers: as load_paged's). Returns (leading
         blocks that loaded in every row, errors [(row, block, why)])."""
-        rows = len(plan.ids)
-        engine = [r * nb + j for r in range(rows) for j in range(nb)]
-        ids = [plan.ids[r][first + j] for r in range(rows) for j in range(nb)]
+        engine, ids = self._range_items(plan, first, nb)
         if prefetch and len(getattr(self.store, "pipeline", ())) > 1:
             # Blocks below the top tier are promoted in parallel over the
             # store's I/O threads; load_paged would otherwise promote them one
             # by one. Its statuses do not matter: load_paged reports per block.
             self.store.prefetch(ids).wait()
         errs = load_paged(self.store, kv, engine, ids, layers=layers, cuda_stream=cuda_stream)
+        return self._range_outcome(errs, first, nb)
+
+    def load_range_layered(self, kv, plan: LookupPlan, first: int, nb: int, cuda_stream):
+        """load_range() of every layer, queued layer by layer on cuda_stream
+        (cascade.integrations.kv.load_layers); returns the LayeredLoad. Its
+        finish() result goes through range_outcome()."""
+        engine, ids = self._range_items(plan, first, nb)
+        return load_layers(self.store, kv, engine, ids, cuda_stream=cuda_stream)
+
+    @staticmethod
+    def _range_items(plan: LookupPlan, first: int, nb: int) -> tuple[list[int], list[str]]:
+        rows = len(plan.ids)
+        engine = [r * nb + j for r in range(rows) for j in range(nb)]
+        ids = [plan.ids[r][first + j] for r in range(rows) for j in range(nb)]
+        return engine, ids
+
+    @staticmethod
+    def _range_outcome(errs, first: int, nb: int) -> tuple[int, list[tuple[int, int, str]]]:
+        """(leading blocks that loaded in every row, errors [(row, block, why)])
+        from the per-item results of a range's load."""
         good = nb
         errors = []
         for i, e in enumerate(errs):

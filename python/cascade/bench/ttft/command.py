@@ -4,6 +4,7 @@ cached run differs from the full prefill."""
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from cascade.bench.ttft.checks import failures
@@ -47,8 +48,10 @@ def add_ttft_arguments(p) -> None:
     )
     p.add_argument(
         "--layer-overlap",
-        action="store_true",
-        help="auto modes: let the plan load layer by layer while the forward pass runs (GPU)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="auto modes: let the plan load layer by layer while the forward pass runs "
+        "(GPU; default on)",
     )
     p.add_argument(
         "--hit-ratio", type=float, default=0.8, help="share of the prompt cached in the *80 modes"
