@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import cascade
-from cascade.config import canonical_options, load_config
+from cascade.config import canonical_options, load_config, parse_size
 from cascade.integrations.ids import KvNamespace
 
 if TYPE_CHECKING:
@@ -102,8 +102,6 @@ def parse_options(extra: Mapping[str, Any] | None) -> BackendOptions:
         if v is not None and (not isinstance(v, str) or not v):
             raise ValueError(f"{name}: expected a non-empty string, got {v!r}")
     host_capacity = extra.get("host_capacity", 4 << 30)
-    from cascade.config import parse_size
-
     parse_size(host_capacity, "host_capacity")
     return BackendOptions(
         cascade_config=cfg_dict,
@@ -135,7 +133,8 @@ def store_config(options: BackendOptions, storage_config: Any) -> cascade.Cascad
 
     With ``pool_socket`` the store is a client of the node pool (`cascade serve`),
     which every rank and process on the node shares. Otherwise each rank opens a
-    store of its own: a host arena named after the process, and, with a file
+    store of its own: a host arena named after the process (a given ``shm_path``
+    gets the rank appended when there are several), and, with a file
     tier, the subdirectory ``tp<r>-of-<n>`` (``-pp<p>-of-<q>``, ``-cp<c>-of-<d>``
     when those are used) of ``file_path``, the same across restarts.
     """
@@ -151,6 +150,8 @@ def store_config(options: BackendOptions, storage_config: Any) -> cascade.Cascad
         rank += f"-cp{p['cp_rank']}-of-{p['cp_size']}"
     if not opts.get("shm_path"):
         opts["shm_path"] = os.path.join(options.shm_dir, f"cascade-sglang-{os.getpid()}-{rank}")
+    elif p["tp_size"] * p["pp_size"] * p["cp_size"] > 1:
+        opts["shm_path"] = f"{os.fspath(opts['shm_path'])}-{rank}"  # one arena per rank
     opts.setdefault("shm_capacity_bytes", options.host_capacity)
     if opts.get("file_path"):
         opts["file_path"] = os.path.join(os.fspath(opts["file_path"]), rank)
@@ -531,8 +532,11 @@ class CascadeHiCacheStorage(_HiCacheStorage):
             counters = dict(self.counters)
         return {"backend": counters, "store": self.store.get_stats()}
 
-    def clear(self) -> None:
+    def clear(self) -> bool:
+        """Drops every block of this rank's store (a node pool's blocks are every
+        client's: a pool client drops nothing)."""
         self.store.clear()
+        return True
 
     def close(self) -> None:
         self.store.close()
