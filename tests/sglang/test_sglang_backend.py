@@ -381,3 +381,64 @@ def test_storage_metrics_for_sglang(work):
         assert b.cascade_stats()["backend"]["get_hits"] == 3
     finally:
         b.close()
+
+
+def _controller(b, pool):
+    """SGLang's HiCacheController storage calls, run on a stand-in for the controller
+    object: a real controller needs a GPU device pool and CUDA streams."""
+    import functools
+    import types
+
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    ctl = types.SimpleNamespace(
+        storage_backend=b, page_size=pool.page_size, storage_host_pool=pool, mem_pool_host=pool
+    )
+    zero_copy = b.interface_v1
+    ctl.page_set_func = functools.partial(
+        HiCacheController._page_set_zero_copy if zero_copy else HiCacheController._generic_page_set,
+        ctl,
+    )
+    ctl.page_get_func = functools.partial(
+        HiCacheController._page_get_zero_copy if zero_copy else HiCacheController._generic_page_get,
+        ctl,
+    )
+    ctl.backup = functools.partial(HiCacheController._page_backup, ctl)
+    ctl.hit_query = functools.partial(HiCacheController._storage_hit_query, ctl)
+    return ctl
+
+
+@pytest.mark.parametrize("interface_v1", [1, 0])
+def test_the_controllers_backup_hit_query_and_prefetch_calls(work, interface_v1):
+    from sglang.srt.managers.cache_controller import PrefetchOperation, StorageOperation
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    d, shm = work
+    pool = sp.mha_pool("page_first")
+    b = backend(sp.dynamic_extra(host_cfg(shm), shm_dir=shm, interface_v1=interface_v1))
+    try:
+        b.register_mem_pool_host(pool)
+        ctl = _controller(b, pool)
+        tokens = list(range(1000, 1000 + 6 * sp.PAGE))
+        hashes = get_storage_hash_str(tokens[: 4 * sp.PAGE], None, page_size=sp.PAGE)
+        assert len(hashes) == 4
+        sp.randomize(pool, 50)
+        src = pool.alloc(4 * sp.PAGE)
+        want = sp.page_bytes(pool, src)
+        op = StorageOperation(src, tokens[: 4 * sp.PAGE], hash_value=hashes)
+        ctl.backup(op)
+        assert op.completed_tokens == 4 * sp.PAGE
+
+        # A longer prompt: its first 4 pages are in storage, the rest are not.
+        pf = PrefetchOperation("req-1", tokens)
+        hit_hashes, hit_tokens = ctl.hit_query(pf)
+        assert hit_tokens == 4 * sp.PAGE and hit_hashes == hashes
+        sp.randomize(pool, 51)
+        dst = pool.alloc(4 * sp.PAGE)
+        assert ctl.page_get_func(pf, hit_hashes, dst) == 4
+        assert sp.page_bytes(pool, dst) == want
+        # Another prompt shares nothing: no hit.
+        other = PrefetchOperation("req-2", list(range(6 * sp.PAGE)))
+        assert ctl.hit_query(other) == ([], 0)
+    finally:
+        b.close()
