@@ -351,10 +351,12 @@ def test_a_yaml_config_file_and_pools_of_several_kinds(work):
     d, shm = work
     path = os.path.join(d, "cascade.yaml")
     with open(path, "w") as f:
-        f.write(f"cascade:\n  pipeline: host\n  shm_capacity_bytes: 16MiB\n  shm_path: {shm}/a\n")
-    b = backend(sp.dynamic_extra(path))
+        f.write("cascade:\n  pipeline: host\n  shm_capacity_bytes: 16MiB\n")
+    b = backend(sp.dynamic_extra(path, shm_dir=shm))
     try:
         assert b.store.config.shm_capacity_bytes == 16 << 20
+        # The file names no shm_path: the rank's own arena in shm_dir.
+        assert os.path.dirname(b.store.config.shm_path) == shm
         with pytest.raises(NotImplementedError, match="several host pools"):
             b.register_mem_host_pool_v2(sp.mha_pool(), "mamba")
     finally:

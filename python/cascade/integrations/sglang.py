@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import cascade
-from cascade.config import canonical_options, load_config, parse_size
+from cascade.config import canonical_options, parse_size
 from cascade.integrations.ids import KvNamespace
 
 if TYPE_CHECKING:
@@ -53,10 +53,6 @@ HAVE_SGLANG = _HiCacheStorage is not object
 logger = logging.getLogger(__name__)
 
 _ID_TAG = b"cascade-sglang-page/1\x00"
-# The keys of the extra config this backend reads; SGLang's own keys
-# (backend_name, module_path, class_name, interface_v1, prefetch_threshold, ...)
-# share the dict and are left to it.
-_OPTIONS = ("cascade_config", "shm_dir", "host_capacity", "model_name", "tenant")
 
 
 def _field(value: str) -> bytes:
@@ -85,18 +81,14 @@ def parse_options(extra: Mapping[str, Any] | None) -> BackendOptions:
     extra = dict(extra or {})
     raw = extra.get("cascade_config", {})
     if isinstance(raw, (str, os.PathLike)):
-        path = os.fspath(raw)
-        if not os.path.isfile(path):
-            raise ValueError(f"cascade_config: no such file {path!r}")
-        cfg_dict = cascade.config_to_dict(load_config(path))
-    elif isinstance(raw, Mapping):
-        cfg_dict = canonical_options(raw)
-        cascade.config_from_dict(cfg_dict)  # unknown or ill-typed options fail here
-    else:
+        raw = _yaml_options(os.fspath(raw))
+    if not isinstance(raw, Mapping):
         raise ValueError(
             "cascade_config: expected a mapping of CascadeConfig options or the path of a "
             f"YAML file, got {raw!r}"
         )
+    cfg_dict = canonical_options(raw)
+    cascade.config_from_dict(cfg_dict)  # unknown or ill-typed options fail here
     for name in ("shm_dir", "model_name", "tenant"):
         v = extra.get(name)
         if v is not None and (not isinstance(v, str) or not v):
@@ -110,6 +102,22 @@ def parse_options(extra: Mapping[str, Any] | None) -> BackendOptions:
         model_name=extra.get("model_name"),
         tenant=extra.get("tenant"),
     )
+
+
+def _yaml_options(path: str) -> Mapping[str, Any]:
+    """The options a YAML file gives (at top level or under ``cascade:``), as
+    load_config reads them; only those given, so the rank's defaults apply to the rest."""
+    if not os.path.isfile(path):
+        raise ValueError(f"cascade_config: no such file {path!r}")
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if isinstance(data, Mapping) and isinstance(data.get("cascade"), Mapping):
+        data = data["cascade"]
+    if not isinstance(data, Mapping):
+        raise ValueError(f"cascade_config: {path}: expected a mapping of options")
+    return data
 
 
 def _parallel_config(storage_config: Any) -> dict[str, int]:
