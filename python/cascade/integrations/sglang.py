@@ -308,26 +308,29 @@ class CascadeHiCacheStorage(_HiCacheStorage):
         if pool is None:
             return PageIds(**common)
         page_size = int(pool.page_size)
+        geometry: dict[str, Any] = {
+            "dtype": str(pool.dtype).replace("torch.", "", 1),
+            "layout": str(pool.layout),
+            "page_size": page_size,
+        }
+        if not self.interface_v1:  # the flat path: one block a page, the pool's flat page
+            flat = pool.get_dummy_flat_data_page()
+            return PageIds(
+                **common, **geometry, parts=0, part_bytes=flat.numel() * flat.element_size()
+            )
         try:
             ptrs, sizes = pool.get_page_buffer_meta(pool_indices(page_size))
         except (NotImplementedError, ValueError, AssertionError, AttributeError) as e:
             raise NotImplementedError(
                 f"CascadeHiCacheStorage: the host pool {type(pool).__name__} (layout "
-                f"{getattr(pool, 'layout', '?')!r}) gives no page buffers: {e}"
+                f"{geometry['layout']!r}) gives no page buffers for the v1 interface: {e}"
             ) from e
         if not sizes or len(set(sizes)) != 1:
             raise NotImplementedError(
                 f"CascadeHiCacheStorage: the host pool {type(pool).__name__} gives page parts "
                 f"of different sizes {sorted(set(sizes))}"
             )
-        return PageIds(
-            **common,
-            dtype=str(pool.dtype).removeprefix("torch."),
-            layout=str(pool.layout),
-            page_size=page_size,
-            parts=len(ptrs),
-            part_bytes=int(sizes[0]),
-        )
+        return PageIds(**common, **geometry, parts=len(ptrs), part_bytes=int(sizes[0]))
 
     def _key_ids(self, keys: Sequence[str]) -> list[list[str]]:
         if self.interface_v1 and self.ids.parts:
