@@ -1,7 +1,6 @@
 import itertools
 import os
 
-import numpy as np
 import pytest
 
 import cascade
@@ -43,7 +42,3 @@ def ranks():
 def store(make_config):
     with cascade.CascadeStore(make_config()) as s:
         yield s
-
-
-def random_bytes(n, seed=0):
-    return np.frombuffer(np.random.default_rng(seed).bytes(n), dtype=np.uint8).copy()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cascade
-from conftest import random_bytes
+from random_data import random_bytes
 
 
 def test_wrong_types(store):

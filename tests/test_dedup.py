@@ -1,7 +1,7 @@
 import numpy as np
 
 import cascade
-from conftest import random_bytes
+from random_data import random_bytes
 
 
 def test_identical_content_stored_once(make_config):

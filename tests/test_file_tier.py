@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cascade
-from conftest import random_bytes
+from random_data import random_bytes
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cascade
-from conftest import random_bytes
+from random_data import random_bytes
 
 
 def test_seed_example_round_trip(store):

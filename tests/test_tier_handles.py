@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cascade
-from conftest import random_bytes
+from random_data import random_bytes
 
 GPU = bool(cascade.HAVE_CUDA) and cascade.gpu_usable(0)
 MiB = 1 << 20

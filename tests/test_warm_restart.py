@@ -12,7 +12,7 @@ import time
 import pytest
 
 import cascade
-from conftest import random_bytes
+from random_data import random_bytes
 
 
 def block(i: int) -> bytes:
@@ -77,7 +77,7 @@ CHILD = textwrap.dedent(
     import sys
     sys.path.insert(0, {pythonpath!r})
     import cascade
-    from conftest import random_bytes
+    from random_data import random_bytes
     cfg = cascade.CascadeConfig()
     cfg.pipeline = "host"
     cfg.shm_path = {path!r}
