@@ -38,6 +38,27 @@ def test_few_shapes_give_a_rate_per_token_and_bad_samples_are_ignored():
     assert m.predict(2000) == pytest.approx(1.0)
 
 
+def test_a_shape_seen_before_is_predicted_by_what_it_measured():
+    # Steps that no three-term curve fits: the fit misses the shapes it saw,
+    # the model does not, and a shape's repeats are averaged.
+    m = PrefillModel()
+    for mm, pp, t in [(4096, 0, 0.129), (16384, 0, 0.60), (32768, 0, 2.1), (1, 16383, 0.020)]:
+        m.observe(mm, pp, t)
+    assert m.predict(4096) == pytest.approx(0.129)
+    assert m.predict(1, 16383) == pytest.approx(0.020)
+    m.observe(4096, 0, 0.131)
+    assert m.predict(4096) == pytest.approx(0.130)
+    assert m.predict(8192) > 0  # other shapes from the fit
+    # The plan uses it: a 4K prompt whose split looked cheaper by the fit is
+    # computed when its measured full prefill is the better choice.
+    p = planner(rates={"host": 50.0, "file": 1.0}, default_tokens_per_s=1e9)
+    for mm, pp, t in [(4096, 0, 0.129), (16384, 0, 0.60), (32768, 0, 2.1), (8192, 0, 0.27)]:
+        p.observe_prefill(mm, pp, t)
+    plan = p.plan(4096, BS, [1] * 15)
+    assert plan.predicted["total"] <= 0.129 + 1e-9
+    assert plan.alternatives["compute"] == pytest.approx(0.129)
+
+
 def test_fast_tier_loads_the_whole_prefix_layer_by_layer():
     p = planner(
         rates={"host": 50.0}, default_tokens_per_s=30000.0, layer_overlap=True, front_back=False
