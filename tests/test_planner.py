@@ -59,6 +59,37 @@ def test_a_shape_seen_before_is_predicted_by_what_it_measured():
     assert plan.alternatives["compute"] == pytest.approx(0.129)
 
 
+def test_outcomes_correct_the_next_predictions_of_their_kind():
+    # A split that keeps taking 1.5x its prediction (the loader and the
+    # forward pass slow each other down) is predicted so, and then loses to
+    # computing everything; the compute kind is not touched.
+    p = planner(rates={"host": 50.0, "file": 1.0}, default_tokens_per_s=1e9)
+    for mm, pp, t in [(8192, 0, 0.256), (4096, 0, 0.125), (16384, 0, 0.60), (1, 8191, 0.02)]:
+        p.observe_prefill(mm, pp, t)
+    where = [1] * 31
+    first = p.plan(8192, BS, where)
+    assert first.kind == "front_back"
+    base = first.predicted["total"]
+    assert base < 0.256
+    for _ in range(12):
+        p.record(first, 1.5 * base)
+    assert p.correction["front_back"] == pytest.approx(1.5, rel=0.05)
+    assert "compute" not in p.correction
+    after = p.plan(8192, BS, where)
+    assert after.kind == "compute"
+    assert after.alternatives["front_back"] == pytest.approx(1.5 * base, rel=0.05)
+    assert p.stats()["correction"]["front_back"] == p.correction["front_back"]
+    # Bounded: a wild outcome cannot make a kind unusable forever.
+    for _ in range(50):
+        p.record(first, 1000.0)
+    assert p.correction["front_back"] == pytest.approx(3.0)
+    layered = planner(layer_overlap=True, rates={"host": 50.0}, default_tokens_per_s=1e3)
+    lp = layered.plan(4096, BS, [0] * 15)
+    assert lp.layer_overlap
+    layered.record(lp, 2 * lp.predicted["total"])
+    assert set(layered.correction) == {"load_prefix layered"}
+
+
 def test_fast_tier_loads_the_whole_prefix_layer_by_layer():
     p = planner(
         rates={"host": 50.0}, default_tokens_per_s=30000.0, layer_overlap=True, front_back=False

@@ -132,6 +132,11 @@ class PrefillModel:
         return c0 + c1 * m + c2 * m * (p + m / 2.0)
 
 
+def _kind_key(kind: str, layered: bool) -> str:
+    """The key of a plan kind's correction: a layered load is its own kind."""
+    return f"{kind} layered" if layered else kind
+
+
 def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
     for col in range(3):
@@ -160,7 +165,8 @@ class Plan:
     tail_tokens: int = 0  # computed after them
     bytes_by_tier: dict = field(default_factory=dict)
     layer_overlap: bool = False
-    predicted: dict = field(default_factory=dict)  # seconds: load, compute, total
+    # seconds: load, compute, total; and the correction of its kind applied to total
+    predicted: dict = field(default_factory=dict)
     alternatives: dict = field(default_factory=dict)  # kind -> predicted total seconds
     rates: dict = field(default_factory=dict)  # tier -> GB/s used
 
@@ -241,6 +247,12 @@ class LoadPlanner:
         self.trace: collections.deque = collections.deque(maxlen=traces)
         self.counts: collections.Counter = collections.Counter()  # plans by kind
         self.errors: list[float] = []  # |predicted - measured| / measured, recent
+        # Per kind of plan (compute, load_prefix, load_prefix layered,
+        # front_back): measured over predicted, averaged over the recorded
+        # outcomes. What the parts' models miss when they run together (the
+        # GIL, the GPU or the memory they share) shows up here, and the next
+        # plans of that kind are predicted with it.
+        self.correction: dict[str, float] = {}
 
     # -- what it learns ---------------------------------------------------------------
 
@@ -328,8 +340,14 @@ class LoadPlanner:
         wait = {t: q / (self.rates[t].gbps * 1e9) for t, q in self.queued.items() if q > 0}
         queued_s = max(wait.values(), default=0.0)
 
+        corr = self.correction
+
+        def corrected(kind: str, total: float) -> float:
+            return total * corr.get(kind, 1.0)
+
         best = Plan("compute", tokens, bs, tail_tokens=tokens)
-        best.predicted = {"load": 0.0, "compute": pre(tokens, 0), "total": pre(tokens, 0)}
+        full = corrected("compute", pre(tokens, 0))
+        best.predicted = {"load": 0.0, "compute": pre(tokens, 0), "total": full}
         alts = {"compute": best.predicted["total"]}
         L = self.layers
 
@@ -341,6 +359,7 @@ class LoadPlanner:
             comp = pre(tokens - cached(k), cached(k))
             overlap = self.layer_overlap and mem[k]
             total = max(load + comp / L, comp + load / L) if overlap else load + comp
+            total = corrected(_kind_key("load_prefix", overlap), total)
             key = "load_prefix"
             if total < alts.get(key, math.inf):
                 alts[key] = total
@@ -360,7 +379,7 @@ class LoadPlanner:
                 load = queued_s + lat_tail[s] + cum[hits] - cum[s]
                 front = pre(s * bs, 0)
                 tail = pre(tokens - cached(hits), cached(hits))
-                total = max(front, load) + tail
+                total = corrected("front_back", max(front, load) + tail)
                 if total < alts.get("front_back", math.inf):
                     alts["front_back"] = total
                 if total < best.predicted["total"]:
@@ -374,6 +393,7 @@ class LoadPlanner:
                         tail_tokens=tokens - cached(hits),
                     )
                     best.predicted = {"load": load, "compute": front + tail, "total": total}
+        best.predicted["correction"] = corr.get(_kind_key(best.kind, best.layer_overlap), 1.0)
         by: dict = collections.Counter()
         for j in range(best.load_first, best.load_end):
             by[self.tiers[tier_idx[j]]] += bpb
@@ -402,7 +422,25 @@ class LoadPlanner:
             if measured_s > 0:
                 self.errors.append(abs(entry["predicted_s"] - measured_s) / measured_s)
                 del self.errors[:-256]
+                self._correct(plan, measured_s)
         return entry
+
+    CORRECTION_SMOOTHING = 0.3  # weight of the newest outcome
+    CORRECTION_RANGE = (0.5, 3.0)  # a correction never goes past these
+
+    def _correct(self, plan: Plan, measured_s: float) -> None:
+        # REQUIRES: self._mu held.
+        predicted = plan.predicted.get("total", 0.0)
+        if predicted <= 0 or not math.isfinite(measured_s):
+            return
+        key = _kind_key(plan.kind, plan.layer_overlap)
+        old = self.correction.get(key, 1.0)
+        # The prediction carried the correction of its time: that, times
+        # this outcome's ratio, is what the correction should have been.
+        ratio = plan.predicted.get("correction", 1.0) * measured_s / predicted
+        a = self.CORRECTION_SMOOTHING
+        lo, hi = self.CORRECTION_RANGE
+        self.correction[key] = min(hi, max(lo, a * ratio + (1 - a) * old))
 
     def stats(self) -> dict:
         """Rates, the prefill fit, plan counts and the recent prediction error."""
@@ -420,5 +458,6 @@ class LoadPlanner:
                 "prefill_coef": self.prefill.coef,
                 "prefill_samples": len(self.prefill.obs),
                 "plans": dict(self.counts),
+                "correction": dict(self.correction),
                 "mean_abs_error": (sum(self.errors) / len(self.errors)) if self.errors else None,
             }

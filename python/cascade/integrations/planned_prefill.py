@@ -83,7 +83,7 @@ class _LayeredLoad:
         dev = cache.device
         self.cache, self.end = cache, end
         self.buf = cache._buffer(rows, end)
-        self.stream = torch.cuda.Stream(dev)
+        self.stream = cache._load_stream()
         # The copies start after whatever the forward's stream queued before.
         self.stream.wait_stream(torch.cuda.current_stream(dev))
         self.errors: list[tuple[int, int, str]] = []

@@ -421,6 +421,13 @@ class PrefixCache:
         dev = self.device
         return torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None
 
+    def _load_stream(self):
+        """The CUDA stream layer-ordered loads are queued on (one per cache)."""
+        stream = getattr(self, "_layered_stream", None)
+        if stream is None:
+            stream = self._layered_stream = torch.cuda.Stream(self.device)
+        return stream
+
     def _sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

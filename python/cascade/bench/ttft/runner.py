@@ -373,7 +373,9 @@ class TtftBench:
             # Untimed warm-up pass, as a running server would have had: the
             # host arena is registered with CUDA in 64 MiB chunks on first
             # use, and the allocator and kernels meet this row's shapes.
-            pc = self._prefix_cache(self.hot_store, ratio)
+            # An auto row warms up with its planner: the layer-ordered path
+            # has its own first-use costs (its stream, events, bounce buffers).
+            pc = self._prefix_cache(self.hot_store, ratio, planner)
             _serve(
                 groups,
                 lambda g: pc.prefill(prompts[g], save=False),
