@@ -139,19 +139,23 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
         layered = plan.layer_overlap and cache.device.type == "cuda"
         t0 = time.perf_counter()
         with planner.loading(tier, rows * k * bs * cache.geometry.bytes_per_token):
-            if layered:
-                loader = _LayeredLoad(cache, lookup, k)
+            layers = _LayeredLoad(cache, lookup, k) if layered else None
+            loader: _Loader | _LayeredLoad
+            if layers is not None:
+                loader = layers
             else:
-                loader = _Loader(cache, lookup, 0, k)
-                loader.start()
-                loader.join()
+                whole = _Loader(cache, lookup, 0, k)
+                whole.start()
+                whole.join()
+                loader = whole
             cached = min(k * bs, tokens - 1)
             past = past_from_kv(model, buffer_pairs(loader.buf, rows, cached))
             original = past.update
-            if layered:
+            if layers is not None:
+                wait_layer = layers.wait_layer
 
                 def update(key_states, value_states, layer_idx, *a, **kw):
-                    loader.wait_layer(layer_idx)
+                    wait_layer(layer_idx)
                     return original(key_states, value_states, layer_idx, *a, **kw)
 
                 past.update = update
@@ -161,9 +165,9 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
                 cache._sync()
                 t2 = time.perf_counter()
             finally:
-                if layered:
+                if layers is not None:
                     del past.update
-                    loader.finish()
+                    layers.finish()
         phases["load"] = loader.seconds
         phases["forward"] = t2 - t1 if not layered else t2 - t0
         if loader.failure is not None or loader.errors:
@@ -177,26 +181,26 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
 
     # front_back: blocks [s, H) loaded while the first s blocks' tokens are computed.
     s, h = plan.load_first, plan.load_end
-    loader = _Loader(cache, lookup, s, h)
+    back_loader = _Loader(cache, lookup, s, h)
     t0 = time.perf_counter()
     with planner.loading(tier, rows * (h - s) * bs * cache.geometry.bytes_per_token):
-        loader.start()
+        back_loader.start()
         _, front = _forward(cache, batch[:, : s * bs], None, chunk_tokens)
         cache._sync()
         t1 = time.perf_counter()
-        loader.join()
+        back_loader.join()
     phases["front"] = t1 - t0
-    phases["load"] = loader.seconds
+    phases["load"] = back_loader.seconds
     planner.observe_prefill(s * bs, 0, phases["front"] / rows)
     end = min(h * bs, tokens - 1)  # the last token is computed
-    failed = loader.failure is not None or bool(loader.errors)
+    failed = back_loader.failure is not None or bool(back_loader.errors)
     if failed:  # the blocks from the first that did not load on are computed
-        good = loader.good if loader.failure is None else 0
+        good = back_loader.good if back_loader.failure is None else 0
         back_tokens = good * bs
     else:
-        observe_load(loader)
+        observe_load(back_loader)
         good, back_tokens = h - s, end - s * bs
-    back = buffer_pairs(loader.buf, rows, back_tokens)
+    back = buffer_pairs(back_loader.buf, rows, back_tokens)
     pairs = [
         (torch.cat([fk, bk], dim=-2), torch.cat([fv, bv], dim=-2))
         for (fk, fv), (bk, bv) in zip(kv_from_past(front), back)
@@ -209,7 +213,7 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
     phases["forward"] = time.perf_counter() - t3
     if not failed:
         planner.observe_prefill(tokens - start, start, phases["forward"] / rows)
-    return logits, past, back_tokens, good, loader.errors, phases
+    return logits, past, back_tokens, good, back_loader.errors, phases
 
 
 def _recompute_from(cache, batch, loader, good, chunk_tokens, phases):
