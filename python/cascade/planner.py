@@ -132,9 +132,11 @@ class PrefillModel:
         return c0 + c1 * m + c2 * m * (p + m / 2.0)
 
 
-def _kind_key(kind: str, layered: bool) -> str:
-    """The key of a plan kind's correction: a layered load is its own kind."""
-    return f"{kind} layered" if layered else kind
+def _kind_key(kind: str, layered: bool, tier: str = "") -> str:
+    """The key of a correction: the plan's kind (a layered load is a kind of
+    its own) and the slowest tier it loads from."""
+    key = f"{kind} layered" if layered else kind
+    return f"{key} from {tier}" if tier else key
 
 
 def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -165,7 +167,8 @@ class Plan:
     tail_tokens: int = 0  # computed after them
     bytes_by_tier: dict = field(default_factory=dict)
     layer_overlap: bool = False
-    # seconds: load, compute, total; and the correction of its kind applied to total
+    rows: int = 1  # prompts served together, every part scaled by them
+    # seconds: load, compute, total; the learned correction in total (and its key)
     predicted: dict = field(default_factory=dict)
     alternatives: dict = field(default_factory=dict)  # kind -> predicted total seconds
     rates: dict = field(default_factory=dict)  # tier -> GB/s used
@@ -252,7 +255,7 @@ class LoadPlanner:
         # outcomes. What the parts' models miss when they run together (the
         # GIL, the GPU or the memory they share) shows up here, and the next
         # plans of that kind are predicted with it.
-        self.correction: dict[str, float] = {}
+        self.correction: dict[str, float] = {}  # key -> seconds per prompt added
 
     # -- what it learns ---------------------------------------------------------------
 
@@ -337,17 +340,30 @@ class LoadPlanner:
         lat_tail = [0.0] * (hits + 1)  # lat_tail[s]: blocks [s, hits)
         for j in range(hits - 1, -1, -1):
             lat_tail[j] = max(lat_tail[j + 1], self.rates[self.tiers[tier_idx[j]]].latency_s)
+        # The slowest tier (the highest pipeline index) of every leading and
+        # trailing run: the tier a candidate's correction is kept under.
+        slow_head = [-1]
+        for j in range(hits):
+            slow_head.append(max(slow_head[-1], tier_idx[j]))
+        slow_tail = [-1] * (hits + 1)
+        for j in range(hits - 1, -1, -1):
+            slow_tail[j] = max(slow_tail[j + 1], tier_idx[j])
         wait = {t: q / (self.rates[t].gbps * 1e9) for t, q in self.queued.items() if q > 0}
         queued_s = max(wait.values(), default=0.0)
 
         corr = self.correction
 
-        def corrected(kind: str, total: float) -> float:
-            return total * corr.get(kind, 1.0)
+        def corrected(key: str, total: float) -> float:
+            # Never below half the model's own figure, whatever was learned.
+            return max(0.5 * total, total + rows * corr.get(key, 0.0))
+
+        def key_of(kind: str, layered: bool, slowest: int) -> str:
+            return _kind_key(kind, layered, self.tiers[slowest] if slowest >= 0 else "")
 
         best = Plan("compute", tokens, bs, tail_tokens=tokens)
         full = corrected("compute", pre(tokens, 0))
         best.predicted = {"load": 0.0, "compute": pre(tokens, 0), "total": full}
+        best_key, best_model = "compute", pre(tokens, 0)
         alts = {"compute": best.predicted["total"]}
         L = self.layers
 
@@ -359,11 +375,13 @@ class LoadPlanner:
             comp = pre(tokens - cached(k), cached(k))
             overlap = self.layer_overlap and mem[k]
             total = max(load + comp / L, comp + load / L) if overlap else load + comp
-            total = corrected(_kind_key("load_prefix", overlap), total)
+            ckey, model = key_of("load_prefix", overlap, slow_head[k]), total
+            total = corrected(ckey, total)
             key = "load_prefix"
             if total < alts.get(key, math.inf):
                 alts[key] = total
             if total < best.predicted["total"]:
+                best_key, best_model = ckey, model
                 best = Plan(
                     "load_prefix",
                     tokens,
@@ -379,10 +397,12 @@ class LoadPlanner:
                 load = queued_s + lat_tail[s] + cum[hits] - cum[s]
                 front = pre(s * bs, 0)
                 tail = pre(tokens - cached(hits), cached(hits))
-                total = corrected("front_back", max(front, load) + tail)
+                ckey, model = key_of("front_back", False, slow_tail[s]), max(front, load) + tail
+                total = corrected(ckey, model)
                 if total < alts.get("front_back", math.inf):
                     alts["front_back"] = total
                 if total < best.predicted["total"]:
+                    best_key, best_model = ckey, model
                     best = Plan(
                         "front_back",
                         tokens,
@@ -393,7 +413,9 @@ class LoadPlanner:
                         tail_tokens=tokens - cached(hits),
                     )
                     best.predicted = {"load": load, "compute": front + tail, "total": total}
-        best.predicted["correction"] = corr.get(_kind_key(best.kind, best.layer_overlap), 1.0)
+        best.rows = rows
+        best.predicted["correction"] = best.predicted["total"] - best_model
+        best.predicted["correction_key"] = best_key
         by: dict = collections.Counter()
         for j in range(best.load_first, best.load_end):
             by[self.tiers[tier_idx[j]]] += bpb
@@ -426,21 +448,20 @@ class LoadPlanner:
         return entry
 
     CORRECTION_SMOOTHING = 0.3  # weight of the newest outcome
-    CORRECTION_RANGE = (0.5, 3.0)  # a correction never goes past these
 
     def _correct(self, plan: Plan, measured_s: float) -> None:
         # REQUIRES: self._mu held.
         predicted = plan.predicted.get("total", 0.0)
-        if predicted <= 0 or not math.isfinite(measured_s):
+        key = plan.predicted.get("correction_key")
+        if predicted <= 0 or key is None or not math.isfinite(measured_s):
             return
-        key = _kind_key(plan.kind, plan.layer_overlap)
-        old = self.correction.get(key, 1.0)
-        # The prediction carried the correction of its time: that, times
-        # this outcome's ratio, is what the correction should have been.
-        ratio = plan.predicted.get("correction", 1.0) * measured_s / predicted
+        rows = max(1, plan.rows)
+        # What the model alone predicted, per prompt, and what it missed by.
+        model = (predicted - plan.predicted.get("correction", 0.0)) / rows
+        missed = measured_s / rows - model
         a = self.CORRECTION_SMOOTHING
-        lo, hi = self.CORRECTION_RANGE
-        self.correction[key] = min(hi, max(lo, a * ratio + (1 - a) * old))
+        old = self.correction.get(key, 0.0)
+        self.correction[key] = a * missed + (1 - a) * old
 
     def stats(self) -> dict:
         """Rates, the prefill fit, plan counts and the recent prediction error."""
