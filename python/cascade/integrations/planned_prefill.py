@@ -91,14 +91,21 @@ class _LayeredLoad:
         self.failure: BaseException | None = None
         self.t0 = time.perf_counter()
         self.seconds = 0.0
-        self.load = cache.load_range_layered(
-            cache._paged(self.buf), plan, 0, end, self.stream.cuda_stream
-        )
+        self.load = None
+        try:
+            self.load = cache.load_range_layered(
+                cache._paged(self.buf), plan, 0, end, self.stream.cuda_stream
+            )
+        except Exception as e:  # reported to the caller, who recomputes
+            self.failure = e
 
     def wait_layer(self, layer: int) -> None:
-        self.load.wait_layer(layer, torch.cuda.current_stream(self.cache.device).cuda_stream)
+        if self.load is not None:
+            self.load.wait_layer(layer, torch.cuda.current_stream(self.cache.device).cuda_stream)
 
     def finish(self) -> None:
+        if self.load is None:
+            return
         try:
             errs = self.load.finish()
             self.good, self.errors = self.cache._range_outcome(errs, 0, self.end)
