@@ -261,6 +261,75 @@ def test_cold_file_tier_in_a_new_store(model, shm_path):
             os.unlink(shm_path + "-b")
 
 
+@pytest.mark.parametrize("host_blocks", [64, 3])
+def test_blocks_a_plan_leaves_in_the_files_are_promoted_into_free_room(
+    model, shm_path, host_blocks
+):
+    """A plan that computes rather than read a slow tier queues the promotion
+    of the cached blocks it left there, as many as the host tier has free
+    room for (a block already there is never evicted for them); the next
+    prompt with that prefix loads them from memory."""
+    from cascade.planner import LoadPlanner
+
+    d = tempfile.mkdtemp(prefix="cascade-tf-test-")
+    g = kv_geometry(model)
+    block_bytes = BS * g.bytes_per_token
+    try:
+
+        def cfg(path, capacity):
+            c = cascade.CascadeConfig()
+            c.pipeline, c.shm_path, c.shm_capacity_bytes = "host|file", path, capacity
+            c.lustre_path, c.io_direct, c.num_io_threads = d, True, 2
+            c.write_policy = cascade.WritePolicy.WRITE_THROUGH
+            return c
+
+        a = tokens(120, 31)
+        with cascade.CascadeStore(cfg(shm_path, 64 << 20)) as s:
+            PrefixCache(model, s, model_name="tiny-llama-test", block_size=BS).prefill(a)
+            s.flush()
+        # A new store on the files: an empty host tier holding `host_blocks` blocks,
+        # one of them taken by an unrelated block.
+        with cascade.CascadeStore(cfg(shm_path + "-b", host_blocks * block_bytes)) as s:
+            s.put("ab" * 16, b"z" * block_bytes)
+            slow = LoadPlanner(
+                list(s.pipeline),
+                g.bytes_per_token,
+                g.num_layers,
+                rates={"host": 50.0, "file": 1e-9},
+                default_tokens_per_s=1e9,
+            )
+            pc = PrefixCache(model, s, model_name="tiny-llama-test", block_size=BS, planner=slow)
+            ids = pc.block_ids(a)[0]
+            assert s.locate_batch(ids) == [1] * 7
+            r = pc.prefill(a, save=False)
+            assert r.plan.kind == "compute" and r.cached_tokens == 0
+            room = host_blocks - 1
+            assert r.promoting_blocks == min(7, room)
+            pc.wait_promotion()
+            where = s.locate_batch(ids)
+            assert where[: r.promoting_blocks] == [0] * r.promoting_blocks
+            assert s.contains("ab" * 16)  # nothing evicted for the promotion
+            if host_blocks == 64:
+                fast = LoadPlanner(
+                    list(s.pipeline),
+                    g.bytes_per_token,
+                    g.num_layers,
+                    rates={"host": 50.0, "file": 1e-9},
+                    default_tokens_per_s=10.0,
+                )
+                pc2 = PrefixCache(
+                    model, s, model_name="tiny-llama-test", block_size=BS, planner=fast
+                )
+                r2 = pc2.prefill(a, save=False)
+                assert r2.plan.kind == "load_prefix" and r2.cached_tokens == 112
+                assert set(r2.plan.bytes_by_tier) == {"host"}
+                assert_matches_full(model, a, r2.logits)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        if os.path.exists(shm_path + "-b"):
+            os.unlink(shm_path + "-b")
+
+
 def test_cache_helpers_round_trip(model):
     ids = tokens(40, 13)[None]
     logits, past = forward_chunked(model, ids, None, chunk_tokens=7)  # 6 forwards

@@ -247,6 +247,7 @@ class PrefillResult:
     timings: dict = field(default_factory=dict)  # seconds: lookup, load, forward, save
     plan: object = None  # the cascade.planner.Plan followed, when the cache has a planner
     why: str = ""  # the plan in words, with its predicted and measured time
+    promoting_blocks: int = 0  # cached blocks left below the top tier, being promoted
 
 
 def buffer_pairs(buf: torch.Tensor, rows: int, tokens: int):
@@ -281,6 +282,11 @@ class PrefixCache:
     planner: a cascade.planner.LoadPlanner (or True for one made from the
         store's pipeline): prefill then loads what its cost model says pays
         and computes the rest (docs/transformers.md, "Load or compute").
+    promote_unloaded: with a planner, the cached blocks a plan left below
+        the top tier (too slow to load this time) are promoted in the
+        background after the prefill, as far as the top tier has free room
+        (nothing is evicted for them), so the next prompt with that prefix
+        finds them in memory.
     """
 
     def __init__(
@@ -298,6 +304,7 @@ class PrefixCache:
         save_chunk_bytes: int = 1 << 30,
         prefetch: bool = True,
         planner=None,
+        promote_unloaded: bool = True,
     ):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -327,6 +334,8 @@ class PrefixCache:
         self.chunk_tokens = chunk_tokens
         self.save_chunk_bytes = int(save_chunk_bytes)
         self.prefetch = prefetch
+        self.promote_unloaded = promote_unloaded
+        self._promotion = None  # the store's task of the last promotion, if any
         if planner is True:
             from cascade.planner import LoadPlanner
 
@@ -660,6 +669,7 @@ class PrefixCache:
             )
         t2 = time.perf_counter()
         entry = planner.record(plan, t2 - t0, lookup=t1 - t0, **phases)
+        promoting = self._promote_unloaded(ids, where, plan) if self.promote_unloaded else 0
         result = PrefillResult(
             logits=logits,
             past_key_values=past,
@@ -670,5 +680,32 @@ class PrefixCache:
             timings={"lookup": t1 - t0, **phases},
             plan=plan,
             why=entry["why"],
+            promoting_blocks=promoting,
         )
         return self._save_after(result, batch, ids, save, t2)
+
+    def _promote_unloaded(self, ids: list[list[str]], where: list[int], plan) -> int:
+        """Queues the promotion of the cached blocks the plan did not load
+        that sit below the top tier, as many as fit in the top tier's free
+        room. Returns how many were queued."""
+        below = [
+            j for j, w in enumerate(where) if w > 0 and not plan.load_first <= j < plan.load_end
+        ]
+        if not below:
+            return 0
+        tiers = self.store.get_stats().get("tiers", {})
+        top = tiers.get(self.store.pipeline[0]) if self.store.pipeline else None
+        if not top or not top.get("capacity_bytes"):
+            return 0
+        room = max(0, int(top["capacity_bytes"]) - int(top.get("used_bytes", 0)))
+        fit = room // max(1, self.block_bytes)
+        chosen = [row[j] for j in below for row in ids][:fit]
+        if chosen:
+            self._promotion = self.store.prefetch(chosen)
+        return len(chosen)
+
+    def wait_promotion(self) -> None:
+        """Waits for the last background promotion (a no-op when none)."""
+        if self._promotion is not None:
+            self._promotion.wait()
+            self._promotion = None
