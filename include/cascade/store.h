@@ -174,6 +174,10 @@ class CascadeStore {
   // failed item and returns the first error with a count ("3 of 1000 blocks
   // could not be written down ..."). Without a persistent tier: OK.
   Status flush();
+  // Does what flush() does for the given blocks only: those of `ids` held
+  // only in memory tiers are written down, then aliases and tiers as
+  // flush() does. Ids the store does not hold are skipped.
+  Status flush(std::span<const BlockId> ids);
 
   // Waits for async tasks, does what flush() does (an ephemeral store only
   // writes aliases of blocks already down and flushes the tiers; its memory

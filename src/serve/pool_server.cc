@@ -69,6 +69,25 @@ struct PoolClient {
   // Totals over the shards, for the per-client limits.
   std::atomic<size_t> lease_count{0}, reservation_count{0};
 
+  // The blocks this client committed since its last flush, when the store
+  // has a persistent tier: the client's flush writes down these alone, not
+  // every block of the pool. Past kMaxUnflushed ids the list is dropped and
+  // the next flush writes down the whole pool.
+  static constexpr size_t kMaxUnflushed = size_t(1) << 18;
+  std::mutex unflushed_mu;
+  std::vector<BlockId> unflushed;
+  bool flush_everything = false;
+  void committed(std::vector<BlockId>&& ids) {
+    std::lock_guard<std::mutex> l(unflushed_mu);
+    if (flush_everything) return;
+    if (unflushed.size() + ids.size() > kMaxUnflushed) {
+      flush_everything = true;
+      std::vector<BlockId>().swap(unflushed);
+      return;
+    }
+    unflushed.insert(unflushed.end(), ids.begin(), ids.end());
+  }
+
   static constexpr int kShardShift = 48;
   uint64_t token(uint32_t shard) { return (uint64_t(shard) << kShardShift) | shards[shard].next++; }
   Shard* shard_of(uint64_t token) const {
@@ -130,6 +149,8 @@ class PoolServer::Impl {
   std::unique_ptr<CascadeStore> store;
   SharedArena arena;
   bool persistent = false;  // a tier of the store keeps blocks past its close
+  // A tier below the arena keeps blocks: a flush writes blocks down to it.
+  bool persistent_below = false;
   int listen_fd = -1;
   int wake_fd = -1;  // eventfd: the monitor re-reads its list or stops
   std::atomic<bool> stopping{false};
@@ -194,7 +215,11 @@ Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& confi
   impl->open_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   impl->store = std::move(store.value());
   impl->arena = impl->store->shared_arena();
-  for (const auto& t : impl->store->stats().tiers) impl->persistent |= t.persistent;
+  const auto tiers = impl->store->stats().tiers;
+  for (size_t t = 0; t < tiers.size(); ++t) {
+    impl->persistent |= tiers[t].persistent;
+    if (t > 0) impl->persistent_below |= tiers[t].persistent;
+  }
   if (impl->arena.fd < 0)
     return Status::InvalidArgument(
         "a pool server's pipeline must start with the host tier (its shared arena is what "
@@ -645,12 +670,15 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       std::vector<Status> st;
       store->commit_batch(batch, PutOptions{}, &st);
       uint64_t ok = 0, bytes = 0;
+      std::vector<BlockId> stored;
       for (size_t j = 0; j < held.size(); ++j) {
         put_out(held[j], pool::CodeReply{code_of(st[j])});
         if (!st[j].ok()) continue;
         ++ok;
         bytes += batch[j].size;
+        if (persistent_below && !batch[j].present) stored.push_back(batch[j].id);
       }
+      if (!stored.empty()) c->committed(std::move(stored));
       commits.fetch_add(ok, std::memory_order_relaxed);
       bytes_committed.fetch_add(bytes, std::memory_order_relaxed);
       break;
@@ -733,8 +761,26 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       break;
     }
     case Op::kFlush: {
-      Status st = store->flush();
-      if (!st.ok()) return error_reply(reply, st);
+      // What this client committed since its last flush; a failed flush
+      // keeps it for the next.
+      std::vector<BlockId> ids;
+      bool everything;
+      {
+        std::lock_guard<std::mutex> l(c->unflushed_mu);
+        ids.swap(c->unflushed);
+        everything = std::exchange(c->flush_everything, false);
+      }
+      Status st = everything ? store->flush() : store->flush(ids);
+      if (!st.ok()) {
+        if (everything) {
+          std::lock_guard<std::mutex> l(c->unflushed_mu);
+          c->flush_everything = true;
+          std::vector<BlockId>().swap(c->unflushed);
+        } else {
+          c->committed(std::move(ids));
+        }
+        return error_reply(reply, st);
+      }
       break;
     }
     case Op::kStats: {

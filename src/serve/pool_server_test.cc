@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <thread>
 #include <vector>
@@ -33,9 +34,16 @@ struct PoolFixture {
   std::string socket = "/tmp/" + unique("cascade-pool-test-") + ".sock";
   std::unique_ptr<PoolServer> server;
 
-  explicit PoolFixture(uint64_t capacity = 64 << 20) {
+  std::string file_dir;  // with a file tier below the arena, when set
+
+  explicit PoolFixture(uint64_t capacity = 64 << 20, bool with_file = false) {
     CascadeConfig c;
     c.pipeline = "host";
+    if (with_file) {
+      file_dir = "/tmp/" + unique("cascade-pool-test-files-");
+      c.pipeline = "host|file";
+      c.file_path = file_dir;
+    }
     c.shm_capacity_bytes = capacity;
     c.shm_path = "/dev/shm/" + unique("cascade-pool-test-");
     c.num_io_threads = 2;
@@ -46,6 +54,11 @@ struct PoolFixture {
     auto s = PoolServer::Start(c, o);
     EXPECT_TRUE(s.ok()) << s.status().ToString();
     if (s.ok()) server = std::move(s.value());
+  }
+
+  ~PoolFixture() {
+    if (server) (void)server->close();
+    if (!file_dir.empty()) std::filesystem::remove_all(file_dir);
   }
 
   std::unique_ptr<CascadeStore> client(const std::string& ns = "ns", uint32_t timeout_ms = 5000) {
@@ -320,6 +333,51 @@ TEST(PoolServerTest, AClientThatGoesAwayLeavesNoLeaseAndNoReservedSpace) {
   EXPECT_EQ(st.store.tiers[0].reserved_bytes, reserved_before);
   EXPECT_EQ(st.store.tiers[0].leased_blocks, 0u);
   for (int i = 0; i < 3; ++i) EXPECT_FALSE(a->contains(id_of(50 + i)));  // never committed
+}
+
+TEST(PoolServerTest, AClientsFlushWritesDownWhatItStoredNotTheWholePool) {
+  // A client's flush (and its close) makes its own blocks durable; another
+  // client's blocks are left to that client's flush, or to the server's
+  // close. Before, every flush wrote the whole pool down.
+  PoolFixture f(64 << 20, /*with_file=*/true);
+  ASSERT_TRUE(f.server);
+  auto a = f.client();
+  auto b = f.client();
+  auto file_blocks = [&] { return f.server->stats().store.tiers[1].blocks; };
+  for (uint64_t i = 0; i < 20; ++i) {
+    auto d = bytes_for(i, 32768);
+    ASSERT_TRUE(a->put(id_of(i), d.data(), d.size()).ok());
+  }
+  for (uint64_t i = 100; i < 105; ++i) {
+    auto d = bytes_for(i, 32768);
+    ASSERT_TRUE(b->put(id_of(i), d.data(), d.size()).ok());
+  }
+  ASSERT_EQ(file_blocks(), 0u);
+  ASSERT_TRUE(b->flush().ok());
+  EXPECT_EQ(file_blocks(), 5u);
+  ASSERT_TRUE(b->flush().ok());  // nothing new
+  EXPECT_EQ(file_blocks(), 5u);
+  // A put of a block another client stored already is not this client's to
+  // write down; a new one is.
+  auto d = bytes_for(3, 32768);
+  ASSERT_TRUE(b->put(id_of(3), d.data(), d.size()).ok());
+  d = bytes_for(106, 32768);
+  ASSERT_TRUE(b->put(id_of(106), d.data(), d.size()).ok());
+  b->close();
+  ASSERT_TRUE(b->close_status().ok()) << b->close_status().ToString();
+  EXPECT_EQ(file_blocks(), 6u);
+  a->close();
+  ASSERT_TRUE(a->close_status().ok());
+  EXPECT_EQ(file_blocks(), 26u);
+  // Every block of both reads back from the file tier through a new client.
+  auto c = f.client();
+  for (uint64_t i : {0ull, 19ull, 100ull, 106ull}) {
+    std::vector<uint8_t> out(32768);
+    GetResult r;
+    ASSERT_TRUE(c->get(id_of(i), out.data(), out.size(), &r).ok());
+    ASSERT_TRUE(r.found) << i;
+    EXPECT_EQ(out, bytes_for(i, 32768));
+  }
 }
 
 TEST(PoolServerTest, TokensMadeOnOneChannelAreHonouredOnAnother) {

@@ -451,6 +451,14 @@ Status CascadeStore::flush() {
   return impl_->write_down(WriteDownOptions{});
 }
 
+Status CascadeStore::flush(std::span<const BlockId> ids) {
+  CASCADE_LIVE_OR(closed_status());
+  WriteDownOptions o;
+  o.only = ids;
+  o.only_these = true;
+  return impl_->write_down(o);
+}
+
 void CascadeStore::close() {
   if (!impl_ || impl_->closed.exchange(true)) return;
   {

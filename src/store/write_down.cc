@@ -68,11 +68,16 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
     // is seen in at least one of them.
     std::vector<BlockId> ids;
     std::unordered_set<BlockId> seen;
-    for (size_t t = 0; t < persistent; ++t) {
-      if (!is_memory_tier(tiers[t]->kind())) continue;
-      tiers[t]->for_each_block([&](const BlockId& id, uint64_t) {
+    if (options.only_these) {
+      for (const BlockId& id : options.only)
         if (seen.insert(id).second) ids.push_back(id);
-      });
+    } else {
+      for (size_t t = 0; t < persistent; ++t) {
+        if (!is_memory_tier(tiers[t]->kind())) continue;
+        tiers[t]->for_each_block([&](const BlockId& id, uint64_t) {
+          if (seen.insert(id).second) ids.push_back(id);
+        });
+      }
     }
     blocks = ids.size();
     pool->parallel_for(ids.size(), [&](size_t i) {

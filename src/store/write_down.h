@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "cascade/block_id.h"
@@ -39,6 +40,10 @@ using AliasPut = std::function<Status(size_t t, const BlockId& alias, const Bloc
 struct WriteDownOptions {
   bool blocks = true;   // copy memory-only blocks down (false: an ephemeral close)
   bool aliases = true;  // write unwritten dedup aliases whose block is down
+  // When set, only these ids are copied down (those a memory tier holds);
+  // otherwise every block of the memory tiers is.
+  std::span<const BlockId> only;
+  bool only_these = false;
 };
 
 // Writes down (see above) into tiers[persistent], items in parallel on
