@@ -38,7 +38,28 @@ Result<PeerCredentials> peer_credentials(int sock) {
   p.pid = cred.pid;
   p.uid = cred.uid;
   p.gid = cred.gid;
+#ifdef SO_PEERGROUPS
+  // The kernel says how many groups there are when the buffer is too small.
+  std::vector<gid_t> groups(32);
+  for (int round = 0; round < 4; ++round) {
+    socklen_t bytes = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+    if (::getsockopt(sock, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &bytes) == 0) {
+      groups.resize(bytes / sizeof(gid_t));
+      p.groups = std::move(groups);
+      break;
+    }
+    if (errno != ERANGE) break;  // an older kernel: the primary gid alone
+    groups.resize(bytes / sizeof(gid_t) + 1);
+  }
+#endif
   return p;
+}
+
+bool PeerCredentials::in_group(gid_t g) const {
+  if (gid == g) return true;
+  for (gid_t s : groups)
+    if (s == g) return true;
+  return false;
 }
 
 Status send_message(int sock, const void* data, size_t n, const std::vector<int>& fds) {

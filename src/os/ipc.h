@@ -28,8 +28,12 @@ struct PeerCredentials {
   pid_t pid = 0;
   uid_t uid = 0;
   gid_t gid = 0;
+  std::vector<gid_t> groups;  // supplementary groups, as of the peer's connect
+
+  bool in_group(gid_t g) const;  // the primary gid or a supplementary group
 };
-// The credentials of the process at the other end of a connected Unix socket.
+// The credentials of the process at the other end of a connected Unix socket
+// (SO_PEERCRED, and SO_PEERGROUPS where the kernel has it).
 Result<PeerCredentials> peer_credentials(int sock);
 
 // Sends all n bytes, with `fds` attached (SCM_RIGHTS) to the first byte.

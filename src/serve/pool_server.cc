@@ -381,7 +381,7 @@ void PoolServer::Impl::handshake(int sock) {
 Status PoolServer::Impl::admit(int sock, const PeerCredentials& cred, const pool::Hello& hello,
                                std::shared_ptr<PoolClient>* out, std::string* why) {
   if (cred.uid != ::geteuid() &&
-      !(options.allowed_gid >= 0 && cred.gid == static_cast<gid_t>(options.allowed_gid))) {
+      !(options.allowed_gid >= 0 && cred.in_group(static_cast<gid_t>(options.allowed_gid)))) {
     *why = "uid " + std::to_string(cred.uid) + " may not use this pool";
     return Status::InvalidArgument(*why);
   }

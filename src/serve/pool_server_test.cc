@@ -2,9 +2,12 @@
 // (pipeline "pool") or raw protocol clients talking to it over its socket.
 #include "serve/pool_server.h"
 
+#include <grp.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -36,7 +39,8 @@ struct PoolFixture {
 
   std::string file_dir;  // with a file tier below the arena, when set
 
-  explicit PoolFixture(uint64_t capacity = 64 << 20, bool with_file = false) {
+  explicit PoolFixture(uint64_t capacity = 64 << 20, bool with_file = false,
+                       int64_t allowed_gid = -1) {
     CascadeConfig c;
     c.pipeline = "host";
     if (with_file) {
@@ -51,6 +55,10 @@ struct PoolFixture {
     PoolServerOptions o;
     o.socket_path = socket;
     o.handshake_timeout_ms = 300;
+    if (allowed_gid >= 0) {
+      o.allowed_gid = allowed_gid;
+      o.socket_mode = 0666;  // the file's bits let anyone connect: the server decides
+    }
     auto s = PoolServer::Start(c, o);
     EXPECT_TRUE(s.ok()) << s.status().ToString();
     if (s.ok()) server = std::move(s.value());
@@ -378,6 +386,53 @@ TEST(PoolServerTest, AClientsFlushWritesDownWhatItStoredNotTheWholePool) {
     ASSERT_TRUE(r.found) << i;
     EXPECT_EQ(out, bytes_for(i, 32768));
   }
+}
+
+// Connects from a child process running as uid/gid with the given
+// supplementary groups and returns the welcome's code (0: let in), or -1
+// when the child could not take those credentials or got no welcome.
+// The child uses system calls only (it is forked from a threaded process).
+int connect_as(const std::string& socket_path, uid_t uid, gid_t gid,
+               const std::vector<gid_t>& groups) {
+  pool::Hello h{};
+  h.magic = pool::kMagic;
+  h.version = pool::kVersion;
+  h.channels = 1;
+  h.namespace_bytes = 2;
+  std::memcpy(h.name_space, "ns", 2);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, socket_path.c_str(), sizeof addr.sun_path - 1);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    if (::setgroups(groups.size(), groups.data()) != 0 || ::setgid(gid) != 0 || ::setuid(uid) != 0)
+      ::_exit(255);
+    int sock = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    if (sock < 0 || ::connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
+      ::_exit(254);
+    if (::send(sock, &h, sizeof h, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof h)) ::_exit(253);
+    static pool::Welcome w;
+    if (::recv(sock, &w, sizeof w, MSG_WAITALL) != static_cast<ssize_t>(sizeof w)) ::_exit(252);
+    ::_exit(w.code == 0 ? 0 : 1);
+  }
+  int status = 0;
+  if (pid < 0 || ::waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return -1;
+  int code = WEXITSTATUS(status);
+  return code <= 1 ? code : -1;
+}
+
+TEST(PoolServerTest, APeerInTheAllowedGroupByASupplementaryGroupIsLetIn) {
+  // The group a pool is opened to may be any of the peer's groups, not only
+  // its primary one (before, such a peer was refused).
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a client as another user";
+  const gid_t allowed = 64201, other = 64202;
+  const uid_t stranger = 64203;
+  PoolFixture f(64 << 20, false, allowed);
+  ASSERT_TRUE(f.server);
+  EXPECT_EQ(connect_as(f.socket, stranger, other, {allowed}), 0);  // supplementary
+  EXPECT_EQ(connect_as(f.socket, stranger, allowed, {}), 0);       // primary
+  EXPECT_EQ(connect_as(f.socket, stranger, other, {other}), 1);    // neither: refused
+  EXPECT_EQ(f.server->stats().refused, 1u);
 }
 
 TEST(PoolServerTest, TokensMadeOnOneChannelAreHonouredOnAnother) {
