@@ -502,9 +502,11 @@ void PoolServer::Impl::serve_channel(PoolClient* c, uint32_t index) {
   // whether or not the client posted it before this thread started.
   uint32_t last = 0;
   std::vector<uint8_t> req(pool::kRequestAreaBytes);
+  int64_t spin = pool::kSpinNs;
   while (true) {
-    bool got = pool::wait_change(&ch.control->request_seq, last, &ch.control->server_sleeping,
-                                 kWorkerCheckUs, [&] { return c->dead.load() || stopping.load(); });
+    bool got = pool::wait_change(
+        &ch.control->request_seq, last, &ch.control->server_sleeping, kWorkerCheckUs,
+        [&] { return c->dead.load() || stopping.load(); }, spin);
     if (!got || c->dead.load()) return;
     last = ch.control->request_seq.load(std::memory_order_acquire);
     // The request is copied out of the shared page before it is read: the
@@ -512,6 +514,15 @@ void PoolServer::Impl::serve_channel(PoolClient* c, uint32_t index) {
     const uint32_t n = std::min<uint32_t>(ch.control->request_bytes,
                                           static_cast<uint32_t>(pool::kRequestAreaBytes));
     std::memcpy(req.data(), ch.request, n);
+    // After a reserve or a lease the client copies block bytes before it
+    // sends anything more on this channel: spinning for its next request
+    // would only take a core from the copies.
+    uint32_t op_word = 0;
+    if (n >= sizeof op_word) std::memcpy(&op_word, req.data(), sizeof op_word);
+    spin = op_word == static_cast<uint32_t>(Op::kReserve) ||
+                   op_word == static_cast<uint32_t>(Op::kLease)
+               ? 0
+               : pool::kSpinNs;
     const uint32_t bytes = handle(c, index, req.data(), n, ch.reply);
     ch.control->reply_bytes = bytes;
     pool::post(&ch.control->reply_seq, last, &ch.control->client_sleeping);

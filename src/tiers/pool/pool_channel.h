@@ -34,6 +34,10 @@ struct Channel {
 // needs to answer a small request, so a busy channel never sleeps, and an
 // idle one costs little CPU.
 inline constexpr int64_t kSpinNs = 20000;
+// How long a client spins for the reply to a request: a batch of items
+// takes the server longer than one, and a reply that comes while the client
+// still spins spares it the wake-up.
+inline constexpr int64_t kClientSpinNs = 60000;
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -46,8 +50,8 @@ inline void cpu_relax() {
 // to wake it.
 template <typename GiveUp>
 bool wait_change(std::atomic<uint32_t>* word, uint32_t seen, std::atomic<uint32_t>* sleeping,
-                 int64_t check_us, GiveUp&& give_up) {
-  const auto spin_end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(kSpinNs);
+                 int64_t check_us, GiveUp&& give_up, int64_t spin_ns = kSpinNs) {
+  const auto spin_end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
   for (int i = 0;; ++i) {
     if (word->load(std::memory_order_acquire) != seen) return true;
     cpu_relax();

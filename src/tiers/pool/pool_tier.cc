@@ -24,6 +24,7 @@ namespace {
 constexpr int64_t kCheckUs = 10000;              // how often a waiting call checks the server
 constexpr int64_t kFlushTimeoutUs = 3600000000;  // a flush writes blocks down: it may take long
 constexpr size_t kReleaseBatch = 1024;           // queued releases sent by the queuing thread
+constexpr uint64_t kSubBatchBytes = 1 << 20;  // the least bytes of a sub-batch (16 blocks at most)
 
 Status wire_status(uint32_t code, std::string message) {
   if (code == 0) return Status::OK();
@@ -234,11 +235,13 @@ Status PoolTier::call(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, Re
   pool::post(&ch.control->request_seq, seq, &ch.control->server_sleeping);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us);
   bool gone = false;
-  bool answered = pool::wait_change(&ch.control->reply_seq, seq - 1, &ch.control->client_sleeping,
-                                    kCheckUs, [&] {
-                                      if (peer_closed(sock_)) gone = true;
-                                      return gone || std::chrono::steady_clock::now() > deadline;
-                                    });
+  bool answered = pool::wait_change(
+      &ch.control->reply_seq, seq - 1, &ch.control->client_sleeping, kCheckUs,
+      [&] {
+        if (peer_closed(sock_)) gone = true;
+        return gone || std::chrono::steady_clock::now() > deadline;
+      },
+      pool::kClientSpinNs);
   if (answered && ch.control->reply_seq.load(std::memory_order_acquire) != seq) answered = false;
   if (!answered) {
     slot->broken = true;  // a late reply would answer the next request
@@ -280,15 +283,22 @@ Status PoolTier::put(const BlockId& id, const void* data, uint64_t size,
   return st;
 }
 
-// The sub-batch size that spreads n items over the I/O threads, two
-// sub-batches per thread; 0 when the batch stays whole (no threads, few
-// items, or blocks large enough that each copy is split over the threads).
+// The sub-batch size that spreads n items over the I/O threads; 0 when the
+// batch stays whole (no threads, few items, or blocks large enough that each
+// copy is split over the threads).
 size_t PoolTier::sub_batch(std::span<const uint64_t> sizes) const {
   const size_t n = sizes.size();
   if (!pool_ || pool_->size() < 2 || n < 32) return 0;
-  for (uint64_t s : sizes)
+  uint64_t largest = 0;
+  for (uint64_t s : sizes) {
     if (s >= parallel_threshold_) return 0;
-  return std::clamp<size_t>(n / (2 * size_t(pool_->size())), 16, pool::kMaxItems);
+    largest = std::max(largest, s);
+  }
+  // Four sub-batches per thread balance the threads' shares; a sub-batch of
+  // at least 1 MiB (and 16 small blocks) keeps the round trips to the server
+  // a small part of its copies.
+  const size_t least = std::clamp<size_t>(kSubBatchBytes / std::max<uint64_t>(1, largest), 1, 16);
+  return std::clamp<size_t>(n / (4 * size_t(pool_->size())), least, pool::kMaxItems);
 }
 
 // A batch is cut into sub-batches run on the I/O threads, each with its
