@@ -51,10 +51,10 @@ from vllm.distributed.parallel_state import (
 )
 from vllm.forward_context import set_forward_context
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -80,6 +80,36 @@ TINY_LLAMA = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# DeepSeek-V2-style multi-head latent attention, dense layers only (no experts):
+# vLLM keeps one latent vector of kv_lora_rank + qk_rope_head_dim per token and layer.
+KV_LORA_RANK, ROPE_DIM = 32, 16
+MLA_HEAD_SIZE = KV_LORA_RANK + ROPE_DIM
+TINY_DEEPSEEK = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": NUM_LAYERS,
+    "first_k_dense_replace": NUM_LAYERS,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "kv_lora_rank": KV_LORA_RANK,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": ROPE_DIM,
+    "v_head_dim": 16,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 POISON = -7.0  # written into every page a request is given, before its loads
 SAMPLED_TOKEN = 5
 
@@ -90,6 +120,24 @@ def write_tiny_llama(path) -> str:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(TINY_LLAMA))
     return str(path)
+
+
+def write_tiny_deepseek(path) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(TINY_DEEPSEEK))
+    return str(path)
+
+
+def mla_spec(vc: VllmConfig) -> MLAAttentionSpec:
+    """The spec vLLM's MLA layer gives for this config (``MLAAttention.get_kv_cache_spec``)."""
+    return MLAAttentionSpec(
+        block_size=vc.cache_config.block_size,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=vc.model_config.get_head_size(),
+        dtype=vc.model_config.dtype,
+        cache_dtype_str=vc.cache_config.cache_dtype,
+    )
 
 
 def make_vllm_config(
@@ -157,6 +205,13 @@ def _init_distributed(vc: VllmConfig) -> None:
     _distributed = True
 
 
+def latent_values(token: int, pos: int, layer: int, dtype) -> torch.Tensor:
+    """The latent vector ([MLA_HEAD_SIZE]) the stand-in MLA model computes for one token:
+    the same on every rank, as vLLM's MLA caches are."""
+    d = torch.arange(MLA_HEAD_SIZE)
+    return ((token * 29 + pos * 5 + layer * 7 + d * 3) % 101).to(torch.float32).div(8).to(dtype)
+
+
 def kv_values(token: int, pos: int, layer: int, dtype, rank: int = 0) -> tuple:
     """The keys and values ([H, D] each) the stand-in model computes for one token on one rank."""
     h = torch.arange(KV_HEADS).view(-1, 1)
@@ -173,6 +228,8 @@ class WorkerRank:
         vc.parallel_config.rank = rank  # what vLLM's worker does before building its connector
         self.vc, self.rank = vc, rank
         self.block_size = vc.cache_config.block_size
+        self.mla = isinstance(kv_cache_config.kv_cache_groups[0].kv_cache_spec, MLAAttentionSpec)
+        self.layers = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names]
         layout = vc.cache_config.get_resolved_kv_cache_layout()
         self.kv_caches = allocate_kv_cache(
             kv_cache_config, torch.device("cpu"), layout, [self.block_size]
@@ -196,13 +253,16 @@ class WorkerRank:
                         t[b].fill_(POISON)
         with set_forward_context(None, self.vc):
             with KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_out:
-                for li, name in enumerate(LAYERS):
+                for li, name in enumerate(self.layers):
                     self.connector.wait_for_layer_load(name)
                     t = self.kv_caches[name]
                     for _, tokens, table, first, end, _ in work:
                         for pos in range(first, end):
-                            k, v = kv_values(tokens[pos], pos, li, t.dtype, self.rank)
                             b, off = table[pos // self.block_size], pos % self.block_size
+                            if self.mla:
+                                t[b, 0, off, :] = latent_values(tokens[pos], pos, li, t.dtype)
+                                continue
+                            k, v = kv_values(tokens[pos], pos, li, t.dtype, self.rank)
                             t[b, :, off, :HEAD_SIZE] = k
                             t[b, :, off, HEAD_SIZE:] = v
                     self.connector.save_kv_layer(name, t, None)
@@ -211,10 +271,16 @@ class WorkerRank:
     def page_is_computed(self, table: list, block_index: int, tokens: list) -> bool:
         """Whether the block holds exactly this rank's KV of `tokens` at that block."""
         b = table[block_index]
-        for li, name in enumerate(LAYERS):
+        for li, name in enumerate(self.layers):
             t = self.kv_caches[name]
             for off in range(self.block_size):
                 pos = block_index * self.block_size + off
+                if self.mla:
+                    if not torch.equal(
+                        t[b, 0, off, :], latent_values(tokens[pos], pos, li, t.dtype)
+                    ):
+                        return False
+                    continue
                 k, v = kv_values(tokens[pos], pos, li, t.dtype, self.rank)
                 if not (
                     torch.equal(t[b, :, off, :HEAD_SIZE], k)
@@ -225,6 +291,10 @@ class WorkerRank:
 
     def prefix_length(self, ids) -> int:
         return self.connector.worker.prefix_length(ids)
+
+    def counters(self) -> dict:
+        """The worker's counters since it started (save_blocks, load_blocks, ...)."""
+        return dict(self.connector.worker.metrics.totals)
 
     def remove(self, block_id) -> bool:
         return self.connector.worker.store.remove(block_id)
@@ -304,20 +374,24 @@ class RemoteRank:
 class Engine:
     """vLLM's scheduler and every rank's worker side of the connector, stepped by hand."""
 
-    def __init__(self, vc: VllmConfig, num_blocks: int = 64):
+    def __init__(self, vc: VllmConfig, num_blocks: int = 64, specs: dict | None = None):
+        """``specs``: each layer's KV cache spec, grouped by vLLM's own
+        ``get_kv_cache_groups`` (default: the tiny Llama's full attention)."""
         self.vc = vc
         self.block_size = vc.cache_config.block_size
         self.world = vc.parallel_config.world_size
-        spec = FullAttentionSpec(
-            block_size=self.block_size,
-            num_kv_heads=KV_HEADS,
-            head_size=HEAD_SIZE,
-            dtype=vc.model_config.dtype,
-        )
-        groups = [KVCacheGroupSpec(list(LAYERS), spec)]
-        self.kv_cache_config = get_kv_cache_config_from_groups(
-            vc, groups, spec.page_size_bytes * NUM_LAYERS * num_blocks
-        )
+        if specs is None:
+            spec = FullAttentionSpec(
+                block_size=self.block_size,
+                num_kv_heads=KV_HEADS,
+                head_size=HEAD_SIZE,
+                dtype=vc.model_config.dtype,
+            )
+            groups = [KVCacheGroupSpec(list(LAYERS), spec)]
+        else:
+            groups = get_kv_cache_groups(vc, dict(specs))
+        page_bytes = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+        self.kv_cache_config = get_kv_cache_config_from_groups(vc, groups, page_bytes * num_blocks)
         vc.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
         # Workers first, as vLLM builds them before the scheduler.
         self.ranks = [RemoteRank(vc, self.kv_cache_config, r) for r in range(1, self.world)]

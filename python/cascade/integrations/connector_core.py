@@ -27,7 +27,11 @@ Prometheus, trace); this module gathers their public names.
 
 Every store block holds one engine block of every layer (docs/formats.md,
 "Stored KV block"); its id is the prefix-chained id of its tokens in the
-rank's namespace (``cascade.integrations.ids``).
+rank's namespace (``cascade.integrations.ids``). ``RankShards`` says which
+namespace each rank uses and which ranks store: every rank its own (K/V
+heads split over ranks), or one per pipeline stage stored by the stage's
+first rank (multi-head latent attention, the same on every tensor-parallel
+rank).
 """
 
 from cascade.integrations.connector_metrics import (
@@ -40,6 +44,7 @@ from cascade.integrations.connector_metrics import (
 )
 from cascade.integrations.connector_plan import (
     LiteCache,
+    RankShards,
     ScheduledRequest,
     SchedulerPlanner,
     StepPlan,
@@ -54,6 +59,7 @@ __all__ = [
     "KvTransferWorker",
     "LiteCache",
     "PrometheusCounters",
+    "RankShards",
     "ScheduledRequest",
     "SchedulerPlanner",
     "StepPlan",

@@ -40,6 +40,75 @@ class StepPlan:
         return not (self.loads or self.saves or self.flush_req_ids)
 
 
+@dataclass(frozen=True)
+class RankShards:
+    """Which namespace each worker rank's blocks are stored under, and which
+    ranks store them.
+
+    ``per_rank``: every rank holds its own shard of the KV (heads split over
+    tensor parallelism, layers over pipeline stages), stored by that rank in
+    its own namespace (rank r of the world). ``replicated_tp``: the KV of a
+    pipeline stage is the same on every tensor-parallel rank (multi-head
+    latent attention), so the ranks of a stage share one namespace (tp rank 0
+    of 1; the stage in the layout name) and only the stage's first rank
+    stores; every rank loads. Ranks are numbered as vLLM numbers them within
+    an engine: ``rank = pp_rank * tp_size + tp_rank``.
+    """
+
+    namespaces: tuple  # per rank: the KvNamespace of its blocks (tenant unset)
+    savers: frozenset  # ranks that store the blocks of their namespace
+
+    @property
+    def world(self) -> int:
+        return len(self.namespaces)
+
+    @classmethod
+    def per_rank(cls, base: KvNamespace) -> RankShards:
+        world = base.tp_world
+        return cls(tuple(base.for_rank(r) for r in range(world)), frozenset(range(world)))
+
+    @classmethod
+    def replicated_tp(
+        cls,
+        *,
+        model: str,
+        dtype: str,
+        layout: str,
+        block_size: int,
+        tp_size: int,
+        pp_size: int,
+        tenant: str | None = None,
+    ) -> RankShards:
+        if tp_size <= 0 or pp_size <= 0:
+            raise ValueError(f"tp_size {tp_size} and pp_size {pp_size} must be positive")
+        stages = [
+            KvNamespace(
+                model,
+                dtype,
+                layout if pp_size == 1 else f"{layout}/pp={p}of{pp_size}",
+                block_size,
+                0,
+                1,
+                tenant,
+            )
+            for p in range(pp_size)
+        ]
+        namespaces = tuple(stages[r // tp_size] for r in range(tp_size * pp_size))
+        return cls(namespaces, frozenset(p * tp_size for p in range(pp_size)))
+
+
+def _slices(ids_by_rank: list, first: int, end: int) -> list:
+    """``ids[first:end]`` of every rank; ranks sharing one list share the slice."""
+    memo: dict = {}
+    out = []
+    for ids in ids_by_rank:
+        part = memo.get(id(ids))
+        if part is None:
+            part = memo[id(ids)] = ids[first:end]
+        out.append(part)
+    return out
+
+
 @dataclass
 class ScheduledRequest:
     """One request of a scheduler step, as the planner needs it.
@@ -127,13 +196,18 @@ class SchedulerPlanner:
         metrics: ConnectorMetrics | None = None,
         traces: TraceRecorder | None = None,
         lite_capacity_blocks: int | None = None,
+        shards: RankShards | None = None,
     ):
         """``lookup``: a PrefixLookup over the workers' stores (ignored in lite
-        mode, where a LiteCache of ``lite_capacity_blocks`` ids stands in)."""
+        mode, where a LiteCache of ``lite_capacity_blocks`` ids stands in).
+        ``shards``: each rank's namespace (default: ``RankShards.per_rank(namespace)``)."""
         self.config = config
         self.namespace = namespace
         self.block_size = namespace.block_size
-        self.world = namespace.tp_world
+        self.shards = shards if shards is not None else RankShards.per_rank(namespace)
+        if any(ns.block_size != self.block_size for ns in self.shards.namespaces):
+            raise ValueError("every rank's namespace must have the planner's block size")
+        self.world = self.shards.world
         self.lite = LiteCache(lite_capacity_blocks) if config.use_lite else None
         self.lookup = self.lite if self.lite is not None else lookup
         if self.lite is None and getattr(lookup, "world", self.world) != self.world:
@@ -168,9 +242,15 @@ class SchedulerPlanner:
             tenant = self.config.namespace_tenant(t.salt)
             if self.epoch:
                 tenant = f"epoch:{self.epoch}" if tenant is None else f"{tenant}|epoch:{self.epoch}"
-            base = self.namespace.with_tenant(tenant)
             full = len(t.prompt) // self.block_size * self.block_size
-            t.ids = [prefix_block_ids(t.prompt[:full], base.for_rank(r)) for r in range(self.world)]
+            by_ns: dict = {}
+            t.ids = []
+            for ns in self.shards.namespaces:
+                ns = ns.with_tenant(tenant)
+                ids = by_ns.get(ns.digest)
+                if ids is None:
+                    ids = by_ns[ns.digest] = prefix_block_ids(t.prompt[:full], ns)
+                t.ids.append(ids)
         return t.ids
 
     def matched_tokens(
@@ -271,9 +351,7 @@ class SchedulerPlanner:
                 t.pending_load = None
                 ids = self.ids_of(t)
                 plan.loads.append(
-                    TransferJob(
-                        t.req_id, first, t.block_table[first:end], [r[first:end] for r in ids]
-                    )
+                    TransferJob(t.req_id, first, t.block_table[first:end], _slices(ids, first, end))
                 )
             if not ((self.can_save or self._lite_save) and t.eligible):
                 continue
@@ -288,7 +366,7 @@ class SchedulerPlanner:
                     continue
                 plan.saves.append(
                     TransferJob(
-                        t.req_id, first, t.block_table[first:done], [r[first:done] for r in ids]
+                        t.req_id, first, t.block_table[first:done], _slices(ids, first, done)
                     )
                 )
                 t.has_saves = True

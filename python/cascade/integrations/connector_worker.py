@@ -53,11 +53,15 @@ class KvTransferWorker:
         world: int,
         metrics: ConnectorMetrics | None = None,
         traces: TraceRecorder | None = None,
+        stores_blocks: bool = True,
     ):
+        """``stores_blocks``: False on a rank whose blocks another rank stores
+        (``RankShards.savers``): its saves are accounted as done, nothing is written."""
         self.config = config
         self.store = store
         self.rank = rank
         self.world = world
+        self.stores_blocks = stores_blocks
         self.metrics = metrics or ConnectorMetrics()
         self.traces = traces or TraceRecorder(None, f"rank{rank}")
         self.kv: PagedKv | None = None  # set by register()
@@ -300,6 +304,8 @@ class KvTransferWorker:
     def _save_batch(self, jobs, stream) -> None:
         from cascade.integrations.kv import save_paged
 
+        if not self.stores_blocks:
+            return  # another rank stores these blocks; this one only reports them done
         bb = self._paged().stored_block_bytes
         for job in jobs:
             start = time.perf_counter()

@@ -13,7 +13,11 @@ contiguous):
 - ``packed_kv`` (vLLM >= 0.26): ``[num_blocks, num_kv_heads, block_size, 2*head_size]``,
   K in the first half of the last dimension, V in the second;
 - ``split_kv`` (older vLLM): ``[2, num_blocks, block_size, num_kv_heads, head_size]``;
-- ``flat_bytes``: ``[num_blocks, bytes_per_block]`` (uint8), copied as is.
+- ``flat_bytes``: ``[num_blocks, bytes_per_block]`` (uint8), copied as is;
+- ``mla`` (multi-head latent attention, DeepSeek-style): one latent vector per
+  token, no K/V split, ``[num_blocks, block_size, head_size]`` or vLLM's
+  ``[num_blocks, 1, block_size, head_size]``; each block's rows must be
+  contiguous (any block stride), and they are stored as ``flat_bytes``.
 
 A view of a transformers-style buffer ``buf`` of shape ``[L, 2, H, T, D]`` as
 blocks of ``bs`` tokens is ``buf[l].view(2, H, T // bs, bs, D).permute(0, 2, 3, 1, 4)``
@@ -30,7 +34,7 @@ from collections.abc import Iterable, Sequence
 
 from cascade import _core
 
-LAYOUTS = ("packed_kv", "split_kv", "flat_bytes")
+LAYOUTS = ("packed_kv", "split_kv", "flat_bytes", "mla")
 
 
 def _as_int_list(values, what: str) -> list:
@@ -84,6 +88,7 @@ class PagedKv:
             self.stored_block_bytes = (
                 self.num_layers * 2 * block_size * num_kv_heads * head_size * elem_bytes
             )
+        self.kind = layout  # "mla" for latent caches stored as flat_bytes
         self._movers: dict = {}
 
     @classmethod
@@ -98,6 +103,12 @@ class PagedKv:
         layers = list(layers)
         if not layers:
             raise ValueError("no KV layers given")
+        if layout == "mla":
+            views = [mla_block_bytes(t, block_size) for t in layers]
+            kv = cls.from_layers(views, "flat_bytes")
+            kv.block_size = int(block_size if block_size is not None else _mla_shape(layers[0])[1])
+            kv.kind = "mla"
+            return kv
         first = layers[0]
         for i, t in enumerate(layers):
             if not (hasattr(t, "data_ptr") and hasattr(t, "stride")):
@@ -225,11 +236,56 @@ class PagedKv:
     def __repr__(self) -> str:
         where = "cpu" if self.device < 0 else f"cuda:{self.device}"
         return (
-            f"PagedKv({self.layout}, layers={self.num_layers}, blocks={self.num_blocks}, "
+            f"PagedKv({self.kind}, layers={self.num_layers}, blocks={self.num_blocks}, "
             f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, "
             f"head_size={self.head_size}, elem_bytes={self.elem_bytes}, {where}, "
             f"stored_block_bytes={self.stored_block_bytes})"
         )
+
+
+def _mla_shape(t) -> tuple:
+    """(num_blocks, block_size, head_size) of an MLA layer tensor."""
+    shape = tuple(t.shape)
+    if len(shape) == 4 and shape[1] == 1:
+        return shape[0], shape[2], shape[3]
+    if len(shape) == 3:
+        return shape
+    raise ValueError(
+        "an MLA KV cache layer is [num_blocks, block_size, head_size] or "
+        f"[num_blocks, 1, block_size, head_size], got {shape}"
+    )
+
+
+def mla_block_bytes(t, block_size: int | None = None):
+    """A uint8 ``[num_blocks, block_size * head_size * elem_bytes]`` view of one
+    MLA layer tensor (no copy): row ``b`` is block ``b``'s latent vectors, token
+    after token. Refuses a tensor whose blocks are not each one contiguous run
+    of bytes (tokens or elements strided apart)."""
+    import torch
+
+    if not (hasattr(t, "data_ptr") and hasattr(t, "stride")):
+        raise TypeError(f"an MLA KV cache layer must be a tensor, got {type(t).__name__}")
+    nb, bs, hs = _mla_shape(t)
+    if block_size is not None and block_size != bs:
+        raise ValueError(
+            f"block_size {block_size} given but the MLA tensor holds blocks of {bs} tokens"
+        )
+    st = t.stride()
+    block_stride = st[0]
+    token_stride, inner = (st[2], st[3]) if t.dim() == 4 else (st[1], st[2])
+    if inner != 1 or (bs > 1 and token_stride != hs):
+        raise ValueError(
+            f"an MLA KV cache block must be contiguous (token stride {token_stride}, "
+            f"element stride {inner}; expected {hs} and 1): its layout is not supported"
+        )
+    elem = t.element_size()
+    raw = t.view(torch.uint8)
+    return torch.as_strided(
+        raw,
+        size=(nb, bs * hs * elem),
+        stride=(block_stride * elem, 1),
+        storage_offset=raw.storage_offset(),
+    )
 
 
 def _layer_range(kv: PagedKv, layers) -> tuple:

@@ -54,6 +54,7 @@ from cascade.integrations.connector_core import (
     ConnectorMetrics,
     KvTransferWorker,
     PrometheusCounters,
+    RankShards,
     ScheduledRequest,
     SchedulerPlanner,
     StepPlan,
@@ -86,6 +87,83 @@ logger = logging.getLogger("cascade.integrations.connector")
 # The stored block format family of this connector's ids (the stored bytes
 # do not depend on the engine's layout: docs/formats.md, "Stored KV block").
 NAMESPACE_LAYOUT = "packed_kv"
+# Multi-head latent attention: one latent vector per token and layer, the same
+# on every tensor-parallel rank, stored once per pipeline stage.
+MLA_NAMESPACE_LAYOUT = "mla"
+
+# Why a KV cache spec type other than full attention or MLA is refused.
+_REFUSED_SPECS = {
+    "SlidingWindowSpec": "every attention layer uses a sliding window, and vLLM frees the "
+    "pages that fall out of the window while a request runs, so they cannot be saved or "
+    "loaded whole",
+    "SlidingWindowMLASpec": "sliding-window MLA layers lose the pages outside the window",
+    "ChunkedLocalAttentionSpec": "every layer uses chunked local attention, whose pages "
+    "outside the chunk are freed while a request runs",
+    "MambaSpec": "Mamba / linear-attention state is one state per request, not per token block; "
+    "it is not stored",
+}
+
+
+def _cache_kind(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
+    """``"mla"`` or ``"kv"`` (K and V per head), from vLLM's KV cache spec; raises
+    NotImplementedError with the reason for anything this connector cannot store exactly."""
+    parallel = vllm_config.parallel_config
+    for attr, what in (
+        ("decode_context_parallel_size", "decode context parallelism"),
+        ("prefill_context_parallel_size", "prefill context parallelism"),
+    ):
+        n = int(getattr(parallel, attr, 1) or 1)
+        if n > 1:
+            raise NotImplementedError(
+                f"CascadeConnector does not support {what} ({attr}={n}): it spreads the tokens "
+                "of a block over ranks; run with it set to 1"
+            )
+    use_mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+    if kv_cache_config is None:
+        return "mla" if use_mla else "kv"
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) > 1:
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        raise NotImplementedError(
+            "CascadeConnector supports models with one KV cache group; this model has "
+            f"{len(groups)} ({kinds}). vLLM puts sliding-window and full-attention layers in "
+            "one group when its hybrid KV cache manager is off, as it turns it off by default "
+            "for this connector: do not pass --no-disable-hybrid-kv-cache-manager (or pass "
+            "--disable-hybrid-kv-cache-manager). Models with Mamba or linear-attention state "
+            "layers are not supported"
+        )
+    if not groups:
+        raise NotImplementedError(
+            "CascadeConnector: this model has no KV cache (attention-free): nothing to store"
+        )
+    from vllm.v1 import kv_cache_interface as kvi
+
+    spec = groups[0].kv_cache_spec
+    uniform = getattr(kvi, "UniformTypeKVCacheSpecs", None)
+    if uniform is not None and isinstance(spec, uniform):
+        specs = list(spec.kv_cache_specs.values())
+        if any(s != specs[0] for s in specs[1:]):
+            raise NotImplementedError(
+                "CascadeConnector: the layers of this model have KV caches of different shapes "
+                "(one group of several specs); a stored block needs every layer's pages to be "
+                "alike"
+            )
+        spec = specs[0]
+    name = type(spec).__name__
+    if type(spec) is getattr(kvi, "MLAAttentionSpec", None):
+        kind = "mla"
+    elif type(spec) is kvi.FullAttentionSpec:
+        kind = "kv"
+    else:
+        why = _REFUSED_SPECS.get(name, "a KV cache this connector has no stored format for")
+        raise NotImplementedError(f"CascadeConnector does not support {name} layers: {why}")
+    tokens_per_state = getattr(spec, "tokens_per_state", 1)
+    if tokens_per_state != 1:
+        raise NotImplementedError(
+            f"CascadeConnector: this model stores one KV state per {tokens_per_state} tokens "
+            "(compressed attention); only one state per token is supported"
+        )
+    return kind
 
 
 @dataclass
@@ -181,27 +259,42 @@ class CascadeConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         self.config = parse_connector_config(ktc.kv_connector_extra_config)
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise NotImplementedError(
-                "CascadeConnector supports models with one KV cache group (full attention in every "
-                f"layer); this model has {len(kv_cache_config.kv_cache_groups)} (sliding-window, "
-                "Mamba or other hybrid layers)"
-            )
+        self.kind = _cache_kind(vllm_config, kv_cache_config)
         self.block_size = self._manager_block_size(vllm_config, kv_cache_config)
         parallel = vllm_config.parallel_config
         self.world = int(parallel.world_size)
         dp_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
         self.dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0) if dp_size > 1 else None
         self.engine_key = f"{ktc.engine_id}/dp{self.dp_rank or 0}"
-        self.namespace = KvNamespace(
-            model=self.config.model_name or _model_name(vllm_config),
-            dtype=_kv_dtype(vllm_config),
-            layout=NAMESPACE_LAYOUT,
-            block_size=self.block_size,
-            tp_rank=0,
-            tp_world=self.world,
-            tenant=self.config.tenant,
-        )
+        model, dtype = self.config.model_name or _model_name(vllm_config), _kv_dtype(vllm_config)
+        if self.kind == "mla":
+            tp = int(parallel.tensor_parallel_size)
+            if tp > 1 and not self.config.pool_socket and not self.config.use_lite:
+                raise NotImplementedError(
+                    "CascadeConnector: an MLA model's KV cache is the same on every "
+                    "tensor-parallel rank, so it is stored once, by TP rank 0, and every rank "
+                    f"loads it; with tensor_parallel_size {tp} the workers must share one store: "
+                    "set pool_socket (a node pool server, `cascade serve`; docs/vllm.md)"
+                )
+            self.shards = RankShards.replicated_tp(
+                model=model,
+                dtype=dtype,
+                layout=MLA_NAMESPACE_LAYOUT,
+                block_size=self.block_size,
+                tp_size=tp,
+                pp_size=int(parallel.pipeline_parallel_size),
+                tenant=self.config.tenant,
+            )
+            if self.shards.world != self.world:
+                raise ValueError(
+                    f"CascadeConnector: tensor {tp} x pipeline {parallel.pipeline_parallel_size} "
+                    f"parallel ranks, but a world of {self.world}"
+                )
+        else:
+            self.shards = RankShards.per_rank(
+                KvNamespace(model, dtype, NAMESPACE_LAYOUT, self.block_size, 0, self.world, None)
+            )
+        self.namespace = self.shards.namespaces[0].with_tenant(self.config.tenant)
         if CacheHitSource is not None:
             top = self.config.store_pipeline.split("|")[0].strip()
             self._cache_hit_source = {
@@ -266,6 +359,7 @@ class CascadeConnector(KVConnectorBase_V1):
             metrics=self.metrics,
             traces=self._traces("scheduler"),
             lite_capacity_blocks=lite_blocks,
+            shards=self.shards,
         )
 
     def _scheduler(self) -> SchedulerPlanner:
@@ -377,6 +471,7 @@ class CascadeConnector(KVConnectorBase_V1):
             world=self.world,
             metrics=self.metrics,
             traces=self._traces(f"rank{self._rank}"),
+            stores_blocks=self._rank in self.shards.savers,
         )
         if self.config.lookup != "socket":
             register_worker(self.engine_key, self._rank, self.worker.prefix_length)
@@ -393,18 +488,18 @@ class CascadeConnector(KVConnectorBase_V1):
         if self.worker is None:
             return
         first = next(iter(kv_caches.values()))
-        packed = first.dim() == 4
-        blocks, tokens = (
-            (first.shape[0], first.shape[2]) if packed else (first.shape[1], first.shape[2])
-        )
+        if self.kind == "mla":
+            layout = "mla"
+            tokens = first.shape[1] if first.dim() == 3 else first.shape[2]
+        else:
+            layout = "packed_kv" if first.dim() == 4 else "split_kv"
+            tokens = first.shape[2]
         if tokens != self.block_size:
             raise NotImplementedError(
                 f"CascadeConnector: the attention kernel splits each {self.block_size}-token block "
                 f"into blocks of {tokens} tokens; run vLLM with --block-size {tokens}"
             )
-        self.worker.register(
-            kv_caches, block_size=self.block_size, layout="packed_kv" if packed else "split_kv"
-        )
+        self.worker.register(kv_caches, block_size=self.block_size, layout=layout)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
         if self.worker is not None and isinstance(kv_connector_metadata, CascadeConnectorMetadata):
