@@ -24,7 +24,8 @@
 //
 // Access: the socket is created owner-only and then set to socket_mode; a
 // peer is let in when its uid is the server's, or allowed_gid is its primary
-// gid or one of its supplementary groups. The arena file stays 0600: clients get it as a descriptor.
+// gid or one of its supplementary groups. The arena file stays 0600: clients get it as a
+// descriptor.
 //
 // Thread-safety: stats(), clients() and close() may be called from any thread.
 #pragma once
