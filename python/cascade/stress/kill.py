@@ -192,6 +192,9 @@ def run(args, scratch, result: ModeResult) -> ModeResult:
         ks = KeySpace(args.seed, args.kill_keys, 512, args.max_block, dup_keys=args.kill_keys // 4)
         shm = scratch.shm_path(scratch.unique("killw"))
         log_path = scratch.path(scratch.unique("kill-log"))
+        # Made before the fork: a writer killed before it runs a line leaves
+        # an empty log (nothing acknowledged, nothing owed), not none.
+        os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         cfg_fn = functools.partial(
             make_config, setup, shm, fdir, args.shm_bytes, 0, args.segment_bytes
         )
