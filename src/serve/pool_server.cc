@@ -351,15 +351,18 @@ void PoolServer::Impl::handshake(int sock) {
     w.flags = persistent ? pool::kPersistent : 0;
     st = send_message(sock, &w, sizeof w, {arena.fd, client->channel_fd});
     if (st.ok()) {
+      // The workers start before the client is listed: once listed, the
+      // monitor may see its socket close and hand it to the reaper, which
+      // joins the workers and unmaps the channels they read.
+      for (uint32_t i = 0; i < client->nch; ++i) {
+        PoolClient* c = client.get();
+        client->workers.emplace_back([this, c, i] { serve_channel(c, i); });
+      }
       {
         std::lock_guard<std::mutex> l(mu);
         clients[client->id] = client;
       }
       connections.fetch_add(1);
-      for (uint32_t i = 0; i < client->nch; ++i) {
-        PoolClient* c = client.get();
-        client->workers.emplace_back([this, c, i] { serve_channel(c, i); });
-      }
       wake();
     } else {
       cleanup(client.get());

@@ -435,6 +435,33 @@ TEST(PoolServerTest, APeerInTheAllowedGroupByASupplementaryGroupIsLetIn) {
   EXPECT_EQ(f.server->stats().refused, 1u);
 }
 
+TEST(PoolServerTest, ClientsThatLeaveRightAfterTheirWelcomeAreReapedCleanly) {
+  // The monitor may see a client's socket close before the handshake has
+  // started the client's workers; the reaper must not tear the client down
+  // under them (before, this crashed the server now and then).
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  constexpr int kThreads = 4, kRounds = 100;
+  std::atomic<int> connected{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&] {
+      for (int i = 0; i < kRounds / kThreads; ++i) {
+        RawClient raw;
+        if (raw.connect(f.socket, "ns", 4).ok()) connected.fetch_add(1);
+      }  // each closes its socket at once
+    });
+  for (auto& t : threads) t.join();
+  ASSERT_EQ(connected.load(), kRounds);
+  f.wait_disconnects(kRounds);
+  auto st = f.server->stats();
+  EXPECT_EQ(st.disconnects, uint64_t(kRounds));
+  EXPECT_EQ(st.clients, 0u);
+  auto a = f.client();  // the server still serves
+  auto d = bytes_for(1, 4096);
+  ASSERT_TRUE(a->put(id_of(1), d.data(), d.size()).ok());
+}
+
 TEST(PoolServerTest, TokensMadeOnOneChannelAreHonouredOnAnother) {
   // A client's reservations and leases are kept per channel; a commit or
   // release may come on any channel of the client, several channels' tokens
