@@ -151,6 +151,7 @@ def test_etcd_restart_keeps_views_and_members_reregister(etcd, members, caplog):
     b = members("b", lease_ttl=3, grace_seconds=0.5, timeout=0.5)
     assert a.start() and b.start()
     wait_for(lambda: ids_of(a) == ids_of(b) == ["a", "b"], 5, "both see both")
+    lease_before = a.state()["lease"]
     etcd.kill()
     wait_for(lambda: a.state()["state"] == "degraded", 5, "a notices the outage")
     # Within its grace, a keeps serving its last view; past it, b is alone.
@@ -169,6 +170,8 @@ def test_etcd_restart_keeps_views_and_members_reregister(etcd, members, caplog):
         10,
         "views converge after the restart",
     )
+    # etcd restored the lease from its data directory with a full TTL.
+    assert a.state()["lease"] == lease_before and a.state()["registrations"] == 1
     text = caplog.text
     assert "did not answer" in text and "back after" in text
     assert "sees itself alone" in text
