@@ -380,16 +380,21 @@ class Membership:
         self._install(members, revision)
 
     def _install(self, members: dict[str, MemberRecord], revision: int) -> None:
-        """Makes ``members`` the view (and its ring) if it differs."""
+        """Makes ``members`` the view (and its ring) if it differs. Called by
+        one thread at a time (``start`` before the background thread exists,
+        then that thread), so the view cannot change between the two locked
+        sections; the ring is built outside the lock."""
         with self._lock:
             old = self._view
             if members == old.members:
                 self._view = dataclasses.replace(old, revision=revision)
                 return
-            version = old.version + 1
+        version = old.version + 1
+        points, replicas = self._ring_args
+        ring = PlacementRing(members, points, replicas, version)
+        with self._lock:
             self._view = MembershipView(version, revision, dict(sorted(members.items())))
-            points, replicas = self._ring_args
-            self._ring = PlacementRing(members, points, replicas, version)
+            self._ring = ring
         joined = sorted(set(members) - set(old.members))
         left = sorted(set(old.members) - set(members))
         logger.info(
