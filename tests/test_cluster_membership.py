@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -231,6 +232,49 @@ def test_silent_endpoint_fails_within_the_deadline(silent_endpoint, etcd):
     t0 = time.monotonic()
     m.close(timeout=0.5)
     assert time.monotonic() - t0 < 3
+
+
+@pytest.fixture
+def trickling_endpoint() -> Iterator[str]:
+    # Answers, one byte every 50 ms, an HTTP header that never ends.
+    stop = threading.Event()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.1)
+
+    def serve() -> None:
+        conns = []
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                conns.append(conn)
+            except TimeoutError:
+                pass
+            for c in conns:
+                try:
+                    c.sendall(b"a")
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        for c in conns:
+            c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    t.join(5)
+    listener.close()
+
+
+def test_trickling_endpoint_fails_within_the_deadline(trickling_endpoint):
+    client = EtcdClient([trickling_endpoint], timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match="no endpoint answered"):
+        client.grant(5)
+    assert time.monotonic() - t0 < 0.5 + 0.3
 
 
 def test_refused_endpoint_and_bad_arguments():

@@ -7,8 +7,9 @@ revoke), put (optionally under a lease), a create-if-absent transaction,
 range by prefix and delete.
 
 Every call has a deadline: the endpoints are tried in turn, each given an
-equal share of the time left, and every socket operation is bounded by the
-time left when it starts. Whatever goes wrong (refused, timed out, an HTTP
+equal share of the time left, and the whole exchange with one endpoint
+(connect, send, every read of the answer) ends when its share does, however
+slowly a peer trickles bytes. Whatever goes wrong (refused, timed out, an HTTP
 error, an answer that is not the JSON etcd sends) becomes ``ClusterError``,
 in ``_post`` alone. ``ClusterError.not_found`` marks etcd's NotFound (a
 lease that expired), which callers treat differently from an outage.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import http.client
+import io
 import json
 import socket
 import time
@@ -36,6 +38,71 @@ GRPC_NOT_FOUND = 5
 # The most bytes read from one answer: a hostile or broken peer cannot make
 # the client buffer without bound.
 MAX_RESPONSE_BYTES = 16 << 20
+
+
+class _DeadlineSocket:
+    """A connected socket whose every send and receive is bounded by the
+    time left to one deadline, so no exchange outlives it."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock = sock
+        self._deadline = deadline
+        self._io_refs = 0
+        self._closed = False
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        self._sock.settimeout(left)
+
+    def sendall(self, data: bytes) -> None:
+        self._arm()
+        self._sock.sendall(data)
+
+    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
+        self._arm()
+        return self._sock.recv_into(buffer, nbytes, flags)
+
+    def makefile(self, mode: str = "rb", **_: Any) -> io.BufferedReader:
+        if mode != "rb":
+            raise ValueError("only reading files")
+        self._io_refs += 1
+        return io.BufferedReader(socket.SocketIO(self, "rb"))  # type: ignore[arg-type]
+
+    # The file of a response may outlive the connection's close (urllib
+    # closes the connection right after reading the headers): the socket is
+    # closed when both are done with it, as socket.socket does.
+    def _decref_socketios(self) -> None:
+        self._io_refs -= 1
+        if self._closed and self._io_refs <= 0:
+            self._sock.close()
+
+    def close(self) -> None:
+        self._closed = True
+        if self._io_refs <= 0:
+            self._sock.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _DeadlineConnection(http.client.HTTPConnection):
+    """An HTTP connection that treats its timeout as a budget for the whole
+    exchange, starting when it is made (urllib makes one per request)."""
+
+    def __init__(self, host: str, timeout: float = 1.0, **kw: Any):
+        super().__init__(host, timeout=timeout, **kw)
+        self._deadline = time.monotonic() + float(timeout)
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = _DeadlineSocket(self.sock, self._deadline)
+
+
+class _DeadlineHandler(urllib.request.HTTPHandler):
+    def http_open(self, req):
+        return self.do_open(_DeadlineConnection, req)
 
 
 class ClusterError(Exception):
@@ -118,7 +185,9 @@ class EtcdClient:
         self.timeout = float(timeout)
         self._preferred = 0  # the endpoint that answered last is tried first
         # No proxy from the environment: the service is reached directly.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._opener = urllib.request.build_opener(
+            urllib.request.ProxyHandler({}), _DeadlineHandler()
+        )
 
     def _post(self, path: str, body: dict[str, Any], timeout: float | None) -> dict[str, Any]:
         """POSTs ``body`` to each endpoint in turn until one answers; the one
