@@ -46,28 +46,39 @@ def until(cond, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def start(place, i: int, port: int, node_id: str | None, run: int = 0) -> Server:
+    d, shms, etcd, servers = place
+    store = {
+        "shm_path": shms[i],
+        "shm_capacity_bytes": "32MiB",
+        "cluster": {
+            "endpoints": [etcd.endpoint],
+            "name": "pools",
+            "node_id": node_id,  # None: the default id
+            "lease_ttl_seconds": 3,
+            "refresh_seconds": 0.2,
+        },
+    }
+    section = {
+        "socket": os.path.join(d, f"r{i}", "pool.sock"),
+        "metrics_port": port,
+        "summary_seconds": 1,
+    }
+    srv = Server(d, store, section, name=f"pool{i}-{run}.yaml")
+    servers.append(srv)
+    return srv
+
+
+def records(url: str) -> dict[str, dict]:
+    snap = json.load(urllib.request.urlopen(url + "/stats.json", timeout=10))
+    return {r["node_id"]: r for r in snap["cluster"]["records"]}
+
+
 def test_two_servers_form_a_cluster_and_leave_it(place):
     d, shms, etcd, servers = place
     ports = [free_port(), free_port()]
     for i in range(2):
-        store = {
-            "shm_path": shms[i],
-            "shm_capacity_bytes": "32MiB",
-            "cluster": {
-                "endpoints": [etcd.endpoint],
-                "name": "pools",
-                "node_id": f"node-{i}" if i else None,  # node 0: the default id
-                "lease_ttl_seconds": 3,
-                "refresh_seconds": 0.2,
-            },
-        }
-        section = {
-            "socket": os.path.join(d, f"r{i}", "pool.sock"),
-            "metrics_port": ports[i],
-            "summary_seconds": 1,
-        }
-        srv = Server(d, store, section, name=f"pool{i}.yaml")
-        servers.append(srv)
+        start(place, i, ports[i], f"node-{i}" if i else None)
     for srv in servers:
         srv.wait_ready()
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -114,3 +125,30 @@ def test_bad_cluster_section_is_refused(place):
     servers.append(srv)
     assert srv.wait() == 1
     assert "cluster.replicas: 1 or 2" in srv.text()
+
+
+def test_killed_server_drops_out_and_its_restart_joins_again(place):
+    ports = [free_port(), free_port()]
+    first = start(place, 0, ports[0], "node-0")
+    start(place, 1, ports[1], "node-1")
+    for srv in place[3]:
+        srv.wait_ready()
+    url = f"http://127.0.0.1:{ports[1]}"
+    until(lambda: len(records(url)) == 2, 10, "two members")
+    old_generation = records(url)["node-0"]["generation"]
+    t0 = time.monotonic()
+    first.proc.send_signal(signal.SIGKILL)
+    first.wait()
+    until(lambda: list(records(url)) == ["node-1"], 8, "node 0 drops out")
+    took = time.monotonic() - t0
+    assert 1.5 < took < 3 + 2.0, took  # its lease's TTL (3 s), give or take a renewal
+    m = scrape(url)
+    assert m["cascade_pool_cluster_members"] == 1
+    assert m["cascade_pool_cluster_view_version"] >= 2
+    # The restarted server (same node id, arena kept) takes its place with a
+    # new generation: its memory is a new process's.
+    again = start(place, 0, ports[0], "node-0", run=1)
+    again.wait_ready()
+    until(lambda: len(records(url)) == 2, 10, "node 0 back")
+    assert records(url)["node-0"]["generation"] > old_generation
+    assert "joined: node-0" in place[3][1].text()
