@@ -7,7 +7,10 @@ reads the configuration (the store's options plus a ``serve:`` section),
 prepares a private socket directory, logs clients coming and going and a
 periodic summary, serves metrics (cascade.serve_status) and shuts down on
 SIGTERM or SIGINT: close() writes blocks down per the durability contract,
-and the command exits 0 when that succeeded.
+and the command exits 0 when that succeeded. With a ``cluster:`` section the
+server is also a member of a cluster of node servers (cascade.cluster): it
+registers under a lease, keeps a view of the members, and leaves before it
+closes its store.
 """
 
 from __future__ import annotations
@@ -136,14 +139,27 @@ def split_config(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     return data, dict(section)
 
 
-def read_config_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_cluster(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the rest, the ``cluster:`` section or None) of a configuration mapping."""
+    data = dict(data)
+    section = data.pop("cluster", None)
+    if section is not None and not isinstance(section, Mapping):
+        raise ValueError("cluster: expected a mapping of options")
+    return data, dict(section) if section is not None else None
+
+
+def read_config_file(
+    path: str,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """(store options, serve section, cluster section or None) of a YAML file."""
     import yaml
 
     with open(path, encoding="utf-8") as f:
         data = yaml.safe_load(f) or {}
     if not isinstance(data, Mapping):
         raise ValueError(f"{path}: expected a mapping of options, got {type(data).__name__}")
-    return split_config(data)
+    data, cluster = split_cluster(data)
+    return (*split_config(data), cluster)
 
 
 def prepare_socket_dir(socket_path: str, group: int = -1) -> str:
@@ -331,18 +347,67 @@ def _close(server, stats: Mapping[str, Any], ephemeral: bool) -> bool:
     return True
 
 
-def run(store_options: Mapping[str, Any], opts: ServeOptions) -> int:
-    """Serves until SIGTERM or SIGINT. 0 when the store closed cleanly."""
+def _join_cluster(copts, capacity_bytes: int):
+    """Makes this server a member of the cluster ``copts`` names. The server
+    serves its node whether or not the coordination service answers now: a
+    failed first registration is retried in the background."""
+    from cascade.cluster import EtcdClient, Membership
+
+    membership = Membership(
+        EtcdClient(copts.endpoints, timeout=copts.request_timeout_seconds),
+        copts.name,
+        copts.node_id,
+        # The data transport between servers publishes its address here;
+        # until a server runs one, the record's transport field is empty.
+        transport=b"",
+        capacity_bytes=capacity_bytes,
+        lease_ttl=copts.lease_ttl_seconds,
+        refresh_seconds=copts.refresh_seconds,
+        grace_seconds=copts.grace_seconds,
+        points_per_member=copts.points_per_member,
+        replicas=copts.replicas,
+    )
+    if not membership.start():
+        logger.warning(
+            "cluster %s: %s is not registered yet (%s); retrying every %.1f s",
+            copts.name,
+            copts.node_id,
+            membership.state()["last_error"],
+            copts.refresh_seconds,
+        )
+    return membership
+
+
+def cluster_line(c: Mapping[str, Any]) -> str:
+    """One line of a member's state for the log and `cascade info --pool`."""
+    return (
+        f"cluster {c['cluster']} as {c['node_id']}: {c['state']}, {len(c['members'])} "
+        f"members (view {c['view_version']}), {c['registrations']} registrations, "
+        f"{c['renew_failures']} failed renewals, {c['malformed_records']} malformed records"
+        + (f"; last error: {c['last_error']}" if c["state"] != "member" and c["last_error"] else "")
+    )
+
+
+def run(
+    store_options: Mapping[str, Any],
+    opts: ServeOptions,
+    cluster: Mapping[str, Any] | None = None,
+) -> int:
+    """Serves until SIGTERM or SIGINT. 0 when the store closed cleanly.
+    ``cluster``: the ``cluster:`` section; the server joins that cluster."""
     from cascade import serve_status
+    from cascade.cluster import cluster_options
 
     cfg = _store_config(store_options)
     socket_path = opts.socket or default_socket_path()
+    copts = cluster_options(cluster, socket_path) if cluster is not None else None
     prepare_socket_dir(socket_path, opts.group)
     stop = threading.Event()
     _install_signals(stop)
     server = _start_server(cfg, socket_path, opts)
     started = time.time()
     metrics = None
+    membership = None
     try:
         if opts.group >= 0:
             os.chown(socket_path, -1, opts.group)
@@ -369,10 +434,18 @@ def run(store_options: Mapping[str, Any], opts: ServeOptions) -> int:
             "pipeline": "|".join(tiers),
             "shm_path": cfg.shm_path,
             "metrics": None,
+            "cluster": None,
         }
+        if copts is not None:
+            membership = _join_cluster(copts, host.get("capacity_bytes", 0))
+            facts["cluster"] = {"name": copts.name, "node_id": copts.node_id}
         if opts.metrics_port:
             metrics = serve_status.MetricsServer(
-                server, opts.metrics_address, opts.metrics_port, facts
+                server,
+                opts.metrics_address,
+                opts.metrics_port,
+                facts,
+                cluster=membership.state if membership else None,
             )
             facts["metrics"] = metrics.url
             logger.info("metrics on %s/metrics and %s/stats.json", metrics.url, metrics.url)
@@ -384,14 +457,20 @@ def run(store_options: Mapping[str, Any], opts: ServeOptions) -> int:
             if opts.summary_seconds > 0 and time.monotonic() >= next_summary:
                 next_summary += opts.summary_seconds
                 logger.info("%s", summary_line(server.stats()))
+                if membership:
+                    logger.info("%s", cluster_line(membership.state()))
         final = server.stats()
         logger.info("%s", summary_line(final))
     except BaseException:
+        if membership:
+            membership.close()
         if metrics:
             metrics.stop()
         server.close()
         serve_status.remove_info_file(socket_path)
         raise
+    if membership:  # leave first: the others stop placing blocks here
+        membership.close()
     if metrics:
         metrics.stop()
     serve_status.remove_info_file(socket_path)
@@ -405,8 +484,9 @@ def main(args) -> int:
     """The `cascade serve` command (args from cli.build_parser)."""
     store_options: dict[str, Any] = {}
     section: dict[str, Any] = {}
+    cluster: dict[str, Any] | None = None
     if args.config:
-        store_options, section = read_config_file(args.config)
+        store_options, section, cluster = read_config_file(args.config)
     for flag, key in (
         ("socket", "socket"),
         ("metrics_port", "metrics_port"),
@@ -425,7 +505,7 @@ def main(args) -> int:
     opts = serve_options(section)
     logging.basicConfig(stream=sys.stderr, level=opts.log_level.upper(), format=LOG_FORMAT)
     try:
-        return run(store_options, opts)
+        return run(store_options, opts, cluster)
     except Exception as e:
         if os.environ.get("CASCADE_DEBUG"):
             raise
@@ -434,7 +514,9 @@ def main(args) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--config", metavar="FILE", help="YAML: the store's options and serve:")
+    p.add_argument(
+        "--config", metavar="FILE", help="YAML: the store's options, serve: and cluster:"
+    )
     p.add_argument("--socket", help="the Unix socket (serve.socket)")
     p.add_argument("--metrics-port", type=int, help="HTTP port of /metrics; 0: off")
     p.add_argument("--metrics-address", help="address the metrics port binds (127.0.0.1)")

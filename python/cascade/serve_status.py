@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -98,6 +98,50 @@ TIER_METRICS = [
 ]
 
 
+# (metric name, membership state key, type, help) of a server in a cluster.
+CLUSTER_METRICS = [
+    ("cluster_view_version", "view_version", "gauge", "Version of this member's view"),
+    (
+        "cluster_registrations_total",
+        "registrations",
+        "counter",
+        "Registrations under a new lease (the first, and each after a lost lease)",
+    ),
+    ("cluster_lease_renewals_total", "renewals", "counter", "Lease renewals that succeeded"),
+    (
+        "cluster_lease_renew_failures_total",
+        "renew_failures",
+        "counter",
+        "Lease renewals that failed (service unreachable, or the lease gone)",
+    ),
+    (
+        "cluster_refresh_failures_total",
+        "refresh_failures",
+        "counter",
+        "Reads of the member list that failed",
+    ),
+    (
+        "cluster_malformed_records_total",
+        "malformed_records",
+        "counter",
+        "Entries under the cluster's prefix ignored as malformed",
+    ),
+    (
+        "cluster_outages_total",
+        "outages",
+        "counter",
+        "Times the coordination service stopped answering",
+    ),
+    (
+        "cluster_unreachable_seconds",
+        "unreachable_seconds",
+        "gauge",
+        "Seconds since the coordination service last answered, while it does not (0: it does)",
+    ),
+]
+CLUSTER_STATES = ("joining", "member", "degraded", "isolated", "left")
+
+
 def _label(value: Any) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -115,8 +159,13 @@ def _number(value: Any) -> str:
     return repr(v)
 
 
-def prometheus_text(stats: Mapping[str, Any], started: float | None = None) -> str:
-    """``PoolServer.stats()`` in the Prometheus text exposition format."""
+def prometheus_text(
+    stats: Mapping[str, Any],
+    started: float | None = None,
+    cluster: Mapping[str, Any] | None = None,
+) -> str:
+    """``PoolServer.stats()`` in the Prometheus text exposition format, with
+    ``cluster`` (``Membership.state()``) when the server is a member."""
     lines: list[str] = []
 
     def family(name: str, kind: str, doc: str, samples: list[tuple[str, Any]]) -> None:
@@ -133,18 +182,42 @@ def prometheus_text(stats: Mapping[str, Any], started: float | None = None) -> s
     tiers = stats["store"]["tiers"]
     for name, key, kind, doc in TIER_METRICS:
         family(name, kind, doc, [(f'{{tier="{_label(t)}"}}', ts[key]) for t, ts in tiers.items()])
+    if cluster is not None:
+        family(
+            "cluster_members",
+            "gauge",
+            "Members in this member's view, itself included",
+            [("", len(cluster["members"]))],
+        )
+        for name, key, kind, doc in CLUSTER_METRICS:
+            family(name, kind, doc, [("", cluster[key])])
+        family(
+            "cluster_state",
+            "gauge",
+            "1 for this member's state (joining, member, degraded, isolated, left)",
+            [(f'{{state="{s}"}}', int(cluster["state"] == s)) for s in CLUSTER_STATES],
+        )
     return "\n".join(lines) + "\n"
 
 
 class MetricsServer:
     """/metrics and /stats.json over HTTP in a daemon thread."""
 
-    def __init__(self, server, address: str, port: int, facts: Mapping[str, Any]):
+    def __init__(
+        self,
+        server,
+        address: str,
+        port: int,
+        facts: Mapping[str, Any],
+        cluster: Callable[[], Mapping[str, Any]] | None = None,
+    ):
         """``facts``: the server's pid, socket, start time..., served in
-        /stats.json under "server" (read on each request)."""
+        /stats.json under "server" (read on each request). ``cluster``: the
+        membership's state, when the server is a cluster member."""
         outer = self
         self.pool = server
         self.facts = facts
+        self.cluster = cluster
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
@@ -152,7 +225,9 @@ class MetricsServer:
                 try:
                     if path == "/metrics":
                         body = prometheus_text(
-                            outer.pool.stats(), outer.facts.get("started")
+                            outer.pool.stats(),
+                            outer.facts.get("started"),
+                            outer.cluster() if outer.cluster else None,
                         ).encode()
                         ctype = "text/plain; version=0.0.4; charset=utf-8"
                     elif path == "/stats.json":
@@ -196,6 +271,7 @@ class MetricsServer:
             "server": dict(self.facts),
             "stats": self.pool.stats(),
             "clients": self.pool.clients(),
+            "cluster": self.cluster() if self.cluster else None,
         }
 
     def stop(self) -> None:
@@ -402,5 +478,23 @@ def format_pool_info(r: Mapping[str, Any]) -> str:
             ]
             heads = ["client", "pid", "uid", "namespace", "channels", "leases"]
             lines.append(format_table(heads + ["reservations", "requests"], rows))
+    cluster = r.get("cluster")
+    if cluster:
+        from cascade.serve import cluster_line
+
+        lines.append(cluster_line(cluster))
+        rows = [
+            [
+                m["node_id"],
+                m["generation"],
+                human_bytes(m["capacity_bytes"]),
+                m["transport"] or "(none yet)",
+            ]
+            for m in cluster["records"]
+        ]
+        lines.append(format_table(["member", "generation", "capacity", "transport"], rows))
+    elif info.get("cluster"):
+        c = info["cluster"]
+        lines.append(f"cluster {c['name']} as {c['node_id']} (its state is served with metrics)")
     lines.extend(r.get("notes", []))
     return "\n".join(lines)

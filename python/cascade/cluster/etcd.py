@@ -1,0 +1,383 @@
+"""A small client of etcd's v3 HTTP/JSON gateway, standard library only.
+
+etcd serves its v3 API as JSON over HTTP (``POST /v3/<service>/<method>``):
+keys and values travel base64-encoded, 64-bit integers as decimal strings.
+This client covers what membership needs: leases (grant, keep alive,
+revoke), put (optionally under a lease), a create-if-absent transaction,
+range by prefix and delete.
+
+Every call has a deadline: the endpoints are tried in turn, each given an
+equal share of the time left, and the whole exchange with one endpoint
+(connect, send, every read of the answer) ends when its share does, however
+slowly a peer trickles bytes. Whatever goes wrong (refused, timed out, an HTTP
+error, an answer that is not the JSON etcd sends) becomes ``ClusterError``,
+in ``_post`` alone. ``ClusterError.not_found`` marks etcd's NotFound (a
+lease that expired), which callers treat differently from an outage.
+
+Thread-safety: an ``EtcdClient`` holds no connection between calls (each
+call opens its own), so one client may be used from several threads.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import http.client
+import io
+import json
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+# gRPC status code etcd returns for a missing lease (and other missing things).
+GRPC_NOT_FOUND = 5
+# The most bytes read from one answer: a hostile or broken peer cannot make
+# the client buffer without bound.
+MAX_RESPONSE_BYTES = 16 << 20
+
+
+class _DeadlineSocket:
+    """A connected socket whose every send and receive is bounded by the
+    time left to one deadline, so no exchange outlives it."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock = sock
+        self._deadline = deadline
+        self._io_refs = 0
+        self._closed = False
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        self._sock.settimeout(left)
+
+    def sendall(self, data: bytes) -> None:
+        self._arm()
+        self._sock.sendall(data)
+
+    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
+        self._arm()
+        return self._sock.recv_into(buffer, nbytes, flags)
+
+    def makefile(self, mode: str = "rb", **_: Any) -> io.BufferedReader:
+        if mode != "rb":
+            raise ValueError("only reading files")
+        self._io_refs += 1
+        return io.BufferedReader(socket.SocketIO(self, "rb"))  # type: ignore[arg-type]
+
+    # The file of a response may outlive the connection's close (urllib
+    # closes the connection right after reading the headers): the socket is
+    # closed when both are done with it, as socket.socket does.
+    def _decref_socketios(self) -> None:
+        self._io_refs -= 1
+        if self._closed and self._io_refs <= 0:
+            self._sock.close()
+
+    def close(self) -> None:
+        self._closed = True
+        if self._io_refs <= 0:
+            self._sock.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _DeadlineConnection(http.client.HTTPConnection):
+    """An HTTP connection that treats its timeout as a budget for the whole
+    exchange, starting when it is made (urllib makes one per request)."""
+
+    def __init__(self, host: str, timeout: float = 1.0, **kw: Any):
+        super().__init__(host, timeout=timeout, **kw)
+        self._deadline = time.monotonic() + float(timeout)
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = _DeadlineSocket(self.sock, self._deadline)
+
+
+class _DeadlineHandler(urllib.request.HTTPHandler):
+    def http_open(self, req):
+        return self.do_open(_DeadlineConnection, req)
+
+
+class ClusterError(Exception):
+    """A call to the coordination service failed or was refused.
+
+    ``not_found``: etcd answered NotFound (the lease named no longer
+    exists), as opposed to the service being unreachable or failing.
+    """
+
+    def __init__(self, message: str, *, not_found: bool = False):
+        super().__init__(message)
+        self.not_found = not_found
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyValue:
+    """One key of a range answer."""
+
+    key: bytes
+    value: bytes
+    lease: int  # 0: the key is not attached to a lease
+    create_revision: int
+    mod_revision: int
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: Any) -> bytes:
+    if not isinstance(text, str):
+        raise ValueError(f"expected base64 text, got {type(text).__name__}")
+    return base64.b64decode(text, validate=True)
+
+
+def _int(value: Any) -> int:
+    """etcd's int64 fields: decimal strings, absent when zero."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return int(value)
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The range end that covers every key starting with ``prefix``."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"  # every key
+
+
+def check_endpoint(endpoint: str) -> str:
+    """``http://host:port`` without a trailing slash; ValueError otherwise."""
+    parsed = urllib.parse.urlsplit(endpoint)
+    if parsed.scheme != "http" or not parsed.hostname or parsed.port is None:
+        raise ValueError(f"etcd endpoint {endpoint!r}: expected http://HOST:PORT")
+    if parsed.path not in ("", "/") or parsed.query or parsed.fragment:
+        raise ValueError(f"etcd endpoint {endpoint!r}: expected http://HOST:PORT, no path")
+    return endpoint.rstrip("/")
+
+
+class EtcdClient:
+    """Calls to one etcd cluster through any of ``endpoints``.
+
+    ``timeout``: the default deadline of a call, in seconds.
+    """
+
+    def __init__(self, endpoints: Sequence[str], timeout: float = 2.0):
+        if isinstance(endpoints, str):
+            endpoints = [endpoints]
+        if not endpoints:
+            raise ValueError("etcd: at least one endpoint")
+        if not timeout > 0:
+            raise ValueError(f"etcd: the call deadline must be positive, not {timeout}")
+        self.endpoints = [check_endpoint(e) for e in endpoints]
+        self.timeout = float(timeout)
+        self._preferred = 0  # the endpoint that answered last is tried first
+        # No proxy from the environment: the service is reached directly.
+        self._opener = urllib.request.build_opener(
+            urllib.request.ProxyHandler({}), _DeadlineHandler()
+        )
+
+    def _post(self, path: str, body: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """POSTs ``body`` to each endpoint in turn until one answers; the one
+        place where failures become ClusterError."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        data = json.dumps(body).encode()
+        order = self.endpoints[self._preferred :] + self.endpoints[: self._preferred]
+        failures: list[str] = []
+        for i, endpoint in enumerate(order):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                failures.append(f"{endpoint}: deadline passed before trying")
+                continue
+            share = left / (len(order) - i)
+            request = urllib.request.Request(
+                endpoint + path,
+                data=data,
+                headers={"Content-Type": "application/json"},
+                method="POST",
+            )
+            try:
+                with self._opener.open(request, timeout=share) as r:
+                    raw = r.read(MAX_RESPONSE_BYTES + 1)
+                answer = self._decode(raw, endpoint, path)
+            except urllib.error.HTTPError as e:
+                # etcd answers errors with a status and a JSON body saying why.
+                try:
+                    info = json.loads(e.read(65536) or b"{}")
+                except (ValueError, OSError):
+                    info = {}
+                message = info.get("message") or info.get("error") or e.reason
+                code = info.get("code")
+                if code == GRPC_NOT_FOUND or e.code < 500:
+                    raise ClusterError(
+                        f"etcd {path} at {endpoint}: HTTP {e.code}: {message}",
+                        not_found=code == GRPC_NOT_FOUND,
+                    ) from None
+                # A member without a leader or quorum: another may answer.
+                failures.append(f"{endpoint}: HTTP {e.code}: {message}")
+                continue
+            except (OSError, http.client.HTTPException, socket.timeout) as e:
+                reason = getattr(e, "reason", None) or e
+                failures.append(f"{endpoint}: {type(reason).__name__}: {reason}")
+                continue
+            self._preferred = self.endpoints.index(endpoint)
+            return answer
+        raise ClusterError(f"etcd {path}: no endpoint answered: {'; '.join(failures)}")
+
+    @staticmethod
+    def _decode(raw: bytes, endpoint: str, path: str) -> dict[str, Any]:
+        if len(raw) > MAX_RESPONSE_BYTES:
+            raise ClusterError(f"etcd {path} at {endpoint}: answer over {MAX_RESPONSE_BYTES} B")
+        try:
+            answer = json.loads(raw)
+        except ValueError as e:
+            raise ClusterError(f"etcd {path} at {endpoint}: not JSON: {e}") from None
+        if not isinstance(answer, dict):
+            raise ClusterError(f"etcd {path} at {endpoint}: not a JSON object")
+        if "error" in answer and "header" not in answer and "result" not in answer:
+            raise ClusterError(
+                f"etcd {path} at {endpoint}: {answer.get('message') or answer['error']}",
+                not_found=answer.get("code") == GRPC_NOT_FOUND,
+            )
+        return answer
+
+    # Leases
+
+    def grant(self, ttl: int, timeout: float | None = None) -> int:
+        """A new lease of ``ttl`` seconds; its id."""
+        answer = self._post("/v3/lease/grant", {"TTL": int(ttl)}, timeout)
+        try:
+            lease = _int(answer.get("ID"))
+        except ValueError as e:
+            raise ClusterError(f"etcd lease grant: {e}") from None
+        if lease == 0 or answer.get("error"):
+            raise ClusterError(f"etcd lease grant refused: {answer.get('error') or answer}")
+        return lease
+
+    def keepalive(self, lease: int, timeout: float | None = None) -> int:
+        """Renews ``lease``; its TTL. ClusterError(not_found=True) when the
+        lease has expired or was revoked."""
+        answer = self._post("/v3/lease/keepalive", {"ID": str(lease)}, timeout)
+        result = answer.get("result")
+        if not isinstance(result, dict):
+            raise ClusterError(f"etcd lease keepalive: unexpected answer {answer!r:.200}")
+        try:
+            ttl = _int(result.get("TTL"))
+        except ValueError as e:
+            raise ClusterError(f"etcd lease keepalive: {e}") from None
+        if ttl <= 0:
+            raise ClusterError(f"etcd lease {lease:x} has expired", not_found=True)
+        return ttl
+
+    def revoke(self, lease: int, timeout: float | None = None) -> None:
+        """Ends ``lease`` and deletes its keys; a lease already gone is fine."""
+        try:
+            self._post("/v3/lease/revoke", {"ID": str(lease)}, timeout)
+        except ClusterError as e:
+            if not e.not_found:
+                raise
+
+    # Keys
+
+    def put(self, key: bytes, value: bytes, lease: int = 0, timeout: float | None = None) -> int:
+        """Stores ``value`` at ``key`` (attached to ``lease`` unless 0); the
+        revision of the store after the put."""
+        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            body["lease"] = str(lease)
+        answer = self._post("/v3/kv/put", body, timeout)
+        return self._revision(answer)
+
+    def create(
+        self, key: bytes, value: bytes, lease: int = 0, timeout: float | None = None
+    ) -> KeyValue | None:
+        """Stores ``value`` at ``key`` only if no such key exists: None when
+        stored, else the key that is already there."""
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = str(lease)
+        body = {
+            "compare": [{"target": "CREATE", "key": _b64(key), "create_revision": "0"}],
+            "success": [{"request_put": put}],
+            "failure": [{"request_range": {"key": _b64(key)}}],
+        }
+        answer = self._post("/v3/kv/txn", body, timeout)
+        if answer.get("succeeded"):
+            return None
+        try:
+            kvs = answer["responses"][0]["response_range"].get("kvs") or []
+            found = [self._kv(kv) for kv in kvs]
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise ClusterError(f"etcd txn: unexpected answer: {e!r}") from None
+        # The key may have expired between the compare and the range.
+        return found[0] if found else None
+
+    def range_prefix(
+        self, prefix: bytes, timeout: float | None = None
+    ) -> tuple[int, list[KeyValue | str]]:
+        """Every key under ``prefix``: (revision, items). An item that etcd
+        sent in a form this client cannot read is a str saying why, so one
+        bad entry does not hide the others."""
+        body = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+        answer = self._post("/v3/kv/range", body, timeout)
+        revision = self._revision(answer)
+        kvs = answer.get("kvs") or []
+        if not isinstance(kvs, list):
+            raise ClusterError("etcd range: kvs is not a list")
+        items: list[KeyValue | str] = []
+        for kv in kvs:
+            try:
+                items.append(self._kv(kv))
+            except (TypeError, ValueError, AttributeError) as e:
+                items.append(f"unreadable entry: {e}")
+        return revision, items
+
+    def delete_prefix(self, prefix: bytes, timeout: float | None = None) -> int:
+        """Deletes every key under ``prefix``; how many were deleted."""
+        body = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+        answer = self._post("/v3/kv/deleterange", body, timeout)
+        try:
+            return _int(answer.get("deleted"))
+        except ValueError as e:
+            raise ClusterError(f"etcd deleterange: {e}") from None
+
+    def delete(self, key: bytes, timeout: float | None = None) -> int:
+        answer = self._post("/v3/kv/deleterange", {"key": _b64(key)}, timeout)
+        try:
+            return _int(answer.get("deleted"))
+        except ValueError as e:
+            raise ClusterError(f"etcd deleterange: {e}") from None
+
+    @staticmethod
+    def _revision(answer: dict[str, Any]) -> int:
+        header = answer.get("header")
+        try:
+            if not isinstance(header, dict):
+                raise ValueError("no header")
+            return _int(header.get("revision"))
+        except ValueError as e:
+            raise ClusterError(f"etcd: answer without a revision: {e}") from None
+
+    @staticmethod
+    def _kv(kv: Any) -> KeyValue:
+        if not isinstance(kv, dict):
+            raise ValueError("not an object")
+        return KeyValue(
+            key=_unb64(kv.get("key")),
+            value=_unb64(kv.get("value", "")),
+            lease=_int(kv.get("lease")),
+            create_revision=_int(kv.get("create_revision")),
+            mod_revision=_int(kv.get("mod_revision")),
+        )

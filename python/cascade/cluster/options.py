@@ -1,0 +1,87 @@
+"""The ``cluster:`` section of ``cascade serve``'s configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from cascade.cluster.etcd import check_endpoint
+from cascade.cluster.records import check_name
+from cascade.cluster.ring import DEFAULT_POINTS, MAX_POINTS
+
+
+@dataclasses.dataclass
+class ClusterOptions:
+    endpoints: list[str] = dataclasses.field(default_factory=list)  # etcd, http://HOST:PORT
+    name: str = "default"  # members of one cluster share this name
+    node_id: str = ""  # "": default_node_id(socket)
+    lease_ttl_seconds: int = 10  # a killed member drops out after this long
+    refresh_seconds: float = 1.0  # how often the member list is read
+    grace_seconds: float = 30.0  # the last view is kept this long without the service
+    request_timeout_seconds: float = 2.0  # deadline of each call to the service
+    points_per_member: int = DEFAULT_POINTS
+    replicas: int = 1
+
+
+def default_node_id(socket_path: str) -> str:
+    """The host's name and a digest of the server's socket path: two servers
+    of one host (different sockets) get different ids, a restarted server
+    the same."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip(".-_") or "host"
+    digest = hashlib.sha256(socket_path.encode()).hexdigest()[:8]
+    return check_name(f"{host[:100]}-{digest}", "node id")
+
+
+def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOptions:
+    """ClusterOptions from a ``cluster:`` mapping; unknown keys and bad values
+    are a ValueError."""
+    known = {f.name for f in dataclasses.fields(ClusterOptions)}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown cluster option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    o = ClusterOptions()
+    for name, value in section.items():
+        if value is None:
+            continue
+        if name == "endpoints":
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, list) or not value:
+                raise ValueError("cluster.endpoints: a list of http://HOST:PORT")
+            value = [check_endpoint(str(v)) for v in value]
+        elif name in ("name", "node_id"):
+            value = check_name(str(value), f"cluster.{name}")
+        elif name in ("lease_ttl_seconds", "points_per_member", "replicas"):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"cluster.{name}: a whole number, not {value!r}")
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"cluster.{name}: a number of seconds, not {value!r}")
+            value = float(value)
+        setattr(o, name, value)
+    if not o.endpoints:
+        raise ValueError("cluster.endpoints: at least one etcd endpoint (http://HOST:PORT)")
+    if o.lease_ttl_seconds < 2:
+        raise ValueError(f"cluster.lease_ttl_seconds: at least 2, not {o.lease_ttl_seconds}")
+    if not 0 < o.refresh_seconds <= 3600:
+        raise ValueError(f"cluster.refresh_seconds: above 0, at most 3600: {o.refresh_seconds}")
+    if o.grace_seconds < 0:
+        raise ValueError(f"cluster.grace_seconds: at least 0, not {o.grace_seconds}")
+    if not 0 < o.request_timeout_seconds < o.lease_ttl_seconds:
+        raise ValueError(
+            "cluster.request_timeout_seconds: above 0 and below the lease TTL, not "
+            f"{o.request_timeout_seconds}"
+        )
+    if not 1 <= o.points_per_member <= MAX_POINTS:
+        raise ValueError(f"cluster.points_per_member: 1 to {MAX_POINTS}")
+    if o.replicas not in (1, 2):
+        raise ValueError(f"cluster.replicas: 1 or 2, not {o.replicas}")
+    if not o.node_id:
+        o.node_id = default_node_id(socket_path)
+    return o

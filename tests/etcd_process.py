@@ -1,0 +1,77 @@
+"""A real etcd server for the cluster tests: one member on free loopback
+ports with a temporary data directory, killed and restarted at will.
+
+``ETCD`` is the binary's path, or None where etcd is not installed (the
+tests that need it skip, saying so)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+ETCD = shutil.which("etcd")
+SKIP_REASON = "etcd is not installed (Debian: apt-get install etcd-server; `make test` does)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdProcess:
+    """``etcd`` serving http://127.0.0.1:<port>, its data under ``data_dir``."""
+
+    def __init__(self, data_dir: str):
+        assert ETCD, SKIP_REASON
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.log_path = os.path.join(os.path.dirname(data_dir), "etcd.log")
+
+    def start(self, timeout: float = 15.0) -> None:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(
+            [
+                ETCD,
+                "--name=test",
+                f"--data-dir={self.data_dir}",
+                f"--listen-client-urls={self.endpoint}",
+                f"--advertise-client-urls={self.endpoint}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=test={peer}",
+                "--log-level=warn",
+            ],
+            stdout=log,
+            stderr=log,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"etcd exited: {self.log()}"
+            try:
+                with urllib.request.urlopen(self.endpoint + "/health", timeout=1) as r:
+                    if b'"true"' in r.read():
+                        return
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"etcd not healthy in {timeout} s: {self.log()}"
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-3000:]

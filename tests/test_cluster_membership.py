@@ -1,0 +1,327 @@
+"""Membership against real etcd processes: register and list, a member
+killed with SIGKILL, a member joining, etcd killed and restarted, a lease
+lost, a silent endpoint, hostile records. Every wait is bounded."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import cascade
+from cascade.cluster import ClusterError, EtcdClient, Membership, PlacementRing
+from cascade.cluster.records import members_prefix
+from etcd_process import ETCD, SKIP_REASON, EtcdProcess
+
+pytestmark = pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENV = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(cascade.__file__)))
+IDS = [os.urandom(16) for _ in range(6000)]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
+    """Seconds until ``cond()`` held; fails after ``timeout``."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+@pytest.fixture
+def etcd() -> Iterator[EtcdProcess]:
+    d = tempfile.mkdtemp(prefix="cascade-etcd-")
+    server = EtcdProcess(os.path.join(d, "data"))
+    server.start()
+    yield server
+    server.kill()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def members(etcd) -> Iterator[Callable[..., Membership]]:
+    made: list[Membership] = []
+
+    def make(node_id: str, cluster: str = "t", **kw) -> Membership:
+        kw.setdefault("lease_ttl", 2)
+        kw.setdefault("refresh_seconds", 0.1)
+        timeout = kw.pop("timeout", 1.0)
+        m = Membership(EtcdClient([etcd.endpoint], timeout=timeout), cluster, node_id, **kw)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.close(timeout=1.0)
+
+
+def ids_of(m: Membership) -> list[str]:
+    return m.view().ids()
+
+
+def test_register_list_and_leave(members):
+    a = members("a", transport=b"\x00ucx-address\xff", capacity_bytes=1 << 30)
+    b = members("b")
+    assert a.start() and b.start()
+    wait_for(lambda: ids_of(a) == ids_of(b) == ["a", "b"], 5, "both see both")
+    rec = b.view().members["a"]
+    assert rec.transport == b"\x00ucx-address\xff" and rec.capacity_bytes == 1 << 30
+    assert rec.generation == a.record.generation and rec.started == a.record.started
+    assert b.state()["state"] == "member" and b.state()["view_version"] >= 1
+    assert a.ring().members == ("a", "b") and a.ring().version == a.view().version
+    a.close()
+    # A clean leave revokes the lease: gone well before the 2 s TTL.
+    took = wait_for(lambda: ids_of(b) == ["b"], 5, "b sees a leave")
+    assert took < 1.5 and a.state()["state"] == "left"
+
+
+def test_killed_member_drops_out_after_its_ttl(etcd, members):
+    a, b = members("a"), members("b")
+    assert a.start() and b.start()
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(HERE, "cluster_member_child.py"),
+            etcd.endpoint,
+            "t",
+            "victim",
+            "2",
+        ],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = child.stdout.readline() if child.stdout else ""
+        assert line.strip() == "registered", child.stderr.read() if child.stderr else ""
+        wait_for(lambda: ids_of(a) == ids_of(b) == ["a", "b", "victim"], 5, "three members")
+        ring3 = a.ring()
+        victims = [i for i in IDS if ring3.owner(i) == "victim"]
+        assert victims
+        t0 = time.monotonic()
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        wait_for(lambda: ids_of(a) == ids_of(b) == ["a", "b"], 8, "victim drops out")
+        took = time.monotonic() - t0
+        # Not before its lease could expire (a renewal may be up to a third
+        # of the TTL old), and within the TTL plus a refresh and some slack.
+        assert 2 * 2 / 3 - 0.3 < took < 2 + 2.0, took
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    ra, rb = a.ring(), b.ring()
+    assert ra.members == rb.members == ("a", "b")
+    assert ra.owner_batch(victims) == rb.owner_batch(victims)
+    # Nobody else's ids moved.
+    others = [i for i in IDS if ring3.owner(i) != "victim"]
+    assert ra.owner_batch(others) == ring3.owner_batch(others)
+
+
+def test_joining_member_takes_its_share(members):
+    old = [members(n) for n in ("a", "b", "c")]
+    for m in old:
+        assert m.start()
+    wait_for(lambda: all(ids_of(m) == ["a", "b", "c"] for m in old), 5, "three members")
+    before = old[0].ring().owner_batch(IDS)
+    d = members("d")
+    assert d.start()
+    wait_for(lambda: all(ids_of(m) == ["a", "b", "c", "d"] for m in [*old, d]), 5, "d joins")
+    after = old[1].ring().owner_batch(IDS)
+    assert d.ring().owner_batch(IDS) == after
+    moved = [(x, y) for x, y in zip(before, after) if x != y]
+    assert {y for _, y in moved} == {"d"}
+    assert 0.15 < len(moved) / len(IDS) < 0.35, len(moved) / len(IDS)
+
+
+def test_etcd_restart_keeps_views_and_members_reregister(etcd, members, caplog):
+    caplog.set_level(logging.INFO, logger="cascade.cluster")
+    a = members("a", lease_ttl=3, grace_seconds=30, timeout=0.5)
+    b = members("b", lease_ttl=3, grace_seconds=0.5, timeout=0.5)
+    assert a.start() and b.start()
+    wait_for(lambda: ids_of(a) == ids_of(b) == ["a", "b"], 5, "both see both")
+    lease_before = a.state()["lease"]
+    etcd.kill()
+    wait_for(lambda: a.state()["state"] == "degraded", 5, "a notices the outage")
+    # Within its grace, a keeps serving its last view; past it, b is alone.
+    wait_for(lambda: b.state()["state"] == "isolated", 5, "b isolated after its grace")
+    assert ids_of(b) == ["b"] and ids_of(a) == ["a", "b"]
+    assert a.ring().members == ("a", "b")
+    time.sleep(3.5)  # longer than the TTL: leases would have expired without the restart
+    assert ids_of(a) == ["a", "b"] and a.state()["state"] == "degraded"
+    assert a.state()["renew_failures"] > 0
+    etcd.start()
+    wait_for(
+        lambda: (
+            a.state()["state"] == b.state()["state"] == "member"
+            and ids_of(a) == ids_of(b) == ["a", "b"]
+        ),
+        10,
+        "views converge after the restart",
+    )
+    # etcd restored the lease from its data directory with a full TTL.
+    assert a.state()["lease"] == lease_before and a.state()["registrations"] == 1
+    text = caplog.text
+    assert "did not answer" in text and "back after" in text
+    assert "sees itself alone" in text
+
+
+def test_lost_lease_is_registered_again(etcd, members, caplog):
+    caplog.set_level(logging.INFO, logger="cascade.cluster")
+    a, b = members("a"), members("b")
+    assert a.start() and b.start()
+    wait_for(lambda: ids_of(b) == ["a", "b"], 5, "both")
+    old = a.state()["lease"]
+    EtcdClient([etcd.endpoint]).revoke(int(old, 16))  # as if it had expired
+    wait_for(lambda: a.state()["lease"] not in ("", old), 5, "a re-registers")
+    wait_for(lambda: ids_of(b) == ["a", "b"], 5, "b sees a again")
+    assert a.state()["registrations"] == 2 and "re-registered" in caplog.text
+    assert b.view().members["a"].generation == a.record.generation
+
+
+def test_duplicate_node_id_waits_for_the_live_one(members):
+    first = members("same")
+    assert first.start()
+    second = members("same")
+    assert not second.start()
+    assert "another live process" in second.state()["last_error"]
+    assert second.state()["state"] == "joining"
+    first.close()
+    wait_for(lambda: second.state()["state"] == "member", 5, "second registers")
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    # Accepts connections (the kernel's backlog) and never answers.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_silent_endpoint_fails_within_the_deadline(silent_endpoint, etcd):
+    client = EtcdClient([silent_endpoint], timeout=0.5)
+    for call in (lambda: client.grant(5), lambda: client.range_prefix(b"/x/")):
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError, match="no endpoint answered"):
+            call()
+        assert time.monotonic() - t0 < 0.5 + 0.3
+    # With a live endpoint after the silent one, the call succeeds in time.
+    both = EtcdClient([silent_endpoint, etcd.endpoint], timeout=1.0)
+    t0 = time.monotonic()
+    assert both.grant(5) > 0
+    assert time.monotonic() - t0 < 1.3
+    m = Membership(client, "t", "lonely", lease_ttl=2, refresh_seconds=0.1, grace_seconds=0.3)
+    t0 = time.monotonic()
+    assert not m.start()
+    assert time.monotonic() - t0 < 1.5
+    wait_for(lambda: m.state()["state"] == "isolated", 3, "isolated")
+    assert m.view().ids() == ["lonely"]
+    t0 = time.monotonic()
+    m.close(timeout=0.5)
+    assert time.monotonic() - t0 < 3
+
+
+@pytest.fixture
+def trickling_endpoint() -> Iterator[str]:
+    # Answers, one byte every 50 ms, an HTTP header that never ends.
+    stop = threading.Event()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.1)
+
+    def serve() -> None:
+        conns = []
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                conns.append(conn)
+            except TimeoutError:
+                pass
+            for c in conns:
+                try:
+                    c.sendall(b"a")
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        for c in conns:
+            c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    t.join(5)
+    listener.close()
+
+
+def test_trickling_endpoint_fails_within_the_deadline(trickling_endpoint):
+    client = EtcdClient([trickling_endpoint], timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match="no endpoint answered"):
+        client.grant(5)
+    assert time.monotonic() - t0 < 0.5 + 0.3
+
+
+def test_refused_endpoint_and_bad_arguments():
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    addr = f"http://127.0.0.1:{port.getsockname()[1]}"
+    port.close()
+    with pytest.raises(ClusterError):
+        EtcdClient([addr], timeout=0.5).grant(5)
+    for bad in ([], ["localhost:2379"], ["http://127.0.0.1:2379/v3"]):
+        with pytest.raises(ValueError):
+            EtcdClient(bad)
+    client = EtcdClient([addr])
+    with pytest.raises(ValueError):
+        Membership(client, "t", "bad id")
+    with pytest.raises(ValueError):
+        Membership(client, "t/x", "a")
+    with pytest.raises(ValueError):
+        Membership(client, "t", "a", lease_ttl=1)
+
+
+def test_hostile_records_are_ignored_and_counted(etcd, members, caplog):
+    client = EtcdClient([etcd.endpoint])
+    prefix = members_prefix("t")
+    good = b'{"format":1,"node_id":"static","transport":"","capacity_bytes":5,"generation":1}'
+    hostile = {
+        b"notjson": b"{{{",
+        b"list": b"[1,2]",
+        b"other": b'{"format":1,"node_id":"someone-else"}',
+        b"format2": b'{"format":2,"node_id":"format2"}',
+        b"bigcap": b'{"format":1,"node_id":"bigcap","capacity_bytes":-1}',
+        b"badb64": b'{"format":1,"node_id":"badb64","transport":"***"}',
+        b"huge": b'{"format":1,"node_id":"huge","transport":"' + b"A" * 8000 + b'"}',
+        b"bad name": b'{"format":1,"node_id":"bad name"}',
+        b"\xff\xfe": b'{"format":1}',
+        b"nan": b'{"format":1,"node_id":"nan","started":NaN}',
+        b"static": good,
+    }
+    for key, value in hostile.items():
+        client.put(prefix + key, value)
+    caplog.set_level(logging.WARNING, logger="cascade.cluster")
+    a = members("a")
+    assert a.start()
+    wait_for(lambda: ids_of(a) == ["a", "static"], 5, "valid records only")
+    time.sleep(0.5)  # several refreshes: each bad entry is counted once
+    assert a.state()["malformed_records"] == len(hostile) - 1
+    assert caplog.text.count("ignoring entry") == len(hostile) - 1
+    assert isinstance(a.ring(), PlacementRing) and a.ring().members == ("a", "static")
+    client.put(prefix + b"notjson", b"still not json")  # a new version is a new warning
+    wait_for(lambda: a.state()["malformed_records"] == len(hostile), 5, "counted again")

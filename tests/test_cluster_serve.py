@@ -1,0 +1,154 @@
+"""`cascade serve` with a `cluster:` section: two servers join one cluster
+in a real etcd, show it in their metrics and `cascade info --pool`, and
+leave it on SIGTERM; a bad section is refused before the server starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+from cascade.cluster import default_node_id
+from etcd_process import ETCD, SKIP_REASON, EtcdProcess
+from test_serve import Server, cli, free_port, scrape
+
+pytestmark = pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)
+
+
+@pytest.fixture
+def place():
+    d = tempfile.mkdtemp(prefix="cascade-cl-")  # short: a socket path has 107 bytes
+    shms = [f"/dev/shm/cascade-test-cl-{uuid.uuid4().hex[:12]}" for _ in range(2)]
+    etcd = EtcdProcess(os.path.join(d, "etcd"))
+    etcd.start()
+    servers: list[Server] = []
+    yield d, shms, etcd, servers
+    for s in servers:
+        s.stop()
+    etcd.kill()
+    for p in shms:
+        if os.path.exists(p):
+            os.unlink(p)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.1)
+
+
+def start(place, i: int, port: int, node_id: str | None, run: int = 0) -> Server:
+    d, shms, etcd, servers = place
+    store = {
+        "shm_path": shms[i],
+        "shm_capacity_bytes": "32MiB",
+        "cluster": {
+            "endpoints": [etcd.endpoint],
+            "name": "pools",
+            "node_id": node_id,  # None: the default id
+            "lease_ttl_seconds": 3,
+            "refresh_seconds": 0.2,
+        },
+    }
+    section = {
+        "socket": os.path.join(d, f"r{i}", "pool.sock"),
+        "metrics_port": port,
+        "summary_seconds": 1,
+    }
+    srv = Server(d, store, section, name=f"pool{i}-{run}.yaml")
+    servers.append(srv)
+    return srv
+
+
+def records(url: str) -> dict[str, dict]:
+    snap = json.load(urllib.request.urlopen(url + "/stats.json", timeout=10))
+    return {r["node_id"]: r for r in snap["cluster"]["records"]}
+
+
+def test_two_servers_form_a_cluster_and_leave_it(place):
+    d, shms, etcd, servers = place
+    ports = [free_port(), free_port()]
+    for i in range(2):
+        start(place, i, ports[i], f"node-{i}" if i else None)
+    for srv in servers:
+        srv.wait_ready()
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    until(
+        lambda: all(scrape(u).get("cascade_pool_cluster_members") == 2 for u in urls),
+        10,
+        "both servers see two members",
+    )
+    m = scrape(urls[1])
+    assert m['cascade_pool_cluster_state{state="member"}'] == 1
+    assert m["cascade_pool_cluster_view_version"] >= 1
+    assert m["cascade_pool_cluster_lease_renew_failures_total"] == 0
+    snap = json.load(urllib.request.urlopen(urls[1] + "/stats.json", timeout=10))
+    records = {r["node_id"]: r for r in snap["cluster"]["records"]}
+    default_id = next(n for n in records if n != "node-1")
+    assert default_id == default_node_id(servers[0].socket)
+    assert records["node-1"]["capacity_bytes"] == 32 << 20
+    assert records["node-1"]["transport"] == ""  # no data transport yet
+
+    info = cli("info", "--pool", servers[1].socket)
+    assert info.returncode == 0, info.stderr
+    assert "cluster pools as node-1: member, 2 members" in info.stdout
+    assert default_id in info.stdout and "(none yet)" in info.stdout
+
+    servers[0].proc.send_signal(signal.SIGTERM)
+    assert servers[0].wait() == 0
+    assert "left cluster pools" in servers[0].text()
+    # A clean leave: the other sees it at once, not after the TTL.
+    t0 = time.monotonic()
+    until(lambda: scrape(urls[1])["cascade_pool_cluster_members"] == 1, 5, "node 0 leaves")
+    assert time.monotonic() - t0 < 2.5
+    until(lambda: "cluster pools as node-1: member, 1 members" in servers[1].text(), 5, "log")
+
+
+def test_bad_cluster_section_is_refused(place):
+    d, shms, etcd, servers = place
+    store = {"shm_path": shms[0], "shm_capacity_bytes": "32MiB", "cluster": {"replicas": 3}}
+    srv = Server(d, store, {"socket": os.path.join(d, "r", "pool.sock")})
+    servers.append(srv)
+    assert srv.wait() == 1
+    assert "cluster.endpoints" in srv.text() or "unknown" in srv.text()
+    store["cluster"] = {"endpoints": [etcd.endpoint], "replicas": 3}
+    srv = Server(d, store, {"socket": os.path.join(d, "r", "pool.sock")}, name="b.yaml")
+    servers.append(srv)
+    assert srv.wait() == 1
+    assert "cluster.replicas: 1 or 2" in srv.text()
+
+
+def test_killed_server_drops_out_and_its_restart_joins_again(place):
+    ports = [free_port(), free_port()]
+    first = start(place, 0, ports[0], "node-0")
+    start(place, 1, ports[1], "node-1")
+    for srv in place[3]:
+        srv.wait_ready()
+    url = f"http://127.0.0.1:{ports[1]}"
+    until(lambda: len(records(url)) == 2, 10, "two members")
+    old_generation = records(url)["node-0"]["generation"]
+    t0 = time.monotonic()
+    first.proc.send_signal(signal.SIGKILL)
+    first.wait()
+    until(lambda: list(records(url)) == ["node-1"], 8, "node 0 drops out")
+    took = time.monotonic() - t0
+    assert 1.5 < took < 3 + 2.0, took  # its lease's TTL (3 s), give or take a renewal
+    m = scrape(url)
+    assert m["cascade_pool_cluster_members"] == 1
+    assert m["cascade_pool_cluster_view_version"] >= 2
+    # The restarted server (same node id, arena kept) takes its place with a
+    # new generation: its memory is a new process's.
+    again = start(place, 0, ports[0], "node-0", run=1)
+    again.wait_ready()
+    until(lambda: len(records(url)) == 2, 10, "node 0 back")
+    assert records(url)["node-0"]["generation"] > old_generation
+    assert "joined: node-0" in place[3][1].text()
