@@ -322,3 +322,32 @@ def test_locate_answers_are_checked():
     finally:
         a.close()
         b.close()
+
+
+def test_hits_in_memory_tiers_are_loaded_without_a_plan(ranks):
+    key, (r0,) = ranks()
+    p = SchedulerPlanner(
+        ConnectorConfig(tier_rates={"host": 1e-9}),  # a model that would refuse them
+        namespace(1),
+        lk.PrefixLookup(key, 1, mode="off"),
+        kv_bytes_per_token=BYTES_PER_TOKEN,
+        num_layers=L,
+    )
+    assert p.load_planner is not None
+    _, plan = schedule_prefill(p, "a", PROMPT, list(range(13)))
+    r0.step(plan)
+    r0.worker.wait_all_saves()
+    n, plan = schedule_prefill(p, "b", PROMPT, list(range(13)))
+    assert n == 12 * BS and p.track("b", PROMPT).plan is None
+
+
+def test_outcome_of_a_request_finished_in_its_last_step(file_rank):
+    rank = file_rank()
+    saved_in_files(rank, rank.key)
+    p = planned(rank.key, tier_rates={"file": 50.0}, prefill_tokens_per_s=10.0)
+    schedule_prefill(p, "a", PROMPT, list(range(13)))
+    # vLLM frees a request that ends in this step before the step's end is seen.
+    assert p.request_finished("a") is False
+    p.step_done()
+    assert p.load_planner.trace[-1]["kind"] == "load_prefix"
+    assert not p._finishing

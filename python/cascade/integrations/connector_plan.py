@@ -17,7 +17,7 @@ from cascade.integrations.connector_config import (
 )
 from cascade.integrations.connector_metrics import ConnectorMetrics, TraceRecorder
 from cascade.integrations.ids import KvNamespace, prefix_block_ids
-from cascade.planner import LoadPlanner, Plan
+from cascade.planner import MEMORY_TIERS, LoadPlanner, Plan
 
 # ---------------------------------------------------------------------------
 # The plan of one engine step (scheduler -> workers; plain, picklable data)
@@ -217,6 +217,11 @@ class SchedulerPlanner:
                 kv_bytes_per_token, num_layers, chunk_tokens
             )
         self.clock = StepClock()
+        self._ran_a_step = False  # a step with tokens has ended
+        # Requests finished before the end of their last step was seen (vLLM
+        # frees a request while it processes the step's output, then ends
+        # the step): kept for that step's outcome, then dropped.
+        self._finishing: dict[str, _Tracked] = {}
         self._out_load_s = 0.0  # workers' load seconds reported since the last step ended
         self._out_load_bytes = 0.0
 
@@ -298,7 +303,14 @@ class SchedulerPlanner:
         t.lookup_present = present
         found = max(0, hit_tokens - num_computed_tokens)
         t.plan = None
-        if planner is not None and found and num_computed_tokens % self.block_size == 0:
+        # Hits wholly in memory tiers are loaded without a plan: a copy from
+        # memory beats recomputing on any engine, and a model still learning
+        # must not refuse one.
+        slow = planner is not None and any(
+            planner.tiers[w] not in MEMORY_TIERS
+            for w in tiers[num_computed_tokens // self.block_size : hit_blocks]
+        )
+        if planner is not None and slow and found and num_computed_tokens % self.block_size == 0:
             t.plan = planner.plan(
                 len(t.prompt),
                 self.block_size,
@@ -480,6 +492,7 @@ class SchedulerPlanner:
         load_s, load_bytes = self._out_load_s, self._out_load_bytes
         self._out_load_s = self._out_load_bytes = 0.0
         if ended is None:
+            self._finishing.clear()
             return
         step, start, seconds = ended
         if step.load_bytes and load_s > 0 and load_bytes > 0:
@@ -488,11 +501,15 @@ class SchedulerPlanner:
         # A layer-by-layer load runs beside the forward pass: such a step's
         # time is not its compute time plus its load's.
         overlapped = self.config.use_layerwise and load_s > 0
-        if len(busy) == 1 and seconds > load_s and not overlapped:
+        # The engine's first step carries one-time costs (first calls of its
+        # kernels, allocations): it would teach a prefill rate far too slow.
+        first = busy and not self._ran_a_step
+        self._ran_a_step = self._ran_a_step or bool(busy)
+        if len(busy) == 1 and seconds > load_s and not overlapped and not first:
             _, m, p = busy[0]
             planner.observe_prefill(m, p, seconds - load_s)
         for req_id, m, p in busy:
-            t = self._reqs.get(req_id)
+            t = self._reqs.get(req_id) or self._finishing.get(req_id)
             if t is None or t.plan is None:
                 continue
             if t.plan_t0 is None:
@@ -515,6 +532,7 @@ class SchedulerPlanner:
                     alone=t.plan_solo,
                     why=entry["why"],
                 )
+        self._finishing.clear()
 
     def _learn_rates(self, by_tier: Mapping[str, int], seconds: float) -> None:
         planner = self.load_planner
@@ -546,6 +564,8 @@ class SchedulerPlanner:
     def request_finished(self, req_id: str) -> bool:
         """Forgets the request; True when its pages must stay until its saves are reported done."""
         t = self._reqs.pop(req_id, None)
+        if t is not None and t.plan is not None and self.load_planner is not None:
+            self._finishing[req_id] = t
         return bool(t is not None and t.has_saves)
 
     def forget(self, req_id: str) -> None:
