@@ -193,7 +193,7 @@ class Plan:
             parts.append(f"{self.held_tokens:,} held by the engine")
         if self.loaded_blocks:
             tiers = ", ".join(
-                f"{b // max(1, self._bpt()):,} tokens from {t} at {self.rates.get(t, 0):.1f} GB/s"
+                f"{b // max(1, self._bpt()):,} tokens from {t} at {_rate(self.rates.get(t, 0))}"
                 for t, b in self.bytes_by_tier.items()
             )
             parts.append(tiers)
@@ -213,6 +213,10 @@ class Plan:
         tokens = self.loaded_tokens
         total = sum(self.bytes_by_tier.values())
         return total // tokens if tokens else 1
+
+
+def _rate(gbps: float) -> str:
+    return f"{gbps:.1f} GB/s" if gbps >= 0.1 else f"{gbps * 1e3:.1f} MB/s"
 
 
 class LoadPlanner:

@@ -17,7 +17,9 @@ With ``--slow-rates``, for each rate a slow file tier (the store's
 ``file_read_bytes_per_s`` cap on the same segment files) in two freshly
 started engines, one per load policy: ``all`` loads every hit block,
 ``auto`` loads only what the connector's load-or-compute plan says pays.
-Each slow row gives the plan the connector made (tokens loaded and
+The auto engine also runs each prompt under a cache salt of its own right
+after: a full prefill in the same engine to compare with. Each slow row
+gives the plan the connector made (tokens loaded and
 computed), its predicted time and the time the scheduler measured, from
 the connector's trace.
 """
@@ -143,7 +145,8 @@ def _plans(trace_path: str, since: int) -> tuple[list[dict[str, Any]], int]:
 
 
 def _rate_name(rate: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    units = (("GiB", 1 << 30), ("MiB", 1 << 20), ("GB", 10**9), ("MB", 10**6), ("KiB", 1 << 10))
+    for unit, size in units:
         if rate % size == 0:
             return f"{rate // size} {unit}/s"
     return f"{rate / 1e6:g} MB/s"
@@ -351,6 +354,11 @@ def _slow_rows(args, model_dir, extra, work, rate, policy, prompts, refs, rows, 
             row[f"{key}_s"] = dt
             row[f"{key}_cached_tokens"] = cached
             row[f"{key}_same"] = token == ref_token and abs(lp - ref_lp) < 1e-3
+            if policy == "auto":
+                # The same prompt under a salt of its own, in this engine right
+                # after: a full prefill to hold auto against, free of the drift
+                # between engines started minutes apart on a shared machine.
+                row[f"{key}_full_s"] = eng.ttft(prompts[n], salt="slow-full")[0]
             if outcomes:
                 plan = outcomes[-1]
                 row[f"{key}_plan"] = {
@@ -411,6 +419,7 @@ def _format_slow(report: dict[str, Any], rate: int) -> str:
         if r.get(f"{a}_s") is None or r.get(f"{b}_s") is None:
             continue
         plan = r.get(f"{b}_plan") or {}
+        here = r.get(f"{b}_full_s")
         measured = plan.get("measured_ms")
         predicted = plan.get("predicted_ms")
         err = (
@@ -426,7 +435,8 @@ def _format_slow(report: dict[str, Any], rate: int) -> str:
                 f"{r[f'{a}_s'] / full:.2f}",
                 _same(r, a),
                 r[f"{b}_s"],
-                f"{r[f'{b}_s'] / full:.2f}",
+                "" if here is None else here,
+                "" if here is None else f"{r[f'{b}_s'] / here:.2f}",
                 _same(r, b),
                 r.get(f"{b}_cached_tokens"),
                 "" if predicted is None else f"{predicted / 1e3:.2f}",
@@ -441,6 +451,7 @@ def _format_slow(report: dict[str, Any], rate: int) -> str:
         "all/full",
         "same token",
         "auto s",
+        "full s (same engine)",
         "auto/full",
         "same token",
         "auto loaded",
