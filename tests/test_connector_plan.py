@@ -351,3 +351,19 @@ def test_outcome_of_a_request_finished_in_its_last_step(file_rank):
     p.step_done()
     assert p.load_planner.trace[-1]["kind"] == "load_prefix"
     assert not p._finishing
+
+
+def test_a_load_barely_faster_than_computing_is_not_planned(file_rank):
+    rank = file_rank()
+    saved_in_files(rank, rank.key)
+    # 12 blocks of 768 B from files at 0.53 MB/s, then 3 tokens computed: 18.5 ms;
+    # computing all 51 tokens at 2,600 tokens/s: 19.6 ms. Loading is 6% faster:
+    # within the margin.
+    p = planned(rank.key, tier_rates={"file": 0.00053}, prefill_tokens_per_s=2600.0)
+    n = p.matched_tokens("a", PROMPT, None, 0)
+    t = p.track("a", PROMPT)
+    assert n == 0 and t.plan.kind == "compute"
+    assert t.plan.alternatives["load_prefix"] < t.plan.alternatives["compute"]
+    # At 2 MB/s loading is three times as fast: planned.
+    p = planned(rank.key, tier_rates={"file": 0.002}, prefill_tokens_per_s=2600.0)
+    assert p.matched_tokens("b", PROMPT, None, 0) == 12 * BS

@@ -228,6 +228,10 @@ class SchedulerPlanner:
     # Loads smaller than this teach the tier rates nothing: their fixed costs
     # would pass for a slow tier.
     MIN_RATE_BYTES = 1 << 20
+    # A load from a slow tier is planned only when it is predicted this much
+    # faster than computing: a smaller gain is within the predictions' error,
+    # and the tier's bandwidth may be shared.
+    LOAD_MARGIN = 0.1
 
     def _make_load_planner(self, bytes_per_token: int, layers: int, chunk: int | None):
         tiers = planner_tiers(self.config)
@@ -317,6 +321,16 @@ class SchedulerPlanner:
                 tiers[:hit_blocks],
                 computed_tokens=num_computed_tokens,
             )
+            compute_s = t.plan.alternatives.get("compute", 0.0)
+            if t.plan.kind == "load_prefix" and (
+                t.plan.predicted.get("total", 0.0) > (1 - self.LOAD_MARGIN) * compute_s
+            ):
+                # Not enough faster to be worth it: the plan computes.
+                alternatives = t.plan.alternatives
+                t.plan = planner.plan(
+                    len(t.prompt), self.block_size, [], computed_tokens=num_computed_tokens
+                )
+                t.plan.alternatives = alternatives
             if t.plan.kind == "load_prefix":
                 hit_tokens = t.plan.load_end * self.block_size
             else:
