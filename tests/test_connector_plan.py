@@ -175,7 +175,10 @@ def test_rates_and_prefill_learned_from_the_engine(file_rank, tmp_path):
     p.step_done(now=p.clock._steps[0].built + 2.5)
     assert p.load_planner.rates["file"].samples == 0
     lines = [x for x in trace_lines(path) if x["op"] == "plan_outcome"]
-    assert len(lines) == 1 and lines[0]["request_id"] == "a" and lines[0]["alone"] is True
+    # The engine's first step (one-time costs) teaches neither the prefill
+    # model nor the corrections; its outcome is traced.
+    assert len(lines) == 1 and lines[0]["request_id"] == "a" and lines[0]["alone"] is False
+    assert not p.load_planner.prefill.obs and p.load_planner.correction == {}
     assert lines[0]["measured_ms"] == pytest.approx(2500, rel=1e-6)
     assert "measured 2500 ms" in lines[0]["why"]
     # A step of one request computing 64 tokens after 0 in 50 ms: the prefill model learns.

@@ -516,7 +516,8 @@ class SchedulerPlanner:
         # time is not its compute time plus its load's.
         overlapped = self.config.use_layerwise and load_s > 0
         # The engine's first step carries one-time costs (first calls of its
-        # kernels, allocations): it would teach a prefill rate far too slow.
+        # kernels, allocations): it would teach a prefill rate far too slow,
+        # and its requests' outcomes corrections far too large.
         first = busy and not self._ran_a_step
         self._ran_a_step = self._ran_a_step or bool(busy)
         if len(busy) == 1 and seconds > load_s and not overlapped and not first:
@@ -526,6 +527,8 @@ class SchedulerPlanner:
             t = self._reqs.get(req_id) or self._finishing.get(req_id)
             if t is None or t.plan is None:
                 continue
+            if first:  # nor does its outcome teach the corrections
+                t.plan_solo = False
             if t.plan_t0 is None:
                 t.plan_t0 = start
             if p + m >= len(t.prompt):
