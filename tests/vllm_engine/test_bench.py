@@ -29,6 +29,7 @@ def test_bench_vllm_rows(tmp_path, capsys):
         plan = r[f"{slow}_auto_plan"]
         assert plan["kind"] == "compute" and plan["loaded_tokens"] == 0
         assert plan["predicted_ms"] > 0 and plan["measured_ms"] > 0
+        assert r[f"{slow}_auto_full_s"] > 0
         # A hit of 1 KiB per token read at 256 KiB/s: loading it all is slower.
         assert r[f"{slow}_all_s"] > hit / 256 and r[f"{slow}_auto_s"] < r[f"{slow}_all_s"]
     text = capsys.readouterr().out

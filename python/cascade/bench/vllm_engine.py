@@ -358,7 +358,9 @@ def _slow_rows(args, model_dir, extra, work, rate, policy, prompts, refs, rows, 
                 # The same prompt under a salt of its own, in this engine right
                 # after: a full prefill to hold auto against, free of the drift
                 # between engines started minutes apart on a shared machine.
-                row[f"{key}_full_s"] = eng.ttft(prompts[n], salt="slow-full")[0]
+                # The salt names the engine: another engine's salted run saved
+                # its blocks to the same files.
+                row[f"{key}_full_s"] = eng.ttft(prompts[n], salt=f"full-here-{key}")[0]
             if outcomes:
                 plan = outcomes[-1]
                 row[f"{key}_plan"] = {
