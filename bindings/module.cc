@@ -76,6 +76,7 @@ NB_MODULE(_core, m) {
       .def_rw("segment_size_bytes", &CascadeConfig::segment_size_bytes)
       .def_rw("io_direct", &CascadeConfig::io_direct)
       .def_rw("file_io_engine", &CascadeConfig::file_io_engine)
+      .def_rw("file_read_bytes_per_s", &CascadeConfig::file_read_bytes_per_s)
       .def_rw("file_mode", &CascadeConfig::file_mode)
       .def_rw("sync_writes", &CascadeConfig::sync_writes)
       .def_rw("dedup_enabled", &CascadeConfig::dedup_enabled)

@@ -223,3 +223,9 @@ def test_a_tiers_latency_is_paid_once_per_load():
     back = q.plan(8192, BS, [1] * 32)
     assert back.kind == "front_back"
     assert back.predicted["load"] == pytest.approx(0.5 + back.loaded_blocks * BS * BPT / 1e9)
+
+
+def test_slow_rates_read_in_mb_per_s():
+    p = LoadPlanner(["host", "file"], 1024, 4, rates={"file": 0.002}, default_tokens_per_s=10.0)
+    plan = p.plan(64 * 16 + 1, 16, [1] * 64)
+    assert plan.kind == "load_prefix" and "from file at 2.0 MB/s" in plan.describe()

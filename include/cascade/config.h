@@ -146,6 +146,12 @@ struct CascadeConfig {
   // page cache as an extra tier.
   bool io_direct = false;
   FileIoEngine file_io_engine = FileIoEngine::kPsync;
+  // Cap on the file tier's read bandwidth, bytes per second, shared by every
+  // thread reading from it: a read returns no sooner than the cap allows
+  // after the reads before it. For a store sharing a file system (Lustre)
+  // with other jobs, and for measuring a slow tier. 0 = no cap; otherwise at
+  // least 64 KiB/s (a lower cap would stall a read of one block for minutes).
+  uint64_t file_read_bytes_per_s = 0;
   // Permission bits of the file tier's files (segments, summaries, its key
   // and lock). Its directory gets the same bits plus search (x) where read
   // is granted. Owner-only by default: stored KV blocks are the prompts of

@@ -38,6 +38,7 @@ _SIZE_FIELDS = {
     "file_capacity_bytes",
     "segment_size_bytes",
     "parallel_copy_threshold",
+    "file_read_bytes_per_s",
 }
 _ENUMS = {
     "eviction_policy": EvictionPolicy,

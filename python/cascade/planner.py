@@ -165,6 +165,7 @@ class Plan:
     load_end: int = 0  # one past the last loaded block
     front_tokens: int = 0  # computed before the loaded blocks (front_back)
     tail_tokens: int = 0  # computed after them
+    held_tokens: int = 0  # leading tokens the engine held already (neither loaded nor computed)
     bytes_by_tier: dict = field(default_factory=dict)
     layer_overlap: bool = False
     rows: int = 1  # prompts served together, every part scaled by them
@@ -180,7 +181,7 @@ class Plan:
     @property
     def loaded_tokens(self) -> int:
         """Tokens taken from loaded blocks (the last one may be used in part)."""
-        return self.tokens - self.front_tokens - self.tail_tokens
+        return self.tokens - self.held_tokens - self.front_tokens - self.tail_tokens
 
     @property
     def computed_tokens(self) -> int:
@@ -188,9 +189,11 @@ class Plan:
 
     def describe(self, measured_s: float | None = None) -> str:
         parts = []
+        if self.held_tokens:
+            parts.append(f"{self.held_tokens:,} held by the engine")
         if self.loaded_blocks:
             tiers = ", ".join(
-                f"{b // max(1, self._bpt()):,} tokens from {t} at {self.rates.get(t, 0):.1f} GB/s"
+                f"{b // max(1, self._bpt()):,} tokens from {t} at {_rate(self.rates.get(t, 0))}"
                 for t, b in self.bytes_by_tier.items()
             )
             parts.append(tiers)
@@ -212,6 +215,10 @@ class Plan:
         return total // tokens if tokens else 1
 
 
+def _rate(gbps: float) -> str:
+    return f"{gbps:.1f} GB/s" if gbps >= 0.1 else f"{gbps * 1e3:.1f} MB/s"
+
+
 class LoadPlanner:
     """The cost model and the plans. `tiers` are the store's pipeline names
     (top first); bytes_per_token is the KV of one token on this engine rank;
@@ -229,9 +236,16 @@ class LoadPlanner:
         rates: dict | None = None,
         smoothing: float = 0.3,
         traces: int = 256,
+        chunk_tokens: int | None = None,
     ):
+        """chunk_tokens: the engine computes a prompt in chunks of at most this
+        many tokens, one forward pass each (chunked prefill); the compute time
+        of m tokens is then the sum of its chunks'. None: one pass."""
         if bytes_per_token <= 0 or layers <= 0:
             raise ValueError("bytes_per_token and layers must be positive")
+        if chunk_tokens is not None and chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens
         if not 0 < smoothing <= 1:
             raise ValueError("smoothing must be in (0, 1]")
         self.tiers = list(tiers)
@@ -301,30 +315,64 @@ class LoadPlanner:
 
     # -- the plan -----------------------------------------------------------------------
 
-    def plan(self, tokens: int, block_size: int, where: list[int], rows: int = 1) -> Plan:
+    def plan(
+        self,
+        tokens: int,
+        block_size: int,
+        where: list[int],
+        rows: int = 1,
+        computed_tokens: int = 0,
+    ) -> Plan:
         """where[j]: the pipeline index of the tier holding block j (-1: a
         miss), for the prompt's full blocks; rows: prompts of this length
-        served together (every part scales with them). Loads only the
-        leading hits."""
+        served together (every part scales with them); computed_tokens: the
+        leading tokens the engine already holds (a multiple of block_size:
+        its own prefix cache), which cost nothing and are never loaded
+        (their entries of where are not read). Loads only the leading hits."""
         if tokens <= 0 or block_size <= 0 or rows <= 0:
             raise ValueError("tokens, block_size and rows must be positive")
-        hits = 0
-        for w in where:
+        if computed_tokens < 0 or computed_tokens % block_size or computed_tokens >= tokens:
+            raise ValueError(
+                f"computed_tokens {computed_tokens} must be a multiple of the block size "
+                f"{block_size} below the prompt's {tokens} tokens"
+            )
+        have = computed_tokens // block_size
+        hits = have
+        for w in where[have:]:
             if w < 0 or w >= len(self.tiers):
                 break
             hits += 1
         # The last token is always computed (its logits are the point); the
         # block holding it may still be loaded for the tokens before it.
-        hits = min(hits, -(-(tokens - 1) // block_size))
+        hits = max(have, min(hits, -(-(tokens - 1) // block_size)))
+        idx = [0] * have + list(where[have:hits])
         with self._mu:
-            return self._plan(tokens, block_size, list(where[:hits]), rows)
+            return self._plan(tokens, block_size, idx, rows, have)
 
-    def _plan(self, tokens: int, bs: int, tier_idx: list[int], rows: int) -> Plan:
+    def compute_seconds(self, m: int, p: int = 0) -> float:
+        """Predicted time to compute m tokens after a prefix of p, chunk by chunk."""
+        with self._mu:
+            return self._compute(m, p)
+
+    def _compute(self, m: int, p: int) -> float:
+        # REQUIRES: self._mu held.
+        c = self.chunk_tokens
+        if c is None or m <= c:
+            return self.prefill.predict(m, p)
+        total = 0.0
+        while m > 0:
+            step = min(c, m)
+            total += self.prefill.predict(step, p)
+            m -= step
+            p += step
+        return total
+
+    def _plan(self, tokens: int, bs: int, tier_idx: list[int], rows: int, have: int = 0) -> Plan:
         hits = len(tier_idx)
         bpb = self.bytes_per_token * bs * rows
 
         def pre(m: int, p: int) -> float:
-            return rows * self.prefill.predict(m, p)
+            return rows * self._compute(m, p)
 
         # Prefix sums of load seconds, and the largest tier latency of every
         # leading and trailing run, so that every candidate is O(1).
@@ -332,19 +380,24 @@ class LoadPlanner:
         mem = [True]
         lat_head = [0.0]  # lat_head[k]: blocks [0, k)
         for j in range(hits):
+            if j < have:  # in the engine already: nothing to load
+                cum.append(0.0)
+                mem.append(True)
+                lat_head.append(0.0)
+                continue
             t = self.tiers[tier_idx[j]]
             r = self.rates[t]
             cum.append(cum[-1] + bpb / (r.gbps * 1e9))
             mem.append(mem[-1] and t in MEMORY_TIERS)
             lat_head.append(max(lat_head[-1], r.latency_s))
         lat_tail = [0.0] * (hits + 1)  # lat_tail[s]: blocks [s, hits)
-        for j in range(hits - 1, -1, -1):
+        for j in range(hits - 1, have - 1, -1):
             lat_tail[j] = max(lat_tail[j + 1], self.rates[self.tiers[tier_idx[j]]].latency_s)
         # The slowest tier (the highest pipeline index) of every leading and
         # trailing run: the tier a candidate's correction is kept under.
         slow_head = [-1]
         for j in range(hits):
-            slow_head.append(max(slow_head[-1], tier_idx[j]))
+            slow_head.append(max(slow_head[-1], tier_idx[j] if j >= have else -1))
         slow_tail = [-1] * (hits + 1)
         for j in range(hits - 1, -1, -1):
             slow_tail[j] = max(slow_tail[j + 1], tier_idx[j])
@@ -360,17 +413,26 @@ class LoadPlanner:
         def key_of(kind: str, layered: bool, slowest: int) -> str:
             return _kind_key(kind, layered, self.tiers[slowest] if slowest >= 0 else "")
 
-        best = Plan("compute", tokens, bs, tail_tokens=tokens)
-        full = corrected("compute", pre(tokens, 0))
-        best.predicted = {"load": 0.0, "compute": pre(tokens, 0), "total": full}
-        best_key, best_model = "compute", pre(tokens, 0)
+        done = have * bs  # tokens the engine holds already
+        best = Plan(
+            "compute",
+            tokens,
+            bs,
+            load_first=have,
+            load_end=have,
+            tail_tokens=tokens - done,
+            held_tokens=done,
+        )
+        full = corrected("compute", pre(tokens - done, done))
+        best.predicted = {"load": 0.0, "compute": pre(tokens - done, done), "total": full}
+        best_key, best_model = "compute", pre(tokens - done, done)
         alts = {"compute": best.predicted["total"]}
         L = self.layers
 
         def cached(k: int) -> int:
             return min(k * bs, tokens - 1)
 
-        for k in range(1, hits + 1):
+        for k in range(have + 1, hits + 1):
             load = queued_s + lat_head[k] + cum[k]
             comp = pre(tokens - cached(k), cached(k))
             overlap = self.layer_overlap and mem[k]
@@ -386,13 +448,14 @@ class LoadPlanner:
                     "load_prefix",
                     tokens,
                     bs,
-                    load_first=0,
+                    load_first=have,
                     load_end=k,
                     tail_tokens=tokens - cached(k),
+                    held_tokens=done,
                     layer_overlap=overlap,
                 )
                 best.predicted = {"load": load, "compute": comp, "total": total}
-        if self.front_back and hits >= 2:
+        if self.front_back and hits >= 2 and have == 0:
             for s in range(1, hits):
                 load = queued_s + lat_tail[s] + cum[hits] - cum[s]
                 front = pre(s * bs, 0)
@@ -425,9 +488,11 @@ class LoadPlanner:
         self.counts[best.kind] += 1
         return best
 
-    def record(self, plan: Plan, measured_s: float, **phases) -> dict:
+    def record(self, plan: Plan, measured_s: float, learn: bool = True, **phases) -> dict:
         """The outcome of a plan: kept in the trace (newest last) with the
-        prediction, for metrics and for a person reading why."""
+        prediction, for metrics and for a person reading why. learn=False:
+        an outcome other work shared (a batch of several requests) is kept
+        but teaches the corrections nothing."""
         entry = {
             "time": time.time(),
             "kind": plan.kind,
@@ -444,7 +509,8 @@ class LoadPlanner:
             if measured_s > 0:
                 self.errors.append(abs(entry["predicted_s"] - measured_s) / measured_s)
                 del self.errors[:-256]
-                self._correct(plan, measured_s)
+                if learn:
+                    self._correct(plan, measured_s)
         return entry
 
     CORRECTION_SMOOTHING = 0.3  # weight of the newest outcome

@@ -118,6 +118,8 @@ Status CascadeConfig::validate() const {
         return Status::InvalidArgument("segment_size_bytes must be at least 1 MiB");
     }
   }
+  if (file_read_bytes_per_s != 0 && file_read_bytes_per_s < (64u << 10))
+    return Status::InvalidArgument("file_read_bytes_per_s must be 0 (no cap) or at least 64 KiB/s");
   if (file_stripe_count < 0) return Status::InvalidArgument("file_stripe_count is negative");
   if (file_mode & ~0777u)
     return Status::InvalidArgument("file_mode takes permission bits only (at most 0777)");

@@ -4,7 +4,9 @@ tokens (and log-probabilities) of a full prefill."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 
 import pytest
 from real_engine import BS, close_llm, file_tier, generate, make_llm, metrics, prompt
@@ -133,3 +135,44 @@ def test_tensor_parallel_2(engines):
     assert m["vllm:cascade_load_blocks"] == 2 * hit // BS  # summed over the two ranks
     assert first[0] == ref[0] and cached[0] == ref[0]
     assert cached[1] == pytest.approx(ref[1], abs=1e-3)
+
+
+def test_a_slow_tier_is_computed_not_loaded_same_tokens(engines, work):
+    d, _ = work
+    files = file_tier(d)
+    p = prompt(1500, seed=7)
+    hit = full_blocks(1500) * BS
+    a = engines(files)
+    ref = generate(a, [p])[0]  # a full prefill, saved through to the files
+    close_llm(a)
+
+    def over_files(read_cap: int, trace: str):
+        store = {**files["store"], "file_read_bytes_per_s": read_cap}
+        return engines({**files, "store": store, "enable_record_traces": True, "trace_path": trace})
+
+    # The same files read at 64 KiB/s: the hit's 1.5 MB would take 23 s to load.
+    trace = os.path.join(d, "slow.jsonl")
+    b = over_files(64 << 10, trace)
+    t0 = time.perf_counter()
+    out = generate(b, [p])[0]
+    elapsed = time.perf_counter() - t0
+    m = metrics(b)
+    assert out[2] == 0  # vLLM was told of no hit: it computed the whole prompt
+    assert m.get("vllm:cascade_load_blocks", 0) == 0
+    assert m["vllm:cascade_plan_skipped_tokens"] == hit
+    assert elapsed < 10
+    assert out[0] == ref[0] and out[1] == pytest.approx(ref[1], abs=1e-3)
+    lines = [json.loads(x) for x in open(trace)]
+    plan = [x for x in lines if x["op"] == "plan"][-1]
+    assert plan["kind"] == "compute" and plan["hit_tokens"] == hit and plan["loaded_tokens"] == 0
+    outcome = [x for x in lines if x["op"] == "plan_outcome"][-1]
+    assert outcome["request_id"] == plan["request_id"] and outcome["measured_ms"] > 0
+    assert "computed; predicted" in outcome["why"] and "measured" in outcome["why"]
+    close_llm(b)
+    # At 64 MB/s loading pays: the plan loads the whole hit, the same tokens again.
+    c = over_files(64 << 20, os.path.join(d, "fast.jsonl"))
+    out = generate(c, [p])[0]
+    m = metrics(c)
+    assert out[2] == hit and m["vllm:cascade_load_blocks"] == hit // BS
+    assert m.get("vllm:cascade_plan_skipped_tokens", 0) == 0
+    assert out[0] == ref[0] and out[1] == pytest.approx(ref[1], abs=1e-3)

@@ -12,6 +12,16 @@ log-probability are checked against the full prefill's.
 
 TTFT is the time of ``LLM.generate`` for one prompt and one output token, so
 it includes vLLM's scheduling and the connector's lookup, load and save.
+
+With ``--slow-rates``, for each rate a slow file tier (the store's
+``file_read_bytes_per_s`` cap on the same segment files) in two freshly
+started engines, one per load policy: ``all`` loads every hit block,
+``auto`` loads only what the connector's load-or-compute plan says pays.
+The auto engine also runs each prompt under a cache salt of its own right
+after: a full prefill in the same engine to compare with. Each slow row
+gives the plan the connector made (tokens loaded and
+computed), its predicted time and the time the scheduler measured, from
+the connector's trace.
 """
 
 from __future__ import annotations
@@ -88,6 +98,12 @@ def add_vllm_arguments(p) -> None:
         default=0,
         help="CPU threads of vLLM's worker (OMP_NUM_THREADS; default: every core)",
     )
+    p.add_argument(
+        "--slow-rates",
+        default="",
+        help="read caps of a slow file tier, comma-separated (bytes/s with units: 1MB,16MB); "
+        "for each, rows with load_policy all and auto (default: none)",
+    )
     p.add_argument("--seed", type=int, default=0, help="prompts")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -102,6 +118,38 @@ def _lengths(text: str) -> list[int]:
     if not out or min(out) < 2:
         raise SystemExit(f"--lengths: need prompt lengths of 2 tokens or more, not {text!r}")
     return out
+
+
+def _rates(text: str) -> list[int]:
+    from cascade.config import parse_size
+
+    try:
+        out = [parse_size(part.strip(), "--slow-rates") for part in text.split(",") if part.strip()]
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    if any(r < (64 << 10) for r in out):
+        raise SystemExit(f"--slow-rates: each at least 64KiB (bytes per second), not {text!r}")
+    return out
+
+
+def _plans(trace_path: str, since: int) -> tuple[list[dict[str, Any]], int]:
+    """The plan outcomes traced after byte ``since`` of the trace, and its end."""
+    try:
+        with open(trace_path, "rb") as f:
+            f.seek(since)
+            data = f.read()
+    except FileNotFoundError:
+        return [], since
+    lines = [json.loads(x) for x in data.decode().splitlines() if x.strip()]
+    return [x for x in lines if x.get("op") == "plan_outcome"], since + len(data)
+
+
+def _rate_name(rate: int) -> str:
+    units = (("GiB", 1 << 30), ("MiB", 1 << 20), ("GB", 10**9), ("MB", 10**6), ("KiB", 1 << 10))
+    for unit, size in units:
+        if rate % size == 0:
+            return f"{rate // size} {unit}/s"
+    return f"{rate / 1e6:g} MB/s"
 
 
 def _model_config(args) -> dict[str, Any]:
@@ -188,6 +236,7 @@ def run(args, progress) -> dict[str, Any]:
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     if set(tiers) - {"host", "file"}:
         raise SystemExit(f"--tiers: host and/or file, not {args.tiers!r}")
+    slow_rates = _rates(args.slow_rates) if args.slow_rates else []
     args.max_model_len = max(4096, max(lengths) + args.block_size)
     block_bytes_per_token = 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * 2
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -205,13 +254,14 @@ def run(args, progress) -> dict[str, Any]:
     os.makedirs(model_dir)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(_model_config(args), f)
+    files = "file" in tiers or bool(slow_rates)
     extra = {
-        "store_pipeline": "host|file" if "file" in tiers else "host",
+        "store_pipeline": "host|file" if files else "host",
         "host_capacity": host_capacity,
         "shm_dir": shm_dir,
         "store": {"write_policy": "write_through"},
     }
-    if "file" in tiers:
+    if files:
         extra.update(storage_path=file_dir, io_direct=not args.no_io_direct)
     refs: dict[int, tuple[int, float]] = {}
     rng = random.Random(args.seed)
@@ -225,7 +275,8 @@ def run(args, progress) -> dict[str, Any]:
         "model": {k: getattr(args, k) for k in MODEL_DEFAULTS} | {"dtype": args.dtype},
         "block_size": args.block_size,
         "batched_tokens": args.batched_tokens,
-        "io_direct": "file" in tiers and not args.no_io_direct,
+        "io_direct": files and not args.no_io_direct,
+        "slow_rates": slow_rates,
         "rows": rows,
     }
     try:
@@ -268,10 +319,60 @@ def run(args, progress) -> dict[str, Any]:
                 row["file_cached_tokens"] = cached
                 row["file_same"] = same
                 progress(f"{n} tokens: file {row['file_s']:.3f} s")
+        for rate in slow_rates:
+            for policy in ("all", "auto"):
+                _slow_rows(
+                    args, model_dir, extra, work, rate, policy, prompts, refs, rows, progress
+                )
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return report
+
+
+def _slow_rows(args, model_dir, extra, work, rate, policy, prompts, refs, rows, progress):
+    """Every length from a file tier read at ``rate`` bytes/s, in one freshly
+    started engine with ``load_policy`` ``policy`` (its host tier empty: each
+    prompt's blocks are in the files only; the prompts differ, so none hits
+    another's blocks). The trace gives each prompt's plan."""
+    trace = os.path.join(work, f"trace-{rate}-{policy}.jsonl")
+    slow = dict(extra)
+    slow["store"] = dict(extra["store"], file_read_bytes_per_s=rate)
+    slow.update(load_policy=policy, enable_record_traces=True, trace_path=trace)
+    key = f"slow_{rate}_{policy}"
+    eng = _Engine(args, model_dir, slow)
+    try:
+        eng.ttft(prompts[min(prompts)][:64], salt="warm-up")
+        _, pos = _plans(trace, 0)
+        for row in rows:
+            # One run per prompt (--repeats aside): a second run of it in this
+            # engine would find the blocks its first run promoted into memory.
+            n = row["tokens"]
+            dt, token, lp, cached = eng.ttft(prompts[n])
+            outcomes, pos = _plans(trace, pos)
+            ref_token, ref_lp = refs[n]
+            row[f"{key}_s"] = dt
+            row[f"{key}_cached_tokens"] = cached
+            row[f"{key}_same"] = token == ref_token and abs(lp - ref_lp) < 1e-3
+            if policy == "auto":
+                # The same prompt under a salt of its own, in this engine right
+                # after: a full prefill to hold auto against, free of the drift
+                # between engines started minutes apart on a shared machine.
+                # The salt names the engine: another engine's salted run saved
+                # its blocks to the same files.
+                row[f"{key}_full_s"] = eng.ttft(prompts[n], salt=f"full-here-{key}")[0]
+            if outcomes:
+                plan = outcomes[-1]
+                row[f"{key}_plan"] = {
+                    k: plan.get(k)
+                    for k in ("kind", "loaded_tokens", "computed_tokens", "predicted_ms")
+                } | {"measured_ms": plan.get("measured_ms"), "why": plan.get("why")}
+            progress(
+                f"{n} tokens from files at {_rate_name(rate)}, load_policy {policy}: "
+                f"{row[f'{key}_s']:.3f} s, {cached} tokens loaded"
+            )
+    finally:
+        eng.close()
 
 
 def _same(row: dict[str, Any], tier: str) -> str:
@@ -302,15 +403,78 @@ def format_report(report: dict[str, Any]) -> str:
     headers = ["tokens", "full s"]
     for tier in ("host", "file"):
         headers += [f"{tier} s", "speedup", "loaded tokens", "same token"]
+    out = format_table(headers, rows, title=title)
+    for rate in report.get("slow_rates") or []:
+        out += "\n\n" + _format_slow(report, rate)
+    return out
+
+
+def _format_slow(report: dict[str, Any], rate: int) -> str:
+    title = (
+        f"Slow file tier (reads capped at {_rate_name(rate)}), a fresh engine per policy: "
+        "load_policy all loads every hit, auto what the plan says pays"
+    )
+    rows = []
+    for r in report["rows"]:
+        full = r["full_s"]
+        a, b = f"slow_{rate}_all", f"slow_{rate}_auto"
+        if r.get(f"{a}_s") is None or r.get(f"{b}_s") is None:
+            continue
+        plan = r.get(f"{b}_plan") or {}
+        here = r.get(f"{b}_full_s")
+        measured = plan.get("measured_ms")
+        predicted = plan.get("predicted_ms")
+        err = (
+            f"{(predicted - measured) / measured * 100:+.0f}%"
+            if predicted is not None and measured
+            else ""
+        )
+        rows.append(
+            [
+                r["tokens"],
+                full,
+                r[f"{a}_s"],
+                f"{r[f'{a}_s'] / full:.2f}",
+                _same(r, a),
+                r[f"{b}_s"],
+                "" if here is None else here,
+                "" if here is None else f"{r[f'{b}_s'] / here:.2f}",
+                _same(r, b),
+                r.get(f"{b}_cached_tokens"),
+                "" if predicted is None else f"{predicted / 1e3:.2f}",
+                "" if measured is None else f"{measured / 1e3:.2f}",
+                err,
+            ]
+        )
+    headers = [
+        "tokens",
+        "full s",
+        "all s",
+        "all/full",
+        "same token",
+        "auto s",
+        "full s (same engine)",
+        "auto/full",
+        "same token",
+        "auto loaded",
+        "predicted s",
+        "measured s",
+        "error",
+    ]
     return format_table(headers, rows, title=title)
 
 
 def failures(report: dict[str, Any]) -> list[str]:
     """Rows whose cached first token or log-probability differs from the full prefill's."""
+    keys = ["host", "file"] + [
+        f"slow_{rate}_{policy}"
+        for rate in report.get("slow_rates") or []
+        for policy in ("all", "auto")
+    ]
     return [
         f"{r['tokens']} tokens from {tier}"
         for r in report["rows"]
-        for tier in ("host", "file")
+        for tier in keys
         if r.get(f"{tier}_same") is False
     ]
 

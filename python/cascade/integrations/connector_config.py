@@ -34,6 +34,25 @@ from cascade.config import canonical_options, config_from_dict, parse_size
 
 _YAML_SECTION = "cascade_connector"
 _LOOKUP_MODES = ("auto", "socket", "off")
+_LOAD_POLICIES = ("auto", "all")
+# The planner's names of the store's tiers (cascade.planner), by every name
+# a pipeline may give them.
+_TIER_NAMES = {
+    "gpu": "gpu",
+    "hbm": "gpu",
+    "device": "gpu",
+    "host": "host",
+    "shm": "host",
+    "cache": "host",
+    "dram": "host",
+    "file": "file",
+    "lustre": "file",
+    "posix": "file",
+    "disk": "file",
+    "pool": "pool",
+    "node": "pool",
+    "remote": "remote",
+}
 
 
 @dataclass(frozen=True)
@@ -100,6 +119,18 @@ class ConnectorConfig:
     pool_socket: str = ""
     pool_namespace: str = "vllm"
 
+    # Load or compute (cascade.planner): "auto" loads the leading hit blocks
+    # only while loading them is predicted to be faster than computing them
+    # (tier rates learned from the workers' loads, the prefill time from the
+    # engine's steps); "all" loads every hit block.
+    load_policy: str = "auto"
+    # The prefill rate the plan assumes until the engine's first measured step.
+    prefill_tokens_per_s: float = 8000.0
+    # Read rates (GB/s) the plan assumes per tier until loads measure them,
+    # e.g. {"file": 0.5}; tiers not named start from cascade.planner's
+    # defaults (a file tier whose reads the store caps, from the cap).
+    tier_rates: Mapping[str, float] = field(default_factory=dict)
+
     def namespace_tenant(self, request_salt: str | None) -> str | None:
         """The tenant salt of a request: the configured tenant and the request's own salt."""
         if request_salt is None:
@@ -121,6 +152,7 @@ _STR_OPTIONS = {
     "lookup_socket_dir",
     "pool_socket",
     "pool_namespace",
+    "load_policy",
 }
 _OPT_STR_OPTIONS = {"model_name", "tenant"}
 _INT_OPTIONS = {"persist_token_threshold", "lookup_timeout_ms"}
@@ -197,6 +229,24 @@ def _check(name: str, value: Any) -> Any:
         ):
             raise ValueError(f"hit_ratio: expected a number in [0, 1] or null, got {value!r}")
         return float(value)
+    if name == "prefill_tokens_per_s":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"prefill_tokens_per_s: expected a number > 0, got {value!r}")
+        return float(value)
+    if name == "tier_rates":
+        if not isinstance(value, Mapping):
+            raise ValueError(f"tier_rates: expected a mapping of tier to GB/s, got {value!r}")
+        rates = {}
+        for tier, gbps in value.items():
+            if tier not in _TIER_NAMES:
+                raise ValueError(
+                    f"tier_rates: unknown tier {tier!r} (expected one of "
+                    f"{', '.join(sorted(set(_TIER_NAMES.values())))})"
+                )
+            if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not gbps > 0:
+                raise ValueError(f"tier_rates: {tier}: expected GB/s > 0, got {gbps!r}")
+            rates[_TIER_NAMES[tier]] = float(gbps)
+        return rates
     if name == "store":
         if not isinstance(value, Mapping):
             raise ValueError(f"store: expected a mapping of CascadeConfig options, got {value!r}")
@@ -226,6 +276,10 @@ def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     cfg = ConnectorConfig(**values)
     if cfg.lookup not in _LOOKUP_MODES:
         raise ValueError(f"lookup: {cfg.lookup!r} is not one of {', '.join(_LOOKUP_MODES)}")
+    if cfg.load_policy not in _LOAD_POLICIES:
+        raise ValueError(
+            f"load_policy: {cfg.load_policy!r} is not one of {', '.join(_LOAD_POLICIES)}"
+        )
     tiers = [t.strip() for t in cfg.store_pipeline.split("|")] if cfg.store_pipeline else []
     if cfg.pool_socket and (
         cfg.storage_path or any(t in ("file", "lustre", "posix") for t in tiers)
@@ -250,7 +304,37 @@ def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
         )
     # The escape hatch is checked now, not when a worker opens its store.
     config_from_dict(cfg.store)
+    missing = sorted(set(cfg.tier_rates) - set(planner_tiers(cfg)))
+    if missing:
+        raise ValueError(
+            f"tier_rates: {', '.join(missing)} not in the workers' pipeline "
+            f"({'|'.join(planner_tiers(cfg))})"
+        )
     return cfg
+
+
+def worker_pipeline(cfg: ConnectorConfig) -> str:
+    """The pipeline of every worker's store (as worker_store_config sets it)."""
+    store = canonical_options(cfg.store)
+    if "pipeline" in store:
+        return str(store["pipeline"])
+    if cfg.pool_socket:
+        tiers = [t.strip().lower() for t in cfg.store_pipeline.split("|") if t.strip()]
+        return "gpu|pool" if tiers and tiers[0] in ("gpu", "hbm", "device") else "pool"
+    return cfg.store_pipeline
+
+
+def planner_tiers(cfg: ConnectorConfig) -> list[str]:
+    """The workers' tiers, top first, by the planner's names (gpu, host, pool, file)."""
+    names = [t.strip().lower() for t in worker_pipeline(cfg).split("|") if t.strip()]
+    return [_TIER_NAMES.get(t, t) for t in names]
+
+
+def file_read_cap_gbps(cfg: ConnectorConfig) -> float | None:
+    """The file tier's read cap (store option file_read_bytes_per_s), GB/s; None: no cap."""
+    cap = canonical_options(cfg.store).get("file_read_bytes_per_s", 0)
+    cap = parse_size(cap, "file_read_bytes_per_s")
+    return cap / 1e9 if cap else None
 
 
 def worker_store_config(

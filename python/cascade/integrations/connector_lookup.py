@@ -13,7 +13,9 @@ A CascadeStore's index lives in the process that opened it: each worker
   the worker writes there (0600) when it starts serving.
 
 A block counts as a hit only when every rank holds it: ``PrefixLookup``
-returns the minimum over ranks of each rank's leading run of stored ids. A
+returns the minimum over ranks of each rank's leading run of stored ids,
+and ``locate`` also which tier holds each of them (the slowest over ranks:
+the load-or-compute plan needs it). A
 rank that cannot be asked (no such worker, socket absent, refused, timeout,
 error) answers 0, so a failure to look up is a miss, never a hang and never
 a hit: every client step (connect, handshake, request, answer) runs under
@@ -46,26 +48,51 @@ from cascade.integrations.lookup_wire import (  # noqa: F401  (part of this modu
 logger = logging.getLogger("cascade.integrations.connector")
 
 PrefixFn = Callable[[Sequence[str]], int]
+# ids -> the pipeline index of the tier holding each leading held id (0 = top).
+LocateFn = Callable[[Sequence[str]], list]
 
 _directory: dict[tuple[str, int], PrefixFn] = {}
+_locators: dict[tuple[str, int], LocateFn] = {}
 _directory_lock = threading.Lock()
 
 
-def register_worker(engine_key: str, rank: int, prefix_fn: PrefixFn) -> None:
+def register_worker(
+    engine_key: str, rank: int, prefix_fn: PrefixFn, locate_fn: LocateFn | None = None
+) -> None:
     """Makes a worker of this process answer its engine's scheduler directly."""
     with _directory_lock:
         _directory[(engine_key, rank)] = prefix_fn
+        if locate_fn is not None:
+            _locators[(engine_key, rank)] = locate_fn
+        else:
+            _locators.pop((engine_key, rank), None)
 
 
 def unregister_worker(engine_key: str, rank: int, prefix_fn: PrefixFn | None = None) -> None:
     with _directory_lock:
         if prefix_fn is None or _directory.get((engine_key, rank)) == prefix_fn:
             _directory.pop((engine_key, rank), None)
+            _locators.pop((engine_key, rank), None)
 
 
 def local_worker(engine_key: str, rank: int) -> PrefixFn | None:
     with _directory_lock:
         return _directory.get((engine_key, rank))
+
+
+def local_locator(engine_key: str, rank: int) -> LocateFn | None:
+    with _directory_lock:
+        return _locators.get((engine_key, rank))
+
+
+def leading_tiers(where: Sequence[int], limit: int | None = None) -> list[int]:
+    """The leading run of held entries of a ``locate_batch`` answer (-1 = a miss)."""
+    out: list[int] = []
+    for w in where:
+        if w < 0 or (limit is not None and len(out) >= limit):
+            break
+        out.append(int(w))
+    return out
 
 
 class LookupService:
@@ -86,6 +113,7 @@ class LookupService:
         rank: int,
         prefix_fn: PrefixFn,
         *,
+        locate_fn: LocateFn | None = None,
         socket_dir: str = "",
         auth_timeout_s: float = 2.0,
         message_timeout_s: float = 5.0,
@@ -96,6 +124,7 @@ class LookupService:
         self.directory = service_dir(socket_dir, engine_key, rank)
         self.address = os.path.join(self.directory, wire.SOCKET_NAME)
         self._prefix_fn = prefix_fn
+        self._locate_fn = locate_fn
         self._auth_timeout = auth_timeout_s
         self._message_timeout = message_timeout_s
         self._max = max_connections
@@ -170,7 +199,7 @@ class LookupService:
                     self._conns[conn] = True
                 while not self._closed.is_set():
                     try:
-                        ids = wire.recv_request(conn, self._message_timeout)
+                        query = wire.recv_query(conn, self._message_timeout)
                     except wire.BadMessage as e:
                         wire.send_answer(
                             conn, wire.ST_BAD_REQUEST, 0, Deadline(self._message_timeout)
@@ -179,8 +208,12 @@ class LookupService:
                             "Cascade lookup service %s: %s; connection closed", self.address, e
                         )
                         return
-                    if ids is None:  # the peer closed between requests
+                    if query is None:  # the peer closed between requests
                         return
+                    kind, ids = query
+                    if kind == wire.LOCATE:
+                        self._answer_locate(conn, ids)
+                        continue
                     try:
                         n = int(self._prefix_fn(ids))
                         status, n = wire.ST_OK, max(0, min(n, len(ids)))
@@ -196,6 +229,20 @@ class LookupService:
             logger.exception("Cascade lookup service %s: connection failed", self.address)
         finally:
             self._forget(conn)
+
+    def _answer_locate(self, conn: socket.socket, ids: list) -> None:
+        deadline = Deadline(self._message_timeout)
+        try:
+            if self._locate_fn is not None:
+                tiers = leading_tiers(self._locate_fn(ids), len(ids))
+            else:  # no tiers known here: every held block counts as the top tier's
+                tiers = [0] * max(0, min(int(self._prefix_fn(ids)), len(ids)))
+            tiers = [min(t, wire.MAX_TIER) for t in tiers]
+        except Exception as e:  # the store said no: answer, keep serving
+            logger.warning("Cascade lookup service %s: locate failed (%s)", self.address, e)
+            wire.send_answer(conn, wire.ST_FAILED, 0, deadline)
+            return
+        wire.send_tiers(conn, tiers, deadline)
 
     def close(self):
         if self._closed.is_set():
@@ -231,6 +278,7 @@ class _RemoteRank:
         self._next_try = 0.0
         self._backoff = self.RETRY_S
         self._warned = False
+        self._can_locate = True  # False once the service answered a locate as unknown
 
     def _connect(self, deadline: Deadline) -> socket.socket | None:
         if time.monotonic() < self._next_try:
@@ -291,6 +339,42 @@ class _RemoteRank:
         finally:
             self._lock.release()
 
+    def locate(self, ids: Sequence[str], deadline: Deadline) -> list[int]:
+        """The tier index of each leading id the rank holds ([] on any failure).
+        A service that does not know locate requests is asked for the prefix;
+        its blocks then count as the top tier's."""
+        if not self._can_locate:
+            return [0] * self.prefix_length(ids, deadline)
+        if not self._lock.acquire(timeout=max(0.0, deadline.left())):
+            return []
+        try:
+            conn = self._conn or self._connect(deadline)
+            if conn is None:
+                return []
+            query = list(ids[:MAX_IDS])
+            try:
+                wire.send_request(conn, query, deadline, kind=wire.LOCATE)
+                status, n = wire.recv_answer(conn, deadline)
+                if status == wire.ST_TIERS:
+                    self._warned = False
+                    return wire.recv_tiers(conn, n, len(query), deadline)
+            except ValueError as e:  # ids that are not block ids: nothing to ask
+                logger.warning("Cascade lookup: %s: counted as a miss", e)
+                return []
+            except (OSError, WireError) as e:
+                self._drop()
+                self._failed(f"locate at {self.address} failed ({e})")
+                return []
+            if status == wire.ST_BAD_REQUEST:  # a service without locate; it closed
+                self._drop()
+                self._can_locate = False
+                logger.info("Cascade lookup at %s: no locate; asking prefixes", self.address)
+            elif status != wire.ST_FAILED:
+                self._drop()
+            return []
+        finally:
+            self._lock.release()
+
     def _drop(self):
         if self._conn is not None:
             self._conn.close()
@@ -334,6 +418,45 @@ class PrefixLookup:
                 remote = _RemoteRank(self._socket_dir, self.engine_key, rank)
                 self._remotes[rank] = remote
         return lambda ids: remote.prefix_length(ids, deadline)
+
+    def locate(self, ids_by_rank: Sequence[Sequence[str]]) -> list[int]:
+        """For each leading block every rank holds, the pipeline index of the
+        slowest tier (the highest index) any rank holds it in; as
+        prefix_length, within one ``timeout_ms`` in all."""
+        if len(ids_by_rank) != self.world:
+            raise ValueError(f"ids for {len(ids_by_rank)} ranks, the engine has {self.world}")
+        deadline = Deadline(self._timeout)
+        n = min((len(ids) for ids in ids_by_rank), default=0)
+        tiers: list[int] = []
+        for rank, ids in enumerate(ids_by_rank):
+            if n == 0:
+                break
+            try:
+                got = self._rank_locate(rank, deadline)(ids[:n])
+            except Exception as e:
+                logger.warning("Cascade locate on rank %d failed (%s): counted as a miss", rank, e)
+                return []
+            got = leading_tiers(got, n)
+            n = len(got)
+            tiers = [max(a, b) for a, b in zip(tiers, got)] if rank else got
+        return tiers[:n]
+
+    def _rank_locate(self, rank: int, deadline: Deadline) -> Callable[[Sequence[str]], list]:
+        if self.mode in ("auto", "off"):
+            fn = local_locator(self.engine_key, rank)
+            if fn is not None:
+                return fn
+            prefix = local_worker(self.engine_key, rank)
+            if prefix is not None:
+                return lambda ids: [0] * int(prefix(ids))
+            if self.mode == "off":
+                return lambda ids: []
+        with self._lock:
+            remote = self._remotes.get(rank)
+            if remote is None:
+                remote = _RemoteRank(self._socket_dir, self.engine_key, rank)
+                self._remotes[rank] = remote
+        return lambda ids: remote.locate(ids, deadline)
 
     def prefix_length(self, ids_by_rank: Sequence[Sequence[str]]) -> int:
         """Leading blocks every rank holds; ``ids_by_rank[r]`` are rank r's ids of the same blocks.

@@ -34,6 +34,14 @@ COUNTERS = {
     "load_blocks": ("load_blocks_total", "Blocks loaded into the engine's pages"),
     "load_bytes": ("load_bytes_total", "Bytes loaded into the engine's pages"),
     "load_errors": ("load_errors_total", "Blocks that failed to load (recomputed by the engine)"),
+    "load_seconds": (
+        "load_seconds_total",
+        "Seconds the workers spent loading blocks into pages (summed over workers)",
+    ),
+    "plan_skipped_tokens": (
+        "plan_skipped_tokens_total",
+        "Tokens found in Cascade that the load-or-compute plan computed instead of loading",
+    ),
     "save_blocks": ("save_blocks_total", "Blocks saved into Cascade"),
     "save_bytes": ("save_bytes_total", "Bytes saved into Cascade"),
     "save_present_blocks": (

@@ -4,14 +4,20 @@ Overview: ``cascade.integrations.connector_core``."""
 
 from __future__ import annotations
 
+import collections
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from cascade.integrations.connector_config import ConnectorConfig
+from cascade.integrations.connector_config import (
+    ConnectorConfig,
+    file_read_cap_gbps,
+    planner_tiers,
+)
 from cascade.integrations.connector_metrics import ConnectorMetrics, TraceRecorder
 from cascade.integrations.ids import KvNamespace, prefix_block_ids
+from cascade.planner import MEMORY_TIERS, LoadPlanner, Plan
 
 # ---------------------------------------------------------------------------
 # The plan of one engine step (scheduler -> workers; plain, picklable data)
@@ -177,6 +183,47 @@ class _Tracked:
     saved_blocks: int = 0  # leading blocks stored or with a save planned
     pending_load: tuple | None = None  # (first block, end block) to load in the next plan
     has_saves: bool = False  # a save was ever planned (pages held at finish)
+    plan: Plan | None = None  # the load-or-compute plan of its prompt, until its outcome
+    plan_t0: float | None = None  # when its first step started
+    plan_solo: bool = True  # every step of its prefill ran it alone
+
+
+@dataclass
+class _Step:
+    """A step handed to the engine, until its output comes back."""
+
+    built: float  # when its plan was built (perf_counter)
+    shapes: list  # (request id, tokens scheduled, tokens computed before)
+    load_bytes: dict  # tier -> bytes its loads were planned to read (per rank)
+
+
+class StepClock:
+    """The engine's steps as the scheduler sees them: each step's plan is
+    built (``begin``), the engine runs it, and its output comes back
+    (``end``), in the order the steps were built. A step's time runs from
+    the later of its build and the previous step's end to its own end: the
+    engine runs one step at a time, so with steps queued ahead (asynchronous
+    scheduling) a step starts when the one before it ends."""
+
+    def __init__(self):
+        self._steps: collections.deque[_Step] = collections.deque()
+        self._last_end: float | None = None
+
+    def begin(self, step: _Step) -> None:
+        self._steps.append(step)
+
+    def end(self, now: float) -> tuple[_Step, float, float] | None:
+        """The oldest step in flight, when it started and how long it took."""
+        if not self._steps:
+            return None
+        step = self._steps.popleft()
+        start = step.built if self._last_end is None else max(step.built, self._last_end)
+        self._last_end = now
+        return step, start, max(0.0, now - start)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._steps)
 
 
 class SchedulerPlanner:
@@ -197,10 +244,19 @@ class SchedulerPlanner:
         traces: TraceRecorder | None = None,
         lite_capacity_blocks: int | None = None,
         shards: RankShards | None = None,
+        kv_bytes_per_token: int | None = None,
+        num_layers: int | None = None,
+        chunk_tokens: int | None = None,
     ):
         """``lookup``: a PrefixLookup over the workers' stores (ignored in lite
         mode, where a LiteCache of ``lite_capacity_blocks`` ids stands in).
-        ``shards``: each rank's namespace (default: ``RankShards.per_rank(namespace)``)."""
+        ``shards``: each rank's namespace (default: ``RankShards.per_rank(namespace)``).
+
+        ``kv_bytes_per_token`` (one rank's KV of one token, every layer),
+        ``num_layers`` and ``chunk_tokens`` (the engine's most tokens per
+        step) describe the engine to the load-or-compute plan; with
+        ``load_policy: auto`` and both of the first two given, hits are
+        loaded only as far as loading pays (``load_planner``)."""
         self.config = config
         self.namespace = namespace
         self.block_size = namespace.block_size
@@ -221,6 +277,54 @@ class SchedulerPlanner:
         self.metrics = metrics or ConnectorMetrics()
         self.traces = traces or TraceRecorder(None, "scheduler")
         self._reqs: dict[str, _Tracked] = {}
+        self.load_planner: LoadPlanner | None = None
+        # Which tier holds each hit block (PrefixLookup.locate); None: unknown.
+        self._locate = None if self.lite is not None else getattr(lookup, "locate", None)
+        if (
+            self.can_load
+            and config.load_policy == "auto"
+            and kv_bytes_per_token
+            and num_layers
+            and self._locate is not None
+        ):
+            self.load_planner = self._make_load_planner(
+                kv_bytes_per_token, num_layers, chunk_tokens
+            )
+        self.clock = StepClock()
+        self._ran_a_step = False  # a step with tokens has ended
+        # Requests finished before the end of their last step was seen (vLLM
+        # frees a request while it processes the step's output, then ends
+        # the step): kept for that step's outcome, then dropped.
+        self._finishing: dict[str, _Tracked] = {}
+        self._out_load_s = 0.0  # workers' load seconds reported since the last step ended
+        self._out_load_bytes = 0.0
+
+    # Loads smaller than this teach the tier rates nothing: their fixed costs
+    # would pass for a slow tier.
+    MIN_RATE_BYTES = 1 << 20
+    # A load from a slow tier is planned only when it is predicted this much
+    # faster than computing: a smaller gain is within the predictions' error,
+    # and the tier's bandwidth may be shared.
+    LOAD_MARGIN = 0.1
+
+    def _make_load_planner(self, bytes_per_token: int, layers: int, chunk: int | None):
+        tiers = planner_tiers(self.config)
+        rates = dict(self.config.tier_rates)
+        cap = file_read_cap_gbps(self.config)
+        if cap is not None and "file" in tiers:
+            rates["file"] = min(rates.get("file", cap), cap)
+        return LoadPlanner(
+            tiers,
+            bytes_per_token,
+            layers,
+            layer_overlap=self.config.use_layerwise,
+            # vLLM takes an external hit as a prefix after its own: blocks
+            # cannot be computed before loaded ones.
+            front_back=False,
+            default_tokens_per_s=self.config.prefill_tokens_per_s,
+            rates=rates,
+            chunk_tokens=chunk,
+        )
 
     # -- requests ----------------------------------------------------------
     def track(self, req_id: str, prompt: Sequence[int] | None, salt: str | None = None) -> _Tracked:
@@ -267,14 +371,52 @@ class SchedulerPlanner:
             return 0
         start = time.perf_counter()
         ids = self.ids_of(t)
-        present = self.lookup.prefix_length(ids)
+        planner = self.load_planner
+        tiers: list[int] = []
+        if planner is not None and self._locate is not None:
+            tiers = list(self._locate(ids))
+            present = len(tiers)
+        else:
+            present = self.lookup.prefix_length(ids)
         # The engine computes at least the prompt's last token itself.
         hit_blocks = min(present, (len(t.prompt) - 1) // self.block_size)
         if self.config.hit_ratio is not None:
             cap_tokens = int(self.config.hit_ratio * len(t.prompt))
             hit_blocks = min(hit_blocks, cap_tokens // self.block_size)
         hit_tokens = hit_blocks * self.block_size
-        t.lookup_present, t.lookup_hit_tokens = present, hit_tokens
+        t.lookup_present = present
+        found = max(0, hit_tokens - num_computed_tokens)
+        t.plan = None
+        # Hits wholly in memory tiers are loaded without a plan: a copy from
+        # memory beats recomputing on any engine, and a model still learning
+        # must not refuse one.
+        slow = planner is not None and any(
+            planner.tiers[w] not in MEMORY_TIERS
+            for w in tiers[num_computed_tokens // self.block_size : hit_blocks]
+        )
+        if planner is not None and slow and found and num_computed_tokens % self.block_size == 0:
+            t.plan = planner.plan(
+                len(t.prompt),
+                self.block_size,
+                tiers[:hit_blocks],
+                computed_tokens=num_computed_tokens,
+            )
+            compute_s = t.plan.alternatives.get("compute", 0.0)
+            if t.plan.kind == "load_prefix" and (
+                t.plan.predicted.get("total", 0.0) > (1 - self.LOAD_MARGIN) * compute_s
+            ):
+                # Not enough faster to be worth it: the plan computes.
+                alternatives = t.plan.alternatives
+                t.plan = planner.plan(
+                    len(t.prompt), self.block_size, [], computed_tokens=num_computed_tokens
+                )
+                t.plan.alternatives = alternatives
+            if t.plan.kind == "load_prefix":
+                hit_tokens = t.plan.load_end * self.block_size
+            else:
+                hit_tokens = num_computed_tokens
+            t.plan_t0, t.plan_solo = None, True
+        t.lookup_hit_tokens = hit_tokens
         self.traces.record(
             "lookup",
             req_id,
@@ -282,11 +424,34 @@ class SchedulerPlanner:
             ms=(time.perf_counter() - start) * 1e3,
             prompt_tokens=len(t.prompt),
             computed_tokens=num_computed_tokens,
-            hit_tokens=max(0, hit_tokens - num_computed_tokens),
+            hit_tokens=found,
         )
+        if t.plan is not None:
+            self._trace_plan(t, found)
         if not self.can_load:
             return 0
         return max(0, hit_tokens - num_computed_tokens)
+
+    def _trace_plan(self, t: _Tracked, found: int) -> None:
+        plan = t.plan
+        if plan is None:
+            return
+        skipped = found - plan.loaded_tokens if plan.kind == "load_prefix" else found
+        self.metrics.add("plan_skipped_tokens", max(0, skipped))
+        self.traces.record(
+            "plan",
+            t.req_id,
+            blocks=plan.loaded_blocks,
+            bytes=sum(plan.bytes_by_tier.values()),
+            kind=plan.kind,
+            hit_tokens=found,
+            loaded_tokens=plan.loaded_tokens,
+            computed_tokens=plan.computed_tokens,
+            predicted_ms=round(plan.predicted.get("total", 0.0) * 1e3, 3),
+            alternatives_ms={k: round(v * 1e3, 3) for k, v in plan.alternatives.items()},
+            rates_gbps={k: round(v, 4) for k, v in plan.rates.items()},
+            why=plan.describe(),
+        )
 
     def after_alloc(
         self,
@@ -336,12 +501,23 @@ class SchedulerPlanner:
     ) -> StepPlan:
         plan = StepPlan()
         bs = self.block_size
+        scheduled = list(scheduled)
+        step = _Step(
+            time.perf_counter(),
+            [(s.req_id, s.num_scheduled_tokens, s.num_computed_tokens) for s in scheduled],
+            collections.Counter(),
+        )
+        if self.load_planner is not None:
+            self.clock.begin(step)
+        busy = sum(1 for s in scheduled if s.num_scheduled_tokens > 0)
         for s in scheduled:
             t = self._reqs.get(s.req_id)
             if t is None:
                 if s.prompt is None:
                     continue  # never seen and nothing to key it by: nothing to do
                 t = self.track(s.req_id, s.prompt, s.salt)
+            if t.plan is not None and busy > 1:
+                t.plan_solo = False
             if s.replace_blocks:
                 t.block_table = list(s.block_ids or [])
             elif s.block_ids:
@@ -349,6 +525,9 @@ class SchedulerPlanner:
             if t.pending_load is not None:
                 first, end = t.pending_load
                 t.pending_load = None
+                if t.plan is not None:
+                    for tier, nbytes in t.plan.bytes_by_tier.items():
+                        step.load_bytes[tier] += nbytes
                 ids = self.ids_of(t)
                 plan.loads.append(
                     TransferJob(t.req_id, first, t.block_table[first:end], _slices(ids, first, end))
@@ -376,7 +555,90 @@ class SchedulerPlanner:
                 plan.flush_req_ids.add(req_id)
             if t is not None:
                 t.pending_load = None
+                t.plan = None  # its prefill starts over: no outcome to learn from
         return plan
+
+    # -- what the plan learns from the engine -------------------------------
+    def step_output(self, stats: Mapping[str, float] | None) -> None:
+        """The workers' counters of a step's output (summed over ranks): its
+        loads' seconds and bytes (``load_seconds``, ``load_bytes``)."""
+        if self.load_planner is None or not stats:
+            return
+        self._out_load_s += float(stats.get("load_seconds", 0.0)) / self.world
+        self._out_load_bytes += float(stats.get("load_bytes", 0.0)) / self.world
+
+    def step_done(self, now: float | None = None) -> None:
+        """The engine has returned the output of the oldest step in flight.
+
+        Teaches the plan: the tier rates from the step's loads (seconds the
+        workers measured, bytes by tier the plan sent them to read; the
+        slowest tier takes the time the others' rates do not explain), the
+        prefill time from a step that ran one request (its time less its
+        loads), and each request whose prefill this step completed, its
+        plan's outcome (traced, and a correction when it ran alone)."""
+        planner = self.load_planner
+        if planner is None:
+            return
+        now = time.perf_counter() if now is None else now
+        ended = self.clock.end(now)
+        load_s, load_bytes = self._out_load_s, self._out_load_bytes
+        self._out_load_s = self._out_load_bytes = 0.0
+        if ended is None:
+            self._finishing.clear()
+            return
+        step, start, seconds = ended
+        if step.load_bytes and load_s > 0 and load_bytes > 0:
+            self._learn_rates(step.load_bytes, load_s)
+        busy = [(r, m, p) for r, m, p in step.shapes if m > 0]
+        # A layer-by-layer load runs beside the forward pass: such a step's
+        # time is not its compute time plus its load's.
+        overlapped = self.config.use_layerwise and load_s > 0
+        # The engine's first step carries one-time costs (first calls of its
+        # kernels, allocations): it would teach a prefill rate far too slow,
+        # and its requests' outcomes corrections far too large.
+        first = busy and not self._ran_a_step
+        self._ran_a_step = self._ran_a_step or bool(busy)
+        if len(busy) == 1 and seconds > load_s and not overlapped and not first:
+            _, m, p = busy[0]
+            planner.observe_prefill(m, p, seconds - load_s)
+        for req_id, m, p in busy:
+            t = self._reqs.get(req_id) or self._finishing.get(req_id)
+            if t is None or t.plan is None:
+                continue
+            if first:  # nor does its outcome teach the corrections
+                t.plan_solo = False
+            if t.plan_t0 is None:
+                t.plan_t0 = start
+            if p + m >= len(t.prompt):
+                plan, t.plan = t.plan, None
+                measured = now - t.plan_t0
+                entry = planner.record(plan, measured, learn=t.plan_solo)
+                self.traces.record(
+                    "plan_outcome",
+                    req_id,
+                    blocks=plan.loaded_blocks,
+                    bytes=sum(plan.bytes_by_tier.values()),
+                    ms=measured * 1e3,
+                    kind=plan.kind,
+                    loaded_tokens=plan.loaded_tokens,
+                    computed_tokens=plan.computed_tokens,
+                    predicted_ms=round(entry["predicted_s"] * 1e3, 3),
+                    measured_ms=round(measured * 1e3, 3),
+                    alone=t.plan_solo,
+                    why=entry["why"],
+                )
+        self._finishing.clear()
+
+    def _learn_rates(self, by_tier: Mapping[str, int], seconds: float) -> None:
+        planner = self.load_planner
+        assert planner is not None
+        tiers = planner.tiers
+        slowest = max(by_tier, key=lambda t: tiers.index(t) if t in tiers else -1)
+        others = sum(planner.rates[t].seconds(b) for t, b in by_tier.items() if t != slowest)
+        nbytes = by_tier[slowest]
+        left = seconds - others
+        if nbytes >= self.MIN_RATE_BYTES and left > 0:
+            planner.observe_load(slowest, nbytes, left)
 
     def reset(self) -> None:
         """Makes every block saved so far unreachable (the engine's weights changed).
@@ -397,6 +659,8 @@ class SchedulerPlanner:
     def request_finished(self, req_id: str) -> bool:
         """Forgets the request; True when its pages must stay until its saves are reported done."""
         t = self._reqs.pop(req_id, None)
+        if t is not None and t.plan is not None and self.load_planner is not None:
+            self._finishing[req_id] = t
         return bool(t is not None and t.has_saves)
 
     def forget(self, req_id: str) -> None:

@@ -128,6 +128,13 @@ class KvTransferWorker:
 
         return cached_prefix_length(self.store, ids)
 
+    def locate(self, ids: Sequence[str]) -> list:
+        """The pipeline index of the tier holding each leading id this rank's
+        store holds (the lookup services answer locate requests with it)."""
+        from cascade.integrations.connector_lookup import leading_tiers
+
+        return leading_tiers(self.store.locate_batch(list(ids)))
+
     def _ids(self, job: TransferJob) -> list:
         if len(job.ids) != self.world:
             raise ValueError(
@@ -217,6 +224,7 @@ class KvTransferWorker:
         self.metrics.add("load_blocks", ok)
         self.metrics.add("load_bytes", ok * bb)
         self.metrics.add("load_errors", len(blocks) - ok)
+        self.metrics.add("load_seconds", ms / 1e3)
         if self.traces.enabled:
             pos = 0
             for job in jobs:

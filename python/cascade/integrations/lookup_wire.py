@@ -18,7 +18,11 @@ kind            direction  n       body
 2 auth          client     64      client nonce (32) + client MAC (32)
 3 welcome       service    32      service MAC (32)
 4 prefix        client     count   count x 16-byte block ids
+5 locate        client     count   count x 16-byte block ids
 0x80 ok         service    length  none: the leading ``length`` ids are held
+0x84 tiers      service    length  ``length`` bytes: for each of the leading
+                                   ``length`` ids held, the pipeline index
+                                   of the tier holding it (0 = top)
 0x81 bad        service    0       none: malformed request; then closed
 0x82 failed     service    0       none: the store failed; still served
 0x83 refused    service    0       none: wrong MAC; then closed
@@ -27,7 +31,11 @@ kind            direction  n       body
 MACs are HMAC-SHA256 under the secret of ``b"cascade-lookup/1 client\\0"``
 (client) or ``b"cascade-lookup/1 server\\0"`` (service) followed by the
 service nonce and the client nonce, compared in constant time; the secret
-never crosses the socket. A prefix request carries at most ``MAX_IDS`` ids.
+never crosses the socket. A prefix or locate request carries at most
+``MAX_IDS`` ids. A prefix request is answered ok, a locate request tiers
+(or either with one of the statuses below). Locate came after prefix in
+the same version: a service that predates it answers bad request and
+closes, and a client then asks that service prefixes only.
 No message is ever unpickled or evaluated.
 """
 
@@ -48,10 +56,12 @@ MAGIC = b"CSLK"
 VERSION = 1
 HEADER = struct.Struct("<4sBBI")
 
-CHALLENGE, AUTH, WELCOME, PREFIX = 1, 2, 3, 4
-ST_OK, ST_BAD_REQUEST, ST_FAILED, ST_REFUSED = 0x80, 0x81, 0x82, 0x83
+CHALLENGE, AUTH, WELCOME, PREFIX, LOCATE = 1, 2, 3, 4, 5
+ST_OK, ST_BAD_REQUEST, ST_FAILED, ST_REFUSED, ST_TIERS = 0x80, 0x81, 0x82, 0x83, 0x84
+MAX_TIER = 254  # tier indices fit a byte
 _STATUS_NAMES = {
     ST_OK: "ok",
+    ST_TIERS: "tiers",
     ST_BAD_REQUEST: "bad request",
     ST_FAILED: "lookup failed",
     ST_REFUSED: "refused",
@@ -342,10 +352,15 @@ def encode_ids(ids: Sequence) -> bytes:
     return body
 
 
-def send_request(sock: socket.socket, ids: Sequence, deadline: Deadline) -> None:
+def send_request(
+    sock: socket.socket, ids: Sequence, deadline: Deadline, kind: int = PREFIX
+) -> None:
+    """A prefix request (kind PREFIX) or a locate request (LOCATE)."""
+    if kind not in (PREFIX, LOCATE):
+        raise ValueError(f"request kind {kind} is not prefix or locate")
     if len(ids) > MAX_IDS:
         raise ValueError(f"{len(ids)} ids in one lookup, at most {MAX_IDS}")
-    _send(sock, PREFIX, len(ids), encode_ids(ids), deadline)
+    _send(sock, kind, len(ids), encode_ids(ids), deadline)
 
 
 def recv_answer(sock: socket.socket, deadline: Deadline) -> tuple[int, int]:
@@ -356,7 +371,20 @@ def recv_answer(sock: socket.socket, deadline: Deadline) -> tuple[int, int]:
 
 
 def recv_request(sock: socket.socket, timeout_s: float) -> list | None:
-    """The next request's ids (32-hex str); None when the peer closed between requests.
+    """The next prefix request's ids (32-hex str); None when the peer closed
+    between requests. BadMessage for a malformed one or another kind."""
+    got = recv_query(sock, timeout_s)
+    if got is None:
+        return None
+    kind, ids = got
+    if kind != PREFIX:
+        raise BadMessage(f"unexpected request kind {kind}")
+    return ids
+
+
+def recv_query(sock: socket.socket, timeout_s: float) -> tuple[int, list] | None:
+    """The next request: its kind (PREFIX or LOCATE) and ids (32-hex str);
+    None when the peer closed between requests.
 
     Waits for a request as long as it takes; once its first byte is in, the
     rest must come within ``timeout_s``. BadMessage for a malformed one."""
@@ -367,13 +395,30 @@ def recv_request(sock: socket.socket, timeout_s: float) -> list | None:
         return None
     deadline = Deadline(timeout_s)
     kind, n = _parse_header(_recv_exact(sock, HEADER.size, deadline, buf, got), BadMessage)
-    if kind != PREFIX:
+    if kind not in (PREFIX, LOCATE):
         raise BadMessage(f"unexpected request kind {kind}")
     if n > MAX_IDS:
         raise BadMessage(f"{n} ids in one request, at most {MAX_IDS}")
     h = _recv_exact(sock, n * ID_BYTES, deadline).hex()
     step = 2 * ID_BYTES
-    return [h[i : i + step] for i in range(0, len(h), step)]
+    return kind, [h[i : i + step] for i in range(0, len(h), step)]
+
+
+def send_tiers(sock: socket.socket, tiers: Sequence[int], deadline: Deadline) -> None:
+    """The answer to a locate request: the tier index of each leading held id."""
+    if any(not 0 <= t <= MAX_TIER for t in tiers):
+        raise ValueError(f"tier indices must be 0 to {MAX_TIER}")
+    _send(sock, ST_TIERS, len(tiers), bytes(tiers), deadline)
+
+
+def recv_tiers(sock: socket.socket, n: int, asked: int, deadline: Deadline) -> list[int]:
+    """The body of a tiers answer of n entries to a locate request of ``asked`` ids."""
+    if n > asked:
+        raise WireError(f"a tiers answer of {n} entries to a locate of {asked} ids")
+    body = _recv_exact(sock, n, deadline)
+    if any(t > MAX_TIER for t in body):
+        raise WireError(f"a tier index above {MAX_TIER}")
+    return list(body)
 
 
 def send_answer(sock: socket.socket, status: int, n: int, deadline: Deadline) -> None:

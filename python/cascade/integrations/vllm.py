@@ -166,6 +166,10 @@ def _cache_kind(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) 
     return kind
 
 
+# The workers' counters the scheduler's load-or-compute plan reads.
+PLAN_COUNTERS = ("load_seconds", "load_bytes")
+
+
 @dataclass
 class CascadeConnectorMetadata(KVConnectorMetadata):
     """One step's plan, sent from the scheduler to every worker."""
@@ -350,6 +354,14 @@ class CascadeConnector(KVConnectorBase_V1):
             socket_dir=self.config.lookup_socket_dir,
             timeout_ms=self.config.lookup_timeout_ms,
         )
+        bytes_per_token = layers = None
+        if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+            group = kv_cache_config.kv_cache_groups[0]
+            layers = len(group.layer_names)
+            # One worker's KV of a token in every layer: what a stored block holds per token.
+            bytes_per_token = group.kv_cache_spec.page_size_bytes * layers // self.block_size
+        sched = getattr(vllm_config, "scheduler_config", None)
+        chunk = getattr(sched, "max_num_batched_tokens", None) if sched is not None else None
         self.planner = SchedulerPlanner(
             self.config,
             self.namespace,
@@ -360,6 +372,9 @@ class CascadeConnector(KVConnectorBase_V1):
             traces=self._traces("scheduler"),
             lite_capacity_blocks=lite_blocks,
             shards=self.shards,
+            kv_bytes_per_token=bytes_per_token,
+            num_layers=layers,
+            chunk_tokens=int(chunk) if chunk else None,
         )
 
     def _scheduler(self) -> SchedulerPlanner:
@@ -420,6 +435,14 @@ class CascadeConnector(KVConnectorBase_V1):
         plan = self._scheduler().build_plan(scheduled, scheduler_output.preempted_req_ids or ())
         return CascadeConnectorMetadata(plan)
 
+    def update_connector_output(self, connector_output) -> None:
+        """A step's output from the workers: their load times teach the plan."""
+        super().update_connector_output(connector_output)
+        if self.planner is None:
+            return
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        self.planner.step_output(getattr(stats, "data", None))
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -474,13 +497,16 @@ class CascadeConnector(KVConnectorBase_V1):
             stores_blocks=self._rank in self.shards.savers,
         )
         if self.config.lookup != "socket":
-            register_worker(self.engine_key, self._rank, self.worker.prefix_length)
+            register_worker(
+                self.engine_key, self._rank, self.worker.prefix_length, self.worker.locate
+            )
         backend = getattr(parallel, "distributed_executor_backend", None)
         if self.config.lookup == "socket" or (self.config.lookup == "auto" and backend != "uni"):
             self._service = LookupService(
                 self.engine_key,
                 self._rank,
                 self.worker.prefix_length,
+                locate_fn=self.worker.locate,
                 socket_dir=self.config.lookup_socket_dir,
             )
 
@@ -546,9 +572,17 @@ class CascadeConnector(KVConnectorBase_V1):
     # Both sides
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if not self.config.enable_metrics:
-            return None
+        if self.planner is not None:
+            # vLLM's scheduler asks for its connector's counters once per step,
+            # when it has processed the step's output (after
+            # update_connector_output): the end of the step for the plan's clock.
+            self.planner.step_done()
         data = self.metrics.take()
+        if not self.config.enable_metrics:
+            if self.worker is None or self.config.load_policy != "auto":
+                return None
+            # The scheduler's plan learns the tier rates from these.
+            data = {k: v for k, v in data.items() if k in PLAN_COUNTERS}
         return CascadeConnectorStats(data=data) if any(data.values()) else None
 
     @classmethod

@@ -95,6 +95,7 @@
 #include "index/block_index.h"
 #include "tiers/file/aligned_buffer.h"
 #include "tiers/file/io_engine.h"
+#include "tiers/file/read_pacer.h"
 #include "tiers/file/record_format.h"
 #include "tiers/file/segment.h"
 #include "tiers/tier_counters.h"
@@ -255,6 +256,7 @@ class FileTier final : public Tier {
   const int stripe_count_;
   const FileIoEngine engine_kind_;
   const uint64_t parallel_copy_threshold_;
+  file::ReadPacer read_pacer_;  // config.file_read_bytes_per_s
   std::unique_ptr<file::IoEngine> engine_;
   std::unique_ptr<FileLock> dir_lock_;
   file::RecordKey key_;  // set once by Open

@@ -60,6 +60,7 @@ FileTier::FileTier(const CascadeConfig& config, ThreadPool* pool, Env* env)
       stripe_count_(config.file_stripe_count),
       engine_kind_(config.file_io_engine),
       parallel_copy_threshold_(config.parallel_copy_threshold),
+      read_pacer_(config.file_read_bytes_per_s),
       index_(config.index_shards, config.eviction_policy,
              [this](const BlockId&, const Location& loc) { on_reclaim(loc); }) {
   int lanes = std::clamp(pool ? pool->size() : 1, 1, 8);

@@ -213,8 +213,10 @@ Status FileTier::read(const BlockId& id, const ReadRequest& req, ReadResult* res
   Status st;
   if (!plan_read(id, req, result, &plan, &st, &bounce)) return st;
   IoRequest* one = &plan.io;
+  const auto start = file::ReadPacer::Clock::now();
   engine_->run({&one, 1});
   st = finish_read(&plan, req, result);
+  if (st.ok()) read_pacer_.pace(result->copied, start);
   if (bounce.capacity() > kKeepBounceBytes) bounce = AlignedBuffer();
   return st;
 }
@@ -249,6 +251,7 @@ void FileTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequ
         planned.push_back(k);
       }
     }
+    const auto start = file::ReadPacer::Clock::now();
     engine_->run(requests);
     auto finish = [&](size_t j) {
       size_t k = planned[j];
@@ -259,6 +262,10 @@ void FileTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequ
     } else {
       for (size_t j = 0; j < planned.size(); ++j) finish(j);
     }
+    uint64_t copied = 0;
+    for (size_t k : planned)
+      if (statuses[base + k].ok()) copied += results[base + k].copied;
+    read_pacer_.pace(copied, start);
   }
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 
@@ -597,6 +598,52 @@ TEST(FileTierTest, MemoryEnvWorks) {
   }
   auto t = open_tier(c, nullptr, env.get());
   for (uint64_t i = 0; i < 20; ++i) EXPECT_TRUE(reads_back(t.get(), i, 10000 + i));
+}
+
+TEST(FileTierTest, ReadBandwidthCapPacesReadsAndBatches) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  CascadeConfig c = file_test::file_config(tmp.path());
+  c.file_read_bytes_per_s = 4 << 20;  // 4 MiB/s
+  auto t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  const size_t size = 256 << 10;  // 62.5 ms each at the cap
+  for (uint64_t i = 0; i < 4; ++i) ASSERT_TRUE(put(t.get(), i, size).ok());
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(reads_back(t.get(), 0, size));
+  EXPECT_TRUE(reads_back(t.get(), 1, size));
+  auto one_by_one = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(one_by_one, std::chrono::milliseconds(124));
+  // A batch read in parallel shares the one budget: 2 blocks, 125 ms.
+  std::vector<BlockId> ids = {id_of(2), id_of(3)};
+  std::vector<std::vector<uint8_t>> outs(2, std::vector<uint8_t>(size));
+  std::vector<ReadRequest> reqs(2);
+  for (int i = 0; i < 2; ++i) {
+    reqs[i].out = outs[i].data();
+    reqs[i].capacity = size;
+  }
+  std::vector<ReadResult> results(2);
+  std::vector<Status> statuses(2);
+  t0 = std::chrono::steady_clock::now();
+  t->read_batch(ids, reqs, results, statuses);
+  auto batch = std::chrono::steady_clock::now() - t0;
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(statuses[i].ok()) << statuses[i].ToString();
+    EXPECT_EQ(outs[i], bytes_of(2 + i, size));
+  }
+  EXPECT_GE(batch, std::chrono::milliseconds(124));
+  // A miss reads nothing and waits for nothing.
+  t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(misses(t.get(), 99, size));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(50));
+}
+
+TEST(FileTierTest, ReadBandwidthCapBelowTheFloorIsRefused) {
+  CascadeConfig c = file_test::file_config("/unused");
+  c.file_read_bytes_per_s = 1000;
+  EXPECT_TRUE(c.validate().is(Code::kInvalidArgument));
+  c.file_read_bytes_per_s = 64 << 10;
+  EXPECT_TRUE(c.validate().ok()) << c.validate().ToString();
 }
 
 TEST(FileTierTest, FactoryReturnsATier) {
