@@ -59,6 +59,13 @@ struct TransportOptions {
   // process that serves its memory and does nothing else with the Transport.
   // Off by default: waiting callers drive it themselves, with no thread hop.
   bool progress_thread = false;
+  // Refuse connections over fabrics that cannot detect a dead peer (UCX's
+  // shared-memory transports carry no failure detection of their own). With
+  // false they are allowed: waits still end at their deadlines, but a
+  // transfer that missed one cannot be cancelled, so its local buffer must
+  // stay valid until the Transport is closed, and a dead peer shows only as
+  // missed deadlines. On by default: the guarantees above hold only with it.
+  bool require_failure_detection = true;
 };
 
 // Memory of this process registered for remote access.

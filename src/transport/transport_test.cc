@@ -99,6 +99,51 @@ TEST(TransportOpen, SharedMemoryAloneRefused) {
   EXPECT_NE(p.status().message().find("failure detection"), std::string::npos);
 }
 
+// Shared memory alone, allowed without failure detection: bytes are right, and
+// a stopped peer still fails the wait by its deadline.
+TEST(TransportOpen, SharedMemoryWithoutFailureDetection) {
+  if (!Transport::available()) GTEST_SKIP() << "built without UCX";
+  ForkedPeerOptions fo;
+  fo.transport.fabrics = "sm";
+  fo.transport.require_failure_detection = false;
+  fo.region_bytes = 8 << 20;
+  fo.seed = 12;
+  Result<std::unique_ptr<ForkedPeer>> child = ForkedPeer::Start(fo, deadline_in(30s));
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  Result<std::unique_ptr<Transport>> t = Transport::Open(fo.transport);
+  ASSERT_TRUE(t.ok());
+  Result<std::shared_ptr<Peer>> p = (*t)->connect((*child)->address(), deadline_in(10s));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  Result<std::shared_ptr<RemoteRegion>> r = (*p)->import_key((*child)->key());
+  ASSERT_TRUE(r.ok());
+  // Kept until the Transport is closed: a transfer past its deadline may still land here.
+  std::vector<uint8_t> buf(8 << 20);
+  for (uint64_t n : {uint64_t{1}, uint64_t{4096}, uint64_t{1 << 20}, uint64_t{8 << 20}}) {
+    uint64_t offset = (8 << 20) - n;
+    Result<std::unique_ptr<Completion>> c = (*p)->get(**r, offset, buf.data(), n);
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE((*c)->wait(deadline_in(10s)).ok());
+    for (uint64_t i = 0; i < n; ++i) ASSERT_EQ(buf[i], pattern_byte(offset + i, 12)) << i;
+  }
+  std::vector<uint8_t> src(1 << 20, 0x3c);
+  Result<std::unique_ptr<Completion>> c = (*p)->put(**r, 0, src.data(), src.size());
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->wait(deadline_in(10s)).ok());
+  Result<uint64_t> sum = (*child)->checksum(0, src.size(), deadline_in(10s));
+  ASSERT_TRUE(sum.ok());
+  EXPECT_EQ(*sum, bytes_checksum(src.data(), src.size()));
+
+  (*child)->signal(SIGSTOP);
+  auto t0 = TransportClock::now();
+  c = (*p)->put(**r, 0, src.data(), src.size());
+  Status st = c.ok() ? (*c)->wait(t0 + 300ms) : c.status();
+  EXPECT_LT(TransportClock::now() - t0, 2s);
+  EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
+  EXPECT_TRUE((*p)->health().is(Code::kUnavailable));
+  (*child)->signal(SIGCONT);
+  (*t)->close();
+}
+
 // One fabric list per instantiation (UCX_TLS names).
 class TransportFabricTest : public ::testing::TestWithParam<const char*> {
  protected:

@@ -17,6 +17,11 @@
 // with UCP_EP_CLOSE_FLAG_FORCE, which completes every pending request on it
 // with UCS_ERR_CANCELED, after which no transfer writes local memory.
 //
+// With TransportOptions::require_failure_detection off, endpoints use
+// UCP_ERR_HANDLING_MODE_NONE (the only mode UCX's shared-memory transports
+// serve alone): a forced close is not available there, so a request that
+// misses its deadline is left to UCX and the Peer is marked failed.
+//
 // get is ucp_get_nbx; put is ucp_put_nbx followed by ucp_ep_flush_nbx, whose
 // completion means the bytes are at the peer; a batch issues every transfer
 // and one flush.
@@ -92,9 +97,10 @@ struct Worker {
 
 struct PeerState {
   std::shared_ptr<Worker> w;
-  ucp_ep_h ep = nullptr;  // guarded by w->mu; null once closed
-  bool failed = false;    // guarded by w->mu
-  std::string why;        // guarded by w->mu: why it failed
+  ucp_ep_h ep = nullptr;   // guarded by w->mu; null once closed
+  bool failed = false;     // guarded by w->mu
+  bool can_cancel = true;  // peer error handling: a forced close cancels
+  std::string why;         // guarded by w->mu: why it failed
 
   // REQUIRES: w->mu held.
   void fail_locked(const std::string& reason) {
@@ -107,8 +113,10 @@ struct PeerState {
   void close_locked() {
     if (ep == nullptr) return;
     ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    if (can_cancel) {
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    }
     ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &p);
     ep = nullptr;
     if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
@@ -135,6 +143,14 @@ void on_peer_error(void* arg, ucp_ep_h, ucs_status_t status) {
 // the peer and waits for the cancellation. Frees the request.
 Status finish(PeerState& peer, void* req, Deadline deadline, const char* what) {
   ucs_status_t s = peer.w->drive(req, deadline);
+  if (s == UCS_INPROGRESS && !peer.can_cancel) {
+    // Nothing can cancel it: UCX keeps the request (freed when it ends) and
+    // the caller's buffer stays in use until the Transport closes.
+    std::lock_guard<std::mutex> lock(peer.w->mu);
+    peer.fail_locked(std::string(what) + ": deadline passed");
+    ucp_request_free(req);
+    return Status::Unavailable(std::string(what) + ": deadline passed");
+  }
   if (s == UCS_INPROGRESS) {
     {
       std::lock_guard<std::mutex> lock(peer.w->mu);
@@ -380,6 +396,7 @@ class UcxTransport final : public Transport {
     if (s != UCS_OK) return ucx_status(s, "transport: worker address");
     address_ = pack_address(std::span(reinterpret_cast<const uint8_t*>(addr), len));
     ucp_worker_release_address(w_->worker, addr);
+    require_failure_detection_ = options.require_failure_detection;
     if (options.progress_thread) progress_ = std::thread([this] { run_progress(); });
     return Status::OK();
   }
@@ -430,12 +447,16 @@ class UcxTransport final : public Transport {
       ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
       ep.err_handler.cb = on_peer_error;
       ep.err_handler.arg = state.get();
+      if (!require_failure_detection_) {
+        ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+        state->can_cancel = false;
+      }
       ucs_status_t s = ucp_ep_create(w_->worker, &ep, &state->ep);
-      if (s == UCS_ERR_UNREACHABLE)
+      if (s == UCS_ERR_UNREACHABLE && require_failure_detection_)
         return Status::Unavailable(
             "transport: connect: no fabric allowed here reaches the peer with failure detection "
             "(UCX's posix and sysv shared-memory transports have none: allow tcp beside them, "
-            "e.g. \"sm,tcp\")");
+            "e.g. \"sm,tcp\", or turn require_failure_detection off)");
       if (s != UCS_OK) return ucx_status(s, "transport: connect");
       peers_.push_back(state);
       // The flush finishes once the connection is set up, or fails with it.
@@ -537,6 +558,7 @@ class UcxTransport final : public Transport {
   std::shared_ptr<Worker> w_;
   std::vector<uint8_t> address_;
   std::vector<std::weak_ptr<PeerState>> peers_;  // guarded by w_->mu
+  bool require_failure_detection_ = true;
   std::atomic<bool> stop_{false};
   std::thread progress_;
 };
