@@ -144,6 +144,48 @@ TEST(TransportOpen, SharedMemoryWithoutFailureDetection) {
   (*t)->close();
 }
 
+// Shared memory alone, a peer killed mid-loop: without failure detection the
+// deadlines alone end the waits; no wait overruns, no read that succeeded
+// holds a wrong byte.
+TEST(TransportOpen, SharedMemoryWithoutFailureDetectionPeerKilled) {
+  if (!Transport::available()) GTEST_SKIP() << "built without UCX";
+  ForkedPeerOptions fo;
+  fo.transport.fabrics = "sm";
+  fo.transport.require_failure_detection = false;
+  fo.region_bytes = 16 << 20;
+  fo.seed = 13;
+  Result<std::unique_ptr<ForkedPeer>> child = ForkedPeer::Start(fo, deadline_in(30s));
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  Result<std::unique_ptr<Transport>> t = Transport::Open(fo.transport);
+  ASSERT_TRUE(t.ok());
+  Result<std::shared_ptr<Peer>> p = (*t)->connect((*child)->address(), deadline_in(10s));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  Result<std::shared_ptr<RemoteRegion>> r = (*p)->import_key((*child)->key());
+  ASSERT_TRUE(r.ok());
+  constexpr uint64_t kBlock = 1 << 20;
+  std::vector<uint8_t> buf(kBlock);  // outlives the Transport (closed below)
+  int ok_reads = 0, failed = 0;
+  for (int iter = 0; iter < 30; ++iter) {
+    if (iter == 10) (*child)->signal(SIGKILL);
+    uint64_t offset = (iter % 16) * kBlock;
+    auto t0 = TransportClock::now();
+    Result<std::unique_ptr<Completion>> c = (*p)->get(**r, offset, buf.data(), kBlock);
+    Status st = c.ok() ? (*c)->wait(t0 + 500ms) : c.status();
+    EXPECT_LT(TransportClock::now() - t0, 500ms + 1s);
+    if (st.ok()) {
+      EXPECT_LT(iter, 10) << "a read from a killed peer succeeded";
+      for (uint64_t i = 0; i < kBlock; ++i) ASSERT_EQ(buf[i], pattern_byte(offset + i, 13));
+      ++ok_reads;
+    } else {
+      EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
+      ++failed;
+    }
+  }
+  EXPECT_EQ(ok_reads, 10);
+  EXPECT_EQ(failed, 20);
+  (*t)->close();
+}
+
 // One fabric list per instantiation (UCX_TLS names).
 class TransportFabricTest : public ::testing::TestWithParam<const char*> {
  protected:

@@ -44,6 +44,9 @@ using namespace std::chrono_literals;
 // How long a waiter keeps driving the worker after it force-closed an
 // endpoint, for the cancelled requests to complete (local work only).
 constexpr auto kCancelGrace = 5s;
+// How long closing an endpoint without failure detection waits for its flush:
+// a live peer answers at once, a dead one never does.
+constexpr auto kFlushCloseGrace = 200ms;
 constexpr uint64_t kMaxMessageBytes = 64ull << 20;
 
 Status ucx_status(ucs_status_t s, const std::string& what) {
@@ -120,10 +123,11 @@ struct PeerState {
     ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &p);
     ep = nullptr;
     if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
-    Deadline until = TransportClock::now() + kCancelGrace;
+    Deadline until = TransportClock::now() + (can_cancel ? Deadline::duration(kCancelGrace)
+                                                         : Deadline::duration(kFlushCloseGrace));
     while (ucp_request_check_status(req) == UCS_INPROGRESS && TransportClock::now() < until)
       ucp_worker_progress(w->worker);
-    ucp_request_free(req);
+    ucp_request_free(req);  // one still in progress is released when it ends
   }
   // REQUIRES: w->mu held.
   Status usable_locked() const {
