@@ -100,7 +100,7 @@ TEST(TransportOpen, SharedMemoryAloneRefused) {
 }
 
 // Shared memory alone, allowed without failure detection: bytes are right, and
-// a stopped peer still fails the wait by its deadline.
+// a wait on a stopped peer ends by its deadline.
 TEST(TransportOpen, SharedMemoryWithoutFailureDetection) {
   if (!Transport::available()) GTEST_SKIP() << "built without UCX";
   ForkedPeerOptions fo;
@@ -133,14 +133,24 @@ TEST(TransportOpen, SharedMemoryWithoutFailureDetection) {
   ASSERT_TRUE(sum.ok());
   EXPECT_EQ(*sum, bytes_checksum(src.data(), src.size()));
 
+  // A stopped peer: the kernel's cross-process copy may still reach its
+  // memory (then the put completes, and the bytes are there), otherwise the
+  // wait ends by its deadline and the Peer is failed.
+  std::vector<uint8_t> second(1 << 20, 0xc3);
   (*child)->signal(SIGSTOP);
   auto t0 = TransportClock::now();
-  c = (*p)->put(**r, 0, src.data(), src.size());
+  c = (*p)->put(**r, 0, second.data(), second.size());
   Status st = c.ok() ? (*c)->wait(t0 + 300ms) : c.status();
   EXPECT_LT(TransportClock::now() - t0, 2s);
-  EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
-  EXPECT_TRUE((*p)->health().is(Code::kUnavailable));
   (*child)->signal(SIGCONT);
+  if (st.ok()) {
+    sum = (*child)->checksum(0, second.size(), deadline_in(10s));
+    ASSERT_TRUE(sum.ok());
+    EXPECT_EQ(*sum, bytes_checksum(second.data(), second.size()));
+  } else {
+    EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
+    EXPECT_TRUE((*p)->health().is(Code::kUnavailable));
+  }
   (*t)->close();
 }
 
@@ -286,7 +296,7 @@ TEST_P(TransportFabricTest, GetsAndPutsEveryByte) {
     c = peer->get(*region, offset, back.data(), n);
     ASSERT_TRUE(c.ok());
     ASSERT_TRUE((*c)->wait(deadline_in(10s)).ok());
-    EXPECT_EQ(0, std::memcmp(back.data(), src.data(), n));
+    if (n > 0) EXPECT_EQ(0, std::memcmp(back.data(), src.data(), n));
     EXPECT_EQ(back[n], 0xee) << "a get wrote past its end";
   }
 }

@@ -32,6 +32,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "transport/key_format.h"
 #include "transport/transport.h"
@@ -102,7 +103,7 @@ struct PeerState {
   std::shared_ptr<Worker> w;
   ucp_ep_h ep = nullptr;   // guarded by w->mu; null once closed
   bool failed = false;     // guarded by w->mu
-  bool can_cancel = true;  // peer error handling: a forced close cancels
+  bool can_cancel = true;  // set before the Peer is shared: a forced close cancels
   std::string why;         // guarded by w->mu: why it failed
 
   // REQUIRES: w->mu held.
@@ -462,6 +463,7 @@ class UcxTransport final : public Transport {
             "(UCX's posix and sysv shared-memory transports have none: allow tcp beside them, "
             "e.g. \"sm,tcp\", or turn require_failure_detection off)");
       if (s != UCS_OK) return ucx_status(s, "transport: connect");
+      std::erase_if(peers_, [](const std::weak_ptr<PeerState>& p) { return p.expired(); });
       peers_.push_back(state);
       // The flush finishes once the connection is set up, or fails with it.
       ucp_request_param_t p{};
