@@ -13,7 +13,9 @@
 // passes; no call waits on a dead or silent peer past it. A transfer cannot
 // be abandoned while the peer may still write the local buffer, so a missed
 // deadline closes the connection: every operation pending on that Peer is
-// cancelled and fails, and so does every later one (connect again to retry).
+// cancelled and fails, and so does every later one (connect again to retry;
+// without failure detection, see TransportOptions, the Peer is failed but the
+// transfer cannot be cancelled).
 // A peer that dies is noticed by the fabric where it can (a reset connection)
 // and by the deadline where it cannot.
 //
@@ -88,7 +90,8 @@ class RemoteRegion {
 
 // One pending transfer or message. wait() returns its outcome once; waiting
 // again returns the same outcome. Destroying a handle that is still pending
-// closes its Peer (the only way to be sure the buffer is no longer touched).
+// fails and closes its Peer (closing is the only way to be sure the buffer is
+// no longer touched).
 class Completion {
  public:
   virtual ~Completion() = default;
