@@ -191,6 +191,10 @@ void ForkedPeer::signal(int sig) {
   if (sig == SIGKILL) {
     waitpid(pid_, nullptr, 0);
     reaped_ = true;
+  } else if (sig == SIGSTOP) {
+    // kill() returns before the child has stopped; wait until it has.
+    int status = 0;
+    waitpid(pid_, &status, WUNTRACED);
   }
 }
 

@@ -59,7 +59,8 @@ class ForkedPeer {
   // connected (a message sent before its receive is posted waits for it).
   Status start_echo(const std::vector<uint8_t>& address, uint64_t tag_in, uint64_t tag_out,
                     Deadline deadline);
-  // Sends `signal` to the child (SIGKILL: it is then reaped here).
+  // Sends `signal` to the child; returns once a SIGSTOP has stopped it, and
+  // reaps it after SIGKILL.
   void signal(int signal);
 
  private:
