@@ -1,9 +1,11 @@
 // cascade._core: the compiled half of the cascade package.
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "bench/index_probe.h"
 #include "bench/ipc_probe.h"
 #include "bench/memory_probe.h"
+#include "bench/transport_probe.h"
 #include "cascade/config.h"
 #include "common.h"
 #include "cuda/device_copy.h"
@@ -195,10 +197,56 @@ NB_MODULE(_core, m) {
       "Ids looked up per second by one client issuing batches of `batch` ids on `threads` "
       "threads.");
   m.def(
+      "transport_probe",
+      [](const std::string& fabrics, std::vector<uint64_t> sizes, uint64_t max_iterations,
+         uint64_t bytes_per_size, uint64_t batch_block, uint32_t outstanding, double batch_seconds,
+         bool require_failure_detection, uint64_t batch_span) {
+        TransportProbeOptions o;
+        o.fabrics = fabrics;
+        o.sizes = std::move(sizes);
+        o.max_iterations = max_iterations;
+        o.bytes_per_size = bytes_per_size;
+        o.batch_block = batch_block;
+        o.outstanding = outstanding;
+        o.batch_seconds = batch_seconds;
+        o.require_failure_detection = require_failure_detection;
+        o.batch_span = batch_span;
+        Result<TransportProbeResult> r = Status::OK();
+        {
+          nb::gil_scoped_release release;
+          r = transport_probe(o);
+        }
+        check(r.status());
+        nb::list latency;
+        for (const TransportLatency& l : r->latency) {
+          nb::dict d;
+          d["bytes"] = l.bytes;
+          d["count"] = l.count;
+          d["median_us"] = l.median_us;
+          d["p99_us"] = l.p99_us;
+          latency.append(d);
+        }
+        nb::dict d;
+        d["latency"] = latency;
+        d["batch_bytes"] = r->batch_bytes;
+        d["batch_gbps"] = r->batch_gbps;
+        d["connect_ms"] = r->connect_ms;
+        return d;
+      },
+      "fabrics"_a, "sizes"_a, "max_iterations"_a = 2000, "bytes_per_size"_a = 1ull << 30,
+      "batch_block"_a = 1ull << 20, "outstanding"_a = 8, "batch_seconds"_a = 1.0,
+      "require_failure_detection"_a = true, "batch_span"_a = 256ull << 20,
+      "Gets from a forked process over the transport (`fabrics`: UCX_TLS names, empty for "
+      "UCX's choice): median and p99 latency per block size, and GB/s of batches of "
+      "`outstanding` gets of `batch_block` bytes, successive batches reading successive "
+      "ranges of `batch_span` bytes. Every size's first read and a last pass of batches over "
+      "the span are compared byte for byte. Raises Unavailable without UCX.");
+  m.def(
       "gpu_usable", [](int device) { return gpu_usable(device); }, "device"_a = 0);
   m.attr("HAVE_CUDA") = bool(CASCADE_HAVE_CUDA);
   m.attr("HAVE_URING") = bool(CASCADE_HAVE_URING);
   m.attr("HAVE_MPI") = bool(CASCADE_HAVE_MPI);
+  m.attr("HAVE_UCX") = bool(CASCADE_HAVE_UCX);
 
   register_store(m);
   register_distributed(m);

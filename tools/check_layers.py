@@ -29,6 +29,11 @@ LAYERS: list[tuple[str, float, str]] = [
         "Status and errno mapping, block ids, extent allocator, thread pool, copy_bytes",
     ),
     ("src/os", 2, "Env implementations, shared-memory arena, committed memory"),
+    (
+        "src/transport",
+        2.5,
+        "Transport: one-sided transfers and control messages between processes (UCX backend)",
+    ),
     ("src/index", 3, "BlockIndex"),
     ("src/cuda", 4, "CUDA device layer: context, buffers, arena, transfers, device_copy"),
     ("src/tiers", 5, "the tier base: tier.cc, tier_counters.h, arena_tier (memory tiers)"),

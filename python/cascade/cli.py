@@ -13,6 +13,7 @@ cascade bench ttft      time to first token: full prefill vs prefix from the hos
 cascade bench vllm      the same through vLLM's real engine and the connector (vLLM installed)
 cascade bench restart   warm restart: reattach time of a persistent host arena
 cascade bench pool      node pool: client processes vs the host tier; round trips, lookups
+cascade bench transport gets between two processes over UCX: latency by size, bandwidth
 cascade stress --quick  randomized reliability harness: ops, kill -9, corruption, I/O faults
 """
 
@@ -120,6 +121,13 @@ def _cmd_restart(args) -> int:
 def _cmd_pool(args) -> int:
     from cascade.bench.common import Progress
     from cascade.bench.pool import main
+
+    return main(args, Progress(not args.quiet))
+
+
+def _cmd_transport(args) -> int:
+    from cascade.bench.common import Progress
+    from cascade.bench.transport import main
 
     return main(args, Progress(not args.quiet))
 
@@ -318,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(fn=_cmd_bench)
     bench_sub = bench.add_subparsers(
-        dest="bench_command", metavar="{compare,gpu,vmm,ttft,vllm,restart,pool}"
+        dest="bench_command", metavar="{compare,gpu,vmm,ttft,vllm,restart,pool,transport}"
     )
     compare = bench_sub.add_parser(
         "compare", help="Cascade side by side with its peers, ceilings beside"
@@ -374,6 +382,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_pool_arguments(pool)
     pool.set_defaults(fn=_cmd_pool)
+
+    from cascade.bench.transport import add_arguments as add_transport_arguments
+
+    transport = bench_sub.add_parser(
+        "transport",
+        help="one-sided gets between two processes over UCX (tcp, shared memory): latency "
+        "by block size and batched bandwidth beside memcpy",
+    )
+    add_transport_arguments(transport)
+    transport.set_defaults(fn=_cmd_transport)
     return p
 
 

@@ -105,7 +105,12 @@ def machine_info(extra_paths=()) -> dict:
         "shm": _disks(["/dev/shm"])[0] if os.path.exists("/dev/shm") else None,
         "disks": _disks(["/", "/tmp", os.getcwd(), *extra_paths]),
         "gpus": _gpus(),
-        "build": {"cuda": _core.HAVE_CUDA, "io_uring": _core.HAVE_URING, "mpi": _core.HAVE_MPI},
+        "build": {
+            "cuda": _core.HAVE_CUDA,
+            "io_uring": _core.HAVE_URING,
+            "mpi": _core.HAVE_MPI,
+            "ucx": _core.HAVE_UCX,
+        },
         "gpu_usable": bool(_core.gpu_usable(0)),
         "python": platform.python_version(),
     }

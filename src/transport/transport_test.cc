@@ -1,0 +1,647 @@
+// Transport between real processes: forked children serve registered regions
+// over the fabric under test (TCP and shared memory), the test process reads
+// and writes them. Every byte is compared; failures must come within their
+// deadlines.
+#include "transport/transport.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "transport/forked_peer.h"
+#include "transport/key_format.h"
+
+namespace cascade {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr uint64_t kRegion = 16ull << 20;
+
+TEST(TransportKeyFormat, AddressRoundTripAndDamage) {
+  std::vector<uint8_t> raw = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  std::vector<uint8_t> frame = pack_address(raw);
+  Result<std::span<const uint8_t>> back = unpack_address(frame);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(std::vector<uint8_t>(back->begin(), back->end()), raw);
+
+  for (size_t i = 0; i < frame.size(); ++i) {
+    std::vector<uint8_t> bad = frame;
+    bad[i] ^= 0x40;
+    EXPECT_TRUE(unpack_address(bad).status().is(Code::kInvalidArgument)) << "byte " << i;
+  }
+  std::vector<uint8_t> shorter(frame.begin(), frame.end() - 1);
+  EXPECT_TRUE(unpack_address(shorter).status().is(Code::kInvalidArgument));
+  EXPECT_TRUE(unpack_address({}).status().is(Code::kInvalidArgument));
+  std::vector<uint8_t> key = pack_key(0x1000, 64, raw);
+  EXPECT_TRUE(unpack_address(key).status().is(Code::kInvalidArgument));
+}
+
+TEST(TransportKeyFormat, KeyRoundTripAndDamage) {
+  std::vector<uint8_t> raw(40, 0x5a);
+  std::vector<uint8_t> frame = pack_key(0x7f0000001000, 1 << 20, raw);
+  Result<KeyFrame> k = unpack_key(frame);
+  ASSERT_TRUE(k.ok()) << k.status().ToString();
+  EXPECT_EQ(k->base, 0x7f0000001000u);
+  EXPECT_EQ(k->size, 1u << 20);
+  EXPECT_EQ(k->backend_key.size(), raw.size());
+  for (size_t i = 0; i < frame.size(); ++i) {
+    std::vector<uint8_t> bad = frame;
+    bad[i] ^= 0x01;
+    EXPECT_TRUE(unpack_key(bad).status().is(Code::kInvalidArgument)) << "byte " << i;
+  }
+  // A region that wraps the address space is refused even with a good checksum.
+  EXPECT_TRUE(
+      unpack_key(pack_key(~uint64_t{0} - 10, 100, raw)).status().is(Code::kInvalidArgument));
+  EXPECT_TRUE(unpack_key(pack_key(0x1000, 0, raw)).status().is(Code::kInvalidArgument));
+}
+
+TEST(TransportKeyFormat, RangeWithin) {
+  EXPECT_TRUE(range_within(0, 0, 0));
+  EXPECT_TRUE(range_within(10, 0, 10));
+  EXPECT_TRUE(range_within(0, 10, 10));
+  EXPECT_FALSE(range_within(1, 10, 10));
+  EXPECT_FALSE(range_within(11, 0, 10));
+  EXPECT_FALSE(range_within(5, ~uint64_t{0}, 10));
+}
+
+TEST(TransportOpen, ReportsWhetherBuilt) {
+  Result<std::unique_ptr<Transport>> t = Transport::Open({});
+  if (!Transport::available()) {
+    EXPECT_TRUE(t.status().is(Code::kUnavailable));
+    return;
+  }
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ((*t)->backend(), "ucx");
+  EXPECT_TRUE(unpack_address((*t)->address()).ok());
+  // Unknown fabric names are refused at open, not at the first transfer.
+  TransportOptions bad;
+  bad.fabrics = "no-such-fabric";
+  EXPECT_FALSE(Transport::Open(bad).ok());
+}
+
+// Shared memory alone cannot detect a dead peer in UCX 1.13: refused with a
+// clear error rather than served without deadlines that hold.
+TEST(TransportOpen, SharedMemoryAloneRefused) {
+  if (!Transport::available()) GTEST_SKIP() << "built without UCX";
+  TransportOptions o;
+  o.fabrics = "posix";
+  Result<std::unique_ptr<Transport>> a = Transport::Open(o);
+  Result<std::unique_ptr<Transport>> b = Transport::Open(o);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Result<std::shared_ptr<Peer>> p = (*a)->connect((*b)->address(), deadline_in(1s));
+  EXPECT_TRUE(p.status().is(Code::kUnavailable)) << p.status().ToString();
+  EXPECT_NE(p.status().message().find("failure detection"), std::string::npos);
+}
+
+// Shared memory alone, allowed without failure detection: bytes are right, and
+// a wait on a stopped peer ends by its deadline.
+TEST(TransportOpen, SharedMemoryWithoutFailureDetection) {
+  if (!Transport::available()) GTEST_SKIP() << "built without UCX";
+  ForkedPeerOptions fo;
+  fo.transport.fabrics = "sm";
+  fo.transport.require_failure_detection = false;
+  fo.region_bytes = 8 << 20;
+  fo.seed = 12;
+  Result<std::unique_ptr<ForkedPeer>> child = ForkedPeer::Start(fo, deadline_in(30s));
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  Result<std::unique_ptr<Transport>> t = Transport::Open(fo.transport);
+  ASSERT_TRUE(t.ok());
+  Result<std::shared_ptr<Peer>> p = (*t)->connect((*child)->address(), deadline_in(10s));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  Result<std::shared_ptr<RemoteRegion>> r = (*p)->import_key((*child)->key());
+  ASSERT_TRUE(r.ok());
+  // Kept until the Transport is closed: a transfer past its deadline may still land here.
+  std::vector<uint8_t> buf(8 << 20);
+  for (uint64_t n : {uint64_t{1}, uint64_t{4096}, uint64_t{1 << 20}, uint64_t{8 << 20}}) {
+    uint64_t offset = (8 << 20) - n;
+    Result<std::unique_ptr<Completion>> c = (*p)->get(**r, offset, buf.data(), n);
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE((*c)->wait(deadline_in(10s)).ok());
+    for (uint64_t i = 0; i < n; ++i) ASSERT_EQ(buf[i], pattern_byte(offset + i, 12)) << i;
+  }
+  std::vector<uint8_t> src(1 << 20, 0x3c);
+  Result<std::unique_ptr<Completion>> c = (*p)->put(**r, 0, src.data(), src.size());
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->wait(deadline_in(10s)).ok());
+  Result<uint64_t> sum = (*child)->checksum(0, src.size(), deadline_in(10s));
+  ASSERT_TRUE(sum.ok());
+  EXPECT_EQ(*sum, bytes_checksum(src.data(), src.size()));
+
+  // A stopped peer: the kernel's cross-process copy may still reach its
+  // memory (then the put completes, and the bytes are there), otherwise the
+  // wait ends by its deadline and the Peer is failed.
+  std::vector<uint8_t> second(1 << 20, 0xc3);
+  (*child)->signal(SIGSTOP);
+  auto t0 = TransportClock::now();
+  c = (*p)->put(**r, 0, second.data(), second.size());
+  Status st = c.ok() ? (*c)->wait(t0 + 300ms) : c.status();
+  EXPECT_LT(TransportClock::now() - t0, 2s);
+  (*child)->signal(SIGCONT);
+  if (st.ok()) {
+    sum = (*child)->checksum(0, second.size(), deadline_in(10s));
+    ASSERT_TRUE(sum.ok());
+    EXPECT_EQ(*sum, bytes_checksum(second.data(), second.size()));
+  } else {
+    EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
+    EXPECT_TRUE((*p)->health().is(Code::kUnavailable));
+  }
+  (*t)->close();
+}
+
+// Shared memory alone, a peer killed mid-loop: without failure detection the
+// deadlines alone end the waits; no wait overruns, no read that succeeded
+// holds a wrong byte.
+TEST(TransportOpen, SharedMemoryWithoutFailureDetectionPeerKilled) {
+  if (!Transport::available()) GTEST_SKIP() << "built without UCX";
+  ForkedPeerOptions fo;
+  fo.transport.fabrics = "sm";
+  fo.transport.require_failure_detection = false;
+  fo.region_bytes = 16 << 20;
+  fo.seed = 13;
+  Result<std::unique_ptr<ForkedPeer>> child = ForkedPeer::Start(fo, deadline_in(30s));
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  Result<std::unique_ptr<Transport>> t = Transport::Open(fo.transport);
+  ASSERT_TRUE(t.ok());
+  Result<std::shared_ptr<Peer>> p = (*t)->connect((*child)->address(), deadline_in(10s));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  Result<std::shared_ptr<RemoteRegion>> r = (*p)->import_key((*child)->key());
+  ASSERT_TRUE(r.ok());
+  constexpr uint64_t kBlock = 1 << 20;
+  std::vector<uint8_t> buf(kBlock);  // outlives the Transport (closed below)
+  int ok_reads = 0, failed = 0;
+  for (int iter = 0; iter < 30; ++iter) {
+    if (iter == 10) (*child)->signal(SIGKILL);
+    uint64_t offset = (iter % 16) * kBlock;
+    auto t0 = TransportClock::now();
+    Result<std::unique_ptr<Completion>> c = (*p)->get(**r, offset, buf.data(), kBlock);
+    Status st = c.ok() ? (*c)->wait(t0 + 500ms) : c.status();
+    EXPECT_LT(TransportClock::now() - t0, 500ms + 1s);
+    if (st.ok()) {
+      EXPECT_LT(iter, 10) << "a read from a killed peer succeeded";
+      for (uint64_t i = 0; i < kBlock; ++i) ASSERT_EQ(buf[i], pattern_byte(offset + i, 13));
+      ++ok_reads;
+    } else {
+      EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
+      ++failed;
+    }
+  }
+  EXPECT_EQ(ok_reads, 10);
+  EXPECT_EQ(failed, 20);
+  (*t)->close();
+}
+
+// One fabric list per instantiation (UCX_TLS names).
+class TransportFabricTest : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    if (!Transport::available()) GTEST_SKIP() << "built without UCX";
+  }
+
+  TransportOptions options() const {
+    TransportOptions o;
+    o.fabrics = GetParam();
+    return o;
+  }
+
+  // Starts a child serving a region. REQUIRES: before open_local().
+  std::unique_ptr<ForkedPeer> start_child(uint8_t seed, uint64_t bytes = kRegion) {
+    ForkedPeerOptions fo;
+    fo.transport = options();
+    fo.region_bytes = bytes;
+    fo.seed = seed;
+    Result<std::unique_ptr<ForkedPeer>> c = ForkedPeer::Start(fo, deadline_in(30s));
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  void open_local(bool progress_thread = false) {
+    TransportOptions o = options();
+    o.progress_thread = progress_thread;
+    Result<std::unique_ptr<Transport>> t = Transport::Open(o);
+    ASSERT_TRUE(t.ok()) << t.status().ToString();
+    local_ = std::move(*t);
+  }
+
+  // Connects to a child and imports its region.
+  void attach(const ForkedPeer& child, std::shared_ptr<Peer>* peer,
+              std::shared_ptr<RemoteRegion>* region) {
+    Result<std::shared_ptr<Peer>> p = local_->connect(child.address(), deadline_in(10s));
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    Result<std::shared_ptr<RemoteRegion>> r = (*p)->import_key(child.key());
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ((*r)->size(), child.region_bytes());
+    *peer = *p;
+    *region = *r;
+  }
+
+  static bool matches_pattern(const uint8_t* data, uint64_t n, uint64_t first, uint8_t seed) {
+    for (uint64_t i = 0; i < n; ++i)
+      if (data[i] != pattern_byte(first + i, seed)) return false;
+    return true;
+  }
+
+  std::unique_ptr<Transport> local_;
+};
+
+const uint64_t kSizes[] = {0, 1, 7, 64, 4096, 65536 + 3, 1 << 20, 8 << 20};
+
+TEST_P(TransportFabricTest, GetsAndPutsEveryByte) {
+  auto child = start_child(3);
+  ASSERT_NE(child, nullptr);
+  open_local();
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<RemoteRegion> region;
+  attach(*child, &peer, &region);
+  if (HasFatalFailure()) return;
+
+  // Local buffers: plain memory, and a registered region.
+  std::vector<uint8_t> plain(kRegion);
+  std::vector<uint8_t> backing(kRegion);
+  Result<std::unique_ptr<MemoryRegion>> reg = local_->register_memory(backing.data(), kRegion);
+  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+
+  std::mt19937_64 rng(42);
+  for (uint64_t n : kSizes) {
+    for (int round = 0; round < 3; ++round) {
+      uint64_t offset = round == 0 ? 0 : rng() % (kRegion - n + 1);
+      if (round == 2) offset = kRegion - n;  // ending at the region's last byte
+      uint8_t* dst = (round % 2 ? (*reg)->data() : plain.data()) + 5;
+      std::memset(dst, 0xee, n);
+      Result<std::unique_ptr<Completion>> c = peer->get(*region, offset, dst, n);
+      ASSERT_TRUE(c.ok()) << c.status().ToString();
+      Status st = (*c)->wait(deadline_in(10s));
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      ASSERT_TRUE(matches_pattern(dst, n, offset, 3)) << "get of " << n << " at " << offset;
+    }
+  }
+
+  // Puts of fresh bytes, checked by the child reading its own memory, then read back.
+  for (uint64_t n : kSizes) {
+    uint64_t offset = rng() % (kRegion - n + 1);
+    std::vector<uint8_t> src(n);
+    for (auto& b : src) b = static_cast<uint8_t>(rng());
+    Result<std::unique_ptr<Completion>> c = peer->put(*region, offset, src.data(), n);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    ASSERT_TRUE((*c)->wait(deadline_in(10s)).ok());
+    Result<uint64_t> sum = child->checksum(offset, n, deadline_in(10s));
+    ASSERT_TRUE(sum.ok()) << sum.status().ToString();
+    EXPECT_EQ(*sum, bytes_checksum(src.data(), n)) << "put of " << n << " at " << offset;
+    std::vector<uint8_t> back(n + 1, 0xee);
+    c = peer->get(*region, offset, back.data(), n);
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE((*c)->wait(deadline_in(10s)).ok());
+    if (n > 0) EXPECT_EQ(0, std::memcmp(back.data(), src.data(), n));
+    EXPECT_EQ(back[n], 0xee) << "a get wrote past its end";
+  }
+}
+
+TEST_P(TransportFabricTest, BatchOfManyOutstanding) {
+  auto child = start_child(9);
+  ASSERT_NE(child, nullptr);
+  open_local();
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<RemoteRegion> region;
+  attach(*child, &peer, &region);
+  if (HasFatalFailure()) return;
+
+  constexpr uint64_t kBlock = 1 << 20, kCount = 12;
+  std::vector<uint8_t> dst(kBlock * kCount, 0);
+  std::vector<uint8_t> src(kBlock * 2);
+  fill_pattern(src.data(), src.size(), 777, 42);
+  std::vector<TransferOp> ops;
+  for (uint64_t i = 0; i < kCount; ++i)
+    ops.push_back({TransferKind::kGet, region.get(), (kCount - 1 - i) * kBlock,
+                   dst.data() + i * kBlock, kBlock});
+  // Two puts to the region's top, away from the ranges read.
+  ops.push_back({TransferKind::kPut, region.get(), kRegion - 2 * kBlock, src.data(), kBlock});
+  ops.push_back({TransferKind::kPut, region.get(), kRegion - kBlock, src.data() + kBlock, kBlock});
+  Status st = peer->run_batch(ops, deadline_in(20s));
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  for (uint64_t i = 0; i < kCount; ++i)
+    ASSERT_TRUE(matches_pattern(dst.data() + i * kBlock, kBlock, (kCount - 1 - i) * kBlock, 9))
+        << "block " << i;
+  Result<uint64_t> sum = child->checksum(kRegion - 2 * kBlock, 2 * kBlock, deadline_in(10s));
+  ASSERT_TRUE(sum.ok());
+  EXPECT_EQ(*sum, bytes_checksum(src.data(), src.size()));
+
+  // One bad op refuses the whole batch before anything moves.
+  std::fill(dst.begin(), dst.end(), 0);
+  ops[0].offset = kRegion;  // with kBlock bytes: past the end
+  EXPECT_TRUE(peer->run_batch(ops, deadline_in(10s)).is(Code::kInvalidArgument));
+  EXPECT_TRUE(std::all_of(dst.begin(), dst.end(), [](uint8_t b) { return b == 0; }));
+}
+
+TEST_P(TransportFabricTest, ThreeProcesses) {
+  auto a = start_child(11);
+  auto b = start_child(22);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  open_local();
+  std::shared_ptr<Peer> pa, pb;
+  std::shared_ptr<RemoteRegion> ra, rb;
+  attach(*a, &pa, &ra);
+  attach(*b, &pb, &rb);
+  if (HasFatalFailure()) return;
+  // A region imported on one peer cannot be used on another.
+  std::vector<uint8_t> buf(8 << 20);
+  EXPECT_TRUE(pb->get(*ra, 0, buf.data(), 16).status().is(Code::kInvalidArgument));
+
+  // A's bytes to B through this process, then read back from B.
+  for (uint64_t n : {uint64_t{4096}, uint64_t{3 << 20}, uint64_t{8 << 20}}) {
+    ASSERT_TRUE(
+        pa->run_batch(std::vector<TransferOp>{{TransferKind::kGet, ra.get(), 100, buf.data(), n}},
+                      deadline_in(10s))
+            .ok());
+    ASSERT_TRUE(matches_pattern(buf.data(), n, 100, 11));
+    ASSERT_TRUE(
+        pb->run_batch(std::vector<TransferOp>{{TransferKind::kPut, rb.get(), 1, buf.data(), n}},
+                      deadline_in(10s))
+            .ok());
+    Result<uint64_t> sum = b->checksum(1, n, deadline_in(10s));
+    ASSERT_TRUE(sum.ok());
+    EXPECT_EQ(*sum, bytes_checksum(buf.data(), n));
+  }
+  // B's untouched bytes are still its own pattern.
+  std::vector<uint8_t> tail(4096);
+  ASSERT_TRUE(pb->run_batch(std::vector<TransferOp>{{TransferKind::kGet, rb.get(), kRegion - 4096,
+                                                     tail.data(), 4096}},
+                            deadline_in(10s))
+                  .ok());
+  EXPECT_TRUE(matches_pattern(tail.data(), 4096, kRegion - 4096, 22));
+}
+
+TEST_P(TransportFabricTest, BadInputRefused) {
+  auto child = start_child(5, 1 << 20);
+  ASSERT_NE(child, nullptr);
+  open_local();
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<RemoteRegion> region;
+  attach(*child, &peer, &region);
+  if (HasFatalFailure()) return;
+  std::vector<uint8_t> buf(2 << 20);
+  uint64_t size = region->size();
+  EXPECT_TRUE(peer->get(*region, size - 1, buf.data(), 2).status().is(Code::kInvalidArgument));
+  EXPECT_TRUE(peer->get(*region, size + 1, buf.data(), 0).status().is(Code::kInvalidArgument));
+  EXPECT_TRUE(peer->get(*region, 0, buf.data(), size + 1).status().is(Code::kInvalidArgument));
+  EXPECT_TRUE(
+      peer->get(*region, 8, buf.data(), ~uint64_t{0} - 4).status().is(Code::kInvalidArgument));
+  EXPECT_TRUE(peer->put(*region, size, buf.data(), 1).status().is(Code::kInvalidArgument));
+  EXPECT_TRUE(peer->get(*region, 0, nullptr, 1).status().is(Code::kInvalidArgument));
+
+  std::vector<uint8_t> key = child->key();
+  key[key.size() / 2] ^= 1;
+  EXPECT_TRUE(peer->import_key(key).status().is(Code::kInvalidArgument));
+  EXPECT_TRUE(peer->import_key(std::vector<uint8_t>(3, 0)).status().is(Code::kInvalidArgument));
+  std::vector<uint8_t> addr = child->address();
+  addr.back() ^= 0x80;
+  EXPECT_TRUE(local_->connect(addr, deadline_in(1s)).status().is(Code::kInvalidArgument));
+  EXPECT_TRUE(local_->register_memory(nullptr, 10).status().is(Code::kInvalidArgument));
+  EXPECT_TRUE(local_->register_memory(buf.data(), 0).status().is(Code::kInvalidArgument));
+  // Still usable after all that.
+  Result<std::unique_ptr<Completion>> c = peer->get(*region, 0, buf.data(), size);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->wait(deadline_in(10s)).ok());
+  EXPECT_TRUE(matches_pattern(buf.data(), size, 0, 5));
+}
+
+TEST_P(TransportFabricTest, ControlMessages) {
+  auto child = start_child(6, 4096);
+  ASSERT_NE(child, nullptr);
+  // The child connects to us while we wait on the socket: our endpoint must
+  // make progress without a waiting caller.
+  open_local(/*progress_thread=*/true);
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<RemoteRegion> region;
+  attach(*child, &peer, &region);
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(child->start_echo(local_->address(), 70, 71, deadline_in(10s)).ok());
+  std::vector<uint8_t> msg(3000);
+  for (size_t i = 0; i < msg.size(); ++i) msg[i] = static_cast<uint8_t>(i * 7);
+  ASSERT_TRUE(peer->send(70, msg, deadline_in(10s)).ok());
+  Result<std::vector<uint8_t>> reply = local_->receive(71, 1 << 16, deadline_in(10s));
+  ASSERT_TRUE(reply.ok()) << reply.status().ToString();
+  std::reverse(msg.begin(), msg.end());
+  EXPECT_EQ(*reply, msg);
+
+  // Nothing arrives with this tag: Unavailable at the deadline, not later.
+  auto t0 = TransportClock::now();
+  EXPECT_TRUE(local_->receive(72, 64, deadline_in(200ms)).status().is(Code::kUnavailable));
+  EXPECT_LT(TransportClock::now() - t0, 2s);
+
+  // A message longer than the receiver allows is refused.
+  ASSERT_TRUE(child->start_echo(local_->address(), 73, 74, deadline_in(10s)).ok());
+  ASSERT_TRUE(peer->send(73, std::vector<uint8_t>(100, 1), deadline_in(10s)).ok());
+  EXPECT_TRUE(local_->receive(74, 10, deadline_in(10s)).status().is(Code::kInvalidArgument));
+}
+
+// A peer killed with SIGKILL while reads are in flight: every pending and
+// later operation fails within its deadline, and no read that succeeded
+// holds a wrong byte.
+TEST_P(TransportFabricTest, PeerKilledMidLoop) {
+  auto child = start_child(7);
+  ASSERT_NE(child, nullptr);
+  open_local();
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<RemoteRegion> region;
+  attach(*child, &peer, &region);
+  if (HasFatalFailure()) return;
+
+  constexpr uint64_t kBlock = 1 << 20, kInFlight = 4;
+  constexpr auto kDeadline = 1500ms;
+  std::vector<std::vector<uint8_t>> bufs(kInFlight, std::vector<uint8_t>(kBlock));
+  int ok_reads = 0, failed_reads = 0;
+  bool killed = false;
+  auto loop_start = TransportClock::now();
+  for (int iter = 0; iter < 40; ++iter) {
+    std::vector<std::unique_ptr<Completion>> pending;
+    for (uint64_t j = 0; j < kInFlight; ++j) {
+      uint64_t offset = ((iter * kInFlight + j) % 15) * kBlock;
+      std::memset(bufs[j].data(), 0, kBlock);
+      Result<std::unique_ptr<Completion>> c = peer->get(*region, offset, bufs[j].data(), kBlock);
+      if (!c.ok()) {
+        EXPECT_TRUE(killed) << c.status().ToString();
+        EXPECT_TRUE(c.status().is(Code::kUnavailable)) << c.status().ToString();
+        ++failed_reads;
+        pending.push_back(nullptr);
+        continue;
+      }
+      pending.push_back(std::move(*c));
+    }
+    if (iter == 10) {
+      child->signal(SIGKILL);
+      killed = true;
+    }
+    for (uint64_t j = 0; j < kInFlight; ++j) {
+      if (!pending[j]) continue;
+      auto t0 = TransportClock::now();
+      Status st = pending[j]->wait(t0 + kDeadline);
+      auto waited = TransportClock::now() - t0;
+      EXPECT_LT(waited, kDeadline + 1s) << "a wait overran its deadline";
+      if (st.ok()) {
+        uint64_t offset = ((iter * kInFlight + j) % 15) * kBlock;
+        EXPECT_TRUE(matches_pattern(bufs[j].data(), kBlock, offset, 7)) << "iter " << iter;
+        ++ok_reads;
+      } else {
+        EXPECT_TRUE(killed) << st.ToString();
+        EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
+        ++failed_reads;
+      }
+    }
+  }
+  EXPECT_GE(ok_reads, 40);  // the ten rounds before the kill
+  EXPECT_GT(failed_reads, 0);
+  EXPECT_TRUE(peer->health().is(Code::kUnavailable));
+  // The whole loop: at most one deadline per failure the fabric did not notice.
+  EXPECT_LT(TransportClock::now() - loop_start, 30s);
+}
+
+// A stopped peer never answers: the deadline fails the read, and the
+// connection with it.
+TEST_P(TransportFabricTest, SilentPeerHitsDeadline) {
+  auto child = start_child(8, 4 << 20);
+  ASSERT_NE(child, nullptr);
+  open_local();
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<RemoteRegion> region;
+  attach(*child, &peer, &region);
+  if (HasFatalFailure()) return;
+  std::vector<uint8_t> buf(4 << 20);
+  // Warm the path first.
+  ASSERT_TRUE(peer->run_batch(std::vector<TransferOp>{{TransferKind::kGet, region.get(), 0,
+                                                       buf.data(), buf.size()}},
+                              deadline_in(10s))
+                  .ok());
+  child->signal(SIGSTOP);
+  // A put needs the peer's acknowledgement on every fabric.
+  auto t0 = TransportClock::now();
+  Result<std::unique_ptr<Completion>> c = peer->put(*region, 0, buf.data(), buf.size());
+  Status st = c.ok() ? (*c)->wait(t0 + 300ms) : c.status();
+  auto waited = TransportClock::now() - t0;
+  child->signal(SIGCONT);
+  EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
+  EXPECT_LT(waited, 300ms + 2s);
+  EXPECT_TRUE(peer->health().is(Code::kUnavailable));
+  EXPECT_TRUE(peer->get(*region, 0, buf.data(), 1).status().is(Code::kUnavailable));
+  // A fresh connection works again.
+  std::shared_ptr<Peer> again;
+  std::shared_ptr<RemoteRegion> region2;
+  attach(*child, &again, &region2);
+  if (HasFatalFailure()) return;
+  Result<std::unique_ptr<Completion>> g = again->get(*region2, 4096, buf.data(), 4096);
+  ASSERT_TRUE(g.ok());
+  ASSERT_TRUE((*g)->wait(deadline_in(10s)).ok());
+  EXPECT_TRUE(matches_pattern(buf.data(), 4096, 4096, 8));
+}
+
+TEST_P(TransportFabricTest, CloseWhilePending) {
+  auto child = start_child(4);
+  ASSERT_NE(child, nullptr);
+  open_local();
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<RemoteRegion> region;
+  attach(*child, &peer, &region);
+  if (HasFatalFailure()) return;
+  constexpr uint64_t kBlock = 8 << 20;
+  std::vector<std::vector<uint8_t>> bufs(6, std::vector<uint8_t>(kBlock));
+  std::vector<std::unique_ptr<Completion>> pending;
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    Result<std::unique_ptr<Completion>> c =
+        peer->get(*region, (i % 2) * kBlock, bufs[i].data(), kBlock);
+    ASSERT_TRUE(c.ok());
+    pending.push_back(std::move(*c));
+  }
+  peer->close();
+  auto t0 = TransportClock::now();
+  for (size_t i = 0; i < pending.size(); ++i) {
+    Status st = pending[i]->wait(deadline_in(5s));
+    if (st.ok()) {
+      EXPECT_TRUE(matches_pattern(bufs[i].data(), kBlock, (i % 2) * kBlock, 4));
+    } else {
+      EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
+    }
+  }
+  EXPECT_LT(TransportClock::now() - t0, 2s);
+  EXPECT_TRUE(peer->get(*region, 0, bufs[0].data(), 1).status().is(Code::kUnavailable));
+
+  // Closing the whole transport while reads are pending on a second peer.
+  std::shared_ptr<Peer> second;
+  std::shared_ptr<RemoteRegion> region2;
+  attach(*child, &second, &region2);
+  if (HasFatalFailure()) return;
+  pending.clear();
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    Result<std::unique_ptr<Completion>> c = second->get(*region2, 0, bufs[i].data(), kBlock);
+    ASSERT_TRUE(c.ok());
+    pending.push_back(std::move(*c));
+  }
+  local_->close();
+  for (auto& c : pending) {
+    Status st = c->wait(deadline_in(5s));
+    EXPECT_TRUE(st.ok() || st.is(Code::kUnavailable)) << st.ToString();
+  }
+  EXPECT_TRUE(second->health().is(Code::kUnavailable));
+  EXPECT_TRUE(local_->connect(child->address(), deadline_in(1s)).status().is(Code::kUnavailable));
+}
+
+// A peer that is gone before we connect: connect fails by its deadline.
+TEST_P(TransportFabricTest, ConnectToDeadPeer) {
+  auto child = start_child(2, 4096);
+  ASSERT_NE(child, nullptr);
+  std::vector<uint8_t> addr = child->address();
+  child->signal(SIGKILL);
+  open_local();
+  auto t0 = TransportClock::now();
+  Result<std::shared_ptr<Peer>> p = local_->connect(addr, t0 + 1s);
+  Status st = p.status();
+  if (p.ok()) {
+    // Some fabrics connect without the peer; then the first transfer fails.
+    Result<std::shared_ptr<RemoteRegion>> r = (*p)->import_key(child->key());
+    std::vector<uint8_t> buf(64);
+    if (r.ok()) {
+      Result<std::unique_ptr<Completion>> c = (*p)->get(**r, 0, buf.data(), 64);
+      st = c.ok() ? (*c)->wait(t0 + 2s) : c.status();
+    } else {
+      st = r.status();
+    }
+  }
+  EXPECT_FALSE(st.ok());
+  EXPECT_LT(TransportClock::now() - t0, 5s);
+}
+
+// A stopped peer does not answer the connection: connect fails by its deadline.
+TEST_P(TransportFabricTest, ConnectToStoppedPeer) {
+  auto child = start_child(2, 4096);
+  ASSERT_NE(child, nullptr);
+  child->signal(SIGSTOP);
+  open_local();
+  auto t0 = TransportClock::now();
+  Result<std::shared_ptr<Peer>> p = local_->connect(child->address(), t0 + 500ms);
+  Status st = p.status();
+  if (p.ok()) {
+    Result<std::shared_ptr<RemoteRegion>> r = (*p)->import_key(child->key());
+    std::vector<uint8_t> buf(64);
+    ASSERT_TRUE(r.ok());
+    Result<std::unique_ptr<Completion>> c = (*p)->put(**r, 0, buf.data(), 64);
+    st = c.ok() ? (*c)->wait(t0 + 1s) : c.status();
+  }
+  child->signal(SIGCONT);
+  EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
+  EXPECT_LT(TransportClock::now() - t0, 3s);
+}
+
+// TCP alone, and shared memory: bulk bytes over UCX's shared-memory transports
+// (cma, the kernel's cross-process copy), messages over tcp, the only
+// message transport of UCX 1.13 that detects a dead peer.
+INSTANTIATE_TEST_SUITE_P(Fabrics, TransportFabricTest, ::testing::Values("tcp", "sm,tcp"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param) == "tcp" ? "tcp" : "shm";
+                         });
+
+}  // namespace
+}  // namespace cascade

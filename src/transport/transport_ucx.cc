@@ -1,0 +1,611 @@
+// The UCX backend of Transport (UCP API).
+//
+// One UCP context and one worker per Transport. Every UCP call on them runs
+// under the worker's mutex (the worker is created UCS_THREAD_MODE_SERIALIZED
+// and we serialize), so any thread may call any method. Progress happens in
+// waits: a waiting thread takes the mutex, runs ucp_worker_progress once,
+// checks its request, releases the mutex, and spins (yielding the CPU) until
+// the request finishes or its deadline passes. The optional progress thread
+// does the same with no request of its own, backing off to short sleeps when
+// idle.
+//
+// Endpoints use UCP_ERR_HANDLING_MODE_PEER: when UCX notices a peer is gone it
+// calls our error handler (inside progress, under the mutex), which marks the
+// Peer failed; the requests pending on it complete with an error. Where UCX
+// cannot notice (a stopped peer, a fabric without failure detection) the
+// deadline does: the waiter marks the Peer failed and closes its endpoint
+// with UCP_EP_CLOSE_FLAG_FORCE, which completes every pending request on it
+// with UCS_ERR_CANCELED, after which no transfer writes local memory.
+//
+// With TransportOptions::require_failure_detection off, endpoints use
+// UCP_ERR_HANDLING_MODE_NONE (the only mode UCX's shared-memory transports
+// serve alone): a forced close is not available there, so a request that
+// misses its deadline is left to UCX and the Peer is marked failed.
+//
+// get is ucp_get_nbx; put is ucp_put_nbx followed by ucp_ep_flush_nbx, whose
+// completion means the bytes are at the peer; a batch issues every transfer
+// and one flush.
+#include <sched.h>
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "transport/key_format.h"
+#include "transport/transport.h"
+
+namespace cascade {
+namespace {
+
+using namespace std::chrono_literals;
+
+// How long a waiter keeps driving the worker after it force-closed an
+// endpoint, for the cancelled requests to complete (local work only).
+constexpr auto kCancelGrace = 5s;
+// How long closing an endpoint without failure detection waits for its flush:
+// a live peer answers at once, a dead one never does.
+constexpr auto kFlushCloseGrace = 200ms;
+constexpr uint64_t kMaxMessageBytes = 64ull << 20;
+
+Status ucx_status(ucs_status_t s, const std::string& what) {
+  std::string m = what + ": " + ucs_status_string(s);
+  switch (s) {
+    case UCS_OK: return Status::OK();
+    case UCS_ERR_NO_MEMORY: return Status::NoSpace(m);
+    case UCS_ERR_INVALID_PARAM:
+    case UCS_ERR_INVALID_ADDR: return Status::InvalidArgument(m);
+    case UCS_ERR_UNSUPPORTED: return Status::NotSupported(m);
+    default: return Status::Unavailable(m);
+  }
+}
+
+// Between two polls of a request nobody else is driving: spin a little,
+// then give the CPU to whoever does the work (on a small machine, the peer).
+void backoff(unsigned idle) {
+  if (idle < 32) return;
+  sched_yield();
+}
+
+struct Worker {
+  std::mutex mu;
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  std::atomic<bool> closed{false};
+
+  ~Worker() {
+    if (worker) ucp_worker_destroy(worker);
+    if (context) ucp_cleanup(context);
+  }
+  Worker() = default;
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  // Drives the worker until `req` finishes or `deadline` passes; the
+  // request's status, or UCS_INPROGRESS at the deadline.
+  ucs_status_t drive(void* req, Deadline deadline) {
+    for (unsigned idle = 0;; ++idle) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        ucp_worker_progress(worker);
+        ucs_status_t s = ucp_request_check_status(req);
+        if (s != UCS_INPROGRESS) return s;
+      }
+      if (TransportClock::now() >= deadline) return UCS_INPROGRESS;
+      backoff(idle);
+    }
+  }
+};
+
+struct PeerState {
+  std::shared_ptr<Worker> w;
+  ucp_ep_h ep = nullptr;   // guarded by w->mu; null once closed
+  bool failed = false;     // guarded by w->mu
+  bool can_cancel = true;  // set before the Peer is shared: a forced close cancels
+  std::string why;         // guarded by w->mu: why it failed
+
+  // REQUIRES: w->mu held.
+  void fail_locked(const std::string& reason) {
+    if (failed) return;
+    failed = true;
+    why = reason;
+  }
+  // Closes the endpoint, cancelling what is pending on it.
+  // REQUIRES: w->mu held.
+  void close_locked() {
+    if (ep == nullptr) return;
+    ucp_request_param_t p{};
+    if (can_cancel) {
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    }
+    ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &p);
+    ep = nullptr;
+    if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
+    Deadline until = TransportClock::now() + (can_cancel ? Deadline::duration(kCancelGrace)
+                                                         : Deadline::duration(kFlushCloseGrace));
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && TransportClock::now() < until)
+      ucp_worker_progress(w->worker);
+    ucp_request_free(req);  // one still in progress is released when it ends
+  }
+  // REQUIRES: w->mu held.
+  Status usable_locked() const {
+    if (w->closed.load()) return Status::Unavailable("transport: closed");
+    if (failed) return Status::Unavailable("transport: peer failed: " + why);
+    if (ep == nullptr) return Status::Unavailable("transport: peer closed");
+    return Status::OK();
+  }
+};
+
+void on_peer_error(void* arg, ucp_ep_h, ucs_status_t status) {
+  // Called inside ucp_worker_progress, with the worker's mutex held.
+  static_cast<PeerState*>(arg)->fail_locked(ucs_status_string(status));
+}
+
+// Waits for `req` (issued on `peer`); on a missed deadline fails and closes
+// the peer and waits for the cancellation. Frees the request.
+Status finish(PeerState& peer, void* req, Deadline deadline, const char* what) {
+  ucs_status_t s = peer.w->drive(req, deadline);
+  if (s == UCS_INPROGRESS && !peer.can_cancel) {
+    // Nothing can cancel it: UCX keeps the request (freed when it ends) and
+    // the caller's buffer stays in use until the Transport closes.
+    std::lock_guard<std::mutex> lock(peer.w->mu);
+    peer.fail_locked(std::string(what) + ": deadline passed");
+    ucp_request_free(req);
+    return Status::Unavailable(std::string(what) + ": deadline passed");
+  }
+  if (s == UCS_INPROGRESS) {
+    {
+      std::lock_guard<std::mutex> lock(peer.w->mu);
+      peer.fail_locked(std::string(what) + ": deadline passed");
+      peer.close_locked();
+    }
+    s = peer.w->drive(req, TransportClock::now() + kCancelGrace);
+    if (s == UCS_INPROGRESS) {
+      // Never seen: the request stays with UCX rather than be freed early.
+      return Status::Unavailable(std::string(what) + ": deadline passed, cancel did not finish");
+    }
+  }
+  std::lock_guard<std::mutex> lock(peer.w->mu);
+  ucp_request_free(req);
+  if (s == UCS_OK) return Status::OK();
+  if (peer.failed) return Status::Unavailable(std::string(what) + ": peer failed: " + peer.why);
+  return ucx_status(s, what);
+}
+
+class UcxCompletion final : public Completion {
+ public:
+  // req: null when the operation finished at once.
+  UcxCompletion(std::shared_ptr<PeerState> peer, void* req, const char* what)
+      : peer_(std::move(peer)), req_(req), what_(what) {}
+  ~UcxCompletion() override {
+    if (req_ != nullptr) (void)wait(TransportClock::now());
+  }
+
+  bool test() override {
+    if (req_ == nullptr) return true;
+    {
+      std::lock_guard<std::mutex> lock(peer_->w->mu);
+      ucp_worker_progress(peer_->w->worker);
+      if (ucp_request_check_status(req_) == UCS_INPROGRESS) return false;
+    }
+    outcome_ = finish(*peer_, req_, TransportClock::now(), what_);
+    req_ = nullptr;
+    return true;
+  }
+
+  Status wait(Deadline deadline) override {
+    if (req_ == nullptr) return outcome_;
+    outcome_ = finish(*peer_, req_, deadline, what_);
+    req_ = nullptr;
+    return outcome_;
+  }
+
+ private:
+  std::shared_ptr<PeerState> peer_;
+  void* req_;
+  const char* what_;
+  Status outcome_;
+};
+
+class UcxRemoteRegion final : public RemoteRegion {
+ public:
+  UcxRemoteRegion(std::shared_ptr<PeerState> peer, ucp_rkey_h rkey, uint64_t base, uint64_t size)
+      : peer_(std::move(peer)), rkey_(rkey), base_(base), size_(size) {}
+  ~UcxRemoteRegion() override {
+    std::lock_guard<std::mutex> lock(peer_->w->mu);
+    ucp_rkey_destroy(rkey_);
+  }
+  uint64_t size() const override { return size_; }
+
+  const PeerState* owner() const { return peer_.get(); }
+  ucp_rkey_h rkey() const { return rkey_; }
+  uint64_t base() const { return base_; }
+
+ private:
+  std::shared_ptr<PeerState> peer_;
+  ucp_rkey_h rkey_;
+  uint64_t base_, size_;
+};
+
+class UcxPeer final : public Peer {
+ public:
+  explicit UcxPeer(std::shared_ptr<PeerState> state) : s_(std::move(state)) {}
+  ~UcxPeer() override { close(); }
+
+  Result<std::shared_ptr<RemoteRegion>> import_key(std::span<const uint8_t> key) override {
+    Result<KeyFrame> k = unpack_key(key);
+    if (!k.ok()) return k.status();
+    std::lock_guard<std::mutex> lock(s_->w->mu);
+    CASCADE_RETURN_IF_ERROR(s_->usable_locked());
+    ucp_rkey_h rkey = nullptr;
+    ucs_status_t st = ucp_ep_rkey_unpack(s_->ep, k->backend_key.data(), &rkey);
+    if (st != UCS_OK)
+      return Status::InvalidArgument(std::string("remote key: not usable on this peer: ") +
+                                     ucs_status_string(st));
+    return std::shared_ptr<RemoteRegion>(
+        std::make_shared<UcxRemoteRegion>(s_, rkey, k->base, k->size));
+  }
+
+  Result<std::unique_ptr<Completion>> get(const RemoteRegion& region, uint64_t offset, void* dst,
+                                          uint64_t n) override {
+    return start(TransferOp{TransferKind::kGet, &region, offset, dst, n});
+  }
+  Result<std::unique_ptr<Completion>> put(const RemoteRegion& region, uint64_t offset,
+                                          const void* src, uint64_t n) override {
+    return start(TransferOp{TransferKind::kPut, &region, offset, const_cast<void*>(src), n});
+  }
+
+  Status run_batch(std::span<const TransferOp> ops, Deadline deadline) override {
+    for (const TransferOp& op : ops) CASCADE_RETURN_IF_ERROR(check(op).status());
+    std::vector<void*> reqs;
+    reqs.reserve(ops.size() + 1);
+    Status issue_error;
+    {
+      std::lock_guard<std::mutex> lock(s_->w->mu);
+      CASCADE_RETURN_IF_ERROR(s_->usable_locked());
+      for (const TransferOp& op : ops) {
+        if (op.size == 0) continue;
+        ucs_status_ptr_t r = issue_locked(op);
+        if (UCS_PTR_IS_ERR(r)) {
+          issue_error = ucx_status(UCS_PTR_STATUS(r), "transport batch");
+          break;
+        }
+        if (r != nullptr) reqs.push_back(r);
+      }
+      ucp_request_param_t p{};
+      ucs_status_ptr_t f = s_->ep ? ucp_ep_flush_nbx(s_->ep, &p) : nullptr;
+      if (UCS_PTR_IS_ERR(f)) {
+        if (issue_error.ok()) issue_error = ucx_status(UCS_PTR_STATUS(f), "transport flush");
+      } else if (f != nullptr) {
+        reqs.push_back(f);
+      }
+    }
+    // The flush is last: when it finishes every transfer has. Wait for each
+    // anyway, to free it and to see a transfer's own error.
+    Status result = issue_error;
+    for (auto it = reqs.rbegin(); it != reqs.rend(); ++it) {
+      Status st = finish(*s_, *it, deadline, "transport batch");
+      if (result.ok() && !st.ok()) result = st;
+    }
+    return result;
+  }
+
+  Status send(uint64_t tag, std::span<const uint8_t> bytes, Deadline deadline) override {
+    if (bytes.size() > kMaxMessageBytes)
+      return Status::InvalidArgument("transport send: " + std::to_string(bytes.size()) +
+                                     " bytes, more than a control message may carry");
+    void* req;
+    {
+      std::lock_guard<std::mutex> lock(s_->w->mu);
+      CASCADE_RETURN_IF_ERROR(s_->usable_locked());
+      ucp_request_param_t p{};
+      ucs_status_ptr_t r = ucp_tag_send_nbx(s_->ep, bytes.data(), bytes.size(), tag, &p);
+      if (UCS_PTR_IS_ERR(r)) return ucx_status(UCS_PTR_STATUS(r), "transport send");
+      if (r == nullptr) return Status::OK();
+      req = r;
+    }
+    return finish(*s_, req, deadline, "transport send");
+  }
+
+  Status health() const override {
+    std::lock_guard<std::mutex> lock(s_->w->mu);
+    return s_->usable_locked();
+  }
+
+  void close() override {
+    std::lock_guard<std::mutex> lock(s_->w->mu);
+    s_->fail_locked("closed");
+    s_->close_locked();
+  }
+
+ private:
+  // The region of `op`, checked.
+  Result<const UcxRemoteRegion*> check(const TransferOp& op) const {
+    auto* region = dynamic_cast<const UcxRemoteRegion*>(op.region);
+    if (region == nullptr || region->owner() != s_.get())
+      return Status::InvalidArgument("transport: the region was not imported on this peer");
+    if (!range_within(op.offset, op.size, region->size()))
+      return Status::InvalidArgument("transport: bytes [" + std::to_string(op.offset) + ", +" +
+                                     std::to_string(op.size) + ") lie outside the region of " +
+                                     std::to_string(region->size()) + " bytes");
+    if (op.local == nullptr && op.size > 0)
+      return Status::InvalidArgument("transport: no local buffer");
+    return region;
+  }
+
+  // REQUIRES: s_->w->mu held, the peer usable, op checked and non-empty.
+  ucs_status_ptr_t issue_locked(const TransferOp& op) {
+    auto* region = static_cast<const UcxRemoteRegion*>(op.region);
+    ucp_request_param_t p{};
+    uint64_t remote = region->base() + op.offset;
+    if (op.kind == TransferKind::kGet)
+      return ucp_get_nbx(s_->ep, op.local, op.size, remote, region->rkey(), &p);
+    return ucp_put_nbx(s_->ep, op.local, op.size, remote, region->rkey(), &p);
+  }
+
+  Result<std::unique_ptr<Completion>> start(const TransferOp& op) {
+    CASCADE_RETURN_IF_ERROR(check(op).status());
+    const char* what = op.kind == TransferKind::kGet ? "transport get" : "transport put";
+    std::lock_guard<std::mutex> lock(s_->w->mu);
+    CASCADE_RETURN_IF_ERROR(s_->usable_locked());
+    if (op.size == 0) return std::unique_ptr<Completion>(new UcxCompletion(s_, nullptr, what));
+    ucs_status_ptr_t r = issue_locked(op);
+    if (UCS_PTR_IS_ERR(r)) return ucx_status(UCS_PTR_STATUS(r), what);
+    if (op.kind == TransferKind::kPut) {
+      // The put's own completion only frees the source buffer; the flush
+      // completes when the bytes are at the peer.
+      if (r != nullptr) ucp_request_free(r);
+      ucp_request_param_t p{};
+      r = ucp_ep_flush_nbx(s_->ep, &p);
+      if (UCS_PTR_IS_ERR(r)) return ucx_status(UCS_PTR_STATUS(r), what);
+    }
+    return std::unique_ptr<Completion>(new UcxCompletion(s_, r, what));
+  }
+
+  std::shared_ptr<PeerState> s_;
+};
+
+class UcxRegion final : public MemoryRegion {
+ public:
+  UcxRegion(std::shared_ptr<Worker> w, ucp_mem_h memh, uint8_t* data, uint64_t size,
+            std::vector<uint8_t> key)
+      : w_(std::move(w)), memh_(memh), data_(data), size_(size), key_(std::move(key)) {}
+  ~UcxRegion() override {
+    std::lock_guard<std::mutex> lock(w_->mu);
+    ucp_mem_unmap(w_->context, memh_);
+  }
+  uint8_t* data() const override { return data_; }
+  uint64_t size() const override { return size_; }
+  const std::vector<uint8_t>& remote_key() const override { return key_; }
+
+ private:
+  std::shared_ptr<Worker> w_;
+  ucp_mem_h memh_;
+  uint8_t* data_;
+  uint64_t size_;
+  std::vector<uint8_t> key_;
+};
+
+class UcxTransport final : public Transport {
+ public:
+  explicit UcxTransport(std::shared_ptr<Worker> w) : w_(std::move(w)) {}
+  ~UcxTransport() override { close(); }
+
+  Status init(const TransportOptions& options) {
+    ucp_address_t* addr = nullptr;
+    size_t len = 0;
+    ucs_status_t s = ucp_worker_get_address(w_->worker, &addr, &len);
+    if (s != UCS_OK) return ucx_status(s, "transport: worker address");
+    address_ = pack_address(std::span(reinterpret_cast<const uint8_t*>(addr), len));
+    ucp_worker_release_address(w_->worker, addr);
+    require_failure_detection_ = options.require_failure_detection;
+    if (options.progress_thread) progress_ = std::thread([this] { run_progress(); });
+    return Status::OK();
+  }
+
+  std::string backend() const override { return "ucx"; }
+  const std::vector<uint8_t>& address() const override { return address_; }
+
+  Result<std::unique_ptr<MemoryRegion>> register_memory(void* data, uint64_t n) override {
+    if (data == nullptr || n == 0)
+      return Status::InvalidArgument("transport: register_memory needs a non-empty region");
+    std::lock_guard<std::mutex> lock(w_->mu);
+    if (w_->closed.load()) return Status::Unavailable("transport: closed");
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    mp.address = data;
+    mp.length = n;
+    ucp_mem_h memh = nullptr;
+    ucs_status_t s = ucp_mem_map(w_->context, &mp, &memh);
+    if (s != UCS_OK) return ucx_status(s, "transport: register " + std::to_string(n) + " bytes");
+    void* packed = nullptr;
+    size_t packed_len = 0;
+    s = ucp_rkey_pack(w_->context, memh, &packed, &packed_len);
+    if (s != UCS_OK) {
+      ucp_mem_unmap(w_->context, memh);
+      return ucx_status(s, "transport: pack remote key");
+    }
+    std::vector<uint8_t> key = pack_key(reinterpret_cast<uint64_t>(data), n,
+                                        std::span(static_cast<const uint8_t*>(packed), packed_len));
+    ucp_rkey_buffer_release(packed);
+    return std::unique_ptr<MemoryRegion>(
+        new UcxRegion(w_, memh, static_cast<uint8_t*>(data), n, std::move(key)));
+  }
+
+  Result<std::shared_ptr<Peer>> connect(std::span<const uint8_t> address,
+                                        Deadline deadline) override {
+    Result<std::span<const uint8_t>> raw = unpack_address(address);
+    if (!raw.ok()) return raw.status();
+    auto state = std::make_shared<PeerState>();
+    state->w = w_;
+    void* req;
+    {
+      std::lock_guard<std::mutex> lock(w_->mu);
+      if (w_->closed.load()) return Status::Unavailable("transport: closed");
+      ucp_ep_params_t ep{};
+      ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.address = reinterpret_cast<const ucp_address_t*>(raw->data());
+      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      ep.err_handler.cb = on_peer_error;
+      ep.err_handler.arg = state.get();
+      if (!require_failure_detection_) {
+        ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+        state->can_cancel = false;
+      }
+      ucs_status_t s = ucp_ep_create(w_->worker, &ep, &state->ep);
+      if (s == UCS_ERR_UNREACHABLE && require_failure_detection_)
+        return Status::Unavailable(
+            "transport: connect: no fabric allowed here reaches the peer with failure detection "
+            "(UCX's posix and sysv shared-memory transports have none: allow tcp beside them, "
+            "e.g. \"sm,tcp\", or turn require_failure_detection off)");
+      if (s != UCS_OK) return ucx_status(s, "transport: connect");
+      std::erase_if(peers_, [](const std::weak_ptr<PeerState>& p) { return p.expired(); });
+      peers_.push_back(state);
+      // The flush finishes once the connection is set up, or fails with it.
+      ucp_request_param_t p{};
+      ucs_status_ptr_t r = ucp_ep_flush_nbx(state->ep, &p);
+      if (UCS_PTR_IS_ERR(r)) {
+        state->close_locked();
+        return ucx_status(UCS_PTR_STATUS(r), "transport: connect");
+      }
+      req = r;
+    }
+    auto peer = std::make_shared<UcxPeer>(state);
+    if (req != nullptr) CASCADE_RETURN_IF_ERROR(finish(*state, req, deadline, "transport connect"));
+    return std::shared_ptr<Peer>(std::move(peer));
+  }
+
+  Result<std::vector<uint8_t>> receive(uint64_t tag, uint64_t max_bytes,
+                                       Deadline deadline) override {
+    if (max_bytes > kMaxMessageBytes)
+      return Status::InvalidArgument("transport receive: max_bytes above the message limit");
+    std::vector<uint8_t> buf(max_bytes);
+    void* req;
+    {
+      std::lock_guard<std::mutex> lock(w_->mu);
+      if (w_->closed.load()) return Status::Unavailable("transport: closed");
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+      ucs_status_ptr_t r =
+          ucp_tag_recv_nbx(w_->worker, buf.data(), buf.size(), tag, ~ucp_tag_t{0}, &p);
+      if (UCS_PTR_IS_ERR(r)) return ucx_status(UCS_PTR_STATUS(r), "transport receive");
+      req = r;
+    }
+    ucs_status_t s = w_->drive(req, deadline);
+    std::lock_guard<std::mutex> lock(w_->mu);
+    if (s == UCS_INPROGRESS) {
+      ucp_request_cancel(w_->worker, req);
+      Deadline until = TransportClock::now() + kCancelGrace;
+      while (ucp_request_check_status(req) == UCS_INPROGRESS && TransportClock::now() < until)
+        ucp_worker_progress(w_->worker);
+      ucp_tag_recv_info_t info{};
+      s = ucp_tag_recv_request_test(req, &info);
+      ucp_request_free(req);
+      if (s == UCS_OK) {  // it arrived while we cancelled
+        buf.resize(info.length);
+        return buf;
+      }
+      return Status::Unavailable("transport receive: no message before the deadline");
+    }
+    ucp_tag_recv_info_t info{};
+    s = ucp_tag_recv_request_test(req, &info);
+    ucp_request_free(req);
+    if (s == UCS_ERR_MESSAGE_TRUNCATED)
+      return Status::InvalidArgument("transport receive: message longer than " +
+                                     std::to_string(max_bytes) + " bytes");
+    if (s != UCS_OK) return ucx_status(s, "transport receive");
+    buf.resize(info.length);
+    return buf;
+  }
+
+  bool progress() override {
+    std::lock_guard<std::mutex> lock(w_->mu);
+    return ucp_worker_progress(w_->worker) != 0;
+  }
+
+  void close() override {
+    if (w_->closed.exchange(true)) return;
+    stop_.store(true);
+    if (progress_.joinable()) progress_.join();
+    std::lock_guard<std::mutex> lock(w_->mu);
+    for (auto& weak : peers_) {
+      if (auto p = weak.lock()) {
+        p->fail_locked("transport closed");
+        p->close_locked();
+      }
+    }
+    peers_.clear();
+  }
+
+ private:
+  void run_progress() {
+    unsigned idle = 0;
+    while (!stop_.load(std::memory_order_relaxed)) {
+      bool worked;
+      {
+        std::lock_guard<std::mutex> lock(w_->mu);
+        worked = ucp_worker_progress(w_->worker) != 0;
+      }
+      idle = worked ? 0 : idle + 1;
+      // Spin while traffic is recent, yield for a while, then sleep briefly:
+      // an idle server costs little CPU and wakes within tens of microseconds.
+      if (idle > 20000) {
+        std::this_thread::sleep_for(20us);
+      } else if (idle > 64) {
+        sched_yield();
+      }
+    }
+  }
+
+  std::shared_ptr<Worker> w_;
+  std::vector<uint8_t> address_;
+  std::vector<std::weak_ptr<PeerState>> peers_;  // guarded by w_->mu
+  bool require_failure_detection_ = true;
+  std::atomic<bool> stop_{false};
+  std::thread progress_;
+};
+
+}  // namespace
+
+bool Transport::available() { return true; }
+
+Result<std::unique_ptr<Transport>> Transport::Open(const TransportOptions& options) {
+  ucp_config_t* config = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+  if (s != UCS_OK) return ucx_status(s, "transport: read UCX configuration");
+  if (!options.fabrics.empty()) {
+    s = ucp_config_modify(config, "TLS", options.fabrics.c_str());
+    if (s != UCS_OK) {
+      ucp_config_release(config);
+      return Status::InvalidArgument("transport: fabrics \"" + options.fabrics +
+                                     "\": " + ucs_status_string(s));
+    }
+  }
+  auto w = std::make_shared<Worker>();
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_TAG;
+  s = ucp_init(&params, config, &w->context);
+  ucp_config_release(config);
+  if (s != UCS_OK) {
+    w->context = nullptr;
+    return ucx_status(s, "transport: UCX init (fabrics \"" + options.fabrics + "\")");
+  }
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+  s = ucp_worker_create(w->context, &wp, &w->worker);
+  if (s != UCS_OK) {
+    w->worker = nullptr;
+    return ucx_status(s, "transport: UCX worker");
+  }
+  auto t = std::make_unique<UcxTransport>(std::move(w));
+  CASCADE_RETURN_IF_ERROR(t->init(options));
+  return std::unique_ptr<Transport>(std::move(t));
+}
+
+}  // namespace cascade
