@@ -76,7 +76,7 @@ def test_outcomes_correct_the_next_predictions_of_their_kind():
         p.record(first, base + 0.06)
     key = "front_back from file"
     assert p.correction[key] == pytest.approx(0.06, rel=0.01)
-    assert set(p.correction) == {key}
+    assert set(p.correction) == {key, f"{key} @8192"}  # any length, and this one
     after = p.plan(8192, BS, where)
     assert after.kind == "compute"
     assert after.alternatives["front_back"] == pytest.approx(base + 0.06, rel=0.01)
@@ -94,9 +94,65 @@ def test_outcomes_correct_the_next_predictions_of_their_kind():
     assert lp.layer_overlap
     for _ in range(30):
         layered.record(lp, 0.0001)
-    assert set(layered.correction) == {"load_prefix layered from host"}
+    assert set(layered.correction) == {
+        "load_prefix layered from host",
+        "load_prefix layered from host @4096",
+    }
     again = layered.plan(4096, BS, [0] * 15)
     assert again.predicted["total"] >= 0.5 * lp.predicted["total"] - 1e-12
+
+
+def test_corrections_are_kept_per_prompt_length_and_a_first_outcome_counts_whole():
+    # What a kind of plan missed by at 4K is not what it misses by at 16K: each
+    # length keeps its own correction, and a length with none uses the one
+    # learned at any length.
+    p = planner(
+        layer_overlap=True, rates={"host": 50.0}, default_tokens_per_s=30000.0, front_back=False
+    )
+    short = p.plan(4096, BS, [0] * 16)
+    p.record(short, short.predicted["total"] + 0.010)
+    key = "load_prefix layered from host"
+    assert p.correction[f"{key} @4096"] == pytest.approx(0.010)  # taken whole, not smoothed
+    assert p.correction[key] == pytest.approx(0.010)
+    long = p.plan(16384, BS, [0] * 64)
+    assert long.predicted["correction"] == pytest.approx(0.010)  # none at 16K yet: any length's
+    p.record(long, long.predicted["total"] - long.predicted["correction"] + 0.002)
+    assert p.correction[f"{key} @16384"] == pytest.approx(0.002)
+    assert p.plan(16384, BS, [0] * 64).predicted["correction"] == pytest.approx(0.002)
+    assert p.plan(4096, BS, [0] * 16).predicted["correction"] == pytest.approx(0.010)
+    # Lengths within a factor of about 1.4 share a bucket.
+    assert p.plan(5000, BS, [0] * 19).predicted["correction"] == pytest.approx(0.010)
+
+
+def test_a_layered_load_that_proves_slower_gives_way_to_one_load_before_the_forward():
+    # Where the engine carries out either (overlap_optional), a memory-tier
+    # load is weighed layer by layer and whole; the layered one is tried
+    # first (its model is faster) and, once its outcomes show fixed costs
+    # that make it slower, the whole load wins.
+    p = planner(
+        layer_overlap=True,
+        overlap_optional=True,
+        rates={"host": 50.0},
+        default_tokens_per_s=30000.0,
+        front_back=False,
+    )
+    where = [0] * 16
+    first = p.plan(4096, BS, where)
+    assert first.kind == "load_prefix" and first.layer_overlap
+    whole_model = first.alternatives["load_prefix"]
+    p.record(first, first.predicted["total"] + 0.030)  # 30 ms of fixed costs
+    second = p.plan(4096, BS, where)
+    assert second.kind == "load_prefix" and not second.layer_overlap
+    assert second.predicted["correction_key"] == "load_prefix from host"
+    assert whole_model <= second.predicted["total"] < first.predicted["total"] + 0.030
+    # Without overlap_optional every memory load stays layered (an engine
+    # that always loads layer by layer), corrected as such.
+    q = planner(
+        layer_overlap=True, rates={"host": 50.0}, default_tokens_per_s=30000.0, front_back=False
+    )
+    a = q.plan(4096, BS, where)
+    q.record(a, a.predicted["total"] + 0.030)
+    assert q.plan(4096, BS, where).layer_overlap
 
 
 def test_fast_tier_loads_the_whole_prefix_layer_by_layer():

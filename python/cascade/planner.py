@@ -132,6 +132,12 @@ class PrefillModel:
         return c0 + c1 * m + c2 * m * (p + m / 2.0)
 
 
+def _length_bucket(tokens: int) -> int:
+    """The power of two nearest a prompt's length: the corrections learned
+    at one length serve the lengths within a factor of about 1.4."""
+    return 1 << max(0, round(math.log2(max(1, tokens))))
+
+
 def _kind_key(kind: str, layered: bool, tier: str = "") -> str:
     """The key of a correction: the plan's kind (a layered load is a kind of
     its own) and the slowest tier it loads from."""
@@ -231,6 +237,7 @@ class LoadPlanner:
         layers: int,
         *,
         layer_overlap: bool = False,
+        overlap_optional: bool = False,
         front_back: bool = True,
         default_tokens_per_s: float = 8000.0,
         rates: dict | None = None,
@@ -252,6 +259,10 @@ class LoadPlanner:
         self.bytes_per_token = int(bytes_per_token)
         self.layers = int(layers)
         self.layer_overlap = layer_overlap
+        # The engine carries out each plan's choice between a layer-by-layer
+        # load and one load before the forward pass (the transformers prefix
+        # cache does); otherwise every load from memory tiers is layered.
+        self.overlap_optional = overlap_optional
         self.front_back = front_back
         self.smoothing = smoothing
         self.prefill = PrefillModel(default_tokens_per_s)
@@ -406,9 +417,13 @@ class LoadPlanner:
 
         corr = self.correction
 
+        bucket = _length_bucket(tokens)
+
         def corrected(key: str, total: float) -> float:
-            # Never below half the model's own figure, whatever was learned.
-            return max(0.5 * total, total + rows * corr.get(key, 0.0))
+            # The correction learned at this prompt length, else at any;
+            # never below half the model's own figure, whatever was learned.
+            c = corr.get(f"{key} @{bucket}", corr.get(key, 0.0))
+            return max(0.5 * total, total + rows * c)
 
         def key_of(kind: str, layered: bool, slowest: int) -> str:
             return _kind_key(kind, layered, self.tiers[slowest] if slowest >= 0 else "")
@@ -435,26 +450,34 @@ class LoadPlanner:
         for k in range(have + 1, hits + 1):
             load = queued_s + lat_head[k] + cum[k]
             comp = pre(tokens - cached(k), cached(k))
-            overlap = self.layer_overlap and mem[k]
-            total = max(load + comp / L, comp + load / L) if overlap else load + comp
-            ckey, model = key_of("load_prefix", overlap, slow_head[k]), total
-            total = corrected(ckey, total)
-            key = "load_prefix"
-            if total < alts.get(key, math.inf):
-                alts[key] = total
-            if total < best.predicted["total"]:
-                best_key, best_model = ckey, model
-                best = Plan(
-                    "load_prefix",
-                    tokens,
-                    bs,
-                    load_first=have,
-                    load_end=k,
-                    tail_tokens=tokens - cached(k),
-                    held_tokens=done,
-                    layer_overlap=overlap,
-                )
-                best.predicted = {"load": load, "compute": comp, "total": total}
+            # Layer by layer the forward pass waits only for each layer's
+            # KV; its fixed costs (a stream, an event per layer) can make a
+            # short prompt slower than one load before the forward, so both
+            # are weighed, each with what its own outcomes taught.
+            if self.layer_overlap and mem[k]:
+                ways = (True, False) if self.overlap_optional else (True,)
+            else:
+                ways = (False,)
+            for overlap in ways:
+                model = max(load + comp / L, comp + load / L) if overlap else load + comp
+                ckey = key_of("load_prefix", overlap, slow_head[k])
+                total = corrected(ckey, model)
+                key = "load_prefix"
+                if total < alts.get(key, math.inf):
+                    alts[key] = total
+                if total < best.predicted["total"]:
+                    best_key, best_model = ckey, model
+                    best = Plan(
+                        "load_prefix",
+                        tokens,
+                        bs,
+                        load_first=have,
+                        load_end=k,
+                        tail_tokens=tokens - cached(k),
+                        held_tokens=done,
+                        layer_overlap=overlap,
+                    )
+                    best.predicted = {"load": load, "compute": comp, "total": total}
         if self.front_back and hits >= 2 and have == 0:
             for s in range(1, hits):
                 load = queued_s + lat_tail[s] + cum[hits] - cum[s]
@@ -479,6 +502,7 @@ class LoadPlanner:
         best.rows = rows
         best.predicted["correction"] = best.predicted["total"] - best_model
         best.predicted["correction_key"] = best_key
+        best.predicted["correction_bucket"] = bucket
         by: dict = collections.Counter()
         for j in range(best.load_first, best.load_end):
             by[self.tiers[tier_idx[j]]] += bpb
@@ -526,8 +550,15 @@ class LoadPlanner:
         model = (predicted - plan.predicted.get("correction", 0.0)) / rows
         missed = measured_s / rows - model
         a = self.CORRECTION_SMOOTHING
-        old = self.correction.get(key, 0.0)
-        self.correction[key] = a * missed + (1 - a) * old
+        # Kept for the kind of plan at this prompt length and at any; a key's
+        # first outcome is taken whole.
+        keys = [key]
+        bucket = plan.predicted.get("correction_bucket")
+        if bucket is not None:
+            keys.append(f"{key} @{bucket}")
+        for k in keys:
+            old = self.correction.get(k)
+            self.correction[k] = missed if old is None else a * missed + (1 - a) * old
 
     def stats(self) -> dict:
         """Rates, the prefill fit, plan counts and the recent prediction error."""

@@ -347,6 +347,7 @@ class PrefixCache:
                 self.geometry.bytes_per_token,
                 self.geometry.num_layers,
                 layer_overlap=self.device.type == "cuda",
+                overlap_optional=True,
             )
         self.planner = planner or None
         self.namespace = KvNamespace(

@@ -106,6 +106,7 @@ class TtftBench:
                 self.geometry.num_layers,
                 layer_overlap=bool(getattr(self.args, "layer_overlap", False))
                 and self.device.type == "cuda",
+                overlap_optional=True,
             )
             if self.pcie:
                 self.planner.set_rate("host", self.pcie["gbps"])
