@@ -134,7 +134,7 @@ class PrefillModel:
 
 def _length_bucket(tokens: int) -> int:
     """The power of two nearest a prompt's length: the corrections learned
-    at one length serve the lengths within a factor of about 1.4."""
+    at one length serve the lengths within a factor of about 1.4 of it."""
     return 1 << max(0, round(math.log2(max(1, tokens))))
 
 
@@ -420,9 +420,10 @@ class LoadPlanner:
         bucket = _length_bucket(tokens)
 
         def corrected(key: str, total: float) -> float:
-            # The correction learned at this prompt length, else at any;
-            # never below half the model's own figure, whatever was learned.
-            c = corr.get(f"{key} @{bucket}", corr.get(key, 0.0))
+            # The correction learned at this prompt length (none: the model
+            # alone, so each kind of plan is tried at each length); never
+            # below half the model's own figure, whatever was learned.
+            c = corr.get(f"{key} @{bucket}", 0.0)
             return max(0.5 * total, total + rows * c)
 
         def key_of(kind: str, layered: bool, slowest: int) -> str:
@@ -550,15 +551,13 @@ class LoadPlanner:
         model = (predicted - plan.predicted.get("correction", 0.0)) / rows
         missed = measured_s / rows - model
         a = self.CORRECTION_SMOOTHING
-        # Kept for the kind of plan at this prompt length and at any; a key's
-        # first outcome is taken whole.
-        keys = [key]
+        # Kept for the kind of plan at this prompt length; a key's first
+        # outcome is taken whole.
         bucket = plan.predicted.get("correction_bucket")
         if bucket is not None:
-            keys.append(f"{key} @{bucket}")
-        for k in keys:
-            old = self.correction.get(k)
-            self.correction[k] = missed if old is None else a * missed + (1 - a) * old
+            key = f"{key} @{bucket}"
+        old = self.correction.get(key)
+        self.correction[key] = missed if old is None else a * missed + (1 - a) * old
 
     def stats(self) -> dict:
         """Rates, the prefill fit, plan counts and the recent prediction error."""

@@ -119,9 +119,10 @@ def _forward(cache, ids, past, chunk_tokens):
     return forward_chunked(cache.model, ids, past, chunk_tokens)
 
 
-def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
+def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens, learn: bool = True):
     """Carries out `plan` (cascade.planner.Plan) for `batch`; returns
-    (logits, past, cached tokens, loaded blocks, load errors, phase seconds)."""
+    (logits, past, cached tokens, loaded blocks, load errors, phase seconds).
+    learn=False: the planner is told of no load or forward time."""
     rows, tokens = batch.shape
     bs = cache.block_size
     model = cache.model
@@ -130,15 +131,19 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
 
     def observe_load(loader):
         nbytes = rows * (loader.good * bs) * cache.geometry.bytes_per_token
-        if tier and loader.failure is None and loader.good and not loader.errors:
+        if learn and tier and loader.failure is None and loader.good and not loader.errors:
             planner.observe_load(tier, nbytes, loader.seconds)
+
+    def observe_prefill(new_tokens: int, prefix_tokens: int, seconds: float) -> None:
+        if learn:
+            planner.observe_prefill(new_tokens, prefix_tokens, seconds)
 
     if plan.kind == "compute":
         t0 = time.perf_counter()
         logits, past = _forward(cache, batch, None, chunk_tokens)
         cache._sync()
         phases["forward"] = time.perf_counter() - t0
-        planner.observe_prefill(tokens, 0, phases["forward"] / rows)
+        observe_prefill(tokens, 0, phases["forward"] / rows)
         return logits, past, 0, 0, [], phases
 
     if plan.kind == "load_prefix":
@@ -183,7 +188,7 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
             return _recompute_from(cache, batch, loader, good, chunk_tokens, phases)
         if not layered:
             observe_load(loader)
-            planner.observe_prefill(tokens - cached, cached, phases["forward"] / rows)
+            observe_prefill(tokens - cached, cached, phases["forward"] / rows)
         return logits, past2, cached, k, [], phases
 
     # front_back: blocks [s, H) loaded while the first s blocks' tokens are computed.
@@ -198,7 +203,7 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
         back_loader.join()
     phases["front"] = t1 - t0
     phases["load"] = back_loader.seconds
-    planner.observe_prefill(s * bs, 0, phases["front"] / rows)
+    observe_prefill(s * bs, 0, phases["front"] / rows)
     end = min(h * bs, tokens - 1)  # the last token is computed
     failed = back_loader.failure is not None or bool(back_loader.errors)
     if failed:  # the blocks from the first that did not load on are computed
@@ -219,7 +224,7 @@ def run_plan(cache, batch: torch.Tensor, lookup, plan, planner, chunk_tokens):
     cache._sync()
     phases["forward"] = time.perf_counter() - t3
     if not failed:
-        planner.observe_prefill(tokens - start, start, phases["forward"] / rows)
+        observe_prefill(tokens - start, start, phases["forward"] / rows)
     return logits, past, back_tokens, good, back_loader.errors, phases
 
 

@@ -598,15 +598,18 @@ class PrefixCache:
         save: bool = True,
         hit_ratio: float | None = None,
         chunk_tokens: int | None = None,
+        learn: bool = True,
     ) -> PrefillResult:
         """Logits of the last prompt token and the cache of every prompt token,
         with the longest cached prefix loaded instead of computed. `plan`
         (from lookup) skips the lookup; blocks that fail to load then are
-        recomputed."""
+        recomputed. learn=False: the planner (if any) plans and traces this
+        prefill but learns nothing from its timings (a warm-up, whose
+        one-time costs would mislead the next plans)."""
         batch = self._as_batch(input_ids).to(self.device)
         rows, tokens = batch.shape
         if self.planner is not None and plan is None and hit_ratio is None and not self.hit_ratio:
-            return self._planned_prefill(batch, save, chunk_tokens or self.chunk_tokens)
+            return self._planned_prefill(batch, save, chunk_tokens or self.chunk_tokens, learn)
         t0 = time.perf_counter()
         if plan is None:
             plan = self.lookup(batch, hit_ratio=hit_ratio)
@@ -646,7 +649,9 @@ class PrefixCache:
             result.timings["save"] = time.perf_counter() - since
         return result
 
-    def _planned_prefill(self, batch: torch.Tensor, save: bool, chunk_tokens) -> PrefillResult:
+    def _planned_prefill(
+        self, batch: torch.Tensor, save: bool, chunk_tokens, learn: bool = True
+    ) -> PrefillResult:
         from cascade.integrations.planned_prefill import block_tiers, run_plan
 
         planner = self.planner
@@ -666,10 +671,10 @@ class PrefixCache:
         t1 = time.perf_counter()
         with torch.no_grad():
             logits, past, cached, loaded, errors, phases = run_plan(
-                self, batch, lookup, plan, planner, chunk_tokens
+                self, batch, lookup, plan, planner, chunk_tokens, learn
             )
         t2 = time.perf_counter()
-        entry = planner.record(plan, t2 - t0, lookup=t1 - t0, **phases)
+        entry = planner.record(plan, t2 - t0, learn=learn, lookup=t1 - t0, **phases)
         promoting = self._promote_unloaded(ids, where, plan) if self.promote_unloaded else 0
         result = PrefillResult(
             logits=logits,

@@ -375,11 +375,12 @@ class TtftBench:
             # host arena is registered with CUDA in 64 MiB chunks on first
             # use, and the allocator and kernels meet this row's shapes.
             # An auto row warms up with its planner: the layer-ordered path
-            # has its own first-use costs (its stream, events, bounce buffers).
+            # has its own first-use costs (its stream, events, bounce buffers),
+            # which its plans must not learn as if they came every time.
             pc = self._prefix_cache(self.hot_store, ratio, planner)
             _serve(
                 groups,
-                lambda g: pc.prefill(prompts[g], save=False),
+                lambda g: pc.prefill(prompts[g], save=False, learn=False),
                 lambda g, res: None,
                 self.device,
             )
