@@ -155,3 +155,19 @@ PROMPT = list(range(1000, 1000 + 5 * BS + 2))  # 5 full blocks and 2 tokens
 
 
 CUDA = torch.cuda.is_available() and bool(cascade.HAVE_CUDA) and cascade.gpu_usable(0)
+
+
+def gpu_test_store(pipeline: str):
+    """A store for the CUDA tests: pipeline "host" or "gpu|host", small tiers."""
+    return cascade.CascadeStore(
+        cascade.config_from_dict(
+            {
+                "pipeline": pipeline,
+                "use_gpu": "gpu" in pipeline,
+                "gpu_capacity_bytes": 64 << 20,
+                "shm_capacity_bytes": 64 << 20,
+                "num_io_threads": 2,
+                "shm_path": conn_shm_path(),
+            }
+        )
+    )

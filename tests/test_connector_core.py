@@ -16,7 +16,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import cascade  # noqa: E402
 from cascade.integrations import connector_lookup as lk  # noqa: E402
 from cascade.integrations.connector_config import (  # noqa: E402
     ConnectorConfig,
@@ -36,8 +35,8 @@ from connector_helpers import (  # noqa: E402
     CUDA,
     NB,
     PROMPT,
-    conn_shm_path,
     engine_key,
+    gpu_test_store,
     make_layers,
     namespace,
     open_store,
@@ -411,18 +410,7 @@ def test_lookup_modes_in_one_process(ranks):
 def test_cuda_pages_save_then_load(pipeline, layerwise):
     """The worker's CUDA path: saves on a side stream after the forward's
     work, loads (whole or layer by layer) ordered before the next forward."""
-    store = cascade.CascadeStore(
-        cascade.config_from_dict(
-            {
-                "pipeline": pipeline,
-                "use_gpu": "gpu" in pipeline,
-                "gpu_capacity_bytes": 64 << 20,
-                "shm_capacity_bytes": 64 << 20,
-                "num_io_threads": 2,
-                "shm_path": conn_shm_path(),
-            }
-        )
-    )
+    store = gpu_test_store(pipeline)
     key = engine_key()
     worker = KvTransferWorker(ConnectorConfig(use_layerwise=layerwise), store, rank=0, world=1)
     try:

@@ -7,7 +7,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import cascade  # noqa: E402
 from cascade.integrations import connector_lookup as lk  # noqa: E402
 from cascade.integrations.connector_config import ConnectorConfig  # noqa: E402
 from cascade.integrations.connector_core import (  # noqa: E402
@@ -21,8 +20,8 @@ from connector_helpers import (  # noqa: E402
     BS,
     CUDA,
     PROMPT,
-    conn_shm_path,
     engine_key,
+    gpu_test_store,
     open_store,
     planner_for,
     schedule_prefill,
@@ -198,18 +197,7 @@ def test_tensor_parallel_mla_stores_once_and_every_rank_loads():
 def test_mla_cuda_pages_save_then_load(pipeline, layerwise):
     """The worker's CUDA path with MLA pages (padded, in device memory): the
     stored bytes follow the format, and a load fills other pages with them."""
-    store = cascade.CascadeStore(
-        cascade.config_from_dict(
-            {
-                "pipeline": pipeline,
-                "use_gpu": "gpu" in pipeline,
-                "gpu_capacity_bytes": 64 << 20,
-                "shm_capacity_bytes": 64 << 20,
-                "num_io_threads": 2,
-                "shm_path": conn_shm_path(),
-            }
-        )
-    )
+    store = gpu_test_store(pipeline)
     key = engine_key()
     worker = KvTransferWorker(ConnectorConfig(use_layerwise=layerwise), store, rank=0, world=1)
     try:

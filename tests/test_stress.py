@@ -138,56 +138,29 @@ def test_stress_quick_finds_nothing_wrong_and_does_real_work(tmp_path):
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
 
 
-@pytest.mark.slow
-def test_stress_long_ops_and_kill(tmp_path):
+def run_stress(tmp_path, *args, timeout):
+    """`cascade stress ARGS --dir tmp_path` in a child interpreter."""
     env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cascade",
-            "stress",
-            "ops",
-            "kill",
-            "--duration",
-            "10",
-            "--iterations",
-            "200",
-            "--dir",
-            str(tmp_path),
-        ],
+    return subprocess.run(
+        [sys.executable, "-m", "cascade", "stress", *args, "--dir", str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=timeout,
     )
+
+
+@pytest.mark.slow
+def test_stress_long_ops_and_kill(tmp_path):
+    p = run_stress(tmp_path, "ops", "kill", "--duration", "10", "--iterations", "200", timeout=1200)
     assert p.returncode == 0, p.stdout[-4000:]
 
 
 def test_kill_before_the_writer_starts_owes_nothing(tmp_path):
     # A writer killed right after the fork may not have run a line: its log
     # is empty, nothing is owed, and the iteration passes.
-    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT)
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cascade",
-            "stress",
-            "kill",
-            "--iterations",
-            "6",
-            "--kill-min",
-            "0",
-            "--kill-max",
-            "0",
-            "--dir",
-            str(tmp_path),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    p = run_stress(
+        tmp_path, "kill", "--iterations", "6", "--kill-min", "0", "--kill-max", "0", timeout=300
     )
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     assert "kill" in p.stdout and "FAIL" not in p.stdout
