@@ -99,37 +99,56 @@ TEST(TransportOpen, SharedMemoryAloneRefused) {
   EXPECT_NE(p.status().message().find("failure detection"), std::string::npos);
 }
 
+// A child serving its region over shared memory alone, without failure
+// detection, and this process connected to it with the region imported.
+struct SharedMemoryLink {
+  std::unique_ptr<ForkedPeer> child;
+  std::unique_ptr<Transport> t;
+  std::shared_ptr<Peer> p;
+  std::shared_ptr<RemoteRegion> r;
+};
+
+void open_shared_memory_link(uint64_t region_bytes, uint8_t seed, SharedMemoryLink* link) {
+  ForkedPeerOptions fo;
+  fo.transport.fabrics = "sm";
+  fo.transport.require_failure_detection = false;
+  fo.region_bytes = region_bytes;
+  fo.seed = seed;
+  Result<std::unique_ptr<ForkedPeer>> child = ForkedPeer::Start(fo, deadline_in(30s));
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  link->child = std::move(*child);
+  Result<std::unique_ptr<Transport>> t = Transport::Open(fo.transport);
+  ASSERT_TRUE(t.ok());
+  link->t = std::move(*t);
+  Result<std::shared_ptr<Peer>> p = link->t->connect(link->child->address(), deadline_in(10s));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  link->p = *p;
+  Result<std::shared_ptr<RemoteRegion>> r = link->p->import_key(link->child->key());
+  ASSERT_TRUE(r.ok());
+  link->r = *r;
+}
+
 // Shared memory alone, allowed without failure detection: bytes are right, and
 // a wait on a stopped peer ends by its deadline.
 TEST(TransportOpen, SharedMemoryWithoutFailureDetection) {
   if (!Transport::available()) GTEST_SKIP() << "built without UCX";
-  ForkedPeerOptions fo;
-  fo.transport.fabrics = "sm";
-  fo.transport.require_failure_detection = false;
-  fo.region_bytes = 8 << 20;
-  fo.seed = 12;
-  Result<std::unique_ptr<ForkedPeer>> child = ForkedPeer::Start(fo, deadline_in(30s));
-  ASSERT_TRUE(child.ok()) << child.status().ToString();
-  Result<std::unique_ptr<Transport>> t = Transport::Open(fo.transport);
-  ASSERT_TRUE(t.ok());
-  Result<std::shared_ptr<Peer>> p = (*t)->connect((*child)->address(), deadline_in(10s));
-  ASSERT_TRUE(p.ok()) << p.status().ToString();
-  Result<std::shared_ptr<RemoteRegion>> r = (*p)->import_key((*child)->key());
-  ASSERT_TRUE(r.ok());
+  SharedMemoryLink link;
+  open_shared_memory_link(8 << 20, 12, &link);
+  if (HasFatalFailure()) return;
   // Kept until the Transport is closed: a transfer past its deadline may still land here.
   std::vector<uint8_t> buf(8 << 20);
   for (uint64_t n : {uint64_t{1}, uint64_t{4096}, uint64_t{1 << 20}, uint64_t{8 << 20}}) {
     uint64_t offset = (8 << 20) - n;
-    Result<std::unique_ptr<Completion>> c = (*p)->get(**r, offset, buf.data(), n);
+    Result<std::unique_ptr<Completion>> c = link.p->get(*link.r, offset, buf.data(), n);
     ASSERT_TRUE(c.ok());
     ASSERT_TRUE((*c)->wait(deadline_in(10s)).ok());
     for (uint64_t i = 0; i < n; ++i) ASSERT_EQ(buf[i], pattern_byte(offset + i, 12)) << i;
   }
   std::vector<uint8_t> src(1 << 20, 0x3c);
-  Result<std::unique_ptr<Completion>> c = (*p)->put(**r, 0, src.data(), src.size());
+  Result<std::unique_ptr<Completion>> c = link.p->put(*link.r, 0, src.data(), src.size());
   ASSERT_TRUE(c.ok());
   ASSERT_TRUE((*c)->wait(deadline_in(10s)).ok());
-  Result<uint64_t> sum = (*child)->checksum(0, src.size(), deadline_in(10s));
+  Result<uint64_t> sum = link.child->checksum(0, src.size(), deadline_in(10s));
   ASSERT_TRUE(sum.ok());
   EXPECT_EQ(*sum, bytes_checksum(src.data(), src.size()));
 
@@ -137,21 +156,21 @@ TEST(TransportOpen, SharedMemoryWithoutFailureDetection) {
   // memory (then the put completes, and the bytes are there), otherwise the
   // wait ends by its deadline and the Peer is failed.
   std::vector<uint8_t> second(1 << 20, 0xc3);
-  (*child)->signal(SIGSTOP);
+  link.child->signal(SIGSTOP);
   auto t0 = TransportClock::now();
-  c = (*p)->put(**r, 0, second.data(), second.size());
+  c = link.p->put(*link.r, 0, second.data(), second.size());
   Status st = c.ok() ? (*c)->wait(t0 + 300ms) : c.status();
   EXPECT_LT(TransportClock::now() - t0, 2s);
-  (*child)->signal(SIGCONT);
+  link.child->signal(SIGCONT);
   if (st.ok()) {
-    sum = (*child)->checksum(0, second.size(), deadline_in(10s));
+    sum = link.child->checksum(0, second.size(), deadline_in(10s));
     ASSERT_TRUE(sum.ok());
     EXPECT_EQ(*sum, bytes_checksum(second.data(), second.size()));
   } else {
     EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
-    EXPECT_TRUE((*p)->health().is(Code::kUnavailable));
+    EXPECT_TRUE(link.p->health().is(Code::kUnavailable));
   }
-  (*t)->close();
+  link.t->close();
 }
 
 // Shared memory alone, a peer killed mid-loop: without failure detection the
@@ -159,27 +178,17 @@ TEST(TransportOpen, SharedMemoryWithoutFailureDetection) {
 // holds a wrong byte.
 TEST(TransportOpen, SharedMemoryWithoutFailureDetectionPeerKilled) {
   if (!Transport::available()) GTEST_SKIP() << "built without UCX";
-  ForkedPeerOptions fo;
-  fo.transport.fabrics = "sm";
-  fo.transport.require_failure_detection = false;
-  fo.region_bytes = 16 << 20;
-  fo.seed = 13;
-  Result<std::unique_ptr<ForkedPeer>> child = ForkedPeer::Start(fo, deadline_in(30s));
-  ASSERT_TRUE(child.ok()) << child.status().ToString();
-  Result<std::unique_ptr<Transport>> t = Transport::Open(fo.transport);
-  ASSERT_TRUE(t.ok());
-  Result<std::shared_ptr<Peer>> p = (*t)->connect((*child)->address(), deadline_in(10s));
-  ASSERT_TRUE(p.ok()) << p.status().ToString();
-  Result<std::shared_ptr<RemoteRegion>> r = (*p)->import_key((*child)->key());
-  ASSERT_TRUE(r.ok());
+  SharedMemoryLink link;
+  open_shared_memory_link(16 << 20, 13, &link);
+  if (HasFatalFailure()) return;
   constexpr uint64_t kBlock = 1 << 20;
   std::vector<uint8_t> buf(kBlock);  // outlives the Transport (closed below)
   int ok_reads = 0, failed = 0;
   for (int iter = 0; iter < 30; ++iter) {
-    if (iter == 10) (*child)->signal(SIGKILL);
+    if (iter == 10) link.child->signal(SIGKILL);
     uint64_t offset = (iter % 16) * kBlock;
     auto t0 = TransportClock::now();
-    Result<std::unique_ptr<Completion>> c = (*p)->get(**r, offset, buf.data(), kBlock);
+    Result<std::unique_ptr<Completion>> c = link.p->get(*link.r, offset, buf.data(), kBlock);
     Status st = c.ok() ? (*c)->wait(t0 + 500ms) : c.status();
     EXPECT_LT(TransportClock::now() - t0, 500ms + 1s);
     if (st.ok()) {
@@ -193,7 +202,7 @@ TEST(TransportOpen, SharedMemoryWithoutFailureDetectionPeerKilled) {
   }
   EXPECT_EQ(ok_reads, 10);
   EXPECT_EQ(failed, 20);
-  (*t)->close();
+  link.t->close();
 }
 
 // One fabric list per instantiation (UCX_TLS names).
@@ -296,7 +305,9 @@ TEST_P(TransportFabricTest, GetsAndPutsEveryByte) {
     c = peer->get(*region, offset, back.data(), n);
     ASSERT_TRUE(c.ok());
     ASSERT_TRUE((*c)->wait(deadline_in(10s)).ok());
-    if (n > 0) EXPECT_EQ(0, std::memcmp(back.data(), src.data(), n));
+    if (n > 0) {
+      EXPECT_EQ(0, std::memcmp(back.data(), src.data(), n));
+    }
     EXPECT_EQ(back[n], 0xee) << "a get wrote past its end";
   }
 }
