@@ -60,3 +60,17 @@ def format_table(headers: list[str], rows: list[list], title: str | None = None)
         out.append("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
     out.append(line)
     return "\n".join(out)
+
+
+def report_header(args, name: str, settings: dict) -> dict:
+    """The fields a `cascade bench NAME` report opens with: the command, the
+    date, the machine, whether it was a --quick run, and its settings."""
+    from cascade.machine import machine_info
+
+    return {
+        "command": "cascade " + " ".join(getattr(args, "argv", ["bench", name])),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine_info(),
+        "quick": bool(args.quick),
+        "settings": settings,
+    }

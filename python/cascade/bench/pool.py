@@ -29,7 +29,7 @@ import time
 
 from cascade import _core
 from cascade.bench import pool_worker
-from cascade.bench.common import fmt_size
+from cascade.bench.common import fmt_size, report_header
 
 GOAL_RATIO = 0.9  # aggregate against the single-process host tier
 GOAL_ROUND_TRIP_US = 15.0
@@ -426,16 +426,8 @@ def _goals(report: dict) -> dict:
 
 
 def run_pool_bench(args, progress) -> dict:
-    from cascade.machine import machine_info
-
     s = _settle(args)
-    report: dict = {
-        "command": "cascade " + " ".join(getattr(args, "argv", ["bench", "pool"])),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": machine_info(),
-        "quick": bool(args.quick),
-        "settings": s,
-    }
+    report: dict = report_header(args, "pool", s)
     run = _Run()
     try:
         if not args.skip_throughput:

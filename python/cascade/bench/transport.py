@@ -22,10 +22,8 @@ Fabrics, by name:
 
 from __future__ import annotations
 
-import time
-
 from cascade import _core
-from cascade.bench.common import fmt_size, format_table, parse_size_arg
+from cascade.bench.common import fmt_size, format_table, parse_size_arg, report_header
 
 FABRICS = {
     "tcp": ("tcp", True),
@@ -98,17 +96,9 @@ def _settings(args) -> dict:
 
 
 def run_transport_bench(args, progress) -> dict:
-    from cascade.machine import machine_info
-
     s = _settings(args)
-    report: dict = {
-        "command": "cascade " + " ".join(getattr(args, "argv", ["bench", "transport"])),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": machine_info(),
-        "quick": bool(args.quick),
-        "settings": s,
-        "fabrics": [],
-    }
+    report: dict = report_header(args, "transport", s)
+    report["fabrics"] = []
     # The ceiling: one thread's copy (one get is one stream of bytes) of as
     # many bytes as the batches read.
     progress("memcpy ceiling, one thread")
