@@ -1,5 +1,6 @@
 // cascade._core.PoolServer: the node pool server (`cascade serve`).
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "common.h"
@@ -82,6 +83,105 @@ class PyPoolServer {
     return out;
   }
 
+  // Starts this server's cluster member; returns its transport address.
+  nb::bytes start_cluster(const std::string& node_id, uint64_t generation,
+                          const std::string& fabrics, bool allow_undetected_failures,
+                          uint32_t request_timeout_ms, uint32_t lease_expiry_ms,
+                          uint32_t retry_after_ms, bool verify, uint32_t service_threads) {
+    ClusterNodeOptions o;
+    o.node_id = node_id;
+    o.generation = generation;
+    o.fabrics = fabrics;
+    o.allow_undetected_failures = allow_undetected_failures;
+    o.request_timeout_ms = request_timeout_ms;
+    o.lease_expiry_ms = lease_expiry_ms;
+    o.retry_after_ms = retry_after_ms;
+    o.verify = verify;
+    o.service_threads = service_threads;
+    auto use = server_.use();
+    Result<ClusterNode*> cn = Status::OK();
+    {
+      nb::gil_scoped_release release;
+      cn = use->start_cluster(o);
+    }
+    check(cn.status());
+    const std::vector<uint8_t>& a = (*cn)->address();
+    return nb::bytes(reinterpret_cast<const char*>(a.data()), a.size());
+  }
+
+  // members: (node id, generation, transport address) per member; positions
+  // ascending, owners[i] the member index of point i.
+  void set_cluster_view(uint64_t version,
+                        const std::vector<std::tuple<std::string, uint64_t, nb::bytes>>& members,
+                        const std::vector<uint64_t>& positions, const std::vector<uint32_t>& owners,
+                        uint32_t replicas) {
+    ClusterView v;
+    v.version = version;
+    for (const auto& [id, gen, addr] : members) {
+      ClusterMember m;
+      m.node_id = id;
+      m.generation = gen;
+      const auto* p = static_cast<const uint8_t*>(addr.data());
+      m.address.assign(p, p + addr.size());
+      v.members.push_back(std::move(m));
+    }
+    v.positions = positions;
+    v.owners = owners;
+    v.replicas = replicas;
+    auto use = server_.use();
+    ClusterNode* cn = use->cluster();
+    if (!cn) check(Status::Unavailable("this server is not a cluster member"));
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = cn->set_view(std::move(v));
+    }
+    check(st);
+  }
+
+  // Waits until what clients committed so far was pushed to its owners.
+  bool cluster_drain(uint32_t timeout_ms) {
+    auto use = server_.use();
+    ClusterNode* cn = use->cluster();
+    if (!cn) return true;
+    nb::gil_scoped_release release;
+    return cn->drain(timeout_ms);
+  }
+
+  nb::object cluster_stats() {
+    auto use = server_.use();
+    ClusterNode* cn = use->cluster();
+    if (!cn) return nb::none();
+    ClusterStats s;
+    {
+      nb::gil_scoped_release release;
+      s = cn->stats();
+    }
+    nb::dict d;
+    d["backend"] = cn->backend();
+    d["members"] = s.members;
+    d["view_version"] = s.view_version;
+    d["connected"] = s.connected;
+    d["pushed"] = s.pushed;
+    d["pushed_bytes"] = s.pushed_bytes;
+    d["push_dropped"] = s.push_dropped;
+    d["fetched"] = s.fetched;
+    d["fetched_bytes"] = s.fetched_bytes;
+    d["remote_lookups"] = s.remote_lookups;
+    d["remote_hits"] = s.remote_hits;
+    d["served_leases"] = s.served_leases;
+    d["served_lease_bytes"] = s.served_lease_bytes;
+    d["served_commits"] = s.served_commits;
+    d["served_commit_bytes"] = s.served_commit_bytes;
+    d["checksum_failures"] = s.checksum_failures;
+    d["timeouts"] = s.timeouts;
+    d["expired"] = s.expired;
+    d["bad_messages"] = s.bad_messages;
+    d["peer_leases"] = s.peer_leases;
+    d["peer_reservations"] = s.peer_reservations;
+    return d;
+  }
+
   std::string socket_path() {
     auto use = server_.use();
     return use->socket_path();
@@ -113,6 +213,19 @@ void register_serve(nb::module_& m) {
            "max_clients"_a = 256, "share_across_users"_a = false)
       .def("stats", &PyPoolServer::stats, "Counters of the server and its store.")
       .def("clients", &PyPoolServer::clients, "The connected clients.")
+      .def("start_cluster", &PyPoolServer::start_cluster, "node_id"_a, "generation"_a,
+           "fabrics"_a = "", "allow_undetected_failures"_a = false, "request_timeout_ms"_a = 2000,
+           "lease_expiry_ms"_a = 60000, "retry_after_ms"_a = 1000, "verify"_a = true,
+           "service_threads"_a = 2,
+           "Makes this server a cluster member (its data transport); returns the "
+           "transport address to publish in the member record.")
+      .def("set_cluster_view", &PyPoolServer::set_cluster_view, "version"_a, "members"_a,
+           "positions"_a, "owners"_a, "replicas"_a,
+           "Installs the members and their ring (PlacementRing.points()).")
+      .def("cluster_drain", &PyPoolServer::cluster_drain, "timeout_ms"_a,
+           "Waits until blocks committed so far were pushed to their owners.")
+      .def("cluster_stats", &PyPoolServer::cluster_stats,
+           "Counters of the cluster member, or None when not a member.")
       .def_prop_ro("socket_path", &PyPoolServer::socket_path)
       .def_prop_ro("closed", &PyPoolServer::closed)
       .def("close", &PyPoolServer::close,

@@ -347,26 +347,54 @@ def _close(server, stats: Mapping[str, Any], ephemeral: bool) -> bool:
     return True
 
 
-def _join_cluster(copts, capacity_bytes: int):
-    """Makes this server a member of the cluster ``copts`` names. The server
-    serves its node whether or not the coordination service answers now: a
-    failed first registration is retried in the background."""
-    from cascade.cluster import EtcdClient, Membership
+def _join_cluster(server, copts, capacity_bytes: int):
+    """Makes this server a member of the cluster ``copts`` names: starts its
+    data transport, publishes the transport's address in the member record,
+    and keeps the server's view of the members (and their ring) up to date.
+    The server serves its node whether or not the coordination service
+    answers now: a failed first registration is retried in the background."""
+    from cascade.cluster import Membership
+
+    generation = time.time_ns() // 1000
+    address = server.start_cluster(
+        copts.node_id,
+        generation,
+        fabrics=copts.fabrics,
+        allow_undetected_failures=copts.allow_undetected_failures,
+        request_timeout_ms=max(1, int(copts.request_timeout_seconds * 1000)),
+        lease_expiry_ms=int(copts.lease_expiry_seconds * 1000),
+        retry_after_ms=max(100, int(copts.refresh_seconds * 1000)),
+        verify=copts.verify,
+        service_threads=copts.service_threads,
+    )
+
+    def install(view, ring) -> None:
+        positions, owners = ring.points()
+        members = [
+            (
+                m,
+                view.members[m].generation if m in view.members else 0,
+                view.members[m].transport if m in view.members else b"",
+            )
+            for m in ring.members
+        ]
+        server.set_cluster_view(view.version, members, positions, owners, ring.replicas)
 
     membership = Membership(
-        EtcdClient(copts.endpoints, timeout=copts.request_timeout_seconds),
+        _etcd_client(copts),
         copts.name,
         copts.node_id,
-        # The data transport between servers publishes its address here;
-        # until a server runs one, the record's transport field is empty.
-        transport=b"",
+        transport=address,
         capacity_bytes=capacity_bytes,
         lease_ttl=copts.lease_ttl_seconds,
         refresh_seconds=copts.refresh_seconds,
         grace_seconds=copts.grace_seconds,
         points_per_member=copts.points_per_member,
         replicas=copts.replicas,
+        generation=generation,
+        on_view=install,
     )
+    install(*membership.snapshot())
     if not membership.start():
         logger.warning(
             "cluster %s: %s is not registered yet (%s); retrying every %.1f s",
@@ -376,6 +404,12 @@ def _join_cluster(copts, capacity_bytes: int):
             copts.refresh_seconds,
         )
     return membership
+
+
+def _etcd_client(copts):
+    from cascade.cluster import EtcdClient
+
+    return EtcdClient(copts.endpoints, timeout=copts.request_timeout_seconds)
 
 
 def cluster_line(c: Mapping[str, Any]) -> str:
@@ -437,7 +471,7 @@ def run(
             "cluster": None,
         }
         if copts is not None:
-            membership = _join_cluster(copts, host.get("capacity_bytes", 0))
+            membership = _join_cluster(server, copts, host.get("capacity_bytes", 0))
             facts["cluster"] = {"name": copts.name, "node_id": copts.node_id}
         if opts.metrics_port:
             metrics = serve_status.MetricsServer(
@@ -445,7 +479,9 @@ def run(
                 opts.metrics_address,
                 opts.metrics_port,
                 facts,
-                cluster=membership.state if membership else None,
+                cluster=(lambda: {**membership.state(), "data": server.cluster_stats()})
+                if membership
+                else None,
             )
             facts["metrics"] = metrics.url
             logger.info("metrics on %s/metrics and %s/stats.json", metrics.url, metrics.url)
@@ -469,7 +505,9 @@ def run(
         server.close()
         serve_status.remove_info_file(socket_path)
         raise
-    if membership:  # leave first: the others stop placing blocks here
+    if membership and copts:  # leave first: the others stop placing blocks here
+        if not server.cluster_drain(int(copts.request_timeout_seconds * 1000) + 1000):
+            logger.warning("cluster: some blocks were not pushed to their owners before leaving")
         membership.close()
     if metrics:
         metrics.stop()

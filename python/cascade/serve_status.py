@@ -159,6 +159,51 @@ def _number(value: Any) -> str:
     return repr(v)
 
 
+# (metric name, ClusterNode stats key, type, help) of a member's data path.
+CLUSTER_DATA_METRICS = [
+    ("cluster_connected_members", "connected", "gauge", "Members this one has a connection to"),
+    ("cluster_pushed_blocks_total", "pushed", "counter", "Blocks stored at their owners"),
+    ("cluster_pushed_bytes_total", "pushed_bytes", "counter", "Bytes stored at their owners"),
+    (
+        "cluster_push_dropped_total",
+        "push_dropped",
+        "counter",
+        "Committed blocks not stored at their owners (queue full, owner failed)",
+    ),
+    ("cluster_fetched_blocks_total", "fetched", "counter", "Blocks brought here from owners"),
+    ("cluster_fetched_bytes_total", "fetched_bytes", "counter", "Bytes brought here from owners"),
+    ("cluster_remote_lookups_total", "remote_lookups", "counter", "Ids asked of owners"),
+    ("cluster_remote_hits_total", "remote_hits", "counter", "Ids an owner held"),
+    ("cluster_served_leases_total", "served_leases", "counter", "Blocks other members read here"),
+    (
+        "cluster_served_commits_total",
+        "served_commits",
+        "counter",
+        "Blocks other members stored here",
+    ),
+    (
+        "cluster_checksum_failures_total",
+        "checksum_failures",
+        "counter",
+        "Transfers between members whose bytes did not match (served as misses)",
+    ),
+    (
+        "cluster_call_failures_total",
+        "timeouts",
+        "counter",
+        "Calls to members that failed or missed their deadline",
+    ),
+    (
+        "cluster_expired_total",
+        "expired",
+        "counter",
+        "Leases and reservations of other members ended by expiry",
+    ),
+    ("cluster_bad_messages_total", "bad_messages", "counter", "Malformed messages ignored"),
+    ("cluster_peer_leases", "peer_leases", "gauge", "Leases other members hold here now"),
+]
+
+
 def prometheus_text(
     stats: Mapping[str, Any],
     started: float | None = None,
@@ -191,6 +236,10 @@ def prometheus_text(
         )
         for name, key, kind, doc in CLUSTER_METRICS:
             family(name, kind, doc, [("", cluster[key])])
+        data = cluster.get("data")
+        if data:
+            for name, key, kind, doc in CLUSTER_DATA_METRICS:
+                family(name, kind, doc, [("", data[key])])
         family(
             "cluster_state",
             "gauge",

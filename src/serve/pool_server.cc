@@ -20,6 +20,7 @@
 #include <unordered_map>
 
 #include "os/ipc.h"
+#include "serve/cluster_node.h"
 #include "tiers/pool/pool_channel.h"
 #include "tiers/pool/pool_wire.h"
 #include "util/errno_status.h"
@@ -174,6 +175,16 @@ class PoolServer::Impl {
   std::atomic<uint64_t> leases_granted{0}, bytes_leased{0};
   double open_seconds = 0;
 
+  // Set once by start_cluster; closed with the server, after its clients.
+  std::mutex cluster_mu;
+  std::unique_ptr<ClusterNode> cluster;
+  std::atomic<ClusterNode*> cluster_ptr{nullptr};
+  ClusterNode* cluster_node() const { return cluster_ptr.load(std::memory_order_acquire); }
+  // Brings the ids a lease missed from their owners in the cluster, then
+  // leases them here.
+  void fetch_missing(ClusterNode* cn, std::span<const BlockId> ids, std::vector<BlockView>* views,
+                     std::vector<Status>* st);
+
   void wake() {
     uint64_t one = 1;
     (void)!::write(wake_fd, &one, sizeof one);
@@ -272,6 +283,11 @@ Status PoolServer::close() {
     ::unlink(s.options.socket_path.c_str());
   }
   if (s.wake_fd >= 0) ::close(s.wake_fd);
+  // Other members' leases and reservations end before the store closes.
+  {
+    std::lock_guard<std::mutex> l(s.cluster_mu);
+    if (s.cluster) s.cluster->close();
+  }
   s.store->close();
   s.close_status = s.store->close_status();
   return s.close_status;
@@ -279,6 +295,20 @@ Status PoolServer::close() {
 
 const std::string& PoolServer::socket_path() const { return impl_->options.socket_path; }
 CascadeStore* PoolServer::store() { return impl_->store.get(); }
+
+Result<ClusterNode*> PoolServer::start_cluster(const ClusterNodeOptions& options) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> l(s.cluster_mu);
+  if (s.stopping.load()) return Status::Unavailable("the pool server is closed");
+  if (s.cluster) return Status::Busy("this server is a cluster member already");
+  auto cn = ClusterNode::Start(s.store.get(), s.arena, options);
+  if (!cn.ok()) return cn.status();
+  s.cluster = std::move(cn.value());
+  s.cluster_ptr.store(s.cluster.get(), std::memory_order_release);
+  return s.cluster.get();
+}
+
+ClusterNode* PoolServer::cluster() { return impl_->cluster_node(); }
 
 // ---- connections ---------------------------------------------------------------
 
@@ -532,6 +562,26 @@ void PoolServer::Impl::serve_channel(PoolClient* c, uint32_t index) {
   }
 }
 
+void PoolServer::Impl::fetch_missing(ClusterNode* cn, std::span<const BlockId> ids,
+                                     std::vector<BlockView>* views, std::vector<Status>* st) {
+  std::vector<BlockId> missed;
+  std::vector<size_t> where;
+  for (size_t k = 0; k < ids.size(); ++k) {
+    if (!(*st)[k].is(Code::kNotFound)) continue;
+    missed.push_back(ids[k]);
+    where.push_back(k);
+  }
+  if (missed.empty()) return;
+  std::vector<uint8_t> got(missed.size(), 0);
+  cn->fetch(missed, got);
+  for (size_t j = 0; j < missed.size(); ++j) {
+    if (!got[j]) continue;
+    auto v = store->acquire(missed[j]);
+    (*st)[where[j]] = v.status();
+    if (v.ok()) (*views)[where[j]] = std::move(v.value());
+  }
+}
+
 uint32_t PoolServer::Impl::error_reply(uint8_t* reply, const Status& st) {
   ReplyHeader h{};
   h.code = code_of(st);
@@ -580,15 +630,34 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
   switch (op) {
     case Op::kLookup: {
       lookups.fetch_add(count, std::memory_order_relaxed);
+      std::vector<BlockId> missed;
+      std::vector<uint32_t> missed_k;
       for (uint32_t k = 0; k < count; ++k) {
         pool::LookupReply r{};
-        auto size = store->size_of(c->scoped(items + k * 16));
+        const BlockId id = c->scoped(items + k * 16);
+        auto size = store->size_of(id);
         r.code = code_of(size.status());
         if (size.ok()) {
           r.size = *size;
           lookup_hits.fetch_add(1, std::memory_order_relaxed);
+        } else if (cluster_node() && size.status().is(Code::kNotFound)) {
+          missed.push_back(id);
+          missed_k.push_back(k);
         }
         put_out(k, r);
+      }
+      // What this node lacks, its owner in the cluster may hold.
+      if (!missed.empty()) {
+        std::vector<uint8_t> found(missed.size(), 0);
+        std::vector<uint64_t> sizes(missed.size(), 0);
+        cluster_node()->lookup(missed, found, sizes);
+        for (size_t j = 0; j < missed.size(); ++j) {
+          if (!found[j]) continue;
+          pool::LookupReply r{};
+          r.size = sizes[j];
+          lookup_hits.fetch_add(1, std::memory_order_relaxed);
+          put_out(missed_k[j], r);
+        }
       }
       break;
     }
@@ -685,14 +754,16 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       store->commit_batch(batch, PutOptions{}, &st);
       uint64_t ok = 0, bytes = 0;
       std::vector<BlockId> stored;
+      ClusterNode* cn = cluster_node();
       for (size_t j = 0; j < held.size(); ++j) {
         put_out(held[j], pool::CodeReply{code_of(st[j])});
         if (!st[j].ok()) continue;
         ++ok;
         bytes += batch[j].size;
-        if (persistent_below && !batch[j].present) stored.push_back(batch[j].id);
+        if ((persistent_below || cn) && !batch[j].present) stored.push_back(batch[j].id);
       }
-      if (!stored.empty()) c->committed(std::move(stored));
+      if (cn) cn->publish(stored);
+      if (persistent_below && !stored.empty()) c->committed(std::move(stored));
       commits.fetch_add(ok, std::memory_order_relaxed);
       bytes_committed.fetch_add(bytes, std::memory_order_relaxed);
       break;
@@ -707,6 +778,7 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       std::vector<BlockView> views;
       std::vector<Status> st;
       store->acquire_batch(ids, &views, &st);
+      if (ClusterNode* cn = cluster_node()) fetch_missing(cn, ids, &views, &st);
       std::vector<std::pair<uint32_t, BlockView>> granted;
       granted.reserve(asked);
       uint64_t leased = 0;

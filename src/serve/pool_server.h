@@ -41,6 +41,7 @@
 #include "cascade/config.h"
 #include "cascade/stats.h"
 #include "cascade/store.h"
+#include "serve/cluster_node.h"
 
 namespace cascade {
 
@@ -104,6 +105,13 @@ class PoolServer {
 
   const std::string& socket_path() const;
   CascadeStore* store();
+
+  // Makes this server a member of a cluster of node servers: lookups and
+  // leases that miss here ask the blocks' owners, and what clients commit
+  // here is pushed to its owners (cluster_node.h). The node lives until the
+  // server closes. Busy when started already.
+  Result<ClusterNode*> start_cluster(const ClusterNodeOptions& options);
+  ClusterNode* cluster();  // null unless started
 
  private:
   class Impl;

@@ -40,6 +40,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from cascade.cluster.etcd import ClusterError, EtcdClient, KeyValue
@@ -80,6 +81,9 @@ class Membership:
     ``grace_seconds``: how long the last view is kept while the service does
     not answer. ``points_per_member`` and ``replicas``: the placement ring's.
     ``generation``: default, microseconds since the epoch at construction.
+    ``on_view``: called with (view, ring) each time the view changes, from
+    the thread that changed it (the background thread, or ``start``); an
+    exception it raises is logged and ignored.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class Membership:
         points_per_member: int = DEFAULT_POINTS,
         replicas: int = 1,
         generation: int | None = None,
+        on_view: Callable[[MembershipView, PlacementRing], None] | None = None,
     ):
         if isinstance(lease_ttl, bool) or not isinstance(lease_ttl, int) or lease_ttl < 2:
             raise ValueError(f"lease TTL: whole seconds, at least 2, not {lease_ttl!r}")
@@ -120,6 +125,7 @@ class Membership:
         self.grace_seconds = float(grace_seconds)
         self._lock = threading.Lock()
         self._ring_args = (points_per_member, replicas)
+        self._on_view = on_view
         self._view = MembershipView(0, 0, {node_id: self.record})
         self._ring = PlacementRing([node_id], points_per_member, replicas, 0)
         self._lease = 0
@@ -171,6 +177,11 @@ class Membership:
         """The placement ring of the current view."""
         with self._lock:
             return self._ring
+
+    def snapshot(self) -> tuple[MembershipView, PlacementRing]:
+        """The current view and its ring, taken together."""
+        with self._lock:
+            return self._view, self._ring
 
     def state(self) -> dict[str, Any]:
         """Where the member stands, for logs, /stats.json and metrics."""
@@ -395,6 +406,11 @@ class Membership:
         with self._lock:
             self._view = MembershipView(version, revision, dict(sorted(members.items())))
             self._ring = ring
+        if self._on_view is not None:
+            try:
+                self._on_view(self._view, ring)
+            except Exception:
+                logger.exception("cluster %s: installing view %d failed", self.cluster, version)
         joined = sorted(set(members) - set(old.members))
         left = sorted(set(old.members) - set(members))
         logger.info(

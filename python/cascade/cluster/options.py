@@ -25,6 +25,14 @@ class ClusterOptions:
     request_timeout_seconds: float = 2.0  # deadline of each call to the service
     points_per_member: int = DEFAULT_POINTS
     replicas: int = 1
+    # The data transport between members (UCX). fabrics: UCX_TLS terms
+    # ("tcp", "sm,tcp"); "": UCX's choice.
+    fabrics: str = ""
+    # Allow fabrics that cannot notice a dead peer (shared memory alone).
+    allow_undetected_failures: bool = False
+    lease_expiry_seconds: float = 60.0  # a member's leases here end after this long
+    verify: bool = True  # checksums on every transfer between members
+    service_threads: int = 2  # threads answering the other members
 
 
 def default_node_id(socket_path: str) -> str:
@@ -57,7 +65,13 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
             value = [check_endpoint(str(v)) for v in value]
         elif name in ("name", "node_id"):
             value = check_name(str(value), f"cluster.{name}")
-        elif name in ("lease_ttl_seconds", "points_per_member", "replicas"):
+        elif name == "fabrics":
+            if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_,:.-]*", value):
+                raise ValueError(f"cluster.fabrics: such as 'tcp' or 'sm,tcp', not {value!r:.60}")
+        elif name in ("allow_undetected_failures", "verify"):
+            if not isinstance(value, bool):
+                raise ValueError(f"cluster.{name}: true or false, not {value!r}")
+        elif name in ("lease_ttl_seconds", "points_per_member", "replicas", "service_threads"):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"cluster.{name}: a whole number, not {value!r}")
         else:
@@ -80,6 +94,13 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
         )
     if not 1 <= o.points_per_member <= MAX_POINTS:
         raise ValueError(f"cluster.points_per_member: 1 to {MAX_POINTS}")
+    if not 1 <= o.service_threads <= 64:
+        raise ValueError(f"cluster.service_threads: 1 to 64, not {o.service_threads}")
+    if not o.request_timeout_seconds < o.lease_expiry_seconds <= 86400:
+        raise ValueError(
+            "cluster.lease_expiry_seconds: above request_timeout_seconds, at most 86400, not "
+            f"{o.lease_expiry_seconds}"
+        )
     if o.replicas not in (1, 2):
         raise ValueError(f"cluster.replicas: 1 or 2, not {o.replicas}")
     if not o.node_id:

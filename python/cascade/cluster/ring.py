@@ -163,6 +163,12 @@ class PlacementRing:
     def __len__(self) -> int:
         return len(self.members)
 
+    def points(self) -> tuple[list[int], list[int]]:
+        """(the points' positions in ascending order, the index in ``members``
+        of each point's member): the ring as the node server's data path
+        takes it."""
+        return list(self._positions), list(self._owner)
+
     def __repr__(self) -> str:
         return (
             f"PlacementRing({len(self.members)} members, {self.points_per_member} points, "

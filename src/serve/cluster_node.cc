@@ -1,0 +1,1160 @@
+#include "serve/cluster_node.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+
+#include "cascade/store.h"
+#include "serve/cluster_wire.h"
+#include "tiers/remote/block_checksum.h"
+#include "transport/transport.h"
+
+namespace cascade {
+
+using namespace std::chrono_literals;
+using cluster::Op;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr uint64_t kM1 = 0x9E3779B97F4A7C15ULL;
+constexpr uint64_t kM2 = 0xBF58476D1CE4E5B9ULL;
+constexpr auto kServiceWait = 100ms;  // a service thread's receive, between checks for the end
+constexpr auto kSweepEvery = 1s;
+
+// The ring position of a block id: a mix of all 128 bits (the membership
+// service's ring uses the same function).
+uint64_t id_position(const BlockId& id) {
+  uint64_t lo, hi;
+  std::memcpy(&lo, id.bytes.data(), 8);
+  std::memcpy(&hi, id.bytes.data() + 8, 8);
+  const uint64_t x = (lo ^ (hi * kM1)) * kM2;
+  return x ^ (x >> 31);
+}
+
+uint32_t code_of(const Status& st) { return static_cast<uint32_t>(st.code()); }
+
+Status status_of(uint32_t code, std::string message) {
+  if (code > static_cast<uint32_t>(Code::kNotSupported))
+    return Status::Unavailable("a member answered with unknown code " + std::to_string(code));
+  return Status(static_cast<Code>(code), std::move(message));
+}
+
+template <typename T>
+void put_item(std::vector<uint8_t>* out, const T& v) {
+  const size_t at = out->size();
+  out->resize(at + sizeof v);
+  std::memcpy(out->data() + at, &v, sizeof v);
+}
+
+template <typename T>
+T item_at(const uint8_t* items, size_t k) {
+  T v;
+  std::memcpy(&v, items + k * sizeof(T), sizeof(T));
+  return v;
+}
+
+std::vector<uint8_t> error_reply(const Status& st) {
+  cluster::ReplyHead h{};
+  h.code = code_of(st);
+  const std::string msg = st.message().substr(0, cluster::kMaxMessageText);
+  h.message_bytes = static_cast<uint32_t>(msg.size());
+  std::vector<uint8_t> out(sizeof h + msg.size());
+  std::memcpy(out.data(), &h, sizeof h);
+  std::memcpy(out.data() + sizeof h, msg.data(), msg.size());
+  return out;
+}
+
+std::vector<uint8_t> ok_reply(uint32_t count, const std::vector<uint8_t>& items) {
+  cluster::ReplyHead h{};
+  h.count = count;
+  std::vector<uint8_t> out(sizeof h + items.size());
+  std::memcpy(out.data(), &h, sizeof h);
+  if (!items.empty()) std::memcpy(out.data() + sizeof h, items.data(), items.size());
+  return out;
+}
+
+}  // namespace
+
+// A member as this node reaches it (the requesting side).
+struct Link {
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<RemoteRegion> arena;
+  uint64_t arena_bytes = 0;
+};
+
+struct LinkSlot {
+  std::mutex mu;  // one connect at a time; guards the fields
+  uint64_t generation = 0;
+  std::vector<uint8_t> address;
+  std::shared_ptr<Link> link;
+  Clock::time_point skip_until{};
+};
+
+// A member that said Hello (the owning side): what it holds here.
+struct PeerState {
+  std::string node_id;
+  uint64_t generation = 0;
+  std::shared_ptr<Peer> back;  // replies go here
+  std::mutex mu;               // guards the maps and next
+  struct Lease {
+    BlockView view;
+    Clock::time_point expires;
+  };
+  struct Held {
+    Reservation r;
+    Clock::time_point expires;
+  };
+  std::unordered_map<uint64_t, Lease> leases;
+  std::unordered_map<uint64_t, Held> reservations;
+  uint64_t next = 1;
+};
+
+class ClusterNode::Impl {
+ public:
+  CascadeStore* store = nullptr;
+  SharedArena arena;
+  ClusterNodeOptions options;
+  std::unique_ptr<Transport> transport;
+  std::unique_ptr<MemoryRegion> region;
+  std::atomic<bool> stopping{false};
+  std::mutex close_mu;
+  bool closed = false;
+
+  // The view, and for each point the member of the next distinct point.
+  struct Ring {
+    ClusterView view;
+    std::vector<uint32_t> second;
+    int self = -1;
+  };
+  mutable std::shared_mutex view_mu;
+  std::shared_ptr<const Ring> ring;  // guarded by view_mu
+
+  std::mutex links_mu;
+  std::map<std::string, std::shared_ptr<LinkSlot>> links;  // guarded by links_mu
+
+  std::mutex peers_mu;
+  std::map<std::pair<std::string, uint64_t>, std::shared_ptr<PeerState>> peers;
+
+  std::vector<std::thread> service;
+  std::thread pusher;
+  std::mutex queue_mu;
+  std::condition_variable queue_cv, drained_cv;
+  std::deque<BlockId> queue;      // guarded by queue_mu
+  uint64_t queued = 0, done = 0;  // ids ever queued and ever finished, guarded by queue_mu
+  std::atomic<uint64_t> next_tag{1};
+  std::atomic<int64_t> last_sweep_ns{0};
+
+  std::atomic<uint64_t> pushed{0}, pushed_bytes{0}, push_dropped{0}, fetched{0}, fetched_bytes{0};
+  std::atomic<uint64_t> remote_lookups{0}, remote_hits{0}, served_leases{0}, served_lease_bytes{0};
+  std::atomic<uint64_t> served_commits{0}, served_commit_bytes{0}, checksum_failures{0},
+      timeouts{0};
+  std::atomic<uint64_t> expired{0}, bad_messages{0};
+  std::atomic<int64_t> peer_leases{0}, peer_reservations{0};
+
+  Deadline deadline() const {
+    return deadline_in(std::chrono::milliseconds(options.request_timeout_ms));
+  }
+  std::shared_ptr<const Ring> current() const {
+    std::shared_lock<std::shared_mutex> l(view_mu);
+    return ring;
+  }
+  uint64_t checksum(const void* p, uint64_t n) const {
+    return options.verify ? remote::block_checksum(p, n) : 0;
+  }
+
+  // ---- placement --------------------------------------------------------------
+  // The members holding id, best first, this member excluded.
+  void owners_of(const Ring& r, const BlockId& id, uint32_t out[2], int* n) const {
+    *n = 0;
+    const auto& pos = r.view.positions;
+    if (pos.empty()) return;
+    size_t i = std::lower_bound(pos.begin(), pos.end(), id_position(id)) - pos.begin();
+    if (i == pos.size()) i = 0;
+    const uint32_t first = r.view.owners[i];
+    if (static_cast<int>(first) != r.self) out[(*n)++] = first;
+    if (r.view.replicas >= 2) {
+      const uint32_t second = r.second[i];
+      if (second != first && static_cast<int>(second) != r.self) out[(*n)++] = second;
+    }
+  }
+
+  // ---- the requesting side ------------------------------------------------------
+  std::shared_ptr<LinkSlot> slot_of(const ClusterMember& m) {
+    std::lock_guard<std::mutex> l(links_mu);
+    auto& s = links[m.node_id];
+    if (!s) s = std::make_shared<LinkSlot>();
+    std::lock_guard<std::mutex> sl(s->mu);
+    if (s->generation != m.generation || s->address != m.address) {
+      if (s->link) s->link->peer->close();
+      s->link.reset();
+      s->generation = m.generation;
+      s->address = m.address;
+      s->skip_until = {};
+    }
+    return s;
+  }
+
+  void fail(const std::shared_ptr<LinkSlot>& s, const std::shared_ptr<Link>& link) {
+    timeouts.fetch_add(1, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> l(s->mu);
+    if (s->link == link) {
+      if (link) link->peer->close();
+      s->link.reset();
+      s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
+    }
+  }
+
+  std::vector<uint8_t> request(Op op, uint32_t count, uint64_t reply_tag) const {
+    cluster::RequestHead h{};
+    h.magic = cluster::kMagic;
+    h.version = cluster::kVersion;
+    h.op = static_cast<uint32_t>(op);
+    h.count = count;
+    h.reply_tag = reply_tag;
+    h.generation = options.generation;
+    h.node_id_bytes = static_cast<uint32_t>(options.node_id.size());
+    std::memcpy(h.node_id, options.node_id.data(), options.node_id.size());
+    std::vector<uint8_t> out(sizeof h);
+    std::memcpy(out.data(), &h, sizeof h);
+    return out;
+  }
+
+  // Sends op with `items` and returns the reply's items (count of them, as
+  // the op's reply type), or the error the owner answered.
+  Result<std::vector<uint8_t>> call(Peer& peer, Op op, uint32_t count,
+                                    const std::vector<uint8_t>& items, Deadline until) {
+    const bool wants_reply = op != Op::kRelease && op != Op::kAbort;
+    const uint64_t tag =
+        wants_reply ? (cluster::kReplyTagBit | next_tag.fetch_add(1, std::memory_order_relaxed))
+                    : 0;
+    std::vector<uint8_t> msg = request(op, count, tag);
+    msg.insert(msg.end(), items.begin(), items.end());
+    Status st = peer.send(cluster::kRequestTag, msg, until);
+    if (!st.ok()) return st;
+    if (!wants_reply) return std::vector<uint8_t>{};
+    auto got = transport->receive(tag, cluster::kMaxReplyBytes, until);
+    if (!got.ok()) return got.status();
+    const std::vector<uint8_t>& r = *got;
+    cluster::ReplyHead h{};
+    if (r.size() < sizeof h) {
+      bad_messages.fetch_add(1, std::memory_order_relaxed);
+      return Status::Unavailable("a member sent a reply shorter than its header");
+    }
+    std::memcpy(&h, r.data(), sizeof h);
+    if (h.code != 0) {
+      const size_t n = std::min<size_t>(h.message_bytes, r.size() - sizeof h);
+      return status_of(h.code, std::string(reinterpret_cast<const char*>(r.data()) + sizeof h, n));
+    }
+    const uint64_t want = op == Op::kHello ? 0 : reply_item_bytes(op) * uint64_t(count);
+    if (h.count != (op == Op::kHello ? h.count : count) || r.size() < sizeof h + want) {
+      bad_messages.fetch_add(1, std::memory_order_relaxed);
+      return Status::Unavailable("a member sent a reply of the wrong length");
+    }
+    return std::vector<uint8_t>(r.begin() + sizeof h, r.end());
+  }
+
+  // The connection to member m, made (with its Hello) when there is none.
+  Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s,
+                                        const ClusterMember& m) {
+    std::lock_guard<std::mutex> l(s->mu);
+    if (s->link && s->link->peer->health().ok()) return s->link;
+    if (s->link) {
+      s->link->peer->close();
+      s->link.reset();
+      s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
+    }
+    if (Clock::now() < s->skip_until)
+      return Status::Unavailable("member " + m.node_id + " failed recently; skipped for now");
+    if (m.address.empty())
+      return Status::Unavailable("member " + m.node_id + " publishes no transport address");
+    const Deadline until = deadline();
+    auto fail_now = [&](const Status& st) -> Status {
+      timeouts.fetch_add(1, std::memory_order_relaxed);
+      s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
+      return st;
+    };
+    auto peer = transport->connect(m.address, until);
+    if (!peer.ok()) return fail_now(peer.status());
+    const std::vector<uint8_t>& mine = transport->address();
+    auto reply = call(**peer, Op::kHello, static_cast<uint32_t>(mine.size()), mine, until);
+    if (!reply.ok()) {
+      (*peer)->close();
+      return fail_now(reply.status());
+    }
+    cluster::HelloReply hr{};
+    if (reply->size() < sizeof hr) {
+      (*peer)->close();
+      bad_messages.fetch_add(1, std::memory_order_relaxed);
+      return fail_now(Status::Unavailable("member " + m.node_id + " sent a short hello reply"));
+    }
+    std::memcpy(&hr, reply->data(), sizeof hr);
+    if (hr.generation != m.generation || hr.key_bytes > reply->size() - sizeof hr) {
+      (*peer)->close();
+      return fail_now(Status::Unavailable("member " + m.node_id +
+                                          " answered with another generation than its record's"));
+    }
+    auto key =
+        (*peer)->import_key(std::span<const uint8_t>(reply->data() + sizeof hr, hr.key_bytes));
+    if (!key.ok()) {
+      (*peer)->close();
+      return fail_now(key.status());
+    }
+    auto link = std::make_shared<Link>();
+    link->peer = std::move(peer.value());
+    link->arena = std::move(key.value());
+    link->arena_bytes = hr.arena_bytes;
+    s->link = link;
+    return link;
+  }
+
+  void lookup(std::span<const BlockId> ids, std::span<uint8_t> found, std::span<uint64_t> sizes);
+  void fetch(std::span<const BlockId> ids, std::span<uint8_t> got);
+  void fetch_from(const ClusterMember& m, std::span<const BlockId> ids,
+                  const std::vector<size_t>& which, std::span<uint8_t> got);
+  void push_loop();
+  void push_to(const ClusterMember& m, const std::vector<BlockId>& ids);
+
+  // ---- the owning side -------------------------------------------------------
+  void service_loop(size_t index);
+  void serve(std::vector<uint8_t>&& msg);
+  std::vector<uint8_t> serve_hello(const cluster::RequestHead& h, const std::string& node_id,
+                                   std::span<const uint8_t> address, std::shared_ptr<Peer>* back);
+  std::vector<uint8_t> serve_items(PeerState& p, Op op, uint32_t count, const uint8_t* items);
+  void end_peer(PeerState& p);
+  void sweep();
+};
+
+// ---- lookups and fetches -----------------------------------------------------
+
+void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> found,
+                               std::span<uint64_t> sizes) {
+  auto r = current();
+  if (!r || r->view.members.empty()) return;
+  // Round 0 asks the first owner, round 1 the second of what is still missing.
+  for (int round = 0; round < 2; ++round) {
+    std::map<uint32_t, std::vector<size_t>> by_member;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (found[i]) continue;
+      uint32_t o[2];
+      int n;
+      owners_of(*r, ids[i], o, &n);
+      if (round < n) by_member[o[round]].push_back(i);
+    }
+    if (by_member.empty()) return;
+    for (auto& [mi, which] : by_member) {
+      const ClusterMember& m = r->view.members[mi];
+      auto s = slot_of(m);
+      auto link = link_to(s, m);
+      if (!link.ok()) continue;
+      for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
+        const size_t e = std::min(which.size(), b + cluster::kMaxItems);
+        std::vector<uint8_t> items;
+        items.reserve((e - b) * 16);
+        for (size_t j = b; j < e; ++j) put_item(&items, ids[which[j]].bytes);
+        remote_lookups.fetch_add(e - b, std::memory_order_relaxed);
+        auto reply =
+            call(*(*link)->peer, Op::kLookup, static_cast<uint32_t>(e - b), items, deadline());
+        if (!reply.ok()) {
+          fail(s, *link);
+          break;
+        }
+        for (size_t j = b; j < e; ++j) {
+          auto lr = item_at<cluster::LookupReply>(reply->data(), j - b);
+          if (lr.code != 0) continue;
+          found[which[j]] = 1;
+          sizes[which[j]] = lr.size;
+          remote_hits.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
+    }
+  }
+}
+
+void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> got) {
+  auto r = current();
+  if (!r || r->view.members.empty()) return;
+  for (int round = 0; round < 2; ++round) {
+    std::map<uint32_t, std::vector<size_t>> by_member;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (got[i]) continue;
+      uint32_t o[2];
+      int n;
+      owners_of(*r, ids[i], o, &n);
+      if (round < n) by_member[o[round]].push_back(i);
+    }
+    if (by_member.empty()) return;
+    for (auto& [mi, which] : by_member) {
+      for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
+        std::vector<size_t> part(which.begin() + b,
+                                 which.begin() + std::min(which.size(), b + cluster::kMaxItems));
+        fetch_from(r->view.members[mi], ids, part, got);
+      }
+    }
+  }
+}
+
+void ClusterNode::Impl::fetch_from(const ClusterMember& m, std::span<const BlockId> ids,
+                                   const std::vector<size_t>& which, std::span<uint8_t> got) {
+  auto s = slot_of(m);
+  auto link = link_to(s, m);
+  if (!link.ok()) return;
+  Peer& peer = *(*link)->peer;
+  std::vector<uint8_t> items;
+  items.reserve(which.size() * 16);
+  for (size_t i : which) put_item(&items, ids[i].bytes);
+  auto reply = call(peer, Op::kLease, static_cast<uint32_t>(which.size()), items, deadline());
+  if (!reply.ok()) {
+    fail(s, *link);
+    return;
+  }
+  // What the owner leased us: reserve room here for it.
+  std::vector<size_t> leased;  // positions in `which`
+  std::vector<cluster::LeaseReply> lr(which.size());
+  for (size_t j = 0; j < which.size(); ++j) {
+    lr[j] = item_at<cluster::LeaseReply>(reply->data(), j);
+    if (lr[j].code != 0) continue;
+    if (lr[j].size > (*link)->arena_bytes || lr[j].offset > (*link)->arena_bytes - lr[j].size) {
+      bad_messages.fetch_add(1, std::memory_order_relaxed);
+      continue;
+    }
+    leased.push_back(j);
+  }
+  std::vector<uint8_t> releases;
+  auto release_all = [&] {
+    releases.clear();
+    for (size_t j : leased) put_item(&releases, cluster::TokenItem{lr[j].token});
+    if (!leased.empty())
+      (void)call(peer, Op::kRelease, static_cast<uint32_t>(leased.size()), releases, deadline());
+  };
+  if (leased.empty()) return;
+  std::vector<BlockId> want;
+  std::vector<uint64_t> sizes;
+  for (size_t j : leased) {
+    want.push_back(ids[which[j]]);
+    sizes.push_back(lr[j].size);
+  }
+  // Prefix and ordinary blocks are reserved in separate calls (the flag
+  // is an option of a batch).
+  std::vector<Reservation> res(leased.size());
+  std::vector<Status> rst(leased.size(), Status::Unavailable("not reserved"));
+  for (int prefix = 0; prefix < 2; ++prefix) {
+    std::vector<size_t> ks;
+    for (size_t k = 0; k < leased.size(); ++k)
+      if (((lr[leased[k]].flags & pool::kPrefix) != 0) == (prefix == 1)) ks.push_back(k);
+    if (ks.empty()) continue;
+    std::vector<BlockId> some_ids;
+    std::vector<uint64_t> some_sizes;
+    for (size_t k : ks) {
+      some_ids.push_back(want[k]);
+      some_sizes.push_back(sizes[k]);
+    }
+    PutOptions o;
+    o.origin = PutOrigin::kPromotion;
+    o.is_prefix = prefix == 1;
+    std::vector<Reservation> r;
+    std::vector<Status> st;
+    store->reserve_batch(some_ids, some_sizes, o, &r, &st);
+    for (size_t j = 0; j < ks.size(); ++j) {
+      res[ks[j]] = r[j];
+      rst[ks[j]] = st[j];
+    }
+  }
+  std::vector<TransferOp> ops;
+  std::vector<size_t> moving;  // positions in `leased`
+  for (size_t k = 0; k < leased.size(); ++k) {
+    if (!rst[k].ok()) continue;
+    if (res[k].present) {
+      got[which[leased[k]]] = 1;
+      continue;
+    }
+    const cluster::LeaseReply& l = lr[leased[k]];
+    ops.push_back(TransferOp{TransferKind::kGet, (*link)->arena.get(), l.offset,
+                             arena.base + res[k].offset, l.size});
+    moving.push_back(k);
+  }
+  Status st = ops.empty() ? Status::OK() : peer.run_batch(ops, deadline());
+  if (!st.ok()) {
+    for (size_t k : moving) store->abort(res[k]);
+    fail(s, *link);
+    return;
+  }
+  std::vector<Reservation> good;
+  std::vector<size_t> good_k;
+  for (size_t k : moving) {
+    const cluster::LeaseReply& l = lr[leased[k]];
+    if (options.verify && l.checksum != 0 &&
+        remote::block_checksum(arena.base + res[k].offset, l.size) != l.checksum) {
+      checksum_failures.fetch_add(1, std::memory_order_relaxed);
+      store->abort(res[k]);
+      continue;
+    }
+    good.push_back(res[k]);
+    good_k.push_back(k);
+  }
+  release_all();
+  if (good.empty()) return;
+  PutOptions o;
+  o.origin = PutOrigin::kPromotion;
+  std::vector<Status> cst;
+  store->commit_batch(good, o, &cst);
+  for (size_t j = 0; j < good.size(); ++j) {
+    if (!cst[j].ok()) continue;
+    got[which[leased[good_k[j]]]] = 1;
+    fetched.fetch_add(1, std::memory_order_relaxed);
+    fetched_bytes.fetch_add(good[j].size, std::memory_order_relaxed);
+  }
+}
+
+// ---- pushes ---------------------------------------------------------------------
+
+void ClusterNode::Impl::push_loop() {
+  while (true) {
+    std::vector<BlockId> batch;
+    {
+      std::unique_lock<std::mutex> l(queue_mu);
+      queue_cv.wait(l, [&] { return stopping.load() || !queue.empty(); });
+      if (stopping.load()) return;
+      const size_t n = std::min<size_t>(queue.size(), cluster::kMaxItems);
+      batch.assign(queue.begin(), queue.begin() + n);
+      queue.erase(queue.begin(), queue.begin() + n);
+    }
+    auto r = current();
+    if (r && !r->view.members.empty()) {
+      std::map<uint32_t, std::vector<BlockId>> by_member;
+      for (const BlockId& id : batch) {
+        uint32_t o[2];
+        int n;
+        owners_of(*r, id, o, &n);
+        for (int k = 0; k < n; ++k) by_member[o[k]].push_back(id);
+      }
+      for (auto& [mi, ids] : by_member) push_to(r->view.members[mi], ids);
+    }
+    {
+      std::lock_guard<std::mutex> l(queue_mu);
+      done += batch.size();
+    }
+    drained_cv.notify_all();
+  }
+}
+
+void ClusterNode::Impl::push_to(const ClusterMember& m, const std::vector<BlockId>& ids) {
+  auto s = slot_of(m);
+  auto link = link_to(s, m);
+  if (!link.ok()) {
+    push_dropped.fetch_add(ids.size(), std::memory_order_relaxed);
+    return;
+  }
+  Peer& peer = *(*link)->peer;
+  // The bytes stay leased here while they travel.
+  std::vector<BlockView> views;
+  std::vector<Status> vst;
+  store->acquire_batch(ids, &views, &vst);
+  std::vector<size_t> have;
+  std::vector<uint8_t> items;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (!vst[i].ok() || views[i].kind() != MemoryKind::kHost) continue;
+    pool::ReserveItem it{};
+    std::memcpy(it.id, ids[i].bytes.data(), 16);
+    it.size = views[i].size();
+    put_item(&items, it);
+    have.push_back(i);
+  }
+  push_dropped.fetch_add(ids.size() - have.size(), std::memory_order_relaxed);
+  if (have.empty()) return;
+  auto reply = call(peer, Op::kReserve, static_cast<uint32_t>(have.size()), items, deadline());
+  if (!reply.ok()) {
+    push_dropped.fetch_add(have.size(), std::memory_order_relaxed);
+    fail(s, *link);
+    return;
+  }
+  std::vector<TransferOp> ops;
+  std::vector<cluster::CommitItem> commits;
+  std::vector<uint64_t> bytes;
+  for (size_t j = 0; j < have.size(); ++j) {
+    auto rr = item_at<cluster::ReserveReply>(reply->data(), j);
+    if (rr.code != 0 || (rr.flags & pool::kPresent)) continue;
+    const BlockView& v = views[have[j]];
+    if (v.size() > (*link)->arena_bytes || rr.offset > (*link)->arena_bytes - v.size()) {
+      bad_messages.fetch_add(1, std::memory_order_relaxed);
+      continue;
+    }
+    ops.push_back(TransferOp{TransferKind::kPut, (*link)->arena.get(), rr.offset,
+                             const_cast<uint8_t*>(v.data()), v.size()});
+    commits.push_back(cluster::CommitItem{rr.token, checksum(v.data(), v.size())});
+    bytes.push_back(v.size());
+  }
+  if (ops.empty()) return;
+  Status st = peer.run_batch(ops, deadline());
+  if (!st.ok()) {
+    push_dropped.fetch_add(ops.size(), std::memory_order_relaxed);
+    fail(s, *link);
+    return;
+  }
+  items.clear();
+  for (const auto& c : commits) put_item(&items, c);
+  auto done_reply =
+      call(peer, Op::kCommit, static_cast<uint32_t>(commits.size()), items, deadline());
+  if (!done_reply.ok()) {
+    push_dropped.fetch_add(commits.size(), std::memory_order_relaxed);
+    fail(s, *link);
+    return;
+  }
+  for (size_t j = 0; j < commits.size(); ++j) {
+    auto cr = item_at<cluster::CodeReply>(done_reply->data(), j);
+    if (cr.code != 0) {
+      push_dropped.fetch_add(1, std::memory_order_relaxed);
+      continue;
+    }
+    pushed.fetch_add(1, std::memory_order_relaxed);
+    pushed_bytes.fetch_add(bytes[j], std::memory_order_relaxed);
+  }
+}
+
+// ---- the owning side ---------------------------------------------------------------
+
+void ClusterNode::Impl::service_loop(size_t index) {
+  while (!stopping.load()) {
+    auto msg = transport->receive(
+        cluster::kRequestTag, cluster::kMaxRequestBytes,
+        deadline_in(std::chrono::duration_cast<std::chrono::milliseconds>(kServiceWait)));
+    if (msg.ok()) {
+      serve(std::move(msg.value()));
+    } else if (msg.status().is(Code::kInvalidArgument)) {
+      bad_messages.fetch_add(1, std::memory_order_relaxed);
+    }
+    if (index == 0) {
+      const int64_t now = Clock::now().time_since_epoch().count();
+      if (now - last_sweep_ns.load() >
+          std::chrono::duration_cast<Clock::duration>(kSweepEvery).count()) {
+        last_sweep_ns.store(now);
+        sweep();
+      }
+    }
+  }
+}
+
+void ClusterNode::Impl::serve(std::vector<uint8_t>&& msg) {
+  cluster::RequestHead h{};
+  if (msg.size() < sizeof h) {
+    bad_messages.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  std::memcpy(&h, msg.data(), sizeof h);
+  if (h.magic != cluster::kMagic || h.version != cluster::kVersion || h.node_id_bytes == 0 ||
+      h.node_id_bytes > cluster::kMaxNodeIdBytes || h.op < static_cast<uint32_t>(Op::kHello) ||
+      h.op > static_cast<uint32_t>(Op::kAbort)) {
+    bad_messages.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  const Op op = static_cast<Op>(h.op);
+  const std::string node_id(h.node_id, h.node_id_bytes);
+  const uint8_t* body = msg.data() + sizeof h;
+  const uint64_t body_bytes = msg.size() - sizeof h;
+  if (op == Op::kHello) {
+    if (h.count == 0 || h.count > cluster::kMaxAddressBytes || body_bytes != h.count ||
+        h.reply_tag == 0) {
+      bad_messages.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    std::shared_ptr<Peer> back;
+    std::vector<uint8_t> reply = serve_hello(h, node_id, {body, h.count}, &back);
+    if (back) (void)back->send(h.reply_tag, reply, deadline());
+    return;
+  }
+  std::shared_ptr<PeerState> p;
+  {
+    std::lock_guard<std::mutex> l(peers_mu);
+    auto it = peers.find({node_id, h.generation});
+    if (it != peers.end()) p = it->second;
+  }
+  // A sender that did not say Hello cannot be answered: its call ends at its
+  // deadline, and it says Hello on its next connection.
+  if (!p) {
+    bad_messages.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  const bool wants_reply = op != Op::kRelease && op != Op::kAbort;
+  if (wants_reply != (h.reply_tag != 0) ||
+      (h.reply_tag != 0 && !(h.reply_tag & cluster::kReplyTagBit))) {
+    bad_messages.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  std::vector<uint8_t> reply;
+  const uint64_t item = cluster::request_item_bytes(op);
+  if (h.count > cluster::kMaxItems || body_bytes != uint64_t(h.count) * item) {
+    bad_messages.fetch_add(1, std::memory_order_relaxed);
+    reply = error_reply(Status::InvalidArgument("a request of " + std::to_string(body_bytes) +
+                                                " bytes for " + std::to_string(h.count) +
+                                                " items of op " + std::to_string(h.op)));
+  } else {
+    reply = serve_items(*p, op, h.count, body);
+  }
+  if (wants_reply) (void)p->back->send(h.reply_tag, reply, deadline());
+}
+
+std::vector<uint8_t> ClusterNode::Impl::serve_hello(const cluster::RequestHead& h,
+                                                    const std::string& node_id,
+                                                    std::span<const uint8_t> address,
+                                                    std::shared_ptr<Peer>* back) {
+  auto peer = transport->connect(address, deadline());
+  if (!peer.ok()) {
+    timeouts.fetch_add(1, std::memory_order_relaxed);
+    return {};
+  }
+  auto state = std::make_shared<PeerState>();
+  state->node_id = node_id;
+  state->generation = h.generation;
+  state->back = peer.value();
+  *back = peer.value();
+  std::shared_ptr<PeerState> old;
+  {
+    std::lock_guard<std::mutex> l(peers_mu);
+    auto& slot = peers[{node_id, h.generation}];
+    old = std::exchange(slot, state);
+    // An older generation of the same member is gone for good.
+    for (auto it = peers.begin(); it != peers.end();) {
+      if (it->first.first == node_id && it->first.second < h.generation) {
+        end_peer(*it->second);
+        it = peers.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  if (old) end_peer(*old);
+  cluster::HelloReply hr{};
+  hr.generation = options.generation;
+  hr.arena_bytes = arena.capacity;
+  const std::vector<uint8_t>& key = region->remote_key();
+  hr.key_bytes = static_cast<uint32_t>(key.size());
+  std::vector<uint8_t> items;
+  put_item(&items, hr);
+  items.insert(items.end(), key.begin(), key.end());
+  return ok_reply(1, items);
+}
+
+std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_t count,
+                                                    const uint8_t* items) {
+  std::vector<uint8_t> out;
+  const auto expires = Clock::now() + std::chrono::milliseconds(options.lease_expiry_ms);
+  auto id_of = [&](uint32_t k) {
+    BlockId id;
+    std::memcpy(id.bytes.data(), items + k * 16, 16);
+    return id;
+  };
+  switch (op) {
+    case Op::kLookup: {
+      for (uint32_t k = 0; k < count; ++k) {
+        cluster::LookupReply r{};
+        auto size = store->size_of(id_of(k));
+        r.code = code_of(size.status());
+        if (size.ok()) r.size = *size;
+        put_item(&out, r);
+      }
+      return ok_reply(count, out);
+    }
+    case Op::kLease: {
+      std::vector<BlockId> ids(count);
+      for (uint32_t k = 0; k < count; ++k) ids[k] = id_of(k);
+      std::vector<BlockView> views;
+      std::vector<Status> st;
+      store->acquire_batch(ids, &views, &st);
+      std::vector<cluster::LeaseReply> replies(count);
+      uint64_t granted = 0;
+      {
+        std::lock_guard<std::mutex> l(p.mu);
+        for (uint32_t k = 0; k < count; ++k) {
+          cluster::LeaseReply& r = replies[k];
+          r.code = code_of(st[k]);
+          if (!st[k].ok()) continue;
+          const uint8_t* d = views[k].data();
+          if (views[k].kind() != MemoryKind::kHost || d < arena.base ||
+              d + views[k].size() > arena.base + arena.capacity) {
+            r.code = static_cast<uint32_t>(Code::kUnavailable);
+            continue;
+          }
+          r.offset = static_cast<uint64_t>(d - arena.base);
+          r.size = views[k].size();
+          r.checksum = checksum(d, r.size);
+          r.token = p.next++;
+          served_lease_bytes.fetch_add(r.size, std::memory_order_relaxed);
+          p.leases.emplace(r.token, PeerState::Lease{std::move(views[k]), expires});
+          ++granted;
+        }
+      }
+      served_leases.fetch_add(granted, std::memory_order_relaxed);
+      peer_leases.fetch_add(static_cast<int64_t>(granted), std::memory_order_relaxed);
+      for (const auto& r : replies) put_item(&out, r);
+      return ok_reply(count, out);
+    }
+    case Op::kRelease: {
+      std::vector<BlockView> ended;
+      {
+        std::lock_guard<std::mutex> l(p.mu);
+        for (uint32_t k = 0; k < count; ++k) {
+          auto it = p.leases.find(item_at<cluster::TokenItem>(items, k).token);
+          if (it == p.leases.end()) continue;
+          ended.push_back(std::move(it->second.view));
+          p.leases.erase(it);
+        }
+      }
+      peer_leases.fetch_sub(static_cast<int64_t>(ended.size()), std::memory_order_relaxed);
+      return {};
+    }
+    case Op::kReserve: {
+      std::vector<cluster::ReserveReply> replies(count);
+      for (int prefix = 0; prefix < 2; ++prefix) {
+        std::vector<uint32_t> ks;
+        std::vector<BlockId> ids;
+        std::vector<uint64_t> sizes;
+        for (uint32_t k = 0; k < count; ++k) {
+          auto it = item_at<pool::ReserveItem>(items, k);
+          if (((it.flags & pool::kPrefix) != 0) != (prefix == 1)) continue;
+          BlockId id;
+          std::memcpy(id.bytes.data(), it.id, 16);
+          ks.push_back(k);
+          ids.push_back(id);
+          sizes.push_back(it.size);
+        }
+        if (ks.empty()) continue;
+        PutOptions o;
+        o.is_prefix = prefix == 1;
+        std::vector<Reservation> res;
+        std::vector<Status> st;
+        store->reserve_batch(ids, sizes, o, &res, &st);
+        std::lock_guard<std::mutex> l(p.mu);
+        for (size_t j = 0; j < ks.size(); ++j) {
+          cluster::ReserveReply& r = replies[ks[j]];
+          r.code = code_of(st[j]);
+          if (!st[j].ok()) continue;
+          if (res[j].present) {
+            r.flags = pool::kPresent;
+            continue;
+          }
+          r.offset = res[j].offset;
+          r.token = p.next++;
+          p.reservations.emplace(r.token, PeerState::Held{res[j], expires});
+          peer_reservations.fetch_add(1, std::memory_order_relaxed);
+        }
+      }
+      for (const auto& r : replies) put_item(&out, r);
+      return ok_reply(count, out);
+    }
+    case Op::kCommit:
+    case Op::kAbort: {
+      std::vector<std::optional<Reservation>> taken(count);
+      {
+        std::lock_guard<std::mutex> l(p.mu);
+        for (uint32_t k = 0; k < count; ++k) {
+          const uint64_t token = op == Op::kCommit ? item_at<cluster::CommitItem>(items, k).token
+                                                   : item_at<cluster::TokenItem>(items, k).token;
+          auto it = p.reservations.find(token);
+          if (it == p.reservations.end()) continue;
+          taken[k] = it->second.r;
+          p.reservations.erase(it);
+          peer_reservations.fetch_sub(1, std::memory_order_relaxed);
+        }
+      }
+      if (op == Op::kAbort) {
+        for (auto& t : taken)
+          if (t) store->abort(*t);
+        return {};
+      }
+      std::vector<cluster::CodeReply> replies(
+          count, cluster::CodeReply{code_of(Status::InvalidArgument("no such reservation"))});
+      std::vector<Reservation> batch;
+      std::vector<uint32_t> ks;
+      for (uint32_t k = 0; k < count; ++k) {
+        if (!taken[k]) continue;
+        const uint64_t want = item_at<cluster::CommitItem>(items, k).checksum;
+        if (options.verify && want != 0 &&
+            remote::block_checksum(arena.base + taken[k]->offset, taken[k]->size) != want) {
+          checksum_failures.fetch_add(1, std::memory_order_relaxed);
+          store->abort(*taken[k]);
+          replies[k].code = static_cast<uint32_t>(Code::kCorruption);
+          continue;
+        }
+        batch.push_back(*taken[k]);
+        ks.push_back(k);
+      }
+      if (!batch.empty()) {
+        std::vector<Status> st;
+        store->commit_batch(batch, PutOptions{}, &st);
+        for (size_t j = 0; j < batch.size(); ++j) {
+          replies[ks[j]].code = code_of(st[j]);
+          if (!st[j].ok()) continue;
+          served_commits.fetch_add(1, std::memory_order_relaxed);
+          served_commit_bytes.fetch_add(batch[j].size, std::memory_order_relaxed);
+        }
+      }
+      for (const auto& r : replies) put_item(&out, r);
+      return ok_reply(count, out);
+    }
+    default: return error_reply(Status::InvalidArgument("op not served"));
+  }
+}
+
+// Ends what p holds here: its leases end, its reservations are freed.
+// REQUIRES: p is no longer reachable from `peers`, or peers_mu is held.
+void ClusterNode::Impl::end_peer(PeerState& p) {
+  std::vector<BlockView> ended;
+  std::vector<Reservation> freed;
+  {
+    std::lock_guard<std::mutex> l(p.mu);
+    for (auto& [t, lease] : p.leases) ended.push_back(std::move(lease.view));
+    for (auto& [t, held] : p.reservations) freed.push_back(held.r);
+    p.leases.clear();
+    p.reservations.clear();
+  }
+  peer_leases.fetch_sub(static_cast<int64_t>(ended.size()), std::memory_order_relaxed);
+  peer_reservations.fetch_sub(static_cast<int64_t>(freed.size()), std::memory_order_relaxed);
+  for (const auto& r : freed) store->abort(r);
+  if (p.back) p.back->close();
+}
+
+// Ends leases and reservations past their expiry: a member that leased a
+// block and never released it does not pin it for ever.
+void ClusterNode::Impl::sweep() {
+  std::vector<std::shared_ptr<PeerState>> all;
+  {
+    std::lock_guard<std::mutex> l(peers_mu);
+    for (auto& [k, p] : peers) all.push_back(p);
+  }
+  const auto now = Clock::now();
+  for (auto& p : all) {
+    std::vector<BlockView> ended;
+    std::vector<Reservation> freed;
+    {
+      std::lock_guard<std::mutex> l(p->mu);
+      for (auto it = p->leases.begin(); it != p->leases.end();) {
+        if (it->second.expires <= now) {
+          ended.push_back(std::move(it->second.view));
+          it = p->leases.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (auto it = p->reservations.begin(); it != p->reservations.end();) {
+        if (it->second.expires <= now) {
+          freed.push_back(it->second.r);
+          it = p->reservations.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    expired.fetch_add(ended.size() + freed.size(), std::memory_order_relaxed);
+    peer_leases.fetch_sub(static_cast<int64_t>(ended.size()), std::memory_order_relaxed);
+    peer_reservations.fetch_sub(static_cast<int64_t>(freed.size()), std::memory_order_relaxed);
+    for (const auto& r : freed) store->abort(r);
+  }
+}
+
+// ---- the public face ------------------------------------------------------------
+
+Result<std::unique_ptr<ClusterNode>> ClusterNode::Start(CascadeStore* store, SharedArena arena,
+                                                        const ClusterNodeOptions& options) {
+  if (options.node_id.empty() || options.node_id.size() > cluster::kMaxNodeIdBytes)
+    return Status::InvalidArgument("cluster node id: 1 to 128 bytes");
+  if (arena.base == nullptr || arena.capacity == 0)
+    return Status::InvalidArgument("a cluster member needs the store's shared host arena");
+  if (options.request_timeout_ms == 0 || options.lease_expiry_ms <= options.request_timeout_ms)
+    return Status::InvalidArgument(
+        "cluster timeouts: request_timeout_ms above 0 and below lease_expiry_ms");
+  if (options.service_threads == 0 || options.service_threads > 64)
+    return Status::InvalidArgument("cluster service threads: 1 to 64");
+  TransportOptions to;
+  to.fabrics = options.fabrics;
+  to.progress_thread = true;
+  to.require_failure_detection = !options.allow_undetected_failures;
+  auto t = Transport::Open(to);
+  if (!t.ok()) return t.status();
+  auto impl = std::make_unique<Impl>();
+  impl->store = store;
+  impl->arena = arena;
+  impl->options = options;
+  impl->transport = std::move(t.value());
+  auto region = impl->transport->register_memory(arena.base, arena.capacity);
+  if (!region.ok()) return region.status();
+  impl->region = std::move(region.value());
+  Impl* p = impl.get();
+  for (uint32_t i = 0; i < options.service_threads; ++i)
+    impl->service.emplace_back([p, i] { p->service_loop(i); });
+  impl->pusher = std::thread([p] { p->push_loop(); });
+  return std::unique_ptr<ClusterNode>(new ClusterNode(std::move(impl)));
+}
+
+ClusterNode::ClusterNode(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ClusterNode::~ClusterNode() { close(); }
+
+const std::vector<uint8_t>& ClusterNode::address() const { return impl_->transport->address(); }
+std::string ClusterNode::backend() const { return impl_->transport->backend(); }
+
+Status ClusterNode::set_view(ClusterView view) {
+  const size_t m = view.members.size();
+  if (view.positions.size() != view.owners.size())
+    return Status::InvalidArgument("cluster view: positions and owners differ in length");
+  if (m > 0 && view.positions.empty())
+    return Status::InvalidArgument("cluster view: members without points");
+  if (view.replicas < 1 || view.replicas > 2)
+    return Status::InvalidArgument("cluster view: 1 or 2 replicas");
+  for (size_t i = 0; i < view.owners.size(); ++i) {
+    if (view.owners[i] >= m) return Status::InvalidArgument("cluster view: owner out of range");
+    if (i > 0 && view.positions[i] < view.positions[i - 1])
+      return Status::InvalidArgument("cluster view: positions not in ascending order");
+  }
+  auto ring = std::make_shared<Impl::Ring>();
+  for (size_t i = 0; i < m; ++i)
+    if (view.members[i].node_id == impl_->options.node_id) ring->self = static_cast<int>(i);
+  // For each point, the member of the next point that is not its own.
+  const size_t n = view.owners.size();
+  ring->second.assign(view.owners.begin(), view.owners.end());
+  int64_t nearest = -1;
+  for (size_t k = 2 * n; k-- > 0;) {
+    const size_t i = k % n;
+    const uint32_t next = view.owners[(i + 1) % n];
+    if (next != view.owners[i]) nearest = next;
+    if (k < n && nearest >= 0) ring->second[i] = static_cast<uint32_t>(nearest);
+  }
+  // Members that were in the old view and are not in the new one (or are
+  // there with a new generation) lose what they held here.
+  std::map<std::string, uint64_t> now;
+  for (const auto& mem : view.members) now[mem.node_id] = mem.generation;
+  std::shared_ptr<const Impl::Ring> old;
+  ring->view = std::move(view);
+  {
+    std::unique_lock<std::shared_mutex> l(impl_->view_mu);
+    old = std::exchange(impl_->ring, ring);
+  }
+  std::vector<std::shared_ptr<PeerState>> gone;
+  if (old) {
+    std::lock_guard<std::mutex> l(impl_->peers_mu);
+    for (auto it = impl_->peers.begin(); it != impl_->peers.end();) {
+      const auto& [id, gen] = it->first;
+      auto seen = now.find(id);
+      bool was = false;
+      for (const auto& mem : old->view.members) was |= mem.node_id == id;
+      if ((seen == now.end() && was) || (seen != now.end() && seen->second > gen)) {
+        gone.push_back(it->second);
+        it = impl_->peers.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& p : gone) impl_->end_peer(*p);
+  return Status::OK();
+}
+
+void ClusterNode::lookup(std::span<const BlockId> ids, std::span<uint8_t> found,
+                         std::span<uint64_t> sizes) {
+  if (impl_->stopping.load()) return;
+  impl_->lookup(ids, found, sizes);
+}
+
+void ClusterNode::fetch(std::span<const BlockId> ids, std::span<uint8_t> fetched) {
+  if (impl_->stopping.load()) return;
+  impl_->fetch(ids, fetched);
+}
+
+void ClusterNode::publish(std::span<const BlockId> ids) {
+  if (ids.empty() || impl_->stopping.load()) return;
+  {
+    std::lock_guard<std::mutex> l(impl_->queue_mu);
+    const size_t room = impl_->options.publish_queue -
+                        std::min<size_t>(impl_->queue.size(), impl_->options.publish_queue);
+    const size_t take = std::min(room, ids.size());
+    impl_->queue.insert(impl_->queue.end(), ids.begin(), ids.begin() + take);
+    impl_->queued += take;
+    impl_->push_dropped.fetch_add(ids.size() - take, std::memory_order_relaxed);
+  }
+  impl_->queue_cv.notify_one();
+}
+
+bool ClusterNode::drain(uint32_t timeout_ms) {
+  std::unique_lock<std::mutex> l(impl_->queue_mu);
+  const uint64_t target = impl_->queued;
+  return impl_->drained_cv.wait_for(l, std::chrono::milliseconds(timeout_ms), [&] {
+    return impl_->done >= target || impl_->stopping.load();
+  });
+}
+
+ClusterStats ClusterNode::stats() const {
+  const Impl& i = *impl_;
+  ClusterStats s;
+  if (auto r = i.current()) {
+    s.members = r->view.members.size();
+    s.view_version = r->view.version;
+  }
+  {
+    std::lock_guard<std::mutex> l(const_cast<Impl&>(i).links_mu);
+    for (auto& [id, slot] : i.links) {
+      std::lock_guard<std::mutex> sl(slot->mu);
+      s.connected += slot->link != nullptr;
+    }
+  }
+  auto get = [](const std::atomic<uint64_t>& a) { return a.load(std::memory_order_relaxed); };
+  s.pushed = get(i.pushed);
+  s.pushed_bytes = get(i.pushed_bytes);
+  s.push_dropped = get(i.push_dropped);
+  s.fetched = get(i.fetched);
+  s.fetched_bytes = get(i.fetched_bytes);
+  s.remote_lookups = get(i.remote_lookups);
+  s.remote_hits = get(i.remote_hits);
+  s.served_leases = get(i.served_leases);
+  s.served_lease_bytes = get(i.served_lease_bytes);
+  s.served_commits = get(i.served_commits);
+  s.served_commit_bytes = get(i.served_commit_bytes);
+  s.checksum_failures = get(i.checksum_failures);
+  s.timeouts = get(i.timeouts);
+  s.expired = get(i.expired);
+  s.bad_messages = get(i.bad_messages);
+  s.peer_leases = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_leases.load()));
+  s.peer_reservations = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_reservations.load()));
+  return s;
+}
+
+void ClusterNode::close() {
+  Impl& i = *impl_;
+  std::lock_guard<std::mutex> l(i.close_mu);
+  if (i.closed) return;
+  i.closed = true;
+  {
+    std::lock_guard<std::mutex> q(i.queue_mu);
+    i.stopping.store(true);
+  }
+  i.queue_cv.notify_all();
+  i.drained_cv.notify_all();
+  for (auto& t : i.service) t.join();
+  if (i.pusher.joinable()) i.pusher.join();
+  std::map<std::pair<std::string, uint64_t>, std::shared_ptr<PeerState>> peers;
+  {
+    std::lock_guard<std::mutex> pl(i.peers_mu);
+    peers.swap(i.peers);
+  }
+  // The transport closes first: once it is closed no transfer of a peer
+  // touches the arena, so the ranges can be reused.
+  {
+    std::lock_guard<std::mutex> ll(i.links_mu);
+    for (auto& [id, slot] : i.links) {
+      std::lock_guard<std::mutex> sl(slot->mu);
+      slot->link.reset();
+    }
+  }
+  i.transport->close();
+  for (auto& [k, p] : peers) i.end_peer(*p);
+  i.region.reset();
+}
+
+}  // namespace cascade

@@ -1,0 +1,146 @@
+// ClusterNode: a node server as a member of a cluster of node servers. It
+// moves blocks between this server's arena and the other members' arenas
+// over a Transport (one-sided gets and puts), with metadata in small
+// messages (cluster_wire.h).
+//
+// Placement: every member knows the same ring (positions of the members'
+// points on a 64-bit ring, and which member each point is; the membership
+// service builds it, set_view() installs it). A block id belongs to the
+// member of the first point at or after the id's position, and with two
+// replicas also to the next distinct member.
+//
+// Data path, as the node server uses it:
+//   - publish(ids): blocks this server's clients committed are pushed to
+//     their owners in the background: reserve there, put the bytes straight
+//     from this arena into the granted ranges, commit with the checksum the
+//     owner checks before the block becomes visible there.
+//   - lookup(ids): which of the ids an owner holds (for this server's
+//     lookups that missed locally).
+//   - fetch(ids): brings the ids from their owners into this server's store:
+//     lease there (the owner answers where the block is and its checksum),
+//     reserve here, get the bytes straight into the reserved ranges, verify
+//     the checksum, commit here, release there. A block that fails its
+//     checksum is a miss, never data.
+// The owner side answers the other members' requests on threads of its own
+// against the store, holding their leases and reservations until they
+// release, commit or abort them, until their member leaves the view, or
+// until they expire (lease_expiry_ms).
+//
+// Failures: every call to a member has a deadline (request_timeout_ms);
+// a member that missed one, or whose connection failed, is skipped for a
+// while (its ids are misses) and reconnected afterwards. A block never
+// becomes visible half-written: an owner publishes a pushed block only after
+// its commit, with matching checksum.
+//
+// Thread-safety: every public method may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cascade/block_id.h"
+#include "cascade/status.h"
+#include "cascade/tier.h"
+
+namespace cascade {
+
+class CascadeStore;
+
+struct ClusterNodeOptions {
+  std::string node_id;      // this member's id in the view
+  uint64_t generation = 0;  // this process's generation (see the member records)
+  // Transport fabrics in the backend's terms (UCX_TLS: "tcp", "sm,tcp");
+  // empty: the backend's default.
+  std::string fabrics;
+  // Allow fabrics that cannot notice a dead peer (shared memory alone):
+  // waits still end at deadlines, but a transfer that missed one is not
+  // cancelled.
+  bool allow_undetected_failures = false;
+  uint32_t request_timeout_ms = 2000;  // deadline of each call to a member
+  uint32_t lease_expiry_ms = 60000;    // what a member holds here ends after this long
+  uint32_t retry_after_ms = 1000;      // a failed member is skipped this long
+  bool verify = true;                  // checksums on every transfer
+  uint32_t service_threads = 2;        // threads answering the other members
+  uint64_t publish_queue = 1 << 16;    // ids waiting to be pushed, at most
+};
+
+struct ClusterMember {
+  std::string node_id;
+  uint64_t generation = 0;
+  std::vector<uint8_t> address;  // the member's transport address; empty: none yet
+};
+
+// The ring as the membership built it: point positions in ascending order,
+// and for each the index of its member in `members`.
+struct ClusterView {
+  uint64_t version = 0;
+  std::vector<ClusterMember> members;
+  std::vector<uint64_t> positions;
+  std::vector<uint32_t> owners;
+  uint32_t replicas = 1;
+};
+
+struct ClusterStats {
+  uint64_t members = 0;  // in the installed view
+  uint64_t view_version = 0;
+  uint64_t connected = 0;                                // members with a connection now
+  uint64_t pushed = 0, pushed_bytes = 0;                 // blocks this server stored at owners
+  uint64_t push_dropped = 0;                             // ids not pushed (queue full, failures)
+  uint64_t fetched = 0, fetched_bytes = 0;               // blocks brought here from owners
+  uint64_t remote_lookups = 0, remote_hits = 0;          // ids asked of owners
+  uint64_t served_leases = 0, served_lease_bytes = 0;    // blocks other members read here
+  uint64_t served_commits = 0, served_commit_bytes = 0;  // blocks other members stored here
+  uint64_t checksum_failures = 0;                        // transfers whose bytes did not match
+  uint64_t timeouts = 0;      // calls that missed their deadline or failed
+  uint64_t expired = 0;       // leases and reservations of members that never ended them
+  uint64_t bad_messages = 0;  // malformed requests or replies
+  uint64_t peer_leases = 0, peer_reservations = 0;  // held here by other members now
+};
+
+class ClusterNode {
+ public:
+  // Opens the transport and registers the store's shared arena.
+  // Unavailable when this build has no transport.
+  static Result<std::unique_ptr<ClusterNode>> Start(CascadeStore* store, SharedArena arena,
+                                                    const ClusterNodeOptions& options);
+  ~ClusterNode();  // close()
+  ClusterNode(const ClusterNode&) = delete;
+  ClusterNode& operator=(const ClusterNode&) = delete;
+
+  // Where the other members reach this one.
+  const std::vector<uint8_t>& address() const;
+  std::string backend() const;
+
+  // Installs a new view. Members that left (or came back with a new
+  // generation) lose their connection and what they held here.
+  // InvalidArgument for a view that is not well formed.
+  Status set_view(ClusterView view);
+
+  // found[i]/sizes[i] for each id some owner (other than this member)
+  // holds; ids whose owner is this member are left as they are.
+  void lookup(std::span<const BlockId> ids, std::span<uint8_t> found, std::span<uint64_t> sizes);
+  // Brings the ids from their owners into the store; fetched[i] set for
+  // those now in the store's top tier.
+  void fetch(std::span<const BlockId> ids, std::span<uint8_t> fetched);
+  // Queues committed ids for their owners (a no-op for ids owned here).
+  void publish(std::span<const BlockId> ids);
+  // Waits until every id published before the call was pushed or dropped,
+  // or the deadline passes; false then.
+  bool drain(uint32_t timeout_ms);
+
+  ClusterStats stats() const;
+
+  // Stops the service and push threads, ends what members hold here, and
+  // closes the transport. Idempotent.
+  void close();
+
+ private:
+  class Impl;
+  explicit ClusterNode(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace cascade
