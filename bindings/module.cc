@@ -6,6 +6,7 @@
 #include "bench/ipc_probe.h"
 #include "bench/memory_probe.h"
 #include "bench/transport_probe.h"
+#include "transport/transport.h"
 #include "cascade/config.h"
 #include "common.h"
 #include "cuda/device_copy.h"
@@ -196,6 +197,9 @@ NB_MODULE(_core, m) {
       "socket"_a, "namespace"_a, "batch"_a, "seconds"_a, "threads"_a = 1,
       "Ids looked up per second by one client issuing batches of `batch` ids on `threads` "
       "threads.");
+  m.def(
+      "transport_available", [] { return Transport::available(); },
+      "Whether this build has a data transport (UCX) for transport_probe and cluster members.");
   m.def(
       "transport_probe",
       [](const std::string& fabrics, std::vector<uint64_t> sizes, uint64_t max_iterations,

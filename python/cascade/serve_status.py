@@ -537,7 +537,7 @@ def format_pool_info(r: Mapping[str, Any]) -> str:
                 m["node_id"],
                 m["generation"],
                 human_bytes(m["capacity_bytes"]),
-                m["transport"] or "(none yet)",
+                f"address of {len(m['transport']) * 3 // 4} bytes" if m["transport"] else "(none)",
             ]
             for m in cluster["records"]
         ]

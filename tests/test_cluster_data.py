@@ -1,0 +1,254 @@
+"""Blocks across node servers: `cascade serve` processes in one cluster (a
+real etcd, UCX over TCP) store what their clients commit at the blocks'
+owners and fetch what their clients miss from them. A block saved through
+one server is read byte-exact through another; a server killed with SIGKILL
+makes its blocks misses, never hangs or wrong bytes; a server that joins
+takes its share of new blocks; the etcd restarting does not stop reads."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import cascade
+from cascade import _core
+from etcd_process import ETCD, SKIP_REASON, EtcdProcess
+from test_serve import Server, free_port, scrape
+
+pytestmark = [
+    pytest.mark.skipif(ETCD is None, reason=SKIP_REASON),
+    pytest.mark.skipif(not _core.transport_available(), reason="built without a transport (UCX)"),
+]
+
+NS = "cluster-data"
+TIMEOUT_S = 1.0  # each call between members
+
+
+def block(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, 4096 * (1 + i % 24), dtype=np.uint8)
+
+
+@pytest.fixture
+def place():
+    d = tempfile.mkdtemp(prefix="cascade-cd-")  # short: a socket path has 107 bytes
+    etcd = EtcdProcess(os.path.join(d, "etcd"))
+    etcd.start()
+    shms: list[str] = []
+    servers: list[Server] = []
+    clients: list[cascade.CascadeStore] = []
+    yield d, shms, etcd, servers, clients
+    for c in clients:
+        try:
+            c.close()
+        except cascade.CascadeError:
+            pass
+    for s in servers:
+        s.stop()
+    etcd.kill()
+    for p in shms:
+        if os.path.exists(p):
+            os.unlink(p)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def start(place, i: int, run: int = 0) -> tuple[Server, str]:
+    d, shms, etcd, servers, _ = place
+    shm = f"/dev/shm/cascade-test-cd-{uuid.uuid4().hex[:12]}"
+    shms.append(shm)
+    port = free_port()
+    store = {
+        "shm_path": shm,
+        "shm_capacity_bytes": "64MiB",
+        "cluster": {
+            "endpoints": [etcd.endpoint],
+            "name": "data",
+            "node_id": f"node-{i}",
+            "lease_ttl_seconds": 2,
+            "refresh_seconds": 0.2,
+            "request_timeout_seconds": TIMEOUT_S,
+            "fabrics": "tcp",
+        },
+    }
+    section = {
+        "socket": os.path.join(d, f"r{i}-{run}", "pool.sock"),
+        "metrics_port": port,
+        "summary_seconds": 60,
+    }
+    srv = Server(d, store, section, name=f"node{i}-{run}.yaml")
+    servers.append(srv)
+    return srv, f"http://127.0.0.1:{port}"
+
+
+def client(place, sock: str) -> cascade.CascadeStore:
+    c = cascade.CascadeStore(
+        cascade.config_from_dict(
+            {"pool_socket": sock, "pool_namespace": NS, "use_gpu": False, "pool_channels": 2}
+        )
+    )
+    place[4].append(c)
+    return c
+
+
+def until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+def members(url: str) -> float:
+    try:
+        return scrape(url).get("cascade_pool_cluster_members", 0)
+    except OSError:
+        return 0
+
+
+def cluster_up(place, n: int) -> list[tuple[Server, str]]:
+    nodes = [start(place, i) for i in range(n)]
+    for srv, _ in nodes:
+        srv.wait_ready()
+    until(lambda: all(members(u) == n for _, u in nodes), 15, f"{n} members everywhere")
+    return nodes
+
+
+def get_checked(store: cascade.CascadeStore, i: int) -> bool:
+    """Whether block i was found; a found block must be exact."""
+    want = block(i)
+    out = np.empty(24 * 4096, dtype=np.uint8)
+    found, size = store.get(f"k{i}", out)
+    if found:
+        assert size == want.size and np.array_equal(out[:size], want), f"wrong bytes for k{i}"
+    return bool(found)
+
+
+def test_a_block_saved_through_one_server_is_read_through_another(place):
+    nodes = cluster_up(place, 3)
+    writer = client(place, nodes[0][0].socket)
+    keys = list(range(120))
+    writer.put_batch([f"k{i}" for i in keys], [block(i) for i in keys])
+    # Pushes run in the background: the other servers see the blocks once
+    # they reached their owners.
+    for srv, url in nodes[1:]:
+        reader = client(place, srv.socket)
+        until(lambda r=reader: all(r.contains_batch([f"k{i}" for i in keys])), 10, "lookups")
+        assert all(get_checked(reader, i) for i in keys)
+    stats = [scrape(u) for _, u in nodes]
+    assert stats[0]["cascade_pool_cluster_push_dropped_total"] == 0
+    assert sum(s["cascade_pool_cluster_served_commits_total"] for s in stats[1:]) > 0
+    assert sum(s["cascade_pool_cluster_fetched_blocks_total"] for s in stats[1:]) > 0
+    assert all(s["cascade_pool_cluster_checksum_failures_total"] == 0 for s in stats)
+    assert all(s["cascade_pool_cluster_bad_messages_total"] == 0 for s in stats)
+    # The blocks stay in the pool's namespaces: another namespace misses.
+    other = cascade.CascadeStore(
+        cascade.config_from_dict(
+            {"pool_socket": nodes[1][0].socket, "pool_namespace": "other", "use_gpu": False}
+        )
+    )
+    place[4].append(other)
+    assert not any(other.contains_batch([f"k{i}" for i in keys]))
+
+
+def test_a_killed_server_means_misses_not_hangs_and_a_new_one_takes_its_share(place):
+    nodes = cluster_up(place, 3)
+    writer = client(place, nodes[0][0].socket)
+    reader = client(place, nodes[1][0].socket)
+    first = list(range(200))
+    writer.put_batch([f"k{i}" for i in first], [block(i) for i in first])
+    until(lambda: all(reader.contains_batch([f"k{i}" for i in first])), 10, "all visible")
+
+    nodes[2][0].proc.send_signal(signal.SIGKILL)
+    nodes[2][0].wait()
+    # Reads go on: each is a hit with exact bytes or a miss, none waits past
+    # the deadline of its calls.
+    slowest = 0.0
+    hits = 0
+    end = time.monotonic() + 4.0  # past the lease TTL: the member drops out
+    while time.monotonic() < end:
+        for i in first[::7]:
+            t0 = time.monotonic()
+            hits += get_checked(reader, i)
+            slowest = max(slowest, time.monotonic() - t0)
+    print(f"reads while node 2 was dead: {hits} hits, slowest {slowest:.3f} s")
+    assert hits > 0
+    assert slowest < 2 * TIMEOUT_S + 1.0, slowest
+    until(lambda: members(nodes[0][1]) == 2 and members(nodes[1][1]) == 2, 10, "node 2 out")
+    # Puts after the view changed go to the two left; every one is readable.
+    second = list(range(200, 300))
+    writer.put_batch([f"k{i}" for i in second], [block(i) for i in second])
+    until(lambda: all(reader.contains_batch([f"k{i}" for i in second])), 10, "new blocks")
+    assert all(get_checked(reader, i) for i in second)
+
+    # node-2 comes back (a new process, a new generation): it takes its
+    # share of new puts, and the reader fetches them from it.
+    back, url = start(place, 2, run=1)
+    back.wait_ready()
+    until(lambda: all(members(u) == 3 for u in (nodes[0][1], nodes[1][1], url)), 15, "rejoin")
+    third = list(range(300, 420))
+    writer.put_batch([f"k{i}" for i in third], [block(i) for i in third])
+    until(lambda: scrape(url)["cascade_pool_cluster_served_commits_total"] > 10, 10, "its share")
+    until(lambda: all(reader.contains_batch([f"k{i}" for i in third])), 10, "third visible")
+    assert all(get_checked(reader, i) for i in third)
+    assert scrape(url)["cascade_pool_cluster_served_leases_total"] > 0
+    for _, u in (nodes[0], nodes[1], (back, url)):
+        assert scrape(u)["cascade_pool_cluster_checksum_failures_total"] == 0
+
+
+def test_reads_go_on_while_the_coordination_service_restarts(place):
+    d, shms, etcd, servers, _ = place
+    nodes = cluster_up(place, 2)
+    writer = client(place, nodes[0][0].socket)
+    reader = client(place, nodes[1][0].socket)
+    keys = list(range(100))
+    writer.put_batch([f"k{i}" for i in keys], [block(i) for i in keys])
+    until(lambda: all(reader.contains_batch([f"k{i}" for i in keys])), 10, "visible")
+    etcd.kill()
+    # Within the grace period the members keep their view: blocks held by
+    # the other server are still fetched (a fresh reader, nothing cached).
+    reader2 = client(place, nodes[1][0].socket)
+    assert all(get_checked(reader2, i) for i in keys)
+    more = list(range(100, 160))
+    writer.put_batch([f"k{i}" for i in more], [block(i) for i in more])
+    etcd.start()
+    until(
+        lambda: all(scrape(u)['cascade_pool_cluster_state{state="member"}'] == 1 for _, u in nodes),
+        20,
+        "members again",
+    )
+    until(lambda: all(reader.contains_batch([f"k{i}" for i in more])), 10, "new visible")
+    assert all(get_checked(reader, i) for i in more)
+
+
+def test_a_stopped_server_costs_each_read_at_most_its_deadline(place):
+    nodes = cluster_up(place, 3)
+    writer = client(place, nodes[0][0].socket)
+    keys = list(range(150))
+    writer.put_batch([f"k{i}" for i in keys], [block(i) for i in keys])
+    reader = client(place, nodes[1][0].socket)
+    until(lambda: all(reader.contains_batch([f"k{i}" for i in keys])), 10, "visible")
+    stopped = nodes[2][0].proc
+    stopped.send_signal(signal.SIGSTOP)
+    try:
+        # A fresh reader: what node 2 owns is not cached on node 1.
+        fresh = client(place, nodes[1][0].socket)
+        t0 = time.monotonic()
+        slowest, hits = 0.0, 0
+        for i in keys:
+            t = time.monotonic()
+            hits += get_checked(fresh, i)
+            slowest = max(slowest, time.monotonic() - t)
+        total = time.monotonic() - t0
+        # A silent member costs one deadline, then is skipped for a while:
+        # not one deadline per block.
+        assert slowest < 2 * TIMEOUT_S + 1.0, slowest
+        assert total < 4 * TIMEOUT_S + 3.0, total
+        assert hits >= len(keys) // 3
+        assert scrape(nodes[1][1])["cascade_pool_cluster_call_failures_total"] >= 1
+    finally:
+        stopped.send_signal(signal.SIGCONT)
