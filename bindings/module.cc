@@ -6,10 +6,10 @@
 #include "bench/ipc_probe.h"
 #include "bench/memory_probe.h"
 #include "bench/transport_probe.h"
-#include "transport/transport.h"
 #include "cascade/config.h"
 #include "common.h"
 #include "cuda/device_copy.h"
+#include "transport/transport.h"
 
 namespace cascade::py {
 void register_store(nb::module_& m);

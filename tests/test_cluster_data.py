@@ -135,7 +135,7 @@ def test_a_block_saved_through_one_server_is_read_through_another(place):
     writer.put_batch([f"k{i}" for i in keys], [block(i) for i in keys])
     # Pushes run in the background: the other servers see the blocks once
     # they reached their owners.
-    for srv, url in nodes[1:]:
+    for srv, _url in nodes[1:]:
         reader = client(place, srv.socket)
         until(lambda r=reader: all(r.contains_batch([f"k{i}" for i in keys])), 10, "lookups")
         assert all(get_checked(reader, i) for i in keys)
