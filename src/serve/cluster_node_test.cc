@@ -1,0 +1,328 @@
+// Cluster members in one process: two PoolServers whose ClusterNodes talk
+// over the transport (TCP), client stores on each, and a raw endpoint that
+// speaks the members' protocol (cluster_wire.h) by hand.
+#include "serve/cluster_node.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "cascade/store.h"
+#include "serve/cluster_wire.h"
+#include "serve/pool_server.h"
+#include "transport/transport.h"
+
+namespace cascade {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::string unique(const std::string& what) {
+  static std::atomic<int> n{0};
+  return what + std::to_string(getpid()) + "-" + std::to_string(n++);
+}
+
+std::vector<uint8_t> bytes_of(int i, size_t n) {
+  std::vector<uint8_t> v(n);
+  std::mt19937_64 rng(i);
+  for (auto& b : v) b = static_cast<uint8_t>(rng());
+  return v;
+}
+
+struct Member {
+  std::string socket = "/tmp/" + unique("cascade-cluster-test-") + ".sock";
+  std::unique_ptr<PoolServer> server;
+  ClusterNode* node = nullptr;
+
+  Member(const std::string& id, uint32_t expiry_ms = 60000) {
+    CascadeConfig c;
+    c.pipeline = "host";
+    c.shm_capacity_bytes = 64 << 20;
+    c.shm_path = "/dev/shm/" + unique("cascade-cluster-test-");
+    c.num_io_threads = 2;
+    c.index_shards = 16;
+    PoolServerOptions o;
+    o.socket_path = socket;
+    auto s = PoolServer::Start(c, o);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    if (!s.ok()) return;
+    server = std::move(s.value());
+    ClusterNodeOptions co;
+    co.node_id = id;
+    co.generation = 7;
+    co.fabrics = "tcp";
+    co.request_timeout_ms = 500;
+    co.lease_expiry_ms = expiry_ms;
+    co.retry_after_ms = 100;
+    auto n = server->start_cluster(co);
+    EXPECT_TRUE(n.ok()) << n.status().ToString();
+    if (n.ok()) node = *n;
+  }
+  ~Member() {
+    if (server) (void)server->close();
+  }
+  std::unique_ptr<CascadeStore> client() {
+    CascadeConfig c;
+    c.pipeline = "pool";
+    c.pool_socket = socket;
+    c.pool_namespace = "ns";
+    c.pool_channels = 2;
+    c.num_io_threads = 2;
+    c.use_gpu = false;
+    auto s = CascadeStore::Open(c);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    return s.ok() ? std::move(s.value()) : nullptr;
+  }
+};
+
+// A view of the given members, each with a few points spread over the ring.
+ClusterView view_of(const std::vector<std::pair<std::string, std::vector<uint8_t>>>& members,
+                    uint64_t version = 1) {
+  ClusterView v;
+  v.version = version;
+  std::vector<std::pair<uint64_t, uint32_t>> points;
+  for (uint32_t m = 0; m < members.size(); ++m) {
+    v.members.push_back(ClusterMember{members[m].first, 7, members[m].second});
+    std::mt19937_64 rng(m + 1);
+    for (int p = 0; p < 32; ++p) points.emplace_back(rng(), m);
+  }
+  std::sort(points.begin(), points.end());
+  for (auto& [pos, m] : points) {
+    v.positions.push_back(pos);
+    v.owners.push_back(m);
+  }
+  return v;
+}
+
+// An endpoint that speaks the protocol by hand.
+struct RawMember {
+  std::unique_ptr<Transport> t;
+  std::shared_ptr<Peer> peer;
+  std::string id = "raw";
+  uint64_t next_tag = 1;
+
+  explicit RawMember(const std::vector<uint8_t>& address) {
+    TransportOptions o;
+    o.fabrics = "tcp";
+    o.progress_thread = true;
+    auto tr = Transport::Open(o);
+    EXPECT_TRUE(tr.ok()) << tr.status().ToString();
+    t = std::move(tr.value());
+    auto p = t->connect(address, deadline_in(2000ms));
+    EXPECT_TRUE(p.ok()) << p.status().ToString();
+    peer = std::move(p.value());
+  }
+  std::vector<uint8_t> head(cluster::Op op, uint32_t count, uint64_t tag) {
+    cluster::RequestHead h{};
+    h.magic = cluster::kMagic;
+    h.version = cluster::kVersion;
+    h.op = static_cast<uint32_t>(op);
+    h.count = count;
+    h.reply_tag = tag;
+    h.generation = 7;
+    h.node_id_bytes = static_cast<uint32_t>(id.size());
+    std::memcpy(h.node_id, id.data(), id.size());
+    std::vector<uint8_t> out(sizeof h);
+    std::memcpy(out.data(), &h, sizeof h);
+    return out;
+  }
+  // Sends op and returns the reply (empty when none came).
+  std::vector<uint8_t> call(cluster::Op op, uint32_t count, const std::vector<uint8_t>& body) {
+    const uint64_t tag = cluster::kReplyTagBit | next_tag++;
+    std::vector<uint8_t> m = head(op, count, tag);
+    m.insert(m.end(), body.begin(), body.end());
+    EXPECT_TRUE(peer->send(cluster::kRequestTag, m, deadline_in(1000ms)).ok());
+    auto r = t->receive(tag, cluster::kMaxReplyBytes, deadline_in(1000ms));
+    return r.ok() ? *r : std::vector<uint8_t>{};
+  }
+  void send_raw(const std::vector<uint8_t>& m) {
+    EXPECT_TRUE(peer->send(cluster::kRequestTag, m, deadline_in(1000ms)).ok());
+  }
+};
+
+BlockId id_of(uint64_t v) { return compute_block_id(&v, sizeof v); }
+
+// Reads id through `store` and checks it holds `want`.
+void expect_block(CascadeStore* store, const BlockId& id, const std::vector<uint8_t>& want) {
+  std::vector<uint8_t> out(want.size() + 4096);
+  GetResult r;
+  ASSERT_TRUE(store->get(id, out.data(), out.size(), &r).ok());
+  ASSERT_TRUE(r.found);
+  ASSERT_EQ(r.size, want.size());
+  ASSERT_EQ(0, std::memcmp(out.data(), want.data(), want.size()));
+}
+
+#define SKIP_WITHOUT_TRANSPORT() \
+  if (!Transport::available()) GTEST_SKIP() << "built without a transport"
+
+TEST(ClusterNode, BlocksCommittedOnOneMemberAreFetchedThroughAnother) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a"), b("b");
+  ASSERT_TRUE(a.node && b.node);
+  auto v = view_of({{"a", a.node->address()}, {"b", b.node->address()}});
+  ASSERT_TRUE(a.node->set_view(v).ok());
+  ASSERT_TRUE(b.node->set_view(v).ok());
+  auto ca = a.client();
+  auto cb = b.client();
+  ASSERT_TRUE(ca && cb);
+  constexpr int kBlocks = 64;
+  for (int i = 0; i < kBlocks; ++i) {
+    auto data = bytes_of(i, 4096 * (1 + i % 16));
+    ASSERT_TRUE(ca->put(id_of(i), data.data(), data.size()).ok());
+  }
+  ASSERT_TRUE(a.node->drain(5000));
+  EXPECT_GT(a.node->stats().pushed, 0u);
+  EXPECT_EQ(a.node->stats().push_dropped, 0u);
+  for (int i = 0; i < kBlocks; ++i)
+    expect_block(cb.get(), id_of(i), bytes_of(i, 4096 * (1 + i % 16)));
+  const ClusterStats sb = b.node->stats();
+  EXPECT_GT(sb.fetched, 0u);
+  EXPECT_GT(sb.served_commits, 0u);
+  EXPECT_EQ(sb.checksum_failures, 0u);
+  EXPECT_EQ(a.node->stats().peer_leases, 0u);  // every fetch released its leases
+}
+
+TEST(ClusterNode, MalformedMessagesAreIgnoredAndTheMemberGoesOn) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a"), b("b");
+  ASSERT_TRUE(a.node && b.node);
+  auto v = view_of({{"a", a.node->address()}, {"b", b.node->address()}});
+  ASSERT_TRUE(a.node->set_view(v).ok());
+  ASSERT_TRUE(b.node->set_view(v).ok());
+  RawMember raw(a.node->address());
+  std::mt19937_64 rng(99);
+  // Random bytes, truncated heads, wrong magic, unknown ops, counts that do
+  // not match the body, requests from a sender that never said Hello.
+  for (int i = 0; i < 300; ++i) {
+    std::vector<uint8_t> m;
+    switch (i % 6) {
+      case 0: m.resize(rng() % 400); break;
+      case 1:
+        m = raw.head(cluster::Op::kLookup, 1, cluster::kReplyTagBit | 5);
+        m.resize(rng() % m.size());
+        break;
+      case 2:
+        m = raw.head(cluster::Op::kLookup, 1, cluster::kReplyTagBit | 5);
+        m[0] ^= 1;
+        break;
+      case 3:
+        m = raw.head(static_cast<cluster::Op>(50 + rng() % 100), 0, cluster::kReplyTagBit | 5);
+        break;
+      case 4:
+        m = raw.head(cluster::Op::kLease, 3, cluster::kReplyTagBit | 5);
+        m.resize(m.size() + 17);
+        break;
+      case 5:
+        m = raw.head(cluster::Op::kHello, 4000, cluster::kReplyTagBit | 5);
+        m.resize(m.size() + 12);
+        break;
+    }
+    for (size_t k = m.empty() ? 0 : (i % 6 == 0 ? 0 : m.size()); k < m.size(); ++k)
+      m[k] = static_cast<uint8_t>(rng());
+    raw.send_raw(m);
+  }
+  // A Hello, then requests whose counts disagree with their bodies: error
+  // replies, the sender stays known.
+  auto hello = raw.call(cluster::Op::kHello, static_cast<uint32_t>(raw.t->address().size()),
+                        raw.t->address());
+  ASSERT_GE(hello.size(), sizeof(cluster::ReplyHead) + sizeof(cluster::HelloReply));
+  auto bad = raw.call(cluster::Op::kLookup, 5, std::vector<uint8_t>(16));
+  ASSERT_GE(bad.size(), sizeof(cluster::ReplyHead));
+  cluster::ReplyHead h;
+  std::memcpy(&h, bad.data(), sizeof h);
+  EXPECT_EQ(h.code, static_cast<uint32_t>(Code::kInvalidArgument));
+  // Commits and releases of tokens never granted change nothing.
+  std::vector<uint8_t> commit(sizeof(cluster::CommitItem) * 4);
+  for (auto& c : commit) c = static_cast<uint8_t>(rng());
+  auto cr = raw.call(cluster::Op::kCommit, 4, commit);
+  ASSERT_GE(cr.size(), sizeof(cluster::ReplyHead) + 4 * sizeof(cluster::CodeReply));
+  std::memcpy(&h, cr.data(), sizeof h);
+  EXPECT_EQ(h.code, 0u);
+  for (int k = 0; k < 4; ++k) {
+    cluster::CodeReply c;
+    std::memcpy(&c, cr.data() + sizeof h + k * sizeof c, sizeof c);
+    EXPECT_EQ(c.code, static_cast<uint32_t>(Code::kInvalidArgument));
+  }
+  EXPECT_GT(a.node->stats().bad_messages, 250u);
+
+  // The member still serves the others.
+  auto ca = a.client();
+  auto cb = b.client();
+  std::vector<BlockId> ids;
+  for (int i = 0; i < 40; ++i) {
+    auto data = bytes_of(i, 8192);
+    ids.push_back(id_of(1000 + i));
+    ASSERT_TRUE(ca->put(ids.back(), data.data(), data.size()).ok());
+  }
+  ASSERT_TRUE(a.node->drain(5000));
+  for (int i = 0; i < 40; ++i) expect_block(cb.get(), ids[i], bytes_of(i, 8192));
+}
+
+TEST(ClusterNode, LeasesOfAMemberThatNeverReleasesExpireAndALeavingMemberLosesThem) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a", /*expiry_ms=*/800);
+  ASSERT_TRUE(a.node);
+  auto ca = a.client();
+  std::vector<uint8_t> ids;
+  for (int i = 0; i < 8; ++i) {
+    auto data = bytes_of(i, 4096);
+    BlockId id = id_of(2000 + i);
+    ASSERT_TRUE(a.server->store()->put(id, data.data(), data.size()).ok());
+    ids.insert(ids.end(), id.bytes.begin(), id.bytes.end());
+  }
+  RawMember raw(a.node->address());
+  ASSERT_TRUE(
+      a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
+  ASSERT_FALSE(raw.call(cluster::Op::kHello, static_cast<uint32_t>(raw.t->address().size()),
+                        raw.t->address())
+                   .empty());
+  auto lease = raw.call(cluster::Op::kLease, 8, ids);
+  ASSERT_EQ(lease.size(), sizeof(cluster::ReplyHead) + 8 * sizeof(cluster::LeaseReply));
+  for (int k = 0; k < 8; ++k) {
+    cluster::LeaseReply l;
+    std::memcpy(&l, lease.data() + sizeof(cluster::ReplyHead) + k * sizeof l, sizeof l);
+    ASSERT_EQ(l.code, 0u);
+    EXPECT_EQ(l.size, 4096u);
+    EXPECT_NE(l.checksum, 0u);
+  }
+  EXPECT_EQ(a.node->stats().peer_leases, 8u);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (a.node->stats().peer_leases > 0 && std::chrono::steady_clock::now() - t0 < 5s)
+    std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(a.node->stats().peer_leases, 0u);
+  EXPECT_GE(a.node->stats().expired, 8u);
+
+  // Leased again, then the member leaves the view: its leases end at once.
+  lease = raw.call(cluster::Op::kLease, 8, ids);
+  ASSERT_FALSE(lease.empty());
+  EXPECT_EQ(a.node->stats().peer_leases, 8u);
+  ASSERT_TRUE(a.node->set_view(view_of({{"a", a.node->address()}}, 2)).ok());
+  EXPECT_EQ(a.node->stats().peer_leases, 0u);
+}
+
+TEST(ClusterNode, BadViewsAreRefused) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a");
+  ASSERT_TRUE(a.node);
+  ClusterView v = view_of({{"a", a.node->address()}});
+  ClusterView unsorted = v;
+  std::swap(unsorted.positions[0], unsorted.positions[1]);
+  EXPECT_TRUE(a.node->set_view(unsorted).is(Code::kInvalidArgument));
+  ClusterView out_of_range = v;
+  out_of_range.owners[0] = 5;
+  EXPECT_TRUE(a.node->set_view(out_of_range).is(Code::kInvalidArgument));
+  ClusterView three = v;
+  three.replicas = 3;
+  EXPECT_TRUE(a.node->set_view(three).is(Code::kInvalidArgument));
+  EXPECT_TRUE(a.node->set_view(v).ok());
+}
+
+}  // namespace
+}  // namespace cascade
