@@ -198,9 +198,6 @@ NB_MODULE(_core, m) {
       "Ids looked up per second by one client issuing batches of `batch` ids on `threads` "
       "threads.");
   m.def(
-      "transport_available", [] { return Transport::available(); },
-      "Whether this build has a data transport (UCX) for transport_probe and cluster members.");
-  m.def(
       "transport_probe",
       [](const std::string& fabrics, std::vector<uint64_t> sizes, uint64_t max_iterations,
          uint64_t bytes_per_size, uint64_t batch_block, uint32_t outstanding, double batch_seconds,

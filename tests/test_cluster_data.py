@@ -24,7 +24,7 @@ from test_serve import Server, free_port, scrape
 
 pytestmark = [
     pytest.mark.skipif(ETCD is None, reason=SKIP_REASON),
-    pytest.mark.skipif(not _core.transport_available(), reason="built without a transport (UCX)"),
+    pytest.mark.skipif(not _core.HAVE_UCX, reason="built without a transport (UCX)"),
 ]
 
 NS = "cluster-data"

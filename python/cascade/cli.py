@@ -14,6 +14,7 @@ cascade bench vllm      the same through vLLM's real engine and the connector (v
 cascade bench restart   warm restart: reattach time of a persistent host arena
 cascade bench pool      node pool: client processes vs the host tier; round trips, lookups
 cascade bench transport gets between two processes over UCX: latency by size, bandwidth
+cascade bench cluster   node servers of one cluster: reads from another server, aggregate
 cascade stress --quick  randomized reliability harness: ops, kill -9, corruption, I/O faults
 """
 
@@ -128,6 +129,13 @@ def _cmd_pool(args) -> int:
 def _cmd_transport(args) -> int:
     from cascade.bench.common import Progress
     from cascade.bench.transport import main
+
+    return main(args, Progress(not args.quiet))
+
+
+def _cmd_cluster(args) -> int:
+    from cascade.bench.cluster import main
+    from cascade.bench.common import Progress
 
     return main(args, Progress(not args.quiet))
 
@@ -326,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(fn=_cmd_bench)
     bench_sub = bench.add_subparsers(
-        dest="bench_command", metavar="{compare,gpu,vmm,ttft,vllm,restart,pool,transport}"
+        dest="bench_command", metavar="{compare,gpu,vmm,ttft,vllm,restart,pool,transport,cluster}"
     )
     compare = bench_sub.add_parser(
         "compare", help="Cascade side by side with its peers, ceilings beside"
@@ -392,6 +400,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_transport_arguments(transport)
     transport.set_defaults(fn=_cmd_transport)
+
+    from cascade.bench.cluster import add_arguments as add_cluster_arguments
+
+    cluster = bench_sub.add_parser(
+        "cluster",
+        help="node servers of one cluster on this host: reads from another server's arena "
+        "against the local host tier, and the aggregate of 2-16 servers",
+    )
+    add_cluster_arguments(cluster)
+    cluster.set_defaults(fn=_cmd_cluster)
     return p
 
 

@@ -1,0 +1,321 @@
+"""`cascade bench cluster`: node servers of one cluster on one host, moving
+blocks between their arenas over the transport (UCX), beside the host-tier
+and memcpy ceilings measured in the same run.
+
+Every node server is a PoolServer with a cluster member (ClusterNode) in
+this process; the view (members and ring) is installed directly, with no
+coordination service. Clients are pool clients (pipeline "pool") of the
+servers, in this process too, each reading or writing on its own thread.
+
+Rows, per fabric and block size:
+- local: one client reading blocks its own server holds (the pool's host
+  tier path, the ceiling the cross-server read is held against);
+- remote: one client reading blocks its server does not hold, all owned by
+  another server: each read leases the block at the owner, gets it into
+  this server's arena over the transport, verifies its checksum and
+  commits it, then the client copies it out (first reads only: a block is
+  fetched once);
+- aggregate with N servers (2..): one client per server writes its own
+  blocks (pushed to their owners on the ring), then each reads every other
+  client's blocks once; bytes read by all clients over the wall time, and
+  N x the one-server remote rate beside it.
+Every byte read is compared with what was written.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import numpy as np
+
+from cascade import _core
+from cascade.bench.common import fmt_size, format_table, parse_size_arg, report_header
+
+FABRICS = {"tcp": ("tcp", False), "sm": ("sm", True), "default": ("", False)}
+GOAL_REMOTE_RATIO = 0.8  # cross-server 1 MiB reads against the local host tier
+GOAL_AGGREGATE = 0.85  # aggregate against N x one server
+
+
+def add_arguments(p) -> None:
+    p.add_argument(
+        "--fabrics",
+        default="tcp,sm",
+        help="comma-separated: tcp (UCX tcp, failure detection on), sm (UCX shared memory, "
+        "no failure detection), default (UCX's choice)",
+    )
+    p.add_argument("--size", action="append", type=parse_size_arg, help="block size (repeat)")
+    p.add_argument("--servers", default="2,4", help="server counts of the aggregate rows")
+    p.add_argument(
+        "--bytes", type=parse_size_arg, default=256 << 20, help="bytes each reader reads per row"
+    )
+    p.add_argument("--quick", action="store_true", help="a smoke run: small sizes and bytes")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+class _Node:
+    def __init__(self, name: str, capacity: int, fabrics: str, undetected: bool):
+        cfg = _core.CascadeConfig()
+        cfg.pipeline = "host"
+        cfg.use_gpu = False
+        cfg.shm_capacity_bytes = capacity
+        cfg.shm_path = f"/dev/shm/cascade-bench-cluster-{uuid.uuid4().hex[:12]}"
+        cfg.shm_populate = _core.ShmPopulate.FULL
+        self.socket = f"/tmp/cascade-bench-cluster-{uuid.uuid4().hex[:12]}.sock"
+        self.name = name
+        self.server = _core.PoolServer(cfg, self.socket)
+        self.address = self.server.start_cluster(
+            name, 1, fabrics=fabrics, allow_undetected_failures=undetected
+        )
+
+    def client(self, threads: int = 2):
+        from cascade import CascadeStore, config_from_dict
+
+        return CascadeStore(
+            config_from_dict(
+                {
+                    "pool_socket": self.socket,
+                    "pool_namespace": "bench",
+                    "use_gpu": False,
+                    "num_io_threads": threads,
+                }
+            )
+        )
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def _install(nodes: list[_Node], owner_of_all: int | None = None) -> None:
+    """A ring over the nodes (or every point owned by one node)."""
+    from cascade.cluster import PlacementRing
+
+    ring = PlacementRing([n.name for n in nodes])
+    positions, owners = ring.points()
+    if owner_of_all is not None:
+        owners = [ring.members.index(nodes[owner_of_all].name)] * len(owners)
+    by_name = {n.name: n for n in nodes}
+    members = [(m, 1, by_name[m].address) for m in ring.members]
+    for n in nodes:
+        n.server.set_cluster_view(1, members, positions, owners, 1)
+
+
+def _blocks(tag: int, size: int, count: int) -> tuple[list[str], np.ndarray]:
+    rng = np.random.default_rng(tag)
+    data = rng.integers(0, 256, (count, size), dtype=np.uint8)
+    return [f"b{tag}-{i}" for i in range(count)], data
+
+
+def _read(store, keys: list[str], want: np.ndarray, batch: int) -> float:
+    """Reads keys in batches, checks every byte; returns the seconds taken."""
+    out = np.empty((batch, want.shape[1]), dtype=np.uint8)
+    t0 = time.perf_counter()
+    for b in range(0, len(keys), batch):
+        ks = keys[b : b + batch]
+        found, _ = store.get_batch(ks, out[: len(ks)])
+        if found != len(ks):
+            raise RuntimeError(f"cascade bench cluster: {len(ks) - found} blocks missing")
+    seconds = time.perf_counter() - t0
+    # The check runs after the clock: one more read of the same blocks,
+    # now local, compared byte for byte.
+    for b in range(0, len(keys), batch):
+        ks = keys[b : b + batch]
+        store.get_batch(ks, out[: len(ks)])
+        if not np.array_equal(out[: len(ks)], want[b : b + len(ks)]):
+            raise RuntimeError("cascade bench cluster: a block read back wrong")
+    return seconds
+
+
+def _pair_rows(fabric: str, size: int, total: int, progress) -> dict:
+    fabrics, undetected = FABRICS[fabric]
+    count = max(8, total // size)
+    cap = max(256 << 20, 2 * count * size + (64 << 20))
+    nodes = [_Node(f"n{i}", cap, fabrics, undetected) for i in range(2)]
+    try:
+        _install(nodes, owner_of_all=0)
+        writer, reader, local = nodes[0].client(), nodes[1].client(), nodes[0].client()
+        keys, data = _blocks(size, size, count)
+        writer.put_batch(keys, data)
+        batch = max(1, min(256, (16 << 20) // size))
+        progress(f"{fabric} {fmt_size(size)}: local reads")
+        _read(local, keys, data, batch)  # the client maps the arena's pages once
+        local_s = _read(local, keys, data, batch)
+        progress(f"{fabric} {fmt_size(size)}: remote reads")
+        remote_s = _read(reader, keys, data, batch)
+        stats = nodes[1].server.cluster_stats()
+        for c in (writer, reader, local):
+            c.close()
+        nbytes = count * size
+        return {
+            "fabric": fabric,
+            "block": size,
+            "blocks": count,
+            "local_gbps": nbytes / local_s / 1e9,
+            "remote_gbps": nbytes / remote_s / 1e9,
+            "ratio": local_s / remote_s,
+            "fetched": stats["fetched"],
+            "checksum_failures": stats["checksum_failures"],
+        }
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def _aggregate_row(fabric: str, size: int, servers: int, total: int, progress) -> dict:
+    fabrics, undetected = FABRICS[fabric]
+    count = max(8, total // size // max(1, servers - 1))
+    cap = max(256 << 20, 2 * servers * count * size + (64 << 20))
+    nodes = [_Node(f"n{i}", cap, fabrics, undetected) for i in range(servers)]
+    try:
+        _install(nodes)
+        clients = [n.client() for n in nodes]
+        sets = [_blocks(1000 * size + i, size, count) for i in range(servers)]
+        progress(f"{fabric} {fmt_size(size)} x {servers} servers: writes")
+        t0 = time.perf_counter()
+        threads = [
+            threading.Thread(target=clients[i].put_batch, args=sets[i]) for i in range(servers)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for n in nodes:
+            n.server.cluster_drain(60000)
+        write_s = time.perf_counter() - t0
+        progress(f"{fabric} {fmt_size(size)} x {servers} servers: reads")
+        batch = max(1, min(256, (16 << 20) // size))
+        times = [0.0] * servers
+        errors: list[BaseException] = []
+
+        def reader(i: int) -> None:
+            try:
+                t = 0.0
+                for j in range(servers):
+                    if j != i:
+                        t += _read(clients[i], sets[j][0], sets[j][1], batch)
+                times[i] = t
+            except BaseException as e:
+                errors.append(e)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(servers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        read_bytes = servers * (servers - 1) * count * size
+        pushed = sum(n.server.cluster_stats()["pushed"] for n in nodes)
+        for c in clients:
+            c.close()
+        return {
+            "fabric": fabric,
+            "block": size,
+            "servers": servers,
+            "write_gbps": servers * count * size / write_s / 1e9,
+            "pushed": pushed,
+            # The reads include a verification pass per reader (not timed
+            # by each reader, but inside the wall time): the busiest
+            # reader's own time is the fairer figure.
+            "read_gbps": read_bytes / max(times) / 1e9,
+            "read_wall_gbps": read_bytes / wall / 1e9,
+        }
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def run_cluster_bench(args, progress) -> dict:
+    names = [f.strip() for f in args.fabrics.split(",") if f.strip()]
+    bad = [n for n in names if n not in FABRICS]
+    if bad or not names:
+        raise SystemExit(f"cascade bench cluster: unknown fabric {bad or args.fabrics!r}")
+    sizes = args.size or ([64 << 10] if args.quick else [64 << 10, 1 << 20])
+    servers = [int(s) for s in args.servers.split(",") if s.strip()]
+    if any(s < 2 or s > 16 for s in servers):
+        raise SystemExit("cascade bench cluster: --servers takes counts from 2 to 16")
+    total = min(args.bytes, 16 << 20) if args.quick else args.bytes
+    settings = {"fabrics": names, "sizes": sizes, "servers": servers, "bytes": total}
+    report = report_header(args, "cluster", settings)
+    progress("memcpy ceiling, one thread")
+    report["ceiling"] = {
+        "what": "memcpy, 1 thread",
+        "gbps": _core.memcpy_bandwidth(min(total, 256 << 20), 1, 3)["gbps"],
+    }
+    report["pairs"] = [_pair_rows(f, s, total, progress) for f in names for s in sizes]
+    report["aggregate"] = [
+        _aggregate_row(f, s, n, total, progress) for f in names for s in sizes for n in servers
+    ]
+    one = {(p["fabric"], p["block"]): p["remote_gbps"] for p in report["pairs"]}
+    for a in report["aggregate"]:
+        a["n_x_one"] = a["servers"] * one[(a["fabric"], a["block"])]
+        a["ratio"] = a["read_gbps"] / a["n_x_one"]
+    report["verified"] = True  # _read raises on a wrong byte
+    return report
+
+
+def format_report(report: dict) -> str:
+    out = [
+        f"cascade bench cluster{' (quick)' if report['quick'] else ''}: {report['date']}, "
+        f"{report['machine']['cores']} cores, {report['machine']['cpu']}; memcpy (1 thread) "
+        f"{report['ceiling']['gbps']:.2f} GB/s"
+    ]
+    rows = [
+        [
+            p["fabric"],
+            fmt_size(p["block"]),
+            p["blocks"],
+            p["local_gbps"],
+            p["remote_gbps"],
+            p["ratio"],
+        ]
+        for p in report["pairs"]
+    ]
+    out.append(
+        format_table(
+            ["fabric", "block", "blocks", "local GB/s", "remote GB/s", "remote/local"],
+            rows,
+            title="\none client reading blocks held by its own server (local) and by another "
+            f"server (remote, first reads; goal {GOAL_REMOTE_RATIO}x at 1 MiB)",
+        )
+    )
+    rows = [
+        [
+            a["fabric"],
+            fmt_size(a["block"]),
+            a["servers"],
+            a["write_gbps"],
+            a["read_gbps"],
+            a["n_x_one"],
+            a["ratio"],
+        ]
+        for a in report["aggregate"]
+    ]
+    out.append(
+        format_table(
+            ["fabric", "block", "servers", "write GB/s", "read GB/s", "N x one", "ratio"],
+            rows,
+            title="\none client per server: writes pushed to owners, then every client reads "
+            f"every other client's blocks (goal {GOAL_AGGREGATE}x N x one server)",
+        )
+    )
+    return "\n".join(out)
+
+
+def main(args, progress) -> int:
+    import json
+
+    if not _core.HAVE_UCX:
+        print("cascade bench cluster: this build has no UCX (install libucx-dev, rebuild)")
+        return 1
+    report = run_cluster_bench(args, progress)
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        progress(f"wrote {args.json}")
+    return 0

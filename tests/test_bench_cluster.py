@@ -1,0 +1,41 @@
+"""`cascade bench cluster --quick`: the report's structure and its
+verification (no timing is asserted). Skips without UCX."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cascade import _core, cli
+
+pytestmark = pytest.mark.skipif(not _core.HAVE_UCX, reason="built without UCX")
+
+
+def test_quick_run_reports_pairs_and_aggregates(tmp_path, capsys):
+    out = tmp_path / "cluster.json"
+    argv = ["bench", "cluster", "--quick", "--quiet", "--servers", "2,3", "--json", str(out)]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["quick"] is True and report["verified"] is True
+    assert [(p["fabric"], p["block"]) for p in report["pairs"]] == [
+        ("tcp", 64 << 10),
+        ("sm", 64 << 10),
+    ]
+    for p in report["pairs"]:
+        assert p["fetched"] == p["blocks"]  # every remote read came over the transport
+        assert p["checksum_failures"] == 0
+        assert p["local_gbps"] > 0 and p["remote_gbps"] > 0
+    assert [a["servers"] for a in report["aggregate"]] == [2, 3, 2, 3]
+    for a in report["aggregate"]:
+        assert a["pushed"] > 0 and a["read_gbps"] > 0
+        assert a["ratio"] == pytest.approx(a["read_gbps"] / a["n_x_one"])
+    assert "remote/local" in text and "N x one" in text
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "cluster", "--quick", "--fabrics", "carrier-pigeon"])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "cluster", "--quick", "--servers", "1"])
