@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from typing import cast
 
 import numpy as np
 
@@ -144,7 +145,7 @@ def _pair_rows(fabric: str, size: int, total: int, progress) -> dict:
         local_s = _read(local, keys, data, batch)
         progress(f"{fabric} {fmt_size(size)}: remote reads")
         remote_s = _read(reader, keys, data, batch)
-        stats = nodes[1].server.cluster_stats()
+        stats = cast(dict, nodes[1].server.cluster_stats())
         for c in (writer, reader, local):
             c.close()
         nbytes = count * size
@@ -209,7 +210,7 @@ def _aggregate_row(fabric: str, size: int, servers: int, total: int, progress) -
         if errors:
             raise errors[0]
         read_bytes = servers * (servers - 1) * count * size
-        pushed = sum(n.server.cluster_stats()["pushed"] for n in nodes)
+        pushed = sum(cast(dict, n.server.cluster_stats())["pushed"] for n in nodes)
         for c in clients:
             c.close()
         return {
