@@ -20,7 +20,7 @@ import pytest
 import cascade
 from cascade import _core
 from etcd_process import ETCD, SKIP_REASON
-from test_cluster_data import TIMEOUT_S, cluster_up, members, place, start, until  # noqa: F401
+from test_cluster_data import TIMEOUT_S, cluster_up, place, start  # noqa: F401
 from test_serve import scrape
 
 pytestmark = [
@@ -36,7 +36,7 @@ def content(n: int) -> np.ndarray:
     return np.random.default_rng(n).integers(0, 256, 4096 * (1 + n % 16), dtype=np.uint8)
 
 
-def test_soak_members_killed_and_restarted_while_clients_read_and_write(place):
+def test_soak_members_killed_and_restarted_while_clients_read_and_write(place):  # noqa: F811
     d, shms, etcd, servers, clients = place
     nodes = cluster_up(place, 4)
     stop = threading.Event()
