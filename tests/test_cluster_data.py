@@ -86,6 +86,21 @@ def start(place, i: int, run: int = 0) -> tuple[Server, str]:
     return srv, f"http://127.0.0.1:{port}"
 
 
+def start_ready(place, i: int, run: int = 0) -> tuple[Server, str]:
+    """start() and wait_ready(), with a new metrics port when another
+    process took the one chosen (the members' transports listen on
+    ephemeral ports too)."""
+    for attempt in range(3):
+        srv, url = start(place, i, run=run * 10 + attempt)
+        try:
+            srv.wait_ready()
+            return srv, url
+        except AssertionError:
+            if "Address already in use" not in srv.text() or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def client(place, sock: str) -> cascade.CascadeStore:
     c = cascade.CascadeStore(
         cascade.config_from_dict(
@@ -111,9 +126,7 @@ def members(url: str) -> float:
 
 
 def cluster_up(place, n: int) -> list[tuple[Server, str]]:
-    nodes = [start(place, i) for i in range(n)]
-    for srv, _ in nodes:
-        srv.wait_ready()
+    nodes = [start_ready(place, i) for i in range(n)]
     until(lambda: all(members(u) == n for _, u in nodes), 15, f"{n} members everywhere")
     return nodes
 
@@ -187,8 +200,7 @@ def test_a_killed_server_means_misses_not_hangs_and_a_new_one_takes_its_share(pl
 
     # node-2 comes back (a new process, a new generation): it takes its
     # share of new puts, and the reader fetches them from it.
-    back, url = start(place, 2, run=1)
-    back.wait_ready()
+    back, url = start_ready(place, 2, run=1)
     until(lambda: all(members(u) == 3 for u in (nodes[0][1], nodes[1][1], url)), 15, "rejoin")
     third = list(range(300, 420))
     writer.put_batch([f"k{i}" for i in third], [block(i) for i in third])

@@ -20,7 +20,7 @@ import pytest
 import cascade
 from cascade import _core
 from etcd_process import ETCD, SKIP_REASON
-from test_cluster_data import TIMEOUT_S, cluster_up, place, start  # noqa: F401
+from test_cluster_data import TIMEOUT_S, cluster_up, place, start_ready  # noqa: F401
 from test_serve import scrape
 
 pytestmark = [
@@ -100,8 +100,7 @@ def test_soak_members_killed_and_restarted_while_clients_read_and_write(place): 
             counts["kills"] += 1
             time.sleep(rng.uniform(0.1, 1.0))
             runs[i] += 1
-            victims[i], _ = start(place, i, run=runs[i])
-            victims[i].wait_ready()
+            victims[i], _ = start_ready(place, i, run=runs[i])
     finally:
         stop.set()
         for t in threads:

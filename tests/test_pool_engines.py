@@ -112,3 +112,30 @@ def test_replica_b_loads_what_replica_a_saved_and_a_restarted_server_keeps_it(po
 def test_a_worker_without_its_pool_server_fails_clearly(tmp_path):
     with pytest.raises(cascade.UnavailableError, match="no node pool server listens"):
         engine_store(str(tmp_path / "none.sock"), "e")
+
+
+@pytest.mark.skipif(not _core.HAVE_UCX, reason="built without a transport (UCX)")
+def test_an_engine_on_another_node_loads_what_this_one_saved():
+    from cluster_helpers import in_process_cluster
+
+    ns = KvNamespace(model="m", dtype="float32", layout="packed_kv", block_size=BLOCK)
+    tokens = list(range(12 * BLOCK))
+    ids = prefix_block_ids(tokens, ns)
+    blocks = list(range(len(ids)))
+    with in_process_cluster(3) as (socks, servers):
+        a = engine_store(socks[0], "node-a")
+        src, kv_a = kv_cache(len(ids), seed=3)
+        assert save_paged(a, kv_a, blocks, ids) == [None] * len(ids)
+        a.close()
+        assert servers[0].cluster_drain(5000)
+        # The scheduler's lookup on node B finds the whole prefix ...
+        b = engine_store(socks[1], "node-b")
+        assert b.contains_batch(ids) == [True] * len(ids)
+        # ... and its worker loads it byte-exact.
+        dst, kv_b = kv_cache(len(ids))
+        assert load_paged(b, kv_b, blocks, ids) == [None] * len(ids)
+        assert all(torch.equal(x, y) for x, y in zip(src, dst))
+        b.close()
+        stats = [s.cluster_stats() for s in servers]
+        assert stats[1]["fetched"] + stats[1]["served_commits"] >= len(ids) // 3
+        assert all(s["checksum_failures"] == 0 for s in stats)

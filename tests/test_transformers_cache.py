@@ -440,6 +440,38 @@ def test_two_caches_on_one_node_pool_share_prefixes(model, tmp_path):
         server.close()
 
 
+def test_a_cache_on_another_node_loads_what_this_one_saved(model):
+    """Two PrefixCaches on two node servers of one cluster: the second loads
+    the prefix the first saved (fetched from its owner), with the output of
+    full compute."""
+    from cascade import _core
+
+    if not _core.HAVE_UCX:
+        pytest.skip("built without a transport (UCX)")
+    from cluster_helpers import in_process_cluster
+
+    def client(sock):
+        return cascade.CascadeStore(
+            cascade.config_from_dict(
+                {"pool_socket": sock, "pool_namespace": "tf", "use_gpu": False}
+            )
+        )
+
+    with in_process_cluster(3) as (socks, servers):
+        a = tokens(160, 21)
+        with client(socks[0]) as s1:
+            r1 = PrefixCache(model, s1, model_name="tiny-llama-test", block_size=BS).prefill(a)
+            assert r1.saved_blocks == 160 // BS
+        assert servers[0].cluster_drain(5000)
+        b = torch.cat([a[:150], tokens(20, 22)])
+        with client(socks[2]) as s2:
+            r2 = PrefixCache(model, s2, model_name="tiny-llama-test", block_size=BS).prefill(b)
+            assert (r2.cached_tokens, r2.loaded_blocks) == (144, 144 // BS)
+            assert not r2.load_errors
+            assert_matches_full(model, b, r2.logits)
+        assert servers[2].cluster_stats()["fetched"] > 0
+
+
 @pytest.mark.parametrize(
     "rates, tokens_per_s, kind",
     [
