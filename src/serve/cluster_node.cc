@@ -173,6 +173,32 @@ class ClusterNode::Impl {
     return options.verify ? remote::block_checksum(p, n) : 0;
   }
 
+  // Checksums of blocks held here, remembered from the commit that checked
+  // them (a pushed block) or from the first lease that computed them, so a
+  // block read by many members is hashed once. Blocks are immutable per id;
+  // an entry that no longer matches (an id removed and stored again with
+  // other bytes) makes the reader's check fail: a miss, never wrong data.
+  static constexpr size_t kMaxSums = size_t(1) << 20;
+  std::mutex sums_mu;
+  std::unordered_map<BlockId, uint64_t> sums;  // guarded by sums_mu
+  void remember(const BlockId& id, uint64_t sum) {
+    if (sum == 0) return;
+    std::lock_guard<std::mutex> l(sums_mu);
+    if (sums.size() >= kMaxSums) sums.clear();
+    sums[id] = sum;
+  }
+  uint64_t sum_of(const BlockId& id, const uint8_t* p, uint64_t n) {
+    if (!options.verify) return 0;
+    {
+      std::lock_guard<std::mutex> l(sums_mu);
+      auto it = sums.find(id);
+      if (it != sums.end()) return it->second;
+    }
+    const uint64_t sum = remote::block_checksum(p, n);
+    remember(id, sum);
+    return sum;
+  }
+
   // ---- placement --------------------------------------------------------------
   // The members holding id, best first, this member excluded.
   void owners_of(const Ring& r, const BlockId& id, uint32_t out[2], int* n) const {
@@ -771,22 +797,28 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
       std::vector<Status> st;
       store->acquire_batch(ids, &views, &st);
       std::vector<cluster::LeaseReply> replies(count);
+      // Checksums are taken outside the member's lock (the views keep the
+      // bytes in place), then the leases are recorded under it.
+      for (uint32_t k = 0; k < count; ++k) {
+        cluster::LeaseReply& r = replies[k];
+        r.code = code_of(st[k]);
+        if (!st[k].ok()) continue;
+        const uint8_t* d = views[k].data();
+        if (views[k].kind() != MemoryKind::kHost || d < arena.base ||
+            d + views[k].size() > arena.base + arena.capacity) {
+          r.code = static_cast<uint32_t>(Code::kUnavailable);
+          continue;
+        }
+        r.offset = static_cast<uint64_t>(d - arena.base);
+        r.size = views[k].size();
+        r.checksum = sum_of(ids[k], d, r.size);
+      }
       uint64_t granted = 0;
       {
         std::lock_guard<std::mutex> l(p.mu);
         for (uint32_t k = 0; k < count; ++k) {
           cluster::LeaseReply& r = replies[k];
-          r.code = code_of(st[k]);
-          if (!st[k].ok()) continue;
-          const uint8_t* d = views[k].data();
-          if (views[k].kind() != MemoryKind::kHost || d < arena.base ||
-              d + views[k].size() > arena.base + arena.capacity) {
-            r.code = static_cast<uint32_t>(Code::kUnavailable);
-            continue;
-          }
-          r.offset = static_cast<uint64_t>(d - arena.base);
-          r.size = views[k].size();
-          r.checksum = checksum(d, r.size);
+          if (r.code != 0) continue;
           r.token = p.next++;
           served_lease_bytes.fetch_add(r.size, std::memory_order_relaxed);
           p.leases.emplace(r.token, PeerState::Lease{std::move(views[k]), expires});
@@ -894,6 +926,8 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
         for (size_t j = 0; j < batch.size(); ++j) {
           replies[ks[j]].code = code_of(st[j]);
           if (!st[j].ok()) continue;
+          if (options.verify)
+            remember(batch[j].id, item_at<cluster::CommitItem>(items, ks[j]).checksum);
           served_commits.fetch_add(1, std::memory_order_relaxed);
           served_commit_bytes.fetch_add(batch[j].size, std::memory_order_relaxed);
         }

@@ -10,11 +10,11 @@ servers, in this process too, each reading or writing on its own thread.
 Rows, per fabric and block size:
 - local: one client reading blocks its own server holds (the pool's host
   tier path, the ceiling the cross-server read is held against);
-- remote: one client reading blocks its server does not hold, all owned by
-  another server: each read leases the block at the owner, gets it into
-  this server's arena over the transport, verifies its checksum and
-  commits it, then the client copies it out (first reads only: a block is
-  fetched once);
+- remote: blocks saved through a third server and pushed to their owner,
+  read by a client of a server that does not hold them: each read leases
+  the block at the owner, gets it into this server's arena over the
+  transport, verifies its checksum and commits it, then the client copies
+  it out (first reads only: a block is fetched once);
 - aggregate with N servers (2..): one client per server writes its own
   blocks (pushed to their owners on the ring), then each reads every other
   client's blocks once; bytes read by all clients over the wall time, and
@@ -51,13 +51,20 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--bytes", type=parse_size_arg, default=256 << 20, help="bytes each reader reads per row"
     )
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="members move blocks without checksums (the reads are still compared here)",
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run: small sizes and bytes")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
 class _Node:
-    def __init__(self, name: str, capacity: int, fabrics: str, undetected: bool):
+    def __init__(
+        self, name: str, capacity: int, fabrics: str, undetected: bool, verify: bool = True
+    ):
         cfg = _core.CascadeConfig()
         cfg.pipeline = "host"
         cfg.use_gpu = False
@@ -68,7 +75,7 @@ class _Node:
         self.name = name
         self.server = _core.PoolServer(cfg, self.socket)
         self.address = self.server.start_cluster(
-            name, 1, fabrics=fabrics, allow_undetected_failures=undetected
+            name, 1, fabrics=fabrics, allow_undetected_failures=undetected, verify=verify
         )
 
     def client(self, threads: int = 2):
@@ -129,16 +136,19 @@ def _read(store, keys: list[str], want: np.ndarray, batch: int) -> float:
     return seconds
 
 
-def _pair_rows(fabric: str, size: int, total: int, progress) -> dict:
+def _pair_rows(fabric: str, size: int, total: int, verify: bool, progress) -> dict:
     fabrics, undetected = FABRICS[fabric]
     count = max(8, total // size)
     cap = max(256 << 20, 2 * count * size + (64 << 20))
-    nodes = [_Node(f"n{i}", cap, fabrics, undetected) for i in range(2)]
+    nodes = [_Node(f"n{i}", cap, fabrics, undetected, verify) for i in range(3)]
     try:
         _install(nodes, owner_of_all=0)
-        writer, reader, local = nodes[0].client(), nodes[1].client(), nodes[0].client()
+        # Saved through n2, stored at their owner n0, read through n1: the
+        # way blocks travel between engines on different nodes.
+        writer, reader, local = nodes[2].client(), nodes[1].client(), nodes[0].client()
         keys, data = _blocks(size, size, count)
         writer.put_batch(keys, data)
+        nodes[2].server.cluster_drain(60000)
         batch = max(1, min(256, (16 << 20) // size))
         progress(f"{fabric} {fmt_size(size)}: local reads")
         _read(local, keys, data, batch)  # the client maps the arena's pages once
@@ -164,11 +174,13 @@ def _pair_rows(fabric: str, size: int, total: int, progress) -> dict:
             n.close()
 
 
-def _aggregate_row(fabric: str, size: int, servers: int, total: int, progress) -> dict:
+def _aggregate_row(
+    fabric: str, size: int, servers: int, total: int, verify: bool, progress
+) -> dict:
     fabrics, undetected = FABRICS[fabric]
     count = max(8, total // size // max(1, servers - 1))
     cap = max(256 << 20, 2 * servers * count * size + (64 << 20))
-    nodes = [_Node(f"n{i}", cap, fabrics, undetected) for i in range(servers)]
+    nodes = [_Node(f"n{i}", cap, fabrics, undetected, verify) for i in range(servers)]
     try:
         _install(nodes)
         clients = [n.client() for n in nodes]
@@ -240,16 +252,26 @@ def run_cluster_bench(args, progress) -> dict:
     if any(s < 2 or s > 16 for s in servers):
         raise SystemExit("cascade bench cluster: --servers takes counts from 2 to 16")
     total = min(args.bytes, 16 << 20) if args.quick else args.bytes
-    settings = {"fabrics": names, "sizes": sizes, "servers": servers, "bytes": total}
+    settings = {
+        "fabrics": names,
+        "sizes": sizes,
+        "servers": servers,
+        "bytes": total,
+        "verify": not args.no_verify,
+    }
     report = report_header(args, "cluster", settings)
     progress("memcpy ceiling, one thread")
     report["ceiling"] = {
         "what": "memcpy, 1 thread",
         "gbps": _core.memcpy_bandwidth(min(total, 256 << 20), 1, 3)["gbps"],
     }
-    report["pairs"] = [_pair_rows(f, s, total, progress) for f in names for s in sizes]
+    verify = not args.no_verify
+    report["pairs"] = [_pair_rows(f, s, total, verify, progress) for f in names for s in sizes]
     report["aggregate"] = [
-        _aggregate_row(f, s, n, total, progress) for f in names for s in sizes for n in servers
+        _aggregate_row(f, s, n, total, verify, progress)
+        for f in names
+        for s in sizes
+        for n in servers
     ]
     one = {(p["fabric"], p["block"]): p["remote_gbps"] for p in report["pairs"]}
     for a in report["aggregate"]:
