@@ -44,6 +44,26 @@ uint64_t id_position(const BlockId& id) {
 
 uint32_t code_of(const Status& st) { return static_cast<uint32_t>(st.code()); }
 
+// Runs fn(k) for k < n, on up to kMaxOwnerThreads threads when n > 1: the
+// calls to different owners overlap instead of paying their round trips
+// one after another.
+constexpr size_t kMaxOwnerThreads = 8;
+template <typename F>
+void for_each_owner(size_t n, F&& fn) {
+  if (n <= 1) {
+    if (n == 1) fn(size_t{0});
+    return;
+  }
+  std::atomic<size_t> next{0};
+  auto run = [&] {
+    for (size_t k; (k = next.fetch_add(1)) < n;) fn(k);
+  };
+  std::vector<std::thread> threads;
+  for (size_t t = 1; t < std::min(n, kMaxOwnerThreads); ++t) threads.emplace_back(run);
+  run();
+  for (auto& t : threads) t.join();
+}
+
 Status status_of(uint32_t code, std::string message) {
   if (code > static_cast<uint32_t>(Code::kNotSupported))
     return Status::Unavailable("a member answered with unknown code " + std::to_string(code));
@@ -378,11 +398,14 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
       if (round < n) by_member[o[round]].push_back(i);
     }
     if (by_member.empty()) return;
-    for (auto& [mi, which] : by_member) {
+    std::vector<std::pair<uint32_t, std::vector<size_t>>> groups(by_member.begin(),
+                                                                 by_member.end());
+    for_each_owner(groups.size(), [&](size_t g) {
+      const auto& [mi, which] = groups[g];
       const ClusterMember& m = r->view.members[mi];
       auto s = slot_of(m);
       auto link = link_to(s, m);
-      if (!link.ok()) continue;
+      if (!link.ok()) return;
       for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
         const size_t e = std::min(which.size(), b + cluster::kMaxItems);
         std::vector<uint8_t> items;
@@ -403,7 +426,7 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
           remote_hits.fetch_add(1, std::memory_order_relaxed);
         }
       }
-    }
+    });
   }
 }
 
@@ -420,13 +443,16 @@ void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> g
       if (round < n) by_member[o[round]].push_back(i);
     }
     if (by_member.empty()) return;
-    for (auto& [mi, which] : by_member) {
+    std::vector<std::pair<uint32_t, std::vector<size_t>>> groups(by_member.begin(),
+                                                                 by_member.end());
+    for_each_owner(groups.size(), [&](size_t g) {
+      const auto& [mi, which] = groups[g];
       for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
         std::vector<size_t> part(which.begin() + b,
                                  which.begin() + std::min(which.size(), b + cluster::kMaxItems));
         fetch_from(r->view.members[mi], ids, part, got);
       }
-    }
+    });
   }
 }
 
