@@ -19,6 +19,10 @@ Rows, per fabric and block size:
   blocks (pushed to their owners on the ring), then each reads every other
   client's blocks once; bytes read by all clients over the wall time, and
   N x the one-server remote rate beside it.
+With --gpu, one more table: paged KV (32 layers, 2 MiB per stored block)
+saved through one server, pushed to its owner, and loaded into GPU memory
+through the owner's client (local) and through another server's client
+(remote: fetched first), beside pinned cudaMemcpy of as many bytes.
 Every byte read is compared with what was written.
 """
 
@@ -55,6 +59,12 @@ def add_arguments(p) -> None:
         "--no-verify",
         action="store_true",
         help="members move blocks without checksums (the reads are still compared here)",
+    )
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="also load paged KV into GPU memory from the owner's arena and through another "
+        "server (torch with CUDA)",
     )
     p.add_argument("--quick", action="store_true", help="a smoke run: small sizes and bytes")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
@@ -242,6 +252,88 @@ def _aggregate_row(
             n.close()
 
 
+def _engine_store(sock: str):
+    from cascade import CascadeStore
+    from cascade.integrations.connector_config import parse_connector_config, worker_store_config
+
+    cfg = parse_connector_config({"pool_socket": sock, "pool_namespace": "bench"})
+    return CascadeStore(worker_store_config(cfg, engine_key="bench", rank=0, world=1))
+
+
+def _gpu_rows(fabric: str, total: int, verify: bool, progress) -> dict:
+    """Paged KV loaded into GPU memory from the owner's arena (local) and
+    through another server (remote), against pinned cudaMemcpy."""
+    import torch
+
+    from cascade.integrations.kv import PagedKv, load_paged, save_paged
+
+    fabrics, undetected = FABRICS[fabric]
+    layers, heads, block, head = 32, 8, 16, 128  # fp16: 2 MiB per stored block
+    per_block = layers * heads * block * 2 * head * 2
+    count = max(8, total // per_block)
+    cap = max(512 << 20, 3 * count * per_block + (64 << 20))
+    nodes = [_Node(f"n{i}", cap, fabrics, undetected, verify) for i in range(3)]
+    try:
+        _install(nodes, owner_of_all=0)
+        g = torch.Generator().manual_seed(5)
+        src = [
+            torch.randn(count, heads, block, 2 * head, generator=g, dtype=torch.float32).half()
+            for _ in range(layers)
+        ]
+        ids = [f"kv{fabric}-{i}" for i in range(count)]
+        warm = [f"kv{fabric}-warm-{i}" for i in range(4)]
+        writer = _engine_store(nodes[2].socket)
+        save_paged(writer, PagedKv.from_layers(src), list(range(count)), ids)
+        save_paged(writer, PagedKv.from_layers(src), list(range(4)), warm)
+        nodes[2].server.cluster_drain(60000)
+        writer.close()
+        dst = [torch.zeros_like(t, device="cuda") for t in src]
+        kv = PagedKv.from_layers(dst)
+
+        def timed(store, which) -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            errors = load_paged(store, kv, list(range(len(which))), which)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            if any(errors):
+                raise RuntimeError(f"cascade bench cluster: a load failed: {errors[:3]}")
+            return seconds
+
+        def check() -> None:
+            for a, b in zip(src, dst):
+                if not torch.equal(a.cuda(), b):
+                    raise RuntimeError("cascade bench cluster: KV loaded into the GPU differs")
+
+        progress(f"{fabric} gpu: local loads")
+        local = _engine_store(nodes[0].socket)
+        timed(local, ids)  # first use: the arena's pages mapped and registered
+        local_s = min(timed(local, ids) for _ in range(3))
+        check()
+        progress(f"{fabric} gpu: remote loads")
+        remote = _engine_store(nodes[1].socket)
+        timed(remote, warm)  # first use of this client, on blocks not timed
+        for t in dst:
+            t.zero_()
+        remote_s = timed(remote, ids)
+        check()
+        local.close()
+        remote.close()
+        ceiling = _core.gpu_copy_bandwidth(count * per_block)
+        nbytes = count * per_block
+        return {
+            "fabric": fabric,
+            "block": per_block,
+            "blocks": count,
+            "local_gbps": nbytes / local_s / 1e9,
+            "remote_gbps": nbytes / remote_s / 1e9,
+            "pcie_gbps": ceiling.get("h2d_gbps", ceiling.get("gbps", 0.0)),
+        }
+    finally:
+        for n in nodes:
+            n.close()
+
+
 def run_cluster_bench(args, progress) -> dict:
     names = [f.strip() for f in args.fabrics.split(",") if f.strip()]
     bad = [n for n in names if n not in FABRICS]
@@ -273,6 +365,8 @@ def run_cluster_bench(args, progress) -> dict:
         for s in sizes
         for n in servers
     ]
+    if args.gpu:
+        report["gpu"] = [_gpu_rows(f, max(total, 256 << 20), verify, progress) for f in names]
     one = {(p["fabric"], p["block"]): p["remote_gbps"] for p in report["pairs"]}
     for a in report["aggregate"]:
         a["n_x_one"] = a["servers"] * one[(a["fabric"], a["block"])]
@@ -326,6 +420,37 @@ def format_report(report: dict) -> str:
             f"every other client's blocks (goal {GOAL_AGGREGATE}x N x one server)",
         )
     )
+    if report.get("gpu"):
+        rows = [
+            [
+                g["fabric"],
+                fmt_size(g["block"]),
+                g["blocks"],
+                g["local_gbps"],
+                g["remote_gbps"],
+                g["pcie_gbps"],
+                g["local_gbps"] / g["pcie_gbps"],
+                g["remote_gbps"] / g["pcie_gbps"],
+            ]
+            for g in report["gpu"]
+        ]
+        out.append(
+            format_table(
+                [
+                    "fabric",
+                    "block",
+                    "blocks",
+                    "local GB/s",
+                    "remote GB/s",
+                    "PCIe GB/s",
+                    "local/PCIe",
+                    "remote/PCIe",
+                ],
+                rows,
+                title="\npaged KV loaded into GPU memory from the owner's arena (local) and "
+                "through another server (remote, fetched first), beside pinned cudaMemcpy",
+            )
+        )
     return "\n".join(out)
 
 
