@@ -87,7 +87,8 @@ class PyPoolServer {
   nb::bytes start_cluster(const std::string& node_id, uint64_t generation,
                           const std::string& fabrics, bool allow_undetected_failures,
                           uint32_t request_timeout_ms, uint32_t lease_expiry_ms,
-                          uint32_t retry_after_ms, bool verify, uint32_t service_threads) {
+                          uint32_t retry_after_ms, bool verify, uint32_t service_threads,
+                          uint32_t lanes) {
     ClusterNodeOptions o;
     o.node_id = node_id;
     o.generation = generation;
@@ -98,6 +99,7 @@ class PyPoolServer {
     o.retry_after_ms = retry_after_ms;
     o.verify = verify;
     o.service_threads = service_threads;
+    o.lanes = lanes;
     auto use = server_.use();
     Result<ClusterNode*> cn = Status::OK();
     {
@@ -216,7 +218,7 @@ void register_serve(nb::module_& m) {
       .def("start_cluster", &PyPoolServer::start_cluster, "node_id"_a, "generation"_a,
            "fabrics"_a = "", "allow_undetected_failures"_a = false, "request_timeout_ms"_a = 2000,
            "lease_expiry_ms"_a = 60000, "retry_after_ms"_a = 1000, "verify"_a = true,
-           "service_threads"_a = 2,
+           "service_threads"_a = 2, "lanes"_a = 4,
            "Makes this server a cluster member (its data transport); returns the "
            "transport address to publish in the member record.")
       .def("set_cluster_view", &PyPoolServer::set_cluster_view, "version"_a, "members"_a,

@@ -366,6 +366,7 @@ def _join_cluster(server, copts, capacity_bytes: int):
         retry_after_ms=max(100, int(copts.refresh_seconds * 1000)),
         verify=copts.verify,
         service_threads=copts.service_threads,
+        lanes=copts.lanes,
     )
 
     def install(view, ring) -> None:

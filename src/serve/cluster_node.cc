@@ -11,6 +11,7 @@
 #include <optional>
 #include <shared_mutex>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 
@@ -111,13 +112,16 @@ struct Link {
   std::shared_ptr<Peer> peer;
   std::shared_ptr<RemoteRegion> arena;
   uint64_t arena_bytes = 0;
+  size_t lane = 0;  // the local lane the connection belongs to
 };
 
 struct LinkSlot {
   std::mutex mu;  // one connect at a time; guards the fields
   uint64_t generation = 0;
   std::vector<uint8_t> address;
-  std::shared_ptr<Link> link;
+  std::vector<std::shared_ptr<Link>> links;  // one per local lane
+  // The member's lanes' addresses, from its reply to the first Hello.
+  std::vector<std::vector<uint8_t>> lane_addresses;
   Clock::time_point skip_until{};
 };
 
@@ -145,8 +149,20 @@ class ClusterNode::Impl {
   CascadeStore* store = nullptr;
   SharedArena arena;
   ClusterNodeOptions options;
-  std::unique_ptr<Transport> transport;
-  std::unique_ptr<MemoryRegion> region;
+  // Lanes: transport endpoints with the arena registered on each. A
+  // transport moves bytes on the thread that drives it, one operation at a
+  // time, so copies between two members spread over the lanes: a thread
+  // uses the lane its id hashes to, and a lane talks to the same lane
+  // (modulo their count) of the other member.
+  struct Lane {
+    std::unique_ptr<Transport> t;
+    std::unique_ptr<MemoryRegion> region;
+  };
+  std::vector<Lane> lanes;
+  size_t my_lane() const {
+    thread_local const size_t h = std::hash<std::thread::id>()(std::this_thread::get_id());
+    return h % lanes.size();
+  }
   std::atomic<bool> stopping{false};
   std::mutex close_mu;
   bool closed = false;
@@ -164,7 +180,9 @@ class ClusterNode::Impl {
   std::map<std::string, std::shared_ptr<LinkSlot>> links;  // guarded by links_mu
 
   std::mutex peers_mu;
-  std::map<std::pair<std::string, uint64_t>, std::shared_ptr<PeerState>> peers;
+  // By (node id, generation, the lane its Hello came on).
+  using PeerKey = std::tuple<std::string, uint64_t, size_t>;
+  std::map<PeerKey, std::shared_ptr<PeerState>> peers;
 
   std::vector<std::thread> service;
   std::thread pusher;
@@ -241,9 +259,13 @@ class ClusterNode::Impl {
     auto& s = links[m.node_id];
     if (!s) s = std::make_shared<LinkSlot>();
     std::lock_guard<std::mutex> sl(s->mu);
+    if (s->links.size() != lanes.size()) s->links.resize(lanes.size());
     if (s->generation != m.generation || s->address != m.address) {
-      if (s->link) s->link->peer->close();
-      s->link.reset();
+      for (auto& link : s->links) {
+        if (link) link->peer->close();
+        link.reset();
+      }
+      s->lane_addresses.clear();
       s->generation = m.generation;
       s->address = m.address;
       s->skip_until = {};
@@ -251,17 +273,22 @@ class ClusterNode::Impl {
     return s;
   }
 
+  // A failed call on `link`: every lane's connection to the member is
+  // dropped (the member is likely gone), and it is skipped for a while.
   void fail(const std::shared_ptr<LinkSlot>& s, const std::shared_ptr<Link>& link) {
     timeouts.fetch_add(1, std::memory_order_relaxed);
     std::lock_guard<std::mutex> l(s->mu);
-    if (s->link == link) {
-      if (link) link->peer->close();
-      s->link.reset();
+    if (link && link->lane < s->links.size() && s->links[link->lane] == link) {
+      for (auto& other : s->links) {
+        if (other) other->peer->close();
+        other.reset();
+      }
+      s->lane_addresses.clear();
       s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
     }
   }
 
-  std::vector<uint8_t> request(Op op, uint32_t count, uint64_t reply_tag) const {
+  std::vector<uint8_t> request(Op op, uint32_t count, uint64_t reply_tag, size_t lane) const {
     cluster::RequestHead h{};
     h.magic = cluster::kMagic;
     h.version = cluster::kVersion;
@@ -270,6 +297,7 @@ class ClusterNode::Impl {
     h.reply_tag = reply_tag;
     h.generation = options.generation;
     h.node_id_bytes = static_cast<uint32_t>(options.node_id.size());
+    h.lane = static_cast<uint32_t>(lane);
     std::memcpy(h.node_id, options.node_id.data(), options.node_id.size());
     std::vector<uint8_t> out(sizeof h);
     std::memcpy(out.data(), &h, sizeof h);
@@ -278,18 +306,22 @@ class ClusterNode::Impl {
 
   // Sends op with `items` and returns the reply's items (count of them, as
   // the op's reply type), or the error the owner answered.
-  Result<std::vector<uint8_t>> call(Peer& peer, Op op, uint32_t count,
+  Result<std::vector<uint8_t>> call(const Link& link, Op op, uint32_t count,
+                                    const std::vector<uint8_t>& items, Deadline until) {
+    return call(link.lane, *link.peer, op, count, items, until);
+  }
+  Result<std::vector<uint8_t>> call(size_t lane, Peer& peer, Op op, uint32_t count,
                                     const std::vector<uint8_t>& items, Deadline until) {
     const bool wants_reply = op != Op::kRelease && op != Op::kAbort;
     const uint64_t tag =
         wants_reply ? (cluster::kReplyTagBit | next_tag.fetch_add(1, std::memory_order_relaxed))
                     : 0;
-    std::vector<uint8_t> msg = request(op, count, tag);
+    std::vector<uint8_t> msg = request(op, count, tag, lane);
     msg.insert(msg.end(), items.begin(), items.end());
     Status st = peer.send(cluster::kRequestTag, msg, until);
     if (!st.ok()) return st;
     if (!wants_reply) return std::vector<uint8_t>{};
-    auto got = transport->receive(tag, cluster::kMaxReplyBytes, until);
+    auto got = lanes[lane].t->receive(tag, cluster::kMaxReplyBytes, until);
     if (!got.ok()) return got.status();
     const std::vector<uint8_t>& r = *got;
     cluster::ReplyHead h{};
@@ -310,45 +342,84 @@ class ClusterNode::Impl {
     return std::vector<uint8_t>(r.begin() + sizeof h, r.end());
   }
 
-  // The connection to member m, made (with its Hello) when there is none.
+  // The connection to member m on this thread's lane, made (with its
+  // Hello) when there is none.
   Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s,
                                         const ClusterMember& m) {
+    const size_t lane = my_lane();
     std::lock_guard<std::mutex> l(s->mu);
-    if (s->link && s->link->peer->health().ok()) return s->link;
-    if (s->link) {
-      s->link->peer->close();
-      s->link.reset();
-      s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
+    if (s->links[lane] && s->links[lane]->peer->health().ok()) return s->links[lane];
+    if (s->links[lane]) {
+      s->links[lane]->peer->close();
+      s->links[lane].reset();
     }
     if (Clock::now() < s->skip_until)
       return Status::Unavailable("member " + m.node_id + " failed recently; skipped for now");
     if (m.address.empty())
       return Status::Unavailable("member " + m.node_id + " publishes no transport address");
+    // The member's lane addresses come with the reply to a Hello on its
+    // published address (its lane 0).
+    if (s->lane_addresses.empty()) {
+      auto first = connect_locked(s, m, lane, m.address);
+      if (!first.ok()) return first.status();
+      if (s->lane_addresses.empty()) s->lane_addresses.push_back(m.address);
+      const size_t want = lane % s->lane_addresses.size();
+      if (want == 0 || s->lane_addresses[want] == m.address) return first;
+      // This lane talks to another of the member's lanes: the connection
+      // just made served to learn them.
+      first.value()->peer->close();
+      s->links[lane].reset();
+    }
+    return connect_locked(s, m, lane, s->lane_addresses[lane % s->lane_addresses.size()]);
+  }
+
+  // Connects local lane `lane` to `address` (one of m's lanes) and says
+  // Hello. REQUIRES: s->mu held.
+  Result<std::shared_ptr<Link>> connect_locked(const std::shared_ptr<LinkSlot>& s,
+                                               const ClusterMember& m, size_t lane,
+                                               const std::vector<uint8_t>& address) {
     const Deadline until = deadline();
     auto fail_now = [&](const Status& st) -> Status {
       timeouts.fetch_add(1, std::memory_order_relaxed);
       s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
       return st;
     };
-    auto peer = transport->connect(m.address, until);
+    Transport& t = *lanes[lane].t;
+    auto peer = t.connect(address, until);
     if (!peer.ok()) return fail_now(peer.status());
-    const std::vector<uint8_t>& mine = transport->address();
-    auto reply = call(**peer, Op::kHello, static_cast<uint32_t>(mine.size()), mine, until);
+    const std::vector<uint8_t>& mine = t.address();
+    auto reply = call(lane, **peer, Op::kHello, static_cast<uint32_t>(mine.size()), mine, until);
     if (!reply.ok()) {
       (*peer)->close();
       return fail_now(reply.status());
     }
-    cluster::HelloReply hr{};
-    if (reply->size() < sizeof hr) {
+    auto bad = [&](const std::string& why) -> Status {
       (*peer)->close();
       bad_messages.fetch_add(1, std::memory_order_relaxed);
-      return fail_now(Status::Unavailable("member " + m.node_id + " sent a short hello reply"));
-    }
+      return fail_now(Status::Unavailable("member " + m.node_id + " " + why));
+    };
+    cluster::HelloReply hr{};
+    if (reply->size() < sizeof hr) return bad("sent a short hello reply");
     std::memcpy(&hr, reply->data(), sizeof hr);
-    if (hr.generation != m.generation || hr.key_bytes > reply->size() - sizeof hr) {
+    if (hr.generation != m.generation) {
       (*peer)->close();
       return fail_now(Status::Unavailable("member " + m.node_id +
                                           " answered with another generation than its record's"));
+    }
+    if (hr.key_bytes > reply->size() - sizeof hr || hr.lanes == 0 || hr.lanes > cluster::kMaxLanes)
+      return bad("sent a malformed hello reply");
+    // The member's lanes: u32 length and the address bytes, each.
+    std::vector<std::vector<uint8_t>> addresses;
+    size_t at = sizeof hr + hr.key_bytes;
+    for (uint32_t k = 0; k < hr.lanes; ++k) {
+      uint32_t n;
+      if (reply->size() - at < sizeof n) return bad("sent a truncated lane list");
+      std::memcpy(&n, reply->data() + at, sizeof n);
+      at += sizeof n;
+      if (n == 0 || n > cluster::kMaxAddressBytes || reply->size() - at < n)
+        return bad("sent a truncated lane list");
+      addresses.emplace_back(reply->data() + at, reply->data() + at + n);
+      at += n;
     }
     auto key =
         (*peer)->import_key(std::span<const uint8_t>(reply->data() + sizeof hr, hr.key_bytes));
@@ -356,11 +427,13 @@ class ClusterNode::Impl {
       (*peer)->close();
       return fail_now(key.status());
     }
+    if (s->lane_addresses.empty()) s->lane_addresses = std::move(addresses);
     auto link = std::make_shared<Link>();
     link->peer = std::move(peer.value());
     link->arena = std::move(key.value());
     link->arena_bytes = hr.arena_bytes;
-    s->link = link;
+    link->lane = lane;
+    s->links[lane] = link;
     return link;
   }
 
@@ -373,9 +446,10 @@ class ClusterNode::Impl {
 
   // ---- the owning side -------------------------------------------------------
   void service_loop(size_t index);
-  void serve(std::vector<uint8_t>&& msg);
-  std::vector<uint8_t> serve_hello(const cluster::RequestHead& h, const std::string& node_id,
-                                   std::span<const uint8_t> address, std::shared_ptr<Peer>* back);
+  void serve(size_t lane, std::vector<uint8_t>&& msg);
+  std::vector<uint8_t> serve_hello(size_t lane, const cluster::RequestHead& h,
+                                   const std::string& node_id, std::span<const uint8_t> address,
+                                   std::shared_ptr<Peer>* back);
   std::vector<uint8_t> serve_items(PeerState& p, Op op, uint32_t count, const uint8_t* items);
   void end_peer(PeerState& p);
   void sweep();
@@ -412,8 +486,7 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
         items.reserve((e - b) * 16);
         for (size_t j = b; j < e; ++j) put_item(&items, ids[which[j]].bytes);
         remote_lookups.fetch_add(e - b, std::memory_order_relaxed);
-        auto reply =
-            call(*(*link)->peer, Op::kLookup, static_cast<uint32_t>(e - b), items, deadline());
+        auto reply = call(**link, Op::kLookup, static_cast<uint32_t>(e - b), items, deadline());
         if (!reply.ok()) {
           fail(s, *link);
           break;
@@ -462,10 +535,11 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, std::span<const Block
   auto link = link_to(s, m);
   if (!link.ok()) return;
   Peer& peer = *(*link)->peer;
+  const Link& ln = **link;
   std::vector<uint8_t> items;
   items.reserve(which.size() * 16);
   for (size_t i : which) put_item(&items, ids[i].bytes);
-  auto reply = call(peer, Op::kLease, static_cast<uint32_t>(which.size()), items, deadline());
+  auto reply = call(ln, Op::kLease, static_cast<uint32_t>(which.size()), items, deadline());
   if (!reply.ok()) {
     fail(s, *link);
     return;
@@ -487,7 +561,7 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, std::span<const Block
     releases.clear();
     for (size_t j : leased) put_item(&releases, cluster::TokenItem{lr[j].token});
     if (!leased.empty())
-      (void)call(peer, Op::kRelease, static_cast<uint32_t>(leased.size()), releases, deadline());
+      (void)call(ln, Op::kRelease, static_cast<uint32_t>(leased.size()), releases, deadline());
   };
   if (leased.empty()) return;
   std::vector<BlockId> want;
@@ -608,6 +682,7 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, const std::vector<BlockI
     return;
   }
   Peer& peer = *(*link)->peer;
+  const Link& ln = **link;
   // The bytes stay leased here while they travel.
   std::vector<BlockView> views;
   std::vector<Status> vst;
@@ -624,7 +699,7 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, const std::vector<BlockI
   }
   push_dropped.fetch_add(ids.size() - have.size(), std::memory_order_relaxed);
   if (have.empty()) return;
-  auto reply = call(peer, Op::kReserve, static_cast<uint32_t>(have.size()), items, deadline());
+  auto reply = call(ln, Op::kReserve, static_cast<uint32_t>(have.size()), items, deadline());
   if (!reply.ok()) {
     push_dropped.fetch_add(have.size(), std::memory_order_relaxed);
     fail(s, *link);
@@ -655,8 +730,7 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, const std::vector<BlockI
   }
   items.clear();
   for (const auto& c : commits) put_item(&items, c);
-  auto done_reply =
-      call(peer, Op::kCommit, static_cast<uint32_t>(commits.size()), items, deadline());
+  auto done_reply = call(ln, Op::kCommit, static_cast<uint32_t>(commits.size()), items, deadline());
   if (!done_reply.ok()) {
     push_dropped.fetch_add(commits.size(), std::memory_order_relaxed);
     fail(s, *link);
@@ -676,12 +750,13 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, const std::vector<BlockI
 // ---- the owning side ---------------------------------------------------------------
 
 void ClusterNode::Impl::service_loop(size_t index) {
+  const size_t lane = index % lanes.size();
   while (!stopping.load()) {
-    auto msg = transport->receive(
+    auto msg = lanes[lane].t->receive(
         cluster::kRequestTag, cluster::kMaxRequestBytes,
         deadline_in(std::chrono::duration_cast<std::chrono::milliseconds>(kServiceWait)));
     if (msg.ok()) {
-      serve(std::move(msg.value()));
+      serve(lane, std::move(msg.value()));
     } else if (msg.status().is(Code::kInvalidArgument)) {
       bad_messages.fetch_add(1, std::memory_order_relaxed);
     }
@@ -696,7 +771,7 @@ void ClusterNode::Impl::service_loop(size_t index) {
   }
 }
 
-void ClusterNode::Impl::serve(std::vector<uint8_t>&& msg) {
+void ClusterNode::Impl::serve(size_t lane, std::vector<uint8_t>&& msg) {
   cluster::RequestHead h{};
   if (msg.size() < sizeof h) {
     bad_messages.fetch_add(1, std::memory_order_relaxed);
@@ -705,7 +780,7 @@ void ClusterNode::Impl::serve(std::vector<uint8_t>&& msg) {
   std::memcpy(&h, msg.data(), sizeof h);
   if (h.magic != cluster::kMagic || h.version != cluster::kVersion || h.node_id_bytes == 0 ||
       h.node_id_bytes > cluster::kMaxNodeIdBytes || h.op < static_cast<uint32_t>(Op::kHello) ||
-      h.op > static_cast<uint32_t>(Op::kAbort)) {
+      h.op > static_cast<uint32_t>(Op::kAbort) || h.lane >= cluster::kMaxLanes) {
     bad_messages.fetch_add(1, std::memory_order_relaxed);
     return;
   }
@@ -720,14 +795,14 @@ void ClusterNode::Impl::serve(std::vector<uint8_t>&& msg) {
       return;
     }
     std::shared_ptr<Peer> back;
-    std::vector<uint8_t> reply = serve_hello(h, node_id, {body, h.count}, &back);
+    std::vector<uint8_t> reply = serve_hello(lane, h, node_id, {body, h.count}, &back);
     if (back) (void)back->send(h.reply_tag, reply, deadline());
     return;
   }
   std::shared_ptr<PeerState> p;
   {
     std::lock_guard<std::mutex> l(peers_mu);
-    auto it = peers.find({node_id, h.generation});
+    auto it = peers.find({node_id, h.generation, h.lane});
     if (it != peers.end()) p = it->second;
   }
   // A sender that did not say Hello cannot be answered: its call ends at its
@@ -755,11 +830,11 @@ void ClusterNode::Impl::serve(std::vector<uint8_t>&& msg) {
   if (wants_reply) (void)p->back->send(h.reply_tag, reply, deadline());
 }
 
-std::vector<uint8_t> ClusterNode::Impl::serve_hello(const cluster::RequestHead& h,
+std::vector<uint8_t> ClusterNode::Impl::serve_hello(size_t lane, const cluster::RequestHead& h,
                                                     const std::string& node_id,
                                                     std::span<const uint8_t> address,
                                                     std::shared_ptr<Peer>* back) {
-  auto peer = transport->connect(address, deadline());
+  auto peer = lanes[lane].t->connect(address, deadline());
   if (!peer.ok()) {
     timeouts.fetch_add(1, std::memory_order_relaxed);
     return {};
@@ -772,11 +847,11 @@ std::vector<uint8_t> ClusterNode::Impl::serve_hello(const cluster::RequestHead& 
   std::shared_ptr<PeerState> old;
   {
     std::lock_guard<std::mutex> l(peers_mu);
-    auto& slot = peers[{node_id, h.generation}];
+    auto& slot = peers[{node_id, h.generation, h.lane}];
     old = std::exchange(slot, state);
     // An older generation of the same member is gone for good.
     for (auto it = peers.begin(); it != peers.end();) {
-      if (it->first.first == node_id && it->first.second < h.generation) {
+      if (std::get<0>(it->first) == node_id && std::get<1>(it->first) < h.generation) {
         end_peer(*it->second);
         it = peers.erase(it);
       } else {
@@ -788,11 +863,17 @@ std::vector<uint8_t> ClusterNode::Impl::serve_hello(const cluster::RequestHead& 
   cluster::HelloReply hr{};
   hr.generation = options.generation;
   hr.arena_bytes = arena.capacity;
-  const std::vector<uint8_t>& key = region->remote_key();
+  const std::vector<uint8_t>& key = lanes[lane].region->remote_key();
   hr.key_bytes = static_cast<uint32_t>(key.size());
+  hr.lanes = static_cast<uint32_t>(lanes.size());
   std::vector<uint8_t> items;
   put_item(&items, hr);
   items.insert(items.end(), key.begin(), key.end());
+  for (const Lane& l : lanes) {
+    const std::vector<uint8_t>& a = l.t->address();
+    put_item(&items, static_cast<uint32_t>(a.size()));
+    items.insert(items.end(), a.begin(), a.end());
+  }
   return ok_reply(1, items);
 }
 
@@ -1034,23 +1115,26 @@ Result<std::unique_ptr<ClusterNode>> ClusterNode::Start(CascadeStore* store, Sha
         "cluster timeouts: request_timeout_ms above 0 and below lease_expiry_ms");
   if (options.service_threads == 0 || options.service_threads > 64)
     return Status::InvalidArgument("cluster service threads: 1 to 64");
+  if (options.lanes == 0 || options.lanes > cluster::kMaxLanes)
+    return Status::InvalidArgument("cluster lanes: 1 to " + std::to_string(cluster::kMaxLanes));
   TransportOptions to;
   to.fabrics = options.fabrics;
   to.progress_thread = true;
   to.require_failure_detection = !options.allow_undetected_failures;
-  auto t = Transport::Open(to);
-  if (!t.ok()) return t.status();
   auto impl = std::make_unique<Impl>();
   impl->store = store;
   impl->arena = arena;
   impl->options = options;
-  impl->transport = std::move(t.value());
-  auto region = impl->transport->register_memory(arena.base, arena.capacity);
-  if (!region.ok()) return region.status();
-  impl->region = std::move(region.value());
+  for (uint32_t i = 0; i < options.lanes; ++i) {
+    auto t = Transport::Open(to);
+    if (!t.ok()) return t.status();
+    auto region = (*t)->register_memory(arena.base, arena.capacity);
+    if (!region.ok()) return region.status();
+    impl->lanes.push_back(Impl::Lane{std::move(t.value()), std::move(region.value())});
+  }
   Impl* p = impl.get();
-  for (uint32_t i = 0; i < options.service_threads; ++i)
-    impl->service.emplace_back([p, i] { p->service_loop(i); });
+  const uint32_t threads = std::max(options.service_threads, options.lanes);
+  for (uint32_t i = 0; i < threads; ++i) impl->service.emplace_back([p, i] { p->service_loop(i); });
   impl->pusher = std::thread([p] { p->push_loop(); });
   return std::unique_ptr<ClusterNode>(new ClusterNode(std::move(impl)));
 }
@@ -1058,8 +1142,8 @@ Result<std::unique_ptr<ClusterNode>> ClusterNode::Start(CascadeStore* store, Sha
 ClusterNode::ClusterNode(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ClusterNode::~ClusterNode() { close(); }
 
-const std::vector<uint8_t>& ClusterNode::address() const { return impl_->transport->address(); }
-std::string ClusterNode::backend() const { return impl_->transport->backend(); }
+const std::vector<uint8_t>& ClusterNode::address() const { return impl_->lanes[0].t->address(); }
+std::string ClusterNode::backend() const { return impl_->lanes[0].t->backend(); }
 
 Status ClusterNode::set_view(ClusterView view) {
   const size_t m = view.members.size();
@@ -1101,7 +1185,7 @@ Status ClusterNode::set_view(ClusterView view) {
   if (old) {
     std::lock_guard<std::mutex> l(impl_->peers_mu);
     for (auto it = impl_->peers.begin(); it != impl_->peers.end();) {
-      const auto& [id, gen] = it->first;
+      const auto& [id, gen, lane] = it->first;
       auto seen = now.find(id);
       bool was = false;
       for (const auto& mem : old->view.members) was |= mem.node_id == id;
@@ -1161,7 +1245,8 @@ ClusterStats ClusterNode::stats() const {
     std::lock_guard<std::mutex> l(const_cast<Impl&>(i).links_mu);
     for (auto& [id, slot] : i.links) {
       std::lock_guard<std::mutex> sl(slot->mu);
-      s.connected += slot->link != nullptr;
+      s.connected += std::any_of(slot->links.begin(), slot->links.end(),
+                                 [](const auto& l) { return l != nullptr; });
     }
   }
   auto get = [](const std::atomic<uint64_t>& a) { return a.load(std::memory_order_relaxed); };
@@ -1198,7 +1283,7 @@ void ClusterNode::close() {
   i.drained_cv.notify_all();
   for (auto& t : i.service) t.join();
   if (i.pusher.joinable()) i.pusher.join();
-  std::map<std::pair<std::string, uint64_t>, std::shared_ptr<PeerState>> peers;
+  std::map<Impl::PeerKey, std::shared_ptr<PeerState>> peers;
   {
     std::lock_guard<std::mutex> pl(i.peers_mu);
     peers.swap(i.peers);
@@ -1209,12 +1294,12 @@ void ClusterNode::close() {
     std::lock_guard<std::mutex> ll(i.links_mu);
     for (auto& [id, slot] : i.links) {
       std::lock_guard<std::mutex> sl(slot->mu);
-      slot->link.reset();
+      for (auto& l : slot->links) l.reset();
     }
   }
-  i.transport->close();
+  for (auto& lane : i.lanes) lane.t->close();
   for (auto& [k, p] : peers) i.end_peer(*p);
-  i.region.reset();
+  for (auto& lane : i.lanes) lane.region.reset();
 }
 
 }  // namespace cascade

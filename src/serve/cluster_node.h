@@ -63,8 +63,11 @@ struct ClusterNodeOptions {
   uint32_t lease_expiry_ms = 60000;    // what a member holds here ends after this long
   uint32_t retry_after_ms = 1000;      // a failed member is skipped this long
   bool verify = true;                  // checksums on every transfer
-  uint32_t service_threads = 2;        // threads answering the other members
-  uint64_t publish_queue = 1 << 16;    // ids waiting to be pushed, at most
+  uint32_t service_threads = 2;        // threads answering the other members (at least lanes)
+  // Transport endpoints, each with the arena registered: copies between
+  // members run on as many threads at once.
+  uint32_t lanes = 4;
+  uint64_t publish_queue = 1 << 16;  // ids waiting to be pushed, at most
 };
 
 struct ClusterMember {

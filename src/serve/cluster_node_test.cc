@@ -41,7 +41,7 @@ struct Member {
   std::unique_ptr<PoolServer> server;
   ClusterNode* node = nullptr;
 
-  Member(const std::string& id, uint32_t expiry_ms = 60000) {
+  Member(const std::string& id, uint32_t expiry_ms = 60000, uint32_t lanes = 4) {
     CascadeConfig c;
     c.pipeline = "host";
     c.shm_capacity_bytes = 64 << 20;
@@ -61,6 +61,7 @@ struct Member {
     co.request_timeout_ms = 500;
     co.lease_expiry_ms = expiry_ms;
     co.retry_after_ms = 100;
+    co.lanes = lanes;
     auto n = server->start_cluster(co);
     EXPECT_TRUE(n.ok()) << n.status().ToString();
     if (n.ok()) node = *n;
@@ -68,13 +69,13 @@ struct Member {
   ~Member() {
     if (server) (void)server->close();
   }
-  std::unique_ptr<CascadeStore> client() {
+  std::unique_ptr<CascadeStore> client(uint32_t threads = 2) {
     CascadeConfig c;
     c.pipeline = "pool";
     c.pool_socket = socket;
     c.pool_namespace = "ns";
-    c.pool_channels = 2;
-    c.num_io_threads = 2;
+    c.pool_channels = threads;
+    c.num_io_threads = threads;
     c.use_gpu = false;
     auto s = CascadeStore::Open(c);
     EXPECT_TRUE(s.ok()) << s.status().ToString();
@@ -186,7 +187,48 @@ TEST(ClusterNode, BlocksCommittedOnOneMemberAreFetchedThroughAnother) {
   EXPECT_GT(sb.fetched, 0u);
   EXPECT_GT(sb.served_commits, 0u);
   EXPECT_EQ(sb.checksum_failures, 0u);
-  EXPECT_EQ(a.node->stats().peer_leases, 0u);  // every fetch released its leases
+  // Every fetch released its leases (releases are sent without waiting).
+  const auto t0 = std::chrono::steady_clock::now();
+  while (a.node->stats().peer_leases > 0 && std::chrono::steady_clock::now() - t0 < 2s)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(a.node->stats().peer_leases, 0u);
+}
+
+TEST(ClusterNode, MembersWithDifferentLaneCountsMoveBlocksOnEveryLane) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a", 60000, /*lanes=*/3), b("b", 60000, /*lanes=*/5);
+  ASSERT_TRUE(a.node && b.node);
+  auto v = view_of({{"a", a.node->address()}, {"b", b.node->address()}});
+  ASSERT_TRUE(a.node->set_view(v).ok());
+  ASSERT_TRUE(b.node->set_view(v).ok());
+  // Clients with many threads: the servers' workers call on many lanes.
+  auto ca = a.client(8);
+  auto cb = b.client(8);
+  constexpr int kBlocks = 400;
+  std::vector<BlockId> ids;
+  std::vector<std::vector<uint8_t>> data;
+  std::vector<ConstBuffer> bufs;
+  for (int i = 0; i < kBlocks; ++i) {
+    ids.push_back(id_of(7000 + i));
+    data.push_back(bytes_of(7000 + i, 8192 + 64 * (i % 7)));
+  }
+  for (const auto& d : data) bufs.push_back(ConstBuffer{d.data(), d.size()});
+  std::vector<Status> st;
+  ASSERT_EQ(ca->put_batch(ids, bufs, &st), size_t(kBlocks));
+  ASSERT_TRUE(a.node->drain(5000));
+  std::vector<std::vector<uint8_t>> out(kBlocks, std::vector<uint8_t>(8192 + 64 * 7));
+  std::vector<MutableBuffer> outs;
+  for (auto& o : out) outs.push_back(MutableBuffer{o.data(), o.size()});
+  std::vector<GetResult> results;
+  cb->get_batch(ids, outs, &results, &st);
+  for (int i = 0; i < kBlocks; ++i) {
+    ASSERT_TRUE(st[i].ok() && results[i].found) << i << ": " << st[i].ToString();
+    ASSERT_EQ(results[i].size, data[i].size());
+    ASSERT_EQ(0, std::memcmp(out[i].data(), data[i].data(), data[i].size())) << i;
+  }
+  EXPECT_GT(b.node->stats().fetched, 0u);
+  EXPECT_EQ(b.node->stats().checksum_failures, 0u);
+  EXPECT_EQ(a.node->stats().push_dropped, 0u);
 }
 
 TEST(ClusterNode, MalformedMessagesAreIgnoredAndTheMemberGoesOn) {

@@ -4,12 +4,14 @@
 //
 // Every request goes to tag kRequestTag of the owner and starts with a
 // RequestHead: the sender's node id and generation, and the tag the reply
-// goes to (0: no reply, for release and abort). A member first sends a
-// Hello (its transport address follows the head); the owner connects back to
-// that address, remembers the sender under (node id, generation) and replies
-// with a HelloReply (its generation and the packed key of its arena). Any
-// other request from a sender the owner does not know (or knows with
-// another generation) is answered kGone, and the sender says Hello again.
+// goes to (0: no reply, for release and abort). A member has several
+// lanes (transport endpoints); a request names the sender's lane. On each
+// lane a member first sends a Hello (that lane's address follows the head);
+// the owner connects back to that address, remembers the sender under
+// (node id, generation, lane) and replies with a HelloReply (its generation,
+// the packed key of its arena and its lanes' addresses). A request from a
+// sender the owner does not know (or knows with another generation) is
+// dropped: the sender's call ends at its deadline and it says Hello again.
 //
 // A reply is a ReplyHead followed by `count` items of the op's reply type,
 // or, when code is not OK, by message_bytes of text.
@@ -31,6 +33,7 @@ inline constexpr uint32_t kMaxItems = 2048;
 inline constexpr uint32_t kMaxAddressBytes = 4096;
 inline constexpr uint32_t kMaxKeyBytes = 4096;
 inline constexpr uint32_t kMaxMessageText = 256;
+inline constexpr uint32_t kMaxLanes = 64;
 
 enum class Op : uint32_t {
   kHello = 1,    // the sender's address -> HelloReply
@@ -50,7 +53,7 @@ struct RequestHead {
   uint64_t reply_tag;
   uint64_t generation;  // the sender's
   uint32_t node_id_bytes;
-  uint32_t reserved;
+  uint32_t lane;  // the sender's lane: its replies go to that lane's endpoint
   char node_id[kMaxNodeIdBytes];
 };
 static_assert(sizeof(RequestHead) == 168);
@@ -63,11 +66,14 @@ struct ReplyHead {
 };
 static_assert(sizeof(ReplyHead) == 16);
 
+// Followed by the packed key of the owner's arena on the lane the Hello
+// came on (key_bytes), then, for each of the owner's `lanes`, a u32 length
+// and that lane's transport address.
 struct HelloReply {
   uint64_t generation;  // the owner's
   uint64_t arena_bytes;
-  uint32_t key_bytes;  // the packed key of the owner's arena follows
-  uint32_t reserved;
+  uint32_t key_bytes;
+  uint32_t lanes;
 };
 static_assert(sizeof(HelloReply) == 24);
 
@@ -116,7 +122,8 @@ inline uint64_t reply_item_bytes(Op op) {
 }
 inline constexpr uint64_t kMaxRequestBytes =
     sizeof(RequestHead) + 40ULL * kMaxItems + kMaxAddressBytes;
-inline constexpr uint64_t kMaxReplyBytes =
-    sizeof(ReplyHead) + sizeof(HelloReply) + 40ULL * kMaxItems + kMaxKeyBytes;
+inline constexpr uint64_t kMaxReplyBytes = sizeof(ReplyHead) + sizeof(HelloReply) +
+                                           40ULL * kMaxItems + kMaxKeyBytes +
+                                           kMaxLanes * (4ULL + kMaxAddressBytes);
 
 }  // namespace cascade::cluster

@@ -32,7 +32,8 @@ class ClusterOptions:
     allow_undetected_failures: bool = False
     lease_expiry_seconds: float = 60.0  # a member's leases here end after this long
     verify: bool = True  # checksums on every transfer between members
-    service_threads: int = 2  # threads answering the other members
+    service_threads: int = 2  # threads answering the other members (at least one per lane)
+    lanes: int = 4  # transport endpoints: copies between members run on this many threads
 
 
 def default_node_id(socket_path: str) -> str:
@@ -71,7 +72,13 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
         elif name in ("allow_undetected_failures", "verify"):
             if not isinstance(value, bool):
                 raise ValueError(f"cluster.{name}: true or false, not {value!r}")
-        elif name in ("lease_ttl_seconds", "points_per_member", "replicas", "service_threads"):
+        elif name in (
+            "lease_ttl_seconds",
+            "points_per_member",
+            "replicas",
+            "service_threads",
+            "lanes",
+        ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"cluster.{name}: a whole number, not {value!r}")
         else:
@@ -94,6 +101,8 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
         )
     if not 1 <= o.points_per_member <= MAX_POINTS:
         raise ValueError(f"cluster.points_per_member: 1 to {MAX_POINTS}")
+    if not 1 <= o.lanes <= 64:
+        raise ValueError(f"cluster.lanes: 1 to 64, not {o.lanes}")
     if not 1 <= o.service_threads <= 64:
         raise ValueError(f"cluster.service_threads: 1 to 64, not {o.service_threads}")
     if not o.request_timeout_seconds < o.lease_expiry_seconds <= 86400:
