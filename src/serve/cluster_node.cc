@@ -49,6 +49,8 @@ uint32_t code_of(const Status& st) { return static_cast<uint32_t>(st.code()); }
 // calls to different owners overlap instead of paying their round trips
 // one after another.
 constexpr size_t kMaxOwnerThreads = 8;
+// A fetch is split over lanes only in parts of at least this many blocks.
+constexpr size_t kMinBlocksPerLane = 8;
 template <typename F>
 void for_each_owner(size_t n, F&& fn) {
   if (n <= 1) {
@@ -346,7 +348,10 @@ class ClusterNode::Impl {
   // Hello) when there is none.
   Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s,
                                         const ClusterMember& m) {
-    const size_t lane = my_lane();
+    return link_to(s, m, my_lane());
+  }
+  Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s, const ClusterMember& m,
+                                        size_t lane) {
     std::lock_guard<std::mutex> l(s->mu);
     if (s->links[lane] && s->links[lane]->peer->health().ok()) return s->links[lane];
     if (s->links[lane]) {
@@ -439,10 +444,10 @@ class ClusterNode::Impl {
 
   void lookup(std::span<const BlockId> ids, std::span<uint8_t> found, std::span<uint64_t> sizes);
   void fetch(std::span<const BlockId> ids, std::span<uint8_t> got);
-  void fetch_from(const ClusterMember& m, std::span<const BlockId> ids,
+  void fetch_from(const ClusterMember& m, size_t lane, std::span<const BlockId> ids,
                   const std::vector<size_t>& which, std::span<uint8_t> got);
   void push_loop();
-  void push_to(const ClusterMember& m, const std::vector<BlockId>& ids);
+  void push_to(const ClusterMember& m, size_t lane, const std::vector<BlockId>& ids);
 
   // ---- the owning side -------------------------------------------------------
   void service_loop(size_t index);
@@ -516,23 +521,36 @@ void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> g
       if (round < n) by_member[o[round]].push_back(i);
     }
     if (by_member.empty()) return;
-    std::vector<std::pair<uint32_t, std::vector<size_t>>> groups(by_member.begin(),
-                                                                 by_member.end());
-    for_each_owner(groups.size(), [&](size_t g) {
-      const auto& [mi, which] = groups[g];
-      for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
-        std::vector<size_t> part(which.begin() + b,
-                                 which.begin() + std::min(which.size(), b + cluster::kMaxItems));
-        fetch_from(r->view.members[mi], ids, part, got);
-      }
+    // Each owner's ids in parts, the parts on different lanes at once: one
+    // lane moves bytes on one thread, so a large fetch spreads over them.
+    struct Part {
+      uint32_t member;
+      size_t lane;
+      std::vector<size_t> which;
+    };
+    std::vector<Part> parts;
+    const size_t first_lane = my_lane();
+    for (auto& [mi, which] : by_member) {
+      const size_t n = which.size();
+      const size_t pieces = std::max((n + cluster::kMaxItems - 1) / cluster::kMaxItems,
+                                     std::min(lanes.size(), n / kMinBlocksPerLane));
+      const size_t step = (n + std::max<size_t>(pieces, 1) - 1) / std::max<size_t>(pieces, 1);
+      for (size_t b = 0, k = 0; b < n; b += step, ++k)
+        parts.push_back(
+            Part{mi, (first_lane + k) % lanes.size(),
+                 std::vector<size_t>(which.begin() + b, which.begin() + std::min(n, b + step))});
+    }
+    for_each_owner(parts.size(), [&](size_t k) {
+      fetch_from(r->view.members[parts[k].member], parts[k].lane, ids, parts[k].which, got);
     });
   }
 }
 
-void ClusterNode::Impl::fetch_from(const ClusterMember& m, std::span<const BlockId> ids,
-                                   const std::vector<size_t>& which, std::span<uint8_t> got) {
+void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
+                                   std::span<const BlockId> ids, const std::vector<size_t>& which,
+                                   std::span<uint8_t> got) {
   auto s = slot_of(m);
-  auto link = link_to(s, m);
+  auto link = link_to(s, m, lane);
   if (!link.ok()) return;
   Peer& peer = *(*link)->peer;
   const Link& ln = **link;
@@ -664,7 +682,22 @@ void ClusterNode::Impl::push_loop() {
         owners_of(*r, id, o, &n);
         for (int k = 0; k < n; ++k) by_member[o[k]].push_back(id);
       }
-      for (auto& [mi, ids] : by_member) push_to(r->view.members[mi], ids);
+      // Each owner's ids in parts on different lanes at once, as fetches.
+      std::vector<std::pair<uint32_t, std::vector<BlockId>>> parts;
+      std::vector<size_t> part_lane;
+      for (auto& [mi, ids] : by_member) {
+        const size_t n = ids.size();
+        const size_t pieces = std::max<size_t>(1, std::min(lanes.size(), n / kMinBlocksPerLane));
+        const size_t step = (n + pieces - 1) / pieces;
+        for (size_t b = 0, k = 0; b < n; b += step, ++k) {
+          parts.emplace_back(
+              mi, std::vector<BlockId>(ids.begin() + b, ids.begin() + std::min(n, b + step)));
+          part_lane.push_back(k % lanes.size());
+        }
+      }
+      for_each_owner(parts.size(), [&](size_t k) {
+        push_to(r->view.members[parts[k].first], part_lane[k], parts[k].second);
+      });
     }
     {
       std::lock_guard<std::mutex> l(queue_mu);
@@ -674,9 +707,10 @@ void ClusterNode::Impl::push_loop() {
   }
 }
 
-void ClusterNode::Impl::push_to(const ClusterMember& m, const std::vector<BlockId>& ids) {
+void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
+                                const std::vector<BlockId>& ids) {
   auto s = slot_of(m);
-  auto link = link_to(s, m);
+  auto link = link_to(s, m, lane);
   if (!link.ok()) {
     push_dropped.fetch_add(ids.size(), std::memory_order_relaxed);
     return;
