@@ -160,12 +160,13 @@ class PoolServer::Impl {
   bool closed = false;
   Status close_status;
 
-  mutable std::mutex mu;  // guards clients, handshakes, reap queue
+  mutable std::mutex mu;  // guards clients, handshakes, the reap queue and reaper_stop
   std::map<uint64_t, std::shared_ptr<PoolClient>> clients;
   int handshakes_running = 0;  // detached handshake threads; close() waits for 0
   std::condition_variable handshakes_cv;
   std::deque<std::shared_ptr<PoolClient>> reap_queue;
   std::condition_variable reap_cv;
+  bool reaper_stop = false;  // close() dropped every client: the reaper ends with its queue
   uint64_t next_client = 1;
 
   std::atomic<uint64_t> connections{0}, refused{0}, disconnects{0}, requests{0}, malformed{0};
@@ -264,6 +265,7 @@ Status PoolServer::close() {
   for (auto& c : all) s.drop(c);
   {
     std::lock_guard<std::mutex> l(s.mu);
+    s.reaper_stop = true;
     s.reap_cv.notify_all();
   }
   if (s.reaper.joinable()) s.reaper.join();
@@ -453,11 +455,8 @@ void PoolServer::Impl::drop(const std::shared_ptr<PoolClient>& c) {
 void PoolServer::Impl::reap_loop() {
   std::unique_lock<std::mutex> l(mu);
   while (true) {
-    reap_cv.wait(l, [&] { return stopping.load() || !reap_queue.empty(); });
-    if (reap_queue.empty()) {
-      if (stopping.load() && clients.empty()) return;
-      continue;
-    }
+    reap_cv.wait(l, [&] { return reaper_stop || !reap_queue.empty(); });
+    if (reap_queue.empty()) return;
     auto c = reap_queue.front();
     reap_queue.pop_front();
     l.unlock();

@@ -637,5 +637,41 @@ TEST(PoolServerTest, StartRefusesAPipelineWithoutAHostTierAndABusySocket) {
   EXPECT_TRUE(PoolServer::Start(c, o).status().is(Code::kNotSupported));
 }
 
+TEST(PoolServerTest, CloseReturnsWhileClientsLeave) {
+  // Clients going away while close() runs: the monitor, still running,
+  // hands them to the reaper as close() waits for it (before, the reaper
+  // spun holding the server's lock once close began, and close never
+  // returned when two clients left then).
+  for (int round = 0; round < 20; ++round) {
+    PoolFixture f;
+    ASSERT_TRUE(f.server);
+    std::vector<std::unique_ptr<RawClient>> clients;
+    for (int i = 0; i < 16; ++i) {
+      clients.push_back(std::make_unique<RawClient>());
+      ASSERT_TRUE(clients.back()->connect(f.socket).ok());
+    }
+    std::atomic<bool> go{false}, closed{false};
+    std::thread leaving([&] {
+      while (!go.load()) {
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(round * 5));
+      clients.clear();  // their sockets close
+    });
+    std::thread closer([&] {
+      go.store(true);
+      (void)f.server->close();
+      closed.store(true);
+    });
+    for (int i = 0; i < 10000 && !closed.load(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!closed.load()) {
+      ADD_FAILURE() << "close() did not return within 10 s (round " << round << ")";
+      std::abort();  // the server's threads are stuck: nothing else can end this test
+    }
+    closer.join();
+    leaving.join();
+  }
+}
+
 }  // namespace
 }  // namespace cascade
