@@ -37,6 +37,8 @@ namespace {
 // bound on the delay a client that scribbles over the doorbell causes.
 constexpr int64_t kWorkerCheckUs = 500000;
 constexpr int kMaxWorkers = 256;
+// A worker's spin after a reserve or a lease (pool::kSpinNs after others).
+constexpr int64_t kShortSpinNs = 2000;
 constexpr size_t kMaxLeasesPerClient = 1 << 20;
 constexpr size_t kMaxReservationsPerClient = 1 << 16;
 constexpr int kMaxHandshakes = 64;
@@ -260,10 +262,8 @@ class PoolServer::Impl {
   // Scans the table for a channel with a request no worker serves and
   // claims it; *more says another such channel was seen.
   bool claim(Worker& w, ChannelRef* out, bool* more);
-  // Answers the claimed request; false when spinning after it would not
-  // pay (the client copies block bytes next, or the request went to the
-  // flusher).
-  bool serve(Worker& w, const ChannelRef& ref);
+  // Answers the claimed request; how long to spin for the next one after it.
+  int64_t serve(Worker& w, const ChannelRef& ref);
   void reply_and_release(const ChannelRef& ref, uint32_t seq, uint32_t bytes);
   void flush_loop();
   // A request that came on channel `channel` of client c.
@@ -684,7 +684,7 @@ bool PoolServer::Impl::claim(Worker& w, ChannelRef* out, bool* more) {
   return found;
 }
 
-bool PoolServer::Impl::serve(Worker& w, const ChannelRef& ref) {
+int64_t PoolServer::Impl::serve(Worker& w, const ChannelRef& ref) {
   pool::ChannelControl* control = ref.ch.control;
   const uint32_t seq = control->request_seq.load(std::memory_order_acquire);
   // The request is copied out of the shared page before it is read: the
@@ -702,15 +702,18 @@ bool PoolServer::Impl::serve(Worker& w, const ChannelRef& ref) {
           FlushJob{ref, seq, std::vector<uint8_t>(w.request.begin(), w.request.begin() + n)});
     }
     flush_cv.notify_one();
-    return false;
+    return 0;
   }
   const uint32_t bytes = handle(ref.client, ref.index, w.request.data(), n, ref.ch.reply);
   reply_and_release(ref, seq, bytes);
   // After a reserve or a lease the client copies block bytes before it
-  // sends anything more on this channel: spinning for its next request
-  // would only take a core from the copies.
-  return op_word != static_cast<uint32_t>(Op::kReserve) &&
-         op_word != static_cast<uint32_t>(Op::kLease);
+  // sends anything more on this channel: a long spin would only take a core
+  // from the copies, and a short one still catches the commit of a small
+  // block without a wake-up.
+  return op_word == static_cast<uint32_t>(Op::kReserve) ||
+                 op_word == static_cast<uint32_t>(Op::kLease)
+             ? kShortSpinNs
+             : pool::kSpinNs;
 }
 
 void PoolServer::Impl::reply_and_release(const ChannelRef& ref, uint32_t seq, uint32_t bytes) {
@@ -722,30 +725,30 @@ void PoolServer::Impl::reply_and_release(const ChannelRef& ref, uint32_t seq, ui
 }
 
 // A worker: serves what it finds; when nothing is pending it spins a while
-// (when no other worker spins already and the last request was one that a
-// client follows quickly), then sleeps on the doorbell.
+// after the request it answered (unless enough workers spin already), then
+// sleeps on the doorbell.
 void PoolServer::Impl::worker_loop() {
   Worker w;
-  bool may_spin = false;
+  int64_t spin_ns = 0;  // after the request just answered
   ChannelRef ref{};
   bool more = false;
   auto take = [&] {
     // A burst spreads over the workers: the next one is woken for the rest.
     if (more) pool::ring_if_needed(bell);
-    may_spin = serve(w, ref);
+    spin_ns = serve(w, ref);
   };
   while (!stopping.load(std::memory_order_relaxed)) {
     if (claim(w, &ref, &more)) {
       take();
       continue;
     }
-    if (std::exchange(may_spin, false)) {
+    if (const int64_t ns = std::exchange(spin_ns, 0); ns > 0) {
       int s = spinners.load(std::memory_order_relaxed);
       while (s < max_spinners && !spinners.compare_exchange_weak(s, s + 1)) {
       }
       if (s < max_spinners) {
         bell->spinning.fetch_add(1, std::memory_order_seq_cst);
-        const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(pool::kSpinNs);
+        const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
         bool got = false;
         while (!(got = claim(w, &ref, &more)) && std::chrono::steady_clock::now() < end)
           pool::cpu_relax();
