@@ -43,7 +43,7 @@ class ServeOptions:
     socket_mode: int = 0o600
     group: int = -1  # gid whose members may connect (with socket_mode 0660); -1: none
     max_clients: int = 256
-    workers: int = 0  # threads answering requests; 0: one per core, at most 16
+    workers: int = 0  # threads answering requests; 0: two per core, at most 16
     share_across_users: bool = False
     metrics_port: int = 0  # 0: no HTTP endpoint
     metrics_address: str = "127.0.0.1"
@@ -123,7 +123,7 @@ def serve_options(section: Mapping[str, Any]) -> ServeOptions:
     if o.max_clients < 1:
         raise ValueError(f"serve.max_clients: at least 1, not {o.max_clients}")
     if o.workers < 0:
-        raise ValueError(f"serve.workers: 0 (one per core) or a positive count, not {o.workers}")
+        raise ValueError(f"serve.workers: 0 (two per core) or a positive count, not {o.workers}")
     return o
 
 

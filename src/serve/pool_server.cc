@@ -278,7 +278,7 @@ Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& confi
   if (options.socket_path.empty()) return Status::InvalidArgument("the socket path is empty");
   if (options.max_clients < 1) return Status::InvalidArgument("max_clients must be at least 1");
   if (options.workers < 0)
-    return Status::InvalidArgument("workers must be 0 (one per core) or a positive count");
+    return Status::InvalidArgument("workers must be 0 (two per core) or a positive count");
   if (options.socket_mode & ~0777u)
     return Status::InvalidArgument("socket_mode takes permission bits only (at most 0777)");
   if (config.dedup_enabled)
@@ -328,8 +328,11 @@ Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& confi
   }
   impl->bell = static_cast<pool::Doorbell*>(bell);
   int nworkers = options.workers;
+  // Two per core by default: when client threads outnumber the cores, the
+  // workers get a share of the cores in proportion to their number, and a
+  // sleeping worker costs nothing.
   if (nworkers <= 0)
-    nworkers = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 16u));
+    nworkers = static_cast<int>(std::clamp(2 * std::thread::hardware_concurrency(), 2u, 16u));
   nworkers = std::min(nworkers, kMaxWorkers);
   // A spinning worker catches the next request without a wake-up; more than
   // one or two would burn cores an idle server does not need.

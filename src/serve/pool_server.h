@@ -58,9 +58,10 @@ struct PoolServerOptions {
   // How long a connecting peer has to send its hello.
   uint32_t handshake_timeout_ms = 2000;
   // Threads that answer requests, shared by all channels of all clients.
-  // 0: one per core, at most 16 (a request takes microseconds, so a few
-  // workers keep up with many clients; at most this many requests that
-  // wait for a lower tier, such as a reserve that demotes blocks, run at once).
+  // 0: two per core, at most 16 (a request takes microseconds, so a few
+  // workers keep up with many clients; a sleeping worker costs nothing; at
+  // most this many requests that wait for a lower tier, such as a reserve
+  // that demotes blocks, run at once).
   int workers = 0;
 };
 
