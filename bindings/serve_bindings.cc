@@ -15,13 +15,14 @@ namespace {
 class PyPoolServer {
  public:
   PyPoolServer(const CascadeConfig& config, const std::string& socket_path, uint32_t socket_mode,
-               int64_t allowed_gid, int max_clients, bool share_across_users) {
+               int64_t allowed_gid, int max_clients, bool share_across_users, int workers) {
     PoolServerOptions o;
     o.socket_path = socket_path;
     o.socket_mode = socket_mode;
     o.allowed_gid = allowed_gid;
     o.max_clients = max_clients;
     o.share_across_users = share_across_users;
+    o.workers = workers;
     Result<std::unique_ptr<PoolServer>> server = Status::OK();
     {
       nb::gil_scoped_release release;
@@ -210,9 +211,9 @@ void register_serve(nb::module_& m) {
   nb::class_<PyPoolServer>(m, "PoolServer",
                            "The node pool server: one store shared by the node's processes "
                            "(docs/node-pool.md). Clients connect with pool_socket set.")
-      .def(nb::init<const CascadeConfig&, const std::string&, uint32_t, int64_t, int, bool>(),
+      .def(nb::init<const CascadeConfig&, const std::string&, uint32_t, int64_t, int, bool, int>(),
            "config"_a, "socket_path"_a, "socket_mode"_a = 0600, "allowed_gid"_a = -1,
-           "max_clients"_a = 256, "share_across_users"_a = false)
+           "max_clients"_a = 256, "share_across_users"_a = false, "workers"_a = 0)
       .def("stats", &PyPoolServer::stats, "Counters of the server and its store.")
       .def("clients", &PyPoolServer::clients, "The connected clients.")
       .def("start_cluster", &PyPoolServer::start_cluster, "node_id"_a, "generation"_a,

@@ -135,6 +135,69 @@ def test_clients_killed_at_random_points_leave_nothing_behind(server):
     verifier.close()
 
 
+# A client of 16 channels that puts and reads from 8 threads at once (so
+# that several channels carry requests), prints "ok", then waits for stdin.
+WIDE_CLIENT = textwrap.dedent(
+    """
+    import sys, threading, numpy as np, cascade
+    sock, rank = sys.argv[1], int(sys.argv[2])
+    store = cascade.CascadeStore(cascade.config_from_dict(
+        {"pool_socket": sock, "pool_namespace": "wide", "pool_channels": 16,
+         "use_gpu": False, "num_io_threads": 2}))
+    bad = []
+    def work(t):
+        for i in range(40):
+            key = f"r{rank}t{t}k{i}"
+            want = np.full(4096, (rank * 31 + t * 7 + i) % 256, dtype=np.uint8)
+            store.put(key, want)
+            out = np.empty_like(want)
+            found, size = store.get(key, out)
+            if not found or size != want.size or not np.array_equal(out, want):
+                bad.append(key)
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    print("bad" if bad else "ok", flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def test_server_threads_do_not_grow_with_client_channels(tmp_path):
+    # Six clients of 16 channels each, served by two workers: the server's
+    # process gains no thread per channel.
+    cfg = _core.CascadeConfig()
+    cfg.pipeline = "host"
+    cfg.use_gpu = False
+    cfg.shm_capacity_bytes = 64 << 20
+    cfg.shm_path = f"/dev/shm/cascade-test-pool-{uuid.uuid4().hex[:12]}"
+    sock = str(tmp_path / "pool.sock")
+    srv = _core.PoolServer(cfg, sock, workers=2)
+    try:
+        before = len(os.listdir("/proc/self/task"))
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", WIDE_CLIENT, sock, str(k)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for k in range(6)
+        ]
+        for p in procs:
+            assert p.stdout.readline().strip() == "ok"
+        assert srv.stats()["clients"] == 6
+        assert sum(c["channels"] for c in srv.clients()) == 96
+        # Handshake threads end after their welcome; nothing else is per client.
+        assert len(os.listdir("/proc/self/task")) - before <= 2
+        for p in procs:
+            p.stdin.close()
+            assert p.wait(30) == 0
+        wait_for(lambda: srv.stats()["disconnects"] >= 6, "clients not reaped")
+    finally:
+        srv.close()
+
+
 def test_a_client_sees_unavailable_when_the_server_goes(tmp_path):
     cfg = _core.CascadeConfig()
     cfg.pipeline = "host"

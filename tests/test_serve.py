@@ -296,6 +296,10 @@ def test_serve_options():
         serve.serve_options({"socket_mode": "0060"})
     with pytest.raises(ValueError, match="no group named"):
         serve.serve_options({"group": "no-such-group-here"})
+    assert serve.serve_options({}).workers == 0
+    assert serve.serve_options({"workers": "4"}).workers == 4
+    with pytest.raises(ValueError, match="serve.workers"):
+        serve.serve_options({"workers": -1})
     store, section = serve.split_config({"cascade": {"pipeline": "host"}, "serve": {"x": 1}})
     assert store == {"pipeline": "host"} and section == {"x": 1}
 

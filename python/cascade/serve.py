@@ -43,6 +43,7 @@ class ServeOptions:
     socket_mode: int = 0o600
     group: int = -1  # gid whose members may connect (with socket_mode 0660); -1: none
     max_clients: int = 256
+    workers: int = 0  # threads answering requests; 0: two per core, at most 16
     share_across_users: bool = False
     metrics_port: int = 0  # 0: no HTTP endpoint
     metrics_address: str = "127.0.0.1"
@@ -103,7 +104,7 @@ def serve_options(section: Mapping[str, Any]) -> ServeOptions:
                 raise ValueError("serve.socket_mode: permission bits granting the owner rw")
         elif name == "group":
             value = _gid(value)
-        elif name in ("max_clients", "metrics_port"):
+        elif name in ("max_clients", "metrics_port", "workers"):
             value = int(value)
         elif name == "summary_seconds":
             value = float(value)
@@ -121,6 +122,8 @@ def serve_options(section: Mapping[str, Any]) -> ServeOptions:
         raise ValueError(f"serve.metrics_port: 0 (off) or a TCP port, not {o.metrics_port}")
     if o.max_clients < 1:
         raise ValueError(f"serve.max_clients: at least 1, not {o.max_clients}")
+    if o.workers < 0:
+        raise ValueError(f"serve.workers: 0 (two per core) or a positive count, not {o.workers}")
     return o
 
 
@@ -279,6 +282,7 @@ def _start_server(cfg, socket_path: str, opts):
                 allowed_gid=opts.group,
                 max_clients=opts.max_clients,
                 share_across_users=opts.share_across_users,
+                workers=opts.workers,
             )
         except _core.BusyError:
             if time.monotonic() >= deadline:

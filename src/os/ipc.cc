@@ -29,6 +29,10 @@ void futex_wake_all(std::atomic<uint32_t>* word) {
             0);
 }
 
+void futex_wake_one(std::atomic<uint32_t>* word) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, 1, nullptr, nullptr, 0);
+}
+
 Result<PeerCredentials> peer_credentials(int sock) {
   struct ucred cred {};
   socklen_t len = sizeof cred;

@@ -23,6 +23,8 @@ namespace cascade {
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_us);
 // Wakes every waiter on *word.
 void futex_wake_all(std::atomic<uint32_t>* word);
+// Wakes one waiter on *word, if any waits.
+void futex_wake_one(std::atomic<uint32_t>* word);
 
 struct PeerCredentials {
   pid_t pid = 0;

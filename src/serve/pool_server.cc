@@ -34,7 +34,12 @@ using pool::RequestHeader;
 
 namespace {
 
-constexpr int64_t kWorkerCheckUs = 50000;  // how often an idle worker checks for the end
+// How long a sleeping worker waits for a ring before it scans anyway: a
+// bound on the delay a client that scribbles over the doorbell causes.
+constexpr int64_t kWorkerCheckUs = 500000;
+constexpr int kMaxWorkers = 256;
+// A worker's spin after a reserve or a lease (pool::kSpinNs after others).
+constexpr int64_t kShortSpinNs = 2000;
 constexpr size_t kMaxLeasesPerClient = 1 << 20;
 constexpr size_t kMaxReservationsPerClient = 1 << 16;
 constexpr int kMaxHandshakes = 64;
@@ -54,8 +59,27 @@ struct PoolClient {
   uint64_t channel_bytes = 0;
   uint32_t nch = 0;
   std::atomic<bool> dead{false};
-  std::vector<std::thread> workers;
+  std::atomic<bool> watched{false};  // its welcome went out: the monitor watches its socket
   std::atomic<uint64_t> requests{0};
+
+  // The server's own state of each channel (never in the shared file).
+  struct ChannelState {
+    std::atomic<bool> claimed{false};  // a worker serves the channel now
+    std::atomic<uint32_t> last{0};     // the last request number taken (written by the claimer)
+  };
+  std::unique_ptr<ChannelState[]> states;  // nch of them
+  // Workers (and the flusher) serving a request of this client now. The
+  // reaper sets `dead`, waits for 0, and only then ends what the client
+  // held; a worker adds itself and then checks `dead` (both sequentially
+  // consistent), so it either sees `dead` and leaves, or the reaper waits
+  // for it.
+  std::atomic<int> inside{0};
+
+  ~PoolClient() {
+    // Unmapped only when no worker can hold the client in a table: a worker
+    // may still read a dead client's request words while it scans.
+    if (channels) ::munmap(channels, channel_bytes);
+  }
 
   // What the client holds, kept per channel so that the channels' workers
   // do not share a lock: a token names the shard that made it (its top 16
@@ -144,6 +168,20 @@ struct PoolClient {
   }
 };
 
+// The channels the workers scan: a snapshot, replaced whole when a client
+// comes or goes. A worker keeps the snapshot it scans, and with it the
+// clients (and their channel mappings) alive.
+struct ChannelRef {
+  PoolClient* client;
+  uint32_t index;
+  Channel ch;
+  PoolClient::ChannelState* state;
+};
+struct ChannelTable {
+  std::vector<std::shared_ptr<PoolClient>> clients;
+  std::vector<ChannelRef> channels;
+};
+
 class PoolServer::Impl {
  public:
   PoolServerOptions options;
@@ -161,12 +199,13 @@ class PoolServer::Impl {
   bool closed = false;
   Status close_status;
 
-  mutable std::mutex mu;  // guards clients, handshakes, reap queue
+  mutable std::mutex mu;  // guards clients, handshakes, the reap queue and reaper_stop
   std::map<uint64_t, std::shared_ptr<PoolClient>> clients;
   int handshakes_running = 0;  // detached handshake threads; close() waits for 0
   std::condition_variable handshakes_cv;
   std::deque<std::shared_ptr<PoolClient>> reap_queue;
   std::condition_variable reap_cv;
+  bool reaper_stop = false;  // close() dropped every client: the reaper ends with its queue
   uint64_t next_client = 1;
 
   std::atomic<uint64_t> connections{0}, refused{0}, disconnects{0}, requests{0}, malformed{0};
@@ -185,6 +224,28 @@ class PoolServer::Impl {
   void fetch_missing(ClusterNode* cn, std::span<const BlockId> ids, std::vector<BlockView>* views,
                      std::vector<Status>* st);
 
+  // ---- workers (table_mu and flush_mu are never held with another lock) ----
+  int doorbell_fd = -1;
+  pool::Doorbell* bell = nullptr;  // shared with every client (they may scribble on it)
+  std::vector<std::thread> workers;
+  int max_spinners = 1;
+  std::atomic<int> spinners{0};  // the server's own count (bell->spinning is the clients')
+  std::mutex table_mu;           // guards table
+  std::shared_ptr<const ChannelTable> table = std::make_shared<ChannelTable>();
+  std::atomic<uint64_t> table_gen{1};
+  // Flushes wait here for the flusher; each holds its channel's claim and
+  // its client's `inside`.
+  struct FlushJob {
+    ChannelRef ref;
+    uint32_t seq;
+    std::vector<uint8_t> request;
+  };
+  std::mutex flush_mu;  // guards flush_queue, flusher_stop
+  std::condition_variable flush_cv;
+  std::deque<FlushJob> flush_queue;
+  bool flusher_stop = false;
+  std::thread flusher;
+
   void wake() {
     uint64_t one = 1;
     (void)!::write(wake_fd, &one, sizeof one);
@@ -200,7 +261,22 @@ class PoolServer::Impl {
   void cleanup(PoolClient* c);
 
   // ---- requests ------------------------------------------------------------
-  void serve_channel(PoolClient* c, uint32_t index);
+  struct Worker {
+    std::shared_ptr<const ChannelTable> table;
+    uint64_t gen = 0;
+    size_t cursor = 0;  // where the next scan starts, so every channel gets its turn
+    std::vector<uint8_t> request = std::vector<uint8_t>(pool::kRequestAreaBytes);
+  };
+  // Adds c to the workers' table, or takes it out.
+  void publish(const std::shared_ptr<PoolClient>& c, bool add);
+  void worker_loop();
+  // Scans the table for a channel with a request no worker serves and
+  // claims it; *more says another such channel was seen.
+  bool claim(Worker& w, ChannelRef* out, bool* more);
+  // Answers the claimed request; how long to spin for the next one after it.
+  int64_t serve(Worker& w, const ChannelRef& ref);
+  void reply_and_release(const ChannelRef& ref, uint32_t seq, uint32_t bytes);
+  void flush_loop();
   // A request that came on channel `channel` of client c.
   uint32_t handle(PoolClient* c, uint32_t channel, const uint8_t* req, uint32_t n, uint8_t* reply);
   uint32_t error_reply(uint8_t* reply, const Status& st);
@@ -212,6 +288,8 @@ Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& confi
                                                       const PoolServerOptions& options) {
   if (options.socket_path.empty()) return Status::InvalidArgument("the socket path is empty");
   if (options.max_clients < 1) return Status::InvalidArgument("max_clients must be at least 1");
+  if (options.workers < 0)
+    return Status::InvalidArgument("workers must be 0 (two per core) or a positive count");
   if (options.socket_mode & ~0777u)
     return Status::InvalidArgument("socket_mode takes permission bits only (at most 0777)");
   if (config.dedup_enabled)
@@ -245,7 +323,34 @@ Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& confi
     ::unlink(options.socket_path.c_str());
     return st;
   }
+  impl->doorbell_fd = ::memfd_create("cascade-pool-doorbell", MFD_CLOEXEC);
+  void* bell = MAP_FAILED;
+  if (impl->doorbell_fd >= 0 &&
+      ::ftruncate(impl->doorbell_fd, static_cast<off_t>(pool::kDoorbellBytes)) == 0)
+    bell = ::mmap(nullptr, pool::kDoorbellBytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                  impl->doorbell_fd, 0);
+  if (bell == MAP_FAILED) {
+    Status st = errno_status(errno, "the doorbell file");
+    if (impl->doorbell_fd >= 0) ::close(impl->doorbell_fd);
+    ::close(impl->wake_fd);
+    ::close(impl->listen_fd);
+    ::unlink(options.socket_path.c_str());
+    return st;
+  }
+  impl->bell = static_cast<pool::Doorbell*>(bell);
+  int nworkers = options.workers;
+  // Two per core by default: when client threads outnumber the cores, the
+  // workers get a share of the cores in proportion to their number, and a
+  // sleeping worker costs nothing.
+  if (nworkers <= 0)
+    nworkers = static_cast<int>(std::clamp(2 * std::thread::hardware_concurrency(), 2u, 16u));
+  nworkers = std::min(nworkers, kMaxWorkers);
+  // A spinning worker catches the next request without a wake-up; more than
+  // one or two would burn cores an idle server does not need.
+  impl->max_spinners = nworkers >= 8 ? 2 : 1;
   Impl* p = impl.get();
+  for (int i = 0; i < nworkers; ++i) impl->workers.emplace_back([p] { p->worker_loop(); });
+  impl->flusher = std::thread([p] { p->flush_loop(); });
   impl->monitor = std::thread([p] { p->monitor_loop(); });
   impl->reaper = std::thread([p] { p->reap_loop(); });
   return std::unique_ptr<PoolServer>(new PoolServer(std::move(impl)));
@@ -275,9 +380,27 @@ Status PoolServer::close() {
   for (auto& c : all) s.drop(c);
   {
     std::lock_guard<std::mutex> l(s.mu);
+    s.reaper_stop = true;
     s.reap_cv.notify_all();
   }
   if (s.reaper.joinable()) s.reaper.join();
+  // Every client is reaped: the workers and the flusher hold no request.
+  s.bell->seq.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_all(&s.bell->seq);
+  for (auto& t : s.workers) t.join();
+  s.workers.clear();
+  {
+    std::lock_guard<std::mutex> l(s.flush_mu);
+    s.flusher_stop = true;
+  }
+  s.flush_cv.notify_all();
+  if (s.flusher.joinable()) s.flusher.join();
+  {
+    std::lock_guard<std::mutex> l(s.table_mu);
+    s.table = std::make_shared<ChannelTable>();
+  }
+  ::munmap(s.bell, pool::kDoorbellBytes);
+  ::close(s.doorbell_fd);
   if (s.listen_fd >= 0) {
     ::close(s.listen_fd);
     ::unlink(s.options.socket_path.c_str());
@@ -323,6 +446,7 @@ void PoolServer::Impl::monitor_loop() {
     {
       std::lock_guard<std::mutex> l(mu);
       for (auto& [id, c] : clients) {
+        if (!c->watched.load()) continue;
         fds.push_back({c->sock, POLLIN | POLLRDHUP, 0});
         watched.push_back(c);
       }
@@ -379,22 +503,28 @@ void PoolServer::Impl::handshake(int sock) {
     w.channel_stride = pool::kChannelStride;
     w.arena_committed = store->shared_arena().committed;
     w.flags = persistent ? pool::kPersistent : 0;
-    st = send_message(sock, &w, sizeof w, {arena.fd, client->channel_fd});
+    // The client is listed, and its channels are in the workers' table,
+    // before it has its welcome: its first request finds them, and what it
+    // holds counts at once. Its socket is watched only after the welcome
+    // went out: the monitor may hand a watched client to the reaper, which
+    // closes the socket.
+    {
+      std::lock_guard<std::mutex> l(mu);
+      clients[client->id] = client;
+    }
+    publish(client, true);
+    st = send_message(sock, &w, sizeof w, {arena.fd, client->channel_fd, doorbell_fd});
     if (st.ok()) {
-      // The workers start before the client is listed: once listed, the
-      // monitor may see its socket close and hand it to the reaper, which
-      // joins the workers and unmaps the channels they read.
-      for (uint32_t i = 0; i < client->nch; ++i) {
-        PoolClient* c = client.get();
-        client->workers.emplace_back([this, c, i] { serve_channel(c, i); });
-      }
-      {
-        std::lock_guard<std::mutex> l(mu);
-        clients[client->id] = client;
-      }
+      client->watched.store(true);
       connections.fetch_add(1);
       wake();
     } else {
+      client->dead.store(true);
+      publish(client, false);
+      {
+        std::lock_guard<std::mutex> l(mu);
+        clients.erase(client->id);
+      }
       cleanup(client.get());
     }
   } else {
@@ -446,6 +576,7 @@ Status PoolServer::Impl::admit(int sock, const PeerCredentials& cred, const pool
   c->nch =
       std::min<uint32_t>(hello.channels, static_cast<uint32_t>(options.max_channels_per_client));
   c->shards.reset(new PoolClient::Shard[c->nch]);
+  c->states.reset(new PoolClient::ChannelState[c->nch]);
   c->channel_bytes = uint64_t(c->nch) * pool::kChannelStride;
   c->channel_fd = ::memfd_create("cascade-pool-channels", MFD_CLOEXEC);
   if (c->channel_fd < 0) return errno_status(errno, "memfd_create");
@@ -472,8 +603,7 @@ Status PoolServer::Impl::admit(int sock, const PeerCredentials& cred, const pool
 // Marks a client gone and hands it to the reaper (once).
 void PoolServer::Impl::drop(const std::shared_ptr<PoolClient>& c) {
   if (c->dead.exchange(true)) return;
-  for (uint32_t i = 0; i < c->nch; ++i)
-    futex_wake_all(&Channel::at(c->channels, i).control->request_seq);
+  publish(c, false);
   std::lock_guard<std::mutex> l(mu);
   clients.erase(c->id);
   reap_queue.push_back(c);
@@ -483,11 +613,8 @@ void PoolServer::Impl::drop(const std::shared_ptr<PoolClient>& c) {
 void PoolServer::Impl::reap_loop() {
   std::unique_lock<std::mutex> l(mu);
   while (true) {
-    reap_cv.wait(l, [&] { return stopping.load() || !reap_queue.empty(); });
-    if (reap_queue.empty()) {
-      if (stopping.load() && clients.empty()) return;
-      continue;
-    }
+    reap_cv.wait(l, [&] { return reaper_stop || !reap_queue.empty(); });
+    if (reap_queue.empty()) return;
     auto c = reap_queue.front();
     reap_queue.pop_front();
     l.unlock();
@@ -497,13 +624,13 @@ void PoolServer::Impl::reap_loop() {
   }
 }
 
-// Joins the client's workers, then ends what it held: its leases and its
-// reservations (a put it never committed stays invisible and its range is
-// free again).
+// Waits for the workers serving the client's requests, then ends what it
+// held: its leases and its reservations (a put it never committed stays
+// invisible and its range is free again). Its channels stay mapped until
+// no worker's table holds the client.
 void PoolServer::Impl::cleanup(PoolClient* c) {
   c->dead.store(true);
-  for (auto& t : c->workers) t.join();
-  c->workers.clear();
+  while (c->inside.load() != 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
   size_t leases = 0, reservations = 0;
   for (uint32_t i = 0; i < c->nch && c->shards; ++i) {
     PoolClient::Shard& sh = c->shards[i];
@@ -519,8 +646,6 @@ void PoolServer::Impl::cleanup(PoolClient* c) {
   }
   reclaimed_leases.fetch_add(leases);
   reclaimed_reservations.fetch_add(reservations);
-  if (c->channels) ::munmap(c->channels, c->channel_bytes);
-  c->channels = nullptr;
   if (c->channel_fd >= 0) ::close(c->channel_fd);
   c->channel_fd = -1;
   if (c->sock >= 0) ::close(c->sock);
@@ -529,36 +654,182 @@ void PoolServer::Impl::cleanup(PoolClient* c) {
 
 // ---- requests ------------------------------------------------------------------
 
-void PoolServer::Impl::serve_channel(PoolClient* c, uint32_t index) {
-  Channel ch = Channel::at(c->channels, index);
-  // The channel file is new and zeroed: the first request is number 1,
-  // whether or not the client posted it before this thread started.
-  uint32_t last = 0;
-  std::vector<uint8_t> req(pool::kRequestAreaBytes);
-  int64_t spin = pool::kSpinNs;
+void PoolServer::Impl::publish(const std::shared_ptr<PoolClient>& c, bool add) {
+  std::lock_guard<std::mutex> l(table_mu);
+  auto next = std::make_shared<ChannelTable>();
+  for (const auto& other : table->clients)
+    if (other != c) next->clients.push_back(other);
+  if (add) next->clients.push_back(c);
+  for (const auto& cl : next->clients)
+    for (uint32_t i = 0; i < cl->nch; ++i)
+      next->channels.push_back(
+          ChannelRef{cl.get(), i, Channel::at(cl->channels, i), &cl->states[i]});
+  table = std::move(next);
+  table_gen.fetch_add(1, std::memory_order_seq_cst);
+}
+
+bool PoolServer::Impl::claim(Worker& w, ChannelRef* out, bool* more) {
+  // Sequentially consistent loads throughout: a scan is the "check" of the
+  // doorbell's announce-then-check (pool_channel.h), and it must also see a
+  // client added to the table before the client's first request.
+  if (!w.table || table_gen.load(std::memory_order_seq_cst) != w.gen) {
+    std::lock_guard<std::mutex> l(table_mu);
+    w.table = table;
+    w.gen = table_gen.load(std::memory_order_seq_cst);
+  }
+  const std::vector<ChannelRef>& chs = w.table->channels;
+  const size_t n = chs.size();
+  bool found = false;
+  *more = false;
+  for (size_t k = 0; k < n; ++k) {
+    const size_t at = (w.cursor + k) % n;
+    const ChannelRef& r = chs[at];
+    if (r.client->dead.load(std::memory_order_relaxed)) continue;
+    if (r.ch.control->request_seq.load(std::memory_order_seq_cst) ==
+            r.state->last.load(std::memory_order_relaxed) ||
+        r.state->claimed.load(std::memory_order_seq_cst))
+      continue;
+    if (found) {
+      *more = true;
+      break;
+    }
+    bool expected = false;
+    if (!r.state->claimed.compare_exchange_strong(expected, true, std::memory_order_seq_cst))
+      continue;
+    // Another worker may have served the request between the look and the
+    // claim. Whoever releases a claim scans again (or rings) afterwards, so
+    // a request posted meanwhile is not left behind.
+    if (r.ch.control->request_seq.load(std::memory_order_seq_cst) ==
+        r.state->last.load(std::memory_order_relaxed)) {
+      r.state->claimed.store(false, std::memory_order_seq_cst);
+      continue;
+    }
+    r.client->inside.fetch_add(1, std::memory_order_seq_cst);
+    if (r.client->dead.load(std::memory_order_seq_cst)) {
+      r.state->claimed.store(false, std::memory_order_seq_cst);
+      r.client->inside.fetch_sub(1, std::memory_order_seq_cst);
+      continue;
+    }
+    found = true;
+    *out = r;
+    w.cursor = (at + 1) % n;
+  }
+  return found;
+}
+
+int64_t PoolServer::Impl::serve(Worker& w, const ChannelRef& ref) {
+  pool::ChannelControl* control = ref.ch.control;
+  const uint32_t seq = control->request_seq.load(std::memory_order_acquire);
+  // The request is copied out of the shared page before it is read: the
+  // client cannot change what is checked after the check.
+  const uint32_t n =
+      std::min<uint32_t>(control->request_bytes, static_cast<uint32_t>(pool::kRequestAreaBytes));
+  std::memcpy(w.request.data(), ref.ch.request, n);
+  ref.state->last.store(seq, std::memory_order_relaxed);
+  uint32_t op_word = 0;
+  if (n >= sizeof op_word) std::memcpy(&op_word, w.request.data(), sizeof op_word);
+  if (op_word == static_cast<uint32_t>(Op::kFlush)) {
+    {
+      std::lock_guard<std::mutex> l(flush_mu);
+      flush_queue.push_back(
+          FlushJob{ref, seq, std::vector<uint8_t>(w.request.begin(), w.request.begin() + n)});
+    }
+    flush_cv.notify_one();
+    return 0;
+  }
+  const uint32_t bytes = handle(ref.client, ref.index, w.request.data(), n, ref.ch.reply);
+  reply_and_release(ref, seq, bytes);
+  // After a reserve or a lease the client copies block bytes before it
+  // sends anything more on this channel: a long spin would only take a core
+  // from the copies, and a short one still catches the commit of a small
+  // block without a wake-up.
+  return op_word == static_cast<uint32_t>(Op::kReserve) ||
+                 op_word == static_cast<uint32_t>(Op::kLease)
+             ? kShortSpinNs
+             : pool::kSpinNs;
+}
+
+void PoolServer::Impl::reply_and_release(const ChannelRef& ref, uint32_t seq, uint32_t bytes) {
+  ref.ch.control->reply_bytes = bytes;
+  pool::post(&ref.ch.control->reply_seq, seq, &ref.ch.control->client_sleeping);
+  ref.state->claimed.store(false, std::memory_order_seq_cst);
+  // The last touch of the client: the reaper may end it once this is 0.
+  ref.client->inside.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+// A worker: serves what it finds; when nothing is pending it spins a while
+// after the request it answered (unless enough workers spin already), then
+// sleeps on the doorbell.
+void PoolServer::Impl::worker_loop() {
+  Worker w;
+  int64_t spin_ns = 0;  // after the request just answered
+  ChannelRef ref{};
+  bool more = false;
+  auto take = [&] {
+    // A burst spreads over the workers: the next one is woken for the rest.
+    if (more) pool::ring_if_needed(bell);
+    spin_ns = serve(w, ref);
+  };
+  while (!stopping.load(std::memory_order_relaxed)) {
+    if (claim(w, &ref, &more)) {
+      take();
+      continue;
+    }
+    if (const int64_t ns = std::exchange(spin_ns, 0); ns > 0) {
+      int s = spinners.load(std::memory_order_relaxed);
+      while (s < max_spinners && !spinners.compare_exchange_weak(s, s + 1)) {
+      }
+      if (s < max_spinners) {
+        bell->spinning.fetch_add(1, std::memory_order_seq_cst);
+        const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
+        bool got = false;
+        while (!(got = claim(w, &ref, &more)) && std::chrono::steady_clock::now() < end)
+          pool::cpu_relax();
+        // Out of `spinning` before anything else: a client that saw this
+        // worker spin did not ring, and the scan that follows (here or at
+        // the top of the loop) finds its request.
+        bell->spinning.fetch_sub(1, std::memory_order_seq_cst);
+        spinners.fetch_sub(1, std::memory_order_relaxed);
+        if (got) take();
+        continue;
+      }
+    }
+    // The eventcount: key, announce, scan again, then wait for the key to
+    // change (pool_channel.h says why no ring is lost).
+    const uint32_t key = bell->seq.load(std::memory_order_seq_cst);
+    bell->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (claim(w, &ref, &more)) {
+      bell->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      take();
+      continue;
+    }
+    w.table.reset();  // a sleeping worker keeps no client mapped
+    if (!stopping.load(std::memory_order_seq_cst)) futex_wait(&bell->seq, key, kWorkerCheckUs);
+    bell->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+// Flushes write blocks down to files and may take seconds: they run here,
+// one at a time, holding no worker.
+void PoolServer::Impl::flush_loop() {
+  std::unique_lock<std::mutex> l(flush_mu);
   while (true) {
-    bool got = pool::wait_change(
-        &ch.control->request_seq, last, &ch.control->server_sleeping, kWorkerCheckUs,
-        [&] { return c->dead.load() || stopping.load(); }, spin);
-    if (!got || c->dead.load()) return;
-    last = ch.control->request_seq.load(std::memory_order_acquire);
-    // The request is copied out of the shared page before it is read: the
-    // client cannot change what is checked after the check.
-    const uint32_t n = std::min<uint32_t>(ch.control->request_bytes,
-                                          static_cast<uint32_t>(pool::kRequestAreaBytes));
-    std::memcpy(req.data(), ch.request, n);
-    // After a reserve or a lease the client copies block bytes before it
-    // sends anything more on this channel: spinning for its next request
-    // would only take a core from the copies.
-    uint32_t op_word = 0;
-    if (n >= sizeof op_word) std::memcpy(&op_word, req.data(), sizeof op_word);
-    spin = op_word == static_cast<uint32_t>(Op::kReserve) ||
-                   op_word == static_cast<uint32_t>(Op::kLease)
-               ? 0
-               : pool::kSpinNs;
-    const uint32_t bytes = handle(c, index, req.data(), n, ch.reply);
-    ch.control->reply_bytes = bytes;
-    pool::post(&ch.control->reply_seq, last, &ch.control->client_sleeping);
+    flush_cv.wait(l, [&] { return flusher_stop || !flush_queue.empty(); });
+    if (flush_queue.empty()) return;
+    FlushJob job = std::move(flush_queue.front());
+    flush_queue.pop_front();
+    l.unlock();
+    const uint32_t bytes = handle(job.ref.client, job.ref.index, job.request.data(),
+                                  static_cast<uint32_t>(job.request.size()), job.ref.ch.reply);
+    // The claim is released here, not by a worker that scans next: a worker
+    // that skipped the channel while it was claimed may sleep, so ring.
+    PoolClient* c = job.ref.client;
+    job.ref.ch.control->reply_bytes = bytes;
+    pool::post(&job.ref.ch.control->reply_seq, job.seq, &job.ref.ch.control->client_sleeping);
+    job.ref.state->claimed.store(false, std::memory_order_seq_cst);
+    pool::ring_if_needed(bell);
+    c->inside.fetch_sub(1, std::memory_order_seq_cst);
+    l.lock();
   }
 }
 

@@ -9,9 +9,13 @@
 // reserve, commit, abort, lease, release, remove, flush (pool_wire.h).
 //
 // Threads: one monitor thread accepts connections (each handshake on a
-// thread of its own, with a deadline) and watches every client's socket; one
-// worker per channel answers that channel's requests; one reaper cleans up
-// after clients that went away. A client is gone when its socket ends (exit,
+// thread of its own, with a deadline) and watches every client's socket; a
+// fixed pool of workers answers the requests of every channel of every
+// client, a channel served by one worker at a time so that its requests
+// stay in order (clients ring a shared doorbell when the workers sleep:
+// pool_channel.h); one flusher runs the clients' flushes, which write blocks
+// down to files and may take seconds, so that they hold no worker; one
+// reaper cleans up after clients that went away. A client is gone when its socket ends (exit,
 // SIGKILL, close): its leases end and its reservations are freed, so a
 // client killed mid-put leaves neither a visible partial block nor leaked
 // space, and one killed mid-read holds nothing.
@@ -54,6 +58,12 @@ struct PoolServerOptions {
   bool share_across_users = false;
   // How long a connecting peer has to send its hello.
   uint32_t handshake_timeout_ms = 2000;
+  // Threads that answer requests, shared by all channels of all clients.
+  // 0: two per core, at most 16 (a request takes microseconds, so a few
+  // workers keep up with many clients; a sleeping worker costs nothing; at
+  // most this many requests that wait for a lower tier, such as a reserve
+  // that demotes blocks, run at once).
+  int workers = 0;
 };
 
 class PoolServer {

@@ -40,7 +40,7 @@ struct PoolFixture {
   std::string file_dir;  // with a file tier below the arena, when set
 
   explicit PoolFixture(uint64_t capacity = 64 << 20, bool with_file = false,
-                       int64_t allowed_gid = -1) {
+                       int64_t allowed_gid = -1, int workers = 0) {
     CascadeConfig c;
     c.pipeline = "host";
     if (with_file) {
@@ -55,6 +55,7 @@ struct PoolFixture {
     PoolServerOptions o;
     o.socket_path = socket;
     o.handshake_timeout_ms = 300;
+    o.workers = workers;
     if (allowed_gid >= 0) {
       o.allowed_gid = allowed_gid;
       o.socket_mode = 0666;  // the file's bits let anyone connect: the server decides
@@ -107,6 +108,7 @@ struct RawClient {
   int sock = -1;
   uint8_t* channels = nullptr;
   uint64_t bytes = 0;
+  pool::Doorbell* bell = nullptr;
   pool::Channel ch;
   uint32_t seq = 0;
   pool::Welcome welcome{};
@@ -125,10 +127,14 @@ struct RawClient {
     std::vector<int> fds;
     CASCADE_RETURN_IF_ERROR(
         receive_message(sock, &welcome, sizeof welcome,
-                        std::chrono::steady_clock::now() + std::chrono::seconds(5), &fds, 2));
+                        std::chrono::steady_clock::now() + std::chrono::seconds(5), &fds, 3));
     if (welcome.code != 0) return Status(static_cast<Code>(welcome.code), welcome.message);
-    if (fds.size() != 2) return Status::IOError("no descriptors");
+    if (fds.size() != 3) return Status::IOError("not the three descriptors");
     ::close(fds[0]);
+    void* d = ::mmap(nullptr, pool::kDoorbellBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[2], 0);
+    ::close(fds[2]);
+    if (d == MAP_FAILED) return Status::IOError("mmap of the doorbell");
+    bell = static_cast<pool::Doorbell*>(d);
     if (welcome.channels != nch) return Status::IOError("fewer channels than asked");
     bytes = uint64_t(nch) * pool::kChannelStride;
     void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
@@ -147,28 +153,40 @@ struct RawClient {
   }
   uint32_t seqs[8] = {};
   uint32_t current = 0;
-  // Sends n bytes already in the request area; the reply header, or false
-  // when none came within a second.
-  bool call(uint32_t n, pool::ReplyHeader* reply) {
+  // Posts the n bytes already in the request area, without waiting.
+  void post(uint32_t n) {
     ch.control->request_bytes = n;
-    pool::post(&ch.control->request_seq, ++seq, &ch.control->server_sleeping);
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    pool::post_request(ch.control, ++seq, bell);
+  }
+  // Waits for the reply to the last request posted; the reply header, or
+  // false when none came within `wait`.
+  bool wait(pool::ReplyHeader* reply, std::chrono::milliseconds wait = std::chrono::seconds(1)) {
+    auto deadline = std::chrono::steady_clock::now() + wait;
     bool ok = pool::wait_change(&ch.control->reply_seq, seq - 1, &ch.control->client_sleeping,
                                 10000, [&] { return std::chrono::steady_clock::now() > deadline; });
-    if (!ok) return false;
+    if (!ok || ch.control->reply_seq.load() != seq) return false;
     std::memcpy(reply, ch.reply, sizeof *reply);
     return true;
   }
-  uint32_t request(Op op, const void* items, uint32_t count, uint64_t item_bytes,
-                   pool::ReplyHeader* reply) {
+  bool call(uint32_t n, pool::ReplyHeader* reply) {
+    post(n);
+    return wait(reply);
+  }
+  // Writes a request into the current channel's request area; its length.
+  uint32_t write(Op op, const void* items, uint32_t count, uint64_t item_bytes) {
     pool::RequestHeader h{static_cast<uint32_t>(op), count, 0, 0};
     std::memcpy(ch.request, &h, sizeof h);
     if (count) std::memcpy(ch.request + sizeof h, items, count * item_bytes);
-    EXPECT_TRUE(call(static_cast<uint32_t>(sizeof h + count * item_bytes), reply));
+    return static_cast<uint32_t>(sizeof h + count * item_bytes);
+  }
+  uint32_t request(Op op, const void* items, uint32_t count, uint64_t item_bytes,
+                   pool::ReplyHeader* reply) {
+    EXPECT_TRUE(call(write(op, items, count, item_bytes), reply));
     return reply->code;
   }
   ~RawClient() {
     if (channels) ::munmap(channels, bytes);
+    if (bell) ::munmap(bell, pool::kDoorbellBytes);
     if (sock >= 0) ::close(sock);
   }
 };
@@ -621,6 +639,266 @@ TEST(PoolServerTest, CallsFailWithUnavailableOnceTheServerIsGone) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
 }
 
+// Threads of this process now.
+int thread_count() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+TEST(PoolServerTest, ManyClientsAndChannelsAreServedByAFewWorkers) {
+  // 20 clients of 8 channels each, two workers: every request on every
+  // channel gets its own answer, and the server's threads do not grow with
+  // the channels.
+  PoolFixture f(64 << 20, false, -1, /*workers=*/2);
+  ASSERT_TRUE(f.server);
+  constexpr int kClients = 20, kChannels = 8, kThreads = 4, kRounds = 5;
+  const int threads_before = thread_count();
+  std::vector<std::unique_ptr<RawClient>> raws;
+  for (int c = 0; c < kClients; ++c) {
+    raws.push_back(std::make_unique<RawClient>());
+    ASSERT_TRUE(raws.back()->connect(f.socket, "ns", kChannels).ok());
+  }
+  std::atomic<int> peak{0};
+  std::atomic<bool> done{false};
+  std::thread sampler([&] {
+    while (!done.load()) {
+      peak.store(std::max(peak.load(), thread_count()));
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      // This thread's clients: every channel of each has a request in
+      // flight at once, then every reply is checked.
+      auto each = [&](auto&& fn) {
+        for (int c = t; c < kClients; c += kThreads)
+          for (uint32_t i = 0; i < kChannels; ++i) {
+            raws[c]->use(i);
+            fn(*raws[c], c, i);
+          }
+      };
+      auto id_for = [](int c, uint32_t i, int round) {
+        return id_of(100000 + uint64_t(c) * 1000 + i * 100 + round);
+      };
+      auto size_for = [](int c, uint32_t i) { return 4096 * uint64_t(1 + (c + i) % 3); };
+      for (int round = 0; round < kRounds; ++round) {
+        std::vector<uint64_t> tokens(kClients * kChannels);
+        each([&](RawClient& r, int c, uint32_t i) {
+          pool::ReserveItem item{};
+          BlockId id = id_for(c, i, round);
+          std::memcpy(item.id, id.bytes.data(), 16);
+          item.size = size_for(c, i);
+          r.post(r.write(Op::kReserve, &item, 1, sizeof item));
+        });
+        each([&](RawClient& r, int c, uint32_t i) {
+          pool::ReplyHeader h;
+          pool::ReserveReply rr;
+          if (!r.wait(&h, std::chrono::seconds(5)) || h.code != 0 || h.count != 1) {
+            wrong.fetch_add(1);
+            return;
+          }
+          std::memcpy(&rr, r.ch.reply + sizeof h, sizeof rr);
+          if (rr.code != 0 || rr.token == 0) wrong.fetch_add(1);
+          tokens[c * kChannels + i] = rr.token;
+        });
+        each([&](RawClient& r, int c, uint32_t i) {
+          pool::TokenItem item{tokens[c * kChannels + i]};
+          r.post(r.write(Op::kCommit, &item, 1, sizeof item));
+        });
+        each([&](RawClient& r, int, uint32_t) {
+          pool::ReplyHeader h;
+          pool::CodeReply cr{};
+          if (r.wait(&h, std::chrono::seconds(5)) && h.code == 0 && h.count == 1)
+            std::memcpy(&cr, r.ch.reply + sizeof h, sizeof cr);
+          else cr.code = 99;
+          if (cr.code != 0) wrong.fetch_add(1);
+        });
+        each([&](RawClient& r, int c, uint32_t i) {
+          BlockId id = id_for(c, i, round);
+          r.post(r.write(Op::kLookup, id.bytes.data(), 1, 16));
+        });
+        each([&](RawClient& r, int c, uint32_t i) {
+          pool::ReplyHeader h;
+          pool::LookupReply lr{};
+          if (!r.wait(&h, std::chrono::seconds(5)) || h.code != 0 || h.count != 1) {
+            wrong.fetch_add(1);
+            return;
+          }
+          std::memcpy(&lr, r.ch.reply + sizeof h, sizeof lr);
+          if (lr.code != 0 || lr.size != size_for(c, i)) wrong.fetch_add(1);
+        });
+      }
+    });
+  for (auto& t : threads) t.join();
+  done.store(true);
+  sampler.join();
+  EXPECT_EQ(wrong.load(), 0);
+  auto st = f.server->stats();
+  EXPECT_EQ(st.commits, uint64_t(kClients * kChannels * kRounds));
+  EXPECT_EQ(st.reservations, 0u);
+  // The test's own threads (four and the sampler) and the handshakes' short
+  // ones at most: no thread per channel.
+  EXPECT_LE(peak.load() - threads_before, kThreads + 1 + 4);
+}
+
+TEST(PoolServerTest, NoWakeUpIsLostWhileWorkersSleep) {
+  // Short requests with pauses long enough for the workers to stop spinning
+  // and sleep: a lost wake-up would leave a request unanswered until a
+  // sleeping worker looks on its own (half a second), so every answer must
+  // come far sooner. First one client thread alone (no other client's ring
+  // can hide a lost one), then several.
+  PoolFixture f(64 << 20, false, -1, /*workers=*/2);
+  ASSERT_TRUE(f.server);
+  auto run = [&](int threads, int calls) {
+    std::atomic<int64_t> worst_us{0};
+    std::atomic<int> failed{0};
+    std::vector<std::thread> ts;
+    for (int t = 0; t < threads; ++t)
+      ts.emplace_back([&, t] {
+        RawClient r;
+        if (!r.connect(f.socket, "ns", 2).ok()) {
+          failed.fetch_add(1);
+          return;
+        }
+        std::mt19937_64 rng(t);
+        for (int i = 0; i < calls; ++i) {
+          r.use(static_cast<uint32_t>(rng() % 2));
+          BlockId id = id_of(rng() % 64);
+          const uint32_t n = rng() % 2 ? r.write(Op::kPing, nullptr, 0, 0)
+                                       : r.write(Op::kLookup, id.bytes.data(), 1, 16);
+          const auto t0 = std::chrono::steady_clock::now();
+          pool::ReplyHeader h;
+          r.post(n);
+          if (!r.wait(&h, std::chrono::seconds(5)) || h.code != 0) failed.fetch_add(1);
+          const int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(
+                                 std::chrono::steady_clock::now() - t0)
+                                 .count();
+          int64_t w = worst_us.load();
+          while (us > w && !worst_us.compare_exchange_weak(w, us)) {
+          }
+          if (rng() % 4 != 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 300));
+        }
+      });
+    for (auto& t : ts) t.join();
+    EXPECT_EQ(failed.load(), 0);
+    EXPECT_LT(worst_us.load(), 250000) << threads << " client threads";
+  };
+  run(1, 3000);
+  run(6, 1500);
+}
+
+TEST(PoolServerTest, ASlowFlushDoesNotHoldBackOtherClients) {
+  // One worker. A client's flush writes its blocks down to files; meanwhile
+  // another client's requests are answered as quickly as ever.
+  PoolFixture f(128 << 20, /*with_file=*/true, -1, /*workers=*/1);
+  ASSERT_TRUE(f.server);
+  auto a = f.client();
+  ASSERT_TRUE(a);
+  for (uint64_t i = 0; i < 96; ++i) {
+    auto d = bytes_for(i, 1 << 20);
+    ASSERT_TRUE(a->put(id_of(i), d.data(), d.size()).ok());
+  }
+  RawClient b;
+  ASSERT_TRUE(b.connect(f.socket).ok());
+  std::atomic<bool> flushing{true};
+  Status flushed;
+  auto t0 = std::chrono::steady_clock::now();
+  std::thread flusher([&] {
+    flushed = a->flush();
+    flushing.store(false);
+  });
+  int64_t worst_us = 0;
+  int during = 0;
+  while (flushing.load()) {
+    const auto c0 = std::chrono::steady_clock::now();
+    pool::ReplyHeader h;
+    ASSERT_EQ(b.request(Op::kPing, nullptr, 0, 0, &h), 0u);
+    const auto c1 = std::chrono::steady_clock::now();
+    worst_us = std::max<int64_t>(
+        worst_us, std::chrono::duration_cast<std::chrono::microseconds>(c1 - c0).count());
+    if (flushing.load()) ++during;
+  }
+  flusher.join();
+  const auto flush_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0)
+          .count();
+  ASSERT_TRUE(flushed.ok()) << flushed.ToString();
+  // With the flush on the only worker, one ping at most would be answered
+  // while it runs.
+  EXPECT_GE(during, 10) << "the flush took " << flush_ms << " ms; the slowest ping " << worst_us
+                        << " µs";
+}
+
+TEST(PoolServerTest, ClientsDyingWhileTheirChannelsAreScannedLeaveNothingBehind) {
+  // Clients of eight channels post reserves and leases and go away at
+  // random points, some with requests in flight, while another client keeps
+  // using the pool: the workers get out of a dead client's channels before
+  // it is reaped, and what it held is given back.
+  PoolFixture f(64 << 20, false, -1, /*workers=*/2);
+  ASSERT_TRUE(f.server);
+  auto good = f.client();
+  ASSERT_TRUE(good);
+  auto seed = bytes_for(5, 4096);
+  ASSERT_TRUE(good->put(id_of(5), seed.data(), seed.size()).ok());
+  constexpr int kThreads = 4, kRounds = 15;
+  std::atomic<bool> stop{false};
+  std::atomic<int> good_failures{0};
+  std::thread user([&] {
+    uint64_t i = 0;
+    while (!stop.load()) {
+      auto d = bytes_for(i, 4096);
+      if (!good->put(id_of(1000 + i % 200), d.data(), d.size()).ok()) good_failures.fetch_add(1);
+      if (!good->contains(id_of(5))) good_failures.fetch_add(1);
+      ++i;
+    }
+  });
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(t);
+      for (int round = 0; round < kRounds; ++round) {
+        RawClient r;
+        if (!r.connect(f.socket, "ns", 8).ok()) continue;
+        const int posts = static_cast<int>(rng() % 24);
+        for (int k = 0; k < posts; ++k) {
+          r.use(static_cast<uint32_t>(k % 8));
+          if (k >= 8) {
+            pool::ReplyHeader h;
+            (void)r.wait(&h);
+          }
+          if (rng() % 2) {
+            pool::ReserveItem items[4] = {};
+            for (int j = 0; j < 4; ++j) {
+              BlockId id = id_of(rng());
+              std::memcpy(items[j].id, id.bytes.data(), 16);
+              items[j].size = 65536;
+            }
+            r.post(r.write(Op::kReserve, items, 4, sizeof items[0]));
+          } else {
+            BlockId id = id_of(5);
+            r.post(r.write(Op::kLease, id.bytes.data(), 1, 16));
+          }
+        }
+        if (rng() % 3 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 500));
+      }  // gone, maybe with requests in flight
+    });
+  for (auto& t : threads) t.join();
+  stop.store(true);
+  user.join();
+  EXPECT_EQ(good_failures.load(), 0);
+  good.reset();
+  f.wait_disconnects(uint64_t(kThreads * kRounds) + 1);
+  auto st = f.server->stats();
+  EXPECT_EQ(st.clients, 0u);
+  EXPECT_EQ(st.reservations, 0u);
+  EXPECT_EQ(st.leases, 0u);
+  EXPECT_EQ(st.store.tiers[0].leased_blocks, 0u);
+  EXPECT_EQ(st.store.tiers[0].reserved_bytes, st.store.tiers[0].used_bytes);
+}
+
 TEST(PoolServerTest, StartRefusesAPipelineWithoutAHostTierAndABusySocket) {
   PoolFixture f;
   ASSERT_TRUE(f.server);
@@ -635,6 +913,42 @@ TEST(PoolServerTest, StartRefusesAPipelineWithoutAHostTierAndABusySocket) {
   c.dedup_enabled = true;
   o.socket_path = f.socket + "2";
   EXPECT_TRUE(PoolServer::Start(c, o).status().is(Code::kNotSupported));
+}
+
+TEST(PoolServerTest, CloseReturnsWhileClientsLeave) {
+  // Clients going away while close() runs: the monitor, still running,
+  // hands them to the reaper as close() waits for it (before, the reaper
+  // spun holding the server's lock once close began, and close never
+  // returned when two clients left then).
+  for (int round = 0; round < 20; ++round) {
+    PoolFixture f;
+    ASSERT_TRUE(f.server);
+    std::vector<std::unique_ptr<RawClient>> clients;
+    for (int i = 0; i < 16; ++i) {
+      clients.push_back(std::make_unique<RawClient>());
+      ASSERT_TRUE(clients.back()->connect(f.socket).ok());
+    }
+    std::atomic<bool> go{false}, closed{false};
+    std::thread leaving([&] {
+      while (!go.load()) {
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(round * 5));
+      clients.clear();  // their sockets close
+    });
+    std::thread closer([&] {
+      go.store(true);
+      (void)f.server->close();
+      closed.store(true);
+    });
+    for (int i = 0; i < 10000 && !closed.load(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!closed.load()) {
+      ADD_FAILURE() << "close() did not return within 10 s (round " << round << ")";
+      std::abort();  // the server's threads are stuck: nothing else can end this test
+    }
+    closer.join();
+    leaving.join();
+  }
 }
 
 }  // namespace

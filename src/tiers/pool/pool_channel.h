@@ -1,12 +1,27 @@
 // One channel of the node pool (pool_wire.h): where its control words and
 // areas are in the channel file, and the two sides' waits.
 //
-// A side first spins for a short while (a reply usually comes within
-// microseconds), then announces that it sleeps and waits in the futex; the
-// other side wakes it only when it announced so. Both announce-then-check
-// sequences use sequentially consistent operations, so no wake-up is lost.
+// Replies: the client spins for a short while (a reply usually comes within
+// microseconds), then announces that it sleeps and waits in the futex on
+// reply_seq; the server wakes it only when it announced so.
 //
-// Thread-safety: one client thread and one server thread per channel.
+// Requests: the server's workers serve all channels of all clients and
+// sleep on the doorbell (pool_wire.h, Doorbell), an eventcount. A client
+// stores request_seq, then reads `spinning` and `sleepers`, and rings
+// (bumps the doorbell's seq, wakes one worker) when none spins and some
+// sleeps. A worker that goes to sleep reads seq (its key), adds itself to
+// `sleepers`, scans the channels again, and only then waits in the futex
+// for seq to differ from its key; a worker that stops spinning takes itself
+// out of `spinning` and scans again before it sleeps. Every one of these
+// steps is sequentially consistent, so in their single total order either
+// the client's read of the counters comes after the worker's announcement
+// (the client rings: seq changes after the key was read, so the futex wait
+// returns at once or is woken), or the worker's scan comes after the
+// client's store of request_seq (the worker sees the request). No wake-up
+// is lost either way.
+//
+// Thread-safety: one client thread per channel at a time; on the server,
+// one worker per channel at a time (the server's own claim).
 #pragma once
 
 #include <atomic>
@@ -75,6 +90,29 @@ bool wait_change(std::atomic<uint32_t>* word, uint32_t seen, std::atomic<uint32_
 inline void post(std::atomic<uint32_t>* word, uint32_t value, std::atomic<uint32_t>* sleeping) {
   word->store(value, std::memory_order_seq_cst);
   if (sleeping->load(std::memory_order_seq_cst)) futex_wake_all(word);
+}
+
+// Wakes one sleeping worker of the server.
+inline void ring(Doorbell* bell) {
+  bell->seq.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_one(&bell->seq);
+}
+
+// Rings when no worker spins (a spinning worker scans again after it stops
+// spinning) and some worker sleeps (an awake one scans again before it
+// sleeps). The caller has just stored what a worker must find, with a
+// sequentially consistent store.
+inline void ring_if_needed(Doorbell* bell) {
+  if (bell->spinning.load(std::memory_order_seq_cst) == 0 &&
+      bell->sleepers.load(std::memory_order_seq_cst) != 0)
+    ring(bell);
+}
+
+// Publishes request number `seq` of a channel whose request area and
+// request_bytes are written, and rings the server's doorbell if needed.
+inline void post_request(ChannelControl* control, uint32_t seq, Doorbell* bell) {
+  control->request_seq.store(seq, std::memory_order_seq_cst);
+  ring_if_needed(bell);
 }
 
 }  // namespace cascade::pool

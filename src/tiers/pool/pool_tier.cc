@@ -108,7 +108,7 @@ Status PoolTier::connect(const CascadeConfig& config) {
   pool::Welcome w{};
   std::vector<int> fds;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us_);
-  Status st = receive_message(sock_, &w, sizeof w, deadline, &fds, 2);
+  Status st = receive_message(sock_, &w, sizeof w, deadline, &fds, 3);
   if (!st.ok())
     return Status::Unavailable("the pool server at '" + config.pool_socket +
                                "' did not answer: " + st.message());
@@ -126,7 +126,7 @@ Status PoolTier::connect(const CascadeConfig& config) {
     std::string msg(w.message, std::min<uint32_t>(w.message_bytes, pool::kMaxMessageBytes));
     return wire_status(w.code, "the pool server refused this client: " + msg);
   }
-  if (fds.size() != 2 || w.channels == 0 || w.channels > hello.channels ||
+  if (fds.size() != 3 || w.channels == 0 || w.channels > hello.channels ||
       w.channel_stride != pool::kChannelStride || w.arena_capacity == 0) {
     close_fds();
     return Status::Unavailable("the pool server's welcome is malformed");
@@ -134,9 +134,18 @@ Status PoolTier::connect(const CascadeConfig& config) {
   client_id_ = w.client_id;
   capacity_ = w.arena_capacity;
   persistent_ = w.flags & pool::kPersistent;
+  void* d = ::mmap(nullptr, pool::kDoorbellBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[2], 0);
+  int err = errno;
+  ::close(fds[2]);
+  if (d == MAP_FAILED) {
+    ::close(fds[0]);
+    ::close(fds[1]);
+    return errno_status(err, "mmap of the pool's doorbell");
+  }
+  doorbell_ = static_cast<pool::Doorbell*>(d);
   arena_map_bytes_ = w.arena_file_offset + w.arena_capacity;
   void* a = ::mmap(nullptr, arena_map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
-  int err = errno;
+  err = errno;
   ::close(fds[0]);
   if (a == MAP_FAILED) {
     ::close(fds[1]);
@@ -199,14 +208,15 @@ PoolTier::~PoolTier() {
   if (releaser_.joinable()) releaser_.join();
   if (registered_) unregister_host_memory(base_);
   if (channel_map_) ::munmap(channel_map_, channel_map_bytes_);
+  if (doorbell_) ::munmap(doorbell_, pool::kDoorbellBytes);
   if (arena_map_) ::munmap(arena_map_, arena_map_bytes_);
   if (sock_ >= 0) ::close(sock_);  // the server ends what this client still held
 }
 
 PoolTier::Held PoolTier::hold() const {
-  // A thread keeps to one channel while it is free: the server's worker for
-  // it is then still spinning from the thread's last request and answers
-  // without a wake-up.
+  // A thread keeps to one channel while it is free: the channel's cache
+  // lines stay where they were, and requests of one thread are answered in
+  // order on one channel.
   thread_local const uint64_t mine = std::hash<std::thread::id>{}(std::this_thread::get_id());
   const uint32_t n = channel_count_;
   const uint32_t start = static_cast<uint32_t>(mine % n);
@@ -232,7 +242,7 @@ Status PoolTier::call(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, Re
   std::memcpy(ch.request, &h, sizeof h);
   ch.control->request_bytes = static_cast<uint32_t>(sizeof h + count * item_bytes);
   const uint32_t seq = ++slot->seq;
-  pool::post(&ch.control->request_seq, seq, &ch.control->server_sleeping);
+  pool::post_request(ch.control, seq, doorbell_);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us);
   bool gone = false;
   bool answered = pool::wait_change(

@@ -132,6 +132,7 @@ class PoolTier final : public Tier {
   uint8_t* channel_map_ = nullptr;
   uint64_t channel_map_bytes_ = 0;
   uint32_t channel_count_ = 0;
+  pool::Doorbell* doorbell_ = nullptr;  // the server's, shared by every client
   struct Slot {
     std::mutex mu;  // held for one request
     pool::Channel ch;

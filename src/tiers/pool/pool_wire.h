@@ -3,20 +3,22 @@
 //
 // A client connects to the server's Unix socket and sends a Hello; the
 // server checks the peer's credentials (SO_PEERCRED) and answers with a
-// Welcome carrying two descriptors (SCM_RIGHTS): the host arena's
-// shared-memory file and the client's channel file. After that the socket
+// Welcome carrying three descriptors (SCM_RIGHTS): the host arena's
+// shared-memory file, the client's channel file and the server's doorbell
+// (one page every client shares, Doorbell). After that the socket
 // carries nothing; its end (EOF) tells the server the client is gone, and
 // the server then ends the client's leases and frees its reservations.
 //
 // Requests go through channels: fixed slots in the channel file, each a
-// request area and a reply area with two sequence words that both sides wait
-// on with futexes (ChannelControl). A request is a RequestHeader and `count`
-// items of the op's request type; the reply is a ReplyHeader and `count`
-// items of the op's reply type, or, when ReplyHeader::code is not OK, a
-// message of message_bytes. Every field is little-endian and fixed in size;
-// the server copies a request out of the shared page before it reads it
-// and checks every length against the op, so a malformed request is an
-// InvalidArgument reply and never a crash. docs/formats.md has the tables.
+// request area and a reply area with two sequence words (ChannelControl).
+// The server's workers serve every channel of every client: a client posts
+// a request on its channel and rings the doorbell when a worker sleeps;
+// the client waits for its reply on the channel's reply word. A request is a RequestHeader and
+// `count` items of the op's request type; the reply is a ReplyHeader and `count` items of the op's
+// reply type, or, when ReplyHeader::code is not OK, a message of message_bytes. Every field is
+// little-endian and fixed in size; the server copies a request out of the shared page before it
+// reads it and checks every length against the op, so a malformed request is an InvalidArgument
+// reply and never a crash. docs/formats.md has the tables.
 #pragma once
 
 #include <atomic>
@@ -26,7 +28,7 @@
 namespace cascade::pool {
 
 inline constexpr uint32_t kMagic = 0x4c4f4f50;  // "POOL"
-inline constexpr uint32_t kVersion = 1;
+inline constexpr uint32_t kVersion = 2;
 inline constexpr uint32_t kMaxNamespaceBytes = 256;
 inline constexpr uint32_t kMaxChannels = 64;
 inline constexpr uint32_t kMaxItems = 2048;  // items in one request
@@ -61,11 +63,24 @@ struct Welcome {
 };
 static_assert(sizeof(Welcome) == 576);
 
+// ---- doorbell ---------------------------------------------------------------
+// The server's workers sleep on `seq` (futex). A worker announces that it
+// sleeps in `sleepers` and one that spins looking for requests in
+// `spinning`; a client that posted a request rings (bumps `seq` and wakes
+// one worker) only when no worker spins and some worker sleeps
+// (pool_channel.h has the protocol and why no wake-up is lost).
+struct Doorbell {
+  alignas(64) std::atomic<uint32_t> seq;
+  std::atomic<uint32_t> sleepers;
+  std::atomic<uint32_t> spinning;
+};
+static_assert(sizeof(Doorbell) == 64);
+inline constexpr uint64_t kDoorbellBytes = 4096;  // the doorbell file: one Doorbell at 0
+
 // ---- channels ---------------------------------------------------------------
-// The two words each side waits on sit on their own cache lines.
+// The words each side waits on or scans sit on their own cache lines.
 struct ChannelControl {
   alignas(64) std::atomic<uint32_t> request_seq;  // the client bumps it after writing a request
-  std::atomic<uint32_t> server_sleeping;          // the server waits in futex on request_seq
   uint32_t request_bytes;
   alignas(64) std::atomic<uint32_t> reply_seq;  // the server sets it to request_seq when replied
   std::atomic<uint32_t> client_sleeping;        // the client waits in futex on reply_seq
