@@ -55,6 +55,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--bytes", type=parse_size_arg, default=256 << 20, help="bytes each reader reads per row"
     )
+    p.add_argument("--lanes", type=int, default=4, help="transport endpoints per member")
     p.add_argument(
         "--no-verify",
         action="store_true",
@@ -72,8 +73,16 @@ def add_arguments(p) -> None:
 
 
 class _Node:
+    lanes = 4  # the run's --lanes
+
     def __init__(
-        self, name: str, capacity: int, fabrics: str, undetected: bool, verify: bool = True
+        self,
+        name: str,
+        capacity: int,
+        fabrics: str,
+        undetected: bool,
+        verify: bool = True,
+        lanes: int | None = None,
     ):
         cfg = _core.CascadeConfig()
         cfg.pipeline = "host"
@@ -85,7 +94,12 @@ class _Node:
         self.name = name
         self.server = _core.PoolServer(cfg, self.socket)
         self.address = self.server.start_cluster(
-            name, 1, fabrics=fabrics, allow_undetected_failures=undetected, verify=verify
+            name,
+            1,
+            fabrics=fabrics,
+            allow_undetected_failures=undetected,
+            verify=verify,
+            lanes=_Node.lanes if lanes is None else lanes,
         )
 
     def client(self, threads: int = 2):
@@ -350,6 +364,7 @@ def run_cluster_bench(args, progress) -> dict:
         "servers": servers,
         "bytes": total,
         "verify": not args.no_verify,
+        "lanes": args.lanes,
     }
     report = report_header(args, "cluster", settings)
     progress("memcpy ceiling, one thread")
@@ -358,6 +373,9 @@ def run_cluster_bench(args, progress) -> dict:
         "gbps": _core.memcpy_bandwidth(min(total, 256 << 20), 1, 3)["gbps"],
     }
     verify = not args.no_verify
+    if not 1 <= args.lanes <= 64:
+        raise SystemExit("cascade bench cluster: --lanes takes 1 to 64")
+    _Node.lanes = args.lanes
     report["pairs"] = [_pair_rows(f, s, total, verify, progress) for f in names for s in sizes]
     report["aggregate"] = [
         _aggregate_row(f, s, n, total, verify, progress)
