@@ -188,6 +188,9 @@ class ClusterNode::Impl {
 
   std::vector<std::thread> service;
   std::thread pusher;
+  // Local ranges a failed get may still write (see fetch_from).
+  std::mutex quarantine_mu;
+  std::vector<Reservation> quarantine;  // guarded by quarantine_mu
   std::mutex queue_mu;
   std::condition_variable queue_cv, drained_cv;
   std::deque<BlockId> queue;      // guarded by queue_mu
@@ -629,7 +632,15 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
   }
   Status st = ops.empty() ? Status::OK() : peer.run_batch(ops, deadline());
   if (!st.ok()) {
-    for (size_t k : moving) store->abort(res[k]);
+    // On a fabric without failure detection a get that missed its deadline
+    // is not cancelled and may still write its range: the ranges are held
+    // until the transports close, never handed to another block.
+    if (options.allow_undetected_failures) {
+      std::lock_guard<std::mutex> q(quarantine_mu);
+      for (size_t k : moving) quarantine.push_back(res[k]);
+    } else {
+      for (size_t k : moving) store->abort(res[k]);
+    }
     fail(s, *link);
     return;
   }
@@ -1332,6 +1343,11 @@ void ClusterNode::close() {
     }
   }
   for (auto& lane : i.lanes) lane.t->close();
+  {
+    std::lock_guard<std::mutex> q(i.quarantine_mu);
+    for (const auto& r : i.quarantine) i.store->abort(r);
+    i.quarantine.clear();
+  }
   for (auto& [k, p] : peers) i.end_peer(*p);
   for (auto& lane : i.lanes) lane.region.reset();
 }
