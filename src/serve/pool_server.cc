@@ -345,9 +345,10 @@ Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& confi
   if (nworkers <= 0)
     nworkers = static_cast<int>(std::clamp(2 * std::thread::hardware_concurrency(), 2u, 16u));
   nworkers = std::min(nworkers, kMaxWorkers);
-  // A spinning worker catches the next request without a wake-up; more than
-  // one or two would burn cores an idle server does not need.
-  impl->max_spinners = nworkers >= 8 ? 2 : 1;
+  // A spinning worker catches the next request without a wake-up; spinners
+  // stop once nothing comes, so an idle server burns no core, but under load
+  // with many clients several spinners spare most wake-ups.
+  impl->max_spinners = nworkers >= 8 ? 4 : 1;
   Impl* p = impl.get();
   for (int i = 0; i < nworkers; ++i) impl->workers.emplace_back([p] { p->worker_loop(); });
   impl->flusher = std::thread([p] { p->flush_loop(); });
