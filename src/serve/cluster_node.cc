@@ -144,6 +144,9 @@ struct PeerState {
   std::unordered_map<uint64_t, Lease> leases;
   std::unordered_map<uint64_t, Held> reservations;
   uint64_t next = 1;
+  // Set by end_peer: a request served concurrently must not add to maps
+  // nobody will end again.
+  bool ended = false;
 };
 
 class ClusterNode::Impl {
@@ -216,9 +219,10 @@ class ClusterNode::Impl {
     return options.verify ? remote::block_checksum(p, n) : 0;
   }
 
-  // Checksums of blocks held here, remembered from the commit that checked
-  // them (a pushed block) or from the first lease that computed them, so a
-  // block read by many members is hashed once. Blocks are immutable per id;
+  // Checksums of blocks held here, remembered from the first lease that
+  // computed them over the bytes held, so a block read by many members is
+  // hashed once. (Not from a commit: when another put of the id won, the
+  // bytes held are that put's.) Blocks are immutable per id;
   // an entry that no longer matches (an id removed and stored again with
   // other bytes) makes the reader's check fail: a miss, never wrong data.
   static constexpr size_t kMaxSums = size_t(1) << 20;
@@ -260,9 +264,15 @@ class ClusterNode::Impl {
 
   // ---- the requesting side ------------------------------------------------------
   std::shared_ptr<LinkSlot> slot_of(const ClusterMember& m) {
-    std::lock_guard<std::mutex> l(links_mu);
-    auto& s = links[m.node_id];
-    if (!s) s = std::make_shared<LinkSlot>();
+    std::shared_ptr<LinkSlot> s;
+    {
+      // links_mu is not held while waiting for the slot: a connect to one
+      // member (which holds its slot) does not stall calls to the others.
+      std::lock_guard<std::mutex> l(links_mu);
+      auto& slot = links[m.node_id];
+      if (!slot) slot = std::make_shared<LinkSlot>();
+      s = slot;
+    }
     std::lock_guard<std::mutex> sl(s->mu);
     if (s->links.size() != lanes.size()) s->links.resize(lanes.size());
     if (s->generation != m.generation || s->address != m.address) {
@@ -648,8 +658,8 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
   std::vector<size_t> good_k;
   for (size_t k : moving) {
     const cluster::LeaseReply& l = lr[leased[k]];
-    if (options.verify && l.checksum != 0 &&
-        remote::block_checksum(arena.base + res[k].offset, l.size) != l.checksum) {
+    if (options.verify && (l.checksum == 0 || remote::block_checksum(arena.base + res[k].offset,
+                                                                     l.size) != l.checksum)) {
       checksum_failures.fetch_add(1, std::memory_order_relaxed);
       store->abort(res[k]);
       continue;
@@ -971,6 +981,11 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
         for (uint32_t k = 0; k < count; ++k) {
           cluster::LeaseReply& r = replies[k];
           if (r.code != 0) continue;
+          if (p.ended) {  // the member's state ended meanwhile: grant nothing
+            r = cluster::LeaseReply{};
+            r.code = static_cast<uint32_t>(Code::kUnavailable);
+            continue;
+          }
           r.token = p.next++;
           served_lease_bytes.fetch_add(r.size, std::memory_order_relaxed);
           p.leases.emplace(r.token, PeerState::Lease{std::move(views[k]), expires});
@@ -1026,6 +1041,11 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
             r.flags = pool::kPresent;
             continue;
           }
+          if (p.ended) {  // the member's state ended meanwhile: keep nothing for it
+            r.code = static_cast<uint32_t>(Code::kUnavailable);
+            store->abort(res[j]);
+            continue;
+          }
           r.offset = res[j].offset;
           r.token = p.next++;
           p.reservations.emplace(r.token, PeerState::Held{res[j], expires});
@@ -1062,8 +1082,8 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
       for (uint32_t k = 0; k < count; ++k) {
         if (!taken[k]) continue;
         const uint64_t want = item_at<cluster::CommitItem>(items, k).checksum;
-        if (options.verify && want != 0 &&
-            remote::block_checksum(arena.base + taken[k]->offset, taken[k]->size) != want) {
+        if (options.verify && (want == 0 || remote::block_checksum(arena.base + taken[k]->offset,
+                                                                   taken[k]->size) != want)) {
           checksum_failures.fetch_add(1, std::memory_order_relaxed);
           store->abort(*taken[k]);
           replies[k].code = static_cast<uint32_t>(Code::kCorruption);
@@ -1078,8 +1098,6 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
         for (size_t j = 0; j < batch.size(); ++j) {
           replies[ks[j]].code = code_of(st[j]);
           if (!st[j].ok()) continue;
-          if (options.verify)
-            remember(batch[j].id, item_at<cluster::CommitItem>(items, ks[j]).checksum);
           served_commits.fetch_add(1, std::memory_order_relaxed);
           served_commit_bytes.fetch_add(batch[j].size, std::memory_order_relaxed);
         }
@@ -1098,6 +1116,7 @@ void ClusterNode::Impl::end_peer(PeerState& p) {
   std::vector<Reservation> freed;
   {
     std::lock_guard<std::mutex> l(p.mu);
+    p.ended = true;
     for (auto& [t, lease] : p.leases) ended.push_back(std::move(lease.view));
     for (auto& [t, held] : p.reservations) freed.push_back(held.r);
     p.leases.clear();
@@ -1155,9 +1174,14 @@ Result<std::unique_ptr<ClusterNode>> ClusterNode::Start(CascadeStore* store, Sha
     return Status::InvalidArgument("cluster node id: 1 to 128 bytes");
   if (arena.base == nullptr || arena.capacity == 0)
     return Status::InvalidArgument("a cluster member needs the store's shared host arena");
-  if (options.request_timeout_ms == 0 || options.lease_expiry_ms <= options.request_timeout_ms)
+  // A push holds a reservation across three calls (reserve, put, commit),
+  // each with its own deadline, and the sweep runs once a second: an
+  // expiry below that could free a range a put still writes.
+  if (options.request_timeout_ms == 0 ||
+      uint64_t(options.lease_expiry_ms) < 3ULL * options.request_timeout_ms + 2000)
     return Status::InvalidArgument(
-        "cluster timeouts: request_timeout_ms above 0 and below lease_expiry_ms");
+        "cluster timeouts: request_timeout_ms above 0, lease_expiry_ms at least 3 x "
+        "request_timeout_ms + 2000");
   if (options.service_threads == 0 || options.service_threads > 64)
     return Status::InvalidArgument("cluster service threads: 1 to 64");
   if (options.lanes == 0 || options.lanes > cluster::kMaxLanes)
@@ -1287,8 +1311,12 @@ ClusterStats ClusterNode::stats() const {
     s.view_version = r->view.version;
   }
   {
-    std::lock_guard<std::mutex> l(const_cast<Impl&>(i).links_mu);
-    for (auto& [id, slot] : i.links) {
+    std::vector<std::shared_ptr<LinkSlot>> slots;
+    {
+      std::lock_guard<std::mutex> l(const_cast<Impl&>(i).links_mu);
+      for (auto& [id, slot] : i.links) slots.push_back(slot);
+    }
+    for (auto& slot : slots) {
       std::lock_guard<std::mutex> sl(slot->mu);
       s.connected += std::any_of(slot->links.begin(), slot->links.end(),
                                  [](const auto& l) { return l != nullptr; });

@@ -294,6 +294,30 @@ TEST(ClusterNode, MalformedMessagesAreIgnoredAndTheMemberGoesOn) {
   }
   EXPECT_GT(a.node->stats().bad_messages, 250u);
 
+  // A verifying owner refuses a commit that carries no checksum: bytes it
+  // cannot check are never published.
+  pool::ReserveItem ri{};
+  const BlockId unchecked = id_of(4242);
+  std::memcpy(ri.id, unchecked.bytes.data(), 16);
+  ri.size = 4096;
+  std::vector<uint8_t> rbody(sizeof ri);
+  std::memcpy(rbody.data(), &ri, sizeof ri);
+  auto rr = raw.call(cluster::Op::kReserve, 1, rbody);
+  ASSERT_EQ(rr.size(), sizeof(cluster::ReplyHead) + sizeof(cluster::ReserveReply));
+  cluster::ReserveReply granted;
+  std::memcpy(&granted, rr.data() + sizeof(cluster::ReplyHead), sizeof granted);
+  ASSERT_EQ(granted.code, 0u);
+  cluster::CommitItem ci{granted.token, 0};
+  std::vector<uint8_t> cbody(sizeof ci);
+  std::memcpy(cbody.data(), &ci, sizeof ci);
+  auto cz = raw.call(cluster::Op::kCommit, 1, cbody);
+  ASSERT_EQ(cz.size(), sizeof(cluster::ReplyHead) + sizeof(cluster::CodeReply));
+  cluster::CodeReply zc;
+  std::memcpy(&zc, cz.data() + sizeof(cluster::ReplyHead), sizeof zc);
+  EXPECT_EQ(zc.code, static_cast<uint32_t>(Code::kCorruption));
+  EXPECT_FALSE(a.server->store()->contains(unchecked));
+  EXPECT_EQ(a.node->stats().peer_reservations, 0u);
+
   // The member still serves the others.
   auto ca = a.client();
   auto cb = b.client();
@@ -309,7 +333,7 @@ TEST(ClusterNode, MalformedMessagesAreIgnoredAndTheMemberGoesOn) {
 
 TEST(ClusterNode, LeasesOfAMemberThatNeverReleasesExpireAndALeavingMemberLosesThem) {
   SKIP_WITHOUT_TRANSPORT();
-  Member a("a", /*expiry_ms=*/800);
+  Member a("a", /*expiry_ms=*/3500);
   ASSERT_TRUE(a.node);
   auto ca = a.client();
   std::vector<uint8_t> ids;
@@ -336,7 +360,7 @@ TEST(ClusterNode, LeasesOfAMemberThatNeverReleasesExpireAndALeavingMemberLosesTh
   }
   EXPECT_EQ(a.node->stats().peer_leases, 8u);
   const auto t0 = std::chrono::steady_clock::now();
-  while (a.node->stats().peer_leases > 0 && std::chrono::steady_clock::now() - t0 < 5s)
+  while (a.node->stats().peer_leases > 0 && std::chrono::steady_clock::now() - t0 < 8s)
     std::this_thread::sleep_for(50ms);
   EXPECT_EQ(a.node->stats().peer_leases, 0u);
   EXPECT_GE(a.node->stats().expired, 8u);
@@ -364,6 +388,19 @@ TEST(ClusterNode, BadViewsAreRefused) {
   three.replicas = 3;
   EXPECT_TRUE(a.node->set_view(three).is(Code::kInvalidArgument));
   EXPECT_TRUE(a.node->set_view(v).ok());
+}
+
+TEST(ClusterNode, AnExpiryShorterThanAPushCanTakeIsRefused) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a");
+  ASSERT_TRUE(a.node);
+  ClusterNodeOptions o;
+  o.node_id = "b";
+  o.fabrics = "tcp";
+  o.request_timeout_ms = 2000;
+  o.lease_expiry_ms = 2001;  // below three calls' deadlines and a sweep
+  auto n = ClusterNode::Start(a.server->store(), a.server->store()->shared_arena(), o);
+  EXPECT_TRUE(n.status().is(Code::kInvalidArgument)) << n.status().ToString();
 }
 
 }  // namespace

@@ -105,10 +105,10 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
         raise ValueError(f"cluster.lanes: 1 to 64, not {o.lanes}")
     if not 1 <= o.service_threads <= 64:
         raise ValueError(f"cluster.service_threads: 1 to 64, not {o.service_threads}")
-    if not o.request_timeout_seconds < o.lease_expiry_seconds <= 86400:
+    if not 3 * o.request_timeout_seconds + 2 <= o.lease_expiry_seconds <= 86400:
         raise ValueError(
-            "cluster.lease_expiry_seconds: above request_timeout_seconds, at most 86400, not "
-            f"{o.lease_expiry_seconds}"
+            "cluster.lease_expiry_seconds: at least 3 x request_timeout_seconds + 2, at most "
+            f"86400, not {o.lease_expiry_seconds}"
         )
     if o.replicas not in (1, 2):
         raise ValueError(f"cluster.replicas: 1 or 2, not {o.replicas}")
