@@ -882,7 +882,39 @@ void ClusterNode::Impl::serve(size_t lane, std::vector<uint8_t>&& msg) {
   } else {
     reply = serve_items(*p, op, h.count, body);
   }
-  if (wants_reply) (void)p->back->send(h.reply_tag, reply, deadline());
+  if (!wants_reply) return;
+  if (p->back->send(h.reply_tag, reply, deadline()).ok()) return;
+  // The member never learns what this reply granted: take it back now
+  // rather than at expiry.
+  if ((op != Op::kLease && op != Op::kReserve) || reply.size() < sizeof(cluster::ReplyHead)) return;
+  cluster::ReplyHead rh;
+  std::memcpy(&rh, reply.data(), sizeof rh);
+  const uint64_t reply_item = cluster::reply_item_bytes(op);
+  if (rh.code != 0 || reply.size() < sizeof rh + uint64_t(rh.count) * reply_item) return;
+  const uint8_t* items = reply.data() + sizeof rh;
+  std::vector<BlockView> ended;
+  std::vector<Reservation> freed;
+  {
+    std::lock_guard<std::mutex> l(p->mu);
+    for (uint32_t k = 0; k < rh.count; ++k) {
+      if (op == Op::kLease) {
+        auto r = item_at<cluster::LeaseReply>(items, k);
+        auto it = r.code == 0 ? p->leases.find(r.token) : p->leases.end();
+        if (it == p->leases.end()) continue;
+        ended.push_back(std::move(it->second.view));
+        p->leases.erase(it);
+      } else {
+        auto r = item_at<cluster::ReserveReply>(items, k);
+        auto it = r.code == 0 ? p->reservations.find(r.token) : p->reservations.end();
+        if (it == p->reservations.end()) continue;
+        freed.push_back(it->second.r);
+        p->reservations.erase(it);
+      }
+    }
+  }
+  peer_leases.fetch_sub(static_cast<int64_t>(ended.size()), std::memory_order_relaxed);
+  peer_reservations.fetch_sub(static_cast<int64_t>(freed.size()), std::memory_order_relaxed);
+  for (const auto& r : freed) store->abort(r);
 }
 
 std::vector<uint8_t> ClusterNode::Impl::serve_hello(size_t lane, const cluster::RequestHead& h,
