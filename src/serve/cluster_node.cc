@@ -576,13 +576,15 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
     return;
   }
   // What the owner leased us: reserve room here for it.
-  std::vector<size_t> leased;  // positions in `which`
+  std::vector<size_t> leased;     // positions in `which`
+  std::vector<uint64_t> refused;  // tokens of leases outside the owner's arena
   std::vector<cluster::LeaseReply> lr(which.size());
   for (size_t j = 0; j < which.size(); ++j) {
     lr[j] = item_at<cluster::LeaseReply>(reply->data(), j);
     if (lr[j].code != 0) continue;
     if (lr[j].size > (*link)->arena_bytes || lr[j].offset > (*link)->arena_bytes - lr[j].size) {
       bad_messages.fetch_add(1, std::memory_order_relaxed);
+      refused.push_back(lr[j].token);
       continue;
     }
     leased.push_back(j);
@@ -591,10 +593,14 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
   auto release_all = [&] {
     releases.clear();
     for (size_t j : leased) put_item(&releases, cluster::TokenItem{lr[j].token});
-    if (!leased.empty())
-      (void)call(ln, Op::kRelease, static_cast<uint32_t>(leased.size()), releases, deadline());
+    for (uint64_t t : refused) put_item(&releases, cluster::TokenItem{t});
+    const size_t n = leased.size() + refused.size();
+    if (n > 0) (void)call(ln, Op::kRelease, static_cast<uint32_t>(n), releases, deadline());
   };
-  if (leased.empty()) return;
+  if (leased.empty()) {
+    release_all();
+    return;
+  }
   std::vector<BlockId> want;
   std::vector<uint64_t> sizes;
   for (size_t j : leased) {
