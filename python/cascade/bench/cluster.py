@@ -36,7 +36,13 @@ from typing import cast
 import numpy as np
 
 from cascade import _core
-from cascade.bench.common import fmt_size, format_table, parse_size_arg, report_header
+from cascade.bench.common import (
+    emit_report,
+    fmt_size,
+    format_table,
+    parse_size_arg,
+    report_header,
+)
 
 FABRICS = {"tcp": ("tcp", False), "sm": ("sm", True), "default": ("", False)}
 GOAL_REMOTE_RATIO = 0.8  # cross-server 1 MiB reads against the local host tier
@@ -473,15 +479,8 @@ def format_report(report: dict) -> str:
 
 
 def main(args, progress) -> int:
-    import json
-
     if not _core.HAVE_UCX:
         print("cascade bench cluster: this build has no UCX (install libucx-dev, rebuild)")
         return 1
     report = run_cluster_bench(args, progress)
-    print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        progress(f"wrote {args.json}")
-    return 0
+    return emit_report(report, format_report(report), args.json, progress)

@@ -74,3 +74,16 @@ def report_header(args, name: str, settings: dict) -> dict:
         "quick": bool(args.quick),
         "settings": settings,
     }
+
+
+def emit_report(report: dict, text: str, json_path: str | None, progress) -> int:
+    """Prints a benchmark's table and writes its report as JSON where asked;
+    returns the command's exit status (0)."""
+    import json
+
+    print(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+        progress(f"wrote {json_path}")
+    return 0

@@ -29,7 +29,7 @@ import time
 
 from cascade import _core
 from cascade.bench import pool_worker
-from cascade.bench.common import fmt_size, report_header
+from cascade.bench.common import emit_report, fmt_size, report_header
 
 GOAL_RATIO = 0.9  # aggregate against the single-process host tier
 GOAL_ROUND_TRIP_US = 15.0
@@ -442,14 +442,7 @@ def run_pool_bench(args, progress) -> dict:
 
 
 def main(args, progress) -> int:
-    import json
-
     from cascade.bench.pool_report import format_report
 
     report = run_pool_bench(args, progress)
-    print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        progress(f"wrote {args.json}")
-    return 0
+    return emit_report(report, format_report(report), args.json, progress)

@@ -23,7 +23,13 @@ Fabrics, by name:
 from __future__ import annotations
 
 from cascade import _core
-from cascade.bench.common import fmt_size, format_table, parse_size_arg, report_header
+from cascade.bench.common import (
+    emit_report,
+    fmt_size,
+    format_table,
+    parse_size_arg,
+    report_header,
+)
 
 FABRICS = {
     "tcp": ("tcp", True),
@@ -167,15 +173,8 @@ def format_report(report: dict) -> str:
 
 
 def main(args, progress) -> int:
-    import json
-
     if not _core.HAVE_UCX:
         print("cascade bench transport: this build has no UCX (install libucx-dev, rebuild)")
         return 1
     report = run_transport_bench(args, progress)
-    print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        progress(f"wrote {args.json}")
-    return 0
+    return emit_report(report, format_report(report), args.json, progress)
