@@ -160,6 +160,19 @@ void expect_block(CascadeStore* store, const BlockId& id, const std::vector<uint
   ASSERT_EQ(0, std::memcmp(out.data(), want.data(), want.size()));
 }
 
+// Stores n blocks of 4 KiB straight into store (ids id_of(first + i)) and
+// returns their ids as the bytes of a lease request.
+std::vector<uint8_t> put_blocks(CascadeStore* store, uint64_t first, int n) {
+  std::vector<uint8_t> ids;
+  for (int i = 0; i < n; ++i) {
+    auto data = bytes_of(i, 4096);
+    BlockId id = id_of(first + i);
+    EXPECT_TRUE(store->put(id, data.data(), data.size()).ok());
+    ids.insert(ids.end(), id.bytes.begin(), id.bytes.end());
+  }
+  return ids;
+}
+
 #define SKIP_WITHOUT_TRANSPORT() \
   if (!Transport::available()) GTEST_SKIP() << "built without a transport"
 
@@ -335,14 +348,7 @@ TEST(ClusterNode, LeasesOfAMemberThatNeverReleasesExpireAndALeavingMemberLosesTh
   SKIP_WITHOUT_TRANSPORT();
   Member a("a", /*expiry_ms=*/3500);
   ASSERT_TRUE(a.node);
-  auto ca = a.client();
-  std::vector<uint8_t> ids;
-  for (int i = 0; i < 8; ++i) {
-    auto data = bytes_of(i, 4096);
-    BlockId id = id_of(2000 + i);
-    ASSERT_TRUE(a.server->store()->put(id, data.data(), data.size()).ok());
-    ids.insert(ids.end(), id.bytes.begin(), id.bytes.end());
-  }
+  std::vector<uint8_t> ids = put_blocks(a.server->store(), 2000, 8);
   RawMember raw(a.node->address());
   ASSERT_TRUE(
       a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
@@ -377,13 +383,7 @@ TEST(ClusterNode, WhatAReplyThatCannotBeDeliveredGrantedIsTakenBack) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a");  // leases expire after a minute: the test must not wait for that
   ASSERT_TRUE(a.node);
-  std::vector<uint8_t> ids;
-  for (int i = 0; i < 4; ++i) {
-    auto data = bytes_of(i, 4096);
-    BlockId id = id_of(3000 + i);
-    ASSERT_TRUE(a.server->store()->put(id, data.data(), data.size()).ok());
-    ids.insert(ids.end(), id.bytes.begin(), id.bytes.end());
-  }
+  std::vector<uint8_t> ids = put_blocks(a.server->store(), 3000, 4);
   RawMember raw(a.node->address());
   // The hello names another endpoint as where replies go, then that
   // endpoint closes: the owner's replies cannot be delivered.
