@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -19,6 +20,7 @@
 #include "serve/cluster_wire.h"
 #include "tiers/remote/block_checksum.h"
 #include "transport/transport.h"
+#include "util/thread_pool.h"
 
 namespace cascade {
 
@@ -45,27 +47,12 @@ uint64_t id_position(const BlockId& id) {
 
 uint32_t code_of(const Status& st) { return static_cast<uint32_t>(st.code()); }
 
-// Runs fn(k) for k < n, on up to kMaxOwnerThreads threads when n > 1: the
-// calls to different owners overlap instead of paying their round trips
-// one after another.
-constexpr size_t kMaxOwnerThreads = 8;
+// Calls to different owners (or lanes) of one request overlap on the
+// member's call pool (the caller and up to this many threads more) instead
+// of paying their round trips one after another.
+constexpr int kCallThreads = 7;
 // A fetch is split over lanes only in parts of at least this many blocks.
 constexpr size_t kMinBlocksPerLane = 8;
-template <typename F>
-void for_each_owner(size_t n, F&& fn) {
-  if (n <= 1) {
-    if (n == 1) fn(size_t{0});
-    return;
-  }
-  std::atomic<size_t> next{0};
-  auto run = [&] {
-    for (size_t k; (k = next.fetch_add(1)) < n;) fn(k);
-  };
-  std::vector<std::thread> threads;
-  for (size_t t = 1; t < std::min(n, kMaxOwnerThreads); ++t) threads.emplace_back(run);
-  run();
-  for (auto& t : threads) t.join();
-}
 
 Status status_of(uint32_t code, std::string message) {
   if (code > static_cast<uint32_t>(Code::kNotSupported))
@@ -191,6 +178,11 @@ class ClusterNode::Impl {
 
   std::vector<std::thread> service;
   std::thread pusher;
+  std::unique_ptr<ThreadPool> calls;  // see kCallThreads
+  void for_each_call(size_t n, const std::function<void(size_t)>& fn) {
+    if (n == 1) return fn(0);
+    calls->parallel_for(n, fn, kCallThreads);
+  }
   // Local ranges a failed get may still write (see fetch_from).
   std::mutex quarantine_mu;
   std::vector<Reservation> quarantine;  // guarded by quarantine_mu
@@ -492,7 +484,7 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
     if (by_member.empty()) return;
     std::vector<std::pair<uint32_t, std::vector<size_t>>> groups(by_member.begin(),
                                                                  by_member.end());
-    for_each_owner(groups.size(), [&](size_t g) {
+    for_each_call(groups.size(), [&](size_t g) {
       const auto& [mi, which] = groups[g];
       const ClusterMember& m = r->view.members[mi];
       auto s = slot_of(m);
@@ -553,7 +545,7 @@ void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> g
             Part{mi, (first_lane + k) % lanes.size(),
                  std::vector<size_t>(which.begin() + b, which.begin() + std::min(n, b + step))});
     }
-    for_each_owner(parts.size(), [&](size_t k) {
+    for_each_call(parts.size(), [&](size_t k) {
       fetch_from(r->view.members[parts[k].member], parts[k].lane, ids, parts[k].which, got);
     });
   }
@@ -722,7 +714,7 @@ void ClusterNode::Impl::push_loop() {
           part_lane.push_back(k % lanes.size());
         }
       }
-      for_each_owner(parts.size(), [&](size_t k) {
+      for_each_call(parts.size(), [&](size_t k) {
         push_to(r->view.members[parts[k].first], part_lane[k], parts[k].second);
       });
     }
@@ -1239,6 +1231,9 @@ Result<std::unique_ptr<ClusterNode>> ClusterNode::Start(CascadeStore* store, Sha
     if (!region.ok()) return region.status();
     impl->lanes.push_back(Impl::Lane{std::move(t.value()), std::move(region.value())});
   }
+  auto calls = ThreadPool::Create(kCallThreads);
+  if (!calls.ok()) return calls.status();
+  impl->calls = std::move(calls.value());
   Impl* p = impl.get();
   const uint32_t threads = std::max(options.service_threads, options.lanes);
   for (uint32_t i = 0; i < threads; ++i) impl->service.emplace_back([p, i] { p->service_loop(i); });
