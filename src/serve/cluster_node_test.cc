@@ -160,6 +160,12 @@ void expect_block(CascadeStore* store, const BlockId& id, const std::vector<uint
   ASSERT_EQ(0, std::memcmp(out.data(), want.data(), want.size()));
 }
 
+// Installs the view of members a and b in both.
+bool share_view(Member& a, Member& b) {
+  auto v = view_of({{"a", a.node->address()}, {"b", b.node->address()}});
+  return a.node->set_view(v).ok() && b.node->set_view(v).ok();
+}
+
 // Stores n blocks of 4 KiB straight into store (ids id_of(first + i)) and
 // returns their ids as the bytes of a lease request.
 std::vector<uint8_t> put_blocks(CascadeStore* store, uint64_t first, int n) {
@@ -180,9 +186,7 @@ TEST(ClusterNode, BlocksCommittedOnOneMemberAreFetchedThroughAnother) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a"), b("b");
   ASSERT_TRUE(a.node && b.node);
-  auto v = view_of({{"a", a.node->address()}, {"b", b.node->address()}});
-  ASSERT_TRUE(a.node->set_view(v).ok());
-  ASSERT_TRUE(b.node->set_view(v).ok());
+  ASSERT_TRUE(share_view(a, b));
   auto ca = a.client();
   auto cb = b.client();
   ASSERT_TRUE(ca && cb);
@@ -211,9 +215,7 @@ TEST(ClusterNode, MembersWithDifferentLaneCountsMoveBlocksOnEveryLane) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a", 60000, /*lanes=*/3), b("b", 60000, /*lanes=*/5);
   ASSERT_TRUE(a.node && b.node);
-  auto v = view_of({{"a", a.node->address()}, {"b", b.node->address()}});
-  ASSERT_TRUE(a.node->set_view(v).ok());
-  ASSERT_TRUE(b.node->set_view(v).ok());
+  ASSERT_TRUE(share_view(a, b));
   // Clients with many threads: the servers' workers call on many lanes.
   auto ca = a.client(8);
   auto cb = b.client(8);
@@ -248,9 +250,7 @@ TEST(ClusterNode, MalformedMessagesAreIgnoredAndTheMemberGoesOn) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a"), b("b");
   ASSERT_TRUE(a.node && b.node);
-  auto v = view_of({{"a", a.node->address()}, {"b", b.node->address()}});
-  ASSERT_TRUE(a.node->set_view(v).ok());
-  ASSERT_TRUE(b.node->set_view(v).ok());
+  ASSERT_TRUE(share_view(a, b));
   RawMember raw(a.node->address());
   std::mt19937_64 rng(99);
   // Random bytes, truncated heads, wrong magic, unknown ops, counts that do
