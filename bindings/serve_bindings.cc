@@ -89,7 +89,7 @@ class PyPoolServer {
                           const std::string& fabrics, bool allow_undetected_failures,
                           uint32_t request_timeout_ms, uint32_t lease_expiry_ms,
                           uint32_t retry_after_ms, bool verify, uint32_t service_threads,
-                          uint32_t lanes) {
+                          uint32_t lanes, bool map_same_host) {
     ClusterNodeOptions o;
     o.node_id = node_id;
     o.generation = generation;
@@ -101,6 +101,7 @@ class PyPoolServer {
     o.verify = verify;
     o.service_threads = service_threads;
     o.lanes = lanes;
+    o.map_same_host = map_same_host;
     auto use = server_.use();
     Result<ClusterNode*> cn = Status::OK();
     {
@@ -165,11 +166,14 @@ class PyPoolServer {
     d["members"] = s.members;
     d["view_version"] = s.view_version;
     d["connected"] = s.connected;
+    d["mapped"] = s.mapped;
     d["pushed"] = s.pushed;
     d["pushed_bytes"] = s.pushed_bytes;
     d["push_dropped"] = s.push_dropped;
     d["fetched"] = s.fetched;
     d["fetched_bytes"] = s.fetched_bytes;
+    d["fetched_mapped"] = s.fetched_mapped;
+    d["map_failures"] = s.map_failures;
     d["remote_lookups"] = s.remote_lookups;
     d["remote_hits"] = s.remote_hits;
     d["served_leases"] = s.served_leases;
@@ -219,7 +223,7 @@ void register_serve(nb::module_& m) {
       .def("start_cluster", &PyPoolServer::start_cluster, "node_id"_a, "generation"_a,
            "fabrics"_a = "", "allow_undetected_failures"_a = false, "request_timeout_ms"_a = 2000,
            "lease_expiry_ms"_a = 60000, "retry_after_ms"_a = 1000, "verify"_a = true,
-           "service_threads"_a = 2, "lanes"_a = 4,
+           "service_threads"_a = 2, "lanes"_a = 4, "map_same_host"_a = true,
            "Makes this server a cluster member (its data transport); returns the "
            "transport address to publish in the member record.")
       .def("set_cluster_view", &PyPoolServer::set_cluster_view, "version"_a, "members"_a,

@@ -371,6 +371,7 @@ def _join_cluster(server, copts, capacity_bytes: int):
         verify=copts.verify,
         service_threads=copts.service_threads,
         lanes=copts.lanes,
+        map_same_host=copts.map_same_host,
     )
 
     def install(view, ring) -> None:

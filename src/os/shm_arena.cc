@@ -226,6 +226,34 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
         Status::InvalidArgument("shm_capacity_bytes " + human(capacity) +
                                 " is larger than the free space of the file system holding '" +
                                 path + "' (" + human(free_bytes) + ")"));
+  const bool adopted = !created;
+  if (adopted && !keep) {
+    // A stale arena is discarded by removing its file and creating a new
+    // one in its place, never by truncating it: a process that still maps
+    // the old file (a cluster member of this host copying a block it
+    // leased there) reads the old bytes instead of faulting on a shrunk
+    // file, and its mapping frees the memory when it ends.
+    struct stat now;
+    if (::lstat(path.c_str(), &now) != 0 || now.st_dev != st.st_dev || now.st_ino != st.st_ino)
+      return fail(Status::Busy("shm_path '" + path + "' changed while it was being adopted"));
+    if (::unlink(path.c_str()) != 0)
+      return fail(errno_status(errno, "remove the stale arena '" + path + "'"));
+    ::close(fd);
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) {
+      if (errno == EEXIST)
+        return Status::Busy("shm_path '" + path +
+                            "' was created by another store while this one replaced it");
+      return errno_status(errno, "create shm_path '" + path + "'");
+    }
+    created = true;
+    if (::fstat(fd, &st) != 0) return fail(errno_status(errno, "stat shm_path '" + path + "'"));
+    a->dev_ = st.st_dev;
+    a->ino_ = st.st_ino;
+    owned = true;
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0)
+      return fail(Status::Busy("shm_path '" + path + "' is in use by another open store"));
+  }
   a->dev_ = st.st_dev;
   a->ino_ = st.st_ino;
   if (keep) {
@@ -234,13 +262,13 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
     owned = false;
     std::memcpy(a->key_, found.key, kKeyBytes);
   } else {
-    // From here the file is ours: created by this call, or a stale arena of
-    // this user whose contents are discarded (the host tier starts empty).
+    // From here the file is ours, created by this call (in place of a
+    // stale arena of this user, whose contents are discarded: the host tier
+    // starts empty).
     owned = true;
     if (created && ::fchmod(fd, 0600) != 0)  // exactly 0600 whatever the umask
       return fail(errno_status(errno, "chmod shm_path '" + path + "'"));
-    if ((!created && ::ftruncate(fd, 0) != 0) ||
-        ::ftruncate(fd, static_cast<off_t>(header + capacity)) != 0)
+    if (::ftruncate(fd, static_cast<off_t>(header + capacity)) != 0)
       return fail(errno_status(errno, "size shm_path '" + path + "'"));
     // The header page and the table are backed now: the table is written
     // at every put and must never fault for memory.
@@ -279,7 +307,7 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
   ::madvise(p, capacity, MADV_HUGEPAGE);  // best effort: honoured where shmem THP is enabled
   a->fd_ = fd;
   a->base_ = static_cast<uint8_t*>(p);
-  a->adopted_ = !created;
+  a->adopted_ = adopted;
   a->reattached_ = keep;
   if (prefault) CASCADE_RETURN_IF_ERROR(a->commit(capacity));
   return a;

@@ -25,7 +25,9 @@
 // is; the store never truncates or deletes a file that is not its own.
 //
 // Ephemeral (table_slots == 0, the default): an adopted file's old contents
-// are discarded (the arena starts empty), and on close (and when Create
+// are discarded (the arena starts empty: the stale file is removed and a new
+// one created at the path, so a process still mapping the old file keeps
+// reading its bytes and never faults on it), and on close (and when Create
 // fails after creating the file) the file is removed, only while the path
 // still names the file this arena holds. Nothing in it survives close.
 //

@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/wait.h>
@@ -218,6 +219,37 @@ TEST(ShmArena, StaleArenaOfADeadStoreIsAdoptedAndReset) {
   struct stat st {};
   ASSERT_EQ(::lstat(path.c_str(), &st), 0);
   EXPECT_EQ(uint64_t(st.st_size), (*a)->header_bytes() + kCap);
+  a->reset();
+  EXPECT_FALSE(exists(path));
+}
+
+TEST(ShmArena, DiscardingAStaleArenaLeavesAMappingOfItsOldFileIntact) {
+  std::string path = unique_path("mapped");
+  leave_stale_arena(path, kCap);
+  // Another process of this host maps the stale file, as a cluster member
+  // copying a block it leased there does.
+  const int old_fd = ::open(path.c_str(), O_RDONLY);
+  ASSERT_GE(old_fd, 0);
+  struct stat old_st {};
+  ASSERT_EQ(::fstat(old_fd, &old_st), 0);
+  void* m = ::mmap(nullptr, size_t(old_st.st_size), PROT_READ, MAP_SHARED, old_fd, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  ::close(old_fd);
+  const auto* old_bytes = static_cast<const uint8_t*>(m);
+  auto a = ShmArena::Create(path, kCap, false);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_TRUE((*a)->adopted());
+  ASSERT_TRUE((*a)->commit(kCap).ok());
+  for (uint64_t i = 0; i < kCap; i += 4096) ASSERT_EQ((*a)->base()[i], 0) << i;
+  // The old mapping still reads the old bytes: the file was replaced, not
+  // truncated under it.
+  const uint64_t header = (*a)->header_bytes();
+  for (uint64_t i = 0; i < kCap; i += 4096) ASSERT_EQ(old_bytes[header + i], 0xAB) << i;
+  struct stat now {};
+  ASSERT_EQ(::lstat(path.c_str(), &now), 0);
+  EXPECT_NE(now.st_ino, old_st.st_ino);
+  EXPECT_EQ((now.st_mode & 0777), 0600u);
+  ::munmap(m, size_t(old_st.st_size));
   a->reset();
   EXPECT_FALSE(exists(path));
 }

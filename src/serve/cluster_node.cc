@@ -17,9 +17,11 @@
 #include <utility>
 
 #include "cascade/store.h"
+#include "os/file_mapping.h"
 #include "serve/cluster_wire.h"
 #include "tiers/remote/block_checksum.h"
 #include "transport/transport.h"
+#include "util/copy_bytes.h"
 #include "util/thread_pool.h"
 
 namespace cascade {
@@ -102,6 +104,9 @@ struct Link {
   std::shared_ptr<RemoteRegion> arena;
   uint64_t arena_bytes = 0;
   size_t lane = 0;  // the local lane the connection belongs to
+  // The member's arena mapped read-only, when it is on this host: leased
+  // blocks are copied from it instead of over the transport.
+  std::shared_ptr<const ReadOnlyMapping> mapped;
 };
 
 struct LinkSlot {
@@ -112,6 +117,9 @@ struct LinkSlot {
   // The member's lanes' addresses, from its reply to the first Hello.
   std::vector<std::vector<uint8_t>> lane_addresses;
   Clock::time_point skip_until{};
+  // The member's arena file mapped (same host), from its Hello reply; dropped
+  // with its connections, so a member that is gone pins no memory here.
+  std::shared_ptr<const ReadOnlyMapping> mapped;
 };
 
 // A member that said Hello (the owning side): what it holds here.
@@ -176,6 +184,12 @@ class ClusterNode::Impl {
   using PeerKey = std::tuple<std::string, uint64_t, size_t>;
   std::map<PeerKey, std::shared_ptr<PeerState>> peers;
 
+  // This host's boot id and this arena as a file of it (HostArena), for
+  // members on the same host.
+  std::string host_boot_id;
+  OpenFileIdentity arena_file;
+  cluster::HostArena host_arena{};
+
   std::vector<std::thread> service;
   std::thread pusher;
   std::unique_ptr<ThreadPool> calls;  // see kCallThreads
@@ -198,6 +212,7 @@ class ClusterNode::Impl {
   std::atomic<uint64_t> served_commits{0}, served_commit_bytes{0}, checksum_failures{0},
       timeouts{0};
   std::atomic<uint64_t> expired{0}, bad_messages{0};
+  std::atomic<uint64_t> fetched_mapped{0}, map_failures{0};
   std::atomic<int64_t> peer_leases{0}, peer_reservations{0};
 
   Deadline deadline() const {
@@ -273,6 +288,7 @@ class ClusterNode::Impl {
         link.reset();
       }
       s->lane_addresses.clear();
+      s->mapped.reset();
       s->generation = m.generation;
       s->address = m.address;
       s->skip_until = {};
@@ -291,6 +307,7 @@ class ClusterNode::Impl {
         other.reset();
       }
       s->lane_addresses.clear();
+      s->mapped.reset();
       s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
     }
   }
@@ -431,6 +448,14 @@ class ClusterNode::Impl {
       addresses.emplace_back(reply->data() + at, reply->data() + at + n);
       at += n;
     }
+    // Where its arena is as a file of its host.
+    cluster::HostArena ha{};
+    if (reply->size() - at < sizeof ha) return bad("sent no arena file description");
+    std::memcpy(&ha, reply->data() + at, sizeof ha);
+    at += sizeof ha;
+    if (ha.path_bytes > cluster::kMaxPathBytes || reply->size() - at < ha.path_bytes)
+      return bad("sent a truncated arena path");
+    const std::string arena_path(reinterpret_cast<const char*>(reply->data()) + at, ha.path_bytes);
     auto key =
         (*peer)->import_key(std::span<const uint8_t>(reply->data() + sizeof hr, hr.key_bytes));
     if (!key.ok()) {
@@ -438,7 +463,17 @@ class ClusterNode::Impl {
       return fail_now(key.status());
     }
     if (s->lane_addresses.empty()) s->lane_addresses = std::move(addresses);
+    if (!s->mapped && options.map_same_host && !host_boot_id.empty() && !arena_path.empty() &&
+        std::string(ha.boot_id, strnlen(ha.boot_id, sizeof ha.boot_id)) == host_boot_id) {
+      // On this host: map its arena, or go on over the transport when that
+      // fails (another mount namespace, another user, a file replaced).
+      auto mapped =
+          map_file_read_only(arena_path, ha.device, ha.inode, ha.file_offset, hr.arena_bytes);
+      if (mapped.ok()) s->mapped = std::move(mapped.value());
+      else map_failures.fetch_add(1, std::memory_order_relaxed);
+    }
     auto link = std::make_shared<Link>();
+    link->mapped = s->mapped;
     link->peer = std::move(peer.value());
     link->arena = std::move(key.value());
     link->arena_bytes = hr.arena_bytes;
@@ -562,7 +597,11 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
   std::vector<uint8_t> items;
   items.reserve(which.size() * 16);
   for (size_t i : which) put_item(&items, ids[i].bytes);
-  auto reply = call(ln, Op::kLease, static_cast<uint32_t>(which.size()), items, deadline());
+  // The owner grants the leases after this, and keeps them at least three
+  // deadlines (lease_expiry_ms): a copy from its mapped arena that ends by
+  // this deadline read ranges that were leased all along.
+  const Deadline leased_until = deadline();
+  auto reply = call(ln, Op::kLease, static_cast<uint32_t>(which.size()), items, leased_until);
   if (!reply.ok()) {
     fail(s, *link);
     return;
@@ -638,7 +677,32 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
                              arena.base + res[k].offset, l.size});
     moving.push_back(k);
   }
-  Status st = ops.empty() ? Status::OK() : peer.run_batch(ops, deadline());
+  // Checksums of the bytes as copied (mapped arena), by position in `leased`.
+  std::vector<uint64_t> sums;
+  Status st = Status::OK();
+  if (ln.mapped && !moving.empty()) {
+    // Same host: one pass from the owner's arena into the reserved ranges,
+    // the checksum computed on the way.
+    sums.assign(leased.size(), 0);
+    for (size_t k : moving) {
+      const cluster::LeaseReply& l = lr[leased[k]];
+      const uint8_t* from = ln.mapped->data() + l.offset;
+      if (options.verify)
+        sums[k] = remote::copy_with_checksum(arena.base + res[k].offset, from, l.size);
+      else copy_bytes(arena.base + res[k].offset, from, l.size);
+    }
+    if (Clock::now() > leased_until)
+      st = Status::Unavailable("a copy from a member's mapped arena outlasted its deadline");
+    if (st.ok()) fetched_mapped.fetch_add(moving.size(), std::memory_order_relaxed);
+  } else if (!ops.empty()) {
+    st = peer.run_batch(ops, deadline());
+  }
+  if (!st.ok() && ln.mapped) {
+    // Nothing writes the ranges any more: they are free at once.
+    for (size_t k : moving) store->abort(res[k]);
+    release_all();
+    return;
+  }
   if (!st.ok()) {
     // On a fabric without failure detection a get that missed its deadline
     // is not cancelled and may still write its range: the ranges are held
@@ -656,8 +720,10 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
   std::vector<size_t> good_k;
   for (size_t k : moving) {
     const cluster::LeaseReply& l = lr[leased[k]];
-    if (options.verify && (l.checksum == 0 || remote::block_checksum(arena.base + res[k].offset,
-                                                                     l.size) != l.checksum)) {
+    const uint64_t sum = !options.verify ? 0
+                         : sums.empty() ? remote::block_checksum(arena.base + res[k].offset, l.size)
+                                        : sums[k];
+    if (options.verify && (l.checksum == 0 || sum != l.checksum)) {
       checksum_failures.fetch_add(1, std::memory_order_relaxed);
       store->abort(res[k]);
       continue;
@@ -959,6 +1025,8 @@ std::vector<uint8_t> ClusterNode::Impl::serve_hello(size_t lane, const cluster::
     put_item(&items, static_cast<uint32_t>(a.size()));
     items.insert(items.end(), a.begin(), a.end());
   }
+  put_item(&items, host_arena);
+  items.insert(items.end(), arena_file.path.begin(), arena_file.path.end());
   return ok_reply(1, items);
 }
 
@@ -1224,6 +1292,20 @@ Result<std::unique_ptr<ClusterNode>> ClusterNode::Start(CascadeStore* store, Sha
   impl->store = store;
   impl->arena = arena;
   impl->options = options;
+  impl->host_boot_id = boot_id();
+  if (arena.fd >= 0) {
+    auto file = describe_open_file(arena.fd);
+    if (file.ok() && file->path.size() <= cluster::kMaxPathBytes) impl->arena_file = *file;
+  }
+  {
+    cluster::HostArena& ha = impl->host_arena;
+    std::memcpy(ha.boot_id, impl->host_boot_id.data(),
+                std::min(impl->host_boot_id.size(), sizeof ha.boot_id - 1));
+    ha.device = impl->arena_file.device;
+    ha.inode = impl->arena_file.inode;
+    ha.file_offset = arena.file_offset;
+    ha.path_bytes = static_cast<uint32_t>(impl->arena_file.path.size());
+  }
   for (uint32_t i = 0; i < options.lanes; ++i) {
     auto t = Transport::Open(to);
     if (!t.ok()) return t.status();
@@ -1300,6 +1382,29 @@ Status ClusterNode::set_view(ClusterView view) {
     }
   }
   for (auto& p : gone) impl_->end_peer(*p);
+  // Connections to members no longer in the view end, and so do mappings
+  // of their arenas: a member that is gone pins no memory here. (A call
+  // under way keeps its own Link until it returns.)
+  std::vector<std::shared_ptr<LinkSlot>> dropped;
+  {
+    std::lock_guard<std::mutex> l(impl_->links_mu);
+    for (auto it = impl_->links.begin(); it != impl_->links.end();) {
+      if (now.count(it->first)) {
+        ++it;
+      } else {
+        dropped.push_back(std::move(it->second));
+        it = impl_->links.erase(it);
+      }
+    }
+  }
+  for (auto& slot : dropped) {
+    std::lock_guard<std::mutex> sl(slot->mu);
+    for (auto& link : slot->links) {
+      if (link) link->peer->close();
+      link.reset();
+    }
+    slot->mapped.reset();
+  }
   return Status::OK();
 }
 
@@ -1353,6 +1458,7 @@ ClusterStats ClusterNode::stats() const {
       std::lock_guard<std::mutex> sl(slot->mu);
       s.connected += std::any_of(slot->links.begin(), slot->links.end(),
                                  [](const auto& l) { return l != nullptr; });
+      s.mapped += slot->mapped != nullptr;
     }
   }
   auto get = [](const std::atomic<uint64_t>& a) { return a.load(std::memory_order_relaxed); };
@@ -1371,6 +1477,8 @@ ClusterStats ClusterNode::stats() const {
   s.timeouts = get(i.timeouts);
   s.expired = get(i.expired);
   s.bad_messages = get(i.bad_messages);
+  s.fetched_mapped = get(i.fetched_mapped);
+  s.map_failures = get(i.map_failures);
   s.peer_leases = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_leases.load()));
   s.peer_reservations = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_reservations.load()));
   return s;

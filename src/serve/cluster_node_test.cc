@@ -3,13 +3,17 @@
 // speaks the members' protocol (cluster_wire.h) by hand.
 #include "serve/cluster_node.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <thread>
 #include <vector>
@@ -41,11 +45,17 @@ struct Member {
   std::unique_ptr<PoolServer> server;
   ClusterNode* node = nullptr;
 
-  Member(const std::string& id, uint32_t expiry_ms = 60000, uint32_t lanes = 4) {
+  std::string shm_path;
+
+  // map_same_host off by default: these tests are about the transport; the
+  // ones about mapped arenas turn it on.
+  Member(const std::string& id, uint32_t expiry_ms = 60000, uint32_t lanes = 4,
+         bool map_same_host = false) {
     CascadeConfig c;
     c.pipeline = "host";
     c.shm_capacity_bytes = 64 << 20;
     c.shm_path = "/dev/shm/" + unique("cascade-cluster-test-");
+    shm_path = c.shm_path;
     c.num_io_threads = 2;
     c.index_shards = 16;
     PoolServerOptions o;
@@ -62,6 +72,7 @@ struct Member {
     co.lease_expiry_ms = expiry_ms;
     co.retry_after_ms = 100;
     co.lanes = lanes;
+    co.map_same_host = map_same_host;
     auto n = server->start_cluster(co);
     EXPECT_TRUE(n.ok()) << n.status().ToString();
     if (n.ok()) node = *n;
@@ -452,6 +463,150 @@ TEST(ClusterNode, AnExpiryShorterThanAPushCanTakeIsRefused) {
   o.lease_expiry_ms = 2001;  // below three calls' deadlines and a sweep
   auto n = ClusterNode::Start(a.server->store(), a.server->store()->shared_arena(), o);
   EXPECT_TRUE(n.status().is(Code::kInvalidArgument)) << n.status().ToString();
+}
+
+// ---- members on one host: arenas mapped --------------------------------------
+
+// Mappings of `path` in this process (lines of /proc/self/maps).
+int mappings_of(const std::string& path) {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) n += line.find(path) != std::string::npos;
+  return n;
+}
+
+// A view of the members in which `owner` owns every point.
+ClusterView view_owned_by(const std::vector<Member*>& members, size_t owner) {
+  ClusterView v;
+  v.version = 1;
+  const char* names[] = {"a", "b", "c", "d"};
+  for (size_t m = 0; m < members.size(); ++m)
+    v.members.push_back(ClusterMember{names[m], 7, members[m]->node->address()});
+  for (int p = 0; p < 8; ++p) {
+    v.positions.push_back(uint64_t(p) << 60);
+    v.owners.push_back(static_cast<uint32_t>(owner));
+  }
+  return v;
+}
+
+TEST(ClusterNode, MembersOnOneHostCopyFromTheOwnersMappedArena) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a", 60000, 4, true), b("b", 60000, 4, true);
+  ASSERT_TRUE(a.node && b.node);
+  ASSERT_TRUE(share_view(a, b));
+  auto ca = a.client();
+  auto cb = b.client();
+  ASSERT_TRUE(ca && cb);
+  constexpr int kBlocks = 64;
+  for (int i = 0; i < kBlocks; ++i) {
+    auto data = bytes_of(i, 4096 * (1 + i % 16));
+    ASSERT_TRUE(ca->put(id_of(i), data.data(), data.size()).ok());
+  }
+  ASSERT_TRUE(a.node->drain(5000));
+  ASSERT_EQ(a.node->stats().push_dropped, 0u);
+  for (int i = 0; i < kBlocks; ++i)
+    expect_block(cb.get(), id_of(i), bytes_of(i, 4096 * (1 + i % 16)));
+  const ClusterStats sb = b.node->stats();
+  EXPECT_GT(sb.fetched, 0u);
+  EXPECT_EQ(sb.fetched_mapped, sb.fetched);  // every fetch copied from the mapping
+  EXPECT_EQ(sb.mapped, 1u);
+  EXPECT_EQ(sb.map_failures, 0u);
+  EXPECT_EQ(sb.checksum_failures, 0u);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (a.node->stats().peer_leases > 0 && std::chrono::steady_clock::now() - t0 < 2s)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(a.node->stats().peer_leases, 0u);
+}
+
+TEST(ClusterNode, ABlockCorruptedInTheOwnersArenaIsAMissThroughTheMapping) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a", 60000, 1, true), b("b", 60000, 1, true), c("c", 60000, 1, true),
+      d("d", 60000, 1, true);
+  ASSERT_TRUE(a.node && b.node && c.node && d.node);
+  // b owns every block: a's puts are pushed there, c and d read them.
+  const ClusterView v = view_owned_by({&a, &b, &c, &d}, 1);
+  for (Member* m : {&a, &b, &c, &d}) ASSERT_TRUE(m->node->set_view(v).ok());
+  auto ca = a.client();
+  auto cc = c.client();
+  auto cd = d.client();
+  ASSERT_TRUE(ca && cc && cd);
+  const std::vector<uint8_t> good = bytes_of(42, 64 << 10), other = bytes_of(43, 64 << 10);
+  ASSERT_TRUE(ca->put(id_of(1), good.data(), good.size()).ok());
+  ASSERT_TRUE(ca->put(id_of(2), other.data(), other.size()).ok());
+  ASSERT_TRUE(a.node->drain(5000));
+  // d's read has the owner compute (and keep) the block's checksum.
+  expect_block(cd.get(), id_of(1), good);
+  // Flip one byte of block 1 where the owner holds it: found by its bytes
+  // in the owner's arena file.
+  {
+    const int fd = ::open(b.shm_path.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    struct stat st;
+    ASSERT_EQ(::fstat(fd, &st), 0);
+    void* p = ::mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ASSERT_NE(p, MAP_FAILED);
+    auto* file = static_cast<uint8_t*>(p);
+    uint8_t* at = nullptr;
+    for (off_t off = 0; off + off_t(good.size()) <= st.st_size && !at; off += 4096)
+      if (std::memcmp(file + off, good.data(), good.size()) == 0) at = file + off;
+    ASSERT_NE(at, nullptr) << "block 1 not found in the owner's arena";
+    at[1000] ^= 0x5a;
+    ::munmap(p, st.st_size);
+    ::close(fd);
+  }
+  std::vector<uint8_t> out(good.size());
+  GetResult r;
+  ASSERT_TRUE(cc->get(id_of(1), out.data(), out.size(), &r).ok());
+  EXPECT_FALSE(r.found);                    // a miss, never the corrupted bytes
+  expect_block(cc.get(), id_of(2), other);  // the intact block is served
+  const ClusterStats sc = c.node->stats();
+  EXPECT_EQ(sc.mapped, 1u);
+  EXPECT_GE(sc.checksum_failures, 1u);
+  EXPECT_EQ(sc.fetched, 1u);  // block 2 only
+}
+
+TEST(ClusterNode, AMemberLeavingTheViewIsUnmapped) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a", 60000, 2, true), b("b", 60000, 2, true);
+  ASSERT_TRUE(a.node && b.node);
+  const ClusterView v = view_owned_by({&a, &b}, 0);
+  ASSERT_TRUE(a.node->set_view(v).ok() && b.node->set_view(v).ok());
+  auto ca = a.client();
+  auto cb = b.client();
+  ASSERT_TRUE(ca && cb);
+  const std::vector<uint8_t> data = bytes_of(7, 32 << 10);
+  ASSERT_TRUE(ca->put(id_of(1), data.data(), data.size()).ok());
+  const int before = mappings_of(a.shm_path);
+  expect_block(cb.get(), id_of(1), data);
+  EXPECT_EQ(b.node->stats().mapped, 1u);
+  EXPECT_EQ(mappings_of(a.shm_path), before + 1);
+  // b's view without a: the mapping of a's arena goes with it.
+  ClusterView alone;
+  alone.version = 2;
+  alone.members.push_back(ClusterMember{"b", 7, b.node->address()});
+  alone.positions.push_back(0);
+  alone.owners.push_back(0);
+  ASSERT_TRUE(b.node->set_view(alone).ok());
+  EXPECT_EQ(b.node->stats().mapped, 0u);
+  EXPECT_EQ(mappings_of(a.shm_path), before);
+}
+
+TEST(ClusterNode, WithoutMappingMembersOnOneHostUseTheTransport) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a"), b("b");
+  ASSERT_TRUE(a.node && b.node);
+  const ClusterView v = view_owned_by({&a, &b}, 0);
+  ASSERT_TRUE(a.node->set_view(v).ok() && b.node->set_view(v).ok());
+  auto ca = a.client();
+  auto cb = b.client();
+  ASSERT_TRUE(ca && cb);
+  const std::vector<uint8_t> data = bytes_of(9, 32 << 10);
+  ASSERT_TRUE(ca->put(id_of(1), data.data(), data.size()).ok());
+  expect_block(cb.get(), id_of(1), data);
+  const ClusterStats sb = b.node->stats();
+  EXPECT_EQ(sb.fetched, 1u);
+  EXPECT_EQ(sb.fetched_mapped, 0u);
+  EXPECT_EQ(sb.mapped, 0u);
 }
 
 }  // namespace

@@ -9,7 +9,8 @@
 // lane a member first sends a Hello (that lane's address follows the head);
 // the owner connects back to that address, remembers the sender under
 // (node id, generation, lane) and replies with a HelloReply (its generation,
-// the packed key of its arena and its lanes' addresses). A request from a
+// the packed key of its arena, its lanes' addresses and where its arena
+// file is, for members on the same host). A request from a
 // sender the owner does not know (or knows with another generation) is
 // dropped: the sender's call ends at its deadline and it says Hello again.
 //
@@ -24,7 +25,7 @@
 namespace cascade::cluster {
 
 inline constexpr uint32_t kMagic = 0x54534c43;  // "CLST"
-inline constexpr uint32_t kVersion = 1;
+inline constexpr uint32_t kVersion = 2;
 inline constexpr uint64_t kRequestTag = 0x43415343414445ULL;  // requests to an owner
 // Reply tags have this bit set, so they never match kRequestTag.
 inline constexpr uint64_t kReplyTagBit = 1ULL << 63;
@@ -34,6 +35,7 @@ inline constexpr uint32_t kMaxAddressBytes = 4096;
 inline constexpr uint32_t kMaxKeyBytes = 4096;
 inline constexpr uint32_t kMaxMessageText = 256;
 inline constexpr uint32_t kMaxLanes = 64;
+inline constexpr uint32_t kMaxPathBytes = 4096;
 
 enum class Op : uint32_t {
   kHello = 1,    // the sender's address -> HelloReply
@@ -68,7 +70,7 @@ static_assert(sizeof(ReplyHead) == 16);
 
 // Followed by the packed key of the owner's arena on the lane the Hello
 // came on (key_bytes), then, for each of the owner's `lanes`, a u32 length
-// and that lane's transport address.
+// and that lane's transport address, then a HostArena and its path.
 struct HelloReply {
   uint64_t generation;  // the owner's
   uint64_t arena_bytes;
@@ -76,6 +78,21 @@ struct HelloReply {
   uint32_t lanes;
 };
 static_assert(sizeof(HelloReply) == 24);
+
+// Where the owner's arena is as a file of its host: a member whose boot id
+// is the same (the same running kernel) may open the path, check that it
+// names the same file (device and inode) and map it read-only, then copy
+// the blocks it leases there straight from the mapping instead of over the
+// transport. path_bytes 0: the arena has no path (nothing to map).
+struct HostArena {
+  char boot_id[40];      // the kernel's boot id, as text, NUL-padded
+  uint64_t device;       // st_dev of the arena file
+  uint64_t inode;        // st_ino of the arena file
+  uint64_t file_offset;  // where the arena starts in the file
+  uint32_t path_bytes;   // the path follows: 0 .. kMaxPathBytes
+  uint32_t reserved;
+};
+static_assert(sizeof(HostArena) == 72);
 
 using pool::BlockIdItem;
 using pool::CodeReply;
@@ -122,8 +139,8 @@ inline uint64_t reply_item_bytes(Op op) {
 }
 inline constexpr uint64_t kMaxRequestBytes =
     sizeof(RequestHead) + 40ULL * kMaxItems + kMaxAddressBytes;
-inline constexpr uint64_t kMaxReplyBytes = sizeof(ReplyHead) + sizeof(HelloReply) +
-                                           40ULL * kMaxItems + kMaxKeyBytes +
-                                           kMaxLanes * (4ULL + kMaxAddressBytes);
+inline constexpr uint64_t kMaxReplyBytes =
+    sizeof(ReplyHead) + sizeof(HelloReply) + 40ULL * kMaxItems + kMaxKeyBytes +
+    kMaxLanes * (4ULL + kMaxAddressBytes) + sizeof(HostArena) + kMaxPathBytes;
 
 }  // namespace cascade::cluster

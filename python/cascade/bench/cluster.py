@@ -13,8 +13,9 @@ Rows, per fabric and block size:
 - remote: blocks saved through a third server and pushed to their owner,
   read by a client of a server that does not hold them: each read leases
   the block at the owner, gets it into this server's arena over the
-  transport, verifies its checksum and commits it, then the client copies
-  it out (first reads only: a block is fetched once);
+  transport (or, servers of one host, copies it from the owner's arena
+  mapped read-only, unless --no-map), verifies its checksum and commits it,
+  then the client copies it out (first reads only: a block is fetched once);
 - aggregate with N servers (2..): one client per server writes its own
   blocks (pushed to their owners on the ring), then each reads every other
   client's blocks once; bytes read by all clients over the wall time, and
@@ -63,6 +64,12 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--lanes", type=int, default=4, help="transport endpoints per member")
     p.add_argument(
+        "--no-map",
+        action="store_true",
+        help="servers do not map each other's arenas (same host): every fetch goes over the "
+        "transport",
+    )
+    p.add_argument(
         "--no-verify",
         action="store_true",
         help="members move blocks without checksums (the reads are still compared here)",
@@ -80,6 +87,7 @@ def add_arguments(p) -> None:
 
 class _Node:
     lanes = 4  # the run's --lanes
+    map_same_host = True  # not the run's --no-map
 
     def __init__(
         self,
@@ -106,6 +114,7 @@ class _Node:
             allow_undetected_failures=undetected,
             verify=verify,
             lanes=_Node.lanes if lanes is None else lanes,
+            map_same_host=_Node.map_same_host,
         )
 
     def client(self, threads: int = 2):
@@ -197,6 +206,7 @@ def _pair_rows(fabric: str, size: int, total: int, verify: bool, progress) -> di
             "remote_gbps": nbytes / remote_s / 1e9,
             "ratio": local_s / remote_s,
             "fetched": stats["fetched"],
+            "fetched_mapped": stats["fetched_mapped"],
             "checksum_failures": stats["checksum_failures"],
         }
     finally:
@@ -371,6 +381,7 @@ def run_cluster_bench(args, progress) -> dict:
         "bytes": total,
         "verify": not args.no_verify,
         "lanes": args.lanes,
+        "map_same_host": not args.no_map,
     }
     report = report_header(args, "cluster", settings)
     progress("memcpy ceiling, one thread")
@@ -382,6 +393,7 @@ def run_cluster_bench(args, progress) -> dict:
     if not 1 <= args.lanes <= 64:
         raise SystemExit("cascade bench cluster: --lanes takes 1 to 64")
     _Node.lanes = args.lanes
+    _Node.map_same_host = not args.no_map
     report["pairs"] = [_pair_rows(f, s, total, verify, progress) for f in names for s in sizes]
     report["aggregate"] = [
         _aggregate_row(f, s, n, total, verify, progress)
@@ -413,12 +425,13 @@ def format_report(report: dict) -> str:
             p["local_gbps"],
             p["remote_gbps"],
             p["ratio"],
+            "mapped" if p.get("fetched_mapped") else "transport",
         ]
         for p in report["pairs"]
     ]
     out.append(
         format_table(
-            ["fabric", "block", "blocks", "local GB/s", "remote GB/s", "remote/local"],
+            ["fabric", "block", "blocks", "local GB/s", "remote GB/s", "remote/local", "copied"],
             rows,
             title="\none client reading blocks held by its own server (local) and by another "
             f"server (remote, first reads; goal {GOAL_REMOTE_RATIO}x at 1 MiB)",

@@ -34,6 +34,9 @@ class ClusterOptions:
     verify: bool = True  # checksums on every transfer between members
     service_threads: int = 2  # threads answering the other members (at least one per lane)
     lanes: int = 4  # transport endpoints: copies between members run on this many threads
+    # Members on this host (same boot id) whose arena file this server may
+    # open are read by mapping the file instead of over the transport.
+    map_same_host: bool = True
 
 
 def default_node_id(socket_path: str) -> str:
@@ -69,7 +72,7 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
         elif name == "fabrics":
             if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_,:.-]*", value):
                 raise ValueError(f"cluster.fabrics: such as 'tcp' or 'sm,tcp', not {value!r:.60}")
-        elif name in ("allow_undetected_failures", "verify"):
+        elif name in ("allow_undetected_failures", "verify", "map_same_host"):
             if not isinstance(value, bool):
                 raise ValueError(f"cluster.{name}: true or false, not {value!r}")
         elif name in (
