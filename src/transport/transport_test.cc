@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <atomic>
 #include <chrono>
@@ -449,6 +450,55 @@ TEST_P(TransportFabricTest, ControlMessages) {
   ASSERT_TRUE(child->start_echo(local_->address(), 73, 74, deadline_in(10s)).ok());
   ASSERT_TRUE(peer->send(73, std::vector<uint8_t>(100, 1), deadline_in(10s)).ok());
   EXPECT_TRUE(local_->receive(74, 10, deadline_in(10s)).status().is(Code::kInvalidArgument));
+}
+
+// Threads blocked in receive with nothing to receive, beside the progress
+// thread, sleep instead of polling; and a message that comes while they
+// sleep still reaches its receiver at once.
+TEST_P(TransportFabricTest, IdleWaitsSleep) {
+  auto child = start_child(6, 4096);
+  ASSERT_NE(child, nullptr);
+  open_local(/*progress_thread=*/true);
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<RemoteRegion> region;
+  attach(*child, &peer, &region);
+  if (HasFatalFailure()) return;
+  auto cpu_seconds = [] {
+    rusage u{};
+    ::getrusage(RUSAGE_SELF, &u);
+    return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+           double(u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+  };
+  const double cpu0 = cpu_seconds();
+  const auto wall0 = TransportClock::now();
+  std::vector<std::thread> waiters;
+  for (int i = 0; i < 4; ++i)
+    waiters.emplace_back([&, i] {
+      for (int k = 0; k < 3; ++k)
+        EXPECT_FALSE(local_->receive(90 + i, 64, deadline_in(400ms)).ok());
+    });
+  for (auto& t : waiters) t.join();
+  const double wall = std::chrono::duration<double>(TransportClock::now() - wall0).count();
+  const double cpu = cpu_seconds() - cpu0;
+  // Polling, four waiters and the progress thread would take about a core
+  // each; sleeping, next to nothing.
+  EXPECT_LT(cpu, 0.25 * wall) << "CPU seconds " << cpu << " in " << wall << " s of idle waits";
+
+  ASSERT_TRUE(child->start_echo(local_->address(), 70, 71, deadline_in(10s)).ok());
+  std::atomic<int64_t> got_ns{0};
+  std::thread receiver([&] {
+    auto r = local_->receive(71, 64, deadline_in(10s));
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    got_ns = TransportClock::now().time_since_epoch().count();
+  });
+  std::this_thread::sleep_for(200ms);  // the receiver is asleep by now
+  const auto sent = TransportClock::now();
+  ASSERT_TRUE(peer->send(70, std::vector<uint8_t>(16, 3), deadline_in(10s)).ok());
+  receiver.join();
+  const auto took = TransportClock::time_point(TransportClock::duration(got_ns.load())) - sent;
+  EXPECT_LT(took, 100ms) << "a message took "
+                         << std::chrono::duration<double, std::milli>(took).count()
+                         << " ms to reach a sleeping receiver";
 }
 
 // A peer killed with SIGKILL while reads are in flight: every pending and

@@ -6,8 +6,16 @@
 // waits: a waiting thread takes the mutex, runs ucp_worker_progress once,
 // checks its request, releases the mutex, and spins (yielding the CPU) until
 // the request finishes or its deadline passes. The optional progress thread
-// does the same with no request of its own, backing off to short sleeps when
-// idle.
+// does the same with no request of its own.
+//
+// Idle waits sleep where the worker has an event descriptor (UCX's wakeup
+// feature): the progress thread, once a few polls find nothing to do, arms
+// the worker and sleeps in poll() until the fabric has an event; a waiter
+// that spun for kWaiterSpin without its request finishing sleeps until some
+// progress happened (Worker::epoch, bumped by every progress call that did
+// work while someone sleeps) or kWaiterNap passed, then looks again. So an
+// idle member with threads blocked in receive costs no CPU, and a request
+// that finishes without an event (local work only) is seen within a nap.
 //
 // Endpoints use UCP_ERR_HANDLING_MODE_PEER: when UCX notices a peer is gone it
 // calls our error handler (inside progress, under the mutex), which marks the
@@ -25,10 +33,13 @@
 // get is ucp_get_nbx; put is ucp_put_nbx followed by ucp_ep_flush_nbx, whose
 // completion means the bytes are at the peer; a batch issues every transfer
 // and one flush.
+#include <poll.h>
 #include <sched.h>
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -49,6 +60,14 @@ constexpr auto kCancelGrace = 5s;
 // a live peer answers at once, a dead one never does.
 constexpr auto kFlushCloseGrace = 200ms;
 constexpr uint64_t kMaxMessageBytes = 64ull << 20;
+// A waiter polls this long before it sleeps (where the worker can wake it).
+constexpr auto kWaiterSpin = 50us;
+// The longest a sleeping waiter goes without looking at its request.
+constexpr auto kWaiterNap = 2ms;
+// Polls that found nothing before the progress thread arms and sleeps.
+constexpr unsigned kProgressSpins = 64;
+// The progress thread's sleep between looks at whether it should stop.
+constexpr int kProgressSleepMs = 100;
 
 Status ucx_status(ucs_status_t s, const std::string& what) {
   std::string m = what + ": " + ucs_status_string(s);
@@ -74,6 +93,51 @@ struct Worker {
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
   std::atomic<bool> closed{false};
+  int efd = -1;  // the worker's event descriptor; -1: none (waits spin)
+  // Set while a progress thread drives the worker: only then may waiters
+  // sleep (nothing else would progress it).
+  std::atomic<bool> driven{false};
+  // Waiters asleep until progress happens.
+  std::mutex sleep_mu;
+  std::condition_variable sleep_cv;
+  std::atomic<uint32_t> sleepers{0};
+  uint64_t epoch = 0;  // guarded by sleep_mu
+
+  // ucp_worker_progress, waking the sleeping waiters when it did work.
+  // REQUIRES: mu held.
+  unsigned progress_locked() {
+    const unsigned n = ucp_worker_progress(worker);
+    if (n != 0 && sleepers.load(std::memory_order_seq_cst) != 0) {
+      {
+        std::lock_guard<std::mutex> l(sleep_mu);
+        ++epoch;
+      }
+      sleep_cv.notify_all();
+    }
+    return n;
+  }
+
+  // Sleeps until progress happened after this call began, `req` finished,
+  // or `until`. A progress that completes req after the check below finds
+  // sleepers set (both are sequentially consistent) and bumps the epoch.
+  void sleep_for_progress(void* req, Deadline until) {
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    uint64_t seen;
+    {
+      std::lock_guard<std::mutex> l(sleep_mu);
+      seen = epoch;
+    }
+    bool done;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      done = ucp_request_check_status(req) != UCS_INPROGRESS;
+    }
+    if (!done) {
+      std::unique_lock<std::mutex> l(sleep_mu);
+      sleep_cv.wait_until(l, until, [&] { return epoch != seen; });
+    }
+    sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
 
   ~Worker() {
     if (worker) ucp_worker_destroy(worker);
@@ -86,14 +150,20 @@ struct Worker {
   // Drives the worker until `req` finishes or `deadline` passes; the
   // request's status, or UCS_INPROGRESS at the deadline.
   ucs_status_t drive(void* req, Deadline deadline) {
+    const Deadline spin_until = TransportClock::now() + kWaiterSpin;
     for (unsigned idle = 0;; ++idle) {
       {
         std::lock_guard<std::mutex> lock(mu);
-        ucp_worker_progress(worker);
+        progress_locked();
         ucs_status_t s = ucp_request_check_status(req);
         if (s != UCS_INPROGRESS) return s;
       }
-      if (TransportClock::now() >= deadline) return UCS_INPROGRESS;
+      const Deadline now = TransportClock::now();
+      if (now >= deadline) return UCS_INPROGRESS;
+      if (efd >= 0 && driven.load(std::memory_order_relaxed) && now >= spin_until) {
+        sleep_for_progress(req, std::min(deadline, now + kWaiterNap));
+        continue;
+      }
       backoff(idle);
     }
   }
@@ -127,7 +197,7 @@ struct PeerState {
     Deadline until = TransportClock::now() + (can_cancel ? Deadline::duration(kCancelGrace)
                                                          : Deadline::duration(kFlushCloseGrace));
     while (ucp_request_check_status(req) == UCS_INPROGRESS && TransportClock::now() < until)
-      ucp_worker_progress(w->worker);
+      w->progress_locked();
     ucp_request_free(req);  // one still in progress is released when it ends
   }
   // REQUIRES: w->mu held.
@@ -188,7 +258,7 @@ class UcxCompletion final : public Completion {
     if (req_ == nullptr) return true;
     {
       std::lock_guard<std::mutex> lock(peer_->w->mu);
-      ucp_worker_progress(peer_->w->worker);
+      peer_->w->progress_locked();
       if (ucp_request_check_status(req_) == UCS_INPROGRESS) return false;
     }
     outcome_ = finish(*peer_, req_, TransportClock::now(), what_);
@@ -402,7 +472,10 @@ class UcxTransport final : public Transport {
     address_ = pack_address(std::span(reinterpret_cast<const uint8_t*>(addr), len));
     ucp_worker_release_address(w_->worker, addr);
     require_failure_detection_ = options.require_failure_detection;
-    if (options.progress_thread) progress_ = std::thread([this] { run_progress(); });
+    if (options.progress_thread) {
+      w_->driven.store(true);
+      progress_ = std::thread([this] { run_progress(); });
+    }
     return Status::OK();
   }
 
@@ -501,7 +574,7 @@ class UcxTransport final : public Transport {
       ucp_request_cancel(w_->worker, req);
       Deadline until = TransportClock::now() + kCancelGrace;
       while (ucp_request_check_status(req) == UCS_INPROGRESS && TransportClock::now() < until)
-        ucp_worker_progress(w_->worker);
+        w_->progress_locked();
       ucp_tag_recv_info_t info{};
       s = ucp_tag_recv_request_test(req, &info);
       ucp_request_free(req);
@@ -524,13 +597,20 @@ class UcxTransport final : public Transport {
 
   bool progress() override {
     std::lock_guard<std::mutex> lock(w_->mu);
-    return ucp_worker_progress(w_->worker) != 0;
+    return w_->progress_locked() != 0;
   }
 
   void close() override {
     if (w_->closed.exchange(true)) return;
     stop_.store(true);
-    if (progress_.joinable()) progress_.join();
+    if (progress_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(w_->mu);
+        if (w_->efd >= 0) ucp_worker_signal(w_->worker);  // out of its poll()
+      }
+      progress_.join();
+      w_->driven.store(false);
+    }
     std::lock_guard<std::mutex> lock(w_->mu);
     for (auto& weak : peers_) {
       if (auto p = weak.lock()) {
@@ -548,11 +628,27 @@ class UcxTransport final : public Transport {
       bool worked;
       {
         std::lock_guard<std::mutex> lock(w_->mu);
-        worked = ucp_worker_progress(w_->worker) != 0;
+        worked = w_->progress_locked() != 0;
       }
       idle = worked ? 0 : idle + 1;
-      // Spin while traffic is recent, yield for a while, then sleep briefly:
-      // an idle server costs little CPU and wakes within tens of microseconds.
+      if (w_->efd >= 0) {
+        if (idle < kProgressSpins) continue;
+        // Nothing to do: sleep until the fabric has an event for the worker
+        // (arm says BUSY when events came in meanwhile: progress them).
+        ucs_status_t armed;
+        {
+          std::lock_guard<std::mutex> lock(w_->mu);
+          armed = ucp_worker_arm(w_->worker);
+        }
+        if (armed == UCS_OK) {
+          pollfd pfd{w_->efd, POLLIN, 0};
+          (void)::poll(&pfd, 1, kProgressSleepMs);
+        }
+        idle = 0;
+        continue;
+      }
+      // Without an event descriptor: spin while traffic is recent, yield
+      // for a while, then sleep briefly.
       if (idle > 20000) {
         std::this_thread::sleep_for(20us);
       } else if (idle > 64) {
@@ -588,8 +684,15 @@ Result<std::unique_ptr<Transport>> Transport::Open(const TransportOptions& optio
   auto w = std::make_shared<Worker>();
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_TAG;
+  // With wakeup, idle waits sleep (see the top of this file); a UCX that
+  // cannot offer it on these fabrics is used without.
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
   s = ucp_init(&params, config, &w->context);
+  bool wakeup = s == UCS_OK;
+  if (!wakeup) {
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_TAG;
+    s = ucp_init(&params, config, &w->context);
+  }
   ucp_config_release(config);
   if (s != UCS_OK) {
     w->context = nullptr;
@@ -603,6 +706,7 @@ Result<std::unique_ptr<Transport>> Transport::Open(const TransportOptions& optio
     w->worker = nullptr;
     return ucx_status(s, "transport: UCX worker");
   }
+  if (wakeup && ucp_worker_get_efd(w->worker, &w->efd) != UCS_OK) w->efd = -1;
   auto t = std::make_unique<UcxTransport>(std::move(w));
   CASCADE_RETURN_IF_ERROR(t->init(options));
   return std::unique_ptr<Transport>(std::move(t));

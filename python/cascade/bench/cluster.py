@@ -117,6 +117,16 @@ class _Node:
             map_same_host=_Node.map_same_host,
         )
 
+    def wait_warm(self, timeout: float = 120.0) -> None:
+        """Waits until the server has backed its whole arena with memory:
+        its warming threads would otherwise share the cores with the rows."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            host = cast(dict, self.server.stats())["store"]["tiers"]["host"]
+            if not host.get("warming"):
+                return
+            time.sleep(0.02)
+
     def client(self, threads: int = 2):
         from cascade import CascadeStore, config_from_dict
 
@@ -136,8 +146,12 @@ class _Node:
 
 
 def _install(nodes: list[_Node], owner_of_all: int | None = None) -> None:
-    """A ring over the nodes (or every point owned by one node)."""
+    """A ring over the nodes (or every point owned by one node), once
+    every node's arena is warm."""
     from cascade.cluster import PlacementRing
+
+    for n in nodes:
+        n.wait_warm()
 
     ring = PlacementRing([n.name for n in nodes])
     positions, owners = ring.points()
