@@ -178,6 +178,7 @@ class PyPoolServer {
     d["remote_hits"] = s.remote_hits;
     d["served_leases"] = s.served_leases;
     d["served_lease_bytes"] = s.served_lease_bytes;
+    d["lease_hashes"] = s.lease_hashes;
     d["served_commits"] = s.served_commits;
     d["served_commit_bytes"] = s.served_commit_bytes;
     d["checksum_failures"] = s.checksum_failures;

@@ -212,7 +212,7 @@ class ClusterNode::Impl {
   std::atomic<uint64_t> served_commits{0}, served_commit_bytes{0}, checksum_failures{0},
       timeouts{0};
   std::atomic<uint64_t> expired{0}, bad_messages{0};
-  std::atomic<uint64_t> fetched_mapped{0}, map_failures{0};
+  std::atomic<uint64_t> fetched_mapped{0}, map_failures{0}, lease_hashes{0};
   std::atomic<int64_t> peer_leases{0}, peer_reservations{0};
 
   Deadline deadline() const {
@@ -227,9 +227,10 @@ class ClusterNode::Impl {
   }
 
   // Checksums of blocks held here, remembered from the first lease that
-  // computed them over the bytes held, so a block read by many members is
-  // hashed once. (Not from a commit: when another put of the id won, the
-  // bytes held are that put's.) Blocks are immutable per id;
+  // computed them over the bytes held, or from a member's commit whose bytes
+  // are the ones the store holds (when another put of the id won, the bytes
+  // held are that put's), so a block read by many members is hashed at most
+  // once. Blocks are immutable per id;
   // an entry that no longer matches (an id removed and stored again with
   // other bytes) makes the reader's check fail: a miss, never wrong data.
   static constexpr size_t kMaxSums = size_t(1) << 20;
@@ -249,6 +250,7 @@ class ClusterNode::Impl {
       if (it != sums.end()) return it->second;
     }
     const uint64_t sum = remote::block_checksum(p, n);
+    lease_hashes.fetch_add(1, std::memory_order_relaxed);
     remember(id, sum);
     return sum;
   }
@@ -572,8 +574,16 @@ void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> g
     const size_t first_lane = my_lane();
     for (auto& [mi, which] : by_member) {
       const size_t n = which.size();
+      // A member whose arena is mapped here needs no lanes: one lease call
+      // per request's worth of ids, the copies spread over the call pool.
+      bool mapped;
+      {
+        auto s = slot_of(r->view.members[mi]);
+        std::lock_guard<std::mutex> l(s->mu);
+        mapped = s->mapped != nullptr;
+      }
       const size_t pieces = std::max((n + cluster::kMaxItems - 1) / cluster::kMaxItems,
-                                     std::min(lanes.size(), n / kMinBlocksPerLane));
+                                     mapped ? 1 : std::min(lanes.size(), n / kMinBlocksPerLane));
       const size_t step = (n + std::max<size_t>(pieces, 1) - 1) / std::max<size_t>(pieces, 1);
       for (size_t b = 0, k = 0; b < n; b += step, ++k)
         parts.push_back(
@@ -684,13 +694,16 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
     // Same host: one pass from the owner's arena into the reserved ranges,
     // the checksum computed on the way.
     sums.assign(leased.size(), 0);
-    for (size_t k : moving) {
+    auto copy_one = [&](size_t j) {
+      const size_t k = moving[j];
       const cluster::LeaseReply& l = lr[leased[k]];
       const uint8_t* from = ln.mapped->data() + l.offset;
       if (options.verify)
         sums[k] = remote::copy_with_checksum(arena.base + res[k].offset, from, l.size);
       else copy_bytes(arena.base + res[k].offset, from, l.size);
-    }
+    };
+    // Over the call pool (parallel_for may run inside one of its jobs).
+    calls->parallel_for(moving.size(), copy_one, kCallThreads);
     if (Clock::now() > leased_until)
       st = Status::Unavailable("a copy from a member's mapped arena outlasted its deadline");
     if (st.ok()) fetched_mapped.fetch_add(moving.size(), std::memory_order_relaxed);
@@ -1193,11 +1206,30 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
       if (!batch.empty()) {
         std::vector<Status> st;
         store->commit_batch(batch, PutOptions{}, &st);
+        std::vector<BlockId> stored;
+        std::vector<size_t> stored_j;
         for (size_t j = 0; j < batch.size(); ++j) {
           replies[ks[j]].code = code_of(st[j]);
           if (!st[j].ok()) continue;
           served_commits.fetch_add(1, std::memory_order_relaxed);
           served_commit_bytes.fetch_add(batch[j].size, std::memory_order_relaxed);
+          stored.push_back(batch[j].id);
+          stored_j.push_back(j);
+        }
+        // The checksum just verified is the block's wherever this commit is
+        // the one the store holds (its bytes at the reserved range): kept,
+        // so the first member to lease the block does not wait for it to
+        // be hashed again.
+        if (options.verify && !stored.empty()) {
+          std::vector<BlockView> views;
+          std::vector<Status> vst;
+          store->acquire_batch(stored, &views, &vst);
+          for (size_t i = 0; i < stored.size(); ++i) {
+            const Reservation& r = batch[stored_j[i]];
+            if (vst[i].ok() && views[i].kind() == MemoryKind::kHost &&
+                views[i].data() == arena.base + r.offset && views[i].size() == r.size)
+              remember(r.id, item_at<cluster::CommitItem>(items, ks[stored_j[i]]).checksum);
+          }
         }
       }
       for (const auto& r : replies) put_item(&out, r);
@@ -1479,6 +1511,7 @@ ClusterStats ClusterNode::stats() const {
   s.bad_messages = get(i.bad_messages);
   s.fetched_mapped = get(i.fetched_mapped);
   s.map_failures = get(i.map_failures);
+  s.lease_hashes = get(i.lease_hashes);
   s.peer_leases = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_leases.load()));
   s.peer_reservations = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_reservations.load()));
   return s;

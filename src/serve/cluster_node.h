@@ -100,8 +100,9 @@ struct ClusterStats {
   uint64_t fetched = 0, fetched_bytes = 0;  // blocks brought here from owners
   uint64_t fetched_mapped = 0;              // of them, copied from a mapped arena (same host)
   uint64_t map_failures = 0;                // members on this host whose arena could not be mapped
-  uint64_t remote_lookups = 0, remote_hits = 0;          // ids asked of owners
-  uint64_t served_leases = 0, served_lease_bytes = 0;    // blocks other members read here
+  uint64_t remote_lookups = 0, remote_hits = 0;        // ids asked of owners
+  uint64_t served_leases = 0, served_lease_bytes = 0;  // blocks other members read here
+  uint64_t lease_hashes = 0;  // of them, hashed to answer (no checksum known yet)
   uint64_t served_commits = 0, served_commit_bytes = 0;  // blocks other members stored here
   uint64_t checksum_failures = 0;                        // transfers whose bytes did not match
   uint64_t timeouts = 0;      // calls that missed their deadline or failed

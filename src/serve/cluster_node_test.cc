@@ -534,8 +534,11 @@ TEST(ClusterNode, ABlockCorruptedInTheOwnersArenaIsAMissThroughTheMapping) {
   ASSERT_TRUE(ca->put(id_of(1), good.data(), good.size()).ok());
   ASSERT_TRUE(ca->put(id_of(2), other.data(), other.size()).ok());
   ASSERT_TRUE(a.node->drain(5000));
-  // d's read has the owner compute (and keep) the block's checksum.
   expect_block(cd.get(), id_of(1), good);
+  // The blocks came to their owner with their checksums (a's pushes): the
+  // owner answered d's lease without hashing the block again.
+  EXPECT_GT(b.node->stats().served_leases, 0u);
+  EXPECT_EQ(b.node->stats().lease_hashes, 0u);
   // Flip one byte of block 1 where the owner holds it: found by its bytes
   // in the owner's arena file.
   {
