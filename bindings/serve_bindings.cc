@@ -173,6 +173,7 @@ class PyPoolServer {
     d["fetched"] = s.fetched;
     d["fetched_bytes"] = s.fetched_bytes;
     d["fetched_mapped"] = s.fetched_mapped;
+    d["mapped_leases"] = s.mapped_leases;
     d["map_failures"] = s.map_failures;
     d["remote_lookups"] = s.remote_lookups;
     d["remote_hits"] = s.remote_hits;

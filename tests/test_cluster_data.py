@@ -3,7 +3,12 @@ real etcd, UCX over TCP) store what their clients commit at the blocks'
 owners and fetch what their clients miss from them. A block saved through
 one server is read byte-exact through another; a server killed with SIGKILL
 makes its blocks misses, never hangs or wrong bytes; a server that joins
-takes its share of new blocks; the etcd restarting does not stop reads."""
+takes its share of new blocks; the etcd restarting does not stop reads.
+
+Servers of one host map each other's arenas (map_same_host): the tests run
+with it off ("transport": blocks move over UCX between the processes) and,
+where it changes the data path, on ("mapped": a client copies a block
+straight from its owner's arena, one copy, checked)."""
 
 from __future__ import annotations
 
@@ -58,7 +63,10 @@ def place():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def start(place, i: int, run: int = 0) -> tuple[Server, str]:
+MODES = pytest.mark.parametrize("mapped", [False, True], ids=["transport", "mapped"])
+
+
+def start(place, i: int, run: int = 0, mapped: bool = False) -> tuple[Server, str]:
     d, shms, etcd, servers, _ = place
     shm = f"/dev/shm/cascade-test-cd-{uuid.uuid4().hex[:12]}"
     shms.append(shm)
@@ -74,6 +82,7 @@ def start(place, i: int, run: int = 0) -> tuple[Server, str]:
             "refresh_seconds": 0.2,
             "request_timeout_seconds": TIMEOUT_S,
             "fabrics": "tcp",
+            "map_same_host": mapped,
         },
     }
     section = {
@@ -86,12 +95,12 @@ def start(place, i: int, run: int = 0) -> tuple[Server, str]:
     return srv, f"http://127.0.0.1:{port}"
 
 
-def start_ready(place, i: int, run: int = 0) -> tuple[Server, str]:
+def start_ready(place, i: int, run: int = 0, mapped: bool = False) -> tuple[Server, str]:
     """start() and wait_ready(), with a new metrics port when another
     process took the one chosen (the members' transports listen on
     ephemeral ports too)."""
     for attempt in range(3):
-        srv, url = start(place, i, run=run * 10 + attempt)
+        srv, url = start(place, i, run=run * 10 + attempt, mapped=mapped)
         try:
             srv.wait_ready()
             return srv, url
@@ -125,8 +134,8 @@ def members(url: str) -> float:
         return 0
 
 
-def cluster_up(place, n: int) -> list[tuple[Server, str]]:
-    nodes = [start_ready(place, i) for i in range(n)]
+def cluster_up(place, n: int, mapped: bool = False) -> list[tuple[Server, str]]:
+    nodes = [start_ready(place, i, mapped=mapped) for i in range(n)]
     until(lambda: all(members(u) == n for _, u in nodes), 15, f"{n} members everywhere")
     return nodes
 
@@ -141,8 +150,9 @@ def get_checked(store: cascade.CascadeStore, i: int) -> bool:
     return bool(found)
 
 
-def test_a_block_saved_through_one_server_is_read_through_another(place):
-    nodes = cluster_up(place, 3)
+@MODES
+def test_a_block_saved_through_one_server_is_read_through_another(place, mapped):
+    nodes = cluster_up(place, 3, mapped)
     writer = client(place, nodes[0][0].socket)
     keys = list(range(120))
     writer.put_batch([f"k{i}" for i in keys], [block(i) for i in keys])
@@ -155,7 +165,13 @@ def test_a_block_saved_through_one_server_is_read_through_another(place):
     stats = [scrape(u) for _, u in nodes]
     assert stats[0]["cascade_pool_cluster_push_dropped_total"] == 0
     assert sum(s["cascade_pool_cluster_served_commits_total"] for s in stats[1:]) > 0
-    assert sum(s["cascade_pool_cluster_fetched_blocks_total"] for s in stats[1:]) > 0
+    if mapped:
+        # Read into memory from the owners' arenas (one copy), nothing fetched.
+        assert sum(s["cascade_pool_cluster_mapped_leases_total"] for s in stats[1:]) > 0
+        assert all(s["cascade_pool_cluster_mapped_members"] >= 1 for s in stats[1:])
+    else:
+        assert sum(s["cascade_pool_cluster_fetched_blocks_total"] for s in stats[1:]) > 0
+        assert all(s["cascade_pool_cluster_mapped_leases_total"] == 0 for s in stats)
     assert all(s["cascade_pool_cluster_checksum_failures_total"] == 0 for s in stats)
     assert all(s["cascade_pool_cluster_bad_messages_total"] == 0 for s in stats)
     # The blocks stay in the pool's namespaces: another namespace misses.
@@ -168,8 +184,9 @@ def test_a_block_saved_through_one_server_is_read_through_another(place):
     assert not any(other.contains_batch([f"k{i}" for i in keys]))
 
 
-def test_a_killed_server_means_misses_not_hangs_and_a_new_one_takes_its_share(place):
-    nodes = cluster_up(place, 3)
+@MODES
+def test_a_killed_server_means_misses_not_hangs_and_a_new_one_takes_its_share(place, mapped):
+    nodes = cluster_up(place, 3, mapped)
     writer = client(place, nodes[0][0].socket)
     reader = client(place, nodes[1][0].socket)
     first = list(range(200))
@@ -200,7 +217,7 @@ def test_a_killed_server_means_misses_not_hangs_and_a_new_one_takes_its_share(pl
 
     # node-2 comes back (a new process, a new generation): it takes its
     # share of new puts, and the reader fetches them from it.
-    back, url = start_ready(place, 2, run=1)
+    back, url = start_ready(place, 2, run=1, mapped=mapped)
     until(lambda: all(members(u) == 3 for u in (nodes[0][1], nodes[1][1], url)), 15, "rejoin")
     third = list(range(300, 420))
     writer.put_batch([f"k{i}" for i in third], [block(i) for i in third])
@@ -237,8 +254,9 @@ def test_reads_go_on_while_the_coordination_service_restarts(place):
     assert all(get_checked(reader, i) for i in more)
 
 
-def test_a_stopped_server_costs_each_read_at_most_its_deadline(place):
-    nodes = cluster_up(place, 3)
+@MODES
+def test_a_stopped_server_costs_each_read_at_most_its_deadline(place, mapped):
+    nodes = cluster_up(place, 3, mapped)
     writer = client(place, nodes[0][0].socket)
     keys = list(range(150))
     writer.put_batch([f"k{i}" for i in keys], [block(i) for i in keys])

@@ -20,7 +20,7 @@ import pytest
 import cascade
 from cascade import _core
 from etcd_process import ETCD, SKIP_REASON
-from test_cluster_data import TIMEOUT_S, cluster_up, place, start_ready  # noqa: F401
+from test_cluster_data import TIMEOUT_S, members, place, start_ready, until  # noqa: F401
 from test_serve import scrape
 
 pytestmark = [
@@ -38,7 +38,10 @@ def content(n: int) -> np.ndarray:
 
 def test_soak_members_killed_and_restarted_while_clients_read_and_write(place):  # noqa: F811
     d, shms, etcd, servers, clients = place
-    nodes = cluster_up(place, 4)
+    # The readers' servers: node 0 reads the owners' arenas mapped (one
+    # copy), node 1 over the transport.
+    nodes = [start_ready(place, i, mapped=i == 0) for i in range(4)]
+    until(lambda: all(members(u) == 4 for _, u in nodes), 15, "4 members everywhere")
     stop = threading.Event()
     wrong: list[str] = []
     counts = {"puts": 0, "hits": 0, "misses": 0, "errors": 0, "kills": 0, "etcd_restarts": 0}

@@ -179,6 +179,12 @@ CLUSTER_DATA_METRICS = [
         "Blocks brought here by copying from a mapped arena of a member on this host",
     ),
     (
+        "cluster_mapped_leases_total",
+        "mapped_leases",
+        "counter",
+        "Blocks clients read straight from the arena of a member on this host",
+    ),
+    (
         "cluster_mapped_members",
         "mapped",
         "gauge",

@@ -19,8 +19,8 @@
 #include "cascade/store.h"
 #include "os/file_mapping.h"
 #include "serve/cluster_wire.h"
-#include "tiers/remote/block_checksum.h"
 #include "transport/transport.h"
+#include "util/block_checksum.h"
 #include "util/copy_bytes.h"
 #include "util/thread_pool.h"
 
@@ -120,6 +120,9 @@ struct LinkSlot {
   // The member's arena file mapped (same host), from its Hello reply; dropped
   // with its connections, so a member that is gone pins no memory here.
   std::shared_ptr<const ReadOnlyMapping> mapped;
+  uint32_t mapped_index = 0;  // a number for this mapping, never reused
+  MappedArenaFile mapped_file;
+  uint32_t lease_expiry_ms = 0;  // the member's (HostArena)
 };
 
 // A member that said Hello (the owning side): what it holds here.
@@ -213,6 +216,8 @@ class ClusterNode::Impl {
       timeouts{0};
   std::atomic<uint64_t> expired{0}, bad_messages{0};
   std::atomic<uint64_t> fetched_mapped{0}, map_failures{0}, lease_hashes{0};
+  std::atomic<uint64_t> mapped_leases{0};
+  std::atomic<uint32_t> next_mapping{1};
   std::atomic<int64_t> peer_leases{0}, peer_reservations{0};
 
   Deadline deadline() const {
@@ -223,7 +228,7 @@ class ClusterNode::Impl {
     return ring;
   }
   uint64_t checksum(const void* p, uint64_t n) const {
-    return options.verify ? remote::block_checksum(p, n) : 0;
+    return options.verify ? block_checksum(p, n) : 0;
   }
 
   // Checksums of blocks held here, remembered from the first lease that
@@ -249,7 +254,7 @@ class ClusterNode::Impl {
       auto it = sums.find(id);
       if (it != sums.end()) return it->second;
     }
-    const uint64_t sum = remote::block_checksum(p, n);
+    const uint64_t sum = block_checksum(p, n);
     lease_hashes.fetch_add(1, std::memory_order_relaxed);
     remember(id, sum);
     return sum;
@@ -471,8 +476,15 @@ class ClusterNode::Impl {
       // fails (another mount namespace, another user, a file replaced).
       auto mapped =
           map_file_read_only(arena_path, ha.device, ha.inode, ha.file_offset, hr.arena_bytes);
-      if (mapped.ok()) s->mapped = std::move(mapped.value());
-      else map_failures.fetch_add(1, std::memory_order_relaxed);
+      if (mapped.ok()) {
+        s->mapped = std::move(mapped.value());
+        s->mapped_index = next_mapping.fetch_add(1, std::memory_order_relaxed);
+        s->mapped_file =
+            MappedArenaFile{arena_path, ha.device, ha.inode, ha.file_offset, hr.arena_bytes};
+        s->lease_expiry_ms = ha.lease_expiry_ms;
+      } else {
+        map_failures.fetch_add(1, std::memory_order_relaxed);
+      }
     }
     auto link = std::make_shared<Link>();
     link->mapped = s->mapped;
@@ -486,6 +498,21 @@ class ClusterNode::Impl {
 
   void lookup(std::span<const BlockId> ids, std::span<uint8_t> found, std::span<uint64_t> sizes);
   void fetch(std::span<const BlockId> ids, std::span<uint8_t> got);
+  void lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out);
+  void release_mapped(std::span<const MappedLease> leases);
+  // The slot whose current mapping has this index, or null.
+  std::shared_ptr<LinkSlot> slot_of_mapping(uint32_t index) {
+    std::vector<std::shared_ptr<LinkSlot>> all;
+    {
+      std::lock_guard<std::mutex> l(links_mu);
+      for (auto& [id, slot] : links) all.push_back(slot);
+    }
+    for (auto& slot : all) {
+      std::lock_guard<std::mutex> sl(slot->mu);
+      if (slot->mapped && slot->mapped_index == index) return slot;
+    }
+    return nullptr;
+  }
   void fetch_from(const ClusterMember& m, size_t lane, std::span<const BlockId> ids,
                   const std::vector<size_t>& which, std::span<uint8_t> got);
   void push_loop();
@@ -698,8 +725,7 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
       const size_t k = moving[j];
       const cluster::LeaseReply& l = lr[leased[k]];
       const uint8_t* from = ln.mapped->data() + l.offset;
-      if (options.verify)
-        sums[k] = remote::copy_with_checksum(arena.base + res[k].offset, from, l.size);
+      if (options.verify) sums[k] = copy_with_checksum(arena.base + res[k].offset, from, l.size);
       else copy_bytes(arena.base + res[k].offset, from, l.size);
     };
     // Over the call pool (parallel_for may run inside one of its jobs).
@@ -734,8 +760,8 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
   for (size_t k : moving) {
     const cluster::LeaseReply& l = lr[leased[k]];
     const uint64_t sum = !options.verify ? 0
-                         : sums.empty() ? remote::block_checksum(arena.base + res[k].offset, l.size)
-                                        : sums[k];
+                         : sums.empty()  ? block_checksum(arena.base + res[k].offset, l.size)
+                                         : sums[k];
     if (options.verify && (l.checksum == 0 || sum != l.checksum)) {
       checksum_failures.fetch_add(1, std::memory_order_relaxed);
       store->abort(res[k]);
@@ -755,6 +781,106 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
     got[which[leased[good_k[j]]]] = 1;
     fetched.fetch_add(1, std::memory_order_relaxed);
     fetched_bytes.fetch_add(good[j].size, std::memory_order_relaxed);
+  }
+}
+
+// ---- leases on mapped arenas -------------------------------------------------------
+
+void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out) {
+  auto r = current();
+  if (!r || r->view.members.empty()) return;
+  for (int round = 0; round < 2; ++round) {
+    std::map<uint32_t, std::vector<size_t>> by_member;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (out[i].arena != 0) continue;
+      uint32_t o[2];
+      int n;
+      owners_of(*r, ids[i], o, &n);
+      if (round < n) by_member[o[round]].push_back(i);
+    }
+    if (by_member.empty()) return;
+    std::vector<std::pair<uint32_t, std::vector<size_t>>> groups(by_member.begin(),
+                                                                 by_member.end());
+    for_each_call(groups.size(), [&](size_t g) {
+      const auto& [mi, which] = groups[g];
+      const ClusterMember& m = r->view.members[mi];
+      auto s = slot_of(m);
+      auto link = link_to(s, m);
+      if (!link.ok() || !(*link)->mapped) return;
+      uint32_t index, expiry_ms;
+      {
+        std::lock_guard<std::mutex> l(s->mu);
+        if (s->mapped != (*link)->mapped) return;
+        index = s->mapped_index;
+        expiry_ms = s->lease_expiry_ms;
+      }
+      const Link& ln = **link;
+      for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
+        const size_t e = std::min(which.size(), b + cluster::kMaxItems);
+        std::vector<uint8_t> items;
+        items.reserve((e - b) * 16);
+        for (size_t j = b; j < e; ++j) put_item(&items, ids[which[j]].bytes);
+        // The owner grants after this: its leases last at least its expiry
+        // from now.
+        const Clock::time_point sent = Clock::now();
+        auto reply = call(ln, Op::kLease, static_cast<uint32_t>(e - b), items, deadline());
+        if (!reply.ok()) {
+          fail(s, *link);
+          return;
+        }
+        const int64_t valid_until =
+            std::chrono::duration_cast<std::chrono::nanoseconds>(
+                (sent + std::chrono::milliseconds(expiry_ms)).time_since_epoch())
+                .count();
+        std::vector<uint8_t> refused;
+        uint32_t refused_count = 0;
+        for (size_t j = b; j < e; ++j) {
+          auto l = item_at<cluster::LeaseReply>(reply->data(), j - b);
+          if (l.code != 0) continue;
+          if (l.size > ln.arena_bytes || l.offset > ln.arena_bytes - l.size ||
+              (options.verify && l.checksum == 0)) {
+            bad_messages.fetch_add(1, std::memory_order_relaxed);
+            put_item(&refused, cluster::TokenItem{l.token});
+            ++refused_count;
+            continue;
+          }
+          MappedLease& o = out[which[j]];
+          o.arena = index;
+          o.lane = static_cast<uint32_t>(ln.lane);
+          o.flags = l.flags;
+          o.offset = l.offset;
+          o.size = l.size;
+          o.token = l.token;
+          o.checksum = options.verify ? l.checksum : 0;
+          o.valid_until_ns = valid_until;
+          mapped_leases.fetch_add(1, std::memory_order_relaxed);
+        }
+        if (refused_count > 0) (void)call(ln, Op::kRelease, refused_count, refused, deadline());
+      }
+    });
+  }
+}
+
+void ClusterNode::Impl::release_mapped(std::span<const MappedLease> leases) {
+  std::map<std::pair<uint32_t, uint32_t>, std::vector<uint8_t>> by_link;
+  for (const MappedLease& l : leases)
+    if (l.arena != 0) put_item(&by_link[{l.arena, l.lane}], cluster::TokenItem{l.token});
+  for (auto& [key, tokens] : by_link) {
+    auto s = slot_of_mapping(key.first);
+    if (!s) continue;  // gone: the owner ends them at expiry, or ended them already
+    std::shared_ptr<Link> link;
+    {
+      std::lock_guard<std::mutex> l(s->mu);
+      if (key.second < s->links.size()) link = s->links[key.second];
+    }
+    if (!link) continue;
+    const size_t item = sizeof(cluster::TokenItem);
+    const size_t n = tokens.size() / item;
+    for (size_t b = 0; b < n; b += cluster::kMaxItems) {
+      const size_t m = std::min<size_t>(n - b, cluster::kMaxItems);
+      std::vector<uint8_t> part(tokens.begin() + b * item, tokens.begin() + (b + m) * item);
+      (void)call(*link, Op::kRelease, static_cast<uint32_t>(m), part, deadline());
+    }
   }
 }
 
@@ -1193,8 +1319,8 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
       for (uint32_t k = 0; k < count; ++k) {
         if (!taken[k]) continue;
         const uint64_t want = item_at<cluster::CommitItem>(items, k).checksum;
-        if (options.verify && (want == 0 || remote::block_checksum(arena.base + taken[k]->offset,
-                                                                   taken[k]->size) != want)) {
+        if (options.verify &&
+            (want == 0 || block_checksum(arena.base + taken[k]->offset, taken[k]->size) != want)) {
           checksum_failures.fetch_add(1, std::memory_order_relaxed);
           store->abort(*taken[k]);
           replies[k].code = static_cast<uint32_t>(Code::kCorruption);
@@ -1337,6 +1463,7 @@ Result<std::unique_ptr<ClusterNode>> ClusterNode::Start(CascadeStore* store, Sha
     ha.inode = impl->arena_file.inode;
     ha.file_offset = arena.file_offset;
     ha.path_bytes = static_cast<uint32_t>(impl->arena_file.path.size());
+    ha.lease_expiry_ms = options.lease_expiry_ms;
   }
   for (uint32_t i = 0; i < options.lanes; ++i) {
     auto t = Transport::Open(to);
@@ -1451,6 +1578,25 @@ void ClusterNode::fetch(std::span<const BlockId> ids, std::span<uint8_t> fetched
   impl_->fetch(ids, fetched);
 }
 
+void ClusterNode::lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out) {
+  if (impl_->stopping.load() || !impl_->options.map_same_host) return;
+  impl_->lease_mapped(ids, out);
+}
+
+void ClusterNode::release_mapped(std::span<const MappedLease> leases) {
+  if (impl_->stopping.load()) return;
+  impl_->release_mapped(leases);
+}
+
+Result<MappedArenaFile> ClusterNode::mapped_arena(uint32_t index) const {
+  auto s = impl_->slot_of_mapping(index);
+  if (!s) return Status::NotFound("no member's arena is mapped as " + std::to_string(index));
+  std::lock_guard<std::mutex> l(s->mu);
+  if (!s->mapped || s->mapped_index != index)
+    return Status::NotFound("no member's arena is mapped as " + std::to_string(index));
+  return s->mapped_file;
+}
+
 void ClusterNode::publish(std::span<const BlockId> ids) {
   if (ids.empty() || impl_->stopping.load()) return;
   {
@@ -1512,6 +1658,7 @@ ClusterStats ClusterNode::stats() const {
   s.fetched_mapped = get(i.fetched_mapped);
   s.map_failures = get(i.map_failures);
   s.lease_hashes = get(i.lease_hashes);
+  s.mapped_leases = get(i.mapped_leases);
   s.peer_leases = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_leases.load()));
   s.peer_reservations = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_reservations.load()));
   return s;

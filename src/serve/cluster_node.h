@@ -99,6 +99,7 @@ struct ClusterStats {
   uint64_t push_dropped = 0;                // ids not pushed (queue full, failures)
   uint64_t fetched = 0, fetched_bytes = 0;  // blocks brought here from owners
   uint64_t fetched_mapped = 0;              // of them, copied from a mapped arena (same host)
+  uint64_t mapped_leases = 0;               // leases clients read from a member's mapped arena
   uint64_t map_failures = 0;                // members on this host whose arena could not be mapped
   uint64_t remote_lookups = 0, remote_hits = 0;        // ids asked of owners
   uint64_t served_leases = 0, served_lease_bytes = 0;  // blocks other members read here
@@ -109,6 +110,28 @@ struct ClusterStats {
   uint64_t expired = 0;       // leases and reservations of members that never ended them
   uint64_t bad_messages = 0;  // malformed requests or replies
   uint64_t peer_leases = 0, peer_reservations = 0;  // held here by other members now
+};
+
+// A lease at a member whose arena is mapped here (same host): where the
+// block is in that arena, as the node server's clients map it too.
+struct MappedLease {
+  uint32_t arena = 0;  // the mapping's index (mapped_arena); 0: not leased
+  uint32_t lane = 0;   // the lane the lease was taken on (for its release)
+  uint32_t flags = 0;  // pool::kPrefix
+  uint64_t offset = 0, size = 0;
+  uint64_t token = 0;     // the owner's
+  uint64_t checksum = 0;  // of the block's bytes; 0 when members do not verify
+  // The owner keeps the lease at least until then (steady clock, which is
+  // the same clock for every process of the host).
+  int64_t valid_until_ns = 0;
+};
+
+// A member's arena as a file of this host, for a process that maps it.
+struct MappedArenaFile {
+  std::string path;
+  uint64_t device = 0, inode = 0;
+  uint64_t file_offset = 0;  // where the arena starts in the file
+  uint64_t bytes = 0;
 };
 
 class ClusterNode {
@@ -136,6 +159,17 @@ class ClusterNode {
   // Brings the ids from their owners into the store; fetched[i] set for
   // those now in the store's top tier.
   void fetch(std::span<const BlockId> ids, std::span<uint8_t> fetched);
+  // For each id without out[i].arena whose owner's arena is mapped here:
+  // leases it at the owner and fills out[i]. Ids of other owners, or that
+  // the owner lacks, are left as they are.
+  void lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out);
+  // Ends leases lease_mapped granted. Those of arenas no longer mapped end
+  // at the owner's expiry.
+  void release_mapped(std::span<const MappedLease> leases);
+  // The mapped arena with this index; NotFound once it is no longer mapped
+  // (its member failed, left or came back as another generation).
+  Result<MappedArenaFile> mapped_arena(uint32_t index) const;
+
   // Queues committed ids for their owners (a no-op for ids owned here).
   void publish(std::span<const BlockId> ids);
   // Waits until every id published before the call was pushed or dropped,

@@ -504,11 +504,22 @@ TEST(ClusterNode, MembersOnOneHostCopyFromTheOwnersMappedArena) {
   }
   ASSERT_TRUE(a.node->drain(5000));
   ASSERT_EQ(a.node->stats().push_dropped, 0u);
-  for (int i = 0; i < kBlocks; ++i)
+  // Views (acquire) need the block in b's own arena: fetched, copied from
+  // the mapping. Reads into memory (get) of the others: b's client copies
+  // them straight from a's arena, which it maps too.
+  for (int i = 0; i < kBlocks; i += 2) {
+    auto v = cb->acquire(id_of(i));
+    ASSERT_TRUE(v.ok()) << v.status().ToString();
+    const auto want = bytes_of(i, 4096 * (1 + i % 16));
+    ASSERT_EQ(v->size(), want.size());
+    EXPECT_EQ(0, std::memcmp(v->data(), want.data(), want.size())) << i;
+  }
+  for (int i = 1; i < kBlocks; i += 2)
     expect_block(cb.get(), id_of(i), bytes_of(i, 4096 * (1 + i % 16)));
   const ClusterStats sb = b.node->stats();
   EXPECT_GT(sb.fetched, 0u);
   EXPECT_EQ(sb.fetched_mapped, sb.fetched);  // every fetch copied from the mapping
+  EXPECT_GT(sb.mapped_leases, 0u);           // reads leased where the blocks are
   EXPECT_EQ(sb.mapped, 1u);
   EXPECT_EQ(sb.map_failures, 0u);
   EXPECT_EQ(sb.checksum_failures, 0u);
@@ -557,15 +568,19 @@ TEST(ClusterNode, ABlockCorruptedInTheOwnersArenaIsAMissThroughTheMapping) {
     ::munmap(p, st.st_size);
     ::close(fd);
   }
+  // Read into memory, c's client copies from b's arena and checks: a miss.
   std::vector<uint8_t> out(good.size());
   GetResult r;
   ASSERT_TRUE(cc->get(id_of(1), out.data(), out.size(), &r).ok());
-  EXPECT_FALSE(r.found);                    // a miss, never the corrupted bytes
-  expect_block(cc.get(), id_of(2), other);  // the intact block is served
+  EXPECT_FALSE(r.found);  // a miss, never the corrupted bytes
+  EXPECT_GT(c.node->stats().mapped_leases, 0u);
+  // As a view, c's server fetches it from the mapping and checks: a miss.
+  EXPECT_TRUE(cc->acquire(id_of(1)).status().is(Code::kNotFound));
   const ClusterStats sc = c.node->stats();
   EXPECT_EQ(sc.mapped, 1u);
   EXPECT_GE(sc.checksum_failures, 1u);
-  EXPECT_EQ(sc.fetched, 1u);  // block 2 only
+  EXPECT_EQ(sc.fetched, 0u);
+  expect_block(cc.get(), id_of(2), other);  // the intact block is served
 }
 
 TEST(ClusterNode, AMemberLeavingTheViewIsUnmapped) {
@@ -582,8 +597,11 @@ TEST(ClusterNode, AMemberLeavingTheViewIsUnmapped) {
   const int before = mappings_of(a.shm_path);
   expect_block(cb.get(), id_of(1), data);
   EXPECT_EQ(b.node->stats().mapped, 1u);
-  EXPECT_EQ(mappings_of(a.shm_path), before + 1);
-  // b's view without a: the mapping of a's arena goes with it.
+  EXPECT_GT(b.node->stats().mapped_leases, 0u);
+  // b's server maps a's arena, and so does b's client, which read from it.
+  EXPECT_EQ(mappings_of(a.shm_path), before + 2);
+  // b's view without a: b's mapping of a's arena goes at once, its client's
+  // within a couple of seconds.
   ClusterView alone;
   alone.version = 2;
   alone.members.push_back(ClusterMember{"b", 7, b.node->address()});
@@ -591,6 +609,9 @@ TEST(ClusterNode, AMemberLeavingTheViewIsUnmapped) {
   alone.owners.push_back(0);
   ASSERT_TRUE(b.node->set_view(alone).ok());
   EXPECT_EQ(b.node->stats().mapped, 0u);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (mappings_of(a.shm_path) > before && std::chrono::steady_clock::now() - t0 < 5s)
+    std::this_thread::sleep_for(50ms);
   EXPECT_EQ(mappings_of(a.shm_path), before);
 }
 
@@ -609,6 +630,7 @@ TEST(ClusterNode, WithoutMappingMembersOnOneHostUseTheTransport) {
   const ClusterStats sb = b.node->stats();
   EXPECT_EQ(sb.fetched, 1u);
   EXPECT_EQ(sb.fetched_mapped, 0u);
+  EXPECT_EQ(sb.mapped_leases, 0u);
   EXPECT_EQ(sb.mapped, 0u);
 }
 

@@ -90,7 +90,9 @@ struct HostArena {
   uint64_t inode;        // st_ino of the arena file
   uint64_t file_offset;  // where the arena starts in the file
   uint32_t path_bytes;   // the path follows: 0 .. kMaxPathBytes
-  uint32_t reserved;
+  // The owner keeps a lease at least this long after it receives the
+  // request (its lease_expiry_ms).
+  uint32_t lease_expiry_ms;
 };
 static_assert(sizeof(HostArena) == 72);
 

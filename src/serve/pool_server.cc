@@ -87,6 +87,8 @@ struct PoolClient {
   struct Shard {
     std::mutex mu;  // guards the maps and next
     std::unordered_map<uint64_t, BlockView> leases;
+    // Leases a cluster member of this host holds for the client (kLeaseRead).
+    std::unordered_map<uint64_t, MappedLease> mapped;
     std::unordered_map<uint64_t, Reservation> reservations;
     uint64_t next = 1;
   };
@@ -144,7 +146,7 @@ struct PoolClient {
     size_t n = 0;
     for (uint32_t i = 0; i < nch; ++i) {
       std::lock_guard<std::mutex> l(shards[i].mu);
-      n += shards[i].leases.size();
+      n += shards[i].leases.size() + shards[i].mapped.size();
     }
     return n;
   }
@@ -633,18 +635,23 @@ void PoolServer::Impl::cleanup(PoolClient* c) {
   c->dead.store(true);
   while (c->inside.load() != 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
   size_t leases = 0, reservations = 0;
+  std::vector<MappedLease> mapped;
   for (uint32_t i = 0; i < c->nch && c->shards; ++i) {
     PoolClient::Shard& sh = c->shards[i];
     std::unordered_map<uint64_t, Reservation> open;
     {
       std::lock_guard<std::mutex> l(sh.mu);
-      leases += sh.leases.size();
+      leases += sh.leases.size() + sh.mapped.size();
       reservations += sh.reservations.size();
       sh.leases.clear();
+      for (auto& [token, m] : sh.mapped) mapped.push_back(m);
+      sh.mapped.clear();
       open.swap(sh.reservations);
     }
     for (auto& [token, r] : open) store->abort(r);
   }
+  if (!mapped.empty())
+    if (ClusterNode* cn = cluster_node()) cn->release_mapped(mapped);
   reclaimed_leases.fetch_add(leases);
   reclaimed_reservations.fetch_add(reservations);
   if (c->channel_fd >= 0) ::close(c->channel_fd);
@@ -875,7 +882,7 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
   }
   std::memcpy(&h, req, sizeof h);
   const Op op = static_cast<Op>(h.op);
-  if (h.op < static_cast<uint32_t>(Op::kLookup) || h.op > static_cast<uint32_t>(Op::kPing)) {
+  if (h.op < static_cast<uint32_t>(Op::kLookup) || h.op > static_cast<uint32_t>(Op::kArena)) {
     malformed.fetch_add(1);
     return error_reply(reply, Status::InvalidArgument("unknown op " + std::to_string(h.op)));
   }
@@ -1095,6 +1102,7 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
     }
     case Op::kRelease: {
       std::vector<BlockView> ended;  // leases end outside the client's lock
+      std::vector<MappedLease> ended_mapped;
       ended.reserve(count);
       c->by_shard(count, take_token, [&](PoolClient::Shard* sh, uint32_t k) {
         pool::CodeReply r{static_cast<uint32_t>(Code::kInvalidArgument)};
@@ -1104,11 +1112,117 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
             ended.push_back(std::move(it->second));
             sh->leases.erase(it);
             r.code = 0;
+          } else if (auto m = sh->mapped.find(take_token(k)); m != sh->mapped.end()) {
+            ended_mapped.push_back(m->second);
+            sh->mapped.erase(m);
+            r.code = 0;
           }
         }
         put_out(k, r);
       });
-      c->lease_count.fetch_sub(ended.size(), std::memory_order_relaxed);
+      c->lease_count.fetch_sub(ended.size() + ended_mapped.size(), std::memory_order_relaxed);
+      if (!ended_mapped.empty())
+        if (ClusterNode* cn = cluster_node()) cn->release_mapped(ended_mapped);
+      break;
+    }
+    case Op::kLeaseRead: {
+      const size_t room =
+          kMaxLeasesPerClient -
+          std::min(c->lease_count.load(std::memory_order_relaxed), kMaxLeasesPerClient);
+      const uint32_t asked = static_cast<uint32_t>(std::min<size_t>(count, room));
+      std::vector<BlockId> ids(asked);
+      for (uint32_t k = 0; k < asked; ++k) ids[k] = c->scoped(items + k * 16);
+      std::vector<BlockView> views;
+      std::vector<Status> st;
+      store->acquire_batch(ids, &views, &st);
+      // What this server lacks: first from the arenas of members of this
+      // host that hold it (the client copies from there), then fetched.
+      std::vector<MappedLease> mapped(asked);
+      if (ClusterNode* cn = cluster_node()) {
+        std::vector<BlockId> missed;
+        std::vector<uint32_t> where;
+        for (uint32_t k = 0; k < asked; ++k)
+          if (st[k].is(Code::kNotFound)) {
+            missed.push_back(ids[k]);
+            where.push_back(k);
+          }
+        if (!missed.empty()) {
+          std::vector<MappedLease> got(missed.size());
+          cn->lease_mapped(missed, got);
+          for (size_t j = 0; j < missed.size(); ++j) {
+            if (got[j].arena == 0) continue;
+            mapped[where[j]] = got[j];
+            st[where[j]] = Status::OK();
+          }
+          fetch_missing(cn, ids, &views, &st);
+        }
+      }
+      uint32_t granted = 0;
+      uint64_t leased = 0;
+      std::vector<pool::LeaseReadReply> replies(count);
+      {
+        PoolClient::Shard& sh = c->shards[channel];
+        std::lock_guard<std::mutex> l(sh.mu);
+        for (uint32_t k = 0; k < count; ++k) {
+          pool::LeaseReadReply& r = replies[k];
+          if (k >= asked) {
+            r.code = static_cast<uint32_t>(Code::kBusy);
+            continue;
+          }
+          r.code = code_of(st[k]);
+          if (!st[k].ok()) continue;
+          if (mapped[k].arena != 0) {
+            const MappedLease& m = mapped[k];
+            r.arena = m.arena;
+            r.flags = m.flags;
+            r.offset = m.offset;
+            r.size = m.size;
+            r.checksum = m.checksum;
+            r.valid_until_ns = m.valid_until_ns;
+            r.token = c->token(channel);
+            sh.mapped.emplace(r.token, m);
+          } else {
+            const uint8_t* p = views[k].data();
+            if (views[k].kind() != MemoryKind::kHost || p < arena.base ||
+                p + views[k].size() > arena.base + arena.capacity) {
+              r.code = static_cast<uint32_t>(Code::kUnavailable);
+              continue;
+            }
+            r.offset = static_cast<uint64_t>(p - arena.base);
+            r.size = views[k].size();
+            r.token = c->token(channel);
+            sh.leases.emplace(r.token, std::move(views[k]));
+          }
+          leased += r.size;
+          ++granted;
+        }
+      }
+      c->lease_count.fetch_add(granted, std::memory_order_relaxed);
+      leases_granted.fetch_add(granted, std::memory_order_relaxed);
+      bytes_leased.fetch_add(leased, std::memory_order_relaxed);
+      for (uint32_t k = 0; k < count; ++k) put_out(k, replies[k]);
+      break;
+    }
+    case Op::kArena: {
+      if (count != 1) return error_reply(reply, Status::InvalidArgument("kArena takes one item"));
+      pool::ArenaItem item;
+      std::memcpy(&item, items, sizeof item);
+      pool::ArenaReply r{};
+      ClusterNode* cn = cluster_node();
+      Result<MappedArenaFile> f = cn ? cn->mapped_arena(item.index)
+                                     : Result<MappedArenaFile>(Status::NotFound("no cluster"));
+      r.code = code_of(f.status());
+      if (f.ok() && f->path.size() <= pool::kMaxPathBytes) {
+        r.path_bytes = static_cast<uint32_t>(f->path.size());
+        r.device = f->device;
+        r.inode = f->inode;
+        r.file_offset = f->file_offset;
+        r.bytes = f->bytes;
+        std::memcpy(r.path, f->path.data(), f->path.size());
+      } else if (f.ok()) {
+        r.code = static_cast<uint32_t>(Code::kNotFound);
+      }
+      std::memcpy(out, &r, sizeof r);
       break;
     }
     case Op::kRemove: {

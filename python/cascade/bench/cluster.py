@@ -13,9 +13,11 @@ Rows, per fabric and block size:
 - remote: blocks saved through a third server and pushed to their owner,
   read by a client of a server that does not hold them: each read leases
   the block at the owner, gets it into this server's arena over the
-  transport (or, servers of one host, copies it from the owner's arena
-  mapped read-only, unless --no-map), verifies its checksum and commits it,
-  then the client copies it out (first reads only: a block is fetched once);
+  transport, verifies its checksum and commits it, then the client copies it
+  out (first reads only: a block is fetched once). Servers of one host
+  (unless --no-map) map each other's arenas read-only: the server leases the
+  block at its owner and the client copies it straight from the owner's
+  arena, checking its checksum on the way (one copy, every read);
 - aggregate with N servers (2..): one client per server writes its own
   blocks (pushed to their owners on the ring), then each reads every other
   client's blocks once; bytes read by all clients over the wall time, and
@@ -221,6 +223,7 @@ def _pair_rows(fabric: str, size: int, total: int, verify: bool, progress) -> di
             "ratio": local_s / remote_s,
             "fetched": stats["fetched"],
             "fetched_mapped": stats["fetched_mapped"],
+            "mapped_leases": stats["mapped_leases"],
             "checksum_failures": stats["checksum_failures"],
         }
     finally:
@@ -425,6 +428,14 @@ def run_cluster_bench(args, progress) -> dict:
     return report
 
 
+def _how_copied(p: dict) -> str:
+    if p.get("mapped_leases"):
+        return "from the owner's arena"  # the client maps it: one copy
+    if p.get("fetched_mapped"):
+        return "fetched, mapped"  # the server copies it in, the client out
+    return "fetched, transport"
+
+
 def format_report(report: dict) -> str:
     out = [
         f"cascade bench cluster{' (quick)' if report['quick'] else ''}: {report['date']}, "
@@ -439,7 +450,7 @@ def format_report(report: dict) -> str:
             p["local_gbps"],
             p["remote_gbps"],
             p["ratio"],
-            "mapped" if p.get("fetched_mapped") else "transport",
+            _how_copied(p),
         ]
         for p in report["pairs"]
     ]

@@ -11,6 +11,8 @@
 
 #include "cuda/device_copy.h"
 #include "os/committed_memory.h"
+#include "util/block_checksum.h"
+#include "util/copy_bytes.h"
 #include "util/errno_status.h"
 
 namespace cascade {
@@ -515,6 +517,11 @@ void PoolTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequ
 void PoolTier::read_chunk(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                           std::span<ReadResult> results, std::span<Status> statuses,
                           bool parallel) {
+  if (std::all_of(reqs.begin(), reqs.end(),
+                  [](const ReadRequest& r) { return r.out_kind == MemoryKind::kHost; })) {
+    read_leased(ids, reqs, results, statuses, parallel);
+    return;
+  }
   std::vector<BlockView> views(ids.size());
   acquire_batch(ids, views, statuses);
   auto copy = [&](size_t i) {
@@ -534,6 +541,189 @@ void PoolTier::read_chunk(std::span<const BlockId> ids, std::span<const ReadRequ
   else
     for (size_t i = 0; i < ids.size(); ++i) copy(i);
   // views end here: their releases are queued
+}
+
+void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                           std::span<ReadResult> results, std::span<Status> statuses,
+                           bool parallel) {
+  struct Leased {
+    const uint8_t* data = nullptr;
+    uint64_t size = 0, token = 0, checksum = 0;
+    int64_t valid_until_ns = 0;
+    uint32_t arena = 0;  // 0: this server's arena
+    std::shared_ptr<const ReadOnlyMapping> member;
+  };
+  const size_t n = ids.size();
+  std::vector<Leased> got(n);
+  std::vector<uint64_t> tokens;  // every lease granted, released at the end
+  for (size_t begin = 0; begin < n; begin += pool::kMaxItems) {
+    const uint32_t m = static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, n - begin));
+    Held held = hold();
+    if (!held.slot()) {
+      for (uint32_t k = 0; k < m; ++k)
+        statuses[begin + k] = Status::Unavailable("every channel to the pool server failed");
+      continue;
+    }
+    Channel& ch = held.slot()->ch;
+    for (uint32_t k = 0; k < m; ++k)
+      std::memcpy(ch.request + sizeof(RequestHeader) + k * 16, ids[begin + k].bytes.data(), 16);
+    ReplyHeader reply;
+    Status st =
+        call(held.slot(), Op::kLeaseRead, m, sizeof(pool::BlockIdItem), &reply, timeout_us_);
+    for (uint32_t k = 0; k < m; ++k) {
+      const size_t i = begin + k;
+      results[i] = ReadResult{};
+      if (!st.ok()) {
+        statuses[i] = st;
+        continue;
+      }
+      pool::LeaseReadReply r;
+      std::memcpy(&r, ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
+      if (r.code != 0) {
+        statuses[i] = wire_status(r.code, "block " + ids[i].hex() + " is not in the pool");
+        if (r.code == static_cast<uint32_t>(Code::kNotFound)) TierCounters::add(counters_.misses);
+        continue;
+      }
+      tokens.push_back(r.token);
+      Leased& g = got[i];
+      g.size = r.size;
+      g.token = r.token;
+      g.arena = r.arena;
+      g.checksum = r.checksum;
+      g.valid_until_ns = r.valid_until_ns;
+      if (r.arena == 0) {
+        if (r.offset > capacity_ || r.size > capacity_ - r.offset) {
+          statuses[i] = Status::Unavailable("the pool server leased a range outside its arena");
+          continue;
+        }
+        g.data = base_ + r.offset;
+      } else {
+        g.data = reinterpret_cast<const uint8_t*>(r.offset);  // placed below
+      }
+      statuses[i] = Status::OK();
+    }
+  }
+  // Blocks in a member's arena: its mapping, made outside the channels.
+  for (size_t i = 0; i < n; ++i) {
+    Leased& g = got[i];
+    if (!statuses[i].ok() || g.arena == 0) continue;
+    const uint64_t offset = reinterpret_cast<uint64_t>(g.data);
+    g.data = nullptr;
+    auto member = member_arena(g.arena);
+    if (!member.ok() || offset > (*member)->size() || g.size > (*member)->size() - offset) {
+      // The server answers the id by fetching it next time; here it is a miss.
+      statuses[i] =
+          Status::NotFound("block " + ids[i].hex() +
+                           ": its member's arena is not "
+                           "mapped here (" +
+                           (member.ok() ? std::string("range") : member.status().message()) + ")");
+      TierCounters::add(counters_.misses);
+      continue;
+    }
+    g.member = std::move(member.value());
+    g.data = g.member->data() + offset;
+  }
+  auto copy = [&](size_t i) {
+    if (!statuses[i].ok()) return;
+    const Leased& g = got[i];
+    results[i].block_size = g.size;
+    uint64_t from = 0, count = 0;
+    Status st = reqs[i].span(g.size, &from, &count);
+    if (st.ok() && g.arena == 0 && count) st = copy_out(reqs[i].out, g.data + from, count, reqs[i]);
+    if (st.ok() && g.arena != 0) {
+      auto* out = static_cast<uint8_t*>(reqs[i].out);
+      // A member's block: its checksum computed on the way (over the whole
+      // block, whatever range is asked), and the lease still held at the end.
+      uint64_t sum = 0;
+      if (g.checksum != 0 && from == 0 && count == g.size) {
+        sum = checksum_of_copy(out, g.data, g.size, pool_, parallel_threshold_);
+      } else {
+        if (g.checksum != 0) sum = block_checksum(g.data, g.size, pool_, parallel_threshold_);
+        if (count) copy_bytes(out, g.data + from, count);
+      }
+      const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::steady_clock::now().time_since_epoch())
+                              .count();
+      if (sum != g.checksum) {
+        st = Status::NotFound("block " + ids[i].hex() + " failed its checksum in a member's arena");
+        TierCounters::add(counters_.misses);
+      } else if (now > g.valid_until_ns) {
+        st = Status::NotFound("block " + ids[i].hex() + ": its lease ended before its copy did");
+        TierCounters::add(counters_.misses);
+      }
+    }
+    if (st.ok()) {
+      results[i].copied = count;
+      TierCounters::add(counters_.hits);
+      TierCounters::add(counters_.bytes_read, count);
+    }
+    statuses[i] = st;
+  };
+  if (parallel && pool_ && n > 1) pool_->parallel_for(n, copy);
+  else
+    for (size_t i = 0; i < n; ++i) copy(i);
+  if (tokens.empty()) return;
+  std::vector<uint64_t> now;
+  {
+    std::lock_guard<std::mutex> lock(release_mu_);
+    release_queue_.insert(release_queue_.end(), tokens.begin(), tokens.end());
+    if (release_queue_.size() >= kReleaseBatch) now.swap(release_queue_);
+  }
+  if (!now.empty()) send_releases(std::move(now));
+  else release_cv_.notify_one();
+}
+
+Result<std::shared_ptr<const ReadOnlyMapping>> PoolTier::member_arena(uint32_t index) {
+  {
+    std::lock_guard<std::mutex> l(members_mu_);
+    auto it = member_arenas_.find(index);
+    if (it != member_arenas_.end()) return it->second;
+  }
+  pool::ArenaReply r{};
+  {
+    Held held = hold();
+    if (!held.slot()) return Status::Unavailable("every channel to the pool server failed");
+    pool::ArenaItem item{index, 0};
+    std::memcpy(held.slot()->ch.request + sizeof(RequestHeader), &item, sizeof item);
+    ReplyHeader reply;
+    CASCADE_RETURN_IF_ERROR(
+        call(held.slot(), Op::kArena, 1, sizeof(pool::ArenaItem), &reply, timeout_us_));
+    std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader), sizeof r);
+  }
+  if (r.code != 0) return wire_status(r.code, "member arena " + std::to_string(index));
+  if (r.path_bytes == 0 || r.path_bytes > pool::kMaxPathBytes)
+    return Status::Unavailable("the pool server described a member arena without a path");
+  auto m = map_file_read_only(std::string(r.path, r.path_bytes), r.device, r.inode, r.file_offset,
+                              r.bytes);
+  if (!m.ok()) return m.status();
+  std::lock_guard<std::mutex> l(members_mu_);
+  auto [it, fresh] = member_arenas_.emplace(index, std::move(m.value()));
+  return it->second;
+}
+
+void PoolTier::forget_gone_arenas() {
+  std::vector<uint32_t> known;
+  {
+    std::lock_guard<std::mutex> l(members_mu_);
+    for (auto& [index, m] : member_arenas_) known.push_back(index);
+  }
+  for (uint32_t index : known) {
+    pool::ArenaReply r{};
+    {
+      Held held = hold();
+      if (!held.slot()) return;
+      pool::ArenaItem item{index, 0};
+      std::memcpy(held.slot()->ch.request + sizeof(RequestHeader), &item, sizeof item);
+      ReplyHeader reply;
+      if (!call(held.slot(), Op::kArena, 1, sizeof(pool::ArenaItem), &reply, timeout_us_).ok())
+        return;
+      std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader), sizeof r);
+    }
+    if (r.code != static_cast<uint32_t>(Code::kNotFound)) continue;
+    // Copies under way keep their own reference; the memory goes with the last.
+    std::lock_guard<std::mutex> l(members_mu_);
+    member_arenas_.erase(index);
+  }
 }
 
 Status PoolTier::read(const BlockId& id, const ReadRequest& req, ReadResult* result) {
@@ -674,8 +864,25 @@ void PoolTier::send_releases(std::vector<uint64_t> tokens) {
 
 void PoolTier::release_loop() {
   std::unique_lock<std::mutex> lock(release_mu_);
+  auto last_check = std::chrono::steady_clock::now();
   while (true) {
-    release_cv_.wait(lock, [&] { return stopping_ || !release_queue_.empty(); });
+    // Every second or so: drop mappings of member arenas the server dropped.
+    release_cv_.wait_for(lock, std::chrono::seconds(1),
+                         [&] { return stopping_ || !release_queue_.empty(); });
+    if (!stopping_ && std::chrono::steady_clock::now() - last_check >= std::chrono::seconds(1)) {
+      last_check = std::chrono::steady_clock::now();
+      bool any;
+      {
+        std::lock_guard<std::mutex> l(members_mu_);
+        any = !member_arenas_.empty();
+      }
+      if (any) {
+        lock.unlock();
+        forget_gone_arenas();
+        lock.lock();
+      }
+    }
+    if (!stopping_ && release_queue_.empty()) continue;
     if (!stopping_) {
       // Gather what a burst of reads releases into one request.
       release_cv_.wait_for(lock, std::chrono::microseconds(500), [&] { return stopping_; });

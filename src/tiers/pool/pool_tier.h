@@ -9,6 +9,13 @@
 //   put_batch:  reserve (1 request) -> copy every block in -> commit (1)
 //   read_batch: lease (1) -> copy every hit out -> release (batched later)
 //   acquire:    lease (1) -> a BlockView on the arena; release when it ends
+// Reads into host memory lease with kLeaseRead: when the server is a member
+// of a cluster and a block is held by a member on this host, the server
+// leases it there and the client copies it from that member's arena, which
+// it maps read-only (asking the server where its file is), checking the
+// block's checksum on the way and that the lease held until the copy ended;
+// a block that fails either check is a miss. Mappings of arenas the server
+// no longer maps are dropped within a second or two.
 // Lease releases are queued and sent in batches (when many are queued, by a
 // background thread shortly after, and at close): a lease only keeps a block
 // from being evicted a little longer.
@@ -25,6 +32,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -33,6 +41,7 @@
 
 #include "cascade/config.h"
 #include "cascade/tier.h"
+#include "os/file_mapping.h"
 #include "tiers/pool/pool_channel.h"
 #include "tiers/tier_counters.h"
 #include "util/thread_pool.h"
@@ -113,6 +122,14 @@ class PoolTier final : public Tier {
                   std::span<ReadResult> results, std::span<Status> statuses, bool parallel);
   Status copy_in(uint8_t* dst, const void* src, uint64_t n, const PutOptions& options);
   Status copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req);
+  // Reads of host destinations: leases where a block may also be in a
+  // cluster member's arena of this host (kLeaseRead), copies, releases.
+  void read_leased(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                   std::span<ReadResult> results, std::span<Status> statuses, bool parallel);
+  // The member arena the server numbered `index`, mapped read-only here.
+  Result<std::shared_ptr<const ReadOnlyMapping>> member_arena(uint32_t index);
+  // Drops the mappings of member arenas the server no longer maps.
+  void forget_gone_arenas();
 
   ThreadPool* const pool_;
   const int64_t timeout_us_;
@@ -148,6 +165,10 @@ class PoolTier final : public Tier {
   std::vector<uint64_t> release_queue_;
   bool stopping_ = false;
   std::thread releaser_;
+
+  // Cluster members' arenas of this host mapped here, by the server's index.
+  std::mutex members_mu_;
+  std::map<uint32_t, std::shared_ptr<const ReadOnlyMapping>> member_arenas_;
 
   mutable TierCounters counters_;
 };

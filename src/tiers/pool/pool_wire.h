@@ -28,11 +28,12 @@
 namespace cascade::pool {
 
 inline constexpr uint32_t kMagic = 0x4c4f4f50;  // "POOL"
-inline constexpr uint32_t kVersion = 2;
+inline constexpr uint32_t kVersion = 3;
 inline constexpr uint32_t kMaxNamespaceBytes = 256;
 inline constexpr uint32_t kMaxChannels = 64;
 inline constexpr uint32_t kMaxItems = 2048;  // items in one request
 inline constexpr uint32_t kMaxMessageBytes = 512;
+inline constexpr uint32_t kMaxPathBytes = 4096;
 
 // ---- handshake (socket) -----------------------------------------------------
 struct Hello {
@@ -91,7 +92,7 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free);
 
 inline constexpr uint64_t kControlBytes = 4096;
 inline constexpr uint64_t kRequestAreaBytes = 16 + 32ULL * kMaxItems;  // largest: reserve
-inline constexpr uint64_t kReplyAreaBytes = 16 + 32ULL * kMaxItems;    // largest: lease
+inline constexpr uint64_t kReplyAreaBytes = 16 + 64ULL * kMaxItems;    // largest: lease_read
 inline constexpr uint64_t kChannelStride =
     kControlBytes + ((kRequestAreaBytes + 4095) & ~4095ULL) + ((kReplyAreaBytes + 4095) & ~4095ULL);
 inline constexpr uint64_t kRequestOffset = kControlBytes;
@@ -108,6 +109,11 @@ enum class Op : uint32_t {
   kFlush = 8,    // no items -> no items
   kStats = 9,    // no items -> one ServerStatsReply
   kPing = 10,    // no items -> no items
+  // As kLease, for a read the client copies out at once: a block a cluster
+  // member of this host holds may be leased there and read from its arena
+  // (LeaseReadReply::arena), which the client maps read-only (kArena).
+  kLeaseRead = 11,  // BlockIdItem -> LeaseReadReply
+  kArena = 12,      // one ArenaItem -> one ArenaReply
 };
 
 struct RequestHeader {
@@ -163,8 +169,36 @@ struct LeaseReply {
 struct CodeReply {
   uint32_t code;
 };
+struct LeaseReadReply {
+  uint32_t code;
+  uint32_t flags;  // kPrefix
+  uint32_t arena;  // 0: the server's arena; else a member's arena (kArena)
+  uint32_t reserved;
+  uint64_t offset;  // in that arena
+  uint64_t size;
+  uint64_t token;     // for release (kRelease)
+  uint64_t checksum;  // arena != 0: the block's checksum (0: not checked)
+  // arena != 0: the lease holds until this time of the host's monotonic
+  // clock (ns); a copy that ends later may have read reused bytes.
+  int64_t valid_until_ns;
+};
+struct ArenaItem {
+  uint32_t index;  // LeaseReadReply::arena
+  uint32_t reserved;
+};
+struct ArenaReply {
+  uint32_t code;  // OK, or NotFound once the arena is no longer mapped
+  uint32_t path_bytes;
+  uint64_t device;  // st_dev and st_ino of the file
+  uint64_t inode;
+  uint64_t file_offset;  // where the arena starts in the file
+  uint64_t bytes;        // the arena's size
+  char path[kMaxPathBytes];
+};
 static_assert(sizeof(ReserveItem) == 32 && sizeof(ReserveReply) == 32 && sizeof(LeaseReply) == 32);
 static_assert(sizeof(LookupReply) == 16 && sizeof(TokenItem) == 8 && sizeof(CodeReply) == 4);
+static_assert(sizeof(LeaseReadReply) == 56 && sizeof(ArenaItem) == 8 &&
+              sizeof(ArenaReply) == 40 + kMaxPathBytes);
 
 struct ServerStatsReply {
   uint64_t clients;
@@ -181,7 +215,9 @@ inline uint64_t request_item_bytes(Op op) {
   switch (op) {
     case Op::kLookup:
     case Op::kLease:
+    case Op::kLeaseRead:
     case Op::kRemove: return sizeof(BlockIdItem);
+    case Op::kArena: return sizeof(ArenaItem);
     case Op::kReserve: return sizeof(ReserveItem);
     case Op::kCommit:
     case Op::kAbort:
@@ -194,6 +230,8 @@ inline uint64_t reply_item_bytes(Op op) {
     case Op::kLookup: return sizeof(LookupReply);
     case Op::kReserve: return sizeof(ReserveReply);
     case Op::kLease: return sizeof(LeaseReply);
+    case Op::kLeaseRead: return sizeof(LeaseReadReply);
+    case Op::kArena: return sizeof(ArenaReply);
     case Op::kCommit:
     case Op::kAbort:
     case Op::kRelease:
@@ -203,6 +241,7 @@ inline uint64_t reply_item_bytes(Op op) {
   }
 }
 static_assert(sizeof(RequestHeader) + 32ULL * kMaxItems <= kRequestAreaBytes);
-static_assert(sizeof(ReplyHeader) + 32ULL * kMaxItems <= kReplyAreaBytes);
+static_assert(sizeof(ReplyHeader) + sizeof(LeaseReadReply) * kMaxItems <= kReplyAreaBytes);
+static_assert(sizeof(ReplyHeader) + sizeof(ArenaReply) <= kReplyAreaBytes);
 
 }  // namespace cascade::pool

@@ -7,7 +7,7 @@
 #include <cerrno>
 #include <string>
 
-#include "tiers/remote/block_checksum.h"
+#include "util/block_checksum.h"
 #include "util/errno_status.h"
 
 namespace cascade::remote {

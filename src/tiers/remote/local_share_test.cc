@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "tiers/remote/block_checksum.h"
+#include "util/block_checksum.h"
 
 namespace cascade::remote {
 namespace {

@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "cuda/device_copy.h"
-#include "tiers/remote/block_checksum.h"
+#include "util/block_checksum.h"
 
 namespace cascade::remote {
 namespace {

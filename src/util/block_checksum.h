@@ -1,5 +1,6 @@
-// Block checksums of the remote tier, and a copy that computes one on the
-// way.
+// Block checksums (of blocks moved between processes and machines: the
+// remote tier, cluster members, node pool clients), and a copy that
+// computes one on the way.
 //
 // The checksum of a block is XXH3-64 (seeded with the block's length) over
 // the XXH3-64 digests of its 1 MiB chunks (chunk i seeded with i), so it is
@@ -15,10 +16,8 @@
 #include <cstdint>
 
 namespace cascade {
-class ThreadPool;
-}
 
-namespace cascade::remote {
+class ThreadPool;
 
 inline constexpr size_t kChecksumChunk = size_t{1} << 20;
 
@@ -29,5 +28,11 @@ uint64_t block_checksum(const void* data, size_t n, ThreadPool* pool = nullptr,
 // Copies n bytes (copy_bytes) and returns the checksum of the source.
 uint64_t copy_with_checksum(void* dst, const void* src, size_t n, ThreadPool* pool = nullptr,
                             size_t parallel_threshold = 4u << 20);
+// Copies n bytes and returns the checksum of the copy: each piece is copied
+// with ordinary stores, then hashed from cache where it landed. For a source
+// another process may change (a block leased in its memory): the checksum
+// is of exactly the bytes the caller now holds.
+uint64_t checksum_of_copy(void* dst, const void* src, size_t n, ThreadPool* pool = nullptr,
+                          size_t parallel_threshold = 4u << 20);
 
-}  // namespace cascade::remote
+}  // namespace cascade

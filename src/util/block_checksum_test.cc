@@ -1,4 +1,4 @@
-#include "tiers/remote/block_checksum.h"
+#include "util/block_checksum.h"
 
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 
 #include "util/thread_pool.h"
 
-namespace cascade::remote {
+namespace cascade {
 namespace {
 
 std::vector<uint8_t> random_bytes(size_t n, uint32_t seed) {
@@ -27,6 +27,10 @@ TEST(BlockChecksum, SameWithAndWithoutThreadsAndCopy) {
     EXPECT_EQ(copy_with_checksum(dst.data() + 1, src.data(), n, &pool, 0), serial) << n;
     EXPECT_TRUE(std::equal(src.begin(), src.end(), dst.begin() + 1)) << n;
     EXPECT_EQ(copy_with_checksum(dst.data(), src.data(), n), serial) << n;
+    std::vector<uint8_t> again(n + 3, 0xee);
+    EXPECT_EQ(checksum_of_copy(again.data() + 3, src.data(), n, &pool, 0), serial) << n;
+    EXPECT_TRUE(std::equal(src.begin(), src.end(), again.begin() + 3)) << n;
+    EXPECT_EQ(checksum_of_copy(again.data(), src.data(), n), serial) << n;
   }
 }
 
@@ -42,4 +46,4 @@ TEST(BlockChecksum, DetectsOneFlippedBitAndLength) {
 }
 
 }  // namespace
-}  // namespace cascade::remote
+}  // namespace cascade

@@ -1,0 +1,74 @@
+#include "util/block_checksum.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "util/copy_bytes.h"
+#include "util/thread_pool.h"
+
+namespace cascade {
+namespace {
+
+constexpr size_t kPiece = 128u << 10;
+
+// How a chunk's copy and hash go together.
+enum class Pass { kHashOnly, kHashThenCopy, kCopyThenHash };
+
+uint64_t chunk_digest(void* dst, const uint8_t* src, size_t n, uint64_t index, Pass pass) {
+  if (pass == Pass::kHashOnly) return XXH3_64bits_withSeed(src, n, index);
+  XXH3_state_t state;
+  XXH3_INITSTATE(&state);
+  XXH3_64bits_reset_withSeed(&state, index);
+  auto* d = static_cast<uint8_t*>(dst);
+  for (size_t off = 0; off < n; off += kPiece) {
+    size_t len = std::min(kPiece, n - off);
+    if (pass == Pass::kHashThenCopy) {
+      XXH3_64bits_update(&state, src + off, len);
+      copy_bytes(d + off, src + off, len);
+    } else {
+      std::memcpy(d + off, src + off, len);
+      XXH3_64bits_update(&state, d + off, len);
+    }
+  }
+  return XXH3_64bits_digest(&state);
+}
+
+uint64_t checksum_impl(void* dst, const void* src, size_t n, ThreadPool* pool, size_t threshold,
+                       Pass pass) {
+  const auto* s = static_cast<const uint8_t*>(src);
+  auto* d = static_cast<uint8_t*>(dst);
+  const size_t chunks = (n + kChecksumChunk - 1) / kChecksumChunk;
+  std::vector<uint64_t> digests(chunks);
+  auto one = [&](size_t i) {
+    size_t off = i * kChecksumChunk;
+    digests[i] =
+        chunk_digest(d ? d + off : nullptr, s + off, std::min(kChecksumChunk, n - off), i, pass);
+  };
+  if (pool != nullptr && n >= threshold && chunks > 1 && pool->size() > 1) {
+    pool->parallel_for(chunks, one);
+  } else {
+    for (size_t i = 0; i < chunks; ++i) one(i);
+  }
+  return XXH3_64bits_withSeed(digests.data(), digests.size() * sizeof(uint64_t), n);
+}
+
+}  // namespace
+
+uint64_t block_checksum(const void* data, size_t n, ThreadPool* pool, size_t parallel_threshold) {
+  return checksum_impl(nullptr, data, n, pool, parallel_threshold, Pass::kHashOnly);
+}
+
+uint64_t copy_with_checksum(void* dst, const void* src, size_t n, ThreadPool* pool,
+                            size_t parallel_threshold) {
+  return checksum_impl(dst, src, n, pool, parallel_threshold, Pass::kHashThenCopy);
+}
+
+uint64_t checksum_of_copy(void* dst, const void* src, size_t n, ThreadPool* pool,
+                          size_t parallel_threshold) {
+  return checksum_impl(dst, src, n, pool, parallel_threshold, Pass::kCopyThenHash);
+}
+
+}  // namespace cascade
