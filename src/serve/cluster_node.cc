@@ -350,13 +350,14 @@ class ClusterNode::Impl {
   }
 
   // The connection to member m on this thread's lane, made (with its
-  // Hello) when there is none.
-  Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s,
-                                        const ClusterMember& m) {
-    return link_to(s, m, my_lane());
+  // Hello) when there is none. Connecting, with the one or two Hellos it
+  // takes, ends by `until`: the deadline of the call the link is for.
+  Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s, const ClusterMember& m,
+                                        Deadline until) {
+    return link_to(s, m, my_lane(), until);
   }
   Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s, const ClusterMember& m,
-                                        size_t lane) {
+                                        size_t lane, Deadline until) {
     std::lock_guard<std::mutex> l(s->mu);
     if (s->links[lane] && s->links[lane]->peer->health().ok()) return s->links[lane];
     if (s->links[lane]) {
@@ -370,7 +371,7 @@ class ClusterNode::Impl {
     // The member's lane addresses come with the reply to a Hello on its
     // published address (its lane 0).
     if (s->lane_addresses.empty()) {
-      auto first = connect_locked(s, m, lane, m.address);
+      auto first = connect_locked(s, m, lane, m.address, until);
       if (!first.ok()) return first.status();
       if (s->lane_addresses.empty()) s->lane_addresses.push_back(m.address);
       const size_t want = lane % s->lane_addresses.size();
@@ -380,15 +381,15 @@ class ClusterNode::Impl {
       first.value()->peer->close();
       s->links[lane].reset();
     }
-    return connect_locked(s, m, lane, s->lane_addresses[lane % s->lane_addresses.size()]);
+    return connect_locked(s, m, lane, s->lane_addresses[lane % s->lane_addresses.size()], until);
   }
 
   // Connects local lane `lane` to `address` (one of m's lanes) and says
-  // Hello. REQUIRES: s->mu held.
+  // Hello, by `until`. REQUIRES: s->mu held.
   Result<std::shared_ptr<Link>> connect_locked(const std::shared_ptr<LinkSlot>& s,
                                                const ClusterMember& m, size_t lane,
-                                               const std::vector<uint8_t>& address) {
-    const Deadline until = deadline();
+                                               const std::vector<uint8_t>& address,
+                                               Deadline until) {
     auto fail_now = [&](const Status& st) -> Status {
       timeouts.fetch_add(1, std::memory_order_relaxed);
       s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
@@ -487,8 +488,11 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
     for_each_call(groups.size(), [&](size_t g) {
       const auto& [mi, which] = groups[g];
       const ClusterMember& m = r->view.members[mi];
+      // A connect and the first batch share one deadline, which runs while
+      // another thread holds the slot too.
+      const Deadline first = deadline();
       auto s = slot_of(m);
-      auto link = link_to(s, m);
+      auto link = link_to(s, m, first);
       if (!link.ok()) return;
       for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
         const size_t e = std::min(which.size(), b + cluster::kMaxItems);
@@ -496,7 +500,8 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
         items.reserve((e - b) * 16);
         for (size_t j = b; j < e; ++j) put_item(&items, ids[which[j]].bytes);
         remote_lookups.fetch_add(e - b, std::memory_order_relaxed);
-        auto reply = call(**link, Op::kLookup, static_cast<uint32_t>(e - b), items, deadline());
+        auto reply = call(**link, Op::kLookup, static_cast<uint32_t>(e - b), items,
+                          b == 0 ? first : deadline());
         if (!reply.ok()) {
           fail(s, *link);
           break;
@@ -554,15 +559,16 @@ void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> g
 void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
                                    std::span<const BlockId> ids, const std::vector<size_t>& which,
                                    std::span<uint8_t> got) {
+  const Deadline until = deadline();  // the connect's and the lease's
   auto s = slot_of(m);
-  auto link = link_to(s, m, lane);
+  auto link = link_to(s, m, lane, until);
   if (!link.ok()) return;
   Peer& peer = *(*link)->peer;
   const Link& ln = **link;
   std::vector<uint8_t> items;
   items.reserve(which.size() * 16);
   for (size_t i : which) put_item(&items, ids[i].bytes);
-  auto reply = call(ln, Op::kLease, static_cast<uint32_t>(which.size()), items, deadline());
+  auto reply = call(ln, Op::kLease, static_cast<uint32_t>(which.size()), items, until);
   if (!reply.ok()) {
     fail(s, *link);
     return;
@@ -728,8 +734,9 @@ void ClusterNode::Impl::push_loop() {
 
 void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
                                 const std::vector<BlockId>& ids) {
+  const Deadline until = deadline();  // the connect's and the reserve's
   auto s = slot_of(m);
-  auto link = link_to(s, m, lane);
+  auto link = link_to(s, m, lane, until);
   if (!link.ok()) {
     push_dropped.fetch_add(ids.size(), std::memory_order_relaxed);
     return;
@@ -752,7 +759,7 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
   }
   push_dropped.fetch_add(ids.size() - have.size(), std::memory_order_relaxed);
   if (have.empty()) return;
-  auto reply = call(ln, Op::kReserve, static_cast<uint32_t>(have.size()), items, deadline());
+  auto reply = call(ln, Op::kReserve, static_cast<uint32_t>(have.size()), items, until);
   if (!reply.ok()) {
     push_dropped.fetch_add(have.size(), std::memory_order_relaxed);
     fail(s, *link);

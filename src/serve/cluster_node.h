@@ -26,7 +26,8 @@
 // release, commit or abort them, until their member leaves the view, or
 // until they expire (lease_expiry_ms).
 //
-// Failures: every call to a member has a deadline (request_timeout_ms);
+// Failures: every call to a member has a deadline (request_timeout_ms),
+// which also bounds the connect and Hellos the call needs first;
 // a member that missed one, or whose connection failed, is skipped for a
 // while (its ids are misses) and reconnected afterwards. A block never
 // becomes visible half-written: an owner publishes a pushed block only after

@@ -46,7 +46,8 @@ struct Member {
   std::unique_ptr<PoolServer> server;
   ClusterNode* node = nullptr;
 
-  Member(const std::string& id, uint32_t expiry_ms = 60000, uint32_t lanes = 4) {
+  Member(const std::string& id, uint32_t expiry_ms = 60000, uint32_t lanes = 4,
+         uint32_t timeout_ms = 500) {
     CascadeConfig c;
     c.pipeline = "host";
     c.shm_capacity_bytes = 64 << 20;
@@ -63,7 +64,7 @@ struct Member {
     co.node_id = id;
     co.generation = 7;
     co.fabrics = "tcp";
-    co.request_timeout_ms = 500;
+    co.request_timeout_ms = timeout_ms;
     co.lease_expiry_ms = expiry_ms;
     co.retry_after_ms = 100;
     co.lanes = lanes;
@@ -633,6 +634,42 @@ TEST(ClusterNode, LeasesGrantedOutsideTheOwnersArenaAreReleasedAndAreMisses) {
   std::vector<uint64_t> want;
   for (uint64_t k = 0; k < ids.size(); ++k) want.push_back(100 + k);
   EXPECT_EQ(released, want);
+}
+
+TEST(ClusterNode, AConnectWithTwoHellosTakesOneDeadlineInAll) {
+  SKIP_WITHOUT_TRANSPORT();
+  // Two lanes here. The owner answers its hello after most of a deadline and
+  // lists a second lane that never answers: the lane that talks to it needs
+  // a second connect and hello after the first.
+  Member a("a", 60000, /*lanes=*/2, /*timeout_ms=*/1000);
+  ASSERT_TRUE(a.node);
+  RawOwner owner(
+      [](cluster::Op op, uint32_t count, const uint8_t*) {
+        std::optional<std::vector<uint8_t>> out;
+        if (op != cluster::Op::kLease) return out;
+        out.emplace();
+        for (uint32_t k = 0; k < count; ++k) {
+          cluster::LeaseReply l{};
+          l.code = static_cast<uint32_t>(Code::kNotFound);
+          const auto* b = reinterpret_cast<const uint8_t*>(&l);
+          out->insert(out->end(), b, b + sizeof l);
+        }
+        return out;
+      },
+      /*silent_lane=*/true);
+  owner.hello_delay = 800ms;
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  // Enough ids for a part on each lane.
+  std::vector<BlockId> ids;
+  for (int i = 0; i < 16; ++i) ids.push_back(id_of(6000 + i));
+  std::vector<uint8_t> fetched(ids.size(), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  a.node->fetch(ids, fetched);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_LT(took, 1000ms + 300ms);
+  EXPECT_GT(a.node->stats().timeouts, 0u);
+  for (uint8_t f : fetched) EXPECT_EQ(f, 0);
 }
 
 TEST(ClusterNode, BadViewsAreRefused) {
