@@ -131,6 +131,7 @@ struct PeerState {
   std::unordered_map<uint64_t, Lease> leases;
   std::unordered_map<uint64_t, Held> reservations;
   uint64_t next = 1;
+  Clock::time_point since = Clock::now();  // its Hello
   // Set by end_peer: a request served concurrently must not add to maps
   // nobody will end again.
   bool ended = false;
@@ -1166,14 +1167,33 @@ void ClusterNode::Impl::end_peer(PeerState& p) {
 }
 
 // Ends leases and reservations past their expiry: a member that leased a
-// block and never released it does not pin it for ever.
+// block and never released it does not pin it for ever. A member that is not
+// in the view (or is there with a newer generation) loses all it holds here,
+// its connection back included, once a deadline has passed since its Hello:
+// time for a member that just joined to appear in this member's view.
 void ClusterNode::Impl::sweep() {
-  std::vector<std::shared_ptr<PeerState>> all;
-  {
-    std::lock_guard<std::mutex> l(peers_mu);
-    for (auto& [k, p] : peers) all.push_back(p);
-  }
+  std::vector<std::shared_ptr<PeerState>> all, strays;
   const auto now = Clock::now();
+  {
+    const auto r = current();
+    const auto grace = std::chrono::milliseconds(options.request_timeout_ms);
+    std::lock_guard<std::mutex> l(peers_mu);
+    for (auto it = peers.begin(); it != peers.end();) {
+      const PeerState& p = *it->second;
+      bool in_view = false;
+      if (r)
+        for (const auto& m : r->view.members)
+          in_view |= m.node_id == p.node_id && m.generation <= p.generation;
+      if (!in_view && now - p.since >= grace) {
+        strays.push_back(it->second);
+        it = peers.erase(it);
+      } else {
+        all.push_back(it->second);
+        ++it;
+      }
+    }
+  }
+  for (auto& p : strays) end_peer(*p);
   for (auto& p : all) {
     std::vector<BlockView> ended;
     std::vector<Reservation> freed;

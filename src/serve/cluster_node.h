@@ -24,7 +24,8 @@
 // The owner side answers the other members' requests on threads of its own
 // against the store, holding their leases and reservations until they
 // release, commit or abort them, until their member leaves the view, or
-// until they expire (lease_expiry_ms).
+// until they expire (lease_expiry_ms); a member that is not in the view at
+// all loses them, and its connection, a deadline after its Hello.
 //
 // Failures: every call to a member has a deadline (request_timeout_ms),
 // which also bounds the connect and Hellos the call needs first;

@@ -418,6 +418,10 @@ TEST(ClusterNode, MalformedMessagesAreIgnoredAndTheMemberGoesOn) {
   ASSERT_TRUE(a.node && b.node);
   ASSERT_TRUE(share_view(a, b));
   RawMember raw(a.node->address());
+  // In a's view, with no points: a keeps what it knows of it.
+  ClusterView with_raw = view_of({{"a", a.node->address()}, {"b", b.node->address()}});
+  with_raw.members.push_back(ClusterMember{"raw", 7, raw.t->address()});
+  ASSERT_TRUE(a.node->set_view(with_raw).ok());
   std::mt19937_64 rng(99);
   // Random bytes, truncated heads, wrong magic, unknown ops, counts that do
   // not match the body, requests from a sender that never said Hello.
@@ -545,12 +549,44 @@ TEST(ClusterNode, LeasesOfAMemberThatNeverReleasesExpireAndALeavingMemberLosesTh
   EXPECT_EQ(a.node->stats().peer_leases, 0u);
 }
 
+TEST(ClusterNode, WhatAMemberThatIsNotInTheViewHoldsEndsAfterADeadline) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a");  // leases expire after a minute: the test must not wait for that
+  ASSERT_TRUE(a.node);
+  std::vector<uint8_t> ids = put_blocks(a.server->store(), 8000, 8);
+  RawMember stray(a.node->address());  // "raw": never in the view
+  RawMember known(a.node->address());
+  known.id = "known";
+  ASSERT_TRUE(
+      a.node->set_view(view_of({{"a", a.node->address()}, {"known", known.t->address()}})).ok());
+  for (RawMember* r : {&stray, &known}) {
+    ASSERT_FALSE(
+        r->call(cluster::Op::kHello, static_cast<uint32_t>(r->t->address().size()), r->t->address())
+            .empty());
+    auto lease = r->call(cluster::Op::kLease, 8, ids);
+    ASSERT_EQ(lease.size(), sizeof(cluster::ReplyHead) + 8 * sizeof(cluster::LeaseReply));
+  }
+  EXPECT_EQ(a.node->stats().peer_leases, 16u);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (a.node->stats().peer_leases > 8 && std::chrono::steady_clock::now() - t0 < 5s)
+    std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(a.node->stats().peer_leases, 8u);  // the member in the view keeps its leases
+  EXPECT_EQ(a.node->stats().expired, 0u);      // ended, not expired
+  // The stray member is forgotten (its requests are dropped until it says
+  // hello again); the one in the view is still served.
+  const std::vector<uint8_t> one(ids.begin(), ids.begin() + 16);
+  EXPECT_TRUE(stray.call(cluster::Op::kLookup, 1, one).empty());
+  EXPECT_FALSE(known.call(cluster::Op::kLookup, 1, one).empty());
+}
+
 TEST(ClusterNode, WhatAReplyThatCannotBeDeliveredGrantedIsTakenBack) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a");  // leases expire after a minute: the test must not wait for that
   ASSERT_TRUE(a.node);
   std::vector<uint8_t> ids = put_blocks(a.server->store(), 3000, 4);
   RawMember raw(a.node->address());
+  ASSERT_TRUE(
+      a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
   // The hello names another endpoint as where replies go, then that
   // endpoint closes: the owner's replies cannot be delivered.
   TransportOptions o;
