@@ -145,6 +145,14 @@ class Peer {
   virtual void close() = 0;
 };
 
+// Receives a Transport keeps for nobody: a receive that missed its deadline
+// after it had matched a message still arriving (its buffer stays with the
+// transport until the message has ended), and discards (Transport::discard).
+struct TransportCounters {
+  uint64_t held = 0;     // such receives now
+  uint64_t dropped = 0;  // messages they took and dropped, ever
+};
+
 class Transport {
  public:
   // Opens a local endpoint with the backend this build has (UCX), or
@@ -171,12 +179,17 @@ class Transport {
                                                 Deadline deadline) = 0;
 
   // Receives one message sent with `tag` (from any peer), at most max_bytes
-  // (a longer one fails with InvalidArgument). Unavailable at the deadline.
+  // (a longer one fails with InvalidArgument). Unavailable at the deadline:
+  // it returns by then and a few milliseconds more, even when a message had
+  // begun to arrive (that one is dropped once it has; see counters()).
   virtual Result<std::vector<uint8_t>> receive(uint64_t tag, uint64_t max_bytes,
                                                Deadline deadline) = 0;
 
   // Drives the endpoint once; true when it did work.
   virtual bool progress() = 0;
+
+  // Frees what has ended first.
+  virtual TransportCounters counters() const = 0;
 
   // Closes every Peer, stops the progress thread; every later operation fails
   // with Unavailable. Idempotent.

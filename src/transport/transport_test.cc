@@ -451,6 +451,41 @@ TEST_P(TransportFabricTest, ControlMessages) {
   EXPECT_TRUE(local_->receive(74, 10, deadline_in(10s)).status().is(Code::kInvalidArgument));
 }
 
+// A receive that matched a message whose bytes stop coming (its sender is
+// stopped mid-message) cannot finish; it still returns by its deadline and a
+// little, and the transport holds its buffer until UCX is done with it.
+TEST_P(TransportFabricTest, ReceiveFromASenderStoppedMidMessageEndsByItsDeadline) {
+  auto child = start_child(6, 4096);
+  ASSERT_NE(child, nullptr);
+  open_local(/*progress_thread=*/true);
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<RemoteRegion> region;
+  attach(*child, &peer, &region);
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(child->start_echo(local_->address(), 80, 81, deadline_in(10s)).ok());
+  // Too large to travel in one piece: the child announces its echo, and its
+  // bytes follow only while the child runs.
+  std::vector<uint8_t> msg(1 << 20, 0x5a);
+  ASSERT_TRUE(peer->send(80, msg, deadline_in(10s)).ok());
+  std::this_thread::sleep_for(300ms);
+  child->signal(SIGSTOP);
+  auto t0 = TransportClock::now();
+  Result<std::vector<uint8_t>> got = local_->receive(81, msg.size(), t0 + 200ms);
+  auto took = TransportClock::now() - t0;
+  EXPECT_EQ(local_->counters().held, 1u);
+  child->signal(SIGCONT);
+  EXPECT_TRUE(got.status().is(Code::kUnavailable)) << got.status().ToString();
+  EXPECT_LT(took, 200ms + 500ms);
+  // Once the child runs again the message ends in the held buffer, which is
+  // then let go; the message is dropped, not delivered to a later receive.
+  auto t1 = TransportClock::now();
+  while (local_->counters().held > 0 && TransportClock::now() - t1 < 5s)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(local_->counters().held, 0u);
+  EXPECT_EQ(local_->counters().dropped, 1u);
+  EXPECT_TRUE(local_->receive(81, msg.size(), deadline_in(200ms)).status().is(Code::kUnavailable));
+}
+
 // A peer killed with SIGKILL while reads are in flight: every pending and
 // later operation fails within its deadline, and no read that succeeded
 // holds a wrong byte.

@@ -25,10 +25,17 @@
 // get is ucp_get_nbx; put is ucp_put_nbx followed by ucp_ep_flush_nbx, whose
 // completion means the bytes are at the peer; a batch issues every transfer
 // and one flush.
+//
+// A receive that misses its deadline is cancelled. One that has already
+// matched a message whose bytes are still arriving cannot be (they need the
+// sender, which may be stopped): after a short grace its request and buffer
+// go to the worker's orphans, which keep the buffer until the request ends
+// and drop the message then, and the caller returns.
 #include <sched.h>
 #include <ucp/api/ucp.h>
 
 #include <atomic>
+#include <list>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -45,6 +52,12 @@ using namespace std::chrono_literals;
 // How long a waiter keeps driving the worker after it force-closed an
 // endpoint, for the cancelled requests to complete (local work only).
 constexpr auto kCancelGrace = 5s;
+// How long a receive that missed its deadline drives the worker after
+// cancelling: a receive still waiting for a message ends at once, but one
+// that has matched a message whose bytes are still arriving ends only when
+// they have, which takes the sender. Past this the transport keeps it
+// (Worker::orphans) and the caller returns.
+constexpr auto kReceiveCancelGrace = 20ms;
 // How long closing an endpoint without failure detection waits for its flush:
 // a live peer answers at once, a dead one never does.
 constexpr auto kFlushCloseGrace = 200ms;
@@ -74,14 +87,46 @@ struct Worker {
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
   std::atomic<bool> closed{false};
+  // Receives nobody waits for any more, each with the buffer UCX may still
+  // write until it ends. Guarded by mu.
+  struct Orphan {
+    void* req;
+    uint64_t tag;
+    std::vector<uint8_t> buf;
+  };
+  std::list<Orphan> orphans;
+  uint64_t dropped = 0;  // messages orphans took, guarded by mu
 
   ~Worker() {
-    if (worker) ucp_worker_destroy(worker);
+    if (worker) {
+      // Cancelling ends the orphans still waiting for a message; the others
+      // end with the worker, after which nothing writes their buffers.
+      for (const Orphan& o : orphans) {
+        ucp_request_cancel(worker, o.req);
+        ucp_request_free(o.req);
+      }
+      ucp_worker_destroy(worker);
+    }
+    orphans.clear();
     if (context) ucp_cleanup(context);
   }
   Worker() = default;
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
+
+  // Frees the orphans that have ended. REQUIRES: mu held.
+  void reap_locked() {
+    for (auto it = orphans.begin(); it != orphans.end();) {
+      const ucs_status_t s = ucp_request_check_status(it->req);
+      if (s == UCS_INPROGRESS) {
+        ++it;
+        continue;
+      }
+      if (s != UCS_ERR_CANCELED) ++dropped;
+      ucp_request_free(it->req);
+      it = orphans.erase(it);
+    }
+  }
 
   // Drives the worker until `req` finishes or `deadline` passes; the
   // request's status, or UCS_INPROGRESS at the deadline.
@@ -488,6 +533,7 @@ class UcxTransport final : public Transport {
     {
       std::lock_guard<std::mutex> lock(w_->mu);
       if (w_->closed.load()) return Status::Unavailable("transport: closed");
+      w_->reap_locked();
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
       ucs_status_ptr_t r =
@@ -495,25 +541,25 @@ class UcxTransport final : public Transport {
       if (UCS_PTR_IS_ERR(r)) return ucx_status(UCS_PTR_STATUS(r), "transport receive");
       req = r;
     }
-    ucs_status_t s = w_->drive(req, deadline);
-    std::lock_guard<std::mutex> lock(w_->mu);
-    if (s == UCS_INPROGRESS) {
-      ucp_request_cancel(w_->worker, req);
-      Deadline until = TransportClock::now() + kCancelGrace;
-      while (ucp_request_check_status(req) == UCS_INPROGRESS && TransportClock::now() < until)
-        ucp_worker_progress(w_->worker);
-      ucp_tag_recv_info_t info{};
-      s = ucp_tag_recv_request_test(req, &info);
-      ucp_request_free(req);
-      if (s == UCS_OK) {  // it arrived while we cancelled
-        buf.resize(info.length);
-        return buf;
+    if (w_->drive(req, deadline) == UCS_INPROGRESS) {
+      {
+        std::lock_guard<std::mutex> lock(w_->mu);
+        ucp_request_cancel(w_->worker, req);
       }
+      (void)w_->drive(req, TransportClock::now() + kReceiveCancelGrace);
+    }
+    std::lock_guard<std::mutex> lock(w_->mu);
+    if (ucp_request_check_status(req) == UCS_INPROGRESS) {
+      // Its message is still arriving: the buffer stays with the transport
+      // until it has, and the message is dropped then.
+      w_->orphans.push_back(Worker::Orphan{req, tag, std::move(buf)});
       return Status::Unavailable("transport receive: no message before the deadline");
     }
     ucp_tag_recv_info_t info{};
-    s = ucp_tag_recv_request_test(req, &info);
+    const ucs_status_t s = ucp_tag_recv_request_test(req, &info);
     ucp_request_free(req);
+    if (s == UCS_ERR_CANCELED)
+      return Status::Unavailable("transport receive: no message before the deadline");
     if (s == UCS_ERR_MESSAGE_TRUNCATED)
       return Status::InvalidArgument("transport receive: message longer than " +
                                      std::to_string(max_bytes) + " bytes");
@@ -525,6 +571,12 @@ class UcxTransport final : public Transport {
   bool progress() override {
     std::lock_guard<std::mutex> lock(w_->mu);
     return ucp_worker_progress(w_->worker) != 0;
+  }
+
+  TransportCounters counters() const override {
+    std::lock_guard<std::mutex> lock(w_->mu);
+    w_->reap_locked();
+    return TransportCounters{w_->orphans.size(), w_->dropped};
   }
 
   void close() override {
