@@ -185,6 +185,14 @@ class Transport {
   virtual Result<std::vector<uint8_t>> receive(uint64_t tag, uint64_t max_bytes,
                                                Deadline deadline) = 0;
 
+  // Takes the next message sent with `tag` (from any peer) when it comes,
+  // and drops it, rather than keeping it for a receive that never comes:
+  // for the reply to a request whose receive gave up. Waits for it until the
+  // Transport closes, or until kMaxDiscards later discards wait (the oldest
+  // is given up first). REQUIRES: nobody receives `tag`.
+  virtual void discard(uint64_t tag) = 0;
+  static constexpr uint64_t kMaxDiscards = 4096;
+
   // Drives the endpoint once; true when it did work.
   virtual bool progress() = 0;
 

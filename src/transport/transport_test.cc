@@ -486,6 +486,40 @@ TEST_P(TransportFabricTest, ReceiveFromASenderStoppedMidMessageEndsByItsDeadline
   EXPECT_TRUE(local_->receive(81, msg.size(), deadline_in(200ms)).status().is(Code::kUnavailable));
 }
 
+// A message nobody will receive (the reply to a request whose receive gave
+// up), small or large, is taken and dropped when it comes rather than kept.
+TEST_P(TransportFabricTest, DiscardedMessagesAreDroppedWhenTheyCome) {
+  // One child per message: each echoes once.
+  std::unique_ptr<ForkedPeer> children[] = {start_child(6, 4096), start_child(7, 4096)};
+  ASSERT_NE(children[0], nullptr);
+  ASSERT_NE(children[1], nullptr);
+  open_local(/*progress_thread=*/true);
+  uint64_t dropped = 0;
+  for (size_t n : {size_t{3000}, size_t{1} << 20}) {
+    ForkedPeer& child = *children[dropped];
+    std::shared_ptr<Peer> peer;
+    std::shared_ptr<RemoteRegion> region;
+    attach(child, &peer, &region);
+    if (HasFatalFailure()) return;
+    ASSERT_TRUE(child.start_echo(local_->address(), 90, 91, deadline_in(10s)).ok());
+    local_->discard(91);
+    EXPECT_EQ(local_->counters().held, 1u);
+    ASSERT_TRUE(peer->send(90, std::vector<uint8_t>(n, 7), deadline_in(10s)).ok());
+    auto t0 = TransportClock::now();
+    while (local_->counters().held > 0 && TransportClock::now() - t0 < 5s)
+      std::this_thread::sleep_for(10ms);
+    EXPECT_EQ(local_->counters().held, 0u) << n;
+    EXPECT_EQ(local_->counters().dropped, ++dropped) << n;
+    EXPECT_TRUE(local_->receive(91, n, deadline_in(100ms)).status().is(Code::kUnavailable)) << n;
+    // The child's send of the echo ended: it answers at once.
+    EXPECT_TRUE(child.checksum(0, 16, deadline_in(2s)).ok()) << n;
+  }
+  // Discards whose message never comes are bounded.
+  for (uint64_t k = 0; k < Transport::kMaxDiscards + 100; ++k) local_->discard(1000 + k);
+  EXPECT_EQ(local_->counters().held, Transport::kMaxDiscards);
+  EXPECT_EQ(local_->counters().dropped, dropped);
+}
+
 // A peer killed with SIGKILL while reads are in flight: every pending and
 // later operation fails within its deadline, and no read that succeeded
 // holds a wrong byte.

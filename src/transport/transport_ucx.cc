@@ -87,8 +87,9 @@ struct Worker {
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
   std::atomic<bool> closed{false};
-  // Receives nobody waits for any more, each with the buffer UCX may still
-  // write until it ends. Guarded by mu.
+  // Receives nobody waits for any more (a receive given up on while its
+  // message was arriving; a discard, with no buffer), each with the buffer
+  // UCX may still write until it ends. Guarded by mu.
   struct Orphan {
     void* req;
     uint64_t tag;
@@ -114,18 +115,20 @@ struct Worker {
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
+  // Frees orphan `it` if it has ended, moving `it` to the next one; false
+  // when it has not. REQUIRES: mu held.
+  bool release_if_ended_locked(std::list<Orphan>::iterator& it) {
+    const ucs_status_t s = ucp_request_check_status(it->req);
+    if (s == UCS_INPROGRESS) return false;
+    if (s != UCS_ERR_CANCELED) ++dropped;
+    ucp_request_free(it->req);
+    it = orphans.erase(it);
+    return true;
+  }
   // Frees the orphans that have ended. REQUIRES: mu held.
   void reap_locked() {
-    for (auto it = orphans.begin(); it != orphans.end();) {
-      const ucs_status_t s = ucp_request_check_status(it->req);
-      if (s == UCS_INPROGRESS) {
-        ++it;
-        continue;
-      }
-      if (s != UCS_ERR_CANCELED) ++dropped;
-      ucp_request_free(it->req);
-      it = orphans.erase(it);
-    }
+    for (auto it = orphans.begin(); it != orphans.end();)
+      if (!release_if_ended_locked(it)) ++it;
   }
 
   // Drives the worker until `req` finishes or `deadline` passes; the
@@ -566,6 +569,29 @@ class UcxTransport final : public Transport {
     if (s != UCS_OK) return ucx_status(s, "transport receive");
     buf.resize(info.length);
     return buf;
+  }
+
+  void discard(uint64_t tag) override {
+    std::lock_guard<std::mutex> lock(w_->mu);
+    if (w_->closed.load()) return;
+    w_->reap_locked();
+    // A receive of `tag` given up on while its message arrived drops it already.
+    for (const Worker::Orphan& o : w_->orphans)
+      if (o.tag == tag) return;
+    // Over the bound, the oldest are cancelled: one still waiting for its
+    // message ends at once (one whose message is arriving ends by itself).
+    for (auto it = w_->orphans.begin();
+         w_->orphans.size() >= kMaxDiscards && it != w_->orphans.end();) {
+      ucp_request_cancel(w_->worker, it->req);
+      if (!w_->release_if_ended_locked(it)) ++it;
+    }
+    // No buffer: the message is taken as truncated, which ends it for the
+    // sender too.
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    ucs_status_ptr_t r = ucp_tag_recv_nbx(w_->worker, nullptr, 0, tag, ~ucp_tag_t{0}, &p);
+    if (UCS_PTR_IS_ERR(r)) return;
+    w_->orphans.push_back(Worker::Orphan{r, tag, {}});
   }
 
   bool progress() override {
