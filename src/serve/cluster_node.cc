@@ -330,7 +330,12 @@ class ClusterNode::Impl {
     if (!st.ok()) return st;
     if (!wants_reply) return std::vector<uint8_t>{};
     auto got = lanes[lane].t->receive(tag, cluster::kMaxReplyBytes, until);
-    if (!got.ok()) return got.status();
+    if (!got.ok()) {
+      // The member may still answer: its reply is taken and dropped when it
+      // comes instead of waiting in the transport for good.
+      if (got.status().is(Code::kUnavailable)) lanes[lane].t->discard(tag);
+      return got.status();
+    }
     const std::vector<uint8_t>& r = *got;
     cluster::ReplyHead h{};
     if (r.size() < sizeof h) {
@@ -1398,6 +1403,7 @@ ClusterStats ClusterNode::stats() const {
   s.timeouts = get(i.timeouts);
   s.expired = get(i.expired);
   s.bad_messages = get(i.bad_messages);
+  for (const auto& lane : i.lanes) s.late_replies += lane.t->counters().dropped;
   s.peer_leases = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_leases.load()));
   s.peer_reservations = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_reservations.load()));
   return s;

@@ -102,6 +102,7 @@ struct ClusterStats {
   uint64_t timeouts = 0;      // calls that missed their deadline or failed
   uint64_t expired = 0;       // leases and reservations of members that never ended them
   uint64_t bad_messages = 0;  // malformed requests or replies
+  uint64_t late_replies = 0;  // replies that came after their call gave up, dropped
   uint64_t peer_leases = 0, peer_reservations = 0;  // held here by other members now
 };
 

@@ -708,6 +708,44 @@ TEST(ClusterNode, AConnectWithTwoHellosTakesOneDeadlineInAll) {
   for (uint8_t f : fetched) EXPECT_EQ(f, 0);
 }
 
+TEST(ClusterNode, RepliesThatComeAfterTheirCallGaveUpAreDropped) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a", 60000, 4, /*timeout_ms=*/300);
+  ASSERT_TRUE(a.node);
+  // An owner that answers hellos at once and lookups after twice the deadline.
+  RawOwner owner([](cluster::Op op, uint32_t count, const uint8_t*) {
+    std::optional<std::vector<uint8_t>> out;
+    if (op != cluster::Op::kLookup) return out;
+    out.emplace();
+    for (uint32_t k = 0; k < count; ++k) {
+      cluster::LookupReply l{};
+      l.code = static_cast<uint32_t>(Code::kNotFound);
+      const auto* b = reinterpret_cast<const uint8_t*>(&l);
+      out->insert(out->end(), b, b + sizeof l);
+    }
+    return out;
+  });
+  owner.reply_delay = 600ms;
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  constexpr int kCalls = 6;
+  for (int i = 0; i < kCalls; ++i) {
+    const BlockId id = id_of(9000 + i);
+    uint8_t found = 0;
+    uint64_t size = 0;
+    a.node->lookup({&id, 1}, {&found, 1}, {&size, 1});
+    EXPECT_EQ(found, 0);
+    std::this_thread::sleep_for(150ms);  // past retry_after_ms: the member connects again
+  }
+  EXPECT_GE(a.node->stats().timeouts, uint64_t(kCalls));
+  // Every late reply is taken and dropped, none is left waiting.
+  const auto t0 = std::chrono::steady_clock::now();
+  while (a.node->stats().late_replies < uint64_t(kCalls) &&
+         std::chrono::steady_clock::now() - t0 < 5s)
+    std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(a.node->stats().late_replies, uint64_t(kCalls));
+}
+
 TEST(ClusterNode, BadViewsAreRefused) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a");
