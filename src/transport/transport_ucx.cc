@@ -29,11 +29,13 @@
 // A receive that misses its deadline is cancelled. One that has already
 // matched a message whose bytes are still arriving cannot be (they need the
 // sender, which may be stopped): after a short grace its request and buffer
-// go to the worker's orphans, which keep the buffer until the request ends
-// and drop the message then, and the caller returns.
+// go to the worker's orphans, which keep the buffer until the request ends,
+// and the caller returns. The next receive of the tag takes the orphan over
+// (the message is not lost); a discard of the tag drops it once it ends.
 #include <sched.h>
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <list>
 #include <mutex>
@@ -87,13 +89,14 @@ struct Worker {
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
   std::atomic<bool> closed{false};
-  // Receives nobody waits for any more (a receive given up on while its
-  // message was arriving; a discard, with no buffer), each with the buffer
-  // UCX may still write until it ends. Guarded by mu.
+  // Receives nobody waits for now (a receive given up on while its message
+  // was arriving; a discard, with no buffer), each with the buffer UCX may
+  // still write until it ends. Guarded by mu.
   struct Orphan {
     void* req;
     uint64_t tag;
     std::vector<uint8_t> buf;
+    bool drop;  // nobody will take it over: freed, its message dropped, once it ends
   };
   std::list<Orphan> orphans;
   uint64_t dropped = 0;  // messages orphans took, guarded by mu
@@ -125,10 +128,10 @@ struct Worker {
     it = orphans.erase(it);
     return true;
   }
-  // Frees the orphans that have ended. REQUIRES: mu held.
+  // Frees the orphans to drop that have ended. REQUIRES: mu held.
   void reap_locked() {
     for (auto it = orphans.begin(); it != orphans.end();)
-      if (!release_if_ended_locked(it)) ++it;
+      if (!it->drop || !release_if_ended_locked(it)) ++it;
   }
 
   // Drives the worker until `req` finishes or `deadline` passes; the
@@ -531,18 +534,27 @@ class UcxTransport final : public Transport {
                                        Deadline deadline) override {
     if (max_bytes > kMaxMessageBytes)
       return Status::InvalidArgument("transport receive: max_bytes above the message limit");
-    std::vector<uint8_t> buf(max_bytes);
+    std::vector<uint8_t> buf;
     void* req;
     {
       std::lock_guard<std::mutex> lock(w_->mu);
       if (w_->closed.load()) return Status::Unavailable("transport: closed");
       w_->reap_locked();
-      ucp_request_param_t p{};
-      p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-      ucs_status_ptr_t r =
-          ucp_tag_recv_nbx(w_->worker, buf.data(), buf.size(), tag, ~ucp_tag_t{0}, &p);
-      if (UCS_PTR_IS_ERR(r)) return ucx_status(UCS_PTR_STATUS(r), "transport receive");
-      req = r;
+      auto it = std::find_if(w_->orphans.begin(), w_->orphans.end(),
+                             [&](const auto& o) { return o.tag == tag && !o.drop; });
+      if (it != w_->orphans.end()) {  // an earlier receive's message: wait for it
+        req = it->req;
+        buf = std::move(it->buf);
+        w_->orphans.erase(it);
+      } else {
+        buf.resize(max_bytes);
+        ucp_request_param_t p{};
+        p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+        ucs_status_ptr_t r =
+            ucp_tag_recv_nbx(w_->worker, buf.data(), buf.size(), tag, ~ucp_tag_t{0}, &p);
+        if (UCS_PTR_IS_ERR(r)) return ucx_status(UCS_PTR_STATUS(r), "transport receive");
+        req = r;
+      }
     }
     if (w_->drive(req, deadline) == UCS_INPROGRESS) {
       {
@@ -554,8 +566,8 @@ class UcxTransport final : public Transport {
     std::lock_guard<std::mutex> lock(w_->mu);
     if (ucp_request_check_status(req) == UCS_INPROGRESS) {
       // Its message is still arriving: the buffer stays with the transport
-      // until it has, and the message is dropped then.
-      w_->orphans.push_back(Worker::Orphan{req, tag, std::move(buf)});
+      // until it has, for the next receive of the tag.
+      w_->orphans.push_back(Worker::Orphan{req, tag, std::move(buf), false});
       return Status::Unavailable("transport receive: no message before the deadline");
     }
     ucp_tag_recv_info_t info{};
@@ -563,7 +575,7 @@ class UcxTransport final : public Transport {
     ucp_request_free(req);
     if (s == UCS_ERR_CANCELED)
       return Status::Unavailable("transport receive: no message before the deadline");
-    if (s == UCS_ERR_MESSAGE_TRUNCATED)
+    if (s == UCS_ERR_MESSAGE_TRUNCATED || (s == UCS_OK && info.length > max_bytes))
       return Status::InvalidArgument("transport receive: message longer than " +
                                      std::to_string(max_bytes) + " bytes");
     if (s != UCS_OK) return ucx_status(s, "transport receive");
@@ -575,9 +587,13 @@ class UcxTransport final : public Transport {
     std::lock_guard<std::mutex> lock(w_->mu);
     if (w_->closed.load()) return;
     w_->reap_locked();
-    // A receive of `tag` given up on while its message arrived drops it already.
-    for (const Worker::Orphan& o : w_->orphans)
-      if (o.tag == tag) return;
+    // A receive of `tag` given up on while its message arrived: its message
+    // is dropped once it ends.
+    for (Worker::Orphan& o : w_->orphans) {
+      if (o.tag != tag) continue;
+      o.drop = true;
+      return;
+    }
     // Over the bound, the oldest are cancelled: one still waiting for its
     // message ends at once (one whose message is arriving ends by itself).
     for (auto it = w_->orphans.begin();
@@ -591,7 +607,7 @@ class UcxTransport final : public Transport {
     p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     ucs_status_ptr_t r = ucp_tag_recv_nbx(w_->worker, nullptr, 0, tag, ~ucp_tag_t{0}, &p);
     if (UCS_PTR_IS_ERR(r)) return;
-    w_->orphans.push_back(Worker::Orphan{r, tag, {}});
+    w_->orphans.push_back(Worker::Orphan{r, tag, {}, true});
   }
 
   bool progress() override {
