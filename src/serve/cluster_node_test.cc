@@ -207,6 +207,9 @@ struct RawOwner {
     cv.notify_all();
     if (server.joinable()) server.join();
     if (sender.joinable()) sender.join();
+    // Nothing reaches the memory once the transports are closed.
+    if (t) t->close();
+    if (silent) silent->close();
   }
   void start() {
     server = std::thread([this] { serve(); });
