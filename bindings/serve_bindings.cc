@@ -186,6 +186,7 @@ class PyPoolServer {
     d["timeouts"] = s.timeouts;
     d["expired"] = s.expired;
     d["bad_messages"] = s.bad_messages;
+    d["late_replies"] = s.late_replies;
     d["peer_leases"] = s.peer_leases;
     d["peer_reservations"] = s.peer_reservations;
     return d;

@@ -224,6 +224,12 @@ CLUSTER_DATA_METRICS = [
         "Leases and reservations of other members ended by expiry",
     ),
     ("cluster_bad_messages_total", "bad_messages", "counter", "Malformed messages ignored"),
+    (
+        "cluster_late_replies_total",
+        "late_replies",
+        "counter",
+        "Replies of members that came after their call gave up (dropped)",
+    ),
     ("cluster_peer_leases", "peer_leases", "gauge", "Leases other members hold here now"),
 ]
 

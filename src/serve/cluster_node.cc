@@ -142,6 +142,7 @@ struct PeerState {
   std::unordered_map<uint64_t, Lease> leases;
   std::unordered_map<uint64_t, Held> reservations;
   uint64_t next = 1;
+  Clock::time_point since = Clock::now();  // its Hello
   // Set by end_peer: a request served concurrently must not add to maps
   // nobody will end again.
   bool ended = false;
@@ -353,7 +354,12 @@ class ClusterNode::Impl {
     if (!st.ok()) return st;
     if (!wants_reply) return std::vector<uint8_t>{};
     auto got = lanes[lane].t->receive(tag, cluster::kMaxReplyBytes, until);
-    if (!got.ok()) return got.status();
+    if (!got.ok()) {
+      // The member may still answer: its reply is taken and dropped when it
+      // comes instead of waiting in the transport for good.
+      if (got.status().is(Code::kUnavailable)) lanes[lane].t->discard(tag);
+      return got.status();
+    }
     const std::vector<uint8_t>& r = *got;
     cluster::ReplyHead h{};
     if (r.size() < sizeof h) {
@@ -374,13 +380,14 @@ class ClusterNode::Impl {
   }
 
   // The connection to member m on this thread's lane, made (with its
-  // Hello) when there is none.
-  Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s,
-                                        const ClusterMember& m) {
-    return link_to(s, m, my_lane());
+  // Hello) when there is none. Connecting, with the one or two Hellos it
+  // takes, ends by `until`: the deadline of the call the link is for.
+  Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s, const ClusterMember& m,
+                                        Deadline until) {
+    return link_to(s, m, my_lane(), until);
   }
   Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s, const ClusterMember& m,
-                                        size_t lane) {
+                                        size_t lane, Deadline until) {
     std::lock_guard<std::mutex> l(s->mu);
     if (s->links[lane] && s->links[lane]->peer->health().ok()) return s->links[lane];
     if (s->links[lane]) {
@@ -394,7 +401,7 @@ class ClusterNode::Impl {
     // The member's lane addresses come with the reply to a Hello on its
     // published address (its lane 0).
     if (s->lane_addresses.empty()) {
-      auto first = connect_locked(s, m, lane, m.address);
+      auto first = connect_locked(s, m, lane, m.address, until);
       if (!first.ok()) return first.status();
       if (s->lane_addresses.empty()) s->lane_addresses.push_back(m.address);
       const size_t want = lane % s->lane_addresses.size();
@@ -404,15 +411,15 @@ class ClusterNode::Impl {
       first.value()->peer->close();
       s->links[lane].reset();
     }
-    return connect_locked(s, m, lane, s->lane_addresses[lane % s->lane_addresses.size()]);
+    return connect_locked(s, m, lane, s->lane_addresses[lane % s->lane_addresses.size()], until);
   }
 
   // Connects local lane `lane` to `address` (one of m's lanes) and says
-  // Hello. REQUIRES: s->mu held.
+  // Hello, by `until`. REQUIRES: s->mu held.
   Result<std::shared_ptr<Link>> connect_locked(const std::shared_ptr<LinkSlot>& s,
                                                const ClusterMember& m, size_t lane,
-                                               const std::vector<uint8_t>& address) {
-    const Deadline until = deadline();
+                                               const std::vector<uint8_t>& address,
+                                               Deadline until) {
     auto fail_now = [&](const Status& st) -> Status {
       timeouts.fetch_add(1, std::memory_order_relaxed);
       s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
@@ -551,8 +558,11 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
     for_each_call(groups.size(), [&](size_t g) {
       const auto& [mi, which] = groups[g];
       const ClusterMember& m = r->view.members[mi];
+      // A connect and the first batch share one deadline, which runs while
+      // another thread holds the slot too.
+      const Deadline first = deadline();
       auto s = slot_of(m);
-      auto link = link_to(s, m);
+      auto link = link_to(s, m, first);
       if (!link.ok()) return;
       for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
         const size_t e = std::min(which.size(), b + cluster::kMaxItems);
@@ -560,7 +570,8 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
         items.reserve((e - b) * 16);
         for (size_t j = b; j < e; ++j) put_item(&items, ids[which[j]].bytes);
         remote_lookups.fetch_add(e - b, std::memory_order_relaxed);
-        auto reply = call(**link, Op::kLookup, static_cast<uint32_t>(e - b), items, deadline());
+        auto reply = call(**link, Op::kLookup, static_cast<uint32_t>(e - b), items,
+                          b == 0 ? first : deadline());
         if (!reply.ok()) {
           fail(s, *link);
           break;
@@ -626,8 +637,9 @@ void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> g
 void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
                                    std::span<const BlockId> ids, const std::vector<size_t>& which,
                                    std::span<uint8_t> got) {
+  const Deadline until = deadline();  // the connect's and the lease's
   auto s = slot_of(m);
-  auto link = link_to(s, m, lane);
+  auto link = link_to(s, m, lane, until);
   if (!link.ok()) return;
   Peer& peer = *(*link)->peer;
   const Link& ln = **link;
@@ -636,8 +648,8 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
   for (size_t i : which) put_item(&items, ids[i].bytes);
   // The owner grants the leases after this, and keeps them at least three
   // deadlines (lease_expiry_ms): a copy from its mapped arena that ends by
-  // this deadline read ranges that were leased all along.
-  const Deadline leased_until = deadline();
+  // this call's deadline read ranges that were leased all along.
+  const Deadline leased_until = until;
   auto reply = call(ln, Op::kLease, static_cast<uint32_t>(which.size()), items, leased_until);
   if (!reply.ok()) {
     fail(s, *link);
@@ -804,8 +816,10 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
     for_each_call(groups.size(), [&](size_t g) {
       const auto& [mi, which] = groups[g];
       const ClusterMember& m = r->view.members[mi];
+      // A connect and the first batch share one deadline.
+      const Deadline first = deadline();
       auto s = slot_of(m);
-      auto link = link_to(s, m);
+      auto link = link_to(s, m, first);
       if (!link.ok() || !(*link)->mapped) return;
       uint32_t index, expiry_ms;
       {
@@ -823,7 +837,8 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
         // The owner grants after this: its leases last at least its expiry
         // from now.
         const Clock::time_point sent = Clock::now();
-        auto reply = call(ln, Op::kLease, static_cast<uint32_t>(e - b), items, deadline());
+        auto reply =
+            call(ln, Op::kLease, static_cast<uint32_t>(e - b), items, b == 0 ? first : deadline());
         if (!reply.ok()) {
           fail(s, *link);
           return;
@@ -933,8 +948,9 @@ void ClusterNode::Impl::push_loop() {
 
 void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
                                 const std::vector<BlockId>& ids) {
+  const Deadline until = deadline();  // the connect's and the reserve's
   auto s = slot_of(m);
-  auto link = link_to(s, m, lane);
+  auto link = link_to(s, m, lane, until);
   if (!link.ok()) {
     push_dropped.fetch_add(ids.size(), std::memory_order_relaxed);
     return;
@@ -957,7 +973,7 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
   }
   push_dropped.fetch_add(ids.size() - have.size(), std::memory_order_relaxed);
   if (have.empty()) return;
-  auto reply = call(ln, Op::kReserve, static_cast<uint32_t>(have.size()), items, deadline());
+  auto reply = call(ln, Op::kReserve, static_cast<uint32_t>(have.size()), items, until);
   if (!reply.ok()) {
     push_dropped.fetch_add(have.size(), std::memory_order_relaxed);
     fail(s, *link);
@@ -1385,14 +1401,33 @@ void ClusterNode::Impl::end_peer(PeerState& p) {
 }
 
 // Ends leases and reservations past their expiry: a member that leased a
-// block and never released it does not pin it for ever.
+// block and never released it does not pin it for ever. A member that is not
+// in the view (or is there with a newer generation) loses all it holds here,
+// its connection back included, once a deadline has passed since its Hello:
+// time for a member that just joined to appear in this member's view.
 void ClusterNode::Impl::sweep() {
-  std::vector<std::shared_ptr<PeerState>> all;
-  {
-    std::lock_guard<std::mutex> l(peers_mu);
-    for (auto& [k, p] : peers) all.push_back(p);
-  }
+  std::vector<std::shared_ptr<PeerState>> all, strays;
   const auto now = Clock::now();
+  {
+    const auto r = current();
+    const auto grace = std::chrono::milliseconds(options.request_timeout_ms);
+    std::lock_guard<std::mutex> l(peers_mu);
+    for (auto it = peers.begin(); it != peers.end();) {
+      const PeerState& p = *it->second;
+      bool in_view = false;
+      if (r)
+        for (const auto& m : r->view.members)
+          in_view |= m.node_id == p.node_id && m.generation <= p.generation;
+      if (!in_view && now - p.since >= grace) {
+        strays.push_back(it->second);
+        it = peers.erase(it);
+      } else {
+        all.push_back(it->second);
+        ++it;
+      }
+    }
+  }
+  for (auto& p : strays) end_peer(*p);
   for (auto& p : all) {
     std::vector<BlockView> ended;
     std::vector<Reservation> freed;
@@ -1659,6 +1694,7 @@ ClusterStats ClusterNode::stats() const {
   s.map_failures = get(i.map_failures);
   s.lease_hashes = get(i.lease_hashes);
   s.mapped_leases = get(i.mapped_leases);
+  for (const auto& lane : i.lanes) s.late_replies += lane.t->counters().dropped;
   s.peer_leases = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_leases.load()));
   s.peer_reservations = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_reservations.load()));
   return s;

@@ -24,9 +24,11 @@
 // The owner side answers the other members' requests on threads of its own
 // against the store, holding their leases and reservations until they
 // release, commit or abort them, until their member leaves the view, or
-// until they expire (lease_expiry_ms).
+// until they expire (lease_expiry_ms); a member that is not in the view at
+// all loses them, and its connection, a deadline after its Hello.
 //
-// Failures: every call to a member has a deadline (request_timeout_ms);
+// Failures: every call to a member has a deadline (request_timeout_ms),
+// which also bounds the connect and Hellos the call needs first;
 // a member that missed one, or whose connection failed, is skipped for a
 // while (its ids are misses) and reconnected afterwards. A block never
 // becomes visible half-written: an owner publishes a pushed block only after
@@ -109,6 +111,7 @@ struct ClusterStats {
   uint64_t timeouts = 0;      // calls that missed their deadline or failed
   uint64_t expired = 0;       // leases and reservations of members that never ended them
   uint64_t bad_messages = 0;  // malformed requests or replies
+  uint64_t late_replies = 0;  // replies that came after their call gave up, dropped
   uint64_t peer_leases = 0, peer_reservations = 0;  // held here by other members now
 };
 

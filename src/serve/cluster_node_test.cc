@@ -12,8 +12,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -50,7 +55,7 @@ struct Member {
   // map_same_host off by default: these tests are about the transport; the
   // ones about mapped arenas turn it on.
   Member(const std::string& id, uint32_t expiry_ms = 60000, uint32_t lanes = 4,
-         bool map_same_host = false) {
+         uint32_t timeout_ms = 500, bool map_same_host = false) {
     CascadeConfig c;
     c.pipeline = "host";
     c.shm_capacity_bytes = 64 << 20;
@@ -68,7 +73,7 @@ struct Member {
     co.node_id = id;
     co.generation = 7;
     co.fabrics = "tcp";
-    co.request_timeout_ms = 500;
+    co.request_timeout_ms = timeout_ms;
     co.lease_expiry_ms = expiry_ms;
     co.retry_after_ms = 100;
     co.lanes = lanes;
@@ -158,6 +163,172 @@ struct RawMember {
     EXPECT_TRUE(peer->send(cluster::kRequestTag, m, deadline_in(1000ms)).ok());
   }
 };
+
+// An owner that speaks the protocol by hand: it answers hellos (after
+// hello_delay) with a small registered arena of its own, and every other
+// request with what `answer` returns (nothing: no reply), after reply_delay.
+// Its hello reply lists its own address as lane 0 and, with silent_lane, a
+// second lane whose endpoint never answers.
+constexpr uint64_t kRawArena = 1 << 20;
+
+struct RawOwner {
+  using Answer = std::function<std::optional<std::vector<uint8_t>>(cluster::Op op, uint32_t count,
+                                                                   const uint8_t* items)>;
+  std::unique_ptr<Transport> t, silent;
+  std::vector<uint8_t> memory = std::vector<uint8_t>(kRawArena);
+  std::unique_ptr<MemoryRegion> region;
+  Answer answer;
+  std::chrono::milliseconds hello_delay{0}, reply_delay{0};
+  std::atomic<int> replies_sent{0};
+
+  std::mutex mu;
+  std::condition_variable cv;
+  struct Due {
+    std::shared_ptr<Peer> to;
+    uint64_t tag;
+    std::vector<uint8_t> bytes;
+  };
+  std::multimap<std::chrono::steady_clock::time_point, Due> due;  // guarded by mu
+  std::vector<uint64_t> released;                                 // tokens, guarded by mu
+  bool stop = false;                                              // guarded by mu
+  std::thread server, sender;
+
+  explicit RawOwner(Answer a, bool silent_lane = false) : answer(std::move(a)) {
+    TransportOptions o;
+    o.fabrics = "tcp";
+    o.progress_thread = true;
+    auto tr = Transport::Open(o);
+    EXPECT_TRUE(tr.ok()) << tr.status().ToString();
+    t = std::move(tr.value());
+    auto r = t->register_memory(memory.data(), memory.size());
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    region = std::move(r.value());
+    if (silent_lane) {
+      auto s = Transport::Open(o);
+      EXPECT_TRUE(s.ok()) << s.status().ToString();
+      silent = std::move(s.value());
+    }
+  }
+  ~RawOwner() {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    if (server.joinable()) server.join();
+    if (sender.joinable()) sender.join();
+    // Nothing reaches the memory once the transports are closed.
+    if (t) t->close();
+    if (silent) silent->close();
+  }
+  void start() {
+    server = std::thread([this] { serve(); });
+    sender = std::thread([this] { send_due(); });
+  }
+  bool stopping() {
+    std::lock_guard<std::mutex> l(mu);
+    return stop;
+  }
+  void later(std::chrono::milliseconds delay, std::shared_ptr<Peer> to, uint64_t tag,
+             std::vector<uint8_t> bytes) {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      due.emplace(std::chrono::steady_clock::now() + delay,
+                  Due{std::move(to), tag, std::move(bytes)});
+    }
+    cv.notify_all();
+  }
+  static std::vector<uint8_t> ok(uint32_t count, const std::vector<uint8_t>& items) {
+    cluster::ReplyHead h{};
+    h.count = count;
+    std::vector<uint8_t> out(sizeof h);
+    std::memcpy(out.data(), &h, sizeof h);
+    out.insert(out.end(), items.begin(), items.end());
+    return out;
+  }
+  void serve() {
+    std::map<uint32_t, std::shared_ptr<Peer>> back;  // by the sender's lane
+    while (!stopping()) {
+      auto m = t->receive(cluster::kRequestTag, cluster::kMaxRequestBytes, deadline_in(50ms));
+      if (!m.ok() || m->size() < sizeof(cluster::RequestHead)) continue;
+      cluster::RequestHead h;
+      std::memcpy(&h, m->data(), sizeof h);
+      const uint8_t* body = m->data() + sizeof h;
+      const auto op = static_cast<cluster::Op>(h.op);
+      if (op == cluster::Op::kHello) {
+        auto p = t->connect(std::vector<uint8_t>(body, body + h.count), deadline_in(2000ms));
+        if (!p.ok()) continue;
+        back[h.lane] = *p;
+        cluster::HelloReply hr{};
+        hr.generation = 7;
+        hr.arena_bytes = memory.size();
+        hr.key_bytes = static_cast<uint32_t>(region->remote_key().size());
+        hr.lanes = silent ? 2 : 1;
+        std::vector<uint8_t> items(sizeof hr);
+        std::memcpy(items.data(), &hr, sizeof hr);
+        items.insert(items.end(), region->remote_key().begin(), region->remote_key().end());
+        for (Transport* lane : {t.get(), silent.get()}) {
+          if (lane == nullptr) continue;
+          const uint32_t n = static_cast<uint32_t>(lane->address().size());
+          items.insert(items.end(), reinterpret_cast<const uint8_t*>(&n),
+                       reinterpret_cast<const uint8_t*>(&n) + sizeof n);
+          items.insert(items.end(), lane->address().begin(), lane->address().end());
+        }
+        cluster::HostArena none{};  // no arena file to map: everything over the transport
+        items.insert(items.end(), reinterpret_cast<const uint8_t*>(&none),
+                     reinterpret_cast<const uint8_t*>(&none) + sizeof none);
+        later(hello_delay, *p, h.reply_tag, ok(1, items));
+        continue;
+      }
+      if (op == cluster::Op::kRelease) {
+        std::lock_guard<std::mutex> l(mu);
+        for (uint32_t k = 0; k < h.count; ++k) {
+          uint64_t token;
+          std::memcpy(&token, body + k * sizeof token, sizeof token);
+          released.push_back(token);
+        }
+      }
+      auto it = back.find(h.lane);
+      if (h.reply_tag == 0 || it == back.end()) continue;
+      auto reply = answer(op, h.count, body);
+      if (reply) later(reply_delay, it->second, h.reply_tag, ok(h.count, *reply));
+    }
+  }
+  void send_due() {
+    std::unique_lock<std::mutex> l(mu);
+    while (!stop) {
+      if (due.empty()) {
+        cv.wait(l);
+        continue;
+      }
+      auto first = due.begin();
+      if (cv.wait_until(l, first->first) == std::cv_status::no_timeout) continue;
+      Due d = std::move(first->second);
+      due.erase(first);
+      l.unlock();
+      if (d.to->send(d.tag, d.bytes, deadline_in(2000ms)).ok()) ++replies_sent;
+      l.lock();
+    }
+  }
+  std::vector<uint64_t> released_tokens() {
+    std::lock_guard<std::mutex> l(mu);
+    return released;
+  }
+};
+
+// A view of member `self` and an owner that holds every point.
+ClusterView view_owned_by(const std::string& self, const std::vector<uint8_t>& self_address,
+                          const std::vector<uint8_t>& owner_address) {
+  ClusterView v;
+  v.version = 1;
+  v.members.push_back(ClusterMember{self, 7, self_address});
+  v.members.push_back(ClusterMember{"raw", 7, owner_address});
+  for (uint64_t k = 0; k < 4; ++k) {
+    v.positions.push_back(k << 62);
+    v.owners.push_back(1);
+  }
+  return v;
+}
 
 BlockId id_of(uint64_t v) { return compute_block_id(&v, sizeof v); }
 
@@ -263,6 +434,10 @@ TEST(ClusterNode, MalformedMessagesAreIgnoredAndTheMemberGoesOn) {
   ASSERT_TRUE(a.node && b.node);
   ASSERT_TRUE(share_view(a, b));
   RawMember raw(a.node->address());
+  // In a's view, with no points: a keeps what it knows of it.
+  ClusterView with_raw = view_of({{"a", a.node->address()}, {"b", b.node->address()}});
+  with_raw.members.push_back(ClusterMember{"raw", 7, raw.t->address()});
+  ASSERT_TRUE(a.node->set_view(with_raw).ok());
   std::mt19937_64 rng(99);
   // Random bytes, truncated heads, wrong magic, unknown ops, counts that do
   // not match the body, requests from a sender that never said Hello.
@@ -390,12 +565,44 @@ TEST(ClusterNode, LeasesOfAMemberThatNeverReleasesExpireAndALeavingMemberLosesTh
   EXPECT_EQ(a.node->stats().peer_leases, 0u);
 }
 
+TEST(ClusterNode, WhatAMemberThatIsNotInTheViewHoldsEndsAfterADeadline) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a");  // leases expire after a minute: the test must not wait for that
+  ASSERT_TRUE(a.node);
+  std::vector<uint8_t> ids = put_blocks(a.server->store(), 8000, 8);
+  RawMember stray(a.node->address());  // "raw": never in the view
+  RawMember known(a.node->address());
+  known.id = "known";
+  ASSERT_TRUE(
+      a.node->set_view(view_of({{"a", a.node->address()}, {"known", known.t->address()}})).ok());
+  for (RawMember* r : {&stray, &known}) {
+    ASSERT_FALSE(
+        r->call(cluster::Op::kHello, static_cast<uint32_t>(r->t->address().size()), r->t->address())
+            .empty());
+    auto lease = r->call(cluster::Op::kLease, 8, ids);
+    ASSERT_EQ(lease.size(), sizeof(cluster::ReplyHead) + 8 * sizeof(cluster::LeaseReply));
+  }
+  EXPECT_EQ(a.node->stats().peer_leases, 16u);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (a.node->stats().peer_leases > 8 && std::chrono::steady_clock::now() - t0 < 5s)
+    std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(a.node->stats().peer_leases, 8u);  // the member in the view keeps its leases
+  EXPECT_EQ(a.node->stats().expired, 0u);      // ended, not expired
+  // The stray member is forgotten (its requests are dropped until it says
+  // hello again); the one in the view is still served.
+  const std::vector<uint8_t> one(ids.begin(), ids.begin() + 16);
+  EXPECT_TRUE(stray.call(cluster::Op::kLookup, 1, one).empty());
+  EXPECT_FALSE(known.call(cluster::Op::kLookup, 1, one).empty());
+}
+
 TEST(ClusterNode, WhatAReplyThatCannotBeDeliveredGrantedIsTakenBack) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a");  // leases expire after a minute: the test must not wait for that
   ASSERT_TRUE(a.node);
   std::vector<uint8_t> ids = put_blocks(a.server->store(), 3000, 4);
   RawMember raw(a.node->address());
+  ASSERT_TRUE(
+      a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
   // The hello names another endpoint as where replies go, then that
   // endpoint closes: the owner's replies cannot be delivered.
   TransportOptions o;
@@ -433,6 +640,126 @@ TEST(ClusterNode, WhatAReplyThatCannotBeDeliveredGrantedIsTakenBack) {
   EXPECT_TRUE(granted);
   EXPECT_EQ(a.node->stats().peer_leases, 0u);
   EXPECT_EQ(a.node->stats().expired, 0u);  // taken back, not expired
+}
+
+TEST(ClusterNode, LeasesGrantedOutsideTheOwnersArenaAreReleasedAndAreMisses) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a");
+  ASSERT_TRUE(a.node);
+  // Every lease lies outside the owner's arena: past its end, or longer than it.
+  RawOwner owner([&](cluster::Op op, uint32_t count, const uint8_t*) {
+    std::optional<std::vector<uint8_t>> out;
+    if (op != cluster::Op::kLease) return out;
+    out.emplace();
+    for (uint32_t k = 0; k < count; ++k) {
+      cluster::LeaseReply l{};
+      l.offset = k % 2 ? kRawArena : 0;
+      l.size = k % 2 ? 4096 : kRawArena + 4096;
+      l.token = 100 + k;
+      l.checksum = 1;
+      const auto* b = reinterpret_cast<const uint8_t*>(&l);
+      out->insert(out->end(), b, b + sizeof l);
+    }
+    return out;
+  });
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  std::vector<BlockId> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back(id_of(5000 + i));
+  std::vector<uint8_t> fetched(ids.size(), 0);
+  a.node->fetch(ids, fetched);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_EQ(fetched[i], 0) << i;
+    EXPECT_FALSE(a.server->store()->contains(ids[i])) << i;
+  }
+  EXPECT_EQ(a.node->stats().fetched, 0u);
+  EXPECT_GE(a.node->stats().bad_messages, ids.size());
+  // Releases are sent without waiting for the owner.
+  std::vector<uint64_t> released;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - t0 < 3s) {
+    released = owner.released_tokens();
+    if (released.size() >= ids.size()) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  std::sort(released.begin(), released.end());
+  std::vector<uint64_t> want;
+  for (uint64_t k = 0; k < ids.size(); ++k) want.push_back(100 + k);
+  EXPECT_EQ(released, want);
+}
+
+TEST(ClusterNode, AConnectWithTwoHellosTakesOneDeadlineInAll) {
+  SKIP_WITHOUT_TRANSPORT();
+  // Two lanes here. The owner answers its hello after most of a deadline and
+  // lists a second lane that never answers: the lane that talks to it needs
+  // a second connect and hello after the first.
+  Member a("a", 60000, /*lanes=*/2, /*timeout_ms=*/1000);
+  ASSERT_TRUE(a.node);
+  RawOwner owner(
+      [](cluster::Op op, uint32_t count, const uint8_t*) {
+        std::optional<std::vector<uint8_t>> out;
+        if (op != cluster::Op::kLease) return out;
+        out.emplace();
+        for (uint32_t k = 0; k < count; ++k) {
+          cluster::LeaseReply l{};
+          l.code = static_cast<uint32_t>(Code::kNotFound);
+          const auto* b = reinterpret_cast<const uint8_t*>(&l);
+          out->insert(out->end(), b, b + sizeof l);
+        }
+        return out;
+      },
+      /*silent_lane=*/true);
+  owner.hello_delay = 800ms;
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  // Enough ids for a part on each lane.
+  std::vector<BlockId> ids;
+  for (int i = 0; i < 16; ++i) ids.push_back(id_of(6000 + i));
+  std::vector<uint8_t> fetched(ids.size(), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  a.node->fetch(ids, fetched);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_LT(took, 1000ms + 300ms);
+  EXPECT_GT(a.node->stats().timeouts, 0u);
+  for (uint8_t f : fetched) EXPECT_EQ(f, 0);
+}
+
+TEST(ClusterNode, RepliesThatComeAfterTheirCallGaveUpAreDropped) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a", 60000, 4, /*timeout_ms=*/300);
+  ASSERT_TRUE(a.node);
+  // An owner that answers hellos at once and lookups after twice the deadline.
+  RawOwner owner([](cluster::Op op, uint32_t count, const uint8_t*) {
+    std::optional<std::vector<uint8_t>> out;
+    if (op != cluster::Op::kLookup) return out;
+    out.emplace();
+    for (uint32_t k = 0; k < count; ++k) {
+      cluster::LookupReply l{};
+      l.code = static_cast<uint32_t>(Code::kNotFound);
+      const auto* b = reinterpret_cast<const uint8_t*>(&l);
+      out->insert(out->end(), b, b + sizeof l);
+    }
+    return out;
+  });
+  owner.reply_delay = 600ms;
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  constexpr int kCalls = 6;
+  for (int i = 0; i < kCalls; ++i) {
+    const BlockId id = id_of(9000 + i);
+    uint8_t found = 0;
+    uint64_t size = 0;
+    a.node->lookup({&id, 1}, {&found, 1}, {&size, 1});
+    EXPECT_EQ(found, 0);
+    std::this_thread::sleep_for(150ms);  // past retry_after_ms: the member connects again
+  }
+  EXPECT_GE(a.node->stats().timeouts, uint64_t(kCalls));
+  // Every late reply is taken and dropped, none is left waiting.
+  const auto t0 = std::chrono::steady_clock::now();
+  while (a.node->stats().late_replies < uint64_t(kCalls) &&
+         std::chrono::steady_clock::now() - t0 < 5s)
+    std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(a.node->stats().late_replies, uint64_t(kCalls));
 }
 
 TEST(ClusterNode, BadViewsAreRefused) {
@@ -491,7 +818,7 @@ ClusterView view_owned_by(const std::vector<Member*>& members, size_t owner) {
 
 TEST(ClusterNode, MembersOnOneHostCopyFromTheOwnersMappedArena) {
   SKIP_WITHOUT_TRANSPORT();
-  Member a("a", 60000, 4, true), b("b", 60000, 4, true);
+  Member a("a", 60000, 4, 500, true), b("b", 60000, 4, 500, true);
   ASSERT_TRUE(a.node && b.node);
   ASSERT_TRUE(share_view(a, b));
   auto ca = a.client();
@@ -531,8 +858,8 @@ TEST(ClusterNode, MembersOnOneHostCopyFromTheOwnersMappedArena) {
 
 TEST(ClusterNode, ABlockCorruptedInTheOwnersArenaIsAMissThroughTheMapping) {
   SKIP_WITHOUT_TRANSPORT();
-  Member a("a", 60000, 1, true), b("b", 60000, 1, true), c("c", 60000, 1, true),
-      d("d", 60000, 1, true);
+  Member a("a", 60000, 1, 500, true), b("b", 60000, 1, 500, true), c("c", 60000, 1, 500, true),
+      d("d", 60000, 1, 500, true);
   ASSERT_TRUE(a.node && b.node && c.node && d.node);
   // b owns every block: a's puts are pushed there, c and d read them.
   const ClusterView v = view_owned_by({&a, &b, &c, &d}, 1);
@@ -585,7 +912,7 @@ TEST(ClusterNode, ABlockCorruptedInTheOwnersArenaIsAMissThroughTheMapping) {
 
 TEST(ClusterNode, AMemberLeavingTheViewIsUnmapped) {
   SKIP_WITHOUT_TRANSPORT();
-  Member a("a", 60000, 2, true), b("b", 60000, 2, true);
+  Member a("a", 60000, 2, 500, true), b("b", 60000, 2, 500, true);
   ASSERT_TRUE(a.node && b.node);
   const ClusterView v = view_owned_by({&a, &b}, 0);
   ASSERT_TRUE(a.node->set_view(v).ok() && b.node->set_view(v).ok());

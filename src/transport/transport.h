@@ -145,6 +145,14 @@ class Peer {
   virtual void close() = 0;
 };
 
+// Receives a Transport keeps for nobody now: a receive that missed its
+// deadline after it had matched a message still arriving (its buffer stays
+// with the transport), and discards (Transport::discard).
+struct TransportCounters {
+  uint64_t held = 0;     // such receives now
+  uint64_t dropped = 0;  // messages they took and dropped, ever
+};
+
 class Transport {
  public:
   // Opens a local endpoint with the backend this build has (UCX), or
@@ -171,12 +179,27 @@ class Transport {
                                                 Deadline deadline) = 0;
 
   // Receives one message sent with `tag` (from any peer), at most max_bytes
-  // (a longer one fails with InvalidArgument). Unavailable at the deadline.
+  // (a longer one fails with InvalidArgument). Unavailable at the deadline:
+  // it returns by then and a few milliseconds more, even when a message had
+  // begun to arrive. Such a message is kept for the next receive of its tag
+  // (or dropped, after discard(tag)), its buffer held until then (counters()).
   virtual Result<std::vector<uint8_t>> receive(uint64_t tag, uint64_t max_bytes,
                                                Deadline deadline) = 0;
 
+  // Takes the next message sent with `tag` (from any peer) when it comes,
+  // and drops it, rather than keeping it for a receive that never comes:
+  // for the reply to a request whose receive gave up (one that had begun to
+  // arrive then is dropped once it has). Waits for it until the Transport
+  // closes, or until kMaxDiscards receives are held after it (the oldest are
+  // given up first). REQUIRES: nobody receives `tag` afterwards.
+  virtual void discard(uint64_t tag) = 0;
+  static constexpr uint64_t kMaxDiscards = 4096;
+
   // Drives the endpoint once; true when it did work.
   virtual bool progress() = 0;
+
+  // Frees what has ended first.
+  virtual TransportCounters counters() const = 0;
 
   // Closes every Peer, stops the progress thread; every later operation fails
   // with Unavailable. Idempotent.

@@ -452,6 +452,104 @@ TEST_P(TransportFabricTest, ControlMessages) {
   EXPECT_TRUE(local_->receive(74, 10, deadline_in(10s)).status().is(Code::kInvalidArgument));
 }
 
+// A receive that matched a message whose bytes stop coming (its sender is
+// stopped mid-message) cannot finish; it still returns by its deadline and a
+// little, and the transport holds its buffer until UCX is done with it. The
+// message goes to the next receive of its tag.
+TEST_P(TransportFabricTest, ReceiveFromASenderStoppedMidMessageEndsByItsDeadline) {
+  auto child = start_child(6, 4096);
+  ASSERT_NE(child, nullptr);
+  open_local(/*progress_thread=*/true);
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<RemoteRegion> region;
+  attach(*child, &peer, &region);
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(child->start_echo(local_->address(), 80, 81, deadline_in(10s)).ok());
+  // Too large to travel in one piece: the child announces its echo, and its
+  // bytes follow only while the child runs.
+  std::vector<uint8_t> msg(1 << 20);
+  for (size_t i = 0; i < msg.size(); ++i) msg[i] = static_cast<uint8_t>(i * 7 + i / 251);
+  ASSERT_TRUE(peer->send(80, msg, deadline_in(10s)).ok());
+  std::this_thread::sleep_for(300ms);
+  child->signal(SIGSTOP);
+  auto t0 = TransportClock::now();
+  Result<std::vector<uint8_t>> got = local_->receive(81, msg.size(), t0 + 200ms);
+  auto took = TransportClock::now() - t0;
+  EXPECT_EQ(local_->counters().held, 1u);
+  // Again while the child is stopped: the same wait, the same bound.
+  t0 = TransportClock::now();
+  EXPECT_TRUE(local_->receive(81, msg.size(), t0 + 100ms).status().is(Code::kUnavailable));
+  EXPECT_LT(TransportClock::now() - t0, 100ms + 500ms);
+  child->signal(SIGCONT);
+  EXPECT_TRUE(got.status().is(Code::kUnavailable)) << got.status().ToString();
+  EXPECT_LT(took, 200ms + 500ms);
+  // Once the child runs again the message ends in the held buffer, and the
+  // next receive of its tag has it.
+  got = local_->receive(81, msg.size(), deadline_in(5s));
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  std::reverse(msg.begin(), msg.end());
+  EXPECT_TRUE(*got == msg);
+  EXPECT_EQ(local_->counters().held, 0u);
+  EXPECT_EQ(local_->counters().dropped, 0u);
+}
+
+// A message nobody will receive (the reply to a request whose receive gave
+// up), small or large, is taken and dropped when it comes rather than kept.
+TEST_P(TransportFabricTest, DiscardedMessagesAreDroppedWhenTheyCome) {
+  // One child per message: each echoes once.
+  std::unique_ptr<ForkedPeer> children[] = {start_child(6, 4096), start_child(7, 4096),
+                                            start_child(8, 4096)};
+  for (const auto& c : children) ASSERT_NE(c, nullptr);
+  open_local(/*progress_thread=*/true);
+  uint64_t dropped = 0;
+  for (size_t n : {size_t{3000}, size_t{1} << 20}) {
+    ForkedPeer& child = *children[dropped];
+    std::shared_ptr<Peer> peer;
+    std::shared_ptr<RemoteRegion> region;
+    attach(child, &peer, &region);
+    if (HasFatalFailure()) return;
+    ASSERT_TRUE(child.start_echo(local_->address(), 90, 91, deadline_in(10s)).ok());
+    local_->discard(91);
+    EXPECT_EQ(local_->counters().held, 1u);
+    ASSERT_TRUE(peer->send(90, std::vector<uint8_t>(n, 7), deadline_in(10s)).ok());
+    auto t0 = TransportClock::now();
+    while (local_->counters().held > 0 && TransportClock::now() - t0 < 5s)
+      std::this_thread::sleep_for(10ms);
+    EXPECT_EQ(local_->counters().held, 0u) << n;
+    EXPECT_EQ(local_->counters().dropped, ++dropped) << n;
+    EXPECT_TRUE(local_->receive(91, n, deadline_in(100ms)).status().is(Code::kUnavailable)) << n;
+    // The child's send of the echo ended: it answers at once.
+    EXPECT_TRUE(child.checksum(0, 16, deadline_in(2s)).ok()) << n;
+  }
+  // A discard of a tag whose receive gave up while its message was arriving
+  // drops that message once it has.
+  {
+    ForkedPeer& child = *children[2];
+    std::shared_ptr<Peer> peer;
+    std::shared_ptr<RemoteRegion> region;
+    attach(child, &peer, &region);
+    if (HasFatalFailure()) return;
+    ASSERT_TRUE(child.start_echo(local_->address(), 90, 91, deadline_in(10s)).ok());
+    ASSERT_TRUE(peer->send(90, std::vector<uint8_t>(1 << 20, 9), deadline_in(10s)).ok());
+    std::this_thread::sleep_for(300ms);
+    child.signal(SIGSTOP);
+    EXPECT_TRUE(local_->receive(91, 1 << 20, deadline_in(100ms)).status().is(Code::kUnavailable));
+    local_->discard(91);
+    EXPECT_EQ(local_->counters().held, 1u);
+    child.signal(SIGCONT);
+    auto t0 = TransportClock::now();
+    while (local_->counters().held > 0 && TransportClock::now() - t0 < 5s)
+      std::this_thread::sleep_for(10ms);
+    EXPECT_EQ(local_->counters().held, 0u);
+    EXPECT_EQ(local_->counters().dropped, ++dropped);
+    EXPECT_TRUE(local_->receive(91, 1 << 20, deadline_in(100ms)).status().is(Code::kUnavailable));
+  }
+  // Discards whose message never comes are bounded.
+  for (uint64_t k = 0; k < Transport::kMaxDiscards + 100; ++k) local_->discard(1000 + k);
+  EXPECT_EQ(local_->counters().held, Transport::kMaxDiscards);
+  EXPECT_EQ(local_->counters().dropped, dropped);
+}
+
 // Threads blocked in receive with nothing to receive, beside the progress
 // thread, sleep instead of polling; and a message that comes while they
 // sleep still reaches its receiver at once.

@@ -33,6 +33,13 @@
 // get is ucp_get_nbx; put is ucp_put_nbx followed by ucp_ep_flush_nbx, whose
 // completion means the bytes are at the peer; a batch issues every transfer
 // and one flush.
+//
+// A receive that misses its deadline is cancelled. One that has already
+// matched a message whose bytes are still arriving cannot be (they need the
+// sender, which may be stopped): after a short grace its request and buffer
+// go to the worker's orphans, which keep the buffer until the request ends,
+// and the caller returns. The next receive of the tag takes the orphan over
+// (the message is not lost); a discard of the tag drops it once it ends.
 #include <poll.h>
 #include <sched.h>
 #include <ucp/api/ucp.h>
@@ -40,6 +47,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <list>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -56,6 +64,12 @@ using namespace std::chrono_literals;
 // How long a waiter keeps driving the worker after it force-closed an
 // endpoint, for the cancelled requests to complete (local work only).
 constexpr auto kCancelGrace = 5s;
+// How long a receive that missed its deadline drives the worker after
+// cancelling: a receive still waiting for a message ends at once, but one
+// that has matched a message whose bytes are still arriving ends only when
+// they have, which takes the sender. Past this the transport keeps it
+// (Worker::orphans) and the caller returns.
+constexpr auto kReceiveCancelGrace = 20ms;
 // How long closing an endpoint without failure detection waits for its flush:
 // a live peer answers at once, a dead one never does.
 constexpr auto kFlushCloseGrace = 200ms;
@@ -138,14 +152,50 @@ struct Worker {
     }
     sleepers.fetch_sub(1, std::memory_order_seq_cst);
   }
+  // Receives nobody waits for now (a receive given up on while its message
+  // was arriving; a discard, with no buffer), each with the buffer UCX may
+  // still write until it ends. Guarded by mu.
+  struct Orphan {
+    void* req;
+    uint64_t tag;
+    std::vector<uint8_t> buf;
+    bool drop;  // nobody will take it over: freed, its message dropped, once it ends
+  };
+  std::list<Orphan> orphans;
+  uint64_t dropped = 0;  // messages orphans took, guarded by mu
 
   ~Worker() {
-    if (worker) ucp_worker_destroy(worker);
+    if (worker) {
+      // Cancelling ends the orphans still waiting for a message; the others
+      // end with the worker, after which nothing writes their buffers.
+      for (const Orphan& o : orphans) {
+        ucp_request_cancel(worker, o.req);
+        ucp_request_free(o.req);
+      }
+      ucp_worker_destroy(worker);
+    }
+    orphans.clear();
     if (context) ucp_cleanup(context);
   }
   Worker() = default;
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
+
+  // Frees orphan `it` if it has ended, moving `it` to the next one; false
+  // when it has not. REQUIRES: mu held.
+  bool release_if_ended_locked(std::list<Orphan>::iterator& it) {
+    const ucs_status_t s = ucp_request_check_status(it->req);
+    if (s == UCS_INPROGRESS) return false;
+    if (s != UCS_ERR_CANCELED) ++dropped;
+    ucp_request_free(it->req);
+    it = orphans.erase(it);
+    return true;
+  }
+  // Frees the orphans to drop that have ended. REQUIRES: mu held.
+  void reap_locked() {
+    for (auto it = orphans.begin(); it != orphans.end();)
+      if (!it->drop || !release_if_ended_locked(it)) ++it;
+  }
 
   // Drives the worker until `req` finishes or `deadline` passes; the
   // request's status, or UCS_INPROGRESS at the deadline.
@@ -556,38 +606,48 @@ class UcxTransport final : public Transport {
                                        Deadline deadline) override {
     if (max_bytes > kMaxMessageBytes)
       return Status::InvalidArgument("transport receive: max_bytes above the message limit");
-    std::vector<uint8_t> buf(max_bytes);
+    std::vector<uint8_t> buf;
     void* req;
     {
       std::lock_guard<std::mutex> lock(w_->mu);
       if (w_->closed.load()) return Status::Unavailable("transport: closed");
-      ucp_request_param_t p{};
-      p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-      ucs_status_ptr_t r =
-          ucp_tag_recv_nbx(w_->worker, buf.data(), buf.size(), tag, ~ucp_tag_t{0}, &p);
-      if (UCS_PTR_IS_ERR(r)) return ucx_status(UCS_PTR_STATUS(r), "transport receive");
-      req = r;
-    }
-    ucs_status_t s = w_->drive(req, deadline);
-    std::lock_guard<std::mutex> lock(w_->mu);
-    if (s == UCS_INPROGRESS) {
-      ucp_request_cancel(w_->worker, req);
-      Deadline until = TransportClock::now() + kCancelGrace;
-      while (ucp_request_check_status(req) == UCS_INPROGRESS && TransportClock::now() < until)
-        w_->progress_locked();
-      ucp_tag_recv_info_t info{};
-      s = ucp_tag_recv_request_test(req, &info);
-      ucp_request_free(req);
-      if (s == UCS_OK) {  // it arrived while we cancelled
-        buf.resize(info.length);
-        return buf;
+      w_->reap_locked();
+      auto it = std::find_if(w_->orphans.begin(), w_->orphans.end(),
+                             [&](const auto& o) { return o.tag == tag && !o.drop; });
+      if (it != w_->orphans.end()) {  // an earlier receive's message: wait for it
+        req = it->req;
+        buf = std::move(it->buf);
+        w_->orphans.erase(it);
+      } else {
+        buf.resize(max_bytes);
+        ucp_request_param_t p{};
+        p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+        ucs_status_ptr_t r =
+            ucp_tag_recv_nbx(w_->worker, buf.data(), buf.size(), tag, ~ucp_tag_t{0}, &p);
+        if (UCS_PTR_IS_ERR(r)) return ucx_status(UCS_PTR_STATUS(r), "transport receive");
+        req = r;
       }
+    }
+    if (w_->drive(req, deadline) == UCS_INPROGRESS) {
+      {
+        std::lock_guard<std::mutex> lock(w_->mu);
+        ucp_request_cancel(w_->worker, req);
+      }
+      (void)w_->drive(req, TransportClock::now() + kReceiveCancelGrace);
+    }
+    std::lock_guard<std::mutex> lock(w_->mu);
+    if (ucp_request_check_status(req) == UCS_INPROGRESS) {
+      // Its message is still arriving: the buffer stays with the transport
+      // until it has, for the next receive of the tag.
+      w_->orphans.push_back(Worker::Orphan{req, tag, std::move(buf), false});
       return Status::Unavailable("transport receive: no message before the deadline");
     }
     ucp_tag_recv_info_t info{};
-    s = ucp_tag_recv_request_test(req, &info);
+    const ucs_status_t s = ucp_tag_recv_request_test(req, &info);
     ucp_request_free(req);
-    if (s == UCS_ERR_MESSAGE_TRUNCATED)
+    if (s == UCS_ERR_CANCELED)
+      return Status::Unavailable("transport receive: no message before the deadline");
+    if (s == UCS_ERR_MESSAGE_TRUNCATED || (s == UCS_OK && info.length > max_bytes))
       return Status::InvalidArgument("transport receive: message longer than " +
                                      std::to_string(max_bytes) + " bytes");
     if (s != UCS_OK) return ucx_status(s, "transport receive");
@@ -595,9 +655,42 @@ class UcxTransport final : public Transport {
     return buf;
   }
 
+  void discard(uint64_t tag) override {
+    std::lock_guard<std::mutex> lock(w_->mu);
+    if (w_->closed.load()) return;
+    w_->reap_locked();
+    // A receive of `tag` given up on while its message arrived: its message
+    // is dropped once it ends.
+    for (Worker::Orphan& o : w_->orphans) {
+      if (o.tag != tag) continue;
+      o.drop = true;
+      return;
+    }
+    // Over the bound, the oldest are cancelled: one still waiting for its
+    // message ends at once (one whose message is arriving ends by itself).
+    for (auto it = w_->orphans.begin();
+         w_->orphans.size() >= kMaxDiscards && it != w_->orphans.end();) {
+      ucp_request_cancel(w_->worker, it->req);
+      if (!w_->release_if_ended_locked(it)) ++it;
+    }
+    // No buffer: the message is taken as truncated, which ends it for the
+    // sender too.
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    ucs_status_ptr_t r = ucp_tag_recv_nbx(w_->worker, nullptr, 0, tag, ~ucp_tag_t{0}, &p);
+    if (UCS_PTR_IS_ERR(r)) return;
+    w_->orphans.push_back(Worker::Orphan{r, tag, {}, true});
+  }
+
   bool progress() override {
     std::lock_guard<std::mutex> lock(w_->mu);
     return w_->progress_locked() != 0;
+  }
+
+  TransportCounters counters() const override {
+    std::lock_guard<std::mutex> lock(w_->mu);
+    w_->reap_locked();
+    return TransportCounters{w_->orphans.size(), w_->dropped};
   }
 
   void close() override {
