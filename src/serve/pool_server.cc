@@ -752,7 +752,8 @@ int64_t PoolServer::Impl::serve(Worker& w, const ChannelRef& ref) {
   // from the copies, and a short one still catches the commit of a small
   // block without a wake-up.
   return op_word == static_cast<uint32_t>(Op::kReserve) ||
-                 op_word == static_cast<uint32_t>(Op::kLease)
+                 op_word == static_cast<uint32_t>(Op::kLease) ||
+                 op_word == static_cast<uint32_t>(Op::kLeaseRead)
              ? kShortSpinNs
              : pool::kSpinNs;
 }
