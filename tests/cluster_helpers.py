@@ -14,8 +14,10 @@ from cascade.cluster import PlacementRing
 
 
 @contextlib.contextmanager
-def in_process_cluster(n: int, capacity: int = 64 << 20):
-    """Yields the servers' socket paths; the view places ids over all n."""
+def in_process_cluster(n: int, capacity: int = 64 << 20, map_same_host: bool = True):
+    """Yields the servers' socket paths; the view places ids over all n.
+    map_same_host: the servers map each other's arenas (one host) or move
+    blocks over UCX only."""
     d = tempfile.mkdtemp(prefix="cascade-cl-")
     servers, shms = [], []
     try:
@@ -27,7 +29,10 @@ def in_process_cluster(n: int, capacity: int = 64 << 20):
             cfg.shm_path = f"/dev/shm/cascade-test-cl-{uuid.uuid4().hex[:12]}"
             shms.append(cfg.shm_path)
             servers.append(_core.PoolServer(cfg, os.path.join(d, f"n{i}.sock")))
-        addresses = [s.start_cluster(f"n{i}", 1, fabrics="tcp") for i, s in enumerate(servers)]
+        addresses = [
+            s.start_cluster(f"n{i}", 1, fabrics="tcp", map_same_host=map_same_host)
+            for i, s in enumerate(servers)
+        ]
         ring = PlacementRing([f"n{i}" for i in range(n)])
         positions, owners = ring.points()
         members = [(m, 1, addresses[int(m[1:])]) for m in ring.members]

@@ -69,6 +69,8 @@ def test_an_engine_on_another_node_loads_the_prefix_this_one_saved(model_dir, la
         finally:
             b.close()
         stats = servers[1].cluster_stats()
-        assert stats["remote_hits"] > 0 and stats["fetched"] > 0
+        # Node B's server fetched the blocks from their owners, or (servers of
+        # one host map each other's arenas) its client copied them from there.
+        assert stats["remote_hits"] > 0 and stats["fetched"] + stats["mapped_leases"] > 0
         assert stats["checksum_failures"] == 0
         assert servers[1].stats()["connections"] == 1 and servers[0].stats()["connections"] == 1
