@@ -595,6 +595,49 @@ TEST(ClusterNode, WhatAMemberThatIsNotInTheViewHoldsEndsAfterADeadline) {
   EXPECT_FALSE(known.call(cluster::Op::kLookup, 1, one).empty());
 }
 
+TEST(ClusterNode, ATokenOfAnEndedConnectionNeverReleasesALeaseOfTheNextOne) {
+  // A member that connects a lane again (its Hello ends what the lane held)
+  // may still send a release of a lease the old connection was granted: it
+  // must not end a lease the new connection holds.
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a");
+  ASSERT_TRUE(a.node);
+  std::vector<uint8_t> ids = put_blocks(a.server->store(), 5000, 2);
+  RawMember raw(a.node->address());
+  ASSERT_TRUE(
+      a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
+  auto hello = [&] {
+    return !raw.call(cluster::Op::kHello, static_cast<uint32_t>(raw.t->address().size()),
+                     raw.t->address())
+                .empty();
+  };
+  auto lease_one = [&](int k) {
+    const std::vector<uint8_t> id(ids.begin() + 16 * k, ids.begin() + 16 * (k + 1));
+    auto r = raw.call(cluster::Op::kLease, 1, id);
+    cluster::LeaseReply l{};
+    EXPECT_EQ(r.size(), sizeof(cluster::ReplyHead) + sizeof l);
+    if (r.size() >= sizeof(cluster::ReplyHead) + sizeof l)
+      std::memcpy(&l, r.data() + sizeof(cluster::ReplyHead), sizeof l);
+    EXPECT_EQ(l.code, 0u);
+    return l.token;
+  };
+  ASSERT_TRUE(hello());
+  const uint64_t old_token = lease_one(0);
+  EXPECT_EQ(a.node->stats().peer_leases, 1u);
+  ASSERT_TRUE(hello());  // the lane again: the old connection's lease ends
+  EXPECT_EQ(a.node->stats().peer_leases, 0u);
+  (void)lease_one(1);
+  EXPECT_EQ(a.node->stats().peer_leases, 1u);
+  std::vector<uint8_t> release = raw.head(cluster::Op::kRelease, 1, 0);
+  const uint8_t* t = reinterpret_cast<const uint8_t*>(&old_token);
+  release.insert(release.end(), t, t + sizeof old_token);
+  raw.send_raw(release);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (a.node->stats().peer_leases == 1 && std::chrono::steady_clock::now() - t0 < 500ms)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(a.node->stats().peer_leases, 1u);  // the new connection's lease holds
+}
+
 TEST(ClusterNode, WhatAReplyThatCannotBeDeliveredGrantedIsTakenBack) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a");  // leases expire after a minute: the test must not wait for that
