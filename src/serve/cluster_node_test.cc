@@ -953,6 +953,56 @@ TEST(ClusterNode, ABlockCorruptedInTheOwnersArenaIsAMissThroughTheMapping) {
   expect_block(cc.get(), id_of(2), other);  // the intact block is served
 }
 
+TEST(ClusterNode, APartOfABlockThatChangesInTheOwnersArenaWhileCopiedIsAMissNeverWrongBytes) {
+  // A block's bytes change under a client's copy from the owner's mapped
+  // arena (what a range reused after its lease ended looks like): a read
+  // of part of the block either returns the block's bytes or misses.
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a", 60000, 1, 500, true), b("b", 60000, 1, 500, true), c("c", 60000, 1, 500, true);
+  ASSERT_TRUE(a.node && b.node && c.node);
+  const ClusterView v = view_owned_by({&a, &b, &c}, 1);
+  for (Member* m : {&a, &b, &c}) ASSERT_TRUE(m->node->set_view(v).ok());
+  auto ca = a.client();
+  auto cc = c.client();
+  ASSERT_TRUE(ca && cc);
+  const std::vector<uint8_t> good = bytes_of(44, 64 << 10);
+  ASSERT_TRUE(ca->put(id_of(1), good.data(), good.size()).ok());
+  ASSERT_TRUE(a.node->drain(5000));
+  const int fd = ::open(b.shm_path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  struct stat st;
+  ASSERT_EQ(::fstat(fd, &st), 0);
+  void* p = ::mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  ASSERT_NE(p, MAP_FAILED);
+  auto* file = static_cast<uint8_t*>(p);
+  volatile uint8_t* at = nullptr;
+  for (off_t off = 0; off + off_t(good.size()) <= st.st_size && !at; off += 4096)
+    if (std::memcmp(file + off, good.data(), good.size()) == 0) at = file + off;
+  ASSERT_NE(at, nullptr) << "block 1 not found in the owner's arena";
+  constexpr uint64_t kFrom = 8192, kBytes = 16384, kByte = kFrom + 100;
+  std::atomic<bool> stop{false};
+  std::thread flipper([&] {
+    while (!stop.load(std::memory_order_relaxed)) at[kByte] ^= 0x5a;
+    at[kByte] = good[kByte];
+  });
+  int wrong = 0, hits = 0;
+  std::vector<uint8_t> out(kBytes);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 4000 && std::chrono::steady_clock::now() - t0 < 5s && wrong == 0; ++i) {
+    GetResult r;
+    ASSERT_TRUE(cc->get_range(id_of(1), kFrom, out.data(), out.size(), &r).ok());
+    if (!r.found) continue;
+    ++hits;
+    if (std::memcmp(out.data(), good.data() + kFrom, kBytes) != 0) ++wrong;
+  }
+  stop.store(true);
+  flipper.join();
+  ::munmap(p, st.st_size);
+  EXPECT_GT(c.node->stats().mapped_leases, 0u);
+  EXPECT_EQ(wrong, 0) << "after " << hits << " hits";
+}
+
 TEST(ClusterNode, AMemberLeavingTheViewIsUnmapped) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a", 60000, 2, 500, true), b("b", 60000, 2, 500, true);

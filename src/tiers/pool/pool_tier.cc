@@ -632,14 +632,20 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
     if (st.ok() && g.arena == 0 && count) st = copy_out(reqs[i].out, g.data + from, count, reqs[i]);
     if (st.ok() && g.arena != 0) {
       auto* out = static_cast<uint8_t*>(reqs[i].out);
-      // A member's block: its checksum computed on the way (over the whole
-      // block, whatever range is asked), and the lease still held at the end.
+      // A member's block: its checksum computed over the bytes copied (the
+      // whole block, whatever range is asked), and the lease still held at
+      // the end. For part of a block the whole block is copied aside and
+      // checked, and the part handed out from that copy: bytes read from
+      // the arena twice might differ between the reads.
       uint64_t sum = 0;
-      if (g.checksum != 0 && from == 0 && count == g.size) {
+      if (g.checksum == 0) {
+        if (count) copy_bytes(out, g.data + from, count);
+      } else if (from == 0 && count == g.size) {
         sum = checksum_of_copy(out, g.data, g.size, pool_, parallel_threshold_);
       } else {
-        if (g.checksum != 0) sum = block_checksum(g.data, g.size, pool_, parallel_threshold_);
-        if (count) copy_bytes(out, g.data + from, count);
+        std::unique_ptr<uint8_t[]> whole(new uint8_t[g.size]);
+        sum = checksum_of_copy(whole.get(), g.data, g.size, pool_, parallel_threshold_);
+        if (count) copy_bytes(out, whole.get() + from, count);
       }
       const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                               std::chrono::steady_clock::now().time_since_epoch())
