@@ -1728,6 +1728,7 @@ void ClusterNode::close() {
     for (auto& [id, slot] : i.links) {
       std::lock_guard<std::mutex> sl(slot->mu);
       for (auto& l : slot->links) l.reset();
+      slot->mapped.reset();  // a closed member pins no other member's memory
     }
   }
   for (auto& lane : i.lanes) lane.t->close();

@@ -1035,6 +1035,32 @@ TEST(ClusterNode, AMemberLeavingTheViewIsUnmapped) {
   EXPECT_EQ(mappings_of(a.shm_path), before);
 }
 
+TEST(ClusterNode, AClientWhoseServerIsGoneUnmapsTheMembersArenas) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a", 60000, 2, 500, true), b("b", 60000, 2, 500, true);
+  ASSERT_TRUE(a.node && b.node);
+  const ClusterView v = view_owned_by({&a, &b}, 0);
+  ASSERT_TRUE(a.node->set_view(v).ok() && b.node->set_view(v).ok());
+  auto ca = a.client();
+  auto cb = b.client();
+  ASSERT_TRUE(ca && cb);
+  const std::vector<uint8_t> data = bytes_of(8, 32 << 10);
+  ASSERT_TRUE(ca->put(id_of(1), data.data(), data.size()).ok());
+  const int before = mappings_of(a.shm_path);
+  expect_block(cb.get(), id_of(1), data);
+  EXPECT_EQ(mappings_of(a.shm_path), before + 2);  // b's server and b's client map a's arena
+  // b's server goes: nothing more is read through it, and its client keeps
+  // no mapping of a's arena (which would pin its memory once a replaced it).
+  ASSERT_TRUE(b.server->close().ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  while (mappings_of(a.shm_path) > before && std::chrono::steady_clock::now() - t0 < 5s)
+    std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(mappings_of(a.shm_path), before);
+  std::vector<uint8_t> out(data.size());
+  GetResult r;
+  EXPECT_FALSE(cb->get(id_of(1), out.data(), out.size(), &r).ok() && r.found);
+}
+
 TEST(ClusterNode, WithoutMappingMembersOnOneHostUseTheTransport) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a"), b("b");

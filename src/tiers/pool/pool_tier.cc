@@ -713,16 +713,24 @@ void PoolTier::forget_gone_arenas() {
     std::lock_guard<std::mutex> l(members_mu_);
     for (auto& [index, m] : member_arenas_) known.push_back(index);
   }
+  // A server that is gone (or every channel to it) leases nothing more:
+  // every mapping goes, the memory with the last copy under way.
+  auto forget_all = [&] {
+    std::lock_guard<std::mutex> l(members_mu_);
+    member_arenas_.clear();
+  };
   for (uint32_t index : known) {
     pool::ArenaReply r{};
     {
       Held held = hold();
-      if (!held.slot()) return;
+      if (!held.slot()) return forget_all();
       pool::ArenaItem item{index, 0};
       std::memcpy(held.slot()->ch.request + sizeof(RequestHeader), &item, sizeof item);
       ReplyHeader reply;
-      if (!call(held.slot(), Op::kArena, 1, sizeof(pool::ArenaItem), &reply, timeout_us_).ok())
+      if (!call(held.slot(), Op::kArena, 1, sizeof(pool::ArenaItem), &reply, timeout_us_).ok()) {
+        if (server_gone_.load(std::memory_order_acquire)) forget_all();
         return;
+      }
       std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader), sizeof r);
     }
     if (r.code != static_cast<uint32_t>(Code::kNotFound)) continue;
