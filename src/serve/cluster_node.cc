@@ -130,7 +130,7 @@ struct PeerState {
   std::string node_id;
   uint64_t generation = 0;
   std::shared_ptr<Peer> back;  // replies go here
-  std::mutex mu;               // guards the maps and next
+  std::mutex mu;               // guards the maps
   struct Lease {
     BlockView view;
     Clock::time_point expires;
@@ -141,7 +141,6 @@ struct PeerState {
   };
   std::unordered_map<uint64_t, Lease> leases;
   std::unordered_map<uint64_t, Held> reservations;
-  uint64_t next = 1;
   Clock::time_point since = Clock::now();  // its Hello
   // Set by end_peer: a request served concurrently must not add to maps
   // nobody will end again.
@@ -209,6 +208,10 @@ class ClusterNode::Impl {
   std::deque<BlockId> queue;      // guarded by queue_mu
   uint64_t queued = 0, done = 0;  // ids ever queued and ever finished, guarded by queue_mu
   std::atomic<uint64_t> next_tag{1};
+  // Tokens of the leases and reservations granted here, unique across every
+  // connection: a release or commit a member sends for a connection that
+  // ended (its lane said Hello again) matches nothing the new one holds.
+  std::atomic<uint64_t> next_token{1};
   std::atomic<int64_t> last_sweep_ns{0};
 
   std::atomic<uint64_t> pushed{0}, pushed_bytes{0}, push_dropped{0}, fetched{0}, fetched_bytes{0};
@@ -1239,7 +1242,7 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
             r.code = static_cast<uint32_t>(Code::kUnavailable);
             continue;
           }
-          r.token = p.next++;
+          r.token = next_token.fetch_add(1, std::memory_order_relaxed);
           served_lease_bytes.fetch_add(r.size, std::memory_order_relaxed);
           p.leases.emplace(r.token, PeerState::Lease{std::move(views[k]), expires});
           ++granted;
@@ -1300,7 +1303,7 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
             continue;
           }
           r.offset = res[j].offset;
-          r.token = p.next++;
+          r.token = next_token.fetch_add(1, std::memory_order_relaxed);
           p.reservations.emplace(r.token, PeerState::Held{res[j], expires});
           peer_reservations.fetch_add(1, std::memory_order_relaxed);
         }
@@ -1725,6 +1728,7 @@ void ClusterNode::close() {
     for (auto& [id, slot] : i.links) {
       std::lock_guard<std::mutex> sl(slot->mu);
       for (auto& l : slot->links) l.reset();
+      slot->mapped.reset();  // a closed member pins no other member's memory
     }
   }
   for (auto& lane : i.lanes) lane.t->close();

@@ -595,6 +595,49 @@ TEST(ClusterNode, WhatAMemberThatIsNotInTheViewHoldsEndsAfterADeadline) {
   EXPECT_FALSE(known.call(cluster::Op::kLookup, 1, one).empty());
 }
 
+TEST(ClusterNode, ATokenOfAnEndedConnectionNeverReleasesALeaseOfTheNextOne) {
+  // A member that connects a lane again (its Hello ends what the lane held)
+  // may still send a release of a lease the old connection was granted: it
+  // must not end a lease the new connection holds.
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a");
+  ASSERT_TRUE(a.node);
+  std::vector<uint8_t> ids = put_blocks(a.server->store(), 5000, 2);
+  RawMember raw(a.node->address());
+  ASSERT_TRUE(
+      a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
+  auto hello = [&] {
+    return !raw.call(cluster::Op::kHello, static_cast<uint32_t>(raw.t->address().size()),
+                     raw.t->address())
+                .empty();
+  };
+  auto lease_one = [&](int k) {
+    const std::vector<uint8_t> id(ids.begin() + 16 * k, ids.begin() + 16 * (k + 1));
+    auto r = raw.call(cluster::Op::kLease, 1, id);
+    cluster::LeaseReply l{};
+    EXPECT_EQ(r.size(), sizeof(cluster::ReplyHead) + sizeof l);
+    if (r.size() >= sizeof(cluster::ReplyHead) + sizeof l)
+      std::memcpy(&l, r.data() + sizeof(cluster::ReplyHead), sizeof l);
+    EXPECT_EQ(l.code, 0u);
+    return l.token;
+  };
+  ASSERT_TRUE(hello());
+  const uint64_t old_token = lease_one(0);
+  EXPECT_EQ(a.node->stats().peer_leases, 1u);
+  ASSERT_TRUE(hello());  // the lane again: the old connection's lease ends
+  EXPECT_EQ(a.node->stats().peer_leases, 0u);
+  (void)lease_one(1);
+  EXPECT_EQ(a.node->stats().peer_leases, 1u);
+  std::vector<uint8_t> release = raw.head(cluster::Op::kRelease, 1, 0);
+  const uint8_t* t = reinterpret_cast<const uint8_t*>(&old_token);
+  release.insert(release.end(), t, t + sizeof old_token);
+  raw.send_raw(release);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (a.node->stats().peer_leases == 1 && std::chrono::steady_clock::now() - t0 < 500ms)
+    std::this_thread::sleep_for(10ms);
+  EXPECT_EQ(a.node->stats().peer_leases, 1u);  // the new connection's lease holds
+}
+
 TEST(ClusterNode, WhatAReplyThatCannotBeDeliveredGrantedIsTakenBack) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a");  // leases expire after a minute: the test must not wait for that
@@ -910,6 +953,56 @@ TEST(ClusterNode, ABlockCorruptedInTheOwnersArenaIsAMissThroughTheMapping) {
   expect_block(cc.get(), id_of(2), other);  // the intact block is served
 }
 
+TEST(ClusterNode, APartOfABlockThatChangesInTheOwnersArenaWhileCopiedIsAMissNeverWrongBytes) {
+  // A block's bytes change under a client's copy from the owner's mapped
+  // arena (what a range reused after its lease ended looks like): a read
+  // of part of the block either returns the block's bytes or misses.
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a", 60000, 1, 500, true), b("b", 60000, 1, 500, true), c("c", 60000, 1, 500, true);
+  ASSERT_TRUE(a.node && b.node && c.node);
+  const ClusterView v = view_owned_by({&a, &b, &c}, 1);
+  for (Member* m : {&a, &b, &c}) ASSERT_TRUE(m->node->set_view(v).ok());
+  auto ca = a.client();
+  auto cc = c.client();
+  ASSERT_TRUE(ca && cc);
+  const std::vector<uint8_t> good = bytes_of(44, 64 << 10);
+  ASSERT_TRUE(ca->put(id_of(1), good.data(), good.size()).ok());
+  ASSERT_TRUE(a.node->drain(5000));
+  const int fd = ::open(b.shm_path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  struct stat st;
+  ASSERT_EQ(::fstat(fd, &st), 0);
+  void* p = ::mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  ASSERT_NE(p, MAP_FAILED);
+  auto* file = static_cast<uint8_t*>(p);
+  volatile uint8_t* at = nullptr;
+  for (off_t off = 0; off + off_t(good.size()) <= st.st_size && !at; off += 4096)
+    if (std::memcmp(file + off, good.data(), good.size()) == 0) at = file + off;
+  ASSERT_NE(at, nullptr) << "block 1 not found in the owner's arena";
+  constexpr uint64_t kFrom = 8192, kBytes = 16384, kByte = kFrom + 100;
+  std::atomic<bool> stop{false};
+  std::thread flipper([&] {
+    while (!stop.load(std::memory_order_relaxed)) at[kByte] ^= 0x5a;
+    at[kByte] = good[kByte];
+  });
+  int wrong = 0, hits = 0;
+  std::vector<uint8_t> out(kBytes);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 4000 && std::chrono::steady_clock::now() - t0 < 5s && wrong == 0; ++i) {
+    GetResult r;
+    ASSERT_TRUE(cc->get_range(id_of(1), kFrom, out.data(), out.size(), &r).ok());
+    if (!r.found) continue;
+    ++hits;
+    if (std::memcmp(out.data(), good.data() + kFrom, kBytes) != 0) ++wrong;
+  }
+  stop.store(true);
+  flipper.join();
+  ::munmap(p, st.st_size);
+  EXPECT_GT(c.node->stats().mapped_leases, 0u);
+  EXPECT_EQ(wrong, 0) << "after " << hits << " hits";
+}
+
 TEST(ClusterNode, AMemberLeavingTheViewIsUnmapped) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a", 60000, 2, 500, true), b("b", 60000, 2, 500, true);
@@ -940,6 +1033,32 @@ TEST(ClusterNode, AMemberLeavingTheViewIsUnmapped) {
   while (mappings_of(a.shm_path) > before && std::chrono::steady_clock::now() - t0 < 5s)
     std::this_thread::sleep_for(50ms);
   EXPECT_EQ(mappings_of(a.shm_path), before);
+}
+
+TEST(ClusterNode, AClientWhoseServerIsGoneUnmapsTheMembersArenas) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a", 60000, 2, 500, true), b("b", 60000, 2, 500, true);
+  ASSERT_TRUE(a.node && b.node);
+  const ClusterView v = view_owned_by({&a, &b}, 0);
+  ASSERT_TRUE(a.node->set_view(v).ok() && b.node->set_view(v).ok());
+  auto ca = a.client();
+  auto cb = b.client();
+  ASSERT_TRUE(ca && cb);
+  const std::vector<uint8_t> data = bytes_of(8, 32 << 10);
+  ASSERT_TRUE(ca->put(id_of(1), data.data(), data.size()).ok());
+  const int before = mappings_of(a.shm_path);
+  expect_block(cb.get(), id_of(1), data);
+  EXPECT_EQ(mappings_of(a.shm_path), before + 2);  // b's server and b's client map a's arena
+  // b's server goes: nothing more is read through it, and its client keeps
+  // no mapping of a's arena (which would pin its memory once a replaced it).
+  ASSERT_TRUE(b.server->close().ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  while (mappings_of(a.shm_path) > before && std::chrono::steady_clock::now() - t0 < 5s)
+    std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(mappings_of(a.shm_path), before);
+  std::vector<uint8_t> out(data.size());
+  GetResult r;
+  EXPECT_FALSE(cb->get(id_of(1), out.data(), out.size(), &r).ok() && r.found);
 }
 
 TEST(ClusterNode, WithoutMappingMembersOnOneHostUseTheTransport) {

@@ -632,14 +632,20 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
     if (st.ok() && g.arena == 0 && count) st = copy_out(reqs[i].out, g.data + from, count, reqs[i]);
     if (st.ok() && g.arena != 0) {
       auto* out = static_cast<uint8_t*>(reqs[i].out);
-      // A member's block: its checksum computed on the way (over the whole
-      // block, whatever range is asked), and the lease still held at the end.
+      // A member's block: its checksum computed over the bytes copied (the
+      // whole block, whatever range is asked), and the lease still held at
+      // the end. For part of a block the whole block is copied aside and
+      // checked, and the part handed out from that copy: bytes read from
+      // the arena twice might differ between the reads.
       uint64_t sum = 0;
-      if (g.checksum != 0 && from == 0 && count == g.size) {
+      if (g.checksum == 0) {
+        if (count) copy_bytes(out, g.data + from, count);
+      } else if (from == 0 && count == g.size) {
         sum = checksum_of_copy(out, g.data, g.size, pool_, parallel_threshold_);
       } else {
-        if (g.checksum != 0) sum = block_checksum(g.data, g.size, pool_, parallel_threshold_);
-        if (count) copy_bytes(out, g.data + from, count);
+        std::unique_ptr<uint8_t[]> whole(new uint8_t[g.size]);
+        sum = checksum_of_copy(whole.get(), g.data, g.size, pool_, parallel_threshold_);
+        if (count) copy_bytes(out, whole.get() + from, count);
       }
       const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                               std::chrono::steady_clock::now().time_since_epoch())
@@ -707,16 +713,24 @@ void PoolTier::forget_gone_arenas() {
     std::lock_guard<std::mutex> l(members_mu_);
     for (auto& [index, m] : member_arenas_) known.push_back(index);
   }
+  // A server that is gone (or every channel to it) leases nothing more:
+  // every mapping goes, the memory with the last copy under way.
+  auto forget_all = [&] {
+    std::lock_guard<std::mutex> l(members_mu_);
+    member_arenas_.clear();
+  };
   for (uint32_t index : known) {
     pool::ArenaReply r{};
     {
       Held held = hold();
-      if (!held.slot()) return;
+      if (!held.slot()) return forget_all();
       pool::ArenaItem item{index, 0};
       std::memcpy(held.slot()->ch.request + sizeof(RequestHeader), &item, sizeof item);
       ReplyHeader reply;
-      if (!call(held.slot(), Op::kArena, 1, sizeof(pool::ArenaItem), &reply, timeout_us_).ok())
+      if (!call(held.slot(), Op::kArena, 1, sizeof(pool::ArenaItem), &reply, timeout_us_).ok()) {
+        if (server_gone_.load(std::memory_order_acquire)) forget_all();
         return;
+      }
       std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader), sizeof r);
     }
     if (r.code != static_cast<uint32_t>(Code::kNotFound)) continue;
