@@ -127,6 +127,11 @@ def test_two_servers_share_the_node_pool(servers, work):
         # A different prompt saved by B is a hit for A.
         q = prompt(PROMPT_TOKENS, seed=9)
         q_full = b.complete(q)
+        # B's saves finish after its reply: A looks the prompt up once they have.
+        deadline = time.monotonic() + 30
+        while b.counter("vllm:cascade_save_blocks_total") < HIT // BS:
+            assert time.monotonic() < deadline, "replica B did not save the second prompt"
+            time.sleep(0.1)
         assert a.complete(q) == q_full
         assert a.counter("vllm:cascade_hit_tokens_total") == HIT
     finally:
