@@ -25,8 +25,9 @@ def test_quick_run_reports_pairs_and_aggregates(tmp_path, capsys):
     ]
     for p in report["pairs"]:
         # Servers of one host: every remote read leased at the owner and
-        # copied from its arena (twice: the timed read and the check).
-        assert p["mapped_leases"] == 2 * p["blocks"] and p["fetched"] == 0
+        # copied from its arena (four times: two timed reads, each checked).
+        assert p["mapped_leases"] == 4 * p["blocks"] and p["fetched"] == 0
+        assert p["again_gbps"] > 0
         assert p["checksum_failures"] == 0
         assert p["local_gbps"] > 0 and p["remote_gbps"] > 0
     assert [a["servers"] for a in report["aggregate"]] == [2, 3, 2, 3]
