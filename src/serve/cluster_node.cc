@@ -280,6 +280,24 @@ class ClusterNode::Impl {
     }
   }
 
+  // The ids not yet done, grouped by the member to ask in this round: round
+  // 0 asks each id's first owner, round 1 its second (replicas 2).
+  using Groups = std::vector<std::pair<uint32_t, std::vector<size_t>>>;
+  template <typename Done>
+  Groups owners_in_round(const Ring& r, std::span<const BlockId> ids, int round,
+                         Done&& done) const {
+    std::map<uint32_t, std::vector<size_t>> by_member;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (done(i)) continue;
+      uint32_t o[2];
+      int n;
+      owners_of(r, ids[i], o, &n);
+      if (round < n) by_member[o[round]].push_back(i);
+    }
+    return Groups(std::make_move_iterator(by_member.begin()),
+                  std::make_move_iterator(by_member.end()));
+  }
+
   // ---- the requesting side ------------------------------------------------------
   std::shared_ptr<LinkSlot> slot_of(const ClusterMember& m) {
     std::shared_ptr<LinkSlot> s;
@@ -547,17 +565,8 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
   if (!r || r->view.members.empty()) return;
   // Round 0 asks the first owner, round 1 the second of what is still missing.
   for (int round = 0; round < 2; ++round) {
-    std::map<uint32_t, std::vector<size_t>> by_member;
-    for (size_t i = 0; i < ids.size(); ++i) {
-      if (found[i]) continue;
-      uint32_t o[2];
-      int n;
-      owners_of(*r, ids[i], o, &n);
-      if (round < n) by_member[o[round]].push_back(i);
-    }
-    if (by_member.empty()) return;
-    std::vector<std::pair<uint32_t, std::vector<size_t>>> groups(by_member.begin(),
-                                                                 by_member.end());
+    const Groups groups = owners_in_round(*r, ids, round, [&](size_t i) { return found[i] != 0; });
+    if (groups.empty()) return;
     for_each_call(groups.size(), [&](size_t g) {
       const auto& [mi, which] = groups[g];
       const ClusterMember& m = r->view.members[mi];
@@ -595,14 +604,7 @@ void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> g
   auto r = current();
   if (!r || r->view.members.empty()) return;
   for (int round = 0; round < 2; ++round) {
-    std::map<uint32_t, std::vector<size_t>> by_member;
-    for (size_t i = 0; i < ids.size(); ++i) {
-      if (got[i]) continue;
-      uint32_t o[2];
-      int n;
-      owners_of(*r, ids[i], o, &n);
-      if (round < n) by_member[o[round]].push_back(i);
-    }
+    const Groups by_member = owners_in_round(*r, ids, round, [&](size_t i) { return got[i] != 0; });
     if (by_member.empty()) return;
     // Each owner's ids in parts, the parts on different lanes at once: one
     // lane moves bytes on one thread, so a large fetch spreads over them.
@@ -805,17 +807,9 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
   auto r = current();
   if (!r || r->view.members.empty()) return;
   for (int round = 0; round < 2; ++round) {
-    std::map<uint32_t, std::vector<size_t>> by_member;
-    for (size_t i = 0; i < ids.size(); ++i) {
-      if (out[i].arena != 0) continue;
-      uint32_t o[2];
-      int n;
-      owners_of(*r, ids[i], o, &n);
-      if (round < n) by_member[o[round]].push_back(i);
-    }
-    if (by_member.empty()) return;
-    std::vector<std::pair<uint32_t, std::vector<size_t>>> groups(by_member.begin(),
-                                                                 by_member.end());
+    const Groups groups =
+        owners_in_round(*r, ids, round, [&](size_t i) { return out[i].arena != 0; });
+    if (groups.empty()) return;
     for_each_call(groups.size(), [&](size_t g) {
       const auto& [mi, which] = groups[g];
       const ClusterMember& m = r->view.members[mi];
