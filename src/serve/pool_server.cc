@@ -225,6 +225,27 @@ class PoolServer::Impl {
   // leases them here.
   void fetch_missing(ClusterNode* cn, std::span<const BlockId> ids, std::vector<BlockView>* views,
                      std::vector<Status>* st);
+  // The first ids of a lease request that the client has room for (at most
+  // kMaxLeasesPerClient held), in its namespace, acquired here; returns how
+  // many (the rest are answered Busy).
+  uint32_t acquire_for(PoolClient* c, const uint8_t* items, uint32_t count,
+                       std::vector<BlockId>* ids, std::vector<BlockView>* views,
+                       std::vector<Status>* st) {
+    const size_t room =
+        kMaxLeasesPerClient -
+        std::min(c->lease_count.load(std::memory_order_relaxed), kMaxLeasesPerClient);
+    const uint32_t asked = static_cast<uint32_t>(std::min<size_t>(count, room));
+    ids->resize(asked);
+    for (uint32_t k = 0; k < asked; ++k) (*ids)[k] = c->scoped(items + k * 16);
+    store->acquire_batch(*ids, views, st);
+    return asked;
+  }
+  // Whether a view lies in the host arena the clients map.
+  bool in_arena(const BlockView& view) const {
+    const uint8_t* p = view.data();
+    return view.kind() == MemoryKind::kHost && p >= arena.base &&
+           p + view.size() <= arena.base + arena.capacity;
+  }
 
   // ---- workers (table_mu and flush_mu are never held with another lock) ----
   int doorbell_fd = -1;
@@ -1049,15 +1070,10 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       break;
     }
     case Op::kLease: {
-      const size_t room =
-          kMaxLeasesPerClient -
-          std::min(c->lease_count.load(std::memory_order_relaxed), kMaxLeasesPerClient);
-      const uint32_t asked = static_cast<uint32_t>(std::min<size_t>(count, room));
-      std::vector<BlockId> ids(asked);
-      for (uint32_t k = 0; k < asked; ++k) ids[k] = c->scoped(items + k * 16);
+      std::vector<BlockId> ids;
       std::vector<BlockView> views;
       std::vector<Status> st;
-      store->acquire_batch(ids, &views, &st);
+      const uint32_t asked = acquire_for(c, items, count, &ids, &views, &st);
       if (ClusterNode* cn = cluster_node()) fetch_missing(cn, ids, &views, &st);
       std::vector<std::pair<uint32_t, BlockView>> granted;
       granted.reserve(asked);
@@ -1072,12 +1088,10 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
         r.code = code_of(st[k]);
         if (st[k].ok()) {
           const BlockView& view = views[k];
-          const uint8_t* p = view.data();
-          if (view.kind() != MemoryKind::kHost || p < arena.base ||
-              p + view.size() > arena.base + arena.capacity) {
+          if (!in_arena(view)) {
             r.code = static_cast<uint32_t>(Code::kUnavailable);
           } else {
-            r.offset = static_cast<uint64_t>(p - arena.base);
+            r.offset = static_cast<uint64_t>(view.data() - arena.base);
             r.size = view.size();
             leased += r.size;
             granted.emplace_back(k, std::move(views[k]));
@@ -1127,15 +1141,10 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       break;
     }
     case Op::kLeaseRead: {
-      const size_t room =
-          kMaxLeasesPerClient -
-          std::min(c->lease_count.load(std::memory_order_relaxed), kMaxLeasesPerClient);
-      const uint32_t asked = static_cast<uint32_t>(std::min<size_t>(count, room));
-      std::vector<BlockId> ids(asked);
-      for (uint32_t k = 0; k < asked; ++k) ids[k] = c->scoped(items + k * 16);
+      std::vector<BlockId> ids;
       std::vector<BlockView> views;
       std::vector<Status> st;
-      store->acquire_batch(ids, &views, &st);
+      const uint32_t asked = acquire_for(c, items, count, &ids, &views, &st);
       // What this server lacks: first from the arenas of members of this
       // host that hold it (the client copies from there), then fetched.
       std::vector<MappedLease> mapped(asked);
@@ -1183,13 +1192,11 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
             r.token = c->token(channel);
             sh.mapped.emplace(r.token, m);
           } else {
-            const uint8_t* p = views[k].data();
-            if (views[k].kind() != MemoryKind::kHost || p < arena.base ||
-                p + views[k].size() > arena.base + arena.capacity) {
+            if (!in_arena(views[k])) {
               r.code = static_cast<uint32_t>(Code::kUnavailable);
               continue;
             }
-            r.offset = static_cast<uint64_t>(p - arena.base);
+            r.offset = static_cast<uint64_t>(views[k].data() - arena.base);
             r.size = views[k].size();
             r.token = c->token(channel);
             sh.leases.emplace(r.token, std::move(views[k]));
