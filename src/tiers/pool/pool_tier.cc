@@ -442,21 +442,21 @@ Status PoolTier::copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadR
   return device_copy(dst, req.out_kind, src, MemoryKind::kHost, n, req.cuda_stream);
 }
 
+Status PoolTier::call_with_ids(Slot* slot, Op op, std::span<const BlockId> ids) const {
+  if (!slot) return Status::Unavailable("every channel to the pool server failed");
+  for (size_t k = 0; k < ids.size(); ++k)
+    std::memcpy(slot->ch.request + sizeof(RequestHeader) + k * 16, ids[k].bytes.data(), 16);
+  ReplyHeader reply;
+  return call(slot, op, static_cast<uint32_t>(ids.size()), sizeof(pool::BlockIdItem), &reply,
+              timeout_us_);
+}
+
 void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> views,
                              std::span<Status> statuses) {
   for (size_t begin = 0; begin < ids.size(); begin += pool::kMaxItems) {
     const uint32_t m = static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, ids.size() - begin));
     Held held = hold();
-    if (!held.slot()) {
-      for (uint32_t k = 0; k < m; ++k)
-        statuses[begin + k] = Status::Unavailable("every channel to the pool server failed");
-      continue;
-    }
-    Channel& ch = held.slot()->ch;
-    for (uint32_t k = 0; k < m; ++k)
-      std::memcpy(ch.request + sizeof(RequestHeader) + k * 16, ids[begin + k].bytes.data(), 16);
-    ReplyHeader reply;
-    Status st = call(held.slot(), Op::kLease, m, sizeof(pool::BlockIdItem), &reply, timeout_us_);
+    Status st = call_with_ids(held.slot(), Op::kLease, ids.subspan(begin, m));
     std::vector<uint64_t> stray;  // leases of a malformed reply, given back
     for (uint32_t k = 0; k < m; ++k) {
       const size_t i = begin + k;
@@ -466,7 +466,7 @@ void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> 
         continue;
       }
       pool::LeaseReply r;
-      std::memcpy(&r, ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
+      std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
       if (r.code != 0) {
         statuses[i] = wire_status(r.code, "block " + ids[i].hex() + " is not in the pool");
         if (r.code == static_cast<uint32_t>(Code::kNotFound)) TierCounters::add(counters_.misses);
@@ -559,17 +559,7 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
   for (size_t begin = 0; begin < n; begin += pool::kMaxItems) {
     const uint32_t m = static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, n - begin));
     Held held = hold();
-    if (!held.slot()) {
-      for (uint32_t k = 0; k < m; ++k)
-        statuses[begin + k] = Status::Unavailable("every channel to the pool server failed");
-      continue;
-    }
-    Channel& ch = held.slot()->ch;
-    for (uint32_t k = 0; k < m; ++k)
-      std::memcpy(ch.request + sizeof(RequestHeader) + k * 16, ids[begin + k].bytes.data(), 16);
-    ReplyHeader reply;
-    Status st =
-        call(held.slot(), Op::kLeaseRead, m, sizeof(pool::BlockIdItem), &reply, timeout_us_);
+    Status st = call_with_ids(held.slot(), Op::kLeaseRead, ids.subspan(begin, m));
     for (uint32_t k = 0; k < m; ++k) {
       const size_t i = begin + k;
       results[i] = ReadResult{};
@@ -578,7 +568,7 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
         continue;
       }
       pool::LeaseReadReply r;
-      std::memcpy(&r, ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
+      std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
       if (r.code != 0) {
         statuses[i] = wire_status(r.code, "block " + ids[i].hex() + " is not in the pool");
         if (r.code == static_cast<uint32_t>(Code::kNotFound)) TierCounters::add(counters_.misses);
@@ -752,15 +742,7 @@ void PoolTier::lookup_batch(std::span<const BlockId> ids, std::span<uint64_t> si
   for (size_t begin = 0; begin < ids.size(); begin += pool::kMaxItems) {
     const uint32_t m = static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, ids.size() - begin));
     Held held = hold();
-    Status st =
-        held.slot() ? Status::OK() : Status::Unavailable("every channel to the pool server failed");
-    ReplyHeader reply;
-    if (st.ok()) {
-      Channel& ch = held.slot()->ch;
-      for (uint32_t k = 0; k < m; ++k)
-        std::memcpy(ch.request + sizeof(RequestHeader) + k * 16, ids[begin + k].bytes.data(), 16);
-      st = call(held.slot(), Op::kLookup, m, sizeof(pool::BlockIdItem), &reply, timeout_us_);
-    }
+    Status st = call_with_ids(held.slot(), Op::kLookup, ids.subspan(begin, m));
     for (uint32_t k = 0; k < m; ++k) {
       const size_t i = begin + k;
       sizes[i] = 0;

@@ -111,6 +111,9 @@ class PoolTier final : public Tier {
   // channel is not used again).
   Status call(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, pool::ReplyHeader* reply,
               int64_t timeout_us) const;
+  // Sends op with ids as its items on slot's channel (at most kMaxItems);
+  // Unavailable for no slot. The reply items are in the channel's reply area.
+  Status call_with_ids(Slot* slot, Op op, std::span<const BlockId> ids) const;
   void send_releases(std::vector<uint64_t> tokens);
   void release_loop();
   void map_arena();
