@@ -547,8 +547,8 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
                            std::span<ReadResult> results, std::span<Status> statuses,
                            bool parallel) {
   struct Leased {
-    const uint8_t* data = nullptr;
-    uint64_t size = 0, token = 0, checksum = 0;
+    const uint8_t* data = nullptr;  // where the block is in this process
+    uint64_t offset = 0, size = 0, token = 0, checksum = 0;
     int64_t valid_until_ns = 0;
     uint32_t arena = 0;  // 0: this server's arena
     std::shared_ptr<const ReadOnlyMapping> member;
@@ -576,20 +576,17 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
       }
       tokens.push_back(r.token);
       Leased& g = got[i];
+      g.offset = r.offset;
       g.size = r.size;
       g.token = r.token;
       g.arena = r.arena;
       g.checksum = r.checksum;
       g.valid_until_ns = r.valid_until_ns;
-      if (r.arena == 0) {
-        if (r.offset > capacity_ || r.size > capacity_ - r.offset) {
-          statuses[i] = Status::Unavailable("the pool server leased a range outside its arena");
-          continue;
-        }
-        g.data = base_ + r.offset;
-      } else {
-        g.data = reinterpret_cast<const uint8_t*>(r.offset);  // placed below
+      if (r.arena == 0 && (r.offset > capacity_ || r.size > capacity_ - r.offset)) {
+        statuses[i] = Status::Unavailable("the pool server leased a range outside its arena");
+        continue;
       }
+      if (r.arena == 0) g.data = base_ + r.offset;  // a member's: placed below
       statuses[i] = Status::OK();
     }
   }
@@ -597,21 +594,18 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
   for (size_t i = 0; i < n; ++i) {
     Leased& g = got[i];
     if (!statuses[i].ok() || g.arena == 0) continue;
-    const uint64_t offset = reinterpret_cast<uint64_t>(g.data);
-    g.data = nullptr;
     auto member = member_arena(g.arena);
-    if (!member.ok() || offset > (*member)->size() || g.size > (*member)->size() - offset) {
-      // The server answers the id by fetching it next time; here it is a miss.
+    if (!member.ok() || g.offset > (*member)->size() || g.size > (*member)->size() - g.offset) {
+      const std::string why =
+          member.ok() ? std::string("the lease lies outside it") : member.status().message();
       statuses[i] =
           Status::NotFound("block " + ids[i].hex() +
-                           ": its member's arena is not "
-                           "mapped here (" +
-                           (member.ok() ? std::string("range") : member.status().message()) + ")");
+                           ": the arena of the member holding it cannot be read (" + why + ")");
       TierCounters::add(counters_.misses);
       continue;
     }
     g.member = std::move(member.value());
-    g.data = g.member->data() + offset;
+    g.data = g.member->data() + g.offset;
   }
   auto copy = [&](size_t i) {
     if (!statuses[i].ok()) return;
