@@ -174,6 +174,10 @@ def test_a_block_saved_through_one_server_is_read_through_another(place, mapped)
         assert all(s["cascade_pool_cluster_mapped_leases_total"] == 0 for s in stats)
     assert all(s["cascade_pool_cluster_checksum_failures_total"] == 0 for s in stats)
     assert all(s["cascade_pool_cluster_bad_messages_total"] == 0 for s in stats)
+    # Nodes 1 and 2 hold only blocks pushed to them, with the checksums they
+    # verified: they answered every lease without hashing a block again.
+    assert all(s["cascade_pool_cluster_lease_hashes_total"] == 0 for s in stats[1:])
+    assert sum(s["cascade_pool_cluster_served_leases_total"] for s in stats[1:]) > 0
     # The blocks stay in the pool's namespaces: another namespace misses.
     other = cascade.CascadeStore(
         cascade.config_from_dict(

@@ -200,6 +200,12 @@ CLUSTER_DATA_METRICS = [
     ("cluster_remote_hits_total", "remote_hits", "counter", "Ids an owner held"),
     ("cluster_served_leases_total", "served_leases", "counter", "Blocks other members read here"),
     (
+        "cluster_lease_hashes_total",
+        "lease_hashes",
+        "counter",
+        "Blocks hashed here to answer a member's lease (no checksum known for them yet)",
+    ),
+    (
         "cluster_served_commits_total",
         "served_commits",
         "counter",
