@@ -547,11 +547,9 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
                            std::span<ReadResult> results, std::span<Status> statuses,
                            bool parallel) {
   struct Leased {
-    const uint8_t* data = nullptr;  // where the block is in this process
-    uint64_t offset = 0, size = 0, token = 0, checksum = 0;
-    int64_t valid_until_ns = 0;
-    uint32_t arena = 0;  // 0: this server's arena
-    std::shared_ptr<const ReadOnlyMapping> member;
+    pool::LeaseReadReply lease{};                   // as the server answered
+    const uint8_t* data = nullptr;                  // where the block is in this process
+    std::shared_ptr<const ReadOnlyMapping> member;  // lease.arena != 0: its mapping
   };
   const size_t n = ids.size();
   std::vector<Leased> got(n);
@@ -576,12 +574,7 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
       }
       tokens.push_back(r.token);
       Leased& g = got[i];
-      g.offset = r.offset;
-      g.size = r.size;
-      g.token = r.token;
-      g.arena = r.arena;
-      g.checksum = r.checksum;
-      g.valid_until_ns = r.valid_until_ns;
+      g.lease = r;
       if (r.arena == 0 && (r.offset > capacity_ || r.size > capacity_ - r.offset)) {
         statuses[i] = Status::Unavailable("the pool server leased a range outside its arena");
         continue;
@@ -593,9 +586,10 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
   // Blocks in a member's arena: its mapping, made outside the channels.
   for (size_t i = 0; i < n; ++i) {
     Leased& g = got[i];
-    if (!statuses[i].ok() || g.arena == 0) continue;
-    auto member = member_arena(g.arena);
-    if (!member.ok() || g.offset > (*member)->size() || g.size > (*member)->size() - g.offset) {
+    if (!statuses[i].ok() || g.lease.arena == 0) continue;
+    auto member = member_arena(g.lease.arena);
+    if (!member.ok() || g.lease.offset > (*member)->size() ||
+        g.lease.size > (*member)->size() - g.lease.offset) {
       const std::string why =
           member.ok() ? std::string("the lease lies outside it") : member.status().message();
       statuses[i] =
@@ -605,16 +599,17 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
       continue;
     }
     g.member = std::move(member.value());
-    g.data = g.member->data() + g.offset;
+    g.data = g.member->data() + g.lease.offset;
   }
   auto copy = [&](size_t i) {
     if (!statuses[i].ok()) return;
     const Leased& g = got[i];
-    results[i].block_size = g.size;
+    results[i].block_size = g.lease.size;
     uint64_t from = 0, count = 0;
-    Status st = reqs[i].span(g.size, &from, &count);
-    if (st.ok() && g.arena == 0 && count) st = copy_out(reqs[i].out, g.data + from, count, reqs[i]);
-    if (st.ok() && g.arena != 0) {
+    Status st = reqs[i].span(g.lease.size, &from, &count);
+    if (st.ok() && g.lease.arena == 0 && count)
+      st = copy_out(reqs[i].out, g.data + from, count, reqs[i]);
+    if (st.ok() && g.lease.arena != 0) {
       auto* out = static_cast<uint8_t*>(reqs[i].out);
       // A member's block: its checksum computed over the bytes copied (the
       // whole block, whatever range is asked), and the lease still held at
@@ -622,22 +617,22 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
       // checked, and the part handed out from that copy: bytes read from
       // the arena twice might differ between the reads.
       uint64_t sum = 0;
-      if (g.checksum == 0) {
+      if (g.lease.checksum == 0) {
         if (count) copy_bytes(out, g.data + from, count);
-      } else if (from == 0 && count == g.size) {
-        sum = checksum_of_copy(out, g.data, g.size, pool_, parallel_threshold_);
+      } else if (from == 0 && count == g.lease.size) {
+        sum = checksum_of_copy(out, g.data, g.lease.size, pool_, parallel_threshold_);
       } else {
-        std::unique_ptr<uint8_t[]> whole(new uint8_t[g.size]);
-        sum = checksum_of_copy(whole.get(), g.data, g.size, pool_, parallel_threshold_);
+        std::unique_ptr<uint8_t[]> whole(new uint8_t[g.lease.size]);
+        sum = checksum_of_copy(whole.get(), g.data, g.lease.size, pool_, parallel_threshold_);
         if (count) copy_bytes(out, whole.get() + from, count);
       }
       const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                               std::chrono::steady_clock::now().time_since_epoch())
                               .count();
-      if (sum != g.checksum) {
+      if (sum != g.lease.checksum) {
         st = Status::NotFound("block " + ids[i].hex() + " failed its checksum in a member's arena");
         TierCounters::add(counters_.misses);
-      } else if (now > g.valid_until_ns) {
+      } else if (now > g.lease.valid_until_ns) {
         st = Status::NotFound("block " + ids[i].hex() + ": its lease ended before its copy did");
         TierCounters::add(counters_.misses);
       }
@@ -652,15 +647,7 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
   if (parallel && pool_ && n > 1) pool_->parallel_for(n, copy);
   else
     for (size_t i = 0; i < n; ++i) copy(i);
-  if (tokens.empty()) return;
-  std::vector<uint64_t> now;
-  {
-    std::lock_guard<std::mutex> lock(release_mu_);
-    release_queue_.insert(release_queue_.end(), tokens.begin(), tokens.end());
-    if (release_queue_.size() >= kReleaseBatch) now.swap(release_queue_);
-  }
-  if (!now.empty()) send_releases(std::move(now));
-  else release_cv_.notify_one();
+  release_leases(tokens);
 }
 
 Result<std::shared_ptr<const ReadOnlyMapping>> PoolTier::member_arena(uint32_t index) {
@@ -818,11 +805,14 @@ TierStats PoolTier::stats() const {
 
 // ---- lease releases ----------------------------------------------------------
 
-void PoolTier::release_lease(uint64_t token) {
+void PoolTier::release_lease(uint64_t token) { release_leases({&token, 1}); }
+
+void PoolTier::release_leases(std::span<const uint64_t> tokens) {
+  if (tokens.empty()) return;
   std::vector<uint64_t> now;
   {
     std::lock_guard<std::mutex> lock(release_mu_);
-    release_queue_.push_back(token);
+    release_queue_.insert(release_queue_.end(), tokens.begin(), tokens.end());
     if (release_queue_.size() >= kReleaseBatch) now.swap(release_queue_);
   }
   if (!now.empty()) send_releases(std::move(now));

@@ -114,6 +114,9 @@ class PoolTier final : public Tier {
   // Sends op with ids as its items on slot's channel (at most kMaxItems);
   // Unavailable for no slot. The reply items are in the channel's reply area.
   Status call_with_ids(Slot* slot, Op op, std::span<const BlockId> ids) const;
+  // Queues releases: sent with the next batch (at once when kReleaseBatch
+  // are queued, else by the releasing thread shortly after).
+  void release_leases(std::span<const uint64_t> tokens);
   void send_releases(std::vector<uint64_t> tokens);
   void release_loop();
   void map_arena();
