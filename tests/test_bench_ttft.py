@@ -142,3 +142,36 @@ def test_greedy_check_tells_near_ties_from_mismatches():
     wrong = compare_logits(ref, torch.tensor([4.9, 4.9, 4.9, 5.1, 0, 0, 0]), torch.bfloat16)
     assert not wrong["ok"] and not wrong["near_tie"]
     assert not compare_logits(ref, ref * 1.5, torch.bfloat16)["ok"]  # logits out of tolerance
+
+
+def test_auto_modes_plan_and_check_every_prompt(tmp_path, capsys):
+    out = tmp_path / "ttft.json"
+    rc = main(
+        [
+            "bench",
+            "ttft",
+            "--quick",
+            "--quiet",
+            "--modes",
+            "full,auto,coldauto",
+            "--file-dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    rows = json.loads(out.read_text())["rows"]
+    auto_rows = [r for r in rows if r["mode"] in ("auto", "coldauto")]
+    assert {r["mode"] for r in auto_rows} == {"auto", "coldauto"}
+    for r in auto_rows:
+        assert "skipped" not in r, r
+        c = r["check"]
+        assert c["ok"] == c["of"] == r["concurrency"] and not c["failed"], r
+        assert r["plan"] in ("compute", "load_prefix", "front_back")
+        assert r["predicted_ms"] > 0 and r["why"] and all("predicted" in w for w in r["why"])
+        # The timed runs come after the warm-up passes: the plans' lines
+        # carry what the planner had measured by then.
+        assert r["mean_ms"] > 0 and abs(r["prediction_error"]) < 100
+    assert "FAILED" not in text

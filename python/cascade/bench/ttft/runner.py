@@ -370,37 +370,52 @@ class TtftBench:
         )
         results: list = [None] * conc
         all_runs, all_phases, all_plans, dropped = [], [], [], 0
-        if mode.startswith("hot") or mode == "auto":
-            # Untimed warm-up pass, as a running server would have had: the
-            # host arena is registered with CUDA in 64 MiB chunks on first
-            # use, and the allocator and kernels meet this row's shapes.
-            # An auto row warms up with its planner: the layer-ordered path
-            # has its own first-use costs (its stream, events, bounce buffers),
-            # which its plans must not learn as if they came every time.
-            # Then an auto row serves its prompts once more, untimed, with
-            # the planner learning: the timed runs show a planner that has
-            # seen prompts of this length (a server's steady state), not its
-            # first guess at a new length.
-            pc = self._prefix_cache(self.hot_store, ratio, planner)
-            for learn in (False, True) if auto else (False,):
-                _serve(
-                    groups,
-                    lambda g, learn=learn: pc.prefill(prompts[g], save=False, learn=learn),
-                    lambda g, res: None,
-                    self.device,
-                )
-        for rep in range(runs):
-            if mode.startswith("cold"):
-                dropped = drop_file_cache(file_dir)
-                store = cascade.CascadeStore(
+        cold = mode.startswith("cold")
+
+        def open_store():
+            """(store, pages dropped): the run's host store, or a store opened
+            anew on the file tier's directory with its pages dropped."""
+            if not cold:
+                return self.hot_store, 0
+            dropped = drop_file_cache(file_dir)
+            return (
+                cascade.CascadeStore(
                     _config(
                         "host|file",
                         capacity=conc * base["kv_bytes_per_prompt"] + (256 << 20),
                         directory=file_dir,
                     )
+                ),
+                dropped,
+            )
+
+        # Untimed warm-up pass, as a running server would have had: the host
+        # arena is registered with CUDA in 64 MiB chunks on first use, and the
+        # allocator and kernels meet this row's shapes. An auto row (from the
+        # host or the file tier) warms up with its planner: each kind of plan
+        # has its own first-use costs (a stream, events, bounce buffers, the
+        # buffers a split joins), which its plans must not learn as if they
+        # came every time. Then an auto row serves its prompts once more,
+        # untimed, with the planner learning: the timed runs show a planner
+        # that has seen prompts of this length (a server's steady state), not
+        # its first guess at a new length. A plain cold row has no warm-up:
+        # the first read of a store opened anew is what it measures.
+        warm_passes = (False, True) if auto else (() if cold else (False,))
+        for learn in warm_passes:
+            store, _ = open_store()
+            try:
+                pc = self._prefix_cache(store, ratio, planner)
+                _serve(
+                    groups,
+                    lambda g, learn=learn, pc=pc: pc.prefill(prompts[g], save=False, learn=learn),
+                    lambda g, res: None,
+                    self.device,
                 )
-            else:
-                store = self.hot_store
+            finally:
+                if store is not self.hot_store:
+                    store.close()
+        for rep in range(runs):
+            store, dropped = open_store()
             pc = self._prefix_cache(store, ratio, planner)
             phase_run = {"lookup": 0.0, "load": 0.0, "forward": 0.0}
             plans: list = []
