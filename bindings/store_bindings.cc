@@ -307,11 +307,14 @@ class PyStore {
 
   // A live lease (BlockLease, or a tensor exported from one) points into the
   // tiers' memory: close() refuses (BusyError) and the store stays open.
+  // The store's own background work (a prefetch reading its blocks) is
+  // waited for first: its reads end by themselves.
   // The store is closed even when writing blocks down fails; that failure
   // (blocks not made durable) is raised after it.
   void close() {
     Status closing;
     store_.close([&closing](CascadeStore& s) {
+      s.wait_for_tasks();
       uint64_t leased = 0;
       for (const TierStats& t : s.stats().tiers) leased += t.leased_blocks;
       Status st = refuse_if_leased(leased);

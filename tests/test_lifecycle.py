@@ -180,3 +180,36 @@ def test_kv_mover_after_close_raises(make_config):
     store.close()
     with pytest.raises(cascade.UnavailableError, match="closed"):
         mover.save([0], ["x"])
+
+
+def test_close_waits_for_its_own_prefetch(make_config, tmp_path):
+    # A promotion from the file tier in flight reads its source blocks (a
+    # lease each); the store's own background work is not a caller's lease,
+    # so close() waits for it instead of refusing.
+    import time
+
+    import numpy as np
+
+    directory = tmp_path / "files"
+    n, size = 64, 1 << 20
+    data = [np.full(size, i, dtype=np.uint8) for i in range(n)]
+    ids = [f"p{i}" for i in range(n)]
+    with cascade.CascadeStore(make_config(pipeline="file", file_path=str(directory))) as writer:
+        assert writer.put_batch(ids, data) == n
+    seen_reading = 0
+    for _ in range(5):
+        store = cascade.CascadeStore(
+            make_config(capacity=256 << 20, pipeline="host|file", file_path=str(directory))
+        )
+        handle = store.prefetch(ids)
+        deadline = time.monotonic() + 5
+        while not handle.done() and time.monotonic() < deadline:
+            if store.get_stats()["tiers"]["file"]["leased_blocks"]:
+                seen_reading += 1
+                break
+        store.close()  # no BusyError
+        assert store.closed and handle.done() and handle.wait() == n
+    assert seen_reading  # close() met a promotion reading its blocks
+    with cascade.CascadeStore(make_config(pipeline="file", file_path=str(directory))) as reader:
+        for i in (0, n - 1):
+            assert reader.get(ids[i]) == data[i].tobytes()

@@ -179,6 +179,10 @@ class CascadeStore {
   // flush() does. Ids the store does not hold are skipped.
   Status flush(std::span<const BlockId> ids);
 
+  // Waits until the async tasks submitted so far (batches, prefetches)
+  // have finished, and with them the reads they hold.
+  void wait_for_tasks();
+
   // Waits for async tasks, does what flush() does (an ephemeral store only
   // writes aliases of blocks already down and flushes the tiers; its memory
   // tiers' blocks are dropped), releases tiers. Keeps going past errors;

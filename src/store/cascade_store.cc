@@ -459,12 +459,15 @@ Status CascadeStore::flush(std::span<const BlockId> ids) {
   return impl_->write_down(o);
 }
 
+void CascadeStore::wait_for_tasks() {
+  if (!impl_) return;
+  std::unique_lock<std::mutex> lock(impl_->inflight_mu);
+  impl_->inflight_cv.wait(lock, [&] { return impl_->inflight == 0; });
+}
+
 void CascadeStore::close() {
   if (!impl_ || impl_->closed.exchange(true)) return;
-  {
-    std::unique_lock<std::mutex> lock(impl_->inflight_mu);
-    impl_->inflight_cv.wait(lock, [&] { return impl_->inflight == 0; });
-  }
+  wait_for_tasks();
   std::unique_lock<std::shared_mutex> lock(impl_->lifecycle);
   // An ephemeral store leaves its memory tiers' blocks behind; aliases of
   // blocks already in the persistent tier are still written, so what is on
