@@ -70,6 +70,7 @@ def test_outcomes_correct_the_next_predictions_of_their_kind():
     where = [1] * 31
     first = p.plan(8192, BS, where)
     assert first.kind == "front_back" and first.predicted["correction"] == 0.0
+    assert first.predicted["learned"] is False  # the model alone: the planner tries it
     base = first.predicted["total"]
     assert base < 0.256 < base + 0.06
     for _ in range(20):
@@ -85,6 +86,12 @@ def test_outcomes_correct_the_next_predictions_of_their_kind():
     # alone missed, and two prompts together count per prompt.
     corrected = p.plan(8192, BS, where)
     assert corrected.predicted["correction"] == 0.0  # compute: nothing learned for it
+    assert corrected.predicted["learned"] is False
+    # A kind with an outcome at this length is predicted from it.
+    assert p.plan(8192, BS, where).predicted["learned"] is False
+    tried = p.plan(8192, BS, where)
+    p.record(tried, tried.predicted["total"])
+    assert p.plan(8192, BS, where).predicted["learned"] is True
     two = p.plan(8192, BS, where, rows=2)
     assert two.alternatives["front_back"] == pytest.approx(2 * base + 2 * 0.06, rel=0.01)
     # The host tier's layered loads keep their own, and a correction never

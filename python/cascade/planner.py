@@ -504,6 +504,9 @@ class LoadPlanner:
         best.predicted["correction"] = best.predicted["total"] - best_model
         best.predicted["correction_key"] = best_key
         best.predicted["correction_bucket"] = bucket
+        # Whether an outcome of this kind of plan at this length had been
+        # learned: a plan the model alone predicted is the planner trying it.
+        best.predicted["learned"] = f"{best_key} @{bucket}" in corr
         by: dict = collections.Counter()
         for j in range(best.load_first, best.load_end):
             by[self.tiers[tier_idx[j]]] += bpb

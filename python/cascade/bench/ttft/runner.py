@@ -33,6 +33,8 @@ def _mean_of_groups(group_ms: list[float], sizes: list[int]) -> float:
 
 
 class TtftBench:
+    LEARNING_PASSES = 3  # untimed passes at most before an auto row's timed runs
+
     def __init__(self, args, progress):
         import torch
 
@@ -395,25 +397,41 @@ class TtftBench:
         # host or the file tier) warms up with its planner: each kind of plan
         # has its own first-use costs (a stream, events, bounce buffers, the
         # buffers a split joins), which its plans must not learn as if they
-        # came every time. Then an auto row serves its prompts once more,
-        # untimed, with the planner learning: the timed runs show a planner
-        # that has seen prompts of this length (a server's steady state), not
-        # its first guess at a new length. A plain cold row has no warm-up:
-        # the first read of a store opened anew is what it measures.
-        warm_passes = (False, True) if auto else (() if cold else (False,))
-        for learn in warm_passes:
+        # came every time. Then an auto row serves its prompts again, untimed,
+        # with the planner learning: the timed runs show a planner that has
+        # seen prompts of this length (a server's steady state), not its first
+        # guess at a new length. A plain cold row has no warm-up: the first
+        # read of a store opened anew is what it measures.
+        def untimed_pass(learn: bool) -> bool:
+            """Serves the row's prompts once, untimed; True when every plan
+            made had been learned at this length before."""
+            learned = []
             store, _ = open_store()
             try:
                 pc = self._prefix_cache(store, ratio, planner)
                 _serve(
                     groups,
-                    lambda g, learn=learn, pc=pc: pc.prefill(prompts[g], save=False, learn=learn),
-                    lambda g, res: None,
+                    lambda g: pc.prefill(prompts[g], save=False, learn=learn),
+                    lambda g, res: learned.append(
+                        res.plan is None or bool(res.plan.predicted.get("learned"))
+                    ),
                     self.device,
                 )
             finally:
                 if store is not self.hot_store:
                     store.close()
+            return all(learned)
+
+        if auto or not cold:
+            untimed_pass(learn=False)
+        if auto:
+            # A plan the planner had no outcome for is predicted by the model
+            # alone; once learned, another kind may look better and be tried
+            # in turn. A few passes let it settle, as a server's stream of
+            # requests does.
+            for _ in range(self.LEARNING_PASSES):
+                if untimed_pass(learn=True):
+                    break
         for rep in range(runs):
             store, dropped = open_store()
             pc = self._prefix_cache(store, ratio, planner)
