@@ -402,6 +402,8 @@ class TtftBench:
         # seen prompts of this length (a server's steady state), not its first
         # guess at a new length. A plain cold row has no warm-up: the first
         # read of a store opened anew is what it measures.
+        untimed: list[dict] = []  # the untimed passes' plans and outcomes
+
         def untimed_pass(learn: bool) -> bool:
             """Serves the row's prompts once, untimed; True when every plan
             made had been learned at this length before."""
@@ -409,12 +411,22 @@ class TtftBench:
             store, _ = open_store()
             try:
                 pc = self._prefix_cache(store, ratio, planner)
+
+                def after(g, res):
+                    learned.append(res.plan is None or bool(res.plan.predicted.get("learned")))
+                    if res.plan is not None:
+                        untimed.append(
+                            {
+                                "learn": learn,
+                                "why": res.why,
+                                "phases_ms": {k: v * 1e3 for k, v in res.timings.items()},
+                            }
+                        )
+
                 _serve(
                     groups,
                     lambda g: pc.prefill(prompts[g], save=False, learn=learn),
-                    lambda g, res: learned.append(
-                        res.plan is None or bool(res.plan.predicted.get("learned"))
-                    ),
+                    after,
                     self.device,
                 )
             finally:
@@ -494,6 +506,9 @@ class TtftBench:
                 [p.predicted["total"] * 1e3 for p, _w, _c in plans], [len(g) for g in groups]
             )
             row["prediction_error"] = row["predicted_mean_ms"] / row["mean_ms"] - 1
+            row["untimed"] = untimed
+            stats = planner.stats()
+            row["planner"] = {"rates": stats["rates"], "correction": stats["correction"]}
         # Checks: every prompt's logits against the full prefill.
         checks, errors, hits = [], [], []
         for i, (logits, cached, load_errors) in enumerate(results):
