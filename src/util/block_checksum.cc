@@ -1,13 +1,12 @@
 #include "util/block_checksum.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "util/copy_bytes.h"
 #include "util/thread_pool.h"
+#include "util/xxh3.h"
 
 namespace cascade {
 namespace {
@@ -18,22 +17,21 @@ constexpr size_t kPiece = 128u << 10;
 enum class Pass { kHashOnly, kHashThenCopy, kCopyThenHash };
 
 uint64_t chunk_digest(void* dst, const uint8_t* src, size_t n, uint64_t index, Pass pass) {
-  if (pass == Pass::kHashOnly) return XXH3_64bits_withSeed(src, n, index);
-  XXH3_state_t state;
-  XXH3_INITSTATE(&state);
-  XXH3_64bits_reset_withSeed(&state, index);
+  if (pass == Pass::kHashOnly) return xxh3::hash(src, n, index);
+  xxh3::State state;
+  xxh3::reset(&state, index);
   auto* d = static_cast<uint8_t*>(dst);
   for (size_t off = 0; off < n; off += kPiece) {
     size_t len = std::min(kPiece, n - off);
     if (pass == Pass::kHashThenCopy) {
-      XXH3_64bits_update(&state, src + off, len);
+      xxh3::update(&state, src + off, len);
       copy_bytes(d + off, src + off, len);
     } else {
       std::memcpy(d + off, src + off, len);
-      XXH3_64bits_update(&state, d + off, len);
+      xxh3::update(&state, d + off, len);
     }
   }
-  return XXH3_64bits_digest(&state);
+  return xxh3::digest(&state);
 }
 
 uint64_t checksum_impl(void* dst, const void* src, size_t n, ThreadPool* pool, size_t threshold,
@@ -52,7 +50,7 @@ uint64_t checksum_impl(void* dst, const void* src, size_t n, ThreadPool* pool, s
   } else {
     for (size_t i = 0; i < chunks; ++i) one(i);
   }
-  return XXH3_64bits_withSeed(digests.data(), digests.size() * sizeof(uint64_t), n);
+  return xxh3::hash(digests.data(), digests.size() * sizeof(uint64_t), n);
 }
 
 }  // namespace

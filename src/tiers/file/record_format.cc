@@ -5,6 +5,8 @@
 
 #include <cstring>
 
+#include "util/xxh3.h"
+
 namespace cascade::file {
 
 BlockId RecordHeader::id() const {
@@ -30,11 +32,11 @@ uint64_t RecordKey::place_seed(uint64_t segment_id, uint64_t record_offset) cons
 }
 
 uint64_t RecordKey::summary_checksum(const void* data, size_t n) const {
-  return XXH3_64bits_withSecretandSeed(data, n, secret_, sizeof(secret_), 0x73756d6d61727932ull);
+  return xxh3::hash_with_secret_and_seed(data, n, secret_, sizeof(secret_), 0x73756d6d61727932ull);
 }
 
 uint64_t payload_checksum(const RecordKey& key, const void* data, size_t n) {
-  return XXH3_64bits_withSecret(n ? data : "", n, key.secret(), kKeySecretBytes);
+  return xxh3::hash_with_secret(n ? data : "", n, key.secret(), kKeySecretBytes);
 }
 
 static uint64_t header_checksum(const RecordKey& key, const RecordHeader& h, uint64_t segment_id,

@@ -1,14 +1,13 @@
 // Segment scanning and summaries. See segment_scan.h.
 #include "tiers/file/segment_scan.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
 
 #include "tiers/file/aligned_buffer.h"
+#include "util/xxh3.h"
 
 namespace cascade::file {
 namespace {
@@ -69,25 +68,18 @@ Result<bool> payload_matches(ChunkReader& reader, uint64_t record_pos, const Rec
                              const RecordKey& key) {
   uint64_t pos = record_pos + payload_offset(h.payload_length);
   uint64_t left = h.payload_length;
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_64bits_reset_withSecret(state, key.secret(), kKeySecretBytes);
+  xxh3::State state;
+  xxh3::reset_with_secret(&state, key.secret(), kKeySecretBytes);
   while (left) {
     size_t n = static_cast<size_t>(std::min<uint64_t>(left, kScanChunk));
     auto v = reader.view(pos, n);
-    if (!v.ok()) {
-      XXH3_freeState(state);
-      return v.status();
-    }
-    if (!*v) {
-      XXH3_freeState(state);
-      return false;
-    }
-    XXH3_64bits_update(state, *v, n);
+    if (!v.ok()) return v.status();
+    if (!*v) return false;
+    xxh3::update(&state, *v, n);
     pos += n;
     left -= n;
   }
-  uint64_t sum = XXH3_64bits_digest(state);
-  XXH3_freeState(state);
+  const uint64_t sum = xxh3::digest(&state);
   return sum == h.payload_xxh3;
 }
 

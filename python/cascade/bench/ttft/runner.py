@@ -507,8 +507,9 @@ class TtftBench:
             )
             row["prediction_error"] = row["predicted_mean_ms"] / row["mean_ms"] - 1
             row["untimed"] = untimed
-            stats = planner.stats()
-            row["planner"] = {"rates": stats["rates"], "correction": stats["correction"]}
+            if planner is not None:
+                stats = planner.stats()
+                row["planner"] = {"rates": stats["rates"], "correction": stats["correction"]}
         # Checks: every prompt's logits against the full prefill.
         checks, errors, hits = [], [], []
         for i, (logits, cached, load_errors) in enumerate(results):
