@@ -60,7 +60,10 @@ struct ClusterNodeOptions {
   // collective over mpi_communicator (each lane's Transport is created
   // together on every rank), so every rank starts its node at the same
   // time with the same number of lanes, and members' addresses come from
-  // the job (e.g. an MPI_Allgather), not from a membership service.
+  // the job (e.g. an MPI_Allgather), not from a membership service. The
+  // options are checked before the first lane opens, so ranks with the same
+  // options fail together; a rank that fails while opening its lanes leaves
+  // the others waiting in the collective creation.
   TransportBackend transport = TransportBackend::kUcx;
   int64_t mpi_communicator = TransportOptions::kMpiWorld;  // MPI_Comm_c2f; see TransportOptions
   // Transport fabrics in the backend's terms (UCX_TLS: "tcp", "sm,tcp");

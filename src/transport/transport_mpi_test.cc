@@ -385,7 +385,7 @@ void ReceivesAndSendsEndAtTheirDeadlines() {
   auto m = net.t->receive(4242, 100, deadline_in(300ms));
   auto took = TransportClock::now() - t0;
   CHECK_CODE(m.status(), Code::kUnavailable);
-  CHECK(took >= 300ms && took < 800ms);
+  CHECK(took >= 300ms && took < 2s);  // by the deadline, give or take a loaded machine
   barrier();
   const std::vector<uint8_t> big(8 << 20, 0x5a);
   if (g_rank == 0 && g_size > 1) {
@@ -393,7 +393,7 @@ void ReceivesAndSendsEndAtTheirDeadlines() {
     Status st = net.peers[1]->send(99, big, deadline_in(300ms));
     took = TransportClock::now() - t0;
     CHECK_CODE(st, Code::kUnavailable);
-    CHECK(took >= 300ms && took < 800ms);
+    CHECK(took >= 300ms && took < 2s);  // by the deadline, give or take a loaded machine
     // The peer failed with it; connecting again gives a fresh one.
     CHECK_CODE(net.peers[1]->health(), Code::kUnavailable);
     CHECK_CODE(net.peers[1]->send(1, big, deadline_in(1s)), Code::kUnavailable);
