@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, float, str]] = [
     (
         "src/transport",
         2.5,
-        "Transport: one-sided transfers and control messages between processes (UCX backend)",
+        "Transport: one-sided transfers and control messages between processes (UCX, MPI)",
     ),
     ("src/index", 3, "BlockIndex"),
     ("src/cuda", 4, "CUDA device layer: context, buffers, arena, transfers, device_copy"),

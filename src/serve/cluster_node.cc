@@ -1475,6 +1475,8 @@ Result<std::unique_ptr<ClusterNode>> ClusterNode::Start(CascadeStore* store, Sha
   if (options.lanes == 0 || options.lanes > cluster::kMaxLanes)
     return Status::InvalidArgument("cluster lanes: 1 to " + std::to_string(cluster::kMaxLanes));
   TransportOptions to;
+  to.backend = options.transport;
+  to.mpi_communicator = options.mpi_communicator;
   to.fabrics = options.fabrics;
   to.progress_thread = true;
   to.require_failure_detection = !options.allow_undetected_failures;

@@ -46,6 +46,7 @@
 #include "cascade/block_id.h"
 #include "cascade/status.h"
 #include "cascade/tier.h"
+#include "transport/transport.h"
 
 namespace cascade {
 
@@ -54,8 +55,19 @@ class CascadeStore;
 struct ClusterNodeOptions {
   std::string node_id;      // this member's id in the view
   uint64_t generation = 0;  // this process's generation (see the member records)
+  // The transport's library: UCX (any member reaches any address), or MPI
+  // when every member is a rank of one MPI job. With MPI, Start is
+  // collective over mpi_communicator (each lane's Transport is created
+  // together on every rank), so every rank starts its node at the same
+  // time with the same number of lanes, and members' addresses come from
+  // the job (e.g. an MPI_Allgather), not from a membership service. The
+  // options are checked before the first lane opens, so ranks with the same
+  // options fail together; a rank that fails while opening its lanes leaves
+  // the others waiting in the collective creation.
+  TransportBackend transport = TransportBackend::kUcx;
+  int64_t mpi_communicator = TransportOptions::kMpiWorld;  // MPI_Comm_c2f; see TransportOptions
   // Transport fabrics in the backend's terms (UCX_TLS: "tcp", "sm,tcp");
-  // empty: the backend's default.
+  // empty: the backend's default (MPI: always empty).
   std::string fabrics;
   // Allow fabrics that cannot notice a dead peer (shared memory alone):
   // waits still end at deadlines, but a transfer that missed one is not

@@ -52,10 +52,22 @@ using Deadline = TransportClock::time_point;
 // A deadline `ms` milliseconds from now.
 inline Deadline deadline_in(std::chrono::milliseconds ms) { return TransportClock::now() + ms; }
 
+// The library under a Transport: UCX (the default, for serving: endpoints
+// come and go, any process connects to any address), or MPI inside an MPI
+// job (the endpoints are the ranks of a communicator, created together).
+enum class TransportBackend : uint8_t { kUcx, kMpi };
+
 struct TransportOptions {
+  TransportBackend backend = TransportBackend::kUcx;
+  // MPI: the communicator whose ranks the Transport reaches, as its Fortran
+  // handle (MPI_Comm_c2f; mpi4py's comm.py2f()); kMpiWorld: MPI_COMM_WORLD.
+  // Creating an MPI Transport is collective over it (transport_mpi.cc).
+  int64_t mpi_communicator = kMpiWorld;
+  static constexpr int64_t kMpiWorld = -1;
   // Which fabrics the backend may use, in its own terms (UCX: the UCX_TLS list,
   // e.g. "tcp", "sm", "rc,sm"). Empty: the backend's default (UCX picks among
-  // what the machine offers, honouring UCX_TLS in the environment).
+  // what the machine offers, honouring UCX_TLS in the environment). MPI:
+  // must be empty (the MPI library's own settings choose, e.g. OMPI_MCA_btl).
   std::string fabrics;
   // A background thread drives the endpoint when no caller waits. Needed by a
   // process that serves its memory and does nothing else with the Transport.
@@ -155,15 +167,15 @@ struct TransportCounters {
 
 class Transport {
  public:
-  // Opens a local endpoint with the backend this build has (UCX), or
-  // Unavailable when it has none.
+  // Opens a local endpoint with options.backend: Unavailable when this build
+  // lacks it (no UCX), NotSupported for MPI in a build without MPI.
   static Result<std::unique_ptr<Transport>> Open(const TransportOptions& options);
-  // Whether this build has a backend at all.
-  static bool available();
+  // Whether this build has the backend.
+  static bool available(TransportBackend backend = TransportBackend::kUcx);
 
   virtual ~Transport() = default;  // close()
 
-  // "ucx", for reports.
+  // "ucx" or "mpi", for reports.
   virtual std::string backend() const = 0;
   // The address peers connect to.
   virtual const std::vector<uint8_t>& address() const = 0;

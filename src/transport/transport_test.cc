@@ -86,6 +86,19 @@ TEST(TransportOpen, ReportsWhetherBuilt) {
   EXPECT_FALSE(Transport::Open(bad).ok());
 }
 
+// Without MPI the MPI backend says why it is missing. With MPI it runs in
+// its own program under mpirun (transport_mpi_test.cc): initialising MPI
+// here would tie this process to an MPI job.
+TEST(TransportOpen, TheMpiBackendIsNotSupportedWithoutMpi) {
+  if (Transport::available(TransportBackend::kMpi))
+    GTEST_SKIP() << "built with MPI: transport_mpi_test covers the backend under mpirun";
+  TransportOptions o;
+  o.backend = TransportBackend::kMpi;
+  Result<std::unique_ptr<Transport>> t = Transport::Open(o);
+  EXPECT_TRUE(t.status().is(Code::kNotSupported)) << t.status().ToString();
+  EXPECT_NE(t.status().message().find("MPI"), std::string::npos);
+}
+
 // Shared memory alone cannot detect a dead peer in UCX 1.13: refused with a
 // clear error rather than served without deadlines that hold.
 TEST(TransportOpen, SharedMemoryAloneRefused) {

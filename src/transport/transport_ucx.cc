@@ -53,6 +53,7 @@
 #include <thread>
 #include <vector>
 
+#include "transport/backends.h"
 #include "transport/key_format.h"
 #include "transport/transport.h"
 
@@ -760,9 +761,9 @@ class UcxTransport final : public Transport {
 
 }  // namespace
 
-bool Transport::available() { return true; }
+bool ucx_transport_available() { return true; }
 
-Result<std::unique_ptr<Transport>> Transport::Open(const TransportOptions& options) {
+Result<std::unique_ptr<Transport>> open_ucx_transport(const TransportOptions& options) {
   ucp_config_t* config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return ucx_status(s, "transport: read UCX configuration");

@@ -1,11 +1,11 @@
 // Transport without a fabric library: this build has no UCX.
-#include "transport/transport.h"
+#include "transport/backends.h"
 
 namespace cascade {
 
-bool Transport::available() { return false; }
+bool ucx_transport_available() { return false; }
 
-Result<std::unique_ptr<Transport>> Transport::Open(const TransportOptions&) {
+Result<std::unique_ptr<Transport>> open_ucx_transport(const TransportOptions&) {
   return Status::Unavailable(
       "transport: this build has no UCX (install libucx-dev and rebuild with "
       "CASCADE_WITH_UCX=ON)");
