@@ -55,21 +55,23 @@ uint8_t pattern(int rank, uint64_t i) {
   return static_cast<uint8_t>(x ^ (x >> 29) ^ (x >> 47));
 }
 
-// Every rank's bytes, in rank order.
-std::vector<std::vector<uint8_t>> all_gather(const std::vector<uint8_t>& mine) {
+// Every rank's bytes, in the rank order of `comm`.
+std::vector<std::vector<uint8_t>> all_gather(const std::vector<uint8_t>& mine,
+                                             MPI_Comm comm = MPI_COMM_WORLD) {
+  int size = 0;
+  MPI_Comm_size(comm, &size);
   int n = static_cast<int>(mine.size());
-  std::vector<int> sizes(g_size), at(g_size);
-  MPI_Allgather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  std::vector<int> sizes(size), at(size);
+  MPI_Allgather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, comm);
   int total = 0;
-  for (int r = 0; r < g_size; ++r) {
+  for (int r = 0; r < size; ++r) {
     at[r] = total;
     total += sizes[r];
   }
   std::vector<uint8_t> flat(total);
-  MPI_Allgatherv(mine.data(), n, MPI_BYTE, flat.data(), sizes.data(), at.data(), MPI_BYTE,
-                 MPI_COMM_WORLD);
-  std::vector<std::vector<uint8_t>> out(g_size);
-  for (int r = 0; r < g_size; ++r)
+  MPI_Allgatherv(mine.data(), n, MPI_BYTE, flat.data(), sizes.data(), at.data(), MPI_BYTE, comm);
+  std::vector<std::vector<uint8_t>> out(size);
+  for (int r = 0; r < size; ++r)
     out[r].assign(flat.begin() + at[r], flat.begin() + at[r] + sizes[r]);
   return out;
 }
@@ -613,6 +615,91 @@ void AnyEndpointReachesTheTwinOfAnAddress() {
   barrier();
 }
 
+// A job that exchanges keys once: each rank opens a Transport over `comm`
+// (`handle` is the communicator as TransportOptions takes it), registers
+// one region, gathers the addresses and keys, reads every rank's region in
+// turn (itself included), then writes its own slice of every rank's region.
+// Every byte is checked. A region serves its peers only while it is
+// registered (a transfer into a region its owner has destroyed fails with
+// InvalidArgument), so the barriers keep every rank's region until every
+// rank is done with it.
+void ReadAndWriteEveryRankOnce(MPI_Comm comm, int64_t handle, uint64_t bytes) {
+  int rank = 0, size = 0;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  TransportOptions o;
+  o.backend = TransportBackend::kMpi;
+  o.mpi_communicator = handle;
+  auto t = Transport::Open(o);
+  CHECK_OK(t.status());
+  if (!t.ok()) return;
+  std::vector<uint8_t> memory(bytes);
+  for (uint64_t i = 0; i < bytes; ++i) memory[i] = pattern(rank, i);
+  auto region = (*t)->register_memory(memory.data(), memory.size());
+  CHECK_OK(region.status());
+  const auto addresses = all_gather((*t)->address(), comm);
+  const auto keys =
+      all_gather(region.ok() ? (*region)->remote_key() : std::vector<uint8_t>{}, comm);
+  std::vector<std::shared_ptr<Peer>> peers(size);
+  std::vector<std::shared_ptr<RemoteRegion>> regions(size);
+  for (int p = 0; p < size; ++p) {
+    auto peer = (*t)->connect(addresses[p], deadline_in(2s));
+    CHECK_OK(peer.status());
+    if (!peer.ok()) continue;
+    peers[p] = *peer;
+    auto r = peers[p]->import_key(keys[p]);
+    CHECK_OK(r.status());
+    if (r.ok()) regions[p] = *r;
+  }
+  std::vector<uint8_t> got(bytes);
+  for (int p = 0; p < size; ++p) {
+    if (!regions[p]) continue;
+    std::fill(got.begin(), got.end(), 0);
+    auto c = peers[p]->get(*regions[p], 0, got.data(), got.size());
+    CHECK_OK(c.ok() ? (*c)->wait(deadline_in(10s)) : c.status());
+    uint64_t bad = 0;
+    for (uint64_t i = 0; i < bytes; ++i) bad += got[i] != pattern(p, i);
+    CHECK(bad == 0);
+  }
+  MPI_Barrier(comm);
+  const uint64_t slice = bytes / size;
+  std::vector<uint8_t> src(slice);
+  for (uint64_t i = 0; i < slice; ++i) src[i] = pattern(rank + 100, i);
+  for (int p = 0; p < size; ++p) {
+    if (!regions[p]) continue;
+    auto c = peers[p]->put(*regions[p], rank * slice, src.data(), slice);
+    CHECK_OK(c.ok() ? (*c)->wait(deadline_in(10s)) : c.status());
+  }
+  MPI_Barrier(comm);
+  uint64_t bad = 0;
+  for (uint64_t i = 0; i < bytes; ++i) {
+    const uint64_t w = i / slice;
+    bad += memory[i] != (w < static_cast<uint64_t>(size)
+                             ? pattern(static_cast<int>(w) + 100, i - w * slice)
+                             : pattern(rank, i));
+  }
+  CHECK(bad == 0);
+  MPI_Barrier(comm);
+}
+
+void EveryRankIsReachedRightAfterItRegisters() {
+  ReadAndWriteEveryRankOnce(MPI_COMM_WORLD, TransportOptions::kMpiWorld, 1 << 20);
+  ReadAndWriteEveryRankOnce(MPI_COMM_WORLD, TransportOptions::kMpiWorld, 4096 + 3);
+  barrier();
+}
+
+void TransfersOverACallersCommunicator() {
+  // The world's ranks in reverse: the communicator's rank r is world rank
+  // size - 1 - r, so a mix-up of the two shows as wrong bytes.
+  MPI_Comm reversed = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, 0, g_size - 1 - g_rank, &reversed);
+  ReadAndWriteEveryRankOnce(reversed, MPI_Comm_c2f(reversed), 1 << 20);
+  ReadAndWriteEveryRankOnce(reversed, MPI_Comm_c2f(reversed), 4096 + 3);
+  // The Transports hold duplicates of it: the caller may free its own.
+  MPI_Comm_free(&reversed);
+  barrier();
+}
+
 }  // namespace
 }  // namespace cascade
 
@@ -645,6 +732,8 @@ int main(int argc, char** argv) {
       {"ConcurrentThreadsMoveBytesAndMessages", ConcurrentThreadsMoveBytesAndMessages},
       {"CloseWhileTransfersArePending", CloseWhileTransfersArePending},
       {"AnyEndpointReachesTheTwinOfAnAddress", AnyEndpointReachesTheTwinOfAnAddress},
+      {"EveryRankIsReachedRightAfterItRegisters", EveryRankIsReachedRightAfterItRegisters},
+      {"TransfersOverACallersCommunicator", TransfersOverACallersCommunicator},
   };
   // CASCADE_MPI_TEST_FILTER: run only the tests whose name contains it.
   const char* filter = std::getenv("CASCADE_MPI_TEST_FILTER");
