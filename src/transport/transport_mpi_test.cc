@@ -700,6 +700,77 @@ void TransfersOverACallersCommunicator() {
   barrier();
 }
 
+// Reads `n` bytes of every rank's region in `regions` and checks them
+// against pattern(seed + rank, i).
+void read_every_rank(Net& net, const std::vector<std::shared_ptr<RemoteRegion>>& regions,
+                     uint64_t n, int seed) {
+  std::vector<uint8_t> got(n);
+  for (int p = 0; p < g_size; ++p) {
+    std::fill(got.begin(), got.end(), 0);
+    auto c = net.peers[p]->get(*regions[p], 0, got.data(), n);
+    CHECK_OK(c.ok() ? (*c)->wait(deadline_in(10s)) : c.status());
+    uint64_t bad = 0;
+    for (uint64_t i = 0; i < n; ++i) bad += got[i] != pattern(seed + p, i);
+    CHECK(bad == 0);
+  }
+}
+
+// Imports every rank's key of `mine` on net's peers.
+std::vector<std::shared_ptr<RemoteRegion>> import_every_rank(Net& net, const MemoryRegion& mine) {
+  const auto keys = all_gather(mine.remote_key());
+  std::vector<std::shared_ptr<RemoteRegion>> out(g_size);
+  for (int p = 0; p < g_size; ++p) {
+    auto r = net.peers[p]->import_key(keys[p]);
+    CHECK_OK(r.status());
+    if (r.ok()) out[p] = *r;
+  }
+  return out;
+}
+
+void RegionsRegisteredAndUnregisteredLaterAreSeenAtOnce() {
+  // Every rank has read every rank's first region (whatever MPI learns of
+  // a target's regions on a first access, it has learned). A region
+  // registered after that is reached at once, in the same epoch.
+  Net net(1 << 20);
+  if (!net.ok()) return;
+  read_every_rank(net, net.regions, 1 << 20, 0);
+  barrier();
+  std::vector<uint8_t> second(256 << 10);
+  for (uint64_t i = 0; i < second.size(); ++i) second[i] = pattern(g_rank + 50, i);
+  auto r2 = net.t->register_memory(second.data(), second.size());
+  CHECK_OK(r2.status());
+  if (!r2.ok()) return;
+  auto seconds = import_every_rank(net, **r2);
+  if (!std::all_of(seconds.begin(), seconds.end(), [](auto& r) { return r; })) return;
+  read_every_rank(net, seconds, second.size(), 50);
+  barrier();
+  // A region its owner has unregistered is out of reach: a transfer into
+  // it fails with InvalidArgument, naming the cause, and the Peer stays
+  // usable for the owner's other regions.
+  net.region.reset();
+  barrier();
+  std::vector<uint8_t> buf(4096);
+  for (int p = 0; p < g_size; ++p) {
+    auto c = net.peers[p]->get(*net.regions[p], 0, buf.data(), buf.size());
+    const Status st = c.ok() ? (*c)->wait(deadline_in(10s)) : c.status();
+    CHECK_CODE(st, Code::kInvalidArgument);
+    CHECK(st.message().find("no registered region") != std::string::npos);
+    auto w = net.peers[p]->put(*net.regions[p], 0, buf.data(), buf.size());
+    CHECK_CODE(w.ok() ? (*w)->wait(deadline_in(10s)) : w.status(), Code::kInvalidArgument);
+    CHECK_OK(net.peers[p]->health());
+  }
+  read_every_rank(net, seconds, second.size(), 50);
+  barrier();
+  // The same memory registered again is reached through its new key.
+  auto again = net.t->register_memory(net.memory.data(), net.memory.size());
+  CHECK_OK(again.status());
+  if (!again.ok()) return;
+  auto firsts = import_every_rank(net, **again);
+  if (!std::all_of(firsts.begin(), firsts.end(), [](auto& r) { return r; })) return;
+  read_every_rank(net, firsts, net.memory.size(), 0);
+  barrier();
+}
+
 }  // namespace
 }  // namespace cascade
 
@@ -734,6 +805,8 @@ int main(int argc, char** argv) {
       {"AnyEndpointReachesTheTwinOfAnAddress", AnyEndpointReachesTheTwinOfAnAddress},
       {"EveryRankIsReachedRightAfterItRegisters", EveryRankIsReachedRightAfterItRegisters},
       {"TransfersOverACallersCommunicator", TransfersOverACallersCommunicator},
+      {"RegionsRegisteredAndUnregisteredLaterAreSeenAtOnce",
+       RegionsRegisteredAndUnregisteredLaterAreSeenAtOnce},
   };
   // CASCADE_MPI_TEST_FILTER: run only the tests whose name contains it.
   const char* filter = std::getenv("CASCADE_MPI_TEST_FILTER");
