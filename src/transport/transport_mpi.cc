@@ -24,7 +24,10 @@
 // Registration needs no collective: MPI_Win_attach of the region to the
 // endpoint's window, and a key of (rank, nonce, region id) beside the
 // frame's base (MPI_Get_address) and size. Regions of one endpoint may not
-// overlap (MPI forbids it; refused with InvalidArgument).
+// overlap (MPI forbids it; refused with InvalidArgument). A region serves
+// transfers until its owner destroys it; one that starts after that fails
+// with InvalidArgument (MPI_ERR_RMA_RANGE), so a job keeps its regions
+// until its peers are done with them.
 //
 // get is MPI_Rget, complete when its request is. put is MPI_Put, complete
 // at the target once an MPI_Win_flush of that target issued after it has
@@ -150,6 +153,21 @@ Status mpi_error(int rc, const std::string& what) {
     case MPI_ERR_RMA_FLAVOR: return Status::NotSupported(m);
     default: return Status::Unavailable(m);
   }
+}
+
+// A transfer MPI refused. MPI_ERR_RMA_RANGE means the target has no region
+// attached over the bytes when the transfer starts (Open MPI's osc/rdma
+// looks the target's regions up on every transfer, so a region attached
+// after the epoch opened is found): the key's region was unregistered
+// there, or the key never named a live region.
+Status transfer_error(int rc, const std::string& what, int target) {
+  Status st = mpi_error(rc, what);
+  int cls = rc;
+  if (MPI_Error_class(rc, &cls) == MPI_SUCCESS && cls == MPI_ERR_RMA_RANGE)
+    st = Status::InvalidArgument(st.message() + " (rank " + std::to_string(target) +
+                                 " has no registered region over these bytes: the key's region "
+                                 "was unregistered there, or the key names no live region)");
+  return st;
 }
 
 // Between two polls of something another process finishes: spin a little,
@@ -742,11 +760,11 @@ class MpiPeer final : public Peer {
             MPI_Request r = MPI_REQUEST_NULL;
             const int rc =
                 MPI_Rget(local + at, n, MPI_BYTE, s_->rank, disp, n, MPI_BYTE, e.win, &r);
-            if (rc != MPI_SUCCESS) st = mpi_error(rc, "transport get: MPI_Rget");
+            if (rc != MPI_SUCCESS) st = transfer_error(rc, "transport get: MPI_Rget", s_->rank);
             else issued->gets.push_back(r);
           } else {
             const int rc = MPI_Put(local + at, n, MPI_BYTE, s_->rank, disp, n, MPI_BYTE, e.win);
-            if (rc != MPI_SUCCESS) st = mpi_error(rc, "transport put: MPI_Put");
+            if (rc != MPI_SUCCESS) st = transfer_error(rc, "transport put: MPI_Put", s_->rank);
             else puts = true;
           }
         }

@@ -55,21 +55,23 @@ uint8_t pattern(int rank, uint64_t i) {
   return static_cast<uint8_t>(x ^ (x >> 29) ^ (x >> 47));
 }
 
-// Every rank's bytes, in rank order.
-std::vector<std::vector<uint8_t>> all_gather(const std::vector<uint8_t>& mine) {
+// Every rank's bytes, in the rank order of `comm`.
+std::vector<std::vector<uint8_t>> all_gather(const std::vector<uint8_t>& mine,
+                                             MPI_Comm comm = MPI_COMM_WORLD) {
+  int size = 0;
+  MPI_Comm_size(comm, &size);
   int n = static_cast<int>(mine.size());
-  std::vector<int> sizes(g_size), at(g_size);
-  MPI_Allgather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  std::vector<int> sizes(size), at(size);
+  MPI_Allgather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, comm);
   int total = 0;
-  for (int r = 0; r < g_size; ++r) {
+  for (int r = 0; r < size; ++r) {
     at[r] = total;
     total += sizes[r];
   }
   std::vector<uint8_t> flat(total);
-  MPI_Allgatherv(mine.data(), n, MPI_BYTE, flat.data(), sizes.data(), at.data(), MPI_BYTE,
-                 MPI_COMM_WORLD);
-  std::vector<std::vector<uint8_t>> out(g_size);
-  for (int r = 0; r < g_size; ++r)
+  MPI_Allgatherv(mine.data(), n, MPI_BYTE, flat.data(), sizes.data(), at.data(), MPI_BYTE, comm);
+  std::vector<std::vector<uint8_t>> out(size);
+  for (int r = 0; r < size; ++r)
     out[r].assign(flat.begin() + at[r], flat.begin() + at[r] + sizes[r]);
   return out;
 }
@@ -613,6 +615,162 @@ void AnyEndpointReachesTheTwinOfAnAddress() {
   barrier();
 }
 
+// A job that exchanges keys once: each rank opens a Transport over `comm`
+// (`handle` is the communicator as TransportOptions takes it), registers
+// one region, gathers the addresses and keys, reads every rank's region in
+// turn (itself included), then writes its own slice of every rank's region.
+// Every byte is checked. A region serves its peers only while it is
+// registered (a transfer into a region its owner has destroyed fails with
+// InvalidArgument), so the barriers keep every rank's region until every
+// rank is done with it.
+void ReadAndWriteEveryRankOnce(MPI_Comm comm, int64_t handle, uint64_t bytes) {
+  int rank = 0, size = 0;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  TransportOptions o;
+  o.backend = TransportBackend::kMpi;
+  o.mpi_communicator = handle;
+  auto t = Transport::Open(o);
+  CHECK_OK(t.status());
+  if (!t.ok()) return;
+  std::vector<uint8_t> memory(bytes);
+  for (uint64_t i = 0; i < bytes; ++i) memory[i] = pattern(rank, i);
+  auto region = (*t)->register_memory(memory.data(), memory.size());
+  CHECK_OK(region.status());
+  const auto addresses = all_gather((*t)->address(), comm);
+  const auto keys =
+      all_gather(region.ok() ? (*region)->remote_key() : std::vector<uint8_t>{}, comm);
+  std::vector<std::shared_ptr<Peer>> peers(size);
+  std::vector<std::shared_ptr<RemoteRegion>> regions(size);
+  for (int p = 0; p < size; ++p) {
+    auto peer = (*t)->connect(addresses[p], deadline_in(2s));
+    CHECK_OK(peer.status());
+    if (!peer.ok()) continue;
+    peers[p] = *peer;
+    auto r = peers[p]->import_key(keys[p]);
+    CHECK_OK(r.status());
+    if (r.ok()) regions[p] = *r;
+  }
+  std::vector<uint8_t> got(bytes);
+  for (int p = 0; p < size; ++p) {
+    if (!regions[p]) continue;
+    std::fill(got.begin(), got.end(), 0);
+    auto c = peers[p]->get(*regions[p], 0, got.data(), got.size());
+    CHECK_OK(c.ok() ? (*c)->wait(deadline_in(10s)) : c.status());
+    uint64_t bad = 0;
+    for (uint64_t i = 0; i < bytes; ++i) bad += got[i] != pattern(p, i);
+    CHECK(bad == 0);
+  }
+  MPI_Barrier(comm);
+  const uint64_t slice = bytes / size;
+  std::vector<uint8_t> src(slice);
+  for (uint64_t i = 0; i < slice; ++i) src[i] = pattern(rank + 100, i);
+  for (int p = 0; p < size; ++p) {
+    if (!regions[p]) continue;
+    auto c = peers[p]->put(*regions[p], rank * slice, src.data(), slice);
+    CHECK_OK(c.ok() ? (*c)->wait(deadline_in(10s)) : c.status());
+  }
+  MPI_Barrier(comm);
+  uint64_t bad = 0;
+  for (uint64_t i = 0; i < bytes; ++i) {
+    const uint64_t w = i / slice;
+    bad += memory[i] != (w < static_cast<uint64_t>(size)
+                             ? pattern(static_cast<int>(w) + 100, i - w * slice)
+                             : pattern(rank, i));
+  }
+  CHECK(bad == 0);
+  MPI_Barrier(comm);
+}
+
+void EveryRankIsReachedRightAfterItRegisters() {
+  ReadAndWriteEveryRankOnce(MPI_COMM_WORLD, TransportOptions::kMpiWorld, 1 << 20);
+  ReadAndWriteEveryRankOnce(MPI_COMM_WORLD, TransportOptions::kMpiWorld, 4096 + 3);
+  barrier();
+}
+
+void TransfersOverACallersCommunicator() {
+  // The world's ranks in reverse: the communicator's rank r is world rank
+  // size - 1 - r, so a mix-up of the two shows as wrong bytes.
+  MPI_Comm reversed = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, 0, g_size - 1 - g_rank, &reversed);
+  ReadAndWriteEveryRankOnce(reversed, MPI_Comm_c2f(reversed), 1 << 20);
+  ReadAndWriteEveryRankOnce(reversed, MPI_Comm_c2f(reversed), 4096 + 3);
+  // The Transports hold duplicates of it: the caller may free its own.
+  MPI_Comm_free(&reversed);
+  barrier();
+}
+
+// Reads `n` bytes of every rank's region in `regions` and checks them
+// against pattern(seed + rank, i).
+void read_every_rank(Net& net, const std::vector<std::shared_ptr<RemoteRegion>>& regions,
+                     uint64_t n, int seed) {
+  std::vector<uint8_t> got(n);
+  for (int p = 0; p < g_size; ++p) {
+    std::fill(got.begin(), got.end(), 0);
+    auto c = net.peers[p]->get(*regions[p], 0, got.data(), n);
+    CHECK_OK(c.ok() ? (*c)->wait(deadline_in(10s)) : c.status());
+    uint64_t bad = 0;
+    for (uint64_t i = 0; i < n; ++i) bad += got[i] != pattern(seed + p, i);
+    CHECK(bad == 0);
+  }
+}
+
+// Imports every rank's key of `mine` on net's peers.
+std::vector<std::shared_ptr<RemoteRegion>> import_every_rank(Net& net, const MemoryRegion& mine) {
+  const auto keys = all_gather(mine.remote_key());
+  std::vector<std::shared_ptr<RemoteRegion>> out(g_size);
+  for (int p = 0; p < g_size; ++p) {
+    auto r = net.peers[p]->import_key(keys[p]);
+    CHECK_OK(r.status());
+    if (r.ok()) out[p] = *r;
+  }
+  return out;
+}
+
+void RegionsRegisteredAndUnregisteredLaterAreSeenAtOnce() {
+  // Every rank has read every rank's first region (whatever MPI learns of
+  // a target's regions on a first access, it has learned). A region
+  // registered after that is reached at once, in the same epoch.
+  Net net(1 << 20);
+  if (!net.ok()) return;
+  read_every_rank(net, net.regions, 1 << 20, 0);
+  barrier();
+  std::vector<uint8_t> second(256 << 10);
+  for (uint64_t i = 0; i < second.size(); ++i) second[i] = pattern(g_rank + 50, i);
+  auto r2 = net.t->register_memory(second.data(), second.size());
+  CHECK_OK(r2.status());
+  if (!r2.ok()) return;
+  auto seconds = import_every_rank(net, **r2);
+  if (!std::all_of(seconds.begin(), seconds.end(), [](auto& r) { return r; })) return;
+  read_every_rank(net, seconds, second.size(), 50);
+  barrier();
+  // A region its owner has unregistered is out of reach: a transfer into
+  // it fails with InvalidArgument, naming the cause, and the Peer stays
+  // usable for the owner's other regions.
+  net.region.reset();
+  barrier();
+  std::vector<uint8_t> buf(4096);
+  for (int p = 0; p < g_size; ++p) {
+    auto c = net.peers[p]->get(*net.regions[p], 0, buf.data(), buf.size());
+    const Status st = c.ok() ? (*c)->wait(deadline_in(10s)) : c.status();
+    CHECK_CODE(st, Code::kInvalidArgument);
+    CHECK(st.message().find("no registered region") != std::string::npos);
+    auto w = net.peers[p]->put(*net.regions[p], 0, buf.data(), buf.size());
+    CHECK_CODE(w.ok() ? (*w)->wait(deadline_in(10s)) : w.status(), Code::kInvalidArgument);
+    CHECK_OK(net.peers[p]->health());
+  }
+  read_every_rank(net, seconds, second.size(), 50);
+  barrier();
+  // The same memory registered again is reached through its new key.
+  auto again = net.t->register_memory(net.memory.data(), net.memory.size());
+  CHECK_OK(again.status());
+  if (!again.ok()) return;
+  auto firsts = import_every_rank(net, **again);
+  if (!std::all_of(firsts.begin(), firsts.end(), [](auto& r) { return r; })) return;
+  read_every_rank(net, firsts, net.memory.size(), 0);
+  barrier();
+}
+
 }  // namespace
 }  // namespace cascade
 
@@ -645,6 +803,10 @@ int main(int argc, char** argv) {
       {"ConcurrentThreadsMoveBytesAndMessages", ConcurrentThreadsMoveBytesAndMessages},
       {"CloseWhileTransfersArePending", CloseWhileTransfersArePending},
       {"AnyEndpointReachesTheTwinOfAnAddress", AnyEndpointReachesTheTwinOfAnAddress},
+      {"EveryRankIsReachedRightAfterItRegisters", EveryRankIsReachedRightAfterItRegisters},
+      {"TransfersOverACallersCommunicator", TransfersOverACallersCommunicator},
+      {"RegionsRegisteredAndUnregisteredLaterAreSeenAtOnce",
+       RegionsRegisteredAndUnregisteredLaterAreSeenAtOnce},
   };
   // CASCADE_MPI_TEST_FILTER: run only the tests whose name contains it.
   const char* filter = std::getenv("CASCADE_MPI_TEST_FILTER");
