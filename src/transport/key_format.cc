@@ -18,17 +18,6 @@ uint64_t fnv1a(uint64_t h, std::span<const uint8_t> bytes) {
 }
 constexpr uint64_t kFnvBasis = 0xcbf29ce484222325ULL;
 
-template <typename T>
-void put_le(std::vector<uint8_t>& out, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-template <typename T>
-T get_le(const uint8_t* p) {
-  T v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(p[i]) << (8 * i);
-  return v;
-}
-
 // The checksum over the header (without the checksum field) and the payload.
 uint64_t frame_checksum(std::span<const uint8_t> header, std::span<const uint8_t> payload) {
   return fnv1a(fnv1a(kFnvBasis, header), payload);

@@ -14,6 +14,7 @@
 // Thread-safety: free functions on values.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -21,6 +22,18 @@
 #include "cascade/status.h"
 
 namespace cascade {
+
+// Little-endian fields of the byte forms: appended to `out`, read from `p`.
+template <typename T>
+void put_le(std::vector<uint8_t>& out, T v) {
+  for (size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+template <typename T>
+T get_le(const uint8_t* p) {
+  T v = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(p[i]) << (8 * i);
+  return v;
+}
 
 inline constexpr uint32_t kAddressMagic = 0x31415843;  // "CXA1"
 inline constexpr uint32_t kKeyMagic = 0x314b5843;      // "CXK1"

@@ -120,17 +120,6 @@ constexpr auto kWaiterNapMax = 200us;
 // progress thread's longest sleep when idle.
 constexpr auto kReceiveNapMax = 1ms;
 
-template <typename T>
-void put_le(std::vector<uint8_t>& out, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-template <typename T>
-T get_le(const uint8_t* p) {
-  T v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(p[i]) << (8 * i);
-  return v;
-}
-
 Status mpi_error(int rc, const std::string& what) {
   char text[MPI_MAX_ERROR_STRING] = {0};
   int len = 0;
