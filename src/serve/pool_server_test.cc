@@ -173,8 +173,9 @@ struct RawClient {
     return wait(reply);
   }
   // Writes a request into the current channel's request area; its length.
-  uint32_t write(Op op, const void* items, uint32_t count, uint64_t item_bytes) {
-    pool::RequestHeader h{static_cast<uint32_t>(op), count, 0, 0};
+  uint32_t write(Op op, const void* items, uint32_t count, uint64_t item_bytes,
+                 uint32_t flags = 0) {
+    pool::RequestHeader h{static_cast<uint32_t>(op), count, flags, 0};
     std::memcpy(ch.request, &h, sizeof h);
     if (count) std::memcpy(ch.request + sizeof h, items, count * item_bytes);
     return static_cast<uint32_t>(sizeof h + count * item_bytes);
@@ -583,6 +584,45 @@ TEST(PoolServerTest, MalformedRequestsGetAnErrorAndOtherClientsGoOn) {
   std::memcpy(codes, raw.ch.reply + sizeof reply, sizeof codes);
   EXPECT_EQ(codes[0].code, static_cast<uint32_t>(Code::kInvalidArgument));
   EXPECT_EQ(codes[1].code, static_cast<uint32_t>(Code::kInvalidArgument));
+}
+
+// A request sent ahead (the client copies before it waits for the reply)
+// is answered as any other, and no worker spins after it waiting for a next
+// request that does not come soon.
+TEST(PoolServerTest, ARequestSentAheadIsAnsweredAndNoWorkerSpinsAfterIt) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  auto good = f.client();
+  auto d = bytes_for(7, 4096);
+  ASSERT_TRUE(good->put(id_of(7), d.data(), d.size()).ok());
+  good.reset();
+  RawClient raw;
+  ASSERT_TRUE(raw.connect(f.socket).ok());
+  pool::BlockIdItem items[2];
+  const BlockId there = id_of(7), absent = id_of(8);
+  std::memcpy(items[0].id, there.bytes.data(), 16);
+  std::memcpy(items[1].id, absent.bytes.data(), 16);
+  pool::LookupReply plain[2], ahead[2];
+  pool::ReplyHeader reply;
+  ASSERT_EQ(raw.request(Op::kLookup, items, 2, sizeof items[0], &reply), 0u);
+  std::memcpy(plain, raw.ch.reply + sizeof reply, sizeof plain);
+  // The spin after that plain request ends.
+  for (int i = 0; i < 1000 && raw.bell->spinning.load() != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(raw.bell->spinning.load(), 0u);
+  ASSERT_TRUE(raw.call(raw.write(Op::kLookup, items, 2, sizeof items[0], pool::kAhead), &reply));
+  ASSERT_EQ(reply.code, 0u);
+  ASSERT_EQ(reply.count, 2u);
+  std::memcpy(ahead, raw.ch.reply + sizeof reply, sizeof ahead);
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(ahead[k].code, plain[k].code) << k;
+    EXPECT_EQ(ahead[k].size, plain[k].size) << k;
+  }
+  EXPECT_EQ(plain[0].code, 0u);
+  EXPECT_EQ(plain[0].size, 4096u);
+  EXPECT_EQ(plain[1].code, static_cast<uint32_t>(Code::kNotFound));
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(5);
+  while (std::chrono::steady_clock::now() < until) ASSERT_EQ(raw.bell->spinning.load(), 0u);
 }
 
 TEST(PoolServerTest, BadHellosAreRefusedWithoutStoppingTheServer) {
