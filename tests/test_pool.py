@@ -36,10 +36,21 @@ CLIENT = textwrap.dedent(
     leases = []
     while True:
         i = int(rng.integers(keys))
-        op = rng.integers(6)
+        op = rng.integers(7)
         if op == 0:
             ks = [f"k{j}" for j in range(i, min(keys, i + 8))]
             store.put_batch(ks, [block(j) for j in range(i, min(keys, i + 8))])
+        elif op == 6:
+            # A batch wide enough to go in steps over both I/O threads.
+            js = [(i + j) % keys for j in range(64)]
+            ks = [f"k{j}" for j in js]
+            store.put_batch(ks, [block(j) for j in js])
+            outs = [np.empty_like(block(j)) for j in js]
+            _, sizes = store.get_batch(ks, outs)
+            for j, out, size in zip(js, outs, sizes):
+                if size and (size != out.size or not np.array_equal(out, block(j))):
+                    print("wrong bytes in a batch for", j, flush=True)
+                    sys.exit(3)
         elif op == 1:
             try:
                 leases.append(store.acquire(f"k{i}"))

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -219,6 +220,81 @@ def test_serve_shares_blocks_reports_and_writes_down_on_sigterm(tmp):
         c.close()
     srv2.proc.send_signal(signal.SIGINT)
     assert srv2.wait(20) == 0, srv2.text()
+
+
+def wide_batches_until_error(sock: str, timeout_ms: int, keys: list[str]):
+    """Puts and reads batches of 64 KiB blocks (wide enough that each I/O
+    thread pipelines its steps) in a thread until a call fails; returns the
+    thread and a dict that gets the error, the calls done and wrong bytes."""
+    store = cascade.CascadeStore(
+        cascade.config_from_dict(
+            {
+                "pool_socket": sock,
+                "use_gpu": False,
+                "pool_timeout_ms": timeout_ms,
+                "pool_channels": 8,
+                "num_io_threads": 2,
+            }
+        )
+    )
+    data = [np.full(64 << 10, i % 251, np.uint8) for i in range(len(keys))]
+    outs = [np.empty(64 << 10, np.uint8) for _ in keys]
+    state: dict = {"calls": 0, "wrong": 0, "store": store}
+
+    def work():
+        while True:
+            try:
+                store.put_batch(keys, data)
+                _, sizes = store.get_batch(keys, outs)
+            except cascade.UnavailableError as e:
+                state["error"] = (time.monotonic(), str(e))
+                return
+            state["wrong"] += sum(
+                1 for i, size in enumerate(sizes) if size and not np.array_equal(outs[i], data[i])
+            )
+            state["calls"] += 1
+
+    th = threading.Thread(target=work)
+    th.start()
+    return th, state
+
+
+def test_a_stalled_or_killed_server_ends_wide_batches_at_their_deadline(tmp):
+    """A batch's threads keep requests in flight on two channels each: when
+    the server stops answering, the batch fails once its requests' deadline
+    passes (counted from when each was sent), not after one deadline per
+    request in turn; when it is killed, at once. Every byte read before is
+    right."""
+    d, shm, servers = tmp
+    keys = [f"k{i}" for i in range(256)]
+    store = {"pipeline": "host", "shm_path": shm, "shm_capacity_bytes": "128MiB"}
+    for how in ("stop", "kill"):
+        srv = Server(d, dict(store), {}, name=f"{how}.yaml")
+        servers.append(srv)
+        srv.wait_ready()
+        th, state = wide_batches_until_error(srv.socket, 2000, keys)
+        deadline = time.monotonic() + 30
+        while state["calls"] < 3 and "error" not in state:
+            assert time.monotonic() < deadline, "no batch finished"
+            time.sleep(0.01)
+        if how == "stop":
+            srv.proc.send_signal(signal.SIGSTOP)
+        else:
+            srv.proc.kill()
+        at = time.monotonic()
+        th.join(30)
+        assert not th.is_alive(), "a batch still waits for the server"
+        ended, error = state["error"]
+        # 2 s for the requests in flight, and room for a slow machine.
+        assert ended - at < (3.5 if how == "stop" else 1.0), (how, ended - at, error)
+        assert state["wrong"] == 0
+        with pytest.raises(cascade.UnavailableError):
+            state["store"].close()
+        srv.proc.kill()
+        srv.stop()
+        for p in (srv.socket, serve_status.info_path(srv.socket), shm):
+            if os.path.exists(p):
+                os.unlink(p)
 
 
 def test_group_socket_and_info_without_metrics(tmp):

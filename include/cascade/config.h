@@ -119,10 +119,12 @@ struct CascadeConfig {
   // server adds the client's uid unless it shares the namespace across users.
   std::string pool_namespace;
   // Request channels to the server (one per thread that talks to it at a
-  // time); 0 = one per core, at most 16.
+  // time; a batch's I/O threads use up to two each); 0 = two per I/O thread
+  // and two more, at least one per core, at most 64.
   int pool_channels = 0;
-  // How long a request may wait for the server before it fails with
-  // Unavailable.
+  // How long a request may wait for the server, from when it is sent,
+  // before it fails with Unavailable; a server that leaves one request
+  // unanswered this long is taken as gone (every later call fails).
   uint32_t pool_timeout_ms = 10000;
 
   // ---- file tier --------------------------------------------------------

@@ -755,8 +755,9 @@ int64_t PoolServer::Impl::serve(Worker& w, const ChannelRef& ref) {
       std::min<uint32_t>(control->request_bytes, static_cast<uint32_t>(pool::kRequestAreaBytes));
   std::memcpy(w.request.data(), ref.ch.request, n);
   ref.state->last.store(seq, std::memory_order_relaxed);
-  uint32_t op_word = 0;
-  if (n >= sizeof op_word) std::memcpy(&op_word, w.request.data(), sizeof op_word);
+  RequestHeader head{};
+  if (n >= sizeof head) std::memcpy(&head, w.request.data(), sizeof head);
+  const uint32_t op_word = head.op;
   if (op_word == static_cast<uint32_t>(Op::kFlush)) {
     {
       std::lock_guard<std::mutex> l(flush_mu);
@@ -768,10 +769,12 @@ int64_t PoolServer::Impl::serve(Worker& w, const ChannelRef& ref) {
   }
   const uint32_t bytes = handle(ref.client, ref.index, w.request.data(), n, ref.ch.reply);
   reply_and_release(ref, seq, bytes);
-  // After a reserve or a lease the client copies block bytes before it
-  // sends anything more on this channel: a long spin would only take a core
-  // from the copies, and a short one still catches the commit of a small
-  // block without a wake-up.
+  // A request sent ahead is followed by the client's copies, not by its
+  // next request: a spin would only take a core from them. After a reserve
+  // or a lease the client copies block bytes too: a long spin would only
+  // take a core from the copies, and a short one still catches the commit
+  // of a small block without a wake-up.
+  if (head.flags & pool::kAhead) return 0;
   return op_word == static_cast<uint32_t>(Op::kReserve) ||
                  op_word == static_cast<uint32_t>(Op::kLease) ||
                  op_word == static_cast<uint32_t>(Op::kLeaseRead)

@@ -173,8 +173,9 @@ struct RawClient {
     return wait(reply);
   }
   // Writes a request into the current channel's request area; its length.
-  uint32_t write(Op op, const void* items, uint32_t count, uint64_t item_bytes) {
-    pool::RequestHeader h{static_cast<uint32_t>(op), count, 0, 0};
+  uint32_t write(Op op, const void* items, uint32_t count, uint64_t item_bytes,
+                 uint32_t flags = 0) {
+    pool::RequestHeader h{static_cast<uint32_t>(op), count, flags, 0};
     std::memcpy(ch.request, &h, sizeof h);
     if (count) std::memcpy(ch.request + sizeof h, items, count * item_bytes);
     return static_cast<uint32_t>(sizeof h + count * item_bytes);
@@ -238,22 +239,23 @@ TEST(PoolServerTest, ClientsOfOneNamespaceShareBlocksOthersNeverSeeThem) {
   EXPECT_FALSE(b->contains(ids[0]));
 }
 
-// Batches large enough to go in steps (reserve, copy and commit of
-// different steps overlapping), with failures and misses spread across the
-// steps: every item's status is its own, nothing stays reserved or leased.
-TEST(PoolServerTest, BatchesInStepsKeepEveryItemsOwnOutcome) {
-  PoolFixture f;
-  ASSERT_TRUE(f.server);
+// Writes and reads a batch of n blocks of `size` bytes, large enough to go
+// in steps (reserve, copy and commit of different steps overlapping, on
+// several threads that share their copies; the requests of steps of 1 MiB
+// or more sent ahead), with failures and misses spread across the steps,
+// through a client of `channels` channels (0: the default) and 4 I/O
+// threads: every item's status is its own, nothing stays reserved or leased.
+void check_batch_in_steps(PoolFixture& f, int channels, size_t n = 700, size_t size = 4096) {
   CascadeConfig c;
   c.pipeline = "pool";
   c.pool_socket = f.socket;
-  c.pool_namespace = "ns";
+  c.pool_namespace = "steps" + std::to_string(channels) + "-" + std::to_string(size);
+  c.pool_channels = channels;
   c.num_io_threads = 4;
   c.use_gpu = false;
   auto opened = CascadeStore::Open(c);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   auto a = std::move(opened.value());
-  const size_t n = 700, size = 4096;
   std::vector<BlockId> ids;
   std::vector<std::vector<uint8_t>> blocks;
   for (uint64_t i = 0; i < n; ++i) {
@@ -279,26 +281,53 @@ TEST(PoolServerTest, BatchesInStepsKeepEveryItemsOwnOutcome) {
   // Every 5th id is one never stored.
   std::vector<BlockId> want = ids;
   for (size_t i = 0; i < n; i += 5) want[i] = id_of(90000 + i);
-  std::vector<std::vector<uint8_t>> outs(n, std::vector<uint8_t>(size, 0xEE));
-  std::vector<MutableBuffer> mo;
-  for (auto& o : outs) mo.push_back(MutableBuffer{o.data(), o.size()});
-  std::vector<GetResult> results;
-  a->get_batch(want, mo, &results, &st);
-  for (size_t i = 0; i < n; ++i) {
-    const bool stored = i % 5 != 0 && !(i % 7 == 3 && i % 11 != 0);
-    ASSERT_EQ(results[i].found, stored) << i;
-    if (stored) {
-      EXPECT_EQ(outs[i], blocks[i]) << i;
-    } else {
-      EXPECT_EQ(outs[i], std::vector<uint8_t>(size, 0xEE)) << i;
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::vector<uint8_t>> outs(n, std::vector<uint8_t>(size, 0xEE));
+    std::vector<MutableBuffer> mo;
+    for (auto& o : outs) mo.push_back(MutableBuffer{o.data(), o.size()});
+    std::vector<GetResult> results;
+    a->get_batch(want, mo, &results, &st);
+    for (size_t i = 0; i < n; ++i) {
+      const bool stored = i % 5 != 0 && !(i % 7 == 3 && i % 11 != 0);
+      ASSERT_EQ(results[i].found, stored) << i;
+      if (stored) {
+        EXPECT_EQ(outs[i], blocks[i]) << i;
+      } else {
+        EXPECT_EQ(outs[i], std::vector<uint8_t>(size, 0xEE)) << i;
+      }
     }
   }
   a.reset();  // the client's deferred releases are sent when it closes
-  f.wait_disconnects(1);
+}
+
+TEST(PoolServerTest, BatchesInStepsKeepEveryItemsOwnOutcome) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  check_batch_in_steps(f, 0);
+  check_batch_in_steps(f, 0, 256, 64 << 10);
+  f.wait_disconnects(2);
   auto stats = f.server->stats();
   EXPECT_EQ(stats.reservations, 0u);
   EXPECT_EQ(stats.leases, 0u);
   EXPECT_EQ(stats.store.tiers[0].reserved_bytes, stats.store.tiers[0].used_bytes);
+}
+
+// A thread of a batch sends its next step's request on a second channel
+// while it copies; with fewer channels than threads some steps wait for a
+// channel (or go one request at a time on one), and the batches still end
+// with every item's outcome.
+TEST(PoolServerTest, BatchesInStepsWithFewerChannelsThanThreads) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  uint64_t clients = 0;
+  for (int channels : {1, 2, 3}) {
+    SCOPED_TRACE("channels " + std::to_string(channels));
+    check_batch_in_steps(f, channels);
+    f.wait_disconnects(++clients);
+    auto stats = f.server->stats();
+    EXPECT_EQ(stats.reservations, 0u);
+    EXPECT_EQ(stats.leases, 0u);
+  }
 }
 
 TEST(PoolServerTest, ALeasedBlockKeepsItsBytesWhileOtherClientsEvict) {
@@ -583,6 +612,45 @@ TEST(PoolServerTest, MalformedRequestsGetAnErrorAndOtherClientsGoOn) {
   std::memcpy(codes, raw.ch.reply + sizeof reply, sizeof codes);
   EXPECT_EQ(codes[0].code, static_cast<uint32_t>(Code::kInvalidArgument));
   EXPECT_EQ(codes[1].code, static_cast<uint32_t>(Code::kInvalidArgument));
+}
+
+// A request sent ahead (the client copies before it waits for the reply)
+// is answered as any other, and no worker spins after it waiting for a next
+// request that does not come soon.
+TEST(PoolServerTest, ARequestSentAheadIsAnsweredAndNoWorkerSpinsAfterIt) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  auto good = f.client();
+  auto d = bytes_for(7, 4096);
+  ASSERT_TRUE(good->put(id_of(7), d.data(), d.size()).ok());
+  good.reset();
+  RawClient raw;
+  ASSERT_TRUE(raw.connect(f.socket).ok());
+  pool::BlockIdItem items[2];
+  const BlockId there = id_of(7), absent = id_of(8);
+  std::memcpy(items[0].id, there.bytes.data(), 16);
+  std::memcpy(items[1].id, absent.bytes.data(), 16);
+  pool::LookupReply plain[2], ahead[2];
+  pool::ReplyHeader reply;
+  ASSERT_EQ(raw.request(Op::kLookup, items, 2, sizeof items[0], &reply), 0u);
+  std::memcpy(plain, raw.ch.reply + sizeof reply, sizeof plain);
+  // The spin after that plain request ends.
+  for (int i = 0; i < 1000 && raw.bell->spinning.load() != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(raw.bell->spinning.load(), 0u);
+  ASSERT_TRUE(raw.call(raw.write(Op::kLookup, items, 2, sizeof items[0], pool::kAhead), &reply));
+  ASSERT_EQ(reply.code, 0u);
+  ASSERT_EQ(reply.count, 2u);
+  std::memcpy(ahead, raw.ch.reply + sizeof reply, sizeof ahead);
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(ahead[k].code, plain[k].code) << k;
+    EXPECT_EQ(ahead[k].size, plain[k].size) << k;
+  }
+  EXPECT_EQ(plain[0].code, 0u);
+  EXPECT_EQ(plain[0].size, 4096u);
+  EXPECT_EQ(plain[1].code, static_cast<uint32_t>(Code::kNotFound));
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(5);
+  while (std::chrono::steady_clock::now() < until) ASSERT_EQ(raw.bell->spinning.load(), 0u);
 }
 
 TEST(PoolServerTest, BadHellosAreRefusedWithoutStoppingTheServer) {

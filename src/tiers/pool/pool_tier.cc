@@ -25,8 +25,10 @@ namespace {
 
 constexpr int64_t kCheckUs = 10000;              // how often a waiting call checks the server
 constexpr int64_t kFlushTimeoutUs = 3600000000;  // a flush writes blocks down: it may take long
-constexpr size_t kReleaseBatch = 1024;           // queued releases sent by the queuing thread
-constexpr uint64_t kSubBatchBytes = 1 << 20;  // the least bytes of a sub-batch (16 blocks at most)
+constexpr size_t kReleaseBatch = 1024;           // queued releases sent at once
+// The least bytes of a sub-batch (16 blocks at most); copying this many
+// takes longer than a round trip to the server.
+constexpr uint64_t kSubBatchBytes = 1 << 20;
 
 Status wire_status(uint32_t code, std::string message) {
   if (code == 0) return Status::OK();
@@ -97,8 +99,14 @@ Status PoolTier::connect(const CascadeConfig& config) {
   CASCADE_RETURN_IF_ERROR(check_server(peer->uid, config.pool_socket));
 
   int channels = config.pool_channels;
-  if (channels <= 0)
-    channels = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 16u));
+  if (channels <= 0) {
+    // A batch's I/O threads talk on two channels each (put_stream), the
+    // releasing and mapping threads on one; other callers of the store get
+    // at least one per core.
+    const int io = pool_ ? pool_->size() : 0;
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    channels = std::clamp(std::max(2 * io + 2, cores), 1, static_cast<int>(pool::kMaxChannels));
+  }
   pool::Hello hello{};
   hello.magic = pool::kMagic;
   hello.version = pool::kVersion;
@@ -222,11 +230,7 @@ PoolTier::Held PoolTier::hold() const {
   thread_local const uint64_t mine = std::hash<std::thread::id>{}(std::this_thread::get_id());
   const uint32_t n = channel_count_;
   const uint32_t start = static_cast<uint32_t>(mine % n);
-  for (uint32_t k = 0; k < n; ++k) {
-    Slot* s = &slots_[(start + k) % n];
-    std::unique_lock<std::mutex> lock(s->mu, std::try_to_lock);
-    if (lock.owns_lock() && !s->broken) return Held(s, std::move(lock));
-  }
+  if (Held h = try_hold(start); h.slot()) return h;
   for (uint32_t k = 0; k < n; ++k) {
     Slot* s = &slots_[(start + k) % n];
     std::unique_lock<std::mutex> lock(s->mu);
@@ -235,25 +239,56 @@ PoolTier::Held PoolTier::hold() const {
   return Held();
 }
 
-Status PoolTier::call(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, ReplyHeader* reply,
-                      int64_t timeout_us) const {
+PoolTier::Held PoolTier::try_hold(uint32_t start, const Slot* mine) const {
+  const uint32_t n = channel_count_;
+  for (uint32_t k = 0; k < n; ++k) {
+    Slot* s = &slots_[(start + k) % n];
+    if (s == mine) continue;
+    std::unique_lock<std::mutex> lock(s->mu, std::try_to_lock);
+    if (lock.owns_lock() && !s->broken) return Held(s, std::move(lock));
+  }
+  return Held();
+}
+
+Status PoolTier::post(Slot* slot, Op op, uint32_t count, uint64_t item_bytes,
+                      uint32_t flags) const {
+  if (!slot) return Status::Unavailable("every channel to the pool server failed");
   if (server_gone_.load(std::memory_order_acquire))
     return Status::Unavailable("the node pool server is gone");
+  if (server_stalled_.load(std::memory_order_acquire))
+    return Status::Unavailable("the node pool server stopped answering");
+  if (slot->broken) return Status::Unavailable("the channel to the pool server failed");
   Channel& ch = slot->ch;
-  RequestHeader h{static_cast<uint32_t>(op), count, 0, 0};
+  RequestHeader h{static_cast<uint32_t>(op), count, flags, 0};
   std::memcpy(ch.request, &h, sizeof h);
   ch.control->request_bytes = static_cast<uint32_t>(sizeof h + count * item_bytes);
-  const uint32_t seq = ++slot->seq;
-  pool::post_request(ch.control, seq, doorbell_);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us);
+  slot->op = op;
+  slot->count = count;
+  slot->flags = flags;
+  slot->posted = std::chrono::steady_clock::now();
+  pool::post_request(ch.control, ++slot->seq, doorbell_);
+  return Status::OK();
+}
+
+Status PoolTier::await_reply(Slot* slot, ReplyHeader* reply, int64_t timeout_us) const {
+  Channel& ch = slot->ch;
+  const uint32_t seq = slot->seq;
+  // The deadline counts from the post: a thread waiting for several
+  // requests in turn waits for a stalled server once, not once each.
+  const auto deadline = slot->posted + std::chrono::microseconds(timeout_us);
+  // A request sent ahead has had the time of a copy: when its reply has not
+  // come yet, the server's worker is waiting for a core, and a spin here
+  // would keep one from it.
+  const int64_t spin_ns = (slot->flags & pool::kAhead) ? 0 : pool::kClientSpinNs;
   bool gone = false;
   bool answered = pool::wait_change(
       &ch.control->reply_seq, seq - 1, &ch.control->client_sleeping, kCheckUs,
       [&] {
         if (peer_closed(sock_)) gone = true;
-        return gone || std::chrono::steady_clock::now() > deadline;
+        return gone || server_stalled_.load(std::memory_order_relaxed) ||
+               std::chrono::steady_clock::now() > deadline;
       },
-      pool::kClientSpinNs);
+      spin_ns);
   if (answered && ch.control->reply_seq.load(std::memory_order_acquire) != seq) answered = false;
   if (!answered) {
     slot->broken = true;  // a late reply would answer the next request
@@ -261,6 +296,8 @@ Status PoolTier::call(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, Re
       server_gone_.store(true, std::memory_order_release);
       return Status::Unavailable("the node pool server is gone");
     }
+    if (server_stalled_.exchange(true, std::memory_order_acq_rel))
+      return Status::Unavailable("the node pool server stopped answering");
     return Status::Unavailable("the node pool server did not answer within " +
                                std::to_string(timeout_us / 1000) + " ms");
   }
@@ -270,10 +307,20 @@ Status PoolTier::call(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, Re
                     std::min<uint32_t>(reply->message_bytes, pool::kMaxMessageBytes));
     return wire_status(reply->code, "node pool server: " + msg);
   }
-  if (reply->count != count && op != Op::kStats)
+  if (reply->count != slot->count && slot->op != Op::kStats)
     return Status::Unavailable("the node pool server answered " + std::to_string(reply->count) +
-                               " items for " + std::to_string(count));
+                               " items for " + std::to_string(slot->count));
   return Status::OK();
+}
+
+Status PoolTier::take_reply(Slot* slot, const Status& sent, ReplyHeader* reply) const {
+  return sent.ok() ? await_reply(slot, reply, timeout_us_) : sent;
+}
+
+Status PoolTier::call(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, ReplyHeader* reply,
+                      int64_t timeout_us, uint32_t flags) const {
+  CASCADE_RETURN_IF_ERROR(post(slot, op, count, item_bytes, flags));
+  return await_reply(slot, reply, timeout_us);
 }
 
 // ---- puts --------------------------------------------------------------------
@@ -295,6 +342,62 @@ Status PoolTier::put(const BlockId& id, const void* data, uint64_t size,
   return st;
 }
 
+// ---- sharing a batch's copies ------------------------------------------------
+
+namespace {
+
+// A wait for another thread of the batch: a short spin (the other thread is
+// usually running and done within microseconds), then the core goes to
+// whoever else is runnable (the server's worker, when it runs here), and a
+// wait that lasts (the other thread waits for a channel) sleeps.
+void wait_a_little(int round) {
+  if (round < 256) pool::cpu_relax();
+  else if (round < 4096) std::this_thread::yield();
+  else std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
+
+}  // namespace
+
+// Takes the part's copies in turn with any other thread of the batch until
+// none is left.
+template <typename Part, typename CopyOne>
+void PoolTier::take_copies(Part* p, CopyOne& copy_one) {
+  size_t did = 0;
+  for (size_t k; (k = p->next.fetch_add(1, std::memory_order_relaxed)) < p->items; ++did)
+    copy_one(p, k);
+  if (did) p->done.fetch_add(did, std::memory_order_release);
+}
+
+// As take_copies, then waits for the copies other threads took: the part's
+// owner, before its commit or its releases.
+template <typename Part, typename CopyOne>
+void PoolTier::copy_own(Part* p, CopyOne& copy_one) {
+  take_copies(p, copy_one);
+  for (int round = 0; p->done.load(std::memory_order_acquire) != p->items; ++round)
+    wait_a_little(round);
+}
+
+// Copies of the batch's parts that their owners shared. With `wait`, also
+// waits for parts claimed but not shared yet (the owner waits for their
+// reserve or lease), until every part's copies are taken; a thread that
+// holds a channel must not wait: the owner may be waiting for it.
+template <typename Part, typename CopyOne>
+void PoolTier::share_copies(Parts<Part>* parts, CopyOne& copy_one, bool wait) {
+  for (int round = 0;; ++round) {
+    bool open = false;
+    for (size_t c = 0; c < parts->count; ++c) {
+      Part* p = &parts->at[c];
+      if (!p->ready.load(std::memory_order_acquire)) {
+        open = true;
+        continue;
+      }
+      if (p->next.load(std::memory_order_relaxed) < p->items) take_copies(p, copy_one);
+    }
+    if (!open || !wait) return;
+    wait_a_little(round);
+  }
+}
+
 // The sub-batch size that spreads n items over the I/O threads; 0 when the
 // batch stays whole (no threads, few items, or blocks large enough that each
 // copy is split over the threads).
@@ -313,122 +416,183 @@ size_t PoolTier::sub_batch(std::span<const uint64_t> sizes) const {
   return std::clamp<size_t>(n / (4 * size_t(pool_->size())), least, pool::kMaxItems);
 }
 
-// A batch is cut into sub-batches run on the I/O threads, each with its
-// own channel: the server's workers then reserve and commit in parallel,
-// overlapping the copies, instead of one worker handling the whole batch
-// while the copies wait.
+// A batch is cut into sub-batches that the I/O threads take in turn, so the
+// server's workers reserve and commit in parallel with the copies instead
+// of one worker handling the whole batch while the copies wait. Each thread
+// pipelines its sub-batches (put_stream).
 void PoolTier::put_batch(std::span<const BlockId> ids, std::span<const void* const> data,
                          std::span<const uint64_t> sizes, const PutOptions& options,
                          std::span<Status> statuses) {
   const size_t n = ids.size();
+  const PutBatch b{ids, data, sizes, options, statuses};
   const size_t sub = sub_batch(sizes);
   if (sub) {
-    pool_->parallel_for((n + sub - 1) / sub, [&](size_t c) {
-      const size_t b = c * sub, m = std::min(sub, n - b);
-      put_chunk(ids.subspan(b, m), data.subspan(b, m), sizes.subspan(b, m), options,
-                statuses.subspan(b, m), false);
-    });
+    Parts<PutPart> parts(n, sub);
+    uint64_t bytes = 0;
+    for (uint64_t size : sizes) bytes += size;
+    parts.ahead = bytes / parts.count >= kSubBatchBytes;
+    pool_->parallel_for(std::min<size_t>(parts.count, pool_->size()),
+                        [&](size_t) { put_stream(b, &parts); });
     return;
   }
-  for (size_t b = 0; b < n; b += pool::kMaxItems) {
-    const size_t m = std::min<size_t>(pool::kMaxItems, n - b);
-    put_chunk(ids.subspan(b, m), data.subspan(b, m), sizes.subspan(b, m), options,
-              statuses.subspan(b, m), true);
+  for (size_t begin = 0; begin < n; begin += pool::kMaxItems) {
+    PutPart part;
+    part.begin = begin;
+    part.count = std::min<size_t>(pool::kMaxItems, n - begin);
+    {
+      Held held = hold();
+      part.sent = post_reserve(held.slot(), b, part, false);
+      take_reserve(held.slot(), b, &part);
+    }
+    copy_part(b, &part, true);  // with no channel held
+    Held held = hold();
+    part.sent = post_commit(held.slot(), b, &part, false);
+    take_commit(held.slot(), b, &part);
   }
 }
 
-// At most kMaxItems items: one reserve, the copies (over the I/O threads
-// when parallel), one commit (and an abort for copies that failed).
-void PoolTier::put_chunk(std::span<const BlockId> ids, std::span<const void* const> data,
-                         std::span<const uint64_t> sizes, const PutOptions& options,
-                         std::span<Status> statuses, bool parallel) {
-  {
-    const uint32_t m = static_cast<uint32_t>(ids.size());
-    struct Todo {
-      size_t i;
-      uint64_t offset, token;
-    };
-    std::vector<Todo> todo;
-    {
-      Held held = hold();
-      if (!held.slot()) {
-        for (uint32_t k = 0; k < m; ++k)
-          statuses[k] = Status::Unavailable("every channel to the pool server failed");
-        return;
+// One I/O thread's share of a batch: it takes sub-batches in turn, and
+// while it copies one, the reserve of its next and the commit of its last
+// are with the server, on a second channel. Its waits are then for replies
+// to requests sent one copy earlier, which have usually come: where the
+// cores are all copying, the server's worker gets one only now and then,
+// and a thread that waited for each reply would idle (or spin) that long.
+// With no second channel free, each request is waited for in turn. A
+// thread left without a sub-batch of its own copies blocks of the others'
+// (share_copies), so the threads of a batch end together.
+void PoolTier::put_stream(const PutBatch& b, Parts<PutPart>* parts) {
+  auto copy_one = [&](PutPart* p, size_t k) { copy_placed(b, p->placed[k]); };
+  PutPart* cur = parts->claim();
+  if (cur) {
+    Held x = hold();          // reserves (and commits when there is no y)
+    Held y;                   // commits
+    PutPart* last = nullptr;  // its commit in flight on y
+    cur->sent = post_reserve(x.slot(), b, *cur, false);
+    while (true) {
+      take_reserve(x.slot(), b, cur);
+      cur->share(cur->placed.size());
+      PutPart* ahead = parts->claim();
+      if (ahead && !y.slot() && x.slot()) y = try_hold(0, x.slot());
+      const bool early = ahead && y.slot();
+      if (early) ahead->sent = post_reserve(x.slot(), b, *ahead, parts->ahead);
+      copy_own(cur, copy_one);
+      if (last) {
+        take_commit(y.slot(), b, last);
+        last = nullptr;
       }
-      Channel& ch = held.slot()->ch;
-      for (uint32_t k = 0; k < m; ++k) {
-        const size_t i = k;
-        pool::ReserveItem item{};
-        std::memcpy(item.id, ids[i].bytes.data(), 16);
-        item.size = sizes[i];
-        item.flags = options.is_prefix ? pool::kPrefix : 0;
-        std::memcpy(ch.request + sizeof(RequestHeader) + k * sizeof item, &item, sizeof item);
+      Slot* on = early ? y.slot() : x.slot();
+      cur->sent = post_commit(on, b, cur, early && parts->ahead);
+      if (early) {
+        last = cur;
+      } else if (ahead) {
+        take_commit(on, b, cur);
+        ahead->sent = post_reserve(x.slot(), b, *ahead, false);
+      } else {
+        // The last commit: the other threads' copies meanwhile, without
+        // waiting for any (this thread holds channels).
+        share_copies(parts, copy_one, false);
+        take_commit(on, b, cur);
+        break;
       }
-      ReplyHeader reply;
-      Status st =
-          call(held.slot(), Op::kReserve, m, sizeof(pool::ReserveItem), &reply, timeout_us_);
-      for (uint32_t k = 0; k < m && !st.ok(); ++k) statuses[k] = st;
-      if (!st.ok()) return;
-      for (uint32_t k = 0; k < m; ++k) {
-        const size_t i = k;
-        pool::ReserveReply r;
-        std::memcpy(&r, ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
-        if (r.code != 0) {
-          statuses[i] = wire_status(r.code, "the pool has no room for block " + ids[i].hex());
-        } else if (r.flags & pool::kPresent) {
-          statuses[i] = Status::OK();
-        } else if (r.offset > capacity_ || sizes[i] > capacity_ - r.offset) {
-          statuses[i] = Status::Unavailable("the pool server reserved a range outside its arena");
-        } else {
-          if (sizes[i] && !data[i]) {
-            statuses[i] = Status::InvalidArgument("data is null");
-          }
-          todo.push_back(Todo{i, r.offset, r.token});
-        }
-      }
+      cur = ahead;
     }
-    // The copies run with no channel held.
-    auto copy = [&](size_t k) {
-      const Todo& t = todo[k];
-      if (!statuses[t.i].ok() || sizes[t.i] == 0) return;
-      statuses[t.i] = copy_in(base_ + t.offset, data[t.i], sizes[t.i], options);
-    };
-    if (parallel && pool_ && todo.size() > 1) pool_->parallel_for(todo.size(), copy);
-    else
-      for (size_t k = 0; k < todo.size(); ++k) copy(k);
-    std::vector<size_t> commit, abort;
-    for (size_t k = 0; k < todo.size(); ++k)
-      (statuses[todo[k].i].ok() ? commit : abort).push_back(k);
-    for (int pass = 0; pass < 2; ++pass) {
-      const std::vector<size_t>& which = pass == 0 ? commit : abort;
-      if (which.empty()) continue;
-      Held held = hold();
-      Status st = held.slot() ? Status::OK()
-                              : Status::Unavailable("every channel to the pool server failed");
-      if (st.ok()) {
-        Channel& ch = held.slot()->ch;
-        for (size_t k = 0; k < which.size(); ++k) {
-          pool::TokenItem t{todo[which[k]].token};
-          std::memcpy(ch.request + sizeof(RequestHeader) + k * sizeof t, &t, sizeof t);
-        }
-        ReplyHeader reply;
-        st =
-            call(held.slot(), pass == 0 ? Op::kCommit : Op::kAbort,
-                 static_cast<uint32_t>(which.size()), sizeof(pool::TokenItem), &reply, timeout_us_);
-        if (st.ok() && pass == 0) {
-          for (size_t k = 0; k < which.size(); ++k) {
-            pool::CodeReply r;
-            std::memcpy(&r, ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
-            const size_t i = todo[which[k]].i;
-            statuses[i] = wire_status(r.code, "the pool could not store block " + ids[i].hex());
-            if (r.code == 0) counters_.stored(options, sizes[i]);
-          }
-        }
-      }
-      if (!st.ok() && pass == 0)
-        for (size_t k : which) statuses[todo[k].i] = st;
+  }
+  share_copies(parts, copy_one, true);
+}
+
+Status PoolTier::post_reserve(Slot* slot, const PutBatch& b, const PutPart& part, bool ahead) {
+  if (!slot) return Status::Unavailable("every channel to the pool server failed");
+  for (size_t k = 0; k < part.count; ++k) {
+    const size_t i = part.begin + k;
+    pool::ReserveItem item{};
+    std::memcpy(item.id, b.ids[i].bytes.data(), 16);
+    item.size = b.sizes[i];
+    item.flags = b.options.is_prefix ? pool::kPrefix : 0;
+    std::memcpy(slot->ch.request + sizeof(RequestHeader) + k * sizeof item, &item, sizeof item);
+  }
+  return post(slot, Op::kReserve, static_cast<uint32_t>(part.count), sizeof(pool::ReserveItem),
+              ahead ? pool::kAhead : 0);
+}
+
+void PoolTier::take_reserve(Slot* slot, const PutBatch& b, PutPart* part) {
+  part->placed.clear();
+  ReplyHeader reply;
+  const Status st = take_reply(slot, part->sent, &reply);
+  for (size_t k = 0; k < part->count; ++k) {
+    const size_t i = part->begin + k;
+    if (!st.ok()) {
+      b.statuses[i] = st;
+      continue;
     }
+    pool::ReserveReply r;
+    std::memcpy(&r, slot->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
+    if (r.code != 0) {
+      b.statuses[i] = wire_status(r.code, "the pool has no room for block " + b.ids[i].hex());
+    } else if (r.flags & pool::kPresent) {
+      b.statuses[i] = Status::OK();
+    } else if (r.offset > capacity_ || b.sizes[i] > capacity_ - r.offset) {
+      b.statuses[i] = Status::Unavailable("the pool server reserved a range outside its arena");
+    } else {
+      b.statuses[i] =
+          b.sizes[i] && !b.data[i] ? Status::InvalidArgument("data is null") : Status::OK();
+      part->placed.push_back(Placed{i, r.offset, r.token});
+    }
+  }
+}
+
+void PoolTier::copy_placed(const PutBatch& b, const Placed& t) {
+  if (!b.statuses[t.i].ok() || b.sizes[t.i] == 0) return;
+  b.statuses[t.i] = copy_in(base_ + t.offset, b.data[t.i], b.sizes[t.i], b.options);
+}
+
+void PoolTier::copy_part(const PutBatch& b, PutPart* part, bool parallel) {
+  auto copy = [&](size_t k) { copy_placed(b, part->placed[k]); };
+  const size_t m = part->placed.size();
+  if (parallel && pool_ && m > 1) pool_->parallel_for(m, copy);
+  else
+    for (size_t k = 0; k < m; ++k) copy(k);
+}
+
+// Aborts the reservations whose copies failed (waiting for that reply), then
+// sends the commit of the others.
+Status PoolTier::post_commit(Slot* slot, const PutBatch& b, PutPart* part, bool ahead) {
+  part->committing.clear();
+  std::vector<size_t> failed;
+  for (size_t k = 0; k < part->placed.size(); ++k)
+    (b.statuses[part->placed[k].i].ok() ? part->committing : failed).push_back(k);
+  if (!slot) return Status::Unavailable("every channel to the pool server failed");
+  if (!failed.empty()) {
+    for (size_t j = 0; j < failed.size(); ++j) {
+      pool::TokenItem t{part->placed[failed[j]].token};
+      std::memcpy(slot->ch.request + sizeof(RequestHeader) + j * sizeof t, &t, sizeof t);
+    }
+    ReplyHeader reply;
+    (void)call(slot, Op::kAbort, static_cast<uint32_t>(failed.size()), sizeof(pool::TokenItem),
+               &reply, timeout_us_);
+  }
+  if (part->committing.empty()) return Status::OK();
+  for (size_t j = 0; j < part->committing.size(); ++j) {
+    pool::TokenItem t{part->placed[part->committing[j]].token};
+    std::memcpy(slot->ch.request + sizeof(RequestHeader) + j * sizeof t, &t, sizeof t);
+  }
+  return post(slot, Op::kCommit, static_cast<uint32_t>(part->committing.size()),
+              sizeof(pool::TokenItem), ahead ? pool::kAhead : 0);
+}
+
+void PoolTier::take_commit(Slot* slot, const PutBatch& b, PutPart* part) {
+  if (part->committing.empty()) return;
+  ReplyHeader reply;
+  const Status st = take_reply(slot, part->sent, &reply);
+  for (size_t j = 0; j < part->committing.size(); ++j) {
+    const size_t i = part->placed[part->committing[j]].i;
+    if (!st.ok()) {
+      b.statuses[i] = st;
+      continue;
+    }
+    pool::CodeReply r;
+    std::memcpy(&r, slot->ch.reply + sizeof(ReplyHeader) + j * sizeof r, sizeof r);
+    b.statuses[i] = wire_status(r.code, "the pool could not store block " + b.ids[i].hex());
+    if (r.code == 0) counters_.stored(b.options, b.sizes[i]);
   }
 }
 
@@ -501,6 +665,21 @@ void PoolTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequ
   std::vector<uint64_t> sizes(n, 0);  // what the sub-batch choice needs: the requests' sizes
   for (size_t i = 0; i < n; ++i) sizes[i] = reqs[i].capacity;
   const size_t sub = sub_batch(sizes);
+  const bool host = std::all_of(reqs.begin(), reqs.end(), [](const ReadRequest& r) {
+    return r.out_kind == MemoryKind::kHost;
+  });
+  if (sub && host) {
+    // As put_batch: the I/O threads take sub-batches in turn, each thread
+    // leasing its next while it copies one (read_stream).
+    const ReadBatch b{ids, reqs, results, statuses};
+    Parts<ReadPart> parts(n, sub);
+    uint64_t bytes = 0;
+    for (uint64_t size : sizes) bytes += size;
+    parts.ahead = bytes / parts.count >= kSubBatchBytes;
+    pool_->parallel_for(std::min<size_t>(parts.count, pool_->size()),
+                        [&](size_t) { read_stream(b, &parts); });
+    return;
+  }
   if (sub) {
     pool_->parallel_for((n + sub - 1) / sub, [&](size_t c) {
       const size_t b = c * sub, m = std::min(sub, n - b);
@@ -519,7 +698,23 @@ void PoolTier::read_chunk(std::span<const BlockId> ids, std::span<const ReadRequ
                           bool parallel) {
   if (std::all_of(reqs.begin(), reqs.end(),
                   [](const ReadRequest& r) { return r.out_kind == MemoryKind::kHost; })) {
-    read_leased(ids, reqs, results, statuses, parallel);
+    const ReadBatch b{ids, reqs, results, statuses};
+    for (size_t begin = 0; begin < ids.size(); begin += pool::kMaxItems) {
+      ReadPart part;
+      part.begin = begin;
+      part.count = std::min<size_t>(pool::kMaxItems, ids.size() - begin);
+      {
+        Held held = hold();
+        part.sent = post_lease_read(held.slot(), b, part, false);
+        take_lease_read(held.slot(), b, &part);
+      }
+      if (part.members) map_members(b, &part);
+      auto copy = [&](size_t k) { copy_leased(b, &part, k); };
+      if (parallel && pool_ && part.count > 1) pool_->parallel_for(part.count, copy);
+      else
+        for (size_t k = 0; k < part.count; ++k) copy(k);
+      release_leases(part.tokens);
+    }
     return;
   }
   std::vector<BlockView> views(ids.size());
@@ -543,57 +738,92 @@ void PoolTier::read_chunk(std::span<const BlockId> ids, std::span<const ReadRequ
   // views end here: their releases are queued
 }
 
-void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
-                           std::span<ReadResult> results, std::span<Status> statuses,
-                           bool parallel) {
-  struct Leased {
-    pool::LeaseReadReply lease{};                   // as the server answered
-    const uint8_t* data = nullptr;                  // where the block is in this process
-    std::shared_ptr<const ReadOnlyMapping> member;  // lease.arena != 0: its mapping
-  };
-  const size_t n = ids.size();
-  std::vector<Leased> got(n);
-  std::vector<uint64_t> tokens;  // every lease granted, released at the end
-  for (size_t begin = 0; begin < n; begin += pool::kMaxItems) {
-    const uint32_t m = static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, n - begin));
-    Held held = hold();
-    Status st = call_with_ids(held.slot(), Op::kLeaseRead, ids.subspan(begin, m));
-    for (uint32_t k = 0; k < m; ++k) {
-      const size_t i = begin + k;
-      results[i] = ReadResult{};
-      if (!st.ok()) {
-        statuses[i] = st;
-        continue;
+// One I/O thread's share of a read batch: while it copies one sub-batch,
+// the lease of its next is with the server. Releases are queued for the
+// releasing thread (this one holds a channel, and must not wait for another).
+// As in put_stream, a thread left without a sub-batch copies blocks of the
+// others'.
+void PoolTier::read_stream(const ReadBatch& b, Parts<ReadPart>* parts) {
+  auto copy_one = [&](ReadPart* p, size_t k) { copy_leased(b, p, k); };
+  ReadPart* cur = parts->claim();
+  if (cur) {
+    Held x = hold();
+    cur->sent = post_lease_read(x.slot(), b, *cur, false);
+    while (true) {
+      take_lease_read(x.slot(), b, cur);
+      if (cur->members) {
+        // Mapping a member's arena asks the server on a channel of its own.
+        x.reset();
+        map_members(b, cur);
+        x = hold();
       }
-      pool::LeaseReadReply r;
-      std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
-      if (r.code != 0) {
-        statuses[i] = wire_status(r.code, "block " + ids[i].hex() + " is not in the pool");
-        if (r.code == static_cast<uint32_t>(Code::kNotFound)) TierCounters::add(counters_.misses);
-        continue;
-      }
-      tokens.push_back(r.token);
-      Leased& g = got[i];
-      g.lease = r;
-      if (r.arena == 0 && (r.offset > capacity_ || r.size > capacity_ - r.offset)) {
-        statuses[i] = Status::Unavailable("the pool server leased a range outside its arena");
-        continue;
-      }
-      if (r.arena == 0) g.data = base_ + r.offset;  // a member's: placed below
-      statuses[i] = Status::OK();
+      cur->share(cur->count);
+      ReadPart* ahead = parts->claim();
+      if (ahead) ahead->sent = post_lease_read(x.slot(), b, *ahead, parts->ahead);
+      copy_own(cur, copy_one);
+      queue_releases(cur->tokens);
+      if (!ahead) break;
+      cur = ahead;
     }
   }
-  // Blocks in a member's arena: its mapping, made outside the channels.
-  for (size_t i = 0; i < n; ++i) {
-    Leased& g = got[i];
-    if (!statuses[i].ok() || g.lease.arena == 0) continue;
+  share_copies(parts, copy_one, true);
+}
+
+Status PoolTier::post_lease_read(Slot* slot, const ReadBatch& b, const ReadPart& part, bool ahead) {
+  if (!slot) return Status::Unavailable("every channel to the pool server failed");
+  for (size_t k = 0; k < part.count; ++k)
+    std::memcpy(slot->ch.request + sizeof(RequestHeader) + k * 16,
+                b.ids[part.begin + k].bytes.data(), 16);
+  return post(slot, Op::kLeaseRead, static_cast<uint32_t>(part.count), sizeof(pool::BlockIdItem),
+              ahead ? pool::kAhead : 0);
+}
+
+void PoolTier::take_lease_read(Slot* slot, const ReadBatch& b, ReadPart* part) {
+  part->got.assign(part->count, Leased{});
+  part->tokens.clear();
+  part->members = false;
+  ReplyHeader reply;
+  const Status st = take_reply(slot, part->sent, &reply);
+  for (size_t k = 0; k < part->count; ++k) {
+    const size_t i = part->begin + k;
+    b.results[i] = ReadResult{};
+    if (!st.ok()) {
+      b.statuses[i] = st;
+      continue;
+    }
+    pool::LeaseReadReply r;
+    std::memcpy(&r, slot->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
+    if (r.code != 0) {
+      b.statuses[i] = wire_status(r.code, "block " + b.ids[i].hex() + " is not in the pool");
+      if (r.code == static_cast<uint32_t>(Code::kNotFound)) TierCounters::add(counters_.misses);
+      continue;
+    }
+    part->tokens.push_back(r.token);
+    Leased& g = part->got[k];
+    g.lease = r;
+    if (r.arena == 0 && (r.offset > capacity_ || r.size > capacity_ - r.offset)) {
+      b.statuses[i] = Status::Unavailable("the pool server leased a range outside its arena");
+      continue;
+    }
+    if (r.arena == 0) g.data = base_ + r.offset;  // a member's: placed by map_members
+    else part->members = true;
+    b.statuses[i] = Status::OK();
+  }
+}
+
+// Blocks in a member's arena: its mapping, made outside the channels.
+void PoolTier::map_members(const ReadBatch& b, ReadPart* part) {
+  for (size_t k = 0; k < part->count; ++k) {
+    const size_t i = part->begin + k;
+    Leased& g = part->got[k];
+    if (!b.statuses[i].ok() || g.lease.arena == 0) continue;
     auto member = member_arena(g.lease.arena);
     if (!member.ok() || g.lease.offset > (*member)->size() ||
         g.lease.size > (*member)->size() - g.lease.offset) {
       const std::string why =
           member.ok() ? std::string("the lease lies outside it") : member.status().message();
-      statuses[i] =
-          Status::NotFound("block " + ids[i].hex() +
+      b.statuses[i] =
+          Status::NotFound("block " + b.ids[i].hex() +
                            ": the arena of the member holding it cannot be read (" + why + ")");
       TierCounters::add(counters_.misses);
       continue;
@@ -601,53 +831,51 @@ void PoolTier::read_leased(std::span<const BlockId> ids, std::span<const ReadReq
     g.member = std::move(member.value());
     g.data = g.member->data() + g.lease.offset;
   }
-  auto copy = [&](size_t i) {
-    if (!statuses[i].ok()) return;
-    const Leased& g = got[i];
-    results[i].block_size = g.lease.size;
-    uint64_t from = 0, count = 0;
-    Status st = reqs[i].span(g.lease.size, &from, &count);
-    if (st.ok() && g.lease.arena == 0 && count)
-      st = copy_out(reqs[i].out, g.data + from, count, reqs[i]);
-    if (st.ok() && g.lease.arena != 0) {
-      auto* out = static_cast<uint8_t*>(reqs[i].out);
-      // A member's block: its checksum computed over the bytes copied (the
-      // whole block, whatever range is asked), and the lease still held at
-      // the end. For part of a block the whole block is copied aside and
-      // checked, and the part handed out from that copy: bytes read from
-      // the arena twice might differ between the reads.
-      uint64_t sum = 0;
-      if (g.lease.checksum == 0) {
-        if (count) copy_bytes(out, g.data + from, count);
-      } else if (from == 0 && count == g.lease.size) {
-        sum = checksum_of_copy(out, g.data, g.lease.size, pool_, parallel_threshold_);
-      } else {
-        std::unique_ptr<uint8_t[]> whole(new uint8_t[g.lease.size]);
-        sum = checksum_of_copy(whole.get(), g.data, g.lease.size, pool_, parallel_threshold_);
-        if (count) copy_bytes(out, whole.get() + from, count);
-      }
-      const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                              std::chrono::steady_clock::now().time_since_epoch())
-                              .count();
-      if (sum != g.lease.checksum) {
-        st = Status::NotFound("block " + ids[i].hex() + " failed its checksum in a member's arena");
-        TierCounters::add(counters_.misses);
-      } else if (now > g.lease.valid_until_ns) {
-        st = Status::NotFound("block " + ids[i].hex() + ": its lease ended before its copy did");
-        TierCounters::add(counters_.misses);
-      }
+}
+
+void PoolTier::copy_leased(const ReadBatch& b, ReadPart* part, size_t k) {
+  const size_t i = part->begin + k;
+  if (!b.statuses[i].ok()) return;
+  const Leased& g = part->got[k];
+  const ReadRequest& req = b.reqs[i];
+  b.results[i].block_size = g.lease.size;
+  uint64_t from = 0, count = 0;
+  Status st = req.span(g.lease.size, &from, &count);
+  if (st.ok() && g.lease.arena == 0 && count) st = copy_out(req.out, g.data + from, count, req);
+  if (st.ok() && g.lease.arena != 0) {
+    auto* out = static_cast<uint8_t*>(req.out);
+    // A member's block: its checksum computed over the bytes copied (the
+    // whole block, whatever range is asked), and the lease still held at
+    // the end. For part of a block the whole block is copied aside and
+    // checked, and the part handed out from that copy: bytes read from
+    // the arena twice might differ between the reads.
+    uint64_t sum = 0;
+    if (g.lease.checksum == 0) {
+      if (count) copy_bytes(out, g.data + from, count);
+    } else if (from == 0 && count == g.lease.size) {
+      sum = checksum_of_copy(out, g.data, g.lease.size, pool_, parallel_threshold_);
+    } else {
+      std::unique_ptr<uint8_t[]> whole(new uint8_t[g.lease.size]);
+      sum = checksum_of_copy(whole.get(), g.data, g.lease.size, pool_, parallel_threshold_);
+      if (count) copy_bytes(out, whole.get() + from, count);
     }
-    if (st.ok()) {
-      results[i].copied = count;
-      TierCounters::add(counters_.hits);
-      TierCounters::add(counters_.bytes_read, count);
+    const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now().time_since_epoch())
+                            .count();
+    if (sum != g.lease.checksum) {
+      st = Status::NotFound("block " + b.ids[i].hex() + " failed its checksum in a member's arena");
+      TierCounters::add(counters_.misses);
+    } else if (now > g.lease.valid_until_ns) {
+      st = Status::NotFound("block " + b.ids[i].hex() + ": its lease ended before its copy did");
+      TierCounters::add(counters_.misses);
     }
-    statuses[i] = st;
-  };
-  if (parallel && pool_ && n > 1) pool_->parallel_for(n, copy);
-  else
-    for (size_t i = 0; i < n; ++i) copy(i);
-  release_leases(tokens);
+  }
+  if (st.ok()) {
+    b.results[i].copied = count;
+    TierCounters::add(counters_.hits);
+    TierCounters::add(counters_.bytes_read, count);
+  }
+  b.statuses[i] = st;
 }
 
 Result<std::shared_ptr<const ReadOnlyMapping>> PoolTier::member_arena(uint32_t index) {
@@ -810,13 +1038,28 @@ void PoolTier::release_lease(uint64_t token) { release_leases({&token, 1}); }
 void PoolTier::release_leases(std::span<const uint64_t> tokens) {
   if (tokens.empty()) return;
   std::vector<uint64_t> now;
+  bool first;
   {
     std::lock_guard<std::mutex> lock(release_mu_);
+    first = release_queue_.empty();
     release_queue_.insert(release_queue_.end(), tokens.begin(), tokens.end());
     if (release_queue_.size() >= kReleaseBatch) now.swap(release_queue_);
   }
   if (!now.empty()) send_releases(std::move(now));
-  else release_cv_.notify_one();
+  else if (first) release_cv_.notify_one();
+}
+
+void PoolTier::queue_releases(std::span<const uint64_t> tokens) {
+  if (tokens.empty()) return;
+  bool wake;
+  {
+    std::lock_guard<std::mutex> lock(release_mu_);
+    const size_t before = release_queue_.size();
+    release_queue_.insert(release_queue_.end(), tokens.begin(), tokens.end());
+    // The releasing thread waits for a first release, then for a full batch.
+    wake = before == 0 || (before < kReleaseBatch && release_queue_.size() >= kReleaseBatch);
+  }
+  if (wake) release_cv_.notify_one();
 }
 
 void PoolTier::release_queued() {
@@ -837,7 +1080,9 @@ void PoolTier::send_releases(std::vector<uint64_t> tokens) {
     std::memcpy(held.slot()->ch.request + sizeof(RequestHeader), tokens.data() + begin,
                 m * sizeof(uint64_t));
     ReplyHeader reply;
-    if (!call(held.slot(), Op::kRelease, m, sizeof(pool::TokenItem), &reply, timeout_us_).ok())
+    if (!call(held.slot(), Op::kRelease, m, sizeof(pool::TokenItem), &reply, timeout_us_,
+              pool::kAhead)
+             .ok())
       return;
   }
 }
@@ -865,7 +1110,8 @@ void PoolTier::release_loop() {
     if (!stopping_ && release_queue_.empty()) continue;
     if (!stopping_) {
       // Gather what a burst of reads releases into one request.
-      release_cv_.wait_for(lock, std::chrono::microseconds(500), [&] { return stopping_; });
+      release_cv_.wait_for(lock, std::chrono::microseconds(500),
+                           [&] { return stopping_ || release_queue_.size() >= kReleaseBatch; });
     }
     std::vector<uint64_t> now;
     now.swap(release_queue_);

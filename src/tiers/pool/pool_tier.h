@@ -9,6 +9,11 @@
 //   put_batch:  reserve (1 request) -> copy every block in -> commit (1)
 //   read_batch: lease (1) -> copy every hit out -> release (batched later)
 //   acquire:    lease (1) -> a BlockView on the arena; release when it ends
+// A batch of many small blocks is cut into parts that the I/O threads take
+// in turn; each thread sends the reserve (or lease) of its next part, and
+// the commit of its last, while it copies one, so that its waits are for
+// replies that have usually come already, and a thread left without a part
+// copies blocks of the others' so that all end together.
 // Reads into host memory lease with kLeaseRead: when the server is a member
 // of a cluster and a block is held by a member on this host, the server
 // leases it there and the client copies it from that member's arena, which
@@ -25,11 +30,13 @@
 // dies or stops answering turns every call into Unavailable; the mapped
 // arena stays valid for views already held.
 //
-// Thread-safety: all methods are thread-safe; a call takes one free channel.
+// Thread-safety: all methods are thread-safe; a call takes one free channel
+// (a batch's I/O threads up to two each, the second only when one is free).
 // Ownership: views must not outlive the tier.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -101,37 +108,142 @@ class PoolTier final : public Tier {
   PoolTier(const CascadeConfig& config, ThreadPool* pool);
   Status connect(const CascadeConfig& config);
 
-  // A channel held by the caller for one request.
+  // A channel held by the caller for one request (or, in a batch's
+  // pipeline, for a request in flight).
   struct Slot;
   class Held;
+  // A free channel, waiting for one when all are taken. A thread that holds
+  // a channel must not wait for another: it asks try_hold().
   Held hold() const;
-  // Sends the request written in the slot's request area (a header and
-  // `count` items of item_bytes) and waits for the reply header. Unavailable
-  // when the server is gone or does not answer within timeout_us (the
-  // channel is not used again).
+  // A free channel, the first from `start` on; none when all are taken.
+  // `mine`, a channel the caller holds already, is passed over.
+  Held try_hold(uint32_t start = 0, const Slot* mine = nullptr) const;
+  // Sends the request written in the slot's request area (a header with
+  // `flags` and `count` items of item_bytes); await_reply() then waits for
+  // the reply header. Unavailable when the server is gone or does not
+  // answer within timeout_us (the channel is not used again). call() does
+  // both.
+  Status post(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, uint32_t flags = 0) const;
+  Status await_reply(Slot* slot, pool::ReplyHeader* reply, int64_t timeout_us) const;
   Status call(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, pool::ReplyHeader* reply,
-              int64_t timeout_us) const;
+              int64_t timeout_us, uint32_t flags = 0) const;
   // Sends op with ids as its items on slot's channel (at most kMaxItems);
   // Unavailable for no slot. The reply items are in the channel's reply area.
   Status call_with_ids(Slot* slot, Op op, std::span<const BlockId> ids) const;
   // Queues releases: sent with the next batch (at once when kReleaseBatch
   // are queued, else by the releasing thread shortly after).
   void release_leases(std::span<const uint64_t> tokens);
+  // Queues releases for the releasing thread alone (the caller may hold a
+  // channel): it sends them when kReleaseBatch are queued, or shortly after.
+  void queue_releases(std::span<const uint64_t> tokens);
   void send_releases(std::vector<uint64_t> tokens);
   void release_loop();
   void map_arena();
   size_t sub_batch(std::span<const uint64_t> sizes) const;
-  void put_chunk(std::span<const BlockId> ids, std::span<const void* const> data,
-                 std::span<const uint64_t> sizes, const PutOptions& options,
-                 std::span<Status> statuses, bool parallel);
+
+  // The copies of a part of a batch, shared by the batch's threads: once
+  // its owner has the part's reserve or lease (share()), any thread takes
+  // its copies in turn, and the owner waits until all are done before it
+  // commits or releases.
+  struct SharedCopies {
+    size_t items = 0;  // set before `ready`
+    std::atomic<bool> ready{false};
+    std::atomic<size_t> next{0}, done{0};
+    void share(size_t n) {
+      items = n;
+      ready.store(true, std::memory_order_release);
+    }
+  };
+  // A batch's parts of `sub` items, which its threads claim in turn.
+  template <typename Part>
+  struct Parts {
+    Parts(size_t n, size_t sub) : count((n + sub - 1) / sub), at(new Part[count]) {
+      for (size_t c = 0; c < count; ++c) {
+        at[c].begin = c * sub;
+        at[c].count = std::min(sub, n - c * sub);
+      }
+    }
+    Part* claim() {
+      const size_t c = claimed.fetch_add(1, std::memory_order_relaxed);
+      return c < count ? &at[c] : nullptr;
+    }
+    const size_t count;
+    std::unique_ptr<Part[]> at;
+    std::atomic<size_t> claimed{0};
+    // The parts' copies are long enough to cover a round trip to the
+    // server: requests sent before a copy go as pool::kAhead.
+    bool ahead = false;
+  };
+  // The reply to a part's request in flight, or `sent` when that request
+  // did not go out.
+  Status take_reply(Slot* slot, const Status& sent, pool::ReplyHeader* reply) const;
+  template <typename Part, typename CopyOne>
+  static void take_copies(Part* p, CopyOne& copy_one);
+  template <typename Part, typename CopyOne>
+  static void copy_own(Part* p, CopyOne& copy_one);
+  template <typename Part, typename CopyOne>
+  static void share_copies(Parts<Part>* parts, CopyOne& copy_one, bool wait);
+
+  // A put batch, and a part of it (at most kMaxItems items) on its way:
+  // reserved, copied, committed.
+  struct PutBatch {
+    std::span<const BlockId> ids;
+    std::span<const void* const> data;
+    std::span<const uint64_t> sizes;
+    const PutOptions& options;
+    std::span<Status> statuses;
+  };
+  struct Placed {
+    size_t i;  // the item of the batch
+    uint64_t offset, token;
+  };
+  struct PutPart : SharedCopies {
+    size_t begin = 0, count = 0;     // items [begin, begin + count) of the batch
+    Status sent;                     // of the request in flight
+    std::vector<Placed> placed;      // reserved: to copy and commit
+    std::vector<size_t> committing;  // indexes into placed, in the commit sent
+  };
+  void put_stream(const PutBatch& b, Parts<PutPart>* parts);
+  // The requests of a part; `ahead`: sent before the caller waits for them
+  // (pool::kAhead).
+  Status post_reserve(Slot* slot, const PutBatch& b, const PutPart& part, bool ahead);
+  void take_reserve(Slot* slot, const PutBatch& b, PutPart* part);
+  void copy_placed(const PutBatch& b, const Placed& t);
+  void copy_part(const PutBatch& b, PutPart* part, bool parallel);
+  Status post_commit(Slot* slot, const PutBatch& b, PutPart* part, bool ahead);
+  void take_commit(Slot* slot, const PutBatch& b, PutPart* part);
+
   void read_chunk(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                   std::span<ReadResult> results, std::span<Status> statuses, bool parallel);
   Status copy_in(uint8_t* dst, const void* src, uint64_t n, const PutOptions& options);
   Status copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req);
+
   // Reads of host destinations: leases where a block may also be in a
-  // cluster member's arena of this host (kLeaseRead), copies, releases.
-  void read_leased(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
-                   std::span<ReadResult> results, std::span<Status> statuses, bool parallel);
+  // cluster member's arena of this host (kLeaseRead), copies, releases. A
+  // read batch, and a part of it (at most kMaxItems items) on its way.
+  struct ReadBatch {
+    std::span<const BlockId> ids;
+    std::span<const ReadRequest> reqs;
+    std::span<ReadResult> results;
+    std::span<Status> statuses;
+  };
+  struct Leased {
+    pool::LeaseReadReply lease{};                   // as the server answered
+    const uint8_t* data = nullptr;                  // where the block is in this process
+    std::shared_ptr<const ReadOnlyMapping> member;  // lease.arena != 0: its mapping
+  };
+  struct ReadPart : SharedCopies {
+    size_t begin = 0, count = 0;   // items [begin, begin + count) of the batch
+    Status sent;                   // of the lease request in flight
+    std::vector<Leased> got;       // per item
+    std::vector<uint64_t> tokens;  // every lease granted, to release
+    bool members = false;          // some block is in a member's arena
+  };
+  void read_stream(const ReadBatch& b, Parts<ReadPart>* parts);
+  Status post_lease_read(Slot* slot, const ReadBatch& b, const ReadPart& part, bool ahead);
+  void take_lease_read(Slot* slot, const ReadBatch& b, ReadPart* part);
+  void map_members(const ReadBatch& b, ReadPart* part);
+  void copy_leased(const ReadBatch& b, ReadPart* part, size_t k);
   // The member arena the server numbered `index`, mapped read-only here.
   Result<std::shared_ptr<const ReadOnlyMapping>> member_arena(uint32_t index);
   // Drops the mappings of member arenas the server no longer maps.
@@ -160,10 +272,18 @@ class PoolTier final : public Tier {
     std::mutex mu;  // held for one request
     pool::Channel ch;
     uint32_t seq = 0;
+    Op op = Op::kPing;                             // of the request last posted
+    uint32_t count = 0;                            // its items
+    uint32_t flags = 0;                            // its RequestHeader::flags
+    std::chrono::steady_clock::time_point posted;  // when it was posted
     bool broken = false;
   };
   mutable std::unique_ptr<Slot[]> slots_;
   mutable std::atomic<bool> server_gone_{false};
+  // A request went unanswered past its deadline: the server is taken as
+  // gone (a stalled server would otherwise cost every request in flight,
+  // and every later one, a deadline each).
+  mutable std::atomic<bool> server_stalled_{false};
 
   std::mutex release_mu_;
   std::condition_variable release_cv_;

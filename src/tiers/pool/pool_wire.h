@@ -119,9 +119,15 @@ enum class Op : uint32_t {
 struct RequestHeader {
   uint32_t op;
   uint32_t count;
-  uint32_t flags;
+  uint32_t flags;  // kAhead
   uint32_t reserved;
 };
+// RequestHeader::flags. kAhead: the client does not wait for this reply
+// now, and sends its next request on the channel's thread only after a copy
+// (a request sent ahead in a batch's pipeline, or a release): the worker
+// that answers it does not spin for a next request. A hint; a server that
+// does not know it answers the same.
+inline constexpr uint32_t kAhead = 1;
 struct ReplyHeader {
   uint32_t code;  // OK: count items follow; otherwise message_bytes of text
   uint32_t count;
