@@ -11,26 +11,18 @@
 namespace cascade {
 namespace {
 
-constexpr size_t kPiece = 128u << 10;
-
 // How a chunk's copy and hash go together.
-enum class Pass { kHashOnly, kHashThenCopy, kCopyThenHash };
+enum class Pass { kHashOnly, kCopy };
+
+void hash_piece(void* state, const void* piece, size_t bytes) {
+  xxh3::update(static_cast<xxh3::State*>(state), piece, bytes);
+}
 
 uint64_t chunk_digest(void* dst, const uint8_t* src, size_t n, uint64_t index, Pass pass) {
   if (pass == Pass::kHashOnly) return xxh3::hash(src, n, index);
   xxh3::State state;
   xxh3::reset(&state, index);
-  auto* d = static_cast<uint8_t*>(dst);
-  for (size_t off = 0; off < n; off += kPiece) {
-    size_t len = std::min(kPiece, n - off);
-    if (pass == Pass::kHashThenCopy) {
-      xxh3::update(&state, src + off, len);
-      copy_bytes(d + off, src + off, len);
-    } else {
-      std::memcpy(d + off, src + off, len);
-      xxh3::update(&state, d + off, len);
-    }
-  }
+  copy_bytes_through(dst, src, n, hash_piece, &state);
   return xxh3::digest(&state);
 }
 
@@ -61,12 +53,7 @@ uint64_t block_checksum(const void* data, size_t n, ThreadPool* pool, size_t par
 
 uint64_t copy_with_checksum(void* dst, const void* src, size_t n, ThreadPool* pool,
                             size_t parallel_threshold) {
-  return checksum_impl(dst, src, n, pool, parallel_threshold, Pass::kHashThenCopy);
-}
-
-uint64_t checksum_of_copy(void* dst, const void* src, size_t n, ThreadPool* pool,
-                          size_t parallel_threshold) {
-  return checksum_impl(dst, src, n, pool, parallel_threshold, Pass::kCopyThenHash);
+  return checksum_impl(dst, src, n, pool, parallel_threshold, Pass::kCopy);
 }
 
 }  // namespace cascade

@@ -2,9 +2,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <random>
+#include <thread>
 #include <vector>
 
+#include "util/copy_bytes.h"
 #include "util/thread_pool.h"
 
 namespace cascade {
@@ -27,11 +31,47 @@ TEST(BlockChecksum, SameWithAndWithoutThreadsAndCopy) {
     EXPECT_EQ(copy_with_checksum(dst.data() + 1, src.data(), n, &pool, 0), serial) << n;
     EXPECT_TRUE(std::equal(src.begin(), src.end(), dst.begin() + 1)) << n;
     EXPECT_EQ(copy_with_checksum(dst.data(), src.data(), n), serial) << n;
-    std::vector<uint8_t> again(n + 3, 0xee);
-    EXPECT_EQ(checksum_of_copy(again.data() + 3, src.data(), n, &pool, 0), serial) << n;
-    EXPECT_TRUE(std::equal(src.begin(), src.end(), again.begin() + 3)) << n;
-    EXPECT_EQ(checksum_of_copy(again.data(), src.data(), n), serial) << n;
   }
+}
+
+// Sizes around the pieces a copy goes in, from and to every alignment.
+TEST(BlockChecksum, CopiesOfAnySizeAndAlignmentMatchTheHash) {
+  const size_t piece = kThroughPiece;
+  for (size_t n : {piece - 1, piece, piece + 1, size_t{64} << 10, (size_t{64} << 10) + 5,
+                   3 * piece + 77, (size_t{1} << 20) + piece}) {
+    auto src = random_bytes(n + 64, static_cast<uint32_t>(n));
+    for (size_t from : {size_t{0}, size_t{3}, size_t{32}}) {
+      for (size_t to : {size_t{0}, size_t{16}, size_t{63}}) {
+        std::vector<uint8_t> dst(n + 64, 0xee);
+        EXPECT_EQ(copy_with_checksum(dst.data() + to, src.data() + from, n),
+                  block_checksum(src.data() + from, n))
+            << n << " " << from << " " << to;
+        EXPECT_TRUE(std::equal(src.begin() + from, src.begin() + from + n, dst.begin() + to));
+        EXPECT_EQ(dst[to + n], 0xee);  // nothing written past the end
+      }
+    }
+  }
+}
+
+// The checksum is of the bytes the copy holds, not of the source at some
+// other moment: with a writer changing the source throughout, every copy's
+// checksum matches its own bytes.
+TEST(BlockChecksum, TheChecksumIsOfTheBytesCopiedWhileTheSourceChanges) {
+  const size_t n = (size_t{2} << 20) + 100;
+  std::vector<uint8_t> src = random_bytes(n, 5);
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    std::mt19937 rng(7);
+    auto* bytes = reinterpret_cast<volatile uint8_t*>(src.data());
+    while (!stop.load(std::memory_order_relaxed)) bytes[rng() % n] = static_cast<uint8_t>(rng());
+  });
+  std::vector<uint8_t> dst(n);
+  for (int i = 0; i < 50; ++i) {
+    const uint64_t sum = copy_with_checksum(dst.data(), src.data(), n);
+    ASSERT_EQ(sum, block_checksum(dst.data(), n)) << i;
+  }
+  stop = true;
+  writer.join();
 }
 
 TEST(BlockChecksum, DetectsOneFlippedBitAndLength) {

@@ -20,4 +20,14 @@ void copy_bytes(void* dst, const void* src, size_t n);
 // true when copy_bytes uses streaming stores on this CPU (for reports).
 bool copy_bytes_streams();
 
+// Copies n bytes through a small buffer that stays in the core's L1 cache:
+// each piece (kThroughPiece bytes) is loaded from src into the buffer,
+// handed to see(ctx, piece, bytes), then written to dst (streaming stores
+// where copy_bytes uses them). `see` reads each piece from cache, so a hash
+// of it costs no pass over memory, and what `see` is handed is exactly what
+// dst gets, even when another process writes to src meanwhile.
+inline constexpr size_t kThroughPiece = 8 << 10;
+void copy_bytes_through(void* dst, const void* src, size_t n,
+                        void (*see)(void* ctx, const void* piece, size_t bytes), void* ctx);
+
 }  // namespace cascade

@@ -853,10 +853,10 @@ void PoolTier::copy_leased(const ReadBatch& b, ReadPart* part, size_t k) {
     if (g.lease.checksum == 0) {
       if (count) copy_bytes(out, g.data + from, count);
     } else if (from == 0 && count == g.lease.size) {
-      sum = checksum_of_copy(out, g.data, g.lease.size, pool_, parallel_threshold_);
+      sum = copy_with_checksum(out, g.data, g.lease.size, pool_, parallel_threshold_);
     } else {
       std::unique_ptr<uint8_t[]> whole(new uint8_t[g.lease.size]);
-      sum = checksum_of_copy(whole.get(), g.data, g.lease.size, pool_, parallel_threshold_);
+      sum = copy_with_checksum(whole.get(), g.data, g.lease.size, pool_, parallel_threshold_);
       if (count) copy_bytes(out, whole.get() + from, count);
     }
     const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
