@@ -222,6 +222,37 @@ def test_serve_shares_blocks_reports_and_writes_down_on_sigterm(tmp):
     assert srv2.wait(20) == 0, srv2.text()
 
 
+def test_a_host_only_server_keeps_its_blocks_across_sigterm_and_says_so(tmp):
+    """Without a persistent tier the arena itself is what a restart finds
+    (shm_persist, on by default in `cascade serve`): the close log says the
+    blocks stay, and a server started again serves them."""
+    d, shm, servers = tmp
+    store = {"pipeline": "host", "shm_path": shm, "shm_capacity_bytes": "64MiB"}
+    srv = Server(d, dict(store), {})
+    servers.append(srv)
+    srv.wait_ready()
+    data = blocks(3)
+    c = client(srv.socket, "m")
+    for k, v in data.items():
+        c.put(k, v)
+    c.close()
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.wait(20) == 0, srv.text()
+    log = srv.text()
+    assert "stay in it for the next start" in log and "dropped" not in log, log
+    srv2 = Server(d, dict(store), {}, name="again.yaml")
+    servers.append(srv2)
+    srv2.wait_ready()
+    c = client(srv2.socket, "m")
+    try:
+        for k, v in data.items():
+            out = np.zeros_like(v)
+            assert c.get(k, out) == (True, v.nbytes)
+            assert np.array_equal(out, v)
+    finally:
+        c.close()
+
+
 def wide_batches_until_error(sock: str, timeout_ms: int, keys: list[str]):
     """Puts and reads batches of 64 KiB blocks (wide enough that each I/O
     thread pipelines its steps) in a thread until a call fails; returns the

@@ -307,9 +307,11 @@ def _install_signals(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, on_signal)
 
 
-def _close(server, stats: Mapping[str, Any], ephemeral: bool) -> bool:
+def _close(server, stats: Mapping[str, Any], ephemeral: bool, arena_kept: bool = False) -> bool:
     """Closes the server from a thread (so the main thread still takes
-    signals), logging what the close writes down. True when it succeeded."""
+    signals), logging what the close writes down and what it keeps. True
+    when it succeeded. `arena_kept`: the host tier's arena outlives the
+    server (shm_persist), so its blocks are there for the next start."""
     tiers = stats["store"]["tiers"]
     memory = {n: t for n, t in tiers.items() if not t["persistent"]}
     persistent = [n for n, t in tiers.items() if t["persistent"]]
@@ -323,6 +325,14 @@ def _close(server, stats: Mapping[str, Any], ephemeral: bool) -> bool:
             held,
             persistent[0],
             tiers[persistent[0]]["blocks"],
+        )
+    elif arena_kept:
+        why = "the store is ephemeral" if persistent else "no persistent tier"
+        logger.info(
+            "closing: %s; the memory tiers hold %s, and the arena's blocks stay in it for the "
+            "next start (shm_persist)",
+            why,
+            held,
         )
     else:
         why = "the store is ephemeral" if persistent else "no persistent tier"
@@ -518,7 +528,7 @@ def run(
     if metrics:
         metrics.stop()
     serve_status.remove_info_file(socket_path)
-    ok = _close(server, final, cfg.ephemeral)
+    ok = _close(server, final, cfg.ephemeral, arena_kept=cfg.shm_persist)
     for sig in (signal.SIGTERM, signal.SIGINT):  # closed: nothing left to cut short
         signal.signal(sig, signal.SIG_IGN)
     return 0 if ok else 1
