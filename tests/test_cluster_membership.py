@@ -178,6 +178,39 @@ def test_etcd_restart_keeps_views_and_members_reregister(etcd, members, caplog):
     assert "sees itself alone" in text
 
 
+def test_the_watch_shows_joins_and_leaves_long_before_a_refresh(etcd, members):
+    """With the member list read every 30 s, members still see each other
+    join and leave within a second or two: the watch of the members' keys
+    reads the list on each change. It is made again after etcd restarts."""
+    a = members("a", refresh_seconds=30, lease_ttl=5)
+    assert a.start()
+    wait_for(lambda: a.state()["watching"], 5, "a watches")
+    b = members("b", refresh_seconds=30, lease_ttl=5)
+    assert b.start()
+    wait_for(lambda: ids_of(a) == ["a", "b"], 3, "a sees b join")
+    assert a.state()["watch_changes"] >= 1
+    b.close()
+    wait_for(lambda: ids_of(a) == ["a"], 3, "a sees b leave")
+    restarts = a.state()["watch_restarts"]
+    etcd.kill()
+    wait_for(lambda: not a.state()["watching"], 5, "the watch ends with etcd")
+    etcd.start()
+    wait_for(lambda: a.state()["watch_restarts"] > restarts, 10, "the watch is made again")
+    c = members("c", refresh_seconds=30, lease_ttl=5)
+    assert c.start()
+    wait_for(lambda: ids_of(a) == ["a", "c"], 3, "a sees c join after the restart")
+
+
+def test_without_the_watch_a_join_waits_for_the_refresh(members):
+    a = members("a", refresh_seconds=30, lease_ttl=5, watch=False)
+    assert a.start()
+    b = members("b", refresh_seconds=30, lease_ttl=5, watch=False)
+    assert b.start()
+    time.sleep(2)
+    assert ids_of(a) == ["a"] and not a.state()["watching"]
+    assert a.state()["watch_restarts"] == 0
+
+
 def test_lost_lease_is_registered_again(etcd, members, caplog):
     caplog.set_level(logging.INFO, logger="cascade.cluster")
     a, b = members("a"), members("b")

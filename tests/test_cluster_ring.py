@@ -127,7 +127,8 @@ def test_lookup_rate():
 def test_cluster_options():
     o = cluster_options({"endpoints": "http://127.0.0.1:2379"}, "/run/cascade/pool.sock")
     assert isinstance(o, ClusterOptions)
-    assert o.endpoints == ["http://127.0.0.1:2379"] and o.replicas == 1
+    assert o.endpoints == ["http://127.0.0.1:2379"] and o.replicas == 1 and o.watch
+    assert not cluster_options({"endpoints": "http://x:1", "watch": False}, "/s").watch
     assert (
         o.node_id
         and o.node_id
@@ -149,6 +150,7 @@ def test_cluster_options():
         {"endpoints": ["http://x:1"], "request_timeout_seconds": 20},
         {"endpoints": ["http://x:1"], "typo": 1},
         {"endpoints": ["http://x:1"], "grace_seconds": "long"},
+        {"endpoints": ["http://x:1"], "watch": "yes"},
     ):
         with pytest.raises(ValueError):
             cluster_options(bad, "/s")

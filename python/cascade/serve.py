@@ -404,6 +404,7 @@ def _join_cluster(server, copts, capacity_bytes: int):
         capacity_bytes=capacity_bytes,
         lease_ttl=copts.lease_ttl_seconds,
         refresh_seconds=copts.refresh_seconds,
+        watch=copts.watch,
         grace_seconds=copts.grace_seconds,
         points_per_member=copts.points_per_member,
         replicas=copts.replicas,

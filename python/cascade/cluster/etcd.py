@@ -4,7 +4,8 @@ etcd serves its v3 API as JSON over HTTP (``POST /v3/<service>/<method>``):
 keys and values travel base64-encoded, 64-bit integers as decimal strings.
 This client covers what membership needs: leases (grant, keep alive,
 revoke), put (optionally under a lease), a create-if-absent transaction,
-range by prefix and delete.
+range by prefix, delete, and a watch of a prefix (``watch_prefix``: one
+streaming answer whose lines are the changes, read as they come).
 
 Every call has a deadline: the endpoints are tried in turn, each given an
 equal share of the time left, and the whole exchange with one endpoint
@@ -15,7 +16,8 @@ in ``_post`` alone. ``ClusterError.not_found`` marks etcd's NotFound (a
 lease that expired), which callers treat differently from an outage.
 
 Thread-safety: an ``EtcdClient`` holds no connection between calls (each
-call opens its own), so one client may be used from several threads.
+call opens its own), so one client may be used from several threads. A
+``PrefixWatch`` is read by one thread; ``close`` may come from any.
 """
 
 from __future__ import annotations
@@ -46,11 +48,18 @@ class _DeadlineSocket:
 
     def __init__(self, sock: socket.socket, deadline: float):
         self._sock = sock
-        self._deadline = deadline
+        self._deadline: float | None = deadline
         self._io_refs = 0
         self._closed = False
 
+    def lift(self) -> None:
+        """No deadline from now on (a watch, once created)."""
+        self._deadline = None
+        self._sock.settimeout(None)
+
     def _arm(self) -> None:
+        if self._deadline is None:
+            return
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("deadline passed")
@@ -166,6 +175,82 @@ def check_endpoint(endpoint: str) -> str:
     if parsed.path not in ("", "/") or parsed.query or parsed.fragment:
         raise ValueError(f"etcd endpoint {endpoint!r}: expected http://HOST:PORT, no path")
     return endpoint.rstrip("/")
+
+
+class PrefixWatch:
+    """A watch of every key under a prefix, on a connection of its own.
+
+    ``next_change`` blocks until etcd reports changes and returns how many
+    keys changed; ``close`` (from any thread) ends the watch, and a
+    ``next_change`` waiting then raises ClusterError (and closes the
+    connection: only the reading thread touches it), as it does when the
+    connection breaks, etcd cancels the watch, or a line is not what etcd
+    sends. The watch has no deadline of its own once created (a quiet
+    prefix sends nothing): a caller that needs the truth by a time reads
+    the keys as well.
+    """
+
+    def __init__(self, conn: http.client.HTTPConnection, response, endpoint: str):
+        self._conn = conn
+        self._response = response
+        self.endpoint = endpoint
+        self._closed = False
+
+    def next_change(self) -> int:
+        try:
+            return self._next_change()
+        except ClusterError:
+            self._conn.close()  # by the reading thread alone: http.client is not thread-safe
+            raise
+
+    def _next_change(self) -> int:
+        while True:
+            try:
+                line = self._response.readline(MAX_RESPONSE_BYTES + 1)
+            except Exception as e:  # a broken or shut-down stream, however http.client says it
+                if self._closed:
+                    raise ClusterError("etcd watch: closed") from None
+                raise ClusterError(
+                    f"etcd watch at {self.endpoint}: {type(e).__name__}: {e}"
+                ) from None
+            if self._closed:
+                raise ClusterError("etcd watch: closed")
+            if not line:
+                raise ClusterError(f"etcd watch at {self.endpoint}: the stream ended")
+            if len(line) > MAX_RESPONSE_BYTES or not line.endswith(b"\n"):
+                raise ClusterError(f"etcd watch at {self.endpoint}: a line over the limit")
+            try:
+                answer = json.loads(line)
+            except ValueError as e:
+                raise ClusterError(f"etcd watch at {self.endpoint}: not JSON: {e}") from None
+            result = answer.get("result") if isinstance(answer, dict) else None
+            if not isinstance(result, dict):
+                why = answer.get("error") if isinstance(answer, dict) else None
+                raise ClusterError(f"etcd watch at {self.endpoint}: {why or 'no result'}")
+            if result.get("canceled"):
+                reason = result.get("cancel_reason") or "canceled"
+                raise ClusterError(f"etcd watch at {self.endpoint}: {reason}")
+            events = result.get("events") or []
+            if not isinstance(events, list):
+                raise ClusterError(f"etcd watch at {self.endpoint}: events is not a list")
+            if events:
+                return len(events)
+            # A progress notice, or the answer to the watch's creation.
+
+    def release(self) -> None:
+        """Closes the connection; by the reading thread, once it reads no more."""
+        self._conn.close()
+
+    def close(self) -> None:
+        """Ends the watch: a reader blocked in next_change wakes and raises
+        (and closes the connection). Safe from any thread, more than once."""
+        self._closed = True
+        sock = self._conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class EtcdClient:
@@ -343,6 +428,44 @@ class EtcdClient:
             except (TypeError, ValueError, AttributeError) as e:
                 items.append(f"unreadable entry: {e}")
         return revision, items
+
+    def watch_prefix(self, prefix: bytes, timeout: float | None = None) -> PrefixWatch:
+        """Watches every key under ``prefix`` from now on. Creating it has the
+        call deadline (the endpoints in turn, as every call); the watch then
+        lives until closed or broken."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        body = json.dumps(
+            {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}}
+        )
+        order = self.endpoints[self._preferred :] + self.endpoints[: self._preferred]
+        failures: list[str] = []
+        for i, endpoint in enumerate(order):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                failures.append(f"{endpoint}: deadline passed before trying")
+                continue
+            url = urllib.parse.urlsplit(endpoint)
+            conn = _DeadlineConnection(url.netloc, timeout=left / (len(order) - i))
+            try:
+                conn.request("POST", "/v3/watch", body, {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                if response.status != 200:
+                    raise ClusterError(f"HTTP {response.status}")
+                watch = PrefixWatch(conn, response, endpoint)
+                # The first line says the watch was created; then no deadline.
+                first = response.readline(MAX_RESPONSE_BYTES + 1)
+                answer = json.loads(first) if first.endswith(b"\n") else None
+                result = answer.get("result") if isinstance(answer, dict) else None
+                if not isinstance(result, dict) or not result.get("created"):
+                    raise ClusterError(f"not a watch's creation: {first[:200]!r}")
+                assert isinstance(conn.sock, _DeadlineSocket)
+                conn.sock.lift()
+                return watch
+            except (ClusterError, OSError, http.client.HTTPException, ValueError) as e:
+                conn.close()
+                failures.append(f"{endpoint}: {type(e).__name__}: {e}")
+                continue
+        raise ClusterError(f"etcd watch: no endpoint answered: {'; '.join(failures)}")
 
     def delete_prefix(self, prefix: bytes, timeout: float | None = None) -> int:
         """Deletes every key under ``prefix``; how many were deleted."""

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cascade.cluster.etcd import ClusterError, EtcdClient, KeyValue
+from cascade.cluster.etcd import ClusterError, EtcdClient, KeyValue, PrefixWatch
 from cascade.cluster.records import MemberRecord, check_name, members_prefix, parse_record
 from cascade.cluster.ring import DEFAULT_POINTS, PlacementRing
 
@@ -77,7 +77,12 @@ class Membership:
     """This node as a member of ``cluster`` in the etcd behind ``client``.
 
     ``lease_ttl``: seconds a lease lives without renewal (renewed every third
-    of it). ``refresh_seconds``: how often the member list is read.
+    of it). ``refresh_seconds``: how often the member list is read. With
+    ``watch`` (the default) a second thread also watches the members' keys,
+    and a change makes the list be read at once: members see each other
+    join and leave within a round trip instead of a refresh period, and the
+    periodic read stays as the source of truth (a watch may break, or miss
+    what changed while it was being made again).
     ``grace_seconds``: how long the last view is kept while the service does
     not answer. ``points_per_member`` and ``replicas``: the placement ring's.
     ``generation``: default, microseconds since the epoch at construction.
@@ -101,6 +106,7 @@ class Membership:
         replicas: int = 1,
         generation: int | None = None,
         on_view: Callable[[MembershipView, PlacementRing], None] | None = None,
+        watch: bool = True,
     ):
         if isinstance(lease_ttl, bool) or not isinstance(lease_ttl, int) or lease_ttl < 2:
             raise ValueError(f"lease TTL: whole seconds, at least 2, not {lease_ttl!r}")
@@ -141,9 +147,17 @@ class Membership:
                 "refresh_failures",
                 "malformed_records",
                 "outages",
+                "watch_changes",
+                "watch_restarts",
             ),
             0,
         )
+        self._watch_enabled = bool(watch)
+        self._watch: PrefixWatch | None = None  # the one being read now
+        self._watcher: threading.Thread | None = None
+        # Set by the watcher (a change) and by close; the member thread waits on it.
+        self._wake = threading.Event()
+        self._changed = False
         self._bad_seen: set[tuple[bytes, int]] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -167,6 +181,11 @@ class Membership:
             target=self._run, name=f"cascade-member-{self.node_id}", daemon=True
         )
         self._thread.start()
+        if self._watch_enabled:
+            self._watcher = threading.Thread(
+                target=self._watch_loop, name=f"cascade-member-watch-{self.node_id}", daemon=True
+            )
+            self._watcher.start()
         return ok
 
     def view(self) -> MembershipView:
@@ -203,6 +222,7 @@ class Membership:
                 "last_error": self._last_error,
                 "points_per_member": self._ring_args[0],
                 "replicas": self._ring_args[1],
+                "watching": self._watch is not None,
                 **self._counters,
             }
 
@@ -210,6 +230,13 @@ class Membership:
         """Leaves: stops the thread and revokes the lease, so the record goes
         at once (when the service answers; otherwise it expires)."""
         self._stop.set()
+        self._wake.set()
+        with self._lock:
+            watch = self._watch
+        if watch is not None:
+            watch.close()
+        if self._watcher is not None:
+            self._watcher.join(timeout=self.client.timeout + 1)
         if self._thread is not None:
             self._thread.join(timeout=self.client.timeout * 3 + 1)
         with self._lock:
@@ -254,12 +281,52 @@ class Membership:
                 next_renew = time.monotonic() + (
                     renew_every if ok else min(renew_every, self.refresh_seconds)
                 )
-            if now >= next_refresh:
+            with self._lock:
+                changed, self._changed = self._changed, False
+            if now >= next_refresh or changed:
                 self._refresh()
                 next_refresh = time.monotonic() + self.refresh_seconds
             self._check_grace()
             wake = min(next_refresh, next_renew if self._lease else next_refresh)
-            self._stop.wait(max(0.01, wake - time.monotonic()))
+            self._wake.wait(max(0.01, wake - time.monotonic()))
+            self._wake.clear()
+
+    def _watch_loop(self) -> None:
+        """Keeps a watch of the members' keys open (made again a second after
+        it breaks) and tells the member thread of every change."""
+        while not self._stop.is_set():
+            try:
+                watch = self.client.watch_prefix(self.prefix)
+            except ClusterError as e:
+                logger.debug("watching %s: %s", self.prefix, e)
+                self._stop.wait(1.0)
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    watch.close()
+                    watch.release()
+                    return
+                self._watch = watch
+                self._counters["watch_restarts"] += 1
+                # What changed while no watch was open is read now.
+                self._changed = True
+            self._wake.set()
+            try:
+                while True:
+                    n = watch.next_change()
+                    with self._lock:
+                        self._counters["watch_changes"] += n
+                        self._changed = True
+                    self._wake.set()
+            except ClusterError as e:
+                if not self._stop.is_set():
+                    logger.debug("watch of %s ended: %s", self.prefix, e)
+            finally:
+                with self._lock:
+                    self._watch = None
+                watch.close()
+                watch.release()
+            self._stop.wait(1.0)
 
     def _try_register(self) -> bool:
         """Grants a lease and creates the record under it. A record of this

@@ -21,6 +21,7 @@ class ClusterOptions:
     node_id: str = ""  # "": default_node_id(socket)
     lease_ttl_seconds: int = 10  # a killed member drops out after this long
     refresh_seconds: float = 1.0  # how often the member list is read
+    watch: bool = True  # also watch the members' keys: changes seen within a round trip
     grace_seconds: float = 30.0  # the last view is kept this long without the service
     request_timeout_seconds: float = 2.0  # deadline of each call to the service
     points_per_member: int = DEFAULT_POINTS
@@ -72,7 +73,7 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
         elif name == "fabrics":
             if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_,:.-]*", value):
                 raise ValueError(f"cluster.fabrics: such as 'tcp' or 'sm,tcp', not {value!r:.60}")
-        elif name in ("allow_undetected_failures", "verify", "map_same_host"):
+        elif name in ("allow_undetected_failures", "verify", "map_same_host", "watch"):
             if not isinstance(value, bool):
                 raise ValueError(f"cluster.{name}: true or false, not {value!r}")
         elif name in (
