@@ -14,7 +14,7 @@ BENCH_OUT ?= bench-results
 
 APT_PACKAGES := g++ make libssl-dev libgtest-dev libxxhash-dev liburing-dev \
                 libopenmpi-dev openmpi-bin libucx-dev redis-server clang-format etcd-server \
-                etcd-client
+                etcd-client openssl
 PY_PACKAGES  := numpy pytest pyyaml nanobind scikit-build-core cmake ninja \
                 redis hiredis h5py matplotlib transformers prometheus_client
 TORCH        := torch==2.13.0

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -27,12 +28,22 @@ def free_port() -> int:
 class EtcdProcess:
     """``etcd`` serving http://127.0.0.1:<port>, its data under ``data_dir``."""
 
-    def __init__(self, data_dir: str):
+    def __init__(
+        self,
+        data_dir: str,
+        scheme: str = "http",
+        extra_args: tuple[str, ...] = (),
+        context: ssl.SSLContext | None = None,
+    ):
+        """``scheme`` https with ``extra_args`` naming the certificates
+        (--cert-file, ...); ``context``: how the health check trusts them."""
         assert ETCD, SKIP_REASON
         self.data_dir = data_dir
         self.port = free_port()
         self.peer_port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.endpoint = f"{scheme}://127.0.0.1:{self.port}"
+        self.extra_args = tuple(extra_args)
+        self.context = context
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(os.path.dirname(data_dir), "etcd.log")
 
@@ -50,6 +61,7 @@ class EtcdProcess:
                 f"--initial-advertise-peer-urls={peer}",
                 f"--initial-cluster=test={peer}",
                 "--log-level=warn",
+                *self.extra_args,
             ],
             stdout=log,
             stderr=log,
@@ -59,7 +71,9 @@ class EtcdProcess:
         while True:
             assert self.proc.poll() is None, f"etcd exited: {self.log()}"
             try:
-                with urllib.request.urlopen(self.endpoint + "/health", timeout=1) as r:
+                with urllib.request.urlopen(
+                    self.endpoint + "/health", timeout=1, context=self.context
+                ) as r:
                     if b'"true"' in r.read():
                         return
             except OSError:

@@ -142,7 +142,7 @@ def test_cluster_options():
     )
     for bad in (
         {},
-        {"endpoints": ["https://x:1"]},
+        {"endpoints": ["ftp://x:1"]},
         {"endpoints": ["http://x"]},
         {"endpoints": ["http://x:1"], "replicas": 3},
         {"endpoints": ["http://x:1"], "node_id": "a b"},

@@ -426,7 +426,22 @@ def _join_cluster(server, copts, capacity_bytes: int):
 def _etcd_client(copts):
     from cascade.cluster import EtcdClient
 
-    return EtcdClient(copts.endpoints, timeout=copts.request_timeout_seconds)
+    password = None
+    if copts.password_file:
+        try:
+            with open(copts.password_file) as f:
+                password = f.read().rstrip("\r\n")
+        except OSError as e:
+            raise ValueError(f"cluster.password_file: {e}") from None
+    return EtcdClient(
+        copts.endpoints,
+        timeout=copts.request_timeout_seconds,
+        ca_file=copts.ca_file or None,
+        cert_file=copts.cert_file or None,
+        key_file=copts.key_file or None,
+        username=copts.username or None,
+        password=password,
+    )
 
 
 def cluster_line(c: Mapping[str, Any]) -> str:

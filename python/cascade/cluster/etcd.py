@@ -28,6 +28,8 @@ import http.client
 import io
 import json
 import socket
+import ssl
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -109,9 +111,37 @@ class _DeadlineConnection(http.client.HTTPConnection):
         self.sock = _DeadlineSocket(self.sock, self._deadline)
 
 
+class _DeadlineHTTPSConnection(http.client.HTTPSConnection):
+    """As _DeadlineConnection, over TLS (the handshake within the budget)."""
+
+    def __init__(self, host: str, timeout: float = 1.0, **kw: Any):
+        super().__init__(host, timeout=timeout, **kw)
+        self._deadline = time.monotonic() + float(timeout)
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = _DeadlineSocket(self.sock, self._deadline)
+
+
+def _connection(endpoint: str, timeout: float, context: ssl.SSLContext | None):
+    netloc = urllib.parse.urlsplit(endpoint).netloc
+    if endpoint.startswith("https://"):
+        return _DeadlineHTTPSConnection(netloc, timeout=timeout, context=context)
+    return _DeadlineConnection(netloc, timeout=timeout)
+
+
 class _DeadlineHandler(urllib.request.HTTPHandler):
     def http_open(self, req):
         return self.do_open(_DeadlineConnection, req)
+
+
+class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, context: ssl.SSLContext):
+        super().__init__(context=context)
+        self._tls = context
+
+    def https_open(self, req):
+        return self.do_open(_DeadlineHTTPSConnection, req, context=self._tls)
 
 
 class ClusterError(Exception):
@@ -121,9 +151,10 @@ class ClusterError(Exception):
     exists), as opposed to the service being unreachable or failing.
     """
 
-    def __init__(self, message: str, *, not_found: bool = False):
+    def __init__(self, message: str, *, not_found: bool = False, bad_token: bool = False):
         super().__init__(message)
         self.not_found = not_found
+        self.bad_token = bad_token  # etcd refused the authentication token sent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +199,13 @@ def prefix_end(prefix: bytes) -> bytes:
 
 
 def check_endpoint(endpoint: str) -> str:
-    """``http://host:port`` without a trailing slash; ValueError otherwise."""
+    """``http://host:port`` or ``https://host:port`` without a trailing
+    slash; ValueError otherwise."""
     parsed = urllib.parse.urlsplit(endpoint)
-    if parsed.scheme != "http" or not parsed.hostname or parsed.port is None:
-        raise ValueError(f"etcd endpoint {endpoint!r}: expected http://HOST:PORT")
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
+        raise ValueError(f"etcd endpoint {endpoint!r}: expected http(s)://HOST:PORT")
     if parsed.path not in ("", "/") or parsed.query or parsed.fragment:
-        raise ValueError(f"etcd endpoint {endpoint!r}: expected http://HOST:PORT, no path")
+        raise ValueError(f"etcd endpoint {endpoint!r}: expected http(s)://HOST:PORT, no path")
     return endpoint.rstrip("/")
 
 
@@ -257,9 +289,28 @@ class EtcdClient:
     """Calls to one etcd cluster through any of ``endpoints``.
 
     ``timeout``: the default deadline of a call, in seconds.
+
+    ``https://`` endpoints are reached over TLS: the server's certificate
+    is checked against ``ca_file`` (the system's authorities when None) and
+    its host name; ``cert_file`` and ``key_file`` are this client's own
+    certificate, for an etcd that asks for one (``--client-cert-auth``).
+    ``username`` and ``password``: etcd's authentication; the client
+    fetches a token (``/v3/auth/authenticate``), sends it with every call,
+    and fetches a new one once when etcd says the token is no longer
+    valid (a token that expired while the member was idle).
     """
 
-    def __init__(self, endpoints: Sequence[str], timeout: float = 2.0):
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        timeout: float = 2.0,
+        *,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        username: str | None = None,
+        password: str | None = None,
+    ):
         if isinstance(endpoints, str):
             endpoints = [endpoints]
         if not endpoints:
@@ -269,15 +320,79 @@ class EtcdClient:
         self.endpoints = [check_endpoint(e) for e in endpoints]
         self.timeout = float(timeout)
         self._preferred = 0  # the endpoint that answered last is tried first
+        if key_file and not cert_file:
+            raise ValueError("etcd: a key file without its certificate file")
+        if (username is None) != (password is None):
+            raise ValueError("etcd: a user name and a password, or neither")
+        self._tls: ssl.SSLContext | None = None
+        if any(e.startswith("https://") for e in self.endpoints):
+            try:
+                self._tls = ssl.create_default_context(cafile=ca_file)
+                if cert_file:
+                    self._tls.load_cert_chain(cert_file, key_file)
+            except (OSError, ssl.SSLError) as e:
+                raise ValueError(f"etcd TLS files: {e}") from None
+        elif ca_file or cert_file:
+            raise ValueError("etcd: TLS files given, but no endpoint is https://")
+        self._auth = (username, password) if username is not None else None
+        self._token = ""
+        self._token_lock = threading.Lock()
+        self.authentications = 0  # tokens fetched
         # No proxy from the environment: the service is reached directly.
-        self._opener = urllib.request.build_opener(
-            urllib.request.ProxyHandler({}), _DeadlineHandler()
+        handlers: list[Any] = [urllib.request.ProxyHandler({}), _DeadlineHandler()]
+        if self._tls is not None:
+            handlers.append(_DeadlineHTTPSHandler(self._tls))
+        self._opener = urllib.request.build_opener(*handlers)
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self._token:
+            headers["Authorization"] = self._token
+        return headers
+
+    def _authenticate(self, deadline: float) -> None:
+        """A new token from the user name and password (under _token_lock)."""
+        assert self._auth is not None
+        name, password = self._auth
+        answer = self._post_once(
+            "/v3/auth/authenticate",
+            {"name": name, "password": password},
+            deadline - time.monotonic(),
+            with_token=False,
         )
+        token = answer.get("token")
+        if not isinstance(token, str) or not token:
+            raise ClusterError("etcd authenticate: no token in the answer")
+        self._token = token
+        self.authentications += 1
 
     def _post(self, path: str, body: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """A call, with a token when the client authenticates: one is
+        fetched first when there is none, and once more when etcd says the
+        one sent is not valid."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        if self._auth is None:
+            return self._post_once(path, body, deadline - time.monotonic())
+        with self._token_lock:
+            if not self._token:
+                self._authenticate(deadline)
+            sent = self._token
+        try:
+            return self._post_once(path, body, deadline - time.monotonic())
+        except ClusterError as e:
+            if not e.bad_token:
+                raise
+        with self._token_lock:
+            if self._token == sent:  # not fetched again by another thread meanwhile
+                self._authenticate(deadline)
+        return self._post_once(path, body, deadline - time.monotonic())
+
+    def _post_once(
+        self, path: str, body: dict[str, Any], timeout: float, with_token: bool = True
+    ) -> dict[str, Any]:
         """POSTs ``body`` to each endpoint in turn until one answers; the one
         place where failures become ClusterError."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        deadline = time.monotonic() + timeout
         data = json.dumps(body).encode()
         order = self.endpoints[self._preferred :] + self.endpoints[: self._preferred]
         failures: list[str] = []
@@ -290,7 +405,7 @@ class EtcdClient:
             request = urllib.request.Request(
                 endpoint + path,
                 data=data,
-                headers={"Content-Type": "application/json"},
+                headers=self._headers() if with_token else {"Content-Type": "application/json"},
                 method="POST",
             )
             try:
@@ -309,12 +424,25 @@ class EtcdClient:
                     raise ClusterError(
                         f"etcd {path} at {endpoint}: HTTP {e.code}: {message}",
                         not_found=code == GRPC_NOT_FOUND,
+                        bad_token=with_token
+                        and bool(self._token)
+                        and "invalid auth token" in str(message),
                     ) from None
                 # A member without a leader or quorum: another may answer.
                 failures.append(f"{endpoint}: HTTP {e.code}: {message}")
                 continue
+            except ssl.SSLCertVerificationError as e:
+                # Another endpoint would not answer better: say why at once.
+                raise ClusterError(
+                    f"etcd {path} at {endpoint}: TLS: certificate verify failed: {e.verify_message}"
+                ) from None
             except (OSError, http.client.HTTPException, socket.timeout) as e:
                 reason = getattr(e, "reason", None) or e
+                if isinstance(reason, ssl.SSLCertVerificationError):
+                    raise ClusterError(
+                        f"etcd {path} at {endpoint}: TLS: certificate verify failed: "
+                        f"{reason.verify_message}"
+                    ) from None
                 failures.append(f"{endpoint}: {type(reason).__name__}: {reason}")
                 continue
             self._preferred = self.endpoints.index(endpoint)
@@ -434,6 +562,10 @@ class EtcdClient:
         call deadline (the endpoints in turn, as every call); the watch then
         lives until closed or broken."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        if self._auth is not None:
+            with self._token_lock:
+                if not self._token:
+                    self._authenticate(deadline)
         body = json.dumps(
             {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}}
         )
@@ -444,10 +576,9 @@ class EtcdClient:
             if left <= 0:
                 failures.append(f"{endpoint}: deadline passed before trying")
                 continue
-            url = urllib.parse.urlsplit(endpoint)
-            conn = _DeadlineConnection(url.netloc, timeout=left / (len(order) - i))
+            conn = _connection(endpoint, left / (len(order) - i), self._tls)
             try:
-                conn.request("POST", "/v3/watch", body, {"Content-Type": "application/json"})
+                conn.request("POST", "/v3/watch", body, self._headers())
                 response = conn.getresponse()
                 if response.status != 200:
                     raise ClusterError(f"HTTP {response.status}")

@@ -22,6 +22,15 @@ class ClusterOptions:
     lease_ttl_seconds: int = 10  # a killed member drops out after this long
     refresh_seconds: float = 1.0  # how often the member list is read
     watch: bool = True  # also watch the members' keys: changes seen within a round trip
+    # TLS to etcd (https:// endpoints): the authority that signed etcd's
+    # certificate ("": the system's), and this server's own certificate and
+    # key for an etcd that asks for one.
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    # etcd's authentication: a user name, and a file holding the password.
+    username: str = ""
+    password_file: str = ""
     grace_seconds: float = 30.0  # the last view is kept this long without the service
     request_timeout_seconds: float = 2.0  # deadline of each call to the service
     points_per_member: int = DEFAULT_POINTS
@@ -73,6 +82,9 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
         elif name == "fabrics":
             if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_,:.-]*", value):
                 raise ValueError(f"cluster.fabrics: such as 'tcp' or 'sm,tcp', not {value!r:.60}")
+        elif name in ("ca_file", "cert_file", "key_file", "username", "password_file"):
+            if not isinstance(value, str):
+                raise ValueError(f"cluster.{name}: a string, not {value!r:.60}")
         elif name in ("allow_undetected_failures", "verify", "map_same_host", "watch"):
             if not isinstance(value, bool):
                 raise ValueError(f"cluster.{name}: true or false, not {value!r}")
@@ -92,6 +104,12 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
         setattr(o, name, value)
     if not o.endpoints:
         raise ValueError("cluster.endpoints: at least one etcd endpoint (http://HOST:PORT)")
+    if bool(o.username) != bool(o.password_file):
+        raise ValueError("cluster.username and cluster.password_file: both, or neither")
+    if o.key_file and not o.cert_file:
+        raise ValueError("cluster.key_file: given without cluster.cert_file")
+    if (o.ca_file or o.cert_file) and not any(e.startswith("https://") for e in o.endpoints):
+        raise ValueError("cluster.ca_file / cert_file: given, but no endpoint is https://")
     if o.lease_ttl_seconds < 2:
         raise ValueError(f"cluster.lease_ttl_seconds: at least 2, not {o.lease_ttl_seconds}")
     if not 0 < o.refresh_seconds <= 3600:
