@@ -14,29 +14,6 @@ namespace {
 constexpr size_t kStreamThreshold = 64 << 10;
 
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) void copy_stream_avx2(uint8_t* d, const uint8_t* s, size_t n) {
-  size_t head = (64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63;
-  std::memcpy(d, s, head);
-  d += head;
-  s += head;
-  n -= head;
-  size_t blocks = n / 128;
-  for (size_t i = 0; i < blocks; ++i) {
-    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
-    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
-    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
-    __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 32), b);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 64), c);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 96), e);
-    s += 128;
-    d += 128;
-  }
-  _mm_sfence();  // streaming stores are weakly ordered: publish before returning
-  std::memcpy(d, s, n - blocks * 128);
-}
-
 // Unaligned loads into `d`, a buffer aligned to 32 bytes.
 __attribute__((target("avx2"))) void load_avx2(uint8_t* d, const uint8_t* s, size_t n) {
   const size_t blocks = n / 128;
@@ -55,8 +32,8 @@ __attribute__((target("avx2"))) void load_avx2(uint8_t* d, const uint8_t* s, siz
   std::memcpy(d, s, n - blocks * 128);
 }
 
-// As copy_stream_avx2 without the closing fence: the caller fences once
-// after its last piece.
+// Streaming stores to 64-byte-aligned destination lines (the unaligned head
+// with memcpy); weakly ordered: the caller fences before publishing.
 __attribute__((target("avx2"))) void stream_unfenced_avx2(uint8_t* d, const uint8_t* s, size_t n) {
   const size_t head = std::min<size_t>((64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63, n);
   std::memcpy(d, s, head);
@@ -77,6 +54,11 @@ __attribute__((target("avx2"))) void stream_unfenced_avx2(uint8_t* d, const uint
     d += 128;
   }
   std::memcpy(d, s, n - blocks * 128);
+}
+
+__attribute__((target("avx2"))) void copy_stream_avx2(uint8_t* d, const uint8_t* s, size_t n) {
+  stream_unfenced_avx2(d, s, n);
+  _mm_sfence();  // streaming stores are weakly ordered: publish before returning
 }
 
 bool detect_avx2() {
