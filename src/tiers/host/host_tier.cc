@@ -77,9 +77,12 @@ Status HostTier::copy_in(uint64_t offset, const void* src, uint64_t n, const Put
 }
 
 TierStats HostTier::stats() const {
+  // Warming is read before the committed bytes: committed memory only
+  // grows, so stats that say warming has ended also show all it committed.
+  const bool warming = arena_->warming();
   TierStats s = ArenaTier::stats();
   s.warmed_bytes = arena_->warmed_bytes();
-  s.warming = arena_->warming();
+  s.warming = warming;
   s.reattached_blocks = reattached_blocks_;
   s.reattach_dropped = reattach_dropped_;
   s.reattach_bytes = reattach_bytes_;
