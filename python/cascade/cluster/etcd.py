@@ -250,7 +250,9 @@ class PrefixWatch:
             if not line:
                 raise ClusterError(f"etcd watch at {self.endpoint}: the stream ended")
             if len(line) > MAX_RESPONSE_BYTES or not line.endswith(b"\n"):
-                raise ClusterError(f"etcd watch at {self.endpoint}: a line over the limit, or cut short")
+                raise ClusterError(
+                    f"etcd watch at {self.endpoint}: a line over the limit, or cut short"
+                )
             try:
                 answer = json.loads(line)
             except ValueError as e:
