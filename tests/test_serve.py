@@ -129,6 +129,23 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def restarted_serves(d: str, store: dict, servers: list, data: dict[str, np.ndarray]) -> Server:
+    """Starts a server again on the same store configuration and checks that
+    it serves every block of ``data``, byte for byte; returns it."""
+    srv = Server(d, dict(store), {}, name="again.yaml")
+    servers.append(srv)
+    srv.wait_ready()
+    c = client(srv.socket, "m")
+    try:
+        for k, v in data.items():
+            out = np.zeros_like(v)
+            assert c.get(k, out) == (True, v.nbytes)
+            assert np.array_equal(out, v)
+    finally:
+        c.close()
+    return srv
+
+
 def test_serve_shares_blocks_reports_and_writes_down_on_sigterm(tmp):
     d, shm, servers = tmp
     files = os.path.join(d, "files")
@@ -207,17 +224,7 @@ def test_serve_shares_blocks_reports_and_writes_down_on_sigterm(tmp):
     report = cascade.inspect_directory(files, True)
     assert report["ok"] and report["live_records"] == len(data)
     # ...and a server started again on the same configuration serves it.
-    srv2 = Server(d, dict(store), {}, name="again.yaml")
-    servers.append(srv2)
-    srv2.wait_ready()
-    c = client(srv2.socket, "m")
-    try:
-        for k, v in data.items():
-            out = np.zeros_like(v)
-            assert c.get(k, out) == (True, v.nbytes)
-            assert np.array_equal(out, v)
-    finally:
-        c.close()
+    srv2 = restarted_serves(d, store, servers, data)
     srv2.proc.send_signal(signal.SIGINT)
     assert srv2.wait(20) == 0, srv2.text()
 
@@ -240,17 +247,7 @@ def test_a_host_only_server_keeps_its_blocks_across_sigterm_and_says_so(tmp):
     assert srv.wait(20) == 0, srv.text()
     log = srv.text()
     assert "stay in it for the next start" in log and "dropped" not in log, log
-    srv2 = Server(d, dict(store), {}, name="again.yaml")
-    servers.append(srv2)
-    srv2.wait_ready()
-    c = client(srv2.socket, "m")
-    try:
-        for k, v in data.items():
-            out = np.zeros_like(v)
-            assert c.get(k, out) == (True, v.nbytes)
-            assert np.array_equal(out, v)
-    finally:
-        c.close()
+    restarted_serves(d, store, servers, data)
 
 
 def wide_batches_until_error(sock: str, timeout_ms: int, keys: list[str]):

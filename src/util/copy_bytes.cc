@@ -14,42 +14,37 @@ namespace {
 constexpr size_t kStreamThreshold = 64 << 10;
 
 #if defined(__x86_64__)
-// Unaligned loads into `d`, a buffer aligned to 32 bytes.
-__attribute__((target("avx2"))) void load_avx2(uint8_t* d, const uint8_t* s, size_t n) {
-  const size_t blocks = n / 128;
-  for (size_t i = 0; i < blocks; ++i) {
-    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
-    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
-    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
-    __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(d), a);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(d + 32), b);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(d + 64), c);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(d + 96), e);
-    s += 128;
-    d += 128;
+// Copies with AVX2 loads. kStream: streaming stores to 64-byte-aligned
+// destination lines (the unaligned head with memcpy), weakly ordered, so
+// the caller fences before publishing; otherwise aligned ordinary stores
+// into `d`, a buffer aligned to 32 bytes.
+template <bool kStream>
+__attribute__((target("avx2"))) void copy_avx2(uint8_t* d, const uint8_t* s, size_t n) {
+  if constexpr (kStream) {
+    const size_t head = std::min<size_t>((64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63, n);
+    std::memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
   }
-  std::memcpy(d, s, n - blocks * 128);
-}
-
-// Streaming stores to 64-byte-aligned destination lines (the unaligned head
-// with memcpy); weakly ordered: the caller fences before publishing.
-__attribute__((target("avx2"))) void stream_unfenced_avx2(uint8_t* d, const uint8_t* s, size_t n) {
-  const size_t head = std::min<size_t>((64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63, n);
-  std::memcpy(d, s, head);
-  d += head;
-  s += head;
-  n -= head;
   const size_t blocks = n / 128;
   for (size_t i = 0; i < blocks; ++i) {
-    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
-    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
-    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
-    __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 32), b);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 64), c);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 96), e);
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
+    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
+    auto* o = reinterpret_cast<__m256i*>(d);
+    if constexpr (kStream) {
+      _mm256_stream_si256(o, a);
+      _mm256_stream_si256(o + 1, b);
+      _mm256_stream_si256(o + 2, c);
+      _mm256_stream_si256(o + 3, e);
+    } else {
+      _mm256_store_si256(o, a);
+      _mm256_store_si256(o + 1, b);
+      _mm256_store_si256(o + 2, c);
+      _mm256_store_si256(o + 3, e);
+    }
     s += 128;
     d += 128;
   }
@@ -57,7 +52,7 @@ __attribute__((target("avx2"))) void stream_unfenced_avx2(uint8_t* d, const uint
 }
 
 __attribute__((target("avx2"))) void copy_stream_avx2(uint8_t* d, const uint8_t* s, size_t n) {
-  stream_unfenced_avx2(d, s, n);
+  copy_avx2<true>(d, s, n);
   _mm_sfence();  // streaming stores are weakly ordered: publish before returning
 }
 
@@ -93,9 +88,9 @@ void copy_bytes_through(void* dst, const void* src, size_t n,
   if (kHaveAvx2 && n >= kStreamThreshold) {
     for (size_t off = 0; off < n; off += kThroughPiece) {
       const size_t len = std::min(kThroughPiece, n - off);
-      load_avx2(buffer, s + off, len);
+      copy_avx2<false>(buffer, s + off, len);
       see(ctx, buffer, len);
-      stream_unfenced_avx2(d + off, buffer, len);
+      copy_avx2<true>(d + off, buffer, len);
     }
     _mm_sfence();  // streaming stores are weakly ordered: publish before returning
     return;

@@ -111,16 +111,8 @@ class _DeadlineConnection(http.client.HTTPConnection):
         self.sock = _DeadlineSocket(self.sock, self._deadline)
 
 
-class _DeadlineHTTPSConnection(http.client.HTTPSConnection):
+class _DeadlineHTTPSConnection(_DeadlineConnection, http.client.HTTPSConnection):
     """As _DeadlineConnection, over TLS (the handshake within the budget)."""
-
-    def __init__(self, host: str, timeout: float = 1.0, **kw: Any):
-        super().__init__(host, timeout=timeout, **kw)
-        self._deadline = time.monotonic() + float(timeout)
-
-    def connect(self) -> None:
-        super().connect()
-        self.sock = _DeadlineSocket(self.sock, self._deadline)
 
 
 def _connection(endpoint: str, timeout: float, context: ssl.SSLContext | None):
