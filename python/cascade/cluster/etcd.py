@@ -34,7 +34,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 # gRPC status code etcd returns for a missing lease (and other missing things).
@@ -381,21 +381,26 @@ class EtcdClient:
                 self._authenticate(deadline)
         return self._post_once(path, body, deadline - time.monotonic())
 
-    def _post_once(
-        self, path: str, body: dict[str, Any], timeout: float, with_token: bool = True
-    ) -> dict[str, Any]:
-        """POSTs ``body`` to each endpoint in turn until one answers; the one
-        place where failures become ClusterError."""
-        deadline = time.monotonic() + timeout
-        data = json.dumps(body).encode()
+    def _in_turn(self, deadline: float, failures: list[str]) -> Iterator[tuple[str, float]]:
+        """The endpoints, the one that answered last first, each with an
+        equal share of the time left to ``deadline``; one whose turn comes
+        after the deadline is noted in ``failures`` and skipped."""
         order = self.endpoints[self._preferred :] + self.endpoints[: self._preferred]
-        failures: list[str] = []
         for i, endpoint in enumerate(order):
             left = deadline - time.monotonic()
             if left <= 0:
                 failures.append(f"{endpoint}: deadline passed before trying")
                 continue
-            share = left / (len(order) - i)
+            yield endpoint, left / (len(order) - i)
+
+    def _post_once(
+        self, path: str, body: dict[str, Any], timeout: float, with_token: bool = True
+    ) -> dict[str, Any]:
+        """POSTs ``body`` to each endpoint in turn until one answers; the one
+        place where failures become ClusterError."""
+        data = json.dumps(body).encode()
+        failures: list[str] = []
+        for endpoint, share in self._in_turn(time.monotonic() + timeout, failures):
             request = urllib.request.Request(
                 endpoint + path,
                 data=data,
@@ -563,14 +568,9 @@ class EtcdClient:
         body = json.dumps(
             {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}}
         )
-        order = self.endpoints[self._preferred :] + self.endpoints[: self._preferred]
         failures: list[str] = []
-        for i, endpoint in enumerate(order):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                failures.append(f"{endpoint}: deadline passed before trying")
-                continue
-            conn = _connection(endpoint, left / (len(order) - i), self._tls)
+        for endpoint, share in self._in_turn(deadline, failures):
+            conn = _connection(endpoint, share, self._tls)
             try:
                 conn.request("POST", "/v3/watch", body, self._headers())
                 response = conn.getresponse()
