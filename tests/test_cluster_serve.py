@@ -91,6 +91,13 @@ def test_two_servers_form_a_cluster_and_leave_it(place):
     assert m['cascade_pool_cluster_state{state="member"}'] == 1
     assert m["cascade_pool_cluster_view_version"] >= 1
     assert m["cascade_pool_cluster_lease_renew_failures_total"] == 0
+    # Each server watches the members' keys.
+    until(
+        lambda: all(scrape(u)["cascade_pool_cluster_watches_made_total"] >= 1 for u in urls),
+        5,
+        "both servers watch",
+    )
+    changes = scrape(urls[1])["cascade_pool_cluster_watch_changes_total"]
     snap = json.load(urllib.request.urlopen(urls[1] + "/stats.json", timeout=10))
     records = {r["node_id"]: r for r in snap["cluster"]["records"]}
     default_id = next(n for n in records if n != "node-1")
@@ -111,6 +118,8 @@ def test_two_servers_form_a_cluster_and_leave_it(place):
     t0 = time.monotonic()
     until(lambda: scrape(urls[1])["cascade_pool_cluster_members"] == 1, 5, "node 0 leaves")
     assert time.monotonic() - t0 < 2.5
+    # Node 1's watch reported the leave (the record's deletion).
+    assert scrape(urls[1])["cascade_pool_cluster_watch_changes_total"] > changes
     until(lambda: "cluster pools as node-1: member, 1 members" in servers[1].text(), 5, "log")
 
 

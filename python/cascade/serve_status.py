@@ -133,6 +133,18 @@ CLUSTER_METRICS = [
         "Times the coordination service stopped answering",
     ),
     (
+        "cluster_watch_changes_total",
+        "watch_changes",
+        "counter",
+        "Changes to the members' keys reported by the watch",
+    ),
+    (
+        "cluster_watches_made_total",
+        "watches_made",
+        "counter",
+        "Watches of the members' keys made (the first, and each after one broke)",
+    ),
+    (
         "cluster_unreachable_seconds",
         "unreachable_seconds",
         "gauge",

@@ -148,7 +148,7 @@ class Membership:
                 "malformed_records",
                 "outages",
                 "watch_changes",
-                "watch_restarts",
+                "watches_made",
             ),
             0,
         )
@@ -307,7 +307,7 @@ class Membership:
                     watch.release()
                     return
                 self._watch = watch
-                self._counters["watch_restarts"] += 1
+                self._counters["watches_made"] += 1
                 # What changed while no watch was open is read now.
                 self._changed = True
             self._wake.set()
