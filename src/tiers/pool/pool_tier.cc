@@ -444,7 +444,7 @@ void PoolTier::put_batch(std::span<const BlockId> ids, std::span<const void* con
       part.sent = post_reserve(held.slot(), b, part, false);
       take_reserve(held.slot(), b, &part);
     }
-    copy_part(b, &part, true);  // with no channel held
+    copy_part(b, &part);  // with no channel held
     Held held = hold();
     part.sent = post_commit(held.slot(), b, &part, false);
     take_commit(held.slot(), b, &part);
@@ -545,10 +545,11 @@ void PoolTier::copy_placed(const PutBatch& b, const Placed& t) {
   b.statuses[t.i] = copy_in(base_ + t.offset, b.data[t.i], b.sizes[t.i], b.options);
 }
 
-void PoolTier::copy_part(const PutBatch& b, PutPart* part, bool parallel) {
+// A whole part's copies, over the I/O threads.
+void PoolTier::copy_part(const PutBatch& b, PutPart* part) {
   auto copy = [&](size_t k) { copy_placed(b, part->placed[k]); };
   const size_t m = part->placed.size();
-  if (parallel && pool_ && m > 1) pool_->parallel_for(m, copy);
+  if (pool_ && m > 1) pool_->parallel_for(m, copy);
   else
     for (size_t k = 0; k < m; ++k) copy(k);
 }

@@ -209,7 +209,7 @@ class PoolTier final : public Tier {
   Status post_reserve(Slot* slot, const PutBatch& b, const PutPart& part, bool ahead);
   void take_reserve(Slot* slot, const PutBatch& b, PutPart* part);
   void copy_placed(const PutBatch& b, const Placed& t);
-  void copy_part(const PutBatch& b, PutPart* part, bool parallel);
+  void copy_part(const PutBatch& b, PutPart* part);
   Status post_commit(Slot* slot, const PutBatch& b, PutPart* part, bool ahead);
   void take_commit(Slot* slot, const PutBatch& b, PutPart* part);
 
