@@ -3,8 +3,13 @@
 #include "util/copy_bytes.h"
 #include "util/errno_status.h"
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -32,7 +37,70 @@ Result<std::unique_ptr<ThreadPool>> ThreadPool::Create(int threads) {
   }
 }
 
-ThreadPool::ThreadPool(int threads) {
+namespace {
+
+constexpr int kForSlots = 64;
+
+void futex_wait_on(std::atomic<uint32_t>* word, uint32_t expected) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr,
+          nullptr, 0);
+}
+
+void futex_wake_on(std::atomic<uint32_t>* word, int n) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, n, nullptr, nullptr, 0);
+}
+
+}  // namespace
+
+// One parallel_for: items are handed out by `next`; the caller waits only
+// for items that some thread has taken.
+struct ThreadPool::ForState {
+  ForState(size_t n, const std::function<void(size_t)>* f) : n(n), fn(f) {}
+  const size_t n;
+  const std::function<void(size_t)>* fn;
+  std::atomic<size_t> next{0};
+  std::atomic<size_t> done{0};
+  std::atomic<uint32_t> all_done{0};  // set (and woken) by whoever ends the last item
+
+  void work() {
+    size_t finished = 0;
+    while (true) {
+      const size_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= n) break;
+      (*fn)(i);
+      ++finished;
+    }
+    if (finished && done.fetch_add(finished, std::memory_order_acq_rel) + finished == n) {
+      all_done.store(1, std::memory_order_seq_cst);
+      futex_wake_on(&all_done, 1);
+    }
+  }
+
+  void wait_all_done() {
+    for (int i = 0; i < 2000 && !all_done.load(std::memory_order_acquire); ++i) cpu_pause();
+    while (!all_done.load(std::memory_order_acquire)) futex_wait_on(&all_done, 0);
+  }
+
+  static void cpu_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+};
+
+// Where a parallel_for asks for helpers. A worker counts itself in `users`
+// before it looks at `wanted`, and the caller takes `wanted` back to 0 and
+// waits for `users` to reach 0 before its ForState goes: so a worker either
+// finds `wanted` at 0, or is waited for (every step sequentially
+// consistent).
+struct alignas(64) ThreadPool::ForSlot {
+  std::atomic<bool> taken{false};  // by a parallel_for
+  std::atomic<int> wanted{0};      // helpers it still asks for
+  std::atomic<int> users{0};       // workers looking at it
+  std::atomic<ForState*> state{nullptr};
+};
+
+ThreadPool::ThreadPool(int threads) : fors_(new ForSlot[kForSlots]) {
   if (threads < 0) threads = default_threads();
   workers_.reserve(threads);
   try {
@@ -50,8 +118,14 @@ void ThreadPool::stop_and_join() {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  epoch_.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_on(&epoch_, INT32_MAX);
   for (auto& t : workers_) t.join();
+}
+
+void ThreadPool::wake(int n) {
+  epoch_.fetch_add(1, std::memory_order_seq_cst);
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_on(&epoch_, n);
 }
 
 void ThreadPool::submit(std::function<void()> job) {
@@ -59,72 +133,83 @@ void ThreadPool::submit(std::function<void()> job) {
     std::lock_guard<std::mutex> lock(mu_);
     jobs_.push_back(std::move(job));
   }
-  cv_.notify_one();
+  wake(1);
 }
 
+bool ThreadPool::help_a_for() {
+  for (int k = 0; k < kForSlots; ++k) {
+    ForSlot& slot = fors_[k];
+    if (slot.wanted.load(std::memory_order_relaxed) <= 0) continue;
+    slot.users.fetch_add(1, std::memory_order_seq_cst);
+    int w = slot.wanted.load(std::memory_order_seq_cst);
+    while (w > 0 && !slot.wanted.compare_exchange_weak(w, w - 1, std::memory_order_seq_cst)) {
+    }
+    if (w > 0) slot.state.load(std::memory_order_acquire)->work();
+    slot.users.fetch_sub(1, std::memory_order_seq_cst);
+    if (w > 0) return true;
+  }
+  return false;
+}
+
+// A worker: parallel_fors first (their callers wait), then queued jobs; when
+// there is neither it sleeps until epoch_ moves. It reads epoch_ before it
+// looks, and a producer bumps epoch_ after it publishes and reads sleepers_
+// after the bump, so a worker that missed new work finds epoch_ changed
+// when it goes to sleep, or is woken.
 void ThreadPool::run() {
   while (true) {
+    const uint32_t seen = epoch_.load(std::memory_order_seq_cst);
+    if (help_a_for()) continue;
     std::function<void()> job;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;  // stop_ and drained
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!jobs_.empty()) {
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      } else if (stop_) {
+        return;
+      }
     }
-    job();
+    if (job) {
+      job();
+      continue;
+    }
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    if (epoch_.load(std::memory_order_seq_cst) == seen) futex_wait_on(&epoch_, seen);
+    sleepers_.fetch_sub(1, std::memory_order_seq_cst);
   }
 }
-
-namespace {
-
-// Shared by the caller and the helpers of one parallel_for. Items are handed
-// out by `next`; the caller waits only for items that someone has taken.
-struct ForState {
-  explicit ForState(size_t n, const std::function<void(size_t)>* f) : n(n), fn(f) {}
-  const size_t n;
-  const std::function<void(size_t)>* fn;  // valid until done == n
-  std::atomic<size_t> next{0};
-  std::atomic<size_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-
-  void work() {
-    size_t finished = 0;
-    while (true) {
-      size_t i = next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= n) break;
-      (*fn)(i);
-      ++finished;
-    }
-    if (finished && done.fetch_add(finished, std::memory_order_acq_rel) + finished == n) {
-      std::lock_guard<std::mutex> lock(mu);
-      cv.notify_all();
-    }
-  }
-};
-
-}  // namespace
 
 void ThreadPool::parallel_for(size_t n, const std::function<void(size_t)>& fn, int max_workers) {
   if (n == 0) return;
-  if (n == 1 || workers_.empty()) {
+  const int size = static_cast<int>(workers_.size());
+  if (max_workers < 0 || max_workers > size) max_workers = max_workers < 0 ? size - 1 : size;
+  const int helpers =
+      static_cast<int>(std::min<size_t>(n - 1, static_cast<size_t>(std::max(max_workers, 0))));
+  ForSlot* slot = nullptr;
+  if (helpers > 0) {
+    for (int k = 0; k < kForSlots && !slot; ++k) {
+      bool free = false;
+      if (fors_[k].taken.compare_exchange_strong(free, true, std::memory_order_acquire))
+        slot = &fors_[k];
+    }
+  }
+  if (!slot) {  // nothing to share, or every slot in use: the caller does it all
     for (size_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  auto state = std::make_shared<ForState>(n, &fn);
-  if (max_workers < 0) max_workers = static_cast<int>(workers_.size()) - 1;
-  size_t helpers = std::min<size_t>(n - 1, static_cast<size_t>(max_workers));
-  if (helpers == 0) {
-    for (size_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  for (size_t h = 0; h < helpers; ++h) submit([state] { state->work(); });
-  state->work();
-  if (state->done.load(std::memory_order_acquire) != n) {
-    std::unique_lock<std::mutex> lock(state->mu);
-    state->cv.wait(lock, [&] { return state->done.load(std::memory_order_acquire) == n; });
-  }
+  ForState state(n, &fn);
+  slot->state.store(&state, std::memory_order_release);
+  slot->wanted.store(helpers, std::memory_order_seq_cst);
+  wake(helpers);
+  state.work();
+  // Every item is taken: no more helpers; wait for the items others took,
+  // then for the workers still looking at the slot.
+  slot->wanted.store(0, std::memory_order_seq_cst);
+  if (state.done.load(std::memory_order_acquire) != n) state.wait_all_done();
+  while (slot->users.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
+  slot->state.store(nullptr, std::memory_order_relaxed);
+  slot->taken.store(false, std::memory_order_release);
 }
 
 void parallel_memcpy(ThreadPool* pool, void* dst, const void* src, size_t n, size_t threshold) {

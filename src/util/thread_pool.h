@@ -1,10 +1,15 @@
 // ThreadPool: the store's I/O threads.
 //
 // Two ways in: submit() queues a job; parallel_for() runs n items on the
-// workers *and* the calling thread. parallel_for never waits for a job that
-// has not started, so it may be called from inside a pool job (a batch whose
-// items split their own copies) without deadlock: the caller does whatever
-// the workers have not picked up.
+// workers *and* the calling thread. parallel_for never waits for an item
+// that no thread has started, so it may be called from inside a pool job (a
+// batch whose items split their own copies) without deadlock: the caller
+// does whatever the workers have not picked up.
+//
+// A parallel_for is published in a slot that idle workers scan, and the
+// helpers it asks for are woken with one futex call: they start together
+// and take items without a lock, where helpers woken one by one through a
+// queue's mutex would join a short batch only near its end.
 //
 // Thread-safety: all methods are thread-safe. The destructor runs the jobs
 // still queued, then joins.
@@ -14,7 +19,7 @@
 // threads already started are stopped and joined first.
 #pragma once
 
-#include <condition_variable>
+#include <atomic>
 #include <cstddef>
 #include <deque>
 #include <functional>
@@ -54,12 +59,23 @@ class ThreadPool {
   static int default_threads();  // cores, at most 64
 
  private:
+  struct ForState;
+  struct ForSlot;
   void run();
+  // Takes items of a parallel_for that asks for helpers; false when none does.
+  bool help_a_for();
+  // Wakes up to n sleeping workers (after the work was published and
+  // epoch_ bumped).
+  void wake(int n);
   void stop_and_join();
   std::mutex mu_;
-  std::condition_variable cv_;
   std::deque<std::function<void()>> jobs_;  // guarded by mu_
   bool stop_ = false;                       // guarded by mu_
+  // Bumped whenever there is something new to do; idle workers sleep on it
+  // (a futex), so one call wakes as many as a parallel_for asks for.
+  std::atomic<uint32_t> epoch_{0};
+  std::atomic<int> sleepers_{0};
+  std::unique_ptr<ForSlot[]> fors_;  // the parallel_fors asking for helpers
   std::vector<std::thread> workers_;
 };
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <numeric>
 #include <system_error>
+#include <thread>
 #include <vector>
 
 namespace cascade {
@@ -80,6 +81,75 @@ TEST(ThreadPoolTest, ThreadStartFailureIsAStatusNotAnAbort) {
   ASSERT_TRUE(WIFEXITED(status)) << "child killed by signal "
                                  << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
   EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+// Many callers at once, more than the pool has slots for its parallel_fors:
+// every item of every call runs exactly once, and calls past the slots run
+// on their callers.
+TEST(ThreadPoolTest, ManyConcurrentParallelForsEachVisitEveryItemOnce) {
+  ThreadPool pool(4);
+  constexpr int kCallers = 80;
+  constexpr size_t kItems = 257;
+  std::vector<std::vector<std::atomic<int>>> seen(kCallers);
+  for (auto& v : seen) v = std::vector<std::atomic<int>>(kItems);
+  std::atomic<bool> go{false};
+  std::vector<std::thread> callers;
+  for (int c = 0; c < kCallers; ++c)
+    callers.emplace_back([&, c] {
+      while (!go.load()) std::this_thread::yield();
+      for (int round = 0; round < 20; ++round)
+        pool.parallel_for(kItems, [&](size_t i) { seen[c][i].fetch_add(1); });
+    });
+  go = true;
+  for (auto& t : callers) t.join();
+  for (auto& v : seen)
+    for (auto& x : v) ASSERT_EQ(x.load(), 20);
+}
+
+// The helpers of one call run beside each other and beside the caller: n
+// items that each wait until all n have started can only end if they do.
+TEST(ThreadPoolTest, ParallelForHelpersRunAtOnce) {
+  ThreadPool pool(6);
+  for (int round = 0; round < 200; ++round) {
+    std::atomic<int> started{0};
+    pool.parallel_for(6, [&](size_t) {
+      started.fetch_add(1);
+      while (started.load() < 6) std::this_thread::yield();
+    });
+    ASSERT_EQ(started.load(), 6);
+  }
+}
+
+// Queued jobs and parallel_fors share the workers; jobs still queued at
+// destruction run before it returns.
+TEST(ThreadPoolTest, JobsAndParallelForsInterleave) {
+  std::atomic<int> jobs{0};
+  std::atomic<size_t> items{0};
+  {
+    ThreadPool pool(3);
+    for (int round = 0; round < 500; ++round) {
+      pool.submit([&] { jobs.fetch_add(1); });
+      pool.parallel_for(9, [&](size_t) { items.fetch_add(1); });
+    }
+    for (int k = 0; k < 100; ++k) pool.submit([&] { jobs.fetch_add(1); });
+  }
+  EXPECT_EQ(jobs.load(), 600);
+  EXPECT_EQ(items.load(), 4500u);
+}
+
+// max_workers 0 keeps the call on its caller; a pool without threads runs
+// everything on the caller.
+TEST(ThreadPoolTest, ParallelForWithoutHelpersRunsOnTheCaller) {
+  ThreadPool pool(3);
+  const auto me = std::this_thread::get_id();
+  std::atomic<int> elsewhere{0};
+  pool.parallel_for(
+      50, [&](size_t) { elsewhere += std::this_thread::get_id() != me; }, 0);
+  EXPECT_EQ(elsewhere.load(), 0);
+  ThreadPool none(0);
+  pool.parallel_for(0, [&](size_t) { elsewhere += 1; });
+  none.parallel_for(50, [&](size_t) { elsewhere += std::this_thread::get_id() != me; });
+  EXPECT_EQ(elsewhere.load(), 0);
 }
 
 }  // namespace cascade
