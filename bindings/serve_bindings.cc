@@ -89,8 +89,13 @@ class PyPoolServer {
                           const std::string& fabrics, bool allow_undetected_failures,
                           uint32_t request_timeout_ms, uint32_t lease_expiry_ms,
                           uint32_t retry_after_ms, bool verify, uint32_t service_threads,
-                          uint32_t lanes, bool map_same_host) {
+                          uint32_t lanes, bool map_same_host, const std::string& transport,
+                          int64_t mpi_comm) {
     ClusterNodeOptions o;
+    if (transport == "mpi") o.transport = TransportBackend::kMpi;
+    else if (transport != "ucx")
+      check(Status::InvalidArgument("transport: 'ucx' or 'mpi', not '" + transport + "'"));
+    o.mpi_communicator = mpi_comm;
     o.node_id = node_id;
     o.generation = generation;
     o.fabrics = fabrics;
@@ -226,9 +231,12 @@ void register_serve(nb::module_& m) {
       .def("start_cluster", &PyPoolServer::start_cluster, "node_id"_a, "generation"_a,
            "fabrics"_a = "", "allow_undetected_failures"_a = false, "request_timeout_ms"_a = 2000,
            "lease_expiry_ms"_a = 60000, "retry_after_ms"_a = 1000, "verify"_a = true,
-           "service_threads"_a = 2, "lanes"_a = 4, "map_same_host"_a = true,
+           "service_threads"_a = 2, "lanes"_a = 4, "map_same_host"_a = true, "transport"_a = "ucx",
+           "mpi_comm"_a = TransportOptions::kMpiWorld,
            "Makes this server a cluster member (its data transport); returns the "
-           "transport address to publish in the member record.")
+           "transport address to publish in the member record. With transport 'mpi' "
+           "the call is collective over mpi_comm (a Fortran handle, comm.py2f(); "
+           "-1: MPI_COMM_WORLD).")
       .def("set_cluster_view", &PyPoolServer::set_cluster_view, "version"_a, "members"_a,
            "positions"_a, "owners"_a, "replicas"_a,
            "Installs the members and their ring (PlacementRing.points()).")

@@ -10,10 +10,13 @@ tests need no MPI and run everywhere.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -164,3 +167,205 @@ def test_job_killed_mid_write_restarts_from_whole_blocks(tmp_path):
     # Second job on the same directories.
     _, text, _ = mpirun(4, "kill_restart", str(tmp_path), timeout=60)
     assert "OK: kill_restart on 4 rank(s)" in text
+
+
+def _mpi_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMPI_MCA_pml="ob1",
+        OMPI_MCA_btl="self,vader",
+        OMPI_MCA_mpi_yield_when_idle="1",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def _pool_client(sock: str):
+    import cascade
+
+    return cascade.CascadeStore(
+        cascade.config_from_dict(
+            {"pool_socket": sock, "pool_namespace": "mpi", "use_gpu": False, "pool_channels": 2}
+        )
+    )
+
+
+class _ServeJob:
+    """`mpirun -np N python -m cascade serve` with `cluster: {transport: mpi}`,
+    each rank with its own socket and arena (`{rank}` in their paths)."""
+
+    def __init__(self, tmp_path, ranks: int, map_same_host: bool):
+        import yaml
+
+        self.ranks = ranks
+        self.tmp = tmp_path
+        self.run = tempfile.mkdtemp(prefix="cascade-mpi-serve-")  # a socket path has 107 bytes
+        self.shm = f"/dev/shm/cascade-test-mpi-serve-{os.getpid()}-{int(map_same_host)}"
+        config = tmp_path / "serve.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "pipeline": "host",
+                    "shm_path": self.shm + "-{rank}",
+                    "shm_capacity_bytes": 64 << 20,
+                    "shm_persist": False,
+                    "num_io_threads": 2,
+                    "serve": {
+                        "socket": os.path.join(self.run, "pool-{rank}.sock"),
+                        "summary_seconds": 0,
+                    },
+                    "cluster": {
+                        "transport": "mpi",
+                        "name": "job",
+                        "request_timeout_seconds": 3,
+                        "lanes": 2,
+                        "map_same_host": map_same_host,
+                    },
+                }
+            )
+        )
+        cmd = [MPIRUN, "--oversubscribe", "-np", str(ranks)]
+        if os.geteuid() == 0:
+            cmd.insert(1, "--allow-run-as-root")
+        cmd += [sys.executable, "-m", "cascade", "serve", "--config", str(config)]
+        self.log = open(tmp_path / "serve.log", "w+")
+        self.proc = subprocess.Popen(cmd, env=_mpi_env(), stdout=self.log, stderr=subprocess.STDOUT)
+        self.socks = [os.path.join(self.run, f"pool-{r}.sock") for r in range(ranks)]
+
+    def text(self) -> str:
+        self.log.flush()
+        return (self.tmp / "serve.log").read_text()
+
+    def info(self, rank: int) -> dict:
+        from cascade import serve_status
+
+        with open(serve_status.info_path(self.socks[rank])) as f:
+            return json.load(f)
+
+    def pid_of(self, rank: int) -> int:
+        return int(self.info(rank)["pid"])
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        from cascade import serve_status
+
+        deadline = time.monotonic() + timeout
+        while not all(os.path.exists(serve_status.info_path(s)) for s in self.socks):
+            assert self.proc.poll() is None, (
+                f"the job exited {self.proc.returncode}:\n{self.text()[-4000:]}"
+            )
+            assert time.monotonic() < deadline, f"no servers after {timeout} s:\n{self.text()}"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        for r in range(self.ranks):
+            if os.path.exists(f"{self.shm}-{r}"):
+                os.unlink(f"{self.shm}-{r}")
+        shutil.rmtree(self.run, ignore_errors=True)
+
+
+@needs_mpi
+@pytest.mark.parametrize("map_same_host", [False, True])
+def test_serve_ranks_of_one_mpi_job_are_the_cluster(tmp_path, map_same_host):
+    """`mpirun -np 3 cascade serve` with `cluster: {transport: mpi}`: the ranks
+    are the members (no etcd). Blocks saved through rank 0's socket are read,
+    byte for byte, through the other ranks' sockets; SIGTERM to mpirun ends
+    every rank cleanly."""
+    import numpy as np
+
+    job = _ServeJob(tmp_path, ranks=3, map_same_host=map_same_host)
+    try:
+        job.wait_ready()
+        rng = np.random.default_rng(5)
+        data = {
+            f"mpi/{i}": np.frombuffer(rng.bytes(4096 * (1 + i % 9) + i), dtype=np.uint8)
+            for i in range(60)
+        }
+        with _pool_client(job.socks[0]) as writer:
+            for key, value in data.items():
+                assert writer.put(key, value)
+            writer.flush()
+        for sock in job.socks[1:]:
+            with _pool_client(sock) as reader:
+                missing = set(data)
+                deadline = time.monotonic() + 20  # pushes to owners run in the background
+                while missing and time.monotonic() < deadline:
+                    for key in sorted(missing):
+                        out = np.zeros(len(data[key]) + 64, dtype=np.uint8)
+                        found, size = reader.get(key, out)
+                        if found:
+                            assert size == len(data[key])
+                            assert np.array_equal(out[:size], data[key]), f"{key} differs"
+                            missing.discard(key)
+                    time.sleep(0.1)
+                assert not missing, f"{len(missing)} blocks never reached {sock}:\n{job.text()}"
+        assert job.info(1)["cluster"]["node_id"] == "rank-1"
+        job.proc.send_signal(signal.SIGTERM)
+        rc = job.proc.wait(60)
+        out = job.text()
+        # mpirun itself exits 1 after it forwarded a SIGTERM; a rank that
+        # failed or died would have made it say so.
+        assert rc in (0, 1), f"mpirun exited {rc}:\n{out[-4000:]}"
+        for sign in ("non-zero status", "exited on signal", "Traceback", "ERROR"):
+            assert sign not in out, out[-4000:]
+        for r in range(job.ranks):
+            assert f"rank-{r} is rank {r} of {job.ranks}" in out, out[-4000:]
+        assert out.count("closed in") == job.ranks, out[-4000:]
+    finally:
+        job.close()
+
+
+def test_mpi_cluster_options_are_checked():
+    from cascade.cluster import cluster_options
+
+    o = cluster_options({"transport": "mpi", "name": "job"}, "/tmp/s.sock")
+    assert o.transport == "mpi" and o.node_id == "" and o.endpoints == []
+    with pytest.raises(ValueError, match="remove endpoints"):
+        cluster_options({"transport": "mpi", "endpoints": ["http://127.0.0.1:2379"]}, "/s")
+    with pytest.raises(ValueError, match="remove lease_ttl_seconds, watch"):
+        cluster_options({"transport": "mpi", "lease_ttl_seconds": 5, "watch": False}, "/s")
+    with pytest.raises(ValueError, match="'ucx' or 'mpi'"):
+        cluster_options({"transport": "tcp", "endpoints": ["http://127.0.0.1:2379"]}, "/s")
+    with pytest.raises(ValueError, match="at least one etcd endpoint"):
+        cluster_options({"transport": "ucx"}, "/s")
+    from cascade.cluster.mpi_members import rank_node_id
+
+    assert rank_node_id("", 3) == "rank-3" and rank_node_id("gpu-a", 3) == "gpu-a-3"
+
+
+@needs_mpi
+def test_a_killed_rank_ends_the_serving_job(tmp_path):
+    """A rank killed with SIGKILL: Open MPI ends the whole job, so no server
+    is left answering for a member that is gone; a client of a surviving
+    rank sees an error, not a hang."""
+    import numpy as np
+
+    job = _ServeJob(tmp_path, ranks=3, map_same_host=False)
+    try:
+        job.wait_ready()
+        import cascade
+
+        client = _pool_client(job.socks[0])
+        block = np.arange(8192, dtype=np.uint8)
+        assert client.put("kill/0", block)
+        os.kill(job.pid_of(2), signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = job.proc.wait(60)
+        assert rc != 0, job.text()[-3000:]
+        assert time.monotonic() - t0 < 45, "the job outlived its killed rank"
+        # Its server is gone with the job: a read is a miss at once, a write
+        # an error.
+        out = np.zeros(8192, dtype=np.uint8)
+        t0 = time.monotonic()
+        assert client.get("kill/0", out) == (False, 0)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(cascade.UnavailableError):
+            client.put("kill/1", block)
+        with pytest.raises(cascade.UnavailableError):  # what it saved could not be flushed
+            client.close()
+    finally:
+        job.close()

@@ -367,9 +367,10 @@ def _join_cluster(server, copts, capacity_bytes: int):
     and keeps the server's view of the members (and their ring) up to date.
     The server serves its node whether or not the coordination service
     answers now: a failed first registration is retried in the background."""
-    from cascade.cluster import Membership
+    from cascade.cluster import MemberRecord, Membership
 
     generation = time.time_ns() // 1000
+    comm = _mpi_comm(copts)
     address = server.start_cluster(
         copts.node_id,
         generation,
@@ -382,6 +383,8 @@ def _join_cluster(server, copts, capacity_bytes: int):
         service_threads=copts.service_threads,
         lanes=copts.lanes,
         map_same_host=copts.map_same_host,
+        transport=copts.transport,
+        mpi_comm=comm.py2f() if comm is not None else -1,
     )
 
     def install(view, ring) -> None:
@@ -395,6 +398,23 @@ def _join_cluster(server, copts, capacity_bytes: int):
             for m in ring.members
         ]
         server.set_cluster_view(view.version, members, positions, owners, ring.replicas)
+
+    if comm is not None:
+        from cascade.cluster.mpi_members import MpiMembers
+
+        record = MemberRecord(copts.node_id, address, capacity_bytes, generation, time.time())
+        members = MpiMembers.gather(
+            comm, copts.name, record, copts.points_per_member, copts.replicas
+        )
+        install(*members.snapshot())
+        logger.info(
+            "cluster %s: %s is rank %d of %d, members for the job's life",
+            copts.name,
+            copts.node_id,
+            comm.rank,
+            comm.size,
+        )
+        return members
 
     membership = Membership(
         _etcd_client(copts),
@@ -421,6 +441,25 @@ def _join_cluster(server, copts, capacity_bytes: int):
             copts.refresh_seconds,
         )
     return membership
+
+
+def _mpi_comm(copts):
+    """MPI's world communicator when the cluster's members are MPI ranks."""
+    if copts.transport != "mpi":
+        return None
+    from cascade.cluster.mpi_members import mpi_world
+
+    return mpi_world()
+
+
+def _for_rank(options: dict[str, Any], socket_path: str, rank: int):
+    """``{rank}`` in the socket path and the store's paths replaced by this
+    process's rank: ranks of one host need paths of their own."""
+
+    def sub(v):
+        return v.replace("{rank}", str(rank)) if isinstance(v, str) else v
+
+    return {k: sub(v) for k, v in options.items()}, sub(socket_path)
 
 
 def _etcd_client(copts):
@@ -464,9 +503,15 @@ def run(
     from cascade import serve_status
     from cascade.cluster import cluster_options
 
-    cfg = _store_config(store_options)
     socket_path = opts.socket or default_socket_path()
     copts = cluster_options(cluster, socket_path) if cluster is not None else None
+    if copts is not None and copts.transport == "mpi":
+        from cascade.cluster.mpi_members import rank_node_id
+
+        rank = _mpi_comm(copts).rank
+        store_options, socket_path = _for_rank(dict(store_options), socket_path, rank)
+        copts.node_id = rank_node_id(copts.node_id, rank)
+    cfg = _store_config(store_options)
     prepare_socket_dir(socket_path, opts.group)
     stop = threading.Event()
     _install_signals(stop)

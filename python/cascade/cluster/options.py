@@ -35,8 +35,11 @@ class ClusterOptions:
     request_timeout_seconds: float = 2.0  # deadline of each call to the service
     points_per_member: int = DEFAULT_POINTS
     replicas: int = 1
-    # The data transport between members (UCX). fabrics: UCX_TLS terms
-    # ("tcp", "sm,tcp"); "": UCX's choice.
+    # The data transport between members: "ucx" (members in etcd), or
+    # "mpi" when the servers are the ranks of one MPI job (the ranks are the
+    # members, for the job's life; no etcd). fabrics: UCX_TLS terms ("tcp",
+    # "sm,tcp"); "": UCX's choice.
+    transport: str = "ucx"
     fabrics: str = ""
     # Allow fabrics that cannot notice a dead peer (shared memory alone).
     allow_undetected_failures: bool = False
@@ -47,6 +50,20 @@ class ClusterOptions:
     # Members on this host (same boot id) whose arena file this server may
     # open are read by mapping the file instead of over the transport.
     map_same_host: bool = True
+
+
+# Options of the coordination service, which a cluster of MPI ranks has not.
+_ETCD_ONLY = (
+    "endpoints",
+    "ca_file",
+    "cert_file",
+    "key_file",
+    "username",
+    "password_file",
+    "lease_ttl_seconds",
+    "watch",
+    "grace_seconds",
+)
 
 
 def default_node_id(socket_path: str) -> str:
@@ -79,6 +96,9 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
             value = [check_endpoint(str(v)) for v in value]
         elif name in ("name", "node_id"):
             value = check_name(str(value), f"cluster.{name}")
+        elif name == "transport":
+            if value not in ("ucx", "mpi"):
+                raise ValueError(f"cluster.transport: 'ucx' or 'mpi', not {value!r:.60}")
         elif name == "fabrics":
             if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_,:.-]*", value):
                 raise ValueError(f"cluster.fabrics: such as 'tcp' or 'sm,tcp', not {value!r:.60}")
@@ -102,7 +122,16 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
                 raise ValueError(f"cluster.{name}: a number of seconds, not {value!r}")
             value = float(value)
         setattr(o, name, value)
-    if not o.endpoints:
+    if o.transport == "mpi":
+        given = [n for n in _ETCD_ONLY if n in section and section[n] not in (None, "", [])]
+        if given:
+            raise ValueError(
+                f"cluster.transport mpi: the ranks are the members, with no coordination "
+                f"service; remove {', '.join(given)}"
+            )
+        if o.fabrics:
+            raise ValueError("cluster.fabrics: UCX's; not with cluster.transport mpi")
+    elif not o.endpoints:
         raise ValueError("cluster.endpoints: at least one etcd endpoint (http://HOST:PORT)")
     if bool(o.username) != bool(o.password_file):
         raise ValueError("cluster.username and cluster.password_file: both, or neither")
@@ -134,6 +163,6 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
         )
     if o.replicas not in (1, 2):
         raise ValueError(f"cluster.replicas: 1 or 2, not {o.replicas}")
-    if not o.node_id:
+    if not o.node_id and o.transport != "mpi":  # an MPI rank's id comes from its rank
         o.node_id = default_node_id(socket_path)
     return o
