@@ -151,29 +151,29 @@ bool ThreadPool::help_a_for() {
   return false;
 }
 
-// A worker: parallel_fors first (their callers wait), then queued jobs; when
-// there is neither it sleeps until epoch_ moves. It reads epoch_ before it
+// A worker: takes part in a parallel_for, then runs a queued job, in turn;
+// when there is neither it sleeps until epoch_ moves. It reads epoch_ before it
 // looks, and a producer bumps epoch_ after it publishes and reads sleepers_
 // after the bump, so a worker that missed new work finds epoch_ changed
 // when it goes to sleep, or is woken.
 void ThreadPool::run() {
   while (true) {
     const uint32_t seen = epoch_.load(std::memory_order_seq_cst);
-    if (help_a_for()) continue;
+    // One parallel_for, then one queued job: a stream of parallel_fors
+    // from other threads must not keep a job waiting.
+    const bool helped = help_a_for();
     std::function<void()> job;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!jobs_.empty()) {
         job = std::move(jobs_.front());
         jobs_.pop_front();
-      } else if (stop_) {
+      } else if (stop_ && !helped) {
         return;
       }
     }
-    if (job) {
-      job();
-      continue;
-    }
+    if (job) job();
+    if (job || helped) continue;
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
     if (epoch_.load(std::memory_order_seq_cst) == seen) futex_wait_on(&epoch_, seen);
     sleepers_.fetch_sub(1, std::memory_order_seq_cst);

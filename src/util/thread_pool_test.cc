@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <numeric>
 #include <system_error>
@@ -150,6 +151,30 @@ TEST(ThreadPoolTest, ParallelForWithoutHelpersRunsOnTheCaller) {
   pool.parallel_for(0, [&](size_t) { elsewhere += 1; });
   none.parallel_for(50, [&](size_t) { elsewhere += std::this_thread::get_id() != me; });
   EXPECT_EQ(elsewhere.load(), 0);
+}
+
+// A queued job runs while other threads keep the workers busy with one
+// parallel_for after another: a worker looks at the queue between two.
+TEST(ThreadPoolTest, QueuedJobsRunBetweenParallelFors) {
+  ThreadPool pool(2);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 3; ++c)
+    callers.emplace_back([&] {
+      while (!stop.load())
+        pool.parallel_for(
+            64, [](size_t) { std::this_thread::sleep_for(std::chrono::microseconds(50)); });
+    });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  std::atomic<bool> ran{false};
+  pool.submit([&] { ran = true; });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  while (!ran.load() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const bool in_time = ran.load();
+  stop = true;
+  for (auto& t : callers) t.join();
+  EXPECT_TRUE(in_time) << "a queued job waited 3 s behind parallel_fors";
 }
 
 }  // namespace cascade
