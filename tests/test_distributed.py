@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -191,11 +192,36 @@ def _pool_client(sock: str):
     )
 
 
+def _free_ports(n: int) -> int:
+    """The first of n consecutive TCP ports of this host that are free now."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + n > 65535:
+            continue
+        try:
+            held = []
+            for k in range(n):
+                t = socket.socket()
+                held.append(t)
+                t.bind(("127.0.0.1", first + k))
+            return first
+        except OSError:
+            continue
+        finally:
+            for t in held:
+                t.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 class _ServeJob:
     """`mpirun -np N python -m cascade serve` with `cluster: {transport: mpi}`,
     each rank with its own socket and arena (`{rank}` in their paths)."""
 
-    def __init__(self, tmp_path, ranks: int, map_same_host: bool):
+    def __init__(self, tmp_path, ranks: int, map_same_host: bool, metrics_port: int = 0):
         import yaml
 
         self.ranks = ranks
@@ -214,6 +240,7 @@ class _ServeJob:
                     "serve": {
                         "socket": os.path.join(self.run, "pool-{rank}.sock"),
                         "summary_seconds": 0,
+                        "metrics_port": metrics_port,
                     },
                     "cluster": {
                         "transport": "mpi",
@@ -277,7 +304,8 @@ def test_serve_ranks_of_one_mpi_job_are_the_cluster(tmp_path, map_same_host):
     every rank cleanly."""
     import numpy as np
 
-    job = _ServeJob(tmp_path, ranks=3, map_same_host=map_same_host)
+    port = _free_ports(3) if not map_same_host else 0
+    job = _ServeJob(tmp_path, ranks=3, map_same_host=map_same_host, metrics_port=port)
     try:
         job.wait_ready()
         rng = np.random.default_rng(5)
@@ -304,6 +332,14 @@ def test_serve_ranks_of_one_mpi_job_are_the_cluster(tmp_path, map_same_host):
                     time.sleep(0.1)
                 assert not missing, f"{len(missing)} blocks never reached {sock}:\n{job.text()}"
         assert job.info(1)["cluster"]["node_id"] == "rank-1"
+        if port:  # each rank of the host on its own port, from the configured one
+            for r in range(job.ranks):
+                assert job.info(r)["metrics"] == f"http://127.0.0.1:{port + r}"
+            with urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=10) as f:
+                text = f.read().decode()
+            assert "cascade_pool_cluster_view_version 1" in text, text[-2000:]
+            fetched = [ln for ln in text.splitlines() if ln.startswith("cascade_pool_cluster_fet")]
+            assert fetched, text[-2000:]
         job.proc.send_signal(signal.SIGTERM)
         rc = job.proc.wait(60)
         out = job.text()

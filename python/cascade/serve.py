@@ -452,6 +452,17 @@ def _mpi_comm(copts):
     return mpi_world()
 
 
+def _local_rank(comm) -> int:
+    """This rank's place among the job's ranks on its host (collective)."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return int(local.rank)
+    finally:
+        local.Free()
+
+
 def _for_rank(options: dict[str, Any], socket_path: str, rank: int):
     """``{rank}`` in the socket path and the store's paths replaced by this
     process's rank: ranks of one host need paths of their own."""
@@ -508,9 +519,11 @@ def run(
     if copts is not None and copts.transport == "mpi":
         from cascade.cluster.mpi_members import rank_node_id
 
-        rank = _mpi_comm(copts).rank
-        store_options, socket_path = _for_rank(dict(store_options), socket_path, rank)
-        copts.node_id = rank_node_id(copts.node_id, rank)
+        comm = _mpi_comm(copts)
+        store_options, socket_path = _for_rank(dict(store_options), socket_path, comm.rank)
+        copts.node_id = rank_node_id(copts.node_id, comm.rank)
+        if opts.metrics_port:  # ranks of one host: one port each, from the first
+            opts = dataclasses.replace(opts, metrics_port=opts.metrics_port + _local_rank(comm))
     cfg = _store_config(store_options)
     prepare_socket_dir(socket_path, opts.group)
     stop = threading.Event()
