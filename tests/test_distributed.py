@@ -102,16 +102,7 @@ def mpirun(ranks: int, *args: str, timeout: float = 60, expect_success: bool = T
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
     cmd += [sys.executable, "-m", "mpi4py", str(SCENARIOS), *args]
-    env = dict(os.environ)
-    # One node: shared memory and loopback only, the ob1 engine (so the
-    # transports named here are the ones used), and yield when idle because
-    # ranks outnumber cores.
-    env.update(
-        OMPI_MCA_pml="ob1",
-        OMPI_MCA_btl="self,vader",
-        OMPI_MCA_mpi_yield_when_idle="1",
-        OMPI_MCA_rmaps_base_oversubscribe="1",
-    )
+    env = _mpi_env()
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -171,6 +162,9 @@ def test_job_killed_mid_write_restarts_from_whole_blocks(tmp_path):
 
 
 def _mpi_env() -> dict[str, str]:
+    """One node: shared memory and loopback only, the ob1 engine (so the
+    transports named here are the ones used), and yield when idle because
+    ranks outnumber cores."""
     env = dict(os.environ)
     env.update(
         OMPI_MCA_pml="ob1",

@@ -56,6 +56,20 @@ MAX_MEMBERS = 4096
 _MAX_REMEMBERED_BAD = 10000
 
 
+# What a member counts, in state() (metrics: serve_status.CLUSTER_METRICS).
+COUNTERS = (
+    "registrations",
+    "renewals",
+    "renew_failures",
+    "refreshes",
+    "refresh_failures",
+    "malformed_records",
+    "outages",
+    "watch_changes",
+    "watches_made",
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class MembershipView:
     """The members as a member last saw them.
@@ -138,20 +152,7 @@ class Membership:
         self._state = "joining"
         self._unreachable_since: float | None = None  # monotonic
         self._last_error = ""
-        self._counters = dict.fromkeys(
-            (
-                "registrations",
-                "renewals",
-                "renew_failures",
-                "refreshes",
-                "refresh_failures",
-                "malformed_records",
-                "outages",
-                "watch_changes",
-                "watches_made",
-            ),
-            0,
-        )
+        self._counters = dict.fromkeys(COUNTERS, 0)
         self._watch_enabled = bool(watch)
         self._watch: PrefixWatch | None = None  # the one being read now
         self._watcher: threading.Thread | None = None

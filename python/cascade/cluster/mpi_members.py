@@ -17,21 +17,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cascade.cluster.membership import MembershipView
+from cascade.cluster.membership import COUNTERS, MembershipView
 from cascade.cluster.records import MemberRecord
 from cascade.cluster.ring import PlacementRing
-
-_COUNTERS = (
-    "registrations",
-    "renewals",
-    "renew_failures",
-    "refreshes",
-    "refresh_failures",
-    "malformed_records",
-    "outages",
-    "watch_changes",
-    "watches_made",
-)
 
 
 def mpi_world():
@@ -123,7 +111,7 @@ class MpiMembers:
             "replicas": self._args[1],
             "watching": False,
             "coordination": "mpi",
-            **dict.fromkeys(_COUNTERS, 0),
+            **dict.fromkeys(COUNTERS, 0),
         }
 
     def close(self, timeout: float | None = None) -> None:
