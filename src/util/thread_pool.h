@@ -9,7 +9,9 @@
 // A parallel_for is published in a slot that idle workers scan, and the
 // helpers it asks for are woken with one futex call: they start together
 // and take items without a lock, where helpers woken one by one through a
-// queue's mutex would join a short batch only near its end.
+// queue's mutex would join a short batch only near its end. A worker takes
+// part in one parallel_for and then runs one queued job, in turn, so callers
+// of parallel_for one after another never keep a job waiting.
 //
 // Thread-safety: all methods are thread-safe. The destructor runs the jobs
 // still queued, then joins.
