@@ -1,12 +1,9 @@
 #include "os/ipc.h"
 
-#include <linux/futex.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <sys/un.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -15,23 +12,6 @@
 #include "util/errno_status.h"
 
 namespace cascade {
-
-void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_us) {
-  struct timespec ts;
-  ts.tv_sec = timeout_us / 1000000;
-  ts.tv_nsec = (timeout_us % 1000000) * 1000;
-  // Not FUTEX_PRIVATE: the word may be shared with another process.
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-
-void futex_wake_all(std::atomic<uint32_t>* word) {
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr,
-            0);
-}
-
-void futex_wake_one(std::atomic<uint32_t>* word) {
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, 1, nullptr, nullptr, 0);
-}
 
 Result<PeerCredentials> peer_credentials(int sock) {
   struct ucred cred {};

@@ -1,13 +1,12 @@
-// Inter-process primitives of the node pool: futex waits on words in shared
-// memory, and a Unix stream socket that passes descriptors and names its
-// peer.
+// Inter-process primitives of the node pool: a Unix stream socket that
+// passes descriptors and names its peer (futex waits on words in shared
+// memory are util/futex.h).
 //
 // Thread-safety: free functions; callers serialize use of one socket.
 #pragma once
 
 #include <sys/types.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -16,15 +15,6 @@
 #include "cascade/status.h"
 
 namespace cascade {
-
-// Sleeps while *word == expected, at most timeout_us microseconds (a
-// spurious or early return is allowed: callers re-check the word). The
-// word may live in memory shared with other processes.
-void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_us);
-// Wakes every waiter on *word.
-void futex_wake_all(std::atomic<uint32_t>* word);
-// Wakes one waiter on *word, if any waits.
-void futex_wake_one(std::atomic<uint32_t>* word);
 
 struct PeerCredentials {
   pid_t pid = 0;

@@ -24,6 +24,7 @@
 #include "tiers/pool/pool_channel.h"
 #include "tiers/pool/pool_wire.h"
 #include "util/errno_status.h"
+#include "util/futex.h"
 
 namespace cascade {
 

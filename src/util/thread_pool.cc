@@ -2,10 +2,7 @@
 
 #include "util/copy_bytes.h"
 #include "util/errno_status.h"
-
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "util/futex.h"
 
 #include <algorithm>
 #include <atomic>
@@ -42,15 +39,6 @@ namespace {
 
 constexpr int kForSlots = 64;
 
-void futex_wait_on(std::atomic<uint32_t>* word, uint32_t expected) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr,
-          nullptr, 0);
-}
-
-void futex_wake_on(std::atomic<uint32_t>* word, int n) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, n, nullptr, nullptr, 0);
-}
-
 }  // namespace
 
 // One parallel_for: items are handed out by `next`; the caller waits only
@@ -73,7 +61,7 @@ struct ThreadPool::ForState {
     }
     if (finished && done.fetch_add(finished, std::memory_order_acq_rel) + finished == n) {
       all_done.store(1, std::memory_order_seq_cst);
-      futex_wake_on(&all_done, 1);
+      futex_wake_one(&all_done);
     }
   }
 
@@ -86,7 +74,7 @@ struct ThreadPool::ForState {
       cpu_pause();
       if ((i & 15) == 15 && std::chrono::steady_clock::now() > spin_end) break;
     }
-    while (!all_done.load(std::memory_order_acquire)) futex_wait_on(&all_done, 0);
+    while (!all_done.load(std::memory_order_acquire)) futex_wait(&all_done, 0, -1);
   }
 
   static void cpu_pause() {
@@ -127,13 +115,13 @@ void ThreadPool::stop_and_join() {
     stop_ = true;
   }
   epoch_.fetch_add(1, std::memory_order_seq_cst);
-  futex_wake_on(&epoch_, INT32_MAX);
+  futex_wake_all(&epoch_);
   for (auto& t : workers_) t.join();
 }
 
 void ThreadPool::wake(int n) {
   epoch_.fetch_add(1, std::memory_order_seq_cst);
-  if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_on(&epoch_, n);
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake(&epoch_, n);
 }
 
 void ThreadPool::submit(std::function<void()> job) {
@@ -183,7 +171,7 @@ void ThreadPool::run() {
     if (job) job();
     if (job || helped) continue;
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
-    if (epoch_.load(std::memory_order_seq_cst) == seen) futex_wait_on(&epoch_, seen);
+    if (epoch_.load(std::memory_order_seq_cst) == seen) futex_wait(&epoch_, seen, -1);
     sleepers_.fetch_sub(1, std::memory_order_seq_cst);
   }
 }

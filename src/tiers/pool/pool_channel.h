@@ -30,6 +30,7 @@
 
 #include "os/ipc.h"
 #include "tiers/pool/pool_wire.h"
+#include "util/futex.h"
 
 namespace cascade::pool {
 
