@@ -187,15 +187,13 @@ def _pool_client(sock: str):
 
 
 def _free_ports(n: int) -> int:
-    """The first of n consecutive TCP ports of this host that are free now."""
+    """The first of n consecutive TCP ports of this host that are free now,
+    below the kernel's ephemeral range (which MPI's own sockets draw from)."""
+    import random
     import socket
 
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        if first + n > 65535:
-            continue
+    for _ in range(200):
+        first = random.randrange(20000, 32000 - n)
         try:
             held = []
             for k in range(n):
@@ -398,4 +396,30 @@ def test_a_killed_rank_ends_the_serving_job(tmp_path):
         with pytest.raises(cascade.UnavailableError):  # what it saved could not be flushed
             client.close()
     finally:
+        job.close()
+
+
+@needs_mpi
+def test_a_rank_that_cannot_serve_ends_the_job(tmp_path):
+    """A rank that fails after MPI started (here: its metrics port is taken)
+    ends the whole job at once, instead of waiting in MPI_Finalize for ranks
+    that serve on."""
+    import socket
+
+    port = _free_ports(3)
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    blocker.bind(("127.0.0.1", port + 1))  # rank 1's port
+    blocker.listen(1)
+    job = _ServeJob(tmp_path, ranks=3, map_same_host=True, metrics_port=port)
+    try:
+        rc = job.proc.wait(60)
+        out = job.text()
+        assert rc != 0, out[-3000:]
+        assert "Address already in use" in out, out[-3000:]
+        assert "ending the MPI job: this rank cannot serve" in out, out[-3000:]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job outlived a rank that could not serve:\n{job.text()[-3000:]}")
+    finally:
+        blocker.close()
         job.close()

@@ -638,7 +638,18 @@ def main(args) -> int:
         if os.environ.get("CASCADE_DEBUG"):
             raise
         logger.error("%s", e)
+        _abort_mpi_job()
         return 1
+
+
+def _abort_mpi_job() -> None:
+    """A rank of an MPI job that cannot serve ends the whole job: its exit
+    would otherwise wait in MPI_Finalize, which is collective, for ranks that
+    go on serving (or that wait in a collective start for it)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        logger.error("ending the MPI job: this rank cannot serve")
+        mpi.COMM_WORLD.Abort(1)
 
 
 def add_arguments(p) -> None:
