@@ -20,6 +20,7 @@ void hash_piece(void* state, const void* piece, size_t bytes) {
 
 uint64_t chunk_digest(void* dst, const uint8_t* src, size_t n, uint64_t index, Pass pass) {
   if (pass == Pass::kHashOnly) return xxh3::hash(src, n, index);
+  if (uint64_t h = 0; xxh3::copy_and_hash(dst, src, n, index, &h)) return h;
   xxh3::State state;
   xxh3::reset(&state, index);
   copy_bytes_through(dst, src, n, hash_piece, &state);

@@ -22,12 +22,14 @@ inline constexpr size_t kChecksumChunk = size_t{1} << 20;
 // their chunks over the pool.
 uint64_t block_checksum(const void* data, size_t n, ThreadPool* pool = nullptr,
                         size_t parallel_threshold = 4u << 20);
-// Copies n bytes and returns the checksum of the bytes copied: each piece
-// goes through a buffer in L1 cache, is hashed there and written out from
-// it (copy_bytes_through), so the checksum costs CPU time but no extra pass
-// over memory, and it is the checksum of exactly what dst now holds even
-// when another process writes to src meanwhile (a block leased in its
-// memory, or one whose lease ends during the copy).
+// Copies n bytes and returns the checksum of the bytes copied, the
+// checksum of exactly what dst now holds even when another process writes
+// to src meanwhile (a block leased in its memory, or one whose lease ends
+// during the copy). Where the CPU allows (xxh3::copy_and_hash), each
+// vector loaded is stored and hashed from the same register, one pass;
+// otherwise each piece goes through a buffer in L1 cache, is hashed there
+// and written out from it (copy_bytes_through). Either way the checksum
+// costs CPU time but no extra pass over memory.
 uint64_t copy_with_checksum(void* dst, const void* src, size_t n, ThreadPool* pool = nullptr,
                             size_t parallel_threshold = 4u << 20);
 

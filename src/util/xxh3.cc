@@ -31,4 +31,9 @@ const Path& active() {
   return *chosen;
 }
 
+bool copy_and_hash(void* dst, const void* src, size_t n, uint64_t seed, uint64_t* hash) {
+  static const bool avx2 = &active() == avx2_path();
+  return avx2 && avx2_copy_and_hash(dst, src, n, seed, hash);
+}
+
 }  // namespace cascade::xxh3

@@ -57,9 +57,21 @@ inline void reset_with_secret(State* s, const void* secret, size_t secret_bytes)
 inline void update(State* s, const void* data, size_t n) { active().update(s, data, n); }
 inline uint64_t digest(const State* s) { return active().digest(s); }
 
+// Copies n bytes from src to dst and sets *hash to XXH3-64(seed) of the
+// bytes copied, in one pass: every vector loaded from src is stored to dst
+// and fed to the hash from the same register, so the hash is of exactly
+// what dst now holds even when src changes meanwhile. The stores to dst
+// are streaming (they bypass the cache) and fenced before returning.
+// Returns false, having copied nothing, where the running CPU has no such
+// path (no AVX2), for inputs of 240 bytes or less (XXH3's short cases), and
+// for a dst not aligned to 16 bytes; the caller then copies another way.
+bool copy_and_hash(void* dst, const void* src, size_t n, uint64_t seed, uint64_t* hash);
+
 // The paths' definitions (xxh3_path.inc, one translation unit per
 // instruction set). avx2_path() is null when the build has no AVX2 path.
 const Path* baseline_path();
 const Path* avx2_path();
+// The AVX2 unit's one-pass copy (see copy_and_hash); false without AVX2.
+bool avx2_copy_and_hash(void* dst, const void* src, size_t n, uint64_t seed, uint64_t* hash);
 
 }  // namespace cascade::xxh3
