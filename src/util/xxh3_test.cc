@@ -70,9 +70,9 @@ TEST(Xxh3, CopyAndHashCopiesAndHashesInOnePass) {
     EXPECT_FALSE(copy_and_hash(b.data(), a.data(), a.size(), 0, &h));
     GTEST_SKIP() << "no AVX2 on this CPU or build: copy_and_hash declines";
   }
-  const size_t sizes[] = {241,   255,   256,    257,     1023,    1024,     1025,      1088,
-                          2047,  2048,  2049,   4096,    65535,   65536,    65537,     65599,
-                          98304, 1 << 20, (1 << 20) - 1, (1 << 20) + 63, 3000017};
+  const size_t sizes[] = {241,   255,   256,   257,     1023,          1024,           1025,
+                          1088,  2047,  2048,  2049,    4096,          65535,          65536,
+                          65537, 65599, 98304, 1 << 20, (1 << 20) - 1, (1 << 20) + 63, 3000017};
   for (size_t n : sizes) {
     const auto src = random_bytes(n + 64, static_cast<uint32_t>(n) * 7);
     std::vector<uint8_t> dst(n + 128);
