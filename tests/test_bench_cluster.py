@@ -47,6 +47,37 @@ def test_without_mapping_remote_reads_come_over_the_transport(tmp_path):
         assert p["mapped_leases"] == 0
 
 
+def test_aggregate_readers_in_processes_of_their_own(tmp_path, capsys):
+    out = tmp_path / "cluster.json"
+    argv = ["bench", "cluster", "--quick", "--quiet", "--servers", "3", "--fabrics", "sm"]
+    assert cli.main(argv + ["--client-processes", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["client_processes"] is True
+    [a] = report["aggregate"]
+    # Each spawned reader checked every byte of the two other servers' sets.
+    assert a["client_processes"] is True and a["servers"] == 3
+    assert a["pushed"] > 0 and a["read_gbps"] > 0
+    assert "readers in processes of their own" in capsys.readouterr().out
+
+
+def test_a_reader_process_that_fails_fails_the_run(monkeypatch, capsys):
+    from cascade.bench import cluster
+
+    # Spawned readers import this module afresh, so the fault travels as an
+    # argument: one block more than the writers saved is a miss for each
+    # reader, which it reports, and the run stops with the reader's error.
+    real = cluster._spawn_readers
+
+    def one_more(nodes, servers, size, count, batch):
+        return real(nodes, servers, size, count + 1, batch)
+
+    monkeypatch.setattr(cluster, "_spawn_readers", one_more)
+    argv = ["bench", "cluster", "--quick", "--quiet", "--servers", "2", "--fabrics", "sm"]
+    assert cli.main(argv + ["--client-processes"]) == 1
+    err = capsys.readouterr().err
+    assert "client process failed" in err and "1 blocks missing" in err
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         cli.main(["bench", "cluster", "--quick", "--fabrics", "carrier-pigeon"])

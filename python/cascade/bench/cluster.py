@@ -23,8 +23,11 @@ Rows, per fabric and block size:
   again, the mapping warm; over the transport: local by then);
 - aggregate with N servers (2..): one client per server writes its own
   blocks (pushed to their owners on the ring), then each reads every other
-  client's blocks once; bytes read by all clients over the wall time, and
-  N x the one-server remote rate beside it.
+  client's blocks once; bytes read by all clients over the busiest
+  reader's time, and N x the one-server remote rate beside it. With
+  --client-processes the readers are spawned processes, one per server, as
+  engines would be (each with its own page tables and locks), instead of
+  threads of this process.
 With --gpu, one more table: paged KV (32 layers, 2 MiB per stored block)
 saved through one server, pushed to its owner, and loaded into GPU memory
 through the owner's client (local) and through another server's client
@@ -85,6 +88,12 @@ def add_arguments(p) -> None:
         help="also load paged KV into GPU memory from the owner's arena and through another "
         "server (torch with CUDA)",
     )
+    p.add_argument(
+        "--client-processes",
+        action="store_true",
+        help="the aggregate rows' readers run in processes of their own, one per server, "
+        "instead of threads of this process",
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run: small sizes and bytes")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -93,6 +102,7 @@ def add_arguments(p) -> None:
 class _Node:
     lanes = 4  # the run's --lanes
     map_same_host = True  # not the run's --no-map
+    client_processes = False  # the run's --client-processes
 
     def __init__(
         self,
@@ -133,21 +143,51 @@ class _Node:
             time.sleep(0.02)
 
     def client(self, threads: int = 2):
-        from cascade import CascadeStore, config_from_dict
-
-        return CascadeStore(
-            config_from_dict(
-                {
-                    "pool_socket": self.socket,
-                    "pool_namespace": "bench",
-                    "use_gpu": False,
-                    "num_io_threads": threads,
-                }
-            )
-        )
+        return _client(self.socket, threads)
 
     def close(self) -> None:
         self.server.close()
+
+
+def _client(socket: str, threads: int = 2):
+    from cascade import CascadeStore, config_from_dict
+
+    return CascadeStore(
+        config_from_dict(
+            {
+                "pool_socket": socket,
+                "pool_namespace": "bench",
+                "use_gpu": False,
+                "num_io_threads": threads,
+            }
+        )
+    )
+
+
+def _read_worker(
+    rank: int, socket: str, servers: int, size: int, count: int, batch: int, barrier, results
+) -> None:
+    """An aggregate row's reader in a process of its own: every other
+    server's set, read once after the barrier, every byte checked."""
+    import traceback
+
+    try:
+        store = _client(socket)
+        sets = [_blocks(1000 * size + j, size, count) for j in range(servers) if j != rank]
+        barrier.wait(timeout=600)
+        seconds = sum(_read(store, keys, data, batch) for keys, data in sets)
+        store.close()
+        results.put({"rank": rank, "read_s": seconds})
+    except BaseException:
+        results.put({"rank": rank, "error": traceback.format_exc()})
+
+
+def _spawn_readers(nodes: list[_Node], servers: int, size: int, count: int, batch: int):
+    from cascade.bench.pool import _spawn
+
+    return _spawn(
+        _read_worker, [(i, nodes[i].socket, servers, size, count, batch) for i in range(servers)]
+    )
 
 
 def _install(nodes: list[_Node], owner_of_all: int | None = None) -> None:
@@ -267,6 +307,21 @@ def _aggregate_row(
         write_s = time.perf_counter() - t0
         progress(f"{fabric} {fmt_size(size)} x {servers} servers: reads")
         batch = max(1, min(256, (16 << 20) // size))
+        read_bytes = servers * (servers - 1) * count * size
+        pushed = sum(cast(dict, n.server.cluster_stats())["pushed"] for n in nodes)
+        if _Node.client_processes:
+            for c in clients:
+                c.close()
+            reports = _spawn_readers(nodes, servers, size, count, batch)
+            return {
+                "fabric": fabric,
+                "block": size,
+                "servers": servers,
+                "write_gbps": servers * count * size / write_s / 1e9,
+                "pushed": pushed,
+                "read_gbps": read_bytes / max(r["read_s"] for r in reports) / 1e9,
+                "client_processes": True,
+            }
         times = [0.0] * servers
         errors: list[BaseException] = []
 
@@ -289,8 +344,6 @@ def _aggregate_row(
         wall = time.perf_counter() - t0
         if errors:
             raise errors[0]
-        read_bytes = servers * (servers - 1) * count * size
-        pushed = sum(cast(dict, n.server.cluster_stats())["pushed"] for n in nodes)
         for c in clients:
             c.close()
         return {
@@ -410,6 +463,7 @@ def run_cluster_bench(args, progress) -> dict:
         "verify": not args.no_verify,
         "lanes": args.lanes,
         "map_same_host": not args.no_map,
+        "client_processes": args.client_processes,
     }
     report = report_header(args, "cluster", settings)
     progress("memcpy ceiling, one thread")
@@ -422,6 +476,7 @@ def run_cluster_bench(args, progress) -> dict:
         raise SystemExit("cascade bench cluster: --lanes takes 1 to 64")
     _Node.lanes = args.lanes
     _Node.map_same_host = not args.no_map
+    _Node.client_processes = args.client_processes
     report["pairs"] = [_pair_rows(f, s, total, verify, progress) for f in names for s in sizes]
     report["aggregate"] = [
         _aggregate_row(f, s, n, total, verify, progress)
@@ -503,7 +558,12 @@ def format_report(report: dict) -> str:
             ["fabric", "block", "servers", "write GB/s", "read GB/s", "N x one", "ratio"],
             rows,
             title="\none client per server: writes pushed to owners, then every client reads "
-            f"every other client's blocks (goal {GOAL_AGGREGATE}x N x one server)",
+            f"every other client's blocks (goal {GOAL_AGGREGATE}x N x one server)"
+            + (
+                "; readers in processes of their own"
+                if report["settings"].get("client_processes")
+                else "; readers on threads of this process"
+            ),
         )
     )
     if report.get("gpu"):
