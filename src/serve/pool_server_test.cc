@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <random>
 #include <thread>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "cascade/store.h"
 #include "os/ipc.h"
 #include "tiers/pool/pool_channel.h"
+#include "tiers/pool/pool_tier.h"
 #include "tiers/pool/pool_wire.h"
 
 namespace cascade {
@@ -327,6 +329,65 @@ TEST(PoolServerTest, BatchesInStepsWithFewerChannelsThanThreads) {
     auto stats = f.server->stats();
     EXPECT_EQ(stats.reservations, 0u);
     EXPECT_EQ(stats.leases, 0u);
+  }
+}
+
+// A read batch whose I/O pool has no free worker (every one busy with
+// other work): the calling thread takes every part itself, and the batch
+// ends with every block.
+TEST(PoolServerTest, AReadBatchEndsWhenItsCallerRunsItAlone) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  CascadeConfig c;
+  c.pipeline = "pool";
+  c.pool_socket = f.socket;
+  c.pool_namespace = "alone";
+  c.use_gpu = false;
+  auto pool = ThreadPool::Create(4);
+  ASSERT_TRUE(pool.ok());
+  auto opened = PoolTier::Open(c, pool->get());
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  auto& tier = *opened.value();
+  const size_t n = 256, size = 16 << 10;
+  std::vector<BlockId> ids;
+  std::vector<std::vector<uint8_t>> blocks;
+  std::vector<const void*> data;
+  std::vector<uint64_t> sizes(n, size);
+  for (uint64_t i = 0; i < n; ++i) {
+    ids.push_back(id_of(77000 + i));
+    blocks.push_back(bytes_for(77000 + i, size));
+    data.push_back(blocks.back().data());
+  }
+  std::vector<Status> st(n);
+  tier.put_batch(ids, data, sizes, PutOptions{}, st);
+  for (size_t i = 0; i < n; ++i) ASSERT_TRUE(st[i].ok()) << i << " " << st[i].ToString();
+
+  // Every worker of the pool busy until the read is over.
+  std::atomic<bool> go{false};
+  std::atomic<int> busy{0};
+  for (int w = 0; w < (*pool)->size(); ++w) {
+    (*pool)->submit([&] {
+      busy.fetch_add(1);
+      while (!go.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    });
+  }
+  while (busy.load() < (*pool)->size()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+
+  std::vector<std::vector<uint8_t>> outs(n, std::vector<uint8_t>(size, 0));
+  std::vector<ReadRequest> reqs(n);
+  for (size_t i = 0; i < n; ++i) {
+    reqs[i].out = outs[i].data();
+    reqs[i].capacity = size;
+  }
+  std::vector<ReadResult> results(n);
+  auto read = std::async(std::launch::async, [&] { tier.read_batch(ids, reqs, results, st); });
+  const bool ended = read.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  go.store(true);
+  read.wait();
+  ASSERT_TRUE(ended) << "the read batch waited for helpers that never came";
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(st[i].ok()) << i << " " << st[i].ToString();
+    ASSERT_EQ(outs[i], blocks[i]) << i;
   }
 }
 
