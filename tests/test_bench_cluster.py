@@ -83,3 +83,5 @@ def test_bad_arguments_are_refused():
         cli.main(["bench", "cluster", "--quick", "--fabrics", "carrier-pigeon"])
     with pytest.raises(SystemExit):
         cli.main(["bench", "cluster", "--quick", "--servers", "1"])
+    with pytest.raises(SystemExit, match="not a directory"):
+        cli.main(["bench", "cluster", "--quick", "--shm-dir", "/nonexistent/cascade"])

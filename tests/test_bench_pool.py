@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import pytest
 
@@ -93,3 +94,29 @@ def test_sections_can_be_skipped_and_nothing_is_left_behind(tmp_path, capsys):
     assert "throughput" not in report and "metadata" in report
     after = {p for p in os.listdir("/dev/shm") if p.startswith("cascade-bench-pool-")}
     assert after == before
+
+
+def test_arenas_go_in_the_shm_dir_given_and_a_missing_one_is_refused(tmp_path, capsys, monkeypatch):
+    from cascade.bench import pool
+
+    shm_dir = tempfile.mkdtemp(prefix="cascade-test-shm-dir-", dir="/dev/shm")
+    seen: list[str] = []
+    real_shm_path = pool._Run.shm_path
+
+    def shm_path(run, tag):
+        seen.append(real_shm_path(run, tag))
+        return seen[-1]
+
+    monkeypatch.setattr(pool._Run, "shm_path", shm_path)
+    try:
+        report, _ = _run(
+            tmp_path, capsys, "--clients", "1", "--skip-metadata", "--shm-dir", shm_dir
+        )
+        assert report["settings"]["shm_dir"] == shm_dir and report["verified"] is True
+        # The server's and the host tier's arenas were there, and are gone.
+        assert seen and all(os.path.dirname(p) == shm_dir for p in seen)
+        assert os.listdir(shm_dir) == []
+    finally:
+        os.rmdir(shm_dir)
+    with pytest.raises(SystemExit, match="not a directory"):
+        cli.main(["bench", "pool", "--quick", "--shm-dir", str(tmp_path / "missing")])

@@ -37,6 +37,7 @@ Every byte read is compared with what was written.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -89,6 +90,12 @@ def add_arguments(p) -> None:
         "server (torch with CUDA)",
     )
     p.add_argument(
+        "--shm-dir",
+        default="/dev/shm",
+        help="directory of the servers' arena files (default /dev/shm; a tmpfs mounted with "
+        "huge=always gives them huge pages)",
+    )
+    p.add_argument(
         "--client-processes",
         action="store_true",
         help="the aggregate rows' readers run in processes of their own, one per server, "
@@ -103,6 +110,7 @@ class _Node:
     lanes = 4  # the run's --lanes
     map_same_host = True  # not the run's --no-map
     client_processes = False  # the run's --client-processes
+    shm_dir = "/dev/shm"  # the run's --shm-dir
 
     def __init__(
         self,
@@ -117,7 +125,7 @@ class _Node:
         cfg.pipeline = "host"
         cfg.use_gpu = False
         cfg.shm_capacity_bytes = capacity
-        cfg.shm_path = f"/dev/shm/cascade-bench-cluster-{uuid.uuid4().hex[:12]}"
+        cfg.shm_path = os.path.join(_Node.shm_dir, f"cascade-bench-cluster-{uuid.uuid4().hex[:12]}")
         cfg.shm_populate = _core.ShmPopulate.FULL
         self.socket = f"/tmp/cascade-bench-cluster-{uuid.uuid4().hex[:12]}.sock"
         self.name = name
@@ -464,6 +472,7 @@ def run_cluster_bench(args, progress) -> dict:
         "lanes": args.lanes,
         "map_same_host": not args.no_map,
         "client_processes": args.client_processes,
+        "shm_dir": args.shm_dir,
     }
     report = report_header(args, "cluster", settings)
     progress("memcpy ceiling, one thread")
@@ -477,6 +486,9 @@ def run_cluster_bench(args, progress) -> dict:
     _Node.lanes = args.lanes
     _Node.map_same_host = not args.no_map
     _Node.client_processes = args.client_processes
+    if not os.path.isdir(args.shm_dir):
+        raise SystemExit(f"cascade bench cluster: --shm-dir {args.shm_dir!r} is not a directory")
+    _Node.shm_dir = args.shm_dir
     report["pairs"] = [_pair_rows(f, s, total, verify, progress) for f in names for s in sizes]
     report["aggregate"] = [
         _aggregate_row(f, s, n, total, verify, progress)

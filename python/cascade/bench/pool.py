@@ -57,6 +57,12 @@ def add_arguments(p) -> None:
         help="bytes written per pass by all clients together (default 1GiB; --quick: 32MiB)",
     )
     p.add_argument("--threads", type=int, default=0, help="total I/O threads (default: cores)")
+    p.add_argument(
+        "--shm-dir",
+        default="/dev/shm",
+        help="directory of the arena files, the pool server's and the host tier's (default "
+        "/dev/shm; a tmpfs mounted with huge=always gives them huge pages)",
+    )
     p.add_argument("--batch", type=int, default=512, help="blocks per put_batch/get_batch call")
     p.add_argument(
         "--repeats", type=int, default=None, help="steady write and read passes (default 3)"
@@ -105,20 +111,24 @@ def _settle(args) -> dict:
         if args.lookup_clients
         else ([1, 2] if q else [1, 2, 4]),
         "lookup_rounds": args.lookup_rounds or (30 if q else 500),
+        "shm_dir": args.shm_dir,
     }
 
 
 class _Run:
     """Paths of one run's servers and arenas, removed at the end."""
 
-    def __init__(self):
+    def __init__(self, shm_dir: str = "/dev/shm"):
+        if not os.path.isdir(shm_dir):
+            raise SystemExit(f"cascade bench pool: --shm-dir {shm_dir!r} is not a directory")
         self.dir = tempfile.mkdtemp(prefix="cascade-bench-pool-")
+        self.shm_dir = shm_dir
         self.count = 0
         self.shm: list[str] = []
 
     def shm_path(self, tag: str) -> str:
         self.count += 1
-        p = f"/dev/shm/cascade-bench-pool-{os.getpid()}-{tag}-{self.count}"
+        p = os.path.join(self.shm_dir, f"cascade-bench-pool-{os.getpid()}-{tag}-{self.count}")
         self.shm.append(p)
         return p
 
@@ -428,7 +438,7 @@ def _goals(report: dict) -> dict:
 def run_pool_bench(args, progress) -> dict:
     s = _settle(args)
     report: dict = report_header(args, "pool", s)
-    run = _Run()
+    run = _Run(s["shm_dir"])
     try:
         if not args.skip_throughput:
             report["throughput"] = run_throughput(run, s, progress)
