@@ -25,8 +25,10 @@ def test_quick_run_reports_pairs_and_aggregates(tmp_path, capsys):
     ]
     for p in report["pairs"]:
         # Servers of one host: every remote read leased at the owner and
-        # copied from its arena (four times: two timed reads, each checked).
-        assert p["mapped_leases"] == 4 * p["blocks"] and p["fetched"] == 0
+        # copied from its arena (four times: two timed reads, each checked;
+        # and the first-contact block twice).
+        assert p["mapped_leases"] == 4 * p["blocks"] + 2 and p["fetched"] == 0
+        assert p["first_contact_ms"] > 0
         assert p["again_gbps"] > 0
         assert p["checksum_failures"] == 0
         assert p["local_gbps"] > 0 and p["remote_gbps"] > 0
@@ -43,7 +45,8 @@ def test_without_mapping_remote_reads_come_over_the_transport(tmp_path):
     assert cli.main(argv + ["--fabrics", "tcp", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     for p in report["pairs"]:
-        assert p["fetched"] == p["blocks"] and p["fetched_mapped"] == 0  # over the transport
+        # Over the transport, the first-contact block included.
+        assert p["fetched"] == p["blocks"] + 1 and p["fetched_mapped"] == 0
         assert p["mapped_leases"] == 0
 
 
