@@ -23,6 +23,7 @@ import yaml
 
 import cascade
 from cascade import serve, serve_status
+from cascade.machine import arena_pages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The servers import the cascade package this test imported (a source tree or an install).
@@ -198,6 +199,10 @@ def test_serve_shares_blocks_reports_and_writes_down_on_sigterm(tmp):
         assert r.returncode == 0, r.stderr
         assert f"pid {srv.proc.pid}" in r.stdout and "clients 3," in r.stdout
         assert "| host |" in r.stdout
+        # The arena's pages, as its file system gives them, in the start line and the info.
+        pages = arena_pages(shm)
+        assert pages in ("2 MiB", "4 KiB")
+        assert f"({pages} pages" in srv.text() and f"({pages} pages)" in r.stdout
         r = cli("info", "--pool", url, "--json")
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["stats"]["commits"] == len(data)
@@ -419,6 +424,27 @@ def test_prometheus_text_escapes_and_parses():
     assert 'cascade_pool_tier_hits_total{tier="odd\\"name\\\\"} 3' in text
     assert "cascade_pool_open_seconds 0.25" in text
     assert "# TYPE cascade_pool_requests_total counter" in text
+
+
+def test_arena_pages_follow_the_tmpfs_mount_and_the_kernel():
+    mounts = (
+        "tmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0\n"
+        "none /mnt/huge tmpfs rw,relatime,size=4194304k,huge=always 0 0\n"
+        "none /mnt/advise tmpfs rw,huge=advise 0 0\n"
+        "/dev/sda1 / ext4 rw,relatime 0 0\n"
+    )
+    never = "always within_size advise [never] deny force"
+    assert arena_pages("/dev/shm/cascade-pool", mounts, never) == "4 KiB"
+    assert arena_pages("/mnt/huge/pool", mounts, never) == "2 MiB"
+    assert arena_pages("/mnt/advise/pool", mounts, never) == "2 MiB"  # the arena asks
+    assert arena_pages("/mnt/hugefiles/pool", mounts, never) == "unknown"  # on /, not /mnt/huge
+    assert arena_pages("/var/tmp/pool", mounts, never) == "unknown"
+    assert arena_pages("/dev/shm/x", mounts, "always within_size advise never deny [force]") == (
+        "2 MiB"
+    )
+    assert arena_pages("/mnt/huge/x", mounts, "always within_size advise never [deny] force") == (
+        "4 KiB"
+    )
 
 
 def test_client_watcher_logs_arrivals_departures_and_unlisted(caplog):

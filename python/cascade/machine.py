@@ -50,18 +50,56 @@ def _disks(paths) -> list[dict]:
     return out
 
 
-def _fs_type(path: str) -> str:
+def _mount_of(path: str, mounts: str | None = None) -> tuple[str, str, list[str]]:
+    """(mount point, file system type, options) of the mount that holds
+    path, from /proc/mounts (or `mounts`, its text); ("", "unknown", [])
+    when none is found."""
     path = os.path.realpath(path)
-    best, fs = "", "unknown"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3 and path.startswith(parts[1]) and len(parts[1]) > len(best):
-                    best, fs = parts[1], parts[2]
-    except OSError:
-        pass
-    return fs
+    if mounts is None:
+        try:
+            with open("/proc/mounts") as f:
+                mounts = f.read()
+        except OSError:
+            mounts = ""
+    best: tuple[str, str, list[str]] = ("", "unknown", [])
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        point = parts[1]
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[0]):
+            best = (point, parts[2], parts[3].split(","))
+    return best
+
+
+def _fs_type(path: str) -> str:
+    return _mount_of(path)[1]
+
+
+def arena_pages(path: str, mounts: str | None = None, shmem_enabled: str | None = None) -> str:
+    """The pages a host arena file at `path` is mapped with: "2 MiB" on a
+    tmpfs that gives huge pages to the arena (mounted with huge=always,
+    within_size or advise: the arena asks with MADV_HUGEPAGE; or every
+    tmpfs, when the kernel forces them), "4 KiB" on other tmpfs mounts,
+    "unknown" elsewhere."""
+    directory = os.path.dirname(os.path.abspath(path)) or "/"
+    _, fs, options = _mount_of(directory, mounts)
+    if fs != "tmpfs":
+        return "unknown"
+    if shmem_enabled is None:
+        try:
+            with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+                shmem_enabled = f.read()
+        except OSError:
+            shmem_enabled = ""
+    chosen = shmem_enabled[shmem_enabled.find("[") + 1 : shmem_enabled.find("]")]
+    if chosen == "deny":
+        return "4 KiB"
+    if chosen == "force":
+        return "2 MiB"
+    huge = next((o.split("=", 1)[1] for o in options if o.startswith("huge=")), "never")
+    return "2 MiB" if huge in ("always", "within_size", "advise") else "4 KiB"
 
 
 def _gpus() -> list[dict]:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cascade.config import config_from_dict
+from cascade.machine import arena_pages
 from cascade.serve_status import human_bytes, summary_line
 
 logger = logging.getLogger("cascade.serve")
@@ -538,8 +539,9 @@ def run(
         s = server.stats()
         tiers = s["store"]["tiers"]
         host = tiers.get("host", {})
+        pages = arena_pages(cfg.shm_path)
         logger.info(
-            "serving %s (mode %04o%s): pipeline %s, arena %s of %s at %s, "
+            "serving %s (mode %04o%s): pipeline %s, arena %s of %s at %s (%s pages%s), "
             "opened in %.3f s; blocks: %s",
             socket_path,
             opts.socket_mode,
@@ -548,6 +550,10 @@ def run(
             human_bytes(host.get("used_bytes", 0)),
             human_bytes(host.get("capacity_bytes", 0)),
             cfg.shm_path,
+            pages,
+            "; a tmpfs mounted with huge=always gives 2 MiB pages, docs/node-pool.md"
+            if pages == "4 KiB"
+            else "",
             s["open_seconds"],
             ", ".join(f"{n} {t['blocks']}" for n, t in tiers.items()),
         )
@@ -557,6 +563,7 @@ def run(
             "started": started,
             "pipeline": "|".join(tiers),
             "shm_path": cfg.shm_path,
+            "arena_pages": pages,
             "metrics": None,
             "cluster": None,
         }

@@ -520,7 +520,8 @@ def format_pool_info(r: Mapping[str, Any]) -> str:
         head += f", up {_duration(time.time() - started)}"
     lines = [head]
     if info.get("pipeline"):
-        lines.append(f"pipeline {info['pipeline']}, arena {info.get('shm_path')}")
+        pages = f" ({info['arena_pages']} pages)" if info.get("arena_pages") else ""
+        lines.append(f"pipeline {info['pipeline']}, arena {info.get('shm_path')}{pages}")
     if r.get("source") == "client":
         p = r["probe"]
         lines.append(
