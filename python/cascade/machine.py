@@ -7,6 +7,7 @@ import os
 import platform
 import shutil
 import subprocess
+from typing import NamedTuple
 
 
 def _meminfo() -> dict[str, int]:
@@ -50,10 +51,15 @@ def _disks(paths) -> list[dict]:
     return out
 
 
-def _mount_of(path: str, mounts: str | None = None) -> tuple[str, str, list[str]]:
-    """(mount point, file system type, options) of the mount that holds
-    path, from /proc/mounts (or `mounts`, its text); ("", "unknown", [])
-    when none is found."""
+class Mount(NamedTuple):
+    point: str  # "" when no mount was found
+    fs: str  # "unknown" then
+    options: list[str]
+    source: str
+
+
+def _mount_of(path: str, mounts: str | None = None) -> Mount:
+    """The mount that holds path, from /proc/mounts (or `mounts`, its text)."""
     path = os.path.realpath(path)
     if mounts is None:
         try:
@@ -61,20 +67,20 @@ def _mount_of(path: str, mounts: str | None = None) -> tuple[str, str, list[str]
                 mounts = f.read()
         except OSError:
             mounts = ""
-    best: tuple[str, str, list[str]] = ("", "unknown", [])
+    best = Mount("", "unknown", [], "")
     for line in mounts.splitlines():
         parts = line.split()
         if len(parts) < 4:
             continue
         point = parts[1]
         inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best[0]):
-            best = (point, parts[2], parts[3].split(","))
+        if inside and len(point) >= len(best.point):
+            best = Mount(point, parts[2], parts[3].split(","), parts[0])
     return best
 
 
 def _fs_type(path: str) -> str:
-    return _mount_of(path)[1]
+    return _mount_of(path).fs
 
 
 def arena_pages(path: str, mounts: str | None = None, shmem_enabled: str | None = None) -> str:
@@ -84,8 +90,8 @@ def arena_pages(path: str, mounts: str | None = None, shmem_enabled: str | None 
     tmpfs, when the kernel forces them), "4 KiB" on other tmpfs mounts,
     "unknown" elsewhere."""
     directory = os.path.dirname(os.path.abspath(path)) or "/"
-    _, fs, options = _mount_of(directory, mounts)
-    if fs != "tmpfs":
+    mount = _mount_of(directory, mounts)
+    if mount.fs != "tmpfs":
         return "unknown"
     if shmem_enabled is None:
         try:
@@ -98,7 +104,7 @@ def arena_pages(path: str, mounts: str | None = None, shmem_enabled: str | None 
         return "4 KiB"
     if chosen == "force":
         return "2 MiB"
-    huge = next((o.split("=", 1)[1] for o in options if o.startswith("huge=")), "never")
+    huge = next((o.split("=", 1)[1] for o in mount.options if o.startswith("huge=")), "never")
     return "2 MiB" if huge in ("always", "within_size", "advise") else "4 KiB"
 
 

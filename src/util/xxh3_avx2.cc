@@ -20,28 +20,20 @@ namespace {
 // the input is consumed in stripes of 64 bytes, 16 stripes to a block, the
 // accumulators scrambled after each full block, the last 64 bytes of the
 // input hashed once more as a final stripe, and the accumulators merged.
-constexpr size_t kStripe = 64;
-constexpr size_t kSecretBytes = 192;  // the default secret's size
-constexpr size_t kStripesPerBlock = (kSecretBytes - kStripe) / 8;
+// The algorithm's sizes and constants are xxhash.h's own.
+constexpr size_t kStripe = XXH_STRIPE_LEN;
+constexpr size_t kSecretBytes = XXH_SECRET_DEFAULT_SIZE;
+constexpr size_t kStripesPerBlock = (kSecretBytes - kStripe) / XXH_SECRET_CONSUME_RATE;
 constexpr size_t kScrambleKey = kSecretBytes - kStripe;
-constexpr size_t kLastStripeKey = kSecretBytes - kStripe - 7;
-constexpr size_t kMergeKey = 11;
-constexpr size_t kLongerThan = 240;
+constexpr size_t kLastStripeKey = kSecretBytes - kStripe - XXH_SECRET_LASTACC_START;
+constexpr size_t kMergeKey = XXH_SECRET_MERGEACCS_START;
+constexpr size_t kLongerThan = XXH3_MIDSIZE_MAX;
 constexpr size_t kStreamFrom = 64 << 10;  // as copy_bytes: smaller copies stay in cache
 // How far ahead of the stripe being copied its source is prefetched. The
 // hash's instructions fill the core's window of work in flight, so fewer
 // loads from memory overlap than in a plain copy; a prefetch retires at
 // once and keeps this many bytes on their way.
 constexpr size_t kPrefetchAhead = 2048;
-
-constexpr uint64_t kPrime32_1 = 0x9E3779B1U;
-constexpr uint64_t kPrime32_2 = 0x85EBCA77U;
-constexpr uint64_t kPrime32_3 = 0xC2B2AE3DU;
-constexpr uint64_t kPrime64_1 = 0x9E3779B185EBCA87ULL;
-constexpr uint64_t kPrime64_2 = 0xC2B2AE3D27D4EB4FULL;
-constexpr uint64_t kPrime64_3 = 0x165667B19E3779F9ULL;
-constexpr uint64_t kPrime64_4 = 0x85EBCA77C2B2AE63ULL;
-constexpr uint64_t kPrime64_5 = 0x27D4EB2F165667C5ULL;
 
 uint64_t read64(const uint8_t* p) {
   uint64_t v;
@@ -60,9 +52,9 @@ __m256i accumulate(__m256i acc, __m256i data, const uint8_t* key) {
   return _mm256_add_epi64(product, _mm256_add_epi64(acc, swapped));
 }
 
-// acc ^= acc >> 47; acc ^= key; acc *= kPrime32_1 (64 by 32 bits).
+// acc ^= acc >> 47; acc ^= key; acc *= XXH_PRIME32_1 (64 by 32 bits).
 __m256i scramble(__m256i acc, const uint8_t* key) {
-  const __m256i prime = _mm256_set1_epi32(static_cast<int>(kPrime32_1));
+  const __m256i prime = _mm256_set1_epi32(static_cast<int>(XXH_PRIME32_1));
   acc = _mm256_xor_si256(acc, _mm256_srli_epi64(acc, 47));
   const __m256i dk =
       _mm256_xor_si256(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key)));
@@ -106,8 +98,9 @@ void put(uint8_t* d, __m256i v) {
 
 template <Store kStore>
 uint64_t copy_hash_long(uint8_t* d, const uint8_t* s, size_t n, const uint8_t* secret) {
-  alignas(32) static constexpr uint64_t kInit[8] = {kPrime32_3, kPrime64_1, kPrime64_2, kPrime64_3,
-                                                    kPrime64_4, kPrime32_2, kPrime64_5, kPrime32_1};
+  alignas(32) static constexpr uint64_t kInit[8] = {XXH_PRIME32_3, XXH_PRIME64_1, XXH_PRIME64_2,
+                                                    XXH_PRIME64_3, XXH_PRIME64_4, XXH_PRIME32_2,
+                                                    XXH_PRIME64_5, XXH_PRIME32_1};
   __m256i acc[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(kInit)),
                     _mm256_load_si256(reinterpret_cast<const __m256i*>(kInit + 4))};
   // The stripes the loop takes; the 1 to 64 bytes after them are copied
@@ -153,7 +146,7 @@ uint64_t copy_hash_long(uint8_t* d, const uint8_t* s, size_t n, const uint8_t* s
       accumulate(acc[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(final_stripe + 32)),
                  secret + kLastStripeKey + 32);
   if constexpr (kStore != Store::kCached) _mm_sfence();
-  return merge(acc, secret + kMergeKey, static_cast<uint64_t>(n) * kPrime64_1);
+  return merge(acc, secret + kMergeKey, static_cast<uint64_t>(n) * XXH_PRIME64_1);
 }
 
 }  // namespace

@@ -381,17 +381,7 @@ def run_compare(args, progress, on_step=None) -> dict:
 
 
 def _fs_type(path: str) -> str:
-    best, fstype = "", "unknown"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if (
-                    len(parts) > 2
-                    and os.path.abspath(path).startswith(parts[1])
-                    and len(parts[1]) > len(best)
-                ):
-                    best, fstype = parts[1], f"{parts[2]} ({parts[0]} on {parts[1]})"
-    except OSError:
-        pass
-    return fstype
+    from cascade.machine import _mount_of
+
+    m = _mount_of(path)
+    return f"{m.fs} ({m.source} on {m.point})" if m.point else "unknown"
