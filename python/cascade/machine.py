@@ -51,6 +51,15 @@ def _disks(paths) -> list[dict]:
     return out
 
 
+def _read_text(path: str) -> str:
+    """A kernel file's text; empty where it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 class Mount(NamedTuple):
     point: str  # "" when no mount was found
     fs: str  # "unknown" then
@@ -62,11 +71,7 @@ def _mount_of(path: str, mounts: str | None = None) -> Mount:
     """The mount that holds path, from /proc/mounts (or `mounts`, its text)."""
     path = os.path.realpath(path)
     if mounts is None:
-        try:
-            with open("/proc/mounts") as f:
-                mounts = f.read()
-        except OSError:
-            mounts = ""
+        mounts = _read_text("/proc/mounts")
     best = Mount("", "unknown", [], "")
     for line in mounts.splitlines():
         parts = line.split()
@@ -94,11 +99,7 @@ def arena_pages(path: str, mounts: str | None = None, shmem_enabled: str | None 
     if mount.fs != "tmpfs":
         return "unknown"
     if shmem_enabled is None:
-        try:
-            with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
-                shmem_enabled = f.read()
-        except OSError:
-            shmem_enabled = ""
+        shmem_enabled = _read_text("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
     chosen = shmem_enabled[shmem_enabled.find("[") + 1 : shmem_enabled.find("]")]
     if chosen == "deny":
         return "4 KiB"
