@@ -131,6 +131,24 @@ NB_MODULE(_core, m) {
       "Host copy ceiling with `threads` threads: glibc memcpy, streaming copy, and the better "
       "(GB/s, bytes copied per second).");
   m.def(
+      "first_touch_copy_bandwidth",
+      [](const std::string& dir, size_t bytes, size_t block, int repeats) {
+        FirstTouchCeiling c;
+        {
+          nb::gil_scoped_release release;
+          c = measure_first_touch_copy(dir, bytes, block, repeats);
+        }
+        if (!c.error.empty()) check(Status::IOError(c.error));
+        nb::dict d;
+        d["first_gbps"] = c.first_gbps;
+        d["warm_gbps"] = c.warm_gbps;
+        return d;
+      },
+      "dir"_a, "bytes"_a, "block"_a, "repeats"_a = 3,
+      "Copy rate out of another mapping of a shared-memory file in `dir`, one thread, `block` "
+      "bytes at a time: through a fresh read-only mapping (first_gbps, every page entered into "
+      "the page tables on the way) and through the same mapping again (warm_gbps). GB/s.");
+  m.def(
       "index_lookup_rate",
       [](uint64_t blocks, int threads, uint64_t lookups) {
         IndexProbeResult r;

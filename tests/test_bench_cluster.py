@@ -32,11 +32,23 @@ def test_quick_run_reports_pairs_and_aggregates(tmp_path, capsys):
         assert p["again_gbps"] > 0
         assert p["checksum_failures"] == 0
         assert p["local_gbps"] > 0 and p["remote_gbps"] > 0
+        assert p["fresh_map_gbps"] > 0 and p["warm_map_gbps"] > 0
     assert [a["servers"] for a in report["aggregate"]] == [2, 3, 2, 3]
     for a in report["aggregate"]:
         assert a["pushed"] > 0 and a["read_gbps"] > 0
         assert a["ratio"] == pytest.approx(a["read_gbps"] / a["n_x_one"])
-    assert "remote/local" in text and "N x one" in text
+    assert "remote/local" in text and "N x one" in text and "fresh/warm map" in text
+
+
+def test_first_touch_probe_leaves_no_file_and_names_a_bad_directory(tmp_path):
+    r = _core.first_touch_copy_bandwidth(str(tmp_path), 4 << 20, 64 << 10, 1)
+    assert r["first_gbps"] > 0 and r["warm_gbps"] > 0
+    # A size that is not a multiple of the block or of a page.
+    r = _core.first_touch_copy_bandwidth(str(tmp_path), (1 << 20) + 5, 3000, 1)
+    assert r["first_gbps"] > 0
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(_core.CascadeIOError, match="missing"):
+        _core.first_touch_copy_bandwidth(str(tmp_path / "missing"), 1 << 20, 4096)
 
 
 def test_without_mapping_remote_reads_come_over_the_transport(tmp_path):

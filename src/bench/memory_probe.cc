@@ -1,11 +1,14 @@
 #include "bench/memory_probe.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "util/copy_bytes.h"
@@ -79,6 +82,58 @@ MemcpyCeiling measure_memcpy_ceiling(size_t bytes, int threads, int repeats) {
   for (uint64_t x : sums) keep = keep + x;
   munmap(src, bytes);
   munmap(dst, bytes);
+  return c;
+}
+
+FirstTouchCeiling measure_first_touch_copy(const std::string& dir, size_t bytes, size_t block,
+                                           int repeats) {
+  FirstTouchCeiling c;
+  block = std::max<size_t>(block, 1);
+  bytes = std::max<size_t>(bytes, block);
+  bytes = (bytes + 4095) & ~size_t{4095};
+  std::string path = dir + "/cascade-first-touch-XXXXXX";
+  int fd = mkostemp(path.data(), O_CLOEXEC);
+  if (fd < 0) {
+    c.error = "create a file in " + dir + ": " + std::strerror(errno);
+    return c;
+  }
+  unlink(path.c_str());  // the mappings keep it; nothing is left behind
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    c.error = std::string("size the probe file: ") + std::strerror(errno);
+    close(fd);
+    return c;
+  }
+  void* w = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (w == MAP_FAILED) {
+    c.error = std::string("map the probe file: ") + std::strerror(errno);
+    close(fd);
+    return c;
+  }
+  std::memset(w, 0x5a, bytes);  // every page allocated, as a member's written arena is
+  munmap(w, bytes);
+  // The destination is reused, as a reader's batch buffer is, and touched
+  // before the clock.
+  size_t span = std::min<size_t>(bytes, std::max<size_t>(block, 16 << 20)) / block * block;
+  std::vector<uint8_t> dst(std::max(span, block), 1);
+  auto pass = [&](const uint8_t* src) {
+    auto t0 = std::chrono::steady_clock::now();
+    for (size_t at = 0, d = 0; at < bytes; at += block, d = (d + block) % dst.size()) {
+      std::memcpy(dst.data() + d, src + at, std::min(block, bytes - at));
+    }
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  for (int r = 0; r < std::max(repeats, 1); ++r) {
+    void* m = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+      c.error = std::string("map the probe file read-only: ") + std::strerror(errno);
+      break;
+    }
+    const auto* src = static_cast<const uint8_t*>(m);
+    c.first_gbps = std::max(c.first_gbps, bytes / pass(src) / 1e9);
+    c.warm_gbps = std::max(c.warm_gbps, bytes / pass(src) / 1e9);
+    munmap(m, bytes);
+  }
+  close(fd);
   return c;
 }
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 namespace cascade {
 
@@ -22,5 +23,22 @@ struct MemcpyCeiling {
 };
 
 MemcpyCeiling measure_memcpy_ceiling(size_t bytes, int threads, int repeats);
+
+// The ceiling of a process's first reads from another process's shared
+// memory file: a file of `bytes` in directory `dir` is written through one
+// mapping, then mapped again read-only, as a client maps a member's arena,
+// and copied out `block` bytes at a time on one thread. The first pass pays
+// the kernel's work of entering each page of the file into the new
+// mapping's page tables; the second pass over the same mapping does not.
+// Bytes copied per second, best of `repeats` fresh mappings; zeros (and
+// `error` set) when the file cannot be made.
+struct FirstTouchCeiling {
+  double first_gbps = 0;  // through a mapping whose pages were never touched
+  double warm_gbps = 0;   // the same mapping, second pass
+  std::string error;
+};
+
+FirstTouchCeiling measure_first_touch_copy(const std::string& dir, size_t bytes, size_t block,
+                                           int repeats);
 
 }  // namespace cascade

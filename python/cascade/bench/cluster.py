@@ -20,7 +20,12 @@ Rows, per fabric and block size:
   arena, checking its checksum on the way (one copy, every read). The
   first reads also fault in the client's mapping of the owner's arena;
   "again" times the same reads repeated (mapped: from the owner's arena
-  again, the mapping warm; over the transport: local by then);
+  again, the mapping warm; over the transport: local by then). Beside
+  them, the ceiling of such first reads: a memcpy out of a file of the
+  arenas' directory through a fresh read-only mapping, against the same
+  mapping warm (the kernel enters every page of the file into the new
+  mapping's page tables on the first pass, 4 KiB at a time unless the file
+  system gives huge pages);
 - aggregate with N servers (2..): one client per server writes its own
   blocks (pushed to their owners on the ring), then each reads every other
   client's blocks once; bytes read by all clients over the busiest
@@ -286,6 +291,8 @@ def _pair_rows(fabric: str, size: int, total: int, verify: bool, progress) -> di
         for c in (writer, reader, local):
             c.close()
         nbytes = count * size
+        progress(f"{fabric} {fmt_size(size)}: first-touch ceiling")
+        touch = _core.first_touch_copy_bandwidth(_Node.shm_dir, min(nbytes, 256 << 20), size)
         return {
             "fabric": fabric,
             "block": size,
@@ -296,6 +303,8 @@ def _pair_rows(fabric: str, size: int, total: int, verify: bool, progress) -> di
             "again_gbps": nbytes / again_s / 1e9,
             "again_ratio": local_s / again_s,
             "first_contact_ms": first_contact_s * 1e3,
+            "fresh_map_gbps": touch["first_gbps"],
+            "warm_map_gbps": touch["warm_gbps"],
             "fetched": stats["fetched"],
             "fetched_mapped": stats["fetched_mapped"],
             "mapped_leases": stats["mapped_leases"],
@@ -543,6 +552,7 @@ def format_report(report: dict) -> str:
             p["again_gbps"],
             p["again_ratio"],
             p["first_contact_ms"],
+            p["fresh_map_gbps"] / p["warm_map_gbps"],
         ]
         for p in report["pairs"]
     ]
@@ -559,12 +569,15 @@ def format_report(report: dict) -> str:
                 "again GB/s",
                 "again/local",
                 "first contact ms",
+                "fresh/warm map",
             ],
             rows,
             title="\none client reading blocks held by its own server (local) and by another "
             f"server (remote, first reads; goal {GOAL_REMOTE_RATIO}x at 1 MiB); again: the same "
             "reads repeated; first contact: one block read before them, when the servers first "
-            "talk",
+            "talk; fresh/warm map: memcpy out of a freshly mapped file of the arenas' directory "
+            "against the same mapping warm, the share of a local read's speed that first reads "
+            "from another process's arena can reach",
         )
     )
     rows = [
