@@ -359,6 +359,22 @@ def test_group_socket_and_info_without_metrics(tmp):
     assert r.returncode != 0
 
 
+def test_output_to_a_reader_that_left_ends_quietly():
+    """`cascade info | head -1`: the reader closes the pipe; the command ends
+    as one killed by SIGPIPE would, with no error printed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cascade", "info"],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 128 + signal.SIGPIPE, err
+    assert "Broken pipe" not in err and "Exception" not in err, err
+
+
 def test_pipeline_without_host_is_refused(tmp):
     d, shm, servers = tmp
     store = {"pipeline": "file", "file_path": os.path.join(d, "files")}

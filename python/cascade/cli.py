@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 
@@ -419,9 +420,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     try:
-        return args.fn(args)
+        rc = args.fn(args)
+        sys.stdout.flush()  # inside the try: a reader that went away is handled below
+        return rc
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader of our output left (`cascade info | head`): stop quietly,
+        # as a command killed by SIGPIPE would, and keep the interpreter's
+        # last flush from failing again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
     except Exception as e:  # one clear line for users; tracebacks with CASCADE_DEBUG=1
         if os.environ.get("CASCADE_DEBUG"):
             raise
