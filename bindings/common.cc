@@ -114,6 +114,8 @@ nb::dict tier_stats_dict(const TierStats& t) {
   d["reattach_dropped"] = t.reattach_dropped;
   d["reattach_bytes"] = t.reattach_bytes;
   d["reattach_seconds"] = t.reattach_seconds;
+  d["arena_discarded"] = t.arena_discarded;
+  d["arena_replaced_in_use"] = t.arena_replaced_in_use;
   d["unpersisted_blocks"] = t.unpersisted_blocks;
   return d;
 }

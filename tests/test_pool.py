@@ -4,6 +4,7 @@ reserved space and no partial block behind, and every hit is the right bytes."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import signal
@@ -230,6 +231,41 @@ def test_a_client_sees_unavailable_when_the_server_goes(tmp_path):
         client.close()
     with pytest.raises(cascade.UnavailableError):
         client.contains("a")
+
+
+@pytest.mark.parametrize("server_alive", [True, False])
+def test_a_client_with_a_lease_held_refuses_to_close(tmp_path, server_alive):
+    """The lease's bytes are the client's mapping of the arena: closing the
+    store would unmap them under the holder. As a local store does, close
+    raises BusyError and the store stays open, server alive or gone."""
+    cfg = _core.CascadeConfig()
+    cfg.pipeline = "host"
+    cfg.use_gpu = False
+    cfg.shm_capacity_bytes = 8 << 20
+    cfg.shm_path = f"/dev/shm/cascade-test-pool-{uuid.uuid4().hex[:12]}"
+    sock = str(tmp_path / "pool.sock")
+    srv = _core.PoolServer(cfg, sock)
+    client = cascade.CascadeStore(
+        cascade.config_from_dict({"pool_socket": sock, "use_gpu": False, "pool_timeout_ms": 2000})
+    )
+    want = np.full(1 << 20, 0xAB, np.uint8)
+    client.put("a", want)
+    lease = client.acquire("a")
+    assert client.get_stats()["tiers"]["pool"]["leased_blocks"] == 1
+    if not server_alive:
+        srv.close()
+    with pytest.raises(cascade.BusyError, match="still leased"):
+        client.close()
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * lease.size).from_address(lease.ptr))
+    assert np.array_equal(view, want)  # still mapped, still the block
+    lease.release()
+    assert client.get_stats()["tiers"]["pool"]["leased_blocks"] == 0
+    if server_alive:
+        client.close()
+        srv.close()
+    else:
+        with pytest.raises(cascade.UnavailableError, match="server is gone"):
+            client.close()
 
 
 def test_no_server_is_a_clear_error(tmp_path):

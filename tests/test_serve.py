@@ -359,6 +359,62 @@ def test_group_socket_and_info_without_metrics(tmp):
     assert r.returncode != 0
 
 
+OLD_CLIENT = r"""
+import ctypes, sys, numpy as np, cascade
+st = cascade.CascadeStore(cascade.config_from_dict(
+    {"pool_socket": sys.argv[1], "use_gpu": False, "pool_timeout_ms": 2000}))
+st.put("a", np.full(1 << 20, 0xAB, np.uint8))
+lease = st.acquire("a")
+print("ready", flush=True)
+sys.stdin.readline()  # an engine that lives on while its server is restarted
+view = np.ctypeslib.as_array((ctypes.c_uint8 * lease.size).from_address(lease.ptr))
+print("intact" if (view == 0xAB).all() else "changed", flush=True)
+"""
+
+
+def test_a_server_restarts_while_a_client_of_the_last_one_still_maps_its_arena(tmp):
+    """The killed server's client keeps the arena (and its lock) alive. The
+    restarted server neither waits for it nor reuses memory it may still
+    read: it starts on a new arena file, says so, and serves; the old
+    client's leased bytes stay as they were."""
+    d, shm, servers = tmp
+    store = {"shm_path": shm, "shm_capacity_bytes": 16 << 20}
+    first = Server(d, dict(store), {})
+    servers.append(first)
+    first.wait_ready()
+    old = subprocess.Popen(
+        [sys.executable, "-c", OLD_CLIENT, first.socket],
+        env=ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert old.stdout is not None and old.stdin is not None
+        assert old.stdout.readline().strip() == "ready"
+        first.proc.kill()
+        first.wait()
+        os.unlink(serve_status.info_path(first.socket))  # left by the killed server
+        again = Server(d, dict(store), {}, name="again.yaml")
+        servers.append(again)
+        again.wait_ready()
+        assert "still mapped by its clients" in again.text()
+        c = client(again.socket, "m")
+        try:
+            assert c.get("a") is None  # a new, empty arena
+            for i in range(12):  # fill it: nothing of the old arena is reused
+                assert c.put(f"n{i}", np.full(1 << 20, i, np.uint8))
+            assert c.get("n3") == np.full(1 << 20, 3, np.uint8).tobytes()
+        finally:
+            c.close()
+        old.stdin.write("\n")
+        old.stdin.flush()
+        assert old.stdout.readline().strip() == "intact"
+    finally:
+        old.kill()
+        old.wait()
+
+
 def test_output_to_a_reader_that_left_ends_quietly():
     """`cascade info | head -1`: the reader closes the pipe; the command ends
     as one killed by SIGPIPE would, with no error printed."""

@@ -557,6 +557,19 @@ def run(
             s["open_seconds"],
             ", ".join(f"{n} {t['blocks']}" for n, t in tiers.items()),
         )
+        if host.get("arena_replaced_in_use"):
+            logger.warning(
+                "the arena at %s belonged to a server that is gone and is still mapped by its "
+                "clients (they keep it until they close their stores): started with a new, empty "
+                "arena in its place",
+                cfg.shm_path,
+            )
+        elif host.get("arena_discarded"):
+            logger.warning(
+                "the arena kept at %s does not match this configuration (capacity, block table "
+                "or format): its blocks were discarded and the arena starts empty",
+                cfg.shm_path,
+            )
         facts = {
             "pid": os.getpid(),
             "socket": socket_path,

@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -12,6 +13,18 @@
 #include "util/errno_status.h"
 
 namespace cascade {
+
+int watch_process(pid_t pid) {
+#ifdef SYS_pidfd_open
+  if (pid <= 0) return -1;
+  // pidfd_open's descriptors are close-on-exec.
+  long fd = ::syscall(SYS_pidfd_open, pid, 0);
+  return fd < 0 ? -1 : static_cast<int>(fd);
+#else
+  (void)pid;
+  return -1;
+#endif
+}
 
 Result<PeerCredentials> peer_credentials(int sock) {
   struct ucred cred {};

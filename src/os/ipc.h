@@ -40,6 +40,11 @@ Status receive_message(int sock, void* data, size_t n,
 // True when the peer has closed its end (or the socket failed); does not wait.
 bool peer_closed(int sock);
 
+// A descriptor that becomes readable (POLLIN) when process pid ends
+// (pidfd_open), close-on-exec; -1 where the kernel has no pidfds or the
+// process is not there (pid 0: outside this pid namespace).
+int watch_process(pid_t pid);
+
 // A listening Unix socket at path with the given permission bits, and a
 // connection to one. Listen refuses (InvalidArgument) to replace anything at
 // path but a socket that no process listens on.

@@ -4,12 +4,15 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/sysmacros.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
@@ -121,6 +124,74 @@ std::string header_refusal(int fd, ArenaHeader* out) {
   return "";
 }
 
+// The pids of the processes that took the flock locks on file (dev, ino),
+// as /proc/locks shows them. Empty when none is listed or the list cannot
+// be read; 0 for a holder outside this pid namespace.
+std::vector<long> flock_holders(dev_t dev, ino_t ino) {
+  std::vector<long> pids;
+  FILE* f = std::fopen("/proc/locks", "re");
+  if (!f) return pids;
+  char want[64];
+  std::snprintf(want, sizeof want, "%02x:%02x:%lu", major(dev), minor(dev),
+                static_cast<unsigned long>(ino));
+  char line[256];
+  while (std::fgets(line, sizeof line, f)) {
+    // "1: FLOCK  ADVISORY  WRITE 2970 00:1b:106005 0 EOF"; waiters have "->".
+    char kind[16], mode[16], access[16], file[64];
+    long pid = 0;
+    if (std::strstr(line, "->")) continue;
+    const char* colon = std::strchr(line, ':');
+    if (!colon || std::sscanf(colon + 1, "%15s %15s %15s %ld %63s", kind, mode, access, &pid,
+                              file) != 5)
+      continue;
+    if (std::strcmp(kind, "FLOCK") == 0 && std::strcmp(file, want) == 0) pids.push_back(pid);
+  }
+  std::fclose(f);
+  return pids;
+}
+
+// True when pid names no running process (gone, or a zombie not yet reaped).
+bool process_gone(long pid) {
+  if (pid <= 0) return false;
+  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
+  char path[64], state = 0;
+  std::snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+  FILE* f = std::fopen(path, "re");
+  if (!f) return errno == ENOENT;
+  // "pid (comm) S ...": the state follows the last ')'.
+  char buf[512];
+  size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  if (const char* close = std::strrchr(buf, ')')) state = close[1] == ' ' ? close[2] : 0;
+  return state == 'Z' || state == 'X';
+}
+
+enum class LockOutcome { kTaken, kHeld, kLeftInUse };
+
+// Takes the flock on fd's file, or says why not: kHeld while a running
+// process holds it; kLeftInUse when every process that took a lock on the
+// file is gone and the lock is held on by descriptions they passed on or
+// mappings that outlive them. A dead process's lock can also go a moment
+// after its exit is reported, so the lock is tried again for a while before
+// that answer.
+LockOutcome take_lock(int fd, dev_t dev, ino_t ino, int* err) {
+  *err = 0;
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return LockOutcome::kTaken;
+  if (errno != EWOULDBLOCK) {
+    *err = errno;
+    return LockOutcome::kHeld;
+  }
+  std::vector<long> holders = flock_holders(dev, ino);
+  if (holders.empty() || !std::all_of(holders.begin(), holders.end(), process_gone))
+    return LockOutcome::kHeld;
+  for (int i = 0; i < 50; ++i) {
+    ::usleep(20000);
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return LockOutcome::kTaken;
+  }
+  return LockOutcome::kLeftInUse;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint64_t capacity,
@@ -202,19 +273,26 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
     break;
   }
 
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    int err = errno;
-    if (err == EWOULDBLOCK)
-      return fail(
-          Status::Busy("shm_path '" + path +
-                       "' is in use by another open store; give each store its own shm_path"));
-    return fail(errno_status(err, "lock shm_path '" + path + "'"));
-  }
+  // Left behind in use: the store that locked the file is gone, and the
+  // lock lives on in processes it handed the file to (its pool clients),
+  // which still map it and may still read blocks they leased there. Its
+  // memory is not taken over under them: a new file replaces it at the
+  // path, and theirs stays theirs until they let it go.
+  int lock_err = 0;
+  const LockOutcome lock = take_lock(fd, st.st_dev, st.st_ino, &lock_err);
+  if (lock_err) return fail(errno_status(lock_err, "lock shm_path '" + path + "'"));
+  const bool left_in_use = lock == LockOutcome::kLeftInUse && !created;
+  if (lock != LockOutcome::kTaken && !left_in_use)
+    return fail(
+        Status::Busy("shm_path '" + path +
+                     "' is in use by another open store; give each store its own shm_path"));
   bool keep = false;  // a persistent arena reattached with its contents
   ArenaHeader found{};
   if (!created) {
     std::string why = header_refusal(fd, &found);
     if (!why.empty()) return fail(not_ours(path, why));
+  }
+  if (!created && !left_in_use) {
     keep = table_slots > 0 && found.version == kFormatVersion && found.header_bytes == page &&
            found.capacity == capacity && found.table_slots == table_slots &&
            found.table_bytes == table_bytes && uint64_t(st.st_size) == header + capacity;
@@ -227,6 +305,8 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
                                 " is larger than the free space of the file system holding '" +
                                 path + "' (" + human(free_bytes) + ")"));
   const bool adopted = !created;
+  a->replaced_in_use_ = left_in_use;
+  a->discarded_ = adopted && !keep && !left_in_use && table_slots > 0;
   if (adopted && !keep) {
     // A stale arena is discarded by removing its file and creating a new
     // one in its place, never by truncating it: a process that still maps

@@ -22,7 +22,12 @@
 // regular file on its directory's file system, owned by the effective uid,
 // mode exactly 0600, one link, flock free and a valid arena header (this
 // format version or an older one). Anything else is refused and left as it
-// is; the store never truncates or deletes a file that is not its own.
+// is; the store never truncates or deletes a file that is not its own. An
+// arena whose flock is held on although every process that took it is gone
+// (a node pool server that died while its clients, which received the file
+// from it, still map it) is left to those processes: it is removed from the
+// path and a new, empty file created there (replaced_in_use()), so nothing
+// they still read is reused under them.
 //
 // Ephemeral (table_slots == 0, the default): an adopted file's old contents
 // are discarded (the arena starts empty: the stale file is removed and a new
@@ -83,6 +88,13 @@ class ShmArena {
   bool adopted() const { return adopted_; }
   // True when the adopted arena kept its contents (persistent, header matched).
   bool reattached() const { return reattached_; }
+  // True when the file at the path was an arena whose store is gone but
+  // which other processes still held (its pool clients, mapping it): it was
+  // left to them and this arena is a new file in its place, empty.
+  bool replaced_in_use() const { return replaced_in_use_; }
+  // True when a persistent arena's file was there but did not match (size,
+  // table, format) and was discarded: this arena starts empty.
+  bool discarded() const { return discarded_; }
   bool persistent() const { return table_slots_ > 0; }
 
   // The block table of a persistent arena: table_slots() slots of
@@ -116,6 +128,8 @@ class ShmArena {
   uint64_t header_bytes_ = 0;
   bool adopted_ = false;
   bool reattached_ = false;
+  bool replaced_in_use_ = false;
+  bool discarded_ = false;
   uint8_t* table_ = nullptr;
   uint64_t table_bytes_ = 0;
   uint32_t table_slots_ = 0;

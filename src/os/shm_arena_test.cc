@@ -208,6 +208,83 @@ TEST(ShmArena, SecondArenaOnALockedPathIsBusy) {
   EXPECT_FALSE(exists(path));
 }
 
+// A store process (a node pool server) that dies while a process it handed
+// its arena to (a client, which received the descriptor and maps it) lives
+// on: the flock stays held by no running process. The next store neither
+// waits for that client nor takes the memory it may still read: the client
+// keeps the old file, the path gets a new one.
+TEST(ShmArena, AnArenaLeftInUseByADeadStoresClientIsReplacedNotTaken) {
+  std::string path = unique_path("left");
+  int ready[2], stop[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(stop), 0);
+  const pid_t store = ::fork();
+  ASSERT_GE(store, 0);
+  if (store == 0) {
+    auto a = ShmArena::Create(path, kCap, false, 64);  // persistent: kept across a restart
+    if (!a.ok() || !(*a)->commit(kCap).ok()) ::_exit(2);
+    std::memset((*a)->base(), 0xCD, kCap);
+    if (::fork() == 0) {
+      // The client: it shares the store's open file description and maps
+      // the arena, then lives on after the store is gone.
+      char c = 1;
+      if (::write(ready[1], &c, 1) != 1) ::_exit(3);
+      if (::read(stop[0], &c, 1) != 1) ::_exit(4);
+      const bool intact = (*a)->base()[0] == 0xCD && (*a)->base()[kCap - 1] == 0xCD;
+      c = intact ? 'K' : 'X';
+      ::_exit(::write(ready[1], &c, 1) == 1 ? 0 : 6);
+    }
+    ::_exit(0);  // the store dies without closing anything
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(store, &status, 0), store);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  char c = 0;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  struct stat old_st {};
+  ASSERT_EQ(::lstat(path.c_str(), &old_st), 0);
+
+  auto b = ShmArena::Create(path, kCap, false, 64);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_TRUE((*b)->replaced_in_use());
+  EXPECT_FALSE((*b)->reattached());
+  EXPECT_FALSE((*b)->discarded());
+  ASSERT_TRUE((*b)->commit(kCap).ok());
+  for (uint64_t i = 0; i < kCap; i += 4096) ASSERT_EQ((*b)->base()[i], 0) << i;  // a new file
+  std::memset((*b)->base(), 0x11, kCap);
+  struct stat now {};
+  ASSERT_EQ(::lstat(path.c_str(), &now), 0);
+  EXPECT_NE(now.st_ino, old_st.st_ino);
+  // The client still reads the old arena's bytes, untouched by the new store.
+  ASSERT_EQ(::write(stop[1], &c, 1), 1);
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  EXPECT_EQ(c, 'K');
+  for (int fd : {ready[0], ready[1], stop[0], stop[1]}) ::close(fd);
+  b->reset();
+  ::unlink(path.c_str());
+}
+
+// A persistent arena of another capacity is discarded, and says so.
+TEST(ShmArena, APersistentArenaThatDoesNotMatchIsDiscardedAndSaysSo) {
+  std::string path = unique_path("mismatch");
+  {
+    auto a = ShmArena::Create(path, kCap, false, 64);
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+  }
+  auto b = ShmArena::Create(path, 2 * kCap, false, 64);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_TRUE((*b)->discarded());
+  EXPECT_FALSE((*b)->reattached());
+  EXPECT_FALSE((*b)->replaced_in_use());
+  b->reset();
+  auto c = ShmArena::Create(path, 2 * kCap, false, 64);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_TRUE((*c)->reattached());
+  EXPECT_FALSE((*c)->discarded());
+  c->reset();
+  ::unlink(path.c_str());
+}
+
 TEST(ShmArena, StaleArenaOfADeadStoreIsAdoptedAndReset) {
   std::string path = unique_path("stale");
   leave_stale_arena(path, 2 * kCap);

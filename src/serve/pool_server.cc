@@ -55,6 +55,9 @@ struct PoolClient {
   std::string name_space;
   std::array<uint8_t, 32> digest{};  // of the effective namespace
   int sock = -1;
+  // Readable once the client's process ends, even if a process it forked
+  // holds on to its socket; -1 where pidfds are not available.
+  int pidfd = -1;
   int channel_fd = -1;
   uint8_t* channels = nullptr;
   uint64_t channel_bytes = 0;
@@ -77,6 +80,7 @@ struct PoolClient {
   std::atomic<int> inside{0};
 
   ~PoolClient() {
+    if (pidfd >= 0) ::close(pidfd);
     // Unmapped only when no worker can hold the client in a table: a worker
     // may still read a dead client's request words while it scans.
     if (channels) ::munmap(channels, channel_bytes);
@@ -474,6 +478,10 @@ void PoolServer::Impl::monitor_loop() {
         if (!c->watched.load()) continue;
         fds.push_back({c->sock, POLLIN | POLLRDHUP, 0});
         watched.push_back(c);
+        if (c->pidfd >= 0) {
+          fds.push_back({c->pidfd, POLLIN, 0});
+          watched.push_back(c);
+        }
       }
     }
     int r = ::poll(fds.data(), fds.size(), 1000);
@@ -484,7 +492,9 @@ void PoolServer::Impl::monitor_loop() {
     }
     for (size_t i = 0; i < watched.size(); ++i) {
       // After the handshake a client sends nothing: any event is its end or
-      // a breach of the protocol, and either way it goes.
+      // a breach of the protocol, and either way it goes. So does a client
+      // whose process ended while a child it forked keeps its socket open
+      // (the child cannot use the store; what the client held is freed).
       if (fds[i + 2].revents) drop(watched[i]);
     }
     if (fds[0].revents & POLLIN) {
@@ -592,6 +602,7 @@ Status PoolServer::Impl::admit(int sock, const PeerCredentials& cred, const pool
   }
   auto c = std::make_shared<PoolClient>();
   c->cred = cred;
+  c->pidfd = watch_process(cred.pid);
   c->sock = sock;
   c->name_space.assign(hello.name_space, hello.namespace_bytes);
   std::string effective = options.share_across_users
@@ -680,6 +691,8 @@ void PoolServer::Impl::cleanup(PoolClient* c) {
   c->channel_fd = -1;
   if (c->sock >= 0) ::close(c->sock);
   c->sock = -1;
+  if (c->pidfd >= 0) ::close(c->pidfd);
+  c->pidfd = -1;
 }
 
 // ---- requests ------------------------------------------------------------------

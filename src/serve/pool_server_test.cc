@@ -529,6 +529,50 @@ int connect_as(const std::string& socket_path, uid_t uid, gid_t gid,
   return code <= 1 ? code : -1;
 }
 
+TEST(PoolServerTest, AClientWhoseProcessEndsGoesEvenIfAChildKeepsItsSocket) {
+  // A client forks (a worker pool, a helper) and is then killed: the child
+  // inherited the socket, so the server never sees it close. The client's
+  // process ending is what counts: it is reaped, and what it held freed.
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  pool::Hello h{};
+  h.magic = pool::kMagic;
+  h.version = pool::kVersion;
+  h.channels = 1;
+  h.namespace_bytes = 2;
+  std::memcpy(h.name_space, "ns", 2);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, f.socket.c_str(), sizeof addr.sun_path - 1);
+  int hold[2];
+  ASSERT_EQ(::pipe(hold), 0);
+  const pid_t client = ::fork();  // system calls only: forked from a threaded process
+  ASSERT_GE(client, 0);
+  if (client == 0) {
+    int sock = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    if (sock < 0 || ::connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
+      ::_exit(2);
+    if (::send(sock, &h, sizeof h, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof h)) ::_exit(3);
+    static pool::Welcome w;
+    if (::recv(sock, &w, sizeof w, MSG_WAITALL) != static_cast<ssize_t>(sizeof w) || w.code)
+      ::_exit(4);
+    if (::fork() == 0) {  // the child keeps the socket until the test lets it go
+      ::close(hold[1]);
+      char c;
+      (void)!::read(hold[0], &c, 1);
+      ::_exit(0);
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(client, &status, 0), client);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  f.wait_disconnects(1);
+  EXPECT_EQ(f.server->stats().clients, 0u);
+  ::close(hold[1]);  // the grandchild ends
+  ::close(hold[0]);
+}
+
 TEST(PoolServerTest, APeerInTheAllowedGroupByASupplementaryGroupIsLetIn) {
   // The group a pool is opened to may be any of the peer's groups, not only
   // its primary one (before, such a peer was refused).

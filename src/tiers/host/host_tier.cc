@@ -84,6 +84,8 @@ TierStats HostTier::stats() const {
   s.warmed_bytes = arena_->warmed_bytes();
   s.warming = warming;
   s.reattached_blocks = reattached_blocks_;
+  s.arena_discarded = arena_->discarded();
+  s.arena_replaced_in_use = arena_->replaced_in_use();
   s.reattach_dropped = reattach_dropped_;
   s.reattach_bytes = reattach_bytes_;
   s.reattach_seconds = reattach_seconds_;

@@ -644,6 +644,7 @@ void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> 
       }
       TierCounters::add(counters_.hits);
       statuses[i] = Status::OK();
+      views_held_.fetch_add(1, std::memory_order_relaxed);
       views[i] = BlockView(this, base_ + r.offset, r.size, MemoryKind::kHost, r.token);
     }
     held.reset();
@@ -1028,13 +1029,18 @@ TierStats PoolTier::stats() const {
   s.name = name();
   s.capacity_bytes = capacity_;
   s.committed_bytes = mapped_bytes_.load(std::memory_order_relaxed);  // mapped in ahead of use
+  s.leased_blocks = views_held_.load(std::memory_order_relaxed);
   counters_.fill(&s);
   return s;
 }
 
 // ---- lease releases ----------------------------------------------------------
 
-void PoolTier::release_lease(uint64_t token) { release_leases({&token, 1}); }
+// The release of a view acquire handed out (BlockView's release).
+void PoolTier::release_lease(uint64_t token) {
+  views_held_.fetch_sub(1, std::memory_order_relaxed);
+  release_leases({&token, 1});
+}
 
 void PoolTier::release_leases(std::span<const uint64_t> tokens) {
   if (tokens.empty()) return;

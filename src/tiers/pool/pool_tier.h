@@ -262,6 +262,9 @@ class PoolTier final : public Tier {
   std::thread mapper_;
   std::atomic<bool> stop_mapping_{false};
   std::atomic<uint64_t> mapped_bytes_{0};
+  // Views handed out by acquire that their holders have not released yet
+  // (stats().leased_blocks: the store refuses to close under them).
+  std::atomic<uint64_t> views_held_{0};
   bool persistent_ = false;
   bool registered_ = false;
   uint8_t* channel_map_ = nullptr;
