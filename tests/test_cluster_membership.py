@@ -4,6 +4,7 @@ lost, a silent endpoint, hostile records. Every wait is bounded."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -358,3 +359,72 @@ def test_hostile_records_are_ignored_and_counted(etcd, members, caplog):
     assert isinstance(a.ring(), PlacementRing) and a.ring().members == ("a", "static")
     client.put(prefix + b"notjson", b"still not json")  # a new version is a new warning
     wait_for(lambda: a.state()["malformed_records"] == len(hostile), 5, "counted again")
+
+
+def test_a_record_nested_too_deep_is_malformed_not_fatal(etcd, members):
+    """JSON nested deeper than the parser goes is a malformed record like any
+    other: running members keep their leases and views, and a new member
+    joins (before, the parser's RecursionError ended every member thread)."""
+    client = EtcdClient([etcd.endpoint])
+    prefix = members_prefix("t")
+    a = members("a")
+    assert a.start()
+    client.put(prefix + b"deep", b"[" * 4000)
+    b = members("b")
+    assert b.start()
+    wait_for(lambda: ids_of(a) == ids_of(b) == ["a", "b"], 5, "both see both")
+    assert a.state()["malformed_records"] >= 1 and a.state()["thread_errors"] == 0
+    time.sleep(2.5)  # longer than the lease TTL: renewals went on
+    assert ids_of(b) == ["a", "b"] and a.state()["state"] == "member"
+
+
+def test_a_stray_entry_without_a_lease_at_a_members_key_is_replaced(etcd, members):
+    """No live member registers without a lease, so such an entry would never
+    expire; the member whose key it is replaces it and joins."""
+    client = EtcdClient([etcd.endpoint])
+    client.put(members_prefix("t") + b"a", b"garbage")
+    a = members("a")
+    b = members("b")
+    assert b.start()
+    a.start()
+    wait_for(lambda: ids_of(b) == ["a", "b"], 5, "a joined over the stray entry")
+    assert a.state()["state"] == "member"
+
+
+def test_a_record_written_over_a_live_members_own_is_published_again(etcd, members):
+    """Another value written at a live member's key, or its record rewritten
+    without the lease, is put back by the member's next refresh."""
+    client = EtcdClient([etcd.endpoint])
+    a = members("a")
+    b = members("b")
+    assert a.start() and b.start()
+    wait_for(lambda: ids_of(b) == ["a", "b"], 5, "both registered")
+    key = members_prefix("t") + b"a"
+    forged = dataclasses.replace(a.record, generation=a.record.generation + 1)
+    client.put(key, forged.to_json())  # well formed, no lease
+
+    def lease_of_key() -> int:
+        return next(kv.lease for kv in client.range_prefix(key)[1] if kv.key == key)
+
+    wait_for(
+        lambda: b.view().members.get("a") == a.record and lease_of_key() != 0,
+        5,
+        "a's own record and lease are back",
+    )
+
+
+def test_junk_too_large_to_list_at_once_does_not_freeze_the_view(etcd, members):
+    """Entries under the prefix whose values together are over the client's
+    limit on one answer: the listing pages through them, skips them as
+    malformed, and members still see each other join."""
+    client = EtcdClient([etcd.endpoint], timeout=30)
+    prefix = members_prefix("t")
+    junk = b"x" * (1200 << 10)
+    for i in range(15):  # about 18 MB in all, over the 16 MiB limit of one answer
+        client.put(prefix + b"junk-%02d" % i, junk)
+    a = members("a", timeout=10.0)
+    assert a.start()
+    b = members("b", timeout=10.0)
+    assert b.start()
+    wait_for(lambda: ids_of(a) == ids_of(b) == ["a", "b"], 20, "both see both")
+    assert a.state()["malformed_records"] >= 15

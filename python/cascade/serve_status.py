@@ -145,6 +145,12 @@ CLUSTER_METRICS = [
         "Watches of the members' keys made (the first, and each after one broke)",
     ),
     (
+        "cluster_thread_errors_total",
+        "thread_errors",
+        "counter",
+        "Turns of the member thread that failed unexpectedly (logged; the thread goes on)",
+    ),
+    (
         "cluster_unreachable_seconds",
         "unreachable_seconds",
         "gauge",

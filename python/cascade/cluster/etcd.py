@@ -143,10 +143,18 @@ class ClusterError(Exception):
     exists), as opposed to the service being unreachable or failing.
     """
 
-    def __init__(self, message: str, *, not_found: bool = False, bad_token: bool = False):
+    def __init__(
+        self,
+        message: str,
+        *,
+        not_found: bool = False,
+        bad_token: bool = False,
+        too_large: bool = False,
+    ):
         super().__init__(message)
         self.not_found = not_found
         self.bad_token = bad_token  # etcd refused the authentication token sent
+        self.too_large = too_large  # the answer was over MAX_RESPONSE_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,7 +459,9 @@ class EtcdClient:
     @staticmethod
     def _decode(raw: bytes, endpoint: str, path: str) -> dict[str, Any]:
         if len(raw) > MAX_RESPONSE_BYTES:
-            raise ClusterError(f"etcd {path} at {endpoint}: answer over {MAX_RESPONSE_BYTES} B")
+            raise ClusterError(
+                f"etcd {path} at {endpoint}: answer over {MAX_RESPONSE_BYTES} B", too_large=True
+            )
         try:
             answer = json.loads(raw)
         except ValueError as e:
@@ -542,9 +552,20 @@ class EtcdClient:
         """Every key under ``prefix``: (revision, items). An item that etcd
         sent in a form this client cannot read is a str saying why, so one
         bad entry does not hide the others."""
-        body = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
-        answer = self._post("/v3/kv/range", body, timeout)
-        revision = self._revision(answer)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        end = _b64(prefix_end(prefix))
+        body: dict[str, Any] = {"key": _b64(prefix), "range_end": end}
+        try:
+            answer = self._post("/v3/kv/range", body, timeout)
+        except ClusterError as e:
+            if not e.too_large:
+                raise
+            # Values too large all together (entries nobody should have put
+            # there): page through them, at the revision of the first page.
+            return self._range_in_pages(prefix, deadline)
+        return self._revision(answer), self._items(answer)
+
+    def _items(self, answer: dict[str, Any]) -> list[KeyValue | str]:
         kvs = answer.get("kvs") or []
         if not isinstance(kvs, list):
             raise ClusterError("etcd range: kvs is not a list")
@@ -554,7 +575,48 @@ class EtcdClient:
                 items.append(self._kv(kv))
             except (TypeError, ValueError, AttributeError) as e:
                 items.append(f"unreadable entry: {e}")
-        return revision, items
+        return items
+
+    def _range_in_pages(self, prefix: bytes, deadline: float) -> tuple[int, list[KeyValue | str]]:
+        """range_prefix one page at a time, halving a page whose answer is
+        too large; an entry too large alone is listed as a str and skipped."""
+        end = _b64(prefix_end(prefix))
+        start, revision, limit = prefix, 0, 64
+        items: list[KeyValue | str] = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ClusterError("etcd range: deadline passed while paging")
+            body: dict[str, Any] = {"key": _b64(start), "range_end": end, "limit": limit}
+            if revision:
+                body["revision"] = revision
+            try:
+                answer = self._post("/v3/kv/range", body, left)
+            except ClusterError as e:
+                if not e.too_large:
+                    raise
+                answer = None
+            if answer is None:
+                if limit > 1:
+                    limit //= 2
+                    continue
+                # One entry alone is over the limit: learn its key, skip it.
+                body["keys_only"] = True
+                answer = self._post("/v3/kv/range", body, deadline - time.monotonic())
+                page = self._items(answer)
+                if not page or not isinstance(page[0], KeyValue):
+                    raise ClusterError("etcd range: an entry over the limit has no readable key")
+                revision = revision or self._revision(answer)
+                items.append(f"entry {page[0].key[:80]!r} over {MAX_RESPONSE_BYTES} B")
+                start = page[0].key + b"\0"
+                continue
+            revision = revision or self._revision(answer)
+            page = self._items(answer)
+            items.extend(page)
+            last = next((kv.key for kv in reversed(page) if isinstance(kv, KeyValue)), None)
+            if not answer.get("more") or last is None:
+                return revision, items
+            start = last + b"\0"
 
     def watch_prefix(self, prefix: bytes, timeout: float | None = None) -> PrefixWatch:
         """Watches every key under ``prefix`` from now on. Creating it has the

@@ -67,6 +67,7 @@ COUNTERS = (
     "outages",
     "watch_changes",
     "watches_made",
+    "thread_errors",
 )
 
 
@@ -271,26 +272,43 @@ class Membership:
         next_renew = time.monotonic() + renew_every
         next_refresh = time.monotonic() + self.refresh_seconds
         while not self._stop.is_set():
-            now = time.monotonic()
-            if not self._lease:
-                if self._try_register():
-                    next_renew = time.monotonic() + renew_every
-                    next_refresh = now  # read the members right away
-            elif now >= next_renew:
-                ok = self._renew()
-                # A failed renewal is retried soon: the lease may be running out.
-                next_renew = time.monotonic() + (
-                    renew_every if ok else min(renew_every, self.refresh_seconds)
-                )
-            with self._lock:
-                changed, self._changed = self._changed, False
-            if now >= next_refresh or changed:
-                self._refresh()
-                next_refresh = time.monotonic() + self.refresh_seconds
-            self._check_grace()
-            wake = min(next_refresh, next_renew if self._lease else next_refresh)
-            self._wake.wait(max(0.01, wake - time.monotonic()))
-            self._wake.clear()
+            try:
+                next_renew, next_refresh = self._turn(renew_every, next_renew, next_refresh)
+            except Exception:
+                # Whatever a turn ran into (a bug, an answer nobody foresaw),
+                # the member thread goes on: without it the lease would lapse
+                # and the view freeze while the state still said "member".
+                with self._lock:
+                    self._counters["thread_errors"] += 1
+                logger.exception("cluster %s: the member thread's turn failed", self.cluster)
+                self._stop.wait(min(1.0, self.refresh_seconds))
+
+    def _turn(
+        self, renew_every: float, next_renew: float, next_refresh: float
+    ) -> tuple[float, float]:
+        """One turn of the member thread: register, renew, refresh as due,
+        then wait for the next; returns the next renewal and refresh times."""
+        now = time.monotonic()
+        if not self._lease:
+            if self._try_register():
+                next_renew = time.monotonic() + renew_every
+                next_refresh = now  # read the members right away
+        elif now >= next_renew:
+            ok = self._renew()
+            # A failed renewal is retried soon: the lease may be running out.
+            next_renew = time.monotonic() + (
+                renew_every if ok else min(renew_every, self.refresh_seconds)
+            )
+        with self._lock:
+            changed, self._changed = self._changed, False
+        if now >= next_refresh or changed:
+            self._refresh()
+            next_refresh = time.monotonic() + self.refresh_seconds
+        self._check_grace()
+        wake = min(next_refresh, next_renew if self._lease else next_refresh)
+        self._wake.wait(max(0.01, wake - time.monotonic()))
+        self._wake.clear()
+        return next_renew, next_refresh
 
     def _watch_loop(self) -> None:
         """Keeps a watch of the members' keys open (made again a second after
@@ -340,6 +358,18 @@ class Membership:
             return False
         try:
             existing = self.client.create(self.key, self.record.to_json(), lease)
+            if existing is not None and existing.lease == 0:
+                # No lease holds it, so no live member registered it and it
+                # would never expire: a stray or malformed entry at this
+                # node's key, replaced by its record.
+                logger.warning(
+                    "cluster %s: the entry at %s had no lease (not a live member's record): "
+                    "replaced",
+                    self.cluster,
+                    self.key.decode(errors="replace"),
+                )
+                self.client.put(self.key, self.record.to_json(), lease)
+                existing = None
             if existing is not None and not self._is_own(existing):
                 self.client.revoke(lease)
                 with self._lock:
@@ -427,6 +457,7 @@ class Membership:
             self._failed("member listing", e)
             return
         members: dict[str, MemberRecord] = {}
+        own_entry: KeyValue | None = None
         for item in items:
             if len(members) >= MAX_MEMBERS:
                 self._bad(b"", 0, f"more than {MAX_MEMBERS} records; the rest are ignored")
@@ -435,6 +466,8 @@ class Membership:
                 self._bad(b"", revision, item)
                 continue
             node = item.key[len(self.prefix) :]
+            if item.key == self.key:
+                own_entry = item
             try:
                 record = parse_record(node.decode(), item.value)
             except (ValueError, UnicodeDecodeError) as e:
@@ -447,13 +480,22 @@ class Membership:
             registered = bool(self._lease)
         if outage:
             logger.info("coordination service back after %.1f s", outage)
-        if registered and self.node_id not in members:
+        lease = self._lease
+        if registered and (
+            own_entry is None
+            or own_entry.lease != lease
+            or members.get(self.node_id) != self.record
+        ):
             # The record went while the lease lives (deleted by someone, or
-            # the lease just expired): publish it again.
+            # the lease just expired), or something else was written over it
+            # (another value, or no lease): publish it again. A lease of ours
+            # that has expired meanwhile fails the put, and the renewal
+            # registers again.
+            what = "missing" if own_entry is None else "overwritten"
             try:
-                self.client.put(self.key, self.record.to_json(), self._lease)
+                self.client.put(self.key, self.record.to_json(), lease)
                 members[self.node_id] = self.record
-                logger.warning("own record of %s was missing: published again", self.node_id)
+                logger.warning("own record of %s was %s: published again", self.node_id, what)
             except ClusterError as e:
                 self._failed("re-publishing the record", e)
         self._install(members, revision)

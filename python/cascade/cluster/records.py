@@ -106,8 +106,9 @@ def parse_record(key_node_id: str, raw: bytes) -> MemberRecord:
         raise ValueError(f"record of {len(raw)} bytes, over {MAX_RECORD_BYTES}")
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"not JSON: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        # RecursionError: nesting deeper than the parser goes ("[[[[...").
+        raise ValueError(f"not JSON: {str(e):.100}") from None
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     if data.get("format") != RECORD_FORMAT:
