@@ -415,6 +415,30 @@ def test_a_server_restarts_while_a_client_of_the_last_one_still_maps_its_arena(t
         old.wait()
 
 
+def test_a_server_that_stops_leaves_the_socket_of_the_one_that_took_its_path(tmp):
+    """A's socket directory is removed and B starts on the same path; when A
+    stops it removes neither B's socket nor B's info file."""
+    d, shm, servers = tmp
+    a = Server(d, {"shm_path": shm, "shm_capacity_bytes": 8 << 20}, {}, name="a.yaml")
+    servers.append(a)
+    a.wait_ready()
+    shutil.rmtree(os.path.dirname(a.socket))
+    b = Server(d, {"shm_path": shm + "-b", "shm_capacity_bytes": 8 << 20}, {}, name="b.yaml")
+    servers.append(b)
+    try:
+        b.wait_ready()
+        a.proc.send_signal(signal.SIGTERM)
+        assert a.wait() == 0, a.text()
+        assert os.path.exists(b.socket)
+        with open(serve_status.info_path(b.socket)) as f:
+            assert json.load(f)["pid"] == b.proc.pid
+        client(b.socket, "m").close()
+    finally:
+        b.stop()
+        if os.path.exists(shm + "-b"):
+            os.unlink(shm + "-b")
+
+
 def test_output_to_a_reader_that_left_ends_quietly():
     """`cascade info | head -1`: the reader closes the pipe; the command ends
     as one killed by SIGPIPE would, with no error printed."""

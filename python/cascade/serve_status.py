@@ -405,8 +405,20 @@ def write_info_file(socket_path: str, socket_mode: int, group: int, facts: Mappi
 
 
 def remove_info_file(socket_path: str) -> None:
+    """Removes ``<socket>.json`` if this process wrote it: a server that shuts
+    down never removes the file of another that took the socket path since."""
+    path = info_path(socket_path)
     try:
-        os.unlink(info_path(socket_path))
+        with open(path, encoding="utf-8") as f:
+            pid = json.load(f).get("pid")
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, AttributeError):
+        pid = None  # unreadable: whoever wrote it, it describes no server that can be asked
+    if pid not in (None, os.getpid()):
+        return
+    try:
+        os.unlink(path)
     except FileNotFoundError:
         pass
 

@@ -215,6 +215,20 @@ Result<int> listen_unix(const std::string& path, uint32_t mode, int backlog) {
   return sock;
 }
 
+Result<SocketFile> socket_file(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return errno_status(errno, "stat " + path);
+  if (!S_ISSOCK(st.st_mode)) return Status::Busy("'" + path + "' is no longer a socket");
+  return SocketFile{path, st.st_dev, st.st_ino};
+}
+
+void remove_socket_file(const SocketFile& f) {
+  struct stat st;
+  if (f.path.empty() || ::lstat(f.path.c_str(), &st) != 0) return;
+  if (S_ISSOCK(st.st_mode) && st.st_dev == f.device && st.st_ino == f.inode)
+    ::unlink(f.path.c_str());
+}
+
 Result<int> connect_unix(const std::string& path) {
   struct sockaddr_un addr;
   CASCADE_RETURN_IF_ERROR(fill_address(path, &addr));

@@ -49,6 +49,17 @@ int watch_process(pid_t pid);
 // connection to one. Listen refuses (InvalidArgument) to replace anything at
 // path but a socket that no process listens on.
 Result<int> listen_unix(const std::string& path, uint32_t mode, int backlog);
+// The file a listening socket was bound to, as listen_unix left it.
+struct SocketFile {
+  std::string path;
+  dev_t device = 0;
+  ino_t inode = 0;
+};
+Result<SocketFile> socket_file(const std::string& path);
+// Removes the socket file only while path still names that very file: a
+// server that shuts down never removes the socket of another that took the
+// path since.
+void remove_socket_file(const SocketFile& f);
 Result<int> connect_unix(const std::string& path);
 
 }  // namespace cascade

@@ -198,6 +198,7 @@ class PoolServer::Impl {
   // A tier below the arena keeps blocks: a flush writes blocks down to it.
   bool persistent_below = false;
   int listen_fd = -1;
+  SocketFile socket_file;  // what listen_fd was bound to, removed at close if still there
   int wake_fd = -1;  // eventfd: the monitor re-reads its list or stops
   std::atomic<bool> stopping{false};
   std::thread monitor;
@@ -344,11 +345,17 @@ Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& confi
   auto fd = listen_unix(options.socket_path, options.socket_mode, 128);
   if (!fd.ok()) return fd.status();
   impl->listen_fd = *fd;
+  auto file = socket_file(options.socket_path);
+  if (!file.ok()) {
+    ::close(impl->listen_fd);
+    return file.status();
+  }
+  impl->socket_file = *file;
   impl->wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (impl->wake_fd < 0) {
     Status st = errno_status(errno, "eventfd");
     ::close(impl->listen_fd);
-    ::unlink(options.socket_path.c_str());
+    remove_socket_file(impl->socket_file);
     return st;
   }
   impl->doorbell_fd = ::memfd_create("cascade-pool-doorbell", MFD_CLOEXEC);
@@ -362,7 +369,7 @@ Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& confi
     if (impl->doorbell_fd >= 0) ::close(impl->doorbell_fd);
     ::close(impl->wake_fd);
     ::close(impl->listen_fd);
-    ::unlink(options.socket_path.c_str());
+    remove_socket_file(impl->socket_file);
     return st;
   }
   impl->bell = static_cast<pool::Doorbell*>(bell);
@@ -432,7 +439,7 @@ Status PoolServer::close() {
   ::close(s.doorbell_fd);
   if (s.listen_fd >= 0) {
     ::close(s.listen_fd);
-    ::unlink(s.options.socket_path.c_str());
+    remove_socket_file(s.socket_file);
   }
   if (s.wake_fd >= 0) ::close(s.wake_fd);
   // Other members' leases and reservations end before the store closes.
