@@ -268,6 +268,48 @@ def test_a_client_with_a_lease_held_refuses_to_close(tmp_path, server_alive):
             client.close()
 
 
+def test_a_block_that_cannot_be_brought_into_a_fully_leased_arena_says_so(tmp_path):
+    """The block is in the server's file tier and every block of the arena is
+    leased: acquire says that, not that the block is missing."""
+    cfg = _core.CascadeConfig()
+    cfg.pipeline = "host|file"
+    cfg.use_gpu = False
+    cfg.shm_capacity_bytes = 8 << 20
+    cfg.shm_path = f"/dev/shm/cascade-test-pool-{uuid.uuid4().hex[:12]}"
+    cfg.file_path = str(tmp_path / "files")
+    sock = str(tmp_path / "pool.sock")
+    srv = _core.PoolServer(cfg, sock)
+    c = cascade.CascadeStore(cascade.config_from_dict({"pool_socket": sock, "use_gpu": False}))
+    try:
+        for i in range(16):
+            assert c.put(f"k{i}", np.full(1 << 20, i, np.uint8))
+        c.flush()
+        held, below = [], None
+        for i in range(16):
+            try:
+                held.append(c.acquire(f"k{i}"))
+            except cascade.NoSpaceError as e:
+                below = (f"k{i}", str(e))
+                break
+        assert below is not None, "the arena never filled"
+        assert c.contains(below[0])
+        assert "lower tiers" in below[1] and "leased" in below[1], below[1]
+        for lease in held:
+            lease.release()  # queued: the server hears of it shortly
+
+        def brought_in() -> bool:
+            try:
+                with c.acquire(below[0]) as lease:
+                    return lease.size == 1 << 20
+            except cascade.NoSpaceError:
+                return False
+
+        wait_for(brought_in, "the block brought in once the leases ended")
+    finally:
+        c.close()
+        srv.close()
+
+
 def test_no_server_is_a_clear_error(tmp_path):
     with pytest.raises(cascade.UnavailableError, match="no node pool server listens"):
         cascade.CascadeStore(

@@ -4,9 +4,9 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/random.h>
-#include <sys/sysmacros.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -141,8 +141,8 @@ std::vector<long> flock_holders(dev_t dev, ino_t ino) {
     long pid = 0;
     if (std::strstr(line, "->")) continue;
     const char* colon = std::strchr(line, ':');
-    if (!colon || std::sscanf(colon + 1, "%15s %15s %15s %ld %63s", kind, mode, access, &pid,
-                              file) != 5)
+    if (!colon ||
+        std::sscanf(colon + 1, "%15s %15s %15s %ld %63s", kind, mode, access, &pid, file) != 5)
       continue;
     if (std::strcmp(kind, "FLOCK") == 0 && std::strcmp(file, want) == 0) pids.push_back(pid);
   }

@@ -199,7 +199,7 @@ class PoolServer::Impl {
   bool persistent_below = false;
   int listen_fd = -1;
   SocketFile socket_file;  // what listen_fd was bound to, removed at close if still there
-  int wake_fd = -1;  // eventfd: the monitor re-reads its list or stops
+  int wake_fd = -1;        // eventfd: the monitor re-reads its list or stops
   std::atomic<bool> stopping{false};
   std::thread monitor;
   std::thread reaper;

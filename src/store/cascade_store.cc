@@ -94,7 +94,7 @@ Status CascadeStore::Impl::write_down(const WriteDownOptions& o) {
     for (int round = 0; round < 256; ++round) {  // as put_into: each round evicts a block
       st = tiers[t]->put_alias(alias, target);
       if (!st.is(Code::kNoSpace)) return st;  // NotFound: the room made was the target's
-      Status room = make_room(t, kAliasRecordBytes);
+      Status room = make_room(t, kAliasRecordBytes, st);
       if (!room.ok()) return room;
     }
     return st;

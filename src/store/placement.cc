@@ -19,11 +19,17 @@ std::mutex& CascadeStore::Impl::content_lock(const BlockId& phys) {
 
 // Makes room for `need` bytes in tier t by moving its least valuable blocks
 // down (or dropping them from the last tier).
-Status CascadeStore::Impl::make_room(size_t t, uint64_t need) {
+Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why) {
   auto victims = tiers[t]->claim_victims(need);
-  if (victims.empty())
-    return Status::NoSpace(std::string(tiers[t]->name()) +
-                           " tier is full and every block in it is in use (leased)");
+  if (victims.empty()) {
+    // Nothing to move out: say why the tier had no room, and why that stays.
+    const TierStats s = tiers[t]->stats();
+    std::string name(tiers[t]->name());
+    std::string reason = why.message().empty() ? name + " tier is full" : why.message();
+    if (s.blocks == 0)
+      return Status::NoSpace(reason + "; the " + name + " tier holds no block to move out");
+    return Status::NoSpace(reason + "; every block in the " + name + " tier is in use (leased)");
+  }
   for (Victim& v : victims) {
     bool kept_below = false;
     if (t + 1 < tiers.size() && v.view) {
@@ -50,7 +56,7 @@ Status CascadeStore::Impl::put_into(size_t t, const BlockId& id, const void* dat
   for (int round = 0; round < 256; ++round) {
     st = tiers[t]->put(id, data, size, o);
     if (!st.is(Code::kNoSpace)) return st;
-    Status room = make_room(t, size);
+    Status room = make_room(t, size, st);
     if (!room.ok()) return room;
   }
   return st;
@@ -177,7 +183,7 @@ Result<Reservation> CascadeStore::Impl::reserve_making_room(const BlockId& id, u
   Result<Reservation> r = tiers[0]->reserve(id, size, options);
   // Each round evicts at least one block; fragmentation may need a few.
   for (int round = 0; round < 256 && r.status().is(Code::kNoSpace); ++round) {
-    CASCADE_RETURN_IF_ERROR(make_room(0, size));
+    CASCADE_RETURN_IF_ERROR(make_room(0, size, r.status()));
     r = tiers[0]->reserve(id, size, options);
   }
   return r;

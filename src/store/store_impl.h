@@ -67,7 +67,9 @@ class CascadeStore::Impl {
   std::atomic<uint64_t> bytes_put{0}, bytes_got{0};
 
   // ---- placement (placement.cc) ---------------------------------------------
-  Status make_room(size_t t, uint64_t need);
+  // `why`: the tier's NoSpace that asked for the room (its own reason, such
+  // as a full file system, is kept when nothing can be moved out).
+  Status make_room(size_t t, uint64_t need, const Status& why);
   Status put_into(size_t t, const BlockId& id, const void* data, uint64_t size,
                   const PutOptions& o);
   bool fits(size_t t, uint64_t size) const;

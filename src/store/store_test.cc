@@ -151,6 +151,32 @@ TEST(StoreTest, LeasedBlockIsNeverEvicted) {
   view->reset();
 }
 
+TEST(StoreTest, NoSpaceSaysWhyNothingCouldBeMovedOut) {
+  // The tier's own reason is kept, and what stops eviction is named: no
+  // block at all (the room is reserved by puts under way), or every block
+  // leased. Before, both read "every block in it is in use (leased)".
+  auto store = open(host_config(128 << 10));
+  auto big = random_bytes(128 << 10, 7);
+  auto r = store->reserve(compute_block_id(big.data(), big.size()), big.size());
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  auto b = random_bytes(64 << 10, 8);
+  Status st = store->put(compute_block_id(b.data(), b.size()), b.data(), b.size());
+  ASSERT_TRUE(st.is(Code::kNoSpace)) << st.ToString();
+  EXPECT_NE(st.message().find("holds no block to move out"), std::string::npos) << st.ToString();
+  EXPECT_EQ(st.message().find("leased"), std::string::npos) << st.ToString();
+  store->abort(*r);
+  std::vector<BlockView> views;
+  for (int i = 0; i < 2; ++i) {
+    auto d = random_bytes(64 << 10, 60 + i);
+    BlockId id = compute_block_id(d.data(), d.size());
+    ASSERT_TRUE(store->put(id, d.data(), d.size()).ok());
+    views.push_back(std::move(store->acquire(id).value()));
+  }
+  st = store->put(compute_block_id(b.data(), b.size()), b.data(), b.size());
+  ASSERT_TRUE(st.is(Code::kNoSpace)) << st.ToString();
+  EXPECT_NE(st.message().find("in use (leased)"), std::string::npos) << st.ToString();
+}
+
 TEST(StoreTest, AllLeasedMeansNoSpace) {
   auto store = open(host_config(128 << 10));
   std::vector<BlockView> views;

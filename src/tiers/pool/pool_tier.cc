@@ -37,6 +37,22 @@ Status wire_status(uint32_t code, std::string message) {
   return Status(static_cast<Code>(code), std::move(message));
 }
 
+// Why the server did not lease a block, in the user's terms.
+Status lease_failure(uint32_t code, const BlockId& id) {
+  std::string what;
+  switch (static_cast<Code>(code)) {
+    case Code::kNotFound: what = "block " + id.hex() + " is not in the pool"; break;
+    case Code::kNoSpace:
+      what = "block " + id.hex() +
+             " is in the pool's lower tiers, but its arena has no room to bring it in (the "
+             "blocks there are leased)";
+      break;
+    case Code::kBusy: what = "block " + id.hex() + " is being written or moved in the pool"; break;
+    default: what = "the pool server could not lease block " + id.hex(); break;
+  }
+  return wire_status(code, std::move(what));
+}
+
 // The server is trusted when it runs as this user, as root, or as the owner
 // of a directory that only its owner may write (an operator's service
 // directory such as /run/cascade) holding the socket.
@@ -633,7 +649,7 @@ void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> 
       pool::LeaseReply r;
       std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
       if (r.code != 0) {
-        statuses[i] = wire_status(r.code, "block " + ids[i].hex() + " is not in the pool");
+        statuses[i] = lease_failure(r.code, ids[i]);
         if (r.code == static_cast<uint32_t>(Code::kNotFound)) TierCounters::add(counters_.misses);
         continue;
       }
@@ -796,7 +812,7 @@ void PoolTier::take_lease_read(Slot* slot, const ReadBatch& b, ReadPart* part) {
     pool::LeaseReadReply r;
     std::memcpy(&r, slot->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
     if (r.code != 0) {
-      b.statuses[i] = wire_status(r.code, "block " + b.ids[i].hex() + " is not in the pool");
+      b.statuses[i] = lease_failure(r.code, b.ids[i]);
       if (r.code == static_cast<uint32_t>(Code::kNotFound)) TierCounters::add(counters_.misses);
       continue;
     }
