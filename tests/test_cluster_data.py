@@ -189,6 +189,43 @@ def test_a_block_saved_through_one_server_is_read_through_another(place, mapped)
 
 
 @MODES
+def test_a_block_corrupted_in_its_owners_arena_is_a_miss_and_counted(place, mapped):
+    """Bytes of pushed blocks flipped in their owner's arena file: read through
+    another server they are misses, never data, and the reading server counts
+    them, whether its client copied them from the mapped arena or the server
+    fetched them over the transport."""
+    nodes = cluster_up(place, 3, mapped)
+    shms = place[1]
+    writer = client(place, nodes[0][0].socket)
+    keys = list(range(60))
+    writer.put_batch([f"k{i}" for i in keys], [block(i) for i in keys])
+    assert nodes[0][0].proc.poll() is None
+    until(lambda: scrape(nodes[0][1])["cascade_pool_cluster_pushed_blocks_total"] > 0, 10, "pushes")
+
+    def at_node1() -> dict[int, int]:
+        """Where blocks pushed to node-1 are in its arena file."""
+        with open(shms[1], "rb") as f:
+            arena = f.read()
+        found = {i: arena.find(block(i)[:256].tobytes()) for i in keys}
+        return {i: at for i, at in found.items() if at >= 0}
+
+    until(lambda: len(at_node1()) >= 3, 10, "blocks at node-1")
+    hit = dict(list(at_node1().items())[:3])
+    fd = os.open(shms[1], os.O_RDWR)
+    try:
+        for at in hit.values():
+            os.pwrite(fd, bytes([os.pread(fd, 1, at + 100)[0] ^ 0xFF]), at + 100)
+    finally:
+        os.close(fd)
+    reader = client(place, nodes[2][0].socket)
+    assert not any(get_checked(reader, i) for i in hit)  # misses, never wrong bytes
+    failures = scrape(nodes[2][1])["cascade_pool_cluster_checksum_failures_total"]
+    assert failures >= len(hit), failures
+    if mapped:  # the client's own count too
+        assert reader.get_stats()["tiers"]["pool"]["corrupt_blocks"] >= len(hit)
+
+
+@MODES
 def test_a_killed_server_means_misses_not_hangs_and_a_new_one_takes_its_share(place, mapped):
     nodes = cluster_up(place, 3, mapped)
     writer = client(place, nodes[0][0].socket)

@@ -1617,6 +1617,10 @@ void ClusterNode::lease_mapped(std::span<const BlockId> ids, std::span<MappedLea
   impl_->lease_mapped(ids, out);
 }
 
+void ClusterNode::count_checksum_failures(uint64_t n) {
+  impl_->checksum_failures.fetch_add(n, std::memory_order_relaxed);
+}
+
 void ClusterNode::release_mapped(std::span<const MappedLease> leases) {
   if (impl_->stopping.load()) return;
   impl_->release_mapped(leases);

@@ -181,6 +181,9 @@ class ClusterNode {
   // Ends leases lease_mapped granted. Those of arenas no longer mapped end
   // at the owner's expiry.
   void release_mapped(std::span<const MappedLease> leases);
+  // Blocks this server's clients copied from mapped arenas whose bytes did
+  // not match their checksums (stats().checksum_failures).
+  void count_checksum_failures(uint64_t n);
   // The mapped arena with this index; NotFound once it is no longer mapped
   // (its member failed, left or came back as another generation).
   Result<MappedArenaFile> mapped_arena(uint32_t index) const;

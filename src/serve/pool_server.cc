@@ -1161,7 +1161,11 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       });
       c->lease_count.fetch_sub(ended.size() + ended_mapped.size(), std::memory_order_relaxed);
       if (!ended_mapped.empty())
-        if (ClusterNode* cn = cluster_node()) cn->release_mapped(ended_mapped);
+        if (ClusterNode* cn = cluster_node()) {
+          // The client's copies from the owners' arenas failed their checksums.
+          if (h.flags & pool::kChecksumFailed) cn->count_checksum_failures(ended_mapped.size());
+          cn->release_mapped(ended_mapped);
+        }
       break;
     }
     case Op::kLeaseRead: {

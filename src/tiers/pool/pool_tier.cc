@@ -731,6 +731,7 @@ void PoolTier::read_chunk(std::span<const BlockId> ids, std::span<const ReadRequ
       if (parallel && pool_ && part.count > 1) pool_->parallel_for(part.count, copy);
       else
         for (size_t k = 0; k < part.count; ++k) copy(k);
+      release_failed(&part);
       release_leases(part.tokens);
     }
     return;
@@ -779,6 +780,7 @@ void PoolTier::read_stream(const ReadBatch& b, Parts<ReadPart>* parts) {
       ReadPart* ahead = parts->claim();
       if (ahead) ahead->sent = post_lease_read(x.slot(), b, *ahead, parts->ahead);
       copy_own(cur, copy_one);
+      release_failed(cur);
       queue_releases(cur->tokens);
       if (!ahead) break;
       cur = ahead;
@@ -883,6 +885,8 @@ void PoolTier::copy_leased(const ReadBatch& b, ReadPart* part, size_t k) {
     if (sum != g.lease.checksum) {
       st = Status::NotFound("block " + b.ids[i].hex() + " failed its checksum in a member's arena");
       TierCounters::add(counters_.misses);
+      TierCounters::add(corrupt_);
+      part->got[k].failed = true;
     } else if (now > g.lease.valid_until_ns) {
       st = Status::NotFound("block " + b.ids[i].hex() + ": its lease ended before its copy did");
       TierCounters::add(counters_.misses);
@@ -1046,6 +1050,7 @@ TierStats PoolTier::stats() const {
   s.capacity_bytes = capacity_;
   s.committed_bytes = mapped_bytes_.load(std::memory_order_relaxed);  // mapped in ahead of use
   s.leased_blocks = views_held_.load(std::memory_order_relaxed);
+  s.corrupt_blocks = corrupt_.load(std::memory_order_relaxed);
   counters_.fill(&s);
   return s;
 }
@@ -1094,7 +1099,18 @@ void PoolTier::release_queued() {
   if (!now.empty()) send_releases(std::move(now));
 }
 
-void PoolTier::send_releases(std::vector<uint64_t> tokens) {
+void PoolTier::release_failed(ReadPart* part) {
+  std::vector<uint64_t> failed;
+  for (const Leased& g : part->got)
+    if (g.failed) failed.push_back(g.lease.token);
+  if (failed.empty()) return;
+  std::erase_if(part->tokens, [&](uint64_t t) {
+    return std::find(failed.begin(), failed.end(), t) != failed.end();
+  });
+  send_releases(std::move(failed), pool::kChecksumFailed);
+}
+
+void PoolTier::send_releases(std::vector<uint64_t> tokens, uint32_t flags) {
   for (size_t begin = 0; begin < tokens.size(); begin += pool::kMaxItems) {
     const uint32_t m =
         static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, tokens.size() - begin));
@@ -1104,7 +1120,7 @@ void PoolTier::send_releases(std::vector<uint64_t> tokens) {
                 m * sizeof(uint64_t));
     ReplyHeader reply;
     if (!call(held.slot(), Op::kRelease, m, sizeof(pool::TokenItem), &reply, timeout_us_,
-              pool::kAhead)
+              pool::kAhead | flags)
              .ok())
       return;
   }

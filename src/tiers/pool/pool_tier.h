@@ -136,7 +136,7 @@ class PoolTier final : public Tier {
   // Queues releases for the releasing thread alone (the caller may hold a
   // channel): it sends them when kReleaseBatch are queued, or shortly after.
   void queue_releases(std::span<const uint64_t> tokens);
-  void send_releases(std::vector<uint64_t> tokens);
+  void send_releases(std::vector<uint64_t> tokens, uint32_t flags = 0);
   void release_loop();
   void map_arena();
   size_t sub_batch(std::span<const uint64_t> sizes) const;
@@ -231,6 +231,7 @@ class PoolTier final : public Tier {
     pool::LeaseReadReply lease{};                   // as the server answered
     const uint8_t* data = nullptr;                  // where the block is in this process
     std::shared_ptr<const ReadOnlyMapping> member;  // lease.arena != 0: its mapping
+    bool failed = false;  // its copy failed the owner's checksum (written by its copier)
   };
   struct ReadPart : SharedCopies {
     size_t begin = 0, count = 0;   // items [begin, begin + count) of the batch
@@ -244,6 +245,10 @@ class PoolTier final : public Tier {
   void take_lease_read(Slot* slot, const ReadBatch& b, ReadPart* part);
   void map_members(const ReadBatch& b, ReadPart* part);
   void copy_leased(const ReadBatch& b, ReadPart* part, size_t k);
+  // Once a part's copies are done: ends the leases whose copies failed
+  // their checksum with a release that says so (the server counts them),
+  // and takes them out of part->tokens.
+  void release_failed(ReadPart* part);
   // The member arena the server numbered `index`, mapped read-only here.
   Result<std::shared_ptr<const ReadOnlyMapping>> member_arena(uint32_t index);
   // Drops the mappings of member arenas the server no longer maps.
@@ -265,6 +270,9 @@ class PoolTier final : public Tier {
   // Views handed out by acquire that their holders have not released yet
   // (stats().leased_blocks: the store refuses to close under them).
   std::atomic<uint64_t> views_held_{0};
+  // Blocks copied from a member's arena whose checksum did not match
+  // (misses; stats().corrupt_blocks). The servers never see these copies.
+  std::atomic<uint64_t> corrupt_{0};
   bool persistent_ = false;
   bool registered_ = false;
   uint8_t* channel_map_ = nullptr;

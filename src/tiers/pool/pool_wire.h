@@ -128,6 +128,10 @@ struct RequestHeader {
 // that answers it does not spin for a next request. A hint; a server that
 // does not know it answers the same.
 inline constexpr uint32_t kAhead = 1;
+// On kRelease: the client's copies of these leased blocks (from member
+// arenas) failed their checksums; the server counts them. A server that
+// does not know the flag ends the leases the same.
+inline constexpr uint32_t kChecksumFailed = 2;
 struct ReplyHeader {
   uint32_t code;  // OK: count items follow; otherwise message_bytes of text
   uint32_t count;
