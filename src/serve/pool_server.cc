@@ -210,6 +210,10 @@ class PoolServer::Impl {
   mutable std::mutex mu;  // guards clients, handshakes, the reap queue and reaper_stop
   std::map<uint64_t, std::shared_ptr<PoolClient>> clients;
   int handshakes_running = 0;  // detached handshake threads; close() waits for 0
+  // Handshakes still waiting for their hello: socket -> when it was
+  // accepted. A handshake takes its socket out (under mu) before it closes
+  // it, so a socket listed here is open.
+  std::map<int, std::chrono::steady_clock::time_point> awaiting_hello;
   std::condition_variable handshakes_cv;
   std::deque<std::shared_ptr<PoolClient>> reap_queue;
   std::condition_variable reap_cv;
@@ -508,12 +512,25 @@ void PoolServer::Impl::monitor_loop() {
       int sock = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
       if (sock < 0) continue;
       std::lock_guard<std::mutex> l(mu);
-      if (handshakes_running >= kMaxHandshakes) {
+      if (handshakes_running >= kMaxHandshakes && !awaiting_hello.empty()) {
+        // Every slot is taken, some by peers that connected and said
+        // nothing yet: the one silent longest gives its slot up (its
+        // handshake ends at once), so peers that stall on purpose cannot
+        // keep new clients out. A real client's hello follows its connect
+        // within microseconds.
+        auto oldest = std::min_element(
+            awaiting_hello.begin(), awaiting_hello.end(),
+            [](const auto& a, const auto& b) { return a.second < b.second; });
+        ::shutdown(oldest->first, SHUT_RDWR);
+        awaiting_hello.erase(oldest);
+      }
+      if (handshakes_running >= 2 * kMaxHandshakes) {  // ended ones not gone yet
         refused.fetch_add(1);
         ::close(sock);
         continue;
       }
       ++handshakes_running;
+      awaiting_hello[sock] = std::chrono::steady_clock::now();
       std::thread([this, sock] { handshake(sock); }).detach();
     }
   }
@@ -534,6 +551,12 @@ void PoolServer::Impl::handshake(int sock) {
     auto deadline =
         std::chrono::steady_clock::now() + std::chrono::milliseconds(options.handshake_timeout_ms);
     st = receive_message(sock, &hello, sizeof hello, deadline);
+  }
+  {
+    std::lock_guard<std::mutex> l(mu);
+    awaiting_hello.erase(sock);
+  }
+  if (cred.ok()) {
     if (st.ok()) st = admit(sock, *cred, hello, &client, &why);
   }
   if (st.ok()) {

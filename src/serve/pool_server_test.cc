@@ -573,6 +573,35 @@ TEST(PoolServerTest, AClientWhoseProcessEndsGoesEvenIfAChildKeepsItsSocket) {
   ::close(hold[0]);
 }
 
+TEST(PoolServerTest, PeersThatConnectAndStaySilentDoNotKeepNewClientsOut) {
+  // Every handshake slot taken by a connection that never says hello: a
+  // new client still gets in, at once rather than after the handshake
+  // deadline, and the silent peer that waited longest is let go.
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, f.socket.c_str(), sizeof addr.sun_path - 1);
+  std::vector<int> silent;
+  for (int i = 0; i < 80; ++i) {
+    int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(sock, 0);
+    ASSERT_EQ(::connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    silent.push_back(sock);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // all accepted
+  auto t0 = std::chrono::steady_clock::now();
+  auto c = f.client();
+  ASSERT_TRUE(c);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(1000));
+  auto data = bytes_for(1, 4096);
+  EXPECT_TRUE(c->put(id_of(1), data.data(), data.size()).ok());
+  // The first silent peers were let go: their connections are closed.
+  char byte;
+  EXPECT_EQ(::recv(silent[0], &byte, 1, MSG_DONTWAIT), 0);
+  for (int sock : silent) ::close(sock);
+}
+
 TEST(PoolServerTest, APeerInTheAllowedGroupByASupplementaryGroupIsLetIn) {
   // The group a pool is opened to may be any of the peer's groups, not only
   // its primary one (before, such a peer was refused).
