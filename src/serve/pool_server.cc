@@ -518,9 +518,9 @@ void PoolServer::Impl::monitor_loop() {
         // handshake ends at once), so peers that stall on purpose cannot
         // keep new clients out. A real client's hello follows its connect
         // within microseconds.
-        auto oldest = std::min_element(
-            awaiting_hello.begin(), awaiting_hello.end(),
-            [](const auto& a, const auto& b) { return a.second < b.second; });
+        auto oldest =
+            std::min_element(awaiting_hello.begin(), awaiting_hello.end(),
+                             [](const auto& a, const auto& b) { return a.second < b.second; });
         ::shutdown(oldest->first, SHUT_RDWR);
         awaiting_hello.erase(oldest);
       }
