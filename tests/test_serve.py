@@ -439,6 +439,27 @@ def test_a_server_that_stops_leaves_the_socket_of_the_one_that_took_its_path(tmp
             os.unlink(shm + "-b")
 
 
+def test_a_kept_arena_of_another_capacity_is_discarded_with_a_warning(tmp):
+    d, shm, servers = tmp
+    first = Server(d, {"shm_path": shm, "shm_capacity_bytes": 8 << 20}, {}, name="a.yaml")
+    servers.append(first)
+    first.wait_ready()
+    c = client(first.socket, "m")
+    assert c.put("k", np.ones(4096, np.uint8))
+    c.close()
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait() == 0, first.text()
+    again = Server(d, {"shm_path": shm, "shm_capacity_bytes": 16 << 20}, {}, name="b.yaml")
+    servers.append(again)
+    again.wait_ready()
+    assert "does not match this configuration" in again.text()
+    c = client(again.socket, "m")
+    try:
+        assert c.get("k") is None
+    finally:
+        c.close()
+
+
 def test_output_to_a_reader_that_left_ends_quietly():
     """`cascade info | head -1`: the reader closes the pipe; the command ends
     as one killed by SIGPIPE would, with no error printed."""
