@@ -36,6 +36,8 @@ constexpr uint64_t kM1 = 0x9E3779B97F4A7C15ULL;
 constexpr uint64_t kM2 = 0xBF58476D1CE4E5B9ULL;
 constexpr auto kServiceWait = 100ms;  // a service thread's receive, between checks for the end
 constexpr auto kSweepEvery = 1s;
+// The longest a member whose address refuses connections is skipped.
+constexpr auto kMaxRefusedSkip = 30s;
 
 // The ring position of a block id: a mix of all 128 bits (the membership
 // service's ring uses the same function).
@@ -117,6 +119,11 @@ struct LinkSlot {
   // The member's lanes' addresses, from its reply to the first Hello.
   std::vector<std::vector<uint8_t>> lane_addresses;
   Clock::time_point skip_until{};
+  // Connects to this address refused at once in a row (nothing listens
+  // there: the member is most likely gone): each doubles the skip, up to
+  // kMaxRefusedSkip, until the member's record changes or a connect works.
+  // Every refused attempt costs a socket that UCX 1.13 never closes.
+  uint32_t refusals = 0;
   // The member's arena file mapped (same host), from its Hello reply; dropped
   // with its connections, so a member that is gone pins no memory here.
   std::shared_ptr<const ReadOnlyMapping> mapped;
@@ -321,6 +328,7 @@ class ClusterNode::Impl {
       s->generation = m.generation;
       s->address = m.address;
       s->skip_until = {};
+      s->refusals = 0;
     }
     return s;
   }
@@ -448,7 +456,20 @@ class ClusterNode::Impl {
     };
     Transport& t = *lanes[lane].t;
     auto peer = t.connect(address, until);
-    if (!peer.ok()) return fail_now(peer.status());
+    if (!peer.ok()) {
+      Status st = fail_now(peer.status());
+      if (Clock::now() + std::chrono::milliseconds(10) < until) {
+        // Refused well before the deadline, not timed out: back off longer.
+        s->refusals = std::min<uint32_t>(s->refusals + 1, 16);
+        auto skip = std::min<Clock::duration>(
+            std::chrono::milliseconds(options.retry_after_ms) * (1ull << (s->refusals - 1)),
+            kMaxRefusedSkip);
+        s->skip_until = Clock::now() + std::max<Clock::duration>(
+                                           skip, std::chrono::milliseconds(options.retry_after_ms));
+      }
+      return st;
+    }
+    s->refusals = 0;
     const std::vector<uint8_t>& mine = t.address();
     auto reply = call(lane, **peer, Op::kHello, static_cast<uint32_t>(mine.size()), mine, until);
     if (!reply.ok()) {

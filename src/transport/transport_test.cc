@@ -5,6 +5,7 @@
 #include "transport/transport.h"
 
 #include <gtest/gtest.h>
+#include <thread>
 #include <signal.h>
 #include <sys/resource.h>
 
@@ -814,6 +815,28 @@ INSTANTIATE_TEST_SUITE_P(Fabrics, TransportFabricTest, ::testing::Values("tcp", 
                          [](const ::testing::TestParamInfo<const char*>& info) {
                            return std::string(info.param) == "tcp" ? "tcp" : "shm";
                          });
+
+// The address of a peer that was killed: the connect fails at once (the
+// fabric refuses it), not at its deadline, and says the peer may be gone.
+TEST_P(TransportFabricTest, ConnectingToAKilledPeerFailsAtOnceAndSaysSo) {
+  auto child = start_child(9);
+  ASSERT_NE(child, nullptr);
+  open_local();
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<RemoteRegion> region;
+  attach(*child, &peer, &region);
+  if (HasFatalFailure()) return;
+  const std::vector<uint8_t> address = child->address();
+  child->signal(SIGKILL);
+  for (int i = 0; i < 100 && peer->health().ok(); ++i) std::this_thread::sleep_for(10ms);
+  auto t0 = TransportClock::now();
+  Result<std::shared_ptr<Peer>> again = local_->connect(address, deadline_in(5s));
+  ASSERT_FALSE(again.ok());
+  EXPECT_TRUE(again.status().is(Code::kUnavailable)) << again.status().ToString();
+  EXPECT_NE(again.status().message().find("gone"), std::string::npos)
+      << again.status().ToString();
+  EXPECT_LT(TransportClock::now() - t0, 2s);
+}
 
 }  // namespace
 }  // namespace cascade

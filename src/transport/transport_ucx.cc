@@ -583,7 +583,8 @@ class UcxTransport final : public Transport {
       ucs_status_t s = ucp_ep_create(w_->worker, &ep, &state->ep);
       if (s == UCS_ERR_UNREACHABLE && require_failure_detection_)
         return Status::Unavailable(
-            "transport: connect: no fabric allowed here reaches the peer with failure detection "
+            "transport: connect: the peer cannot be reached: it is gone (nothing listens at its "
+            "address any more), or no fabric allowed here reaches it with failure detection "
             "(UCX's posix and sysv shared-memory transports have none: allow tcp beside them, "
             "e.g. \"sm,tcp\", or turn require_failure_detection off)");
       if (s != UCS_OK) return ucx_status(s, "transport: connect");
