@@ -210,17 +210,25 @@ def test_server_threads_do_not_grow_with_client_channels(tmp_path):
         srv.close()
 
 
-def test_a_client_sees_unavailable_when_the_server_goes(tmp_path):
+def small_pool(tmp_path, file_path: str = "") -> tuple[_core.PoolServer, cascade.CascadeStore]:
+    """A server with an 8 MiB arena (and a file tier below it when file_path
+    is given) and one client of it, whose requests wait 2 s at most."""
     cfg = _core.CascadeConfig()
-    cfg.pipeline = "host"
+    cfg.pipeline = "host|file" if file_path else "host"
     cfg.use_gpu = False
     cfg.shm_capacity_bytes = 8 << 20
     cfg.shm_path = f"/dev/shm/cascade-test-pool-{uuid.uuid4().hex[:12]}"
+    cfg.file_path = file_path
     sock = str(tmp_path / "pool.sock")
     srv = _core.PoolServer(cfg, sock)
     client = cascade.CascadeStore(
         cascade.config_from_dict({"pool_socket": sock, "use_gpu": False, "pool_timeout_ms": 2000})
     )
+    return srv, client
+
+
+def test_a_client_sees_unavailable_when_the_server_goes(tmp_path):
+    srv, client = small_pool(tmp_path)
     client.put("a", np.ones(4096, np.uint8))
     srv.close()
     with pytest.raises(cascade.UnavailableError):
@@ -238,16 +246,7 @@ def test_a_client_with_a_lease_held_refuses_to_close(tmp_path, server_alive):
     """The lease's bytes are the client's mapping of the arena: closing the
     store would unmap them under the holder. As a local store does, close
     raises BusyError and the store stays open, server alive or gone."""
-    cfg = _core.CascadeConfig()
-    cfg.pipeline = "host"
-    cfg.use_gpu = False
-    cfg.shm_capacity_bytes = 8 << 20
-    cfg.shm_path = f"/dev/shm/cascade-test-pool-{uuid.uuid4().hex[:12]}"
-    sock = str(tmp_path / "pool.sock")
-    srv = _core.PoolServer(cfg, sock)
-    client = cascade.CascadeStore(
-        cascade.config_from_dict({"pool_socket": sock, "use_gpu": False, "pool_timeout_ms": 2000})
-    )
+    srv, client = small_pool(tmp_path)
     want = np.full(1 << 20, 0xAB, np.uint8)
     client.put("a", want)
     lease = client.acquire("a")
@@ -271,15 +270,7 @@ def test_a_client_with_a_lease_held_refuses_to_close(tmp_path, server_alive):
 def test_a_block_that_cannot_be_brought_into_a_fully_leased_arena_says_so(tmp_path):
     """The block is in the server's file tier and every block of the arena is
     leased: acquire says that, not that the block is missing."""
-    cfg = _core.CascadeConfig()
-    cfg.pipeline = "host|file"
-    cfg.use_gpu = False
-    cfg.shm_capacity_bytes = 8 << 20
-    cfg.shm_path = f"/dev/shm/cascade-test-pool-{uuid.uuid4().hex[:12]}"
-    cfg.file_path = str(tmp_path / "files")
-    sock = str(tmp_path / "pool.sock")
-    srv = _core.PoolServer(cfg, sock)
-    c = cascade.CascadeStore(cascade.config_from_dict({"pool_socket": sock, "use_gpu": False}))
+    srv, c = small_pool(tmp_path, file_path=str(tmp_path / "files"))
     try:
         for i in range(16):
             assert c.put(f"k{i}", np.full(1 << 20, i, np.uint8))

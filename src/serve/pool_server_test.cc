@@ -496,21 +496,32 @@ TEST(PoolServerTest, AClientsFlushWritesDownWhatItStoredNotTheWholePool) {
   }
 }
 
-// Connects from a child process running as uid/gid with the given
-// supplementary groups and returns the welcome's code (0: let in), or -1
-// when the child could not take those credentials or got no welcome.
-// The child uses system calls only (it is forked from a threaded process).
-int connect_as(const std::string& socket_path, uid_t uid, gid_t gid,
-               const std::vector<gid_t>& groups) {
+// A hello of one channel in namespace "ns", as a forked child sends it.
+pool::Hello hello_ns() {
   pool::Hello h{};
   h.magic = pool::kMagic;
   h.version = pool::kVersion;
   h.channels = 1;
   h.namespace_bytes = 2;
   std::memcpy(h.name_space, "ns", 2);
+  return h;
+}
+
+sockaddr_un unix_address(const std::string& socket_path) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::strncpy(addr.sun_path, socket_path.c_str(), sizeof addr.sun_path - 1);
+  return addr;
+}
+
+// Connects from a child process running as uid/gid with the given
+// supplementary groups and returns the welcome's code (0: let in), or -1
+// when the child could not take those credentials or got no welcome.
+// The child uses system calls only (it is forked from a threaded process).
+int connect_as(const std::string& socket_path, uid_t uid, gid_t gid,
+               const std::vector<gid_t>& groups) {
+  const pool::Hello h = hello_ns();
+  sockaddr_un addr = unix_address(socket_path);
   pid_t pid = ::fork();
   if (pid == 0) {
     if (::setgroups(groups.size(), groups.data()) != 0 || ::setgid(gid) != 0 || ::setuid(uid) != 0)
@@ -535,15 +546,8 @@ TEST(PoolServerTest, AClientWhoseProcessEndsGoesEvenIfAChildKeepsItsSocket) {
   // process ending is what counts: it is reaped, and what it held freed.
   PoolFixture f;
   ASSERT_TRUE(f.server);
-  pool::Hello h{};
-  h.magic = pool::kMagic;
-  h.version = pool::kVersion;
-  h.channels = 1;
-  h.namespace_bytes = 2;
-  std::memcpy(h.name_space, "ns", 2);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, f.socket.c_str(), sizeof addr.sun_path - 1);
+  const pool::Hello h = hello_ns();
+  sockaddr_un addr = unix_address(f.socket);
   int hold[2];
   ASSERT_EQ(::pipe(hold), 0);
   const pid_t client = ::fork();  // system calls only: forked from a threaded process
@@ -579,9 +583,7 @@ TEST(PoolServerTest, PeersThatConnectAndStaySilentDoNotKeepNewClientsOut) {
   // deadline, and the silent peer that waited longest is let go.
   PoolFixture f;
   ASSERT_TRUE(f.server);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, f.socket.c_str(), sizeof addr.sun_path - 1);
+  sockaddr_un addr = unix_address(f.socket);
   std::vector<int> silent;
   for (int i = 0; i < 80; ++i) {
     int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);

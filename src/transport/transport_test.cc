@@ -5,9 +5,9 @@
 #include "transport/transport.h"
 
 #include <gtest/gtest.h>
-#include <thread>
 #include <signal.h>
 #include <sys/resource.h>
+#include <thread>
 
 #include <atomic>
 #include <chrono>
@@ -833,8 +833,7 @@ TEST_P(TransportFabricTest, ConnectingToAKilledPeerFailsAtOnceAndSaysSo) {
   Result<std::shared_ptr<Peer>> again = local_->connect(address, deadline_in(5s));
   ASSERT_FALSE(again.ok());
   EXPECT_TRUE(again.status().is(Code::kUnavailable)) << again.status().ToString();
-  EXPECT_NE(again.status().message().find("gone"), std::string::npos)
-      << again.status().ToString();
+  EXPECT_NE(again.status().message().find("gone"), std::string::npos) << again.status().ToString();
   EXPECT_LT(TransportClock::now() - t0, 2s);
 }
 
