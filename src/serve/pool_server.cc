@@ -44,6 +44,9 @@ constexpr int64_t kShortSpinNs = 2000;
 constexpr size_t kMaxLeasesPerClient = 1 << 20;
 constexpr size_t kMaxReservationsPerClient = 1 << 16;
 constexpr int kMaxHandshakes = 64;
+// A peer silent this long after its connect is no client in the middle of
+// its hello: its handshake slot may go to a new connection.
+constexpr auto kSilentPeer = std::chrono::milliseconds(50);
 
 uint32_t code_of(const Status& st) { return static_cast<uint32_t>(st.code()); }
 
@@ -214,6 +217,7 @@ class PoolServer::Impl {
   // accepted. A handshake takes its socket out (under mu) before it closes
   // it, so a socket listed here is open.
   std::map<int, std::chrono::steady_clock::time_point> awaiting_hello;
+  int handshakes_ending = 0;  // of handshakes_running: shut down for a slot, not yet gone
   std::condition_variable handshakes_cv;
   std::deque<std::shared_ptr<PoolClient>> reap_queue;
   std::condition_variable reap_cv;
@@ -515,16 +519,20 @@ void PoolServer::Impl::monitor_loop() {
       if (handshakes_running >= kMaxHandshakes && !awaiting_hello.empty()) {
         // Every slot is taken, some by peers that connected and said
         // nothing yet: the one silent longest gives its slot up (its
-        // handshake ends at once), so peers that stall on purpose cannot
-        // keep new clients out. A real client's hello follows its connect
-        // within microseconds.
+        // handshake ends at once) once it has been silent longer than a
+        // real client ever is, so peers that stall on purpose cannot keep
+        // new clients out, and a burst of real clients is not cut short.
         auto oldest =
             std::min_element(awaiting_hello.begin(), awaiting_hello.end(),
                              [](const auto& a, const auto& b) { return a.second < b.second; });
-        ::shutdown(oldest->first, SHUT_RDWR);
-        awaiting_hello.erase(oldest);
+        if (std::chrono::steady_clock::now() - oldest->second >= kSilentPeer) {
+          ::shutdown(oldest->first, SHUT_RDWR);
+          awaiting_hello.erase(oldest);
+          ++handshakes_ending;
+        }
       }
-      if (handshakes_running >= 2 * kMaxHandshakes) {  // ended ones not gone yet
+      if (handshakes_running - handshakes_ending >= kMaxHandshakes ||
+          handshakes_running >= 2 * kMaxHandshakes) {
         refused.fetch_add(1);
         ::close(sock);
         continue;
@@ -552,9 +560,10 @@ void PoolServer::Impl::handshake(int sock) {
         std::chrono::steady_clock::now() + std::chrono::milliseconds(options.handshake_timeout_ms);
     st = receive_message(sock, &hello, sizeof hello, deadline);
   }
+  bool evicted;  // its peer was silent too long when the slots ran out
   {
     std::lock_guard<std::mutex> l(mu);
-    awaiting_hello.erase(sock);
+    evicted = awaiting_hello.erase(sock) == 0;
   }
   if (cred.ok()) {
     if (st.ok()) st = admit(sock, *cred, hello, &client, &why);
@@ -603,6 +612,7 @@ void PoolServer::Impl::handshake(int sock) {
   }
   std::lock_guard<std::mutex> l(mu);
   --handshakes_running;
+  if (evicted) --handshakes_ending;
   handshakes_cv.notify_all();
 }
 
