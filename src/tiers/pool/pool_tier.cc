@@ -1091,12 +1091,14 @@ void PoolTier::queue_releases(std::span<const uint64_t> tokens) {
 }
 
 void PoolTier::release_queued() {
-  std::vector<uint64_t> now;
+  std::vector<uint64_t> now, failed;
   {
     std::lock_guard<std::mutex> lock(release_mu_);
     now.swap(release_queue_);
+    failed.swap(failed_queue_);
   }
   if (!now.empty()) send_releases(std::move(now));
+  if (!failed.empty()) send_releases(std::move(failed), pool::kChecksumFailed);
 }
 
 void PoolTier::release_failed(ReadPart* part) {
@@ -1107,7 +1109,11 @@ void PoolTier::release_failed(ReadPart* part) {
   std::erase_if(part->tokens, [&](uint64_t t) {
     return std::find(failed.begin(), failed.end(), t) != failed.end();
   });
-  send_releases(std::move(failed), pool::kChecksumFailed);
+  {
+    std::lock_guard<std::mutex> lock(release_mu_);
+    failed_queue_.insert(failed_queue_.end(), failed.begin(), failed.end());
+  }
+  release_cv_.notify_one();
 }
 
 void PoolTier::send_releases(std::vector<uint64_t> tokens, uint32_t flags) {
@@ -1131,8 +1137,9 @@ void PoolTier::release_loop() {
   auto last_check = std::chrono::steady_clock::now();
   while (true) {
     // Every second or so: drop mappings of member arenas the server dropped.
-    release_cv_.wait_for(lock, std::chrono::seconds(1),
-                         [&] { return stopping_ || !release_queue_.empty(); });
+    release_cv_.wait_for(lock, std::chrono::seconds(1), [&] {
+      return stopping_ || !release_queue_.empty() || !failed_queue_.empty();
+    });
     if (!stopping_ && std::chrono::steady_clock::now() - last_check >= std::chrono::seconds(1)) {
       last_check = std::chrono::steady_clock::now();
       bool any;
@@ -1146,19 +1153,21 @@ void PoolTier::release_loop() {
         lock.lock();
       }
     }
-    if (!stopping_ && release_queue_.empty()) continue;
+    if (!stopping_ && release_queue_.empty() && failed_queue_.empty()) continue;
     if (!stopping_) {
       // Gather what a burst of reads releases into one request.
       release_cv_.wait_for(lock, std::chrono::microseconds(500),
                            [&] { return stopping_ || release_queue_.size() >= kReleaseBatch; });
     }
-    std::vector<uint64_t> now;
+    std::vector<uint64_t> now, failed;
     now.swap(release_queue_);
+    failed.swap(failed_queue_);
     bool stop = stopping_;
     lock.unlock();
     if (!now.empty()) send_releases(std::move(now));
+    if (!failed.empty()) send_releases(std::move(failed), pool::kChecksumFailed);
     lock.lock();
-    if (stop && release_queue_.empty()) return;
+    if (stop && release_queue_.empty() && failed_queue_.empty()) return;
   }
 }
 

@@ -245,8 +245,8 @@ class PoolTier final : public Tier {
   void take_lease_read(Slot* slot, const ReadBatch& b, ReadPart* part);
   void map_members(const ReadBatch& b, ReadPart* part);
   void copy_leased(const ReadBatch& b, ReadPart* part, size_t k);
-  // Once a part's copies are done: ends the leases whose copies failed
-  // their checksum with a release that says so (the server counts them),
+  // Once a part's copies are done: queues the leases whose copies failed
+  // their checksum for a release that says so (the server counts them),
   // and takes them out of part->tokens.
   void release_failed(ReadPart* part);
   // The member arena the server numbered `index`, mapped read-only here.
@@ -300,6 +300,9 @@ class PoolTier final : public Tier {
   std::condition_variable release_cv_;
   std::condition_variable map_cv_;  // the mapper's pause (with release_mu_)
   std::vector<uint64_t> release_queue_;
+  // Leases whose copies failed their checksums, released with a flag that
+  // says so (by the releasing thread: the reader may hold a channel).
+  std::vector<uint64_t> failed_queue_;
   bool stopping_ = false;
   std::thread releaser_;
 
