@@ -4,17 +4,38 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <span>
 
 #include "cascade/memory_kind.h"
 #include "cascade/status.h"
 
 namespace cascade {
 
+// One copy of a batch: `bytes` from src to dst.
+struct CopyItem {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  uint64_t bytes = 0;
+};
+
 // Copies n bytes when at least one side is device memory. Ordered after the
 // work already queued on `stream` (nullptr: the legacy default stream) and
 // complete when the call returns.
 Status device_copy(void* dst, MemoryKind dst_kind, const void* src, MemoryKind src_kind, size_t n,
                    void* stream);
+
+// Copies every item, all with these kinds, in as few GPU operations as their
+// sizes allow (the batched copy kernel for small items, one batched DMA call
+// for the rest; see device_transfers.h): one copy per item pays a per-call
+// cost that items below a few MiB do not hide. The GPU side of the items
+// lives on one device; an item on another device is copied on its own.
+// Ordered after the work already queued on `stream` (nullptr: the legacy
+// default stream) and complete when the call returns; on an error some
+// items may have been copied.
+// REQUIRES: at least one of dst_kind, src_kind is kDevice.
+Status device_copy_batch(std::span<const CopyItem> items, MemoryKind dst_kind, MemoryKind src_kind,
+                         void* stream);
 
 // True when CUDA is compiled in and device `device` can be used. A negative
 // device is never usable, and asking about one does not initialize CUDA.

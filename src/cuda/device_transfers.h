@@ -34,16 +34,11 @@
 #include "cascade/memory_kind.h"
 #include "cuda/cuda_options.h"
 #include "cuda/device_context.h"
+#include "cuda/device_copy.h"
 
 namespace cascade {
 
 class ThreadPool;
-
-struct CopyItem {
-  void* dst = nullptr;
-  const void* src = nullptr;
-  uint64_t bytes = 0;
-};
 
 class DeviceTransfers {
  public:
