@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "cuda/device_copy.h"
+#include "tiers/leased_reads.h"
 
 namespace cascade {
 
@@ -153,6 +154,32 @@ Status ArenaTier::read(const BlockId& id, const ReadRequest& req, ReadResult* re
     TierCounters::add(counters_.bytes_read, n);
   }
   return st;
+}
+
+void ArenaTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                           std::span<ReadResult> results, std::span<Status> statuses) {
+  if (!any_device_out(reqs)) {
+    Tier::read_batch(ids, reqs, results, statuses);
+    return;
+  }
+  std::vector<LeasedBytes> blocks(ids.size());
+  std::vector<uint64_t> tokens;
+  tokens.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    results[i] = ReadResult{};
+    auto lease = lease_counted(ids[i]);
+    if (!lease) {
+      statuses[i] = not_found();
+      continue;
+    }
+    statuses[i] = Status::OK();
+    results[i].is_prefix = lease->is_prefix;
+    blocks[i] = LeasedBytes{base_ + lease->loc.offset, lease->loc.size};
+    tokens.push_back(lease->token);
+  }
+  TierCounters::add(counters_.bytes_read,
+                    copy_leased_blocks(blocks, memory_, reqs, results, statuses));
+  for (uint64_t token : tokens) index_.release(token);
 }
 
 Result<BlockView> ArenaTier::acquire(const BlockId& id) {

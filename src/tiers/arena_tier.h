@@ -10,6 +10,8 @@
 //   put:  contains? -> allocate -> commit -> copy in -> insert (or free the
 //         range when another thread stored the id first)
 //   read: lease -> check the range -> copy out -> release
+// (a batch of reads into device memory leases all, copies in one batched
+// GPU operation, then releases all),
 // which a tier whose copies are batched or pipelined (gpu) replaces with
 // its own, built on publish() and the same index.
 //
@@ -45,6 +47,11 @@ class ArenaTier : public Tier {
   Status put(const BlockId& id, const void* data, uint64_t size,
              const PutOptions& options) override;
   Status read(const BlockId& id, const ReadRequest& req, ReadResult* result) override;
+  // Reads into host memory are read() per item; a batch with reads into
+  // device memory leases every block, copies them out as one batched GPU
+  // operation (copy_leased_blocks) and releases them.
+  void read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                  std::span<ReadResult> results, std::span<Status> statuses) override;
   Result<BlockView> acquire(const BlockId& id) override;
   Result<uint64_t> size_of(const BlockId& id) override;
   bool contains(const BlockId& id) const override { return index_.contains(id); }

@@ -3,6 +3,9 @@
 // promotion path (arena into device memory). Skips where no GPU is usable.
 #include <gtest/gtest.h>
 #include <unistd.h>
+#if CASCADE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 #include <algorithm>
 #include <cstring>
@@ -88,6 +91,95 @@ TEST(GpuHostTierTest, MovesBlocksToAndFromDeviceMemory) {
   std::fill(back.begin(), back.end(), 0);
   ASSERT_TRUE(copy_to_host(back.data(), dst->data(), n).ok());
   EXPECT_EQ(back, data);
+}
+
+// A batch of reads into device memory: one batched copy of every hit
+// (blocks of several sizes, some across the arena's registration chunks),
+// a miss, a buffer too small and a partial read each reported as such, on
+// the legacy default stream and on a caller's stream; no lease is left.
+TEST(GpuHostTierTest, ReadsABatchIntoDeviceMemory) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
+  ThreadPool pool(4);
+  CascadeConfig c;
+  c.pipeline = "host";
+  c.shm_capacity_bytes = 512 << 20;
+  c.shm_path = "/dev/shm/cascade-gpu-batch-test-" + std::to_string(getpid());
+  auto host = HostTier::Open(c, &pool);
+  ASSERT_TRUE(host.ok()) << host.status().ToString();
+  const std::vector<uint64_t> sizes = {16 << 10, 64 << 10, (1 << 20) + 3, 65 << 10, 7 << 20,
+                                       100,      64 << 10, 64 << 10,      3 << 20,  64 << 10};
+  std::vector<std::vector<uint8_t>> blocks;
+  uint64_t total = 0;
+  for (size_t i = 0; i < 40; ++i) {
+    const uint64_t size = sizes[i % sizes.size()];
+    blocks.emplace_back(size);
+    fill_random(blocks.back().data(), size, 100 + i);
+    ASSERT_TRUE((*host)->put(make_id(100 + i), blocks.back().data(), size, {}).ok());
+    total += size;
+  }
+  auto dev = DeviceBuffer::Allocate(0, total + (1 << 20));
+  ASSERT_TRUE(dev.ok());
+  void* own = nullptr;  // a caller's stream, not ordered after the legacy one
+#if CASCADE_HAVE_CUDA
+  cudaStream_t created = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking), cudaSuccess);
+  own = created;
+#endif
+  for (void* stream : {static_cast<void*>(nullptr), own}) {
+    const size_t n = blocks.size() + 3;
+    std::vector<BlockId> ids;
+    std::vector<ReadRequest> reqs(n);
+    std::vector<uint64_t> at;
+    uint64_t off = 0;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      ids.push_back(make_id(100 + i));
+      reqs[i].out = static_cast<uint8_t*>(dev->data()) + off;
+      reqs[i].capacity = blocks[i].size();
+      at.push_back(off);
+      off += blocks[i].size();
+    }
+    ids.push_back(make_id(999));  // a miss
+    reqs[n - 3].out = static_cast<uint8_t*>(dev->data()) + off;
+    reqs[n - 3].capacity = 4096;
+    ids.push_back(make_id(102));  // out too small for the block
+    reqs[n - 2].out = static_cast<uint8_t*>(dev->data()) + off;
+    reqs[n - 2].capacity = 4096;
+    ids.push_back(make_id(104));  // the 4 KiB from byte 5 MiB + 1 on
+    reqs[n - 1].out = static_cast<uint8_t*>(dev->data()) + off;
+    reqs[n - 1].capacity = 4096;
+    reqs[n - 1].whole = false;
+    reqs[n - 1].offset = (5 << 20) + 1;
+    for (auto& r : reqs) {
+      r.out_kind = MemoryKind::kDevice;
+      r.cuda_stream = stream;
+    }
+    ASSERT_TRUE(fill_device_pattern(dev->data(), total, 3, nullptr).ok());
+    ASSERT_TRUE(device_synchronize(0).ok());
+    std::vector<ReadResult> results(n);
+    std::vector<Status> statuses(n);
+    (*host)->read_batch(ids, reqs, results, statuses);
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      ASSERT_TRUE(statuses[i].ok()) << i << ": " << statuses[i].ToString();
+      EXPECT_EQ(results[i].copied, blocks[i].size());
+      EXPECT_EQ(results[i].block_size, blocks[i].size());
+      std::vector<uint8_t> back(blocks[i].size());
+      ASSERT_TRUE(copy_to_host(back.data(), reqs[i].out, back.size()).ok());
+      ASSERT_EQ(back, blocks[i]) << "block " << i << " at " << at[i];
+    }
+    EXPECT_TRUE(statuses[n - 3].is(Code::kNotFound));
+    EXPECT_TRUE(statuses[n - 2].is(Code::kInvalidArgument));
+    EXPECT_EQ(results[n - 2].block_size, blocks[2].size());
+    EXPECT_EQ(results[n - 2].copied, 0u);
+    ASSERT_TRUE(statuses[n - 1].ok()) << statuses[n - 1].ToString();
+    EXPECT_EQ(results[n - 1].copied, 4096u);
+    std::vector<uint8_t> part(4096);
+    ASSERT_TRUE(copy_to_host(part.data(), reqs[n - 1].out, part.size()).ok());
+    EXPECT_TRUE(std::equal(part.begin(), part.end(), blocks[4].begin() + (5 << 20) + 1));
+    EXPECT_EQ((*host)->stats().leased_blocks, 0u);
+  }
+#if CASCADE_HAVE_CUDA
+  cudaStreamDestroy(created);
+#endif
 }
 
 }  // namespace

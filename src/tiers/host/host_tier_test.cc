@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <vector>
+
+#include "cuda/device_buffer.h"
 
 namespace cascade {
 namespace {
@@ -68,6 +71,47 @@ TEST(HostTierTest, ReadChecksTheRangeBeforeCopying) {
   ASSERT_TRUE(tier->read(id_of(1), rq, &rr).ok());
   EXPECT_EQ(rr.copied, 100u);
   EXPECT_EQ(tier->stats().leased_blocks, 0u);  // every read gave its lease back
+}
+
+// A read batch with destinations in device memory where no GPU can be used:
+// every hit with one fails as Unavailable (never a copy to the pointer),
+// a miss is NotFound, a buffer too small InvalidArgument, a destination in
+// host memory of the same batch is copied, and no lease stays held.
+TEST(HostTierTest, ABatchIntoDeviceMemoryWithoutAGpuFailsItsHitsAndKeepsNoLease) {
+  if (gpu_count() > 0) GTEST_SKIP() << "a GPU is usable here (host_tier_gpu_test.cc reads into it)";
+  ThreadPool pool(2);
+  auto tier = open_host(&pool);
+  ASSERT_TRUE(tier);
+  std::vector<uint8_t> data(70000, 5);
+  for (uint32_t i = 0; i < 4; ++i)
+    ASSERT_TRUE(tier->put(id_of(i), data.data(), data.size(), {}).ok());
+  std::vector<uint8_t> out(5 * data.size(), 0);
+  const std::vector<BlockId> ids = {id_of(0), id_of(1), id_of(9), id_of(2), id_of(3)};
+  std::vector<ReadRequest> reqs(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    reqs[i].out = out.data() + i * data.size();
+    reqs[i].capacity = data.size();
+    reqs[i].out_kind = MemoryKind::kDevice;
+  }
+  reqs[3].capacity = 100;                // too small
+  reqs[4].out_kind = MemoryKind::kHost;  // host memory in the same batch
+  std::vector<ReadResult> results(ids.size());
+  std::vector<Status> statuses(ids.size());
+  tier->read_batch(ids, reqs, results, statuses);
+  EXPECT_TRUE(statuses[0].is(Code::kUnavailable)) << statuses[0].ToString();
+  EXPECT_TRUE(statuses[1].is(Code::kUnavailable)) << statuses[1].ToString();
+  EXPECT_EQ(results[0].block_size, data.size());
+  EXPECT_EQ(results[0].copied, 0u);
+  EXPECT_TRUE(statuses[2].is(Code::kNotFound));
+  EXPECT_TRUE(statuses[3].is(Code::kInvalidArgument));
+  EXPECT_EQ(results[3].block_size, data.size());
+  ASSERT_TRUE(statuses[4].ok()) << statuses[4].ToString();
+  EXPECT_EQ(results[4].copied, data.size());
+  EXPECT_TRUE(std::equal(data.begin(), data.end(), out.begin() + 4 * data.size()));
+  EXPECT_TRUE(
+      std::all_of(out.begin(), out.begin() + 4 * data.size(), [](uint8_t b) { return !b; }));
+  EXPECT_EQ(tier->stats().leased_blocks, 0u);
+  EXPECT_EQ(tier->stats().bytes_read, data.size());
 }
 
 TEST(HostTierTest, ReadIntoANullBufferIsAnErrorNotACrash) {

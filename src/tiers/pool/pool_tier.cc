@@ -11,6 +11,7 @@
 
 #include "cuda/device_copy.h"
 #include "os/committed_memory.h"
+#include "tiers/leased_reads.h"
 #include "util/block_checksum.h"
 #include "util/copy_bytes.h"
 #include "util/errno_status.h"
@@ -442,6 +443,10 @@ void PoolTier::put_batch(std::span<const BlockId> ids, std::span<const void* con
   const size_t n = ids.size();
   const PutBatch b{ids, data, sizes, options, statuses};
   const size_t sub = sub_batch(sizes);
+  if (options.src_kind != MemoryKind::kHost) {
+    put_from_devices(b, sub);
+    return;
+  }
   if (sub) {
     Parts<PutPart> parts(n, sub);
     uint64_t bytes = 0;
@@ -465,6 +470,41 @@ void PoolTier::put_batch(std::span<const BlockId> ids, std::span<const void* con
     part.sent = post_commit(held.slot(), b, &part, false);
     take_commit(held.slot(), b, &part);
   }
+}
+
+// Puts from device memory: the reserves of the sub-batches go out in
+// parallel, every reserved block is copied into the arena in one batched GPU
+// operation (the arena is registered with CUDA), then the commits go out in
+// parallel.
+void PoolTier::put_from_devices(const PutBatch& b, size_t sub) {
+  Parts<PutPart> parts(b.ids.size(), sub ? sub : pool::kMaxItems);
+  auto each_part = [&](auto&& fn) {
+    if (pool_ && parts.count > 1) pool_->parallel_for(parts.count, fn);
+    else
+      for (size_t c = 0; c < parts.count; ++c) fn(c);
+  };
+  each_part([&](size_t c) {
+    Held held = hold();
+    parts.at[c].sent = post_reserve(held.slot(), b, parts.at[c], false);
+    take_reserve(held.slot(), b, &parts.at[c]);
+  });
+  std::vector<CopyItem> items;
+  std::vector<size_t> copied;  // the item of each copy
+  for (size_t c = 0; c < parts.count; ++c)
+    for (const Placed& t : parts.at[c].placed) {
+      if (!b.statuses[t.i].ok() || b.sizes[t.i] == 0) continue;
+      items.push_back(CopyItem{base_ + t.offset, b.data[t.i], b.sizes[t.i]});
+      copied.push_back(t.i);
+    }
+  const Status st =
+      device_copy_batch(items, MemoryKind::kHost, b.options.src_kind, b.options.cuda_stream);
+  if (!st.ok())
+    for (size_t i : copied) b.statuses[i] = st;  // aborted by the commits below
+  each_part([&](size_t c) {
+    Held held = hold();
+    parts.at[c].sent = post_commit(held.slot(), b, &parts.at[c], false);
+    take_commit(held.slot(), b, &parts.at[c]);
+  });
 }
 
 // One I/O thread's share of a batch: it takes sub-batches in turn, and
@@ -683,10 +723,11 @@ void PoolTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequ
   std::vector<uint64_t> sizes(n, 0);  // what the sub-batch choice needs: the requests' sizes
   for (size_t i = 0; i < n; ++i) sizes[i] = reqs[i].capacity;
   const size_t sub = sub_batch(sizes);
-  const bool host = std::all_of(reqs.begin(), reqs.end(), [](const ReadRequest& r) {
-    return r.out_kind == MemoryKind::kHost;
-  });
-  if (sub && host) {
+  if (any_device_out(reqs)) {
+    read_to_devices(ids, reqs, results, statuses, sub);
+    return;
+  }
+  if (sub) {
     // As put_batch: the I/O threads take sub-batches in turn, each thread
     // leasing its next while it copies one (read_stream).
     const ReadBatch b{ids, reqs, results, statuses};
@@ -698,63 +739,59 @@ void PoolTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequ
                         [&](size_t) { read_stream(b, &parts); });
     return;
   }
+  read_chunk(ids, reqs, results, statuses);
+}
+
+// Reads with a destination in device memory: the leases of the sub-batches
+// go out in parallel (several server workers answer them), then every block
+// is copied in one batched GPU operation straight from the mapped arena
+// (registered with CUDA), and the views' releases are queued.
+void PoolTier::read_to_devices(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                               std::span<ReadResult> results, std::span<Status> statuses,
+                               size_t sub) {
+  const size_t n = ids.size();
+  std::vector<BlockView> views(n);
   if (sub) {
     pool_->parallel_for((n + sub - 1) / sub, [&](size_t c) {
       const size_t b = c * sub, m = std::min(sub, n - b);
-      read_chunk(ids.subspan(b, m), reqs.subspan(b, m), results.subspan(b, m),
-                 statuses.subspan(b, m), false);
+      acquire_batch(ids.subspan(b, m), std::span<BlockView>(views).subspan(b, m),
+                    statuses.subspan(b, m));
     });
-    return;
+  } else {
+    acquire_batch(ids, views, statuses);
   }
-  read_chunk(ids, reqs, results, statuses, true);
+  std::vector<LeasedBytes> blocks(n);
+  for (size_t i = 0; i < n; ++i) {
+    results[i] = ReadResult{};
+    if (statuses[i].ok()) blocks[i] = LeasedBytes{views[i].data(), views[i].size()};
+  }
+  TierCounters::add(counters_.bytes_read,
+                    copy_leased_blocks(blocks, MemoryKind::kHost, reqs, results, statuses));
 }
 
-// Leases every item (one request per kMaxItems), copies the hits out (over
-// the I/O threads when parallel), and queues the releases.
+// Leases every item (one request per kMaxItems), copies the hits out over
+// the I/O threads, and queues the releases. REQUIRES: every request's
+// destination is host memory.
 void PoolTier::read_chunk(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
-                          std::span<ReadResult> results, std::span<Status> statuses,
-                          bool parallel) {
-  if (std::all_of(reqs.begin(), reqs.end(),
-                  [](const ReadRequest& r) { return r.out_kind == MemoryKind::kHost; })) {
-    const ReadBatch b{ids, reqs, results, statuses};
-    for (size_t begin = 0; begin < ids.size(); begin += pool::kMaxItems) {
-      ReadPart part;
-      part.begin = begin;
-      part.count = std::min<size_t>(pool::kMaxItems, ids.size() - begin);
-      {
-        Held held = hold();
-        part.sent = post_lease_read(held.slot(), b, part, false);
-        take_lease_read(held.slot(), b, &part);
-      }
-      if (part.members) map_members(b, &part);
-      auto copy = [&](size_t k) { copy_leased(b, &part, k); };
-      if (parallel && pool_ && part.count > 1) pool_->parallel_for(part.count, copy);
-      else
-        for (size_t k = 0; k < part.count; ++k) copy(k);
-      release_failed(&part);
-      release_leases(part.tokens);
+                          std::span<ReadResult> results, std::span<Status> statuses) {
+  const ReadBatch b{ids, reqs, results, statuses};
+  for (size_t begin = 0; begin < ids.size(); begin += pool::kMaxItems) {
+    ReadPart part;
+    part.begin = begin;
+    part.count = std::min<size_t>(pool::kMaxItems, ids.size() - begin);
+    {
+      Held held = hold();
+      part.sent = post_lease_read(held.slot(), b, part, false);
+      take_lease_read(held.slot(), b, &part);
     }
-    return;
+    if (part.members) map_members(b, &part);
+    auto copy = [&](size_t k) { copy_leased(b, &part, k); };
+    if (pool_ && part.count > 1) pool_->parallel_for(part.count, copy);
+    else
+      for (size_t k = 0; k < part.count; ++k) copy(k);
+    release_failed(&part);
+    release_leases(part.tokens);
   }
-  std::vector<BlockView> views(ids.size());
-  acquire_batch(ids, views, statuses);
-  auto copy = [&](size_t i) {
-    results[i] = ReadResult{};
-    if (!statuses[i].ok()) return;
-    results[i].block_size = views[i].size();
-    uint64_t from = 0, n = 0;
-    Status st = reqs[i].span(views[i].size(), &from, &n);
-    if (st.ok() && n) st = copy_out(reqs[i].out, views[i].data() + from, n, reqs[i]);
-    if (st.ok()) {
-      results[i].copied = n;
-      TierCounters::add(counters_.bytes_read, n);
-    }
-    statuses[i] = st;
-  };
-  if (parallel && pool_ && ids.size() > 1) pool_->parallel_for(ids.size(), copy);
-  else
-    for (size_t i = 0; i < ids.size(); ++i) copy(i);
-  // views end here: their releases are queued
 }
 
 // One I/O thread's share of a read batch: while it copies one sub-batch,

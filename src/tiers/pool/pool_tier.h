@@ -204,6 +204,7 @@ class PoolTier final : public Tier {
     std::vector<size_t> committing;  // indexes into placed, in the commit sent
   };
   void put_stream(const PutBatch& b, Parts<PutPart>* parts);
+  void put_from_devices(const PutBatch& b, size_t sub);
   // The requests of a part; `ahead`: sent before the caller waits for them
   // (pool::kAhead).
   Status post_reserve(Slot* slot, const PutBatch& b, const PutPart& part, bool ahead);
@@ -214,7 +215,9 @@ class PoolTier final : public Tier {
   void take_commit(Slot* slot, const PutBatch& b, PutPart* part);
 
   void read_chunk(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
-                  std::span<ReadResult> results, std::span<Status> statuses, bool parallel);
+                  std::span<ReadResult> results, std::span<Status> statuses);
+  void read_to_devices(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                       std::span<ReadResult> results, std::span<Status> statuses, size_t sub);
   Status copy_in(uint8_t* dst, const void* src, uint64_t n, const PutOptions& options);
   Status copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req);
 
