@@ -234,9 +234,6 @@ class PyStore {
 
   std::pair<size_t, std::vector<uint64_t>> get_batch(nb::handle keys, nb::handle outs) {
     BatchArgs a = batch_args(keys, outs, true);
-    if (a.kind != MemoryKind::kHost)
-      throw nb::value_error(
-          "get_batch writes host buffers; use the GPU tier's calls for device memory");
     std::vector<MutableBuffer> out = a.mutable_spans();
     std::vector<GetResult> results;
     std::vector<Status> statuses;
@@ -244,7 +241,7 @@ class PyStore {
     {
       auto s = use();
       nb::gil_scoped_release release;
-      n = s->get_batch(a.ids, out, &results, &statuses);
+      n = s->get_batch(a.ids, out, &results, &statuses, a.kind);
     }
     for (auto& st :
          statuses)  // too-small buffers show as size > len(out) with the item not counted
@@ -396,7 +393,9 @@ void register_store(nb::module_& m) {
           "buffers, or one contiguous buffer with one row per block.")
       .def("get_batch", &PyStore::get_batch, "block_ids"_a, "out_list"_a,
            "Reads many blocks in parallel; returns (count_found, sizes) with size 0 for a miss. "
-           "out_list is a sequence of buffers, or one contiguous buffer with one row per block.")
+           "out_list is a sequence of buffers, or one contiguous buffer with one row per block; "
+           "all host memory, or all GPU memory (CUDA tensors), which blocks held in host memory "
+           "reach as one batched copy.")
       .def("put_batch_async", &PyStore::put_batch_async, "block_ids"_a, "data_list"_a,
            "is_prefix"_a = false, nb::rv_policy::take_ownership)
       .def("get_batch_async", &PyStore::get_batch_async, "block_ids"_a, "out_list"_a,

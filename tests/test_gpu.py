@@ -346,6 +346,64 @@ def test_store_batches_device_tensors(shm_path):
         assert found == n and np.array_equal(out, src.cpu().numpy())
 
 
+@gpu_test
+@pytest.mark.parametrize("where", ["host", "pool"])
+def test_store_get_batch_into_device_tensors(shm_path, tmp_path, where):
+    """get_batch into CUDA tensors from a host-tier store and from a pool
+    client: blocks of several sizes, a miss and a tensor too small, in rows
+    of one 2-D tensor and in a list; every byte compared."""
+    torch = _torch_cuda()
+    from cascade import _core
+
+    server = None
+    if where == "pool":
+        cfg = _core.CascadeConfig()
+        cfg.pipeline = "host"
+        cfg.use_gpu = False
+        cfg.shm_capacity_bytes = 256 * MiB
+        cfg.shm_path = shm_path
+        server = _core.PoolServer(cfg, str(tmp_path / "pool.sock"))
+        store = cascade.CascadeStore(
+            cascade.config_from_dict(
+                {
+                    "pipeline": "pool",
+                    "pool_socket": str(tmp_path / "pool.sock"),
+                    "num_io_threads": 4,
+                }
+            )
+        )
+    else:
+        store = cascade.CascadeStore(
+            cascade.config_from_dict(
+                {"pipeline": "host", "shm_path": shm_path, "shm_capacity_bytes": 256 * MiB}
+            )
+        )
+    try:
+        assert store.pipeline == [where]  # no gpu tier above: the blocks come from host memory
+        n, size = 96, 64 << 10
+        data = random_bytes(n * size, seed=21).reshape(n, size)
+        keys = [f"g{i}" for i in range(n)]
+        assert store.put_batch(keys, data) == n
+        out = torch.zeros((n + 1, size), dtype=torch.uint8, device="cuda")
+        found, sizes = store.get_batch(keys + ["absent"], out)
+        assert found == n and sizes == [size] * n + [0]
+        assert torch.equal(out[:n].cpu(), torch.from_numpy(data))
+        assert int(out[n].sum()) == 0
+        odd = [random_bytes(s, seed=s) for s in (100, 1 * MiB + 3, 3 * MiB)]
+        store.put_batch(["o0", "o1", "o2"], odd)
+        outs = [torch.zeros(len(o), dtype=torch.uint8, device="cuda") for o in odd]
+        outs[1] = torch.zeros(4096, dtype=torch.uint8, device="cuda")  # too small
+        found, sizes = store.get_batch(["o0", "o1", "o2"], outs)
+        assert sizes == [100, 1 * MiB + 3, 3 * MiB]
+        assert torch.equal(outs[0].cpu(), torch.from_numpy(odd[0]))
+        assert torch.equal(outs[2].cpu(), torch.from_numpy(odd[2]))
+        assert int(outs[1].sum()) == 0
+    finally:
+        store.close()
+        if server is not None:
+            server.close()
+
+
 # ---- the benchmarks' entry points ---------------------------------------------------------
 
 

@@ -146,8 +146,12 @@ class CascadeStore {
   // Batches: statuses (resized to ids.size()) say per item what happened.
   size_t put_batch(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
                    std::vector<Status>* statuses, const PutOptions& options = {});
+  // get_batch's buffers are all of out_kind: device memory takes the
+  // blocks of a memory tier (host arena, node pool) as one batched GPU copy
+  // per tier rather than one copy per block.
   size_t get_batch(std::span<const BlockId> ids, std::span<const MutableBuffer> out,
-                   std::vector<GetResult>* results, std::vector<Status>* statuses);
+                   std::vector<GetResult>* results, std::vector<Status>* statuses,
+                   MemoryKind out_kind = MemoryKind::kHost);
 
   std::shared_ptr<BatchTask> put_batch_async(std::vector<BlockId> ids,
                                              std::vector<ConstBuffer> data,

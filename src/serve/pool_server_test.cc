@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "cascade/store.h"
+#include "cuda/device_buffer.h"
 #include "os/ipc.h"
 #include "tiers/pool/pool_channel.h"
 #include "tiers/pool/pool_tier.h"
@@ -311,6 +313,104 @@ TEST(PoolServerTest, BatchesInStepsKeepEveryItemsOwnOutcome) {
   auto stats = f.server->stats();
   EXPECT_EQ(stats.reservations, 0u);
   EXPECT_EQ(stats.leases, 0u);
+  EXPECT_EQ(stats.store.tiers[0].reserved_bytes, stats.store.tiers[0].used_bytes);
+}
+
+// A client's read batch into device memory: the leases of its sub-batches
+// go out in parallel and the hits are copied as one batched GPU copy. With
+// a GPU every byte arrives; without one no copy can be made and the store
+// reports each block as a miss (a failed copy is never a hit), writing
+// nothing. Then the same blocks are put back from device memory. No lease
+// or reservation outlives the client.
+TEST(PoolServerTest, BatchesToAndFromDeviceMemoryCopyEveryBlockOrFailWithoutAGpu) {
+  PoolFixture f(256 << 20);
+  ASSERT_TRUE(f.server);
+  const bool gpu = gpu_count() > 0;
+  CascadeConfig c;
+  c.pipeline = "pool";
+  c.pool_socket = f.socket;
+  c.pool_namespace = "device-reads";
+  c.num_io_threads = 4;
+  c.use_gpu = gpu;
+  auto opened = CascadeStore::Open(c);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  auto a = std::move(opened.value());
+  const size_t n = 300, size = 64 << 10;
+  std::vector<BlockId> ids;
+  std::vector<std::vector<uint8_t>> blocks;
+  for (uint64_t i = 0; i < n; ++i) {
+    ids.push_back(id_of(7000 + i));
+    blocks.push_back(bytes_for(7000 + i, size));
+    ASSERT_TRUE(a->put(ids[i], blocks[i].data(), size).ok());
+  }
+  for (size_t i = 0; i < n; i += 9) ids[i] = id_of(97000 + i);  // never stored
+  DeviceBuffer dev;
+  std::vector<uint8_t> host_stand_in;  // never written: no GPU, no copy
+  uint8_t* base = nullptr;
+  if (gpu) {
+    auto d = DeviceBuffer::Allocate(0, n * size);
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    dev = std::move(d.value());
+    base = dev.data();
+  } else {
+    host_stand_in.assign(n * size, 0);
+    base = host_stand_in.data();
+  }
+  std::vector<MutableBuffer> out;
+  for (size_t i = 0; i < n; ++i) out.push_back(MutableBuffer{base + i * size, size});
+  std::vector<GetResult> results;
+  std::vector<Status> st;
+  const size_t found = a->get_batch(ids, out, &results, &st, MemoryKind::kDevice);
+  std::vector<uint8_t> back(size);
+  for (size_t i = 0; i < n; ++i) {
+    if (i % 9 == 0 || !gpu) {
+      EXPECT_FALSE(results[i].found) << i;
+      EXPECT_TRUE(st[i].ok()) << i << " " << st[i].ToString();
+      continue;
+    }
+    ASSERT_TRUE(st[i].ok()) << i << " " << st[i].ToString();
+    ASSERT_TRUE(results[i].found) << i;
+    ASSERT_TRUE(copy_to_host(back.data(), out[i].data, size).ok());
+    ASSERT_EQ(back, blocks[i]) << i;
+  }
+  EXPECT_EQ(found, gpu ? n - (n + 8) / 9 : 0u);
+  if (!gpu) {
+    EXPECT_TRUE(
+        std::all_of(host_stand_in.begin(), host_stand_in.end(), [](uint8_t b) { return !b; }));
+  }
+  // And back: a batch put from device memory, under new ids. Without a GPU
+  // every item fails as Unavailable and its reservation is given back.
+  std::vector<BlockId> again;
+  std::vector<ConstBuffer> in;
+  for (size_t i = 0; i < n; ++i) {
+    again.push_back(id_of(17000 + i));
+    in.push_back(ConstBuffer{out[i].data, size});
+  }
+  if (gpu) {
+    for (size_t i = 0; i < n; i += 9)
+      ASSERT_TRUE(copy_to_device(base + i * size, blocks[i].data(), size).ok());
+  }
+  PutOptions from_device;
+  from_device.src_kind = MemoryKind::kDevice;
+  EXPECT_EQ(a->put_batch(again, in, &st, from_device), gpu ? n : 0u);
+  for (size_t i = 0; i < n; ++i) {
+    if (!gpu) {
+      EXPECT_TRUE(st[i].is(Code::kUnavailable)) << i << " " << st[i].ToString();
+      EXPECT_FALSE(a->contains(again[i])) << i;
+      continue;
+    }
+    std::vector<uint8_t> stored(size);
+    GetResult r;
+    ASSERT_TRUE(a->get(again[i], stored.data(), size, &r).ok());
+    ASSERT_TRUE(r.found) << i;
+    ASSERT_EQ(stored, blocks[i]) << i;
+  }
+  a.reset();  // the client's deferred releases are sent when it closes
+  f.wait_disconnects(1);
+  const auto stats = f.server->stats();
+  EXPECT_EQ(stats.leases, 0u);
+  EXPECT_EQ(stats.reservations, 0u);
+  EXPECT_EQ(stats.store.tiers[0].leased_blocks, 0u);
   EXPECT_EQ(stats.store.tiers[0].reserved_bytes, stats.store.tiers[0].used_bytes);
 }
 

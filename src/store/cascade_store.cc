@@ -339,7 +339,8 @@ size_t CascadeStore::put_batch(std::span<const BlockId> ids, std::span<const Con
 }
 
 size_t CascadeStore::get_batch(std::span<const BlockId> ids, std::span<const MutableBuffer> out,
-                               std::vector<GetResult>* results, std::vector<Status>* statuses) {
+                               std::vector<GetResult>* results, std::vector<Status>* statuses,
+                               MemoryKind out_kind) {
   CASCADE_LIVE_OR(
       (results->assign(ids.size(), GetResult{}), statuses->assign(ids.size(), closed_status()), 0));
   if (ids.size() != out.size()) {
@@ -347,7 +348,7 @@ size_t CascadeStore::get_batch(std::span<const BlockId> ids, std::span<const Mut
     statuses->assign(ids.size(), Status::InvalidArgument("ids and buffers differ in length"));
     return 0;
   }
-  return impl_->get_batch_impl(ids, out, results, statuses);
+  return impl_->get_batch_impl(ids, out, results, statuses, out_kind);
 }
 
 std::shared_ptr<BatchTask> CascadeStore::put_batch_async(std::vector<BlockId> ids,
@@ -381,7 +382,7 @@ std::shared_ptr<BatchTask> CascadeStore::get_batch_async(std::vector<BlockId> id
     return task;
   }
   impl_->submit([impl = impl_.get(), task, ids = std::move(ids), out = std::move(out)] {
-    size_t n = impl->get_batch_impl(ids, out, &task->results_, &task->statuses_);
+    size_t n = impl->get_batch_impl(ids, out, &task->results_, &task->statuses_, MemoryKind::kHost);
     task->finish(n);
   });
   return task;

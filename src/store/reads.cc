@@ -94,7 +94,7 @@ Status CascadeStore::Impl::get_impl(const BlockId& id, ReadRequest rq, GetResult
 size_t CascadeStore::Impl::get_batch_impl(std::span<const BlockId> ids,
                                           std::span<const MutableBuffer> out,
                                           std::vector<GetResult>* results,
-                                          std::vector<Status>* statuses) {
+                                          std::vector<Status>* statuses, MemoryKind out_kind) {
   size_t n = ids.size();
   results->assign(n, GetResult{});
   statuses->assign(n, Status::OK());
@@ -115,8 +115,12 @@ size_t CascadeStore::Impl::get_batch_impl(std::span<const BlockId> ids,
       pid[k] = phys[pending[k]];
       rqs[k].out = out[pending[k]].data;
       rqs[k].capacity = out[pending[k]].size;
+      rqs[k].out_kind = out_kind;
     }
-    if (is_memory_tier(tiers[t]->kind()) && !tiers[t]->prefers_batches()) {
+    // Host destinations: one read per item over the I/O threads. Device
+    // destinations: the tier's batch, which copies in batched GPU operations.
+    if (is_memory_tier(tiers[t]->kind()) && !tiers[t]->prefers_batches() &&
+        out_kind == MemoryKind::kHost) {
       pool->parallel_for(m, [&](size_t k) { sts[k] = tiers[t]->read(pid[k], rqs[k], &rrs[k]); });
     } else {
       tiers[t]->read_batch(pid, rqs, rrs, sts);
@@ -135,8 +139,7 @@ size_t CascadeStore::Impl::get_batch_impl(std::span<const BlockId> ids,
     if (!promote.empty() && config.promote_on_hit) {
       pool->parallel_for(promote.size(), [&](size_t j) {
         size_t k = promote[j];
-        maybe_promote(t, pid[k], rqs[k].out, rrs[k].block_size, rrs[k].is_prefix,
-                      MemoryKind::kHost);
+        maybe_promote(t, pid[k], rqs[k].out, rrs[k].block_size, rrs[k].is_prefix, out_kind);
       });
     }
     pending.swap(still);

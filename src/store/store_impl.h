@@ -105,7 +105,8 @@ class CascadeStore::Impl {
   Status get_impl(const BlockId& id, ReadRequest rq, GetResult* r,
                   std::vector<uint8_t>* whole = nullptr);
   size_t get_batch_impl(std::span<const BlockId> ids, std::span<const MutableBuffer> out,
-                        std::vector<GetResult>* results, std::vector<Status>* statuses);
+                        std::vector<GetResult>* results, std::vector<Status>* statuses,
+                        MemoryKind out_kind);
   Status promote(const BlockId& phys);
 
   // ---- removal, durability, async (cascade_store.cc) ------------------------
