@@ -120,3 +120,21 @@ def test_arenas_go_in_the_shm_dir_given_and_a_missing_one_is_refused(tmp_path, c
         os.rmdir(shm_dir)
     with pytest.raises(SystemExit, match="not a directory"):
         cli.main(["bench", "pool", "--quick", "--shm-dir", str(tmp_path / "missing")])
+
+
+def test_gpu_rows_run_where_a_gpu_is_usable_and_say_why_not_elsewhere(tmp_path, capsys):
+    import cascade
+
+    gpu = bool(cascade.HAVE_CUDA) and cascade.gpu_usable(0)
+    if not gpu:
+        with pytest.raises(SystemExit, match="needs a usable CUDA GPU"):
+            _run(tmp_path, capsys, "--gpu", "--skip-throughput", "--skip-metadata")
+        return
+    pytest.importorskip("torch")
+    report, text = _run(tmp_path, capsys, "--gpu", "--skip-throughput", "--skip-metadata")
+    [row] = report["gpu"]["rows"]
+    assert row["block_bytes"] == 64 << 10 and row["blocks"] == 64
+    for key in ("pool_load_gbps", "pool_save_gbps", "host_load_gbps", "pcie_h2d_gbps"):
+        assert row[key] > 0
+    assert "gpu_load_vs_pcie" in report["goals"]
+    assert "GPU memory through the pool" in text

@@ -84,6 +84,12 @@ def add_arguments(p) -> None:
         default=None,
         help="batches of 1024 ids per client and mode (default 500; --quick: 30)",
     )
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="also load blocks into GPU memory and save them from it through a pool client, "
+        "beside the host tier and pinned cudaMemcpy (torch with CUDA)",
+    )
     p.add_argument("--skip-throughput", action="store_true", help="metadata figures only")
     p.add_argument("--skip-metadata", action="store_true", help="throughput figures only")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
@@ -112,6 +118,7 @@ def _settle(args) -> dict:
         else ([1, 2] if q else [1, 2, 4]),
         "lookup_rounds": args.lookup_rounds or (30 if q else 500),
         "shm_dir": args.shm_dir,
+        "gpu": args.gpu,
     }
 
 
@@ -161,6 +168,7 @@ def _server(run: _Run, capacity: int):
 
 def _client_cfg(server, threads: int, channels: int, namespace: str) -> dict:
     cfg = {
+        "pipeline": "pool",  # no gpu tier above it, also where a GPU is in use
         "pool_socket": server.socket_path,
         "pool_namespace": namespace,
         "use_gpu": False,
@@ -432,6 +440,10 @@ def _goals(report: dict) -> dict:
             "best": best,
             "met": best >= GOAL_LOOKUPS_PER_S,
         }
+    if report.get("gpu"):
+        from cascade.bench.pool_gpu import gpu_goal
+
+        g["gpu_load_vs_pcie"] = gpu_goal(report["gpu"])
     return g
 
 
@@ -444,6 +456,10 @@ def run_pool_bench(args, progress) -> dict:
             report["throughput"] = run_throughput(run, s, progress)
         if not args.skip_metadata:
             report["metadata"] = run_metadata(run, s, progress)
+        if s["gpu"]:
+            from cascade.bench.pool_gpu import run_gpu
+
+            report["gpu"] = run_gpu(run, s, progress)
     finally:
         run.cleanup()
     report["verified"] = True  # every check above raises on a wrong byte

@@ -167,6 +167,10 @@ def format_report(report: dict) -> str:
         lines += _round_trips(report["metadata"])
         lines += _lookups(report["metadata"])
         lines += _cpp(report["metadata"])
+    if "gpu" in report:
+        from cascade.bench.pool_gpu import format_gpu
+
+        lines += format_gpu(report["gpu"])
     g = report["goals"]
     if "aggregate_vs_host" in g:
         a = g["aggregate_vs_host"]
@@ -192,6 +196,12 @@ def format_report(report: dict) -> str:
         lines.append(
             f"goal: >= {a['goal'] / 1e6:.0f} M ids/s batched: best {a['best'] / 1e6:.2f} M "
             f"({'met' if a['met'] else 'not met'})"
+        )
+    if g.get("gpu_load_vs_pcie"):
+        a = g["gpu_load_vs_pcie"]
+        lines.append(
+            f"goal: pool loads into GPU memory >= {a['goal']}x PCIe (64 KiB blocks and up): "
+            f"worst {a['worst']:.2f}x ({'met' if a['met'] else 'not met'})"
         )
     lines.append("verified: every byte read back matched" if report["verified"] else "NOT VERIFIED")
     return "\n".join(lines)
