@@ -37,14 +37,19 @@ void fill_random(uint8_t* p, size_t n, uint64_t seed) {
   }
 }
 
+Result<std::unique_ptr<HostTier>> open_host(ThreadPool* pool, uint64_t capacity,
+                                            const std::string& name) {
+  CascadeConfig c;
+  c.pipeline = "host";
+  c.shm_capacity_bytes = capacity;
+  c.shm_path = "/dev/shm/" + name + std::to_string(getpid());
+  return HostTier::Open(c, pool);
+}
+
 TEST(GpuHostTierTest, MovesBlocksToAndFromDeviceMemory) {
   if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
   ThreadPool pool(4);
-  CascadeConfig c;
-  c.pipeline = "host";
-  c.shm_capacity_bytes = 256 << 20;
-  c.shm_path = "/dev/shm/cascade-gpu-test-" + std::to_string(getpid());
-  auto host = HostTier::Open(c, &pool);
+  auto host = open_host(&pool, 256 << 20, "cascade-gpu-test-");
   ASSERT_TRUE(host.ok()) << host.status().ToString();
   const size_t n = (5 << 20) + 3;
   std::vector<uint8_t> data(n);
@@ -94,17 +99,12 @@ TEST(GpuHostTierTest, MovesBlocksToAndFromDeviceMemory) {
 }
 
 // A batch of reads into device memory: one batched copy of every hit
-// (blocks of several sizes, some across the arena's registration chunks),
-// a miss, a buffer too small and a partial read each reported as such, on
-// the legacy default stream and on a caller's stream; no lease is left.
+// (blocks from 100 bytes to 7 MiB), a miss, a buffer too small and a partial read each reported as
+// such, on the legacy default stream and on a caller's stream; no lease is left.
 TEST(GpuHostTierTest, ReadsABatchIntoDeviceMemory) {
   if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
   ThreadPool pool(4);
-  CascadeConfig c;
-  c.pipeline = "host";
-  c.shm_capacity_bytes = 512 << 20;
-  c.shm_path = "/dev/shm/cascade-gpu-batch-test-" + std::to_string(getpid());
-  auto host = HostTier::Open(c, &pool);
+  auto host = open_host(&pool, 512 << 20, "cascade-gpu-batch-test-");
   ASSERT_TRUE(host.ok()) << host.status().ToString();
   const std::vector<uint64_t> sizes = {16 << 10, 64 << 10, (1 << 20) + 3, 65 << 10, 7 << 20,
                                        100,      64 << 10, 64 << 10,      3 << 20,  64 << 10};
