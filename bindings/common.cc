@@ -228,6 +228,7 @@ BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable) {
     }
     uint64_t row = big.size() / n;
     a.kind = big.kind();
+    a.device = big.device();
     for (size_t i = 0; i < n; ++i)
       a.spans.push_back({static_cast<uint8_t*>(big.data()) + i * row, row});
     a.refs.push_back(std::move(big));
@@ -246,9 +247,14 @@ BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable) {
     a.refs.push_back(writable ? BufferRef::writable(bs[i], item.c_str())
                               : BufferRef::readable(bs[i], item.c_str()));
     a.spans.push_back({a.refs.back().data(), a.refs.back().size()});
-    if (i == 0) a.kind = a.refs[0].kind();
-    else if (a.refs.back().kind() != a.kind)
+    if (i == 0) {
+      a.kind = a.refs[0].kind();
+      a.device = a.refs[0].device();
+    } else if (a.refs.back().kind() != a.kind) {
       throw nb::value_error("a batch must be all host buffers or all device buffers");
+    } else if (a.refs.back().device() != a.device) {
+      a.one_device = false;
+    }
   }
   return a;
 }

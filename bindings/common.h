@@ -87,6 +87,8 @@ struct BatchArgs {
   std::vector<BufferRef> refs;  // holders
   std::vector<ConstBuffer> spans;
   MemoryKind kind = MemoryKind::kHost;
+  int device = -1;         // of the first buffer, for device memory
+  bool one_device = true;  // every device buffer on `device`
 
   std::vector<MutableBuffer> mutable_spans() const;
   std::vector<void*> ptrs() const;

@@ -9,6 +9,7 @@
 
 #include "cascade/store.h"
 #include "common.h"
+#include "cuda/device_copy.h"
 #include "guarded.h"
 #include "store_wrap.h"
 
@@ -18,6 +19,18 @@ namespace cascade::py {
 nb::object make_block_lease(BlockView view, nb::object owner, Lifeline* owner_life, int device);
 
 namespace {
+
+// A batch of device buffers is copied as one, ordered after the work queued
+// on one GPU: its buffers must all be on that GPU, and one this build and
+// machine can use (without that no copy could be made, and every block
+// would read as a miss).
+void check_device_batch(const BatchArgs& a) {
+  if (a.kind != MemoryKind::kDevice) return;
+  if (!a.one_device) throw nb::value_error("a batch's device buffers must all be on one GPU");
+  if (!gpu_usable(a.device))
+    raise_status(Status::Unavailable("the batch's buffers are on GPU " + std::to_string(a.device) +
+                                     ", which this build of cascade cannot use"));
+}
 
 // Flat per-tier figures: <tier>_used and <tier>_hits for gpu, host, file and
 // remote, and the older names shm_* (host) and lustre_* (file) beside them.
@@ -217,6 +230,7 @@ class PyStore {
 
   size_t put_batch(nb::handle keys, nb::handle data, bool is_prefix) {
     BatchArgs a = batch_args(keys, data, false);
+    check_device_batch(a);
     PutOptions o;
     o.is_prefix = is_prefix;
     o.src_kind = a.kind;
@@ -234,6 +248,7 @@ class PyStore {
 
   std::pair<size_t, std::vector<uint64_t>> get_batch(nb::handle keys, nb::handle outs) {
     BatchArgs a = batch_args(keys, outs, true);
+    check_device_batch(a);
     std::vector<MutableBuffer> out = a.mutable_spans();
     std::vector<GetResult> results;
     std::vector<Status> statuses;
