@@ -148,7 +148,8 @@ class CascadeStore {
                    std::vector<Status>* statuses, const PutOptions& options = {});
   // get_batch's buffers are all of out_kind: device memory takes the
   // blocks of a memory tier (host arena, node pool) as one batched GPU copy
-  // per tier rather than one copy per block.
+  // per tier rather than one copy per block, ordered after the work queued
+  // on the GPU's legacy default stream. REQUIRES: device buffers on one GPU.
   size_t get_batch(std::span<const BlockId> ids, std::span<const MutableBuffer> out,
                    std::vector<GetResult>* results, std::vector<Status>* statuses,
                    MemoryKind out_kind = MemoryKind::kHost);

@@ -28,12 +28,13 @@ Status device_copy(void* dst, MemoryKind dst_kind, const void* src, MemoryKind s
 // Copies every item, all with these kinds, in as few GPU operations as their
 // sizes allow (the batched copy kernel for small items, one batched DMA call
 // for the rest; see device_transfers.h): one copy per item pays a per-call
-// cost that items below a few MiB do not hide. The GPU side of the items
-// lives on one device; an item on another device is copied on its own.
-// Ordered after the work already queued on `stream` (nullptr: the legacy
-// default stream) and complete when the call returns; on an error some
-// items may have been copied.
-// REQUIRES: at least one of dst_kind, src_kind is kDevice.
+// cost that items below a few MiB do not hide. Ordered after the work
+// already queued on `stream` (nullptr: the legacy default stream of the
+// items' GPU) and complete when the call returns; on an error some items
+// may have been copied, and the status does not say which.
+// REQUIRES: the device memory of every item is on one GPU (the device of
+// the first item's device side; only that GPU's legacy stream orders a
+// batch without a stream).
 Status device_copy_batch(std::span<const CopyItem> items, MemoryKind dst_kind, MemoryKind src_kind,
                          void* stream);
 

@@ -39,8 +39,13 @@ uint64_t copy_leased_blocks(std::span<const LeasedBytes> blocks, MemoryKind src_
     const Status st = device_copy_batch(g.items, g.kind, src_kind, g.stream);
     for (size_t k = 0; k < g.members.size(); ++k) {
       const size_t i = g.members[k];
-      statuses[i] = st;
-      if (!st.ok()) continue;
+      // A batch that failed (a bad destination, say) is copied again one
+      // block at a time, so that each failure is its own block's.
+      statuses[i] = st.ok() || g.items.size() == 1
+                        ? st
+                        : device_copy(g.items[k].dst, g.kind, g.items[k].src, src_kind,
+                                      g.items[k].bytes, g.stream);
+      if (!statuses[i].ok()) continue;
       results[i].copied = g.items[k].bytes;
       copied += g.items[k].bytes;
     }

@@ -26,8 +26,12 @@ struct LeasedBytes {
 // For each i whose statuses[i] is OK on entry (a hit): sets
 // results[i].block_size, checks reqs[i] against the block
 // (ReadRequest::span) and copies that span out of blocks[i]. On return
-// statuses[i] says how item i ended and results[i].copied what it wrote;
-// items not OK on entry are left alone. Returns the bytes copied.
+// statuses[i] says how item i ended and results[i].copied what it wrote
+// (when a batched copy fails, its items are copied again one by one, so a
+// failure is reported for the blocks it concerns); items not OK on entry
+// are left alone. Returns the bytes copied.
+// REQUIRES: the device memory of the requests sharing a stream is on one
+// GPU (device_copy_batch).
 uint64_t copy_leased_blocks(std::span<const LeasedBytes> blocks, MemoryKind src_kind,
                             std::span<const ReadRequest> reqs, std::span<ReadResult> results,
                             std::span<Status> statuses);
