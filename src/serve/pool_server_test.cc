@@ -414,6 +414,70 @@ TEST(PoolServerTest, BatchesToAndFromDeviceMemoryCopyEveryBlockOrFailWithoutAGpu
   EXPECT_EQ(stats.store.tiers[0].reserved_bytes, stats.store.tiers[0].used_bytes);
 }
 
+// A put batch from device memory larger than the reservations a client may
+// hold on the server at once (65,536) goes a window at a time: every item
+// ends as itself (stored with a GPU; Unavailable without one, with nothing
+// stored), never Busy, and no reservation is left behind.
+TEST(PoolServerTest, AHugePutBatchFromDeviceMemoryGoesAWindowAtATime) {
+  PoolFixture f(64 << 20);
+  ASSERT_TRUE(f.server);
+  const bool gpu = gpu_count() > 0;
+  CascadeConfig c;
+  c.pool_socket = f.socket;
+  c.pool_namespace = "device-window";
+  c.use_gpu = gpu;
+  auto pool = ThreadPool::Create(4);
+  ASSERT_TRUE(pool.ok());
+  {
+    auto opened = PoolTier::Open(c, pool->get());
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    auto& tier = *opened.value();
+    const size_t n = 70000, size = 64;
+    std::vector<uint8_t> bytes = bytes_for(11, n * size);
+    DeviceBuffer dev;
+    const uint8_t* base = bytes.data();  // no GPU: never read
+    if (gpu) {
+      auto d = DeviceBuffer::Allocate(0, n * size);
+      ASSERT_TRUE(d.ok()) << d.status().ToString();
+      dev = std::move(d.value());
+      ASSERT_TRUE(copy_to_device(dev.data(), bytes.data(), bytes.size()).ok());
+      base = dev.data();
+    }
+    std::vector<BlockId> ids;
+    std::vector<const void*> data;
+    for (size_t i = 0; i < n; ++i) {
+      ids.push_back(id_of(300000 + i));
+      data.push_back(base + i * size);
+    }
+    const std::vector<uint64_t> sizes(n, size);
+    PutOptions from_device;
+    from_device.src_kind = MemoryKind::kDevice;
+    std::vector<Status> st(n);
+    tier.put_batch(ids, data, sizes, from_device, st);
+    for (size_t i = 0; i < n; ++i) {
+      if (gpu) {
+        ASSERT_TRUE(st[i].ok()) << i << " " << st[i].ToString();
+      } else {
+        ASSERT_TRUE(st[i].is(Code::kUnavailable)) << i << " " << st[i].ToString();
+      }
+    }
+    for (size_t i = 0; i < n; i += 997) {
+      std::vector<uint8_t> out(size);
+      ReadRequest rq;
+      rq.out = out.data();
+      rq.capacity = size;
+      ReadResult rr;
+      const Status got = tier.read(ids[i], rq, &rr);
+      ASSERT_EQ(got.ok(), gpu) << i << " " << got.ToString();
+      if (gpu) EXPECT_TRUE(std::equal(out.begin(), out.end(), bytes.begin() + i * size)) << i;
+    }
+  }
+  f.wait_disconnects(1);
+  const auto stats = f.server->stats();
+  EXPECT_EQ(stats.reservations, 0u);
+  EXPECT_EQ(stats.store.tiers[0].reserved_bytes, stats.store.tiers[0].used_bytes);
+}
+
 // A thread of a batch sends its next step's request on a second channel
 // while it copies; with fewer channels than threads some steps wait for a
 // channel (or go one request at a time on one), and the batches still end

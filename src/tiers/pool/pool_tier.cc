@@ -30,6 +30,10 @@ constexpr size_t kReleaseBatch = 1024;           // queued releases sent at once
 // The least bytes of a sub-batch (16 blocks at most); copying this many
 // takes longer than a round trip to the server.
 constexpr uint64_t kSubBatchBytes = 1 << 20;
+// The most a batch from or to device memory holds on the server at once
+// (for_each_window): a window is copied as one batched GPU operation.
+constexpr uint64_t kDeviceWindowBytes = 512ULL << 20;
+constexpr size_t kDeviceWindowItems = 8192;
 
 Status wire_status(uint32_t code, std::string message) {
   if (code == 0) return Status::OK();
@@ -433,6 +437,36 @@ size_t PoolTier::sub_batch(std::span<const uint64_t> sizes) const {
   return std::clamp<size_t>(n / (4 * size_t(pool_->size())), least, pool::kMaxItems);
 }
 
+// Calls fn(c) for the parts [c0, c1), on the I/O threads when there are
+// several.
+void PoolTier::each_part(size_t c0, size_t c1, const std::function<void(size_t)>& fn) const {
+  if (pool_ && c1 - c0 > 1) pool_->parallel_for(c1 - c0, [&](size_t k) { fn(c0 + k); });
+  else
+    for (size_t c = c0; c < c1; ++c) fn(c);
+}
+
+// Batches from and to device memory go a window of parts at a time: what a
+// window holds on the server (reservations, leases) stays bounded however
+// large the batch is. Calls fn(c0, c1) for consecutive ranges of the
+// `count` parts of `step` items each (of the byte sizes given), each range
+// ending once it holds kDeviceWindowBytes or kDeviceWindowItems.
+void PoolTier::for_each_window(std::span<const uint64_t> sizes, size_t count, size_t step,
+                               const std::function<void(size_t, size_t)>& fn) {
+  size_t c0 = 0, items = 0;
+  uint64_t bytes = 0;
+  for (size_t c = 0; c < count; ++c) {
+    const size_t b = c * step, e = std::min(sizes.size(), b + step);
+    for (size_t i = b; i < e; ++i) bytes += sizes[i];
+    items += e - b;
+    if (bytes >= kDeviceWindowBytes || items >= kDeviceWindowItems || c + 1 == count) {
+      fn(c0, c + 1);
+      c0 = c + 1;
+      items = 0;
+      bytes = 0;
+    }
+  }
+}
+
 // A batch is cut into sub-batches that the I/O threads take in turn, so the
 // server's workers reserve and commit in parallel with the copies instead
 // of one worker handling the whole batch while the copies wait. Each thread
@@ -472,38 +506,41 @@ void PoolTier::put_batch(std::span<const BlockId> ids, std::span<const void* con
   }
 }
 
-// Puts from device memory: the reserves of the sub-batches go out in
-// parallel, every reserved block is copied into the arena in one batched GPU
-// operation (the arena is registered with CUDA), then the commits go out in
-// parallel.
+// Puts from device memory, a window of sub-batches at a time: the window's
+// reserves go out in parallel, every block it reserved is copied into the
+// arena in one batched GPU operation (the arena is registered with CUDA),
+// then its commits go out in parallel.
 void PoolTier::put_from_devices(const PutBatch& b, size_t sub) {
   Parts<PutPart> parts(b.ids.size(), sub ? sub : pool::kMaxItems);
-  auto each_part = [&](auto&& fn) {
-    if (pool_ && parts.count > 1) pool_->parallel_for(parts.count, fn);
-    else
-      for (size_t c = 0; c < parts.count; ++c) fn(c);
-  };
-  each_part([&](size_t c) {
-    Held held = hold();
-    parts.at[c].sent = post_reserve(held.slot(), b, parts.at[c], false);
-    take_reserve(held.slot(), b, &parts.at[c]);
-  });
-  std::vector<CopyItem> items;
-  std::vector<size_t> copied;  // the item of each copy
-  for (size_t c = 0; c < parts.count; ++c)
-    for (const Placed& t : parts.at[c].placed) {
-      if (!b.statuses[t.i].ok() || b.sizes[t.i] == 0) continue;
-      items.push_back(CopyItem{base_ + t.offset, b.data[t.i], b.sizes[t.i]});
-      copied.push_back(t.i);
-    }
-  const Status st =
-      device_copy_batch(items, MemoryKind::kHost, b.options.src_kind, b.options.cuda_stream);
-  if (!st.ok())
-    for (size_t i : copied) b.statuses[i] = st;  // aborted by the commits below
-  each_part([&](size_t c) {
-    Held held = hold();
-    parts.at[c].sent = post_commit(held.slot(), b, &parts.at[c], false);
-    take_commit(held.slot(), b, &parts.at[c]);
+  for_each_window(b.sizes, parts.count, sub ? sub : pool::kMaxItems, [&](size_t c0, size_t c1) {
+    each_part(c0, c1, [&](size_t c) {
+      Held held = hold();
+      parts.at[c].sent = post_reserve(held.slot(), b, parts.at[c], false);
+      take_reserve(held.slot(), b, &parts.at[c]);
+    });
+    std::vector<CopyItem> items;
+    std::vector<size_t> copied;  // the item of each copy
+    for (size_t c = c0; c < c1; ++c)
+      for (const Placed& t : parts.at[c].placed) {
+        if (!b.statuses[t.i].ok() || b.sizes[t.i] == 0) continue;
+        items.push_back(CopyItem{base_ + t.offset, b.data[t.i], b.sizes[t.i]});
+        copied.push_back(t.i);
+      }
+    const MemoryKind from = b.options.src_kind;
+    const Status st = device_copy_batch(items, MemoryKind::kHost, from, b.options.cuda_stream);
+    // A batch that failed (a bad source, say) is copied again one block at a
+    // time, so that each failure is its own block's; the commits below abort
+    // the blocks that failed.
+    for (size_t k = 0; k < items.size() && !st.ok(); ++k)
+      b.statuses[copied[k]] = items.size() == 1
+                                  ? st
+                                  : device_copy(items[k].dst, MemoryKind::kHost, items[k].src, from,
+                                                items[k].bytes, b.options.cuda_stream);
+    each_part(c0, c1, [&](size_t c) {
+      Held held = hold();
+      parts.at[c].sent = post_commit(held.slot(), b, &parts.at[c], false);
+      take_commit(held.slot(), b, &parts.at[c]);
+    });
   });
 }
 
@@ -724,7 +761,7 @@ void PoolTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequ
   for (size_t i = 0; i < n; ++i) sizes[i] = reqs[i].capacity;
   const size_t sub = sub_batch(sizes);
   if (any_device_out(reqs)) {
-    read_to_devices(ids, reqs, results, statuses, sub);
+    read_to_devices(ids, reqs, results, statuses, sizes, sub);
     return;
   }
   if (sub) {
@@ -748,25 +785,28 @@ void PoolTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequ
 // (registered with CUDA), and the views' releases are queued.
 void PoolTier::read_to_devices(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                                std::span<ReadResult> results, std::span<Status> statuses,
-                               size_t sub) {
-  const size_t n = ids.size();
-  std::vector<BlockView> views(n);
-  if (sub) {
-    pool_->parallel_for((n + sub - 1) / sub, [&](size_t c) {
-      const size_t b = c * sub, m = std::min(sub, n - b);
-      acquire_batch(ids.subspan(b, m), std::span<BlockView>(views).subspan(b, m),
+                               std::span<const uint64_t> sizes, size_t sub) {
+  const size_t n = ids.size(), step = sub ? sub : pool::kMaxItems;
+  for_each_window(sizes, (n + step - 1) / step, step, [&](size_t c0, size_t c1) {
+    const size_t first = c0 * step, end = std::min(n, c1 * step);
+    std::vector<BlockView> views(end - first);  // the window's leases, until its copies end
+    each_part(c0, c1, [&](size_t c) {
+      const size_t b = c * step, m = std::min(step, n - b);
+      acquire_batch(ids.subspan(b, m), std::span<BlockView>(views).subspan(b - first, m),
                     statuses.subspan(b, m));
     });
-  } else {
-    acquire_batch(ids, views, statuses);
-  }
-  std::vector<LeasedBytes> blocks(n);
-  for (size_t i = 0; i < n; ++i) {
-    results[i] = ReadResult{};
-    if (statuses[i].ok()) blocks[i] = LeasedBytes{views[i].data(), views[i].size()};
-  }
-  TierCounters::add(counters_.bytes_read,
-                    copy_leased_blocks(blocks, MemoryKind::kHost, reqs, results, statuses));
+    std::vector<LeasedBytes> blocks(end - first);
+    for (size_t i = first; i < end; ++i) {
+      results[i] = ReadResult{};
+      if (statuses[i].ok())
+        blocks[i - first] = LeasedBytes{views[i - first].data(), views[i - first].size()};
+    }
+    TierCounters::add(
+        counters_.bytes_read,
+        copy_leased_blocks(blocks, MemoryKind::kHost, reqs.subspan(first, end - first),
+                           results.subspan(first, end - first),
+                           statuses.subspan(first, end - first)));
+  });
 }
 
 // Leases every item (one request per kMaxItems), copies the hits out over
