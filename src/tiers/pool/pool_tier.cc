@@ -779,10 +779,11 @@ void PoolTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequ
   read_chunk(ids, reqs, results, statuses);
 }
 
-// Reads with a destination in device memory: the leases of the sub-batches
-// go out in parallel (several server workers answer them), then every block
-// is copied in one batched GPU operation straight from the mapped arena
-// (registered with CUDA), and the views' releases are queued.
+// Reads with a destination in device memory, a window of sub-batches at a
+// time: the window's leases go out in parallel (several server workers
+// answer them), then every block is copied in one batched GPU operation
+// straight from the mapped arena (registered with CUDA), and the views'
+// releases are queued.
 void PoolTier::read_to_devices(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                                std::span<ReadResult> results, std::span<Status> statuses,
                                std::span<const uint64_t> sizes, size_t sub) {
