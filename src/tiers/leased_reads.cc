@@ -36,15 +36,11 @@ uint64_t copy_leased_blocks(std::span<const LeasedBytes> blocks, MemoryKind src_
   }
   uint64_t copied = 0;
   for (const Group& g : groups) {
-    const Status st = device_copy_batch(g.items, g.kind, src_kind, g.stream);
+    std::vector<Status> st(g.items.size());
+    device_copy_each(g.items, g.kind, src_kind, g.stream, st);
     for (size_t k = 0; k < g.members.size(); ++k) {
       const size_t i = g.members[k];
-      // A batch that failed (a bad destination, say) is copied again one
-      // block at a time, so that each failure is its own block's.
-      statuses[i] = st.ok() || g.items.size() == 1
-                        ? st
-                        : device_copy(g.items[k].dst, g.kind, g.items[k].src, src_kind,
-                                      g.items[k].bytes, g.stream);
+      statuses[i] = st[k];
       if (!statuses[i].ok()) continue;
       results[i].copied = g.items[k].bytes;
       copied += g.items[k].bytes;

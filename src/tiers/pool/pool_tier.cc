@@ -526,16 +526,10 @@ void PoolTier::put_from_devices(const PutBatch& b, size_t sub) {
         items.push_back(CopyItem{base_ + t.offset, b.data[t.i], b.sizes[t.i]});
         copied.push_back(t.i);
       }
-    const MemoryKind from = b.options.src_kind;
-    const Status st = device_copy_batch(items, MemoryKind::kHost, from, b.options.cuda_stream);
-    // A batch that failed (a bad source, say) is copied again one block at a
-    // time, so that each failure is its own block's; the commits below abort
-    // the blocks that failed.
-    for (size_t k = 0; k < items.size() && !st.ok(); ++k)
-      b.statuses[copied[k]] = items.size() == 1
-                                  ? st
-                                  : device_copy(items[k].dst, MemoryKind::kHost, items[k].src, from,
-                                                items[k].bytes, b.options.cuda_stream);
+    std::vector<Status> st(items.size());
+    device_copy_each(items, MemoryKind::kHost, b.options.src_kind, b.options.cuda_stream, st);
+    for (size_t k = 0; k < items.size(); ++k)
+      b.statuses[copied[k]] = st[k];  // the commits below abort the blocks that failed
     each_part(c0, c1, [&](size_t c) {
       Held held = hold();
       parts.at[c].sent = post_commit(held.slot(), b, &parts.at[c], false);
