@@ -88,6 +88,17 @@ struct PoolFixture {
     return s.ok() ? std::move(s.value()) : nullptr;
   }
 
+  // Once `clients` clients have gone: nothing they reserved or leased is
+  // held, and every reserved byte of the arena holds a block.
+  void expect_nothing_held(uint64_t clients) {
+    wait_disconnects(clients);
+    const auto stats = server->stats();
+    EXPECT_EQ(stats.reservations, 0u);
+    EXPECT_EQ(stats.leases, 0u);
+    EXPECT_EQ(stats.store.tiers[0].leased_blocks, 0u);
+    EXPECT_EQ(stats.store.tiers[0].reserved_bytes, stats.store.tiers[0].used_bytes);
+  }
+
   // Waits until the server has seen `n` disconnects and cleaned up after them.
   void wait_disconnects(uint64_t n) {
     for (int i = 0; i < 500; ++i) {
@@ -309,11 +320,7 @@ TEST(PoolServerTest, BatchesInStepsKeepEveryItemsOwnOutcome) {
   ASSERT_TRUE(f.server);
   check_batch_in_steps(f, 0);
   check_batch_in_steps(f, 0, 256, 64 << 10);
-  f.wait_disconnects(2);
-  auto stats = f.server->stats();
-  EXPECT_EQ(stats.reservations, 0u);
-  EXPECT_EQ(stats.leases, 0u);
-  EXPECT_EQ(stats.store.tiers[0].reserved_bytes, stats.store.tiers[0].used_bytes);
+  f.expect_nothing_held(2);
 }
 
 // A client's read batch into device memory: the leases of its sub-batches
@@ -406,12 +413,7 @@ TEST(PoolServerTest, BatchesToAndFromDeviceMemoryCopyEveryBlockOrFailWithoutAGpu
     ASSERT_EQ(stored, blocks[i]) << i;
   }
   a.reset();  // the client's deferred releases are sent when it closes
-  f.wait_disconnects(1);
-  const auto stats = f.server->stats();
-  EXPECT_EQ(stats.leases, 0u);
-  EXPECT_EQ(stats.reservations, 0u);
-  EXPECT_EQ(stats.store.tiers[0].leased_blocks, 0u);
-  EXPECT_EQ(stats.store.tiers[0].reserved_bytes, stats.store.tiers[0].used_bytes);
+  f.expect_nothing_held(1);
 }
 
 // A put batch from device memory larger than the reservations a client may
@@ -472,10 +474,7 @@ TEST(PoolServerTest, AHugePutBatchFromDeviceMemoryGoesAWindowAtATime) {
       if (gpu) EXPECT_TRUE(std::equal(out.begin(), out.end(), bytes.begin() + i * size)) << i;
     }
   }
-  f.wait_disconnects(1);
-  const auto stats = f.server->stats();
-  EXPECT_EQ(stats.reservations, 0u);
-  EXPECT_EQ(stats.store.tiers[0].reserved_bytes, stats.store.tiers[0].used_bytes);
+  f.expect_nothing_held(1);
 }
 
 // A thread of a batch sends its next step's request on a second channel

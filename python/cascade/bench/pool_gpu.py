@@ -29,11 +29,11 @@ def _timed_passes(store, src, dst, batch: int, repeats: int, tag: str) -> tuple[
     """Best save and load GB/s of `repeats` passes; raises on a wrong byte."""
     import torch
 
+    import cascade
+
     count, size = src.shape
     nbytes = count * size
     saves, loads = [], []
-    import cascade
-
     for rep in range(repeats):
         # Ids made before the clock, as an engine has its blocks' hashes.
         keys = [cascade.block_id(f"{tag}/{rep}/{i}") for i in range(count)]
