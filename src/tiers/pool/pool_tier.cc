@@ -686,14 +686,6 @@ void PoolTier::take_commit(Slot* slot, const PutBatch& b, PutPart* part) {
 
 // ---- reads -------------------------------------------------------------------
 
-Status PoolTier::copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req) {
-  if (req.out_kind == MemoryKind::kHost) {
-    parallel_memcpy(pool_, dst, src, n, parallel_threshold_);
-    return Status::OK();
-  }
-  return device_copy(dst, req.out_kind, src, MemoryKind::kHost, n, req.cuda_stream);
-}
-
 Status PoolTier::call_with_ids(Slot* slot, Op op, std::span<const BlockId> ids) const {
   if (!slot) return Status::Unavailable("every channel to the pool server failed");
   for (size_t k = 0; k < ids.size(); ++k)
@@ -933,7 +925,9 @@ void PoolTier::copy_leased(const ReadBatch& b, ReadPart* part, size_t k) {
   b.results[i].block_size = g.lease.size;
   uint64_t from = 0, count = 0;
   Status st = req.span(g.lease.size, &from, &count);
-  if (st.ok() && g.lease.arena == 0 && count) st = copy_out(req.out, g.data + from, count, req);
+  // Host destinations only (device ones take read_to_devices).
+  if (st.ok() && g.lease.arena == 0 && count)
+    parallel_memcpy(pool_, req.out, g.data + from, count, parallel_threshold_);
   if (st.ok() && g.lease.arena != 0) {
     auto* out = static_cast<uint8_t*>(req.out);
     // A member's block: its checksum computed over the bytes copied (the

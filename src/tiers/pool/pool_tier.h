@@ -223,7 +223,6 @@ class PoolTier final : public Tier {
   static void for_each_window(std::span<const uint64_t> sizes, size_t count, size_t step,
                               const std::function<void(size_t, size_t)>& fn);
   Status copy_in(uint8_t* dst, const void* src, uint64_t n, const PutOptions& options);
-  Status copy_out(void* dst, const uint8_t* src, uint64_t n, const ReadRequest& req);
 
   // Reads of host destinations: leases where a block may also be in a
   // cluster member's arena of this host (kLeaseRead), copies, releases. A
