@@ -118,6 +118,20 @@ std::vector<uint8_t> bytes_for(uint64_t seed, size_t n) {
 
 BlockId id_of(uint64_t v) { return compute_block_id(&v, sizeof v); }
 
+// n bytes of device memory where a GPU is usable (in *dev); elsewhere a
+// zeroed host stand-in (in *stand_in) that the calls under test must fail
+// before touching. nullptr when the device memory cannot be had.
+uint8_t* device_or_stand_in(size_t n, DeviceBuffer* dev, std::vector<uint8_t>* stand_in) {
+  if (gpu_count() == 0) {
+    stand_in->assign(n, 0);
+    return stand_in->data();
+  }
+  auto d = DeviceBuffer::Allocate(0, n);
+  if (!d.ok()) return nullptr;
+  *dev = std::move(d.value());
+  return dev->data();
+}
+
 // A client speaking the wire format by hand, for requests a PoolTier never sends.
 struct RawClient {
   int sock = -1;
@@ -353,16 +367,8 @@ TEST(PoolServerTest, BatchesToAndFromDeviceMemoryCopyEveryBlockOrFailWithoutAGpu
   for (size_t i = 0; i < n; i += 9) ids[i] = id_of(97000 + i);  // never stored
   DeviceBuffer dev;
   std::vector<uint8_t> host_stand_in;  // never written: no GPU, no copy
-  uint8_t* base = nullptr;
-  if (gpu) {
-    auto d = DeviceBuffer::Allocate(0, n * size);
-    ASSERT_TRUE(d.ok()) << d.status().ToString();
-    dev = std::move(d.value());
-    base = dev.data();
-  } else {
-    host_stand_in.assign(n * size, 0);
-    base = host_stand_in.data();
-  }
+  uint8_t* base = device_or_stand_in(n * size, &dev, &host_stand_in);
+  ASSERT_TRUE(base);
   std::vector<MutableBuffer> out;
   for (size_t i = 0; i < n; ++i) out.push_back(MutableBuffer{base + i * size, size});
   std::vector<GetResult> results;
@@ -437,13 +443,11 @@ TEST(PoolServerTest, AHugePutBatchFromDeviceMemoryGoesAWindowAtATime) {
     const size_t n = 70000, size = 64;
     std::vector<uint8_t> bytes = bytes_for(11, n * size);
     DeviceBuffer dev;
-    const uint8_t* base = bytes.data();  // no GPU: never read
+    std::vector<uint8_t> stand_in;  // no GPU: never read
+    uint8_t* base = device_or_stand_in(n * size, &dev, &stand_in);
+    ASSERT_TRUE(base);
     if (gpu) {
-      auto d = DeviceBuffer::Allocate(0, n * size);
-      ASSERT_TRUE(d.ok()) << d.status().ToString();
-      dev = std::move(d.value());
-      ASSERT_TRUE(copy_to_device(dev.data(), bytes.data(), bytes.size()).ok());
-      base = dev.data();
+      ASSERT_TRUE(copy_to_device(base, bytes.data(), bytes.size()).ok());
     }
     std::vector<BlockId> ids;
     std::vector<const void*> data;
@@ -471,7 +475,9 @@ TEST(PoolServerTest, AHugePutBatchFromDeviceMemoryGoesAWindowAtATime) {
       ReadResult rr;
       const Status got = tier.read(ids[i], rq, &rr);
       ASSERT_EQ(got.ok(), gpu) << i << " " << got.ToString();
-      if (gpu) EXPECT_TRUE(std::equal(out.begin(), out.end(), bytes.begin() + i * size)) << i;
+      if (gpu) {
+        EXPECT_TRUE(std::equal(out.begin(), out.end(), bytes.begin() + i * size)) << i;
+      }
     }
   }
   f.expect_nothing_held(1);
