@@ -72,20 +72,21 @@ void register_exceptions(nb::module_& m) {
 }
 
 BlockId parse_key(nb::handle key) {
-  Result<BlockId> id = Status::InvalidArgument("");
+  std::string_view text;
   if (PyUnicode_Check(key.ptr())) {
     Py_ssize_t n = 0;
     const char* s = PyUnicode_AsUTF8AndSize(key.ptr(), &n);
     if (!s) throw nb::python_error();
-    id = block_id_from_key(std::string_view(s, static_cast<size_t>(n)));
+    text = std::string_view(s, static_cast<size_t>(n));
   } else if (PyBytes_Check(key.ptr())) {
-    id = block_id_from_key(std::string_view(PyBytes_AS_STRING(key.ptr()),
-                                            static_cast<size_t>(PyBytes_GET_SIZE(key.ptr()))));
+    text = std::string_view(PyBytes_AS_STRING(key.ptr()),
+                            static_cast<size_t>(PyBytes_GET_SIZE(key.ptr())));
   } else {
     throw nb::type_error(("a block key is a str (32 hex characters, or any name) or bytes; got " +
                           std::string(nb::type_name(key.type()).c_str()))
                              .c_str());
   }
+  Result<BlockId> id = block_id_from_key(text);
   if (!id.ok()) raise_status(id.status());
   return id.value();
 }
@@ -211,10 +212,13 @@ static bool is_single_buffer(nb::handle obj) {
 
 BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable) {
   BatchArgs a;
-  nb::sequence ks = nb::borrow<nb::sequence>(keys);
-  size_t n = nb::len(ks);
+  // A list or tuple is read in place, other sequences through a list.
+  nb::object seq = nb::steal(PySequence_Fast(keys.ptr(), "block_ids must be a sequence of keys"));
+  if (!seq.is_valid()) throw nb::python_error();
+  const size_t n = static_cast<size_t>(PySequence_Fast_GET_SIZE(seq.ptr()));
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
   a.ids.reserve(n);
-  for (size_t i = 0; i < n; ++i) a.ids.push_back(parse_key(ks[i]));
+  for (size_t i = 0; i < n; ++i) a.ids.push_back(parse_key(items[i]));
   if (!buffers.is_valid()) return a;
   const char* what = writable ? "out_list" : "data_list";
   if (is_single_buffer(buffers)) {
