@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 
 #include "cascade/memory_kind.h"
@@ -49,6 +50,65 @@ inline void device_copy_each(std::span<const CopyItem> items, MemoryKind dst_kin
                                                : device_copy(items[k].dst, dst_kind, items[k].src,
                                                              src_kind, items[k].bytes, stream);
 }
+
+// A batch of copies queued a part at a time, for callers that prepare a
+// batch piece by piece (leasing blocks, say): each add() queues its part on
+// the GPU and returns, so the CPU prepares the next part while the GPU
+// copies this one, and wait() returns once the parts up to one are copied.
+// All parts go on one stream: `stream`, or where it is nullptr one of the
+// GPU's context streams ordered after the work queued on its legacy default
+// stream when the first part is added.
+//
+// Statuses: add() takes a status per item, which the caller keeps alive
+// until a wait() covers the part. A part whose copies could not be queued
+// is copied again one item at a time during add(), so each failure is
+// reported for the item it concerns; a part whose queued copies fail on the
+// GPU reports that failure for each of its items.
+//
+// Thread-safety: one thread uses an object at a time. The destructor waits
+// for every part. REQUIRES: the device memory of every item of every part
+// is on one GPU (as device_copy_batch).
+class DeviceCopyPipeline {
+ public:
+  DeviceCopyPipeline(MemoryKind dst_kind, MemoryKind src_kind, void* stream);
+  ~DeviceCopyPipeline();
+  DeviceCopyPipeline(const DeviceCopyPipeline&) = delete;
+  DeviceCopyPipeline& operator=(const DeviceCopyPipeline&) = delete;
+
+  // Queues the copies of items; returns the part's number (0, 1, ...).
+  size_t add(std::span<const CopyItem> items, std::span<Status> statuses);
+  // Returns once every part numbered up to `part` is copied and its
+  // statuses are final.
+  void wait(size_t part);
+  void wait_all();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// The parts a batch is cut into for a DeviceCopyPipeline: the first small,
+// so that the GPU starts copying after little preparation, each next twice
+// as large up to a bound that keeps the per-part costs (a batched call, an
+// event, a wait) a small share of its copies.
+class PipelineParts {
+ public:
+  // True when a part of `items` items and `bytes` bytes is full.
+  bool full(size_t items, uint64_t bytes) const { return items >= items_ || bytes >= bytes_; }
+  // Moves on to the next part's bounds.
+  void next() {
+    items_ = items_ * 2 < kLastItems ? items_ * 2 : kLastItems;
+    bytes_ = bytes_ * 2 < kLastBytes ? bytes_ * 2 : kLastBytes;
+  }
+
+  static constexpr size_t kLastItems = 1024;
+  static constexpr uint64_t kLastBytes = 32ULL << 20;
+
+ private:
+  size_t items_ = 32;
+  uint64_t bytes_ = 1ULL << 20;
+};
 
 // True when CUDA is compiled in and device `device` can be used. A negative
 // device is never usable, and asking about one does not initialize CUDA.

@@ -2,6 +2,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <deque>
 #include <mutex>
 
 #include "cuda/cuda_status.h"
@@ -77,6 +78,131 @@ Status device_copy_batch(std::span<const CopyItem> items, MemoryKind dst_kind, M
   }
   DeviceTransfers transfers(*ctx, nullptr, TransferTuning{});
   return transfers.copy(items, dst_kind, src_kind, s);
+}
+
+struct DeviceCopyPipeline::Impl {
+  struct Part {
+    cudaEvent_t done = nullptr;  // recorded after the part's copies; null once settled
+    std::span<Status> statuses;
+    std::vector<size_t> queued;  // the items whose copies went on the stream
+  };
+
+  MemoryKind dst_kind, src_kind;
+  void* given = nullptr;     // the caller's stream, or nullptr
+  cudaStream_t s = nullptr;  // set by the first part with a copy
+  int device = -1;
+  DeviceContext* ctx = nullptr;
+  std::deque<Part> parts;  // parts [settled, parts.size()) may be in flight
+  size_t settled = 0;
+
+  // Picks the device and the stream from the first item with bytes.
+  Status start(const CopyItem& first) {
+    auto dev = batch_device(first, dst_kind, src_kind);
+    if (!dev.ok()) return dev.status();
+    auto c = DeviceContext::For(*dev);
+    if (!c.ok()) return c.status();
+    ScopedDevice on(*dev);
+    cudaStream_t chosen = given ? static_cast<cudaStream_t>(given) : cudaStreamLegacy;
+    if (!given) {
+      // As device_copy_batch: the batched DMA call is refused on the legacy
+      // stream, so the parts go on a context stream ordered after it.
+      cudaEvent_t queued = (*c)->take_event();
+      if (queued) {
+        cudaStream_t own = (*c)->next_stream();
+        if (cudaEventRecord(queued, cudaStreamLegacy) == cudaSuccess &&
+            cudaStreamWaitEvent(own, queued, 0) == cudaSuccess)
+          chosen = own;
+        else (void)cudaGetLastError();
+        (*c)->give_event(queued);
+      }
+    }
+    device = *dev;
+    ctx = *c;
+    s = chosen;
+    return Status::OK();
+  }
+
+  void settle(Part& p) {
+    if (!p.done) return;
+    ScopedDevice on(device);
+    const Status st = cuda_status(cudaEventSynchronize(p.done), "wait for a batch of copies");
+    ctx->give_event(p.done);
+    p.done = nullptr;
+    if (!st.ok())
+      for (size_t k : p.queued) p.statuses[k] = st;
+  }
+};
+
+DeviceCopyPipeline::DeviceCopyPipeline(MemoryKind dst_kind, MemoryKind src_kind, void* stream)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->dst_kind = dst_kind;
+  impl_->src_kind = src_kind;
+  impl_->given = stream;
+}
+
+DeviceCopyPipeline::~DeviceCopyPipeline() { wait_all(); }
+
+size_t DeviceCopyPipeline::add(std::span<const CopyItem> items, std::span<Status> statuses) {
+  Impl& m = *impl_;
+  const size_t number = m.settled + m.parts.size();
+  Impl::Part& part = m.parts.emplace_back();
+  part.statuses = statuses;
+  std::vector<CopyItem> batch;
+  batch.reserve(items.size());
+  for (size_t k = 0; k < items.size(); ++k) {
+    statuses[k] = Status::OK();
+    if (items[k].bytes == 0) continue;
+    if (!items[k].dst || !items[k].src) {
+      statuses[k] = Status::InvalidArgument("device_copy: null pointer");
+      continue;
+    }
+    batch.push_back(items[k]);
+    part.queued.push_back(k);
+  }
+  if (batch.empty()) return number;
+  if (m.dst_kind == MemoryKind::kHost && m.src_kind == MemoryKind::kHost) {
+    for (const CopyItem& it : batch) std::memcpy(it.dst, it.src, it.bytes);
+    part.queued.clear();
+    return number;
+  }
+  Status st = m.ctx ? Status::OK() : m.start(batch.front());
+  if (st.ok()) {
+    ScopedDevice on(m.device);
+    DeviceTransfers transfers(m.ctx, nullptr, TransferTuning{});
+    st = transfers.enqueue(batch, m.dst_kind, m.src_kind, m.s);
+    if (st.ok()) {
+      part.done = m.ctx->take_event();
+      if (part.done && cudaEventRecord(part.done, m.s) != cudaSuccess) {
+        (void)cudaGetLastError();
+        m.ctx->give_event(part.done);
+        part.done = nullptr;
+      }
+      // Without an event to wait on later, the part is waited for now.
+      if (!part.done) st = m.ctx->wait_for(m.s);
+      if (st.ok()) return number;
+    }
+  }
+  // Not queued (or its wait failed): item by item, each copy ordered after
+  // the parts before it, so each failure is reported for its own item.
+  void* stream = m.ctx ? static_cast<void*>(m.s) : m.given;
+  for (size_t k : part.queued)
+    statuses[k] =
+        device_copy(items[k].dst, m.dst_kind, items[k].src, m.src_kind, items[k].bytes, stream);
+  part.queued.clear();
+  return number;
+}
+
+void DeviceCopyPipeline::wait(size_t part) {
+  Impl& m = *impl_;
+  while (m.settled <= part && !m.parts.empty()) {
+    m.settle(m.parts.front());
+    m.parts.pop_front();
+    ++m.settled;
+  }
+}
+
+void DeviceCopyPipeline::wait_all() {
+  if (impl_) wait(impl_->settled + impl_->parts.size());
 }
 
 Status device_copy(void* dst, MemoryKind dst_kind, const void* src, MemoryKind src_kind, size_t n,

@@ -162,24 +162,28 @@ void ArenaTier::read_batch(std::span<const BlockId> ids, std::span<const ReadReq
     Tier::read_batch(ids, reqs, results, statuses);
     return;
   }
-  std::vector<LeasedBytes> blocks(ids.size());
-  std::vector<uint64_t> tokens;
-  tokens.reserve(ids.size());
-  for (size_t i = 0; i < ids.size(); ++i) {
-    results[i] = ReadResult{};
-    auto lease = lease_counted(ids[i]);
-    if (!lease) {
-      statuses[i] = not_found();
-      continue;
+  std::vector<uint64_t> tokens(ids.size());
+  std::vector<uint8_t> held(ids.size(), 0);
+  auto lease = [&](size_t begin, size_t end, std::span<LeasedBytes> blocks) {
+    for (size_t i = begin; i < end; ++i) {
+      auto l = lease_counted(ids[i]);
+      if (!l) {
+        statuses[i] = not_found();
+        continue;
+      }
+      statuses[i] = Status::OK();
+      results[i].is_prefix = l->is_prefix;
+      blocks[i] = LeasedBytes{base_ + l->loc.offset, l->loc.size};
+      tokens[i] = l->token;
+      held[i] = 1;
     }
-    statuses[i] = Status::OK();
-    results[i].is_prefix = lease->is_prefix;
-    blocks[i] = LeasedBytes{base_ + lease->loc.offset, lease->loc.size};
-    tokens.push_back(lease->token);
-  }
+  };
+  auto release = [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i)
+      if (held[i]) index_.release(tokens[i]);
+  };
   TierCounters::add(counters_.bytes_read,
-                    copy_leased_blocks(blocks, memory_, reqs, results, statuses));
-  for (uint64_t token : tokens) index_.release(token);
+                    read_leased_in_parts(memory_, reqs, results, statuses, lease, release));
 }
 
 Result<BlockView> ArenaTier::acquire(const BlockId& id) {

@@ -48,8 +48,9 @@ class ArenaTier : public Tier {
              const PutOptions& options) override;
   Status read(const BlockId& id, const ReadRequest& req, ReadResult* result) override;
   // Reads into host memory are read() per item; a batch with reads into
-  // device memory leases every block, copies them out as one batched GPU
-  // operation (copy_leased_blocks) and releases them.
+  // device memory goes a part at a time, each part's blocks leased, copied
+  // out as one batched GPU operation while the next part is leased, and
+  // released (read_leased_in_parts).
   void read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                   std::span<ReadResult> results, std::span<Status> statuses) override;
   Result<BlockView> acquire(const BlockId& id) override;

@@ -1,14 +1,18 @@
 // Copies out of blocks a memory tier holds under leases (a host arena, the
-// node pool's arena), for a batch of reads: the copies of requests that
-// share a destination kind and stream go through one device_copy_batch,
-// so loads into GPU memory move as one batched operation instead of one
-// DMA call per block.
+// node pool's arena), for a batch of reads. The batch goes a part at a
+// time: a part's blocks are leased, its copies are queued on the GPU as one
+// batched operation (DeviceCopyPipeline), and while the GPU copies them the
+// next part is leased; a part's leases are given back once its copies are
+// complete. Loads into GPU memory then cost about what their copies cost,
+// the per-block work of leasing and checking hidden behind them.
 //
-// Thread-safety: a plain function of its arguments. Ownership: the blocks
-// stay leased by the caller until it returns.
+// Thread-safety: a plain function of its arguments, run by one thread; the
+// lease and release functions run on it.
+// Ownership: the caller's lease and release functions own the leases.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 
 #include "cascade/memory_kind.h"
@@ -23,18 +27,23 @@ struct LeasedBytes {
   uint64_t size = 0;
 };
 
-// For each i whose statuses[i] is OK on entry (a hit): sets
+// Leases the blocks of items [begin, end): sets statuses[i] (OK for a hit,
+// with blocks[i] its bytes) and may set results[i].is_prefix.
+using LeasePart = std::function<void(size_t begin, size_t end, std::span<LeasedBytes> blocks)>;
+// Gives back the leases of items [begin, end); called once their copies
+// are complete (or failed).
+using ReleasePart = std::function<void(size_t begin, size_t end)>;
+
+// Reads reqs out of leased blocks, a part at a time (PipelineParts). For each hit: sets
 // results[i].block_size, checks reqs[i] against the block
-// (ReadRequest::span) and copies that span out of blocks[i]. On return
-// statuses[i] says how item i ended and results[i].copied what it wrote
-// (when a batched copy fails, its items are copied again one by one, so a
-// failure is reported for the blocks it concerns); items not OK on entry
-// are left alone. Returns the bytes copied.
-// REQUIRES: the device memory of the requests sharing a stream is on one
-// GPU (device_copy_batch).
-uint64_t copy_leased_blocks(std::span<const LeasedBytes> blocks, MemoryKind src_kind,
-                            std::span<const ReadRequest> reqs, std::span<ReadResult> results,
-                            std::span<Status> statuses);
+// (ReadRequest::span) and copies that span out. On return statuses[i] says
+// how item i ended and results[i].copied what it wrote. Returns the bytes
+// copied. The copies of the requests sharing a destination kind and stream
+// are queued together; two parts at most are leased at once. REQUIRES: the device memory of
+// the requests sharing a stream is on one GPU (DeviceCopyPipeline).
+uint64_t read_leased_in_parts(MemoryKind src_kind, std::span<const ReadRequest> reqs,
+                              std::span<ReadResult> results, std::span<Status> statuses,
+                              const LeasePart& lease, const ReleasePart& release);
 
 // True when some request of the batch writes to device memory.
 bool any_device_out(std::span<const ReadRequest> reqs);

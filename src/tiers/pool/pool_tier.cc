@@ -30,10 +30,6 @@ constexpr size_t kReleaseBatch = 1024;           // queued releases sent at once
 // The least bytes of a sub-batch (16 blocks at most); copying this many
 // takes longer than a round trip to the server.
 constexpr uint64_t kSubBatchBytes = 1 << 20;
-// The most a batch from or to device memory holds on the server at once
-// (for_each_window): a window is copied as one batched GPU operation.
-constexpr uint64_t kDeviceWindowBytes = 512ULL << 20;
-constexpr size_t kDeviceWindowItems = 8192;
 
 Status wire_status(uint32_t code, std::string message) {
   if (code == 0) return Status::OK();
@@ -445,21 +441,23 @@ void PoolTier::each_part(size_t c0, size_t c1, const std::function<void(size_t)>
     for (size_t c = c0; c < c1; ++c) fn(c);
 }
 
-// Batches from and to device memory go a window of parts at a time: what a
-// window holds on the server (reservations, leases) stays bounded however
-// large the batch is. Calls fn(c0, c1) for consecutive ranges of the
-// `count` parts of `step` items each (of the byte sizes given), each range
-// ending once it holds kDeviceWindowBytes or kDeviceWindowItems.
+// Puts from device memory go a window of parts at a time: what a window
+// holds on the server (reservations) stays bounded however large the batch
+// is. Calls fn(c0, c1) for consecutive ranges of the `count` parts of
+// `step` items each (of the byte sizes given), each range ending once it is
+// full by PipelineParts' bounds.
 void PoolTier::for_each_window(std::span<const uint64_t> sizes, size_t count, size_t step,
                                const std::function<void(size_t, size_t)>& fn) {
+  PipelineParts bounds;
   size_t c0 = 0, items = 0;
   uint64_t bytes = 0;
   for (size_t c = 0; c < count; ++c) {
     const size_t b = c * step, e = std::min(sizes.size(), b + step);
     for (size_t i = b; i < e; ++i) bytes += sizes[i];
     items += e - b;
-    if (bytes >= kDeviceWindowBytes || items >= kDeviceWindowItems || c + 1 == count) {
+    if (bounds.full(items, bytes) || c + 1 == count) {
       fn(c0, c + 1);
+      bounds.next();
       c0 = c + 1;
       items = 0;
       bytes = 0;
@@ -507,35 +505,52 @@ void PoolTier::put_batch(std::span<const BlockId> ids, std::span<const void* con
 }
 
 // Puts from device memory, a window of sub-batches at a time: the window's
-// reserves go out in parallel, every block it reserved is copied into the
-// arena in one batched GPU operation (the arena is registered with CUDA),
-// then its commits go out in parallel.
+// reserves go out in parallel, every block it reserved is queued for one
+// batched GPU copy into the arena (registered with CUDA), and while those
+// copies run the next window is reserved; a window's commits go out in
+// parallel once its copies are complete.
 void PoolTier::put_from_devices(const PutBatch& b, size_t sub) {
-  Parts<PutPart> parts(b.ids.size(), sub ? sub : pool::kMaxItems);
-  for_each_window(b.sizes, parts.count, sub ? sub : pool::kMaxItems, [&](size_t c0, size_t c1) {
+  const size_t step = sub ? sub : pool::kMaxItems;
+  Parts<PutPart> parts(b.ids.size(), step);
+  struct Window {
+    size_t c0 = 0, c1 = 0, ticket = 0;
+    std::vector<CopyItem> items;
+    std::vector<size_t> copied;  // the item of each copy
+    std::vector<Status> statuses;
+  };
+  std::unique_ptr<Window> prev;  // declared before the pipeline, which writes its statuses
+  DeviceCopyPipeline copies(MemoryKind::kHost, b.options.src_kind, b.options.cuda_stream);
+  auto commit = [&](Window* w) {
+    copies.wait(w->ticket);
+    for (size_t k = 0; k < w->items.size(); ++k)
+      b.statuses[w->copied[k]] = w->statuses[k];  // the commits abort the blocks that failed
+    each_part(w->c0, w->c1, [&](size_t c) {
+      Held held = hold();
+      parts.at[c].sent = post_commit(held.slot(), b, &parts.at[c], false);
+      take_commit(held.slot(), b, &parts.at[c]);
+    });
+  };
+  for_each_window(b.sizes, parts.count, step, [&](size_t c0, size_t c1) {
+    auto w = std::make_unique<Window>();
+    w->c0 = c0;
+    w->c1 = c1;
     each_part(c0, c1, [&](size_t c) {
       Held held = hold();
       parts.at[c].sent = post_reserve(held.slot(), b, parts.at[c], false);
       take_reserve(held.slot(), b, &parts.at[c]);
     });
-    std::vector<CopyItem> items;
-    std::vector<size_t> copied;  // the item of each copy
     for (size_t c = c0; c < c1; ++c)
       for (const Placed& t : parts.at[c].placed) {
         if (!b.statuses[t.i].ok() || b.sizes[t.i] == 0) continue;
-        items.push_back(CopyItem{base_ + t.offset, b.data[t.i], b.sizes[t.i]});
-        copied.push_back(t.i);
+        w->items.push_back(CopyItem{base_ + t.offset, b.data[t.i], b.sizes[t.i]});
+        w->copied.push_back(t.i);
       }
-    std::vector<Status> st(items.size());
-    device_copy_each(items, MemoryKind::kHost, b.options.src_kind, b.options.cuda_stream, st);
-    for (size_t k = 0; k < items.size(); ++k)
-      b.statuses[copied[k]] = st[k];  // the commits below abort the blocks that failed
-    each_part(c0, c1, [&](size_t c) {
-      Held held = hold();
-      parts.at[c].sent = post_commit(held.slot(), b, &parts.at[c], false);
-      take_commit(held.slot(), b, &parts.at[c]);
-    });
+    w->statuses.resize(w->items.size());
+    w->ticket = copies.add(w->items, w->statuses);
+    if (prev) commit(prev.get());  // its copies ran while this window was reserved
+    prev = std::move(w);
   });
+  if (prev) commit(prev.get());
 }
 
 // One I/O thread's share of a batch: it takes sub-batches in turn, and
@@ -747,7 +762,7 @@ void PoolTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequ
   for (size_t i = 0; i < n; ++i) sizes[i] = reqs[i].capacity;
   const size_t sub = sub_batch(sizes);
   if (any_device_out(reqs)) {
-    read_to_devices(ids, reqs, results, statuses, sizes, sub);
+    read_to_devices(ids, reqs, results, statuses, sub);
     return;
   }
   if (sub) {
@@ -765,35 +780,32 @@ void PoolTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequ
   read_chunk(ids, reqs, results, statuses);
 }
 
-// Reads with a destination in device memory, a window of sub-batches at a
-// time: the window's leases go out in parallel (several server workers
-// answer them), then every block is copied in one batched GPU operation
-// straight from the mapped arena (registered with CUDA), and the views'
-// releases are queued.
+// Reads with a destination in device memory, a part at a time
+// (read_leased_in_parts): a part's leases go out in sub-batches in parallel
+// (several server workers answer them), its blocks are copied in one
+// batched GPU operation straight from the mapped arena (registered with
+// CUDA) while the next part is leased, and its views are released once the
+// copies are complete. What a client holds on the server stays within two
+// parts however large the batch.
 void PoolTier::read_to_devices(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                                std::span<ReadResult> results, std::span<Status> statuses,
-                               std::span<const uint64_t> sizes, size_t sub) {
-  const size_t n = ids.size(), step = sub ? sub : pool::kMaxItems;
-  for_each_window(sizes, (n + step - 1) / step, step, [&](size_t c0, size_t c1) {
-    const size_t first = c0 * step, end = std::min(n, c1 * step);
-    std::vector<BlockView> views(end - first);  // the window's leases, until its copies end
-    each_part(c0, c1, [&](size_t c) {
-      const size_t b = c * step, m = std::min(step, n - b);
-      acquire_batch(ids.subspan(b, m), std::span<BlockView>(views).subspan(b - first, m),
+                               size_t sub) {
+  const size_t step = sub ? sub : pool::kMaxItems;
+  std::vector<BlockView> views(ids.size());
+  auto lease = [&](size_t begin, size_t end, std::span<LeasedBytes> blocks) {
+    each_part(0, (end - begin + step - 1) / step, [&](size_t c) {
+      const size_t b = begin + c * step, m = std::min(step, end - b);
+      acquire_batch(ids.subspan(b, m), std::span<BlockView>(views).subspan(b, m),
                     statuses.subspan(b, m));
     });
-    std::vector<LeasedBytes> blocks(end - first);
-    for (size_t i = first; i < end; ++i) {
-      results[i] = ReadResult{};
-      if (statuses[i].ok())
-        blocks[i - first] = LeasedBytes{views[i - first].data(), views[i - first].size()};
-    }
-    TierCounters::add(
-        counters_.bytes_read,
-        copy_leased_blocks(blocks, MemoryKind::kHost, reqs.subspan(first, end - first),
-                           results.subspan(first, end - first),
-                           statuses.subspan(first, end - first)));
-  });
+    for (size_t i = begin; i < end; ++i)
+      if (statuses[i].ok()) blocks[i] = LeasedBytes{views[i].data(), views[i].size()};
+  };
+  auto release = [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) views[i].reset();
+  };
+  TierCounters::add(counters_.bytes_read, read_leased_in_parts(MemoryKind::kHost, reqs, results,
+                                                               statuses, lease, release));
 }
 
 // Leases every item (one request per kMaxItems), copies the hits out over

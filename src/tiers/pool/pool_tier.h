@@ -217,8 +217,7 @@ class PoolTier final : public Tier {
   void read_chunk(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                   std::span<ReadResult> results, std::span<Status> statuses);
   void read_to_devices(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
-                       std::span<ReadResult> results, std::span<Status> statuses,
-                       std::span<const uint64_t> sizes, size_t sub);
+                       std::span<ReadResult> results, std::span<Status> statuses, size_t sub);
   void each_part(size_t c0, size_t c1, const std::function<void(size_t)>& fn) const;
   static void for_each_window(std::span<const uint64_t> sizes, size_t count, size_t step,
                               const std::function<void(size_t, size_t)>& fn);
