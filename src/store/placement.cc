@@ -252,16 +252,20 @@ Status CascadeStore::Impl::commit_impl(const Reservation& r, const PutOptions& o
   return Status::OK();
 }
 
-// Batch put. A top tier whose copies pipeline (gpu) takes the whole batch
-// in one call; items it has no room for, and every item of other tiers,
-// go through put_impl on the I/O threads (eviction, write-through, dedup).
+// Batch put. A top tier whose copies pipeline (gpu, the node pool) takes the
+// whole batch in one call, and so does the host tier when the bytes are in
+// device memory (its batch queues the copies as batched GPU operations);
+// items it has no room for, and every item of other tiers, go through
+// put_impl on the I/O threads (eviction, write-through, dedup).
 size_t CascadeStore::Impl::put_batch_impl(std::span<const BlockId> ids,
                                           std::span<const ConstBuffer> data,
                                           std::vector<Status>* statuses,
                                           const PutOptions& options) {
   size_t n = ids.size();
   std::vector<size_t> rest;
-  if (!dedup && config.write_policy == WritePolicy::kWriteBack && tiers[0]->prefers_batches()) {
+  const bool batched = tiers[0]->prefers_batches() || (options.src_kind != MemoryKind::kHost &&
+                                                       tiers[0]->kind() == TierKind::kHost);
+  if (!dedup && config.write_policy == WritePolicy::kWriteBack && batched) {
     std::vector<const void*> ptrs(n);
     std::vector<uint64_t> sizes(n);
     for (size_t i = 0; i < n; ++i) {

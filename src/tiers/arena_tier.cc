@@ -1,6 +1,7 @@
 #include "tiers/arena_tier.h"
 
 #include <algorithm>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -184,6 +185,60 @@ void ArenaTier::read_batch(std::span<const BlockId> ids, std::span<const ReadReq
   };
   TierCounters::add(counters_.bytes_read,
                     read_leased_in_parts(memory_, reqs, results, statuses, lease, release));
+}
+
+void ArenaTier::put_batch_from_device(std::span<const BlockId> ids,
+                                      std::span<const void* const> data,
+                                      std::span<const uint64_t> sizes, const PutOptions& options,
+                                      std::span<Status> statuses) {
+  const size_t n = ids.size();
+  std::vector<Reservation> reserved(n);
+  std::vector<uint8_t> placed(n, 0);  // holds arena space until committed or aborted
+  struct Part {
+    size_t begin = 0, end = 0, ticket = 0;
+    std::vector<CopyItem> items;
+    std::vector<size_t> copied;  // the item of each copy
+    std::vector<Status> statuses;
+  };
+  std::unique_ptr<Part> prev;  // declared before the pipeline, which writes its statuses
+  DeviceCopyPipeline copies(MemoryKind::kHost, options.src_kind, options.cuda_stream);
+  auto settle = [&](Part* p) {
+    copies.wait(p->ticket);
+    for (size_t k = 0; k < p->items.size(); ++k) statuses[p->copied[k]] = p->statuses[k];
+    for (size_t i = p->begin; i < p->end; ++i) {
+      if (statuses[i].ok()) statuses[i] = commit_reserved(reserved[i], options);
+      else if (placed[i]) abort_reserved(reserved[i]);
+    }
+  };
+  PipelineParts bounds;
+  for (size_t begin = 0; begin < n;) {
+    size_t end = begin;
+    uint64_t bytes = 0;
+    while (end < n && !bounds.full(end - begin, bytes)) bytes += sizes[end++];
+    bounds.next();
+    auto cur = std::make_unique<Part>();
+    cur->begin = begin;
+    cur->end = end;
+    const size_t m = end - begin;
+    reserve_batch(ids.subspan(begin, m), sizes.subspan(begin, m), options,
+                  std::span<Reservation>(reserved).subspan(begin, m), statuses.subspan(begin, m));
+    for (size_t i = begin; i < end; ++i) {
+      if (!statuses[i].ok() || reserved[i].present || sizes[i] == 0) continue;
+      placed[i] = 1;
+      if (!data[i]) {
+        statuses[i] = Status::InvalidArgument("data is null");
+        continue;
+      }
+      cur->items.push_back(CopyItem{base_ + reserved[i].offset, data[i], sizes[i]});
+      cur->copied.push_back(i);
+    }
+    cur->statuses.resize(cur->items.size());
+    cur->ticket = copies.add(cur->items, cur->statuses);
+    if (prev) settle(prev.get());  // its copies ran while this part was reserved
+    prev = std::move(cur);
+    begin = end;
+  }
+  if (prev) settle(prev.get());
 }
 
 Result<BlockView> ArenaTier::acquire(const BlockId& id) {

@@ -78,6 +78,16 @@ class ArenaTier : public Tier {
   void release(uint64_t token) { index_.release(token); }
 
  protected:
+  // Puts from device memory into a host arena, a part at a time: a part is
+  // reserved, its copies into the arena queued as one batched GPU operation,
+  // the next part reserved while they run, and a part's blocks committed
+  // (or, where a copy failed, aborted) once its copies are complete.
+  // copy_in() is not called: for tiers whose copy_in only copies.
+  // REQUIRES: the arena is host memory; options.src_kind is kDevice.
+  void put_batch_from_device(std::span<const BlockId> ids, std::span<const void* const> data,
+                             std::span<const uint64_t> sizes, const PutOptions& options,
+                             std::span<Status> statuses);
+
   // where: how messages name the tier ("the host tier").
   ArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capacity, MemoryKind memory,
             std::string where);

@@ -76,6 +76,16 @@ Status HostTier::copy_in(uint64_t offset, const void* src, uint64_t n, const Put
   return Status::OK();
 }
 
+void HostTier::put_batch(std::span<const BlockId> ids, std::span<const void* const> data,
+                         std::span<const uint64_t> sizes, const PutOptions& options,
+                         std::span<Status> statuses) {
+  if (options.src_kind == MemoryKind::kHost) {
+    Tier::put_batch(ids, data, sizes, options, statuses);
+    return;
+  }
+  put_batch_from_device(ids, data, sizes, options, statuses);
+}
+
 TierStats HostTier::stats() const {
   // Warming is read before the committed bytes: committed memory only
   // grows, so stats that say warming has ended also show all it committed.

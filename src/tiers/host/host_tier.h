@@ -41,6 +41,12 @@ class HostTier final : public HostArenaTier {
   ~HostTier() override;
 
   TierKind kind() const override { return TierKind::kHost; }
+  // From device memory: in parts of batched GPU copies
+  // (ArenaTier::put_batch_from_device; the copies register the arena's
+  // chunks as copy_in would). From host memory: put() per item.
+  void put_batch(std::span<const BlockId> ids, std::span<const void* const> data,
+                 std::span<const uint64_t> sizes, const PutOptions& options,
+                 std::span<Status> statuses) override;
   SharedArena shared_arena() const override;
   // Seals every block published before the call (shm_persist).
   Status flush() override;

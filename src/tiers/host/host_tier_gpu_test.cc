@@ -182,5 +182,83 @@ TEST(GpuHostTierTest, ReadsABatchIntoDeviceMemory) {
 #endif
 }
 
+// A batch of puts from device memory: every block stored as itself (sizes
+// from 0 bytes to 3 MiB, a block already there), a block larger than the
+// arena and one with null data each reported as such, and no arena space
+// held by a put that failed. Without a GPU every copy fails as Unavailable
+// and nothing is stored.
+TEST(GpuHostTierTest, PutsABatchFromDeviceMemory) {
+  ThreadPool pool(4);
+  auto host = open_host(&pool, 64 << 20, "cascade-gpu-put-batch-test-");
+  ASSERT_TRUE(host.ok()) << host.status().ToString();
+  const bool gpu = gpu_count() > 0;
+  const std::vector<uint64_t> sizes = {64 << 10, 100, 0, (3 << 20) + 5, 4096, 64 << 10, 12345};
+  const size_t n = 120;
+  std::vector<uint64_t> size(n), at(n);
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    size[i] = sizes[i % sizes.size()];
+    at[i] = total;
+    total += size[i];
+  }
+  std::vector<uint8_t> bytes(total);
+  fill_random(bytes.data(), total, 5);
+  DeviceBuffer dev;
+  std::vector<uint8_t> stand_in;  // no GPU: device memory that is not there
+  uint8_t* base = nullptr;
+  if (gpu) {
+    auto d = DeviceBuffer::Allocate(0, total);
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    dev = std::move(*d);
+    base = static_cast<uint8_t*>(dev.data());
+    ASSERT_TRUE(copy_to_device(base, bytes.data(), total).ok());
+  } else {
+    stand_in.resize(total);
+    base = stand_in.data();
+  }
+  // Item 7 is stored already (from host memory); 11 is larger than the
+  // arena; 13 has no data.
+  ASSERT_TRUE((*host)->put(make_id(7), bytes.data() + at[7], size[7], {}).ok());
+  const uint64_t reserved_before = (*host)->stats().reserved_bytes;
+  std::vector<BlockId> ids;
+  std::vector<const void*> data;
+  for (size_t i = 0; i < n; ++i) {
+    ids.push_back(make_id(i));
+    data.push_back(base + at[i]);
+  }
+  std::vector<uint64_t> put_sizes = size;
+  put_sizes[11] = 65 << 20;
+  data[13] = nullptr;
+  PutOptions from_device;
+  from_device.src_kind = MemoryKind::kDevice;
+  std::vector<Status> st(n);
+  (*host)->put_batch(ids, data, put_sizes, from_device, st);
+  EXPECT_TRUE(st[11].is(Code::kInvalidArgument)) << st[11].ToString();
+  EXPECT_TRUE(st[13].is(Code::kInvalidArgument)) << st[13].ToString();
+  EXPECT_FALSE((*host)->contains(ids[11]));
+  EXPECT_FALSE((*host)->contains(ids[13]));
+  for (size_t i = 0; i < n; ++i) {
+    if (i == 11 || i == 13) continue;
+    const bool stored = gpu || i == 7 || size[i] == 0;
+    if (!stored) {
+      EXPECT_TRUE(st[i].is(Code::kUnavailable)) << i << " " << st[i].ToString();
+      EXPECT_FALSE((*host)->contains(ids[i])) << i;
+      continue;
+    }
+    ASSERT_TRUE(st[i].ok()) << i << " " << st[i].ToString();
+    std::vector<uint8_t> back(size[i]);
+    ReadRequest rq;
+    rq.out = back.data();
+    rq.capacity = back.size();
+    ReadResult rr;
+    ASSERT_TRUE((*host)->read(ids[i], rq, &rr).ok()) << i;
+    EXPECT_EQ(rr.block_size, size[i]);
+    EXPECT_TRUE(std::equal(back.begin(), back.end(), bytes.begin() + at[i])) << "block " << i;
+  }
+  const TierStats stats = (*host)->stats();
+  if (!gpu) EXPECT_EQ(stats.reserved_bytes, reserved_before) << "a failed put holds no space";
+  EXPECT_EQ(stats.leased_blocks, 0u);
+}
+
 }  // namespace
 }  // namespace cascade
