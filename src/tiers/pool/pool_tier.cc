@@ -802,7 +802,17 @@ void PoolTier::read_to_devices(std::span<const BlockId> ids, std::span<const Rea
       if (statuses[i].ok()) blocks[i] = LeasedBytes{views[i].data(), views[i].size()};
   };
   auto release = [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) views[i].reset();
+    // One queueing for the part's leases: a view's own reset() would take
+    // the queue's lock, and perhaps wake the releasing thread, per block.
+    std::vector<uint64_t> tokens;
+    tokens.reserve(end - begin);
+    for (size_t i = begin; i < end; ++i) {
+      if (!views[i]) continue;
+      tokens.push_back(views[i].token());
+      views[i].detach();
+    }
+    views_held_.fetch_sub(tokens.size(), std::memory_order_relaxed);
+    queue_releases(tokens);
   };
   TierCounters::add(counters_.bytes_read, read_leased_in_parts(MemoryKind::kHost, reqs, results,
                                                                statuses, lease, release));
