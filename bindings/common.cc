@@ -212,13 +212,21 @@ static bool is_single_buffer(nb::handle obj) {
 
 BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable) {
   BatchArgs a;
-  // A list or tuple is read in place, other sequences through a list.
-  nb::object seq = nb::steal(PySequence_Fast(keys.ptr(), "block_ids must be a sequence of keys"));
-  if (!seq.is_valid()) throw nb::python_error();
-  const size_t n = static_cast<size_t>(PySequence_Fast_GET_SIZE(seq.ptr()));
-  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
-  a.ids.reserve(n);
-  for (size_t i = 0; i < n; ++i) a.ids.push_back(parse_key(items[i]));
+  // A list or tuple is read in place; other sequences by index, through
+  // their own __getitem__ (an unordered collection, a set say, fails there
+  // rather than pair keys with buffers in an order the caller cannot know).
+  if (PyList_CheckExact(keys.ptr()) || PyTuple_CheckExact(keys.ptr())) {
+    const size_t n = static_cast<size_t>(PySequence_Fast_GET_SIZE(keys.ptr()));
+    PyObject** items = PySequence_Fast_ITEMS(keys.ptr());
+    a.ids.reserve(n);
+    for (size_t i = 0; i < n; ++i) a.ids.push_back(parse_key(items[i]));
+  } else {
+    nb::sequence ks = nb::borrow<nb::sequence>(keys);
+    const size_t n = nb::len(ks);
+    a.ids.reserve(n);
+    for (size_t i = 0; i < n; ++i) a.ids.push_back(parse_key(ks[i]));
+  }
+  const size_t n = a.ids.size();
   if (!buffers.is_valid()) return a;
   const char* what = writable ? "out_list" : "data_list";
   if (is_single_buffer(buffers)) {

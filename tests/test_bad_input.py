@@ -19,6 +19,23 @@ def test_wrong_types(store):
         store.get("k", b"immutable bytes")
 
 
+def test_batch_keys_must_be_ordered(store):
+    # A set's order is not the caller's: pairing it with a list of buffers
+    # would store blocks under the wrong keys.
+    keys = {"k1", "k2", "k3"}
+    with pytest.raises(TypeError):
+        store.put_batch(keys, [b"1", b"2", b"3"])
+    with pytest.raises(TypeError):
+        store.get_batch(keys, [bytearray(1) for _ in range(3)])
+    with pytest.raises(TypeError):
+        store.contains_batch(iter(["k1", "k2"]))
+    assert store.contains_batch(["k1", "k2", "k3"]) == [False, False, False]
+    # Tuples, lists and other indexable sequences pair up in order.
+    assert store.put_batch(("k1", "k2"), [b"1", b"2"]) == 2
+    assert store.put_batch(np.array(["k3"]), [b"3"]) == 1
+    assert [store.get(k) for k in ("k1", "k2", "k3")] == [b"1", b"2", b"3"]
+
+
 def test_empty_and_huge_keys(store):
     with pytest.raises(ValueError, match="empty"):
         store.put("", b"x")
