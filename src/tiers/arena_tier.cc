@@ -223,12 +223,13 @@ void ArenaTier::put_batch_from_device(std::span<const BlockId> ids,
     reserve_batch(ids.subspan(begin, m), sizes.subspan(begin, m), options,
                   std::span<Reservation>(reserved).subspan(begin, m), statuses.subspan(begin, m));
     for (size_t i = begin; i < end; ++i) {
-      if (!statuses[i].ok() || reserved[i].present || sizes[i] == 0) continue;
-      placed[i] = 1;
-      if (!data[i]) {
-        statuses[i] = Status::InvalidArgument("data is null");
+      if (!statuses[i].ok()) continue;
+      placed[i] = !reserved[i].present && sizes[i] > 0;
+      if (sizes[i] && !data[i]) {
+        statuses[i] = Status::InvalidArgument("data is null");  // as put(), stored or not
         continue;
       }
+      if (!placed[i]) continue;
       cur->items.push_back(CopyItem{base_ + reserved[i].offset, data[i], sizes[i]});
       cur->copied.push_back(i);
     }

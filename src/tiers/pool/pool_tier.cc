@@ -802,8 +802,9 @@ void PoolTier::read_to_devices(std::span<const BlockId> ids, std::span<const Rea
       if (statuses[i].ok()) blocks[i] = LeasedBytes{views[i].data(), views[i].size()};
   };
   auto release = [&](size_t begin, size_t end) {
-    // One queueing for the part's leases: a view's own reset() would take
+    // The part's leases given back at once: a view's own reset() would take
     // the queue's lock, and perhaps wake the releasing thread, per block.
+    // A full batch of them is sent from here, as release_leases does.
     std::vector<uint64_t> tokens;
     tokens.reserve(end - begin);
     for (size_t i = begin; i < end; ++i) {
@@ -812,7 +813,7 @@ void PoolTier::read_to_devices(std::span<const BlockId> ids, std::span<const Rea
       views[i].detach();
     }
     views_held_.fetch_sub(tokens.size(), std::memory_order_relaxed);
-    queue_releases(tokens);
+    release_leases(tokens);
   };
   TierCounters::add(counters_.bytes_read, read_leased_in_parts(MemoryKind::kHost, reqs, results,
                                                                statuses, lease, release));
