@@ -1,6 +1,7 @@
 """The node pool with real client processes: clients killed with SIGKILL at
-random points while they put, read and hold leases leave no lease, no
-reserved space and no partial block behind, and every hit is the right bytes."""
+random points while they put, read and hold leases (also batches from and
+into GPU memory, where one is usable) leave no lease, no reserved space and
+no partial block behind, and every hit is the right bytes."""
 
 from __future__ import annotations
 
@@ -23,22 +24,47 @@ from cascade import _core
 KEYS = 300
 
 # A client that puts, reads (verifying every byte), holds leases and puts
-# batches, forever; it prints "ready" once connected. Exit 3: a wrong byte.
+# batches, forever; it prints "ready" once connected. With "gpu" it also
+# puts batches from GPU memory and loads them into it, and prints "device"
+# after its first such batch. Exit 3: a wrong byte.
 CLIENT = textwrap.dedent(
     """
     import sys, numpy as np, cascade
     sock, seed, keys = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    gpu = len(sys.argv) > 4 and sys.argv[4] == "gpu"
+    if gpu:
+        import torch
     def block(i):
         return np.random.default_rng(i).integers(0, 256, 4096 * (1 + i % 16), dtype=np.uint8)
     store = cascade.CascadeStore(cascade.config_from_dict(
-        {"pool_socket": sock, "pool_namespace": "kill", "use_gpu": False, "num_io_threads": 2}))
+        {"pool_socket": sock, "pool_namespace": "kill", "use_gpu": gpu, "num_io_threads": 2}))
     rng = np.random.default_rng(seed)
+    if gpu:  # every block in GPU memory once, so the loop's time goes to the batches
+        on_gpu = [torch.from_numpy(block(j)).cuda() for j in range(keys)]
+        torch.cuda.synchronize()
     print("ready", flush=True)
     leases = []
+    device_ran = False
     while True:
         i = int(rng.integers(keys))
-        op = rng.integers(7)
-        if op == 0:
+        op = rng.integers(9 if gpu else 7)
+        if op >= 7:
+            # Batches from and into GPU memory (gpu clients only): parts of
+            # leases and reservations with copies in flight when killed.
+            js = [(i + j) % keys for j in range(96)]
+            ks = [f"k{j}" for j in js]
+            if op == 7:
+                store.put_batch(ks, [on_gpu[j] for j in js])
+            outs = [torch.empty(block(j).size, dtype=torch.uint8, device="cuda") for j in js]
+            _, sizes = store.get_batch(ks, outs)
+            for j, out, size in zip(js, outs, sizes):
+                if size and (size != out.numel() or not torch.equal(out, on_gpu[j])):
+                    print("wrong bytes in a device batch for", j, flush=True)
+                    sys.exit(3)
+            if not device_ran:  # the GPU's copy paths are set up: the test may kill now
+                device_ran = True
+                print("device", flush=True)
+        elif op == 0:
             ks = [f"k{j}" for j in range(i, min(keys, i + 8))]
             store.put_batch(ks, [block(j) for j in range(i, min(keys, i + 8))])
         elif op == 6:
@@ -99,14 +125,13 @@ def wait_for(pred, what: str, timeout: float = 10.0):
         time.sleep(0.01)
 
 
-def test_clients_killed_at_random_points_leave_nothing_behind(server):
-    srv, sock = server
-    rng = random.Random(1234)
-    rounds = 16
+def _kill_clients_at_random_points(srv, sock, rounds: int, gpu: bool, seed: int) -> None:
+    rng = random.Random(seed)
+    extra = ["gpu"] if gpu else []
     for r in range(rounds):
         procs = [
             subprocess.Popen(
-                [sys.executable, "-c", CLIENT, sock, str(r * 10 + k), str(KEYS)],
+                [sys.executable, "-c", CLIENT, sock, str(seed + r * 10 + k), str(KEYS), *extra],
                 stdout=subprocess.PIPE,
                 text=True,
             )
@@ -114,6 +139,8 @@ def test_clients_killed_at_random_points_leave_nothing_behind(server):
         ]
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
+            if gpu:  # past the first device batch, which sets up the client's GPU copy paths
+                assert p.stdout.readline().strip() == "device"
         time.sleep(rng.uniform(0.02, 0.4))
         for p in procs:
             p.send_signal(signal.SIGKILL)
@@ -145,6 +172,30 @@ def test_clients_killed_at_random_points_leave_nothing_behind(server):
             assert size == want.size and np.array_equal(out, want), i
     assert hits > 0
     verifier.close()
+
+
+def test_clients_killed_at_random_points_leave_nothing_behind(server):
+    srv, sock = server
+    _kill_clients_at_random_points(srv, sock, rounds=16, gpu=False, seed=1234)
+
+
+def _gpu_usable() -> bool:
+    if not (cascade.HAVE_CUDA and cascade.gpu_usable(0)):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _gpu_usable(), reason="needs a usable CUDA GPU and torch with CUDA")
+def test_clients_killed_during_device_batches_leave_nothing_behind(server):
+    # As above, the clients also putting batches from GPU memory and loading
+    # them into it: a kill lands while parts of leases and reservations are
+    # held with their copies in flight.
+    srv, sock = server
+    _kill_clients_at_random_points(srv, sock, rounds=16, gpu=True, seed=4321)
 
 
 # A client of 16 channels that puts and reads from 8 threads at once (so
