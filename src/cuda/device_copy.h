@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "cascade/memory_kind.h"
 #include "cascade/status.h"
@@ -86,6 +87,30 @@ class DeviceCopyPipeline {
 
  private:
   std::unique_ptr<Impl> impl_;
+};
+
+// One part's copies for a DeviceCopyPipeline, each with the batch item it
+// is for; kept (with its statuses) until settled.
+struct PipelinePart {
+  std::vector<CopyItem> items;
+  std::vector<size_t> of;        // the batch item of each copy
+  std::vector<Status> statuses;  // the copies' outcomes, once settled
+  size_t ticket = 0;
+
+  void push(size_t item, const CopyItem& copy) {
+    of.push_back(item);
+    items.push_back(copy);
+  }
+  // Queues the copies (DeviceCopyPipeline::add).
+  void queue(DeviceCopyPipeline& copies) {
+    statuses.resize(items.size());
+    ticket = copies.add(items, statuses);
+  }
+  // Waits for them, and sets out[of[k]] to copy k's outcome.
+  void settle(DeviceCopyPipeline& copies, std::span<Status> out) {
+    copies.wait(ticket);
+    for (size_t k = 0; k < items.size(); ++k) out[of[k]] = statuses[k];
+  }
 };
 
 // The parts a batch is cut into for a DeviceCopyPipeline: the first small,

@@ -195,16 +195,13 @@ void ArenaTier::put_batch_from_device(std::span<const BlockId> ids,
   std::vector<Reservation> reserved(n);
   std::vector<uint8_t> placed(n, 0);  // holds arena space until committed or aborted
   struct Part {
-    size_t begin = 0, end = 0, ticket = 0;
-    std::vector<CopyItem> items;
-    std::vector<size_t> copied;  // the item of each copy
-    std::vector<Status> statuses;
+    size_t begin = 0, end = 0;
+    PipelinePart copies;
   };
   std::unique_ptr<Part> prev;  // declared before the pipeline, which writes its statuses
   DeviceCopyPipeline copies(MemoryKind::kHost, options.src_kind, options.cuda_stream);
   auto settle = [&](Part* p) {
-    copies.wait(p->ticket);
-    for (size_t k = 0; k < p->items.size(); ++k) statuses[p->copied[k]] = p->statuses[k];
+    p->copies.settle(copies, statuses);
     for (size_t i = p->begin; i < p->end; ++i) {
       if (statuses[i].ok()) statuses[i] = commit_reserved(reserved[i], options);
       else if (placed[i]) abort_reserved(reserved[i]);
@@ -230,11 +227,9 @@ void ArenaTier::put_batch_from_device(std::span<const BlockId> ids,
         continue;
       }
       if (!placed[i]) continue;
-      cur->items.push_back(CopyItem{base_ + reserved[i].offset, data[i], sizes[i]});
-      cur->copied.push_back(i);
+      cur->copies.push(i, CopyItem{base_ + reserved[i].offset, data[i], sizes[i]});
     }
-    cur->statuses.resize(cur->items.size());
-    cur->ticket = copies.add(cur->items, cur->statuses);
+    cur->copies.queue(copies);
     if (prev) settle(prev.get());  // its copies ran while this part was reserved
     prev = std::move(cur);
     begin = end;

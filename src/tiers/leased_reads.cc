@@ -19,10 +19,7 @@ struct Route {
 // One part's copies on one route, kept until they are waited for.
 struct Queued {
   size_t route = 0;
-  size_t ticket = 0;
-  std::vector<size_t> members;  // the item of each copy
-  std::vector<CopyItem> items;
-  std::vector<Status> statuses;  // filled by the route's pipeline
+  PipelinePart copies;
 };
 
 struct Part {
@@ -66,23 +63,18 @@ uint64_t read_leased_in_parts(MemoryKind src_kind, std::span<const ReadRequest> 
         q = p->queued.end() - 1;
         q->route = route;
       }
-      q->members.push_back(i);
-      q->items.push_back(CopyItem{reqs[i].out, blocks[i].data + from, len});
+      q->copies.push(i, CopyItem{reqs[i].out, blocks[i].data + from, len});
     }
-    for (Queued& q : p->queued) {
-      q.statuses.resize(q.items.size());
-      q.ticket = routes[q.route].copies->add(q.items, q.statuses);
-    }
+    for (Queued& q : p->queued) q.copies.queue(*routes[q.route].copies);
   };
   auto finish = [&](Part* p) {
     for (Queued& q : p->queued) {
-      routes[q.route].copies->wait(q.ticket);
-      for (size_t k = 0; k < q.members.size(); ++k) {
-        const size_t i = q.members[k];
-        statuses[i] = q.statuses[k];
+      q.copies.settle(*routes[q.route].copies, statuses);
+      for (size_t k = 0; k < q.copies.items.size(); ++k) {
+        const size_t i = q.copies.of[k];
         if (!statuses[i].ok()) continue;
-        results[i].copied = q.items[k].bytes;
-        copied += q.items[k].bytes;
+        results[i].copied = q.copies.items[k].bytes;
+        copied += q.copies.items[k].bytes;
       }
     }
     release(p->begin, p->end);

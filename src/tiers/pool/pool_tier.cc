@@ -513,17 +513,13 @@ void PoolTier::put_from_devices(const PutBatch& b, size_t sub) {
   const size_t step = sub ? sub : pool::kMaxItems;
   Parts<PutPart> parts(b.ids.size(), step);
   struct Window {
-    size_t c0 = 0, c1 = 0, ticket = 0;
-    std::vector<CopyItem> items;
-    std::vector<size_t> copied;  // the item of each copy
-    std::vector<Status> statuses;
+    size_t c0 = 0, c1 = 0;
+    PipelinePart copies;
   };
   std::unique_ptr<Window> prev;  // declared before the pipeline, which writes its statuses
   DeviceCopyPipeline copies(MemoryKind::kHost, b.options.src_kind, b.options.cuda_stream);
   auto commit = [&](Window* w) {
-    copies.wait(w->ticket);
-    for (size_t k = 0; k < w->items.size(); ++k)
-      b.statuses[w->copied[k]] = w->statuses[k];  // the commits abort the blocks that failed
+    w->copies.settle(copies, b.statuses);  // the commits abort the blocks that failed
     each_part(w->c0, w->c1, [&](size_t c) {
       Held held = hold();
       parts.at[c].sent = post_commit(held.slot(), b, &parts.at[c], false);
@@ -542,11 +538,9 @@ void PoolTier::put_from_devices(const PutBatch& b, size_t sub) {
     for (size_t c = c0; c < c1; ++c)
       for (const Placed& t : parts.at[c].placed) {
         if (!b.statuses[t.i].ok() || b.sizes[t.i] == 0) continue;
-        w->items.push_back(CopyItem{base_ + t.offset, b.data[t.i], b.sizes[t.i]});
-        w->copied.push_back(t.i);
+        w->copies.push(t.i, CopyItem{base_ + t.offset, b.data[t.i], b.sizes[t.i]});
       }
-    w->statuses.resize(w->items.size());
-    w->ticket = copies.add(w->items, w->statuses);
+    w->copies.queue(copies);
     if (prev) commit(prev.get());  // its copies ran while this window was reserved
     prev = std::move(w);
   });
