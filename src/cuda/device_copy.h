@@ -40,18 +40,6 @@ Status device_copy(void* dst, MemoryKind dst_kind, const void* src, MemoryKind s
 Status device_copy_batch(std::span<const CopyItem> items, MemoryKind dst_kind, MemoryKind src_kind,
                          void* stream);
 
-// As device_copy_batch, with a status per item in statuses[k]: a batch that
-// failed (a bad buffer, say) is copied again one item at a time, so that each
-// failure is reported for the item it concerns.
-inline void device_copy_each(std::span<const CopyItem> items, MemoryKind dst_kind,
-                             MemoryKind src_kind, void* stream, std::span<Status> statuses) {
-  const Status st = device_copy_batch(items, dst_kind, src_kind, stream);
-  for (size_t k = 0; k < items.size(); ++k)
-    statuses[k] = st.ok() || items.size() == 1 ? st
-                                               : device_copy(items[k].dst, dst_kind, items[k].src,
-                                                             src_kind, items[k].bytes, stream);
-}
-
 // A batch of copies queued a part at a time, for callers that prepare a
 // batch piece by piece (leasing blocks, say): each add() queues its part on
 // the GPU and returns, so the CPU prepares the next part while the GPU
