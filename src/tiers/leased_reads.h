@@ -3,8 +3,8 @@
 // time: a part's blocks are leased, its copies are queued on the GPU as one
 // batched operation (DeviceCopyPipeline), and while the GPU copies them the
 // next part is leased; a part's leases are given back once its copies are
-// complete. Loads into GPU memory then cost about what their copies cost,
-// the per-block work of leasing and checking hidden behind them.
+// complete. The per-block work of leasing and checking then runs while the
+// GPU copies, instead of before the first copy.
 //
 // Thread-safety: a plain function of its arguments, run by one thread; the
 // lease and release functions run on it.
@@ -34,13 +34,14 @@ using LeasePart = std::function<void(size_t begin, size_t end, std::span<LeasedB
 // are complete (or failed).
 using ReleasePart = std::function<void(size_t begin, size_t end)>;
 
-// Reads reqs out of leased blocks, a part at a time (PipelineParts). For each hit: sets
-// results[i].block_size, checks reqs[i] against the block
+// Reads reqs out of leased blocks, a part at a time (PipelineParts). For
+// each hit: sets results[i].block_size, checks reqs[i] against the block
 // (ReadRequest::span) and copies that span out. On return statuses[i] says
 // how item i ended and results[i].copied what it wrote. Returns the bytes
 // copied. The copies of the requests sharing a destination kind and stream
-// are queued together; two parts at most are leased at once. REQUIRES: the device memory of
-// the requests sharing a stream is on one GPU (DeviceCopyPipeline).
+// are queued together; two parts at most are leased at once.
+// REQUIRES: the device memory of the requests sharing a stream is on one
+// GPU (DeviceCopyPipeline).
 uint64_t read_leased_in_parts(MemoryKind src_kind, std::span<const ReadRequest> reqs,
                               std::span<ReadResult> results, std::span<Status> statuses,
                               const LeasePart& lease, const ReleasePart& release);
