@@ -100,3 +100,28 @@ def test_bad_arguments_are_refused():
         cli.main(["bench", "cluster", "--quick", "--servers", "1"])
     with pytest.raises(SystemExit, match="not a directory"):
         cli.main(["bench", "cluster", "--quick", "--shm-dir", "/nonexistent/cascade"])
+
+
+def test_pushes_dropped_fail_the_run_with_their_cause():
+    from cascade.bench import cluster
+
+    # Servers whose counters say a push was dropped and a call missed its
+    # deadline: the rows' reads would count those blocks as misses, so the
+    # run stops with what the servers counted.
+    class Server:
+        def __init__(self, dropped: int, timeouts: int):
+            self.counters = {"push_dropped": dropped, "timeouts": timeouts}
+
+        def cluster_drain(self, timeout_ms: int) -> bool:
+            return True
+
+        def cluster_stats(self) -> dict:
+            return self.counters
+
+    class Node:
+        def __init__(self, dropped: int, timeouts: int):
+            self.server = Server(dropped, timeouts)
+
+    cluster._drain([Node(0, 0), Node(0, 0)])
+    with pytest.raises(RuntimeError, match="pushes dropped: 138, calls that missed .*: 1"):
+        cluster._drain([Node(0, 0), Node(138, 1)])

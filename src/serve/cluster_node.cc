@@ -1002,10 +1002,15 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
   std::vector<uint64_t> bytes;
   for (size_t j = 0; j < have.size(); ++j) {
     auto rr = item_at<cluster::ReserveReply>(reply->data(), j);
-    if (rr.code != 0 || (rr.flags & pool::kPresent)) continue;
+    if (rr.code != 0) {  // refused: the owner will not hold it
+      push_dropped.fetch_add(1, std::memory_order_relaxed);
+      continue;
+    }
+    if (rr.flags & pool::kPresent) continue;
     const BlockView& v = views[have[j]];
     if (v.size() > (*link)->arena_bytes || rr.offset > (*link)->arena_bytes - v.size()) {
       bad_messages.fetch_add(1, std::memory_order_relaxed);
+      push_dropped.fetch_add(1, std::memory_order_relaxed);
       continue;
     }
     ops.push_back(TransferOp{TransferKind::kPut, (*link)->arena.get(), rr.offset,

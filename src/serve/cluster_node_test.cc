@@ -731,6 +731,37 @@ TEST(ClusterNode, LeasesGrantedOutsideTheOwnersArenaAreReleasedAndAreMisses) {
   EXPECT_EQ(released, want);
 }
 
+// Pushes an owner refuses to reserve (its arena full, say) are counted
+// as dropped, not as pushed: stats() must not hide the blocks an owner
+// does not hold.
+TEST(ClusterNode, PushesTheOwnerRefusesAreCountedAsDropped) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a");
+  ASSERT_TRUE(a.node);
+  RawOwner owner([](cluster::Op op, uint32_t count, const uint8_t*) {
+    std::optional<std::vector<uint8_t>> out;
+    if (op != cluster::Op::kReserve) return out;
+    out.emplace();
+    for (uint32_t k = 0; k < count; ++k) {
+      cluster::ReserveReply r{};
+      r.code = static_cast<uint32_t>(Code::kNoSpace);
+      const auto* b = reinterpret_cast<const uint8_t*>(&r);
+      out->insert(out->end(), b, b + sizeof r);
+    }
+    return out;
+  });
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  auto ca = a.client();
+  ASSERT_TRUE(ca);
+  constexpr int kBlocks = 5;
+  put_blocks(ca.get(), 8000, kBlocks);
+  ASSERT_TRUE(a.node->drain(5000));
+  const ClusterStats s = a.node->stats();
+  EXPECT_EQ(s.pushed, 0u);
+  EXPECT_EQ(s.push_dropped, uint64_t(kBlocks));
+}
+
 TEST(ClusterNode, AConnectWithTwoHellosTakesOneDeadlineInAll) {
   SKIP_WITHOUT_TRANSPORT();
   // Two lanes here. The owner answers its hello after most of a deadline and

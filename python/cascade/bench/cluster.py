@@ -116,6 +116,12 @@ class _Node:
     map_same_host = True  # not the run's --no-map
     client_processes = False  # the run's --client-processes
     shm_dir = "/dev/shm"  # the run's --shm-dir
+    # Each call to a member may take this long. A call that misses its
+    # deadline turns its blocks into misses (a dropped push, a failed
+    # fetch), which would void a row rather than slow it: the bench allows
+    # more than a server's default (2 s) so that a loaded host still gives
+    # figures, and fails the run when a call missed it all the same.
+    request_timeout_ms = 10000
 
     def __init__(
         self,
@@ -143,6 +149,7 @@ class _Node:
             verify=verify,
             lanes=_Node.lanes if lanes is None else lanes,
             map_same_host=_Node.map_same_host,
+            request_timeout_ms=_Node.request_timeout_ms,
         )
 
     def wait_warm(self, timeout: float = 120.0) -> None:
@@ -201,6 +208,34 @@ def _spawn_readers(nodes: list[_Node], servers: int, size: int, count: int, batc
     return _spawn(
         _read_worker, [(i, nodes[i].socket, servers, size, count, batch) for i in range(servers)]
     )
+
+
+def _put(store, keys: list[str], data: np.ndarray) -> None:
+    """A writer's batch, every block of it stored."""
+    stored = store.put_batch(keys, data)
+    if stored != len(keys):
+        raise RuntimeError(f"cascade bench cluster: {len(keys) - stored} puts failed")
+
+
+def _troubles(nodes: list[_Node]) -> str:
+    """What the servers counted that turns blocks into misses."""
+    stats = [cast(dict, n.server.cluster_stats()) for n in nodes]
+    return (
+        f"pushes dropped: {sum(s['push_dropped'] for s in stats)}, "
+        f"calls that missed their deadline or failed: {sum(s['timeouts'] for s in stats)}"
+    )
+
+
+def _drain(nodes: list[_Node]) -> None:
+    """Waits until every push is done; a push dropped fails the run, as
+    its blocks would be misses counted against the reads."""
+    for n in nodes:
+        if not n.server.cluster_drain(60000):
+            raise RuntimeError("cascade bench cluster: pushes still queued after 60 s")
+    if any(cast(dict, n.server.cluster_stats())["push_dropped"] for n in nodes):
+        raise RuntimeError(
+            f"cascade bench cluster: blocks not pushed to owners ({_troubles(nodes)})"
+        )
 
 
 def _install(nodes: list[_Node], owner_of_all: int | None = None) -> None:
@@ -266,14 +301,14 @@ def _pair_rows(fabric: str, size: int, total: int, verify: bool, progress) -> di
         # way blocks travel between engines on different nodes.
         writer, reader, local = nodes[2].client(), nodes[1].client(), nodes[0].client()
         keys, data = _blocks(size, size, count)
-        writer.put_batch(keys, data)
+        _put(writer, keys, data)
         # One block more, read once through the reader before the clock:
         # the servers' first contact (connections, hellos, the mapping of
         # the owner's arena file) is a cost of a cluster's start, not of
         # these reads, and is timed on its own.
         warm_keys, warm_data = _blocks(size + 1, size, 1)
-        writer.put_batch(warm_keys, warm_data)
-        nodes[2].server.cluster_drain(60000)
+        _put(writer, warm_keys, warm_data)
+        _drain(nodes)
         t0 = time.perf_counter()
         _read(reader, warm_keys, warm_data, 1)
         first_contact_s = time.perf_counter() - t0
@@ -328,15 +363,22 @@ def _aggregate_row(
         sets = [_aggregate_set(i, size, count) for i in range(servers)]
         progress(f"{fabric} {fmt_size(size)} x {servers} servers: writes")
         t0 = time.perf_counter()
-        threads = [
-            threading.Thread(target=clients[i].put_batch, args=sets[i]) for i in range(servers)
-        ]
+        put_errors: list[BaseException] = []
+
+        def writer(i: int) -> None:
+            try:
+                _put(clients[i], *sets[i])
+            except BaseException as e:
+                put_errors.append(e)
+
+        threads = [threading.Thread(target=writer, args=(i,)) for i in range(servers)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        for n in nodes:
-            n.server.cluster_drain(60000)
+        if put_errors:
+            raise put_errors[0]
+        _drain(nodes)
         write_s = time.perf_counter() - t0
         progress(f"{fabric} {fmt_size(size)} x {servers} servers: reads")
         batch = max(1, min(256, (16 << 20) // size))
@@ -345,7 +387,10 @@ def _aggregate_row(
         if _Node.client_processes:
             for c in clients:
                 c.close()
-            reports = _spawn_readers(nodes, servers, size, count, batch)
+            try:
+                reports = _spawn_readers(nodes, servers, size, count, batch)
+            except RuntimeError as e:
+                raise RuntimeError(f"{e}\nthe servers' {_troubles(nodes)}") from None
             times = [r["read_s"] for r in reports]
             extra: dict = {"client_processes": True}
         else:
@@ -370,7 +415,7 @@ def _aggregate_row(
                 t.join()
             wall = time.perf_counter() - t0
             if errors:
-                raise errors[0]
+                raise RuntimeError(f"{errors[0]} (the servers' {_troubles(nodes)})") from errors[0]
             for c in clients:
                 c.close()
             extra = {"read_wall_gbps": read_bytes / wall / 1e9}
@@ -424,7 +469,7 @@ def _gpu_rows(fabric: str, total: int, verify: bool, progress) -> dict:
         writer = _engine_store(nodes[2].socket)
         save_paged(writer, PagedKv.from_layers(src), list(range(count)), ids)
         save_paged(writer, PagedKv.from_layers(src), list(range(4)), warm)
-        nodes[2].server.cluster_drain(60000)
+        _drain(nodes)
         writer.close()
         dst = [torch.zeros_like(t, device="cuda") for t in src]
         kv = PagedKv.from_layers(dst)
