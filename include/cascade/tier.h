@@ -162,8 +162,10 @@ class Tier {
   virtual void put_batch(std::span<const BlockId> ids, std::span<const void* const> data,
                          std::span<const uint64_t> sizes, const PutOptions& options,
                          std::span<Status> statuses);
-  // True when put_batch/read_batch beat per-item calls spread over threads.
-  virtual bool prefers_batches() const { return false; }
+  // True when put_batch/read_batch, for buffers on the caller's side in
+  // `buffers` memory (a put's source, a read's destination), beat per-item
+  // calls spread over threads.
+  virtual bool prefers_batches(MemoryKind /*buffers*/) const { return false; }
 
   // Zero-copy access under a lease. NotFound on a miss; NotSupported for
   // tiers without addressable memory.

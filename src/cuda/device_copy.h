@@ -123,6 +123,35 @@ class PipelineParts {
   uint64_t bytes_ = 1ULL << 20;
 };
 
+// Runs a batch of `count` units through a DeviceCopyPipeline two parts
+// deep. The units are cut into parts by PipelineParts' bounds
+// (`size(u)` gives unit u's items and bytes), and for each part k in turn
+// start(k, begin, end) prepares units [begin, end) and queues their copies,
+// then finish(k - 1, ...) settles the part before it, whose copies ran while
+// part k was prepared; the last part is finished last. A part is finished
+// before part k + 2 starts, so callers keep a part's state in slot k % 2.
+template <class Size, class Start, class Finish>
+void for_each_part_two_deep(size_t count, Size size, Start start, Finish finish) {
+  PipelineParts bounds;
+  size_t k = 0, begin = 0, prev_begin = 0;
+  while (begin < count) {
+    size_t end = begin, items = 0;
+    uint64_t bytes = 0;
+    while (end < count && !bounds.full(items, bytes)) {
+      const auto [i, b] = size(end++);
+      items += i;
+      bytes += b;
+    }
+    bounds.next();
+    start(k, begin, end);
+    if (k > 0) finish(k - 1, prev_begin, begin);
+    prev_begin = begin;
+    begin = end;
+    ++k;
+  }
+  if (k > 0) finish(k - 1, prev_begin, count);
+}
+
 // True when CUDA is compiled in and device `device` can be used. A negative
 // device is never usable, and asking about one does not initialize CUDA.
 bool gpu_usable(int device);

@@ -22,6 +22,7 @@
 
 #include "cascade/store.h"
 #include "cuda/device_buffer.h"
+#include "cuda/device_buffer_testing.h"
 #include "os/ipc.h"
 #include "tiers/arena_tier.h"
 #include "tiers/pool/pool_channel.h"
@@ -121,20 +122,6 @@ std::vector<uint8_t> bytes_for(uint64_t seed, size_t n) {
 }
 
 BlockId id_of(uint64_t v) { return compute_block_id(&v, sizeof v); }
-
-// n bytes of device memory where a GPU is usable (in *dev); elsewhere a
-// zeroed host stand-in (in *stand_in) that the calls under test must fail
-// before touching. nullptr when the device memory cannot be had.
-uint8_t* device_or_stand_in(size_t n, DeviceBuffer* dev, std::vector<uint8_t>* stand_in) {
-  if (gpu_count() == 0) {
-    stand_in->assign(n, 0);
-    return stand_in->data();
-  }
-  auto d = DeviceBuffer::Allocate(0, n);
-  if (!d.ok()) return nullptr;
-  *dev = std::move(d.value());
-  return dev->data();
-}
 
 // A client speaking the wire format by hand, for requests a PoolTier never sends.
 struct RawClient {

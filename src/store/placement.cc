@@ -252,9 +252,9 @@ Status CascadeStore::Impl::commit_impl(const Reservation& r, const PutOptions& o
   return Status::OK();
 }
 
-// Batch put. A top tier whose copies pipeline (gpu, the node pool) takes the
-// whole batch in one call, and so does the host tier when the bytes are in
-// device memory (its batch queues the copies as batched GPU operations);
+// Batch put. A top tier that prefers batches of the source's memory (gpu,
+// the node pool; the host tier for device memory, whose batch queues the
+// copies as batched GPU operations) takes the whole batch in one call;
 // items it has no room for, and every item of other tiers, go through
 // put_impl on the I/O threads (eviction, write-through, dedup).
 size_t CascadeStore::Impl::put_batch_impl(std::span<const BlockId> ids,
@@ -263,9 +263,8 @@ size_t CascadeStore::Impl::put_batch_impl(std::span<const BlockId> ids,
                                           const PutOptions& options) {
   size_t n = ids.size();
   std::vector<size_t> rest;
-  const bool batched = tiers[0]->prefers_batches() || (options.src_kind != MemoryKind::kHost &&
-                                                       tiers[0]->kind() == TierKind::kHost);
-  if (!dedup && config.write_policy == WritePolicy::kWriteBack && batched) {
+  if (!dedup && config.write_policy == WritePolicy::kWriteBack &&
+      tiers[0]->prefers_batches(options.src_kind)) {
     std::vector<const void*> ptrs(n);
     std::vector<uint64_t> sizes(n);
     for (size_t i = 0; i < n; ++i) {

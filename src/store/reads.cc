@@ -117,10 +117,10 @@ size_t CascadeStore::Impl::get_batch_impl(std::span<const BlockId> ids,
       rqs[k].capacity = out[pending[k]].size;
       rqs[k].out_kind = out_kind;
     }
-    // Host destinations: one read per item over the I/O threads. Device
-    // destinations: the tier's batch, which copies in batched GPU operations.
-    if (is_memory_tier(tiers[t]->kind()) && !tiers[t]->prefers_batches() &&
-        out_kind == MemoryKind::kHost) {
+    // A memory tier's reads go one per item over the I/O threads unless it
+    // prefers batches for these destinations (device memory, where a batch
+    // copies in batched GPU operations).
+    if (is_memory_tier(tiers[t]->kind()) && !tiers[t]->prefers_batches(out_kind)) {
       pool->parallel_for(m, [&](size_t k) { sts[k] = tiers[t]->read(pid[k], rqs[k], &rrs[k]); });
     } else {
       tiers[t]->read_batch(pid, rqs, rrs, sts);

@@ -194,28 +194,12 @@ void ArenaTier::put_batch_from_device(std::span<const BlockId> ids,
   const size_t n = ids.size();
   std::vector<Reservation> reserved(n);
   std::vector<uint8_t> placed(n, 0);  // holds arena space until committed or aborted
-  struct Part {
-    size_t begin = 0, end = 0;
-    PipelinePart copies;
-  };
-  std::unique_ptr<Part> prev;  // declared before the pipeline, which writes its statuses
+  PipelinePart parts[2];              // declared before the pipeline, which writes their statuses
   DeviceCopyPipeline copies(MemoryKind::kHost, options.src_kind, options.cuda_stream);
-  auto settle = [&](Part* p) {
-    p->copies.settle(copies, statuses);
-    for (size_t i = p->begin; i < p->end; ++i) {
-      if (statuses[i].ok()) statuses[i] = commit_reserved(reserved[i], options);
-      else if (placed[i]) abort_reserved(reserved[i]);
-    }
-  };
-  PipelineParts bounds;
-  for (size_t begin = 0; begin < n;) {
-    size_t end = begin;
-    uint64_t bytes = 0;
-    while (end < n && !bounds.full(end - begin, bytes)) bytes += sizes[end++];
-    bounds.next();
-    auto cur = std::make_unique<Part>();
-    cur->begin = begin;
-    cur->end = end;
+  // Reserves a part's blocks and queues the copies into their ranges.
+  auto start = [&](size_t k, size_t begin, size_t end) {
+    PipelinePart& p = parts[k % 2];
+    p = PipelinePart{};
     const size_t m = end - begin;
     reserve_batch(ids.subspan(begin, m), sizes.subspan(begin, m), options,
                   std::span<Reservation>(reserved).subspan(begin, m), statuses.subspan(begin, m));
@@ -227,14 +211,20 @@ void ArenaTier::put_batch_from_device(std::span<const BlockId> ids,
         continue;
       }
       if (!placed[i]) continue;
-      cur->copies.push(i, CopyItem{base_ + reserved[i].offset, data[i], sizes[i]});
+      p.push(i, CopyItem{base_ + reserved[i].offset, data[i], sizes[i]});
     }
-    cur->copies.queue(copies);
-    if (prev) settle(prev.get());  // its copies ran while this part was reserved
-    prev = std::move(cur);
-    begin = end;
-  }
-  if (prev) settle(prev.get());
+    p.queue(copies);
+  };
+  // Once a part's copies are done: commits what landed, aborts the rest.
+  auto finish = [&](size_t k, size_t begin, size_t end) {
+    parts[k % 2].settle(copies, statuses);
+    for (size_t i = begin; i < end; ++i) {
+      if (statuses[i].ok()) statuses[i] = commit_reserved(reserved[i], options);
+      else if (placed[i]) abort_reserved(reserved[i]);
+    }
+  };
+  for_each_part_two_deep(
+      n, [&](size_t i) { return std::pair<size_t, uint64_t>(1, sizes[i]); }, start, finish);
 }
 
 Result<BlockView> ArenaTier::acquire(const BlockId& id) {

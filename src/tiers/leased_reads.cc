@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "cuda/device_copy.h"
@@ -23,7 +24,6 @@ struct Queued {
 };
 
 struct Part {
-  size_t begin = 0, end = 0;
   std::vector<Queued> queued;
 };
 
@@ -32,14 +32,18 @@ struct Part {
 uint64_t read_leased_in_parts(MemoryKind src_kind, std::span<const ReadRequest> reqs,
                               std::span<ReadResult> results, std::span<Status> statuses,
                               const LeasePart& lease, const ReleasePart& release) {
-  const size_t n = reqs.size();
-  std::vector<LeasedBytes> blocks(n);
-  std::unique_ptr<Part> prev;  // declared before the routes: their pipelines write its statuses
-  std::vector<Route> routes;   // usually one: a batch has one destination kind and stream
+  std::vector<LeasedBytes> blocks(reqs.size());
+  Part parts[2];              // declared before the routes: their pipelines write its statuses
+  std::vector<Route> routes;  // usually one: a batch has one destination kind and stream
   uint64_t copied = 0;
 
-  auto queue = [&](Part* p) {
-    for (size_t i = p->begin; i < p->end; ++i) {
+  // Leases a part's blocks and queues their copies, each on its route.
+  auto start = [&](size_t k, size_t begin, size_t end) {
+    Part& p = parts[k % 2];
+    p.queued.clear();
+    for (size_t i = begin; i < end; ++i) results[i] = ReadResult{};
+    lease(begin, end, blocks);
+    for (size_t i = begin; i < end; ++i) {
       if (!statuses[i].ok()) continue;
       results[i].block_size = blocks[i].size;
       results[i].copied = 0;
@@ -56,54 +60,33 @@ uint64_t read_leased_in_parts(MemoryKind src_kind, std::span<const ReadRequest> 
         r = routes.end() - 1;
       }
       const size_t route = static_cast<size_t>(r - routes.begin());
-      auto q = std::find_if(p->queued.begin(), p->queued.end(),
+      auto q = std::find_if(p.queued.begin(), p.queued.end(),
                             [&](const Queued& x) { return x.route == route; });
-      if (q == p->queued.end()) {
-        p->queued.push_back(Queued{});
-        q = p->queued.end() - 1;
+      if (q == p.queued.end()) {
+        p.queued.push_back(Queued{});
+        q = p.queued.end() - 1;
         q->route = route;
       }
       q->copies.push(i, CopyItem{reqs[i].out, blocks[i].data + from, len});
     }
-    for (Queued& q : p->queued) q.copies.queue(*routes[q.route].copies);
+    for (Queued& q : p.queued) q.copies.queue(*routes[q.route].copies);
   };
-  auto finish = [&](Part* p) {
-    for (Queued& q : p->queued) {
+  // Waits for a part's copies, then gives its leases back.
+  auto finish = [&](size_t k, size_t begin, size_t end) {
+    for (Queued& q : parts[k % 2].queued) {
       q.copies.settle(*routes[q.route].copies, statuses);
-      for (size_t k = 0; k < q.copies.items.size(); ++k) {
-        const size_t i = q.copies.of[k];
+      for (size_t j = 0; j < q.copies.items.size(); ++j) {
+        const size_t i = q.copies.of[j];
         if (!statuses[i].ok()) continue;
-        results[i].copied = q.copies.items[k].bytes;
-        copied += q.copies.items[k].bytes;
+        results[i].copied = q.copies.items[j].bytes;
+        copied += q.copies.items[j].bytes;
       }
     }
-    release(p->begin, p->end);
+    release(begin, end);
   };
-
-  PipelineParts bounds;
-  auto part_end = [&](size_t begin) {
-    uint64_t bytes = 0;
-    size_t end = begin;
-    while (end < n && !bounds.full(end - begin, bytes)) bytes += reqs[end++].capacity;
-    bounds.next();
-    for (size_t i = begin; i < end; ++i) results[i] = ReadResult{};
-    return end;
-  };
-  size_t begin = 0, end = part_end(0);
-  if (n) lease(begin, end, blocks);
-  while (begin < n) {
-    auto cur = std::make_unique<Part>();
-    cur->begin = begin;
-    cur->end = end;
-    const size_t next = end, next_end = next < n ? part_end(next) : next;
-    queue(cur.get());
-    if (prev) finish(prev.get());  // its copies ran while this part was leased
-    if (next < n) lease(next, next_end, blocks);
-    prev = std::move(cur);
-    begin = next;
-    end = next_end;
-  }
-  if (prev) finish(prev.get());
+  for_each_part_two_deep(
+      reqs.size(), [&](size_t i) { return std::pair<size_t, uint64_t>(1, reqs[i].capacity); },
+      start, finish);
   return copied;
 }
 

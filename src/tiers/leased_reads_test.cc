@@ -12,6 +12,8 @@
 #include <atomic>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/device_buffer.h"
@@ -138,6 +140,58 @@ TEST(LeasedReadsTest, HostDestinationsGoAPartAtATimeAndEveryLeaseIsGivenBack) {
   EXPECT_LT(b.parts.size(), 20u);
   EXPECT_GT(*std::max_element(b.parts.begin(), b.parts.end()), 8 * b.parts.front());
   EXPECT_LE(*std::max_element(b.parts.begin(), b.parts.end()), PipelineParts::kLastItems);
+}
+
+// The order every part loop relies on: part k starts, then part k - 1
+// finishes; each unit is in exactly one part, in order; a part holds whole
+// units (of several items each) and closes once its bounds are reached; the
+// parts grow to PipelineParts' last bounds.
+TEST(LeasedReadsTest, PartsRunTwoDeepInOrder) {
+  const size_t units = 600, per_unit = 7;
+  std::vector<std::string> calls;
+  std::vector<std::pair<size_t, size_t>> started;
+  size_t finished_to = 0;
+  for_each_part_two_deep(
+      units, [&](size_t) { return std::pair<size_t, uint64_t>(per_unit, 1000); },
+      [&](size_t k, size_t begin, size_t end) {
+        EXPECT_EQ(k, started.size());
+        EXPECT_EQ(begin, started.empty() ? 0 : started.back().second);
+        EXPECT_GT(end, begin);
+        // A part holds whole units up to the bounds: the unit before its
+        // last did not fill it.
+        PipelineParts bounds;
+        for (size_t j = 0; j < k; ++j) bounds.next();
+        EXPECT_FALSE(bounds.full((end - begin - 1) * per_unit, 0));
+        if (end < units) EXPECT_TRUE(bounds.full((end - begin) * per_unit, 0));
+        // Slot k % 2 is free: part k - 2 has finished.
+        if (k >= 2) EXPECT_EQ(finished_to, started[k - 2].second);
+        started.emplace_back(begin, end);
+        calls.push_back("s" + std::to_string(k));
+      },
+      [&](size_t k, size_t begin, size_t end) {
+        ASSERT_LT(k, started.size());
+        EXPECT_EQ(std::make_pair(begin, end), started[k]);
+        EXPECT_EQ(begin, finished_to);
+        finished_to = end;
+        calls.push_back("f" + std::to_string(k));
+      });
+  EXPECT_EQ(finished_to, units);
+  ASSERT_GE(started.size(), 3u);
+  std::vector<std::string> want = {"s0"};
+  for (size_t k = 1; k < started.size(); ++k) {
+    want.push_back("s" + std::to_string(k));
+    want.push_back("f" + std::to_string(k - 1));
+  }
+  want.push_back("f" + std::to_string(started.size() - 1));
+  EXPECT_EQ(calls, want);
+  EXPECT_EQ(started.front().second, (32 + per_unit - 1) / per_unit);  // the first part's bound
+  size_t largest = 0;
+  for (auto [b, e] : started) largest = std::max(largest, e - b);
+  EXPECT_EQ(largest, (PipelineParts::kLastItems + per_unit - 1) / per_unit);
+  // No units: no calls.
+  for_each_part_two_deep(
+      0, [](size_t) { return std::pair<size_t, uint64_t>(1, 1); },
+      [](size_t, size_t, size_t) { ADD_FAILURE(); }, [](size_t, size_t, size_t) { ADD_FAILURE(); });
 }
 
 TEST(LeasedReadsTest, DeviceDestinationsAreCopiedOrEachFailsWithoutAGpu) {

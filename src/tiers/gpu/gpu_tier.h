@@ -51,7 +51,7 @@ class GpuTier : public ArenaTier {
                                                const GpuTierOptions& options = {});
 
   TierKind kind() const override { return TierKind::kGpu; }
-  bool prefers_batches() const override { return true; }
+  bool prefers_batches(MemoryKind) const override { return true; }
   virtual int device() const = 0;
 
   // Stores many blocks with one wait: statuses[i] as put() for item i.

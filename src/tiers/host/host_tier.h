@@ -47,6 +47,8 @@ class HostTier final : public HostArenaTier {
   void put_batch(std::span<const BlockId> ids, std::span<const void* const> data,
                  std::span<const uint64_t> sizes, const PutOptions& options,
                  std::span<Status> statuses) override;
+  // Batches of device buffers: their copies go as batched GPU operations.
+  bool prefers_batches(MemoryKind buffers) const override { return buffers != MemoryKind::kHost; }
   SharedArena shared_arena() const override;
   // Seals every block published before the call (shm_persist).
   Status flush() override;

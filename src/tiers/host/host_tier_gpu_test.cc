@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda/device_buffer.h"
+#include "cuda/device_buffer_testing.h"
 #include "cuda/device_copy.h"
 #include "tiers/host/host_tier.h"
 #include "util/thread_pool.h"
@@ -206,17 +207,9 @@ TEST(GpuHostTierTest, PutsABatchFromDeviceMemory) {
   fill_random(bytes.data(), total, 5);
   DeviceBuffer dev;
   std::vector<uint8_t> stand_in;  // no GPU: device memory that is not there
-  uint8_t* base = nullptr;
-  if (gpu) {
-    auto d = DeviceBuffer::Allocate(0, total);
-    ASSERT_TRUE(d.ok()) << d.status().ToString();
-    dev = std::move(*d);
-    base = static_cast<uint8_t*>(dev.data());
-    ASSERT_TRUE(copy_to_device(base, bytes.data(), total).ok());
-  } else {
-    stand_in.resize(total);
-    base = stand_in.data();
-  }
+  uint8_t* base = device_or_stand_in(total, &dev, &stand_in);
+  ASSERT_TRUE(base);
+  if (gpu) ASSERT_TRUE(copy_to_device(base, bytes.data(), total).ok());
   // Items 7 and 14 are stored already, from host memory and with other
   // bytes than the batch's; 11 is larger than the arena; 13 and 14 have no
   // data.

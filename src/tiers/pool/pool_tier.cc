@@ -441,30 +441,6 @@ void PoolTier::each_part(size_t c0, size_t c1, const std::function<void(size_t)>
     for (size_t c = c0; c < c1; ++c) fn(c);
 }
 
-// Puts from device memory go a window of parts at a time: what a window
-// holds on the server (reservations) stays bounded however large the batch
-// is. Calls fn(c0, c1) for consecutive ranges of the `count` parts of
-// `step` items each (of the byte sizes given), each range ending once it is
-// full by PipelineParts' bounds.
-void PoolTier::for_each_window(std::span<const uint64_t> sizes, size_t count, size_t step,
-                               const std::function<void(size_t, size_t)>& fn) {
-  PipelineParts bounds;
-  size_t c0 = 0, items = 0;
-  uint64_t bytes = 0;
-  for (size_t c = 0; c < count; ++c) {
-    const size_t b = c * step, e = std::min(sizes.size(), b + step);
-    for (size_t i = b; i < e; ++i) bytes += sizes[i];
-    items += e - b;
-    if (bounds.full(items, bytes) || c + 1 == count) {
-      fn(c0, c + 1);
-      bounds.next();
-      c0 = c + 1;
-      items = 0;
-      bytes = 0;
-    }
-  }
-}
-
 // A batch is cut into sub-batches that the I/O threads take in turn, so the
 // server's workers reserve and commit in parallel with the copies instead
 // of one worker handling the whole batch while the copies wait. Each thread
@@ -512,24 +488,12 @@ void PoolTier::put_batch(std::span<const BlockId> ids, std::span<const void* con
 void PoolTier::put_from_devices(const PutBatch& b, size_t sub) {
   const size_t step = sub ? sub : pool::kMaxItems;
   Parts<PutPart> parts(b.ids.size(), step);
-  struct Window {
-    size_t c0 = 0, c1 = 0;
-    PipelinePart copies;
-  };
-  std::unique_ptr<Window> prev;  // declared before the pipeline, which writes its statuses
+  PipelinePart windows[2];  // declared before the pipeline, which writes their statuses
   DeviceCopyPipeline copies(MemoryKind::kHost, b.options.src_kind, b.options.cuda_stream);
-  auto commit = [&](Window* w) {
-    w->copies.settle(copies, b.statuses);  // the commits abort the blocks that failed
-    each_part(w->c0, w->c1, [&](size_t c) {
-      Held held = hold();
-      parts.at[c].sent = post_commit(held.slot(), b, &parts.at[c], false);
-      take_commit(held.slot(), b, &parts.at[c]);
-    });
-  };
-  for_each_window(b.sizes, parts.count, step, [&](size_t c0, size_t c1) {
-    auto w = std::make_unique<Window>();
-    w->c0 = c0;
-    w->c1 = c1;
+  // A window's reserves, in parallel, and the copies into what they placed.
+  auto start = [&](size_t k, size_t c0, size_t c1) {
+    PipelinePart& w = windows[k % 2];
+    w = PipelinePart{};
     each_part(c0, c1, [&](size_t c) {
       Held held = hold();
       parts.at[c].sent = post_reserve(held.slot(), b, parts.at[c], false);
@@ -538,13 +502,29 @@ void PoolTier::put_from_devices(const PutBatch& b, size_t sub) {
     for (size_t c = c0; c < c1; ++c)
       for (const Placed& t : parts.at[c].placed) {
         if (!b.statuses[t.i].ok() || b.sizes[t.i] == 0) continue;
-        w->copies.push(t.i, CopyItem{base_ + t.offset, b.data[t.i], b.sizes[t.i]});
+        w.push(t.i, CopyItem{base_ + t.offset, b.data[t.i], b.sizes[t.i]});
       }
-    w->copies.queue(copies);
-    if (prev) commit(prev.get());  // its copies ran while this window was reserved
-    prev = std::move(w);
-  });
-  if (prev) commit(prev.get());
+    w.queue(copies);
+  };
+  // Once a window's copies are done: its commits, in parallel (they abort
+  // the blocks whose copies failed).
+  auto finish = [&](size_t k, size_t c0, size_t c1) {
+    windows[k % 2].settle(copies, b.statuses);
+    each_part(c0, c1, [&](size_t c) {
+      Held held = hold();
+      parts.at[c].sent = post_commit(held.slot(), b, &parts.at[c], false);
+      take_commit(held.slot(), b, &parts.at[c]);
+    });
+  };
+  // The windows are runs of whole sub-batches; what a window holds on the
+  // server (reservations) stays bounded however large the batch is.
+  auto size = [&](size_t c) {
+    const size_t first = c * step, last = std::min(b.sizes.size(), first + step);
+    uint64_t bytes = 0;
+    for (size_t i = first; i < last; ++i) bytes += b.sizes[i];
+    return std::pair<size_t, uint64_t>(last - first, bytes);
+  };
+  for_each_part_two_deep(parts.count, size, start, finish);
 }
 
 // One I/O thread's share of a batch: it takes sub-batches in turn, and

@@ -74,7 +74,7 @@ class PoolTier final : public Tier {
   Status read(const BlockId& id, const ReadRequest& req, ReadResult* result) override;
   void read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                   std::span<ReadResult> results, std::span<Status> statuses) override;
-  bool prefers_batches() const override { return true; }
+  bool prefers_batches(MemoryKind) const override { return true; }
   Result<BlockView> acquire(const BlockId& id) override;
   bool contains(const BlockId& id) const override;
   void contains_batch(std::span<const BlockId> ids, std::span<uint8_t> found) const override;
@@ -219,8 +219,6 @@ class PoolTier final : public Tier {
   void read_to_devices(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                        std::span<ReadResult> results, std::span<Status> statuses, size_t sub);
   void each_part(size_t c0, size_t c1, const std::function<void(size_t)>& fn) const;
-  static void for_each_window(std::span<const uint64_t> sizes, size_t count, size_t step,
-                              const std::function<void(size_t, size_t)>& fn);
   Status copy_in(uint8_t* dst, const void* src, uint64_t n, const PutOptions& options);
 
   // Reads of host destinations: leases where a block may also be in a

@@ -67,7 +67,7 @@ class RemoteTier final : public Tier, private RequestHandler {
   void put_batch(std::span<const BlockId> ids, std::span<const void* const> data,
                  std::span<const uint64_t> sizes, const PutOptions& options,
                  std::span<Status> statuses) override;
-  bool prefers_batches() const override { return true; }
+  bool prefers_batches(MemoryKind) const override { return true; }
   // Zero-copy for blocks of this rank and of ranks on the same node;
   // NotSupported for blocks held on other nodes.
   Result<BlockView> acquire(const BlockId& id) override;
