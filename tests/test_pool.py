@@ -36,8 +36,11 @@ CLIENT = textwrap.dedent(
         import torch
     def block(i):
         return np.random.default_rng(i).integers(0, 256, 4096 * (1 + i % 16), dtype=np.uint8)
+    # The pool alone: a gpu tier above it (the default where a GPU is
+    # usable) would take the device batches in the client's own memory.
     store = cascade.CascadeStore(cascade.config_from_dict(
-        {"pool_socket": sock, "pool_namespace": "kill", "use_gpu": gpu, "num_io_threads": 2}))
+        {"pool_socket": sock, "pool_namespace": "kill", "pipeline": "pool", "use_gpu": False,
+         "num_io_threads": 2}))
     rng = np.random.default_rng(seed)
     if gpu:  # every block in GPU memory once, so the loop's time goes to the batches
         on_gpu = [torch.from_numpy(block(j)).cuda() for j in range(keys)]

@@ -6,8 +6,14 @@
 // Unavailable, bad arguments InvalidArgument, everything else IOError. The
 // message reads "what: <CUDA's error name and text>".
 //
+// cuda_status() of a failure also takes it off the runtime's per-thread
+// error state: the runtime is shared with the caller's own CUDA code (torch
+// and others check that state after their kernel launches), and an error
+// this library reported, or handled by a fallback, must not surface there.
+// A sticky error (a fault that ruins the context) stays, as it must.
+//
 // Private: included only by files compiled with CUDA.
-// Thread-safety: pure functions.
+// Thread-safety: thread-safe (the error state is per thread).
 #pragma once
 
 #include <cuda.h>

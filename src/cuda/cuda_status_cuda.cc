@@ -49,6 +49,7 @@ Code code_for_driver(CUresult err) {
 
 Status cuda_status(cudaError_t err, std::string_view what) {
   if (err == cudaSuccess) return Status::OK();
+  (void)cudaGetLastError();
   std::string msg(what);
   msg += ": ";
   msg += cudaGetErrorName(err);

@@ -5,8 +5,10 @@
 //   - host side reachable by the GPU (registered arena, cudaHostAlloc'd or
 //     registered user memory): DMA straight from/to it, or the batched copy
 //     kernel reading/writing it over PCIe. Items that continue one another
-//     on both sides are merged first (blocks laid out in order in both
-//     arenas become one large copy). Then, by size (TransferTuning): small
+//     on both sides, each side within one allocation, are merged first
+//     (blocks laid out in order in both arenas become one large copy; the
+//     driver refuses a copy that runs from one allocation into the next,
+//     even where the two happen to be adjacent). Then, by size (TransferTuning): small
 //     items share one launch of the batched copy kernel, medium ones one
 //     cudaMemcpyBatchAsync, large ones get a DMA copy each;
 //   - pageable host side: through the pinned staging ring, two slots in
@@ -64,10 +66,19 @@ class DeviceTransfers {
   Status enqueue(std::span<const CopyItem> items, MemoryKind dst_kind, MemoryKind src_kind,
                  cudaStream_t s) const;
 
+  // Where each side of an item lies, for merging: the start of the device
+  // allocation, pinned host allocation or recorded host range holding it,
+  // or kUnknownAllocation (never merged).
+  static constexpr uintptr_t kUnknownAllocation = 0;
+  struct Sides {
+    uintptr_t dst = kUnknownAllocation, src = kUnknownAllocation;
+  };
+
   // Queues items whose both sides the GPU reaches directly (device memory of
-  // this device, registered or pinned host memory).
-  Status enqueue_reachable(std::span<const CopyItem> items, bool device_to_device,
-                           cudaStream_t s) const;
+  // this device, registered or pinned host memory); sides[i] says where
+  // item i's sides lie (items merge only where both sides agree).
+  Status enqueue_reachable(std::span<const CopyItem> items, std::span<const Sides> sides,
+                           bool device_to_device, cudaStream_t s) const;
 
  private:
   // A device allocation found on this device, remembered while one call
@@ -75,7 +86,12 @@ class DeviceTransfers {
   struct KnownRange {
     uintptr_t lo = 0, hi = 0;
   };
-  bool device_side_local(const void* p, KnownRange* known) const;
+  // True when p is memory of this device; *allocation: the start of the
+  // allocation holding p, or kUnknownAllocation.
+  bool device_side_local(const void* p, KnownRange* known, uintptr_t* allocation) const;
+  // The start of what holds host memory p that the GPU reaches (a recorded
+  // range, or an allocation CUDA made or registered), or kUnknownAllocation.
+  static uintptr_t host_side_allocation(const void* p, KnownRange* known);
   // REQUIRES: method is kKernel or kBatchApi (and allowed on s).
   Status enqueue_small(std::span<const CopyItem> items, SmallCopyMethod method,
                        cudaStream_t s) const;

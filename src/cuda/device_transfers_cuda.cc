@@ -48,10 +48,18 @@ Status per_copy(std::span<const CopyItem> items, cudaStream_t s) {
 
 }  // namespace
 
-bool DeviceTransfers::device_side_local(const void* p, KnownRange* known) const {
+bool DeviceTransfers::device_side_local(const void* p, KnownRange* known,
+                                        uintptr_t* allocation) const {
   uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  if (a >= local_lo_ && a < local_hi_) return true;
-  if (a >= known->lo && a < known->hi) return true;
+  *allocation = kUnknownAllocation;
+  if (a >= local_lo_ && a < local_hi_) {
+    *allocation = local_lo_;  // the tier's arena: one reserved range, mapped throughout
+    return true;
+  }
+  if (a >= known->lo && a < known->hi) {
+    *allocation = known->lo;
+    return true;
+  }
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -71,9 +79,31 @@ bool DeviceTransfers::device_side_local(const void* p, KnownRange* known) const 
         start <= a && a < start + size) {
       known->lo = start;
       known->hi = start + size;
+      *allocation = known->lo;
     }
   }
   return local;
+}
+
+uintptr_t DeviceTransfers::host_side_allocation(const void* p, KnownRange* known) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (a >= known->lo && a < known->hi) return known->lo;
+  // A recorded range: its copies are split at its chunks' ends later.
+  if (const uintptr_t base = host_range_base(p)) return base;
+  const DriverApi* api = driver_api();
+  CUdeviceptr start = 0;
+  size_t size = 0;
+  if (api &&
+      api->cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CUdeviceptr(a)) ==
+          CUDA_SUCCESS &&
+      api->cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, CUdeviceptr(a)) ==
+          CUDA_SUCCESS &&
+      start <= a && a < start + size) {
+    known->lo = start;
+    known->hi = start + size;
+    return start;
+  }
+  return kUnknownAllocation;
 }
 
 Status DeviceTransfers::copy(std::span<const CopyItem> items, MemoryKind dst_kind,
@@ -92,40 +122,55 @@ Status DeviceTransfers::enqueue(std::span<const CopyItem> items, MemoryKind dst_
   const bool to_device = dst_kind == MemoryKind::kDevice;
   const bool host_involved = src_kind == MemoryKind::kHost || dst_kind == MemoryKind::kHost;
   std::vector<CopyItem> reachable, staged, other;
+  std::vector<Sides> sides;
   reachable.reserve(items.size());
-  KnownRange known_src, known_dst;
+  sides.reserve(items.size());
+  KnownRange known_src, known_dst, known_host;
   for (const CopyItem& it : items) {
     if (it.bytes == 0) continue;
     if (host_involved) {
       const void* host = to_device ? it.src : it.dst;
       const void* dev = to_device ? it.dst : it.src;
-      if (!device_side_local(dev, to_device ? &known_dst : &known_src)) {
+      uintptr_t dev_at = kUnknownAllocation;
+      if (!device_side_local(dev, to_device ? &known_dst : &known_src, &dev_at)) {
         other.push_back(it);  // memory of another device: let the driver route it
       } else if (host_range_device_accessible(host, it.bytes)) {
         reachable.push_back(it);
+        const uintptr_t host_at = host_side_allocation(host, &known_host);
+        sides.push_back(to_device ? Sides{dev_at, host_at} : Sides{host_at, dev_at});
       } else {
         staged.push_back(it);
       }
-    } else if (device_side_local(it.src, &known_src) && device_side_local(it.dst, &known_dst)) {
-      reachable.push_back(it);
     } else {
-      other.push_back(it);  // peer copy
+      Sides at;
+      if (device_side_local(it.src, &known_src, &at.src) &&
+          device_side_local(it.dst, &known_dst, &at.dst)) {
+        reachable.push_back(it);
+        sides.push_back(at);
+      } else {
+        other.push_back(it);  // peer copy
+      }
     }
   }
-  Status st = enqueue_reachable(reachable, !host_involved, s);
+  Status st = enqueue_reachable(reachable, sides, !host_involved, s);
   if (st.ok()) st = per_copy(other, s);
   if (st.ok() && !staged.empty()) st = copy_staged(staged, to_device, s);
   return st;
 }
 
-Status DeviceTransfers::enqueue_reachable(std::span<const CopyItem> items, bool device_to_device,
+Status DeviceTransfers::enqueue_reachable(std::span<const CopyItem> items,
+                                          std::span<const Sides> sides, bool device_to_device,
                                           cudaStream_t s) const {
   if (items.empty()) return Status::OK();
   std::vector<CopyItem> merged;
   merged.reserve(items.size());
-  for (const CopyItem& it : items) {
+  Sides last_at;  // of merged.back()
+  for (size_t k = 0; k < items.size(); ++k) {
+    const CopyItem& it = items[k];
     if (it.bytes == 0) continue;
-    if (tuning_.coalesce && !merged.empty()) {
+    const Sides at = k < sides.size() ? sides[k] : Sides{};
+    if (tuning_.coalesce && !merged.empty() && at.dst != kUnknownAllocation &&
+        at.src != kUnknownAllocation && at.dst == last_at.dst && at.src == last_at.src) {
       CopyItem& last = merged.back();
       if (static_cast<const uint8_t*>(last.src) + last.bytes == it.src &&
           static_cast<uint8_t*>(last.dst) + last.bytes == it.dst) {
@@ -134,6 +179,7 @@ Status DeviceTransfers::enqueue_reachable(std::span<const CopyItem> items, bool 
       }
     }
     merged.push_back(it);
+    last_at = at;
   }
   // Sort the merged items by how they move (see TransferTuning).
   const bool kernel_ok = device_to_device || ctx_->kernels_reach_host_memory();
@@ -278,7 +324,9 @@ Status DeviceTransfers::copy_staged(std::span<const CopyItem> items, bool to_dev
       if (to_device) batch.push_back(CopyItem{pc.device, slot.host + pc.slot_offset, pc.bytes});
       else batch.push_back(CopyItem{slot.host + pc.slot_offset, pc.device, pc.bytes});
     }
-    CASCADE_RETURN_IF_ERROR(enqueue_reachable(batch, false, s));
+    // Not merged (no sides given): the device pieces may lie in different
+    // allocations, and a slot's group is one launch or batch either way.
+    CASCADE_RETURN_IF_ERROR(enqueue_reachable(batch, {}, false, s));
     return cuda_status(cudaEventRecord(slot.done, s), "record a staging event");
   };
   // CPU side of a group: one thread reaches a fraction of the memory

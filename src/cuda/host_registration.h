@@ -38,6 +38,9 @@ void unregister_host_range(void* base);
 // See the header comment. n == 0 answers for the byte at p.
 bool host_range_device_accessible(const void* p, size_t n);
 
+// The base of the recorded range holding p, or 0 outside every one.
+uintptr_t host_range_base(const void* p);
+
 // How many of the n bytes at p one DMA copy may cover: a copy must not
 // cross from one registered chunk into the next (the driver rejects it),
 // though kernels may. n when p is not in a recorded range.

@@ -56,7 +56,10 @@ bool ensure_chunks(Range& r, size_t c0, size_t c1) {
     void* p = reinterpret_cast<void*>(r.base + c * kHostRegistrationChunk);
     cudaError_t err =
         cudaHostRegister(p, r.chunk_len(c), cudaHostRegisterPortable | cudaHostRegisterMapped);
-    if (err == cudaErrorHostMemoryAlreadyRegistered) err = cudaSuccess;  // someone else pinned it
+    if (err == cudaErrorHostMemoryAlreadyRegistered) {  // someone else pinned it
+      (void)cudaGetLastError();
+      err = cudaSuccess;
+    }
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       r.chunk[c].store(kFailed, std::memory_order_release);
@@ -138,6 +141,16 @@ bool host_range_device_accessible(const void* p, size_t n) {
   }
   return attr.type == cudaMemoryTypeHost || attr.type == cudaMemoryTypeDevice ||
          attr.type == cudaMemoryTypeManaged;
+}
+
+uintptr_t host_range_base(const void* p) {
+  uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  Registry& reg = registry();
+  std::shared_lock<std::shared_mutex> lock(reg.mu);
+  auto it = reg.ranges.upper_bound(a);
+  if (it == reg.ranges.begin()) return 0;
+  const Range& r = *std::prev(it)->second;
+  return a < r.base + r.bytes ? r.base : 0;
 }
 
 size_t host_registration_run(const void* p, size_t n) {

@@ -105,13 +105,20 @@ class KvTransfer {
     DeviceTransfers dmas(ctx_, nullptr, TransferTuning{});
     auto queue_dma = [&](size_t begin, size_t n, uint8_t* buf) -> Status {
       std::vector<CopyItem> items(n);
+      // Blocks next to each other on both sides merge only within one
+      // allocation each: the bounce, and the store's recorded host range.
+      std::vector<DeviceTransfers::Sides> sides(n);
+      const uintptr_t bounce_at = reinterpret_cast<uintptr_t>(buf);
       for (size_t k = 0; k < n; ++k) {
         uint8_t* staged_block = buf + k * block_bytes;
         uint8_t* part = store_[begin + k] + part_offset;
         items[k] = save_ ? CopyItem{part, staged_block, block_bytes}
                          : CopyItem{staged_block, part, block_bytes};
+        const uintptr_t host_at = host_range_base(part);
+        sides[k] = save_ ? DeviceTransfers::Sides{host_at, bounce_at}
+                         : DeviceTransfers::Sides{bounce_at, host_at};
       }
-      if (host_reachable) return dmas.enqueue_reachable(items, false, dma);
+      if (host_reachable) return dmas.enqueue_reachable(items, sides, false, dma);
       for (const CopyItem& it : items)
         CASCADE_CUDA_RETURN(cudaMemcpyAsync(it.dst, it.src, it.bytes, cudaMemcpyDefault, dma),
                             "queue a KV copy");

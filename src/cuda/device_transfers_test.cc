@@ -1,0 +1,118 @@
+// DeviceTransfers with buffers that lie next to each other in memory but
+// belong to different allocations: blocks contiguous on both sides merge
+// into one copy only within one allocation each (the driver refuses a copy
+// that runs from one allocation into the next), and no failure the library
+// handles is left in the runtime's error state, where the caller's own
+// CUDA code (torch checks it after each kernel launch) would find it.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cuda/device_buffer.h"
+#include "cuda/device_copy.h"
+
+#if CASCADE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "cuda/device_context.h"
+#include "cuda/device_transfers.h"
+#endif
+
+namespace cascade {
+namespace {
+
+#if CASCADE_HAVE_CUDA
+
+// Two device allocations of `bytes` each where the second starts where the
+// first ends, out of a few tries (whole-granule allocations are usually
+// handed out back to back); false when none came out that way.
+bool adjacent_allocations(size_t bytes, std::vector<DeviceBuffer>* held, DeviceBuffer* a,
+                          DeviceBuffer* b) {
+  for (int i = 0; i < 32; ++i) {
+    auto d = DeviceBuffer::Allocate(0, bytes);
+    if (!d.ok()) return false;
+    held->push_back(std::move(*d));
+  }
+  for (auto& x : *held)
+    for (auto& y : *held)
+      if (x.data() + bytes == y.data()) {
+        *a = std::move(x);
+        *b = std::move(y);
+        return true;
+      }
+  return false;
+}
+
+TEST(DeviceTransfersTest, BlocksMergeOnlyWithinOneAllocation) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
+  const size_t granule = 2 << 20, block = 64 << 10, n = 4;
+  std::vector<DeviceBuffer> held;
+  DeviceBuffer a, b;
+  if (!adjacent_allocations(granule, &held, &a, &b))
+    GTEST_SKIP() << "no two device allocations came out adjacent";
+  // Four blocks laid out in order in a registered host buffer, landing on
+  // the last two blocks of a and the first two of b: contiguous on both
+  // sides, across the end of a.
+  std::vector<uint8_t> host(n * block);
+  std::mt19937_64 rng(3);
+  for (auto& x : host) x = static_cast<uint8_t>(rng());
+  ASSERT_TRUE(register_host_memory(host.data(), host.size()).ok());
+  uint8_t* dst = a.data() + granule - 2 * block;
+  std::vector<CopyItem> items;
+  for (size_t k = 0; k < n; ++k)
+    items.push_back(CopyItem{dst + k * block, host.data() + k * block, block});
+  auto ctx = DeviceContext::For(0);
+  ASSERT_TRUE(ctx.ok()) << ctx.status().ToString();
+  DeviceTransfers transfers(*ctx, nullptr, TransferTuning{});
+  cudaStream_t s = (*ctx)->next_stream();
+  const Status st = transfers.copy(items, MemoryKind::kDevice, MemoryKind::kHost, s);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
+  std::vector<uint8_t> back(n * block);
+  ASSERT_EQ(
+      cudaMemcpy(back.data(), a.data() + granule - 2 * block, 2 * block, cudaMemcpyDeviceToHost),
+      cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(back.data() + 2 * block, b.data(), 2 * block, cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(back, host);
+  // And back the other way, across the same boundary.
+  std::vector<uint8_t> again(n * block, 0);
+  ASSERT_TRUE(register_host_memory(again.data(), again.size()).ok());
+  for (size_t k = 0; k < n; ++k)
+    items[k] = CopyItem{again.data() + k * block, dst + k * block, block};
+  const Status st2 = transfers.copy(items, MemoryKind::kHost, MemoryKind::kDevice, s);
+  EXPECT_TRUE(st2.ok()) << st2.ToString();
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
+  EXPECT_EQ(again, host);
+  unregister_host_memory(again.data());
+  unregister_host_memory(host.data());
+}
+
+// A failure the library reports as a Status is not left behind for the
+// next CUDA call of the same thread.
+TEST(DeviceTransfersTest, AReportedFailureLeavesNoErrorBehind) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
+  auto dev = DeviceBuffer::Allocate(0, 4096);
+  ASSERT_TRUE(dev.ok());
+  // A copy that runs past the end of its device allocation is refused by
+  // the driver (one DMA copy from registered memory: no kernel touches the
+  // bytes, so the fault is not one that would ruin the context).
+  std::vector<uint8_t> host(1 << 20);
+  ASSERT_TRUE(register_host_memory(host.data(), host.size()).ok());
+  const Status st = device_copy(dev->data(), MemoryKind::kDevice, host.data(), MemoryKind::kHost,
+                                host.size(), nullptr);
+  unregister_host_memory(host.data());
+  EXPECT_FALSE(st.ok());
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess) << cudaGetErrorName(cudaPeekAtLastError());
+}
+
+#else
+
+TEST(DeviceTransfersTest, BuiltWithoutCuda) { GTEST_SKIP() << "built without CUDA"; }
+
+#endif
+
+}  // namespace
+}  // namespace cascade
