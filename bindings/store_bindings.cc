@@ -64,6 +64,7 @@ nb::dict stats_dict(const StoreStats& s) {
   d["hits"] = s.hits;
   d["misses"] = s.misses;
   d["dedup_hits"] = s.dedup_hits;
+  d["batch_room_rounds"] = s.batch_room_rounds;
   d["logical_blocks"] = s.logical_blocks;
   d["logical_bytes"] = s.logical_bytes;
   d["physical_bytes"] = s.physical_bytes;

@@ -54,7 +54,10 @@ struct StoreStats {
   uint64_t gets = 0;
   uint64_t hits = 0;
   uint64_t misses = 0;
-  uint64_t dedup_hits = 0;      // puts whose content was already stored under another id
+  uint64_t dedup_hits = 0;  // puts whose content was already stored under another id
+  // Rounds in which a batch put made room in a full top tier for the items
+  // it refused, all at once, and gave them to it as a batch again.
+  uint64_t batch_room_rounds = 0;
   uint64_t logical_blocks = 0;  // ids the store answers for
   uint64_t logical_bytes = 0;   // sum of their sizes
   uint64_t physical_bytes = 0;  // payload bytes stored, summed over tiers

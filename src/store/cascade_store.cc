@@ -421,6 +421,7 @@ StoreStats CascadeStore::stats() const {
   s.hits = impl_->hits.load();
   s.misses = impl_->misses.load();
   s.dedup_hits = impl_->dedup_hits.load();
+  s.batch_room_rounds = impl_->batch_room_rounds.load();
   s.bytes_put = impl_->bytes_put.load();
   s.bytes_got = impl_->bytes_got.load();
   if (impl_->dedup_puts) {

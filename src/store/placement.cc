@@ -30,7 +30,8 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
       return Status::NoSpace(reason + "; the " + name + " tier holds no block to move out");
     return Status::NoSpace(reason + "; every block in the " + name + " tier is in use (leased)");
   }
-  for (Victim& v : victims) {
+  auto move_out = [&](size_t k) {
+    Victim& v = victims[k];
     bool kept_below = false;
     if (t + 1 < tiers.size() && v.view) {
       PutOptions o;
@@ -44,6 +45,14 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
     // Aliases go with the last copy: a victim of the last tier may still
     // be held above it (write-through, or written down by flush()).
     if (!kept_below && dedup && !contains_phys(v.id)) dedup->drop(v.id);
+  };
+  // Room for a batch moves many blocks down: on the I/O threads, as the
+  // batch's own puts would have. Blocks only dropped (no tier below) go on
+  // this thread: spread over threads, their removals contend and are slower.
+  if (victims.size() > 1 && t + 1 < tiers.size()) {
+    pool->parallel_for(victims.size(), move_out);
+  } else {
+    for (size_t k = 0; k < victims.size(); ++k) move_out(k);
   }
   return Status::OK();
 }
@@ -254,9 +263,11 @@ Status CascadeStore::Impl::commit_impl(const Reservation& r, const PutOptions& o
 
 // Batch put. A top tier that prefers batches of the source's memory (gpu,
 // the node pool; the host tier for device memory, whose batch queues the
-// copies as batched GPU operations) takes the whole batch in one call;
-// items it has no room for, and every item of other tiers, go through
-// put_impl on the I/O threads (eviction, write-through, dedup).
+// copies as batched GPU operations) takes the whole batch in one call.
+// When it is full (a cache's usual state), room is made for all the items
+// it refused at once and they go to it as a batch again, a few rounds at
+// most; what it still has no room for, and every item of other tiers, go
+// through put_impl on the I/O threads (eviction, write-through, dedup).
 size_t CascadeStore::Impl::put_batch_impl(std::span<const BlockId> ids,
                                           std::span<const ConstBuffer> data,
                                           std::vector<Status>* statuses,
@@ -272,6 +283,7 @@ size_t CascadeStore::Impl::put_batch_impl(std::span<const BlockId> ids,
       sizes[i] = data[i].size;
     }
     tiers[0]->put_batch(ids, ptrs, sizes, options, *statuses);
+    put_batch_making_room(ids, ptrs, sizes, options, statuses);
     if (remote > 0 && remote < tiers.size()) publish_batch(ids, ptrs, sizes, options, statuses);
     for (size_t i = 0; i < n; ++i) {
       if ((*statuses)[i].ok()) {
@@ -292,6 +304,47 @@ size_t CascadeStore::Impl::put_batch_impl(std::span<const BlockId> ids,
   size_t ok = 0;
   for (auto& st : *statuses) ok += st.ok();
   return ok;
+}
+
+// The items of a batch that the top tier refused for want of room, put to
+// it again as one batch once room is made for all of them together. Each
+// round moves out (make_room) as many bytes as the refused items hold;
+// rounds end when every item is placed, nothing can be moved out, or a
+// round placed none (fragmentation, or other puts taking the room first):
+// put_impl then takes the rest one by one.
+void CascadeStore::Impl::put_batch_making_room(std::span<const BlockId> ids,
+                                               std::span<const void* const> ptrs,
+                                               std::span<const uint64_t> sizes,
+                                               const PutOptions& options,
+                                               std::vector<Status>* statuses) {
+  constexpr int kRounds = 4;
+  for (int round = 0; round < kRounds; ++round) {
+    std::vector<size_t> full;
+    uint64_t need = 0;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (!(*statuses)[i].is(Code::kNoSpace)) continue;
+      full.push_back(i);
+      need += sizes[i];
+    }
+    if (full.empty() || !make_room(0, need, (*statuses)[full.front()]).ok()) return;
+    std::vector<BlockId> sub_ids;
+    std::vector<const void*> sub_ptrs;
+    std::vector<uint64_t> sub_sizes;
+    for (size_t i : full) {
+      sub_ids.push_back(ids[i]);
+      sub_ptrs.push_back(ptrs[i]);
+      sub_sizes.push_back(sizes[i]);
+    }
+    std::vector<Status> sub(full.size());
+    tiers[0]->put_batch(sub_ids, sub_ptrs, sub_sizes, options, sub);
+    size_t placed = 0;
+    for (size_t k = 0; k < full.size(); ++k) {
+      (*statuses)[full[k]] = sub[k];
+      placed += sub[k].ok();
+    }
+    batch_room_rounds.fetch_add(1, std::memory_order_relaxed);
+    if (placed == 0) return;
+  }
 }
 
 // The items of a batch the top tier took, published to the remote tier

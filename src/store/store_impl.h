@@ -65,6 +65,7 @@ class CascadeStore::Impl {
 
   std::atomic<uint64_t> puts{0}, put_failures{0}, gets{0}, hits{0}, misses{0}, dedup_hits{0};
   std::atomic<uint64_t> bytes_put{0}, bytes_got{0};
+  std::atomic<uint64_t> batch_room_rounds{0};
 
   // ---- placement (placement.cc) ---------------------------------------------
   // `why`: the tier's NoSpace that asked for the room (its own reason, such
@@ -79,6 +80,9 @@ class CascadeStore::Impl {
   bool same_content_stored(const BlockId& p, const void* data, uint64_t size);
   size_t put_batch_impl(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
                         std::vector<Status>* statuses, const PutOptions& options);
+  void put_batch_making_room(std::span<const BlockId> ids, std::span<const void* const> ptrs,
+                             std::span<const uint64_t> sizes, const PutOptions& options,
+                             std::vector<Status>* statuses);
   Result<Reservation> reserve_impl(const BlockId& id, uint64_t size, const PutOptions& options);
   // What reserve_impl decides before the top tier is asked: a present
   // reservation or an error, or nothing (the tier places it).

@@ -8,6 +8,9 @@
 #include <random>
 #include <thread>
 
+#include "cuda/device_buffer.h"
+#include "cuda/device_buffer_testing.h"
+
 namespace cascade {
 namespace {
 
@@ -389,4 +392,60 @@ TEST(StoreTest, SecondStoreOnSameShmPathIsRefused) {
   EXPECT_TRUE(CascadeStore::Open(c).ok());  // free again once the first closed
 }
 
+}  // namespace cascade
+
+namespace cascade {
+namespace {
+
+// A batch put from device memory into a full host tier: room is made for
+// all the items the tier refused at once and they go to it as a batch
+// again (batch_room_rounds), instead of one eviction and one copy per block.
+// With a GPU every block is stored and reads back right; without one the
+// room is made the same way and each copy then fails as Unavailable.
+TEST(StoreTest, ABatchFromDeviceMemoryIntoAFullHostTierMakesRoomForAllAtOnce) {
+  auto store = open(host_config(8 << 20));
+  ASSERT_TRUE(store);
+  const size_t block = 64 << 10, old = 128, n = 64;  // the old blocks fill the arena
+  for (size_t i = 0; i < old; ++i) {
+    auto data = random_bytes(block, 1000 + i);
+    ASSERT_TRUE(store->put(compute_block_id(&i, sizeof i), data.data(), block).ok());
+  }
+  const bool gpu = gpu_count() > 0;
+  std::vector<uint8_t> bytes = random_bytes(n * block, 7);
+  DeviceBuffer dev;
+  std::vector<uint8_t> stand_in;
+  uint8_t* base = device_or_stand_in(n * block, &dev, &stand_in);
+  ASSERT_TRUE(base);
+  if (gpu) ASSERT_TRUE(copy_to_device(base, bytes.data(), bytes.size()).ok());
+  std::vector<BlockId> ids;
+  std::vector<ConstBuffer> bufs;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t key = 50000 + i;
+    ids.push_back(compute_block_id(&key, sizeof key));
+    bufs.push_back(ConstBuffer{base + i * block, block});
+  }
+  PutOptions from_device;
+  from_device.src_kind = MemoryKind::kDevice;
+  std::vector<Status> st;
+  const size_t stored = store->put_batch(ids, bufs, &st, from_device);
+  const StoreStats s = store->stats();
+  EXPECT_GE(s.batch_room_rounds, 1u);
+  EXPECT_GE(s.tiers[0].evictions, n);
+  if (!gpu) {
+    EXPECT_EQ(stored, 0u);
+    for (size_t i = 0; i < n; ++i) EXPECT_TRUE(st[i].is(Code::kUnavailable)) << i;
+    return;
+  }
+  EXPECT_EQ(stored, n);
+  std::vector<uint8_t> out(block);
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_TRUE(st[i].ok()) << i << " " << st[i].ToString();
+    GetResult r;
+    ASSERT_TRUE(store->get(ids[i], out.data(), out.size(), &r).ok());
+    ASSERT_TRUE(r.found) << i;
+    ASSERT_EQ(0, std::memcmp(out.data(), bytes.data() + i * block, block)) << i;
+  }
+}
+
+}  // namespace
 }  // namespace cascade
