@@ -37,7 +37,11 @@ def test_quick_run_reports_pairs_and_aggregates(tmp_path, capsys):
     for a in report["aggregate"]:
         assert a["pushed"] > 0 and a["read_gbps"] > 0
         assert a["ratio"] == pytest.approx(a["read_gbps"] / a["n_x_one"])
+        assert a["memcpy_n_gbps"] > 0
+        bound = min(a["n_x_one"], a["memcpy_n_gbps"])
+        assert a["ratio_bound"] == pytest.approx(a["read_gbps"] / bound)
     assert "remote/local" in text and "N x one" in text and "fresh/warm map" in text
+    assert "memcpy N threads" in text
 
 
 def test_first_touch_probe_leaves_no_file_and_names_a_bad_directory(tmp_path):

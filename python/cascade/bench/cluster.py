@@ -564,9 +564,18 @@ def run_cluster_bench(args, progress) -> dict:
     if args.gpu:
         report["gpu"] = [_gpu_rows(f, max(total, 256 << 20), verify, progress) for f in names]
     one = {(p["fabric"], p["block"]): p["remote_gbps"] for p in report["pairs"]}
+    # Memory's own limit with N copies at once: N readers each copy the
+    # blocks once, so N x one server cannot pass N threads of memcpy.
+    memcpy_n: dict[int, float] = {}
+    for n in servers:
+        progress(f"memcpy ceiling, {n} threads")
+        memcpy_n[n] = _core.memcpy_bandwidth(min(total * n, 1 << 30), n, 3)["gbps"]
     for a in report["aggregate"]:
         a["n_x_one"] = a["servers"] * one[(a["fabric"], a["block"])]
         a["ratio"] = a["read_gbps"] / a["n_x_one"]
+        a["memcpy_n_gbps"] = memcpy_n[a["servers"]]
+        # Against the lower of the two: N x one server, or memory itself.
+        a["ratio_bound"] = a["read_gbps"] / min(a["n_x_one"], a["memcpy_n_gbps"])
     report["verified"] = True  # _read raises on a wrong byte
     return report
 
@@ -634,15 +643,28 @@ def format_report(report: dict) -> str:
             a["read_gbps"],
             a["n_x_one"],
             a["ratio"],
+            a.get("memcpy_n_gbps", 0.0),
+            a.get("ratio_bound", a["ratio"]),
         ]
         for a in report["aggregate"]
     ]
     out.append(
         format_table(
-            ["fabric", "block", "servers", "write GB/s", "read GB/s", "N x one", "ratio"],
+            [
+                "fabric",
+                "block",
+                "servers",
+                "write GB/s",
+                "read GB/s",
+                "N x one",
+                "ratio",
+                "memcpy N threads",
+                "read / min(N x one, memcpy)",
+            ],
             rows,
             title="\none client per server: writes pushed to owners, then every client reads "
-            f"every other client's blocks (goal {GOAL_AGGREGATE}x N x one server)"
+            f"every other client's blocks (goal {GOAL_AGGREGATE}x N x one server, or x memcpy on "
+            "N threads where memory binds first)"
             + (
                 "; readers in processes of their own"
                 if report["settings"].get("client_processes")
