@@ -48,8 +48,13 @@ __global__ void __launch_bounds__(kThreads)
 
 cudaError_t launch_batch_copy(const CopySegment* segments, uint32_t count, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  batch_copy_kernel<<<count, kThreads, 0, stream>>>(segments);
-  return cudaGetLastError();
+  // cudaLaunchKernel returns this launch's own outcome; after a <<<>>>
+  // launch, cudaGetLastError() would also return (and clear) an error the
+  // caller's code left pending on this thread.
+  const CopySegment* arg = segments;
+  void* args[] = {&arg};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&batch_copy_kernel), dim3(count),
+                          dim3(kThreads), args, 0, stream);
 }
 
 }  // namespace cascade

@@ -7,10 +7,12 @@
 // message reads "what: <CUDA's error name and text>".
 //
 // cuda_status() of a failure also takes it off the runtime's per-thread
-// error state: the runtime is shared with the caller's own CUDA code (torch
-// and others check that state after their kernel launches), and an error
-// this library reported, or handled by a fallback, must not surface there.
-// A sticky error (a fault that ruins the context) stays, as it must.
+// error state when it is the error pending there: the runtime is shared
+// with the caller's own CUDA code (torch and others check that state after
+// their kernel launches), and an error this library reported, or handled
+// by a fallback, must not surface there. A different pending error is the
+// caller's and stays; so does a sticky error (a fault that ruins the
+// context), as it must.
 //
 // Private: included only by files compiled with CUDA.
 // Thread-safety: thread-safe (the error state is per thread).

@@ -49,7 +49,10 @@ Code code_for_driver(CUresult err) {
 
 Status cuda_status(cudaError_t err, std::string_view what) {
   if (err == cudaSuccess) return Status::OK();
-  (void)cudaGetLastError();
+  // Taken off the thread's error state only when it is this failure: an
+  // error passed in that no runtime call just set (one made up here), or
+  // one the caller's code left pending, stays for its owner.
+  if (cudaPeekAtLastError() == err) (void)cudaGetLastError();
   std::string msg(what);
   msg += ": ";
   msg += cudaGetErrorName(err);

@@ -4,6 +4,7 @@
 #include <map>
 #include <memory>
 #include <thread>
+#include <utility>
 
 #include "cuda/cuda_status.h"
 
@@ -59,10 +60,15 @@ Status DeviceContext::init() {
   ScopedDevice on(device_);
   CASCADE_CUDA_RETURN(cudaFree(nullptr), "initialize GPU " + std::to_string(device_));
   int uva = 0, host_ptr = 0, pools = 0;
-  (void)cudaDeviceGetAttribute(&uva, cudaDevAttrUnifiedAddressing, device_);
-  (void)cudaDeviceGetAttribute(&host_ptr, cudaDevAttrCanUseHostPointerForRegisteredMem, device_);
-  (void)cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device_);
-  (void)cudaGetLastError();
+  // A query that fails answers no (0); only its own error is cleared.
+  for (auto [out, attr] : {std::pair{&uva, cudaDevAttrUnifiedAddressing},
+                           std::pair{&host_ptr, cudaDevAttrCanUseHostPointerForRegisteredMem},
+                           std::pair{&pools, cudaDevAttrMemoryPoolsSupported}}) {
+    if (cudaDeviceGetAttribute(out, attr, device_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      *out = 0;
+    }
+  }
   kernels_reach_host_ = uva && host_ptr;
   for (auto& s : streams_)
     CASCADE_CUDA_RETURN(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
@@ -81,11 +87,13 @@ Status DeviceContext::init() {
       // Keep up to 512 MiB of freed scratch for the next transfer instead of
       // returning it to the driver at every synchronization.
       uint64_t keep = 512ULL << 20;
-      (void)cudaMemPoolSetAttribute(scratch_pool_, cudaMemPoolAttrReleaseThreshold, &keep);
+      if (cudaMemPoolSetAttribute(scratch_pool_, cudaMemPoolAttrReleaseThreshold, &keep) !=
+          cudaSuccess)
+        (void)cudaGetLastError();
     } else {
+      (void)cudaGetLastError();
       scratch_pool_ = nullptr;
     }
-    (void)cudaGetLastError();
   }
   return Status::OK();
 }

@@ -80,18 +80,19 @@ class DeviceTransfers {
   Status enqueue_reachable(std::span<const CopyItem> items, std::span<const Sides> sides,
                            bool device_to_device, cudaStream_t s) const;
 
- private:
-  // A device allocation found on this device, remembered while one call
-  // sorts its items (consecutive blocks usually share one).
+  // An allocation found, remembered while one call sorts its items
+  // (consecutive blocks usually share one).
   struct KnownRange {
     uintptr_t lo = 0, hi = 0;
   };
-  // True when p is memory of this device; *allocation: the start of the
-  // allocation holding p, or kUnknownAllocation.
-  bool device_side_local(const void* p, KnownRange* known, uintptr_t* allocation) const;
   // The start of what holds host memory p that the GPU reaches (a recorded
   // range, or an allocation CUDA made or registered), or kUnknownAllocation.
   static uintptr_t host_side_allocation(const void* p, KnownRange* known);
+
+ private:
+  // True when p is memory of this device; *allocation: the start of the
+  // allocation holding p, or kUnknownAllocation.
+  bool device_side_local(const void* p, KnownRange* known, uintptr_t* allocation) const;
   // REQUIRES: method is kKernel or kBatchApi (and allowed on s).
   Status enqueue_small(std::span<const CopyItem> items, SmallCopyMethod method,
                        cudaStream_t s) const;

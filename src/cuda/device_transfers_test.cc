@@ -108,6 +108,42 @@ TEST(DeviceTransfersTest, AReportedFailureLeavesNoErrorBehind) {
   EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess) << cudaGetErrorName(cudaPeekAtLastError());
 }
 
+// An error the caller's own code left pending on the thread is neither
+// taken for a failure of the store's copies nor cleared by them: the
+// batched copy kernel reports its own launch, not the thread's last error.
+TEST(DeviceTransfersTest, AnErrorTheCallerLeftPendingIsNeitherTakenNorCleared) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
+  const size_t item = 4096, n = 8;
+  std::vector<uint8_t> host(2 * n * item);
+  std::mt19937_64 rng(9);
+  for (auto& x : host) x = static_cast<uint8_t>(rng());
+  ASSERT_EQ(
+      cudaHostRegister(host.data(), host.size(), cudaHostRegisterPortable | cudaHostRegisterMapped),
+      cudaSuccess);
+  // Registering it again fails, and the caller leaves that error pending.
+  ASSERT_EQ(
+      cudaHostRegister(host.data(), host.size(), cudaHostRegisterPortable | cudaHostRegisterMapped),
+      cudaErrorHostMemoryAlreadyRegistered);
+  auto dev = DeviceBuffer::Allocate(0, 2 * n * item);
+  ASSERT_TRUE(dev.ok());
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  // Every other 4 KiB: small items that do not merge, copied by the kernel.
+  std::vector<CopyItem> items;
+  for (size_t k = 0; k < n; ++k)
+    items.push_back(CopyItem{dev->data() + 2 * k * item, host.data() + 2 * k * item, item});
+  const Status st = device_copy_batch(items, MemoryKind::kDevice, MemoryKind::kHost, stream);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(cudaPeekAtLastError(), cudaErrorHostMemoryAlreadyRegistered);
+  (void)cudaGetLastError();
+  std::vector<uint8_t> back(2 * n * item);
+  ASSERT_EQ(cudaMemcpy(back.data(), dev->data(), back.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (size_t k = 0; k < n; ++k)
+    EXPECT_EQ(0, std::memcmp(back.data() + 2 * k * item, host.data() + 2 * k * item, item)) << k;
+  (void)cudaStreamDestroy(stream);
+  (void)cudaHostUnregister(host.data());
+}
+
 #else
 
 TEST(DeviceTransfersTest, BuiltWithoutCuda) { GTEST_SKIP() << "built without CUDA"; }

@@ -106,15 +106,16 @@ class KvTransfer {
     auto queue_dma = [&](size_t begin, size_t n, uint8_t* buf) -> Status {
       std::vector<CopyItem> items(n);
       // Blocks next to each other on both sides merge only within one
-      // allocation each: the bounce, and the store's recorded host range.
+      // allocation each: the bounce, and what holds the store's blocks.
       std::vector<DeviceTransfers::Sides> sides(n);
+      DeviceTransfers::KnownRange known;
       const uintptr_t bounce_at = reinterpret_cast<uintptr_t>(buf);
       for (size_t k = 0; k < n; ++k) {
         uint8_t* staged_block = buf + k * block_bytes;
         uint8_t* part = store_[begin + k] + part_offset;
         items[k] = save_ ? CopyItem{part, staged_block, block_bytes}
                          : CopyItem{staged_block, part, block_bytes};
-        const uintptr_t host_at = host_range_base(part);
+        const uintptr_t host_at = DeviceTransfers::host_side_allocation(part, &known);
         sides[k] = save_ ? DeviceTransfers::Sides{host_at, bounce_at}
                          : DeviceTransfers::Sides{bounce_at, host_at};
       }

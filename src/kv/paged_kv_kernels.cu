@@ -48,14 +48,19 @@ cudaError_t launch(const KvLaunch& a, cudaStream_t stream) {
   if (units == 0) return cudaSuccess;
   if (units > 0x7fffffffULL) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(units));
+  const void* kernel = nullptr;
   switch (a.vector_bytes) {
-    case 16: kv_copy_kernel<uint4, kSave><<<grid, kThreads, 0, stream>>>(a); break;
-    case 8: kv_copy_kernel<uint2, kSave><<<grid, kThreads, 0, stream>>>(a); break;
-    case 4: kv_copy_kernel<uint32_t, kSave><<<grid, kThreads, 0, stream>>>(a); break;
-    case 2: kv_copy_kernel<uint16_t, kSave><<<grid, kThreads, 0, stream>>>(a); break;
-    default: kv_copy_kernel<uint8_t, kSave><<<grid, kThreads, 0, stream>>>(a); break;
+    case 16: kernel = reinterpret_cast<const void*>(&kv_copy_kernel<uint4, kSave>); break;
+    case 8: kernel = reinterpret_cast<const void*>(&kv_copy_kernel<uint2, kSave>); break;
+    case 4: kernel = reinterpret_cast<const void*>(&kv_copy_kernel<uint32_t, kSave>); break;
+    case 2: kernel = reinterpret_cast<const void*>(&kv_copy_kernel<uint16_t, kSave>); break;
+    default: kernel = reinterpret_cast<const void*>(&kv_copy_kernel<uint8_t, kSave>); break;
   }
-  return cudaGetLastError();
+  // This launch's own outcome (see launch_batch_copy): not an error the
+  // caller's code left pending.
+  KvLaunch arg = a;
+  void* args[] = {&arg};
+  return cudaLaunchKernel(kernel, grid, dim3(kThreads), args, 0, stream);
 }
 
 }  // namespace

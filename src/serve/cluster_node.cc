@@ -1000,6 +1000,8 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
   std::vector<TransferOp> ops;
   std::vector<cluster::CommitItem> commits;
   std::vector<uint64_t> bytes;
+  std::vector<uint8_t> unused;  // tokens of reservations granted and not used: aborted
+  uint32_t unused_count = 0;
   for (size_t j = 0; j < have.size(); ++j) {
     auto rr = item_at<cluster::ReserveReply>(reply->data(), j);
     if (rr.code != 0) {  // refused: the owner will not hold it
@@ -1011,6 +1013,8 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
     if (v.size() > (*link)->arena_bytes || rr.offset > (*link)->arena_bytes - v.size()) {
       bad_messages.fetch_add(1, std::memory_order_relaxed);
       push_dropped.fetch_add(1, std::memory_order_relaxed);
+      put_item(&unused, cluster::TokenItem{rr.token});
+      ++unused_count;
       continue;
     }
     ops.push_back(TransferOp{TransferKind::kPut, (*link)->arena.get(), rr.offset,
@@ -1018,6 +1022,9 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
     commits.push_back(cluster::CommitItem{rr.token, checksum(v.data(), v.size())});
     bytes.push_back(v.size());
   }
+  // The owner keeps a granted reservation until it expires unless told:
+  // sent without waiting for a reply, as releases are.
+  if (unused_count) (void)call(ln, Op::kAbort, unused_count, unused, deadline());
   if (ops.empty()) return;
   Status st = peer.run_batch(ops, deadline());
   if (!st.ok()) {

@@ -190,6 +190,7 @@ struct RawOwner {
   };
   std::multimap<std::chrono::steady_clock::time_point, Due> due;  // guarded by mu
   std::vector<uint64_t> released;                                 // tokens, guarded by mu
+  std::vector<uint64_t> aborted;                                  // tokens, guarded by mu
   bool stop = false;                                              // guarded by mu
   std::thread server, sender;
 
@@ -280,12 +281,12 @@ struct RawOwner {
         later(hello_delay, *p, h.reply_tag, ok(1, items));
         continue;
       }
-      if (op == cluster::Op::kRelease) {
+      if (op == cluster::Op::kRelease || op == cluster::Op::kAbort) {
         std::lock_guard<std::mutex> l(mu);
         for (uint32_t k = 0; k < h.count; ++k) {
           uint64_t token;
           std::memcpy(&token, body + k * sizeof token, sizeof token);
-          released.push_back(token);
+          (op == cluster::Op::kRelease ? released : aborted).push_back(token);
         }
       }
       auto it = back.find(h.lane);
@@ -313,6 +314,10 @@ struct RawOwner {
   std::vector<uint64_t> released_tokens() {
     std::lock_guard<std::mutex> l(mu);
     return released;
+  }
+  std::vector<uint64_t> aborted_tokens() {
+    std::lock_guard<std::mutex> l(mu);
+    return aborted;
   }
 };
 
@@ -760,6 +765,47 @@ TEST(ClusterNode, PushesTheOwnerRefusesAreCountedAsDropped) {
   const ClusterStats s = a.node->stats();
   EXPECT_EQ(s.pushed, 0u);
   EXPECT_EQ(s.push_dropped, uint64_t(kBlocks));
+}
+
+// A reservation an owner grants at an offset outside its arena is not
+// written (a bad message) and is aborted at the owner, which would
+// otherwise hold the space until the reservation expired.
+TEST(ClusterNode, ReservationsGrantedOutsideTheOwnersArenaAreAborted) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a");
+  ASSERT_TRUE(a.node);
+  std::atomic<uint64_t> next_token{500};  // the pushes may come in several calls
+  RawOwner owner([&](cluster::Op op, uint32_t count, const uint8_t*) {
+    std::optional<std::vector<uint8_t>> out;
+    if (op != cluster::Op::kReserve) return out;
+    out.emplace();
+    for (uint32_t k = 0; k < count; ++k) {
+      cluster::ReserveReply r{};
+      r.offset = kRawArena;  // past the end
+      r.token = next_token++;
+      const auto* b = reinterpret_cast<const uint8_t*>(&r);
+      out->insert(out->end(), b, b + sizeof r);
+    }
+    return out;
+  });
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  auto ca = a.client();
+  ASSERT_TRUE(ca);
+  constexpr int kBlocks = 3;
+  put_blocks(ca.get(), 8100, kBlocks);
+  ASSERT_TRUE(a.node->drain(5000));
+  EXPECT_EQ(a.node->stats().push_dropped, uint64_t(kBlocks));
+  EXPECT_GE(a.node->stats().bad_messages, uint64_t(kBlocks));
+  std::vector<uint64_t> aborted;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - t0 < 3s) {  // sent without waiting for a reply
+    aborted = owner.aborted_tokens();
+    if (aborted.size() >= kBlocks) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  std::sort(aborted.begin(), aborted.end());
+  EXPECT_EQ(aborted, (std::vector<uint64_t>{500, 501, 502}));
 }
 
 TEST(ClusterNode, AConnectWithTwoHellosTakesOneDeadlineInAll) {
