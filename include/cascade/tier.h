@@ -157,7 +157,7 @@ class Tier {
                           std::span<ReadResult> results, std::span<Status> statuses);
 
   // Many puts at once: statuses[i] as put() per item. Tiers whose copies
-  // pipeline (the gpu tier) override it and say so in prefers_batches();
+  // pipeline (the gpu tier) override it and say so in prefers_batches(MemoryKind);
   // the default loops over put().
   virtual void put_batch(std::span<const BlockId> ids, std::span<const void* const> data,
                          std::span<const uint64_t> sizes, const PutOptions& options,
