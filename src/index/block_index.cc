@@ -1,6 +1,8 @@
 // BlockIndex implementation. See block_index.h for the design.
 #include "index/block_index.h"
 
+#include <algorithm>
+
 #include <mutex>
 
 namespace cascade {
@@ -326,61 +328,80 @@ std::vector<BlockIndex::Claimed> BlockIndex::claim_victims(uint64_t bytes) {
   std::vector<Claimed> out;
   uint64_t got = 0;
   size_t nshards = shard_mask_ + 1;
+  // Ages are counted back from one reading of the clock, signed: an entry
+  // requeued during this claim (a tick after it) is younger than all others.
+  const uint32_t now = static_cast<uint32_t>(clock_.load(std::memory_order_relaxed));
+  auto age_of = [now](uint32_t tick) { return static_cast<int32_t>(now - tick); };
   for (int l = 0; l < 2 && got < bytes; ++l) {
     // Every live entry may be passed over twice (leased, then referenced).
     long budget = static_cast<long>(2 * size() + nshards + 64);
-    while (got < bytes && budget > 0) {
-      uint32_t now = static_cast<uint32_t>(clock_.load(std::memory_order_relaxed));
-      // The shard holding the oldest tail, and the age of the runner-up: the
-      // walk below claims only blocks older than every other shard's tail,
-      // so victims leave in global age order.
-      long best = -1;
-      uint32_t best_age = 0, second_age = 0;
-      bool have_second = false;
-      for (size_t i = 0; i < nshards; ++i) {
-        uint64_t k = shards_[i].tail_key[l].load(std::memory_order_relaxed);
-        if (k == 0) continue;
-        uint32_t age = now - static_cast<uint32_t>(k);
-        if (best < 0 || age > best_age) {
-          if (best >= 0) {
-            second_age = best_age;
-            have_second = true;
+    // The shards by the age of their tails, oldest on top, read once and
+    // kept up to date as the claim goes: one heap step per shard visited
+    // instead of a scan of every shard's tail per victim. A shard's tail
+    // may change meanwhile (other claims, requeues, a first insert), so a
+    // popped shard's tail is read again before it is used.
+    std::vector<std::pair<int32_t, uint32_t>> heap;  // (age, shard)
+    heap.reserve(nshards);
+    auto tail_age = [&](size_t i, int32_t* age) {
+      uint64_t k = shards_[i].tail_key[l].load(std::memory_order_relaxed);
+      if (k == 0) return false;
+      *age = age_of(static_cast<uint32_t>(k));
+      return true;
+    };
+    for (size_t i = 0; i < nshards; ++i) {
+      int32_t age;
+      if (tail_age(i, &age)) heap.emplace_back(age, static_cast<uint32_t>(i));
+    }
+    std::make_heap(heap.begin(), heap.end());
+    while (got < bytes && budget > 0 && !heap.empty()) {
+      std::pop_heap(heap.begin(), heap.end());
+      const uint32_t best = heap.back().second;
+      heap.pop_back();
+      --budget;
+      int32_t best_age;
+      if (!tail_age(best, &best_age)) continue;  // emptied meanwhile
+      if (!heap.empty() && best_age < heap.front().first) {
+        heap.emplace_back(best_age, best);  // no longer the oldest: back in its place
+        std::push_heap(heap.begin(), heap.end());
+        continue;
+      }
+      // The walk below claims only blocks older than every other shard's
+      // tail, so victims leave in global age order.
+      const bool have_second = !heap.empty();
+      const int32_t second_age = have_second ? heap.front().first : 0;
+      Shard& s = shards_[best];
+      {
+        std::unique_lock<std::shared_mutex> lock(s.mu);
+        for (int steps = 0; steps < 64 && got < bytes && s.tail[l] != kNil && budget > 0; ++steps) {
+          uint32_t e = s.tail[l];
+          Entry& x = s.at(e);
+          if (steps > 0 && have_second && age_of(x.tick) < second_age) break;
+          uint32_t st = x.state.load(std::memory_order_acquire);
+          uint32_t tick = static_cast<uint32_t>(clock_.fetch_add(1, std::memory_order_relaxed));
+          if ((st & kLeaseMask) != 0 || (policy_ == EvictionPolicy::kLru && (st & kReferenced))) {
+            // Being read, or read since queued: it is recently used. Requeue.
+            x.state.fetch_and(~kReferenced, std::memory_order_relaxed);
+            s.unlink(l, e);
+            s.push_head(l, e, tick);
+            --budget;
+            continue;
           }
-          best = static_cast<long>(i);
-          best_age = age;
-        } else if (!have_second || age > second_age) {
-          second_age = age;
-          have_second = true;
+          s.unlink(l, e);
+          x.state.fetch_add(1 | kEvicting, std::memory_order_acq_rel);
+          s.leased.fetch_add(1, std::memory_order_relaxed);
+          Claimed c;
+          c.id = x.id;
+          c.lease.token = make_token(best, &x);
+          c.lease.loc = x.get_loc();
+          c.lease.is_prefix = (st & kPrefix) != 0;
+          got += c.lease.loc.size;
+          out.push_back(c);
         }
       }
-      if (best < 0) break;
-      Shard& s = shards_[best];
-      std::unique_lock<std::shared_mutex> lock(s.mu);
-      --budget;
-      for (int steps = 0; steps < 64 && got < bytes && s.tail[l] != kNil && budget > 0; ++steps) {
-        uint32_t e = s.tail[l];
-        Entry& x = s.at(e);
-        if (steps > 0 && have_second && uint32_t(now - x.tick) < second_age) break;
-        uint32_t st = x.state.load(std::memory_order_acquire);
-        uint32_t tick = static_cast<uint32_t>(clock_.fetch_add(1, std::memory_order_relaxed));
-        if ((st & kLeaseMask) != 0 || (policy_ == EvictionPolicy::kLru && (st & kReferenced))) {
-          // Being read, or read since queued: it is recently used. Requeue.
-          x.state.fetch_and(~kReferenced, std::memory_order_relaxed);
-          s.unlink(l, e);
-          s.push_head(l, e, tick);
-          --budget;
-          continue;
-        }
-        s.unlink(l, e);
-        x.state.fetch_add(1 | kEvicting, std::memory_order_acq_rel);
-        s.leased.fetch_add(1, std::memory_order_relaxed);
-        Claimed c;
-        c.id = x.id;
-        c.lease.token = make_token(static_cast<uint32_t>(best), &x);
-        c.lease.loc = x.get_loc();
-        c.lease.is_prefix = (st & kPrefix) != 0;
-        got += c.lease.loc.size;
-        out.push_back(c);
+      int32_t next_age;
+      if (tail_age(best, &next_age)) {
+        heap.emplace_back(next_age, best);
+        std::push_heap(heap.begin(), heap.end());
       }
     }
   }

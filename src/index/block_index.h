@@ -17,8 +17,9 @@
 // Readers only set a "referenced" bit (no list moves, so gets need only the
 // shared lock); claim_victims() walks from the tail, giving referenced entries
 // a second chance (kLru) or not (kFifo). Each shard publishes the insertion
-// tick of its tail so the globally oldest block is found by scanning one
-// atomic per shard.
+// tick of its tail; a claim reads them once into a heap ordered by age and
+// keeps it up to date, so the globally oldest block is one heap step away
+// rather than a scan of every shard per victim.
 //
 // Lock order: one shard lock at a time; never call out (reclaim) while
 // holding it.

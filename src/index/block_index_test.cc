@@ -114,6 +114,31 @@ TEST(BlockIndexTest, VictimsOldestFirstSkippingLeasedAndPrefix) {
   for (auto& c : all) idx.release(c.lease.token);
 }
 
+// Many shards, large claims: victims still leave in global insertion
+// order, across claims, with leased blocks passed over and taken later.
+TEST(BlockIndexTest, LargeClaimsOverManyShardsTakeTheOldestFirst) {
+  BlockIndex idx(256, EvictionPolicy::kFifo, nullptr);
+  const uint64_t n = 5000;
+  for (uint64_t i = 0; i < n; ++i) idx.insert(make_id(i), {i * 4096, 4096}, false);
+  auto held = idx.acquire(make_id(10), false);
+  std::vector<BlockId> order;
+  for (uint64_t want : {uint64_t(700), uint64_t(1), uint64_t(1300)}) {
+    auto v = idx.claim_victims(want * 4096);
+    ASSERT_EQ(v.size(), want);
+    for (auto& c : v) {
+      order.push_back(c.id);
+      idx.remove(c.id);
+      idx.release(c.lease.token);
+    }
+  }
+  // 0..2000 without 10 (leased, requeued), then 2001.
+  std::vector<BlockId> expect;
+  for (uint64_t i = 0; i <= 2001; ++i)
+    if (i != 10) expect.push_back(make_id(i));
+  EXPECT_EQ(order, expect);
+  idx.release(held->token);
+}
+
 TEST(BlockIndexTest, LruGivesReadBlocksASecondChance) {
   BlockIndex idx(1, EvictionPolicy::kLru, nullptr);
   for (uint64_t i = 0; i < 4; ++i) idx.insert(make_id(i), {i * 4096, 10}, false);
