@@ -90,6 +90,7 @@ class DeviceTransfers {
   static uintptr_t host_side_allocation(const void* p, KnownRange* known);
 
  private:
+  static bool find_allocation(uintptr_t a, KnownRange* known);
   // True when p is memory of this device; *allocation: the start of the
   // allocation holding p, or kUnknownAllocation.
   bool device_side_local(const void* p, KnownRange* known, uintptr_t* allocation) const;

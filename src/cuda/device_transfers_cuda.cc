@@ -48,6 +48,24 @@ Status per_copy(std::span<const CopyItem> items, cudaStream_t s) {
 
 }  // namespace
 
+// The allocation CUDA knows holding address a, into *known; false when the
+// driver cannot say.
+bool DeviceTransfers::find_allocation(uintptr_t a, KnownRange* known) {
+  const DriverApi* api = driver_api();
+  CUdeviceptr start = 0;
+  size_t size = 0;
+  if (!api ||
+      api->cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CUdeviceptr(a)) !=
+          CUDA_SUCCESS ||
+      api->cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, CUdeviceptr(a)) !=
+          CUDA_SUCCESS ||
+      !(start <= a && a < start + size))
+    return false;
+  known->lo = start;
+  known->hi = start + size;
+  return true;
+}
+
 bool DeviceTransfers::device_side_local(const void* p, KnownRange* known,
                                         uintptr_t* allocation) const {
   uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -67,21 +85,8 @@ bool DeviceTransfers::device_side_local(const void* p, KnownRange* known,
   }
   bool local = attr.type == cudaMemoryTypeManaged ||
                (attr.type == cudaMemoryTypeDevice && attr.device == ctx_->device());
-  if (local && attr.type == cudaMemoryTypeDevice) {
-    const DriverApi* api = driver_api();
-    CUdeviceptr start = 0;
-    size_t size = 0;
-    if (api &&
-        api->cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CUdeviceptr(a)) ==
-            CUDA_SUCCESS &&
-        api->cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, CUdeviceptr(a)) ==
-            CUDA_SUCCESS &&
-        start <= a && a < start + size) {
-      known->lo = start;
-      known->hi = start + size;
-      *allocation = known->lo;
-    }
-  }
+  if (local && attr.type == cudaMemoryTypeDevice && find_allocation(a, known))
+    *allocation = known->lo;
   return local;
 }
 
@@ -90,20 +95,7 @@ uintptr_t DeviceTransfers::host_side_allocation(const void* p, KnownRange* known
   if (a >= known->lo && a < known->hi) return known->lo;
   // A recorded range: its copies are split at its chunks' ends later.
   if (const uintptr_t base = host_range_base(p)) return base;
-  const DriverApi* api = driver_api();
-  CUdeviceptr start = 0;
-  size_t size = 0;
-  if (api &&
-      api->cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CUdeviceptr(a)) ==
-          CUDA_SUCCESS &&
-      api->cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, CUdeviceptr(a)) ==
-          CUDA_SUCCESS &&
-      start <= a && a < start + size) {
-    known->lo = start;
-    known->hi = start + size;
-    return start;
-  }
-  return kUnknownAllocation;
+  return find_allocation(a, known) ? known->lo : kUnknownAllocation;
 }
 
 Status DeviceTransfers::copy(std::span<const CopyItem> items, MemoryKind dst_kind,

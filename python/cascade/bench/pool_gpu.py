@@ -29,6 +29,15 @@ from cascade.bench.common import fmt_size, format_table
 GOAL_LOAD_VS_PCIE = 0.9  # a pool client's batched loads into GPU memory, 64 KiB blocks and up
 
 
+def _save_all(store, keys: list, src, batch: int, tag: str) -> None:
+    """Saves the rows of src under keys, `batch` at a time; raises when a
+    batch stored less than all its blocks."""
+    for b in range(0, len(keys), batch):
+        stored = store.put_batch(keys[b : b + batch], src[b : b + batch])
+        if stored != len(keys[b : b + batch]):
+            raise RuntimeError(f"{tag}: put_batch stored {stored} of {len(keys[b : b + batch])}")
+
+
 def _timed_passes(store, src, dst, batch: int, repeats: int, tag: str) -> tuple[float, float]:
     """Best save and load GB/s of `repeats` passes; raises on a wrong byte."""
     import torch
@@ -43,12 +52,7 @@ def _timed_passes(store, src, dst, batch: int, repeats: int, tag: str) -> tuple[
         keys = [cascade.block_id(f"{tag}/{rep}/{i}") for i in range(count)]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for b in range(0, count, batch):
-            stored = store.put_batch(keys[b : b + batch], src[b : b + batch])
-            if stored != len(keys[b : b + batch]):
-                raise RuntimeError(
-                    f"{tag}: put_batch stored {stored} of {len(keys[b : b + batch])}"
-                )
+        _save_all(store, keys, src, batch, tag)
         saves.append(nbytes / (time.perf_counter() - t0) / 1e9)
         dst.zero_()
         torch.cuda.synchronize()
@@ -80,12 +84,7 @@ def _full_saves(store, src, batch: int, repeats: int, tag: str) -> float:
         evicted = store.get_stats()["evictions"]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for b in range(0, count, batch):
-            stored = store.put_batch(keys[b : b + batch], src[b : b + batch])
-            if stored != len(keys[b : b + batch]):
-                raise RuntimeError(
-                    f"{tag}: put_batch stored {stored} of {len(keys[b : b + batch])}"
-                )
+        _save_all(store, keys, src, batch, tag)
         if rep > 0:
             best = max(best, count * size / (time.perf_counter() - t0) / 1e9)
             # The arena holds half the blocks: a pass into it evicts for most of its blocks.
