@@ -194,6 +194,22 @@ struct RawOwner {
   bool stop = false;                                              // guarded by mu
   std::thread server, sender;
 
+  // An answer to `op` alone, one reply per item: reply(k) for item k.
+  template <class Make>
+  static Answer each_item(cluster::Op op, Make reply) {
+    return [op, reply](cluster::Op got, uint32_t count, const uint8_t*) {
+      std::optional<std::vector<uint8_t>> out;
+      if (got != op) return out;
+      out.emplace();
+      for (uint32_t k = 0; k < count; ++k) {
+        const auto r = reply(k);
+        const auto* b = reinterpret_cast<const uint8_t*>(&r);
+        out->insert(out->end(), b, b + sizeof r);
+      }
+      return out;
+    };
+  }
+
   explicit RawOwner(Answer a, bool silent_lane = false) : answer(std::move(a)) {
     TransportOptions o;
     o.fabrics = "tcp";
@@ -695,21 +711,14 @@ TEST(ClusterNode, LeasesGrantedOutsideTheOwnersArenaAreReleasedAndAreMisses) {
   Member a("a");
   ASSERT_TRUE(a.node);
   // Every lease lies outside the owner's arena: past its end, or longer than it.
-  RawOwner owner([&](cluster::Op op, uint32_t count, const uint8_t*) {
-    std::optional<std::vector<uint8_t>> out;
-    if (op != cluster::Op::kLease) return out;
-    out.emplace();
-    for (uint32_t k = 0; k < count; ++k) {
-      cluster::LeaseReply l{};
-      l.offset = k % 2 ? kRawArena : 0;
-      l.size = k % 2 ? 4096 : kRawArena + 4096;
-      l.token = 100 + k;
-      l.checksum = 1;
-      const auto* b = reinterpret_cast<const uint8_t*>(&l);
-      out->insert(out->end(), b, b + sizeof l);
-    }
-    return out;
-  });
+  RawOwner owner(RawOwner::each_item(cluster::Op::kLease, [](uint32_t k) {
+    cluster::LeaseReply l{};
+    l.offset = k % 2 ? kRawArena : 0;
+    l.size = k % 2 ? 4096 : kRawArena + 4096;
+    l.token = 100 + k;
+    l.checksum = 1;
+    return l;
+  }));
   owner.start();
   ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
   std::vector<BlockId> ids;
@@ -743,18 +752,11 @@ TEST(ClusterNode, PushesTheOwnerRefusesAreCountedAsDropped) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a");
   ASSERT_TRUE(a.node);
-  RawOwner owner([](cluster::Op op, uint32_t count, const uint8_t*) {
-    std::optional<std::vector<uint8_t>> out;
-    if (op != cluster::Op::kReserve) return out;
-    out.emplace();
-    for (uint32_t k = 0; k < count; ++k) {
-      cluster::ReserveReply r{};
-      r.code = static_cast<uint32_t>(Code::kNoSpace);
-      const auto* b = reinterpret_cast<const uint8_t*>(&r);
-      out->insert(out->end(), b, b + sizeof r);
-    }
-    return out;
-  });
+  RawOwner owner(RawOwner::each_item(cluster::Op::kReserve, [](uint32_t) {
+    cluster::ReserveReply r{};
+    r.code = static_cast<uint32_t>(Code::kNoSpace);
+    return r;
+  }));
   owner.start();
   ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
   auto ca = a.client();
@@ -775,19 +777,12 @@ TEST(ClusterNode, ReservationsGrantedOutsideTheOwnersArenaAreAborted) {
   Member a("a");
   ASSERT_TRUE(a.node);
   std::atomic<uint64_t> next_token{500};  // the pushes may come in several calls
-  RawOwner owner([&](cluster::Op op, uint32_t count, const uint8_t*) {
-    std::optional<std::vector<uint8_t>> out;
-    if (op != cluster::Op::kReserve) return out;
-    out.emplace();
-    for (uint32_t k = 0; k < count; ++k) {
-      cluster::ReserveReply r{};
-      r.offset = kRawArena;  // past the end
-      r.token = next_token++;
-      const auto* b = reinterpret_cast<const uint8_t*>(&r);
-      out->insert(out->end(), b, b + sizeof r);
-    }
-    return out;
-  });
+  RawOwner owner(RawOwner::each_item(cluster::Op::kReserve, [&](uint32_t) {
+    cluster::ReserveReply r{};
+    r.offset = kRawArena;  // past the end
+    r.token = next_token++;
+    return r;
+  }));
   owner.start();
   ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
   auto ca = a.client();
@@ -815,20 +810,13 @@ TEST(ClusterNode, AConnectWithTwoHellosTakesOneDeadlineInAll) {
   // a second connect and hello after the first.
   Member a("a", 60000, /*lanes=*/2, /*timeout_ms=*/1000);
   ASSERT_TRUE(a.node);
-  RawOwner owner(
-      [](cluster::Op op, uint32_t count, const uint8_t*) {
-        std::optional<std::vector<uint8_t>> out;
-        if (op != cluster::Op::kLease) return out;
-        out.emplace();
-        for (uint32_t k = 0; k < count; ++k) {
-          cluster::LeaseReply l{};
-          l.code = static_cast<uint32_t>(Code::kNotFound);
-          const auto* b = reinterpret_cast<const uint8_t*>(&l);
-          out->insert(out->end(), b, b + sizeof l);
-        }
-        return out;
-      },
-      /*silent_lane=*/true);
+  RawOwner owner(RawOwner::each_item(cluster::Op::kLease,
+                                     [](uint32_t) {
+                                       cluster::LeaseReply l{};
+                                       l.code = static_cast<uint32_t>(Code::kNotFound);
+                                       return l;
+                                     }),
+                 /*silent_lane=*/true);
   owner.hello_delay = 800ms;
   owner.start();
   ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
@@ -849,18 +837,11 @@ TEST(ClusterNode, RepliesThatComeAfterTheirCallGaveUpAreDropped) {
   Member a("a", 60000, 4, /*timeout_ms=*/300);
   ASSERT_TRUE(a.node);
   // An owner that answers hellos at once and lookups after twice the deadline.
-  RawOwner owner([](cluster::Op op, uint32_t count, const uint8_t*) {
-    std::optional<std::vector<uint8_t>> out;
-    if (op != cluster::Op::kLookup) return out;
-    out.emplace();
-    for (uint32_t k = 0; k < count; ++k) {
-      cluster::LookupReply l{};
-      l.code = static_cast<uint32_t>(Code::kNotFound);
-      const auto* b = reinterpret_cast<const uint8_t*>(&l);
-      out->insert(out->end(), b, b + sizeof l);
-    }
-    return out;
-  });
+  RawOwner owner(RawOwner::each_item(cluster::Op::kLookup, [](uint32_t) {
+    cluster::LookupReply l{};
+    l.code = static_cast<uint32_t>(Code::kNotFound);
+    return l;
+  }));
   owner.reply_delay = 600ms;
   owner.start();
   ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
