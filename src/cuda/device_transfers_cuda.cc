@@ -93,8 +93,9 @@ bool DeviceTransfers::device_side_local(const void* p, KnownRange* known,
 uintptr_t DeviceTransfers::host_side_allocation(const void* p, KnownRange* known) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   if (a >= known->lo && a < known->hi) return known->lo;
-  // A recorded range: its copies are split at its chunks' ends later.
-  if (const uintptr_t base = host_range_base(p)) return base;
+  // A recorded range (its copies are split at its chunks' ends later), or
+  // an allocation CUDA made or registered; either is remembered in *known.
+  if (host_range_bounds(p, &known->lo, &known->hi)) return known->lo;
   return find_allocation(a, known) ? known->lo : kUnknownAllocation;
 }
 

@@ -38,8 +38,8 @@ void unregister_host_range(void* base);
 // See the header comment. n == 0 answers for the byte at p.
 bool host_range_device_accessible(const void* p, size_t n);
 
-// The base of the recorded range holding p, or 0 outside every one.
-uintptr_t host_range_base(const void* p);
+// The recorded range holding p, [*lo, *hi); false outside every one.
+bool host_range_bounds(const void* p, uintptr_t* lo, uintptr_t* hi);
 
 // How many of the n bytes at p one DMA copy may cover: a copy must not
 // cross from one registered chunk into the next (the driver rejects it),

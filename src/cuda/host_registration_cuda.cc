@@ -37,6 +37,14 @@ Registry& registry() {
   return *r;
 }
 
+// The recorded range holding address a, or nullptr. REQUIRES: reg.mu held.
+Range* range_holding(Registry& reg, uintptr_t a) {
+  auto it = reg.ranges.upper_bound(a);
+  if (it == reg.ranges.begin()) return nullptr;
+  Range* r = std::prev(it)->second.get();
+  return a < r->base + r->bytes ? r : nullptr;
+}
+
 // Registers chunks [c0, c1] of r; false when one cannot be registered.
 bool ensure_chunks(Range& r, size_t c0, size_t c1) {
   bool all = true;
@@ -123,15 +131,11 @@ bool host_range_device_accessible(const void* p, size_t n) {
     // one): inside a recorded range whose chunks are registered already.
     Registry& reg = registry();
     std::shared_lock<std::shared_mutex> lock(reg.mu);
-    auto it = reg.ranges.upper_bound(a);
-    if (it != reg.ranges.begin()) {
-      Range& r = *std::prev(it)->second;
-      if (a < r.base + r.bytes) {
-        uintptr_t last = a + (n ? n - 1 : 0);
-        if (last >= r.base + r.bytes) return false;  // runs past the recorded range
-        return ensure_chunks(r, (a - r.base) / kHostRegistrationChunk,
-                             (last - r.base) / kHostRegistrationChunk);
-      }
+    if (Range* r = range_holding(reg, a)) {
+      uintptr_t last = a + (n ? n - 1 : 0);
+      if (last >= r->base + r->bytes) return false;  // runs past the recorded range
+      return ensure_chunks(*r, (a - r->base) / kHostRegistrationChunk,
+                           (last - r->base) / kHostRegistrationChunk);
     }
   }
   cudaPointerAttributes attr{};
@@ -143,28 +147,25 @@ bool host_range_device_accessible(const void* p, size_t n) {
          attr.type == cudaMemoryTypeManaged;
 }
 
-uintptr_t host_range_base(const void* p) {
-  uintptr_t a = reinterpret_cast<uintptr_t>(p);
+bool host_range_bounds(const void* p, uintptr_t* lo, uintptr_t* hi) {
   Registry& reg = registry();
   std::shared_lock<std::shared_mutex> lock(reg.mu);
-  auto it = reg.ranges.upper_bound(a);
-  if (it == reg.ranges.begin()) return 0;
-  const Range& r = *std::prev(it)->second;
-  return a < r.base + r.bytes ? r.base : 0;
+  const Range* r = range_holding(reg, reinterpret_cast<uintptr_t>(p));
+  if (!r) return false;
+  *lo = r->base;
+  *hi = r->base + r->bytes;
+  return true;
 }
 
 size_t host_registration_run(const void* p, size_t n) {
   uintptr_t a = reinterpret_cast<uintptr_t>(p);
   Registry& reg = registry();
   std::shared_lock<std::shared_mutex> lock(reg.mu);
-  auto it = reg.ranges.upper_bound(a);
-  if (it == reg.ranges.begin()) return n;
-  --it;
-  const Range& r = *it->second;
-  if (a >= r.base + r.bytes) return n;
+  const Range* r = range_holding(reg, a);
+  if (!r) return n;
   uintptr_t chunk_end =
-      r.base + ((a - r.base) / kHostRegistrationChunk + 1) * kHostRegistrationChunk;
-  chunk_end = std::min<uintptr_t>(chunk_end, r.base + r.bytes);
+      r->base + ((a - r->base) / kHostRegistrationChunk + 1) * kHostRegistrationChunk;
+  chunk_end = std::min<uintptr_t>(chunk_end, r->base + r->bytes);
   return std::min<size_t>(n, chunk_end - a);
 }
 
