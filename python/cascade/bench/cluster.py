@@ -217,6 +217,28 @@ def _put(store, keys: list[str], data: np.ndarray) -> None:
         raise RuntimeError(f"cascade bench cluster: {len(keys) - stored} puts failed")
 
 
+def _on_threads(n: int, fn) -> list:
+    """fn(i) for i in range(n), each on a thread of its own; their results
+    in order, or the first exception one raised once all have ended."""
+    results: list = [None] * n
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fn(i)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def _troubles(nodes: list[_Node]) -> str:
     """What the servers counted that turns blocks into misses."""
     stats = [cast(dict, n.server.cluster_stats()) for n in nodes]
@@ -363,21 +385,7 @@ def _aggregate_row(
         sets = [_aggregate_set(i, size, count) for i in range(servers)]
         progress(f"{fabric} {fmt_size(size)} x {servers} servers: writes")
         t0 = time.perf_counter()
-        put_errors: list[BaseException] = []
-
-        def writer(i: int) -> None:
-            try:
-                _put(clients[i], *sets[i])
-            except BaseException as e:
-                put_errors.append(e)
-
-        threads = [threading.Thread(target=writer, args=(i,)) for i in range(servers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if put_errors:
-            raise put_errors[0]
+        _on_threads(servers, lambda i: _put(clients[i], *sets[i]))
         _drain(nodes)
         write_s = time.perf_counter() - t0
         progress(f"{fabric} {fmt_size(size)} x {servers} servers: reads")
@@ -394,28 +402,20 @@ def _aggregate_row(
             times = [r["read_s"] for r in reports]
             extra: dict = {"client_processes": True}
         else:
-            times = [0.0] * servers
-            errors: list[BaseException] = []
 
-            def reader(i: int) -> None:
-                try:
-                    t = 0.0
-                    for j in range(servers):
-                        if j != i:
-                            t += _read(clients[i], sets[j][0], sets[j][1], batch)
-                    times[i] = t
-                except BaseException as e:
-                    errors.append(e)
+            def reader(i: int) -> float:
+                return sum(
+                    _read(clients[i], sets[j][0], sets[j][1], batch)
+                    for j in range(servers)
+                    if j != i
+                )
 
             t0 = time.perf_counter()
-            threads = [threading.Thread(target=reader, args=(i,)) for i in range(servers)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            try:
+                times = _on_threads(servers, reader)
+            except Exception as e:
+                raise RuntimeError(f"{e} (the servers' {_troubles(nodes)})") from e
             wall = time.perf_counter() - t0
-            if errors:
-                raise RuntimeError(f"{errors[0]} (the servers' {_troubles(nodes)})") from errors[0]
             for c in clients:
                 c.close()
             extra = {"read_wall_gbps": read_bytes / wall / 1e9}
