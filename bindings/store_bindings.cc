@@ -271,6 +271,7 @@ class PyStore {
   // it frees the tiers, and a handle keeps only the task and the buffers.
   BatchHandle* put_batch_async(nb::handle keys, nb::handle data, bool is_prefix) {
     BatchArgs a = batch_args(keys, data, false);
+    check_device_batch(a);
     PutOptions o;
     o.is_prefix = is_prefix;
     o.src_kind = a.kind;
@@ -280,9 +281,8 @@ class PyStore {
 
   BatchHandle* get_batch_async(nb::handle keys, nb::handle outs) {
     BatchArgs a = batch_args(keys, outs, true);
-    if (a.kind != MemoryKind::kHost)
-      throw nb::value_error("get_batch_async writes host buffers only");
-    auto task = use()->get_batch_async(a.ids, a.mutable_spans());
+    check_device_batch(a);
+    auto task = use()->get_batch_async(a.ids, a.mutable_spans(), a.kind);
     return new BatchHandle(std::move(task), std::move(a), true);
   }
 
@@ -413,9 +413,13 @@ void register_store(nb::module_& m) {
            "all host memory, or all GPU memory (CUDA tensors), which blocks held in host memory "
            "reach as one batched copy.")
       .def("put_batch_async", &PyStore::put_batch_async, "block_ids"_a, "data_list"_a,
-           "is_prefix"_a = false, nb::rv_policy::take_ownership)
+           "is_prefix"_a = false, nb::rv_policy::take_ownership,
+           "put_batch on the store's threads; the buffers must stay unchanged until wait().")
       .def("get_batch_async", &PyStore::get_batch_async, "block_ids"_a, "out_list"_a,
-           nb::rv_policy::take_ownership)
+           nb::rv_policy::take_ownership,
+           "get_batch on the store's threads, into host buffers or CUDA tensors of one GPU; "
+           "the bytes are in place once wait() returns. Keep two or more batches in flight "
+           "so one's lookups overlap another's copies.")
       .def(
           "acquire",
           [](nb::handle self, nb::handle key) {

@@ -389,6 +389,16 @@ def test_store_get_batch_into_device_tensors(shm_path, tmp_path, where):
         assert found == n and sizes == [size] * n + [0]
         assert torch.equal(out[:n].cpu(), torch.from_numpy(data))
         assert int(out[n].sum()) == 0
+        # The same asynchronously: three batches in flight into rows of one
+        # tensor, after a fill the caller queued on the default stream.
+        out.fill_(7)
+        handles = [
+            store.get_batch_async(keys[b : b + 32], out[b : b + 32]) for b in range(0, n, 32)
+        ]
+        assert [h.wait() for h in handles] == [(32, [size] * 32)] * 3
+        assert torch.equal(out[:n].cpu(), torch.from_numpy(data))
+        assert store.get_batch_async(["absent"], out[n:]).wait() == (0, [0])
+        assert int(out[n].ne(7).sum()) == 0
         odd = [random_bytes(s, seed=s) for s in (100, 1 * MiB + 3, 3 * MiB)]
         store.put_batch(["o0", "o1", "o2"], odd)
         outs = [torch.zeros(len(o), dtype=torch.uint8, device="cuda") for o in odd]

@@ -157,8 +157,14 @@ class CascadeStore {
   std::shared_ptr<BatchTask> put_batch_async(std::vector<BlockId> ids,
                                              std::vector<ConstBuffer> data,
                                              const PutOptions& options = {});
+  // As get_batch, on the store's threads. Device buffers (out_kind
+  // kDevice) are complete when the task is: the copies are ordered after
+  // the work the legacy default stream holds when the task starts, and the
+  // task waits for them. A caller keeps two or more batches in flight so one
+  // batch's leases overlap another's copies.
   std::shared_ptr<BatchTask> get_batch_async(std::vector<BlockId> ids,
-                                             std::vector<MutableBuffer> out);
+                                             std::vector<MutableBuffer> out,
+                                             MemoryKind out_kind = MemoryKind::kHost);
   // Moves blocks found in lower tiers up into the top tier, in the
   // background. An item succeeds when the block ends up in the top tier.
   std::shared_ptr<BatchTask> prefetch(std::vector<BlockId> ids);

@@ -370,7 +370,8 @@ std::shared_ptr<BatchTask> CascadeStore::put_batch_async(std::vector<BlockId> id
 }
 
 std::shared_ptr<BatchTask> CascadeStore::get_batch_async(std::vector<BlockId> ids,
-                                                         std::vector<MutableBuffer> out) {
+                                                         std::vector<MutableBuffer> out,
+                                                         MemoryKind out_kind) {
   auto task = std::make_shared<Task>(ids.size(), true);
   std::shared_lock<std::shared_mutex> live_lock(impl_->lifecycle);
   if (impl_->closed.load() || ids.size() != out.size()) {
@@ -381,8 +382,8 @@ std::shared_ptr<BatchTask> CascadeStore::get_batch_async(std::vector<BlockId> id
     task->finish(0);
     return task;
   }
-  impl_->submit([impl = impl_.get(), task, ids = std::move(ids), out = std::move(out)] {
-    size_t n = impl->get_batch_impl(ids, out, &task->results_, &task->statuses_, MemoryKind::kHost);
+  impl_->submit([impl = impl_.get(), task, ids = std::move(ids), out = std::move(out), out_kind] {
+    size_t n = impl->get_batch_impl(ids, out, &task->results_, &task->statuses_, out_kind);
     task->finish(n);
   });
   return task;

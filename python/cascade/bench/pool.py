@@ -90,6 +90,12 @@ def add_arguments(p) -> None:
         help="also load blocks into GPU memory and save them from it through a pool client, "
         "beside the host tier and pinned cudaMemcpy (torch with CUDA)",
     )
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        default=3,
+        help="with --gpu: batches the asynchronous loads and saves keep queued (default 3)",
+    )
     p.add_argument("--skip-throughput", action="store_true", help="metadata figures only")
     p.add_argument("--skip-metadata", action="store_true", help="throughput figures only")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
@@ -119,6 +125,7 @@ def _settle(args) -> dict:
         "lookup_rounds": args.lookup_rounds or (30 if q else 500),
         "shm_dir": args.shm_dir,
         "gpu": args.gpu,
+        "in_flight": max(1, args.in_flight),
     }
 
 

@@ -200,8 +200,10 @@ def format_report(report: dict) -> str:
     if g.get("gpu_load_vs_pcie"):
         a = g["gpu_load_vs_pcie"]
         lines.append(
-            f"goal: pool loads into GPU memory >= {a['goal']}x PCIe (64 KiB blocks and up): "
-            f"worst {a['worst']:.2f}x ({'met' if a['met'] else 'not met'})"
+            f"goal: pool loads into GPU memory >= {a['goal']}x PCIe (64 KiB blocks and up, "
+            f"{a['in_flight']} batches in flight): worst {a['worst']:.2f}x "
+            f"({'met' if a['met'] else 'not met'}; one batch at a time: worst "
+            f"{a['worst_one_at_a_time']:.2f}x)"
         )
     lines.append("verified: every byte read back matched" if report["verified"] else "NOT VERIFIED")
     return "\n".join(lines)
