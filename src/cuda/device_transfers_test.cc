@@ -15,9 +15,11 @@
 
 #if CASCADE_HAVE_CUDA
 #include <cuda_runtime_api.h>
+#include <sys/mman.h>
 
 #include "cuda/device_context.h"
 #include "cuda/device_transfers.h"
+#include "cuda/host_registration.h"
 #endif
 
 namespace cascade {
@@ -142,6 +144,48 @@ TEST(DeviceTransfersTest, AnErrorTheCallerLeftPendingIsNeitherTakenNorCleared) {
     EXPECT_EQ(0, std::memcmp(back.data() + 2 * k * item, host.data() + 2 * k * item, item)) << k;
   (void)cudaStreamDestroy(stream);
   (void)cudaHostUnregister(host.data());
+}
+
+// Another library (torch pinning a buffer, say) registered part of a chunk
+// before the arena's first copy there: that registration stays theirs, and
+// only copies inside it count as reachable by DMA and kernels.
+TEST(HostRegistrationTest, AChunkAnotherLibraryPartlyRegisteredStaysTheirs) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
+  const size_t chunk = kHostRegistrationChunk, bytes = 2 * chunk, theirs = 1 << 20;
+  void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mem, MAP_FAILED);
+  uint8_t* base = static_cast<uint8_t*>(mem);
+  for (size_t i = 0; i < bytes; i += 4096) base[i] = static_cast<uint8_t>(i >> 12);
+  ASSERT_EQ(cudaHostRegister(base, theirs, cudaHostRegisterDefault), cudaSuccess);
+  const uint64_t chunks_before = host_registration_stats().chunks_registered;
+  ASSERT_TRUE(register_host_range(base, bytes).ok());
+  EXPECT_TRUE(host_range_device_accessible(base + 4096, 4096));
+  EXPECT_FALSE(host_range_device_accessible(base + 2 * theirs, 4096));  // nobody's
+  EXPECT_FALSE(host_range_device_accessible(base + theirs - 4096, 8192));  // runs past theirs
+  EXPECT_TRUE(host_range_device_accessible(base + chunk + 4096, 4096));  // registered here
+  EXPECT_EQ(host_registration_run(base + 4096, 4 * theirs), theirs - 4096);
+  EXPECT_EQ(host_registration_stats().chunks_registered, chunks_before + 1);
+
+  // Copies from both parts of the foreign chunk and from the own one land.
+  std::vector<uint8_t> src(bytes);
+  std::mt19937_64 rng(3);
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  std::memcpy(base, src.data(), bytes);
+  auto dev = DeviceBuffer::Allocate(0, 3 * 16384);
+  ASSERT_TRUE(dev.ok());
+  uint8_t* d = static_cast<uint8_t*>(dev->data());
+  const size_t at[3] = {4096, 2 * theirs, chunk + 4096};
+  std::vector<CopyItem> items;
+  for (size_t k = 0; k < 3; ++k) items.push_back({d + k * 16384, base + at[k], 16384});
+  ASSERT_TRUE(device_copy_batch(items, MemoryKind::kDevice, MemoryKind::kHost, nullptr).ok());
+  std::vector<uint8_t> back(3 * 16384);
+  ASSERT_EQ(cudaMemcpy(back.data(), d, back.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (size_t k = 0; k < 3; ++k)
+    EXPECT_EQ(0, std::memcmp(back.data() + k * 16384, src.data() + at[k], 16384)) << k;
+
+  unregister_host_range(base);
+  EXPECT_EQ(cudaHostUnregister(base), cudaSuccess);  // theirs is still there to undo
+  munmap(mem, bytes);
 }
 
 #else

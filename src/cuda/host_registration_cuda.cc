@@ -1,5 +1,6 @@
 #include "cuda/host_registration.h"
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -10,10 +11,16 @@
 #include <shared_mutex>
 #include <vector>
 
+#include "cuda/cuda_driver.h"
+
 namespace cascade {
 namespace {
 
-enum ChunkState : uint8_t { kUnregistered = 0, kRegistered = 1, kFailed = 2 };
+// kForeign: cudaHostRegister found some of the chunk registered already, by
+// another library (torch's pinned memory, say). That registration is not
+// ours to undo, and it may cover only part of the chunk, so a copy touching
+// the chunk asks the driver which registration holds it.
+enum ChunkState : uint8_t { kUnregistered = 0, kRegistered = 1, kFailed = 2, kForeign = 3 };
 
 struct Range {
   uintptr_t base = 0;
@@ -45,35 +52,62 @@ Range* range_holding(Registry& reg, uintptr_t a) {
   return a < r->base + r->bytes ? r : nullptr;
 }
 
-// Registers chunks [c0, c1] of r; false when one cannot be registered.
-bool ensure_chunks(Range& r, size_t c0, size_t c1) {
+// The registration or allocation CUDA knows holding address a,
+// [*lo, *hi); false where the driver knows none.
+bool registration_holding(uintptr_t a, uintptr_t* lo, uintptr_t* hi) {
+  const DriverApi* api = driver_api();
+  CUdeviceptr start = 0;
+  size_t size = 0;
+  if (!api ||
+      api->cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CUdeviceptr(a)) !=
+          CUDA_SUCCESS ||
+      api->cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, CUdeviceptr(a)) !=
+          CUDA_SUCCESS ||
+      !(start <= a && a < start + size))
+    return false;
+  *lo = start;
+  *hi = start + size;
+  return true;
+}
+
+// Whether one registration of another library holds all of [a, last].
+bool foreign_holds(uintptr_t a, uintptr_t last) {
+  uintptr_t lo = 0, hi = 0;
+  return registration_holding(a, &lo, &hi) && last < hi;
+}
+
+// Registers chunk c of r unless that was tried already; its state after.
+uint8_t ensure_chunk(Range& r, size_t c) {
+  uint8_t s = r.chunk[c].load(std::memory_order_acquire);
+  if (s != kUnregistered) return s;
+  std::lock_guard<std::mutex> lock(r.mu);
+  s = r.chunk[c].load(std::memory_order_acquire);
+  if (s != kUnregistered) return s;
+  void* p = reinterpret_cast<void*>(r.base + c * kHostRegistrationChunk);
+  cudaError_t err =
+      cudaHostRegister(p, r.chunk_len(c), cudaHostRegisterPortable | cudaHostRegisterMapped);
+  s = err == cudaSuccess                                  ? kRegistered
+      : err == cudaErrorHostMemoryAlreadyRegistered ? kForeign
+                                                          : kFailed;
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  r.chunk[c].store(s, std::memory_order_release);
+  return s;
+}
+
+// Whether DMA and kernels can use [a, last] of r, registering its chunks as
+// needed.
+bool ensure_chunks(Range& r, uintptr_t a, uintptr_t last) {
   bool all = true;
+  const size_t c0 = (a - r.base) / kHostRegistrationChunk;
+  const size_t c1 = (last - r.base) / kHostRegistrationChunk;
   for (size_t c = c0; c <= c1; ++c) {
-    uint8_t s = r.chunk[c].load(std::memory_order_acquire);
-    if (s == kRegistered) continue;
-    if (s == kFailed) {
-      all = false;
-      continue;
-    }
-    std::lock_guard<std::mutex> lock(r.mu);
-    s = r.chunk[c].load(std::memory_order_acquire);
-    if (s != kUnregistered) {
-      all &= (s == kRegistered);
-      continue;
-    }
-    void* p = reinterpret_cast<void*>(r.base + c * kHostRegistrationChunk);
-    cudaError_t err =
-        cudaHostRegister(p, r.chunk_len(c), cudaHostRegisterPortable | cudaHostRegisterMapped);
-    if (err == cudaErrorHostMemoryAlreadyRegistered) {  // someone else pinned it
-      (void)cudaGetLastError();
-      err = cudaSuccess;
-    }
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      r.chunk[c].store(kFailed, std::memory_order_release);
-      all = false;
+    const uint8_t s = ensure_chunk(r, c);
+    if (s == kForeign) {
+      const uintptr_t lo = r.base + c * kHostRegistrationChunk;
+      const uintptr_t hi = lo + r.chunk_len(c) - 1;
+      all &= foreign_holds(std::max(a, lo), std::min(last, hi));
     } else {
-      r.chunk[c].store(kRegistered, std::memory_order_release);
+      all &= (s == kRegistered);
     }
   }
   return all;
@@ -134,8 +168,7 @@ bool host_range_device_accessible(const void* p, size_t n) {
     if (Range* r = range_holding(reg, a)) {
       uintptr_t last = a + (n ? n - 1 : 0);
       if (last >= r->base + r->bytes) return false;  // runs past the recorded range
-      return ensure_chunks(*r, (a - r->base) / kHostRegistrationChunk,
-                           (last - r->base) / kHostRegistrationChunk);
+      return ensure_chunks(*r, a, last);
     }
   }
   cudaPointerAttributes attr{};
@@ -163,10 +196,13 @@ size_t host_registration_run(const void* p, size_t n) {
   std::shared_lock<std::shared_mutex> lock(reg.mu);
   const Range* r = range_holding(reg, a);
   if (!r) return n;
-  uintptr_t chunk_end =
-      r->base + ((a - r->base) / kHostRegistrationChunk + 1) * kHostRegistrationChunk;
-  chunk_end = std::min<uintptr_t>(chunk_end, r->base + r->bytes);
-  return std::min<size_t>(n, chunk_end - a);
+  const size_t c = (a - r->base) / kHostRegistrationChunk;
+  uintptr_t end = std::min<uintptr_t>(r->base + (c + 1) * kHostRegistrationChunk,
+                                      r->base + r->bytes);
+  uintptr_t lo = 0, hi = 0;
+  if (r->chunk[c].load(std::memory_order_acquire) == kForeign && registration_holding(a, &lo, &hi))
+    end = std::min(end, hi);  // nor from another library's registration past its end
+  return std::min<size_t>(n, end - a);
 }
 
 HostRegistrationStats host_registration_stats() {

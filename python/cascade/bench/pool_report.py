@@ -25,6 +25,8 @@ def _throughput(t: dict) -> list[str]:
                 r["read_gbps"],
                 r.get("read_vs_host"),
                 r["read_vs_ceiling"],
+                r.get("read_queued_gbps"),
+                r.get("read_queued_vs_host"),
                 f"{f['first_fill']:.0f}/{f['write']:.0f}/{f['read']:.0f}",
                 "yes" if r["verified"] else "NO",
             ]
@@ -43,6 +45,8 @@ def _throughput(t: dict) -> list[str]:
                 "read GB/s",
                 "read/host",
                 "read/memcpy",
+                "read in flight GB/s",
+                "/host",
                 "faults/MiB fill/write/read",
                 "verified",
             ],
@@ -50,7 +54,9 @@ def _throughput(t: dict) -> list[str]:
             title="Throughput (aggregate over all client processes; best of the steady passes)",
         ),
         "first fill: the first pass into a fresh arena (the kernel allocates its pages); write: "
-        "later passes into memory freed by removing the previous pass; read: hot. Every read "
+        "later passes into memory freed by removing the previous pass; read: hot, one "
+        "get_batch at a time; read in flight: get_batch_async with --in-flight batches "
+        "queued. Every read "
         "pass is compared byte for byte with what was written, after its timing. faults/MiB: "
         "minor page faults of the clients per MiB moved (256 when every 4 KiB page faults once).",
     ]
@@ -177,6 +183,12 @@ def format_report(report: dict) -> str:
         lines.append(
             f"goal: aggregate >= {a['goal']}x the host tier: worst {a['worst']:.2f}x "
             f"({'met' if a['met'] else 'not met'})"
+            + (
+                f"; with reads in flight {a['worst_reads_in_flight']:.2f}x "
+                f"({'met' if a['met_reads_in_flight'] else 'not met'})"
+                if "worst_reads_in_flight" in a
+                else ""
+            )
         )
     if "round_trip_us" in g:
         a = g["round_trip_us"]
@@ -201,7 +213,7 @@ def format_report(report: dict) -> str:
         a = g["gpu_load_vs_pcie"]
         lines.append(
             f"goal: pool loads into GPU memory >= {a['goal']}x PCIe (64 KiB blocks and up, "
-            f"{a['in_flight']} batches in flight): worst {a['worst']:.2f}x "
+            f"{a['in_flight'] or 'one'} batch(es) in flight): worst {a['worst']:.2f}x "
             f"({'met' if a['met'] else 'not met'}; one batch at a time: worst "
             f"{a['worst_one_at_a_time']:.2f}x)"
         )
