@@ -94,8 +94,8 @@ def add_arguments(p) -> None:
         "--in-flight",
         type=int,
         default=3,
-        help="batches the asynchronous calls keep queued: the reads of every throughput row "
-        "are timed once more so, and with --gpu the loads and saves (default 3; 0: not timed)",
+        help="with --gpu: batches the asynchronous loads and saves keep queued (default 3; "
+        "0: one call at a time only)",
     )
     p.add_argument("--skip-throughput", action="store_true", help="metadata figures only")
     p.add_argument("--skip-metadata", action="store_true", help="throughput figures only")
@@ -268,11 +268,6 @@ def _phase_rates(reports: list[dict], nbytes: int) -> dict:
         "write_gbps_median": statistics.median(writes),
         "read_gbps": max(reads),
         "read_gbps_median": statistics.median(reads),
-        **(
-            {"read_queued_gbps": max(_aggregate(reports, "reads_queued", nbytes))}
-            if "reads_queued" in reports[0]
-            else {}
-        ),
         "verified": all(r["verified"] for r in reports),
         "errors": [e for r in reports for e in r["errors"]],
     }
@@ -294,7 +289,6 @@ def _throughput_row(run, s, size, clients, progress, host: bool = False) -> dict
         "repeats": s["repeats"],
         "seed": size,
         "tag": f"bench/pool/{size}/{clients}",
-        "in_flight": s["in_flight"],
     }
     row = {
         "block_bytes": size,
@@ -346,9 +340,8 @@ def run_throughput(run: _Run, s: dict, progress) -> dict:
         for clients in s["clients"]:
             r = _throughput_row(run, s, size, clients, progress)
             r["ceiling_gbps"] = c["gbps"]
-            for what in ("first_fill", "write", "read", "read_queued"):
-                if f"{what}_gbps" in r and f"{what}_gbps" in host:
-                    r[f"{what}_vs_host"] = r[f"{what}_gbps"] / host[f"{what}_gbps"]
+            for what in ("first_fill", "write", "read"):
+                r[f"{what}_vs_host"] = r[f"{what}_gbps"] / host[f"{what}_gbps"]
             r["write_vs_ceiling"] = r["write_gbps"] / c["gbps"]
             r["read_vs_ceiling"] = r["read_gbps"] / c["gbps"]
             rows.append(r)
@@ -426,11 +419,6 @@ def _goals(report: dict) -> dict:
     if rows:
         worst = min(min(r["write_vs_host"], r["read_vs_host"]) for r in rows)
         g["aggregate_vs_host"] = {"goal": GOAL_RATIO, "worst": worst, "met": worst >= GOAL_RATIO}
-        if all("read_queued_vs_host" in r for r in rows):
-            queued = min(min(r["write_vs_host"], r["read_queued_vs_host"]) for r in rows)
-            g["aggregate_vs_host"].update(
-                worst_reads_in_flight=queued, met_reads_in_flight=queued >= GOAL_RATIO
-            )
     meta = report.get("metadata")
     if meta:
         rt = meta["round_trip"]["pool"]

@@ -25,8 +25,6 @@ def _throughput(t: dict) -> list[str]:
                 r["read_gbps"],
                 r.get("read_vs_host"),
                 r["read_vs_ceiling"],
-                r.get("read_queued_gbps"),
-                r.get("read_queued_vs_host"),
                 f"{f['first_fill']:.0f}/{f['write']:.0f}/{f['read']:.0f}",
                 "yes" if r["verified"] else "NO",
             ]
@@ -45,8 +43,6 @@ def _throughput(t: dict) -> list[str]:
                 "read GB/s",
                 "read/host",
                 "read/memcpy",
-                "read in flight GB/s",
-                "/host",
                 "faults/MiB fill/write/read",
                 "verified",
             ],
@@ -54,9 +50,7 @@ def _throughput(t: dict) -> list[str]:
             title="Throughput (aggregate over all client processes; best of the steady passes)",
         ),
         "first fill: the first pass into a fresh arena (the kernel allocates its pages); write: "
-        "later passes into memory freed by removing the previous pass; read: hot, one "
-        "get_batch at a time; read in flight: get_batch_async with --in-flight batches "
-        "queued. Every read "
+        "later passes into memory freed by removing the previous pass; read: hot. Every read "
         "pass is compared byte for byte with what was written, after its timing. faults/MiB: "
         "minor page faults of the clients per MiB moved (256 when every 4 KiB page faults once).",
     ]
@@ -183,12 +177,6 @@ def format_report(report: dict) -> str:
         lines.append(
             f"goal: aggregate >= {a['goal']}x the host tier: worst {a['worst']:.2f}x "
             f"({'met' if a['met'] else 'not met'})"
-            + (
-                f"; with reads in flight {a['worst_reads_in_flight']:.2f}x "
-                f"({'met' if a['met_reads_in_flight'] else 'not met'})"
-                if "worst_reads_in_flight" in a
-                else ""
-            )
         )
     if "round_trip_us" in g:
         a = g["round_trip_us"]

@@ -13,7 +13,6 @@ import resource
 import statistics
 import time
 import traceback
-from collections import deque
 
 import numpy as np
 
@@ -82,29 +81,11 @@ def throughput_worker(rank: int, cfg: dict, plan: dict, barrier, results) -> Non
                     if stored != len(ids[b : b + batch]):
                         raise RuntimeError(f"stored {stored} of {len(ids[b : b + batch])} blocks")
 
-            def check(found: int, want: int) -> None:
-                if found != want:
-                    raise RuntimeError(f"found {found} of {want} blocks")
-
             def read(ids):
                 for b in range(0, n, batch):
-                    check(store.get_batch(ids[b : b + batch], out[b : b + batch])[0], batch_len(b))
-
-            def read_queued(ids):
-                """get_batch_async with up to in_flight batches queued."""
-                pending: deque = deque()
-                for b in range(0, n, batch):
-                    if len(pending) == plan["in_flight"]:
-                        h, want = pending.popleft()
-                        check(h.wait()[0], want)
-                    h = store.get_batch_async(ids[b : b + batch], out[b : b + batch])
-                    pending.append((h, batch_len(b)))
-                while pending:
-                    h, want = pending.popleft()
-                    check(h.wait()[0], want)
-
-            def batch_len(b: int) -> int:
-                return min(batch, n - b)
+                    found, _ = store.get_batch(ids[b : b + batch], out[b : b + batch])
+                    if found != len(ids[b : b + batch]):
+                        raise RuntimeError(f"found {found} of {len(ids[b : b + batch])} blocks")
 
             def verify(what: str):
                 if not np.array_equal(out, data):
@@ -135,12 +116,6 @@ def throughput_worker(rank: int, cfg: dict, plan: dict, barrier, results) -> Non
                 out.fill(0)
                 report["reads"].append(timed(read, ids))
                 verify(f"read {r}")
-            if plan.get("in_flight"):
-                report["reads_queued"] = []
-                for r in range(plan["repeats"]):
-                    out.fill(0)
-                    report["reads_queued"].append(timed(read_queued, ids))
-                    verify(f"read {r} with batches in flight")
             barrier.wait(BARRIER_TIMEOUT)
             remove(ids)
         results.put(report)
