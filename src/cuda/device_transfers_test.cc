@@ -160,9 +160,9 @@ TEST(HostRegistrationTest, AChunkAnotherLibraryPartlyRegisteredStaysTheirs) {
   const uint64_t chunks_before = host_registration_stats().chunks_registered;
   ASSERT_TRUE(register_host_range(base, bytes).ok());
   EXPECT_TRUE(host_range_device_accessible(base + 4096, 4096));
-  EXPECT_FALSE(host_range_device_accessible(base + 2 * theirs, 4096));  // nobody's
+  EXPECT_FALSE(host_range_device_accessible(base + 2 * theirs, 4096));     // nobody's
   EXPECT_FALSE(host_range_device_accessible(base + theirs - 4096, 8192));  // runs past theirs
-  EXPECT_TRUE(host_range_device_accessible(base + chunk + 4096, 4096));  // registered here
+  EXPECT_TRUE(host_range_device_accessible(base + chunk + 4096, 4096));    // registered here
   EXPECT_EQ(host_registration_run(base + 4096, 4 * theirs), theirs - 4096);
   EXPECT_EQ(host_registration_stats().chunks_registered, chunks_before + 1);
 

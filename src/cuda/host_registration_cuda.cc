@@ -86,9 +86,9 @@ uint8_t ensure_chunk(Range& r, size_t c) {
   void* p = reinterpret_cast<void*>(r.base + c * kHostRegistrationChunk);
   cudaError_t err =
       cudaHostRegister(p, r.chunk_len(c), cudaHostRegisterPortable | cudaHostRegisterMapped);
-  s = err == cudaSuccess                                  ? kRegistered
+  s = err == cudaSuccess                            ? kRegistered
       : err == cudaErrorHostMemoryAlreadyRegistered ? kForeign
-                                                          : kFailed;
+                                                    : kFailed;
   if (err != cudaSuccess) (void)cudaGetLastError();
   r.chunk[c].store(s, std::memory_order_release);
   return s;
@@ -197,8 +197,8 @@ size_t host_registration_run(const void* p, size_t n) {
   const Range* r = range_holding(reg, a);
   if (!r) return n;
   const size_t c = (a - r->base) / kHostRegistrationChunk;
-  uintptr_t end = std::min<uintptr_t>(r->base + (c + 1) * kHostRegistrationChunk,
-                                      r->base + r->bytes);
+  uintptr_t end =
+      std::min<uintptr_t>(r->base + (c + 1) * kHostRegistrationChunk, r->base + r->bytes);
   uintptr_t lo = 0, hi = 0;
   if (r->chunk[c].load(std::memory_order_acquire) == kForeign && registration_holding(a, &lo, &hi))
     end = std::min(end, hi);  // nor from another library's registration past its end

@@ -1028,6 +1028,9 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
   if (ops.empty()) return;
   Status st = peer.run_batch(ops, deadline());
   if (!st.ok()) {
+    // Not aborted: a transfer that missed its deadline may still land, and
+    // the owner must not hand the range to another writer before the
+    // reservation expires.
     push_dropped.fetch_add(ops.size(), std::memory_order_relaxed);
     fail(s, *link);
     return;
@@ -1036,7 +1039,13 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
   for (const auto& c : commits) put_item(&items, c);
   auto done_reply = call(ln, Op::kCommit, static_cast<uint32_t>(commits.size()), items, deadline());
   if (!done_reply.ok()) {
+    // The bytes have arrived (the transfer completed), so the reservations
+    // go back before the link is dropped: an owner that is alive frees the
+    // space now, and one that committed them already finds none.
     push_dropped.fetch_add(commits.size(), std::memory_order_relaxed);
+    items.clear();
+    for (const auto& c : commits) put_item(&items, cluster::TokenItem{c.token});
+    (void)call(ln, Op::kAbort, static_cast<uint32_t>(commits.size()), items, deadline());
     fail(s, *link);
     return;
   }

@@ -803,6 +803,42 @@ TEST(ClusterNode, ReservationsGrantedOutsideTheOwnersArenaAreAborted) {
   EXPECT_EQ(aborted, (std::vector<uint64_t>{500, 501, 502}));
 }
 
+TEST(ClusterNode, ReservationsWhoseCommitGoesUnansweredAreAborted) {
+  SKIP_WITHOUT_TRANSPORT();
+  // The owner grants reservations (the bytes travel into its memory) and
+  // never answers the commit: the pushing member gives the reservations back
+  // rather than leave the owner holding them until they expire.
+  Member a("a", 60000, 4, /*timeout_ms=*/300);
+  ASSERT_TRUE(a.node);
+  std::atomic<uint64_t> next_token{700};
+  RawOwner owner(RawOwner::each_item(cluster::Op::kReserve, [&](uint32_t) {
+    cluster::ReserveReply r{};
+    r.token = next_token++;
+    r.offset = (r.token - 700) * 4096;
+    return r;
+  }));
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  auto ca = a.client();
+  ASSERT_TRUE(ca);
+  constexpr int kBlocks = 3;
+  put_blocks(ca.get(), 8200, kBlocks);
+  ASSERT_TRUE(a.node->drain(5000));
+  EXPECT_EQ(a.node->stats().push_dropped, uint64_t(kBlocks));
+  std::vector<uint64_t> aborted;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - t0 < 3s) {
+    aborted = owner.aborted_tokens();
+    if (aborted.size() >= kBlocks) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  std::sort(aborted.begin(), aborted.end());
+  std::vector<uint64_t> granted;
+  for (uint64_t t = 700; t < next_token.load(); ++t) granted.push_back(t);
+  EXPECT_FALSE(granted.empty());  // pushes after the first failure may find the link down
+  EXPECT_EQ(aborted, granted);
+}
+
 TEST(ClusterNode, AConnectWithTwoHellosTakesOneDeadlineInAll) {
   SKIP_WITHOUT_TRANSPORT();
   // Two lanes here. The owner answers its hello after most of a deadline and
