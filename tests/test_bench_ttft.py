@@ -71,6 +71,38 @@ def test_quick_run_produces_checked_rows(tmp_path, capsys):
     assert {r["mode"] for r in rows} == {"full", "hot", "cold", "hot80", "cold80"}
 
 
+def test_hot_modes_through_a_node_pool(tmp_path, capsys):
+    """--hot-store pool: the hot rows load through a client of a pool server,
+    with the same checks against full compute."""
+    out = tmp_path / "ttft.json"
+    rc = main(
+        [
+            "bench",
+            "ttft",
+            "--quick",
+            "--quiet",
+            "--modes",
+            "full,hot,hot80",
+            "--hot-store",
+            "pool",
+            "--json",
+            str(out),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    report = json.loads(out.read_text())
+    assert report["hot_store"] == "pool" and "node pool server" in text
+    cached = [r for r in report["rows"] if r["mode"] != "full"]
+    assert len(cached) == 8
+    for r in cached:
+        assert "skipped" not in r, r
+        c = r["check"]
+        assert c["ok"] == c["of"] == r["concurrency"] and not c["failed"]
+        assert c["kv_exact"]["exact"] and r["kv_bytes_loaded"] > 0
+    assert "checks: all" in text and "FAILED" not in text
+
+
 def test_rows_over_budget_say_so(tmp_path, capsys):
     rc = main(
         [

@@ -25,8 +25,9 @@ KEYS = 300
 
 # A client that puts, reads (verifying every byte), holds leases and puts
 # batches, forever; it prints "ready" once connected. With "gpu" it also
-# puts batches from GPU memory and loads them into it, and prints "device"
-# after its first such batch. Exit 3: a wrong byte.
+# puts batches from GPU memory and loads them into it (one call at a time,
+# and two asynchronous halves in flight), and prints "device" after its
+# first such batch. Exit 3: a wrong byte.
 CLIENT = textwrap.dedent(
     """
     import sys, numpy as np, cascade
@@ -56,10 +57,17 @@ CLIENT = textwrap.dedent(
             # leases and reservations with copies in flight when killed.
             js = [(i + j) % keys for j in range(96)]
             ks = [f"k{j}" for j in js]
+            outs = [torch.empty(block(j).size, dtype=torch.uint8, device="cuda") for j in js]
             if op == 7:
                 store.put_batch(ks, [on_gpu[j] for j in js])
-            outs = [torch.empty(block(j).size, dtype=torch.uint8, device="cuda") for j in js]
-            _, sizes = store.get_batch(ks, outs)
+                _, sizes = store.get_batch(ks, outs)
+            else:  # two halves in flight at once on the store's threads
+                halves = (slice(0, 48), slice(48, 96))
+                puts = [store.put_batch_async(ks[h], [on_gpu[j] for j in js[h]]) for h in halves]
+                for p in puts:
+                    p.wait()
+                gets = [store.get_batch_async(ks[h], outs[h]) for h in halves]
+                sizes = [size for g in gets for size in g.wait()[1]]
             for j, out, size in zip(js, outs, sizes):
                 if size and (size != out.numel() or not torch.equal(out, on_gpu[j])):
                     print("wrong bytes in a device batch for", j, flush=True)

@@ -57,6 +57,13 @@ def add_ttft_arguments(p) -> None:
         "--hit-ratio", type=float, default=0.8, help="share of the prompt cached in the *80 modes"
     )
     p.add_argument(
+        "--hot-store",
+        choices=("host", "pool"),
+        default="host",
+        help="the store of the hot modes: a host tier in this process (default), or a client "
+        "of a node pool server that the bench starts (the store engines on one node share)",
+    )
+    p.add_argument(
         "--block-size", type=int, default=256, help="tokens per stored block (default 256)"
     )
     p.add_argument(

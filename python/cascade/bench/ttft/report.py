@@ -23,6 +23,8 @@ def format_report(report: dict) -> str:
         f"{fmt_size(m['kv_bytes_per_token'])} of KV per token, {report['block_size']}-token "
         f"blocks, token budget {report['token_budget']} per forward"
     ]
+    if report.get("hot_store") == "pool":
+        lines.append("hot modes: a client of a node pool server in this process (its shared arena)")
     if report["pcie_ceiling"]:
         lines.append(
             f"PCIe ceiling (pinned H2D, torch, {fmt_size(report['pcie_ceiling']['bytes'])}): "

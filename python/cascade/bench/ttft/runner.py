@@ -19,7 +19,7 @@ from cascade.bench.ttft.checks import _tolerance, compare_logits, verify_kv
 from cascade.bench.ttft.model import PRESETS, build_model
 from cascade.bench.ttft.serving import _serve, _summary, _sync, schedule
 from cascade.bench.ttft.settings import GiB, _resolve
-from cascade.bench.ttft.stores import _config
+from cascade.bench.ttft.stores import PoolStore, _config
 
 
 def _mean_of_groups(group_ms: list[float], sizes: list[int]) -> float:
@@ -98,6 +98,8 @@ class TtftBench:
             self.file_root = tempfile.mkdtemp(prefix="cascade-ttft-", dir=args.file_dir)
             self.file_ceiling = file_ceiling(self.file_root, args.quick, progress)
         self.hot_store = None
+        self.hot_pool = None  # PoolStore of --hot-store pool, which owns hot_store
+        self.pool_dir: str | None = None
         self.planner = None
         if any(m.endswith("auto") for m in r["modes"]):
             from cascade.planner import LoadPlanner
@@ -189,8 +191,8 @@ class TtftBench:
                     )
             want_cold = False
         if want_hot:
+            self._clear_hot_store()
             self._ensure_hot_store()
-            self.hot_store.clear()
         file_dir = None
         writer = None
         if want_cold:
@@ -284,8 +286,7 @@ class TtftBench:
             )
         if file_dir:
             shutil.rmtree(file_dir, ignore_errors=True)
-        if self.hot_store is not None:
-            self.hot_store.clear()
+        self._clear_hot_store()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return rows
@@ -348,9 +349,23 @@ class TtftBench:
                 ),
                 default=0,
             )
-            self.hot_store = cascade.CascadeStore(
-                _config("host", capacity=need + need // 16 + (256 << 20))
-            )
+            capacity = need + need // 16 + (256 << 20)
+            if self.args.hot_store == "pool":
+                if self.pool_dir is None:
+                    self.pool_dir = tempfile.mkdtemp(prefix="cascade-ttft-pool-")
+                self.hot_pool = PoolStore(capacity, self.pool_dir)
+                self.hot_store = self.hot_pool.store
+            else:
+                self.hot_store = cascade.CascadeStore(_config("host", capacity=capacity))
+
+    def _clear_hot_store(self):
+        """Empties the hot store between rows. A pool client cannot drop the
+        pool's blocks (they are every client's): its server starts anew."""
+        if self.hot_pool is not None:
+            self.hot_pool.close()
+            self.hot_pool = self.hot_store = None
+        elif self.hot_store is not None:
+            self.hot_store.clear()
 
     def _cached_mode(self, mode, base, prompts, ref, ref_kv, full, file_dir, resident) -> dict:
         import torch
@@ -581,8 +596,12 @@ class TtftBench:
                     if on_row is not None:
                         on_row(self.report(rows))
         finally:
-            if self.hot_store is not None:
+            if self.hot_pool is not None:
+                self.hot_pool.close()
+            elif self.hot_store is not None:
                 self.hot_store.close()
+            if self.pool_dir:
+                shutil.rmtree(self.pool_dir, ignore_errors=True)
             if self.file_root:
                 shutil.rmtree(self.file_root, ignore_errors=True)
         return self.report(rows)
@@ -614,6 +633,7 @@ class TtftBench:
             "token_budget": self.r["budget"],
             "kv_memory": self.kv_memory,
             "hit_ratio": self.args.hit_ratio,
+            "hot_store": self.args.hot_store,
             "repeats": self.args.repeats,
             "pcie_ceiling": self.pcie,
             "file_ceiling": self.file_ceiling,
