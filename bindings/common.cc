@@ -169,8 +169,22 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what) {
     return ref;
   }
   if (nb::hasattr(obj, "__dlpack__")) {
+    // CUDA memory is exported for the legacy default stream (DLPack's stream
+    // 1): a producer such as torch then makes that stream wait for the work
+    // its current stream holds, so the copies, which are ordered after the
+    // legacy stream, also come after what the caller queued on a stream of
+    // its own.
+    nb::object src = nb::borrow(obj);
+    if (nb::hasattr(obj, "__dlpack_device__")) {
+      nb::object where = obj.attr("__dlpack_device__")();
+      int type = -1;
+      if (nb::isinstance<nb::tuple>(where) && nb::len(where) >= 1)
+        (void)nb::try_cast(nb::borrow<nb::tuple>(where)[0], type, false);
+      if (type == nb::device::cuda::value || type == nb::device::cuda_managed::value)
+        src = obj.attr("__dlpack__")(nb::arg("stream") = 1);
+    }
     nb::ndarray<> arr;
-    if (!nb::try_cast(obj, arr, false)) {
+    if (!nb::try_cast(src, arr, false)) {
       throw nb::type_error((w + ": could not import it through DLPack").c_str());
     }
     size_t ndim = arr.ndim();

@@ -414,6 +414,47 @@ def test_store_get_batch_into_device_tensors(shm_path, tmp_path, where):
             server.close()
 
 
+@gpu_test
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_device_batches_come_after_the_callers_own_stream(shm_path, asynchronous):
+    """A caller working on a stream of its own (not the default one): a batch
+    into its tensor lands after the work it queued there before the call, and
+    a batch from its tensor saves what that work wrote."""
+    torch = _torch_cuda()
+    store = cascade.CascadeStore(
+        cascade.config_from_dict(
+            {"pipeline": "host", "shm_path": shm_path, "shm_capacity_bytes": 64 * MiB}
+        )
+    )
+    try:
+        n, size = 32, 64 << 10
+        data = random_bytes(n * size, seed=31).reshape(n, size)
+        keys = [f"s{i}" for i in range(n)]
+        assert store.put_batch(keys, data) == n
+        out = torch.zeros((n, size), dtype=torch.uint8, device="cuda")
+        src = torch.zeros((n, size), dtype=torch.uint8, device="cuda")
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # the work below starts a good while later
+            out.fill_(7)
+            src.fill_(9)
+            saved = [f"w{i}" for i in range(n)]
+            if asynchronous:
+                found = store.get_batch_async(keys, out).wait()[0]
+                stored = store.put_batch_async(saved, src).wait()
+            else:
+                found = store.get_batch(keys, out)[0]
+                stored = store.put_batch(saved, src)
+        torch.cuda.synchronize()
+        assert found == n and stored == n
+        assert torch.equal(out.cpu(), torch.from_numpy(data))
+        back = np.zeros(size, dtype=np.uint8)
+        for k in saved:
+            assert store.get(k, back) == (True, size) and int((back != 9).sum()) == 0
+    finally:
+        store.close()
+
+
 # ---- the benchmarks' entry points ---------------------------------------------------------
 
 
