@@ -470,8 +470,11 @@ void CascadeStore::wait_for_tasks() {
 
 void CascadeStore::close() {
   if (!impl_ || impl_->closed.exchange(true)) return;
-  wait_for_tasks();
+  // The lock first: a call that passed its check before `closed` was set
+  // may still be submitting its task, and is counted once it lets go.
+  // Tasks take no lifecycle lock, so waiting for them under it is safe.
   std::unique_lock<std::shared_mutex> lock(impl_->lifecycle);
+  wait_for_tasks();
   // An ephemeral store leaves its memory tiers' blocks behind; aliases of
   // blocks already in the persistent tier are still written, so what is on
   // disk stays reachable by its ids.
