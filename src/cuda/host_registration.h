@@ -11,8 +11,8 @@
 // CUDA already knows (cudaHostAlloc, another library's registration, device
 // or managed memory). Pageable memory answers false and goes through the
 // pinned staging ring instead. A chunk of which another library registered
-// some part stays theirs: it is never unregistered here, and a copy in it
-// counts as reachable only inside their registration.
+// some part stays theirs: it is never unregistered here, and its copies go
+// through the staging ring.
 //
 // Private: included only by files compiled with CUDA.
 // Thread-safety: all functions are thread-safe. Ownership: the caller keeps

@@ -1,6 +1,5 @@
 #include "cuda/host_registration.h"
 
-#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -11,15 +10,13 @@
 #include <shared_mutex>
 #include <vector>
 
-#include "cuda/cuda_driver.h"
-
 namespace cascade {
 namespace {
 
 // kForeign: cudaHostRegister found some of the chunk registered already, by
-// another library (torch's pinned memory, say). That registration is not
-// ours to undo, and it may cover only part of the chunk, so a copy touching
-// the chunk asks the driver which registration holds it.
+// another library. That registration is not ours to undo, it may cover part
+// of the chunk only, and its owner may undo it while a copy runs: the chunk
+// counts as unreachable (its copies go through the staging ring).
 enum ChunkState : uint8_t { kUnregistered = 0, kRegistered = 1, kFailed = 2, kForeign = 3 };
 
 struct Range {
@@ -52,30 +49,6 @@ Range* range_holding(Registry& reg, uintptr_t a) {
   return a < r->base + r->bytes ? r : nullptr;
 }
 
-// The registration or allocation CUDA knows holding address a,
-// [*lo, *hi); false where the driver knows none.
-bool registration_holding(uintptr_t a, uintptr_t* lo, uintptr_t* hi) {
-  const DriverApi* api = driver_api();
-  CUdeviceptr start = 0;
-  size_t size = 0;
-  if (!api ||
-      api->cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CUdeviceptr(a)) !=
-          CUDA_SUCCESS ||
-      api->cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, CUdeviceptr(a)) !=
-          CUDA_SUCCESS ||
-      !(start <= a && a < start + size))
-    return false;
-  *lo = start;
-  *hi = start + size;
-  return true;
-}
-
-// Whether one registration of another library holds all of [a, last].
-bool foreign_holds(uintptr_t a, uintptr_t last) {
-  uintptr_t lo = 0, hi = 0;
-  return registration_holding(a, &lo, &hi) && last < hi;
-}
-
 // Registers chunk c of r unless that was tried already; its state after.
 uint8_t ensure_chunk(Range& r, size_t c) {
   uint8_t s = r.chunk[c].load(std::memory_order_acquire);
@@ -101,14 +74,7 @@ bool ensure_chunks(Range& r, uintptr_t a, uintptr_t last) {
   const size_t c0 = (a - r.base) / kHostRegistrationChunk;
   const size_t c1 = (last - r.base) / kHostRegistrationChunk;
   for (size_t c = c0; c <= c1; ++c) {
-    const uint8_t s = ensure_chunk(r, c);
-    if (s == kForeign) {
-      const uintptr_t lo = r.base + c * kHostRegistrationChunk;
-      const uintptr_t hi = lo + r.chunk_len(c) - 1;
-      all &= foreign_holds(std::max(a, lo), std::min(last, hi));
-    } else {
-      all &= (s == kRegistered);
-    }
+    all &= ensure_chunk(r, c) == kRegistered;
   }
   return all;
 }
@@ -196,13 +162,10 @@ size_t host_registration_run(const void* p, size_t n) {
   std::shared_lock<std::shared_mutex> lock(reg.mu);
   const Range* r = range_holding(reg, a);
   if (!r) return n;
-  const size_t c = (a - r->base) / kHostRegistrationChunk;
-  uintptr_t end =
-      std::min<uintptr_t>(r->base + (c + 1) * kHostRegistrationChunk, r->base + r->bytes);
-  uintptr_t lo = 0, hi = 0;
-  if (r->chunk[c].load(std::memory_order_acquire) == kForeign && registration_holding(a, &lo, &hi))
-    end = std::min(end, hi);  // nor from another library's registration past its end
-  return std::min<size_t>(n, end - a);
+  uintptr_t chunk_end =
+      r->base + ((a - r->base) / kHostRegistrationChunk + 1) * kHostRegistrationChunk;
+  chunk_end = std::min<uintptr_t>(chunk_end, r->base + r->bytes);
+  return std::min<size_t>(n, chunk_end - a);
 }
 
 HostRegistrationStats host_registration_stats() {
