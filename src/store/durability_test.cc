@@ -425,6 +425,34 @@ TEST(DurabilityTest, FailedAliasWritesAreCountedAndRetried) {
   EXPECT_EQ(count_intact(r.get(), 5, 4096), 5u);
 }
 
+TEST(DurabilityTest, ACopyTheTierRefusesIsAMissNotABufferTooSmall) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(64 << 20);
+  c.pipeline = "file";
+  auto s = open_on(c, disk);
+  ASSERT_TRUE(s);
+  const auto data = bytes_of(5, 4096);
+  const BlockId id = compute_block_id(data.data(), data.size());
+  ASSERT_TRUE(s->put(id, data.data(), data.size()).ok());
+  disk->refuse_copies.insert(id);
+  std::vector<uint8_t> out(8192);
+  GetResult r;
+  EXPECT_TRUE(s->get(id, out.data(), out.size(), &r).ok());
+  EXPECT_FALSE(r.found);
+  std::vector<GetResult> results;
+  std::vector<Status> statuses;
+  const std::vector<BlockId> ids = {id};
+  const std::vector<MutableBuffer> outs = {{out.data(), out.size()}};
+  EXPECT_EQ(s->get_batch(ids, outs, &results, &statuses), 0u);
+  EXPECT_FALSE(results[0].found);
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0].ToString();
+  // A buffer that is too small is still said to be so, with the size it needs.
+  std::vector<uint8_t> small(100);
+  EXPECT_TRUE(s->get(id, small.data(), small.size(), &r).is(Code::kInvalidArgument));
+  EXPECT_TRUE(r.found);
+  EXPECT_EQ(r.size, data.size());
+}
+
 TEST(DurabilityTest, ClearThenReopenBringsFlushedBlocksBack) {
   auto disk = std::make_shared<SimulatedDisk>();
   CascadeConfig c = host_disk_config(8 << 20);

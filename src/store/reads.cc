@@ -17,9 +17,12 @@ BlockId CascadeStore::Impl::physical(const BlockId& id) const {
 }
 
 // Outcome of reading one tier: true when the item is settled (hit, or an
-// answer such as "buffer too small" that another tier would repeat).
-bool CascadeStore::Impl::settle(size_t t, const Status& st, const ReadResult& rr, GetResult* r,
-                                Status* out_st) {
+// answer such as "buffer too small" that another tier would repeat). An
+// InvalidArgument counts as such an answer only where the request does not
+// fit the block (ReadRequest::span refuses it); otherwise a copy failed (a
+// device copy the driver refused, say), and the block is not found here.
+bool CascadeStore::Impl::settle(size_t t, const ReadRequest& rq, const Status& st,
+                                const ReadResult& rr, GetResult* r, Status* out_st) {
   if (st.ok()) {
     r->found = true;
     r->size = rr.block_size;
@@ -28,7 +31,8 @@ bool CascadeStore::Impl::settle(size_t t, const Status& st, const ReadResult& rr
     *out_st = Status::OK();
     return true;
   }
-  if (block_found(st, rr)) {  // out too small / bad offset
+  uint64_t from = 0, n = 0;
+  if (block_found(st, rr) && !rq.span(rr.block_size, &from, &n).ok()) {  // too small, bad offset
     r->found = true;
     r->size = rr.block_size;
     r->tier = static_cast<int>(t);
@@ -78,7 +82,7 @@ Status CascadeStore::Impl::get_impl(const BlockId& id, ReadRequest rq, GetResult
   for (size_t t = 0; t < tiers.size(); ++t) {
     ReadResult rr;
     Status st = whole ? read_whole(t, phys, whole, &rq, &rr) : tiers[t]->read(phys, rq, &rr);
-    if (!settle(t, st, rr, r, &out_st)) continue;
+    if (!settle(t, rq, st, rr, r, &out_st)) continue;
     if (out_st.ok()) {
       hits.fetch_add(1, std::memory_order_relaxed);
       bytes_got.fetch_add(rr.copied, std::memory_order_relaxed);
@@ -129,7 +133,7 @@ size_t CascadeStore::Impl::get_batch_impl(std::span<const BlockId> ids,
     std::vector<size_t> promote;
     for (size_t k = 0; k < m; ++k) {
       size_t i = pending[k];
-      if (!settle(t, sts[k], rrs[k], &(*results)[i], &(*statuses)[i])) {
+      if (!settle(t, rqs[k], sts[k], rrs[k], &(*results)[i], &(*statuses)[i])) {
         still.push_back(i);
       } else if ((*statuses)[i].ok()) {
         bytes_got.fetch_add(rrs[k].copied, std::memory_order_relaxed);

@@ -31,8 +31,11 @@ struct SimulatedDisk {
   bool dead = false;
   uint64_t capacity = 0;        // 0: unbounded
   std::set<BlockId> fail_puts;  // put fails with IOError for these ids
-  bool fail_aliases = false;    // put_alias fails with IOError
-  bool fail_flush = false;      // flush fails with IOError
+  // read of these ids fails with InvalidArgument although the request fits,
+  // as a device copy the driver refuses does
+  std::set<BlockId> refuse_copies;
+  bool fail_aliases = false;  // put_alias fails with IOError
+  bool fail_flush = false;    // flush fails with IOError
   uint64_t flushes = 0;
   uint64_t reads = 0;  // read() calls, hits and misses
 
@@ -96,6 +99,7 @@ class SimulatedDiskTier final : public Tier {
     rr->block_size = b.size();
     if (rq.whole && b.size() > rq.capacity) return Status::InvalidArgument("too small");
     if (!rq.whole && rq.offset > b.size()) return Status::InvalidArgument("bad offset");
+    if (disk_->refuse_copies.count(id)) return Status::InvalidArgument("injected copy refusal");
     uint64_t n = rq.whole ? b.size() : std::min<uint64_t>(rq.capacity, b.size() - rq.offset);
     if (n) std::memcpy(rq.out, b.data() + (rq.whole ? 0 : rq.offset), n);
     rr->copied = n;

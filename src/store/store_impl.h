@@ -101,7 +101,8 @@ class CascadeStore::Impl {
 
   // ---- reads (reads.cc) -----------------------------------------------------
   BlockId physical(const BlockId& id) const;
-  bool settle(size_t t, const Status& st, const ReadResult& rr, GetResult* r, Status* out_st);
+  bool settle(size_t t, const ReadRequest& rq, const Status& st, const ReadResult& rr, GetResult* r,
+              Status* out_st);
   void maybe_promote(size_t t, const BlockId& phys, const void* data, uint64_t size, bool prefix,
                      MemoryKind kind);
   Status read_whole(size_t t, const BlockId& phys, std::vector<uint8_t>* buf, ReadRequest* rq,
