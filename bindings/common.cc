@@ -133,6 +133,7 @@ BufferRef& BufferRef::operator=(BufferRef&& o) noexcept {
     view_ = o.view_;
     has_view_ = o.has_view_;
     keep_ = std::move(o.keep_);
+    held_ = std::move(o.held_);
     o.has_view_ = false;
   }
   return *this;
@@ -177,9 +178,12 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what) {
     nb::object src = nb::borrow(obj);
     if (nb::hasattr(obj, "__dlpack_device__")) {
       nb::object where = obj.attr("__dlpack_device__")();
-      int type = -1;
-      if (nb::isinstance<nb::tuple>(where) && nb::len(where) >= 1)
-        (void)nb::try_cast(nb::borrow<nb::tuple>(where)[0], type, false);
+      long type = -1;  // the first item may be an IntEnum (torch)
+      if (nb::isinstance<nb::tuple>(where) && nb::len(where) >= 1) {
+        nb::object first = nb::borrow<nb::tuple>(where)[0];
+        if (PyLong_Check(first.ptr())) type = PyLong_AsLong(first.ptr());
+        if (type == -1 && PyErr_Occurred()) PyErr_Clear();
+      }
       if (type == nb::device::cuda::value || type == nb::device::cuda_managed::value)
         src = obj.attr("__dlpack__")(nb::arg("stream") = 1);
     }
@@ -210,7 +214,8 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what) {
                              std::to_string(dev) + ")")
                                 .c_str());
     }
-    ref.keep_ = nb::cast(arr);
+    ref.held_ = std::move(arr);
+    ref.keep_ = nb::borrow(obj);
     return ref;
   }
   throw nb::type_error((w +

@@ -71,7 +71,8 @@ class BufferRef {
   int device_ = -1;
   Py_buffer view_{};
   bool has_view_ = false;
-  nb::object keep_;  // the DLPack exporter or ndarray holder
+  nb::object keep_;     // the DLPack exporter
+  nb::ndarray<> held_;  // the imported DLPack tensor (its capsule's owner keeps the bytes)
 };
 
 // Raises BufferTooSmallError (a ValueError) with .needed set.
