@@ -416,7 +416,9 @@ TEST(StoreTest, ABatchFromDeviceMemoryIntoAFullHostTierMakesRoomForAllAtOnce) {
   std::vector<uint8_t> stand_in;
   uint8_t* base = device_or_stand_in(n * block, &dev, &stand_in);
   ASSERT_TRUE(base);
-  if (gpu) ASSERT_TRUE(copy_to_device(base, bytes.data(), bytes.size()).ok());
+  if (gpu) {
+    ASSERT_TRUE(copy_to_device(base, bytes.data(), bytes.size()).ok());
+  }
   std::vector<BlockId> ids;
   std::vector<ConstBuffer> bufs;
   for (size_t i = 0; i < n; ++i) {
@@ -465,7 +467,9 @@ TEST(StoreTest, AsyncBatchesIntoDeviceMemoryLandAfterTheDefaultStreamsWork) {
   ASSERT_TRUE(base);
   // Work the caller queued before the batches (a slow fill on the legacy
   // default stream) must not overwrite what they load.
-  if (gpu) ASSERT_TRUE(fill_device_pattern(base, n * block, 5, nullptr, 20000).ok());
+  if (gpu) {
+    ASSERT_TRUE(fill_device_pattern(base, n * block, 5, nullptr, 20000).ok());
+  }
   std::vector<std::shared_ptr<BatchTask>> tasks;
   for (size_t b = 0; b < n; b += per) {
     std::vector<MutableBuffer> out;

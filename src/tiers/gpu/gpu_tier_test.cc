@@ -16,6 +16,9 @@
 
 #include "cuda/device_buffer.h"
 #include "cuda/device_copy.h"
+#if CASCADE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 #include "util/thread_pool.h"
 
 namespace cascade {
@@ -440,6 +443,49 @@ TEST(GpuTierTest, CopiesAreOrderedAfterTheCallersStream) {
   ASSERT_TRUE(copy_to_host(back.data(), dst->data(), n).ok());
   for (size_t i = 0; i < n; ++i) ASSERT_EQ(back[i], pattern_byte(2, i));
 }
+
+#if CASCADE_HAVE_CUDA
+TEST(GpuTierTest, CopiesWithAnotherGpusBufferComeAfterThatGpusDefaultStream) {
+  if (gpu_count() < 2) GTEST_SKIP() << "needs two usable GPUs";
+  ThreadPool pool(2);
+  auto tier = GpuTier::Open(gpu_config(64 << 20), &pool);  // on GPU 0
+  ASSERT_TRUE(tier.ok());
+  const size_t n = (2 << 20) + 17;
+  auto other = DeviceBuffer::Allocate(1, n);
+  ASSERT_TRUE(other.ok());
+  int was = 0;
+  ASSERT_EQ(cudaGetDevice(&was), cudaSuccess);
+  // A slow kernel on GPU 1's default stream writes the buffer; a put from it
+  // without a stream must copy what the kernel wrote.
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  ASSERT_TRUE(fill_device_pattern(other->data(), n, 7, nullptr, 20000).ok());
+  ASSERT_EQ(cudaSetDevice(was), cudaSuccess);
+  PutOptions po;
+  po.src_kind = MemoryKind::kDevice;
+  ASSERT_TRUE((*tier)->put(make_id(70), other->data(), n, po).ok());
+  std::vector<uint8_t> back(n);
+  ReadRequest rq;
+  rq.out = back.data();
+  rq.capacity = n;
+  ReadResult rr;
+  ASSERT_TRUE((*tier)->read(make_id(70), rq, &rr).ok());
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(back[i], pattern_byte(7, i)) << "put, byte " << i;
+  // A read into the buffer lands after a slow fill queued there before it.
+  std::vector<uint8_t> data(n);
+  fill_random(data.data(), n, 71);
+  ASSERT_TRUE((*tier)->put(make_id(71), data.data(), n, {}).ok());
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  ASSERT_TRUE(fill_device_pattern(other->data(), n, 8, nullptr, 20000).ok());
+  ASSERT_EQ(cudaSetDevice(was), cudaSuccess);
+  ReadRequest into;
+  into.out = other->data();
+  into.capacity = n;
+  into.out_kind = MemoryKind::kDevice;
+  ASSERT_TRUE((*tier)->read(make_id(71), into, &rr).ok());
+  ASSERT_TRUE(copy_to_host(back.data(), other->data(), n).ok());
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(back[i], data[i]) << "read, byte " << i;
+}
+#endif
 
 TEST(GpuTierTest, ArenaGrowsAndShrinksUnderLoad) {
   SKIP_WITHOUT_GPU();
