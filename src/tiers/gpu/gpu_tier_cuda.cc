@@ -1,8 +1,6 @@
 // GpuTier over a DeviceArena. See gpu_tier.h.
-#include <algorithm>
 #include <map>
 #include <utility>
-#include <vector>
 
 #include "cuda/cuda_status.h"
 #include "cuda/device_arena.h"
@@ -78,7 +76,6 @@ class ArenaGpuTier final : public GpuTier {
         cur.where.push_back(Location{offsets[k], sizes[j]});
         cur.items.push_back(CopyItem{arena_base() + offsets[k], data[j], sizes[j]});
       }
-      if (s == cudaStreamLegacy) order_after_other_devices(cur, /*caller_is_dst=*/false, s);
       queue(cur, MemoryKind::kDevice, options.src_kind, s);
       finish_put(prev, ids, options, statuses, s);
       std::swap(prev, cur);
@@ -132,7 +129,6 @@ class ArenaGpuTier final : public GpuTier {
           cur.items.push_back(CopyItem{reqs[i].out, arena_base() + loc.offset + from, count});
           bytes += count;
         }
-        if (s == cudaStreamLegacy) order_after_other_devices(cur, /*caller_is_dst=*/true, s);
         queue(cur, key.first, MemoryKind::kDevice, s);
         finish_read(prev, results, statuses, s);
         std::swap(prev, cur);
@@ -191,48 +187,6 @@ class ArenaGpuTier final : public GpuTier {
     if (user_stream) return static_cast<cudaStream_t>(user_stream);
     if (caller_side == MemoryKind::kDevice) return cudaStreamLegacy;
     return ctx_->next_stream();
-  }
-
-  // Caller buffers in another GPU's memory, copied on this device's legacy
-  // stream: that stream does not follow the other GPU's, so the copies
-  // first wait for what the other GPU's legacy stream holds (the caller's
-  // work there, as for buffers on this device).
-  void order_after_other_devices(const Chunk& c, bool caller_is_dst, cudaStream_t s) {
-    std::vector<int> others;
-    DeviceTransfers::KnownRange known;  // an allocation of this device already seen
-    for (const CopyItem& it : c.items) {
-      const void* p = caller_is_dst ? it.dst : it.src;
-      const auto a = reinterpret_cast<uintptr_t>(p);
-      if (a >= known.lo && a < known.hi) continue;
-      cudaPointerAttributes attr{};
-      if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
-        (void)cudaGetLastError();
-        continue;
-      }
-      if (attr.type != cudaMemoryTypeDevice) continue;
-      if (attr.device == device_) {
-        // The allocation holding it (the lookup serves device memory too):
-        // the items after it in the same allocation need no query.
-        (void)DeviceTransfers::host_side_allocation(p, &known);
-      } else if (std::find(others.begin(), others.end(), attr.device) == others.end()) {
-        others.push_back(attr.device);
-      }
-    }
-    for (int d : others) {
-      cudaEvent_t e = nullptr;
-      {
-        ScopedDevice there(d);
-        if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess ||
-            cudaEventRecord(e, cudaStreamLegacy) != cudaSuccess) {
-          (void)cudaGetLastError();
-          if (e) (void)cudaEventDestroy(e);
-          e = nullptr;
-        }
-      }
-      if (!e) continue;
-      if (cudaStreamWaitEvent(s, e, 0) != cudaSuccess) (void)cudaGetLastError();
-      (void)cudaEventDestroy(e);  // the wait already queued keeps the record it saw
-    }
   }
 
   void queue(Chunk& c, MemoryKind dst_kind, MemoryKind src_kind, cudaStream_t s) {

@@ -445,6 +445,9 @@ TEST(GpuTierTest, CopiesAreOrderedAfterTheCallersStream) {
 }
 
 #if CASCADE_HAVE_CUDA
+// A caller buffer on another GPU: the copies, made on the tier's device,
+// still come after the work that GPU's default stream holds (the driver
+// serializes a copy between two devices with both devices' legacy streams).
 TEST(GpuTierTest, CopiesWithAnotherGpusBufferComeAfterThatGpusDefaultStream) {
   if (gpu_count() < 2) GTEST_SKIP() << "needs two usable GPUs";
   ThreadPool pool(2);
