@@ -159,9 +159,11 @@ class CascadeStore {
                                              const PutOptions& options = {});
   // As get_batch, on the store's threads. Device buffers (out_kind
   // kDevice) are complete when the task is: the copies are ordered after
-  // the work the legacy default stream holds when the task starts, and the
-  // task waits for them. A caller keeps two or more batches in flight so one
-  // batch's leases overlap another's copies.
+  // the work the legacy default stream of their GPU holds at the call (not
+  // what is queued there later), and the task waits for them. A caller
+  // keeps two or more batches in flight so one batch's leases overlap
+  // another's copies. put_batch_async from device memory without a
+  // cuda_stream is ordered the same way.
   std::shared_ptr<BatchTask> get_batch_async(std::vector<BlockId> ids,
                                              std::vector<MutableBuffer> out,
                                              MemoryKind out_kind = MemoryKind::kHost);

@@ -40,6 +40,34 @@ Status device_copy(void* dst, MemoryKind dst_kind, const void* src, MemoryKind s
 Status device_copy_batch(std::span<const CopyItem> items, MemoryKind dst_kind, MemoryKind src_kind,
                          void* stream);
 
+// The work a GPU's legacy default stream holds at one moment, for a batch
+// that runs later on another thread: take() records it (on the calling
+// thread, at the call); stream() is then a stream of that GPU's own that
+// waits for exactly that work, so the batch's copies, queued there, come
+// after what the caller queued before the call and not after what it
+// queued since. Empty (stream() nullptr: the legacy stream at the time the
+// copies are queued) where there is no GPU or the pointer is not device
+// memory. Thread-safety: one thread uses an object at a time; take() and
+// the other calls may be on different threads.
+class DeviceOrderPoint {
+ public:
+  DeviceOrderPoint() = default;
+  static DeviceOrderPoint take(const void* device_memory);
+  DeviceOrderPoint(DeviceOrderPoint&& o) noexcept;
+  DeviceOrderPoint& operator=(DeviceOrderPoint&& o) noexcept;
+  DeviceOrderPoint(const DeviceOrderPoint&) = delete;
+  ~DeviceOrderPoint();  // REQUIRES: the copies queued on stream() are complete
+
+  // Made on first use. nullptr where empty.
+  void* stream();
+
+ private:
+  void reset();
+  int device_ = -1;
+  void* event_ = nullptr;
+  void* stream_ = nullptr;
+};
+
 // A batch of copies queued a part at a time, for callers that prepare a
 // batch piece by piece (leasing blocks, say): each add() queues its part on
 // the GPU and returns, so the CPU prepares the next part while the GPU

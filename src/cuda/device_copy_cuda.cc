@@ -41,6 +41,68 @@ Result<int> batch_device(const CopyItem& first, MemoryKind dst_kind, MemoryKind 
 
 }  // namespace
 
+DeviceOrderPoint DeviceOrderPoint::take(const void* device_memory) {
+  DeviceOrderPoint point;
+  const int device = device_of(device_memory);
+  if (device < 0) return point;
+  ScopedDevice on(device);
+  cudaEvent_t e = nullptr;
+  if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess ||
+      cudaEventRecord(e, cudaStreamLegacy) != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (e) (void)cudaEventDestroy(e);
+    return point;
+  }
+  point.device_ = device;
+  point.event_ = e;
+  return point;
+}
+
+DeviceOrderPoint::DeviceOrderPoint(DeviceOrderPoint&& o) noexcept { *this = std::move(o); }
+
+DeviceOrderPoint& DeviceOrderPoint::operator=(DeviceOrderPoint&& o) noexcept {
+  if (this != &o) {
+    reset();
+    device_ = o.device_;
+    event_ = o.event_;
+    stream_ = o.stream_;
+    o.device_ = -1;
+    o.event_ = o.stream_ = nullptr;
+  }
+  return *this;
+}
+
+DeviceOrderPoint::~DeviceOrderPoint() { reset(); }
+
+void DeviceOrderPoint::reset() {
+  if (!event_ && !stream_) return;
+  ScopedDevice on(device_);
+  // Destroying either is safe with work still queued: the driver frees
+  // them once that work is done.
+  if (stream_) (void)cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+  if (event_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+  (void)cudaGetLastError();
+  event_ = stream_ = nullptr;
+  device_ = -1;
+}
+
+void* DeviceOrderPoint::stream() {
+  if (stream_ || !event_) return stream_;
+  ScopedDevice on(device_);
+  cudaStream_t s = nullptr;
+  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  if (cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(event_), 0) != cudaSuccess) {
+    (void)cudaGetLastError();
+    (void)cudaStreamDestroy(s);
+    return nullptr;
+  }
+  stream_ = s;
+  return stream_;
+}
+
 Status device_copy_batch(std::span<const CopyItem> items, MemoryKind dst_kind, MemoryKind src_kind,
                          void* stream) {
   const CopyItem* first = nullptr;

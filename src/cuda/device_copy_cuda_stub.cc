@@ -31,6 +31,13 @@ struct DeviceCopyPipeline::Impl {
   size_t parts = 0;
 };
 
+DeviceOrderPoint DeviceOrderPoint::take(const void*) { return DeviceOrderPoint(); }
+DeviceOrderPoint::DeviceOrderPoint(DeviceOrderPoint&&) noexcept {}
+DeviceOrderPoint& DeviceOrderPoint::operator=(DeviceOrderPoint&&) noexcept { return *this; }
+DeviceOrderPoint::~DeviceOrderPoint() = default;
+void* DeviceOrderPoint::stream() { return nullptr; }
+void DeviceOrderPoint::reset() {}
+
 DeviceCopyPipeline::DeviceCopyPipeline(MemoryKind dst_kind, MemoryKind src_kind, void*)
     : impl_(std::make_unique<Impl>(Impl{dst_kind, src_kind, 0})) {}
 

@@ -363,8 +363,14 @@ std::shared_ptr<BatchTask> CascadeStore::put_batch_async(std::vector<BlockId> id
     task->finish(0);
     return task;
   }
-  impl_->submit([impl = impl_.get(), task, ids = std::move(ids), data = std::move(data), options] {
-    task->finish(impl->put_batch_impl(ids, data, &task->statuses_, options));
+  auto order = std::make_shared<DeviceOrderPoint>();
+  if (options.src_kind == MemoryKind::kDevice && !options.cuda_stream && !data.empty())
+    *order = DeviceOrderPoint::take(data.front().data);
+  impl_->submit([impl = impl_.get(), task, ids = std::move(ids), data = std::move(data), options,
+                 order] {
+    PutOptions o = options;
+    if (void* s = order->stream()) o.cuda_stream = s;
+    task->finish(impl->put_batch_impl(ids, data, &task->statuses_, o));
   });
   return task;
 }
@@ -382,10 +388,18 @@ std::shared_ptr<BatchTask> CascadeStore::get_batch_async(std::vector<BlockId> id
     task->finish(0);
     return task;
   }
-  impl_->submit([impl = impl_.get(), task, ids = std::move(ids), out = std::move(out), out_kind] {
-    size_t n = impl->get_batch_impl(ids, out, &task->results_, &task->statuses_, out_kind);
-    task->finish(n);
-  });
+  // Device buffers: the copies come after what the legacy stream holds now,
+  // not when a thread takes the task (by then the caller may have queued
+  // more, an engine's next forward pass say).
+  auto order = std::make_shared<DeviceOrderPoint>();
+  if (out_kind == MemoryKind::kDevice && !out.empty())
+    *order = DeviceOrderPoint::take(out.front().data);
+  impl_->submit(
+      [impl = impl_.get(), task, ids = std::move(ids), out = std::move(out), out_kind, order] {
+        size_t n = impl->get_batch_impl(ids, out, &task->results_, &task->statuses_, out_kind,
+                                        order->stream());
+        task->finish(n);
+      });
   return task;
 }
 

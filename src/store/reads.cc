@@ -98,7 +98,8 @@ Status CascadeStore::Impl::get_impl(const BlockId& id, ReadRequest rq, GetResult
 size_t CascadeStore::Impl::get_batch_impl(std::span<const BlockId> ids,
                                           std::span<const MutableBuffer> out,
                                           std::vector<GetResult>* results,
-                                          std::vector<Status>* statuses, MemoryKind out_kind) {
+                                          std::vector<Status>* statuses, MemoryKind out_kind,
+                                          void* cuda_stream) {
   size_t n = ids.size();
   results->assign(n, GetResult{});
   statuses->assign(n, Status::OK());
@@ -120,6 +121,7 @@ size_t CascadeStore::Impl::get_batch_impl(std::span<const BlockId> ids,
       rqs[k].out = out[pending[k]].data;
       rqs[k].capacity = out[pending[k]].size;
       rqs[k].out_kind = out_kind;
+      rqs[k].cuda_stream = cuda_stream;
     }
     // A memory tier's reads go one per item over the I/O threads unless it
     // prefers batches for these destinations (device memory, where a batch

@@ -111,7 +111,7 @@ class CascadeStore::Impl {
                   std::vector<uint8_t>* whole = nullptr);
   size_t get_batch_impl(std::span<const BlockId> ids, std::span<const MutableBuffer> out,
                         std::vector<GetResult>* results, std::vector<Status>* statuses,
-                        MemoryKind out_kind);
+                        MemoryKind out_kind, void* cuda_stream = nullptr);
   Status promote(const BlockId& phys);
 
   // ---- removal, durability, async (cascade_store.cc) ------------------------

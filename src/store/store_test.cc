@@ -526,5 +526,43 @@ TEST(StoreTest, CloseWhileAnotherThreadSubmitsAsyncBatches) {
   }
 }
 
+TEST(StoreTest, AnAsyncDeviceBatchDoesNotWaitForWorkQueuedAfterIt) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
+  CascadeConfig c = host_config(128 << 20);
+  c.num_io_threads = 1;  // the second batch waits for the first to leave the thread
+  auto store = open(c);
+  ASSERT_TRUE(store);
+  const size_t block = 256 << 10, n = 256;
+  std::vector<uint8_t> bytes = random_bytes(n * block, 13);
+  std::vector<BlockId> ids;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t key = 90000 + i;
+    ids.push_back(compute_block_id(&key, sizeof key));
+    ASSERT_TRUE(store->put(ids[i], bytes.data() + i * block, block).ok());
+  }
+  auto a = DeviceBuffer::Allocate(0, n * block), b = DeviceBuffer::Allocate(0, block),
+       other = DeviceBuffer::Allocate(0, 4096);
+  ASSERT_TRUE(a.ok() && b.ok() && other.ok());
+  std::vector<MutableBuffer> into_a;
+  for (size_t i = 0; i < n; ++i)
+    into_a.push_back({static_cast<uint8_t*>(a->data()) + i * block, block});
+  auto first = store->get_batch_async(ids, std::move(into_a), MemoryKind::kDevice);
+  auto second = store->get_batch_async({ids[7]}, {{b->data(), block}}, MemoryKind::kDevice);
+  // Work the caller queues on the default stream after both calls (a
+  // kernel that runs for about 300 ms) must not hold their copies back.
+  ASSERT_TRUE(fill_device_pattern(other->data(), 4096, 1, nullptr, 300000).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  second->wait();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  first->wait();
+  EXPECT_EQ(first->succeeded(), n);
+  EXPECT_EQ(second->succeeded(), 1u);
+  EXPECT_LT(took, std::chrono::milliseconds(150));
+  std::vector<uint8_t> back(block);
+  ASSERT_TRUE(copy_to_host(back.data(), b->data(), block).ok());
+  EXPECT_EQ(0, std::memcmp(back.data(), bytes.data() + 7 * block, block));
+  ASSERT_TRUE(device_synchronize(0).ok());
+}
+
 }  // namespace
 }  // namespace cascade
