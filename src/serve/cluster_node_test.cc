@@ -335,6 +335,18 @@ struct RawOwner {
     std::lock_guard<std::mutex> l(mu);
     return aborted;
   }
+  // The aborted tokens, sorted, once `count` have come (aborts are sent
+  // without waiting for a reply) or after 3 s.
+  std::vector<uint64_t> aborted_once(size_t count) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<uint64_t> got = aborted_tokens();
+    while (got.size() < count && std::chrono::steady_clock::now() - t0 < 3s) {
+      std::this_thread::sleep_for(10ms);
+      got = aborted_tokens();
+    }
+    std::sort(got.begin(), got.end());
+    return got;
+  }
 };
 
 // A view of member `self` and an owner that holds every point.
@@ -792,15 +804,7 @@ TEST(ClusterNode, ReservationsGrantedOutsideTheOwnersArenaAreAborted) {
   ASSERT_TRUE(a.node->drain(5000));
   EXPECT_EQ(a.node->stats().push_dropped, uint64_t(kBlocks));
   EXPECT_GE(a.node->stats().bad_messages, uint64_t(kBlocks));
-  std::vector<uint64_t> aborted;
-  const auto t0 = std::chrono::steady_clock::now();
-  while (std::chrono::steady_clock::now() - t0 < 3s) {  // sent without waiting for a reply
-    aborted = owner.aborted_tokens();
-    if (aborted.size() >= kBlocks) break;
-    std::this_thread::sleep_for(10ms);
-  }
-  std::sort(aborted.begin(), aborted.end());
-  EXPECT_EQ(aborted, (std::vector<uint64_t>{500, 501, 502}));
+  EXPECT_EQ(owner.aborted_once(kBlocks), (std::vector<uint64_t>{500, 501, 502}));
 }
 
 TEST(ClusterNode, ReservationsWhoseCommitGoesUnansweredAreAborted) {
@@ -825,18 +829,10 @@ TEST(ClusterNode, ReservationsWhoseCommitGoesUnansweredAreAborted) {
   put_blocks(ca.get(), 8200, kBlocks);
   ASSERT_TRUE(a.node->drain(5000));
   EXPECT_EQ(a.node->stats().push_dropped, uint64_t(kBlocks));
-  std::vector<uint64_t> aborted;
-  const auto t0 = std::chrono::steady_clock::now();
-  while (std::chrono::steady_clock::now() - t0 < 3s) {
-    aborted = owner.aborted_tokens();
-    if (aborted.size() >= kBlocks) break;
-    std::this_thread::sleep_for(10ms);
-  }
-  std::sort(aborted.begin(), aborted.end());
   std::vector<uint64_t> granted;
   for (uint64_t t = 700; t < next_token.load(); ++t) granted.push_back(t);
   EXPECT_FALSE(granted.empty());  // pushes after the first failure may find the link down
-  EXPECT_EQ(aborted, granted);
+  EXPECT_EQ(owner.aborted_once(granted.size()), granted);
 }
 
 TEST(ClusterNode, AConnectWithTwoHellosTakesOneDeadlineInAll) {

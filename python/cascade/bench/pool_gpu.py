@@ -32,52 +32,43 @@ from cascade.bench.common import fmt_size, format_table
 GOAL_LOAD_VS_PCIE = 0.9  # a pool client's batched loads into GPU memory, 64 KiB blocks and up
 
 
-def _save_all(store, keys: list, src, batch: int, tag: str, in_flight: int = 0) -> None:
-    """Saves the rows of src under keys, `batch` at a time: one put_batch
-    after another, or (in_flight > 0) put_batch_async with up to in_flight
-    batches queued. Raises when a batch stored less than all its blocks."""
+def _in_batches(keys: list, rows, batch: int, in_flight: int, call, call_async, what: str) -> None:
+    """call(keys, rows) `batch` keys at a time, one call after another, or
+    (in_flight > 0) call_async with up to in_flight batches queued. Raises
+    when a batch did less than all its blocks (`what` names the count)."""
 
-    def check(stored: int, want: int) -> None:
-        if stored != want:
-            raise RuntimeError(f"{tag}: put_batch stored {stored} of {want}")
+    def check(result, want: int) -> None:
+        done = result[0] if isinstance(result, tuple) else result  # gets: (found, sizes)
+        if done != want:
+            raise RuntimeError(f"{what} {done} of {want}")
 
     pending: deque = deque()
     for b in range(0, len(keys), batch):
         ks = keys[b : b + batch]
         if not in_flight:
-            check(store.put_batch(ks, src[b : b + batch]), len(ks))
+            check(call(ks, rows[b : b + batch]), len(ks))
             continue
         if len(pending) == in_flight:
             h, want = pending.popleft()
             check(h.wait(), want)
-        pending.append((store.put_batch_async(ks, src[b : b + batch]), len(ks)))
+        pending.append((call_async(ks, rows[b : b + batch]), len(ks)))
     while pending:
         h, want = pending.popleft()
         check(h.wait(), want)
 
 
+def _save_all(store, keys: list, src, batch: int, tag: str, in_flight: int = 0) -> None:
+    """Saves the rows of src under keys (put_batch, or put_batch_async with
+    batches in flight)."""
+    what = f"{tag}: put_batch stored"
+    _in_batches(keys, src, batch, in_flight, store.put_batch, store.put_batch_async, what)
+
+
 def _load_all(store, keys: list, dst, batch: int, in_flight: int, tag: str) -> None:
-    """Loads keys into the rows of dst, `batch` at a time: one get_batch
-    after another, or (in_flight > 0) get_batch_async with up to in_flight
-    batches queued. Raises when a batch found less than all its blocks."""
-
-    def check(found: int, want: int) -> None:
-        if found != want:
-            raise RuntimeError(f"{tag}: get_batch found {found} of {want}")
-
-    pending: deque = deque()
-    for b in range(0, len(keys), batch):
-        ks = keys[b : b + batch]
-        if not in_flight:
-            check(store.get_batch(ks, dst[b : b + batch])[0], len(ks))
-            continue
-        if len(pending) == in_flight:
-            h, want = pending.popleft()
-            check(h.wait()[0], want)
-        pending.append((store.get_batch_async(ks, dst[b : b + batch]), len(ks)))
-    while pending:
-        h, want = pending.popleft()
-        check(h.wait()[0], want)
+    """Loads keys into the rows of dst (get_batch, or get_batch_async with
+    batches in flight)."""
+    what = f"{tag}: get_batch found"
+    _in_batches(keys, dst, batch, in_flight, store.get_batch, store.get_batch_async, what)
 
 
 def _timed_passes(store, src, dst, s: dict, tag: str) -> dict:
