@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include <algorithm>
+
 #include <nanobind/stl/string.h>
 
 #include <vector>
@@ -143,10 +145,15 @@ BufferRef::~BufferRef() {
   if (has_view_) PyBuffer_Release(&view_);
 }
 
-BufferRef BufferRef::readable(nb::handle obj, const char* what) { return make(obj, false, what); }
-BufferRef BufferRef::writable(nb::handle obj, const char* what) { return make(obj, true, what); }
+BufferRef BufferRef::readable(nb::handle obj, const char* what, std::vector<int>* ordered) {
+  return make(obj, false, what, ordered);
+}
+BufferRef BufferRef::writable(nb::handle obj, const char* what, std::vector<int>* ordered) {
+  return make(obj, true, what, ordered);
+}
 
-BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what) {
+BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what,
+                          std::vector<int>* ordered) {
   BufferRef ref;
   const std::string w(what);
   if (PyObject_CheckBuffer(obj.ptr())) {
@@ -175,17 +182,31 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what) {
     // its current stream holds, so the copies, which are ordered after the
     // legacy stream, also come after what the caller queued on a stream of
     // its own.
+    // One export per GPU and batch does it (torch records and waits on an
+    // event each time). A producer that takes no stream, or refuses one
+    // (torch for a tensor of another than the current device), is imported
+    // as before, unordered.
     nb::object src = nb::borrow(obj);
     if (nb::hasattr(obj, "__dlpack_device__")) {
       nb::object where = obj.attr("__dlpack_device__")();
-      long type = -1;  // the first item may be an IntEnum (torch)
-      if (nb::isinstance<nb::tuple>(where) && nb::len(where) >= 1) {
-        nb::object first = nb::borrow<nb::tuple>(where)[0];
-        if (PyLong_Check(first.ptr())) type = PyLong_AsLong(first.ptr());
-        if (type == -1 && PyErr_Occurred()) PyErr_Clear();
+      long type = -1, index = -1;  // the items may be IntEnums (torch)
+      if (nb::isinstance<nb::tuple>(where) && nb::len(where) >= 2) {
+        nb::tuple t = nb::borrow<nb::tuple>(where);
+        if (PyLong_Check(t[0].ptr())) type = PyLong_AsLong(t[0].ptr());
+        if (PyLong_Check(t[1].ptr())) index = PyLong_AsLong(t[1].ptr());
+        if (PyErr_Occurred()) PyErr_Clear();
       }
-      if (type == nb::device::cuda::value || type == nb::device::cuda_managed::value)
-        src = obj.attr("__dlpack__")(nb::arg("stream") = 1);
+      const int gpu = static_cast<int>(index);
+      const bool cuda = type == nb::device::cuda::value || type == nb::device::cuda_managed::value;
+      if (cuda &&
+          (!ordered || std::find(ordered->begin(), ordered->end(), gpu) == ordered->end())) {
+        try {
+          src = obj.attr("__dlpack__")(nb::arg("stream") = 1);
+          if (ordered) ordered->push_back(gpu);
+        } catch (nb::python_error& e) {
+          if (!e.matches(PyExc_TypeError) && !e.matches(PyExc_BufferError)) throw;
+        }
+      }
     }
     nb::ndarray<> arr;
     if (!nb::try_cast(src, arr, false)) {
@@ -272,11 +293,12 @@ BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable) {
                               .c_str());
   }
   a.refs.reserve(n);
+  std::vector<int> ordered;  // GPUs whose legacy stream the batch ordered already
   a.spans.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     std::string item = std::string(writable ? "out[" : "data[") + std::to_string(i) + "]";
-    a.refs.push_back(writable ? BufferRef::writable(bs[i], item.c_str())
-                              : BufferRef::readable(bs[i], item.c_str()));
+    a.refs.push_back(writable ? BufferRef::writable(bs[i], item.c_str(), &ordered)
+                              : BufferRef::readable(bs[i], item.c_str(), &ordered));
     a.spans.push_back({a.refs.back().data(), a.refs.back().size()});
     if (i == 0) {
       a.kind = a.refs[0].kind();

@@ -54,9 +54,11 @@ class BufferRef {
   ~BufferRef();
 
   // Read access (put). `what` names the argument in error messages.
-  static BufferRef readable(nb::handle obj, const char* what);
+  // `ordered`: the GPUs whose legacy stream this batch already ordered
+  // after the producer's current stream (see make); nullptr: order each.
+  static BufferRef readable(nb::handle obj, const char* what, std::vector<int>* ordered = nullptr);
   // Write access (get): read-only exporters are refused.
-  static BufferRef writable(nb::handle obj, const char* what);
+  static BufferRef writable(nb::handle obj, const char* what, std::vector<int>* ordered = nullptr);
 
   void* data() const { return data_; }
   uint64_t size() const { return size_; }
@@ -64,7 +66,7 @@ class BufferRef {
   int device() const { return device_; }
 
  private:
-  static BufferRef make(nb::handle obj, bool writable, const char* what);
+  static BufferRef make(nb::handle obj, bool writable, const char* what, std::vector<int>* ordered);
   void* data_ = nullptr;
   uint64_t size_ = 0;
   MemoryKind kind_ = MemoryKind::kHost;

@@ -455,6 +455,40 @@ def test_device_batches_come_after_the_callers_own_stream(shm_path, asynchronous
         store.close()
 
 
+@gpu_test
+def test_a_dlpack_producer_that_takes_no_stream_is_still_accepted(shm_path):
+    """A producer whose __dlpack__ takes no arguments: imported as it is
+    (the caller orders its own work), not refused."""
+    torch = _torch_cuda()
+
+    class Plain:
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+        def __dlpack__(self):
+            return self.t.__dlpack__()
+
+    store = cascade.CascadeStore(
+        cascade.config_from_dict(
+            {"pipeline": "host", "shm_path": shm_path, "shm_capacity_bytes": 64 * MiB}
+        )
+    )
+    try:
+        src = torch.randint(0, 256, (2, 65536), dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        assert store.put("p", Plain(src[0]))
+        assert store.put_batch(["q", "r"], [Plain(src[0]), Plain(src[1])]) == 2
+        out = torch.zeros(65536, dtype=torch.uint8, device="cuda")
+        assert store.get("r", Plain(out)) == (True, 65536)
+        torch.cuda.synchronize()
+        assert torch.equal(out, src[1])
+    finally:
+        store.close()
+
+
 # ---- the benchmarks' entry points ---------------------------------------------------------
 
 

@@ -163,7 +163,8 @@ class CascadeStore {
   // what is queued there later), and the task waits for them. A caller
   // keeps two or more batches in flight so one batch's leases overlap
   // another's copies. put_batch_async from device memory without a
-  // cuda_stream is ordered the same way.
+  // cuda_stream is ordered the same way. REQUIRES: device buffers on one GPU
+  // (the first buffer's GPU is the one whose stream orders the batch).
   std::shared_ptr<BatchTask> get_batch_async(std::vector<BlockId> ids,
                                              std::vector<MutableBuffer> out,
                                              MemoryKind out_kind = MemoryKind::kHost);

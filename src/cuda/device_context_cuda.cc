@@ -130,7 +130,15 @@ Status DeviceContext::wait_for(cudaStream_t s) {
   cudaEvent_t e = take_event();
   if (!e) return cuda_status(cudaStreamSynchronize(s), "wait for GPU work");
   cudaError_t err = cudaEventRecord(e, s);
-  if (err == cudaSuccess) err = cudaEventSynchronize(e);
+  if (err == cudaSuccess) {
+    err = cudaEventSynchronize(e);
+  } else {
+    // A stream this context cannot record on (another device's, say): the
+    // work queued on it must still be over before anything it touches is
+    // released or reused.
+    (void)cudaGetLastError();
+    err = cudaStreamSynchronize(s);
+  }
   give_event(e);
   return cuda_status(err, "wait for GPU work");
 }

@@ -60,6 +60,8 @@ class DeviceOrderPoint {
 
   // Made on first use. nullptr where empty.
   void* stream();
+  // The GPU whose legacy stream was recorded; -1 where empty.
+  int device() const { return device_; }
 
  private:
   void reset();

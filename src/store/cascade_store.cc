@@ -103,6 +103,17 @@ Status CascadeStore::Impl::write_down(const WriteDownOptions& o) {
 }
 
 // ---- async ----------------------------------------------------------------
+DeviceOrderPoint CascadeStore::Impl::order_point(const void* device_memory) const {
+  DeviceOrderPoint point = DeviceOrderPoint::take(device_memory);
+  // A gpu tier copies on its own device; a stream of another device would
+  // not do there, and the driver already orders copies between two devices
+  // after both devices' legacy streams.
+  for (const auto& t : tiers)
+    if (t->kind() == TierKind::kGpu && point.device() != config.gpu_device_id)
+      return DeviceOrderPoint();
+  return point;
+}
+
 void CascadeStore::Impl::submit(std::function<void()> job) {
   {
     std::lock_guard<std::mutex> lock(inflight_mu);
@@ -365,13 +376,13 @@ std::shared_ptr<BatchTask> CascadeStore::put_batch_async(std::vector<BlockId> id
   }
   auto order = std::make_shared<DeviceOrderPoint>();
   if (options.src_kind == MemoryKind::kDevice && !options.cuda_stream && !data.empty())
-    *order = DeviceOrderPoint::take(data.front().data);
-  impl_->submit([impl = impl_.get(), task, ids = std::move(ids), data = std::move(data), options,
-                 order] {
-    PutOptions o = options;
-    if (void* s = order->stream()) o.cuda_stream = s;
-    task->finish(impl->put_batch_impl(ids, data, &task->statuses_, o));
-  });
+    *order = impl_->order_point(data.front().data);
+  impl_->submit(
+      [impl = impl_.get(), task, ids = std::move(ids), data = std::move(data), options, order] {
+        PutOptions o = options;
+        if (void* s = order->stream()) o.cuda_stream = s;
+        task->finish(impl->put_batch_impl(ids, data, &task->statuses_, o));
+      });
   return task;
 }
 
@@ -393,7 +404,7 @@ std::shared_ptr<BatchTask> CascadeStore::get_batch_async(std::vector<BlockId> id
   // more, an engine's next forward pass say).
   auto order = std::make_shared<DeviceOrderPoint>();
   if (out_kind == MemoryKind::kDevice && !out.empty())
-    *order = DeviceOrderPoint::take(out.front().data);
+    *order = impl_->order_point(out.front().data);
   impl_->submit(
       [impl = impl_.get(), task, ids = std::move(ids), out = std::move(out), out_kind, order] {
         size_t n = impl->get_batch_impl(ids, out, &task->results_, &task->statuses_, out_kind,

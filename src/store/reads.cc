@@ -43,12 +43,15 @@ bool CascadeStore::Impl::settle(size_t t, const ReadRequest& rq, const Status& s
 }
 
 void CascadeStore::Impl::maybe_promote(size_t t, const BlockId& phys, const void* data,
-                                       uint64_t size, bool prefix, MemoryKind kind) {
+                                       uint64_t size, bool prefix, MemoryKind kind,
+                                       void* cuda_stream) {
   if (t == 0 || !config.promote_on_hit) return;
   PutOptions o;
   o.is_prefix = prefix;
   o.origin = PutOrigin::kPromotion;
   o.src_kind = kind;
+  o.cuda_stream =
+      cuda_stream;  // the read's: its copies are complete, and it keeps the read's order
   (void)put_into(0, phys, data, size, o);  // best effort: the read already succeeded
 }
 
@@ -145,7 +148,8 @@ size_t CascadeStore::Impl::get_batch_impl(std::span<const BlockId> ids,
     if (!promote.empty() && config.promote_on_hit) {
       pool->parallel_for(promote.size(), [&](size_t j) {
         size_t k = promote[j];
-        maybe_promote(t, pid[k], rqs[k].out, rrs[k].block_size, rrs[k].is_prefix, out_kind);
+        maybe_promote(t, pid[k], rqs[k].out, rrs[k].block_size, rrs[k].is_prefix, out_kind,
+                      cuda_stream);
       });
     }
     pending.swap(still);

@@ -29,6 +29,7 @@
 
 #include "cascade/store.h"
 #include "cascade/tier.h"
+#include "cuda/device_copy.h"
 #include "store/dedup_table.h"
 #include "store/tier_factory.h"
 #include "store/write_down.h"
@@ -104,7 +105,7 @@ class CascadeStore::Impl {
   bool settle(size_t t, const ReadRequest& rq, const Status& st, const ReadResult& rr, GetResult* r,
               Status* out_st);
   void maybe_promote(size_t t, const BlockId& phys, const void* data, uint64_t size, bool prefix,
-                     MemoryKind kind);
+                     MemoryKind kind, void* cuda_stream = nullptr);
   Status read_whole(size_t t, const BlockId& phys, std::vector<uint8_t>* buf, ReadRequest* rq,
                     ReadResult* rr);
   Status get_impl(const BlockId& id, ReadRequest rq, GetResult* r,
@@ -118,6 +119,9 @@ class CascadeStore::Impl {
   Status remove_impl(const BlockId& id);
   Status write_down(const WriteDownOptions& o);
   void submit(std::function<void()> job);
+  // At an async call with device buffers: the order its copies keep (see
+  // DeviceOrderPoint), or none where a gpu tier lives on another device.
+  DeviceOrderPoint order_point(const void* device_memory) const;
 };
 
 }  // namespace cascade

@@ -564,5 +564,97 @@ TEST(StoreTest, AnAsyncDeviceBatchDoesNotWaitForWorkQueuedAfterIt) {
   ASSERT_TRUE(device_synchronize(0).ok());
 }
 
+TEST(StoreTest, AnAsyncDeviceBatchThatPromotesDoesNotWaitForWorkQueuedAfterIt) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
+  auto c = host_config(64 << 20);
+  c.pipeline = "host|file";
+  c.file_path = (std::filesystem::temp_directory_path() /
+                 ("cascade-unit-promote-" + std::to_string(getpid())))
+                    .string();
+  c.file_capacity_bytes = 64 << 20;
+  c.segment_size_bytes = 8 << 20;
+  c.io_direct = false;
+  c.num_io_threads = 1;
+  std::filesystem::remove_all(c.file_path);
+  const size_t block = 256 << 10, n = 8;
+  std::vector<uint8_t> bytes = random_bytes(n * block, 17);
+  std::vector<BlockId> ids;
+  {
+    auto writer = open(c);
+    ASSERT_TRUE(writer);
+    for (size_t i = 0; i < n; ++i) {
+      const uint64_t key = 95000 + i;
+      ids.push_back(compute_block_id(&key, sizeof key));
+      ASSERT_TRUE(writer->put(ids[i], bytes.data() + i * block, block).ok());
+    }
+    ASSERT_TRUE(writer->flush().ok());
+  }
+  c.shm_path = shm_path();  // a fresh host tier: the blocks are in the file tier only
+  auto store = open(c);
+  ASSERT_TRUE(store);
+  auto a = DeviceBuffer::Allocate(0, n * block), other = DeviceBuffer::Allocate(0, 4096);
+  ASSERT_TRUE(a.ok() && other.ok());
+  std::vector<MutableBuffer> first_out, second_out;
+  for (size_t i = 0; i < n; ++i)
+    (i < n - 1 ? first_out : second_out)
+        .push_back({static_cast<uint8_t*>(a->data()) + i * block, block});
+  auto first = store->get_batch_async(std::vector<BlockId>(ids.begin(), ids.end() - 1),
+                                      std::move(first_out), MemoryKind::kDevice);
+  auto second = store->get_batch_async({ids.back()}, std::move(second_out), MemoryKind::kDevice);
+  // The hits come from the file tier and are promoted into the host tier
+  // from the device buffers: that copy too must not wait for this kernel.
+  ASSERT_TRUE(fill_device_pattern(other->data(), 4096, 1, nullptr, 300000).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  second->wait();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  first->wait();
+  EXPECT_EQ(first->succeeded() + second->succeeded(), n);
+  EXPECT_LT(took, std::chrono::milliseconds(150));
+  ASSERT_TRUE(device_synchronize(0).ok());
+  EXPECT_EQ(store->stats().tiers[0].blocks, n);  // promoted
+  std::vector<uint8_t> back(n * block);
+  ASSERT_TRUE(copy_to_host(back.data(), a->data(), back.size()).ok());
+  EXPECT_EQ(back, bytes);
+  store.reset();
+  std::filesystem::remove_all(c.file_path);
+}
+
+TEST(StoreTest, AsyncBatchesWithAnotherGpusBuffersThroughAGpuTier) {
+  if (gpu_count() < 2) GTEST_SKIP() << "needs two usable GPUs";
+  CascadeConfig c;
+  c.pipeline = "gpu";
+  c.gpu_device_id = 0;
+  c.gpu_capacity_bytes = 64 << 20;
+  c.num_io_threads = 2;
+  auto store = open(c);
+  ASSERT_TRUE(store);
+  const size_t block = 256 << 10, n = 16;
+  std::vector<uint8_t> bytes = random_bytes(n * block, 19);
+  auto src = DeviceBuffer::Allocate(1, n * block), dst = DeviceBuffer::Allocate(1, n * block);
+  ASSERT_TRUE(src.ok() && dst.ok());
+  ASSERT_TRUE(copy_to_device(src->data(), bytes.data(), bytes.size()).ok());
+  std::vector<BlockId> ids;
+  std::vector<ConstBuffer> in;
+  std::vector<MutableBuffer> out;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t key = 97000 + i;
+    ids.push_back(compute_block_id(&key, sizeof key));
+    in.push_back({static_cast<uint8_t*>(src->data()) + i * block, block});
+    out.push_back({static_cast<uint8_t*>(dst->data()) + i * block, block});
+  }
+  PutOptions from_device;
+  from_device.src_kind = MemoryKind::kDevice;
+  auto put = store->put_batch_async(ids, in, from_device);
+  put->wait();
+  EXPECT_EQ(put->succeeded(), n);
+  for (const Status& st : put->statuses()) EXPECT_TRUE(st.ok()) << st.ToString();
+  auto get = store->get_batch_async(ids, out, MemoryKind::kDevice);
+  get->wait();
+  EXPECT_EQ(get->succeeded(), n);
+  std::vector<uint8_t> back(n * block);
+  ASSERT_TRUE(copy_to_host(back.data(), dst->data(), back.size()).ok());
+  EXPECT_EQ(back, bytes);
+}
+
 }  // namespace
 }  // namespace cascade

@@ -336,7 +336,9 @@ class TtftBench:
     def _ensure_hot_store(self):
         """One host store for the whole run, sized for the largest row that
         fits the host budget: its arena's pages stay committed between rows
-        (a fresh arena pays the kernel's first-touch cost on every put)."""
+        (a fresh arena pays the kernel's first-touch cost on every put). With
+        --hot-store pool, a server per row instead (a client cannot empty the
+        pool), its arena backed at start, outside the timing."""
         import cascade
 
         if self.hot_store is None:
