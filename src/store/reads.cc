@@ -50,8 +50,9 @@ void CascadeStore::Impl::maybe_promote(size_t t, const BlockId& phys, const void
   o.is_prefix = prefix;
   o.origin = PutOrigin::kPromotion;
   o.src_kind = kind;
-  o.cuda_stream =
-      cuda_stream;  // the read's: its copies are complete, and it keeps the read's order
+  // The read's stream, if it had one: its copies are complete, and the
+  // promotion keeps the read's order.
+  o.cuda_stream = cuda_stream;
   (void)put_into(0, phys, data, size, o);  // best effort: the read already succeeded
 }
 
