@@ -13,11 +13,13 @@
 namespace cascade {
 namespace {
 
-// kForeign: cudaHostRegister found some of the chunk registered already, by
-// another library. That registration is not ours to undo, it may cover part
-// of the chunk only, and its owner may undo it while a copy runs: the chunk
-// counts as unreachable (its copies go through the staging ring).
-enum ChunkState : uint8_t { kUnregistered = 0, kRegistered = 1, kFailed = 2, kForeign = 3 };
+// kFailed: cudaHostRegister refused the chunk. That includes a chunk of
+// which another library registered some part first ("already registered"):
+// their registration is not ours to undo, may cover part of the chunk only,
+// and may be undone by its owner while a copy runs, so the chunk counts as
+// unreachable (its copies go through the staging ring) and is never
+// unregistered here.
+enum ChunkState : uint8_t { kUnregistered = 0, kRegistered = 1, kFailed = 2 };
 
 struct Range {
   uintptr_t base = 0;
@@ -49,22 +51,20 @@ Range* range_holding(Registry& reg, uintptr_t a) {
   return a < r->base + r->bytes ? r : nullptr;
 }
 
-// Registers chunk c of r unless that was tried already; its state after.
-uint8_t ensure_chunk(Range& r, size_t c) {
+// Registers chunk c of r unless that was tried already; whether it is
+// registered here.
+bool ensure_chunk(Range& r, size_t c) {
   uint8_t s = r.chunk[c].load(std::memory_order_acquire);
-  if (s != kUnregistered) return s;
+  if (s != kUnregistered) return s == kRegistered;
   std::lock_guard<std::mutex> lock(r.mu);
   s = r.chunk[c].load(std::memory_order_acquire);
-  if (s != kUnregistered) return s;
+  if (s != kUnregistered) return s == kRegistered;
   void* p = reinterpret_cast<void*>(r.base + c * kHostRegistrationChunk);
   cudaError_t err =
       cudaHostRegister(p, r.chunk_len(c), cudaHostRegisterPortable | cudaHostRegisterMapped);
-  s = err == cudaSuccess                            ? kRegistered
-      : err == cudaErrorHostMemoryAlreadyRegistered ? kForeign
-                                                    : kFailed;
   if (err != cudaSuccess) (void)cudaGetLastError();
-  r.chunk[c].store(s, std::memory_order_release);
-  return s;
+  r.chunk[c].store(err == cudaSuccess ? kRegistered : kFailed, std::memory_order_release);
+  return err == cudaSuccess;
 }
 
 // Whether DMA and kernels can use [a, last] of r, registering its chunks as
@@ -74,7 +74,7 @@ bool ensure_chunks(Range& r, uintptr_t a, uintptr_t last) {
   const size_t c0 = (a - r.base) / kHostRegistrationChunk;
   const size_t c1 = (last - r.base) / kHostRegistrationChunk;
   for (size_t c = c0; c <= c1; ++c) {
-    all &= ensure_chunk(r, c) == kRegistered;
+    all &= ensure_chunk(r, c);
   }
   return all;
 }
