@@ -39,6 +39,31 @@ std::vector<uint8_t> random_bytes(size_t n, uint64_t seed) {
   return v;
 }
 
+// The ids of blocks a test numbers first, first + 1, ...
+std::vector<BlockId> numbered_ids(uint64_t first, size_t n) {
+  std::vector<BlockId> ids;
+  for (uint64_t key = first; key < first + n; ++key)
+    ids.push_back(compute_block_id(&key, sizeof key));
+  return ids;
+}
+
+// Stores block i of `bytes` (blocks of `block` bytes) under ids[i].
+void put_each(CascadeStore* store, const std::vector<BlockId>& ids,
+              const std::vector<uint8_t>& bytes, size_t block) {
+  for (size_t i = 0; i < ids.size(); ++i)
+    ASSERT_TRUE(store->put(ids[i], bytes.data() + i * block, block).ok()) << i;
+}
+
+// Queues on GPU 0's default stream a kernel that runs about 300 ms (into
+// the 4 KiB at `scratch`), then waits for `task`; *took: how long the wait
+// was. A batch ordered at its call does not wait for that kernel.
+void wait_past_a_later_kernel(BatchTask* task, void* scratch, std::chrono::nanoseconds* took) {
+  ASSERT_TRUE(fill_device_pattern(scratch, 4096, 1, nullptr, 300000).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  task->wait();
+  *took = std::chrono::steady_clock::now() - t0;
+}
+
 std::unique_ptr<CascadeStore> open(const CascadeConfig& c) {
   auto s = CascadeStore::Open(c);
   EXPECT_TRUE(s.ok()) << s.status().ToString();
@@ -419,13 +444,9 @@ TEST(StoreTest, ABatchFromDeviceMemoryIntoAFullHostTierMakesRoomForAllAtOnce) {
   if (gpu) {
     ASSERT_TRUE(copy_to_device(base, bytes.data(), bytes.size()).ok());
   }
-  std::vector<BlockId> ids;
+  const std::vector<BlockId> ids = numbered_ids(50000, n);
   std::vector<ConstBuffer> bufs;
-  for (size_t i = 0; i < n; ++i) {
-    const uint64_t key = 50000 + i;
-    ids.push_back(compute_block_id(&key, sizeof key));
-    bufs.push_back(ConstBuffer{base + i * block, block});
-  }
+  for (size_t i = 0; i < n; ++i) bufs.push_back(ConstBuffer{base + i * block, block});
   PutOptions from_device;
   from_device.src_kind = MemoryKind::kDevice;
   std::vector<Status> st;
@@ -454,12 +475,8 @@ TEST(StoreTest, AsyncBatchesIntoDeviceMemoryLandAfterTheDefaultStreamsWork) {
   ASSERT_TRUE(store);
   const size_t block = 64 << 10, n = 96, per = 32;
   std::vector<uint8_t> bytes = random_bytes(n * block, 11);
-  std::vector<BlockId> ids;
-  for (size_t i = 0; i < n; ++i) {
-    const uint64_t key = 70000 + i;
-    ids.push_back(compute_block_id(&key, sizeof key));
-    ASSERT_TRUE(store->put(ids[i], bytes.data() + i * block, block).ok());
-  }
+  const std::vector<BlockId> ids = numbered_ids(70000, n);
+  ASSERT_NO_FATAL_FAILURE(put_each(store.get(), ids, bytes, block));
   const bool gpu = gpu_count() > 0;
   DeviceBuffer dev;
   std::vector<uint8_t> stand_in;
@@ -534,12 +551,8 @@ TEST(StoreTest, AnAsyncDeviceBatchDoesNotWaitForWorkQueuedAfterIt) {
   ASSERT_TRUE(store);
   const size_t block = 256 << 10, n = 256;
   std::vector<uint8_t> bytes = random_bytes(n * block, 13);
-  std::vector<BlockId> ids;
-  for (size_t i = 0; i < n; ++i) {
-    const uint64_t key = 90000 + i;
-    ids.push_back(compute_block_id(&key, sizeof key));
-    ASSERT_TRUE(store->put(ids[i], bytes.data() + i * block, block).ok());
-  }
+  const std::vector<BlockId> ids = numbered_ids(90000, n);
+  ASSERT_NO_FATAL_FAILURE(put_each(store.get(), ids, bytes, block));
   auto a = DeviceBuffer::Allocate(0, n * block), b = DeviceBuffer::Allocate(0, block),
        other = DeviceBuffer::Allocate(0, 4096);
   ASSERT_TRUE(a.ok() && b.ok() && other.ok());
@@ -550,10 +563,8 @@ TEST(StoreTest, AnAsyncDeviceBatchDoesNotWaitForWorkQueuedAfterIt) {
   auto second = store->get_batch_async({ids[7]}, {{b->data(), block}}, MemoryKind::kDevice);
   // Work the caller queues on the default stream after both calls (a
   // kernel that runs for about 300 ms) must not hold their copies back.
-  ASSERT_TRUE(fill_device_pattern(other->data(), 4096, 1, nullptr, 300000).ok());
-  const auto t0 = std::chrono::steady_clock::now();
-  second->wait();
-  const auto took = std::chrono::steady_clock::now() - t0;
+  std::chrono::nanoseconds took{};
+  ASSERT_NO_FATAL_FAILURE(wait_past_a_later_kernel(second.get(), other->data(), &took));
   first->wait();
   EXPECT_EQ(first->succeeded(), n);
   EXPECT_EQ(second->succeeded(), 1u);
@@ -578,15 +589,11 @@ TEST(StoreTest, AnAsyncDeviceBatchThatPromotesDoesNotWaitForWorkQueuedAfterIt) {
   std::filesystem::remove_all(c.file_path);
   const size_t block = 256 << 10, n = 8;
   std::vector<uint8_t> bytes = random_bytes(n * block, 17);
-  std::vector<BlockId> ids;
+  const std::vector<BlockId> ids = numbered_ids(95000, n);
   {
     auto writer = open(c);
     ASSERT_TRUE(writer);
-    for (size_t i = 0; i < n; ++i) {
-      const uint64_t key = 95000 + i;
-      ids.push_back(compute_block_id(&key, sizeof key));
-      ASSERT_TRUE(writer->put(ids[i], bytes.data() + i * block, block).ok());
-    }
+    ASSERT_NO_FATAL_FAILURE(put_each(writer.get(), ids, bytes, block));
     ASSERT_TRUE(writer->flush().ok());
   }
   c.shm_path = shm_path();  // a fresh host tier: the blocks are in the file tier only
@@ -602,11 +609,9 @@ TEST(StoreTest, AnAsyncDeviceBatchThatPromotesDoesNotWaitForWorkQueuedAfterIt) {
                                       std::move(first_out), MemoryKind::kDevice);
   auto second = store->get_batch_async({ids.back()}, std::move(second_out), MemoryKind::kDevice);
   // The hits come from the file tier and are promoted into the host tier
-  // from the device buffers: that copy too must not wait for this kernel.
-  ASSERT_TRUE(fill_device_pattern(other->data(), 4096, 1, nullptr, 300000).ok());
-  const auto t0 = std::chrono::steady_clock::now();
-  second->wait();
-  const auto took = std::chrono::steady_clock::now() - t0;
+  // from the device buffers: that copy too must not wait for the kernel.
+  std::chrono::nanoseconds took{};
+  ASSERT_NO_FATAL_FAILURE(wait_past_a_later_kernel(second.get(), other->data(), &took));
   first->wait();
   EXPECT_EQ(first->succeeded() + second->succeeded(), n);
   EXPECT_LT(took, std::chrono::milliseconds(150));
@@ -633,12 +638,10 @@ TEST(StoreTest, AsyncBatchesWithAnotherGpusBuffersThroughAGpuTier) {
   auto src = DeviceBuffer::Allocate(1, n * block), dst = DeviceBuffer::Allocate(1, n * block);
   ASSERT_TRUE(src.ok() && dst.ok());
   ASSERT_TRUE(copy_to_device(src->data(), bytes.data(), bytes.size()).ok());
-  std::vector<BlockId> ids;
+  const std::vector<BlockId> ids = numbered_ids(97000, n);
   std::vector<ConstBuffer> in;
   std::vector<MutableBuffer> out;
   for (size_t i = 0; i < n; ++i) {
-    const uint64_t key = 97000 + i;
-    ids.push_back(compute_block_id(&key, sizeof key));
     in.push_back({static_cast<uint8_t*>(src->data()) + i * block, block});
     out.push_back({static_cast<uint8_t*>(dst->data()) + i * block, block});
   }
