@@ -394,6 +394,18 @@ std::vector<uint8_t> put_blocks(CascadeStore* store, uint64_t first, int n) {
   return ids;
 }
 
+// Starts `owner` as the owner of every id in member a's view, writes n
+// blocks (ids first, first + 1, ...) through a client of a, and returns once
+// a's pushes of them to the owner are over.
+void push_to_raw_owner(Member& a, RawOwner& owner, uint64_t first, int n) {
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  auto ca = a.client();
+  ASSERT_TRUE(ca);
+  put_blocks(ca.get(), first, n);
+  ASSERT_TRUE(a.node->drain(5000));
+}
+
 #define SKIP_WITHOUT_TRANSPORT() \
   if (!Transport::available()) GTEST_SKIP() << "built without a transport"
 
@@ -769,13 +781,8 @@ TEST(ClusterNode, PushesTheOwnerRefusesAreCountedAsDropped) {
     r.code = static_cast<uint32_t>(Code::kNoSpace);
     return r;
   }));
-  owner.start();
-  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
-  auto ca = a.client();
-  ASSERT_TRUE(ca);
   constexpr int kBlocks = 5;
-  put_blocks(ca.get(), 8000, kBlocks);
-  ASSERT_TRUE(a.node->drain(5000));
+  ASSERT_NO_FATAL_FAILURE(push_to_raw_owner(a, owner, 8000, kBlocks));
   const ClusterStats s = a.node->stats();
   EXPECT_EQ(s.pushed, 0u);
   EXPECT_EQ(s.push_dropped, uint64_t(kBlocks));
@@ -795,13 +802,8 @@ TEST(ClusterNode, ReservationsGrantedOutsideTheOwnersArenaAreAborted) {
     r.token = next_token++;
     return r;
   }));
-  owner.start();
-  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
-  auto ca = a.client();
-  ASSERT_TRUE(ca);
   constexpr int kBlocks = 3;
-  put_blocks(ca.get(), 8100, kBlocks);
-  ASSERT_TRUE(a.node->drain(5000));
+  ASSERT_NO_FATAL_FAILURE(push_to_raw_owner(a, owner, 8100, kBlocks));
   EXPECT_EQ(a.node->stats().push_dropped, uint64_t(kBlocks));
   EXPECT_GE(a.node->stats().bad_messages, uint64_t(kBlocks));
   EXPECT_EQ(owner.aborted_once(kBlocks), (std::vector<uint64_t>{500, 501, 502}));
@@ -821,13 +823,8 @@ TEST(ClusterNode, ReservationsWhoseCommitGoesUnansweredAreAborted) {
     r.offset = (r.token - 700) * 4096;
     return r;
   }));
-  owner.start();
-  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
-  auto ca = a.client();
-  ASSERT_TRUE(ca);
   constexpr int kBlocks = 3;
-  put_blocks(ca.get(), 8200, kBlocks);
-  ASSERT_TRUE(a.node->drain(5000));
+  ASSERT_NO_FATAL_FAILURE(push_to_raw_owner(a, owner, 8200, kBlocks));
   EXPECT_EQ(a.node->stats().push_dropped, uint64_t(kBlocks));
   std::vector<uint64_t> granted;
   for (uint64_t t = 700; t < next_token.load(); ++t) granted.push_back(t);
