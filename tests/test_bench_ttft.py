@@ -13,25 +13,20 @@ from cascade.bench.ttft import schedule  # noqa: E402
 from cascade.cli import main  # noqa: E402
 
 
-def test_quick_run_produces_checked_rows(tmp_path, capsys):
+def _quick_run(tmp_path, capsys, *args: str) -> tuple[dict, str]:
+    """`cascade bench ttft --quick --quiet ARGS --json FILE`: the report and
+    the printed text; fails the test when the command does."""
     out = tmp_path / "ttft.json"
-    rc = main(
-        [
-            "bench",
-            "ttft",
-            "--quick",
-            "--quiet",
-            "--modes",
-            "full,hot,cold,hot80,cold80",
-            "--file-dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-        ]
-    )
+    rc = main(["bench", "ttft", "--quick", "--quiet", *args, "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text()), text
+
+
+def test_quick_run_produces_checked_rows(tmp_path, capsys):
+    report, text = _quick_run(
+        tmp_path, capsys, "--modes", "full,hot,cold,hot80,cold80", "--file-dir", str(tmp_path)
+    )
     rows = report["rows"]
     assert {(r["tokens"], r["concurrency"]) for r in rows} == {
         (256, 1),
@@ -74,24 +69,7 @@ def test_quick_run_produces_checked_rows(tmp_path, capsys):
 def test_hot_modes_through_a_node_pool(tmp_path, capsys):
     """--hot-store pool: the hot rows load through a client of a pool server,
     with the same checks against full compute."""
-    out = tmp_path / "ttft.json"
-    rc = main(
-        [
-            "bench",
-            "ttft",
-            "--quick",
-            "--quiet",
-            "--modes",
-            "full,hot,hot80",
-            "--hot-store",
-            "pool",
-            "--json",
-            str(out),
-        ]
-    )
-    text = capsys.readouterr().out
-    assert rc == 0, text
-    report = json.loads(out.read_text())
+    report, text = _quick_run(tmp_path, capsys, "--modes", "full,hot,hot80", "--hot-store", "pool")
     assert report["hot_store"] == "pool" and "node pool server" in text
     cached = [r for r in report["rows"] if r["mode"] != "full"]
     assert len(cached) == 8
@@ -177,24 +155,10 @@ def test_greedy_check_tells_near_ties_from_mismatches():
 
 
 def test_auto_modes_plan_and_check_every_prompt(tmp_path, capsys):
-    out = tmp_path / "ttft.json"
-    rc = main(
-        [
-            "bench",
-            "ttft",
-            "--quick",
-            "--quiet",
-            "--modes",
-            "full,auto,coldauto",
-            "--file-dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-        ]
+    report, text = _quick_run(
+        tmp_path, capsys, "--modes", "full,auto,coldauto", "--file-dir", str(tmp_path)
     )
-    text = capsys.readouterr().out
-    assert rc == 0, text
-    rows = json.loads(out.read_text())["rows"]
+    rows = report["rows"]
     auto_rows = [r for r in rows if r["mode"] in ("auto", "coldauto")]
     assert {r["mode"] for r in auto_rows} == {"auto", "coldauto"}
     for r in auto_rows:
