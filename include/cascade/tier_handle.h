@@ -42,9 +42,15 @@
 
 namespace cascade {
 
-// The one rule for `found` after a tier read (see above).
-inline bool block_found(const Status& st, const ReadResult& r) {
-  return st.ok() || (st.is(Code::kInvalidArgument) && r.block_size != 0);
+// The one rule for `found` after a tier read of rq (see above): an
+// InvalidArgument counts as "out too small" only where rq does not fit the
+// block (ReadRequest::span refuses it); otherwise a copy failed (a device
+// copy the driver refused, say), and that is an error with found false.
+inline bool block_found(const Status& st, const ReadRequest& rq, const ReadResult& r) {
+  if (st.ok()) return true;
+  if (!st.is(Code::kInvalidArgument) || r.block_size == 0) return false;
+  uint64_t from = 0, n = 0;
+  return !rq.span(r.block_size, &from, &n).ok();
 }
 
 class TierHandle {

@@ -17,10 +17,9 @@ BlockId CascadeStore::Impl::physical(const BlockId& id) const {
 }
 
 // Outcome of reading one tier: true when the item is settled (hit, or an
-// answer such as "buffer too small" that another tier would repeat). An
-// InvalidArgument counts as such an answer only where the request does not
-// fit the block (ReadRequest::span refuses it); otherwise a copy failed (a
-// device copy the driver refused, say), and the block is not found here.
+// answer such as "buffer too small" that another tier would repeat). A
+// failed copy (block_found false: a device copy the driver refused, say) is
+// not found here.
 bool CascadeStore::Impl::settle(size_t t, const ReadRequest& rq, const Status& st,
                                 const ReadResult& rr, GetResult* r, Status* out_st) {
   if (st.ok()) {
@@ -31,8 +30,7 @@ bool CascadeStore::Impl::settle(size_t t, const ReadRequest& rq, const Status& s
     *out_st = Status::OK();
     return true;
   }
-  uint64_t from = 0, n = 0;
-  if (block_found(st, rr) && !rq.span(rr.block_size, &from, &n).ok()) {  // too small, bad offset
+  if (block_found(st, rq, rr)) {  // too small, or a bad offset
     r->found = true;
     r->size = rr.block_size;
     r->tier = static_cast<int>(t);

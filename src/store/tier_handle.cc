@@ -72,8 +72,8 @@ void TierHandle::put_batch(std::span<const BlockId> ids, std::span<const void* c
 namespace {
 
 // Applies the found rule to one read: a miss becomes OK.
-void settle(Status* st, const ReadResult& r, bool* found, uint64_t* size) {
-  *found = block_found(*st, r);
+void settle(Status* st, const ReadRequest& rq, const ReadResult& r, bool* found, uint64_t* size) {
+  *found = block_found(*st, rq, r);
   *size = *found ? r.block_size : 0;
   if (st->is(Code::kNotFound)) *st = Status::OK();
 }
@@ -89,7 +89,7 @@ Status TierHandle::get(const BlockId& id, void* out, uint64_t capacity, bool* fo
   rq.cuda_stream = cuda_stream;
   ReadResult rr;
   Status st = parts_->tier->read(id, rq, &rr);
-  settle(&st, rr, found, size);
+  settle(&st, rq, rr, found, size);
   return st;
 }
 
@@ -116,7 +116,7 @@ void TierHandle::get_batch(std::span<const BlockId> ids, std::span<void* const> 
   parts_->tier->read_batch(ids, reqs, results, *statuses);
   for (size_t i = 0; i < n; ++i) {
     bool f = false;
-    settle(&(*statuses)[i], results[i], &f, &(*sizes)[i]);
+    settle(&(*statuses)[i], reqs[i], results[i], &f, &(*sizes)[i]);
     (*found)[i] = f;
   }
 }

@@ -112,6 +112,29 @@ TEST_P(TierHandleFoundTest, HitMissAndTooSmall) {
   EXPECT_EQ(handle_->stats().name, tier_kind_name(GetParam()));
 }
 
+// The found rule itself: an InvalidArgument with the block's size is "out
+// too small" only where the request does not fit the block. A request that
+// fits and still failed with InvalidArgument is a copy the tier could not
+// make (a device copy the driver refused), not a found block.
+TEST(BlockFoundTest, InvalidArgumentIsFoundOnlyWhereTheRequestDoesNotFit) {
+  std::vector<uint8_t> out(4096);
+  ReadResult r;
+  r.block_size = 4096;
+  ReadRequest fits;
+  fits.out = out.data();
+  fits.capacity = out.size();
+  ReadRequest small = fits;
+  small.capacity = 100;
+  const Status refused = Status::InvalidArgument("copy refused");
+  EXPECT_TRUE(block_found(Status::OK(), fits, r));
+  EXPECT_TRUE(block_found(refused, small, r));
+  EXPECT_FALSE(block_found(refused, fits, r));
+  EXPECT_FALSE(block_found(Status::NotFound("miss"), small, r));
+  EXPECT_FALSE(block_found(Status::IOError("disk"), small, r));
+  r.block_size = 0;
+  EXPECT_FALSE(block_found(refused, small, r));
+}
+
 // A read that fails for another reason (here: a device destination where
 // no GPU is usable) is an error with found false. Host and file only: the
 // gpu tier opens only where a GPU is usable, and there the copy succeeds.
