@@ -128,11 +128,17 @@ class BlockView {
 // A block the tier gave up for eviction. `view` holds a lease, so the bytes
 // stay valid while the store copies them down; then the store calls
 // Tier::remove(id). Tiers that cannot hand out views (file) leave it empty.
+// cuda_stream (a cudaStream_t as void*), where set, is a stream of the
+// view's GPU that copies out of it may use: the tier's own writes of the
+// block are complete, so those copies need not wait for the legacy default
+// stream, which holds the caller's later work. nullptr: copies out of the
+// view are ordered as any caller's device memory.
 struct Victim {
   BlockId id;
   uint64_t size = 0;
   bool is_prefix = false;
   BlockView view;
+  void* cuda_stream = nullptr;
 };
 
 class Tier {

@@ -38,6 +38,7 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
       o.is_prefix = v.is_prefix;
       o.origin = PutOrigin::kDemotion;
       o.src_kind = v.view.kind();
+      o.cuda_stream = v.cuda_stream;
       kept_below = put_into(t + 1, v.id, v.view.data(), v.size, o).ok();
     }
     (void)tiers[t]->remove(v.id);  // NotFound: removed meanwhile by a user

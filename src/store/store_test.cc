@@ -624,6 +624,52 @@ TEST(StoreTest, AnAsyncDeviceBatchThatPromotesDoesNotWaitForWorkQueuedAfterIt) {
   std::filesystem::remove_all(c.file_path);
 }
 
+TEST(StoreTest, AnAsyncDeviceBatchThatDemotesDoesNotWaitForWorkQueuedAfterIt) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
+  CascadeConfig c = host_config(128 << 20);
+  c.pipeline = "gpu|host";
+  c.gpu_device_id = 0;
+  c.gpu_capacity_bytes = 8 << 20;
+  c.num_io_threads = 1;  // the second batch waits for the first to leave the thread
+  auto store = open(c);
+  ASSERT_TRUE(store);
+  const size_t block = 256 << 10, held = 32, n = 64;
+  std::vector<uint8_t> bytes = random_bytes((held + n + 1) * block, 23);
+  const std::vector<BlockId> ids = numbered_ids(98000, held + n + 1);
+  // The gpu tier full of blocks put from host memory.
+  ASSERT_NO_FATAL_FAILURE(
+      put_each(store.get(), std::vector<BlockId>(ids.begin(), ids.begin() + held), bytes, block));
+  auto src = DeviceBuffer::Allocate(0, (n + 1) * block), other = DeviceBuffer::Allocate(0, 4096);
+  ASSERT_TRUE(src.ok() && other.ok());
+  ASSERT_TRUE(copy_to_device(src->data(), bytes.data() + held * block, (n + 1) * block).ok());
+  std::vector<ConstBuffer> first_in, second_in;
+  for (size_t i = 0; i <= n; ++i)
+    (i < n ? first_in : second_in)
+        .push_back({static_cast<const uint8_t*>(src->data()) + i * block, block});
+  PutOptions from_device;
+  from_device.src_kind = MemoryKind::kDevice;
+  auto first = store->put_batch_async(std::vector<BlockId>(ids.begin() + held, ids.end() - 1),
+                                      std::move(first_in), from_device);
+  auto second = store->put_batch_async({ids.back()}, std::move(second_in), from_device);
+  // Each batch moves blocks of the gpu tier down to the host tier: those
+  // copies out of the tier's memory must not wait for the kernel either.
+  std::chrono::nanoseconds took{};
+  ASSERT_NO_FATAL_FAILURE(wait_past_a_later_kernel(second.get(), other->data(), &took));
+  first->wait();
+  EXPECT_EQ(first->succeeded(), n);
+  EXPECT_EQ(second->succeeded(), 1u);
+  EXPECT_LT(took, std::chrono::milliseconds(150));
+  ASSERT_TRUE(device_synchronize(0).ok());
+  EXPECT_GT(store->stats().tiers[1].blocks, 0u);  // demoted
+  std::vector<uint8_t> out(block);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    GetResult r;
+    ASSERT_TRUE(store->get(ids[i], out.data(), out.size(), &r).ok());
+    ASSERT_TRUE(r.found) << i;
+    ASSERT_EQ(0, std::memcmp(out.data(), bytes.data() + i * block, block)) << i;
+  }
+}
+
 TEST(StoreTest, AsyncBatchesWithAnotherGpusBuffersThroughAGpuTier) {
   if (gpu_count() < 2) GTEST_SKIP() << "needs two usable GPUs";
   CascadeConfig c;

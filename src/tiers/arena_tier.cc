@@ -255,6 +255,7 @@ std::vector<Victim> ArenaTier::claim_victims(uint64_t bytes) {
     v.is_prefix = c.lease.is_prefix;
     // The view leases the bytes in place while the store copies them down.
     v.view = BlockView(this, base_ + c.lease.loc.offset, v.size, memory_, c.lease.token);
+    v.cuda_stream = copy_out_stream();
     out.push_back(std::move(v));
   }
   TierCounters::add(counters_.evictions, out.size());

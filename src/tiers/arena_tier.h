@@ -93,6 +93,9 @@ class ArenaTier : public Tier {
             std::string where);
 
   // ---- what a tier supplies ---------------------------------------------------
+  // A stream for copies out of a victim's bytes (Victim::cuda_stream);
+  // tiers whose arena is host memory need none.
+  virtual void* copy_out_stream() { return nullptr; }
   // Gives a range back: a failed put, a duplicate, or a block whose last
   // lease ended after its removal.
   virtual void free_space(uint64_t offset, uint64_t size) = 0;

@@ -142,6 +142,7 @@ class ArenaGpuTier final : public GpuTier {
   GpuArenaStats arena_stats() const override { return arena_->stats(); }
 
  private:
+  void* copy_out_stream() override { return ctx_->next_stream(); }
   void free_space(uint64_t offset, uint64_t size) override { arena_->free(offset, size); }
   uint64_t reserved_bytes() const override { return arena_->used(); }
   uint64_t committed_bytes() const override { return arena_->stats().mapped_bytes; }
