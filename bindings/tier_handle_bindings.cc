@@ -139,8 +139,10 @@ class PyTierHandle {
     }
     size_t n = 0;
     for (size_t i = 0; i < statuses.size(); ++i) {
-      // too small: size > len(out), the item not counted
-      if (!statuses[i].ok() && !statuses[i].is(Code::kInvalidArgument)) raise_status(statuses[i]);
+      // too small (found, size > len(out)): the item not counted; any other
+      // failure, a refused copy among them, raises
+      const bool too_small = statuses[i].is(Code::kInvalidArgument) && found[i];
+      if (!statuses[i].ok() && !too_small) raise_status(statuses[i]);
       if (statuses[i].ok() && found[i]) ++n;
     }
     return {n, sizes};
