@@ -132,11 +132,12 @@ NB_MODULE(_core, m) {
       "(GB/s, bytes copied per second).");
   m.def(
       "first_touch_copy_bandwidth",
-      [](const std::string& dir, size_t bytes, size_t block, int repeats) {
+      [](const std::string& dir, size_t bytes, size_t block, int repeats, int readers) {
+        if (readers < 1 || readers > 256) check(Status::InvalidArgument("readers: 1 to 256"));
         FirstTouchCeiling c;
         {
           nb::gil_scoped_release release;
-          c = measure_first_touch_copy(dir, bytes, block, repeats);
+          c = measure_first_touch_copy(dir, bytes, block, repeats, readers);
         }
         if (!c.error.empty()) check(Status::IOError(c.error));
         nb::dict d;
@@ -144,10 +145,12 @@ NB_MODULE(_core, m) {
         d["warm_gbps"] = c.warm_gbps;
         return d;
       },
-      "dir"_a, "bytes"_a, "block"_a, "repeats"_a = 3,
-      "Copy rate out of another mapping of a shared-memory file in `dir`, one thread, `block` "
-      "bytes at a time: through a fresh read-only mapping (first_gbps, every page entered into "
-      "the page tables on the way) and through the same mapping again (warm_gbps). GB/s.");
+      "dir"_a, "bytes"_a, "block"_a, "repeats"_a = 3, "readers"_a = 1,
+      "Copy rate out of another mapping of a shared-memory file in `dir`, `block` bytes at a "
+      "time: through a fresh read-only mapping (first_gbps, every page entered into the page "
+      "tables on the way) and through the same mapping again (warm_gbps). With several "
+      "`readers`, each a forked process copying `bytes` of a file of its own, all at once. "
+      "GB/s, all readers.");
   m.def(
       "index_lookup_rate",
       [](uint64_t blocks, int threads, uint64_t lookups) {

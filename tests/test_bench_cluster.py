@@ -37,11 +37,33 @@ def test_quick_run_reports_pairs_and_aggregates(tmp_path, capsys):
     for a in report["aggregate"]:
         assert a["pushed"] > 0 and a["read_gbps"] > 0
         assert a["ratio"] == pytest.approx(a["read_gbps"] / a["n_x_one"])
-        assert a["memcpy_n_gbps"] > 0
+        assert a["memcpy_n_gbps"] > 0 and a["fresh_map_n_gbps"] > 0
+        # Each pass against N x one server's rate of the same kind, or
+        # memcpy on N threads.
         bound = min(a["n_x_one"], a["memcpy_n_gbps"])
         assert a["ratio_bound"] == pytest.approx(a["read_gbps"] / bound)
+        assert a["again_gbps"] > 0
+        assert a["n_x_one_again"] == pytest.approx(
+            a["servers"]
+            * next(
+                p["again_gbps"]
+                for p in report["pairs"]
+                if (p["fabric"], p["block"]) == (a["fabric"], a["block"])
+            )
+        )
+        bound = min(a["n_x_one_again"], a["memcpy_n_gbps"])
+        assert a["again_ratio_bound"] == pytest.approx(a["again_gbps"] / bound)
     assert "remote/local" in text and "N x one" in text and "fresh/warm map" in text
-    assert "memcpy N threads" in text
+    assert "memcpy N threads" in text and "fresh map N" in text and "again / min" in text
+
+
+def test_first_touch_probe_with_several_readers(tmp_path):
+    one = _core.first_touch_copy_bandwidth(str(tmp_path), 4 << 20, 64 << 10, 1)
+    three = _core.first_touch_copy_bandwidth(str(tmp_path), 4 << 20, 64 << 10, 1, 3)
+    assert one["first_gbps"] > 0 and three["first_gbps"] > 0 and three["warm_gbps"] > 0
+    assert list(tmp_path.iterdir()) == []  # every reader's file gone
+    with pytest.raises(_core.InvalidArgumentError, match="readers"):
+        _core.first_touch_copy_bandwidth(str(tmp_path), 1 << 20, 4096, 1, 0)
 
 
 def test_first_touch_probe_leaves_no_file_and_names_a_bad_directory(tmp_path):

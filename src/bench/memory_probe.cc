@@ -1,13 +1,18 @@
 #include "bench/memory_probe.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -85,55 +90,262 @@ MemcpyCeiling measure_memcpy_ceiling(size_t bytes, int threads, int repeats) {
   return c;
 }
 
+namespace {
+
+// One reader's file of the first-touch probe: made and written in full, its
+// name removed at once (the mappings keep it). error set where it fails.
+struct ProbeFile {
+  int fd = -1;
+  std::string error;
+  ProbeFile(const std::string& dir, size_t bytes) {
+    std::string path = dir + "/cascade-first-touch-XXXXXX";
+    fd = mkostemp(path.data(), O_CLOEXEC);
+    if (fd < 0) {
+      error = "create a file in " + dir + ": " + std::strerror(errno);
+      return;
+    }
+    unlink(path.c_str());
+    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      error = std::string("size the probe file: ") + std::strerror(errno);
+      return;
+    }
+    void* w = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (w == MAP_FAILED) {
+      error = std::string("map the probe file: ") + std::strerror(errno);
+      return;
+    }
+    std::memset(w, 0x5a, bytes);  // every page allocated, as a member's written arena is
+    munmap(w, bytes);
+  }
+  ~ProbeFile() {
+    if (fd >= 0) close(fd);
+  }
+  ProbeFile(const ProbeFile&) = delete;
+  ProbeFile& operator=(const ProbeFile&) = delete;
+};
+
+// The first-touch probe's copy loop: `bytes` out of src, `block` bytes at a
+// time, into a destination reused as a reader's batch buffer is.
+struct ProbeReader {
+  size_t bytes, block;
+  std::vector<uint8_t> dst;
+  ProbeReader(size_t bytes_, size_t block_) : bytes(bytes_), block(block_) {
+    const size_t span = std::min<size_t>(bytes, std::max<size_t>(block, 16 << 20)) / block * block;
+    dst.assign(std::max(span, block), 1);  // touched before the clock
+  }
+  double pass(const uint8_t* src) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (size_t at = 0, o = 0; at < bytes; at += block, o = (o + block) % dst.size())
+      std::memcpy(dst.data() + o, src + at, std::min(block, bytes - at));
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+
+using ProbeClock = std::chrono::steady_clock;
+
+// The probe's readers, forked: each one's pid, and its exit status once
+// reaped.
+struct ProbeChildren {
+  std::vector<pid_t> pids;
+  std::vector<int> status;  // -1 while running
+  // Reaps any that ended; true when one ended other than by exit(0).
+  bool any_failed() {
+    bool failed = false;
+    for (size_t k = 0; k < pids.size(); ++k) {
+      if (status[k] < 0 && ::waitpid(pids[k], &status[k], WNOHANG) <= 0) status[k] = -1;
+      if (status[k] >= 0 && !(WIFEXITED(status[k]) && WEXITSTATUS(status[k]) == 0)) failed = true;
+    }
+    return failed;
+  }
+  // Kills (when asked) and reaps every one still running; true when all
+  // exited with 0.
+  bool reap(bool kill) {
+    bool ok = true;
+    for (size_t k = 0; k < pids.size(); ++k) {
+      if (status[k] < 0) {
+        if (kill) ::kill(pids[k], SIGKILL);
+        while (::waitpid(pids[k], &status[k], 0) < 0 && errno == EINTR) {
+        }
+      }
+      ok = ok && WIFEXITED(status[k]) && WEXITSTATUS(status[k]) == 0;
+    }
+    return ok;
+  }
+};
+
+// Reads exactly n bytes from fd by `deadline`, giving up as soon as a
+// reader process has failed (it may never write what is waited for).
+bool read_from_readers(int fd, void* p, size_t n, ProbeClock::time_point deadline,
+                       ProbeChildren* children) {
+  auto* b = static_cast<uint8_t*>(p);
+  while (n > 0) {
+    if (children->any_failed() || ProbeClock::now() >= deadline) return false;
+    pollfd pfd{fd, POLLIN, 0};
+    const int r = ::poll(&pfd, 1, 100);
+    if (r < 0 && errno != EINTR) return false;
+    if (r <= 0) continue;
+    const ssize_t got = ::read(fd, b, n);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    b += got;
+    n -= static_cast<size_t>(got);
+  }
+  return true;
+}
+
+bool write_full(int fd, const void* p, size_t n) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  while (n > 0) {
+    const ssize_t put = ::write(fd, b, n);
+    if (put < 0 && errno == EINTR) continue;
+    if (put <= 0) return false;
+    b += put;
+    n -= static_cast<size_t>(put);
+  }
+  return true;
+}
+
+// Waits until the write end of fd's pipe is closed everywhere: how the
+// probe's readers are started together.
+bool wait_for_close(int fd) {
+  char b;
+  while (true) {
+    const ssize_t got = ::read(fd, &b, 1);
+    if (got < 0 && errno == EINTR) continue;
+    return got == 0;
+  }
+}
+
+// A reader process: maps its file afresh, then copies it out twice, each
+// pass started when the parent closes that pass's pipe; writes the two
+// times to `result`. Never returns: a reader must not unwind into the
+// parent's stack (a copy of a process with other threads).
+[[noreturn]] void probe_reader(int fd, size_t bytes, size_t block, int ready, const int go[2],
+                               int result) {
+  try {
+    double t[2] = {-1, -1};
+    void* m = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+    ProbeReader reader(bytes, block);
+    const char token = 1;
+    for (int p = 0; p < 2; ++p) {
+      if (!write_full(ready, &token, 1) || !wait_for_close(go[p])) ::_exit(1);
+      if (m != MAP_FAILED) t[p] = reader.pass(static_cast<const uint8_t*>(m));
+    }
+    ::_exit(write_full(result, t, sizeof t) && m != MAP_FAILED ? 0 : 1);
+  } catch (...) {
+    ::_exit(1);
+  }
+}
+
+// One round of the probe with `fds.size()` readers, each a process of its
+// own (its own page tables, as a member's reader is): every reader maps
+// its file afresh, then all start the first pass together, then the second
+// (the parent closes one pipe per pass once every reader is at its start).
+// Seconds of the slowest reader in each pass; false when a reader failed
+// or the round took more than ten minutes.
+bool probe_in_processes(const std::vector<int>& fds, size_t bytes, size_t block, double* first,
+                        double* warm) {
+  const size_t n = fds.size();
+  const auto deadline = ProbeClock::now() + std::chrono::minutes(10);
+  // ready: readers -> parent; go[p]: closed by the parent to start pass p;
+  // result: each reader's two times.
+  int pipes[4][2];
+  int made = 0;
+  for (; made < 4; ++made)
+    if (::pipe2(pipes[made], O_CLOEXEC) != 0) break;
+  auto close_all = [&] {
+    for (int i = 0; i < made; ++i)
+      for (int& fd : pipes[i]) {
+        if (fd >= 0) ::close(fd);
+        fd = -1;
+      }
+  };
+  if (made < 4) {
+    close_all();
+    return false;
+  }
+  int(&ready)[2] = pipes[0];
+  int(&result)[2] = pipes[3];
+  const int go[2] = {pipes[1][0], pipes[2][0]};
+  ProbeChildren children;
+  for (size_t k = 0; k < n; ++k) {
+    const pid_t pid = ::fork();
+    if (pid < 0) break;
+    if (pid == 0) {
+      ::close(pipes[1][1]);
+      ::close(pipes[2][1]);
+      probe_reader(fds[k], bytes, block, ready[1], go, result[1]);
+    }
+    children.pids.push_back(pid);
+    children.status.push_back(-1);
+  }
+  ::close(ready[1]);
+  ready[1] = -1;
+  ::close(result[1]);
+  result[1] = -1;
+  bool ok = children.pids.size() == n;
+  std::vector<char> tokens(n);
+  for (int p = 0; p < 2 && ok; ++p) {
+    ok = read_from_readers(ready[0], tokens.data(), n, deadline, &children);
+    if (ok) {
+      ::close(pipes[1 + p][1]);  // every reader is at its start: go
+      pipes[1 + p][1] = -1;
+    }
+  }
+  *first = *warm = 0;
+  for (size_t k = 0; k < n && ok; ++k) {
+    double t[2];
+    ok = read_from_readers(result[0], t, sizeof t, deadline, &children) && t[0] > 0 && t[1] > 0;
+    if (ok) {
+      *first = std::max(*first, t[0]);
+      *warm = std::max(*warm, t[1]);
+    }
+  }
+  // A failed round kills the readers before they are let go.
+  ok = children.reap(!ok) && ok;
+  close_all();
+  return ok;
+}
+
+}  // namespace
+
 FirstTouchCeiling measure_first_touch_copy(const std::string& dir, size_t bytes, size_t block,
-                                           int repeats) {
+                                           int repeats, int readers) {
   FirstTouchCeiling c;
   block = std::max<size_t>(block, 1);
   bytes = std::max<size_t>(bytes, block);
   bytes = (bytes + 4095) & ~size_t{4095};
-  std::string path = dir + "/cascade-first-touch-XXXXXX";
-  int fd = mkostemp(path.data(), O_CLOEXEC);
-  if (fd < 0) {
-    c.error = "create a file in " + dir + ": " + std::strerror(errno);
-    return c;
-  }
-  unlink(path.c_str());  // the mappings keep it; nothing is left behind
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    c.error = std::string("size the probe file: ") + std::strerror(errno);
-    close(fd);
-    return c;
-  }
-  void* w = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (w == MAP_FAILED) {
-    c.error = std::string("map the probe file: ") + std::strerror(errno);
-    close(fd);
-    return c;
-  }
-  std::memset(w, 0x5a, bytes);  // every page allocated, as a member's written arena is
-  munmap(w, bytes);
-  // The destination is reused, as a reader's batch buffer is, and touched
-  // before the clock.
-  size_t span = std::min<size_t>(bytes, std::max<size_t>(block, 16 << 20)) / block * block;
-  std::vector<uint8_t> dst(std::max(span, block), 1);
-  auto pass = [&](const uint8_t* src) {
-    auto t0 = std::chrono::steady_clock::now();
-    for (size_t at = 0, d = 0; at < bytes; at += block, d = (d + block) % dst.size()) {
-      std::memcpy(dst.data() + d, src + at, std::min(block, bytes - at));
+  const size_t n = static_cast<size_t>(std::max(readers, 1));
+  std::vector<std::unique_ptr<ProbeFile>> files;
+  std::vector<int> fds;
+  for (size_t t = 0; t < n; ++t) {
+    files.push_back(std::make_unique<ProbeFile>(dir, bytes));
+    if (!files.back()->error.empty()) {
+      c.error = files.back()->error;
+      return c;
     }
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
+    fds.push_back(files.back()->fd);
+  }
   for (int r = 0; r < std::max(repeats, 1); ++r) {
-    void* m = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
-    if (m == MAP_FAILED) {
-      c.error = std::string("map the probe file read-only: ") + std::strerror(errno);
+    double first = 0, warm = 0;
+    if (n == 1) {
+      void* m = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fds[0], 0);
+      if (m == MAP_FAILED) {
+        c.error = std::string("map the probe file read-only: ") + std::strerror(errno);
+        break;
+      }
+      ProbeReader reader(bytes, block);
+      first = reader.pass(static_cast<const uint8_t*>(m));
+      warm = reader.pass(static_cast<const uint8_t*>(m));
+      munmap(m, bytes);
+    } else if (!probe_in_processes(fds, bytes, block, &first, &warm)) {
+      c.error = "a reader process of the probe failed (fork, map or copy)";
       break;
     }
-    const auto* src = static_cast<const uint8_t*>(m);
-    c.first_gbps = std::max(c.first_gbps, bytes / pass(src) / 1e9);
-    c.warm_gbps = std::max(c.warm_gbps, bytes / pass(src) / 1e9);
-    munmap(m, bytes);
+    c.first_gbps = std::max(c.first_gbps, n * bytes / first / 1e9);
+    c.warm_gbps = std::max(c.warm_gbps, n * bytes / warm / 1e9);
   }
-  close(fd);
+  if (!c.error.empty()) c.first_gbps = c.warm_gbps = 0;
   return c;
 }
 

@@ -27,11 +27,14 @@ MemcpyCeiling measure_memcpy_ceiling(size_t bytes, int threads, int repeats);
 // The ceiling of a process's first reads from another process's shared
 // memory file: a file of `bytes` in directory `dir` is written through one
 // mapping, then mapped again read-only, as a client maps a member's arena,
-// and copied out `block` bytes at a time on one thread. The first pass pays
-// the kernel's work of entering each page of the file into the new
-// mapping's page tables; the second pass over the same mapping does not.
-// Bytes copied per second, best of `repeats` fresh mappings; zeros (and
-// `error` set) when the file cannot be made.
+// and copied out `block` bytes at a time. The first pass pays the kernel's
+// work of entering each page of the file into the new mapping's page
+// tables; the second pass over the same mapping does not. With several
+// `readers`, each is a process of its own (forked; its own page tables, as
+// the readers of several members' arenas are) copying a file of its own,
+// all passes started together. Bytes copied per second by all readers, the
+// slowest one's time, best of `repeats` fresh mappings; zeros (and `error`
+// set) when a file cannot be made or a reader fails.
 struct FirstTouchCeiling {
   double first_gbps = 0;  // through a mapping whose pages were never touched
   double warm_gbps = 0;   // the same mapping, second pass
@@ -39,6 +42,6 @@ struct FirstTouchCeiling {
 };
 
 FirstTouchCeiling measure_first_touch_copy(const std::string& dir, size_t bytes, size_t block,
-                                           int repeats);
+                                           int repeats, int readers = 1);
 
 }  // namespace cascade
