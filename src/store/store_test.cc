@@ -64,6 +64,19 @@ void wait_past_a_later_kernel(BatchTask* task, void* scratch, std::chrono::nanos
   *took = std::chrono::steady_clock::now() - t0;
 }
 
+// For two async device batches queued one after the other: waits for the
+// second past a later kernel (wait_past_a_later_kernel), then for the
+// first; every block of both must have gone, and the second's wait must
+// not have waited for the kernel.
+void expect_not_held_back(BatchTask* first, size_t first_blocks, BatchTask* second, void* scratch) {
+  std::chrono::nanoseconds took{};
+  ASSERT_NO_FATAL_FAILURE(wait_past_a_later_kernel(second, scratch, &took));
+  first->wait();
+  EXPECT_EQ(first->succeeded(), first_blocks);
+  EXPECT_EQ(second->succeeded(), 1u);
+  EXPECT_LT(took, std::chrono::milliseconds(150));
+}
+
 std::unique_ptr<CascadeStore> open(const CascadeConfig& c) {
   auto s = CascadeStore::Open(c);
   EXPECT_TRUE(s.ok()) << s.status().ToString();
@@ -563,12 +576,7 @@ TEST(StoreTest, AnAsyncDeviceBatchDoesNotWaitForWorkQueuedAfterIt) {
   auto second = store->get_batch_async({ids[7]}, {{b->data(), block}}, MemoryKind::kDevice);
   // Work the caller queues on the default stream after both calls (a
   // kernel that runs for about 300 ms) must not hold their copies back.
-  std::chrono::nanoseconds took{};
-  ASSERT_NO_FATAL_FAILURE(wait_past_a_later_kernel(second.get(), other->data(), &took));
-  first->wait();
-  EXPECT_EQ(first->succeeded(), n);
-  EXPECT_EQ(second->succeeded(), 1u);
-  EXPECT_LT(took, std::chrono::milliseconds(150));
+  ASSERT_NO_FATAL_FAILURE(expect_not_held_back(first.get(), n, second.get(), other->data()));
   std::vector<uint8_t> back(block);
   ASSERT_TRUE(copy_to_host(back.data(), b->data(), block).ok());
   EXPECT_EQ(0, std::memcmp(back.data(), bytes.data() + 7 * block, block));
@@ -653,12 +661,7 @@ TEST(StoreTest, AnAsyncDeviceBatchThatDemotesDoesNotWaitForWorkQueuedAfterIt) {
   auto second = store->put_batch_async({ids.back()}, std::move(second_in), from_device);
   // Each batch moves blocks of the gpu tier down to the host tier: those
   // copies out of the tier's memory must not wait for the kernel either.
-  std::chrono::nanoseconds took{};
-  ASSERT_NO_FATAL_FAILURE(wait_past_a_later_kernel(second.get(), other->data(), &took));
-  first->wait();
-  EXPECT_EQ(first->succeeded(), n);
-  EXPECT_EQ(second->succeeded(), 1u);
-  EXPECT_LT(took, std::chrono::milliseconds(150));
+  ASSERT_NO_FATAL_FAILURE(expect_not_held_back(first.get(), n, second.get(), other->data()));
   ASSERT_TRUE(device_synchronize(0).ok());
   EXPECT_GT(store->stats().tiers[1].blocks, 0u);  // demoted
   std::vector<uint8_t> out(block);
