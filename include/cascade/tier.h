@@ -99,8 +99,9 @@ class Tier;
 class BlockView {
  public:
   BlockView() = default;
-  BlockView(Tier* tier, const uint8_t* data, uint64_t size, MemoryKind kind, uint64_t token)
-      : tier_(tier), data_(data), size_(size), kind_(kind), token_(token) {}
+  BlockView(Tier* tier, const uint8_t* data, uint64_t size, MemoryKind kind, uint64_t token,
+            bool is_prefix = false)
+      : tier_(tier), data_(data), size_(size), kind_(kind), token_(token), is_prefix_(is_prefix) {}
   BlockView(BlockView&& o) noexcept { *this = std::move(o); }
   BlockView& operator=(BlockView&& o) noexcept;
   BlockView(const BlockView&) = delete;
@@ -110,6 +111,8 @@ class BlockView {
   const uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
   MemoryKind kind() const { return kind_; }
+  // The block was stored as a prefix block (PutOptions::is_prefix).
+  bool is_prefix() const { return is_prefix_; }
   explicit operator bool() const { return tier_ != nullptr; }
   void reset();
   // For tiers: the lease token, and dropping the view without ending the
@@ -123,6 +126,7 @@ class BlockView {
   uint64_t size_ = 0;
   MemoryKind kind_ = MemoryKind::kHost;
   uint64_t token_ = 0;
+  bool is_prefix_ = false;
 };
 
 // A block the tier gave up for eviction. `view` holds a lease, so the bytes

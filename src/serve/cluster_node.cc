@@ -986,6 +986,7 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
     pool::ReserveItem it{};
     std::memcpy(it.id, ids[i].bytes.data(), 16);
     it.size = views[i].size();
+    it.flags = views[i].is_prefix() ? pool::kPrefix : 0;
     put_item(&items, it);
     have.push_back(i);
   }
@@ -1265,6 +1266,7 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
         }
         r.offset = static_cast<uint64_t>(d - arena.base);
         r.size = views[k].size();
+        r.flags = views[k].is_prefix() ? pool::kPrefix : 0;
         r.checksum = sum_of(ids[k], d, r.size);
       }
       uint64_t granted = 0;

@@ -438,6 +438,40 @@ TEST(ClusterNode, BlocksCommittedOnOneMemberAreFetchedThroughAnother) {
   EXPECT_EQ(a.node->stats().peer_leases, 0u);
 }
 
+// A prefix block (PutOptions::is_prefix) stays one wherever it is leased
+// or fetched: through its writer's server, and through another member that
+// fetches it from its owner, so that either keeps it longer than ordinary
+// blocks.
+TEST(ClusterNode, APrefixBlockStaysOneThroughLeasesAndFetches) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a"), b("b");
+  ASSERT_TRUE(a.node && b.node);
+  ASSERT_TRUE(share_view(a, b));
+  auto ca = a.client();
+  auto cb = b.client();
+  ASSERT_TRUE(ca && cb);
+  constexpr int kBlocks = 32;
+  for (int i = 0; i < kBlocks; ++i) {
+    PutOptions o;
+    o.is_prefix = i % 2 == 0;
+    auto data = bytes_of(7000 + i, 8192);
+    ASSERT_TRUE(ca->put(id_of(7000 + i), data.data(), data.size(), o).ok());
+  }
+  ASSERT_TRUE(a.node->drain(5000));
+  ASSERT_EQ(a.node->stats().push_dropped, 0u);
+  for (CascadeStore* c : {ca.get(), cb.get()}) {
+    for (int i = 0; i < kBlocks; ++i) {
+      auto v = c->acquire(id_of(7000 + i));
+      ASSERT_TRUE(v.ok()) << v.status().ToString();
+      EXPECT_EQ(v->is_prefix(), i % 2 == 0) << i << (c == ca.get() ? " writer" : " other");
+      const auto want = bytes_of(7000 + i, 8192);
+      ASSERT_EQ(v->size(), want.size());
+      EXPECT_EQ(0, std::memcmp(v->data(), want.data(), want.size())) << i;
+    }
+  }
+  EXPECT_GT(b.node->stats().fetched, 0u);
+}
+
 TEST(ClusterNode, MembersWithDifferentLaneCountsMoveBlocksOnEveryLane) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a", 60000, /*lanes=*/3), b("b", 60000, /*lanes=*/5);

@@ -1150,6 +1150,7 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
           } else {
             r.offset = static_cast<uint64_t>(view.data() - arena.base);
             r.size = view.size();
+            r.flags = view.is_prefix() ? pool::kPrefix : 0;
             leased += r.size;
             granted.emplace_back(k, std::move(views[k]));
           }
@@ -1259,6 +1260,7 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
             }
             r.offset = static_cast<uint64_t>(views[k].data() - arena.base);
             r.size = views[k].size();
+            r.flags = views[k].is_prefix() ? pool::kPrefix : 0;
             r.token = c->token(channel);
             sh.leases.emplace(r.token, std::move(views[k]));
           }

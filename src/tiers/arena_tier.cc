@@ -230,7 +230,8 @@ void ArenaTier::put_batch_from_device(std::span<const BlockId> ids,
 Result<BlockView> ArenaTier::acquire(const BlockId& id) {
   auto lease = lease_counted(id);
   if (!lease) return not_found();
-  return BlockView(this, base_ + lease->loc.offset, lease->loc.size, memory_, lease->token);
+  return BlockView(this, base_ + lease->loc.offset, lease->loc.size, memory_, lease->token,
+                   lease->is_prefix);
 }
 
 Result<uint64_t> ArenaTier::size_of(const BlockId& id) {
@@ -254,7 +255,8 @@ std::vector<Victim> ArenaTier::claim_victims(uint64_t bytes) {
     v.size = c.lease.loc.size;
     v.is_prefix = c.lease.is_prefix;
     // The view leases the bytes in place while the store copies them down.
-    v.view = BlockView(this, base_ + c.lease.loc.offset, v.size, memory_, c.lease.token);
+    v.view =
+        BlockView(this, base_ + c.lease.loc.offset, v.size, memory_, c.lease.token, v.is_prefix);
     v.cuda_stream = copy_out_stream();
     out.push_back(std::move(v));
   }

@@ -33,6 +33,7 @@ BlockView& BlockView::operator=(BlockView&& o) noexcept {
     size_ = o.size_;
     kind_ = o.kind_;
     token_ = o.token_;
+    is_prefix_ = o.is_prefix_;
     o.tier_ = nullptr;
   }
   return *this;

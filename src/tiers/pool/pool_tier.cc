@@ -713,7 +713,8 @@ void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> 
       TierCounters::add(counters_.hits);
       statuses[i] = Status::OK();
       views_held_.fetch_add(1, std::memory_order_relaxed);
-      views[i] = BlockView(this, base_ + r.offset, r.size, MemoryKind::kHost, r.token);
+      views[i] = BlockView(this, base_ + r.offset, r.size, MemoryKind::kHost, r.token,
+                           (r.flags & pool::kPrefix) != 0);
     }
     held.reset();
     if (!stray.empty()) send_releases(std::move(stray));
@@ -772,8 +773,11 @@ void PoolTier::read_to_devices(std::span<const BlockId> ids, std::span<const Rea
       acquire_batch(ids.subspan(b, m), std::span<BlockView>(views).subspan(b, m),
                     statuses.subspan(b, m));
     });
-    for (size_t i = begin; i < end; ++i)
-      if (statuses[i].ok()) blocks[i] = LeasedBytes{views[i].data(), views[i].size()};
+    for (size_t i = begin; i < end; ++i) {
+      if (!statuses[i].ok()) continue;
+      blocks[i] = LeasedBytes{views[i].data(), views[i].size()};
+      results[i].is_prefix = views[i].is_prefix();
+    }
   };
   auto release = [&](size_t begin, size_t end) {
     // The part's leases given back at once: a view's own reset() would take
@@ -880,6 +884,7 @@ void PoolTier::take_lease_read(Slot* slot, const ReadBatch& b, ReadPart* part) {
       continue;
     }
     part->tokens.push_back(r.token);
+    b.results[i].is_prefix = (r.flags & pool::kPrefix) != 0;
     Leased& g = part->got[k];
     g.lease = r;
     if (r.arena == 0 && (r.offset > capacity_ || r.size > capacity_ - r.offset)) {
