@@ -688,12 +688,14 @@ void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> 
                              std::span<Status> statuses) {
   for (size_t begin = 0; begin < ids.size(); begin += pool::kMaxItems) {
     const uint32_t m = static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, ids.size() - begin));
+    // Views the caller passed in end first: ending one may send releases,
+    // which takes a channel, and none may be held then.
+    for (uint32_t k = 0; k < m; ++k) views[begin + k].reset();
     Held held = hold();
     Status st = call_with_ids(held.slot(), Op::kLease, ids.subspan(begin, m));
     std::vector<uint64_t> stray;  // leases of a malformed reply, given back
     for (uint32_t k = 0; k < m; ++k) {
       const size_t i = begin + k;
-      views[i].reset();
       if (!st.ok()) {
         statuses[i] = st;
         continue;
