@@ -531,28 +531,36 @@ TEST(StoreTest, CloseWhileAnotherThreadSubmitsAsyncBatches) {
   for (int round = 0; round < 40; ++round) {
     auto store = open(host_config(8 << 20));
     ASSERT_TRUE(store);
-    std::vector<uint8_t> block(4096, static_cast<uint8_t>(round)), out(4096);
+    constexpr int kBlocks = 400;
+    std::vector<uint8_t> block(4096, static_cast<uint8_t>(round));
+    // A buffer per get: two gets in flight never write the same bytes.
+    std::vector<std::vector<uint8_t>> outs(kBlocks, std::vector<uint8_t>(4096));
     std::atomic<bool> go{false};
-    std::vector<std::shared_ptr<BatchTask>> tasks;
+    std::vector<std::shared_ptr<BatchTask>> puts, gets;
     std::thread submitter([&] {
       while (!go.load()) std::this_thread::yield();
-      for (int i = 0; i < 400; ++i) {
+      for (int i = 0; i < kBlocks; ++i) {
         const uint64_t key = uint64_t(round) << 32 | i;
         BlockId id = compute_block_id(&key, sizeof key);
-        tasks.push_back(store->put_batch_async({id}, {ConstBuffer{block.data(), block.size()}}));
-        tasks.push_back(store->get_batch_async({id}, {MutableBuffer{out.data(), out.size()}}));
+        puts.push_back(store->put_batch_async({id}, {ConstBuffer{block.data(), block.size()}}));
+        gets.push_back(
+            store->get_batch_async({id}, {MutableBuffer{outs[i].data(), outs[i].size()}}));
       }
     });
     go.store(true);
     std::this_thread::sleep_for(std::chrono::microseconds(50 * (round % 8)));
     store->close();
     submitter.join();
-    for (auto& t : tasks) {
-      t->wait();
-      for (const Status& st : t->statuses())
-        EXPECT_TRUE(st.ok() || st.is(Code::kUnavailable) || st.is(Code::kNotFound))
-            << st.ToString();
+    for (auto* list : {&puts, &gets}) {
+      for (auto& t : *list) {
+        t->wait();
+        for (const Status& st : t->statuses())
+          EXPECT_TRUE(st.ok() || st.is(Code::kUnavailable) || st.is(Code::kNotFound))
+              << st.ToString();
+      }
     }
+    for (size_t i = 0; i < gets.size(); ++i)
+      if (gets[i]->succeeded() == 1) EXPECT_EQ(outs[i], block) << i;
   }
 }
 
