@@ -4,6 +4,7 @@ verification (no timing is asserted). Skips without UCX."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -117,6 +118,50 @@ def test_a_reader_process_that_fails_fails_the_run(monkeypatch, capsys):
     assert cli.main(argv + ["--client-processes"]) == 1
     err = capsys.readouterr().err
     assert "client process failed" in err and "1 blocks missing" in err
+
+
+def test_a_reader_thread_that_fails_fails_the_run_at_once(monkeypatch, capsys):
+    from cascade.bench import cluster
+
+    # Reader 0 fails on its first set (the one client 1 wrote); reader 1
+    # reads its set and then waits for reader 0 before the second pass: it
+    # must be let go at once, not after the barrier's ten minutes.
+    real = cluster._read
+    failing = f"b{1000 * (64 << 10) + 1}-"
+
+    def failing_read(store, keys, want, batch):
+        if keys and keys[0].startswith(failing):
+            raise RuntimeError("injected reader failure")
+        return real(store, keys, want, batch)
+
+    monkeypatch.setattr(cluster, "_read", failing_read)
+    argv = ["bench", "cluster", "--quick", "--quiet", "--servers", "2", "--fabrics", "sm"]
+    t0 = time.monotonic()
+    assert cli.main(argv) == 1
+    assert time.monotonic() - t0 < 120
+    assert "injected reader failure" in capsys.readouterr().err
+
+
+def test_a_directory_without_room_for_the_readers_probe_costs_only_that_figure(
+    monkeypatch, tmp_path
+):
+    from cascade.bench import cluster
+
+    real = _core.first_touch_copy_bandwidth
+
+    def no_room(d, nbytes, block, repeats=3, readers=1):
+        if readers > 1:
+            raise _core.CascadeIOError("back the probe file: No space left on device")
+        return real(d, nbytes, block, repeats, readers)
+
+    monkeypatch.setattr(cluster._core, "first_touch_copy_bandwidth", no_room)
+    out = tmp_path / "cluster.json"
+    argv = ["bench", "cluster", "--quick", "--quiet", "--servers", "2", "--fabrics", "sm"]
+    assert cli.main(argv + ["--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "No space left" in report["fresh_map_n_errors"][0]
+    [a] = report["aggregate"]
+    assert a["fresh_map_n_gbps"] == 0 and a["read_gbps"] > 0 and a["again_gbps"] > 0
 
 
 def test_bad_arguments_are_refused():

@@ -109,6 +109,13 @@ struct ProbeFile {
       error = std::string("size the probe file: ") + std::strerror(errno);
       return;
     }
+    // Backed before it is written: a directory without the room fails here
+    // (ENOSPC) instead of killing the process with SIGBUS in the memset.
+    if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
+      error = "back the probe file (" + std::to_string(bytes >> 20) + " MiB in " + dir +
+              "): " + std::strerror(err);
+      return;
+    }
     void* w = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (w == MAP_FAILED) {
       error = std::string("map the probe file: ") + std::strerror(errno);
