@@ -28,8 +28,11 @@ Rows, per fabric and block size:
   system gives huge pages);
 - aggregate with N servers (2..): one client per server writes its own
   blocks (pushed to their owners on the ring), then each reads every other
-  client's blocks once; bytes read by all clients over the busiest
-  reader's time, and N x the one-server remote rate beside it. With
+  client's blocks, and again (the mappings warm), every pass started by all
+  readers together; bytes read by all clients over the busiest reader's
+  time, against N x the one-server rate of the same pass and memcpy on N
+  threads, with N reader processes copying out of fresh mappings beside
+  them. With
   --client-processes the readers are spawned processes, one per server, as
   engines would be (each with its own page tables and locks), instead of
   threads of this process.
