@@ -174,6 +174,7 @@ Status CascadeStore::Impl::promote(const BlockId& phys) {
       auto view = tiers[t]->acquire(phys);
       if (!view.ok()) continue;
       o.src_kind = view->kind();
+      o.is_prefix = view->is_prefix();
       return put_into(0, phys, view->data(), view->size(), o);
     }
     std::vector<uint8_t> buf;

@@ -681,6 +681,33 @@ TEST(StoreTest, AnAsyncDeviceBatchThatDemotesDoesNotWaitForWorkQueuedAfterIt) {
   }
 }
 
+// A prefix block moved down out of a full gpu tier and brought back up
+// (acquire promotes it) is still a prefix block in the gpu tier.
+TEST(StoreTest, APrefixBlockPromotedFromTheHostTierStaysOne) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
+  CascadeConfig c = host_config(64 << 20);
+  c.pipeline = "gpu|host";
+  c.gpu_device_id = 0;
+  c.gpu_capacity_bytes = 4 << 20;
+  auto store = open(c);
+  ASSERT_TRUE(store);
+  const size_t block = 3 << 20;  // one fits in the gpu tier
+  std::vector<uint8_t> bytes = random_bytes(2 * block, 29);
+  const std::vector<BlockId> ids = numbered_ids(99000, 2);
+  PutOptions prefix;
+  prefix.is_prefix = true;
+  for (size_t i = 0; i < 2; ++i)
+    ASSERT_TRUE(store->put(ids[i], bytes.data() + i * block, block, prefix).ok()) << i;
+  ASSERT_EQ(store->stats().tiers[1].blocks, 1u);  // the first moved down to the host tier
+  auto view = store->acquire(ids[0]);             // brings it back up
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
+  EXPECT_EQ(view->kind(), MemoryKind::kDevice);
+  EXPECT_TRUE(view->is_prefix());
+  std::vector<uint8_t> back(block);
+  ASSERT_TRUE(copy_to_host(back.data(), view->data(), block).ok());
+  EXPECT_EQ(0, std::memcmp(back.data(), bytes.data(), block));
+}
+
 TEST(StoreTest, AsyncBatchesWithAnotherGpusBuffersThroughAGpuTier) {
   if (gpu_count() < 2) GTEST_SKIP() << "needs two usable GPUs";
   CascadeConfig c;

@@ -615,7 +615,7 @@ Result<BlockView> RemoteTier::acquire(const BlockId& id) {
   auto* lease = new PeerLease{owner, f.lease_token};
   views_.fetch_add(1, std::memory_order_relaxed);
   const uint64_t handle = reinterpret_cast<uint64_t>(lease) | kPeerLeaseTag;
-  return BlockView(this, data, f.size, MemoryKind::kHost, handle);
+  return BlockView(this, data, f.size, MemoryKind::kHost, handle, (f.flags & kItemPrefix) != 0);
 }
 
 void RemoteTier::release_lease(uint64_t token) {
@@ -708,7 +708,7 @@ void RemoteTier::unclaim(Victim victim) {
 }
 
 BlockView RemoteTier::adopt(BlockView view) {
-  BlockView mine(this, view.data(), view.size(), view.kind(), view.token());
+  BlockView mine(this, view.data(), view.size(), view.kind(), view.token(), view.is_prefix());
   view.detach();
   views_.fetch_add(1, std::memory_order_relaxed);
   return mine;
