@@ -125,8 +125,8 @@ struct CascadeConfig {
   // How long a request may wait for the server, from when it is sent,
   // before it fails with Unavailable; a server that leaves one request
   // unanswered this long is taken as gone (every later call fails). Above
-  // the longest a cluster member's server may take for one request with
-  // its default deadlines (six calls of 2 s in turn; docs/node-pool.md).
+  // what a cluster member's server may take for one request with its
+  // default deadlines (six calls of 2 s in turn; docs/node-pool.md).
   uint32_t pool_timeout_ms = 15000;
 
   // ---- file tier --------------------------------------------------------

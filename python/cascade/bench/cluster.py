@@ -182,6 +182,9 @@ def _client(socket: str, threads: int = 2):
                 "pool_namespace": "bench",
                 "use_gpu": False,
                 "num_io_threads": threads,
+                # Above what one request may take when member calls come
+                # near their (raised) deadline: six in turn, and some room.
+                "pool_timeout_ms": 6 * _Node.request_timeout_ms + 5000,
             }
         )
     )
