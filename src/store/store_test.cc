@@ -559,8 +559,11 @@ TEST(StoreTest, CloseWhileAnotherThreadSubmitsAsyncBatches) {
               << st.ToString();
       }
     }
-    for (size_t i = 0; i < gets.size(); ++i)
-      if (gets[i]->succeeded() == 1) EXPECT_EQ(outs[i], block) << i;
+    for (size_t i = 0; i < gets.size(); ++i) {
+      if (gets[i]->succeeded() == 1) {
+        EXPECT_EQ(outs[i], block) << i;
+      }
+    }
   }
 }
 

@@ -162,9 +162,13 @@ TEST(LeasedReadsTest, PartsRunTwoDeepInOrder) {
         PipelineParts bounds;
         for (size_t j = 0; j < k; ++j) bounds.next();
         EXPECT_FALSE(bounds.full((end - begin - 1) * per_unit, 0));
-        if (end < units) EXPECT_TRUE(bounds.full((end - begin) * per_unit, 0));
+        if (end < units) {
+          EXPECT_TRUE(bounds.full((end - begin) * per_unit, 0));
+        }
         // Slot k % 2 is free: part k - 2 has finished.
-        if (k >= 2) EXPECT_EQ(finished_to, started[k - 2].second);
+        if (k >= 2) {
+          EXPECT_EQ(finished_to, started[k - 2].second);
+        }
         started.emplace_back(begin, end);
         calls.push_back("s" + std::to_string(k));
       },

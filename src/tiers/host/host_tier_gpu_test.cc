@@ -209,7 +209,9 @@ TEST(GpuHostTierTest, PutsABatchFromDeviceMemory) {
   std::vector<uint8_t> stand_in;  // no GPU: device memory that is not there
   uint8_t* base = device_or_stand_in(total, &dev, &stand_in);
   ASSERT_TRUE(base);
-  if (gpu) ASSERT_TRUE(copy_to_device(base, bytes.data(), total).ok());
+  if (gpu) {
+    ASSERT_TRUE(copy_to_device(base, bytes.data(), total).ok());
+  }
   // Items 7 and 14 are stored already, from host memory and with other
   // bytes than the batch's; 11 is larger than the arena; 13 and 14 have no
   // data.
