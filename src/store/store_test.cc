@@ -29,6 +29,15 @@ CascadeConfig host_config(uint64_t capacity) {
   return c;
 }
 
+// A gpu tier on GPU 0 of gpu_capacity bytes over a host tier of host_capacity.
+CascadeConfig gpu_over_host_config(uint64_t host_capacity, uint64_t gpu_capacity) {
+  CascadeConfig c = host_config(host_capacity);
+  c.pipeline = "gpu|host";
+  c.gpu_device_id = 0;
+  c.gpu_capacity_bytes = gpu_capacity;
+  return c;
+}
+
 std::vector<uint8_t> random_bytes(size_t n, uint64_t seed) {
   std::vector<uint8_t> v(n);
   std::mt19937_64 rng(seed);
@@ -645,10 +654,7 @@ TEST(StoreTest, AnAsyncDeviceBatchThatPromotesDoesNotWaitForWorkQueuedAfterIt) {
 
 TEST(StoreTest, AnAsyncDeviceBatchThatDemotesDoesNotWaitForWorkQueuedAfterIt) {
   if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
-  CascadeConfig c = host_config(128 << 20);
-  c.pipeline = "gpu|host";
-  c.gpu_device_id = 0;
-  c.gpu_capacity_bytes = 8 << 20;
+  CascadeConfig c = gpu_over_host_config(128 << 20, 8 << 20);
   c.num_io_threads = 1;  // the second batch waits for the first to leave the thread
   auto store = open(c);
   ASSERT_TRUE(store);
@@ -688,11 +694,7 @@ TEST(StoreTest, AnAsyncDeviceBatchThatDemotesDoesNotWaitForWorkQueuedAfterIt) {
 // (acquire promotes it) is still a prefix block in the gpu tier.
 TEST(StoreTest, APrefixBlockPromotedFromTheHostTierStaysOne) {
   if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
-  CascadeConfig c = host_config(64 << 20);
-  c.pipeline = "gpu|host";
-  c.gpu_device_id = 0;
-  c.gpu_capacity_bytes = 4 << 20;
-  auto store = open(c);
+  auto store = open(gpu_over_host_config(64 << 20, 4 << 20));
   ASSERT_TRUE(store);
   const size_t block = 3 << 20;  // one fits in the gpu tier
   std::vector<uint8_t> bytes = random_bytes(2 * block, 29);
