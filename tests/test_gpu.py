@@ -581,3 +581,49 @@ def test_paged_kv_cuda_round_trip(shm_path, tmp_path, pipeline, layout):
         assert torch.equal(
             before[(slice(None),) * bdim + (0,)], dst_buf[(slice(None),) * bdim + (0,)]
         )
+
+
+# A fresh process: CUDA loads a kernel on its first launch by default, and
+# that load waits for all work queued on the device.
+_FIRST_TRANSFER_SCRIPT = r"""
+import sys
+import torch
+import cascade
+from cascade.integrations.kv import PagedKv, load_paged, save_paged
+
+cfg = cascade.config_from_dict(
+    dict(pipeline="host", shm_capacity_bytes=64 << 20, shm_path=sys.argv[1])
+)
+buf = torch.randn(2, 8, 4, 16, 256, device="cuda").to(torch.bfloat16)
+with cascade.CascadeStore(cfg) as store:
+    kv = PagedKv.from_layers([buf[0], buf[1]], "packed_kv")
+    save_paged(store, kv, [], [])  # set up, as the connector's register() does
+    busy, side = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(4_000_000_000)  # a second or more of the engine's work
+        busy_done = torch.cuda.Event()
+        busy_done.record()
+    ids = [f"{i:032x}" for i in range(1, 5)]
+    assert save_paged(store, kv, [0, 1, 2, 3], ids, cuda_stream=side) == [None] * 4
+    saved_first = not busy_done.query()
+    assert load_paged(store, kv, [4, 5, 6, 7], ids, cuda_stream=side) == [None] * 4
+    loaded_first = not busy_done.query()
+    torch.cuda.synchronize()
+    assert torch.equal(buf[:, 0:4], buf[:, 4:8])
+    print("saved before the other stream's work ended:", saved_first)
+    print("loaded before the other stream's work ended:", loaded_first)
+    assert saved_first and loaded_first
+"""
+
+
+@gpu_test
+def test_a_first_paged_transfer_does_not_wait_for_other_streams(shm_path):
+    _torch_cuda()
+    r = subprocess.run(
+        [sys.executable, "-c", _FIRST_TRANSFER_SCRIPT, shm_path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr

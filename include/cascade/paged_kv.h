@@ -82,6 +82,14 @@ uint64_t stored_kv_block_bytes(const PagedKvCache& cache);
 // Checks the description alone (shape, strides, pointers present).
 Status validate_paged_kv(const PagedKvCache& cache);
 
+// Readies the cache's GPU for its transfers ahead of the first one: the
+// device's context and the kernels. CUDA loads a kernel on its first launch
+// by default, and that load waits for all work queued on the device, so a
+// first save or load would wait for the engine's queued forward pass; call
+// this while setting up. The first transfer on a device does it otherwise.
+// OK for a cache in host memory and in builds without CUDA.
+Status prepare_paged_kv(const PagedKvCache& cache);
+
 // How the GPU path moves bytes between the kernel and host store blocks.
 enum class PagedKvPath : uint8_t {
   kAuto,    // the faster path for the direction (docs/design.md, docs/benchmarks.md)

@@ -57,4 +57,9 @@ cudaError_t launch_batch_copy(const CopySegment* segments, uint32_t count, cudaS
                           dim3(kThreads), args, 0, stream);
 }
 
+cudaError_t load_batch_copy_kernel() {
+  cudaFuncAttributes attr{};
+  return cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(&batch_copy_kernel));
+}
+
 }  // namespace cascade

@@ -32,4 +32,10 @@ inline constexpr uint64_t kMaxSegmentBytes = 64ULL << 10;
 // Copies every segment of the device-resident table. Queued on `stream`.
 cudaError_t launch_batch_copy(const CopySegment* segments, uint32_t count, cudaStream_t stream);
 
+// Loads the kernel into the current device's context now. CUDA loads a
+// kernel on its first launch by default, and that load waits for all work
+// queued on the device: a first batch would wait for whatever the caller
+// had queued on its other streams.
+cudaError_t load_batch_copy_kernel();
+
 }  // namespace cascade

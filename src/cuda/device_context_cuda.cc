@@ -6,6 +6,7 @@
 #include <thread>
 #include <utility>
 
+#include "cuda/batch_copy.h"
 #include "cuda/cuda_status.h"
 
 namespace cascade {
@@ -70,6 +71,10 @@ Status DeviceContext::init() {
     }
   }
   kernels_reach_host_ = uva && host_ptr;
+  // Loaded here, while the caller has nothing queued, rather than on the
+  // first batch. A device without an image of it fails its launches later;
+  // the DMA paths work without it.
+  if (load_batch_copy_kernel() != cudaSuccess) (void)cudaGetLastError();
   for (auto& s : streams_)
     CASCADE_CUDA_RETURN(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
                         "create a CUDA stream");

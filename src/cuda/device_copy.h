@@ -186,6 +186,13 @@ void for_each_part_two_deep(size_t count, Size size, Start start, Finish finish)
 // device is never usable, and asking about one does not initialize CUDA.
 bool gpu_usable(int device);
 
+// Sets up now what copies with `device` need (its streams, argument ring
+// and kernels), instead of on the first copy: that setup waits for all work
+// queued on the device, which would hold a first async batch back behind
+// the caller's later work. A device that cannot be used fails its copies
+// later, as it would without this. No-op without CUDA.
+void prepare_device(int device);
+
 // Registers host memory with the GPU so DMA reads and writes it directly
 // (cudaHostRegister). OK and a no-op without CUDA.
 Status register_host_memory(void* base, size_t bytes);

@@ -289,6 +289,10 @@ bool gpu_usable(int device) {
   return device >= 0 && device < count;
 }
 
+void prepare_device(int device) {
+  if (gpu_usable(device)) (void)DeviceContext::For(device);
+}
+
 Status register_host_memory(void* base, size_t bytes) {
   if (!base || bytes == 0) return Status::OK();
   return register_host_range(base, bytes);

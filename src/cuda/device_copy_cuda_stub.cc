@@ -62,6 +62,8 @@ void DeviceCopyPipeline::wait_all() {}
 
 bool gpu_usable(int) { return false; }
 
+void prepare_device(int) {}
+
 Status register_host_memory(void*, size_t) { return Status::OK(); }
 void unregister_host_memory(void*) {}
 void prepare_host_for_device(const void*, size_t) {}

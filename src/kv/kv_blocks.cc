@@ -54,6 +54,7 @@ Result<std::unique_ptr<KvBlockMover>> KvBlockMover::Create(CascadeStore* store,
   CASCADE_RETURN_IF_ERROR(validate_paged_kv(cache));
   if (stored_kv_block_bytes(cache) == 0)
     return Status::InvalidArgument("the cache's blocks are empty");
+  CASCADE_RETURN_IF_ERROR(prepare_paged_kv(cache));
   return std::unique_ptr<KvBlockMover>(new KvBlockMover(store, cache, device));
 }
 

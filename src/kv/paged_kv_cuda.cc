@@ -1,5 +1,6 @@
 // Paged KV transfer on the GPU. See include/cascade/paged_kv.h.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -45,6 +46,29 @@ int device_of(const void* p) {
   }
   return (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) ? attr.device
                                                                                    : -1;
+}
+
+// Loads the kernels into the current device's context, once per process and
+// device (see prepare_paged_kv).
+Status load_kernels_once(int device) {
+  static std::atomic<uint64_t> loaded{0};  // bit d: device d's context has them
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit && (loaded.load(std::memory_order_acquire) & bit)) return Status::OK();
+  CASCADE_RETURN_IF_ERROR(cuda_status(load_kv_kernels(), "load the paged KV kernels"));
+  loaded.fetch_or(bit, std::memory_order_acq_rel);
+  return Status::OK();
+}
+
+// The device of a cache in GPU memory, its context ready with the kernels.
+Result<DeviceContext*> ready_device(const PagedKvCache& c, int* device) {
+  *device = device_of(c.layers[0]);
+  if (*device < 0)
+    return Status::InvalidArgument("paged KV: the cache is not in GPU memory (memory = kDevice)");
+  auto ctx = DeviceContext::For(*device);
+  if (!ctx.ok()) return ctx.status();
+  ScopedDevice on(*device);
+  CASCADE_RETURN_IF_ERROR(load_kernels_once(*device));
+  return ctx;
 }
 
 class KvTransfer {
@@ -229,10 +253,8 @@ Status transfer(const PagedKvCache& c, std::span<const int64_t> blocks, uint8_t*
                                     std::span<const void* const>(ptrs.data(), ptrs.size()),
                                     o.layer_begin, o.layer_end);
   }
-  const int device = device_of(c.layers[0]);
-  if (device < 0)
-    return Status::InvalidArgument("paged KV: the cache is not in GPU memory (memory = kDevice)");
-  auto ctx = DeviceContext::For(device);
+  int device = -1;
+  auto ctx = ready_device(c, &device);
   if (!ctx.ok()) return ctx.status();
   ScopedDevice on(device);
   cudaStream_t s = o.cuda_stream ? static_cast<cudaStream_t>(o.cuda_stream) : cudaStreamLegacy;
@@ -255,6 +277,13 @@ Status transfer(const PagedKvCache& c, std::span<const int64_t> blocks, uint8_t*
 }
 
 }  // namespace
+
+Status prepare_paged_kv(const PagedKvCache& cache) {
+  CASCADE_RETURN_IF_ERROR(validate_paged_kv(cache));
+  if (cache.memory == MemoryKind::kHost) return Status::OK();
+  int device = -1;
+  return ready_device(cache, &device).status();
+}
 
 Status save_paged_kv(const PagedKvCache& cache, std::span<const int64_t> engine_blocks,
                      std::span<void* const> store_blocks, MemoryKind store_kind,

@@ -4,6 +4,8 @@
 
 namespace cascade {
 
+Status prepare_paged_kv(const PagedKvCache&) { return Status::OK(); }
+
 Status save_paged_kv(const PagedKvCache& cache, std::span<const int64_t> engine_blocks,
                      std::span<void* const> store_blocks, MemoryKind store_kind,
                      const PagedKvOptions& options) {

@@ -43,6 +43,20 @@ __global__ void __launch_bounds__(kThreads) kv_copy_kernel(const KvLaunch a) {
 }
 
 template <bool kSave>
+cudaError_t load_variants() {
+  const void* kernels[] = {reinterpret_cast<const void*>(&kv_copy_kernel<uint4, kSave>),
+                           reinterpret_cast<const void*>(&kv_copy_kernel<uint2, kSave>),
+                           reinterpret_cast<const void*>(&kv_copy_kernel<uint32_t, kSave>),
+                           reinterpret_cast<const void*>(&kv_copy_kernel<uint16_t, kSave>),
+                           reinterpret_cast<const void*>(&kv_copy_kernel<uint8_t, kSave>)};
+  for (const void* k : kernels) {
+    cudaFuncAttributes attr{};
+    if (cudaError_t err = cudaFuncGetAttributes(&attr, k); err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+template <bool kSave>
 cudaError_t launch(const KvLaunch& a, cudaStream_t stream) {
   const uint64_t units = uint64_t(a.count) * a.g.layer_count * a.g.sections;
   if (units == 0) return cudaSuccess;
@@ -70,6 +84,11 @@ cudaError_t launch_kv_save(const KvLaunch& a, cudaStream_t stream) {
 }
 cudaError_t launch_kv_load(const KvLaunch& a, cudaStream_t stream) {
   return launch<false>(a, stream);
+}
+
+cudaError_t load_kv_kernels() {
+  cudaError_t err = load_variants<true>();
+  return err == cudaSuccess ? load_variants<false>() : err;
 }
 
 }  // namespace cascade

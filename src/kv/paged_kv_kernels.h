@@ -33,4 +33,9 @@ cudaError_t launch_kv_save(const KvLaunch& launch, cudaStream_t stream);
 // Store blocks -> engine blocks.
 cudaError_t launch_kv_load(const KvLaunch& launch, cudaStream_t stream);
 
+// Loads every variant of the kernels into the current device's context now
+// (see load_batch_copy_kernel: a load at first launch waits for all work
+// queued on the device).
+cudaError_t load_kv_kernels();
+
 }  // namespace cascade

@@ -35,6 +35,7 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const CascadeConfig& config, Th
     // Registration lets the GPU DMA straight from the arena; failure only
     // costs speed (copies then stage), so it is not an error.
     tier->registered_ = register_host_memory(tier->arena_base(), tier->capacity()).ok();
+    prepare_device(config.gpu_device_id);
   }
   return tier;
 }

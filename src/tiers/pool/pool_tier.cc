@@ -99,6 +99,7 @@ Result<std::unique_ptr<PoolTier>> PoolTier::Open(const CascadeConfig& config, Th
   if (gpu_usable(config.gpu_device_id)) {
     // As the host tier: loads to the GPU DMA straight from the arena.
     tier->registered_ = register_host_memory(tier->base_, tier->capacity_).ok();
+    prepare_device(config.gpu_device_id);
   }
   tier->releaser_ = std::thread([t = tier.get()] { t->release_loop(); });
   tier->mapper_ = std::thread([t = tier.get()] { t->map_arena(); });
