@@ -289,6 +289,7 @@ Status PoolTier::post(Slot* slot, Op op, uint32_t count, uint64_t item_bytes,
 }
 
 Status PoolTier::await_reply(Slot* slot, ReplyHeader* reply, int64_t timeout_us) const {
+  *reply = ReplyHeader{};
   Channel& ch = slot->ch;
   const uint32_t seq = slot->seq;
   // The deadline counts from the post: a thread waiting for several
@@ -323,12 +324,17 @@ Status PoolTier::await_reply(Slot* slot, ReplyHeader* reply, int64_t timeout_us)
   if (reply->code != 0) {
     std::string msg(reinterpret_cast<const char*>(ch.reply + sizeof *reply),
                     std::min<uint32_t>(reply->message_bytes, pool::kMaxMessageBytes));
+    reply->count = 0;
     return wire_status(reply->code, "node pool server: " + msg);
   }
   if (reply->count != slot->count && slot->op != Op::kStats)
     return Status::Unavailable("the node pool server answered " + std::to_string(reply->count) +
                                " items for " + std::to_string(slot->count));
   return Status::OK();
+}
+
+uint32_t PoolTier::items_to_give_back(const Status& st, const ReplyHeader& reply, size_t asked) {
+  return st.ok() ? 0 : static_cast<uint32_t>(std::min<size_t>(reply.count, asked));
 }
 
 Status PoolTier::take_reply(Slot* slot, const Status& sent, ReplyHeader* reply) const {
@@ -595,20 +601,29 @@ void PoolTier::take_reserve(Slot* slot, const PutBatch& b, PutPart* part) {
   part->placed.clear();
   ReplyHeader reply;
   const Status st = take_reply(slot, part->sent, &reply);
+  const uint32_t stray = items_to_give_back(st, reply, part->count);
   for (size_t k = 0; k < part->count; ++k) {
     const size_t i = part->begin + k;
+    pool::ReserveReply r;
     if (!st.ok()) {
       b.statuses[i] = st;
+      if (k < stray) {
+        // Failed, but placed: post_commit aborts it.
+        std::memcpy(&r, slot->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
+        if (r.code == 0 && !(r.flags & pool::kPresent))
+          part->placed.push_back(Placed{i, r.offset, r.token});
+      }
       continue;
     }
-    pool::ReserveReply r;
     std::memcpy(&r, slot->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
     if (r.code != 0) {
       b.statuses[i] = wire_status(r.code, "the pool has no room for block " + b.ids[i].hex());
     } else if (r.flags & pool::kPresent) {
       b.statuses[i] = Status::OK();
     } else if (r.offset > capacity_ || b.sizes[i] > capacity_ - r.offset) {
+      // Never written; placed, failed, so that post_commit aborts it.
       b.statuses[i] = Status::Unavailable("the pool server reserved a range outside its arena");
+      part->placed.push_back(Placed{i, r.offset, r.token});
     } else {
       b.statuses[i] =
           b.sizes[i] && !b.data[i] ? Status::InvalidArgument("data is null") : Status::OK();
@@ -676,12 +691,13 @@ void PoolTier::take_commit(Slot* slot, const PutBatch& b, PutPart* part) {
 
 // ---- reads -------------------------------------------------------------------
 
-Status PoolTier::call_with_ids(Slot* slot, Op op, std::span<const BlockId> ids) const {
+Status PoolTier::call_with_ids(Slot* slot, Op op, std::span<const BlockId> ids,
+                               ReplyHeader* reply) const {
+  *reply = ReplyHeader{};
   if (!slot) return Status::Unavailable("every channel to the pool server failed");
   for (size_t k = 0; k < ids.size(); ++k)
     std::memcpy(slot->ch.request + sizeof(RequestHeader) + k * 16, ids[k].bytes.data(), 16);
-  ReplyHeader reply;
-  return call(slot, op, static_cast<uint32_t>(ids.size()), sizeof(pool::BlockIdItem), &reply,
+  return call(slot, op, static_cast<uint32_t>(ids.size()), sizeof(pool::BlockIdItem), reply,
               timeout_us_);
 }
 
@@ -693,15 +709,21 @@ void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> 
     // which takes a channel, and none may be held then.
     for (uint32_t k = 0; k < m; ++k) views[begin + k].reset();
     Held held = hold();
-    Status st = call_with_ids(held.slot(), Op::kLease, ids.subspan(begin, m));
+    ReplyHeader reply;
+    Status st = call_with_ids(held.slot(), Op::kLease, ids.subspan(begin, m), &reply);
     std::vector<uint64_t> stray;  // leases of a malformed reply, given back
+    const uint32_t named = items_to_give_back(st, reply, m);
     for (uint32_t k = 0; k < m; ++k) {
       const size_t i = begin + k;
+      pool::LeaseReply r;
       if (!st.ok()) {
         statuses[i] = st;
+        if (k < named) {
+          std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
+          if (r.code == 0) stray.push_back(r.token);
+        }
         continue;
       }
-      pool::LeaseReply r;
       std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
       if (r.code != 0) {
         statuses[i] = lease_failure(r.code, ids[i]);
@@ -872,14 +894,19 @@ void PoolTier::take_lease_read(Slot* slot, const ReadBatch& b, ReadPart* part) {
   part->members = false;
   ReplyHeader reply;
   const Status st = take_reply(slot, part->sent, &reply);
+  const uint32_t named = items_to_give_back(st, reply, part->count);
   for (size_t k = 0; k < part->count; ++k) {
     const size_t i = part->begin + k;
     b.results[i] = ReadResult{};
+    pool::LeaseReadReply r;
     if (!st.ok()) {
       b.statuses[i] = st;
+      if (k < named) {  // given back with the part's other leases
+        std::memcpy(&r, slot->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
+        if (r.code == 0) part->tokens.push_back(r.token);
+      }
       continue;
     }
-    pool::LeaseReadReply r;
     std::memcpy(&r, slot->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
     if (r.code != 0) {
       b.statuses[i] = lease_failure(r.code, b.ids[i]);
@@ -1044,7 +1071,8 @@ void PoolTier::lookup_batch(std::span<const BlockId> ids, std::span<uint64_t> si
   for (size_t begin = 0; begin < ids.size(); begin += pool::kMaxItems) {
     const uint32_t m = static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, ids.size() - begin));
     Held held = hold();
-    Status st = call_with_ids(held.slot(), Op::kLookup, ids.subspan(begin, m));
+    ReplyHeader reply;
+    Status st = call_with_ids(held.slot(), Op::kLookup, ids.subspan(begin, m), &reply);
     for (uint32_t k = 0; k < m; ++k) {
       const size_t i = begin + k;
       sizes[i] = 0;

@@ -124,12 +124,23 @@ class PoolTier final : public Tier {
   // answer within timeout_us (the channel is not used again). call() does
   // both.
   Status post(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, uint32_t flags = 0) const;
+  // On failure reply->count is 0, except where the server answered with
+  // another count than asked: then it is the server's count (see
+  // items_to_give_back).
   Status await_reply(Slot* slot, pool::ReplyHeader* reply, int64_t timeout_us) const;
+  // How many items of a failed call's reply name what the server granted
+  // (reservations, leases) and must be given back: those of a reply whose
+  // count was not the one asked, up to the count asked. 0 when the call
+  // succeeded or no reply came.
+  static uint32_t items_to_give_back(const Status& st, const pool::ReplyHeader& reply,
+                                     size_t asked);
   Status call(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, pool::ReplyHeader* reply,
               int64_t timeout_us, uint32_t flags = 0) const;
   // Sends op with ids as its items on slot's channel (at most kMaxItems);
-  // Unavailable for no slot. The reply items are in the channel's reply area.
-  Status call_with_ids(Slot* slot, Op op, std::span<const BlockId> ids) const;
+  // Unavailable for no slot. The reply's header goes to *reply, its items
+  // are in the channel's reply area.
+  Status call_with_ids(Slot* slot, Op op, std::span<const BlockId> ids,
+                       pool::ReplyHeader* reply) const;
   // Queues releases: sent with the next batch (at once when kReleaseBatch
   // are queued, else by the releasing thread shortly after).
   void release_leases(std::span<const uint64_t> tokens);
