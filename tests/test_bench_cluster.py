@@ -171,6 +171,26 @@ def test_bad_arguments_are_refused():
         cli.main(["bench", "cluster", "--quick", "--servers", "1"])
     with pytest.raises(SystemExit, match="not a directory"):
         cli.main(["bench", "cluster", "--quick", "--shm-dir", "/nonexistent/cascade"])
+    with pytest.raises(SystemExit, match="--workers"):
+        cli.main(["bench", "cluster", "--quick", "--workers", "-1"])
+
+
+def test_every_server_gets_the_workers_asked_for(tmp_path, monkeypatch):
+    from cascade.bench import cluster
+
+    asked = []
+    real = _core.PoolServer
+
+    def server(cfg, socket, **kwargs):
+        asked.append(kwargs.get("workers"))
+        return real(cfg, socket, **kwargs)
+
+    monkeypatch.setattr(cluster._core, "PoolServer", server)
+    out = tmp_path / "cluster.json"
+    argv = ["bench", "cluster", "--quick", "--quiet", "--fabrics", "sm", "--servers", "2"]
+    assert cli.main(argv + ["--workers", "3", "--json", str(out)]) == 0
+    assert asked and set(asked) == {3}
+    assert json.loads(out.read_text())["settings"]["workers"] == 3
 
 
 def test_pushes_dropped_fail_the_run_with_their_cause():

@@ -81,6 +81,13 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--lanes", type=int, default=4, help="transport endpoints per member")
     p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="request workers per server (default 0: the server's own default, two per core, "
+        "as a server alone on its host)",
+    )
+    p.add_argument(
         "--no-map",
         action="store_true",
         help="servers do not map each other's arenas (same host): every fetch goes over the "
@@ -116,6 +123,7 @@ def add_arguments(p) -> None:
 
 class _Node:
     lanes = 4  # the run's --lanes
+    workers = 0  # the run's --workers
     map_same_host = True  # not the run's --no-map
     client_processes = False  # the run's --client-processes
     shm_dir = "/dev/shm"  # the run's --shm-dir
@@ -143,7 +151,7 @@ class _Node:
         cfg.shm_populate = _core.ShmPopulate.FULL
         self.socket = f"/tmp/cascade-bench-cluster-{uuid.uuid4().hex[:12]}.sock"
         self.name = name
-        self.server = _core.PoolServer(cfg, self.socket)
+        self.server = _core.PoolServer(cfg, self.socket, workers=_Node.workers)
         self.address = self.server.start_cluster(
             name,
             1,
@@ -559,6 +567,7 @@ def run_cluster_bench(args, progress) -> dict:
         "bytes": total,
         "verify": not args.no_verify,
         "lanes": args.lanes,
+        "workers": args.workers,
         "map_same_host": not args.no_map,
         "client_processes": args.client_processes,
         "shm_dir": args.shm_dir,
@@ -573,6 +582,9 @@ def run_cluster_bench(args, progress) -> dict:
     if not 1 <= args.lanes <= 64:
         raise SystemExit("cascade bench cluster: --lanes takes 1 to 64")
     _Node.lanes = args.lanes
+    if args.workers < 0:
+        raise SystemExit("cascade bench cluster: --workers takes 0 (the default) or a count")
+    _Node.workers = args.workers
     _Node.map_same_host = not args.no_map
     _Node.client_processes = args.client_processes
     if not os.path.isdir(args.shm_dir):
