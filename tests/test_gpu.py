@@ -627,3 +627,43 @@ def test_a_first_paged_transfer_does_not_wait_for_other_streams(shm_path):
         timeout=120,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# A fresh process again: whether opening a store made a CUDA context, asked of
+# the driver itself.
+_CONTEXT_SCRIPT = r"""
+import ctypes, sys
+import cascade
+
+cuda = ctypes.CDLL("libcuda.so.1")
+assert cuda.cuInit(0) == 0
+
+def context_active():
+    flags, active = ctypes.c_uint(), ctypes.c_int()
+    assert cuda.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active)) == 0
+    return bool(active.value)
+
+use_gpu = sys.argv[2] == "1"
+cfg = cascade.config_from_dict(
+    dict(pipeline="host", use_gpu=use_gpu, shm_capacity_bytes=64 << 20, shm_path=sys.argv[1])
+)
+assert not context_active()
+with cascade.CascadeStore(cfg):
+    print(context_active())
+"""
+
+
+@gpu_test
+@pytest.mark.parametrize("use_gpu", [False, True])
+def test_a_host_store_makes_a_cuda_context_only_when_it_may_use_the_gpu(shm_path, use_gpu):
+    # With use_gpu on the context is made at open, so that no first batch
+    # makes it behind the caller's queued work; with it off (as `cascade
+    # serve`) none is made: a context takes GPU memory.
+    r = subprocess.run(
+        [sys.executable, "-c", _CONTEXT_SCRIPT, shm_path, "1" if use_gpu else "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == str(use_gpu)

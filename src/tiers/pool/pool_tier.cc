@@ -99,7 +99,10 @@ Result<std::unique_ptr<PoolTier>> PoolTier::Open(const CascadeConfig& config, Th
   if (gpu_usable(config.gpu_device_id)) {
     // As the host tier: loads to the GPU DMA straight from the arena.
     tier->registered_ = register_host_memory(tier->base_, tier->capacity_).ok();
-    prepare_device(config.gpu_device_id);
+    // The GPU set up now rather than by a first batch, unless the store asked
+    // for no GPU (use_gpu off, as `cascade serve` does): a CUDA context
+    // takes GPU memory, and such a store may never copy to a GPU.
+    if (config.use_gpu) prepare_device(config.gpu_device_id);
   }
   tier->releaser_ = std::thread([t = tier.get()] { t->release_loop(); });
   tier->mapper_ = std::thread([t = tier.get()] { t->map_arena(); });
