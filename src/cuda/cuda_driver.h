@@ -1,5 +1,6 @@
 // DriverApi: the CUDA driver entry points the gpu tier needs (virtual memory
-// management), looked up at run time.
+// management, and whether a device's primary context is active), looked up
+// at run time.
 //
 // The library links only the CUDA runtime, so it loads on machines without
 // a GPU driver. The driver functions are fetched once through
@@ -27,6 +28,8 @@ struct DriverApi {
   decltype(&::cuMemUnmap) cuMemUnmap = nullptr;
   decltype(&::cuMemSetAccess) cuMemSetAccess = nullptr;
   decltype(&::cuPointerGetAttribute) cuPointerGetAttribute = nullptr;
+  decltype(&::cuDeviceGet) cuDeviceGet = nullptr;
+  decltype(&::cuDevicePrimaryCtxGetState) cuDevicePrimaryCtxGetState = nullptr;
 };
 
 // nullptr when any entry point is missing.

@@ -34,7 +34,9 @@ const DriverApi* load() {
             resolve("cuMemRelease", &api.cuMemRelease) && resolve("cuMemMap", &api.cuMemMap) &&
             resolve("cuMemUnmap", &api.cuMemUnmap) &&
             resolve("cuMemSetAccess", &api.cuMemSetAccess) &&
-            resolve("cuPointerGetAttribute", &api.cuPointerGetAttribute);
+            resolve("cuPointerGetAttribute", &api.cuPointerGetAttribute) &&
+            resolve("cuDeviceGet", &api.cuDeviceGet) &&
+            resolve("cuDevicePrimaryCtxGetState", &api.cuDevicePrimaryCtxGetState);
   return ok ? &api : nullptr;
 }
 

@@ -189,8 +189,11 @@ bool gpu_usable(int device);
 // Sets up now what copies with `device` need (its streams, argument ring
 // and kernels), instead of on the first copy: that setup waits for all work
 // queued on the device, which would hold a first async batch back behind
-// the caller's later work. A device that cannot be used fails its copies
-// later, as it would without this. No-op without CUDA.
+// the caller's later work. Only where the process has made the device's
+// context already (an engine has by the time it opens a store); elsewhere
+// nothing is queued there, and a context would take GPU memory. A device
+// that cannot be used fails its copies later, as it would without this.
+// No-op without CUDA.
 void prepare_device(int device);
 
 // Registers host memory with the GPU so DMA reads and writes it directly

@@ -5,6 +5,7 @@
 #include <deque>
 #include <mutex>
 
+#include "cuda/cuda_driver.h"
 #include "cuda/cuda_status.h"
 #include "cuda/device_context.h"
 #include "cuda/device_copy.h"
@@ -290,7 +291,19 @@ bool gpu_usable(int device) {
 }
 
 void prepare_device(int device) {
-  if (gpu_usable(device)) (void)DeviceContext::For(device);
+  if (!gpu_usable(device)) return;
+  // Only where this process uses the device already. Elsewhere a context
+  // made here would take GPU memory in a process that may never copy to a
+  // GPU, and no work of this process is queued on the device for a first
+  // copy to wait for.
+  const DriverApi* api = driver_api();
+  CUdevice dev = 0;
+  unsigned flags = 0;
+  int active = 0;
+  if (!api || api->cuDeviceGet(&dev, device) != CUDA_SUCCESS ||
+      api->cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || !active)
+    return;
+  (void)DeviceContext::For(device);
 }
 
 Status register_host_memory(void* base, size_t bytes) {

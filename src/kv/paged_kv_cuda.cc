@@ -51,7 +51,9 @@ int device_of(const void* p) {
 // Loads the kernels into the current device's context, once per process and
 // device (see prepare_paged_kv).
 Status load_kernels_once(int device) {
-  static std::atomic<uint64_t> loaded{0};  // bit d: device d's context has them
+  // Bit d: device d's context has them. Devices past 63 are asked each
+  // time, which costs little once the kernels are loaded.
+  static std::atomic<uint64_t> loaded{0};
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
   if (bit && (loaded.load(std::memory_order_acquire) & bit)) return Status::OK();
   CASCADE_RETURN_IF_ERROR(cuda_status(load_kv_kernels(), "load the paged KV kernels"));

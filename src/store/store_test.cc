@@ -624,11 +624,13 @@ TEST(StoreTest, AnAsyncDeviceBatchThatPromotesDoesNotWaitForWorkQueuedAfterIt) {
     ASSERT_NO_FATAL_FAILURE(put_each(writer.get(), ids, bytes, block));
     ASSERT_TRUE(writer->flush().ok());
   }
+  // The buffers first: an engine has made its GPU's context before it opens
+  // a store, which then sets the GPU up at open (prepare_device).
+  auto a = DeviceBuffer::Allocate(0, n * block), other = DeviceBuffer::Allocate(0, 4096);
+  ASSERT_TRUE(a.ok() && other.ok());
   c.shm_path = shm_path();  // a fresh host tier: the blocks are in the file tier only
   auto store = open(c);
   ASSERT_TRUE(store);
-  auto a = DeviceBuffer::Allocate(0, n * block), other = DeviceBuffer::Allocate(0, 4096);
-  ASSERT_TRUE(a.ok() && other.ok());
   std::vector<MutableBuffer> first_out, second_out;
   for (size_t i = 0; i < n; ++i)
     (i < n - 1 ? first_out : second_out)

@@ -572,6 +572,12 @@ def run_cluster_bench(args, progress) -> dict:
         "client_processes": args.client_processes,
         "shm_dir": args.shm_dir,
     }
+    if not 1 <= args.lanes <= 64:
+        raise SystemExit("cascade bench cluster: --lanes takes 1 to 64")
+    if args.workers < 0:
+        raise SystemExit("cascade bench cluster: --workers takes 0 (the default) or a count")
+    if not os.path.isdir(args.shm_dir):
+        raise SystemExit(f"cascade bench cluster: --shm-dir {args.shm_dir!r} is not a directory")
     report = report_header(args, "cluster", settings)
     progress("memcpy ceiling, one thread")
     report["ceiling"] = {
@@ -579,16 +585,10 @@ def run_cluster_bench(args, progress) -> dict:
         "gbps": _core.memcpy_bandwidth(min(total, 256 << 20), 1, 3)["gbps"],
     }
     verify = not args.no_verify
-    if not 1 <= args.lanes <= 64:
-        raise SystemExit("cascade bench cluster: --lanes takes 1 to 64")
     _Node.lanes = args.lanes
-    if args.workers < 0:
-        raise SystemExit("cascade bench cluster: --workers takes 0 (the default) or a count")
     _Node.workers = args.workers
     _Node.map_same_host = not args.no_map
     _Node.client_processes = args.client_processes
-    if not os.path.isdir(args.shm_dir):
-        raise SystemExit(f"cascade bench cluster: --shm-dir {args.shm_dir!r} is not a directory")
     _Node.shm_dir = args.shm_dir
     report["pairs"] = [_pair_rows(f, s, total, verify, progress) for f in names for s in sizes]
     report["aggregate"] = [

@@ -35,9 +35,8 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const CascadeConfig& config, Th
     // Registration lets the GPU DMA straight from the arena; failure only
     // costs speed (copies then stage), so it is not an error.
     tier->registered_ = register_host_memory(tier->arena_base(), tier->capacity()).ok();
-    // The GPU set up now rather than by a first batch, unless the store asked
-    // for no GPU (use_gpu off, as `cascade serve` does): a CUDA context
-    // takes GPU memory, and such a store may never copy to a GPU.
+    // The GPU set up now rather than by a first batch (where the process
+    // uses it already), unless the store asked for no GPU.
     if (config.use_gpu) prepare_device(config.gpu_device_id);
   }
   return tier;

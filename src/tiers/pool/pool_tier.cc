@@ -99,9 +99,8 @@ Result<std::unique_ptr<PoolTier>> PoolTier::Open(const CascadeConfig& config, Th
   if (gpu_usable(config.gpu_device_id)) {
     // As the host tier: loads to the GPU DMA straight from the arena.
     tier->registered_ = register_host_memory(tier->base_, tier->capacity_).ok();
-    // The GPU set up now rather than by a first batch, unless the store asked
-    // for no GPU (use_gpu off, as `cascade serve` does): a CUDA context
-    // takes GPU memory, and such a store may never copy to a GPU.
+    // The GPU set up now rather than by a first batch (where the process
+    // uses it already), unless the store asked for no GPU.
     if (config.use_gpu) prepare_device(config.gpu_device_id);
   }
   tier->releaser_ = std::thread([t = tier.get()] { t->release_loop(); });
@@ -337,10 +336,13 @@ Status PoolTier::await_reply(Slot* slot, ReplyHeader* reply, int64_t timeout_us)
 }
 
 uint32_t PoolTier::items_to_give_back(const Status& st, const ReplyHeader& reply, size_t asked) {
+  // Items past the count asked do not fit the reply area's layout for this
+  // request and are not read.
   return st.ok() ? 0 : static_cast<uint32_t>(std::min<size_t>(reply.count, asked));
 }
 
 Status PoolTier::take_reply(Slot* slot, const Status& sent, ReplyHeader* reply) const {
+  *reply = ReplyHeader{};  // a request that did not go out has no reply: count 0
   return sent.ok() ? await_reply(slot, reply, timeout_us_) : sent;
 }
 

@@ -186,7 +186,7 @@ class PoolTier final : public Tier {
     bool ahead = false;
   };
   // The reply to a part's request in flight, or `sent` when that request
-  // did not go out.
+  // did not go out (then *reply is all zero).
   Status take_reply(Slot* slot, const Status& sent, pool::ReplyHeader* reply) const;
   template <typename Part, typename CopyOne>
   static void take_copies(Part* p, CopyOne& copy_one);
