@@ -65,7 +65,7 @@ test-cpp: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
 test-py: build
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # The installed extension exports PyInit__core only (nm -D), and a fresh
 # interpreter imports cascade before torch and uses both.
@@ -147,7 +147,7 @@ test-asan: setup
 	rm -rf $(ASAN_BUILD)/pkg && mkdir -p $(ASAN_BUILD)/pkg && cp -r python/cascade $(ASAN_BUILD)/pkg/ && \
 	  rm -f $(ASAN_BUILD)/pkg/cascade/_core*.so && cp $(ASAN_BUILD)/_core*.so $(ASAN_BUILD)/pkg/cascade/
 	$(ASAN_ENV) LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libstdc++.so)" \
-	  PYTHONPATH=$(abspath $(ASAN_BUILD))/pkg $(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(ASAN_PY_TESTS)
+	  PYTHONPATH=$(abspath $(ASAN_BUILD))/pkg $(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "not slow" $(ASAN_PY_TESTS)
 
 test-tsan: setup
 	cmake -S . -B $(TSAN_BUILD) $(SAN_CMAKE) -DCASCADE_SANITIZE=thread >/dev/null
