@@ -162,6 +162,34 @@ def test_capacity_over_free_space_leaves_no_file(make_config):
     assert not os.path.lexists(cfg.shm_path)
 
 
+# In a process of its own, under a limit on its address space: a capacity
+# far over the free space is refused before anything sized by it is made.
+_HUGE_CAPACITY = textwrap.dedent("""
+    import resource, sys, cascade
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+    cfg = cascade.CascadeConfig()
+    cfg.pipeline, cfg.shm_path, cfg.shm_capacity_bytes = "host", sys.argv[1], 1 << 55
+    cfg.num_io_threads = 1
+    try:
+        cascade.CascadeStore(cfg)
+    except ValueError as e:
+        print("refused:", e)
+""")
+
+
+def test_a_capacity_over_free_space_is_refused_before_memory_is_spent(make_config):
+    cfg = make_config()
+    r = subprocess.run(
+        [sys.executable, "-c", _HUGE_CAPACITY, cfg.shm_path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "refused:" in r.stdout, r.stdout + r.stderr
+    assert "free space" in r.stdout
+    assert not os.path.lexists(cfg.shm_path)
+
+
 _CHILD = textwrap.dedent("""
     import sys, cascade
     cfg = cascade.CascadeConfig()

@@ -215,6 +215,19 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
   if (::stat(dir.c_str(), &dir_st) != 0 || ::statvfs(dir.c_str(), &vfs) != 0)
     return errno_status(errno, "shm_path directory '" + dir + "'");
   uint64_t free_bytes = uint64_t(vfs.f_bavail) * vfs.f_frsize;
+  auto too_large = [&](uint64_t free) {
+    return Status::InvalidArgument("shm_capacity_bytes " + human(capacity) +
+                                   " is larger than the free space of the file system holding '" +
+                                   path + "' (" + human(free) + ")");
+  };
+  // Refused before anything sized by the capacity is made (the arena keeps
+  // state per chunk): not even the file at path, given back, would make
+  // room. The exact check, which knows whether that file may go, is below.
+  struct stat at_path;
+  const uint64_t reclaimable = ::lstat(path.c_str(), &at_path) == 0 && S_ISREG(at_path.st_mode)
+                                   ? uint64_t(at_path.st_blocks) * 512
+                                   : 0;
+  if (header + capacity > free_bytes + reclaimable) return too_large(free_bytes + reclaimable);
 
   std::unique_ptr<ShmArena> a(new ShmArena(capacity));
   a->path_ = path;
@@ -299,11 +312,7 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
     // A stale arena: its memory is given back below (or kept), so it counts as free.
     free_bytes += uint64_t(st.st_blocks) * 512;
   }
-  if (header + capacity > free_bytes)
-    return fail(
-        Status::InvalidArgument("shm_capacity_bytes " + human(capacity) +
-                                " is larger than the free space of the file system holding '" +
-                                path + "' (" + human(free_bytes) + ")"));
+  if (header + capacity > free_bytes) return fail(too_large(free_bytes));
   const bool adopted = !created;
   a->replaced_in_use_ = left_in_use;
   a->discarded_ = adopted && !keep && !left_in_use && table_slots > 0;
