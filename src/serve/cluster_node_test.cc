@@ -1104,7 +1104,7 @@ TEST(ClusterNode, APartOfABlockThatChangesInTheOwnersArenaWhileCopiedIsAMissNeve
   constexpr uint64_t kFrom = 8192, kBytes = 16384, kByte = kFrom + 100;
   std::atomic<bool> stop{false};
   std::thread flipper([&] {
-    while (!stop.load(std::memory_order_relaxed)) at[kByte] ^= 0x5a;
+    while (!stop.load(std::memory_order_relaxed)) at[kByte] = uint8_t(at[kByte] ^ 0x5a);
     at[kByte] = good[kByte];
   });
   int wrong = 0, hits = 0;
