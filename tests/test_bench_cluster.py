@@ -164,6 +164,18 @@ def test_a_directory_without_room_for_the_readers_probe_costs_only_that_figure(
     assert a["fresh_map_n_gbps"] == 0 and a["read_gbps"] > 0 and a["again_gbps"] > 0
 
 
+def test_servers_in_processes_of_their_own(tmp_path):
+    out = tmp_path / "cluster.json"
+    argv = ["bench", "cluster", "--quick", "--quiet", "--fabrics", "sm", "--servers", "2"]
+    assert cli.main(argv + ["--server-processes", "--client-processes", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["server_processes"] is True and report["verified"] is True
+    [p] = report["pairs"]
+    assert p["mapped_leases"] == 4 * p["blocks"] + 2 and p["checksum_failures"] == 0
+    [a] = report["aggregate"]
+    assert a["pushed"] > 0 and a["read_gbps"] > 0 and a["again_gbps"] > 0
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         cli.main(["bench", "cluster", "--quick", "--fabrics", "carrier-pigeon"])

@@ -35,7 +35,8 @@ Rows, per fabric and block size:
   them. With
   --client-processes the readers are spawned processes, one per server, as
   engines would be (each with its own page tables and locks), instead of
-  threads of this process.
+  threads of this process; with --server-processes every server runs in a
+  process of its own, as on hosts of their own, instead of all in this one.
 With --gpu, one more table: paged KV (32 layers, 2 MiB per stored block)
 saved through one server, pushed to its owner, and loaded into GPU memory
 through the owner's client (local) and through another server's client
@@ -49,7 +50,7 @@ import os
 import threading
 import time
 import uuid
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -116,14 +117,100 @@ def add_arguments(p) -> None:
         help="the aggregate rows' readers run in processes of their own, one per server, "
         "instead of threads of this process",
     )
+    p.add_argument(
+        "--server-processes",
+        action="store_true",
+        help="every server runs in a process of its own, as on hosts of their own, instead of "
+        "all in this process",
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run: small sizes and bytes")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
+def _server_main(conn, settings: dict) -> None:
+    """A server of --server-processes: made from `settings`, then its
+    methods called over `conn` until close or until the bench goes."""
+    cfg = _core.CascadeConfig()
+    cfg.pipeline = "host"
+    cfg.use_gpu = False
+    cfg.shm_capacity_bytes = settings["capacity"]
+    cfg.shm_path = settings["shm_path"]
+    cfg.shm_populate = _core.ShmPopulate.FULL
+    try:
+        server = _core.PoolServer(cfg, settings["socket"], workers=settings["workers"])
+    except Exception as e:
+        conn.send((False, f"{type(e).__name__}: {e}"))
+        return
+    conn.send((True, None))
+    while True:
+        try:
+            name, args, kwargs = conn.recv()
+        except (EOFError, OSError):
+            server.close()  # the bench is gone
+            return
+        try:
+            conn.send((True, getattr(server, name)(*args, **kwargs)))
+        except Exception as e:
+            conn.send((False, f"{type(e).__name__}: {e}"))
+        if name == "close":
+            return
+
+
+class _ServerProcess:
+    """A PoolServer in a process of its own: its methods are called over a
+    pipe, one at a time, and raise RuntimeError with the server's error."""
+
+    def __init__(self, settings: dict):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_server_main, args=(child, settings), daemon=True)
+        self._proc.start()
+        child.close()
+        self._lock = threading.Lock()
+        try:
+            ok, why = self._conn.recv()
+        except EOFError:
+            ok, why = False, f"the server process ended (exit code {self._proc.exitcode})"
+        if not ok:
+            self._proc.join(10)
+            raise RuntimeError(f"cascade bench cluster: a server process did not start: {why}")
+
+    def __getattr__(self, name: str):
+        def call(*args, **kwargs):
+            with self._lock:
+                try:
+                    self._conn.send((name, args, kwargs))
+                    ok, value = self._conn.recv()
+                except (EOFError, OSError) as e:
+                    raise RuntimeError(
+                        f"cascade bench cluster: a server process is gone "
+                        f"(exit code {self._proc.exitcode}): {e}"
+                    ) from None
+            if not ok:
+                raise RuntimeError(f"cascade bench cluster: a server process: {value}")
+            return value
+
+        return call
+
+    def close(self) -> None:
+        try:
+            self.__getattr__("close")()
+        except RuntimeError:
+            pass
+        self._conn.close()
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+
 class _Node:
     lanes = 4  # the run's --lanes
     workers = 0  # the run's --workers
+    server_processes = False  # the run's --server-processes
     map_same_host = True  # not the run's --no-map
     client_processes = False  # the run's --client-processes
     shm_dir = "/dev/shm"  # the run's --shm-dir
@@ -143,15 +230,27 @@ class _Node:
         verify: bool = True,
         lanes: int | None = None,
     ):
-        cfg = _core.CascadeConfig()
-        cfg.pipeline = "host"
-        cfg.use_gpu = False
-        cfg.shm_capacity_bytes = capacity
-        cfg.shm_path = os.path.join(_Node.shm_dir, f"cascade-bench-cluster-{uuid.uuid4().hex[:12]}")
-        cfg.shm_populate = _core.ShmPopulate.FULL
+        shm_path = os.path.join(_Node.shm_dir, f"cascade-bench-cluster-{uuid.uuid4().hex[:12]}")
         self.socket = f"/tmp/cascade-bench-cluster-{uuid.uuid4().hex[:12]}.sock"
         self.name = name
-        self.server = _core.PoolServer(cfg, self.socket, workers=_Node.workers)
+        self.server: Any  # a PoolServer, or its proxy in a process of its own
+        if _Node.server_processes:
+            self.server = _ServerProcess(
+                {
+                    "capacity": capacity,
+                    "shm_path": shm_path,
+                    "socket": self.socket,
+                    "workers": _Node.workers,
+                }
+            )
+        else:
+            cfg = _core.CascadeConfig()
+            cfg.pipeline = "host"
+            cfg.use_gpu = False
+            cfg.shm_capacity_bytes = capacity
+            cfg.shm_path = shm_path
+            cfg.shm_populate = _core.ShmPopulate.FULL
+            self.server = _core.PoolServer(cfg, self.socket, workers=_Node.workers)
         self.address = self.server.start_cluster(
             name,
             1,
@@ -570,6 +669,7 @@ def run_cluster_bench(args, progress) -> dict:
         "workers": args.workers,
         "map_same_host": not args.no_map,
         "client_processes": args.client_processes,
+        "server_processes": args.server_processes,
         "shm_dir": args.shm_dir,
     }
     if not 1 <= args.lanes <= 64:
@@ -589,6 +689,7 @@ def run_cluster_bench(args, progress) -> dict:
     _Node.workers = args.workers
     _Node.map_same_host = not args.no_map
     _Node.client_processes = args.client_processes
+    _Node.server_processes = args.server_processes
     _Node.shm_dir = args.shm_dir
     report["pairs"] = [_pair_rows(f, s, total, verify, progress) for f in names for s in sizes]
     report["aggregate"] = [
