@@ -4,6 +4,8 @@ verification (no timing is asserted). Skips without UCX."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -174,6 +176,44 @@ def test_servers_in_processes_of_their_own(tmp_path):
     assert p["mapped_leases"] == 4 * p["blocks"] + 2 and p["checksum_failures"] == 0
     [a] = report["aggregate"]
     assert a["pushed"] > 0 and a["read_gbps"] > 0 and a["again_gbps"] > 0
+
+
+def test_servers_made_before_one_fails_are_closed(monkeypatch, tmp_path):
+    from cascade.bench import cluster
+
+    real = cluster._ServerProcess.start_cluster
+
+    def start(self, name, *args, **kwargs):
+        if name == "n1":
+            raise RuntimeError("refused on purpose")
+        return real(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(cluster._ServerProcess, "start_cluster", start)
+    monkeypatch.setattr(cluster._Node, "server_processes", True)
+    monkeypatch.setattr(cluster._Node, "shm_dir", str(tmp_path))
+    with pytest.raises(RuntimeError, match="on purpose"):
+        cluster._make_nodes(3, 64 << 20, "sm", True, True)
+    assert os.listdir(tmp_path) == []  # n0's arena and n1's, closed
+
+
+def test_a_killed_server_process_fails_its_calls_and_leaves_no_files(tmp_path):
+    from cascade.bench import cluster
+
+    settings = {
+        "capacity": 64 << 20,
+        "shm_path": str(tmp_path / "arena"),
+        "socket": str(tmp_path / "server.sock"),
+        "workers": 1,
+    }
+    server = cluster._ServerProcess(settings)
+    assert server.stats()["store"]["tiers"]["host"]["capacity_bytes"] > 0
+    os.kill(server._proc.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="gone"):
+        server.stats()
+    with pytest.raises(RuntimeError, match="unusable"):
+        server.cluster_stats()
+    server.close()
+    assert os.listdir(tmp_path) == []
 
 
 def test_bad_arguments_are_refused():

@@ -130,7 +130,15 @@ def add_arguments(p) -> None:
 
 def _server_main(conn, settings: dict) -> None:
     """A server of --server-processes: made from `settings`, then its
-    methods called over `conn` until close or until the bench goes."""
+    methods called over `conn` until close, until the bench goes, or until
+    SIGTERM; the server is closed on every way out (its arena file and
+    socket removed)."""
+    import signal
+
+    def stop(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     cfg = _core.CascadeConfig()
     cfg.pipeline = "host"
     cfg.use_gpu = False
@@ -142,69 +150,126 @@ def _server_main(conn, settings: dict) -> None:
     except Exception as e:
         conn.send((False, f"{type(e).__name__}: {e}"))
         return
-    conn.send((True, None))
-    while True:
-        try:
-            name, args, kwargs = conn.recv()
-        except (EOFError, OSError):
-            server.close()  # the bench is gone
-            return
-        try:
-            conn.send((True, getattr(server, name)(*args, **kwargs)))
-        except Exception as e:
-            conn.send((False, f"{type(e).__name__}: {e}"))
-        if name == "close":
-            return
+    try:
+        conn.send((True, None))
+        while True:
+            try:
+                name, args, kwargs = conn.recv()
+            except (EOFError, OSError):
+                return  # the bench is gone
+            if name not in _ServerProcess.METHODS:
+                conn.send((False, f"no method {name!r}"))
+                continue
+            try:
+                conn.send((True, getattr(server, name)(*args, **kwargs)))
+            except Exception as e:
+                conn.send((False, f"{type(e).__name__}: {e}"))
+            if name == "close":
+                return
+    finally:
+        server.close()
 
 
 class _ServerProcess:
-    """A PoolServer in a process of its own: its methods are called over a
-    pipe, one at a time, and raise RuntimeError with the server's error."""
+    """A PoolServer in a process of its own, with the methods the bench
+    uses: each is sent over a pipe, one call at a time, and raises
+    RuntimeError with the server's error. A call that did not get its reply
+    (interrupted, timed out, the process gone) leaves the proxy broken:
+    later calls fail at once instead of reading that reply."""
+
+    METHODS = (
+        "start_cluster",
+        "set_cluster_view",
+        "cluster_stats",
+        "cluster_drain",
+        "stats",
+        "close",
+    )
+    CALL_TIMEOUT_S = 600.0  # above any call's own deadline (cluster_drain waits up to 60 s)
 
     def __init__(self, settings: dict):
         import multiprocessing
 
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._broken = ""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_server_main, args=(child, settings), daemon=True)
         self._proc.start()
         child.close()
-        self._lock = threading.Lock()
+        ok, why = False, ""
         try:
-            ok, why = self._conn.recv()
-        except EOFError:
-            ok, why = False, f"the server process ended (exit code {self._proc.exitcode})"
+            if self._conn.poll(120):
+                ok, why = self._conn.recv()
+            else:
+                why = "no answer within 120 s"
+        except (EOFError, OSError):
+            why = f"the process ended (exit code {self._proc.exitcode})"
         if not ok:
-            self._proc.join(10)
+            self._end()
             raise RuntimeError(f"cascade bench cluster: a server process did not start: {why}")
 
-    def __getattr__(self, name: str):
-        def call(*args, **kwargs):
-            with self._lock:
-                try:
-                    self._conn.send((name, args, kwargs))
-                    ok, value = self._conn.recv()
-                except (EOFError, OSError) as e:
-                    raise RuntimeError(
-                        f"cascade bench cluster: a server process is gone "
-                        f"(exit code {self._proc.exitcode}): {e}"
-                    ) from None
-            if not ok:
-                raise RuntimeError(f"cascade bench cluster: a server process: {value}")
-            return value
+    def _call(self, name: str, *args, _timeout_s: float = CALL_TIMEOUT_S, **kwargs):
+        with self._lock:
+            if self._broken:
+                raise RuntimeError(
+                    f"cascade bench cluster: a server process is unusable: {self._broken}"
+                )
+            try:
+                self._conn.send((name, args, kwargs))
+                if not self._conn.poll(_timeout_s):
+                    self._broken = f"{name} got no reply within {_timeout_s:.0f} s"
+                    raise RuntimeError(f"cascade bench cluster: a server process: {self._broken}")
+                ok, value = self._conn.recv()
+            except (EOFError, OSError) as e:
+                self._broken = f"gone (exit code {self._proc.exitcode}): {e}"
+                raise RuntimeError(
+                    f"cascade bench cluster: a server process is {self._broken}"
+                ) from None
+            except BaseException:
+                self._broken = f"{name} was interrupted"
+                raise
+        if not ok:
+            raise RuntimeError(f"cascade bench cluster: a server process: {value}")
+        return value
 
-        return call
+    def start_cluster(self, *args, **kwargs):
+        return self._call("start_cluster", *args, **kwargs)
+
+    def set_cluster_view(self, *args, **kwargs):
+        return self._call("set_cluster_view", *args, **kwargs)
+
+    def cluster_stats(self):
+        return self._call("cluster_stats")
+
+    def cluster_drain(self, timeout_ms: int):
+        return self._call("cluster_drain", timeout_ms)
+
+    def stats(self):
+        return self._call("stats")
 
     def close(self) -> None:
         try:
-            self.__getattr__("close")()
+            self._call("close", _timeout_s=60.0)
         except RuntimeError:
             pass
+        self._end()
+
+    def _end(self) -> None:
+        """Waits for the process; one that does not end is killed, and what
+        its server could not remove is removed here."""
         self._conn.close()
         self._proc.join(30)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join()
+        if self._proc.exitcode != 0:
+            for path in (self._settings["shm_path"], self._settings["socket"]):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
 
 class _Node:
@@ -251,16 +316,20 @@ class _Node:
             cfg.shm_path = shm_path
             cfg.shm_populate = _core.ShmPopulate.FULL
             self.server = _core.PoolServer(cfg, self.socket, workers=_Node.workers)
-        self.address = self.server.start_cluster(
-            name,
-            1,
-            fabrics=fabrics,
-            allow_undetected_failures=undetected,
-            verify=verify,
-            lanes=_Node.lanes if lanes is None else lanes,
-            map_same_host=_Node.map_same_host,
-            request_timeout_ms=_Node.request_timeout_ms,
-        )
+        try:
+            self.address = self.server.start_cluster(
+                name,
+                1,
+                fabrics=fabrics,
+                allow_undetected_failures=undetected,
+                verify=verify,
+                lanes=_Node.lanes if lanes is None else lanes,
+                map_same_host=_Node.map_same_host,
+                request_timeout_ms=_Node.request_timeout_ms,
+            )
+        except BaseException:
+            self.server.close()
+            raise
 
     def wait_warm(self, timeout: float = 120.0) -> None:
         """Waits until the server has backed its whole arena with memory:
@@ -355,6 +424,19 @@ def _on_threads(n: int, fn) -> list:
     return results
 
 
+def _make_nodes(count: int, cap: int, fabrics: str, undetected: bool, verify: bool) -> list[_Node]:
+    """`count` servers n0, n1, ...; those made are closed when one fails."""
+    nodes: list[_Node] = []
+    try:
+        for i in range(count):
+            nodes.append(_Node(f"n{i}", cap, fabrics, undetected, verify))
+    except BaseException:
+        for n in nodes:
+            n.close()
+        raise
+    return nodes
+
+
 def _troubles(nodes: list[_Node]) -> str:
     """What the servers counted that turns blocks into misses."""
     stats = [cast(dict, n.server.cluster_stats()) for n in nodes]
@@ -432,7 +514,7 @@ def _pair_rows(fabric: str, size: int, total: int, verify: bool, progress) -> di
     fabrics, undetected = FABRICS[fabric]
     count = max(8, total // size)
     cap = max(256 << 20, 2 * count * size + (64 << 20))
-    nodes = [_Node(f"n{i}", cap, fabrics, undetected, verify) for i in range(3)]
+    nodes = _make_nodes(3, cap, fabrics, undetected, verify)
     try:
         _install(nodes, owner_of_all=0)
         # Saved through n2, stored at their owner n0, read through n1: the
@@ -494,7 +576,7 @@ def _aggregate_row(
     fabrics, undetected = FABRICS[fabric]
     count = max(8, total // size // max(1, servers - 1))
     cap = max(256 << 20, 2 * servers * count * size + (64 << 20))
-    nodes = [_Node(f"n{i}", cap, fabrics, undetected, verify) for i in range(servers)]
+    nodes = _make_nodes(servers, cap, fabrics, undetected, verify)
     try:
         _install(nodes)
         clients = [n.client() for n in nodes]
@@ -587,7 +669,7 @@ def _gpu_rows(fabric: str, total: int, verify: bool, progress) -> dict:
     per_block = layers * heads * block * 2 * head * 2
     count = max(8, total // per_block)
     cap = max(512 << 20, 3 * count * per_block + (64 << 20))
-    nodes = [_Node(f"n{i}", cap, fabrics, undetected, verify) for i in range(3)]
+    nodes = _make_nodes(3, cap, fabrics, undetected, verify)
     try:
         _install(nodes, owner_of_all=0)
         g = torch.Generator().manual_seed(5)
