@@ -135,7 +135,7 @@ ASAN_PY_TESTS  ?= $(filter-out tests/test_transformers_cache.py tests/test_bench
                     $(wildcard tests/test_*.py))
 TSAN_SUITES    := StoreTest FileTierTest.Concurrent FileTierStressTest FileCompactionTest BlockIndexTest \
                   ThreadPoolTest LocalShare ExtentAllocatorTest DurabilityTest SegmentSortTest \
-                  PoolServerTest
+                  PoolServerTest PoolTierAgainstALyingServer
 TSAN_FILTER    ?= $(subst $(eval) ,:,$(addsuffix *,$(TSAN_SUITES)))
 
 .PHONY: test-asan test-tsan
