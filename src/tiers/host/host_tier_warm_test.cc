@@ -50,9 +50,8 @@ bool holds_bytes(HostTier& tier, uint32_t id, uint64_t size) {
   rq.capacity = out.size();
   ReadResult rr;
   if (!tier.read(id_of(id), rq, &rr).ok()) return false;
-  for (uint8_t b : out)
-    if (b != uint8_t(id * 7 + 1)) return false;
-  return true;
+  const std::vector<uint8_t> expected(size, uint8_t(id * 7 + 1));
+  return out == expected;
 }
 
 TEST(HostTierWarm, ManyThreadsPutWhileTheArenaWarms) {
