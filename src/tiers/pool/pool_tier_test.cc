@@ -189,11 +189,15 @@ std::vector<BlockId> two_ids() {
   return {compute_block_id("first", 5), compute_block_id("second", 6)};
 }
 
-// A reserve answer of `given` items for a request of `count`, the items from `at`.
-ReplyHeader reserve_reply(uint32_t given, const std::vector<pool::ReserveReply>& at,
-                          uint8_t* items) {
-  for (uint32_t k = 0; k < given; ++k) std::memcpy(items + k * sizeof at[k], &at[k], sizeof at[k]);
-  return ReplyHeader{0, given, 0, 0};
+// Answers `op` with exactly `reply` (as many items as it holds, whatever
+// the request asked), every other request with all_ok.
+template <typename Item>
+LyingServer::Answer answer_with(Op op, std::vector<Item> reply) {
+  return [op, reply](Op got, uint32_t count, const uint8_t*, uint8_t* items) {
+    if (got != op) return all_ok(count, items);
+    std::memcpy(items, reply.data(), reply.size() * sizeof(Item));
+    return ReplyHeader{0, static_cast<uint32_t>(reply.size()), 0, 0};
+  };
 }
 
 void put_two(PoolTier* tier, std::vector<Status>* statuses) {
@@ -208,11 +212,8 @@ void put_two(PoolTier* tier, std::vector<Status>* statuses) {
 // The first reservation lies just past the arena: a write there would
 // fault, past the end of the client's mapping.
 TEST(PoolTierAgainstALyingServer, AReservationOutsideTheArenaIsAbortedAndNeverWritten) {
-  LyingServer server([](Op op, uint32_t count, const uint8_t*, uint8_t* items) {
-    if (op == Op::kReserve)
-      return reserve_reply(count, {{0, 0, kArenaBytes, 111, 0}, {0, 0, 0, 222, 0}}, items);
-    return all_ok(count, items);
-  });
+  LyingServer server(answer_with<pool::ReserveReply>(
+      Op::kReserve, {{0, 0, kArenaBytes, 111, 0}, {0, 0, 0, 222, 0}}));
   auto tier = open_client(server.path());
   ASSERT_TRUE(tier);
   std::vector<Status> st;
@@ -225,10 +226,7 @@ TEST(PoolTierAgainstALyingServer, AReservationOutsideTheArenaIsAbortedAndNeverWr
 }
 
 TEST(PoolTierAgainstALyingServer, AReserveReplyWithTooFewItemsHasItsReservationsAborted) {
-  LyingServer server([](Op op, uint32_t count, const uint8_t*, uint8_t* items) {
-    if (op == Op::kReserve) return reserve_reply(1, {{0, 0, 0, 333, 0}}, items);
-    return all_ok(count, items);
-  });
+  LyingServer server(answer_with<pool::ReserveReply>(Op::kReserve, {{0, 0, 0, 333, 0}}));
   auto tier = open_client(server.path());
   ASSERT_TRUE(tier);
   std::vector<Status> st;
@@ -239,14 +237,7 @@ TEST(PoolTierAgainstALyingServer, AReserveReplyWithTooFewItemsHasItsReservations
 }
 
 TEST(PoolTierAgainstALyingServer, ALeaseReplyWithTooFewItemsHasItsLeasesReleased) {
-  LyingServer server([](Op op, uint32_t count, const uint8_t*, uint8_t* items) {
-    if (op == Op::kLease) {
-      pool::LeaseReply r{0, 0, 0, 4096, 444};
-      std::memcpy(items, &r, sizeof r);
-      return ReplyHeader{0, 1, 0, 0};
-    }
-    return all_ok(count, items);
-  });
+  LyingServer server(answer_with<pool::LeaseReply>(Op::kLease, {{0, 0, 0, 4096, 444}}));
   auto tier = open_client(server.path());
   ASSERT_TRUE(tier);
   const std::vector<BlockId> ids = two_ids();
@@ -261,16 +252,10 @@ TEST(PoolTierAgainstALyingServer, ALeaseReplyWithTooFewItemsHasItsLeasesReleased
 }
 
 TEST(PoolTierAgainstALyingServer, ALeaseReadReplyWithTooFewItemsHasItsLeasesReleased) {
-  LyingServer server([](Op op, uint32_t count, const uint8_t*, uint8_t* items) {
-    if (op == Op::kLeaseRead) {
-      pool::LeaseReadReply r{};
-      r.size = 4096;
-      r.token = 555;
-      std::memcpy(items, &r, sizeof r);
-      return ReplyHeader{0, 1, 0, 0};
-    }
-    return all_ok(count, items);
-  });
+  pool::LeaseReadReply granted{};
+  granted.size = 4096;
+  granted.token = 555;
+  LyingServer server(answer_with<pool::LeaseReadReply>(Op::kLeaseRead, {granted}));
   auto tier = open_client(server.path());
   ASSERT_TRUE(tier);
   const std::vector<BlockId> ids = two_ids();
