@@ -128,6 +128,18 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
+def _server_config(capacity: int, shm_path: str):
+    """A bench server's store: a host arena of `capacity` at `shm_path`,
+    backed in full at start."""
+    cfg = _core.CascadeConfig()
+    cfg.pipeline = "host"
+    cfg.use_gpu = False
+    cfg.shm_capacity_bytes = capacity
+    cfg.shm_path = shm_path
+    cfg.shm_populate = _core.ShmPopulate.FULL
+    return cfg
+
+
 def _server_main(conn, settings: dict) -> None:
     """A server of --server-processes: made from `settings`, then its
     methods called over `conn` until close, until the bench goes, or until
@@ -139,12 +151,7 @@ def _server_main(conn, settings: dict) -> None:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop)
-    cfg = _core.CascadeConfig()
-    cfg.pipeline = "host"
-    cfg.use_gpu = False
-    cfg.shm_capacity_bytes = settings["capacity"]
-    cfg.shm_path = settings["shm_path"]
-    cfg.shm_populate = _core.ShmPopulate.FULL
+    cfg = _server_config(settings["capacity"], settings["shm_path"])
     try:
         server = _core.PoolServer(cfg, settings["socket"], workers=settings["workers"])
     except Exception as e:
@@ -309,12 +316,7 @@ class _Node:
                 }
             )
         else:
-            cfg = _core.CascadeConfig()
-            cfg.pipeline = "host"
-            cfg.use_gpu = False
-            cfg.shm_capacity_bytes = capacity
-            cfg.shm_path = shm_path
-            cfg.shm_populate = _core.ShmPopulate.FULL
+            cfg = _server_config(capacity, shm_path)
             self.server = _core.PoolServer(cfg, self.socket, workers=_Node.workers)
         try:
             self.address = self.server.start_cluster(
