@@ -272,6 +272,31 @@ def test_server_threads_do_not_grow_with_client_channels(tmp_path):
         srv.close()
 
 
+def _thread_names() -> set[str]:
+    names = set()
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.add(f.read().strip())
+        except OSError:
+            pass  # the thread ended meanwhile
+    return names
+
+
+def test_server_and_client_threads_carry_names(tmp_path):
+    # Operators tell a server's workers from its I/O threads and a client's
+    # threads in `top -H` or a profiler by these names.
+    srv, client = small_pool(tmp_path)
+    want = {"cascade-worker", "cascade-monitor", "cascade-reaper", "cascade-flush"}
+    want |= {"cascade-io", "cascade-release"}
+    try:
+        # A thread names itself as it starts, which may be a moment later.
+        wait_for(lambda: want <= _thread_names(), f"threads named {sorted(want)}")
+    finally:
+        client.close()
+        srv.close()
+
+
 def small_pool(tmp_path, file_path: str = "") -> tuple[_core.PoolServer, cascade.CascadeStore]:
     """A server with an 8 MiB arena (and a file tier below it when file_path
     is given) and one client of it, whose requests wait 2 s at most."""

@@ -6,6 +6,7 @@
 
 #include "cuda/cuda_status.h"
 #include "cuda/device_context.h"
+#include "util/thread_name.h"
 
 namespace cascade {
 
@@ -289,6 +290,7 @@ Status DeviceArena::trim() {
 }
 
 void DeviceArena::background() {
+  name_this_thread("cascade-gpumap");
   if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {

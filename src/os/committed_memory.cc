@@ -6,6 +6,8 @@
 #include <system_error>
 #include <utility>
 
+#include "util/thread_name.h"
+
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
@@ -116,6 +118,7 @@ void CommittedMemory::start_warming(uint64_t ahead, int threads) {
 }
 
 void CommittedMemory::warmer() {
+  name_this_thread("cascade-warm");
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     const uint64_t target_bytes = std::min(capacity_, demand_.load() + std::min(ahead_, capacity_));

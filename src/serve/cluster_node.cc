@@ -22,6 +22,7 @@
 #include "transport/transport.h"
 #include "util/block_checksum.h"
 #include "util/copy_bytes.h"
+#include "util/thread_name.h"
 #include "util/thread_pool.h"
 
 namespace cascade {
@@ -920,6 +921,7 @@ void ClusterNode::Impl::release_mapped(std::span<const MappedLease> leases) {
 // ---- pushes ---------------------------------------------------------------------
 
 void ClusterNode::Impl::push_loop() {
+  name_this_thread("cascade-push");
   while (true) {
     std::vector<BlockId> batch;
     {
@@ -1064,6 +1066,7 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
 // ---- the owning side ---------------------------------------------------------------
 
 void ClusterNode::Impl::service_loop(size_t index) {
+  name_this_thread("cascade-member");
   const size_t lane = index % lanes.size();
   while (!stopping.load()) {
     auto msg = lanes[lane].t->receive(
@@ -1550,7 +1553,7 @@ Result<std::unique_ptr<ClusterNode>> ClusterNode::Start(CascadeStore* store, Sha
     if (!region.ok()) return region.status();
     impl->lanes.push_back(Impl::Lane{std::move(t.value()), std::move(region.value())});
   }
-  auto calls = ThreadPool::Create(kCallThreads);
+  auto calls = ThreadPool::Create(kCallThreads, "cascade-call");
   if (!calls.ok()) return calls.status();
   impl->calls = std::move(calls.value());
   Impl* p = impl.get();

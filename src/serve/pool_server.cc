@@ -25,6 +25,7 @@
 #include "tiers/pool/pool_wire.h"
 #include "util/errno_status.h"
 #include "util/futex.h"
+#include "util/thread_name.h"
 
 namespace cascade {
 
@@ -480,6 +481,7 @@ ClusterNode* PoolServer::cluster() { return impl_->cluster_node(); }
 // ---- connections ---------------------------------------------------------------
 
 void PoolServer::Impl::monitor_loop() {
+  name_this_thread("cascade-monitor");
   std::vector<struct pollfd> fds;
   std::vector<std::shared_ptr<PoolClient>> watched;
   while (!stopping.load()) {
@@ -545,6 +547,7 @@ void PoolServer::Impl::monitor_loop() {
 }
 
 void PoolServer::Impl::handshake(int sock) {
+  name_this_thread("cascade-hello");
   pool::Welcome w{};
   w.magic = pool::kMagic;
   w.version = pool::kVersion;
@@ -687,6 +690,7 @@ void PoolServer::Impl::drop(const std::shared_ptr<PoolClient>& c) {
 }
 
 void PoolServer::Impl::reap_loop() {
+  name_this_thread("cascade-reaper");
   std::unique_lock<std::mutex> l(mu);
   while (true) {
     reap_cv.wait(l, [&] { return reaper_stop || !reap_queue.empty(); });
@@ -848,6 +852,7 @@ void PoolServer::Impl::reply_and_release(const ChannelRef& ref, uint32_t seq, ui
 // after the request it answered (unless enough workers spin already), then
 // sleeps on the doorbell.
 void PoolServer::Impl::worker_loop() {
+  name_this_thread("cascade-worker");
   Worker w;
   int64_t spin_ns = 0;  // after the request just answered
   ChannelRef ref{};
@@ -899,6 +904,7 @@ void PoolServer::Impl::worker_loop() {
 // Flushes write blocks down to files and may take seconds: they run here,
 // one at a time, holding no worker.
 void PoolServer::Impl::flush_loop() {
+  name_this_thread("cascade-flush");
   std::unique_lock<std::mutex> l(flush_mu);
   while (true) {
     flush_cv.wait(l, [&] { return flusher_stop || !flush_queue.empty(); });

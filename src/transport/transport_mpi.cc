@@ -93,6 +93,7 @@
 #include "transport/backends.h"
 #include "transport/key_format.h"
 #include "transport/transport.h"
+#include "util/thread_name.h"
 
 namespace cascade {
 namespace {
@@ -363,6 +364,7 @@ std::shared_ptr<Flusher> Endpoint::flusher(const std::shared_ptr<Endpoint>& self
   // Detached: a flush of a target that stopped answering may never return,
   // and nothing may wait for it (close() only asks it to stop).
   std::thread([e = self, f, target] {
+    name_this_thread("cascade-rma");
     std::unique_lock<std::mutex> l(f->mu);
     for (;;) {
       f->cv.wait(l, [&] { return f->stop || f->wanted > f->done; });
@@ -818,6 +820,7 @@ class MpiTransport final : public Transport {
   void start_progress() {
     Endpoint* e = e_.get();
     e_->progress = std::thread([e] {
+      name_this_thread("cascade-mpi");
       unsigned idle = 0;
       while (!e->stop_progress.load(std::memory_order_relaxed)) {
         bool did = false;

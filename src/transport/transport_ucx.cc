@@ -56,6 +56,7 @@
 #include "transport/backends.h"
 #include "transport/key_format.h"
 #include "transport/transport.h"
+#include "util/thread_name.h"
 
 namespace cascade {
 namespace {
@@ -718,6 +719,7 @@ class UcxTransport final : public Transport {
 
  private:
   void run_progress() {
+    name_this_thread("cascade-ucx");
     unsigned idle = 0;
     while (!stop_.load(std::memory_order_relaxed)) {
       bool worked;

@@ -3,6 +3,7 @@
 #include "util/copy_bytes.h"
 #include "util/errno_status.h"
 #include "util/futex.h"
+#include "util/thread_name.h"
 
 #include <algorithm>
 #include <atomic>
@@ -21,7 +22,7 @@ int ThreadPool::default_threads() {
   return static_cast<int>(std::min(n, 64u));
 }
 
-Result<std::unique_ptr<ThreadPool>> ThreadPool::Create(int threads) {
+Result<std::unique_ptr<ThreadPool>> ThreadPool::Create(int threads, const char* name) {
   if (threads < 0 || threads > kMaxThreads) {
     return Status::InvalidArgument("threads must be 0 (one per core) or 1 to " +
                                    std::to_string(kMaxThreads) + "; got " +
@@ -29,9 +30,10 @@ Result<std::unique_ptr<ThreadPool>> ThreadPool::Create(int threads) {
   }
   int n = threads == 0 ? default_threads() : threads;
   try {
-    return std::make_unique<ThreadPool>(n);
+    return std::make_unique<ThreadPool>(n, name);
   } catch (const std::system_error& e) {
-    return errno_status(e.code().value(), "cannot start " + std::to_string(n) + " I/O threads");
+    return errno_status(e.code().value(),
+                        "cannot start " + std::to_string(n) + " threads (" + name + ")");
   }
 }
 
@@ -96,11 +98,15 @@ struct alignas(64) ThreadPool::ForSlot {
   std::atomic<ForState*> state{nullptr};
 };
 
-ThreadPool::ThreadPool(int threads) : fors_(new ForSlot[kForSlots]) {
+ThreadPool::ThreadPool(int threads, const char* name) : fors_(new ForSlot[kForSlots]) {
   if (threads < 0) threads = default_threads();
   workers_.reserve(threads);
   try {
-    for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+    for (int i = 0; i < threads; ++i)
+      workers_.emplace_back([this, n = std::string(name)] {
+        name_this_thread(n.c_str());
+        run();
+      });
   } catch (...) {
     stop_and_join();  // a joinable std::thread must not be destroyed
     throw;

@@ -27,6 +27,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -39,12 +40,13 @@ class ThreadPool {
   static constexpr int kMaxThreads = 1024;
 
   // threads: 0 for one per core, else 1..kMaxThreads (InvalidArgument
-  // otherwise). A thread that cannot be started is an error status.
-  static Result<std::unique_ptr<ThreadPool>> Create(int threads);
+  // otherwise). A thread that cannot be started is an error status. The
+  // workers carry `name` (util/thread_name.h).
+  static Result<std::unique_ptr<ThreadPool>> Create(int threads, const char* name = "cascade-io");
 
   // threads < 0: one per core; 0: none (caller only). Throws
   // std::system_error when a thread cannot be started.
-  explicit ThreadPool(int threads);
+  explicit ThreadPool(int threads, const char* name = "cascade-io");
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;

@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include "util/thread_name.h"
+
 namespace cascade {
 
 TEST(ThreadPoolTest, ParallelForVisitsEveryItemOnce) {
@@ -69,7 +71,7 @@ TEST(ThreadPoolTest, ThreadStartFailureIsAStatusNotAnAbort) {
     if (setrlimit(RLIMIT_NPROC, &lim) != 0) _exit(4);
     auto p = ThreadPool::Create(64);
     if (p.ok()) _exit(2);
-    if (p.status().message().find("threads") == std::string::npos) _exit(5);
+    if (p.status().message().find("threads (cascade-io)") == std::string::npos) _exit(5);
     try {
       ThreadPool pool(64);
       _exit(3);
@@ -82,6 +84,35 @@ TEST(ThreadPoolTest, ThreadStartFailureIsAStatusNotAnAbort) {
   ASSERT_TRUE(WIFEXITED(status)) << "child killed by signal "
                                  << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
   EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+// Workers carry the pool's name, cut to the 15 characters Linux keeps, so
+// tools that list threads tell the pools apart.
+TEST(ThreadPoolTest, WorkersCarryThePoolsName) {
+  auto names_of = [](ThreadPool& pool) {
+    std::vector<std::string> names(pool.size());
+    std::atomic<int> left{pool.size()};
+    // Each job waits for all the others, so every worker runs one.
+    for (int i = 0; i < pool.size(); ++i)
+      pool.submit([&, i] {
+        names[i] = this_thread_name();
+        left.fetch_sub(1);
+        while (left.load() > 0) std::this_thread::yield();
+      });
+    while (left.load() > 0) std::this_thread::yield();
+    return names;
+  };
+  ThreadPool plain(2);
+  for (const auto& n : names_of(plain)) EXPECT_EQ(n, "cascade-io");
+  auto named = ThreadPool::Create(3, "cascade-a-very-long-name");
+  ASSERT_TRUE(named.ok()) << named.status().ToString();
+  for (const auto& n : names_of(**named)) EXPECT_EQ(n, "cascade-a-very-");
+  std::string own;
+  std::thread([&] {
+    name_this_thread("own");
+    own = this_thread_name();
+  }).join();
+  EXPECT_EQ(own, "own");
 }
 
 // Many callers at once, more than the pool has slots for its parallel_fors:

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "tiers/host/host_tier.h"
+#include "util/thread_name.h"
 
 namespace cascade {
 
@@ -37,6 +38,7 @@ void HostTier::stop_sealer() {
 }
 
 void HostTier::seal_loop() {
+  name_this_thread("cascade-seal");
   std::unique_lock<std::mutex> lock(seal_mu_);
   for (;;) {
     seal_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });

@@ -15,6 +15,7 @@
 #include "util/block_checksum.h"
 #include "util/copy_bytes.h"
 #include "util/errno_status.h"
+#include "util/thread_name.h"
 
 namespace cascade {
 
@@ -206,6 +207,7 @@ Status PoolTier::connect(const CascadeConfig& config) {
 // It follows the server's backing as it grows (asking every 100 ms), until
 // the whole arena is mapped or the tier closes.
 void PoolTier::map_arena() {
+  name_this_thread("cascade-map");
   constexpr uint64_t kChunk = 64ULL << 20;
   uint64_t at = 0, backed = arena_committed_;
   while (!stop_mapping_.load() && at < capacity_) {
@@ -1237,6 +1239,7 @@ void PoolTier::send_releases(std::vector<uint64_t> tokens, uint32_t flags) {
 }
 
 void PoolTier::release_loop() {
+  name_this_thread("cascade-release");
   std::unique_lock<std::mutex> lock(release_mu_);
   auto last_check = std::chrono::steady_clock::now();
   while (true) {

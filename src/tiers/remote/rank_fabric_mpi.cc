@@ -12,6 +12,7 @@
 #endif
 
 #include "tiers/remote/mpi_status.h"
+#include "util/thread_name.h"
 
 namespace cascade::remote {
 namespace {
@@ -419,6 +420,7 @@ bool RankFabric::try_poll() {
 }
 
 void RankFabric::run() {
+  name_this_thread("cascade-rank");
   // Short sleeps should be short: the kernel's default timer slack (50 µs)
   // would dominate the idle-to-busy latency.
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
