@@ -128,20 +128,64 @@ def test_a_reader_thread_that_fails_fails_the_run_at_once(monkeypatch, capsys):
     # Reader 0 fails on its first set (the one client 1 wrote); reader 1
     # reads its set and then waits for reader 0 before the second pass: it
     # must be let go at once, not after the barrier's ten minutes.
-    real = cluster._read
+    real = cluster._timed_read
     failing = f"b{1000 * (64 << 10) + 1}-"
 
-    def failing_read(store, keys, want, batch):
+    def failing_read(store, keys, width, batch):
         if keys and keys[0].startswith(failing):
             raise RuntimeError("injected reader failure")
-        return real(store, keys, want, batch)
+        return real(store, keys, width, batch)
 
-    monkeypatch.setattr(cluster, "_read", failing_read)
+    monkeypatch.setattr(cluster, "_timed_read", failing_read)
     argv = ["bench", "cluster", "--quick", "--quiet", "--servers", "2", "--fabrics", "sm"]
     t0 = time.monotonic()
     assert cli.main(argv) == 1
     assert time.monotonic() - t0 < 120
     assert "injected reader failure" in capsys.readouterr().err
+
+
+class _RecordingStore:
+    """A store whose reads return `blocks` (by key) and are recorded."""
+
+    def __init__(self, blocks, log):
+        self.blocks, self.log = blocks, log
+
+    def get_batch(self, keys, out):
+        self.log.append(("read", keys[0]))
+        for k, key in enumerate(keys):
+            out[k] = self.blocks[key]
+        return len(keys), None
+
+
+def test_aggregate_readers_check_bytes_only_after_both_timed_passes():
+    from cascade.bench import cluster
+
+    # A reader's check is another read and a comparison: run beside the
+    # other readers' timed passes it would slow them. Every timed read of
+    # both passes comes before the first check, each part after a wait
+    # (the barrier all readers share).
+    sets = [cluster._aggregate_set(j, 64, 4) for j in range(2)]
+    blocks = {k: d for keys, data in sets for k, d in zip(keys, data)}
+    log: list = []
+    store = _RecordingStore(blocks, log)
+    first, again = cluster._aggregate_passes(store, sets, 2, lambda: log.append(("wait",)))
+    assert first > 0 and again > 0
+    waits = [i for i, e in enumerate(log) if e == ("wait",)]
+    assert len(waits) == 3 and waits[0] == 0
+    reads_per_pass = 2 * 2  # two sets of four blocks, in batches of two
+    assert waits[1] == waits[0] + reads_per_pass + 1
+    assert waits[2] == waits[1] + reads_per_pass + 1
+    assert len(log) == waits[2] + reads_per_pass + 1  # the check's reads
+
+
+def test_an_aggregate_check_that_finds_a_wrong_byte_fails():
+    from cascade.bench import cluster
+
+    keys, data = cluster._aggregate_set(0, 64, 4)
+    blocks = {k: d.copy() for k, d in zip(keys, data)}
+    blocks[keys[3]][17] ^= 1
+    with pytest.raises(RuntimeError, match="read back wrong"):
+        cluster._aggregate_passes(_RecordingStore(blocks, []), [(keys, data)], 2, lambda: None)
 
 
 def test_a_directory_without_room_for_the_readers_probe_costs_only_that_figure(
