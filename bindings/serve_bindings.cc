@@ -90,7 +90,7 @@ class PyPoolServer {
                           uint32_t request_timeout_ms, uint32_t lease_expiry_ms,
                           uint32_t retry_after_ms, bool verify, uint32_t service_threads,
                           uint32_t lanes, bool map_same_host, const std::string& transport,
-                          int64_t mpi_comm) {
+                          int64_t mpi_comm, uint32_t request_budget_ms) {
     ClusterNodeOptions o;
     if (transport == "mpi") o.transport = TransportBackend::kMpi;
     else if (transport != "ucx")
@@ -101,6 +101,7 @@ class PyPoolServer {
     o.fabrics = fabrics;
     o.allow_undetected_failures = allow_undetected_failures;
     o.request_timeout_ms = request_timeout_ms;
+    o.request_budget_ms = request_budget_ms;
     o.lease_expiry_ms = lease_expiry_ms;
     o.retry_after_ms = retry_after_ms;
     o.verify = verify;
@@ -192,6 +193,7 @@ class PyPoolServer {
     d["expired"] = s.expired;
     d["bad_messages"] = s.bad_messages;
     d["late_replies"] = s.late_replies;
+    d["budget_cuts"] = s.budget_cuts;
     d["peer_leases"] = s.peer_leases;
     d["peer_reservations"] = s.peer_reservations;
     return d;
@@ -232,7 +234,7 @@ void register_serve(nb::module_& m) {
            "fabrics"_a = "", "allow_undetected_failures"_a = false, "request_timeout_ms"_a = 2000,
            "lease_expiry_ms"_a = 60000, "retry_after_ms"_a = 1000, "verify"_a = true,
            "service_threads"_a = 2, "lanes"_a = 4, "map_same_host"_a = true, "transport"_a = "ucx",
-           "mpi_comm"_a = TransportOptions::kMpiWorld,
+           "mpi_comm"_a = TransportOptions::kMpiWorld, "request_budget_ms"_a = 0,
            "Makes this server a cluster member (its data transport); returns the "
            "transport address to publish in the member record. With transport 'mpi' "
            "the call is collective over mpi_comm (a Fortran handle, comm.py2f(); "

@@ -129,6 +129,8 @@ def test_cluster_options():
     assert isinstance(o, ClusterOptions)
     assert o.endpoints == ["http://127.0.0.1:2379"] and o.replicas == 1 and o.watch
     assert not cluster_options({"endpoints": "http://x:1", "watch": False}, "/s").watch
+    assert o.request_budget_seconds == 0  # two request timeouts
+    assert cluster_options({"endpoints": "http://x:1", "request_budget_seconds": 5}, "/s")
     assert (
         o.node_id
         and o.node_id
@@ -148,6 +150,9 @@ def test_cluster_options():
         {"endpoints": ["http://x:1"], "node_id": "a b"},
         {"endpoints": ["http://x:1"], "lease_ttl_seconds": 1},
         {"endpoints": ["http://x:1"], "request_timeout_seconds": 20},
+        {"endpoints": ["http://x:1"], "request_budget_seconds": 1},  # below the 2 s timeout
+        {"endpoints": ["http://x:1"], "request_budget_seconds": -1},
+        {"endpoints": ["http://x:1"], "request_budget_seconds": "soon"},
         {"endpoints": ["http://x:1"], "typo": 1},
         {"endpoints": ["http://x:1"], "grace_seconds": "long"},
         {"endpoints": ["http://x:1"], "watch": "yes"},

@@ -242,6 +242,12 @@ CLUSTER_DATA_METRICS = [
         "Calls to members that failed or missed their deadline",
     ),
     (
+        "cluster_budget_cuts_total",
+        "budget_cuts",
+        "counter",
+        "Calls to members not made or cut short because their request's budget ran out",
+    ),
+    (
         "cluster_expired_total",
         "expired",
         "counter",

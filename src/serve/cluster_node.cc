@@ -225,7 +225,7 @@ class ClusterNode::Impl {
   std::atomic<uint64_t> pushed{0}, pushed_bytes{0}, push_dropped{0}, fetched{0}, fetched_bytes{0};
   std::atomic<uint64_t> remote_lookups{0}, remote_hits{0}, served_leases{0}, served_lease_bytes{0};
   std::atomic<uint64_t> served_commits{0}, served_commit_bytes{0}, checksum_failures{0},
-      timeouts{0};
+      timeouts{0}, budget_cuts{0};
   std::atomic<uint64_t> expired{0}, bad_messages{0};
   std::atomic<uint64_t> fetched_mapped{0}, map_failures{0}, lease_hashes{0};
   std::atomic<uint64_t> mapped_leases{0};
@@ -234,6 +234,34 @@ class ClusterNode::Impl {
 
   Deadline deadline() const {
     return deadline_in(std::chrono::milliseconds(options.request_timeout_ms));
+  }
+  Deadline request_deadline() const {
+    const uint32_t ms =
+        options.request_budget_ms != 0 ? options.request_budget_ms : 2 * options.request_timeout_ms;
+    return deadline_in(std::chrono::milliseconds(ms));
+  }
+  // A call's deadline within a request's budget: the sooner of the two,
+  // and whether the budget is what ends it.
+  struct CallDeadline {
+    Deadline at;
+    bool by_budget;
+  };
+  CallDeadline within(Deadline budget) const {
+    const Deadline own = deadline();
+    return budget < own ? CallDeadline{budget, true} : CallDeadline{own, false};
+  }
+  // Whether a call that failed with deadline d was cut short by its
+  // request's budget (then it is not the member's failure).
+  bool cut_by_budget(const CallDeadline& d) {
+    if (!d.by_budget || TransportClock::now() < d.at) return false;
+    budget_cuts.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  // No call starts once the budget is spent.
+  bool budget_spent(Deadline budget) {
+    if (TransportClock::now() < budget) return false;
+    budget_cuts.fetch_add(1, std::memory_order_relaxed);
+    return true;
   }
   std::shared_ptr<const Ring> current() const {
     std::shared_lock<std::shared_mutex> l(view_mu);
@@ -411,13 +439,14 @@ class ClusterNode::Impl {
 
   // The connection to member m on this thread's lane, made (with its
   // Hello) when there is none. Connecting, with the one or two Hellos it
-  // takes, ends by `until`: the deadline of the call the link is for.
+  // takes, ends by `until`: the deadline of the call the link is for
+  // (by_budget: a request's budget, whose end is not the member's failure).
   Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s, const ClusterMember& m,
-                                        Deadline until) {
-    return link_to(s, m, my_lane(), until);
+                                        Deadline until, bool by_budget = false) {
+    return link_to(s, m, my_lane(), until, by_budget);
   }
   Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s, const ClusterMember& m,
-                                        size_t lane, Deadline until) {
+                                        size_t lane, Deadline until, bool by_budget = false) {
     std::lock_guard<std::mutex> l(s->mu);
     if (s->links[lane] && s->links[lane]->peer->health().ok()) return s->links[lane];
     if (s->links[lane]) {
@@ -431,7 +460,7 @@ class ClusterNode::Impl {
     // The member's lane addresses come with the reply to a Hello on its
     // published address (its lane 0).
     if (s->lane_addresses.empty()) {
-      auto first = connect_locked(s, m, lane, m.address, until);
+      auto first = connect_locked(s, m, lane, m.address, until, by_budget);
       if (!first.ok()) return first.status();
       if (s->lane_addresses.empty()) s->lane_addresses.push_back(m.address);
       const size_t want = lane % s->lane_addresses.size();
@@ -441,16 +470,18 @@ class ClusterNode::Impl {
       first.value()->peer->close();
       s->links[lane].reset();
     }
-    return connect_locked(s, m, lane, s->lane_addresses[lane % s->lane_addresses.size()], until);
+    return connect_locked(s, m, lane, s->lane_addresses[lane % s->lane_addresses.size()], until,
+                          by_budget);
   }
 
   // Connects local lane `lane` to `address` (one of m's lanes) and says
   // Hello, by `until`. REQUIRES: s->mu held.
   Result<std::shared_ptr<Link>> connect_locked(const std::shared_ptr<LinkSlot>& s,
                                                const ClusterMember& m, size_t lane,
-                                               const std::vector<uint8_t>& address,
-                                               Deadline until) {
+                                               const std::vector<uint8_t>& address, Deadline until,
+                                               bool by_budget = false) {
     auto fail_now = [&](const Status& st) -> Status {
+      if (cut_by_budget(CallDeadline{until, by_budget})) return st;
       timeouts.fetch_add(1, std::memory_order_relaxed);
       s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
       return st;
@@ -546,9 +577,11 @@ class ClusterNode::Impl {
     return link;
   }
 
-  void lookup(std::span<const BlockId> ids, std::span<uint8_t> found, std::span<uint64_t> sizes);
-  void fetch(std::span<const BlockId> ids, std::span<uint8_t> got);
-  void lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out);
+  // `budget`: the end of the request's budget for member calls.
+  void lookup(std::span<const BlockId> ids, std::span<uint8_t> found, std::span<uint64_t> sizes,
+              Deadline budget);
+  void fetch(std::span<const BlockId> ids, std::span<uint8_t> got, Deadline budget);
+  void lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out, Deadline budget);
   void release_mapped(std::span<const MappedLease> leases);
   // The slot whose current mapping has this index, or null.
   std::shared_ptr<LinkSlot> slot_of_mapping(uint32_t index) {
@@ -564,7 +597,7 @@ class ClusterNode::Impl {
     return nullptr;
   }
   void fetch_from(const ClusterMember& m, size_t lane, std::span<const BlockId> ids,
-                  const std::vector<size_t>& which, std::span<uint8_t> got);
+                  const std::vector<size_t>& which, std::span<uint8_t> got, Deadline budget);
   void push_loop();
   void push_to(const ClusterMember& m, size_t lane, const std::vector<BlockId>& ids);
 
@@ -582,7 +615,7 @@ class ClusterNode::Impl {
 // ---- lookups and fetches -----------------------------------------------------
 
 void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> found,
-                               std::span<uint64_t> sizes) {
+                               std::span<uint64_t> sizes, Deadline budget) {
   auto r = current();
   if (!r || r->view.members.empty()) return;
   // Round 0 asks the first owner, round 1 the second of what is still missing.
@@ -592,22 +625,24 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
     for_each_call(groups.size(), [&](size_t g) {
       const auto& [mi, which] = groups[g];
       const ClusterMember& m = r->view.members[mi];
+      if (budget_spent(budget)) return;
       // A connect and the first batch share one deadline, which runs while
       // another thread holds the slot too.
-      const Deadline first = deadline();
+      const CallDeadline first = within(budget);
       auto s = slot_of(m);
-      auto link = link_to(s, m, first);
+      auto link = link_to(s, m, first.at, first.by_budget);
       if (!link.ok()) return;
       for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
+        if (b > 0 && budget_spent(budget)) break;
         const size_t e = std::min(which.size(), b + cluster::kMaxItems);
         std::vector<uint8_t> items;
         items.reserve((e - b) * 16);
         for (size_t j = b; j < e; ++j) put_item(&items, ids[which[j]].bytes);
         remote_lookups.fetch_add(e - b, std::memory_order_relaxed);
-        auto reply = call(**link, Op::kLookup, static_cast<uint32_t>(e - b), items,
-                          b == 0 ? first : deadline());
+        const CallDeadline d = b == 0 ? first : within(budget);
+        auto reply = call(**link, Op::kLookup, static_cast<uint32_t>(e - b), items, d.at);
         if (!reply.ok()) {
-          fail(s, *link);
+          if (!cut_by_budget(d)) fail(s, *link);
           break;
         }
         for (size_t j = b; j < e; ++j) {
@@ -622,7 +657,8 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
   }
 }
 
-void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> got) {
+void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> got,
+                              Deadline budget) {
   auto r = current();
   if (!r || r->view.members.empty()) return;
   for (int round = 0; round < 2; ++round) {
@@ -656,30 +692,33 @@ void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> g
                  std::vector<size_t>(which.begin() + b, which.begin() + std::min(n, b + step))});
     }
     for_each_call(parts.size(), [&](size_t k) {
-      fetch_from(r->view.members[parts[k].member], parts[k].lane, ids, parts[k].which, got);
+      fetch_from(r->view.members[parts[k].member], parts[k].lane, ids, parts[k].which, got, budget);
     });
   }
 }
 
 void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
                                    std::span<const BlockId> ids, const std::vector<size_t>& which,
-                                   std::span<uint8_t> got) {
-  const Deadline until = deadline();  // the connect's and the lease's
+                                   std::span<uint8_t> got, Deadline budget) {
+  if (budget_spent(budget)) return;
+  // The connect's and the lease's; the transfer that follows has a deadline
+  // of its own.
+  const CallDeadline until = within(budget);
+  // The owner grants the leases after this, and keeps them at least three
+  // deadlines (lease_expiry_ms): a copy from its mapped arena that ends by
+  // one deadline from now read ranges that were leased all along.
+  const Deadline leased_until = deadline();
   auto s = slot_of(m);
-  auto link = link_to(s, m, lane, until);
+  auto link = link_to(s, m, lane, until.at, until.by_budget);
   if (!link.ok()) return;
   Peer& peer = *(*link)->peer;
   const Link& ln = **link;
   std::vector<uint8_t> items;
   items.reserve(which.size() * 16);
   for (size_t i : which) put_item(&items, ids[i].bytes);
-  // The owner grants the leases after this, and keeps them at least three
-  // deadlines (lease_expiry_ms): a copy from its mapped arena that ends by
-  // this call's deadline read ranges that were leased all along.
-  const Deadline leased_until = until;
-  auto reply = call(ln, Op::kLease, static_cast<uint32_t>(which.size()), items, leased_until);
+  auto reply = call(ln, Op::kLease, static_cast<uint32_t>(which.size()), items, until.at);
   if (!reply.ok()) {
-    fail(s, *link);
+    if (!cut_by_budget(until)) fail(s, *link);
     return;
   }
   // What the owner leased us: reserve room here for it.
@@ -825,7 +864,8 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
 
 // ---- leases on mapped arenas -------------------------------------------------------
 
-void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out) {
+void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out,
+                                     Deadline budget) {
   auto r = current();
   if (!r || r->view.members.empty()) return;
   for (int round = 0; round < 2; ++round) {
@@ -835,10 +875,11 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
     for_each_call(groups.size(), [&](size_t g) {
       const auto& [mi, which] = groups[g];
       const ClusterMember& m = r->view.members[mi];
+      if (budget_spent(budget)) return;
       // A connect and the first batch share one deadline.
-      const Deadline first = deadline();
+      const CallDeadline first = within(budget);
       auto s = slot_of(m);
-      auto link = link_to(s, m, first);
+      auto link = link_to(s, m, first.at, first.by_budget);
       if (!link.ok() || !(*link)->mapped) return;
       uint32_t index, expiry_ms;
       {
@@ -849,6 +890,7 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
       }
       const Link& ln = **link;
       for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
+        if (b > 0 && budget_spent(budget)) return;
         const size_t e = std::min(which.size(), b + cluster::kMaxItems);
         std::vector<uint8_t> items;
         items.reserve((e - b) * 16);
@@ -856,10 +898,10 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
         // The owner grants after this: its leases last at least its expiry
         // from now.
         const Clock::time_point sent = Clock::now();
-        auto reply =
-            call(ln, Op::kLease, static_cast<uint32_t>(e - b), items, b == 0 ? first : deadline());
+        const CallDeadline d = b == 0 ? first : within(budget);
+        auto reply = call(ln, Op::kLease, static_cast<uint32_t>(e - b), items, d.at);
         if (!reply.ok()) {
-          fail(s, *link);
+          if (!cut_by_budget(d)) fail(s, *link);
           return;
         }
         const int64_t valid_until =
@@ -1517,6 +1559,9 @@ Result<std::unique_ptr<ClusterNode>> ClusterNode::Start(CascadeStore* store, Sha
     return Status::InvalidArgument(
         "cluster timeouts: request_timeout_ms above 0, lease_expiry_ms at least 3 x "
         "request_timeout_ms + 2000");
+  if (options.request_budget_ms != 0 && options.request_budget_ms < options.request_timeout_ms)
+    return Status::InvalidArgument(
+        "cluster request_budget_ms: 0 (two request timeouts) or at least request_timeout_ms");
   if (options.service_threads == 0 || options.service_threads > 64)
     return Status::InvalidArgument("cluster service threads: 1 to 64");
   if (options.lanes == 0 || options.lanes > cluster::kMaxLanes)
@@ -1648,20 +1693,23 @@ Status ClusterNode::set_view(ClusterView view) {
   return Status::OK();
 }
 
+Deadline ClusterNode::request_deadline() const { return impl_->request_deadline(); }
+
 void ClusterNode::lookup(std::span<const BlockId> ids, std::span<uint8_t> found,
-                         std::span<uint64_t> sizes) {
+                         std::span<uint64_t> sizes, Deadline budget) {
   if (impl_->stopping.load()) return;
-  impl_->lookup(ids, found, sizes);
+  impl_->lookup(ids, found, sizes, budget == kOwnBudget ? request_deadline() : budget);
 }
 
-void ClusterNode::fetch(std::span<const BlockId> ids, std::span<uint8_t> fetched) {
+void ClusterNode::fetch(std::span<const BlockId> ids, std::span<uint8_t> fetched, Deadline budget) {
   if (impl_->stopping.load()) return;
-  impl_->fetch(ids, fetched);
+  impl_->fetch(ids, fetched, budget == kOwnBudget ? request_deadline() : budget);
 }
 
-void ClusterNode::lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out) {
+void ClusterNode::lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out,
+                               Deadline budget) {
   if (impl_->stopping.load() || !impl_->options.map_same_host) return;
-  impl_->lease_mapped(ids, out);
+  impl_->lease_mapped(ids, out, budget == kOwnBudget ? request_deadline() : budget);
 }
 
 void ClusterNode::count_checksum_failures(uint64_t n) {
@@ -1738,6 +1786,7 @@ ClusterStats ClusterNode::stats() const {
   s.served_commit_bytes = get(i.served_commit_bytes);
   s.checksum_failures = get(i.checksum_failures);
   s.timeouts = get(i.timeouts);
+  s.budget_cuts = get(i.budget_cuts);
   s.expired = get(i.expired);
   s.bad_messages = get(i.bad_messages);
   s.fetched_mapped = get(i.fetched_mapped);

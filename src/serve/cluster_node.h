@@ -28,7 +28,9 @@
 // all loses them, and its connection, a deadline after its Hello.
 //
 // Failures: every call to a member has a deadline (request_timeout_ms),
-// which also bounds the connect and Hellos the call needs first;
+// which also bounds the connect and Hellos the call needs first, and a
+// request's calls together have a budget (request_budget_ms); a call cut
+// short by the budget is not the member's failure;
 // a member that missed one, or whose connection failed, is skipped for a
 // while (its ids are misses) and reconnected afterwards. A block never
 // becomes visible half-written: an owner publishes a pushed block only after
@@ -74,10 +76,16 @@ struct ClusterNodeOptions {
   // cancelled.
   bool allow_undetected_failures = false;
   uint32_t request_timeout_ms = 2000;  // deadline of each call to a member
-  uint32_t lease_expiry_ms = 60000;    // what a member holds here ends after this long
-  uint32_t retry_after_ms = 1000;      // a failed member is skipped this long
-  bool verify = true;                  // checksums on every transfer
-  uint32_t service_threads = 2;        // threads answering the other members (at least lanes)
+  // What one lookup, fetch or lease_mapped (one client request of the node
+  // server) may spend waiting on member calls in all: no call starts after
+  // it and a call's wait ends there, the member's ids then being misses (a
+  // transfer already started keeps its own deadline). 0: two
+  // request_timeout_ms; else at least request_timeout_ms.
+  uint32_t request_budget_ms = 0;
+  uint32_t lease_expiry_ms = 60000;  // what a member holds here ends after this long
+  uint32_t retry_after_ms = 1000;    // a failed member is skipped this long
+  bool verify = true;                // checksums on every transfer
+  uint32_t service_threads = 2;      // threads answering the other members (at least lanes)
   // Transport endpoints, each with the arena registered: copies between
   // members run on as many threads at once.
   uint32_t lanes = 4;
@@ -121,6 +129,7 @@ struct ClusterStats {
   uint64_t served_commits = 0, served_commit_bytes = 0;  // blocks other members stored here
   uint64_t checksum_failures = 0;                        // transfers whose bytes did not match
   uint64_t timeouts = 0;      // calls that missed their deadline or failed
+  uint64_t budget_cuts = 0;   // calls not made or cut short: their request's budget ran out
   uint64_t expired = 0;       // leases and reservations of members that never ended them
   uint64_t bad_messages = 0;  // malformed requests or replies
   uint64_t late_replies = 0;  // replies that came after their call gave up, dropped
@@ -168,16 +177,25 @@ class ClusterNode {
   // InvalidArgument for a view that is not well formed.
   Status set_view(ClusterView view);
 
+  // The end of a request's budget for member calls, starting now: what a
+  // caller that makes several of the calls below for one request passes
+  // to each. The calls below take one of their own by default.
+  Deadline request_deadline() const;
+  static constexpr Deadline kOwnBudget = Deadline::max();
+
   // found[i]/sizes[i] for each id some owner (other than this member)
   // holds; ids whose owner is this member are left as they are.
-  void lookup(std::span<const BlockId> ids, std::span<uint8_t> found, std::span<uint64_t> sizes);
+  void lookup(std::span<const BlockId> ids, std::span<uint8_t> found, std::span<uint64_t> sizes,
+              Deadline budget = kOwnBudget);
   // Brings the ids from their owners into the store; fetched[i] set for
   // those now in the store's top tier.
-  void fetch(std::span<const BlockId> ids, std::span<uint8_t> fetched);
+  void fetch(std::span<const BlockId> ids, std::span<uint8_t> fetched,
+             Deadline budget = kOwnBudget);
   // For each id without out[i].arena whose owner's arena is mapped here:
   // leases it at the owner and fills out[i]. Ids of other owners, or that
   // the owner lacks, are left as they are.
-  void lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out);
+  void lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out,
+                    Deadline budget = kOwnBudget);
   // Ends leases lease_mapped granted. Those of arenas no longer mapped end
   // at the owner's expiry.
   void release_mapped(std::span<const MappedLease> leases);

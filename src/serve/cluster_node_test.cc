@@ -55,7 +55,7 @@ struct Member {
   // map_same_host off by default: these tests are about the transport; the
   // ones about mapped arenas turn it on.
   Member(const std::string& id, uint32_t expiry_ms = 60000, uint32_t lanes = 4,
-         uint32_t timeout_ms = 500, bool map_same_host = false) {
+         uint32_t timeout_ms = 500, bool map_same_host = false, uint32_t budget_ms = 0) {
     CascadeConfig c;
     c.pipeline = "host";
     c.shm_capacity_bytes = 64 << 20;
@@ -74,6 +74,7 @@ struct Member {
     co.generation = 7;
     co.fabrics = "tcp";
     co.request_timeout_ms = timeout_ms;
+    co.request_budget_ms = budget_ms;
     co.lease_expiry_ms = expiry_ms;
     co.retry_after_ms = 100;
     co.lanes = lanes;
@@ -954,6 +955,59 @@ TEST(ClusterNode, AnExpiryShorterThanAPushCanTakeIsRefused) {
   o.lease_expiry_ms = 2001;  // below three calls' deadlines and a sweep
   auto n = ClusterNode::Start(a.server->store(), a.server->store()->shared_arena(), o);
   EXPECT_TRUE(n.status().is(Code::kInvalidArgument)) << n.status().ToString();
+}
+
+TEST(ClusterNode, ABudgetBelowOneCallsDeadlineIsRefused) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a");
+  ASSERT_TRUE(a.node);
+  ClusterNodeOptions o;
+  o.node_id = "b";
+  o.fabrics = "tcp";
+  o.request_timeout_ms = 2000;
+  o.request_budget_ms = 1999;
+  auto n = ClusterNode::Start(a.server->store(), a.server->store()->shared_arena(), o);
+  EXPECT_TRUE(n.status().is(Code::kInvalidArgument)) << n.status().ToString();
+}
+
+TEST(ClusterNode, ARequestsCallsToASlowMemberEndWithItsBudget) {
+  SKIP_WITHOUT_TRANSPORT();
+  // Calls end at 1 s each, a request's calls together at 1.2 s. The owner
+  // answers every lookup just inside a call's deadline: a lookup of four
+  // batches' worth of ids would otherwise take four of them.
+  Member a("a", 60000, 4, /*timeout_ms=*/1000, /*map_same_host=*/false, /*budget_ms=*/1200);
+  ASSERT_TRUE(a.node);
+  RawOwner owner(RawOwner::each_item(cluster::Op::kLookup, [](uint32_t) {
+    cluster::LookupReply l{};
+    l.code = static_cast<uint32_t>(Code::kNotFound);
+    return l;
+  }));
+  owner.reply_delay = 800ms;
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  std::vector<BlockId> ids;
+  for (uint64_t i = 0; i < 3 * cluster::kMaxItems + 1; ++i) ids.push_back(id_of(20000 + i));
+  std::vector<uint8_t> found(ids.size(), 0);
+  std::vector<uint64_t> sizes(ids.size(), 0);
+  auto t0 = std::chrono::steady_clock::now();
+  a.node->lookup(ids, found, sizes);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1200ms + 300ms);
+  EXPECT_GE(a.node->stats().budget_cuts, 1u);
+  // The member answered every call it was given time for: not its failure,
+  // so it is not skipped. The next request asks it again and waits for it.
+  EXPECT_EQ(a.node->stats().timeouts, 0u);
+  const uint64_t asked = a.node->stats().remote_lookups;
+  t0 = std::chrono::steady_clock::now();
+  a.node->lookup({ids.data(), 1}, {found.data(), 1}, {sizes.data(), 1});
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 700ms);
+  EXPECT_EQ(a.node->stats().remote_lookups, asked + 1);
+  EXPECT_EQ(a.node->stats().timeouts, 0u);
+  // Two calls that share one budget: the second gets what the first left.
+  const Deadline budget = a.node->request_deadline();
+  t0 = std::chrono::steady_clock::now();
+  a.node->lookup({ids.data(), 1}, {found.data(), 1}, {sizes.data(), 1}, budget);
+  a.node->lookup({ids.data(), 1}, {found.data(), 1}, {sizes.data(), 1}, budget);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1200ms + 300ms);
 }
 
 // ---- members on one host: arenas mapped --------------------------------------

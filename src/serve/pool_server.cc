@@ -238,8 +238,8 @@ class PoolServer::Impl {
   ClusterNode* cluster_node() const { return cluster_ptr.load(std::memory_order_acquire); }
   // Brings the ids a lease missed from their owners in the cluster, then
   // leases them here.
-  void fetch_missing(ClusterNode* cn, std::span<const BlockId> ids, std::vector<BlockView>* views,
-                     std::vector<Status>* st);
+  void fetch_missing(ClusterNode* cn, Deadline budget, std::span<const BlockId> ids,
+                     std::vector<BlockView>* views, std::vector<Status>* st);
   // The first ids of a lease request that the client has room for (at most
   // kMaxLeasesPerClient held), in its namespace, acquired here; returns how
   // many (the rest are answered Busy).
@@ -926,7 +926,7 @@ void PoolServer::Impl::flush_loop() {
   }
 }
 
-void PoolServer::Impl::fetch_missing(ClusterNode* cn, std::span<const BlockId> ids,
+void PoolServer::Impl::fetch_missing(ClusterNode* cn, Deadline budget, std::span<const BlockId> ids,
                                      std::vector<BlockView>* views, std::vector<Status>* st) {
   std::vector<BlockId> missed;
   std::vector<size_t> where;
@@ -937,7 +937,7 @@ void PoolServer::Impl::fetch_missing(ClusterNode* cn, std::span<const BlockId> i
   }
   if (missed.empty()) return;
   std::vector<uint8_t> got(missed.size(), 0);
-  cn->fetch(missed, got);
+  cn->fetch(missed, got, budget);
   for (size_t j = 0; j < missed.size(); ++j) {
     if (!got[j]) continue;
     auto v = store->acquire(missed[j]);
@@ -1137,7 +1137,8 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       std::vector<BlockView> views;
       std::vector<Status> st;
       const uint32_t asked = acquire_for(c, items, count, &ids, &views, &st);
-      if (ClusterNode* cn = cluster_node()) fetch_missing(cn, ids, &views, &st);
+      if (ClusterNode* cn = cluster_node())
+        fetch_missing(cn, cn->request_deadline(), ids, &views, &st);
       std::vector<std::pair<uint32_t, BlockView>> granted;
       granted.reserve(asked);
       uint64_t leased = 0;
@@ -1225,14 +1226,17 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
             where.push_back(k);
           }
         if (!missed.empty()) {
+          // One budget for both: a client's request waits on member calls
+          // that long at most.
+          const Deadline budget = cn->request_deadline();
           std::vector<MappedLease> got(missed.size());
-          cn->lease_mapped(missed, got);
+          cn->lease_mapped(missed, got, budget);
           for (size_t j = 0; j < missed.size(); ++j) {
             if (got[j].arena == 0) continue;
             mapped[where[j]] = got[j];
             st[where[j]] = Status::OK();
           }
-          fetch_missing(cn, ids, &views, &st);
+          fetch_missing(cn, budget, ids, &views, &st);
         }
       }
       uint32_t granted = 0;

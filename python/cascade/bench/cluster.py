@@ -364,7 +364,8 @@ def _client(socket: str, threads: int = 2):
                 "use_gpu": False,
                 "num_io_threads": threads,
                 # Above what one request may take when member calls come
-                # near their (raised) deadline: six in turn, and some room.
+                # near their (raised) deadline: the server's budget for them
+                # (two deadlines), a transfer's deadline, and much room.
                 "pool_timeout_ms": 6 * _Node.request_timeout_ms + 5000,
             }
         )

@@ -44,6 +44,9 @@ class ClusterOptions:
     # Allow fabrics that cannot notice a dead peer (shared memory alone).
     allow_undetected_failures: bool = False
     lease_expiry_seconds: float = 60.0  # a member's leases here end after this long
+    # What one client request may wait on calls to members in all; 0: two
+    # request timeouts.
+    request_budget_seconds: float = 0.0
     verify: bool = True  # checksums on every transfer between members
     service_threads: int = 2  # threads answering the other members (at least one per lane)
     lanes: int = 4  # transport endpoints: copies between members run on this many threads
@@ -160,6 +163,13 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
         raise ValueError(
             "cluster.lease_expiry_seconds: at least 3 x request_timeout_seconds + 2, at most "
             f"86400, not {o.lease_expiry_seconds}"
+        )
+    if o.request_budget_seconds != 0 and not (
+        o.request_timeout_seconds <= o.request_budget_seconds <= 3600
+    ):
+        raise ValueError(
+            "cluster.request_budget_seconds: 0 (two request timeouts) or from "
+            f"request_timeout_seconds to 3600, not {o.request_budget_seconds}"
         )
     if o.replicas not in (1, 2):
         raise ValueError(f"cluster.replicas: 1 or 2, not {o.replicas}")
