@@ -378,7 +378,9 @@ def _join_cluster(server, copts, capacity_bytes: int):
         fabrics=copts.fabrics,
         allow_undetected_failures=copts.allow_undetected_failures,
         request_timeout_ms=max(1, int(copts.request_timeout_seconds * 1000)),
-        request_budget_ms=int(copts.request_budget_seconds * 1000),
+        request_budget_ms=(
+            max(1, int(copts.request_budget_seconds * 1000)) if copts.request_budget_seconds else 0
+        ),
         lease_expiry_ms=int(copts.lease_expiry_seconds * 1000),
         retry_after_ms=max(100, int(copts.refresh_seconds * 1000)),
         verify=copts.verify,

@@ -245,7 +245,7 @@ CLUSTER_DATA_METRICS = [
         "cluster_budget_cuts_total",
         "budget_cuts",
         "counter",
-        "Calls to members not made or cut short because their request's budget ran out",
+        "Calls to members not made because their request's budget was spent",
     ),
     (
         "cluster_expired_total",

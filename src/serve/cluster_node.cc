@@ -240,24 +240,10 @@ class ClusterNode::Impl {
         options.request_budget_ms != 0 ? options.request_budget_ms : 2 * options.request_timeout_ms;
     return deadline_in(std::chrono::milliseconds(ms));
   }
-  // A call's deadline within a request's budget: the sooner of the two,
-  // and whether the budget is what ends it.
-  struct CallDeadline {
-    Deadline at;
-    bool by_budget;
-  };
-  CallDeadline within(Deadline budget) const {
-    const Deadline own = deadline();
-    return budget < own ? CallDeadline{budget, true} : CallDeadline{own, false};
-  }
-  // Whether a call that failed with deadline d was cut short by its
-  // request's budget (then it is not the member's failure).
-  bool cut_by_budget(const CallDeadline& d) {
-    if (!d.by_budget || TransportClock::now() < d.at) return false;
-    budget_cuts.fetch_add(1, std::memory_order_relaxed);
-    return true;
-  }
-  // No call starts once the budget is spent.
+  // No call starts once its request's budget is spent. A call under way
+  // keeps its own deadline: cutting it short would leave what the member
+  // granted (leases) held there until their expiry, and would not tell a
+  // dead member from a slow one.
   bool budget_spent(Deadline budget) {
     if (TransportClock::now() < budget) return false;
     budget_cuts.fetch_add(1, std::memory_order_relaxed);
@@ -439,14 +425,13 @@ class ClusterNode::Impl {
 
   // The connection to member m on this thread's lane, made (with its
   // Hello) when there is none. Connecting, with the one or two Hellos it
-  // takes, ends by `until`: the deadline of the call the link is for
-  // (by_budget: a request's budget, whose end is not the member's failure).
+  // takes, ends by `until`: the deadline of the call the link is for.
   Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s, const ClusterMember& m,
-                                        Deadline until, bool by_budget = false) {
-    return link_to(s, m, my_lane(), until, by_budget);
+                                        Deadline until) {
+    return link_to(s, m, my_lane(), until);
   }
   Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s, const ClusterMember& m,
-                                        size_t lane, Deadline until, bool by_budget = false) {
+                                        size_t lane, Deadline until) {
     std::lock_guard<std::mutex> l(s->mu);
     if (s->links[lane] && s->links[lane]->peer->health().ok()) return s->links[lane];
     if (s->links[lane]) {
@@ -460,7 +445,7 @@ class ClusterNode::Impl {
     // The member's lane addresses come with the reply to a Hello on its
     // published address (its lane 0).
     if (s->lane_addresses.empty()) {
-      auto first = connect_locked(s, m, lane, m.address, until, by_budget);
+      auto first = connect_locked(s, m, lane, m.address, until);
       if (!first.ok()) return first.status();
       if (s->lane_addresses.empty()) s->lane_addresses.push_back(m.address);
       const size_t want = lane % s->lane_addresses.size();
@@ -470,18 +455,16 @@ class ClusterNode::Impl {
       first.value()->peer->close();
       s->links[lane].reset();
     }
-    return connect_locked(s, m, lane, s->lane_addresses[lane % s->lane_addresses.size()], until,
-                          by_budget);
+    return connect_locked(s, m, lane, s->lane_addresses[lane % s->lane_addresses.size()], until);
   }
 
   // Connects local lane `lane` to `address` (one of m's lanes) and says
   // Hello, by `until`. REQUIRES: s->mu held.
   Result<std::shared_ptr<Link>> connect_locked(const std::shared_ptr<LinkSlot>& s,
                                                const ClusterMember& m, size_t lane,
-                                               const std::vector<uint8_t>& address, Deadline until,
-                                               bool by_budget = false) {
+                                               const std::vector<uint8_t>& address,
+                                               Deadline until) {
     auto fail_now = [&](const Status& st) -> Status {
-      if (cut_by_budget(CallDeadline{until, by_budget})) return st;
       timeouts.fetch_add(1, std::memory_order_relaxed);
       s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
       return st;
@@ -628,9 +611,9 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
       if (budget_spent(budget)) return;
       // A connect and the first batch share one deadline, which runs while
       // another thread holds the slot too.
-      const CallDeadline first = within(budget);
+      const Deadline first = deadline();
       auto s = slot_of(m);
-      auto link = link_to(s, m, first.at, first.by_budget);
+      auto link = link_to(s, m, first);
       if (!link.ok()) return;
       for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
         if (b > 0 && budget_spent(budget)) break;
@@ -639,10 +622,10 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
         items.reserve((e - b) * 16);
         for (size_t j = b; j < e; ++j) put_item(&items, ids[which[j]].bytes);
         remote_lookups.fetch_add(e - b, std::memory_order_relaxed);
-        const CallDeadline d = b == 0 ? first : within(budget);
-        auto reply = call(**link, Op::kLookup, static_cast<uint32_t>(e - b), items, d.at);
+        auto reply = call(**link, Op::kLookup, static_cast<uint32_t>(e - b), items,
+                          b == 0 ? first : deadline());
         if (!reply.ok()) {
-          if (!cut_by_budget(d)) fail(s, *link);
+          fail(s, *link);
           break;
         }
         for (size_t j = b; j < e; ++j) {
@@ -701,24 +684,22 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
                                    std::span<const BlockId> ids, const std::vector<size_t>& which,
                                    std::span<uint8_t> got, Deadline budget) {
   if (budget_spent(budget)) return;
-  // The connect's and the lease's; the transfer that follows has a deadline
-  // of its own.
-  const CallDeadline until = within(budget);
-  // The owner grants the leases after this, and keeps them at least three
-  // deadlines (lease_expiry_ms): a copy from its mapped arena that ends by
-  // one deadline from now read ranges that were leased all along.
-  const Deadline leased_until = deadline();
+  const Deadline until = deadline();  // the connect's and the lease's
   auto s = slot_of(m);
-  auto link = link_to(s, m, lane, until.at, until.by_budget);
+  auto link = link_to(s, m, lane, until);
   if (!link.ok()) return;
   Peer& peer = *(*link)->peer;
   const Link& ln = **link;
   std::vector<uint8_t> items;
   items.reserve(which.size() * 16);
   for (size_t i : which) put_item(&items, ids[i].bytes);
-  auto reply = call(ln, Op::kLease, static_cast<uint32_t>(which.size()), items, until.at);
+  // The owner grants the leases after this, and keeps them at least three
+  // deadlines (lease_expiry_ms): a copy from its mapped arena that ends by
+  // this call's deadline read ranges that were leased all along.
+  const Deadline leased_until = until;
+  auto reply = call(ln, Op::kLease, static_cast<uint32_t>(which.size()), items, leased_until);
   if (!reply.ok()) {
-    if (!cut_by_budget(until)) fail(s, *link);
+    fail(s, *link);
     return;
   }
   // What the owner leased us: reserve room here for it.
@@ -877,9 +858,9 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
       const ClusterMember& m = r->view.members[mi];
       if (budget_spent(budget)) return;
       // A connect and the first batch share one deadline.
-      const CallDeadline first = within(budget);
+      const Deadline first = deadline();
       auto s = slot_of(m);
-      auto link = link_to(s, m, first.at, first.by_budget);
+      auto link = link_to(s, m, first);
       if (!link.ok() || !(*link)->mapped) return;
       uint32_t index, expiry_ms;
       {
@@ -898,10 +879,10 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
         // The owner grants after this: its leases last at least its expiry
         // from now.
         const Clock::time_point sent = Clock::now();
-        const CallDeadline d = b == 0 ? first : within(budget);
-        auto reply = call(ln, Op::kLease, static_cast<uint32_t>(e - b), items, d.at);
+        auto reply =
+            call(ln, Op::kLease, static_cast<uint32_t>(e - b), items, b == 0 ? first : deadline());
         if (!reply.ok()) {
-          if (!cut_by_budget(d)) fail(s, *link);
+          fail(s, *link);
           return;
         }
         const int64_t valid_until =
@@ -1559,9 +1540,11 @@ Result<std::unique_ptr<ClusterNode>> ClusterNode::Start(CascadeStore* store, Sha
     return Status::InvalidArgument(
         "cluster timeouts: request_timeout_ms above 0, lease_expiry_ms at least 3 x "
         "request_timeout_ms + 2000");
-  if (options.request_budget_ms != 0 && options.request_budget_ms < options.request_timeout_ms)
+  if (options.request_budget_ms != 0 && (options.request_budget_ms < options.request_timeout_ms ||
+                                         options.request_budget_ms > 3600 * 1000))
     return Status::InvalidArgument(
-        "cluster request_budget_ms: 0 (two request timeouts) or at least request_timeout_ms");
+        "cluster request_budget_ms: 0 (two request timeouts) or from request_timeout_ms to "
+        "3,600,000");
   if (options.service_threads == 0 || options.service_threads > 64)
     return Status::InvalidArgument("cluster service threads: 1 to 64");
   if (options.lanes == 0 || options.lanes > cluster::kMaxLanes)

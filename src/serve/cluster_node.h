@@ -28,9 +28,8 @@
 // all loses them, and its connection, a deadline after its Hello.
 //
 // Failures: every call to a member has a deadline (request_timeout_ms),
-// which also bounds the connect and Hellos the call needs first, and a
-// request's calls together have a budget (request_budget_ms); a call cut
-// short by the budget is not the member's failure;
+// which also bounds the connect and Hellos the call needs first, and no
+// call of a request starts once its budget (request_budget_ms) is spent;
 // a member that missed one, or whose connection failed, is skipped for a
 // while (its ids are misses) and reconnected afterwards. A block never
 // becomes visible half-written: an owner publishes a pushed block only after
@@ -76,11 +75,10 @@ struct ClusterNodeOptions {
   // cancelled.
   bool allow_undetected_failures = false;
   uint32_t request_timeout_ms = 2000;  // deadline of each call to a member
-  // What one lookup, fetch or lease_mapped (one client request of the node
-  // server) may spend waiting on member calls in all: no call starts after
-  // it and a call's wait ends there, the member's ids then being misses (a
-  // transfer already started keeps its own deadline). 0: two
-  // request_timeout_ms; else at least request_timeout_ms.
+  // How long one lookup, fetch or lease_mapped (one client request of the
+  // node server) goes on making member calls: none starts after it (the ids
+  // left are misses); a call under way keeps its own deadline. 0: two
+  // request_timeout_ms; else request_timeout_ms to an hour.
   uint32_t request_budget_ms = 0;
   uint32_t lease_expiry_ms = 60000;  // what a member holds here ends after this long
   uint32_t retry_after_ms = 1000;    // a failed member is skipped this long
@@ -129,7 +127,7 @@ struct ClusterStats {
   uint64_t served_commits = 0, served_commit_bytes = 0;  // blocks other members stored here
   uint64_t checksum_failures = 0;                        // transfers whose bytes did not match
   uint64_t timeouts = 0;      // calls that missed their deadline or failed
-  uint64_t budget_cuts = 0;   // calls not made or cut short: their request's budget ran out
+  uint64_t budget_cuts = 0;   // calls not made: their request's budget was spent
   uint64_t expired = 0;       // leases and reservations of members that never ended them
   uint64_t bad_messages = 0;  // malformed requests or replies
   uint64_t late_replies = 0;  // replies that came after their call gave up, dropped

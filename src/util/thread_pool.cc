@@ -32,8 +32,8 @@ Result<std::unique_ptr<ThreadPool>> ThreadPool::Create(int threads, const char* 
   try {
     return std::make_unique<ThreadPool>(n, name);
   } catch (const std::system_error& e) {
-    return errno_status(e.code().value(),
-                        "cannot start " + std::to_string(n) + " threads (" + name + ")");
+    return errno_status(e.code().value(), "cannot start " + std::to_string(n) + " threads (" +
+                                              (name ? name : "cascade-io") + ")");
   }
 }
 
@@ -103,7 +103,7 @@ ThreadPool::ThreadPool(int threads, const char* name) : fors_(new ForSlot[kForSl
   workers_.reserve(threads);
   try {
     for (int i = 0; i < threads; ++i)
-      workers_.emplace_back([this, n = std::string(name)] {
+      workers_.emplace_back([this, n = std::string(name ? name : "cascade-io")] {
         name_this_thread(n.c_str());
         run();
       });
