@@ -244,10 +244,15 @@ class ClusterNode::Impl {
   // keeps its own deadline: cutting it short would leave what the member
   // granted (leases) held there until their expiry, and would not tell a
   // dead member from a slow one.
-  bool budget_spent(Deadline budget) {
+  // `calls`: how many calls the caller then does not make.
+  bool budget_spent(Deadline budget, uint64_t calls = 1) {
     if (TransportClock::now() < budget) return false;
-    budget_cuts.fetch_add(1, std::memory_order_relaxed);
+    budget_cuts.fetch_add(calls, std::memory_order_relaxed);
     return true;
+  }
+  // Calls of up to kMaxItems ids that `left` ids take.
+  static uint64_t calls_for(size_t left) {
+    return (left + cluster::kMaxItems - 1) / cluster::kMaxItems;
   }
   std::shared_ptr<const Ring> current() const {
     std::shared_lock<std::shared_mutex> l(view_mu);
@@ -608,7 +613,7 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
     for_each_call(groups.size(), [&](size_t g) {
       const auto& [mi, which] = groups[g];
       const ClusterMember& m = r->view.members[mi];
-      if (budget_spent(budget)) return;
+      if (budget_spent(budget, calls_for(which.size()))) return;
       // A connect and the first batch share one deadline, which runs while
       // another thread holds the slot too.
       const Deadline first = deadline();
@@ -616,7 +621,8 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
       auto link = link_to(s, m, first);
       if (!link.ok()) return;
       for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
-        if (b > 0 && budget_spent(budget)) break;
+        // Also after the connect, which may have waited for another's.
+        if (budget_spent(budget, calls_for(which.size() - b))) break;
         const size_t e = std::min(which.size(), b + cluster::kMaxItems);
         std::vector<uint8_t> items;
         items.reserve((e - b) * 16);
@@ -687,7 +693,7 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
   const Deadline until = deadline();  // the connect's and the lease's
   auto s = slot_of(m);
   auto link = link_to(s, m, lane, until);
-  if (!link.ok()) return;
+  if (!link.ok() || budget_spent(budget)) return;
   Peer& peer = *(*link)->peer;
   const Link& ln = **link;
   std::vector<uint8_t> items;
@@ -856,7 +862,7 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
     for_each_call(groups.size(), [&](size_t g) {
       const auto& [mi, which] = groups[g];
       const ClusterMember& m = r->view.members[mi];
-      if (budget_spent(budget)) return;
+      if (budget_spent(budget, calls_for(which.size()))) return;
       // A connect and the first batch share one deadline.
       const Deadline first = deadline();
       auto s = slot_of(m);
@@ -871,7 +877,8 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
       }
       const Link& ln = **link;
       for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
-        if (b > 0 && budget_spent(budget)) return;
+        // Also after the connect, which may have waited for another's.
+        if (budget_spent(budget, calls_for(which.size() - b))) return;
         const size_t e = std::min(which.size(), b + cluster::kMaxItems);
         std::vector<uint8_t> items;
         items.reserve((e - b) * 16);

@@ -126,8 +126,11 @@ struct ClusterStats {
   uint64_t lease_hashes = 0;  // of them, hashed to answer (no checksum known yet)
   uint64_t served_commits = 0, served_commit_bytes = 0;  // blocks other members stored here
   uint64_t checksum_failures = 0;                        // transfers whose bytes did not match
-  uint64_t timeouts = 0;      // calls that missed their deadline or failed
-  uint64_t budget_cuts = 0;   // calls not made: their request's budget was spent
+  uint64_t timeouts = 0;  // calls that missed their deadline or failed
+  // Calls not made because their request's budget was spent (a node
+  // server's lease-read may count the same ids twice: its leases on mapped
+  // arenas, then its fetch).
+  uint64_t budget_cuts = 0;
   uint64_t expired = 0;       // leases and reservations of members that never ended them
   uint64_t bad_messages = 0;  // malformed requests or replies
   uint64_t late_replies = 0;  // replies that came after their call gave up, dropped

@@ -972,18 +972,19 @@ TEST(ClusterNode, ABudgetBelowOneCallsDeadlineIsRefused) {
 
 TEST(ClusterNode, NoCallOfARequestStartsAfterItsBudget) {
   SKIP_WITHOUT_TRANSPORT();
-  // Calls end at 1 s each; a request starts none after 1.2 s. The owner
-  // answers every lookup just inside a call's deadline: a lookup of four
-  // batches' worth of ids would otherwise take four of them, 3.2 s. With
-  // the budget the second call starts at 0.8 s and the third never.
-  Member a("a", 60000, 4, /*timeout_ms=*/1000, /*map_same_host=*/false, /*budget_ms=*/1200);
+  // Calls end at 1 s each, and a request starts none after 1 s. The owner
+  // answers every lookup after 0.6 s (every id found): a lookup of four
+  // batches' worth of ids would otherwise take four replies, 2.4 s. With the
+  // budget the second call starts at 0.6 s, runs past the budget's end to
+  // its reply, and the third and fourth are not made.
+  Member a("a", 60000, 4, /*timeout_ms=*/1000, /*map_same_host=*/false, /*budget_ms=*/1000);
   ASSERT_TRUE(a.node);
   RawOwner owner(RawOwner::each_item(cluster::Op::kLookup, [](uint32_t) {
     cluster::LookupReply l{};
-    l.code = static_cast<uint32_t>(Code::kNotFound);
+    l.size = 4096;
     return l;
   }));
-  owner.reply_delay = 800ms;
+  owner.reply_delay = 600ms;
   owner.start();
   ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
   std::vector<BlockId> ids;
@@ -993,27 +994,39 @@ TEST(ClusterNode, NoCallOfARequestStartsAfterItsBudget) {
   auto t0 = std::chrono::steady_clock::now();
   a.node->lookup(ids, found, sizes);
   const auto took = std::chrono::steady_clock::now() - t0;
-  EXPECT_GE(took, 1500ms);
-  EXPECT_LT(took, 1600ms + 300ms);
+  EXPECT_GE(took, 1100ms);
+  EXPECT_LT(took, 1200ms + 600ms);
   EXPECT_EQ(a.node->stats().remote_lookups, 2 * uint64_t(cluster::kMaxItems));
-  EXPECT_GE(a.node->stats().budget_cuts, 1u);
+  // The call under way at the budget's end was waited for and its reply used.
+  const size_t first_two = 2 * cluster::kMaxItems;
+  EXPECT_EQ(std::count(found.begin(), found.begin() + first_two, 1), ptrdiff_t(first_two));
+  EXPECT_EQ(std::count(found.begin() + first_two, found.end(), 1), 0);
+  EXPECT_EQ(a.node->stats().budget_cuts, 2u);  // the third and fourth batches
+  EXPECT_EQ(a.node->stats().late_replies, 0u);
   // The member answered every call in time: it is not skipped. The next
   // request asks it again and waits for it.
   EXPECT_EQ(a.node->stats().timeouts, 0u);
   const uint64_t asked = a.node->stats().remote_lookups;
+  uint8_t one_found = 0;
+  uint64_t one_size = 0;
   t0 = std::chrono::steady_clock::now();
-  a.node->lookup({ids.data(), 1}, {found.data(), 1}, {sizes.data(), 1});
-  EXPECT_GE(std::chrono::steady_clock::now() - t0, 700ms);
+  a.node->lookup({ids.data(), 1}, {&one_found, 1}, {&one_size, 1});
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 500ms);
   EXPECT_EQ(a.node->stats().remote_lookups, asked + 1);
-  EXPECT_EQ(a.node->stats().timeouts, 0u);
+  EXPECT_EQ(one_found, 1);
   // Three lookups that share one budget: the third starts after it and
   // makes no call.
   const Deadline budget = a.node->request_deadline();
   t0 = std::chrono::steady_clock::now();
-  for (int k = 0; k < 3; ++k)
-    a.node->lookup({ids.data(), 1}, {found.data(), 1}, {sizes.data(), 1}, budget);
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1600ms + 300ms);
+  for (int k = 0; k < 3; ++k) {
+    one_found = 0;
+    a.node->lookup({ids.data(), 1}, {&one_found, 1}, {&one_size, 1}, budget);
+    EXPECT_EQ(one_found, k < 2 ? 1 : 0) << k;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1200ms + 600ms);
   EXPECT_EQ(a.node->stats().remote_lookups, asked + 3);
+  EXPECT_EQ(a.node->stats().budget_cuts, 3u);
+  EXPECT_EQ(a.node->stats().timeouts, 0u);
 }
 
 // ---- members on one host: arenas mapped --------------------------------------

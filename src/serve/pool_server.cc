@@ -1226,8 +1226,8 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
             where.push_back(k);
           }
         if (!missed.empty()) {
-          // One budget for both: a client's request waits on member calls
-          // that long at most.
+          // One budget for both: no member call of this request starts
+          // after it (calls under way keep their own deadlines).
           const Deadline budget = cn->request_deadline();
           std::vector<MappedLease> got(missed.size());
           cn->lease_mapped(missed, got, budget);

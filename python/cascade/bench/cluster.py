@@ -365,7 +365,8 @@ def _client(socket: str, threads: int = 2):
                 "num_io_threads": threads,
                 # Above what one request may take when member calls come
                 # near their (raised) deadline: the server's budget for them
-                # (two deadlines), a transfer's deadline, and much room.
+                # (two deadlines), the calls under way when it ends (a
+                # lease, then its transfer), and much room.
                 "pool_timeout_ms": 6 * _Node.request_timeout_ms + 5000,
             }
         )

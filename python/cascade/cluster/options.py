@@ -44,8 +44,9 @@ class ClusterOptions:
     # Allow fabrics that cannot notice a dead peer (shared memory alone).
     allow_undetected_failures: bool = False
     lease_expiry_seconds: float = 60.0  # a member's leases here end after this long
-    # What one client request may wait on calls to members in all; 0: two
-    # request timeouts.
+    # How long one client request goes on making calls to members: none
+    # starts after it, calls under way keep their deadlines; 0: two request
+    # timeouts.
     request_budget_seconds: float = 0.0
     verify: bool = True  # checksums on every transfer between members
     service_threads: int = 2  # threads answering the other members (at least one per lane)
