@@ -8,6 +8,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <numeric>
 #include <system_error>
 #include <thread>
@@ -90,17 +92,28 @@ TEST(ThreadPoolTest, ThreadStartFailureIsAStatusNotAnAbort) {
 // tools that list threads tell the pools apart.
 TEST(ThreadPoolTest, WorkersCarryThePoolsName) {
   auto names_of = [](ThreadPool& pool) {
-    std::vector<std::string> names(pool.size());
-    std::atomic<int> left{pool.size()};
-    // Each job waits for all the others, so every worker runs one.
+    // Each job waits for all the others to start, so every worker runs one.
+    // The state is shared with the jobs: the last of them may still be
+    // looking at it when this returns.
+    struct State {
+      std::mutex mu;
+      std::vector<std::string> names;
+      std::atomic<int> left{0};
+    };
+    auto st = std::make_shared<State>();
+    st->left.store(pool.size());
     for (int i = 0; i < pool.size(); ++i)
-      pool.submit([&, i] {
-        names[i] = this_thread_name();
-        left.fetch_sub(1);
-        while (left.load() > 0) std::this_thread::yield();
+      pool.submit([st] {
+        {
+          std::lock_guard<std::mutex> l(st->mu);
+          st->names.push_back(this_thread_name());
+        }
+        st->left.fetch_sub(1);
+        while (st->left.load() > 0) std::this_thread::yield();
       });
-    while (left.load() > 0) std::this_thread::yield();
-    return names;
+    while (st->left.load() > 0) std::this_thread::yield();
+    std::lock_guard<std::mutex> l(st->mu);
+    return st->names;
   };
   ThreadPool plain(2);
   for (const auto& n : names_of(plain)) EXPECT_EQ(n, "cascade-io");
