@@ -48,6 +48,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <list>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -160,7 +161,7 @@ struct Worker {
   struct Orphan {
     void* req;
     uint64_t tag;
-    std::vector<uint8_t> buf;
+    std::unique_ptr<uint8_t[]> buf;
     bool drop;  // nobody will take it over: freed, its message dropped, once it ends
   };
   std::list<Orphan> orphans;
@@ -609,7 +610,10 @@ class UcxTransport final : public Transport {
                                        Deadline deadline) override {
     if (max_bytes > kMaxMessageBytes)
       return Status::InvalidArgument("transport receive: max_bytes above the message limit");
-    std::vector<uint8_t> buf;
+    // Not zeroed, and made before the worker's lock: a receive may allow for
+    // a large message, and only the bytes that arrive are read (copied out
+    // at the end).
+    std::unique_ptr<uint8_t[]> buf(new uint8_t[std::max<uint64_t>(max_bytes, 1)]);
     void* req;
     {
       std::lock_guard<std::mutex> lock(w_->mu);
@@ -622,11 +626,10 @@ class UcxTransport final : public Transport {
         buf = std::move(it->buf);
         w_->orphans.erase(it);
       } else {
-        buf.resize(max_bytes);
         ucp_request_param_t p{};
         p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
         ucs_status_ptr_t r =
-            ucp_tag_recv_nbx(w_->worker, buf.data(), buf.size(), tag, ~ucp_tag_t{0}, &p);
+            ucp_tag_recv_nbx(w_->worker, buf.get(), max_bytes, tag, ~ucp_tag_t{0}, &p);
         if (UCS_PTR_IS_ERR(r)) return ucx_status(UCS_PTR_STATUS(r), "transport receive");
         req = r;
       }
@@ -654,8 +657,7 @@ class UcxTransport final : public Transport {
       return Status::InvalidArgument("transport receive: message longer than " +
                                      std::to_string(max_bytes) + " bytes");
     if (s != UCS_OK) return ucx_status(s, "transport receive");
-    buf.resize(info.length);
-    return buf;
+    return std::vector<uint8_t>(buf.get(), buf.get() + info.length);
   }
 
   void discard(uint64_t tag) override {
@@ -682,7 +684,7 @@ class UcxTransport final : public Transport {
     p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     ucs_status_ptr_t r = ucp_tag_recv_nbx(w_->worker, nullptr, 0, tag, ~ucp_tag_t{0}, &p);
     if (UCS_PTR_IS_ERR(r)) return;
-    w_->orphans.push_back(Worker::Orphan{r, tag, {}, true});
+    w_->orphans.push_back(Worker::Orphan{r, tag, nullptr, true});
   }
 
   bool progress() override {
