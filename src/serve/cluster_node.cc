@@ -243,8 +243,8 @@ class ClusterNode::Impl {
   // No call starts once its request's budget is spent. A call under way
   // keeps its own deadline: cutting it short would leave what the member
   // granted (leases) held there until their expiry, and would not tell a
-  // dead member from a slow one.
-  // `calls`: how many calls the caller then does not make.
+  // dead member from a slow one. `calls`: how many calls the caller then
+  // does not make (counted in budget_cuts).
   bool budget_spent(Deadline budget, uint64_t calls = 1) {
     if (TransportClock::now() < budget) return false;
     budget_cuts.fetch_add(calls, std::memory_order_relaxed);
