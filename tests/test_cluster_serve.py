@@ -57,6 +57,7 @@ def start(place, i: int, port: int, node_id: str | None, run: int = 0) -> Server
             "node_id": node_id,  # None: the default id
             "lease_ttl_seconds": 3,
             "refresh_seconds": 0.2,
+            "request_budget_seconds": 5,
         },
     }
     section = {
@@ -91,6 +92,7 @@ def test_two_servers_form_a_cluster_and_leave_it(place):
     assert m['cascade_pool_cluster_state{state="member"}'] == 1
     assert m["cascade_pool_cluster_view_version"] >= 1
     assert m["cascade_pool_cluster_lease_renew_failures_total"] == 0
+    assert m["cascade_pool_cluster_budget_cuts_total"] == 0  # no request ran out of time
     # Each server watches the members' keys.
     until(
         lambda: all(scrape(u)["cascade_pool_cluster_watches_made_total"] >= 1 for u in urls),
