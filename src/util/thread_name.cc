@@ -7,6 +7,7 @@
 namespace cascade {
 
 void name_this_thread(const char* name) {
+  if (name == nullptr) return;
   char cut[16];
   std::strncpy(cut, name, sizeof cut - 1);
   cut[sizeof cut - 1] = '\0';

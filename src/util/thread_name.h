@@ -8,8 +8,8 @@
 
 namespace cascade {
 
-// Names the calling thread. Best effort: a system without thread names
-// leaves the thread as it is.
+// Names the calling thread (null: leaves it as it is). Best effort: a
+// system without thread names leaves the thread as it is.
 void name_this_thread(const char* name);
 
 // The calling thread's name, or empty where the system keeps none.
