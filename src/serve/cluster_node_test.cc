@@ -944,30 +944,29 @@ TEST(ClusterNode, BadViewsAreRefused) {
   EXPECT_TRUE(a.node->set_view(v).ok());
 }
 
-TEST(ClusterNode, AnExpiryShorterThanAPushCanTakeIsRefused) {
+TEST(ClusterNode, TimeoutsThatCannotHoldAreRefused) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a");
   ASSERT_TRUE(a.node);
-  ClusterNodeOptions o;
-  o.node_id = "b";
-  o.fabrics = "tcp";
-  o.request_timeout_ms = 2000;
-  o.lease_expiry_ms = 2001;  // below three calls' deadlines and a sweep
-  auto n = ClusterNode::Start(a.server->store(), a.server->store()->shared_arena(), o);
-  EXPECT_TRUE(n.status().is(Code::kInvalidArgument)) << n.status().ToString();
-}
-
-TEST(ClusterNode, ABudgetBelowOneCallsDeadlineIsRefused) {
-  SKIP_WITHOUT_TRANSPORT();
-  Member a("a");
-  ASSERT_TRUE(a.node);
-  ClusterNodeOptions o;
-  o.node_id = "b";
-  o.fabrics = "tcp";
-  o.request_timeout_ms = 2000;
-  o.request_budget_ms = 1999;
-  auto n = ClusterNode::Start(a.server->store(), a.server->store()->shared_arena(), o);
-  EXPECT_TRUE(n.status().is(Code::kInvalidArgument)) << n.status().ToString();
+  struct Case {
+    const char* why;
+    uint32_t lease_expiry_ms, request_budget_ms;
+  };
+  const Case cases[] = {
+      {"an expiry below three calls' deadlines and a sweep", 2001, 0},
+      {"a budget below one call's deadline", 60000, 1999},
+      {"a budget above an hour", 60000, 3600 * 1000 + 1},
+  };
+  for (const Case& c : cases) {
+    ClusterNodeOptions o;
+    o.node_id = "b";
+    o.fabrics = "tcp";
+    o.request_timeout_ms = 2000;
+    o.lease_expiry_ms = c.lease_expiry_ms;
+    o.request_budget_ms = c.request_budget_ms;
+    auto n = ClusterNode::Start(a.server->store(), a.server->store()->shared_arena(), o);
+    EXPECT_TRUE(n.status().is(Code::kInvalidArgument)) << c.why << ": " << n.status().ToString();
+  }
 }
 
 TEST(ClusterNode, NoCallOfARequestStartsAfterItsBudget) {
