@@ -1099,9 +1099,12 @@ void ClusterNode::Impl::service_loop(size_t index) {
   name_this_thread("cascade-member");
   const size_t lane = index % lanes.size();
   while (!stopping.load()) {
+    // Requests come at any time: the thread sleeps until the lane's progress
+    // thread has one in, rather than poll beside it.
     auto msg = lanes[lane].t->receive(
         cluster::kRequestTag, cluster::kMaxRequestBytes,
-        deadline_in(std::chrono::duration_cast<std::chrono::milliseconds>(kServiceWait)));
+        deadline_in(std::chrono::duration_cast<std::chrono::milliseconds>(kServiceWait)),
+        ReceiveWait::kAnyTime);
     if (msg.ok()) {
       serve(lane, std::move(msg.value()));
     } else if (msg.status().is(Code::kInvalidArgument)) {

@@ -114,6 +114,9 @@ class Completion {
 
 enum class TransferKind : uint8_t { kGet, kPut };
 
+// When a receive expects its message (Transport::receive).
+enum class ReceiveWait : uint8_t { kSoon, kAnyTime };
+
 // One transfer of a batch: bytes [offset, offset + size) of `region`, read
 // into `local` (kGet) or written from it (kPut).
 struct TransferOp {
@@ -195,8 +198,20 @@ class Transport {
   // it returns by then and a few milliseconds more, even when a message had
   // begun to arrive. Such a message is kept for the next receive of its tag
   // (or dropped, after discard(tag)), its buffer held until then (counters()).
-  virtual Result<std::vector<uint8_t>> receive(uint64_t tag, uint64_t max_bytes,
-                                               Deadline deadline) = 0;
+  //
+  // `wait` says when the message is expected. kSoon (a reply to a request
+  // just sent): the receiving thread polls the endpoint for a short while
+  // before it sleeps, so a quick reply costs no wake-up. kAnyTime (a server
+  // waiting for requests): it sleeps at once where a progress thread drives
+  // the endpoint (TransportOptions::progress_thread), which wakes it when the
+  // message is in; where none does, it polls as for kSoon, since nothing else
+  // would take the message in. Idle waiters that poll take cores from the
+  // threads doing work when a host runs many of them.
+  virtual Result<std::vector<uint8_t>> receive(uint64_t tag, uint64_t max_bytes, Deadline deadline,
+                                               ReceiveWait wait) = 0;
+  Result<std::vector<uint8_t>> receive(uint64_t tag, uint64_t max_bytes, Deadline deadline) {
+    return receive(tag, max_bytes, deadline, ReceiveWait::kSoon);
+  }
 
   // Takes the next message sent with `tag` (from any peer) when it comes,
   // and drops it, rather than keeping it for a receive that never comes:

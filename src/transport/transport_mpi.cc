@@ -924,8 +924,10 @@ class MpiTransport final : public Transport {
     return std::shared_ptr<Peer>(std::make_shared<MpiPeer>(std::move(state)));
   }
 
-  Result<std::vector<uint8_t>> receive(uint64_t tag, uint64_t max_bytes,
-                                       Deadline deadline) override {
+  // Every receive sleeps between its looks at the mailbox, whatever `wait`
+  // says.
+  Result<std::vector<uint8_t>> receive(uint64_t tag, uint64_t max_bytes, Deadline deadline,
+                                       ReceiveWait /*wait*/) override {
     if (max_bytes > kMaxMessageBytes)
       return Status::InvalidArgument("transport receive: max_bytes above the message limit");
     unsigned idle = 0;

@@ -613,6 +613,67 @@ TEST_P(TransportFabricTest, IdleWaitsSleep) {
                          << " ms to reach a sleeping receiver";
 }
 
+// A receive told that its message may come at any time sleeps at once
+// beside a progress thread and polls without one; either way every message
+// reaches it (one sent while it waits, and, beside a progress thread, one
+// that came before it), and a message that never comes ends it by its
+// deadline.
+TEST_P(TransportFabricTest, ReceivesWaitingForMessagesAtAnyTimeGetEachOne) {
+  for (bool progress_thread : {true, false}) {
+    SCOPED_TRACE(progress_thread ? "with a progress thread" : "without a progress thread");
+    auto child = start_child(6, 4096);
+    ASSERT_NE(child, nullptr);
+    open_local(progress_thread);
+    std::shared_ptr<Peer> peer;
+    std::shared_ptr<RemoteRegion> region;
+    attach(*child, &peer, &region);
+    if (HasFatalFailure()) return;
+    for (int i = 0; i < 6; ++i) {
+      const uint64_t tag_in = 200 + 2 * i, tag_out = tag_in + 1;
+      std::vector<uint8_t> msg(100 + 700 * i);
+      for (size_t k = 0; k < msg.size(); ++k) msg[k] = static_cast<uint8_t>(k * 13 + i);
+      Result<std::vector<uint8_t>> got = Status::Unavailable("not received");
+      auto receive = [&] {
+        got = local_->receive(tag_out, 1 << 16, deadline_in(10s), ReceiveWait::kAnyTime);
+      };
+      // The receiver waits before the child connects back and the message
+      // goes out (without a progress thread its polls are what answer the
+      // child's connection); beside a progress thread, every other reply is
+      // in before its receive starts.
+      const bool waits_first = !progress_thread || i % 2 == 0;
+      std::thread receiver;
+      if (waits_first) {
+        receiver = std::thread(receive);
+        std::this_thread::sleep_for(50ms);
+      }
+      const bool echoing =
+          child->start_echo(local_->address(), tag_in, tag_out, deadline_in(10s)).ok();
+      EXPECT_TRUE(echoing) << "message " << i;
+      const bool sent = echoing && peer->send(tag_in, msg, deadline_in(10s)).ok();
+      EXPECT_TRUE(!echoing || sent) << "message " << i;
+      if (waits_first) {
+        receiver.join();
+      } else if (sent) {
+        std::this_thread::sleep_for(50ms);
+        receive();
+      }
+      if (!sent) return;
+      ASSERT_TRUE(got.ok()) << "message " << i << ": " << got.status().ToString();
+      std::reverse(msg.begin(), msg.end());
+      EXPECT_EQ(*got, msg) << "message " << i;
+    }
+    const auto t0 = TransportClock::now();
+    EXPECT_TRUE(local_->receive(299, 64, deadline_in(200ms), ReceiveWait::kAnyTime)
+                    .status()
+                    .is(Code::kUnavailable));
+    EXPECT_LT(TransportClock::now() - t0, 2s);
+    peer.reset();
+    region.reset();
+    local_->close();
+    local_.reset();
+  }
+}
+
 // A peer killed with SIGKILL while reads are in flight: every pending and
 // later operation fails within its deadline, and no read that succeeded
 // holds a wrong byte.

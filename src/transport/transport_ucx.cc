@@ -202,8 +202,8 @@ struct Worker {
 
   // Drives the worker until `req` finishes or `deadline` passes; the
   // request's status, or UCS_INPROGRESS at the deadline.
-  ucs_status_t drive(void* req, Deadline deadline) {
-    const Deadline spin_until = TransportClock::now() + kWaiterSpin;
+  ucs_status_t drive(void* req, Deadline deadline, Deadline::duration spin = kWaiterSpin) {
+    const Deadline spin_until = TransportClock::now() + spin;
     for (unsigned idle = 0;; ++idle) {
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -606,8 +606,8 @@ class UcxTransport final : public Transport {
     return std::shared_ptr<Peer>(std::move(peer));
   }
 
-  Result<std::vector<uint8_t>> receive(uint64_t tag, uint64_t max_bytes,
-                                       Deadline deadline) override {
+  Result<std::vector<uint8_t>> receive(uint64_t tag, uint64_t max_bytes, Deadline deadline,
+                                       ReceiveWait wait) override {
     if (max_bytes > kMaxMessageBytes)
       return Status::InvalidArgument("transport receive: max_bytes above the message limit");
     // Not zeroed, and made before the worker's lock: a receive may allow for
@@ -634,7 +634,9 @@ class UcxTransport final : public Transport {
         req = r;
       }
     }
-    if (w_->drive(req, deadline) == UCS_INPROGRESS) {
+    const Deadline::duration spin = wait == ReceiveWait::kAnyTime ? Deadline::duration::zero()
+                                                                  : Deadline::duration(kWaiterSpin);
+    if (w_->drive(req, deadline, spin) == UCS_INPROGRESS) {
       {
         std::lock_guard<std::mutex> lock(w_->mu);
         ucp_request_cancel(w_->worker, req);
