@@ -163,9 +163,17 @@ class Peer {
 // Receives a Transport keeps for nobody now: a receive that missed its
 // deadline after it had matched a message still arriving (its buffer stays
 // with the transport), and discards (Transport::discard).
+//
+// And how waits slept, where a backend's waits sleep until progress (UCX
+// with its wakeup feature and a progress thread; 0 elsewhere): waits that
+// went to sleep after their first look (receives of ReceiveWait::kAnyTime),
+// and sleeps that progress ended (the others end at a short nap, then look
+// again), ever.
 struct TransportCounters {
   uint64_t held = 0;     // such receives now
   uint64_t dropped = 0;  // messages they took and dropped, ever
+  uint64_t slept_at_once = 0;
+  uint64_t woken = 0;
 };
 
 class Transport {
@@ -203,9 +211,10 @@ class Transport {
   // just sent): the receiving thread polls the endpoint for a short while
   // before it sleeps, so a quick reply costs no wake-up. kAnyTime (a server
   // waiting for requests): it sleeps at once where a progress thread drives
-  // the endpoint (TransportOptions::progress_thread), which wakes it when the
-  // message is in; where none does, it polls as for kSoon, since nothing else
-  // would take the message in. Idle waiters that poll take cores from the
+  // the endpoint (TransportOptions::progress_thread) and the fabric can wake
+  // it (UCX's wakeup feature), and the progress thread wakes it when the
+  // message is in; elsewhere it polls as for kSoon, since nothing else would
+  // take the message in. Idle waiters that poll take cores from the
   // threads doing work when a host runs many of them.
   virtual Result<std::vector<uint8_t>> receive(uint64_t tag, uint64_t max_bytes, Deadline deadline,
                                                ReceiveWait wait) = 0;

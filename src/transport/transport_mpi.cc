@@ -814,6 +814,7 @@ class MpiRegion final : public MemoryRegion {
 
 class MpiTransport final : public Transport {
  public:
+  using Transport::receive;  // the overload that expects its message soon
   explicit MpiTransport(std::shared_ptr<Endpoint> e) : e_(std::move(e)) {}
   ~MpiTransport() override { close(); }
 

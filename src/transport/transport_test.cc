@@ -605,29 +605,38 @@ TEST_P(TransportFabricTest, IdleWaitsSleep) {
   });
   std::this_thread::sleep_for(200ms);  // the receiver is asleep by now
   const auto sent = TransportClock::now();
-  ASSERT_TRUE(peer->send(70, std::vector<uint8_t>(16, 3), deadline_in(10s)).ok());
+  const bool went = peer->send(70, std::vector<uint8_t>(16, 3), deadline_in(10s)).ok();
+  EXPECT_TRUE(went);
   receiver.join();
+  if (!went) return;
   const auto took = TransportClock::time_point(TransportClock::duration(got_ns.load())) - sent;
   EXPECT_LT(took, 100ms) << "a message took "
                          << std::chrono::duration<double, std::milli>(took).count()
                          << " ms to reach a sleeping receiver";
 }
 
-// A receive told that its message may come at any time sleeps at once
-// beside a progress thread and polls without one; either way every message
+// A receive told that its message may come at any time sleeps after its
+// first look beside a progress thread, and the progress thread wakes it
+// when the message is in; without one it polls. Either way every message
 // reaches it (one sent while it waits, and, beside a progress thread, one
 // that came before it), and a message that never comes ends it by its
-// deadline.
+// deadline. A receive that expects its message soon polls before it sleeps.
 TEST_P(TransportFabricTest, ReceivesWaitingForMessagesAtAnyTimeGetEachOne) {
+  // Both children first: a child is forked before this process opens a
+  // Transport of its own.
+  std::unique_ptr<ForkedPeer> children[2] = {start_child(6, 4096), start_child(7, 4096)};
+  ASSERT_NE(children[0], nullptr);
+  ASSERT_NE(children[1], nullptr);
   for (bool progress_thread : {true, false}) {
     SCOPED_TRACE(progress_thread ? "with a progress thread" : "without a progress thread");
-    auto child = start_child(6, 4096);
-    ASSERT_NE(child, nullptr);
+    ForkedPeer& child = *children[progress_thread ? 0 : 1];
     open_local(progress_thread);
     std::shared_ptr<Peer> peer;
     std::shared_ptr<RemoteRegion> region;
-    attach(*child, &peer, &region);
+    attach(child, &peer, &region);
     if (HasFatalFailure()) return;
+    const TransportCounters before = local_->counters();
+    int waited = 0;  // receives that waited before their message was sent
     for (int i = 0; i < 6; ++i) {
       const uint64_t tag_in = 200 + 2 * i, tag_out = tag_in + 1;
       std::vector<uint8_t> msg(100 + 700 * i);
@@ -645,9 +654,10 @@ TEST_P(TransportFabricTest, ReceivesWaitingForMessagesAtAnyTimeGetEachOne) {
       if (waits_first) {
         receiver = std::thread(receive);
         std::this_thread::sleep_for(50ms);
+        ++waited;
       }
       const bool echoing =
-          child->start_echo(local_->address(), tag_in, tag_out, deadline_in(10s)).ok();
+          child.start_echo(local_->address(), tag_in, tag_out, deadline_in(10s)).ok();
       EXPECT_TRUE(echoing) << "message " << i;
       const bool sent = echoing && peer->send(tag_in, msg, deadline_in(10s)).ok();
       EXPECT_TRUE(!echoing || sent) << "message " << i;
@@ -662,11 +672,29 @@ TEST_P(TransportFabricTest, ReceivesWaitingForMessagesAtAnyTimeGetEachOne) {
       std::reverse(msg.begin(), msg.end());
       EXPECT_EQ(*got, msg) << "message " << i;
     }
-    const auto t0 = TransportClock::now();
+    const TransportCounters after = local_->counters();
+    if (progress_thread) {
+      // Each receive that waited slept after its first look, and progress
+      // (not a nap) ended at least one sleep.
+      EXPECT_GE(after.slept_at_once - before.slept_at_once, uint64_t(waited));
+      EXPECT_GE(after.woken - before.woken, 1u);
+    } else {
+      EXPECT_EQ(after.slept_at_once, before.slept_at_once);
+      EXPECT_EQ(after.woken, before.woken);
+    }
+    auto t0 = TransportClock::now();
     EXPECT_TRUE(local_->receive(299, 64, deadline_in(200ms), ReceiveWait::kAnyTime)
                     .status()
                     .is(Code::kUnavailable));
     EXPECT_LT(TransportClock::now() - t0, 2s);
+    // A receive expecting its message soon polls first, then sleeps.
+    const uint64_t at_once = local_->counters().slept_at_once;
+    t0 = TransportClock::now();
+    EXPECT_TRUE(local_->receive(298, 64, deadline_in(200ms), ReceiveWait::kSoon)
+                    .status()
+                    .is(Code::kUnavailable));
+    EXPECT_LT(TransportClock::now() - t0, 2s);
+    EXPECT_EQ(local_->counters().slept_at_once, at_once);
     peer.reset();
     region.reset();
     local_->close();

@@ -11,9 +11,10 @@
 // Idle waits sleep where the worker has an event descriptor (UCX's wakeup
 // feature): the progress thread, once a few polls find nothing to do, arms
 // the worker and sleeps in poll() until the fabric has an event; a waiter
-// that spun for kWaiterSpin without its request finishing sleeps until some
-// progress happened (Worker::epoch, bumped by every progress call that did
-// work while someone sleeps) or kWaiterNap passed, then looks again. So an
+// that spun for kWaiterSpin without its request finishing (a receive of
+// ReceiveWait::kAnyTime: after one look) sleeps until some progress happened
+// (Worker::epoch, bumped by every progress call that did work while someone
+// sleeps) or kWaiterNap passed, then looks again. So an
 // idle member with threads blocked in receive costs no CPU, and a request
 // that finishes without an event (local work only) is seen within a nap.
 //
@@ -137,7 +138,8 @@ struct Worker {
   // Sleeps until progress happened after this call began, `req` finished,
   // or `until`. A progress that completes req after the check below finds
   // sleepers set (both are sequentially consistent) and bumps the epoch.
-  void sleep_for_progress(void* req, Deadline until) {
+  // True when progress ended the sleep.
+  bool sleep_for_progress(void* req, Deadline until) {
     sleepers.fetch_add(1, std::memory_order_seq_cst);
     uint64_t seen;
     {
@@ -149,12 +151,17 @@ struct Worker {
       std::lock_guard<std::mutex> l(mu);
       done = ucp_request_check_status(req) != UCS_INPROGRESS;
     }
+    bool woken = false;
     if (!done) {
       std::unique_lock<std::mutex> l(sleep_mu);
-      sleep_cv.wait_until(l, until, [&] { return epoch != seen; });
+      woken = sleep_cv.wait_until(l, until, [&] { return epoch != seen; });
     }
     sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    return woken;
   }
+  // TransportCounters::slept_at_once and ::woken.
+  std::atomic<uint64_t> slept_at_once{0};
+  std::atomic<uint64_t> woken{0};
   // Receives nobody waits for now (a receive given up on while its message
   // was arriving; a discard, with no buffer), each with the buffer UCX may
   // still write until it ends. Guarded by mu.
@@ -201,7 +208,8 @@ struct Worker {
   }
 
   // Drives the worker until `req` finishes or `deadline` passes; the
-  // request's status, or UCS_INPROGRESS at the deadline.
+  // request's status, or UCS_INPROGRESS at the deadline. Polls for `spin`
+  // before it sleeps (where a progress thread drives the worker).
   ucs_status_t drive(void* req, Deadline deadline, Deadline::duration spin = kWaiterSpin) {
     const Deadline spin_until = TransportClock::now() + spin;
     for (unsigned idle = 0;; ++idle) {
@@ -214,7 +222,9 @@ struct Worker {
       const Deadline now = TransportClock::now();
       if (now >= deadline) return UCS_INPROGRESS;
       if (efd >= 0 && driven.load(std::memory_order_relaxed) && now >= spin_until) {
-        sleep_for_progress(req, std::min(deadline, now + kWaiterNap));
+        if (idle == 0) slept_at_once.fetch_add(1, std::memory_order_relaxed);
+        if (sleep_for_progress(req, std::min(deadline, now + kWaiterNap)))
+          woken.fetch_add(1, std::memory_order_relaxed);
         continue;
       }
       backoff(idle);
@@ -514,6 +524,7 @@ class UcxRegion final : public MemoryRegion {
 
 class UcxTransport final : public Transport {
  public:
+  using Transport::receive;  // the overload that expects its message soon
   explicit UcxTransport(std::shared_ptr<Worker> w) : w_(std::move(w)) {}
   ~UcxTransport() override { close(); }
 
@@ -697,7 +708,9 @@ class UcxTransport final : public Transport {
   TransportCounters counters() const override {
     std::lock_guard<std::mutex> lock(w_->mu);
     w_->reap_locked();
-    return TransportCounters{w_->orphans.size(), w_->dropped};
+    return TransportCounters{w_->orphans.size(), w_->dropped,
+                             w_->slept_at_once.load(std::memory_order_relaxed),
+                             w_->woken.load(std::memory_order_relaxed)};
   }
 
   void close() override {
