@@ -39,6 +39,10 @@ def test_quick_run_reports_pairs_and_aggregates(tmp_path, capsys):
     assert [a["servers"] for a in report["aggregate"]] == [2, 3, 2, 3]
     for a in report["aggregate"]:
         assert a["pushed"] > 0 and a["read_gbps"] > 0
+        # The servers' first contact is made, and timed on its own, before
+        # the writes' clock starts: every server is connected to every other.
+        assert a["first_contact_ms"] > 0
+        assert a["connected_before_writes"] == a["servers"] * (a["servers"] - 1)
         assert a["ratio"] == pytest.approx(a["read_gbps"] / a["n_x_one"])
         assert a["memcpy_n_gbps"] > 0 and a["fresh_map_n_gbps"] > 0
         # Each pass against N x one server's rate of the same kind, or
@@ -58,6 +62,7 @@ def test_quick_run_reports_pairs_and_aggregates(tmp_path, capsys):
         assert a["again_ratio_bound"] == pytest.approx(a["again_gbps"] / bound)
     assert "remote/local" in text and "N x one" in text and "fresh/warm map" in text
     assert "memcpy N threads" in text and "fresh map N" in text and "again / min" in text
+    assert "first contact ms" in text
 
 
 def test_first_touch_probe_with_several_readers(tmp_path):

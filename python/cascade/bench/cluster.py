@@ -562,6 +562,7 @@ def _pair_rows(fabric: str, size: int, total: int, verify: bool, progress) -> di
         t0 = time.perf_counter()
         _read(reader, warm_keys, warm_data, 1)
         first_contact_s = time.perf_counter() - t0
+        connected = sum(cast(dict, n.server.cluster_stats())["connected"] for n in nodes)
         batch = max(1, min(256, (16 << 20) // size))
         progress(f"{fabric} {fmt_size(size)}: local reads")
         _read(local, keys, data, batch)  # the client maps the arena's pages once
@@ -588,6 +589,9 @@ def _pair_rows(fabric: str, size: int, total: int, verify: bool, progress) -> di
             "again_gbps": nbytes / again_s / 1e9,
             "again_ratio": local_s / again_s,
             "first_contact_ms": first_contact_s * 1e3,
+            # Members each server had a connection to when the clock started
+            # (every other one, after the first contact).
+            "connected_before_writes": connected,
             "fresh_map_gbps": touch["first_gbps"],
             "warm_map_gbps": touch["warm_gbps"],
             "fetched": stats["fetched"],
@@ -611,6 +615,23 @@ def _aggregate_row(
         _install(nodes)
         clients = [n.client() for n in nodes]
         sets = [_aggregate_set(i, size, count) for i in range(servers)]
+        # The servers' first contact before the clock, as in the pair rows:
+        # small blocks written through every server, pushed to their owners
+        # and read through every other server, in small batches that spread
+        # over the servers' workers and so over their lanes (the connections,
+        # hellos and mappings of arena files a cluster makes once, at its
+        # start). Timed on its own.
+        progress(f"{fabric} {fmt_size(size)} x {servers} servers: first contact")
+        warm = [_blocks(7000 + i, 4096, 32 * servers) for i in range(servers)]
+        t0 = time.perf_counter()
+        _on_threads(servers, lambda i: _put(clients[i], *warm[i]))
+        _drain(nodes)
+        _on_threads(
+            servers,
+            lambda i: [_read(clients[i], *warm[j], 4) for j in range(servers) if j != i],
+        )
+        first_contact_s = time.perf_counter() - t0
+        connected = sum(cast(dict, n.server.cluster_stats())["connected"] for n in nodes)
         progress(f"{fabric} {fmt_size(size)} x {servers} servers: writes")
         t0 = time.perf_counter()
         _on_threads(servers, lambda i: _put(clients[i], *sets[i]))
@@ -657,6 +678,10 @@ def _aggregate_row(
             "block": size,
             "servers": servers,
             "write_gbps": servers * count * size / write_s / 1e9,
+            "first_contact_ms": first_contact_s * 1e3,
+            # Members each server had a connection to when the clock started
+            # (every other one, after the first contact).
+            "connected_before_writes": connected,
             "pushed": pushed,
             # Each reader times its own passes (the wall time also holds
             # the check that follows them): the busiest reader's time is
@@ -901,6 +926,7 @@ def format_report(report: dict) -> str:
             a["fabric"],
             fmt_size(a["block"]),
             a["servers"],
+            a.get("first_contact_ms", 0.0),
             a["write_gbps"],
             a["read_gbps"],
             a["n_x_one"],
@@ -920,6 +946,7 @@ def format_report(report: dict) -> str:
                 "fabric",
                 "block",
                 "servers",
+                "first contact ms",
                 "write GB/s",
                 "read GB/s",
                 "N x one",
@@ -932,8 +959,10 @@ def format_report(report: dict) -> str:
                 "again / min",
             ],
             rows,
-            title="\none client per server: writes pushed to owners, then every client reads "
-            "every other client's blocks, and again (the mappings of the owners' arenas warm). "
+            title="\none client per server: first contact (small blocks written through every "
+            "server and read through every other, untimed in the rates), then writes pushed to "
+            "owners, then every client reads every other client's blocks, and again (the "
+            "mappings of the owners' arenas warm). "
             f"Goal {GOAL_AGGREGATE}x N x one server (first reads, or again), or x memcpy on N "
             "threads where memory binds first; fresh map N: N reader processes copying out of "
             "fresh mappings at once, what first reads from other members' arenas can reach"
