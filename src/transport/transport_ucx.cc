@@ -222,7 +222,11 @@ struct Worker {
       const Deadline now = TransportClock::now();
       if (now >= deadline) return UCS_INPROGRESS;
       if (efd >= 0 && driven.load(std::memory_order_relaxed) && now >= spin_until) {
-        if (idle == 0) slept_at_once.fetch_add(1, std::memory_order_relaxed);
+        // A wait with no polls asked for, on its first look (a wait that
+        // polls may reach its sleep on the first look too, when its thread
+        // lost the core for longer than its polls were to last).
+        if (spin <= Deadline::duration::zero() && idle == 0)
+          slept_at_once.fetch_add(1, std::memory_order_relaxed);
         if (sleep_for_progress(req, std::min(deadline, now + kWaiterNap)))
           woken.fetch_add(1, std::memory_order_relaxed);
         continue;
