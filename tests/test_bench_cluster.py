@@ -317,3 +317,14 @@ def test_pushes_dropped_fail_the_run_with_their_cause():
     cluster._drain([Node(0, 0), Node(0, 0)])
     with pytest.raises(RuntimeError, match="pushes dropped: 138, calls that missed .*: 1"):
         cluster._drain([Node(0, 0), Node(138, 1)])
+
+
+def test_first_contact_blocks_never_share_a_key_with_a_rows_blocks():
+    from cascade.bench import cluster
+
+    # A block size of 7 bytes gives the aggregate sets the seeds the first
+    # contact's blocks are made from; their keys still differ.
+    for size in (7, 4096, 64 << 10):
+        timed = {k for i in range(3) for k in cluster._aggregate_set(i, size, 8)[0]}
+        warm = {k for i in range(3) for k in cluster._first_contact_set(i, 3)[0]}
+        assert not timed & warm

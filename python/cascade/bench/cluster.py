@@ -486,6 +486,13 @@ def _blocks(tag: int, size: int, count: int) -> tuple[list[str], np.ndarray]:
     return [f"b{tag}-{i}" for i in range(count)], data
 
 
+def _first_contact_set(i: int, servers: int) -> tuple[list[str], np.ndarray]:
+    """The small blocks client i writes for an aggregate row's first
+    contact: keys of their own, apart from every row's timed blocks."""
+    keys, data = _blocks(7000 + i, 4096, 32 * servers)
+    return [f"first-contact-{k}" for k in keys], data
+
+
 def _aggregate_set(i: int, size: int, count: int) -> tuple[list[str], np.ndarray]:
     """The blocks client i writes in an aggregate row, made the same way by
     a reader in a process of its own."""
@@ -622,7 +629,7 @@ def _aggregate_row(
         # hellos and mappings of arena files a cluster makes once, at its
         # start). Timed on its own.
         progress(f"{fabric} {fmt_size(size)} x {servers} servers: first contact")
-        warm = [_blocks(7000 + i, 4096, 32 * servers) for i in range(servers)]
+        warm = [_first_contact_set(i, servers) for i in range(servers)]
         t0 = time.perf_counter()
         _on_threads(servers, lambda i: _put(clients[i], *warm[i]))
         _drain(nodes)
