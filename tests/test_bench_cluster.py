@@ -32,6 +32,7 @@ def test_quick_run_reports_pairs_and_aggregates(tmp_path, capsys):
         # and the first-contact block twice).
         assert p["mapped_leases"] == 4 * p["blocks"] + 2 and p["fetched"] == 0
         assert p["first_contact_ms"] > 0
+        assert "connected_before_writes" not in p  # a pair's contact comes after its writes
         assert p["again_gbps"] > 0
         assert p["checksum_failures"] == 0
         assert p["local_gbps"] > 0 and p["remote_gbps"] > 0

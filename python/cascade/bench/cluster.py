@@ -569,7 +569,6 @@ def _pair_rows(fabric: str, size: int, total: int, verify: bool, progress) -> di
         t0 = time.perf_counter()
         _read(reader, warm_keys, warm_data, 1)
         first_contact_s = time.perf_counter() - t0
-        connected = sum(cast(dict, n.server.cluster_stats())["connected"] for n in nodes)
         batch = max(1, min(256, (16 << 20) // size))
         progress(f"{fabric} {fmt_size(size)}: local reads")
         _read(local, keys, data, batch)  # the client maps the arena's pages once
@@ -596,9 +595,6 @@ def _pair_rows(fabric: str, size: int, total: int, verify: bool, progress) -> di
             "again_gbps": nbytes / again_s / 1e9,
             "again_ratio": local_s / again_s,
             "first_contact_ms": first_contact_s * 1e3,
-            # Members each server had a connection to when the clock started
-            # (every other one, after the first contact).
-            "connected_before_writes": connected,
             "fresh_map_gbps": touch["first_gbps"],
             "warm_map_gbps": touch["warm_gbps"],
             "fetched": stats["fetched"],
