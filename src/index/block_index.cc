@@ -11,7 +11,8 @@ namespace {
 constexpr uint32_t kNil = 0xffffffffu;
 // Entry::state bits. Lease count in the low 24 bits.
 constexpr uint32_t kLeaseMask = (1u << 24) - 1;
-constexpr uint32_t kDoomed = 1u << 24;      // removed; reclaim when leases reach 0
+constexpr uint32_t kDoomed = 1u << 24;  // removed; reclaim when leases reach 0
+static_assert(BlockIndex::kMaxLeases < kLeaseMask);
 constexpr uint32_t kEvicting = 1u << 25;    // claimed by an evictor; not in a list
 constexpr uint32_t kReferenced = 1u << 26;  // read since it was (re)queued
 constexpr uint32_t kPrefix = 1u << 27;
@@ -230,6 +231,12 @@ std::optional<BlockIndex::Lease> BlockIndex::acquire(const BlockId& id, bool tou
   uint32_t e = static_cast<uint32_t>(s.table[pos]) - 1;
   Entry& x = s.at(e);
   uint32_t old = x.state.fetch_add(1, std::memory_order_acq_rel);
+  if ((old & kLeaseMask) >= kMaxLeases) {
+    // Taken back: the count stays far below its bits' limit however many
+    // threads race here (each adds one before it looks).
+    x.state.fetch_sub(1, std::memory_order_acq_rel);
+    return std::nullopt;
+  }
   if ((old & kLeaseMask) == 0) s.leased.fetch_add(1, std::memory_order_relaxed);
   if (touch && !(old & kReferenced)) x.state.fetch_or(kReferenced, std::memory_order_relaxed);
   Lease lease;

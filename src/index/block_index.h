@@ -68,7 +68,10 @@ class BlockIndex {
     bool is_prefix = false;
   };
   // Finds the block and leases it. touch: mark it used (eviction order).
+  // nullopt when absent, or when it already has kMaxLeases leases (the count
+  // would overflow its bits in the entry).
   std::optional<Lease> acquire(const BlockId& id, bool touch = true);
+  static constexpr uint32_t kMaxLeases = (1u << 24) - (1u << 16);
   void release(uint64_t token);
 
   // Location without a lease: only for callers that hold the bytes stable

@@ -86,6 +86,32 @@ TEST(BlockIndexTest, RemoveWhileLeasedReclaimsAfterRelease) {
   EXPECT_EQ(idx.peek(make_id(1))->offset, 8192u);
 }
 
+TEST(BlockIndexTest, LeasesOfOneBlockStopAtTheirLimitAndTheBlockStaysLeased) {
+  // The lease count has 24 bits in the entry: past kMaxLeases a lease is
+  // refused (a miss), never counted into the doomed bit, which would free
+  // the range while millions of readers still hold it.
+  Reclaimed r;
+  BlockIndex idx(16, EvictionPolicy::kLru, r.fn());
+  idx.insert(make_id(1), {4096, 100}, false);
+  uint64_t token = 0;
+  uint32_t granted = 0;
+  while (auto l = idx.acquire(make_id(1), false)) {
+    token = l->token;
+    if (++granted > BlockIndex::kMaxLeases) break;
+  }
+  ASSERT_EQ(granted, BlockIndex::kMaxLeases);
+  EXPECT_FALSE(idx.acquire(make_id(1)));
+  // Removed while so leased: hidden, its range kept until the last lease.
+  EXPECT_TRUE(idx.remove(make_id(1)));
+  EXPECT_EQ(idx.leased(), 1u);
+  for (uint32_t k = 0; k + 1 < granted; ++k) idx.release(token);
+  EXPECT_TRUE(r.got.empty());
+  idx.release(token);
+  ASSERT_EQ(r.got.size(), 1u);
+  EXPECT_EQ(r.got.begin()->second.offset, 4096u);
+  EXPECT_EQ(idx.leased(), 0u);
+}
+
 TEST(BlockIndexTest, VictimsOldestFirstSkippingLeasedAndPrefix) {
   BlockIndex idx(8, EvictionPolicy::kFifo, nullptr);
   for (uint64_t i = 0; i < 10; ++i) idx.insert(make_id(i), {i * 4096, 10}, /*is_prefix=*/i < 2);

@@ -126,7 +126,7 @@ std::string header_refusal(int fd, ArenaHeader* out) {
 
 // The pids of the processes that took the flock locks on file (dev, ino),
 // as /proc/locks shows them. Empty when none is listed or the list cannot
-// be read; 0 for a holder outside this pid namespace.
+// be read (see in_initial_pid_namespace for the locks it leaves out).
 std::vector<long> flock_holders(dev_t dev, ino_t ino) {
   std::vector<long> pids;
   FILE* f = std::fopen("/proc/locks", "re");
@@ -148,6 +148,17 @@ std::vector<long> flock_holders(dev_t dev, ino_t ino) {
   }
   std::fclose(f);
   return pids;
+}
+
+// Whether this process lives in the initial pid namespace (the host's,
+// whose inode number the kernel fixes). There /proc/locks lists every flock
+// with its holder's pid, gone or not; in another namespace (a container's)
+// it leaves out the locks of holders it cannot name: one that has exited,
+// or one that lives outside this namespace.
+bool in_initial_pid_namespace() {
+  constexpr ino_t kInitialPidNamespace = 0xEFFFFFFCu;
+  struct stat st {};
+  return ::stat("/proc/self/ns/pid", &st) != 0 || st.st_ino == kInitialPidNamespace;
 }
 
 // True when pid names no running process (gone, or a zombie not yet reaped).
@@ -183,8 +194,15 @@ LockOutcome take_lock(int fd, dev_t dev, ino_t ino, int* err) {
     return LockOutcome::kHeld;
   }
   std::vector<long> holders = flock_holders(dev, ino);
-  if (holders.empty() || !std::all_of(holders.begin(), holders.end(), process_gone))
-    return LockOutcome::kHeld;
+  // A lock that /proc/locks does not list: outside the initial pid
+  // namespace its holder has exited, or lives where this namespace cannot
+  // see it. A server restarted in a container finds its dead predecessor's
+  // lock so (held on by clients that still map the arena), and takes it
+  // for gone; a live holder of another namespace looks the same, which is
+  // why a pool server first looks for a live server on its socket.
+  const bool gone = holders.empty() ? !in_initial_pid_namespace()
+                                    : std::all_of(holders.begin(), holders.end(), process_gone);
+  if (!gone) return LockOutcome::kHeld;
   for (int i = 0; i < 50; ++i) {
     ::usleep(20000);
     if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return LockOutcome::kTaken;

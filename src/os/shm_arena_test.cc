@@ -4,7 +4,9 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/wait.h>
@@ -213,6 +215,70 @@ TEST(ShmArena, SecondArenaOnALockedPathIsBusy) {
 // on: the flock stays held by no running process. The next store neither
 // waits for that client nor takes the memory it may still read: the client
 // keeps the old file, the path gets a new one.
+// The scenario of the test below, run in a process of its own: a store
+// dies leaving a client that maps its arena, and a new store is created on
+// the path. Its exit code: 0 when the new store replaced the arena in use,
+// else why not.
+int left_in_use_replaced(const std::string& path) {
+  int ready[2], stop[2];
+  if (::pipe(ready) != 0 || ::pipe(stop) != 0) return 20;
+  const pid_t store = ::fork();
+  if (store < 0) return 21;
+  if (store == 0) {
+    auto a = ShmArena::Create(path, kCap, false, 64);
+    if (!a.ok() || !(*a)->commit(kCap).ok()) ::_exit(2);
+    if (::fork() == 0) {  // the client, which outlives the store
+      char c = 1;
+      if (::write(ready[1], &c, 1) != 1) ::_exit(3);
+      (void)!::read(stop[0], &c, 1);
+      ::_exit(0);
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  if (::waitpid(store, &status, 0) != store || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    return 22;
+  char c = 0;
+  if (::read(ready[0], &c, 1) != 1) return 23;
+  auto b = ShmArena::Create(path, kCap, false, 64);
+  int code = !b.ok() ? 24 : (*b)->replaced_in_use() ? 0 : 25;
+  if (!b.ok()) std::fprintf(stderr, "%s\n", b.status().ToString().c_str());
+  (void)!::write(stop[1], &c, 1);
+  if (b.ok()) b->reset();
+  ::unlink(path.c_str());
+  return code;
+}
+
+TEST(ShmArena, InAContainersPidNamespaceAnArenaLeftInUseByADeadStoresClientIsReplaced) {
+  // In a pid namespace other than the host's (a container), /proc/locks
+  // shows the lock of a store that has exited with pid 0. A store restarted
+  // there replaces the arena its dead predecessor's clients still map, as
+  // it does on the host, instead of finding it busy for as long as they live.
+  const std::string path = unique_path("ns");
+  const pid_t outer = ::fork();
+  ASSERT_GE(outer, 0);
+  if (outer == 0) {
+    if (::unshare(CLONE_NEWPID | CLONE_NEWNS) != 0) ::_exit(77);
+    if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) ::_exit(77);
+    const pid_t init = ::fork();  // pid 1 of the new namespace
+    if (init < 0) ::_exit(30);
+    if (init == 0) {
+      if (::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0)
+        ::_exit(77);
+      ::_exit(left_in_use_replaced(path));
+    }
+    int status = 0;
+    if (::waitpid(init, &status, 0) != init || !WIFEXITED(status)) ::_exit(31);
+    ::_exit(WEXITSTATUS(status));
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(outer, &status, 0), outer);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  ::unlink(path.c_str());
+  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "no new pid and mount namespaces here";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "25: the new store found the arena busy";
+}
+
 TEST(ShmArena, AnArenaLeftInUseByADeadStoresClientIsReplacedNotTaken) {
   std::string path = unique_path("left");
   int ready[2], stop[2];

@@ -334,6 +334,13 @@ Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& confi
     return Status::NotSupported(
         "a pool server stores what its clients write into its arena; dedup needs the bytes "
         "before they are placed: set dedup_enabled to false");
+  // A live server on the socket owns the arena too: refused before the
+  // arena is opened (in a container, a lock on the arena whose holder this
+  // pid namespace cannot see looks like a dead one's).
+  if (auto probe = connect_unix(options.socket_path); probe.ok()) {
+    ::close(*probe);
+    return Status::Busy("a server is listening on '" + options.socket_path + "' already");
+  }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   auto t0 = std::chrono::steady_clock::now();
@@ -689,23 +696,40 @@ void PoolServer::Impl::drop(const std::shared_ptr<PoolClient>& c) {
   reap_cv.notify_all();
 }
 
+// Ends dead clients as soon as no worker serves a request of theirs. A
+// client whose request is still under way (a long flush, a call to a
+// cluster member) waits in `busy` and is looked at again every millisecond,
+// while the clients that died after it are ended at once.
 void PoolServer::Impl::reap_loop() {
   name_this_thread("cascade-reaper");
+  std::vector<std::shared_ptr<PoolClient>> busy;
   std::unique_lock<std::mutex> l(mu);
   while (true) {
-    reap_cv.wait(l, [&] { return reaper_stop || !reap_queue.empty(); });
-    if (reap_queue.empty()) return;
-    auto c = reap_queue.front();
-    reap_queue.pop_front();
+    const auto ready = [&] { return !reap_queue.empty() || (reaper_stop && busy.empty()); };
+    if (busy.empty()) reap_cv.wait(l, ready);
+    else reap_cv.wait_for(l, std::chrono::milliseconds(1), ready);
+    if (reap_queue.empty() && busy.empty()) return;  // reaper_stop
+    while (!reap_queue.empty()) {
+      busy.push_back(std::move(reap_queue.front()));
+      reap_queue.pop_front();
+    }
     l.unlock();
-    cleanup(c.get());
-    disconnects.fetch_add(1);  // counted once everything it held is given back
+    for (auto it = busy.begin(); it != busy.end();) {
+      // `dead` is set (drop): a worker that enters from now on leaves.
+      if ((*it)->inside.load() != 0) {
+        ++it;
+        continue;
+      }
+      cleanup(it->get());
+      disconnects.fetch_add(1);  // counted once everything it held is given back
+      it = busy.erase(it);
+    }
     l.lock();
   }
 }
 
-// Waits for the workers serving the client's requests, then ends what it
-// held: its leases and its reservations (a put it never committed stays
+// Ends what a dead client held, once no worker serves a request of its:
+// its leases and its reservations (a put it never committed stays
 // invisible and its range is free again). Its channels stay mapped until
 // no worker's table holds the client.
 void PoolServer::Impl::cleanup(PoolClient* c) {

@@ -24,6 +24,7 @@
 #include "cuda/device_buffer.h"
 #include "cuda/device_buffer_testing.h"
 #include "os/ipc.h"
+#include "serve/pool_raw_client_testing.h"
 #include "tiers/arena_tier.h"
 #include "tiers/pool/pool_channel.h"
 #include "tiers/pool/pool_tier.h"
@@ -125,95 +126,6 @@ std::vector<uint8_t> bytes_for(uint64_t seed, size_t n) {
 }
 
 BlockId id_of(uint64_t v) { return compute_block_id(&v, sizeof v); }
-
-// A client speaking the wire format by hand, for requests a PoolTier never sends.
-struct RawClient {
-  int sock = -1;
-  uint8_t* channels = nullptr;
-  uint64_t bytes = 0;
-  pool::Doorbell* bell = nullptr;
-  pool::Channel ch;
-  uint32_t seq = 0;
-  pool::Welcome welcome{};
-
-  Status connect(const std::string& path, const std::string& ns = "ns", uint32_t nch = 1) {
-    auto s = connect_unix(path);
-    if (!s.ok()) return s.status();
-    sock = *s;
-    pool::Hello h{};
-    h.magic = pool::kMagic;
-    h.version = pool::kVersion;
-    h.channels = nch;
-    h.namespace_bytes = static_cast<uint32_t>(ns.size());
-    std::memcpy(h.name_space, ns.data(), ns.size());
-    CASCADE_RETURN_IF_ERROR(send_message(sock, &h, sizeof h));
-    std::vector<int> fds;
-    CASCADE_RETURN_IF_ERROR(
-        receive_message(sock, &welcome, sizeof welcome,
-                        std::chrono::steady_clock::now() + std::chrono::seconds(5), &fds, 3));
-    if (welcome.code != 0) return Status(static_cast<Code>(welcome.code), welcome.message);
-    if (fds.size() != 3) return Status::IOError("not the three descriptors");
-    ::close(fds[0]);
-    void* d = ::mmap(nullptr, pool::kDoorbellBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[2], 0);
-    ::close(fds[2]);
-    if (d == MAP_FAILED) return Status::IOError("mmap of the doorbell");
-    bell = static_cast<pool::Doorbell*>(d);
-    if (welcome.channels != nch) return Status::IOError("fewer channels than asked");
-    bytes = uint64_t(nch) * pool::kChannelStride;
-    void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
-    ::close(fds[1]);
-    if (m == MAP_FAILED) return Status::IOError("mmap");
-    channels = static_cast<uint8_t*>(m);
-    ch = pool::Channel::at(channels, 0);
-    return Status::OK();
-  }
-  // Sends the following requests on channel i (each channel numbers its own).
-  void use(uint32_t i) {
-    seqs[current] = seq;
-    current = i;
-    seq = seqs[i];
-    ch = pool::Channel::at(channels, i);
-  }
-  uint32_t seqs[8] = {};
-  uint32_t current = 0;
-  // Posts the n bytes already in the request area, without waiting.
-  void post(uint32_t n) {
-    ch.control->request_bytes = n;
-    pool::post_request(ch.control, ++seq, bell);
-  }
-  // Waits for the reply to the last request posted; the reply header, or
-  // false when none came within `wait`.
-  bool wait(pool::ReplyHeader* reply, std::chrono::milliseconds wait = std::chrono::seconds(1)) {
-    auto deadline = std::chrono::steady_clock::now() + wait;
-    bool ok = pool::wait_change(&ch.control->reply_seq, seq - 1, &ch.control->client_sleeping,
-                                10000, [&] { return std::chrono::steady_clock::now() > deadline; });
-    if (!ok || ch.control->reply_seq.load() != seq) return false;
-    std::memcpy(reply, ch.reply, sizeof *reply);
-    return true;
-  }
-  bool call(uint32_t n, pool::ReplyHeader* reply) {
-    post(n);
-    return wait(reply);
-  }
-  // Writes a request into the current channel's request area; its length.
-  uint32_t write(Op op, const void* items, uint32_t count, uint64_t item_bytes,
-                 uint32_t flags = 0) {
-    pool::RequestHeader h{static_cast<uint32_t>(op), count, flags, 0};
-    std::memcpy(ch.request, &h, sizeof h);
-    if (count) std::memcpy(ch.request + sizeof h, items, count * item_bytes);
-    return static_cast<uint32_t>(sizeof h + count * item_bytes);
-  }
-  uint32_t request(Op op, const void* items, uint32_t count, uint64_t item_bytes,
-                   pool::ReplyHeader* reply) {
-    EXPECT_TRUE(call(write(op, items, count, item_bytes), reply));
-    return reply->code;
-  }
-  ~RawClient() {
-    if (channels) ::munmap(channels, bytes);
-    if (bell) ::munmap(bell, pool::kDoorbellBytes);
-    if (sock >= 0) ::close(sock);
-  }
-};
 
 TEST(PoolServerTest, ClientsOfOneNamespaceShareBlocksOthersNeverSeeThem) {
   PoolFixture f;
@@ -740,6 +652,44 @@ TEST(PoolServerTest, AClientWhoseProcessEndsGoesEvenIfAChildKeepsItsSocket) {
   EXPECT_EQ(f.server->stats().clients, 0u);
   ::close(hold[1]);  // the grandchild ends
   ::close(hold[0]);
+}
+
+TEST(PoolServerTest, AStoreClosedAfterItsProcessForkedEndsItsConnection) {
+  // A process opens a store, forks (the child inherits the socket and keeps
+  // it), then closes the store and goes on: the server sees the client go
+  // at once, and frees what it held, though the socket's other copy lives.
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  auto c = f.client();
+  ASSERT_TRUE(c);
+  const BlockId id = id_of(77);
+  std::vector<uint8_t> data(8192, 7);
+  ASSERT_TRUE(c->put(id, data.data(), data.size()).ok());
+  auto view = c->acquire(id);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(f.server->stats().clients, 1u);
+  int hold[2];
+  ASSERT_EQ(::pipe(hold), 0);
+  const pid_t child = ::fork();  // system calls only: forked from a threaded process
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(hold[1]);
+    char b;
+    (void)!::read(hold[0], &b, 1);
+    ::_exit(0);
+  }
+  ::close(hold[0]);
+  view->detach();  // its lease ends with the connection
+  c.reset();
+  const auto t0 = std::chrono::steady_clock::now();
+  while (f.server->stats().clients > 0 &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(3))
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(f.server->stats().clients, 0u);
+  EXPECT_EQ(f.server->stats().leases, 0u);
+  ::close(hold[1]);  // the child ends
+  int status = 0;
+  EXPECT_EQ(::waitpid(child, &status, 0), child);
 }
 
 TEST(PoolServerTest, PeersThatConnectAndStaySilentDoNotKeepNewClientsOut) {

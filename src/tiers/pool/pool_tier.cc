@@ -1,6 +1,7 @@
 #include "tiers/pool/pool_tier.h"
 
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -242,7 +243,14 @@ PoolTier::~PoolTier() {
   if (channel_map_) ::munmap(channel_map_, channel_map_bytes_);
   if (doorbell_) ::munmap(doorbell_, pool::kDoorbellBytes);
   if (arena_map_) ::munmap(arena_map_, arena_map_bytes_);
-  if (sock_ >= 0) ::close(sock_);  // the server ends what this client still held
+  if (sock_ >= 0) {
+    // The server ends what this client still held once the connection
+    // ends: shut down here, since a child forked meanwhile may hold a copy
+    // of the socket. A forked child's own copy of the store (not this
+    // process's) leaves the connection to its parent alone.
+    if (::getpid() == opened_by_) ::shutdown(sock_, SHUT_RDWR);
+    ::close(sock_);
+  }
 }
 
 PoolTier::Held PoolTier::hold() const {

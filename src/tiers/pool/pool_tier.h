@@ -35,6 +35,8 @@
 // Ownership: views must not outlive the tier.
 #pragma once
 
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -272,6 +274,7 @@ class PoolTier final : public Tier {
   const int64_t timeout_us_;
   const uint64_t parallel_threshold_;
   int sock_ = -1;
+  pid_t opened_by_ = ::getpid();  // the process that connected sock_
   uint64_t client_id_ = 0;
   uint8_t* arena_map_ = nullptr;
   uint64_t arena_map_bytes_ = 0;
