@@ -196,6 +196,8 @@ class PyPoolServer {
     d["budget_cuts"] = s.budget_cuts;
     d["peer_leases"] = s.peer_leases;
     d["peer_reservations"] = s.peer_reservations;
+    d["quarantined"] = s.quarantined;
+    d["quarantined_bytes"] = s.quarantined_bytes;
     return d;
   }
 

@@ -261,6 +261,18 @@ CLUSTER_DATA_METRICS = [
         "Replies of members that came after their call gave up (dropped)",
     ),
     ("cluster_peer_leases", "peer_leases", "gauge", "Leases other members hold here now"),
+    (
+        "cluster_peer_reservations",
+        "peer_reservations",
+        "gauge",
+        "Reservations held here in other members' names now (those of ended members until expiry)",
+    ),
+    (
+        "cluster_quarantined_bytes",
+        "quarantined_bytes",
+        "gauge",
+        "Local ranges held because a failed transfer may still write them",
+    ),
 ]
 
 

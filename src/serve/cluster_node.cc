@@ -113,7 +113,11 @@ struct Link {
 };
 
 struct LinkSlot {
-  std::mutex mu;  // one connect at a time; guards the fields
+  // One connect at a time, held across its network calls (link_to). The
+  // fields are guarded by `mu`, which is never held across a network call,
+  // so reading them (a mapping's lookup, stats) never waits for a connect.
+  std::mutex connect_mu;
+  std::mutex mu;  // guards the fields
   uint64_t generation = 0;
   std::vector<uint8_t> address;
   std::vector<std::shared_ptr<Link>> links;  // one per local lane
@@ -211,6 +215,14 @@ class ClusterNode::Impl {
   // Local ranges a failed get may still write (see fetch_from).
   std::mutex quarantine_mu;
   std::vector<Reservation> quarantine;  // guarded by quarantine_mu
+  // Reservations of members whose state here ended (end_peer): a put of
+  // theirs already under way may still land in the range, so each is held
+  // until its own expiry, as a live member's would be, then freed by sweep.
+  struct Ending {
+    Reservation r;
+    Clock::time_point expires;
+  };
+  std::vector<Ending> ending;  // guarded by quarantine_mu
   std::mutex queue_mu;
   std::condition_variable queue_cv, drained_cv;
   std::deque<BlockId> queue;      // guarded by queue_mu
@@ -234,6 +246,12 @@ class ClusterNode::Impl {
 
   Deadline deadline() const {
     return deadline_in(std::chrono::milliseconds(options.request_timeout_ms));
+  }
+  // Whether a get that failed (missed its deadline) may still write its
+  // local buffer: MPI never cancels a one-sided transfer, and a fabric
+  // without failure detection does not cancel one to a peer that stopped.
+  bool failed_gets_may_land() const {
+    return options.transport == TransportBackend::kMpi || options.allow_undetected_failures;
   }
   Deadline request_deadline() const {
     const uint32_t ms =
@@ -266,28 +284,38 @@ class ClusterNode::Impl {
   // computed them over the bytes held, or from a member's commit whose bytes
   // are the ones the store holds (when another put of the id won, the bytes
   // held are that put's), so a block read by many members is hashed at most
-  // once. Blocks are immutable per id;
-  // an entry that no longer matches (an id removed and stored again with
-  // other bytes) makes the reader's check fail: a miss, never wrong data.
+  // once. Each is remembered with where the bytes lie and is used only for a
+  // block at that place; an id stored here again (committed by a client,
+  // fetched) is forgotten, since its bytes may differ.
   static constexpr size_t kMaxSums = size_t(1) << 20;
+  struct Sum {
+    const uint8_t* data;
+    uint64_t size;
+    uint64_t sum;
+  };
   std::mutex sums_mu;
-  std::unordered_map<BlockId, uint64_t> sums;  // guarded by sums_mu
-  void remember(const BlockId& id, uint64_t sum) {
+  std::unordered_map<BlockId, Sum> sums;  // guarded by sums_mu
+  void remember(const BlockId& id, const uint8_t* data, uint64_t size, uint64_t sum) {
     if (sum == 0) return;
     std::lock_guard<std::mutex> l(sums_mu);
     if (sums.size() >= kMaxSums) sums.clear();
-    sums[id] = sum;
+    sums[id] = Sum{data, size, sum};
+  }
+  void forget(std::span<const BlockId> ids) {
+    std::lock_guard<std::mutex> l(sums_mu);
+    if (sums.empty()) return;
+    for (const BlockId& id : ids) sums.erase(id);
   }
   uint64_t sum_of(const BlockId& id, const uint8_t* p, uint64_t n) {
     if (!options.verify) return 0;
     {
       std::lock_guard<std::mutex> l(sums_mu);
       auto it = sums.find(id);
-      if (it != sums.end()) return it->second;
+      if (it != sums.end() && it->second.data == p && it->second.size == n) return it->second.sum;
     }
     const uint64_t sum = block_checksum(p, n);
     lease_hashes.fetch_add(1, std::memory_order_relaxed);
-    remember(id, sum);
+    remember(id, p, n, sum);
     return sum;
   }
 
@@ -437,40 +465,49 @@ class ClusterNode::Impl {
   }
   Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s, const ClusterMember& m,
                                         size_t lane, Deadline until) {
-    std::lock_guard<std::mutex> l(s->mu);
-    if (s->links[lane] && s->links[lane]->peer->health().ok()) return s->links[lane];
-    if (s->links[lane]) {
-      s->links[lane]->peer->close();
-      s->links[lane].reset();
+    std::lock_guard<std::mutex> c(s->connect_mu);
+    std::vector<uint8_t> address;
+    {
+      std::lock_guard<std::mutex> l(s->mu);
+      if (s->links[lane] && s->links[lane]->peer->health().ok()) return s->links[lane];
+      if (s->links[lane]) {
+        s->links[lane]->peer->close();
+        s->links[lane].reset();
+      }
+      if (Clock::now() < s->skip_until)
+        return Status::Unavailable("member " + m.node_id + " failed recently; skipped for now");
+      if (m.address.empty())
+        return Status::Unavailable("member " + m.node_id + " publishes no transport address");
+      if (!s->lane_addresses.empty()) address = s->lane_addresses[lane % s->lane_addresses.size()];
     }
-    if (Clock::now() < s->skip_until)
-      return Status::Unavailable("member " + m.node_id + " failed recently; skipped for now");
-    if (m.address.empty())
-      return Status::Unavailable("member " + m.node_id + " publishes no transport address");
+    if (!address.empty()) return connect_lane(s, m, lane, address, until);
     // The member's lane addresses come with the reply to a Hello on its
     // published address (its lane 0).
-    if (s->lane_addresses.empty()) {
-      auto first = connect_locked(s, m, lane, m.address, until);
-      if (!first.ok()) return first.status();
+    auto first = connect_lane(s, m, lane, m.address, until);
+    if (!first.ok()) return first.status();
+    {
+      std::lock_guard<std::mutex> l(s->mu);
       if (s->lane_addresses.empty()) s->lane_addresses.push_back(m.address);
       const size_t want = lane % s->lane_addresses.size();
       if (want == 0 || s->lane_addresses[want] == m.address) return first;
+      address = s->lane_addresses[want];
       // This lane talks to another of the member's lanes: the connection
       // just made served to learn them.
       first.value()->peer->close();
-      s->links[lane].reset();
+      if (s->links[lane] == first.value()) s->links[lane].reset();
     }
-    return connect_locked(s, m, lane, s->lane_addresses[lane % s->lane_addresses.size()], until);
+    return connect_lane(s, m, lane, address, until);
   }
 
   // Connects local lane `lane` to `address` (one of m's lanes) and says
-  // Hello, by `until`. REQUIRES: s->mu held.
-  Result<std::shared_ptr<Link>> connect_locked(const std::shared_ptr<LinkSlot>& s,
-                                               const ClusterMember& m, size_t lane,
-                                               const std::vector<uint8_t>& address,
-                                               Deadline until) {
+  // Hello, by `until`; the link is installed in s unless the member's
+  // record changed meanwhile. REQUIRES: s->connect_mu held, s->mu not.
+  Result<std::shared_ptr<Link>> connect_lane(const std::shared_ptr<LinkSlot>& s,
+                                             const ClusterMember& m, size_t lane,
+                                             const std::vector<uint8_t>& address, Deadline until) {
     auto fail_now = [&](const Status& st) -> Status {
       timeouts.fetch_add(1, std::memory_order_relaxed);
+      std::lock_guard<std::mutex> l(s->mu);
       s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
       return st;
     };
@@ -480,6 +517,7 @@ class ClusterNode::Impl {
       Status st = fail_now(peer.status());
       if (Clock::now() + std::chrono::milliseconds(10) < until) {
         // Refused well before the deadline, not timed out: back off longer.
+        std::lock_guard<std::mutex> l(s->mu);
         s->refusals = std::min<uint32_t>(s->refusals + 1, 16);
         auto skip = std::min<Clock::duration>(
             std::chrono::milliseconds(options.retry_after_ms) * (1ull << (s->refusals - 1)),
@@ -489,7 +527,10 @@ class ClusterNode::Impl {
       }
       return st;
     }
-    s->refusals = 0;
+    {
+      std::lock_guard<std::mutex> l(s->mu);
+      s->refusals = 0;
+    }
     const std::vector<uint8_t>& mine = t.address();
     auto reply = call(lane, **peer, Op::kHello, static_cast<uint32_t>(mine.size()), mine, until);
     if (!reply.ok()) {
@@ -538,29 +579,42 @@ class ClusterNode::Impl {
       (*peer)->close();
       return fail_now(key.status());
     }
-    if (s->lane_addresses.empty()) s->lane_addresses = std::move(addresses);
-    if (!s->mapped && options.map_same_host && !host_boot_id.empty() && !arena_path.empty() &&
+    bool want_mapping;
+    {
+      std::lock_guard<std::mutex> l(s->mu);
+      want_mapping = !s->mapped;
+    }
+    std::shared_ptr<const ReadOnlyMapping> mapping;
+    if (want_mapping && options.map_same_host && !host_boot_id.empty() && !arena_path.empty() &&
         std::string(ha.boot_id, strnlen(ha.boot_id, sizeof ha.boot_id)) == host_boot_id) {
       // On this host: map its arena, or go on over the transport when that
       // fails (another mount namespace, another user, a file replaced).
       auto mapped =
           map_file_read_only(arena_path, ha.device, ha.inode, ha.file_offset, hr.arena_bytes);
-      if (mapped.ok()) {
-        s->mapped = std::move(mapped.value());
-        s->mapped_index = next_mapping.fetch_add(1, std::memory_order_relaxed);
-        s->mapped_file =
-            MappedArenaFile{arena_path, ha.device, ha.inode, ha.file_offset, hr.arena_bytes};
-        s->lease_expiry_ms = ha.lease_expiry_ms;
-      } else {
-        map_failures.fetch_add(1, std::memory_order_relaxed);
-      }
+      if (mapped.ok()) mapping = std::move(mapped.value());
+      else map_failures.fetch_add(1, std::memory_order_relaxed);
     }
     auto link = std::make_shared<Link>();
-    link->mapped = s->mapped;
     link->peer = std::move(peer.value());
     link->arena = std::move(key.value());
     link->arena_bytes = hr.arena_bytes;
     link->lane = lane;
+    std::lock_guard<std::mutex> l(s->mu);
+    if (s->generation != m.generation || s->address != m.address) {
+      // The member's record changed while this connect went on: the slot
+      // is another process's now.
+      link->peer->close();
+      return Status::Unavailable("member " + m.node_id + " changed while connecting");
+    }
+    if (s->lane_addresses.empty()) s->lane_addresses = std::move(addresses);
+    if (!s->mapped && mapping) {
+      s->mapped = std::move(mapping);
+      s->mapped_index = next_mapping.fetch_add(1, std::memory_order_relaxed);
+      s->mapped_file =
+          MappedArenaFile{arena_path, ha.device, ha.inode, ha.file_offset, hr.arena_bytes};
+      s->lease_expiry_ms = ha.lease_expiry_ms;
+    }
+    link->mapped = s->mapped;
     s->links[lane] = link;
     return link;
   }
@@ -596,7 +650,7 @@ class ClusterNode::Impl {
                                    const std::string& node_id, std::span<const uint8_t> address,
                                    std::shared_ptr<Peer>* back);
   std::vector<uint8_t> serve_items(PeerState& p, Op op, uint32_t count, const uint8_t* items);
-  void end_peer(PeerState& p);
+  void end_peer(PeerState& p, bool closed = false);
   void sweep();
 };
 
@@ -808,10 +862,11 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
     return;
   }
   if (!st.ok()) {
-    // On a fabric without failure detection a get that missed its deadline
-    // is not cancelled and may still write its range: the ranges are held
-    // until the transports close, never handed to another block.
-    if (options.allow_undetected_failures) {
+    // On a fabric without failure detection, and over MPI (which cannot
+    // cancel a one-sided transfer), a get that missed its deadline may
+    // still write its range: the ranges are held until the transports
+    // close, never handed to another block.
+    if (failed_gets_may_land()) {
       std::lock_guard<std::mutex> q(quarantine_mu);
       for (size_t k : moving) quarantine.push_back(res[k]);
     } else {
@@ -839,6 +894,9 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
   if (good.empty()) return;
   PutOptions o;
   o.origin = PutOrigin::kPromotion;
+  std::vector<BlockId> good_ids;
+  for (const auto& r : good) good_ids.push_back(r.id);
+  forget(good_ids);
   std::vector<Status> cst;
   store->commit_batch(good, o, &cst);
   for (size_t j = 0; j < good.size(); ++j) {
@@ -1447,7 +1505,8 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
             const Reservation& r = batch[stored_j[i]];
             if (vst[i].ok() && views[i].kind() == MemoryKind::kHost &&
                 views[i].data() == arena.base + r.offset && views[i].size() == r.size)
-              remember(r.id, item_at<cluster::CommitItem>(items, ks[stored_j[i]]).checksum);
+              remember(r.id, views[i].data(), r.size,
+                       item_at<cluster::CommitItem>(items, ks[stored_j[i]]).checksum);
           }
         }
       }
@@ -1458,22 +1517,32 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
   }
 }
 
-// Ends what p holds here: its leases end, its reservations are freed.
+// Ends what p holds here: its leases end at once; its reservations are
+// held until their expiry (a put of p's may still be landing in them: the
+// member's own connection, which carries its puts, is not this one), then
+// freed by sweep. With the transports closed (`closed`), nothing lands any
+// more and they are freed at once.
 // REQUIRES: p is no longer reachable from `peers`, or peers_mu is held.
-void ClusterNode::Impl::end_peer(PeerState& p) {
+void ClusterNode::Impl::end_peer(PeerState& p, bool closed) {
   std::vector<BlockView> ended;
-  std::vector<Reservation> freed;
+  std::vector<Ending> held_back;
   {
     std::lock_guard<std::mutex> l(p.mu);
     p.ended = true;
     for (auto& [t, lease] : p.leases) ended.push_back(std::move(lease.view));
-    for (auto& [t, held] : p.reservations) freed.push_back(held.r);
+    for (auto& [t, held] : p.reservations) held_back.push_back(Ending{held.r, held.expires});
     p.leases.clear();
     p.reservations.clear();
   }
   peer_leases.fetch_sub(static_cast<int64_t>(ended.size()), std::memory_order_relaxed);
-  peer_reservations.fetch_sub(static_cast<int64_t>(freed.size()), std::memory_order_relaxed);
-  for (const auto& r : freed) store->abort(r);
+  if (closed) {
+    peer_reservations.fetch_sub(static_cast<int64_t>(held_back.size()), std::memory_order_relaxed);
+    for (const auto& e : held_back) store->abort(e.r);
+  } else if (!held_back.empty()) {
+    // Still counted in peer_reservations until sweep frees them.
+    std::lock_guard<std::mutex> q(quarantine_mu);
+    ending.insert(ending.end(), held_back.begin(), held_back.end());
+  }
   if (p.back) p.back->close();
 }
 
@@ -1532,6 +1601,22 @@ void ClusterNode::Impl::sweep() {
     peer_reservations.fetch_sub(static_cast<int64_t>(freed.size()), std::memory_order_relaxed);
     for (const auto& r : freed) store->abort(r);
   }
+  // Reservations of ended members, once past their expiry.
+  std::vector<Reservation> due;
+  {
+    std::lock_guard<std::mutex> q(quarantine_mu);
+    for (auto it = ending.begin(); it != ending.end();) {
+      if (it->expires <= now) {
+        due.push_back(it->r);
+        it = ending.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  expired.fetch_add(due.size(), std::memory_order_relaxed);
+  peer_reservations.fetch_sub(static_cast<int64_t>(due.size()), std::memory_order_relaxed);
+  for (const auto& r : due) store->abort(r);
 }
 
 // ---- the public face ------------------------------------------------------------
@@ -1724,7 +1809,9 @@ Result<MappedArenaFile> ClusterNode::mapped_arena(uint32_t index) const {
 }
 
 void ClusterNode::publish(std::span<const BlockId> ids) {
-  if (ids.empty() || impl_->stopping.load()) return;
+  if (ids.empty()) return;
+  impl_->forget(ids);  // stored again here: perhaps with other bytes
+  if (impl_->stopping.load()) return;
   {
     std::lock_guard<std::mutex> l(impl_->queue_mu);
     const size_t room = impl_->options.publish_queue -
@@ -1789,6 +1876,11 @@ ClusterStats ClusterNode::stats() const {
   for (const auto& lane : i.lanes) s.late_replies += lane.t->counters().dropped;
   s.peer_leases = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_leases.load()));
   s.peer_reservations = static_cast<uint64_t>(std::max<int64_t>(0, i.peer_reservations.load()));
+  {
+    std::lock_guard<std::mutex> q(const_cast<Impl&>(i).quarantine_mu);
+    s.quarantined = i.quarantine.size();
+    for (const auto& r : i.quarantine) s.quarantined_bytes += r.size;
+  }
   return s;
 }
 
@@ -1825,8 +1917,11 @@ void ClusterNode::close() {
     std::lock_guard<std::mutex> q(i.quarantine_mu);
     for (const auto& r : i.quarantine) i.store->abort(r);
     i.quarantine.clear();
+    for (const auto& e : i.ending) i.store->abort(e.r);
+    i.peer_reservations.fetch_sub(static_cast<int64_t>(i.ending.size()), std::memory_order_relaxed);
+    i.ending.clear();
   }
-  for (auto& [k, p] : peers) i.end_peer(*p);
+  for (auto& [k, p] : peers) i.end_peer(*p, /*closed=*/true);
   for (auto& lane : i.lanes) lane.region.reset();
 }
 

@@ -135,6 +135,9 @@ struct ClusterStats {
   uint64_t bad_messages = 0;  // malformed requests or replies
   uint64_t late_replies = 0;  // replies that came after their call gave up, dropped
   uint64_t peer_leases = 0, peer_reservations = 0;  // held here by other members now
+  // Local ranges held because a failed get may still write them (fabrics
+  // without failure detection, MPI), until the transports close.
+  uint64_t quarantined = 0, quarantined_bytes = 0;
 };
 
 // A lease at a member whose arena is mapped here (same host): where the
@@ -207,7 +210,9 @@ class ClusterNode {
   // (its member failed, left or came back as another generation).
   Result<MappedArenaFile> mapped_arena(uint32_t index) const;
 
-  // Queues committed ids for their owners (a no-op for ids owned here).
+  // Queues ids this server's clients committed (new blocks here) for their
+  // owners (a no-op for ids owned here). A checksum remembered for an id is
+  // forgotten: its new bytes may differ.
   void publish(std::span<const BlockId> ids);
   // Waits until every id published before the call was pushed or dropped,
   // or the deadline passes; false then.

@@ -25,6 +25,7 @@
 
 #include "cascade/store.h"
 #include "serve/cluster_wire.h"
+#include "serve/pool_raw_client_testing.h"
 #include "serve/pool_server.h"
 #include "transport/transport.h"
 
@@ -645,6 +646,73 @@ TEST(ClusterNode, LeasesOfAMemberThatNeverReleasesExpireAndALeavingMemberLosesTh
   EXPECT_EQ(a.node->stats().peer_leases, 0u);
 }
 
+TEST(ClusterNode, AMemberLeavingTheViewKeepsItsReservationsUntilTheyExpire) {
+  SKIP_WITHOUT_TRANSPORT();
+  // A member's put into a range it reserved may still be landing when the
+  // owner's view drops it (its connection, which carries the put, is its
+  // own): the range goes to no other block before the reservation expires.
+  Member a("a", /*expiry_ms=*/4000);
+  ASSERT_TRUE(a.node);
+  RawMember raw(a.node->address());
+  ASSERT_TRUE(
+      a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
+  auto hello = raw.call(cluster::Op::kHello, static_cast<uint32_t>(raw.t->address().size()),
+                        raw.t->address());
+  ASSERT_GE(hello.size(), sizeof(cluster::ReplyHead) + sizeof(cluster::HelloReply));
+  cluster::HelloReply hr;
+  std::memcpy(&hr, hello.data() + sizeof(cluster::ReplyHead), sizeof hr);
+  const size_t key_at = sizeof(cluster::ReplyHead) + sizeof hr;
+  ASSERT_LE(key_at + hr.key_bytes, hello.size());
+  auto region = raw.peer->import_key(std::span<const uint8_t>(hello.data() + key_at, hr.key_bytes));
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+
+  constexpr uint64_t kBlock = 1 << 20;
+  pool::ReserveItem ri{};
+  const BlockId pushed = id_of(9100);
+  std::memcpy(ri.id, pushed.bytes.data(), 16);
+  ri.size = kBlock;
+  std::vector<uint8_t> body(sizeof ri);
+  std::memcpy(body.data(), &ri, sizeof ri);
+  auto rr = raw.call(cluster::Op::kReserve, 1, body);
+  ASSERT_EQ(rr.size(), sizeof(cluster::ReplyHead) + sizeof(cluster::ReserveReply));
+  cluster::ReserveReply granted;
+  std::memcpy(&granted, rr.data() + sizeof(cluster::ReplyHead), sizeof granted);
+  ASSERT_EQ(granted.code, 0u);
+  EXPECT_EQ(a.node->stats().peer_reservations, 1u);
+
+  // The view drops the member; the arena then fills with local blocks of
+  // the same size, several times over (the oldest evicted).
+  ASSERT_TRUE(a.node->set_view(view_of({{"a", a.node->address()}}, 2)).ok());
+  CascadeStore* store = a.server->store();
+  std::vector<BlockId> ids;
+  for (int i = 0; i < 160; ++i) {
+    ids.push_back(id_of(9200 + i));
+    auto data = bytes_of(9200 + i, kBlock);
+    ASSERT_TRUE(store->put(ids.back(), data.data(), data.size()).ok());
+  }
+  // The member's put lands now, into the range it reserved.
+  std::vector<uint8_t> late(kBlock, 0xAB);
+  auto put = raw.peer->put(**region, granted.offset, late.data(), kBlock);
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  ASSERT_TRUE((*put)->wait(deadline_in(2000ms)).ok());
+  int present = 0;
+  for (int i = 0; i < 160; ++i) {
+    if (!store->contains(ids[i])) continue;
+    ++present;
+    ASSERT_NO_FATAL_FAILURE(expect_block(store, ids[i], bytes_of(9200 + i, kBlock)));
+  }
+  EXPECT_GT(present, 30);
+  EXPECT_FALSE(store->contains(pushed));
+  EXPECT_EQ(a.node->stats().peer_reservations, 1u);  // held in the member's name
+
+  // After its expiry the range is free.
+  const auto t0 = std::chrono::steady_clock::now();
+  while (a.node->stats().peer_reservations > 0 && std::chrono::steady_clock::now() - t0 < 8s)
+    std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(a.node->stats().peer_reservations, 0u);
+  EXPECT_GE(a.node->stats().expired, 1u);
+}
+
 TEST(ClusterNode, WhatAMemberThatIsNotInTheViewHoldsEndsAfterADeadline) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a");  // leases expire after a minute: the test must not wait for that
@@ -896,6 +964,44 @@ TEST(ClusterNode, AConnectWithTwoHellosTakesOneDeadlineInAll) {
   for (uint8_t f : fetched) EXPECT_EQ(f, 0);
 }
 
+TEST(ClusterNode, AConnectToASlowMemberHoldsUpNeitherStatsNorMappings) {
+  SKIP_WITHOUT_TRANSPORT();
+  // A member that takes most of a deadline to answer its hello (stopped,
+  // overloaded): while a call connects to it, the node's stats and the
+  // lookup of a mapped arena (which a pool server's workers make for every
+  // client release) answer at once.
+  Member a("a", 60000, 4, /*timeout_ms=*/2000);
+  ASSERT_TRUE(a.node);
+  RawOwner owner(RawOwner::each_item(cluster::Op::kLookup, [](uint32_t) {
+    cluster::LookupReply l{};
+    l.code = static_cast<uint32_t>(Code::kNotFound);
+    return l;
+  }));
+  owner.hello_delay = 1500ms;
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  std::atomic<bool> done{false};
+  std::thread caller([&] {
+    const BlockId id = id_of(9800);
+    uint8_t found = 0;
+    uint64_t size = 0;
+    a.node->lookup({&id, 1}, {&found, 1}, {&size, 1});
+    done.store(true);
+  });
+  std::this_thread::sleep_for(200ms);  // the caller is waiting for the hello's reply
+  std::chrono::steady_clock::duration worst{};
+  for (int i = 0; i < 5 && !done.load(); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    (void)a.node->stats();
+    (void)a.node->mapped_arena(1);
+    worst = std::max(worst, std::chrono::steady_clock::now() - t0);
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_FALSE(done.load()) << "the connect ended before the checks";
+  EXPECT_LT(worst, 300ms);
+  caller.join();
+}
+
 TEST(ClusterNode, RepliesThatComeAfterTheirCallGaveUpAreDropped) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a", 60000, 4, /*timeout_ms=*/300);
@@ -925,6 +1031,46 @@ TEST(ClusterNode, RepliesThatComeAfterTheirCallGaveUpAreDropped) {
          std::chrono::steady_clock::now() - t0 < 5s)
     std::this_thread::sleep_for(20ms);
   EXPECT_EQ(a.node->stats().late_replies, uint64_t(kCalls));
+}
+
+TEST(ClusterNode, AClientThatDiesDuringAMemberCallHoldsBackNoOtherClientsEnd) {
+  SKIP_WITHOUT_TRANSPORT();
+  // Client A dies while the server calls an owner for it (the owner never
+  // answers, so the call lasts its deadline); client B dies after it. What
+  // B held is given back at once, not after A's call returns.
+  Member a("a", 60000, 4, /*timeout_ms=*/2000);
+  ASSERT_TRUE(a.node);
+  RawOwner owner(
+      [](cluster::Op, uint32_t, const uint8_t*) { return std::optional<std::vector<uint8_t>>(); });
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  auto dying = std::make_unique<RawClient>();
+  ASSERT_TRUE(dying->connect(a.socket).ok());
+  const BlockId missing = id_of(9700);
+  dying->post(dying->write(pool::Op::kLeaseRead, missing.bytes.data(), 1, 16));
+  std::this_thread::sleep_for(100ms);  // the server is calling the owner
+  const auto t0 = std::chrono::steady_clock::now();
+  dying.reset();
+  {
+    RawClient b;
+    ASSERT_TRUE(b.connect(a.socket).ok());
+    pool::ReserveItem item{};
+    const BlockId id = id_of(9701);
+    std::memcpy(item.id, id.bytes.data(), 16);
+    item.size = 4096;
+    pool::ReplyHeader reply;
+    ASSERT_EQ(b.request(pool::Op::kReserve, &item, 1, sizeof item, &reply), 0u);
+  }
+  while (a.server->stats().reclaimed_reservations < 1 && std::chrono::steady_clock::now() - t0 < 5s)
+    std::this_thread::sleep_for(5ms);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_EQ(a.server->stats().reclaimed_reservations, 1u);
+  EXPECT_LT(waited, 1000ms) << "B's reservation waited for A's call to the owner";
+  // A is ended too once its call returns.
+  while (a.server->stats().disconnects < 2 && std::chrono::steady_clock::now() - t0 < 10s)
+    std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(a.server->stats().disconnects, 2u);
+  EXPECT_EQ(a.server->stats().reservations, 0u);
 }
 
 TEST(ClusterNode, BadViewsAreRefused) {
@@ -1050,6 +1196,32 @@ ClusterView view_owned_by(const std::vector<Member*>& members, size_t owner) {
     v.owners.push_back(static_cast<uint32_t>(owner));
   }
   return v;
+}
+
+TEST(ClusterNode, ABlockStoredAgainWithOtherBytesIsServedWithItsNewChecksum) {
+  SKIP_WITHOUT_TRANSPORT();
+  // The owner remembers the checksum a member's push carried. The block is
+  // removed there and stored again by a client of the owner with other
+  // bytes (KV blocks of one id are not always bit-identical): members that
+  // fetch it get the new bytes, not a checksum failure for ever.
+  Member a("a"), b("b");
+  ASSERT_TRUE(a.node && b.node);
+  const ClusterView v = view_owned_by({&a, &b}, 0);
+  ASSERT_TRUE(a.node->set_view(v).ok() && b.node->set_view(v).ok());
+  auto ca = a.client();
+  auto cb = b.client();
+  ASSERT_TRUE(ca && cb);
+  const BlockId x = id_of(9900);
+  const auto first = bytes_of(1, 65536), second = bytes_of(2, 65536);
+  ASSERT_TRUE(cb->put(x, first.data(), first.size()).ok());
+  ASSERT_TRUE(b.node->drain(5000));
+  ASSERT_EQ(a.node->stats().served_commits, 1u);
+  ASSERT_TRUE(ca->remove(x).ok());
+  ASSERT_TRUE(ca->put(x, second.data(), second.size()).ok());
+  ASSERT_TRUE(cb->remove(x).ok());
+  expect_block(cb.get(), x, second);
+  EXPECT_EQ(b.node->stats().checksum_failures, 0u);
+  EXPECT_EQ(b.node->stats().fetched, 1u);
 }
 
 TEST(ClusterNode, MembersOnOneHostCopyFromTheOwnersMappedArena) {
