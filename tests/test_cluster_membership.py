@@ -311,6 +311,68 @@ def test_trickling_endpoint_fails_within_the_deadline(trickling_endpoint):
     assert time.monotonic() - t0 < 0.5 + 0.3
 
 
+@pytest.fixture
+def nesting_endpoint() -> Iterator[str]:
+    # Answers every request with 200 and JSON nested deeper than the parser goes.
+    body = b"[" * 200_000 + b"]" * 200_000 + b"\n"
+    stop = threading.Event()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.1)
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                try:
+                    conn.recv(65536)
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                        + body
+                    )
+                    time.sleep(0.2)
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    t.join(5)
+    listener.close()
+
+
+def test_an_answer_nested_too_deep_is_a_cluster_error(nesting_endpoint):
+    """Every answer the etcd client parses (a call's, a watch's first line)
+    fails as a ClusterError when it nests deeper than the parser goes, never
+    with the parser's RecursionError, which would end a member's thread."""
+    client = EtcdClient([nesting_endpoint], timeout=2.0)
+    with pytest.raises(ClusterError):
+        client.grant(5)
+    with pytest.raises(ClusterError):
+        client.range_prefix(b"/x/")
+    with pytest.raises(ClusterError):
+        client.watch_prefix(b"/x/", 1)
+
+
+def test_a_long_transport_address_fits_a_record():
+    """A transport address as long as the members take in a hello (UCX's
+    worker addresses grow with the host's devices) fits a member record."""
+    from cascade.cluster.records import MAX_TRANSPORT_BYTES, MemberRecord, parse_record
+
+    assert MAX_TRANSPORT_BYTES == 4096
+    rec = MemberRecord("a", transport=bytes(range(256)) * 16, capacity_bytes=1 << 30)
+    assert parse_record("a", rec.to_json()) == rec
+    with pytest.raises(ValueError):
+        MemberRecord("a", transport=bytes(4097))
+
+
 def test_refused_endpoint_and_bad_arguments():
     port = socket.socket()
     port.bind(("127.0.0.1", 0))

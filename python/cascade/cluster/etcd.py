@@ -255,7 +255,7 @@ class PrefixWatch:
                 )
             try:
                 answer = json.loads(line)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
                 raise ClusterError(f"etcd watch at {self.endpoint}: not JSON: {e}") from None
             result = answer.get("result") if isinstance(answer, dict) else None
             if not isinstance(result, dict):
@@ -423,7 +423,7 @@ class EtcdClient:
                 # etcd answers errors with a status and a JSON body saying why.
                 try:
                     info = json.loads(e.read(65536) or b"{}")
-                except (ValueError, OSError):
+                except (ValueError, RecursionError, OSError):
                     info = {}
                 message = info.get("message") or info.get("error") or e.reason
                 code = info.get("code")
@@ -464,7 +464,7 @@ class EtcdClient:
             )
         try:
             answer = json.loads(raw)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
             raise ClusterError(f"etcd {path} at {endpoint}: not JSON: {e}") from None
         if not isinstance(answer, dict):
             raise ClusterError(f"etcd {path} at {endpoint}: not a JSON object")
@@ -648,7 +648,13 @@ class EtcdClient:
                 assert isinstance(conn.sock, _DeadlineSocket)
                 conn.sock.lift()
                 return watch
-            except (ClusterError, OSError, http.client.HTTPException, ValueError) as e:
+            except (
+                ClusterError,
+                OSError,
+                http.client.HTTPException,
+                ValueError,
+                RecursionError,
+            ) as e:
                 conn.close()
                 failures.append(f"{endpoint}: {type(e).__name__}: {e}")
                 continue

@@ -31,8 +31,10 @@ import re
 from typing import Any
 
 RECORD_FORMAT = 1
-MAX_RECORD_BYTES = 4096
-MAX_TRANSPORT_BYTES = 1024
+# A transport address may be as long as the members accept in a hello
+# (kMaxAddressBytes): UCX's worker addresses grow with the host's devices.
+MAX_RECORD_BYTES = 8192
+MAX_TRANSPORT_BYTES = 4096
 # Node ids and cluster names become etcd keys and metric labels.
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
