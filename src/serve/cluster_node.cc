@@ -118,6 +118,10 @@ struct LinkSlot {
   // so reading them (a mapping's lookup, stats) never waits for a connect.
   std::mutex connect_mu;
   std::mutex mu;  // guards the fields
+  // Bumped whenever the slot's links are dropped (the member's record
+  // changed, a call failed, the member left the view, the node closed): a
+  // connect that began in an earlier epoch changes nothing in the slot.
+  uint64_t epoch = 0;
   uint64_t generation = 0;
   std::vector<uint8_t> address;
   std::vector<std::shared_ptr<Link>> links;  // one per local lane
@@ -223,6 +227,9 @@ class ClusterNode::Impl {
     Clock::time_point expires;
   };
   std::vector<Ending> ending;  // guarded by quarantine_mu
+  // Set once close() has closed the transports: nothing lands any more, and
+  // what ends from then on is freed at once. Guarded by quarantine_mu.
+  bool transports_closed = false;
   std::mutex queue_mu;
   std::condition_variable queue_cv, drained_cv;
   std::deque<BlockId> queue;      // guarded by queue_mu
@@ -364,37 +371,49 @@ class ClusterNode::Impl {
       if (!slot) slot = std::make_shared<LinkSlot>();
       s = slot;
     }
-    std::lock_guard<std::mutex> sl(s->mu);
-    if (s->links.size() != lanes.size()) s->links.resize(lanes.size());
-    if (s->generation != m.generation || s->address != m.address) {
-      for (auto& link : s->links) {
-        if (link) link->peer->close();
-        link.reset();
+    std::vector<std::shared_ptr<Peer>> closing;
+    {
+      std::lock_guard<std::mutex> sl(s->mu);
+      if (s->links.size() != lanes.size()) s->links.resize(lanes.size());
+      if (s->generation != m.generation || s->address != m.address) {
+        closing = drop_links(*s);
+        s->generation = m.generation;
+        s->address = m.address;
+        s->skip_until = {};
+        s->refusals = 0;
       }
-      s->lane_addresses.clear();
-      s->mapped.reset();
-      s->generation = m.generation;
-      s->address = m.address;
-      s->skip_until = {};
-      s->refusals = 0;
     }
+    for (auto& p : closing) p->close();  // outside mu: a close may drive the transport a while
     return s;
+  }
+
+  // Drops every link of the slot and its mapping, and starts a new epoch;
+  // the peers to close (after mu is let go). REQUIRES: s.mu held.
+  static std::vector<std::shared_ptr<Peer>> drop_links(LinkSlot& s) {
+    std::vector<std::shared_ptr<Peer>> peers;
+    for (auto& link : s.links) {
+      if (link) peers.push_back(link->peer);
+      link.reset();
+    }
+    s.lane_addresses.clear();
+    s.mapped.reset();
+    ++s.epoch;
+    return peers;
   }
 
   // A failed call on `link`: every lane's connection to the member is
   // dropped (the member is likely gone), and it is skipped for a while.
   void fail(const std::shared_ptr<LinkSlot>& s, const std::shared_ptr<Link>& link) {
     timeouts.fetch_add(1, std::memory_order_relaxed);
-    std::lock_guard<std::mutex> l(s->mu);
-    if (link && link->lane < s->links.size() && s->links[link->lane] == link) {
-      for (auto& other : s->links) {
-        if (other) other->peer->close();
-        other.reset();
+    std::vector<std::shared_ptr<Peer>> closing;
+    {
+      std::lock_guard<std::mutex> l(s->mu);
+      if (link && link->lane < s->links.size() && s->links[link->lane] == link) {
+        closing = drop_links(*s);
+        s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
       }
-      s->lane_addresses.clear();
-      s->mapped.reset();
-      s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
     }
+    for (auto& p : closing) p->close();
   }
 
   std::vector<uint8_t> request(Op op, uint32_t count, uint64_t reply_tag, size_t lane) const {
@@ -467,48 +486,60 @@ class ClusterNode::Impl {
                                         size_t lane, Deadline until) {
     std::lock_guard<std::mutex> c(s->connect_mu);
     std::vector<uint8_t> address;
+    std::shared_ptr<Peer> stale;
+    uint64_t epoch;
     {
       std::lock_guard<std::mutex> l(s->mu);
       if (s->links[lane] && s->links[lane]->peer->health().ok()) return s->links[lane];
       if (s->links[lane]) {
-        s->links[lane]->peer->close();
+        stale = s->links[lane]->peer;
         s->links[lane].reset();
       }
-      if (Clock::now() < s->skip_until)
-        return Status::Unavailable("member " + m.node_id + " failed recently; skipped for now");
-      if (m.address.empty())
-        return Status::Unavailable("member " + m.node_id + " publishes no transport address");
+      epoch = s->epoch;
       if (!s->lane_addresses.empty()) address = s->lane_addresses[lane % s->lane_addresses.size()];
     }
-    if (!address.empty()) return connect_lane(s, m, lane, address, until);
+    if (stale) stale->close();
+    {
+      std::lock_guard<std::mutex> l(s->mu);
+      if (Clock::now() < s->skip_until)
+        return Status::Unavailable("member " + m.node_id + " failed recently; skipped for now");
+    }
+    if (m.address.empty())
+      return Status::Unavailable("member " + m.node_id + " publishes no transport address");
+    if (!address.empty()) return connect_lane(s, m, lane, address, epoch, until);
     // The member's lane addresses come with the reply to a Hello on its
     // published address (its lane 0).
-    auto first = connect_lane(s, m, lane, m.address, until);
+    auto first = connect_lane(s, m, lane, m.address, epoch, until);
     if (!first.ok()) return first.status();
     {
       std::lock_guard<std::mutex> l(s->mu);
-      if (s->lane_addresses.empty()) s->lane_addresses.push_back(m.address);
-      const size_t want = lane % s->lane_addresses.size();
-      if (want == 0 || s->lane_addresses[want] == m.address) return first;
-      address = s->lane_addresses[want];
-      // This lane talks to another of the member's lanes: the connection
-      // just made served to learn them.
-      first.value()->peer->close();
-      if (s->links[lane] == first.value()) s->links[lane].reset();
+      if (s->links[lane] == first.value()) return first;
+      if (s->epoch != epoch || s->lane_addresses.empty()) address.clear();
+      else address = s->lane_addresses[lane % s->lane_addresses.size()];
     }
-    return connect_lane(s, m, lane, address, until);
+    // The connection served to learn the member's lanes; this lane talks to
+    // another of them.
+    first.value()->peer->close();
+    if (address.empty())
+      return Status::Unavailable("member " + m.node_id + " changed while connecting");
+    return connect_lane(s, m, lane, address, epoch, until);
   }
 
   // Connects local lane `lane` to `address` (one of m's lanes) and says
-  // Hello, by `until`; the link is installed in s unless the member's
-  // record changed meanwhile. REQUIRES: s->connect_mu held, s->mu not.
+  // Hello, by `until`. The link is installed in s when it is the one this
+  // lane uses (the lane it talks to is `address`) and s is still in
+  // `epoch`; otherwise it is returned uninstalled (or closed, when the
+  // epoch ended). Nothing in s changes once its epoch has ended.
+  // REQUIRES: s->connect_mu held, s->mu not.
   Result<std::shared_ptr<Link>> connect_lane(const std::shared_ptr<LinkSlot>& s,
                                              const ClusterMember& m, size_t lane,
-                                             const std::vector<uint8_t>& address, Deadline until) {
+                                             const std::vector<uint8_t>& address, uint64_t epoch,
+                                             Deadline until) {
     auto fail_now = [&](const Status& st) -> Status {
       timeouts.fetch_add(1, std::memory_order_relaxed);
       std::lock_guard<std::mutex> l(s->mu);
-      s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
+      if (s->epoch == epoch)
+        s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
       return st;
     };
     Transport& t = *lanes[lane].t;
@@ -518,6 +549,7 @@ class ClusterNode::Impl {
       if (Clock::now() + std::chrono::milliseconds(10) < until) {
         // Refused well before the deadline, not timed out: back off longer.
         std::lock_guard<std::mutex> l(s->mu);
+        if (s->epoch != epoch) return st;
         s->refusals = std::min<uint32_t>(s->refusals + 1, 16);
         auto skip = std::min<Clock::duration>(
             std::chrono::milliseconds(options.retry_after_ms) * (1ull << (s->refusals - 1)),
@@ -529,7 +561,7 @@ class ClusterNode::Impl {
     }
     {
       std::lock_guard<std::mutex> l(s->mu);
-      s->refusals = 0;
+      if (s->epoch == epoch) s->refusals = 0;
     }
     const std::vector<uint8_t>& mine = t.address();
     auto reply = call(lane, **peer, Op::kHello, static_cast<uint32_t>(mine.size()), mine, until);
@@ -599,10 +631,11 @@ class ClusterNode::Impl {
     link->arena = std::move(key.value());
     link->arena_bytes = hr.arena_bytes;
     link->lane = lane;
-    std::lock_guard<std::mutex> l(s->mu);
-    if (s->generation != m.generation || s->address != m.address) {
-      // The member's record changed while this connect went on: the slot
-      // is another process's now.
+    std::unique_lock<std::mutex> l(s->mu);
+    if (s->epoch != epoch) {
+      // The slot's links were dropped while this connect went on (the
+      // member's record changed, a call failed, it left the view).
+      l.unlock();
       link->peer->close();
       return Status::Unavailable("member " + m.node_id + " changed while connecting");
     }
@@ -615,7 +648,8 @@ class ClusterNode::Impl {
       s->lease_expiry_ms = ha.lease_expiry_ms;
     }
     link->mapped = s->mapped;
-    s->links[lane] = link;
+    const size_t want = lane % s->lane_addresses.size();
+    if (want == 0 || s->lane_addresses[want] == address) s->links[lane] = link;
     return link;
   }
 
@@ -1540,8 +1574,15 @@ void ClusterNode::Impl::end_peer(PeerState& p, bool closed) {
     for (const auto& e : held_back) store->abort(e.r);
   } else if (!held_back.empty()) {
     // Still counted in peer_reservations until sweep frees them.
-    std::lock_guard<std::mutex> q(quarantine_mu);
-    ending.insert(ending.end(), held_back.begin(), held_back.end());
+    std::unique_lock<std::mutex> q(quarantine_mu);
+    if (transports_closed) {  // ended by a view installed while the node closed
+      q.unlock();
+      peer_reservations.fetch_sub(static_cast<int64_t>(held_back.size()),
+                                  std::memory_order_relaxed);
+      for (const auto& e : held_back) store->abort(e.r);
+    } else {
+      ending.insert(ending.end(), held_back.begin(), held_back.end());
+    }
   }
   if (p.back) p.back->close();
 }
@@ -1761,12 +1802,12 @@ Status ClusterNode::set_view(ClusterView view) {
     }
   }
   for (auto& slot : dropped) {
-    std::lock_guard<std::mutex> sl(slot->mu);
-    for (auto& link : slot->links) {
-      if (link) link->peer->close();
-      link.reset();
+    std::vector<std::shared_ptr<Peer>> closing;
+    {
+      std::lock_guard<std::mutex> sl(slot->mu);
+      closing = Impl::drop_links(*slot);
     }
-    slot->mapped.reset();
+    for (auto& p : closing) p->close();
   }
   return Status::OK();
 }
@@ -1908,8 +1949,7 @@ void ClusterNode::close() {
     std::lock_guard<std::mutex> ll(i.links_mu);
     for (auto& [id, slot] : i.links) {
       std::lock_guard<std::mutex> sl(slot->mu);
-      for (auto& l : slot->links) l.reset();
-      slot->mapped.reset();  // a closed member pins no other member's memory
+      (void)Impl::drop_links(*slot);  // a closed member pins no other member's memory
     }
   }
   for (auto& lane : i.lanes) lane.t->close();
@@ -1920,6 +1960,7 @@ void ClusterNode::close() {
     for (const auto& e : i.ending) i.store->abort(e.r);
     i.peer_reservations.fetch_sub(static_cast<int64_t>(i.ending.size()), std::memory_order_relaxed);
     i.ending.clear();
+    i.transports_closed = true;
   }
   for (auto& [k, p] : peers) i.end_peer(*p, /*closed=*/true);
   for (auto& lane : i.lanes) lane.region.reset();

@@ -1002,6 +1002,43 @@ TEST(ClusterNode, AConnectToASlowMemberHoldsUpNeitherStatsNorMappings) {
   caller.join();
 }
 
+TEST(ClusterNode, AConnectToAMembersOldAddressThatFailsDoesNotHoldOffItsNewOne) {
+  SKIP_WITHOUT_TRANSPORT();
+  // A call connects to a member at the address of its old record (a
+  // process that never answers its hello); meanwhile the view names the
+  // member at a new address. The old connect's failure must not mark the
+  // new record's member as failed: the next call reaches it at once.
+  Member a("a", 60000, 4, /*timeout_ms=*/500);
+  ASSERT_TRUE(a.node);
+  RawOwner old_owner(
+      [](cluster::Op, uint32_t, const uint8_t*) { return std::optional<std::vector<uint8_t>>(); });
+  old_owner.hello_delay = 5000ms;  // past every deadline
+  old_owner.start();
+  RawOwner new_owner(RawOwner::each_item(cluster::Op::kLookup, [](uint32_t) {
+    cluster::LookupReply l{};
+    l.size = 4096;  // found
+    return l;
+  }));
+  new_owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), old_owner.t->address())).ok());
+  const BlockId id = id_of(9900);
+  std::thread old_call([&] {
+    uint8_t found = 0;
+    uint64_t size = 0;
+    a.node->lookup({&id, 1}, {&found, 1}, {&size, 1});
+  });
+  std::this_thread::sleep_for(100ms);  // connecting to the old address
+  ClusterView v = view_owned_by("a", a.node->address(), new_owner.t->address());
+  v.version = 2;
+  ASSERT_TRUE(a.node->set_view(v).ok());
+  uint8_t found = 0;
+  uint64_t size = 0;
+  a.node->lookup({&id, 1}, {&found, 1}, {&size, 1});  // waits for the old connect, then its own
+  old_call.join();
+  EXPECT_EQ(found, 1);
+  EXPECT_EQ(size, 4096u);
+}
+
 TEST(ClusterNode, RepliesThatComeAfterTheirCallGaveUpAreDropped) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a", 60000, 4, /*timeout_ms=*/300);
