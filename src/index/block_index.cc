@@ -233,8 +233,12 @@ std::optional<BlockIndex::Lease> BlockIndex::acquire(const BlockId& id, bool tou
   uint32_t old = x.state.fetch_add(1, std::memory_order_acq_rel);
   if ((old & kLeaseMask) >= kMaxLeases) {
     // Taken back: the count stays far below its bits' limit however many
-    // threads race here (each adds one before it looks).
-    x.state.fetch_sub(1, std::memory_order_acq_rel);
+    // threads race here (each adds one before it looks). Where every real
+    // lease was released meanwhile, their last release saw this one and
+    // left the count of leased entries to it. The entry cannot be doomed
+    // here: removing it takes the shard's lock, which this holds shared.
+    if ((x.state.fetch_sub(1, std::memory_order_acq_rel) & kLeaseMask) == 1)
+      s.leased.fetch_sub(1, std::memory_order_relaxed);
     return std::nullopt;
   }
   if ((old & kLeaseMask) == 0) s.leased.fetch_add(1, std::memory_order_relaxed);

@@ -14,6 +14,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "cascade/config.h"
@@ -125,12 +126,12 @@ std::string header_refusal(int fd, ArenaHeader* out) {
 }
 
 // The pids of the processes that took the flock locks on file (dev, ino),
-// as /proc/locks shows them. Empty when none is listed or the list cannot
-// be read (see in_initial_pid_namespace for the locks it leaves out).
-std::vector<long> flock_holders(dev_t dev, ino_t ino) {
+// as /proc/locks shows them (see in_initial_pid_namespace for the locks it
+// leaves out); nullopt when the list cannot be read.
+std::optional<std::vector<long>> flock_holders(dev_t dev, ino_t ino) {
   std::vector<long> pids;
   FILE* f = std::fopen("/proc/locks", "re");
-  if (!f) return pids;
+  if (!f) return std::nullopt;
   char want[64];
   std::snprintf(want, sizeof want, "%02x:%02x:%lu", major(dev), minor(dev),
                 static_cast<unsigned long>(ino));
@@ -193,7 +194,9 @@ LockOutcome take_lock(int fd, dev_t dev, ino_t ino, int* err) {
     *err = errno;
     return LockOutcome::kHeld;
   }
-  std::vector<long> holders = flock_holders(dev, ino);
+  const std::optional<std::vector<long>> listed = flock_holders(dev, ino);
+  if (!listed) return LockOutcome::kHeld;
+  const std::vector<long>& holders = *listed;
   // A lock that /proc/locks does not list: outside the initial pid
   // namespace its holder has exited, or lives where this namespace cannot
   // see it. A server restarted in a container finds its dead predecessor's

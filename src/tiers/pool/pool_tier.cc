@@ -246,8 +246,8 @@ PoolTier::~PoolTier() {
   if (sock_ >= 0) {
     // The server ends what this client still held once the connection
     // ends: shut down here, since a child forked meanwhile may hold a copy
-    // of the socket. A forked child's own copy of the store (not this
-    // process's) leaves the connection to its parent alone.
+    // of the socket. Only in the process that connected it: a shutdown
+    // acts on the connection, whichever process's copy it is made on.
     if (::getpid() == opened_by_) ::shutdown(sock_, SHUT_RDWR);
     ::close(sock_);
   }
