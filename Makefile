@@ -124,14 +124,16 @@ ASAN_ENV       := ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 # whose time goes into torch or other processes rather than Cascade's code,
 # the export check, which inspects the release build, and the suites of
 # Python code alone (configuration parsing, ids, the layer and stub checks,
-# the `cascade serve` command, whose server the pool suite runs in-process),
-# and the cluster's process suites (their servers are `cascade serve`
-# processes; the members' C++ code runs under ASan in ClusterNode's tests).
+# the `cascade serve` command, whose server the pool suite runs in-process,
+# the membership's etcd client and its security), and the cluster's process
+# suites (their servers are `cascade serve` processes; the members' C++ code
+# runs under ASan in ClusterNode's tests).
 ASAN_PY_TESTS  ?= $(filter-out tests/test_transformers_cache.py tests/test_bench_%.py \
                     tests/test_distributed%.py tests/test_gpu.py tests/test_symbols.py \
                     tests/test_config.py tests/test_connector_config.py tests/test_ids.py \
                     tests/test_layers.py tests/test_stub.py tests/test_serve.py \
-                    tests/test_cluster_data.py tests/test_cluster_soak.py, \
+                    tests/test_cluster_data.py tests/test_cluster_soak.py \
+                    tests/test_cluster_membership.py tests/test_cluster_etcd_security.py, \
                     $(wildcard tests/test_*.py))
 TSAN_SUITES    := StoreTest FileTierTest.Concurrent FileTierStressTest FileCompactionTest BlockIndexTest \
                   ThreadPoolTest LocalShare ExtentAllocatorTest DurabilityTest SegmentSortTest \

@@ -235,6 +235,7 @@ def kill_loop(shm_base, directory, log, iterations, seed=0):
     return checked, extra
 
 
+@pytest.mark.slow  # its writers are killed processes; the sanitizer run leaves it out
 def test_kill9_after_flush_loses_no_flushed_block(durable_config, shm_path, tmp_path):
     checked, _ = kill_loop(
         f"{shm_path}-kill",
