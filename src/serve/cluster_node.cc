@@ -211,6 +211,17 @@ class ClusterNode::Impl {
 
   std::vector<std::thread> service;
   std::thread pusher;
+  // Hellos are answered by threads of their own: answering one connects
+  // back to its sender, which can take a whole deadline (a sender that
+  // stopped, a host that is gone), and a lane's service thread must not
+  // hold the lane's other requests that long.
+  static constexpr size_t kHelloThreads = 2;
+  static constexpr size_t kMaxHellosWaiting = 256;
+  std::mutex hello_mu;
+  std::condition_variable hello_cv;
+  std::deque<std::pair<size_t, std::vector<uint8_t>>> hellos;  // (lane, message), guarded
+  std::vector<std::thread> helloers;
+  void hello_loop();
   std::unique_ptr<ThreadPool> calls;  // see kCallThreads
   void for_each_call(size_t n, const std::function<void(size_t)>& fn) {
     if (n == 1) return fn(0);
@@ -1213,6 +1224,29 @@ void ClusterNode::Impl::service_loop(size_t index) {
   }
 }
 
+void ClusterNode::Impl::hello_loop() {
+  name_this_thread("cascade-greeter");
+  while (true) {
+    std::pair<size_t, std::vector<uint8_t>> next;
+    {
+      std::unique_lock<std::mutex> l(hello_mu);
+      hello_cv.wait(l, [&] { return stopping.load() || !hellos.empty(); });
+      if (stopping.load()) return;
+      next = std::move(hellos.front());
+      hellos.pop_front();
+    }
+    // Checked by serve() before it was queued.
+    const auto& [lane, msg] = next;
+    cluster::RequestHead h{};
+    std::memcpy(&h, msg.data(), sizeof h);
+    const std::string node_id(h.node_id, h.node_id_bytes);
+    std::shared_ptr<Peer> back;
+    std::vector<uint8_t> reply =
+        serve_hello(lane, h, node_id, {msg.data() + sizeof h, h.count}, &back);
+    if (back) (void)back->send(h.reply_tag, reply, deadline());
+  }
+}
+
 void ClusterNode::Impl::serve(size_t lane, std::vector<uint8_t>&& msg) {
   cluster::RequestHead h{};
   if (msg.size() < sizeof h) {
@@ -1236,9 +1270,16 @@ void ClusterNode::Impl::serve(size_t lane, std::vector<uint8_t>&& msg) {
       bad_messages.fetch_add(1, std::memory_order_relaxed);
       return;
     }
-    std::shared_ptr<Peer> back;
-    std::vector<uint8_t> reply = serve_hello(lane, h, node_id, {body, h.count}, &back);
-    if (back) (void)back->send(h.reply_tag, reply, deadline());
+    {
+      std::lock_guard<std::mutex> l(hello_mu);
+      if (hellos.size() >= kMaxHellosWaiting) {
+        // A flood of hellos: this one goes unanswered; its sender retries.
+        bad_messages.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+      hellos.emplace_back(lane, std::move(msg));
+    }
+    hello_cv.notify_one();
     return;
   }
   std::shared_ptr<PeerState> p;
@@ -1723,6 +1764,8 @@ Result<std::unique_ptr<ClusterNode>> ClusterNode::Start(CascadeStore* store, Sha
   Impl* p = impl.get();
   const uint32_t threads = std::max(options.service_threads, options.lanes);
   for (uint32_t i = 0; i < threads; ++i) impl->service.emplace_back([p, i] { p->service_loop(i); });
+  for (size_t i = 0; i < Impl::kHelloThreads; ++i)
+    impl->helloers.emplace_back([p] { p->hello_loop(); });
   impl->pusher = std::thread([p] { p->push_loop(); });
   return std::unique_ptr<ClusterNode>(new ClusterNode(std::move(impl)));
 }
@@ -1936,6 +1979,11 @@ void ClusterNode::close() {
   }
   i.queue_cv.notify_all();
   i.drained_cv.notify_all();
+  {
+    std::lock_guard<std::mutex> h(i.hello_mu);  // a helloer checks stopping under it
+  }
+  i.hello_cv.notify_all();
+  for (auto& t : i.helloers) t.join();
   for (auto& t : i.service) t.join();
   if (i.pusher.joinable()) i.pusher.join();
   std::map<Impl::PeerKey, std::shared_ptr<PeerState>> peers;

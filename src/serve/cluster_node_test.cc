@@ -27,6 +27,7 @@
 #include "serve/cluster_wire.h"
 #include "serve/pool_raw_client_testing.h"
 #include "serve/pool_server.h"
+#include "transport/forked_peer.h"
 #include "transport/transport.h"
 
 namespace cascade {
@@ -1037,6 +1038,44 @@ TEST(ClusterNode, AConnectToAMembersOldAddressThatFailsDoesNotHoldOffItsNewOne) 
   old_call.join();
   EXPECT_EQ(found, 1);
   EXPECT_EQ(size, 4096u);
+}
+
+TEST(ClusterNode, AHelloWhoseSenderStoppedHoldsUpNoOtherRequestOnItsLane) {
+  SKIP_WITHOUT_TRANSPORT();
+  // A hello names an address whose process is stopped: answering it means
+  // connecting back there, which lasts the owner's deadline. Meanwhile a
+  // member that said hello before is answered on the same lane at once.
+  ForkedPeerOptions fo;
+  fo.transport.fabrics = "tcp";
+  fo.region_bytes = 1 << 20;
+  auto stopped = ForkedPeer::Start(fo, deadline_in(10000ms));  // before any transport here
+  ASSERT_TRUE(stopped.ok()) << stopped.status().ToString();
+  (*stopped)->signal(SIGSTOP);
+  Member a("a", 60000, 4, /*timeout_ms=*/1500);
+  ASSERT_TRUE(a.node);
+  std::vector<uint8_t> ids = put_blocks(a.server->store(), 9600, 1);
+  RawMember known(a.node->address());
+  known.id = "known";
+  RawMember stray(a.node->address());
+  ASSERT_TRUE(
+      a.node->set_view(view_of({{"a", a.node->address()}, {"known", known.t->address()}})).ok());
+  ASSERT_FALSE(known
+                   .call(cluster::Op::kHello, static_cast<uint32_t>(known.t->address().size()),
+                         known.t->address())
+                   .empty());
+  // The stray member's hello names the stopped process's address.
+  const std::vector<uint8_t>& gone = (*stopped)->address();
+  std::vector<uint8_t> hello = stray.head(cluster::Op::kHello, static_cast<uint32_t>(gone.size()),
+                                          cluster::kReplyTagBit | 1);
+  hello.insert(hello.end(), gone.begin(), gone.end());
+  stray.send_raw(hello);
+  std::this_thread::sleep_for(100ms);  // the owner is connecting back to it
+  const auto t0 = std::chrono::steady_clock::now();
+  auto found = known.call(cluster::Op::kLookup, 1, ids);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_FALSE(found.empty());
+  EXPECT_LT(took, 500ms);
+  (*stopped)->signal(SIGKILL);
 }
 
 TEST(ClusterNode, RepliesThatComeAfterTheirCallGaveUpAreDropped) {
