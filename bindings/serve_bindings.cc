@@ -74,7 +74,12 @@ class PyPoolServer {
       d["id"] = c.id;
       d["pid"] = c.pid;
       d["uid"] = c.uid;
-      d["namespace"] = c.name_space;
+      // A client names its namespace in bytes: shown as text, with any
+      // bytes that are not UTF-8 escaped (never an exception here).
+      PyObject* ns = PyUnicode_DecodeUTF8(
+          c.name_space.data(), static_cast<Py_ssize_t>(c.name_space.size()), "backslashreplace");
+      if (!ns) throw nb::python_error();
+      d["namespace"] = nb::steal<nb::str>(ns);
       d["channels"] = c.channels;
       d["leases"] = c.leases;
       d["reservations"] = c.reservations;

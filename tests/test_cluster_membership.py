@@ -440,6 +440,37 @@ def test_a_record_nested_too_deep_is_malformed_not_fatal(etcd, members):
     assert ids_of(b) == ["a", "b"] and a.state()["state"] == "member"
 
 
+def test_a_registration_that_outlasts_close_leaves_no_record(etcd):
+    """close() waits a bounded time for the member's thread; a registration
+    still under way then (a slow coordination service) must not leave a
+    record, and a lease, that outlive the member."""
+
+    class SlowCreates(EtcdClient):
+        calls = 0
+
+        def create(self, *args, **kwargs):
+            SlowCreates.calls += 1
+            if SlowCreates.calls == 1:
+                raise ClusterError("the first registration fails")
+            time.sleep(3.5)  # past close()'s wait: 3 x timeout + 1
+            return super().create(*args, **kwargs)
+
+    m = Membership(
+        SlowCreates([etcd.endpoint], timeout=0.5),
+        "slow",
+        "a",
+        lease_ttl=30,
+        refresh_seconds=0.1,
+        watch=False,
+    )
+    assert not m.start()
+    wait_for(lambda: SlowCreates.calls >= 2, 5, "the retry is under way")
+    m.close(timeout=0.5)
+    time.sleep(4)  # the slow create ends
+    assert m.state()["state"] == "left"
+    assert EtcdClient([etcd.endpoint]).range_prefix(members_prefix("slow"))[1] == []
+
+
 def test_a_stray_entry_without_a_lease_at_a_members_key_is_replaced(etcd, members):
     """No live member registers without a lease, so such an entry would never
     expire; the member whose key it is replaces it and joins."""

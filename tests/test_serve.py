@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -528,6 +530,142 @@ def test_serve_options():
         serve.serve_options({"workers": -1})
     store, section = serve.split_config({"cascade": {"pipeline": "host"}, "serve": {"x": 1}})
     assert store == {"pipeline": "host"} and section == {"x": 1}
+
+
+def test_serve_options_refuse_what_would_be_taken_silently(tmp):
+    d, _, _ = tmp
+    for bad, what in (
+        ({"max_clients": True}, "serve.max_clients"),
+        ({"metrics_port": 9464.9}, "serve.metrics_port"),
+        ({"workers": "four"}, "serve.workers"),
+        ({"summary_seconds": -1}, "serve.summary_seconds"),
+        ({"summary_seconds": float("nan")}, "serve.summary_seconds"),
+        ({"group": -7}, "serve.group"),
+        ({"metrics_address": ""}, "serve.metrics_address"),
+        ({"max_clients": 3_000_000_000}, "serve.max_clients"),
+    ):
+        with pytest.raises(ValueError, match=what.replace(".", r"\.")):
+            serve.serve_options(bad)
+    # The store's options under cascade: or at top level, not both.
+    with pytest.raises(ValueError, match="not both"):
+        serve.split_config({"cascade": {"pipeline": "host"}, "shm_capacity_bytes": 1 << 30})
+    with pytest.raises(ValueError, match="serve: expected a mapping"):
+        serve.split_config({"serve": []})
+    for text, what in (
+        ("serve:\n  max_clients: 4\nserve:\n  max_clients: 8\n", "given twice"),
+        ("[]\n", "expected a mapping"),
+    ):
+        path = os.path.join(d, "bad.yaml")
+        with open(path, "w") as f:
+            f.write(text)
+        with pytest.raises(ValueError, match=what):
+            serve.read_config_file(path)
+
+
+def test_a_client_with_a_namespace_that_is_not_text_cannot_end_the_server(tmp):
+    """A client's namespace is bytes on the wire: one that is not UTF-8 is
+    shown escaped, and the server, its metrics and `cascade info` go on."""
+    d, shm, servers = tmp
+    port = free_port()
+    srv = Server(d, {"shm_path": shm}, {"metrics_port": port, "summary_seconds": 1})
+    servers.append(srv)
+    srv.wait_ready()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.connect(srv.socket)
+        raw.sendall(struct.pack("<IIII256s", 0x4C4F4F50, 3, 1, 2, b"\xff\x1b"))
+        time.sleep(3)  # the server's periodic reports see the client
+        assert srv.proc.poll() is None, srv.text()
+        stats = json.loads(
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/stats.json", timeout=10).read()
+        )
+        assert [c["namespace"] for c in stats["clients"]] == ["\\xff\x1b"]
+        r = cli("info", "--pool", srv.socket)
+        assert r.returncode == 0, r.stderr
+        assert "\x1b" not in r.stdout and "\\xff\\x1b" in r.stdout
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.wait() == 0, srv.text()
+
+
+def test_sighup_shuts_the_server_down_cleanly(tmp):
+    d, shm, servers = tmp
+    srv = Server(d, {"shm_path": shm}, {})
+    servers.append(srv)
+    srv.wait_ready()
+    srv.proc.send_signal(signal.SIGHUP)
+    assert srv.wait() == 0, srv.text()
+    assert "SIGHUP: shutting down" in srv.text()
+    assert not os.path.exists(srv.socket)
+    assert not os.path.exists(serve_status.info_path(srv.socket))
+
+
+def test_a_metrics_port_that_cannot_be_had_fails_the_start_before_the_arena(tmp):
+    d, shm, servers = tmp
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        srv = Server(d, {"shm_path": shm, "shm_persist": True}, {"metrics_port": port})
+        servers.append(srv)
+        assert srv.wait(30) != 0
+    assert f"serve.metrics_port: cannot listen on 127.0.0.1:{port}" in srv.text()
+    assert not os.path.exists(shm) and not os.path.exists(srv.socket)
+
+
+def test_idle_metrics_connections_are_bounded_and_time_out(tmp):
+    d, shm, servers = tmp
+    port = free_port()
+    srv = Server(d, {"shm_path": shm}, {"metrics_port": port})
+    servers.append(srv)
+    srv.wait_ready()
+
+    def threads() -> int:
+        with open(f"/proc/{srv.proc.pid}/status") as f:
+            return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+    before = threads()
+    idle = []
+    for _ in range(100):  # connect, send nothing
+        c = socket.create_connection(("127.0.0.1", port))
+        idle.append(c)
+    time.sleep(1)
+    assert threads() <= before + serve_status.MetricsServer.MAX_CONNECTIONS
+    for c in idle:
+        c.close()
+    deadline = time.monotonic() + 20
+    while True:  # the slots come back as the idle connections end
+        try:
+            scrape(f"http://127.0.0.1:{port}")
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.wait() == 0, srv.text()
+
+
+def test_info_pool_reads_a_garbage_info_file_and_a_stranger_on_the_metrics_port(tmp):
+    d, shm, servers = tmp
+    srv = Server(d, {"shm_path": shm}, {})
+    servers.append(srv)
+    srv.wait_ready()
+    info = serve_status.info_path(srv.socket)
+    with open(info, "w") as f:
+        f.write("[]")
+    r = cli("info", "--pool", srv.socket)
+    assert r.returncode == 0 and "not a JSON object" in r.stdout + r.stderr, r.stdout + r.stderr
+    stranger = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=stranger.serve_forever, daemon=True).start()
+    try:
+        with open(info, "w") as f:
+            json.dump({"pid": 1, "metrics": f"http://127.0.0.1:{stranger.server_address[1]}"}, f)
+        r = cli("info", "--pool", srv.socket)
+        assert r.returncode == 0, r.stderr
+        assert "do not answer" in r.stdout + r.stderr
+    finally:
+        stranger.shutdown()
+        stranger.server_close()
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.wait() == 0, srv.text()
 
 
 def test_prometheus_text_escapes_and_parses():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import grp
 import logging
+import math
 import os
 import signal
 import stat
@@ -74,7 +75,13 @@ def _octal(value: Any, what: str) -> int:
 def _gid(value: Any) -> int:
     if value is None or value == "":
         return -1
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, bool) or isinstance(value, float):
+        raise ValueError(f"serve.group: a group name or id, not {value!r}")
+    if isinstance(value, int):
+        if value == -1:
+            return -1
+        if not 0 <= value < 1 << 32:
+            raise ValueError(f"serve.group: a group id from 0, or -1 for none, not {value}")
         return value
     text = str(value).strip()
     if text.isdigit():
@@ -106,9 +113,13 @@ def serve_options(section: Mapping[str, Any]) -> ServeOptions:
         elif name == "group":
             value = _gid(value)
         elif name in ("max_clients", "metrics_port", "workers"):
-            value = int(value)
+            value = _integer(value, f"serve.{name}")
         elif name == "summary_seconds":
-            value = float(value)
+            value = _number(value, "serve.summary_seconds")
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(
+                    f"serve.summary_seconds: 0 (off) or a positive number, not {value!r}"
+                )
         elif name == "share_across_users":
             if not isinstance(value, bool):
                 raise ValueError(f"serve.share_across_users: expected true or false: {value!r}")
@@ -119,27 +130,62 @@ def serve_options(section: Mapping[str, Any]) -> ServeOptions:
         else:
             value = str(value)
         setattr(o, name, value)
+    if not o.metrics_address.strip():
+        raise ValueError(
+            "serve.metrics_address: an address to listen on (127.0.0.1 by default; 0.0.0.0 for "
+            "every interface)"
+        )
     if not 0 <= o.metrics_port <= 65535:
         raise ValueError(f"serve.metrics_port: 0 (off) or a TCP port, not {o.metrics_port}")
-    if o.max_clients < 1:
-        raise ValueError(f"serve.max_clients: at least 1, not {o.max_clients}")
+    if not 1 <= o.max_clients <= 1 << 20:
+        raise ValueError(f"serve.max_clients: 1 to 1048576, not {o.max_clients}")
     if o.workers < 0:
         raise ValueError(f"serve.workers: 0 (two per core) or a positive count, not {o.workers}")
     return o
+
+
+def _integer(value: Any, what: str) -> int:
+    """An integer option: an int, or text of one; never a bool or a float."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise ValueError(f"{what}: expected an integer, not {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: expected an integer, not {value!r:.60}") from None
+
+
+def _number(value: Any, what: str) -> float:
+    """A number option: an int or a float, or text of one; never a bool."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a number, not {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: expected a number, not {value!r:.60}") from None
 
 
 def split_config(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(store options, serve section) of a configuration mapping.
 
     The store's options stand at top level or under ``cascade:`` (as
-    load_config takes them); ``serve:`` is at top level.
+    load_config takes them), not both; ``serve:`` is at top level.
     """
     data = dict(data)
-    section = data.pop("serve", None) or {}
+    section = data.pop("serve", None)
+    if section is None:
+        section = {}
     if not isinstance(section, Mapping):
         raise ValueError("serve: expected a mapping of options")
-    if isinstance(data.get("cascade"), Mapping):
-        data = dict(data["cascade"])
+    if "cascade" in data:
+        store = data.pop("cascade")
+        if not isinstance(store, Mapping):
+            raise ValueError("cascade: expected a mapping of the store's options")
+        if data:
+            raise ValueError(
+                "the store's options stand either under cascade: or at top level, not both: "
+                f"{', '.join(sorted(map(str, data)))} at top level beside cascade:"
+            )
+        data = dict(store)
     return data, dict(section)
 
 
@@ -152,6 +198,27 @@ def split_cluster(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return data, dict(section) if section is not None else None
 
 
+def _unique_key_loader():
+    """A safe YAML loader that refuses a key given twice in one mapping
+    (the plain loader keeps the last, silently)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def construct_mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ValueError(f"line {key_node.start_mark.line + 1}: {key!r} given twice")
+            seen.add(key)
+        return loader.construct_mapping(node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return Loader
+
+
 def read_config_file(
     path: str,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
@@ -159,7 +226,9 @@ def read_config_file(
     import yaml
 
     with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
+        data = yaml.load(f, Loader=_unique_key_loader())
+    if data is None:
+        data = {}
     if not isinstance(data, Mapping):
         raise ValueError(f"{path}: expected a mapping of options, got {type(data).__name__}")
     data, cluster = split_cluster(data)
@@ -291,6 +360,11 @@ def _start_server(cfg, socket_path: str, opts):
             time.sleep(0.05)
 
 
+# Signals that shut the server down cleanly: SIGHUP too, since closing the
+# terminal or ssh session of a server run in the foreground sends it.
+SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def _install_signals(stop: threading.Event) -> None:
     def on_signal(signum, frame):
         name = signal.Signals(signum).name
@@ -304,8 +378,8 @@ def _install_signals(stop: threading.Event) -> None:
         logger.info("%s: shutting down (a second signal exits at once)", name)
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for sig in SHUTDOWN_SIGNALS:
+        signal.signal(sig, on_signal)
 
 
 def _close(server, stats: Mapping[str, Any], ephemeral: bool, arena_kept: bool = False) -> bool:
@@ -362,7 +436,7 @@ def _close(server, stats: Mapping[str, Any], ephemeral: bool, arena_kept: bool =
     return True
 
 
-def _join_cluster(server, copts, capacity_bytes: int):
+def _join_cluster(server, copts, capacity_bytes: int, etcd=None):
     """Makes this server a member of the cluster ``copts`` names: starts its
     data transport, publishes the transport's address in the member record,
     and keeps the server's view of the members (and their ring) up to date.
@@ -421,7 +495,7 @@ def _join_cluster(server, copts, capacity_bytes: int):
         return members
 
     membership = Membership(
-        _etcd_client(copts),
+        etcd if etcd is not None else _etcd_client(copts),
         copts.name,
         copts.node_id,
         transport=address,
@@ -477,6 +551,26 @@ def _for_rank(options: dict[str, Any], socket_path: str, rank: int):
     return {k: sub(v) for k, v in options.items()}, sub(socket_path)
 
 
+def _check_socket_path(socket_path: str) -> None:
+    """A Unix socket's path has room for 107 bytes."""
+    n = len(os.fsencode(socket_path))
+    if n > 107:
+        raise ValueError(
+            f"serve.socket: {socket_path!r} is {n} bytes; a Unix socket's path takes 107 at most"
+        )
+
+
+def _check_group(group: int) -> None:
+    """The socket can be given to `group` only by a member of it (or root)."""
+    if group < 0 or os.geteuid() == 0:
+        return
+    if group != os.getegid() and group not in os.getgroups():
+        raise ValueError(
+            f"serve.group: this process (uid {os.geteuid()}) is not a member of group {group}, "
+            "so it cannot give the socket to it"
+        )
+
+
 def _etcd_client(copts):
     from cascade.cluster import EtcdClient
 
@@ -529,12 +623,37 @@ def run(
         if opts.metrics_port:  # ranks of one host: one port each, from the first
             opts = dataclasses.replace(opts, metrics_port=opts.metrics_port + _local_rank(comm))
     cfg = _store_config(store_options)
+    # What can be checked before the arena is made, is: a mistake found
+    # after it would leave a full arena behind (kept, with shm_persist).
+    _check_socket_path(socket_path)
+    _check_group(opts.group)
+    etcd = _etcd_client(copts) if copts is not None and copts.transport != "mpi" else None
     prepare_socket_dir(socket_path, opts.group)
     stop = threading.Event()
     _install_signals(stop)
-    server = _start_server(cfg, socket_path, opts)
-    started = time.time()
+    facts: dict[str, Any] = {
+        "pid": os.getpid(),
+        "socket": socket_path,
+        "started": None,
+        "metrics": None,
+        "cluster": None,
+    }
     metrics = None
+    if opts.metrics_port:
+        try:
+            metrics = serve_status.MetricsServer(opts.metrics_address, opts.metrics_port, facts)
+        except OSError as e:
+            raise ValueError(
+                f"serve.metrics_port: cannot listen on {opts.metrics_address}:{opts.metrics_port}: "
+                f"{e.strerror or e}"
+            ) from None
+    try:
+        server = _start_server(cfg, socket_path, opts)
+    except BaseException:
+        if metrics:
+            metrics.stop()
+        raise
+    started = time.time()
     membership = None
     try:
         if opts.group >= 0:
@@ -573,41 +692,41 @@ def run(
                 "or format): its blocks were discarded and the arena starts empty",
                 cfg.shm_path,
             )
-        facts = {
-            "pid": os.getpid(),
-            "socket": socket_path,
-            "started": started,
-            "pipeline": "|".join(tiers),
-            "shm_path": cfg.shm_path,
-            "arena_pages": pages,
-            "metrics": None,
-            "cluster": None,
-        }
-        if copts is not None:
-            membership = _join_cluster(server, copts, host.get("capacity_bytes", 0))
+        facts.update(
+            started=started,
+            pipeline="|".join(tiers),
+            shm_path=cfg.shm_path,
+            arena_pages=pages,
+        )
+        # A signal during the start (the arena's population or reattach
+        # holds the main thread) is acted on here: no joining, no more steps.
+        # (MPI ranks join together: a rank's gather is collective.)
+        if copts is not None and (copts.transport == "mpi" or not stop.is_set()):
+            membership = _join_cluster(server, copts, host.get("capacity_bytes", 0), etcd)
             facts["cluster"] = {"name": copts.name, "node_id": copts.node_id}
-        if opts.metrics_port:
-            metrics = serve_status.MetricsServer(
+        if metrics:
+            metrics.attach(
                 server,
-                opts.metrics_address,
-                opts.metrics_port,
-                facts,
                 cluster=(lambda: {**membership.state(), "data": server.cluster_stats()})
                 if membership
                 else None,
             )
             facts["metrics"] = metrics.url
             logger.info("metrics on %s/metrics and %s/stats.json", metrics.url, metrics.url)
-        serve_status.write_info_file(socket_path, opts.socket_mode, opts.group, facts)
+        if not stop.is_set():
+            serve_status.write_info_file(socket_path, opts.socket_mode, opts.group, facts)
         watcher = ClientWatcher()
         next_summary = time.monotonic() + opts.summary_seconds
         while not stop.wait(1.0):
-            watcher.poll(server.stats()["connections"], server.clients())
-            if opts.summary_seconds > 0 and time.monotonic() >= next_summary:
-                next_summary += opts.summary_seconds
-                logger.info("%s", summary_line(server.stats()))
-                if membership:
-                    logger.info("%s", cluster_line(membership.state()))
+            try:
+                watcher.poll(server.stats()["connections"], server.clients())
+                if opts.summary_seconds > 0 and time.monotonic() >= next_summary:
+                    next_summary += opts.summary_seconds
+                    logger.info("%s", summary_line(server.stats()))
+                    if membership:
+                        logger.info("%s", cluster_line(membership.state()))
+            except Exception as e:  # a report that failed never ends the server
+                logger.warning("the periodic report failed: %s: %s", type(e).__name__, e)
         final = server.stats()
         logger.info("%s", summary_line(final))
     except BaseException:
@@ -626,7 +745,7 @@ def run(
         metrics.stop()
     serve_status.remove_info_file(socket_path)
     ok = _close(server, final, cfg.ephemeral, arena_kept=cfg.shm_persist)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # closed: nothing left to cut short
+    for sig in SHUTDOWN_SIGNALS:  # closed: nothing left to cut short
         signal.signal(sig, signal.SIG_IGN)
     return 0 if ok else 1
 

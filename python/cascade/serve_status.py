@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import threading
 import time
 import urllib.request
@@ -322,28 +323,34 @@ def prometheus_text(
 
 
 class MetricsServer:
-    """/metrics and /stats.json over HTTP in a daemon thread."""
+    """/metrics and /stats.json over HTTP in a daemon thread.
 
-    def __init__(
-        self,
-        server,
-        address: str,
-        port: int,
-        facts: Mapping[str, Any],
-        cluster: Callable[[], Mapping[str, Any]] | None = None,
-    ):
+    It listens from its construction, before the pool server exists (a port
+    that cannot be had fails the start before the arena is made), and
+    answers 503 until attach() hands it the server. A connection that sends
+    nothing for TIMEOUT_S is closed, and at most MAX_CONNECTIONS are served
+    at once (more are closed at once)."""
+
+    TIMEOUT_S = 10.0
+    MAX_CONNECTIONS = 32
+
+    def __init__(self, address: str, port: int, facts: Mapping[str, Any]):
         """``facts``: the server's pid, socket, start time..., served in
-        /stats.json under "server" (read on each request). ``cluster``: the
-        membership's state, when the server is a cluster member."""
+        /stats.json under "server" (read on each request)."""
         outer = self
-        self.pool = server
+        self.pool: Any = None
         self.facts = facts
-        self.cluster = cluster
+        self.cluster: Callable[[], Mapping[str, Any]] | None = None
+        self._slots = threading.BoundedSemaphore(self.MAX_CONNECTIONS)
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = self.TIMEOUT_S
+
             def do_GET(self):  # noqa: N802 (http.server's name)
                 path = self.path.split("?", 1)[0]
                 try:
+                    if outer.pool is None and path in ("/metrics", "/stats.json"):
+                        raise RuntimeError("the pool server is starting")
                     if path == "/metrics":
                         body = prometheus_text(
                             outer.pool.stats(),
@@ -373,6 +380,26 @@ class MetricsServer:
             daemon_threads = True
             address_family = socket.AF_INET6 if ":" in address else socket.AF_INET
 
+            def process_request(self, request, client_address):
+                if not outer._slots.acquire(blocking=False):
+                    self.shutdown_request(request)  # too many at once
+                    return
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    outer._slots.release()
+                    raise
+
+            def process_request_thread(self, request, client_address):
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    outer._slots.release()
+
+            def handle_error(self, request, client_address):
+                # A client that went away mid-request, or a timed out one.
+                logger.debug("metrics %s: %s", client_address, sys.exc_info()[1])
+
         self.httpd = Server((address, port), Handler)
         host = address
         if address in ("", "0.0.0.0"):
@@ -386,6 +413,12 @@ class MetricsServer:
             target=self.httpd.serve_forever, name="cascade-serve-metrics", daemon=True
         )
         self.thread.start()
+
+    def attach(self, server, cluster: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        """Serves ``server``'s figures from now on; ``cluster``: the
+        membership's state, when the server is a cluster member."""
+        self.cluster = cluster
+        self.pool = server
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -401,6 +434,12 @@ class MetricsServer:
         self.thread.join()
 
 
+def printable(text: str) -> str:
+    """``text`` with what a terminal would act on (control characters,
+    escapes) written as escapes: clients choose their namespaces."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def info_path(socket_path: str) -> str:
     return socket_path + ".json"
 
@@ -410,16 +449,27 @@ def write_info_file(socket_path: str, socket_mode: int, group: int, facts: Mappi
     and by the group or others where the socket lets them connect."""
     mode = 0o600 | (0o040 if socket_mode & 0o060 else 0) | (0o004 if socket_mode & 0o006 else 0)
     path = info_path(socket_path)
-    tmp = f"{path}.{os.getpid()}.tmp"
+    # A name no earlier process left behind (a server that died between the
+    # create and the rename, with the same pid in a container).
+    tmp = f"{path}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
-        os.fchmod(fd, mode)
-        if group >= 0:
-            os.fchown(fd, -1, group)
-        os.write(fd, (json.dumps(dict(facts), indent=1) + "\n").encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            os.fchmod(fd, mode)
+            if group >= 0:
+                os.fchown(fd, -1, group)
+            data = (json.dumps(dict(facts), indent=1) + "\n").encode()
+            if os.write(fd, data) != len(data):
+                raise OSError(f"{tmp}: a short write")
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
 
 
 def remove_info_file(socket_path: str) -> None:
@@ -442,8 +492,23 @@ def remove_info_file(socket_path: str) -> None:
 
 
 def _fetch_json(url: str, timeout: float) -> dict[str, Any]:
-    with urllib.request.urlopen(url.rstrip("/") + "/stats.json", timeout=timeout) as r:
-        return json.load(r)
+    """A pool server's /stats.json at ``url``; OSError when what answers
+    there is not one (no answer, not HTTP, not such a JSON object)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/stats.json", timeout=timeout) as r:
+            answer = json.loads(r.read(64 << 20))
+    except OSError:
+        raise
+    except Exception as e:  # not HTTP, not JSON, nested too deep
+        raise OSError(f"{url} is not a pool server's metrics: {type(e).__name__}: {e}") from None
+    if not (
+        isinstance(answer, dict)
+        and isinstance(answer.get("stats"), dict)
+        and isinstance(answer.get("server"), dict)
+        and isinstance(answer.get("clients"), list)
+    ):
+        raise OSError(f"{url} is not a pool server's metrics: an unexpected answer")
+    return answer
 
 
 def _client_probe(socket_path: str, timeout: float) -> dict[str, Any]:
@@ -485,22 +550,33 @@ def pool_info(target: str, timeout: float = 3.0) -> dict[str, Any]:
         out.update(_fetch_json(target, timeout), source="metrics", metrics=target)
         return out
     socket_path = os.path.abspath(target)
+    readable = False
     try:
         with open(info_path(socket_path), encoding="utf-8") as f:
-            out["info"] = json.load(f)
+            info_file = json.load(f)
+        if not isinstance(info_file, dict):
+            raise ValueError("not a JSON object")
+        out["info"] = info_file
+        readable = True
     except FileNotFoundError:
         out["notes"].append(f"no {info_path(socket_path)}: not started by `cascade serve`?")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         out["notes"].append(f"cannot read {info_path(socket_path)}: {e}")
     info = out["info"] or {}
     url = info.get("metrics")
-    if url:
+    if url and not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+        out["notes"].append(f"the info file names no metrics URL ({url!r:.80}); asking the socket")
+        url = None
+    elif url:
         try:
-            out.update(_fetch_json(url, timeout), source="metrics", metrics=url)
+            fetched = _fetch_json(url, timeout)
+            if fetched["server"].get("socket") not in (None, socket_path):
+                raise OSError(f"it serves {fetched['server'].get('socket')!r}, not this socket")
+            out.update(fetched, source="metrics", metrics=url)
             return out
         except OSError as e:
             out["notes"].append(f"metrics at {url} do not answer ({e}); asking the socket")
-    else:
+    elif readable:
         out["notes"].append(
             "metrics are off (serve.metrics_port 0): counters, tiers and clients are "
             "served only over HTTP; shown here is what a client connection tells"
@@ -602,7 +678,7 @@ def format_pool_info(r: Mapping[str, Any]) -> str:
                     c["id"],
                     c["pid"],
                     c["uid"],
-                    c["namespace"],
+                    printable(c["namespace"]),
                     c["channels"],
                     c["leases"],
                     c["reservations"],

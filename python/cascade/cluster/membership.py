@@ -390,10 +390,20 @@ class Membership:
                 pass
             return False
         with self._lock:
-            again = self._counters["registrations"] > 0
-            self._counters["registrations"] += 1
-            self._lease = lease
-            outage = self._reachable()
+            # close() may have given up waiting for this registration: the
+            # member has left, and the record goes with its lease.
+            left = self._stop.is_set()
+            if not left:
+                again = self._counters["registrations"] > 0
+                self._counters["registrations"] += 1
+                self._lease = lease
+                outage = self._reachable()
+        if left:
+            try:
+                self.client.revoke(lease)
+            except ClusterError:
+                pass  # the record expires with its lease
+            return False
         logger.info(
             "%s cluster %s as %s (generation %d) under lease %x, TTL %d s%s",
             "re-registered in" if again else "registered in",
