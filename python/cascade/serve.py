@@ -717,6 +717,7 @@ def run(
             serve_status.write_info_file(socket_path, opts.socket_mode, opts.group, facts)
         watcher = ClientWatcher()
         next_summary = time.monotonic() + opts.summary_seconds
+        last_failure = ""
         while not stop.wait(1.0):
             try:
                 watcher.poll(server.stats()["connections"], server.clients())
@@ -726,7 +727,12 @@ def run(
                     if membership:
                         logger.info("%s", cluster_line(membership.state()))
             except Exception as e:  # a report that failed never ends the server
-                logger.warning("the periodic report failed: %s: %s", type(e).__name__, e)
+                failure = f"{type(e).__name__}: {e}"
+                if failure != last_failure:  # once, not every second
+                    logger.warning("the periodic report failed: %s", failure)
+                last_failure = failure
+            else:
+                last_failure = ""
         final = server.stats()
         logger.info("%s", summary_line(final))
     except BaseException:
