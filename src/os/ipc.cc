@@ -26,6 +26,13 @@ int watch_process(pid_t pid) {
 #endif
 }
 
+bool process_ended(int pidfd) {
+  struct pollfd p {
+    pidfd, POLLIN, 0
+  };
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL)) != 0;
+}
+
 Result<PeerCredentials> peer_credentials(int sock) {
   struct ucred cred {};
   socklen_t len = sizeof cred;

@@ -44,6 +44,9 @@ bool peer_closed(int sock);
 // (pidfd_open), close-on-exec; -1 where the kernel has no pidfds or the
 // process is not there (pid 0: outside this pid namespace).
 int watch_process(pid_t pid);
+// True when the process a watch_process descriptor names has ended; does
+// not wait.
+bool process_ended(int pidfd);
 
 // A listening Unix socket at path with the given permission bits, and a
 // connection to one. Listen refuses (InvalidArgument) to replace anything at

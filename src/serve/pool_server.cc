@@ -45,6 +45,9 @@ constexpr int64_t kShortSpinNs = 2000;
 constexpr size_t kMaxLeasesPerClient = 1 << 20;
 constexpr size_t kMaxReservationsPerClient = 1 << 16;
 constexpr int kMaxHandshakes = 64;
+// How long the reaper waits for a dead client's process to end before it
+// frees the ranges the client had reserved (see reap_loop).
+constexpr auto kProcessEndWait = std::chrono::seconds(5);
 // A peer silent this long after its connect is no client in the middle of
 // its hello: its handshake slot may go to a new connection.
 constexpr auto kSilentPeer = std::chrono::milliseconds(50);
@@ -104,6 +107,8 @@ struct PoolClient {
   std::unique_ptr<Shard[]> shards;  // nch of them
   // Totals over the shards, for the per-client limits.
   std::atomic<size_t> lease_count{0}, reservation_count{0};
+  // The client has reserved ranges it fills from GPU memory (kDeviceWrites).
+  std::atomic<bool> device_writes{false};
 
   // The blocks this client committed since its last flush, when the store
   // has a persistent tier: the client's flush writes down these alone, not
@@ -700,27 +705,45 @@ void PoolServer::Impl::drop(const std::shared_ptr<PoolClient>& c) {
 // client whose request is still under way (a long flush, a call to a
 // cluster member) waits in `busy` and is looked at again every millisecond,
 // while the clients that died after it are ended at once.
+//
+// A client that fills reserved ranges from GPU memory (kDeviceWrites) and
+// held reservations when its connection ended also waits for its process
+// to end (its pidfd), for at most kProcessEndWait: a copy from GPU memory
+// into a reserved range may still be under way until the process's GPU
+// context is gone, which the kernel tears down after the socket may
+// already have closed. Its ranges are freed only then.
 void PoolServer::Impl::reap_loop() {
   name_this_thread("cascade-reaper");
-  std::vector<std::shared_ptr<PoolClient>> busy;
+  struct Dying {
+    std::shared_ptr<PoolClient> c;
+    std::chrono::steady_clock::time_point since;
+  };
+  std::vector<Dying> busy;
   std::unique_lock<std::mutex> l(mu);
   while (true) {
     const auto ready = [&] { return !reap_queue.empty() || (reaper_stop && busy.empty()); };
     if (busy.empty()) reap_cv.wait(l, ready);
     else reap_cv.wait_for(l, std::chrono::milliseconds(1), ready);
     if (reap_queue.empty() && busy.empty()) return;  // reaper_stop
+    const auto now = std::chrono::steady_clock::now();
     while (!reap_queue.empty()) {
-      busy.push_back(std::move(reap_queue.front()));
+      busy.push_back(Dying{std::move(reap_queue.front()), now});
       reap_queue.pop_front();
     }
+    const bool stopping_now = reaper_stop;
     l.unlock();
     for (auto it = busy.begin(); it != busy.end();) {
+      PoolClient* c = it->c.get();
       // `dead` is set (drop): a worker that enters from now on leaves.
-      if ((*it)->inside.load() != 0) {
+      const bool waiting_for_process =
+          !stopping_now && c->device_writes.load(std::memory_order_relaxed) &&
+          c->reservation_count.load(std::memory_order_relaxed) > 0 && c->pidfd >= 0 &&
+          !process_ended(c->pidfd) && now - it->since < kProcessEndWait;
+      if (c->inside.load() != 0 || waiting_for_process) {
         ++it;
         continue;
       }
-      cleanup(it->get());
+      cleanup(c);
       disconnects.fetch_add(1);  // counted once everything it held is given back
       it = busy.erase(it);
     }
@@ -1053,6 +1076,7 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       // The client's lock is taken twice per batch, not per item: once for
       // the room left, once to record the reservations made; the store
       // places the batch in one call.
+      if (h.flags & pool::kDeviceWrites) c->device_writes.store(true, std::memory_order_relaxed);
       const size_t room =
           kMaxReservationsPerClient -
           std::min(c->reservation_count.load(std::memory_order_relaxed), kMaxReservationsPerClient);

@@ -692,6 +692,43 @@ TEST(PoolServerTest, AStoreClosedAfterItsProcessForkedEndsItsConnection) {
   EXPECT_EQ(::waitpid(child, &status, 0), child);
 }
 
+TEST(PoolServerTest, RangesAClientFillsFromGpuMemoryAreFreedOnlyOnceItsProcessEnds) {
+  // A copy from GPU memory into a reserved range can go on after the
+  // client's connection closed, while its process ends: the server frees
+  // such a client's ranges once the process is gone, or after a bound
+  // (here the client's process, this one, lives on). A client that copies
+  // from host memory has its ranges freed at once.
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  auto reserve = [](RawClient& c, uint64_t key, uint32_t flags) {
+    pool::ReserveItem item{};
+    const BlockId id = id_of(key);
+    std::memcpy(item.id, id.bytes.data(), 16);
+    item.size = 4096;
+    pool::ReplyHeader reply;
+    ASSERT_TRUE(c.call(c.write(Op::kReserve, &item, 1, sizeof item, flags), &reply));
+    ASSERT_EQ(reply.code, 0u);
+  };
+  auto gpu = std::make_unique<RawClient>();
+  auto host = std::make_unique<RawClient>();
+  ASSERT_TRUE(gpu->connect(f.socket).ok() && host->connect(f.socket).ok());
+  ASSERT_NO_FATAL_FAILURE(reserve(*gpu, 501, pool::kDeviceWrites));
+  ASSERT_NO_FATAL_FAILURE(reserve(*host, 502, 0));
+  const auto t0 = std::chrono::steady_clock::now();
+  gpu.reset();
+  host.reset();
+  auto reclaimed = [&] { return f.server->stats().reclaimed_reservations; };
+  while (reclaimed() < 1 && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(3))
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(reclaimed(), 1u);  // the host copier's, at once
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  EXPECT_EQ(reclaimed(), 1u);  // the GPU copier's process has not ended
+  while (reclaimed() < 2 && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(reclaimed(), 2u);  // after the bound
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::seconds(4));
+}
+
 TEST(PoolServerTest, PeersThatConnectAndStaySilentDoNotKeepNewClientsOut) {
   // Every handshake slot taken by a connection that never says hello: a
   // new client still gets in, at once rather than after the handshake

@@ -608,8 +608,9 @@ Status PoolTier::post_reserve(Slot* slot, const PutBatch& b, const PutPart& part
     item.flags = b.options.is_prefix ? pool::kPrefix : 0;
     std::memcpy(slot->ch.request + sizeof(RequestHeader) + k * sizeof item, &item, sizeof item);
   }
+  const uint32_t device = b.options.src_kind != MemoryKind::kHost ? pool::kDeviceWrites : 0;
   return post(slot, Op::kReserve, static_cast<uint32_t>(part.count), sizeof(pool::ReserveItem),
-              ahead ? pool::kAhead : 0);
+              (ahead ? pool::kAhead : 0) | device);
 }
 
 void PoolTier::take_reserve(Slot* slot, const PutBatch& b, PutPart* part) {

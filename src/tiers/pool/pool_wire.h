@@ -132,6 +132,13 @@ inline constexpr uint32_t kAhead = 1;
 // arenas) failed their checksums; the server counts them. A server that
 // does not know the flag ends the leases the same.
 inline constexpr uint32_t kChecksumFailed = 2;
+// On kReserve: the client copies into these ranges from GPU memory (DMA).
+// Such a copy can go on while the client's process ends, after its
+// connection has closed, until the process's GPU context is gone; the
+// server frees the ranges of such a client only once its process has ended
+// (or after a bound). A server that does not know the flag frees them when
+// the connection ends.
+inline constexpr uint32_t kDeviceWrites = 4;
 struct ReplyHeader {
   uint32_t code;  // OK: count items follow; otherwise message_bytes of text
   uint32_t count;
