@@ -458,7 +458,12 @@ class ClusterNode::Impl {
     std::vector<uint8_t> msg = request(op, count, tag, lane);
     msg.insert(msg.end(), items.begin(), items.end());
     Status st = peer.send(cluster::kRequestTag, msg, until);
-    if (!st.ok()) return st;
+    if (!st.ok()) {
+      // A send that missed its deadline may still reach the member, which
+      // then answers: its reply is dropped when it comes.
+      if (wants_reply && st.is(Code::kUnavailable)) lanes[lane].t->discard(tag);
+      return st;
+    }
     if (!wants_reply) return std::vector<uint8_t>{};
     auto got = lanes[lane].t->receive(tag, cluster::kMaxReplyBytes, until);
     if (!got.ok()) {

@@ -188,6 +188,29 @@ TEST(TransportOpen, SharedMemoryWithoutFailureDetection) {
   link.t->close();
 }
 
+// Shared memory alone: a send to a stopped peer misses its deadline, and the
+// caller then reuses its buffer. The send, which nothing can cancel, goes on
+// from its own copy once the peer runs again: the peer gets the bytes sent.
+TEST(TransportOpen, ASendThatMissedItsDeadlineWithoutFailureDetectionSendsItsOwnBytes) {
+  if (!Transport::available()) GTEST_SKIP() << "built without UCX";
+  SharedMemoryLink link;
+  open_shared_memory_link(4096, 14, &link);
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(link.child->start_echo(link.t->address(), 84, 85, deadline_in(10s)).ok());
+  std::vector<uint8_t> msg(1 << 20);
+  for (size_t i = 0; i < msg.size(); ++i) msg[i] = static_cast<uint8_t>(i * 13 + i / 253);
+  const std::vector<uint8_t> want(msg.rbegin(), msg.rend());
+  link.child->signal(SIGSTOP);
+  const Status st = link.p->send(84, msg, deadline_in(100ms));
+  std::fill(msg.begin(), msg.end(), 0);  // the caller's buffer, reused
+  link.child->signal(SIGCONT);
+  Result<std::vector<uint8_t>> got = link.t->receive(85, msg.size(), deadline_in(10s));
+  ASSERT_TRUE(got.ok()) << got.status().ToString() << " (the send: " << st.ToString() << ")";
+  EXPECT_TRUE(*got == want) << "the peer got the caller's reused buffer (the send: "
+                            << st.ToString() << ")";
+  link.t->close();
+}
+
 // Shared memory alone, a peer killed mid-loop: without failure detection the
 // deadlines alone end the waits; no wait overruns, no read that succeeded
 // holds a wrong byte.
@@ -507,6 +530,48 @@ TEST_P(TransportFabricTest, ReceiveFromASenderStoppedMidMessageEndsByItsDeadline
   EXPECT_EQ(local_->counters().dropped, 0u);
 }
 
+// A sender stopped in the middle of a large message holds the receive that
+// matched it; later receives of the tag still take other senders' messages,
+// and the stopped one's once it has arrived.
+TEST_P(TransportFabricTest, ASenderStoppedMidMessageHoldsUpNoOtherSendersMessagesOfItsTag) {
+  auto slow = start_child(6, 4096);
+  auto quick = start_child(7, 4096);
+  ASSERT_NE(slow, nullptr);
+  ASSERT_NE(quick, nullptr);
+  open_local(/*progress_thread=*/true);
+  std::shared_ptr<Peer> slow_peer, quick_peer;
+  std::shared_ptr<RemoteRegion> slow_region, quick_region;
+  attach(*slow, &slow_peer, &slow_region);
+  attach(*quick, &quick_peer, &quick_region);
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(slow->start_echo(local_->address(), 80, 81, deadline_in(10s)).ok());
+  ASSERT_TRUE(quick->start_echo(local_->address(), 82, 81, deadline_in(10s)).ok());
+  std::vector<uint8_t> big(1 << 20);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<uint8_t>(i * 7 + i / 251);
+  ASSERT_TRUE(slow_peer->send(80, big, deadline_in(10s)).ok());
+  std::this_thread::sleep_for(300ms);
+  slow->signal(SIGSTOP);
+  // The receive that matches the stopped sender's message gives up at its
+  // deadline; the message's buffer stays held.
+  EXPECT_TRUE(local_->receive(81, big.size(), deadline_in(200ms)).status().is(Code::kUnavailable));
+  EXPECT_EQ(local_->counters().held, 1u);
+  const std::vector<uint8_t> small = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+  ASSERT_TRUE(quick_peer->send(82, small, deadline_in(10s)).ok());
+  Result<std::vector<uint8_t>> got = Status::Unavailable("none yet");
+  const auto t0 = TransportClock::now();
+  while (!got.ok() && TransportClock::now() - t0 < 3s)
+    got = local_->receive(81, big.size(), deadline_in(100ms));
+  ASSERT_TRUE(got.ok()) << "the stopped sender held up the tag: " << got.status().ToString();
+  EXPECT_TRUE(*got == std::vector<uint8_t>(small.rbegin(), small.rend()));
+  // The stopped sender's message, once it runs again.
+  slow->signal(SIGCONT);
+  got = local_->receive(81, big.size(), deadline_in(5s));
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  std::reverse(big.begin(), big.end());
+  EXPECT_TRUE(*got == big);
+  EXPECT_EQ(local_->counters().held, 0u);
+}
+
 // A message nobody will receive (the reply to a request whose receive gave
 // up), small or large, is taken and dropped when it comes rather than kept.
 TEST_P(TransportFabricTest, DiscardedMessagesAreDroppedWhenTheyCome) {
@@ -799,6 +864,33 @@ TEST_P(TransportFabricTest, SilentPeerHitsDeadline) {
   ASSERT_TRUE(g.ok());
   ASSERT_TRUE((*g)->wait(deadline_in(10s)).ok());
   EXPECT_TRUE(matches_pattern(buf.data(), 4096, 4096, 8));
+}
+
+TEST_P(TransportFabricTest, GetsOutliveTheRegionTheyReadFrom) {
+  // The caller drops the remote region while large gets from it are under
+  // way: its key stays valid until they have ended, and they bring the
+  // region's bytes.
+  auto child = start_child(5);
+  ASSERT_NE(child, nullptr);
+  open_local();
+  std::shared_ptr<Peer> peer;
+  std::shared_ptr<RemoteRegion> region;
+  attach(*child, &peer, &region);
+  if (HasFatalFailure()) return;
+  constexpr uint64_t kBlock = 8 << 20;
+  std::vector<std::vector<uint8_t>> bufs(6, std::vector<uint8_t>(kBlock));
+  std::vector<std::unique_ptr<Completion>> pending;
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    Result<std::unique_ptr<Completion>> c =
+        peer->get(*region, (i % 2) * kBlock, bufs[i].data(), kBlock);
+    ASSERT_TRUE(c.ok());
+    pending.push_back(std::move(*c));
+  }
+  region.reset();
+  for (size_t i = 0; i < pending.size(); ++i) {
+    ASSERT_TRUE(pending[i]->wait(deadline_in(10s)).ok()) << i;
+    EXPECT_TRUE(matches_pattern(bufs[i].data(), kBlock, (i % 2) * kBlock, 5)) << i;
+  }
 }
 
 TEST_P(TransportFabricTest, CloseWhilePending) {

@@ -48,6 +48,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -173,18 +174,29 @@ struct Worker {
   };
   std::list<Orphan> orphans;
   uint64_t dropped = 0;  // messages orphans took, guarded by mu
+  // Sends given up on at their deadline to a peer whose transfers cannot be
+  // cancelled (no failure detection): UCX may still read their bytes, so
+  // each keeps its copy until the request ends. Guarded by mu.
+  struct Lingering {
+    void* req;
+    std::shared_ptr<const std::vector<uint8_t>> bytes;
+  };
+  std::list<Lingering> lingering;
 
   ~Worker() {
     if (worker) {
       // Cancelling ends the orphans still waiting for a message; the others
-      // end with the worker, after which nothing writes their buffers.
+      // end with the worker, after which nothing writes their buffers (nor
+      // reads the lingering sends' bytes).
       for (const Orphan& o : orphans) {
         ucp_request_cancel(worker, o.req);
         ucp_request_free(o.req);
       }
+      for (const Lingering& l : lingering) ucp_request_free(l.req);
       ucp_worker_destroy(worker);
     }
     orphans.clear();
+    lingering.clear();
     if (context) ucp_cleanup(context);
   }
   Worker() = default;
@@ -201,16 +213,31 @@ struct Worker {
     it = orphans.erase(it);
     return true;
   }
-  // Frees the orphans to drop that have ended. REQUIRES: mu held.
+  // Frees the orphans to drop that have ended, and the lingering sends
+  // that have. REQUIRES: mu held.
   void reap_locked() {
     for (auto it = orphans.begin(); it != orphans.end();)
       if (!it->drop || !release_if_ended_locked(it)) ++it;
+    for (auto it = lingering.begin(); it != lingering.end();) {
+      if (ucp_request_check_status(it->req) == UCS_INPROGRESS) {
+        ++it;
+        continue;
+      }
+      ucp_request_free(it->req);
+      it = lingering.erase(it);
+    }
   }
 
   // Drives the worker until `req` finishes or `deadline` passes; the
   // request's status, or UCS_INPROGRESS at the deadline. Polls for `spin`
   // before it sleeps (where a progress thread drives the worker).
   ucs_status_t drive(void* req, Deadline deadline, Deadline::duration spin = kWaiterSpin) {
+    return drive_or(req, deadline, spin, nullptr);
+  }
+  // As drive, and also ends (UCS_INPROGRESS) once `other`, looked at with mu
+  // held after each progress, holds.
+  ucs_status_t drive_or(void* req, Deadline deadline, Deadline::duration spin,
+                        const std::function<bool()>* other) {
     const Deadline spin_until = TransportClock::now() + spin;
     for (unsigned idle = 0;; ++idle) {
       {
@@ -218,6 +245,7 @@ struct Worker {
         progress_locked();
         ucs_status_t s = ucp_request_check_status(req);
         if (s != UCS_INPROGRESS) return s;
+        if (other && (*other)()) return UCS_INPROGRESS;
       }
       const Deadline now = TransportClock::now();
       if (now >= deadline) return UCS_INPROGRESS;
@@ -282,15 +310,20 @@ void on_peer_error(void* arg, ucp_ep_h, ucs_status_t status) {
 }
 
 // Waits for `req` (issued on `peer`); on a missed deadline fails and closes
-// the peer and waits for the cancellation. Frees the request.
-Status finish(PeerState& peer, void* req, Deadline deadline, const char* what) {
+// the peer and waits for the cancellation. Frees the request. `bytes`: the
+// send's own copy of its message, kept until the request ends when it
+// cannot be cancelled.
+Status finish(PeerState& peer, void* req, Deadline deadline, const char* what,
+              std::shared_ptr<const std::vector<uint8_t>> bytes = nullptr) {
   ucs_status_t s = peer.w->drive(req, deadline);
   if (s == UCS_INPROGRESS && !peer.can_cancel) {
-    // Nothing can cancel it: UCX keeps the request (freed when it ends) and
-    // the caller's buffer stays in use until the Transport closes.
+    // Nothing can cancel it: UCX keeps the request. A send's copy of its
+    // bytes lingers with it until it ends; the buffer of a get or put stays
+    // in use until the Transport closes.
     std::lock_guard<std::mutex> lock(peer.w->mu);
     peer.fail_locked(std::string(what) + ": deadline passed");
-    ucp_request_free(req);
+    if (bytes) peer.w->lingering.push_back(Worker::Lingering{req, std::move(bytes)});
+    else ucp_request_free(req);
     return Status::Unavailable(std::string(what) + ": deadline passed");
   }
   if (s == UCS_INPROGRESS) {
@@ -314,9 +347,13 @@ Status finish(PeerState& peer, void* req, Deadline deadline, const char* what) {
 
 class UcxCompletion final : public Completion {
  public:
-  // req: null when the operation finished at once.
-  UcxCompletion(std::shared_ptr<PeerState> peer, void* req, const char* what)
-      : peer_(std::move(peer)), req_(req), what_(what) {}
+  // req: null when the operation finished at once. region: the remote
+  // region the operation uses, whose key (rkey) UCX may still read while
+  // the operation runs: kept alive until it has ended, whatever the caller
+  // drops first.
+  UcxCompletion(std::shared_ptr<PeerState> peer, void* req, const char* what,
+                std::shared_ptr<const RemoteRegion> region = nullptr)
+      : peer_(std::move(peer)), req_(req), what_(what), region_(std::move(region)) {}
   ~UcxCompletion() override {
     if (req_ != nullptr) (void)wait(TransportClock::now());
   }
@@ -345,9 +382,11 @@ class UcxCompletion final : public Completion {
   void* req_;
   const char* what_;
   Status outcome_;
+  std::shared_ptr<const RemoteRegion> region_;  // released after the destructor ended the request
 };
 
-class UcxRemoteRegion final : public RemoteRegion {
+class UcxRemoteRegion final : public RemoteRegion,
+                              public std::enable_shared_from_this<UcxRemoteRegion> {
  public:
   UcxRemoteRegion(std::shared_ptr<PeerState> peer, ucp_rkey_h rkey, uint64_t base, uint64_t size)
       : peer_(std::move(peer)), rkey_(rkey), base_(base), size_(size) {}
@@ -434,17 +473,26 @@ class UcxPeer final : public Peer {
     if (bytes.size() > kMaxMessageBytes)
       return Status::InvalidArgument("transport send: " + std::to_string(bytes.size()) +
                                      " bytes, more than a control message may carry");
+    // Where a send cannot be cancelled (no failure detection), it goes from
+    // a copy of its own: one that misses its deadline may still be read by
+    // UCX after the caller has freed its bytes.
+    std::shared_ptr<const std::vector<uint8_t>> copy;
+    const uint8_t* data = bytes.data();
+    if (!s_->can_cancel) {
+      copy = std::make_shared<const std::vector<uint8_t>>(bytes.begin(), bytes.end());
+      data = copy->data();
+    }
     void* req;
     {
       std::lock_guard<std::mutex> lock(s_->w->mu);
       CASCADE_RETURN_IF_ERROR(s_->usable_locked());
       ucp_request_param_t p{};
-      ucs_status_ptr_t r = ucp_tag_send_nbx(s_->ep, bytes.data(), bytes.size(), tag, &p);
+      ucs_status_ptr_t r = ucp_tag_send_nbx(s_->ep, data, bytes.size(), tag, &p);
       if (UCS_PTR_IS_ERR(r)) return ucx_status(UCS_PTR_STATUS(r), "transport send");
       if (r == nullptr) return Status::OK();
       req = r;
     }
-    return finish(*s_, req, deadline, "transport send");
+    return finish(*s_, req, deadline, "transport send", std::move(copy));
   }
 
   Status health() const override {
@@ -499,7 +547,10 @@ class UcxPeer final : public Peer {
       r = ucp_ep_flush_nbx(s_->ep, &p);
       if (UCS_PTR_IS_ERR(r)) return ucx_status(UCS_PTR_STATUS(r), what);
     }
-    return std::unique_ptr<Completion>(new UcxCompletion(s_, r, what));
+    std::shared_ptr<const RemoteRegion> keep;
+    if (r != nullptr)
+      keep = static_cast<const UcxRemoteRegion*>(op.region)->weak_from_this().lock();
+    return std::unique_ptr<Completion>(new UcxCompletion(s_, r, what, std::move(keep)));
   }
 
   std::shared_ptr<PeerState> s_;
@@ -625,33 +676,65 @@ class UcxTransport final : public Transport {
                                        ReceiveWait wait) override {
     if (max_bytes > kMaxMessageBytes)
       return Status::InvalidArgument("transport receive: max_bytes above the message limit");
-    // Not zeroed, and made before the worker's lock: a receive may allow for
-    // a large message, and only the bytes that arrive are read (copied out
-    // at the end).
-    std::unique_ptr<uint8_t[]> buf(new uint8_t[std::max<uint64_t>(max_bytes, 1)]);
+    const Deadline::duration spin = wait == ReceiveWait::kAnyTime ? Deadline::duration::zero()
+                                                                  : Deadline::duration(kWaiterSpin);
+    // An earlier receive's message of this tag that has arrived since (an
+    // orphan that ended) is this receive's. One still arriving stays where
+    // it is: this receive is posted anew and takes the next message, so a
+    // sender that stopped in the middle of one holds up no other sender's
+    // messages of the tag; it ends this receive's wait if it arrives first.
+    auto arrived = [&](const Worker::Orphan& o) {
+      return o.tag == tag && !o.drop && ucp_request_check_status(o.req) != UCS_INPROGRESS;
+    };
+    auto arriving = [&](const Worker::Orphan& o) { return o.tag == tag && !o.drop; };
+    const std::function<bool()> orphan_arrived = [&] {
+      return std::any_of(w_->orphans.begin(), w_->orphans.end(), arrived);
+    };
     void* req;
-    {
-      std::lock_guard<std::mutex> lock(w_->mu);
-      if (w_->closed.load()) return Status::Unavailable("transport: closed");
-      w_->reap_locked();
-      auto it = std::find_if(w_->orphans.begin(), w_->orphans.end(),
-                             [&](const auto& o) { return o.tag == tag && !o.drop; });
-      if (it != w_->orphans.end()) {  // an earlier receive's message: wait for it
-        req = it->req;
-        buf = std::move(it->buf);
-        w_->orphans.erase(it);
-      } else {
+    std::unique_ptr<uint8_t[]> buf;
+    ucs_status_t st;
+    while (true) {
+      // Not zeroed, and made before the worker's lock: a receive may allow
+      // for a large message, and only the bytes that arrive are read.
+      std::unique_ptr<uint8_t[]> fresh(new uint8_t[std::max<uint64_t>(max_bytes, 1)]);
+      bool watch_orphans;
+      {
+        std::lock_guard<std::mutex> lock(w_->mu);
+        if (w_->closed.load()) return Status::Unavailable("transport: closed");
+        w_->reap_locked();
+        auto it = std::find_if(w_->orphans.begin(), w_->orphans.end(), arrived);
+        if (it != w_->orphans.end()) {
+          req = it->req;
+          buf = std::move(it->buf);
+          w_->orphans.erase(it);
+          st = ucp_request_check_status(req);
+          break;
+        }
         ucp_request_param_t p{};
         p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
         ucs_status_ptr_t r =
-            ucp_tag_recv_nbx(w_->worker, buf.get(), max_bytes, tag, ~ucp_tag_t{0}, &p);
+            ucp_tag_recv_nbx(w_->worker, fresh.get(), max_bytes, tag, ~ucp_tag_t{0}, &p);
         if (UCS_PTR_IS_ERR(r)) return ucx_status(UCS_PTR_STATUS(r), "transport receive");
         req = r;
+        buf = std::move(fresh);
+        watch_orphans = std::any_of(w_->orphans.begin(), w_->orphans.end(), arriving);
       }
+      st = w_->drive_or(req, deadline, spin, watch_orphans ? &orphan_arrived : nullptr);
+      if (st != UCS_INPROGRESS || TransportClock::now() >= deadline) break;
+      // An orphan's message arrived first: this receive gives its request
+      // up (kept as an orphan when a message matched it meanwhile) and
+      // takes that one, or waits again if another receive took it.
+      {
+        std::lock_guard<std::mutex> lock(w_->mu);
+        ucp_request_cancel(w_->worker, req);
+      }
+      (void)w_->drive(req, TransportClock::now() + kReceiveCancelGrace);
+      std::lock_guard<std::mutex> lock(w_->mu);
+      if (ucp_request_check_status(req) == UCS_ERR_CANCELED) ucp_request_free(req);
+      else w_->orphans.push_back(Worker::Orphan{req, tag, std::move(buf), false});
     }
-    const Deadline::duration spin = wait == ReceiveWait::kAnyTime ? Deadline::duration::zero()
-                                                                  : Deadline::duration(kWaiterSpin);
-    if (w_->drive(req, deadline, spin) == UCS_INPROGRESS) {
+    if (st == UCS_INPROGRESS) {
+      // The deadline passed.
       {
         std::lock_guard<std::mutex> lock(w_->mu);
         ucp_request_cancel(w_->worker, req);
