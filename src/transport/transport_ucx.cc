@@ -213,11 +213,15 @@ struct Worker {
     it = orphans.erase(it);
     return true;
   }
-  // Frees the orphans to drop that have ended, and the lingering sends
-  // that have. REQUIRES: mu held.
+  // Frees the orphans to drop that have ended, those cancelled, and the
+  // lingering sends that have ended. REQUIRES: mu held.
   void reap_locked() {
-    for (auto it = orphans.begin(); it != orphans.end();)
-      if (!it->drop || !release_if_ended_locked(it)) ++it;
+    // Orphans to drop once ended, and any cancelled one (it holds no message).
+    for (auto it = orphans.begin(); it != orphans.end();) {
+      const bool free_when_ended =
+          it->drop || ucp_request_check_status(it->req) == UCS_ERR_CANCELED;
+      if (!free_when_ended || !release_if_ended_locked(it)) ++it;
+    }
     for (auto it = lingering.begin(); it != lingering.end();) {
       if (ucp_request_check_status(it->req) == UCS_INPROGRESS) {
         ++it;
