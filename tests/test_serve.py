@@ -46,7 +46,14 @@ def free_port() -> int:
 class Server:
     """`python -m cascade serve` on a temporary config; stop() ends it."""
 
-    def __init__(self, tmp: str, store: dict, serve_section: dict, name: str = "pool.yaml"):
+    def __init__(
+        self,
+        tmp: str,
+        store: dict,
+        serve_section: dict,
+        name: str = "pool.yaml",
+        ignore_sighup: bool = False,
+    ):
         self.tmp = tmp
         self.socket = serve_section.setdefault("socket", os.path.join(tmp, "run", "pool.sock"))
         self.config = os.path.join(tmp, name)
@@ -58,6 +65,9 @@ class Server:
             env=ENV,
             stdout=subprocess.DEVNULL,
             stderr=self.log,
+            preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+            if ignore_sighup
+            else None,
         )
 
     def wait_ready(self, timeout: float = 30.0) -> None:
@@ -596,6 +606,20 @@ def test_sighup_shuts_the_server_down_cleanly(tmp):
     assert "SIGHUP: shutting down" in srv.text()
     assert not os.path.exists(srv.socket)
     assert not os.path.exists(serve_status.info_path(srv.socket))
+
+
+def test_sighup_ignored_from_the_start_stays_ignored(tmp):
+    """Under nohup (SIGHUP ignored when the server starts) a SIGHUP changes
+    nothing; SIGTERM still stops the server."""
+    d, shm, servers = tmp
+    srv = Server(d, {"shm_path": shm}, {}, ignore_sighup=True)
+    servers.append(srv)
+    srv.wait_ready()
+    srv.proc.send_signal(signal.SIGHUP)
+    time.sleep(1.5)
+    assert srv.proc.poll() is None, srv.text()
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.wait() == 0, srv.text()
 
 
 def test_a_metrics_port_that_cannot_be_had_fails_the_start_before_the_arena(tmp):

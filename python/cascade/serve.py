@@ -379,6 +379,9 @@ def _install_signals(stop: threading.Event) -> None:
         stop.set()
 
     for sig in SHUTDOWN_SIGNALS:
+        # A SIGHUP ignored from the start (nohup, a supervisor) stays ignored.
+        if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
         signal.signal(sig, on_signal)
 
 

@@ -570,7 +570,10 @@ def pool_info(target: str, timeout: float = 3.0) -> dict[str, Any]:
     elif url:
         try:
             fetched = _fetch_json(url, timeout)
-            if fetched["server"].get("socket") not in (None, socket_path):
+            served = fetched["server"].get("socket")
+            if served is not None and os.path.realpath(str(served)) != os.path.realpath(
+                socket_path
+            ):
                 raise OSError(f"it serves {fetched['server'].get('socket')!r}, not this socket")
             out.update(fetched, source="metrics", metrics=url)
             return out
