@@ -268,14 +268,21 @@ def test_silent_endpoint_fails_within_the_deadline(silent_endpoint, etcd):
     assert time.monotonic() - t0 < 3
 
 
-@pytest.fixture
-def trickling_endpoint() -> Iterator[str]:
-    # Answers, one byte every 50 ms, an HTTP header that never ends.
-    stop = threading.Event()
+def _local_listener() -> socket.socket:
+    """A listening socket on a free loopback port whose accept waits 0.1 s,
+    for endpoints that check a stop flag between accepts."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     listener.settimeout(0.1)
+    return listener
+
+
+@pytest.fixture
+def trickling_endpoint() -> Iterator[str]:
+    # Answers, one byte every 50 ms, an HTTP header that never ends.
+    stop = threading.Event()
+    listener = _local_listener()
 
     def serve() -> None:
         conns = []
@@ -316,10 +323,7 @@ def nesting_endpoint() -> Iterator[str]:
     # Answers every request with 200 and JSON nested deeper than the parser goes.
     body = b"[" * 200_000 + b"]" * 200_000 + b"\n"
     stop = threading.Event()
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    listener.settimeout(0.1)
+    listener = _local_listener()
 
     def serve() -> None:
         while not stop.is_set():

@@ -194,11 +194,7 @@ Result<int> listen_unix(const std::string& path, uint32_t mode, int backlog) {
     if (st.st_uid != ::geteuid())
       return Status::InvalidArgument("socket path '" + path + "' belongs to uid " +
                                      std::to_string(st.st_uid) + "; it was left untouched");
-    auto probe = connect_unix(path);
-    if (probe.ok()) {
-      ::close(*probe);
-      return Status::Busy("a server is listening on '" + path + "' already");
-    }
+    CASCADE_RETURN_IF_ERROR(refuse_if_listening(path));
     ::unlink(path.c_str());  // a stale socket of ours
   }
   int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -234,6 +230,13 @@ void remove_socket_file(const SocketFile& f) {
   if (f.path.empty() || ::lstat(f.path.c_str(), &st) != 0) return;
   if (S_ISSOCK(st.st_mode) && st.st_dev == f.device && st.st_ino == f.inode)
     ::unlink(f.path.c_str());
+}
+
+Status refuse_if_listening(const std::string& path) {
+  auto probe = connect_unix(path);
+  if (!probe.ok()) return Status::OK();
+  ::close(*probe);
+  return Status::Busy("a server is listening on '" + path + "' already");
 }
 
 Result<int> connect_unix(const std::string& path) {

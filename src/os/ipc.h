@@ -64,5 +64,8 @@ Result<SocketFile> socket_file(const std::string& path);
 // path since.
 void remove_socket_file(const SocketFile& f);
 Result<int> connect_unix(const std::string& path);
+// Busy when a server answers a connect at path (a live listener); OK
+// otherwise (nothing there, a stale socket, a path that is no socket).
+Status refuse_if_listening(const std::string& path);
 
 }  // namespace cascade

@@ -213,6 +213,17 @@ struct RawOwner {
     };
   }
 
+  // Lookups answered alone: every id held with `size` bytes, or (size 0)
+  // every id a miss.
+  static Answer lookups(uint64_t size) {
+    return each_item(cluster::Op::kLookup, [size](uint32_t) {
+      cluster::LookupReply l{};
+      if (size) l.size = size;
+      else l.code = static_cast<uint32_t>(Code::kNotFound);
+      return l;
+    });
+  }
+
   explicit RawOwner(Answer a, bool silent_lane = false) : answer(std::move(a)) {
     TransportOptions o;
     o.fabrics = "tcp";
@@ -367,6 +378,14 @@ ClusterView view_owned_by(const std::string& self, const std::vector<uint8_t>& s
 }
 
 BlockId id_of(uint64_t v) { return compute_block_id(&v, sizeof v); }
+
+// One id looked up through a member: whether an owner holds it, and its size.
+std::pair<bool, uint64_t> lookup_one(ClusterNode* node, const BlockId& id) {
+  uint8_t found = 0;
+  uint64_t size = 0;
+  node->lookup({&id, 1}, {&found, 1}, {&size, 1});
+  return {found != 0, size};
+}
 
 // Reads id through `store` and checks it holds `want`.
 void expect_block(CascadeStore* store, const BlockId& id, const std::vector<uint8_t>& want) {
@@ -987,20 +1006,13 @@ TEST(ClusterNode, AConnectToASlowMemberHoldsUpNeitherStatsNorMappings) {
   // client release) answer at once.
   Member a("a", 60000, 4, /*timeout_ms=*/2000);
   ASSERT_TRUE(a.node);
-  RawOwner owner(RawOwner::each_item(cluster::Op::kLookup, [](uint32_t) {
-    cluster::LookupReply l{};
-    l.code = static_cast<uint32_t>(Code::kNotFound);
-    return l;
-  }));
+  RawOwner owner(RawOwner::lookups(0));
   owner.hello_delay = 1500ms;
   owner.start();
   ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
   std::atomic<bool> done{false};
   std::thread caller([&] {
-    const BlockId id = id_of(9800);
-    uint8_t found = 0;
-    uint64_t size = 0;
-    a.node->lookup({&id, 1}, {&found, 1}, {&size, 1});
+    (void)lookup_one(a.node, id_of(9800));
     done.store(true);
   });
   std::this_thread::sleep_for(200ms);  // the caller is waiting for the hello's reply
@@ -1029,28 +1041,19 @@ TEST(ClusterNode, AConnectToAMembersOldAddressThatFailsDoesNotHoldOffItsNewOne) 
       [](cluster::Op, uint32_t, const uint8_t*) { return std::optional<std::vector<uint8_t>>(); });
   old_owner.hello_delay = 5000ms;  // past every deadline
   old_owner.start();
-  RawOwner new_owner(RawOwner::each_item(cluster::Op::kLookup, [](uint32_t) {
-    cluster::LookupReply l{};
-    l.size = 4096;  // found
-    return l;
-  }));
+  RawOwner new_owner(RawOwner::lookups(4096));
   new_owner.start();
   ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), old_owner.t->address())).ok());
   const BlockId id = id_of(9900);
-  std::thread old_call([&] {
-    uint8_t found = 0;
-    uint64_t size = 0;
-    a.node->lookup({&id, 1}, {&found, 1}, {&size, 1});
-  });
+  std::thread old_call([&] { (void)lookup_one(a.node, id); });
   std::this_thread::sleep_for(100ms);  // connecting to the old address
   ClusterView v = view_owned_by("a", a.node->address(), new_owner.t->address());
   v.version = 2;
   ASSERT_TRUE(a.node->set_view(v).ok());
-  uint8_t found = 0;
-  uint64_t size = 0;
-  a.node->lookup({&id, 1}, {&found, 1}, {&size, 1});  // waits for the old connect, then its own
+  // Waits for the old connect, then makes its own.
+  const auto [found, size] = lookup_one(a.node, id);
   old_call.join();
-  EXPECT_EQ(found, 1);
+  EXPECT_TRUE(found);
   EXPECT_EQ(size, 4096u);
 }
 
@@ -1097,21 +1100,13 @@ TEST(ClusterNode, RepliesThatComeAfterTheirCallGaveUpAreDropped) {
   Member a("a", 60000, 4, /*timeout_ms=*/300);
   ASSERT_TRUE(a.node);
   // An owner that answers hellos at once and lookups after twice the deadline.
-  RawOwner owner(RawOwner::each_item(cluster::Op::kLookup, [](uint32_t) {
-    cluster::LookupReply l{};
-    l.code = static_cast<uint32_t>(Code::kNotFound);
-    return l;
-  }));
+  RawOwner owner(RawOwner::lookups(0));
   owner.reply_delay = 600ms;
   owner.start();
   ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
   constexpr int kCalls = 6;
   for (int i = 0; i < kCalls; ++i) {
-    const BlockId id = id_of(9000 + i);
-    uint8_t found = 0;
-    uint64_t size = 0;
-    a.node->lookup({&id, 1}, {&found, 1}, {&size, 1});
-    EXPECT_EQ(found, 0);
+    EXPECT_FALSE(lookup_one(a.node, id_of(9000 + i)).first);
     std::this_thread::sleep_for(150ms);  // past retry_after_ms: the member connects again
   }
   EXPECT_GE(a.node->stats().timeouts, uint64_t(kCalls));
@@ -1214,11 +1209,7 @@ TEST(ClusterNode, NoCallOfARequestStartsAfterItsBudget) {
   // its reply, and the third and fourth are not made.
   Member a("a", 60000, 4, /*timeout_ms=*/1000, /*map_same_host=*/false, /*budget_ms=*/1000);
   ASSERT_TRUE(a.node);
-  RawOwner owner(RawOwner::each_item(cluster::Op::kLookup, [](uint32_t) {
-    cluster::LookupReply l{};
-    l.size = 4096;
-    return l;
-  }));
+  RawOwner owner(RawOwner::lookups(4096));
   owner.reply_delay = 600ms;
   owner.start();
   ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
@@ -1242,13 +1233,12 @@ TEST(ClusterNode, NoCallOfARequestStartsAfterItsBudget) {
   // request asks it again and waits for it.
   EXPECT_EQ(a.node->stats().timeouts, 0u);
   const uint64_t asked = a.node->stats().remote_lookups;
-  uint8_t one_found = 0;
-  uint64_t one_size = 0;
   t0 = std::chrono::steady_clock::now();
-  a.node->lookup({ids.data(), 1}, {&one_found, 1}, {&one_size, 1});
+  EXPECT_TRUE(lookup_one(a.node, ids[0]).first);
   EXPECT_GE(std::chrono::steady_clock::now() - t0, 500ms);
   EXPECT_EQ(a.node->stats().remote_lookups, asked + 1);
-  EXPECT_EQ(one_found, 1);
+  uint8_t one_found = 0;
+  uint64_t one_size = 0;
   // Three lookups that share one budget: the third starts after it and
   // makes no call.
   const Deadline budget = a.node->request_deadline();

@@ -342,10 +342,7 @@ Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& confi
   // A live server on the socket owns the arena too: refused before the
   // arena is opened (in a container, a lock on the arena whose holder this
   // pid namespace cannot see looks like a dead one's).
-  if (auto probe = connect_unix(options.socket_path); probe.ok()) {
-    ::close(*probe);
-    return Status::Busy("a server is listening on '" + options.socket_path + "' already");
-  }
+  CASCADE_RETURN_IF_ERROR(refuse_if_listening(options.socket_path));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   auto t0 = std::chrono::steady_clock::now();

@@ -267,6 +267,20 @@ class TransportFabricTest : public ::testing::TestWithParam<const char*> {
     return c.ok() ? std::move(*c) : nullptr;
   }
 
+  // Starts a get of each buffer's size from `region`, buffer i from
+  // offset_of(i); the pending Completions, in order.
+  template <class Offset>
+  static void start_gets(Peer& peer, const RemoteRegion& region,
+                         std::vector<std::vector<uint8_t>>& bufs, Offset offset_of,
+                         std::vector<std::unique_ptr<Completion>>* pending) {
+    for (size_t i = 0; i < bufs.size(); ++i) {
+      Result<std::unique_ptr<Completion>> c =
+          peer.get(region, offset_of(i), bufs[i].data(), bufs[i].size());
+      ASSERT_TRUE(c.ok()) << c.status().ToString();
+      pending->push_back(std::move(*c));
+    }
+  }
+
   void open_local(bool progress_thread = false) {
     TransportOptions o = options();
     o.progress_thread = progress_thread;
@@ -880,12 +894,9 @@ TEST_P(TransportFabricTest, GetsOutliveTheRegionTheyReadFrom) {
   constexpr uint64_t kBlock = 8 << 20;
   std::vector<std::vector<uint8_t>> bufs(6, std::vector<uint8_t>(kBlock));
   std::vector<std::unique_ptr<Completion>> pending;
-  for (size_t i = 0; i < bufs.size(); ++i) {
-    Result<std::unique_ptr<Completion>> c =
-        peer->get(*region, (i % 2) * kBlock, bufs[i].data(), kBlock);
-    ASSERT_TRUE(c.ok());
-    pending.push_back(std::move(*c));
-  }
+  start_gets(
+      *peer, *region, bufs, [](size_t i) { return (i % 2) * kBlock; }, &pending);
+  if (HasFatalFailure()) return;
   region.reset();
   for (size_t i = 0; i < pending.size(); ++i) {
     ASSERT_TRUE(pending[i]->wait(deadline_in(10s)).ok()) << i;
@@ -904,12 +915,9 @@ TEST_P(TransportFabricTest, CloseWhilePending) {
   constexpr uint64_t kBlock = 8 << 20;
   std::vector<std::vector<uint8_t>> bufs(6, std::vector<uint8_t>(kBlock));
   std::vector<std::unique_ptr<Completion>> pending;
-  for (size_t i = 0; i < bufs.size(); ++i) {
-    Result<std::unique_ptr<Completion>> c =
-        peer->get(*region, (i % 2) * kBlock, bufs[i].data(), kBlock);
-    ASSERT_TRUE(c.ok());
-    pending.push_back(std::move(*c));
-  }
+  start_gets(
+      *peer, *region, bufs, [](size_t i) { return (i % 2) * kBlock; }, &pending);
+  if (HasFatalFailure()) return;
   peer->close();
   auto t0 = TransportClock::now();
   for (size_t i = 0; i < pending.size(); ++i) {
@@ -929,11 +937,9 @@ TEST_P(TransportFabricTest, CloseWhilePending) {
   attach(*child, &second, &region2);
   if (HasFatalFailure()) return;
   pending.clear();
-  for (size_t i = 0; i < bufs.size(); ++i) {
-    Result<std::unique_ptr<Completion>> c = second->get(*region2, 0, bufs[i].data(), kBlock);
-    ASSERT_TRUE(c.ok());
-    pending.push_back(std::move(*c));
-  }
+  start_gets(
+      *second, *region2, bufs, [](size_t) { return uint64_t{0}; }, &pending);
+  if (HasFatalFailure()) return;
   local_->close();
   for (auto& c : pending) {
     Status st = c->wait(deadline_in(5s));
