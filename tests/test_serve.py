@@ -667,6 +667,42 @@ def test_idle_metrics_connections_are_bounded_and_time_out(tmp):
     assert srv.wait() == 0, srv.text()
 
 
+def test_a_metrics_client_that_trickles_its_request_is_cut_off():
+    """A byte every 0.3 s keeps each read under the socket's timeout; the
+    connection still ends TIMEOUT_S after it was accepted, so clients that
+    trickle cannot keep the slots from scrapes."""
+
+    class Quick(serve_status.MetricsServer):
+        TIMEOUT_S = 1.0
+
+    m = Quick("127.0.0.1", 0, {"pid": os.getpid()})
+    try:
+        c = socket.create_connection(("127.0.0.1", m.httpd.server_address[1]))
+        c.settimeout(10)
+        start = time.monotonic()
+        ended = None
+        for byte in b"GET /metrics HTTP/1.0\r\nX-Slow: " + b"a" * 200:
+            try:
+                c.sendall(bytes([byte]))
+                time.sleep(0.3)
+                c.setblocking(False)
+                try:
+                    if c.recv(1) == b"":
+                        ended = time.monotonic() - start
+                        break
+                except BlockingIOError:
+                    pass
+                finally:
+                    c.settimeout(10)
+            except OSError:  # reset by the server
+                ended = time.monotonic() - start
+                break
+        c.close()
+        assert ended is not None and ended < 3 * Quick.TIMEOUT_S, ended
+    finally:
+        m.stop()
+
+
 def test_info_pool_reads_a_garbage_info_file_and_a_stranger_on_the_metrics_port(tmp):
     d, shm, servers = tmp
     srv = Server(d, {"shm_path": shm}, {})

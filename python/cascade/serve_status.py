@@ -327,9 +327,10 @@ class MetricsServer:
 
     It listens from its construction, before the pool server exists (a port
     that cannot be had fails the start before the arena is made), and
-    answers 503 until attach() hands it the server. A connection that sends
-    nothing for TIMEOUT_S is closed, and at most MAX_CONNECTIONS are served
-    at once (more are closed at once)."""
+    answers 503 until attach() hands it the server. A connection is closed
+    TIMEOUT_S after it was accepted, whether it sends nothing or trickles
+    its request a byte at a time, and at most MAX_CONNECTIONS are served at
+    once (more are closed at once)."""
 
     TIMEOUT_S = 10.0
     MAX_CONNECTIONS = 32
@@ -342,9 +343,22 @@ class MetricsServer:
         self.facts = facts
         self.cluster: Callable[[], Mapping[str, Any]] | None = None
         self._slots = threading.BoundedSemaphore(self.MAX_CONNECTIONS)
+        # Connections served now and when each is cut off (the socket's
+        # timeout bounds each read; this bounds the whole exchange).
+        self._deadlines: dict[socket.socket, float] = {}
+        self._deadlines_lock = threading.Lock()
+        self._stopping = threading.Event()
 
         class Handler(BaseHTTPRequestHandler):
             timeout = self.TIMEOUT_S
+
+            def setup(self):
+                super().setup()
+                outer._admit(self.connection)
+
+            def finish(self):
+                outer._forget(self.connection)
+                super().finish()
 
             def do_GET(self):  # noqa: N802 (http.server's name)
                 path = self.path.split("?", 1)[0]
@@ -413,6 +427,34 @@ class MetricsServer:
             target=self.httpd.serve_forever, name="cascade-serve-metrics", daemon=True
         )
         self.thread.start()
+        self._cutter = threading.Thread(
+            target=self._cut_late, name="cascade-serve-metrics-cutoff", daemon=True
+        )
+        self._cutter.start()
+
+    def _admit(self, conn: socket.socket) -> None:
+        with self._deadlines_lock:
+            self._deadlines[conn] = time.monotonic() + self.TIMEOUT_S
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._deadlines_lock:
+            self._deadlines.pop(conn, None)
+
+    def _cut_late(self) -> None:
+        """Shuts down connections past their deadline: their handlers'
+        reads and writes end at once."""
+        while not self._stopping.wait(min(0.25, self.TIMEOUT_S / 4)):
+            now = time.monotonic()
+            # Under the lock: a handler forgets its connection before the
+            # socket is closed, so no descriptor is shut down after reuse.
+            with self._deadlines_lock:
+                late = [c for c, t in self._deadlines.items() if t <= now]
+                for c in late:
+                    del self._deadlines[c]
+                    try:
+                        c.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass  # the client went away
 
     def attach(self, server, cluster: Callable[[], Mapping[str, Any]] | None = None) -> None:
         """Serves ``server``'s figures from now on; ``cluster``: the
@@ -432,6 +474,8 @@ class MetricsServer:
         self.httpd.shutdown()
         self.httpd.server_close()
         self.thread.join()
+        self._stopping.set()
+        self._cutter.join()
 
 
 def printable(text: str) -> str:
