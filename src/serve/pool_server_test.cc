@@ -729,6 +729,48 @@ TEST(PoolServerTest, RangesAClientFillsFromGpuMemoryAreFreedOnlyOnceItsProcessEn
   EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::seconds(4));
 }
 
+TEST(PoolServerTest, RangesAClientFillsFromGpuMemoryAreFreedOnceItsProcessIsKilled) {
+  // The other side of the wait above: a client that reserved for copies
+  // from GPU memory and is killed has its ranges freed as soon as its
+  // process is gone, not after the bound.
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(ready[0]);
+    RawClient c;
+    if (!c.connect(f.socket).ok()) ::_exit(2);
+    pool::ReserveItem item{};
+    const BlockId id = id_of(601);
+    std::memcpy(item.id, id.bytes.data(), 16);
+    item.size = 4096;
+    pool::ReplyHeader reply;
+    if (!c.call(c.write(Op::kReserve, &item, 1, sizeof item, pool::kDeviceWrites), &reply) ||
+        reply.code != 0)
+      ::_exit(3);
+    (void)!::write(ready[1], "r", 1);
+    while (true) ::pause();  // until killed, its reservation held
+  }
+  ::close(ready[1]);
+  char b = 0;
+  ASSERT_EQ(::read(ready[0], &b, 1), 1) << "the client could not reserve";
+  ::close(ready[0]);
+  EXPECT_EQ(f.server->stats().reservations, 1u);
+  ASSERT_EQ(::kill(child, SIGKILL), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  while (f.server->stats().reclaimed_reservations < 1 &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(8))
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(f.server->stats().reclaimed_reservations, 1u);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  EXPECT_EQ(f.server->stats().reservations, 0u);
+}
+
 TEST(PoolServerTest, PeersThatConnectAndStaySilentDoNotKeepNewClientsOut) {
   // Every handshake slot taken by a connection that never says hello: a
   // new client still gets in, at once rather than after the handshake
