@@ -7,11 +7,14 @@
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -249,14 +252,13 @@ int left_in_use_replaced(const std::string& path) {
   return code;
 }
 
-TEST(ShmArena, InAContainersPidNamespaceAnArenaLeftInUseByADeadStoresClientIsReplaced) {
-  // In a pid namespace other than the host's (a container), /proc/locks
-  // shows the lock of a store that has exited with pid 0. A store restarted
-  // there replaces the arena its dead predecessor's clients still map, as
-  // it does on the host, instead of finding it busy for as long as they live.
-  const std::string path = unique_path("ns");
+// Runs left_in_use_replaced in new pid and mount namespaces (a container's),
+// with /proc mounted for the new pid namespace; with hide_locks, a socket
+// is bound over /proc/locks so that it cannot be opened. Its exit code, or
+// 77 where the namespaces cannot be had.
+int left_in_use_replaced_in_container(const std::string& path, bool hide_locks) {
   const pid_t outer = ::fork();
-  ASSERT_GE(outer, 0);
+  if (outer < 0) return 40;
   if (outer == 0) {
     if (::unshare(CLONE_NEWPID | CLONE_NEWNS) != 0) ::_exit(77);
     if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) ::_exit(77);
@@ -265,6 +267,22 @@ TEST(ShmArena, InAContainersPidNamespaceAnArenaLeftInUseByADeadStoresClientIsRep
     if (init == 0) {
       if (::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) != 0)
         ::_exit(77);
+      if (hide_locks) {
+        // open() of a socket fails (ENXIO), for root too.
+        const std::string sock_path = path + ".sock";
+        int sock = ::socket(AF_UNIX, SOCK_STREAM, 0);
+        sockaddr_un addr{};
+        addr.sun_family = AF_UNIX;
+        std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", sock_path.c_str());
+        if (sock < 0 || ::bind(sock, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+            ::mount(sock_path.c_str(), "/proc/locks", nullptr, MS_BIND, nullptr) != 0)
+          ::_exit(77);
+        ::unlink(sock_path.c_str());
+        if (std::FILE* f = std::fopen("/proc/locks", "re")) {
+          std::fclose(f);
+          ::_exit(77);
+        }
+      }
       ::_exit(left_in_use_replaced(path));
     }
     int status = 0;
@@ -272,11 +290,27 @@ TEST(ShmArena, InAContainersPidNamespaceAnArenaLeftInUseByADeadStoresClientIsRep
     ::_exit(WEXITSTATUS(status));
   }
   int status = 0;
-  ASSERT_EQ(::waitpid(outer, &status, 0), outer);
-  ASSERT_TRUE(WIFEXITED(status)) << status;
+  if (::waitpid(outer, &status, 0) != outer || !WIFEXITED(status)) return 41;
   ::unlink(path.c_str());
-  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "no new pid and mount namespaces here";
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "25: the new store found the arena busy";
+  return WEXITSTATUS(status);
+}
+
+TEST(ShmArena, InAContainersPidNamespaceAnArenaLeftInUseByADeadStoresClientIsReplaced) {
+  // In a pid namespace other than the host's (a container), /proc/locks
+  // shows the lock of a store that has exited with pid 0. A store restarted
+  // there replaces the arena its dead predecessor's clients still map, as
+  // it does on the host, instead of finding it busy for as long as they live.
+  const int code = left_in_use_replaced_in_container(unique_path("ns"), false);
+  if (code == 77) GTEST_SKIP() << "no new pid and mount namespaces here";
+  EXPECT_EQ(code, 0) << "25: the new store found the arena busy";
+}
+
+TEST(ShmArena, AnArenaWhoseLockHoldersCannotBeListedIsBusy) {
+  // Where /proc/locks cannot be read, a held lock's holder cannot be told
+  // gone: the arena is busy, never replaced under a server that may live.
+  const int code = left_in_use_replaced_in_container(unique_path("nolocks"), true);
+  if (code == 77) GTEST_SKIP() << "no new pid and mount namespaces, or no bind mount, here";
+  EXPECT_EQ(code, 24) << "0: the arena was replaced though its lock's holders are unknown";
 }
 
 TEST(ShmArena, AnArenaLeftInUseByADeadStoresClientIsReplacedNotTaken) {
