@@ -66,7 +66,7 @@ bool BlockTable::add(const BlockId& id, const Location& loc, bool is_prefix, Pen
   ++m.gen;
   m.state = kWritten;
   by_offset_[loc.offset] = i;
-  *pending = Pending{i, m.gen};
+  *pending = Pending{i, m.gen, s};
   return true;
 }
 
@@ -85,13 +85,12 @@ void BlockTable::drop(uint64_t offset) {
 }
 
 void BlockTable::seal(const Pending& p, const uint8_t* base) {
-  Slot s;
+  Slot s = p.written;
   {
     std::lock_guard<std::mutex> lock(mu_);
     Mem& m = mem_[p.slot];
     if (m.gen != p.gen || m.state != kWritten) return;  // dropped, or sealed already
     m.sealing = true;
-    s = table_[p.slot];
   }
   // The range cannot be freed meanwhile: drop() waits for sealing to end.
   s.checksum = checksum(base + s.offset, s.size);

@@ -65,9 +65,13 @@ class BlockTable {
   static_assert(sizeof(Slot) == 64, "a block table slot is 64 bytes");
 
   // A slot waiting to be sealed: valid while the slot's generation is gen.
+  // `written` is what add() wrote there: the seal hashes the range it names,
+  // never the table's copy, which every process that maps the arena can
+  // write.
   struct Pending {
     uint32_t slot = 0;
     uint32_t gen = 0;
+    Slot written{};
   };
 
   // A sealed slot found at open, not yet verified.
@@ -98,6 +102,7 @@ class BlockTable {
   void drop(uint64_t offset);
   // Seals p's slot when it still holds the same block: hash(bytes) runs
   // outside the lock while a drop() of the slot waits. base: the arena.
+  // What is hashed and written comes from p, not from the shared table.
   void seal(const Pending& p, const uint8_t* base);
 
   // ---- at open ---------------------------------------------------------------

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "tiers/host/block_table.h"
 #include "tiers/host/host_tier.h"
 
 namespace cascade {
@@ -241,6 +242,31 @@ TEST(HostTierPersistTest, ATornSlotIsIgnored) {
     for (uint32_t k = 1; k < 10; ++k) EXPECT_TRUE(holds_block(t.get(), k)) << k;
   }
   ::unlink(path.c_str());
+}
+
+TEST(HostTierPersistTest, ASealHashesTheRangeItsServerWroteNotTheSharedSlots) {
+  // Every process that maps the arena can write the block table. One that
+  // rewrites a written slot's range before its seal must neither make the
+  // sealer read outside the arena nor get its range sealed.
+  std::vector<uint8_t> arena(64 << 10);
+  for (size_t i = 0; i < arena.size(); ++i) arena[i] = uint8_t(i * 31);
+  std::vector<BlockTable::Slot> slots(4);
+  const uint8_t key[32] = {1, 2, 3};
+  BlockTable table(slots.data(), uint32_t(slots.size()), key, sizeof key);
+  BlockTable::Pending p;
+  ASSERT_TRUE(table.add(id_of(1), Location{8192, 4096}, false, &p));
+  slots[p.slot].offset = uint64_t(1) << 46;  // far outside the arena
+  slots[p.slot].size = uint64_t(1) << 40;
+  table.seal(p, arena.data());
+  EXPECT_EQ(slots[p.slot].offset, 8192u);
+  EXPECT_EQ(slots[p.slot].size, 4096u);
+  EXPECT_EQ(slots[p.slot].state, uint32_t(BlockTable::kSealed));
+  EXPECT_EQ(slots[p.slot].checksum, table.checksum(arena.data() + 8192, 4096));
+  uint64_t dropped = 0;
+  auto found = table.scan(arena.size(), 4096, &dropped);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].loc.offset, 8192u);
+  EXPECT_EQ(dropped, 0u);
 }
 
 TEST(HostTierPersistTest, AFullTableStoresButDoesNotKeep) {
