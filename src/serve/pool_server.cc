@@ -218,6 +218,7 @@ class PoolServer::Impl {
 
   mutable std::mutex mu;  // guards clients, handshakes, the reap queue and reaper_stop
   std::map<uint64_t, std::shared_ptr<PoolClient>> clients;
+  size_t admitting = 0;        // admitted, not yet in clients
   int handshakes_running = 0;  // detached handshake threads; close() waits for 0
   // Handshakes still waiting for their hello: socket -> when it was
   // accepted. A handshake takes its socket out (under mu) before it closes
@@ -299,6 +300,8 @@ class PoolServer::Impl {
   void handshake(int sock);
   Status admit(int sock, const PeerCredentials& cred, const pool::Hello& hello,
                std::shared_ptr<PoolClient>* out, std::string* why);
+  Status make_client(int sock, const PeerCredentials& cred, const pool::Hello& hello,
+                     std::shared_ptr<PoolClient>* out);
   void drop(const std::shared_ptr<PoolClient>& c);
   void reap_loop();
   void cleanup(PoolClient* c);
@@ -597,6 +600,7 @@ void PoolServer::Impl::handshake(int sock) {
     {
       std::lock_guard<std::mutex> l(mu);
       clients[client->id] = client;
+      --admitting;  // counted in clients from now on
     }
     publish(client, true);
     st = send_message(sock, &w, sizeof w, {arena.fd, client->channel_fd, doorbell_fd});
@@ -646,12 +650,28 @@ Status PoolServer::Impl::admit(int sock, const PeerCredentials& cred, const pool
     return Status::InvalidArgument(*why);
   }
   {
+    // Clients between this check and their listing count too: hellos that
+    // arrive together are admitted one limit's worth, not each alone.
     std::lock_guard<std::mutex> l(mu);
-    if (clients.size() >= static_cast<size_t>(options.max_clients)) {
-      *why = "the pool serves " + std::to_string(clients.size()) + " clients, its limit";
+    if (clients.size() + admitting >= static_cast<size_t>(options.max_clients)) {
+      *why =
+          "the pool serves " + std::to_string(clients.size() + admitting) + " clients, its limit";
       return Status::Busy(*why);
     }
+    ++admitting;
   }
+  Status st = make_client(sock, cred, hello, out);
+  if (!st.ok()) {
+    std::lock_guard<std::mutex> l(mu);
+    --admitting;
+  }
+  return st;
+}
+
+// A client's state, channels and id (admit's part that cannot be refused
+// by a limit).
+Status PoolServer::Impl::make_client(int sock, const PeerCredentials& cred,
+                                     const pool::Hello& hello, std::shared_ptr<PoolClient>* out) {
   auto c = std::make_shared<PoolClient>();
   c->cred = cred;
   c->pidfd = watch_process(cred.pid);

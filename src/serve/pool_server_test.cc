@@ -47,7 +47,7 @@ struct PoolFixture {
   std::string file_dir;  // with a file tier below the arena, when set
 
   explicit PoolFixture(uint64_t capacity = 64 << 20, bool with_file = false,
-                       int64_t allowed_gid = -1, int workers = 0) {
+                       int64_t allowed_gid = -1, int workers = 0, int max_clients = 0) {
     CascadeConfig c;
     c.pipeline = "host";
     if (with_file) {
@@ -63,6 +63,7 @@ struct PoolFixture {
     o.socket_path = socket;
     o.handshake_timeout_ms = 300;
     o.workers = workers;
+    if (max_clients > 0) o.max_clients = max_clients;
     if (allowed_gid >= 0) {
       o.allowed_gid = allowed_gid;
       o.socket_mode = 0666;  // the file's bits let anyone connect: the server decides
@@ -769,6 +770,29 @@ TEST(PoolServerTest, RangesAClientFillsFromGpuMemoryAreFreedOnceItsProcessIsKill
   EXPECT_EQ(f.server->stats().reclaimed_reservations, 1u);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
   EXPECT_EQ(f.server->stats().reservations, 0u);
+}
+
+TEST(PoolServerTest, HellosThatArriveTogetherAreAdmittedUpToTheLimit) {
+  // The limit counts the clients still being set up: hellos at once were
+  // each checked against the clients listed so far, and all got in.
+  constexpr int kLimit = 2, kPeers = 24;
+  PoolFixture f(64 << 20, false, -1, 0, kLimit);
+  ASSERT_TRUE(f.server);
+  std::vector<std::unique_ptr<RawClient>> peers(kPeers);
+  std::atomic<int> admitted{0}, refused{0}, at_gate{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kPeers; ++i)
+    threads.emplace_back([&, i] {
+      peers[i] = std::make_unique<RawClient>();
+      at_gate.fetch_add(1);
+      while (at_gate.load() < kPeers) std::this_thread::yield();
+      if (peers[i]->connect(f.socket).ok()) admitted.fetch_add(1);
+      else refused.fetch_add(1);
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(admitted.load(), kLimit);
+  EXPECT_EQ(refused.load(), kPeers - kLimit);
+  EXPECT_EQ(f.server->stats().clients, uint64_t(kLimit));
 }
 
 TEST(PoolServerTest, PeersThatConnectAndStaySilentDoNotKeepNewClientsOut) {
