@@ -405,7 +405,9 @@ std::vector<BlockIndex::Claimed> BlockIndex::claim_victims(uint64_t bytes) {
           c.lease.token = make_token(best, &x);
           c.lease.loc = x.get_loc();
           c.lease.is_prefix = (st & kPrefix) != 0;
-          got += c.lease.loc.size;
+          // An empty block counts as a byte: a claim of n > 0 bytes ends,
+          // and a claim for room for another entry frees one.
+          got += std::max<uint64_t>(c.lease.loc.size, 1);
           out.push_back(c);
         }
       }

@@ -89,7 +89,7 @@ class BlockIndex {
     BlockId id;
     Lease lease;  // keeps the bytes valid; release() after remove()
   };
-  // See Tier::claim_victims.
+  // See Tier::claim_victims. An empty block counts as one byte.
   std::vector<Claimed> claim_victims(uint64_t bytes);
   // Puts a claimed entry back in the eviction order and drops its lease.
   void unclaim(const BlockId& id, uint64_t token);

@@ -5,6 +5,7 @@
 // batch puts.
 #include "store/store_impl.h"
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -18,9 +19,10 @@ std::mutex& CascadeStore::Impl::content_lock(const BlockId& phys) {
 }
 
 // Makes room for `need` bytes in tier t by moving its least valuable blocks
-// down (or dropping them from the last tier).
+// down (or dropping them from the last tier). An empty block needs room for
+// its entry: at least one block is moved out.
 Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why) {
-  auto victims = tiers[t]->claim_victims(need);
+  auto victims = tiers[t]->claim_victims(std::max<uint64_t>(need, 1));
   if (victims.empty()) {
     // Nothing to move out: say why the tier had no room, and why that stays.
     const TierStats s = tiers[t]->stats();

@@ -177,6 +177,39 @@ TEST(StoreTest, FullStoreEvictsLeastRecentlyUsedKeepsPrefix) {
   }
 }
 
+TEST(StoreTest, EmptyBlocksAreBoundedByTheTierAndEvictedLikeOthers) {
+  // Empty blocks take no bytes of the arena, so bytes alone never evicted
+  // them: a stream of them grew the index without bound. The tier keeps
+  // at most capacity / 4 KiB blocks; past that, the oldest go.
+  constexpr uint64_t kCap = 1 << 20;  // 256 entries
+  auto store = open(host_config(kCap));
+  const std::vector<uint8_t> data = random_bytes(64 << 10, 7);
+  const BlockId full = compute_block_id(data.data(), data.size());
+  ASSERT_TRUE(store->put(full, data.data(), data.size()).ok());
+  std::vector<BlockId> ids;
+  for (uint32_t i = 0; i < 5000; ++i) {
+    ids.push_back(compute_block_id(&i, sizeof i));
+    ASSERT_TRUE(store->put(ids.back(), nullptr, 0).ok()) << i;
+  }
+  // A batch of them too, through the reserve path.
+  std::vector<BlockId> batch;
+  for (uint32_t i = 5000; i < 5600; ++i) batch.push_back(compute_block_id(&i, sizeof i));
+  std::vector<ConstBuffer> empty(batch.size());
+  std::vector<Status> st;
+  store->put_batch(batch, empty, &st);
+  for (size_t i = 0; i < st.size(); ++i) ASSERT_TRUE(st[i].ok()) << i << st[i].ToString();
+  const auto s = store->stats();
+  EXPECT_LE(s.tiers[0].blocks, kCap / 4096 + 1);
+  EXPECT_GT(s.tiers[0].evictions, 5000u);
+  EXPECT_TRUE(store->contains(batch.back()));
+  EXPECT_FALSE(store->contains(ids.front()));
+  GetResult r;
+  std::vector<uint8_t> out(1);
+  ASSERT_TRUE(store->get(batch.back(), out.data(), out.size(), &r).ok());
+  EXPECT_TRUE(r.found);
+  EXPECT_EQ(r.size, 0u);
+}
+
 TEST(StoreTest, LeasedBlockIsNeverEvicted) {
   auto store = open(host_config(256 << 10));  // 4 blocks of 64 KiB
   auto first = random_bytes(64 << 10, 7);

@@ -19,7 +19,17 @@ ArenaTier::ArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capaci
       index_(config.index_shards, config.eviction_policy,
              [this](const BlockId&, const Location& loc) {
                if (loc.size) free_space(loc.offset, loc.size);
-             }) {}
+             }),
+      max_blocks_(std::max<uint64_t>(capacity / kEntryBytes, 1)) {}
+
+// Empty blocks take no range, so bytes alone would never bound them: past
+// as many blocks as the arena holds ranges of kEntryBytes, one is NoSpace
+// (the store then moves a block out, as it does for bytes).
+Status ArenaTier::room_for_entry() const {
+  if (index_.size() < max_blocks_) return Status::OK();
+  return Status::NoSpace(where_ + " holds " + std::to_string(max_blocks_) +
+                         " blocks, as many as it keeps");
+}
 
 Status ArenaTier::check_fits(uint64_t size) const {
   if (size <= capacity_) return Status::OK();
@@ -40,6 +50,7 @@ Status ArenaTier::put(const BlockId& id, const void* data, uint64_t size,
   if (size && !data) return Status::InvalidArgument("data is null");
   if (index_.contains(id)) return Status::OK();  // blocks are immutable
   Location loc{0, size};
+  if (size == 0) CASCADE_RETURN_IF_ERROR(room_for_entry());
   if (size > 0) {
     auto off = allocate(size);
     if (!off) return Status::NoSpace(where_ + " is full");
@@ -67,7 +78,10 @@ Result<Reservation> ArenaTier::reserve(const BlockId& id, uint64_t size,
     r.present = true;
     return r;
   }
-  if (size == 0) return r;
+  if (size == 0) {
+    CASCADE_RETURN_IF_ERROR(room_for_entry());
+    return r;
+  }
   auto off = allocate(size);
   if (!off) return Status::NoSpace(where_ + " is full");
   Status st = commit(*off + size);
@@ -96,7 +110,9 @@ void ArenaTier::reserve_batch(std::span<const BlockId> ids, std::span<const uint
     if (!statuses[i].ok()) continue;
     if (index_.contains(ids[i])) {
       r.present = true;
-    } else if (sizes[i] > 0) {
+    } else if (sizes[i] == 0) {
+      statuses[i] = room_for_entry();
+    } else {
       place.push_back(i);
       place_sizes.push_back(sizes[i]);
     }

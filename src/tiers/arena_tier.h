@@ -132,6 +132,10 @@ class ArenaTier : public Tier {
   // ---- for tiers with their own put and read paths ------------------------
   // InvalidArgument when a block of `size` can never fit.
   Status check_fits(uint64_t size) const;
+  // NoSpace when an empty block may not be added: the tier holds as many
+  // blocks as capacity / kEntryBytes.
+  Status room_for_entry() const;
+  static constexpr uint64_t kEntryBytes = 4096;
   // Makes a copied block visible and counts it. false when the id was
   // stored meanwhile: the caller frees its range.
   bool publish(const BlockId& id, const Location& loc, const PutOptions& options);
@@ -148,6 +152,7 @@ class ArenaTier : public Tier {
   const MemoryKind memory_;
   const std::string where_;
   BlockIndex index_;
+  const uint64_t max_blocks_;
 };
 
 // An ArenaTier whose arena is host memory handed out by an ExtentAllocator

@@ -58,7 +58,8 @@ class ArenaGpuTier final : public GpuTier {
         if (!statuses[i].ok()) continue;
         if (contains(ids[i])) continue;  // immutable: already stored
         if (size == 0) {
-          publish(ids[i], Location{0, 0}, options);
+          statuses[i] = room_for_entry();
+          if (statuses[i].ok()) publish(ids[i], Location{0, 0}, options);
           continue;
         }
         want.push_back(i);
