@@ -103,6 +103,16 @@ std::string refusal(const struct stat& st, dev_t dir_dev) {
   return "";
 }
 
+// Whether the file at fd is one whose creation stopped before its header
+// was written: shorter than a header's magic, or zeros where the header goes.
+bool half_made(int fd) {
+  uint8_t head[sizeof(ArenaHeader)];
+  const ssize_t n = ::pread(fd, head, sizeof head, 0);
+  if (n < 0) return false;
+  if (size_t(n) < sizeof(ArenaHeader::magic)) return true;
+  return std::all_of(head, head + n, [](uint8_t b) { return b == 0; });
+}
+
 // Why a locked existing file may not be adopted; empty when it may, with its
 // header in *h (fields past a version 1 header are zero for one).
 std::string header_refusal(int fd, ArenaHeader* out) {
@@ -320,11 +330,23 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
     return fail(
         Status::Busy("shm_path '" + path +
                      "' is in use by another open store; give each store its own shm_path"));
+  // A file created here, and replaced at the path (as half made) by another
+  // store before this one locked it, is not the arena at the path.
+  auto still_at_path = [&] {
+    struct stat now;
+    return ::lstat(path.c_str(), &now) == 0 && now.st_dev == st.st_dev && now.st_ino == st.st_ino;
+  };
+  if (created && !still_at_path())
+    return fail(Status::Busy("shm_path '" + path + "' was replaced by another store meanwhile"));
   bool keep = false;  // a persistent arena reattached with its contents
   ArenaHeader found{};
   if (!created) {
     std::string why = header_refusal(fd, &found);
-    if (!why.empty()) return fail(not_ours(path, why));
+    // A creator killed before it wrote the header leaves an empty or zeroed
+    // file: once its lock is free, it is replaced like any stale arena
+    // (else every later start would refuse it).
+    if (!why.empty() && !(lock == LockOutcome::kTaken && half_made(fd)))
+      return fail(not_ours(path, why));
   }
   if (!created && !left_in_use) {
     keep = table_slots > 0 && found.version == kFormatVersion && found.header_bytes == page &&
@@ -361,7 +383,7 @@ Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint
     a->dev_ = st.st_dev;
     a->ino_ = st.st_ino;
     owned = true;
-    if (::flock(fd, LOCK_EX | LOCK_NB) != 0)
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0 || !still_at_path())
       return fail(Status::Busy("shm_path '" + path + "' is in use by another open store"));
   }
   a->dev_ = st.st_dev;

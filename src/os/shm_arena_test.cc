@@ -131,6 +131,30 @@ TEST(ShmArena, RefusesFilesThatAreNotItsArenaAndLeavesThemAlone) {
   }
 }
 
+TEST(ShmArena, AFileLeftByACreatorKilledBeforeItsHeaderIsReplaced) {
+  // A store killed between creating its arena file and writing the header
+  // leaves an empty file, or one of zeros: the next store replaces it
+  // (before, it refused it at every start until someone removed it).
+  for (const std::string& left : {std::string(), std::string(8192, '\0'), std::string(7, '\0')}) {
+    const std::string path = unique_path("halfmade");
+    write_file(path, left, 0600);
+    auto a = ShmArena::Create(path, kCap, false, 64);
+    ASSERT_TRUE(a.ok()) << left.size() << ": " << a.status().ToString();
+    EXPECT_EQ(read_all(path).compare(0, 13, "CASCADE-ARENA"), 0);
+    a->reset();
+    ::unlink(path.c_str());
+  }
+  // Zeros with one byte that is not: not a half-made arena, left alone.
+  std::string other(8192, '\0');
+  other[20] = 1;  // inside the header
+  const std::string path = unique_path("notzero");
+  write_file(path, other, 0600);
+  Snapshot before = snapshot(path);
+  expect_refused(path, "no Cascade arena header");
+  EXPECT_EQ(snapshot(path), before);
+  ::unlink(path.c_str());
+}
+
 TEST(ShmArena, RefusesAnArenaOfAnotherVersionOrUser) {
   std::string path = unique_path("version");
   leave_stale_arena(path, kCap);
