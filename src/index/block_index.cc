@@ -185,8 +185,8 @@ struct BlockIndex::Shard {
   }
 };
 
-BlockIndex::BlockIndex(int shards, EvictionPolicy policy, Reclaim reclaim)
-    : policy_(policy), reclaim_(std::move(reclaim)) {
+BlockIndex::BlockIndex(int shards, EvictionPolicy policy, Reclaim reclaim, Unlist unlist)
+    : policy_(policy), reclaim_(std::move(reclaim)), unlist_(std::move(unlist)) {
   uint32_t n = 1;
   while (n < static_cast<uint32_t>(shards > 0 ? shards : 1)) n <<= 1;
   shards_.reset(new Shard[n]);
@@ -310,6 +310,7 @@ bool BlockIndex::remove(const BlockId& id) {
     rid = x.id;
     s.live.fetch_sub(1, std::memory_order_relaxed);
     s.bytes.fetch_sub(loc.size, std::memory_order_relaxed);
+    if (unlist_) unlist_(rid, loc);  // not doomed yet: no release can reclaim it
     uint32_t old = x.state.fetch_or(kDoomed, std::memory_order_acq_rel);
     if ((old & kLeaseMask) != 0) return true;  // the last lease reclaims
     s.free_entry(e);
@@ -447,6 +448,7 @@ void BlockIndex::clear() {
         if (!slot) continue;
         uint32_t e = static_cast<uint32_t>(slot) - 1;
         Entry& x = s.at(e);
+        if (unlist_) unlist_(x.id, x.get_loc());
         uint32_t old = x.state.fetch_or(kDoomed, std::memory_order_acq_rel);
         if ((old & kLeaseMask) == 0) {
           freed.emplace_back(x.id, x.get_loc());

@@ -52,8 +52,13 @@ class BlockIndex {
   // Called once for every entry whose space may be reused: after remove()
   // or clear() when no lease is held, else when the last lease ends.
   using Reclaim = std::function<void(const BlockId&, const Location&)>;
+  // Called once for every entry remove() or clear() takes out of the index,
+  // leased or not, before it is marked removed: under the entry's shard
+  // lock, so its space cannot be reclaimed (and reused) meanwhile. It must
+  // not call back into the index.
+  using Unlist = std::function<void(const BlockId&, const Location&)>;
 
-  BlockIndex(int shards, EvictionPolicy policy, Reclaim reclaim);
+  BlockIndex(int shards, EvictionPolicy policy, Reclaim reclaim, Unlist unlist = {});
   ~BlockIndex();
   BlockIndex(const BlockIndex&) = delete;
   BlockIndex& operator=(const BlockIndex&) = delete;
@@ -113,6 +118,7 @@ class BlockIndex {
   uint32_t shard_mask_;
   EvictionPolicy policy_;
   Reclaim reclaim_;
+  Unlist unlist_;
   std::atomic<uint64_t> clock_{1};
 };
 

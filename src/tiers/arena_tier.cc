@@ -16,10 +16,12 @@ ArenaTier::ArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capaci
       capacity_(capacity),
       memory_(memory),
       where_(std::move(where)),
-      index_(config.index_shards, config.eviction_policy,
-             [this](const BlockId&, const Location& loc) {
-               if (loc.size) free_space(loc.offset, loc.size);
-             }),
+      index_(
+          config.index_shards, config.eviction_policy,
+          [this](const BlockId&, const Location& loc) {
+            if (loc.size) free_space(loc.offset, loc.size);
+          },
+          [this](const BlockId& id, const Location& loc) { on_unpublish(id, loc); }),
       max_blocks_(std::max<uint64_t>(capacity / kEntryBytes, 1)) {}
 
 // Empty blocks take no range, so bytes alone would never bound them: past

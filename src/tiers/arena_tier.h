@@ -128,6 +128,11 @@ class ArenaTier : public Tier {
   // finds the id stored already, the range goes back through free_space()
   // like any other.
   virtual void on_publish(const BlockId& /*id*/, const Location& /*loc*/, bool /*is_prefix*/) {}
+  // Called for every block a removal (remove, an eviction, clear) takes out
+  // of the index, before its range can be freed: at once, while readers may
+  // still hold leases on it (BlockIndex::Unlist; it must not call back into
+  // the index).
+  virtual void on_unpublish(const BlockId& /*id*/, const Location& /*loc*/) {}
 
   // ---- for tiers with their own put and read paths ------------------------
   // InvalidArgument when a block of `size` can never fit.

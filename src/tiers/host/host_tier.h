@@ -10,13 +10,12 @@
 // With config.shm_persist the arena file outlives the tier (warm restart):
 // every published block gets a slot in the file's BlockTable (on_publish),
 // a background thread seals it (checksums its bytes), flush() seals every
-// block published before it, and a range's slot is cleared before the range
-// is freed. Opening a tier on an arena file that ShmArena reattaches adopts
-// every sealed block whose bytes still match its checksum (verified in
-// parallel on the pool's threads), in publication order; the rest are
-// dropped. The figures are in stats() (reattached_blocks, reattach_dropped,
-// reattach_bytes, reattach_seconds); checksum failures also count as
-// corrupt_blocks.
+// block published before it, and a block's slot is cleared as it is removed
+// (on_unpublish), before any lease on it ends and its range is freed. Opening a tier on an arena
+// file that ShmArena reattaches adopts every sealed block whose bytes still match its checksum
+// (verified in parallel on the pool's threads), in publication order; the rest are dropped. The
+// figures are in stats() (reattached_blocks, reattach_dropped, reattach_bytes, reattach_seconds);
+// checksum failures also count as corrupt_blocks.
 //
 // Thread-safety: all methods are thread-safe (see ArenaTier).
 // Ownership: the pool must outlive the tier.
@@ -64,6 +63,7 @@ class HostTier final : public HostArenaTier {
   Status copy_in(uint64_t offset, const void* src, uint64_t n, const PutOptions& options) override;
   uint64_t committed_bytes() const override { return arena_->committed(); }
   void on_publish(const BlockId& id, const Location& loc, bool is_prefix) override;
+  void on_unpublish(const BlockId& id, const Location& loc) override;
 
   // Persistence (host_tier_persist.cc).
   void reattach();

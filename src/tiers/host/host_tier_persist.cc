@@ -23,6 +23,12 @@ void HostTier::on_publish(const BlockId& id, const Location& loc, bool is_prefix
   seal_cv_.notify_one();
 }
 
+// A removed block's slot is cleared when the removal happens, not when the
+// last lease on it ends: a crash in between must not bring it back.
+void HostTier::on_unpublish(const BlockId&, const Location& loc) {
+  if (table_ && loc.size) table_->drop(loc.offset);
+}
+
 void HostTier::start_sealer() {
   sealer_ = std::thread([this] { seal_loop(); });
 }

@@ -330,6 +330,48 @@ TEST(HostTierPersistTest, WithoutPersistenceNothingIsKept) {
   ::unlink(path.c_str());
 }
 
+TEST(HostTierPersistTest, ABlockRemovedWhileLeasedStaysGoneAfterAKill) {
+  // The removal returns while a reader still leases the block; the process
+  // is then killed before that lease ends. Its slot was cleared by the
+  // removal, so the reopened tier does not serve it again (before, the slot
+  // was cleared only when the last lease ended).
+  const std::string path = fresh_path();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ThreadPool pool(2);
+    auto opened = HostTier::Open(persist_config(path), &pool);
+    if (!opened.ok()) ::_exit(3);
+    HostTier* t = opened.value().get();
+    for (uint32_t k = 0; k < 4; ++k)
+      if (!put_block(t, k).ok()) ::_exit(4);
+    if (!t->flush().ok()) ::_exit(5);
+    auto lease = t->index().acquire(id_of(2));
+    if (!lease) ::_exit(6);
+    if (!t->remove(id_of(2)).ok() || t->contains(id_of(2))) ::_exit(7);
+    ::kill(::getpid(), SIGKILL);  // the lease never ends
+    ::_exit(8);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "child exited with " << WEXITSTATUS(status);
+  ThreadPool pool(2);
+  auto t0 = std::chrono::steady_clock::now();
+  auto opened = HostTier::Open(persist_config(path), &pool);
+  while (opened.status().is(Code::kBusy) &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    opened = HostTier::Open(persist_config(path), &pool);
+  }
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  std::unique_ptr<HostTier> t = std::move(opened.value());
+  EXPECT_FALSE(t->contains(id_of(2)));
+  for (uint32_t k : {0u, 1u, 3u}) EXPECT_TRUE(holds_block(t.get(), k)) << k;
+  EXPECT_EQ(t->stats().reattached_blocks, 3u);
+  t.reset();
+  ::unlink(path.c_str());
+}
+
 // A child puts, removes and flushes blocks on several threads and is killed
 // with SIGKILL at a random instant; the reopened tier must serve only
 // blocks whose every byte is right, and leak no space. Repeated, each round
