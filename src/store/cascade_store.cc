@@ -99,7 +99,9 @@ Status CascadeStore::Impl::write_down(const WriteDownOptions& o) {
     }
     return st;
   };
-  return cascade::write_down(tiers, persistent, pool.get(), dedup.get(), put, put_alias, o);
+  WriteDownOptions with = o;
+  with.replaces_below = [this](const BlockId& id) { return take_kept_above(id); };
+  return cascade::write_down(tiers, persistent, pool.get(), dedup.get(), put, put_alias, with);
 }
 
 // ---- async ----------------------------------------------------------------
@@ -160,6 +162,7 @@ Result<std::unique_ptr<CascadeStore>> StoreOpener::OpenWithTiers(
     impl->tiers.push_back(std::move(tier.value()));
   }
   impl->persistent = persistent_tier_index(impl->tiers);
+  impl->find_kept_above();
   impl->dedup_puts = config.dedup_enabled;
   if (config.dedup_enabled || impl->persistent < impl->tiers.size())
     impl->dedup = std::make_unique<DedupTable>();
@@ -506,6 +509,10 @@ void CascadeStore::close() {
   WriteDownOptions o;
   o.blocks = !impl_->config.ephemeral;
   Status st = impl_->write_down(o);
+  // Every block of the memory tiers is below too, as stored: a tier that
+  // outlives the store records it (find_kept_above then has nothing to do).
+  if (st.ok() && o.blocks && impl_->persistent < impl_->tiers.size())
+    for (size_t t = 0; t < impl_->persistent; ++t) impl_->tiers[t]->note_all_below();
   {
     std::lock_guard<std::mutex> status_lock(impl_->close_mu);
     impl_->close_status = st;

@@ -3,9 +3,13 @@
 // dedup aliases down, a reopened store finds them, a crash after flush()
 // loses nothing flushed.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <filesystem>
 #include <random>
 #include <thread>
 
@@ -372,6 +376,135 @@ TEST(DurabilityTest, RemovedThenReputIdGetsNewestBytesAfterReopen) {
     auto seed = [](size_t i) { return i == 1 ? 100 : i; };
     EXPECT_EQ(count_intact(r.get(), 4, 4096, seed), 4u) << "dedup " << dedup;
   }
+}
+
+// A host arena kept across restarts over a file tier, 16 blocks of 64 KiB.
+CascadeConfig kept_arena_config() {
+  CascadeConfig c;
+  c.pipeline = "host|file";
+  c.shm_capacity_bytes = 1 << 20;
+  c.shm_path = shm_path();
+  c.shm_persist = true;
+  c.gpu_device_id = -1;
+  static std::atomic<int> n{0};
+  c.file_path =
+      "/tmp/cascade-durability-kept-" + std::to_string(getpid()) + "-" + std::to_string(n++);
+  c.num_io_threads = 2;
+  c.index_shards = 16;
+  std::filesystem::remove_all(c.file_path);
+  return c;
+}
+
+constexpr size_t kKeptSize = 64 << 10;
+const BlockId kKeptId = id_of(7);
+
+// In a child killed at the end: block 7 flushed with the bytes of seed 1,
+// removed (a removal the file tier does not write down), put again with
+// those of seed 2 and sealed in the arena. The arena then holds the new
+// bytes, the file tier the old ones.
+void leave_new_bytes_above_old_ones(const CascadeConfig& c) {
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto s = CascadeStore::Open(c);
+    if (!s.ok()) ::_exit(2);
+    auto v1 = bytes_of(1, kKeptSize), v2 = bytes_of(2, kKeptSize);
+    if (!(*s)->put(kKeptId, v1.data(), v1.size()).ok() || !(*s)->flush().ok()) ::_exit(3);
+    if (!(*s)->remove(kKeptId).ok() || !(*s)->put(kKeptId, v2.data(), v2.size()).ok()) ::_exit(4);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // sealed meanwhile
+    ::kill(::getpid(), SIGKILL);
+    ::_exit(5);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "child exited with " << WEXITSTATUS(status);
+}
+
+std::unique_ptr<CascadeStore> open_kept(const CascadeConfig& c) {
+  auto opened = CascadeStore::Open(c);
+  // The kernel may drop a killed process's lock a moment after its exit.
+  for (int i = 0; i < 1000 && opened.status().is(Code::kBusy); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    opened = CascadeStore::Open(c);
+  }
+  EXPECT_TRUE(opened.ok()) << opened.status().ToString();
+  return opened.ok() ? std::move(opened.value()) : nullptr;
+}
+
+// Block 7's bytes are those of `seed`, and where it was found.
+int kept_tier_with(CascadeStore* s, uint64_t seed) {
+  std::vector<uint8_t> out(kKeptSize);
+  GetResult r;
+  EXPECT_TRUE(s->get(kKeptId, out.data(), out.size(), &r).ok());
+  EXPECT_TRUE(r.found);
+  EXPECT_TRUE(out == bytes_of(seed, kKeptSize)) << "block 7 is not the one of seed " << seed;
+  return r.tier;
+}
+
+void remove_kept(const CascadeConfig& c) {
+  std::filesystem::remove_all(c.file_path);
+  ::unlink(c.shm_path.c_str());  // kept by shm_persist
+}
+
+TEST(DurabilityTest, AReattachedBlockMovedDownReplacesAnOlderCopyBelow) {
+  // Moved down, the reattached block must replace the old copy below, not
+  // be dropped in favour of it (before, the demotion saw the id below and
+  // skipped it, and the old bytes were served from then on).
+  const CascadeConfig c = kept_arena_config();
+  ASSERT_NO_FATAL_FAILURE(leave_new_bytes_above_old_ones(c));
+  auto s = open_kept(c);
+  ASSERT_TRUE(s);
+  ASSERT_EQ(s->stats().tiers[0].reattached_blocks, 1u);
+  EXPECT_EQ(kept_tier_with(s.get(), 2), 0);
+  put_blocks(s.get(), 100, 140, kKeptSize);  // 40 blocks through a 16-block arena
+  EXPECT_EQ(kept_tier_with(s.get(), 2), 1) << "moved down, the block came back with its old bytes";
+  s->close();
+  remove_kept(c);
+}
+
+TEST(DurabilityTest, AFlushAfterAKillWritesAReattachedBlockOverAnOlderCopyBelow) {
+  // flush() makes what the store holds durable: after it, losing the arena
+  // (a reboot) must not bring the old bytes back.
+  const CascadeConfig c = kept_arena_config();
+  ASSERT_NO_FATAL_FAILURE(leave_new_bytes_above_old_ones(c));
+  {
+    auto s = open_kept(c);
+    ASSERT_TRUE(s);
+    ASSERT_TRUE(s->flush().ok());
+    s->close();
+  }
+  ::unlink(c.shm_path.c_str());  // the arena is lost
+  auto s = open_kept(c);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(kept_tier_with(s.get(), 2), 1);
+  s->close();
+  remove_kept(c);
+}
+
+TEST(DurabilityTest, AfterACleanCloseReattachedBlocksAreNotWrittenDownAgain) {
+  // A clean close wrote every block down: the arena says so, and blocks it
+  // kept that move down later are not written a second time.
+  const CascadeConfig c = kept_arena_config();
+  {
+    auto s = CascadeStore::Open(c);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    put_blocks(s->get(), 0, 8, kKeptSize);
+    (*s)->close();
+    ASSERT_TRUE((*s)->close_status().ok());
+  }
+  {
+    auto s = open_kept(c);
+    ASSERT_TRUE(s);
+    ASSERT_EQ(s->stats().tiers[0].reattached_blocks, 8u);
+    const uint64_t before = s->stats().tiers[1].bytes_written;
+    put_blocks(s.get(), 100, 124, kKeptSize);  // the kept blocks move down
+    const uint64_t written = s->stats().tiers[1].bytes_written - before;
+    EXPECT_EQ(count_intact(s.get(), 8, kKeptSize), 8u);
+    // 16 blocks went down: the 8 kept ones (below already) and 8 new ones.
+    EXPECT_GE(written, 8 * kKeptSize);
+    EXPECT_LT(written, 16 * kKeptSize) << "the kept blocks were written down again";
+  }
+  remove_kept(c);
 }
 
 TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {

@@ -36,6 +36,8 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
     Victim& v = victims[k];
     bool kept_below = false;
     if (t + 1 < tiers.size() && v.view) {
+      if (take_kept_above(v.id))
+        for (size_t b = t + 1; b < tiers.size(); ++b) (void)tiers[b]->remove(v.id);
       PutOptions o;
       o.is_prefix = v.is_prefix;
       o.origin = PutOrigin::kDemotion;
@@ -58,6 +60,26 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
     for (size_t k = 0; k < victims.size(); ++k) move_out(k);
   }
   return Status::OK();
+}
+
+bool CascadeStore::Impl::take_kept_above(const BlockId& id) {
+  std::lock_guard<std::mutex> lock(kept_above_mu);
+  return !kept_above.empty() && kept_above.erase(id) > 0;
+}
+
+void CascadeStore::Impl::find_kept_above() {
+  for (size_t t = 0; t + 1 < tiers.size(); ++t) {
+    if (tiers[t]->stats().reattached_blocks == 0 || tiers[t]->agrees_below()) continue;
+    std::vector<BlockId> ids;
+    tiers[t]->for_each_block([&](const BlockId& id, uint64_t) { ids.push_back(id); });
+    std::lock_guard<std::mutex> lock(kept_above_mu);
+    for (const BlockId& id : ids)
+      for (size_t b = t + 1; b < tiers.size(); ++b)
+        if (tiers[b]->contains(id)) {
+          kept_above.insert(id);
+          break;
+        }
+  }
 }
 
 // Stores into tier t, evicting as needed.

@@ -25,6 +25,7 @@
 #include <optional>
 #include <shared_mutex>
 #include <span>
+#include <unordered_set>
 #include <vector>
 
 #include "cascade/store.h"
@@ -52,6 +53,14 @@ class CascadeStore::Impl {
   // hold the stripe of the physical id.
   std::array<std::mutex, 64> content_mu;
   std::mutex& content_lock(const BlockId& phys);
+  // Blocks a memory tier kept across a restart (reattached) that a tier
+  // below holds too: the copy below may be older, its removal never having
+  // been written down. The first time such a block moves down, the copies
+  // below are removed and it is written again (take_kept_above).
+  std::mutex kept_above_mu;
+  std::unordered_set<BlockId> kept_above;  // guarded by kept_above_mu
+  bool take_kept_above(const BlockId& id);
+  void find_kept_above();
   size_t remote = SIZE_MAX;      // index of the remote tier (distributed stores), or SIZE_MAX
   size_t persistent = SIZE_MAX;  // index of the first persistent tier, or SIZE_MAX
 

@@ -35,8 +35,12 @@ class Failures {
 // memory tier holds any more was removed, or moved down meanwhile (a
 // demotion stores it below before removing it above): nothing to do.
 Status write_one(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persistent,
-                 const BlockId& id, const TierPut& put) {
-  if (tiers[persistent]->contains(id)) return Status::OK();
+                 const BlockId& id, const TierPut& put,
+                 const std::function<bool(const BlockId&)>& replaces_below) {
+  if (tiers[persistent]->contains(id)) {
+    if (!replaces_below || !replaces_below(id)) return Status::OK();
+    (void)tiers[persistent]->remove(id);  // perhaps older than the copy above
+  }
   for (size_t t = 0; t < persistent; ++t) {
     if (!is_memory_tier(tiers[t]->kind())) continue;
     auto view = tiers[t]->acquire(id);
@@ -81,7 +85,7 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
     }
     blocks = ids.size();
     pool->parallel_for(ids.size(), [&](size_t i) {
-      Status st = write_one(tiers, persistent, ids[i], put);
+      Status st = write_one(tiers, persistent, ids[i], put, options.replaces_below);
       if (!st.ok()) block_failures.add(st);
     });
   }

@@ -44,6 +44,9 @@ struct WriteDownOptions {
   // otherwise every block of the memory tiers is.
   std::span<const BlockId> only;
   bool only_these = false;
+  // When set and true for an id the persistent tier holds, that copy may be
+  // older than the memory tier's: it is removed and the block written again.
+  std::function<bool(const BlockId&)> replaces_below;
 };
 
 // Writes down (see above) into tiers[persistent], items in parallel on

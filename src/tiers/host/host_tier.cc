@@ -28,7 +28,10 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const CascadeConfig& config, Th
   if (config.shm_prefault) CASCADE_RETURN_IF_ERROR(a.commit(a.capacity()));
   std::unique_ptr<HostTier> tier(new HostTier(config, std::move(arena.value()), pool));
   if (tier->table_) {
-    if (tier->arena_->reattached()) tier->reattach();
+    if (tier->arena_->reattached()) {
+      tier->agrees_below_ = tier->arena_->take_below_mark();
+      tier->reattach();
+    }
     tier->start_sealer();
   }
   if (gpu_usable(config.gpu_device_id)) {

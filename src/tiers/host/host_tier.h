@@ -56,6 +56,9 @@ class HostTier final : public HostArenaTier {
   // The block table's slots for this config (0 without shm_persist).
   static uint32_t table_slots_for(const CascadeConfig& config);
 
+  void note_all_below() override;
+  bool agrees_below() const override { return agrees_below_; }
+
  private:
   HostTier(const CascadeConfig& config, std::unique_ptr<ShmArena> arena, ThreadPool* pool);
   Status commit(uint64_t end) override { return arena_->commit(end); }
@@ -64,6 +67,8 @@ class HostTier final : public HostArenaTier {
   uint64_t committed_bytes() const override { return arena_->committed(); }
   void on_publish(const BlockId& id, const Location& loc, bool is_prefix) override;
   void on_unpublish(const BlockId& id, const Location& loc) override;
+
+  bool agrees_below_ = false;  // the arena's mark, taken at open
 
   // Persistence (host_tier_persist.cc).
   void reattach();

@@ -29,6 +29,10 @@ void HostTier::on_unpublish(const BlockId&, const Location& loc) {
   if (table_ && loc.size) table_->drop(loc.offset);
 }
 
+void HostTier::note_all_below() {
+  if (table_) arena_->set_below_mark();
+}
+
 void HostTier::start_sealer() {
   sealer_ = std::thread([this] { seal_loop(); });
 }
