@@ -104,13 +104,16 @@ std::string refusal(const struct stat& st, dev_t dir_dev) {
 }
 
 // Whether the file at fd is one whose creation stopped before its header
-// was written: shorter than a header's magic, or zeros where the header goes.
+// was written: empty (created, not sized yet), or sized to at least a page
+// with zeros where the header goes. Anything else is someone's file.
 bool half_made(int fd) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return false;
+  if (st.st_size == 0) return true;
+  if (st.st_size < 4096) return false;
   uint8_t head[sizeof(ArenaHeader)];
-  const ssize_t n = ::pread(fd, head, sizeof head, 0);
-  if (n < 0) return false;
-  if (size_t(n) < sizeof(ArenaHeader::magic)) return true;
-  return std::all_of(head, head + n, [](uint8_t b) { return b == 0; });
+  if (::pread(fd, head, sizeof head, 0) != ssize_t(sizeof head)) return false;
+  return std::all_of(head, head + sizeof head, [](uint8_t b) { return b == 0; });
 }
 
 // Why a locked existing file may not be adopted; empty when it may, with its
