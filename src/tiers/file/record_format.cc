@@ -24,6 +24,7 @@ RecordKey::RecordKey(const uint8_t* key, size_t n) {
   static_assert(kKeySecretBytes >= XXH3_SECRET_SIZE_MIN, "XXH3 secret too small");
   (void)XXH3_generateSecret(secret_, sizeof(secret_), key, n);
   place_salt_ = XXH3_64bits_withSecret("place", 5, secret_, sizeof(secret_));
+  summary_seed_ = XXH3_64bits_withSecret("summary", 7, secret_, sizeof(secret_));
 }
 
 uint64_t RecordKey::place_seed(uint64_t segment_id, uint64_t record_offset) const {
@@ -32,7 +33,7 @@ uint64_t RecordKey::place_seed(uint64_t segment_id, uint64_t record_offset) cons
 }
 
 uint64_t RecordKey::summary_checksum(const void* data, size_t n) const {
-  return xxh3::hash_with_secret_and_seed(data, n, secret_, sizeof(secret_), 0x73756d6d61727932ull);
+  return xxh3::hash_with_secret_and_seed(data, n, secret_, sizeof(secret_), summary_seed_);
 }
 
 uint64_t payload_checksum(const RecordKey& key, const void* data, size_t n) {

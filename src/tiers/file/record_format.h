@@ -118,6 +118,10 @@ class RecordKey {
  private:
   alignas(64) uint8_t secret_[kKeySecretBytes];
   uint64_t place_salt_;
+  // XXH3 with a secret and a seed uses the seed alone (and its default
+  // secret) for inputs of 240 bytes or fewer: a seed derived from the key
+  // keeps short summaries keyed too.
+  uint64_t summary_seed_;
 };
 
 uint64_t payload_checksum(const RecordKey& key, const void* data, size_t n);
