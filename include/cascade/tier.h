@@ -224,14 +224,19 @@ class Tier {
   // True when the tier's blocks outlive the store (the file tier): what it
   // holds after flush() is found again by a store opened later on it.
   virtual bool persistent() const { return false; }
+  // A persistent tier: a nonzero number naming what it holds (the file
+  // tier's comes from its directory's key), the same for every store that
+  // opens it; 0 for other tiers.
+  virtual uint64_t identity() const { return 0; }
   // A memory tier whose blocks outlive its store (a persistent host arena):
-  // note_all_below() tells it, at a store's close, that the tiers below hold
-  // every one of its blocks with the same bytes (a full write-down that
-  // failed for none); it records that, and a store reopening it finds
-  // agrees_below() true. Any other end (a kill, an ephemeral close) leaves
+  // note_all_below(below) tells it, at a store's close, that the persistent
+  // tier of identity `below` holds every one of its blocks with the same
+  // bytes (a full write-down that failed for none); it records that, and a
+  // store reopening it over that same tier finds agrees_below(below) true.
+  // Any other end (a kill, an ephemeral close) or another tier below leaves
   // it false, and a block kept across it may differ from a copy below.
-  virtual void note_all_below() {}
-  virtual bool agrees_below() const { return false; }
+  virtual void note_all_below(uint64_t /*below*/) {}
+  virtual bool agrees_below(uint64_t /*below*/) const { return false; }
 
   // Calls fn(id, size) for every block the tier holds now. A snapshot taken
   // shard by shard: blocks stored or removed meanwhile may or may not be

@@ -230,22 +230,20 @@ LockOutcome take_lock(int fd, dev_t dev, ino_t ino, int* err) {
 
 // The mark's place: the header page, after the header.
 constexpr off_t kBelowMarkOffset = sizeof(ArenaHeader);
-constexpr uint64_t kBelowMark = 0x574f4c45422d4c4cull;  // any other value: unset
 
-void ShmArena::set_below_mark() {
-  if (fd_ < 0 || !persistent()) return;
-  (void)!::pwrite(fd_, &kBelowMark, sizeof kBelowMark, kBelowMarkOffset);
+void ShmArena::set_below_mark(uint64_t below) {
+  if (fd_ < 0 || !persistent() || below == 0) return;
+  (void)!::pwrite(fd_, &below, sizeof below, kBelowMarkOffset);
 }
 
-bool ShmArena::take_below_mark() {
-  if (fd_ < 0 || !persistent()) return false;
+uint64_t ShmArena::take_below_mark() {
+  if (fd_ < 0 || !persistent()) return 0;
   uint64_t v = 0;
-  if (::pread(fd_, &v, sizeof v, kBelowMarkOffset) != ssize_t(sizeof v)) return false;
-  if (v == 0) return false;
+  if (::pread(fd_, &v, sizeof v, kBelowMarkOffset) != ssize_t(sizeof v) || v == 0) return 0;
   const uint64_t zero = 0;
   // Unset at once: a crash from here on must not find it set.
-  if (::pwrite(fd_, &zero, sizeof zero, kBelowMarkOffset) != ssize_t(sizeof zero)) return false;
-  return v == kBelowMark;
+  if (::pwrite(fd_, &zero, sizeof zero, kBelowMarkOffset) != ssize_t(sizeof zero)) return 0;
+  return v;
 }
 
 Result<std::unique_ptr<ShmArena>> ShmArena::Create(const std::string& path, uint64_t capacity,

@@ -96,12 +96,12 @@ class ShmArena {
   // table, format) and was discarded: this arena starts empty.
   bool discarded() const { return discarded_; }
   bool persistent() const { return table_slots_ > 0; }
-  // A persistent arena's mark that the tiers below its store hold every
-  // block it holds (docs/formats.md): set at a store's close, read and
-  // cleared by the next store that reattaches the arena, so any other end
-  // leaves it unset.
-  void set_below_mark();
-  bool take_below_mark();
+  // A persistent arena's mark that the persistent tier of identity `below`
+  // (Tier::identity, nonzero) holds every block it holds (docs/formats.md):
+  // set at a store's close, read and cleared (0) by the next store that
+  // reattaches the arena, so any other end leaves it unset.
+  void set_below_mark(uint64_t below);
+  uint64_t take_below_mark();
 
   // The block table of a persistent arena: table_slots() slots of
   // kSlotBytes (zero on a new arena), and the random key of its checksums,

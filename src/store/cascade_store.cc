@@ -511,8 +511,10 @@ void CascadeStore::close() {
   Status st = impl_->write_down(o);
   // Every block of the memory tiers is below too, as stored: a tier that
   // outlives the store records it (find_kept_above then has nothing to do).
-  if (st.ok() && o.blocks && impl_->persistent < impl_->tiers.size())
-    for (size_t t = 0; t < impl_->persistent; ++t) impl_->tiers[t]->note_all_below();
+  if (st.ok() && o.blocks && impl_->persistent < impl_->tiers.size()) {
+    const uint64_t below = impl_->tiers[impl_->persistent]->identity();
+    for (size_t t = 0; t < impl_->persistent; ++t) impl_->tiers[t]->note_all_below(below);
+  }
   {
     std::lock_guard<std::mutex> status_lock(impl_->close_mu);
     impl_->close_status = st;

@@ -507,6 +507,38 @@ TEST(DurabilityTest, AfterACleanCloseReattachedBlocksAreNotWrittenDownAgain) {
   remove_kept(c);
 }
 
+TEST(DurabilityTest, AnArenaClosedCleanlyOverAnotherFileTierIsNotTakenAsAgreeing) {
+  // The arena's mark names the tier below it was written down to: a store
+  // over another directory (one shm_path, two configurations) must not take
+  // the kept blocks for ones its own tier holds with the same bytes.
+  const CascadeConfig first = kept_arena_config();
+  CascadeConfig second = first;
+  second.file_path += "-second";
+  std::filesystem::remove_all(second.file_path);
+  auto v1 = bytes_of(1, kKeptSize), v2 = bytes_of(2, kKeptSize);
+  {
+    auto s = CascadeStore::Open(first);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    ASSERT_TRUE((*s)->put(kKeptId, v1.data(), v1.size()).ok());
+    (*s)->close();
+  }
+  {
+    auto s = CascadeStore::Open(second);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    ASSERT_TRUE((*s)->remove(kKeptId).ok());
+    ASSERT_TRUE((*s)->put(kKeptId, v2.data(), v2.size()).ok());
+    (*s)->close();  // marks the arena as agreeing with the second directory
+  }
+  auto s = open_kept(first);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(kept_tier_with(s.get(), 2), 0) << "reattached";
+  put_blocks(s.get(), 100, 140, kKeptSize);
+  EXPECT_EQ(kept_tier_with(s.get(), 2), 1) << "moved down, the block came back with its old bytes";
+  s->close();
+  std::filesystem::remove_all(second.file_path);
+  remove_kept(first);
+}
+
 TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {
   auto disk = std::make_shared<SimulatedDisk>();
   disk->capacity = 8 * kBlock;

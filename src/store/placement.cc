@@ -69,7 +69,10 @@ bool CascadeStore::Impl::take_kept_above(const BlockId& id) {
 
 void CascadeStore::Impl::find_kept_above() {
   for (size_t t = 0; t + 1 < tiers.size(); ++t) {
-    if (tiers[t]->stats().reattached_blocks == 0 || tiers[t]->agrees_below()) continue;
+    if (tiers[t]->stats().reattached_blocks == 0) continue;
+    if (persistent < tiers.size() && t < persistent &&
+        tiers[t]->agrees_below(tiers[persistent]->identity()))
+      continue;
     std::vector<BlockId> ids;
     tiers[t]->for_each_block([&](const BlockId& id, uint64_t) { ids.push_back(id); });
     std::lock_guard<std::mutex> lock(kept_above_mu);

@@ -8,6 +8,7 @@
 
 #include "cuda/device_copy.h"
 #include "tiers/file/segment_scan.h"
+#include "util/xxh3.h"
 
 namespace cascade {
 
@@ -325,6 +326,12 @@ std::vector<std::pair<BlockId, BlockId>> FileTier::aliases() const {
   for (const auto& [alias, e] : aliases_)
     if (index_.contains(e.target)) out.emplace_back(alias, e.target);
   return out;
+}
+
+uint64_t FileTier::identity() const {
+  // Keyed for any length (hash_with_secret): one value per directory key.
+  static constexpr char kWhat[] = "cascade file tier identity";
+  return xxh3::hash_with_secret(kWhat, sizeof kWhat - 1, key_.secret(), file::kKeySecretBytes) | 1;
 }
 
 bool FileTier::drop_alias(const BlockId& alias) {

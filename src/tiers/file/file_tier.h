@@ -151,6 +151,8 @@ class FileTier final : public Tier {
   Status flush() override;
 
   bool persistent() const override { return true; }
+  // From the directory's key: the same for every store that opens it.
+  uint64_t identity() const override;
   void for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const override;
   // Writes an alias record (durable at the next flush, at once with
   // sync_writes). NotFound when target is not in the tier; InvalidArgument

@@ -29,7 +29,7 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const CascadeConfig& config, Th
   std::unique_ptr<HostTier> tier(new HostTier(config, std::move(arena.value()), pool));
   if (tier->table_) {
     if (tier->arena_->reattached()) {
-      tier->agrees_below_ = tier->arena_->take_below_mark();
+      tier->below_mark_ = tier->arena_->take_below_mark();
       tier->reattach();
     }
     tier->start_sealer();

@@ -56,8 +56,8 @@ class HostTier final : public HostArenaTier {
   // The block table's slots for this config (0 without shm_persist).
   static uint32_t table_slots_for(const CascadeConfig& config);
 
-  void note_all_below() override;
-  bool agrees_below() const override { return agrees_below_; }
+  void note_all_below(uint64_t below) override;
+  bool agrees_below(uint64_t below) const override { return below != 0 && below_mark_ == below; }
 
  private:
   HostTier(const CascadeConfig& config, std::unique_ptr<ShmArena> arena, ThreadPool* pool);
@@ -68,7 +68,7 @@ class HostTier final : public HostArenaTier {
   void on_publish(const BlockId& id, const Location& loc, bool is_prefix) override;
   void on_unpublish(const BlockId& id, const Location& loc) override;
 
-  bool agrees_below_ = false;  // the arena's mark, taken at open
+  uint64_t below_mark_ = 0;  // the arena's mark, taken at open
 
   // Persistence (host_tier_persist.cc).
   void reattach();

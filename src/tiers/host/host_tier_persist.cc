@@ -29,8 +29,8 @@ void HostTier::on_unpublish(const BlockId&, const Location& loc) {
   if (table_ && loc.size) table_->drop(loc.offset);
 }
 
-void HostTier::note_all_below() {
-  if (table_) arena_->set_below_mark();
+void HostTier::note_all_below(uint64_t below) {
+  if (table_) arena_->set_below_mark(below);
 }
 
 void HostTier::start_sealer() {
