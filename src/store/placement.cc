@@ -63,8 +63,17 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
 }
 
 bool CascadeStore::Impl::take_kept_above(const BlockId& id) {
+  if (!any_kept_above.load(std::memory_order_acquire)) return false;
   std::lock_guard<std::mutex> lock(kept_above_mu);
-  return !kept_above.empty() && kept_above.erase(id) > 0;
+  const bool taken = kept_above.erase(id) > 0;
+  if (kept_above.empty()) any_kept_above.store(false, std::memory_order_release);
+  return taken;
+}
+
+bool CascadeStore::Impl::is_kept_above(const BlockId& id) {
+  if (!any_kept_above.load(std::memory_order_acquire)) return false;
+  std::lock_guard<std::mutex> lock(kept_above_mu);
+  return kept_above.count(id) > 0;
 }
 
 void CascadeStore::Impl::find_kept_above() {
@@ -82,6 +91,7 @@ void CascadeStore::Impl::find_kept_above() {
           kept_above.insert(id);
           break;
         }
+    if (!kept_above.empty()) any_kept_above.store(true, std::memory_order_release);
   }
 }
 

@@ -59,7 +59,10 @@ class CascadeStore::Impl {
   // below are removed and it is written again (take_kept_above).
   std::mutex kept_above_mu;
   std::unordered_set<BlockId> kept_above;  // guarded by kept_above_mu
+  // REQUIRES for take: the caller holds a lease on the block above.
   bool take_kept_above(const BlockId& id);
+  bool is_kept_above(const BlockId& id);
+  std::atomic<bool> any_kept_above{false};  // kept_above is not empty
   void find_kept_above();
   size_t remote = SIZE_MAX;      // index of the remote tier (distributed stores), or SIZE_MAX
   size_t persistent = SIZE_MAX;  // index of the first persistent tier, or SIZE_MAX

@@ -34,17 +34,23 @@ class Failures {
 // Copies one block down unless the persistent tier has it. A block no
 // memory tier holds any more was removed, or moved down meanwhile (a
 // demotion stores it below before removing it above): nothing to do.
+// A copy below that may be older (replaces_below) is removed and the block
+// written again; the memory copy is leased first, so an eviction racing
+// this one cannot drop it in favour of the older copy meanwhile.
 Status write_one(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persistent,
                  const BlockId& id, const TierPut& put,
-                 const std::function<bool(const BlockId&)>& replaces_below) {
-  if (tiers[persistent]->contains(id)) {
-    if (!replaces_below || !replaces_below(id)) return Status::OK();
-    (void)tiers[persistent]->remove(id);  // perhaps older than the copy above
-  }
+                 const std::function<bool(const BlockId&)>& replaces_below,
+                 const std::function<bool(const BlockId&)>& may_replace_below) {
+  if (tiers[persistent]->contains(id) && !(may_replace_below && may_replace_below(id)))
+    return Status::OK();
   for (size_t t = 0; t < persistent; ++t) {
     if (!is_memory_tier(tiers[t]->kind())) continue;
     auto view = tiers[t]->acquire(id);
     if (!view.ok()) continue;
+    if (tiers[persistent]->contains(id)) {
+      if (!replaces_below || !replaces_below(id)) return Status::OK();
+      (void)tiers[persistent]->remove(id);  // perhaps older than the copy above
+    }
     PutOptions o;
     o.origin = PutOrigin::kDemotion;
     o.src_kind = view->kind();
@@ -85,7 +91,8 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
     }
     blocks = ids.size();
     pool->parallel_for(ids.size(), [&](size_t i) {
-      Status st = write_one(tiers, persistent, ids[i], put, options.replaces_below);
+      Status st = write_one(tiers, persistent, ids[i], put, options.replaces_below,
+                            options.may_replace_below);
       if (!st.ok()) block_failures.add(st);
     });
   }

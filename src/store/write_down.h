@@ -46,7 +46,11 @@ struct WriteDownOptions {
   bool only_these = false;
   // When set and true for an id the persistent tier holds, that copy may be
   // older than the memory tier's: it is removed and the block written again.
+  // replaces_below is asked once the memory copy is leased, and answers for
+  // one caller only (it takes the id off its list); may_replace_below only
+  // looks, cheaply, before any lease is taken.
   std::function<bool(const BlockId&)> replaces_below;
+  std::function<bool(const BlockId&)> may_replace_below;
 };
 
 // Writes down (see above) into tiers[persistent], items in parallel on
