@@ -77,6 +77,7 @@ struct BlockIndex::Shard {
   // 1 << 32 | tick of the tail entry, 0 when the list is empty.
   std::atomic<uint64_t> tail_key[2] = {0, 0};
   std::atomic<size_t> live{0};
+  std::atomic<size_t> empty{0};  // live entries of size 0
   std::atomic<uint64_t> bytes{0};
   std::atomic<size_t> leased{0};
 
@@ -217,6 +218,7 @@ bool BlockIndex::insert(const BlockId& id, const Location& loc, bool is_prefix) 
   s.place((uint64_t{fp} << 32) | (e + 1));
   ++s.in_table;
   s.live.fetch_add(1, std::memory_order_relaxed);
+  if (loc.size == 0) s.empty.fetch_add(1, std::memory_order_relaxed);
   s.bytes.fetch_add(loc.size, std::memory_order_relaxed);
   return true;
 }
@@ -309,6 +311,7 @@ bool BlockIndex::remove(const BlockId& id) {
     loc = x.get_loc();
     rid = x.id;
     s.live.fetch_sub(1, std::memory_order_relaxed);
+    if (loc.size == 0) s.empty.fetch_sub(1, std::memory_order_relaxed);
     s.bytes.fetch_sub(loc.size, std::memory_order_relaxed);
     if (unlist_) unlist_(rid, loc);  // not doomed yet: no release can reclaim it
     uint32_t old = x.state.fetch_or(kDoomed, std::memory_order_acq_rel);
@@ -332,6 +335,10 @@ bool BlockIndex::relocate(const BlockId& id, const Location& from, const Locatio
   if (to.size != from.size) {
     s.bytes.fetch_add(to.size, std::memory_order_relaxed);
     s.bytes.fetch_sub(from.size, std::memory_order_relaxed);
+    if ((from.size == 0) != (to.size == 0)) {
+      if (to.size == 0) s.empty.fetch_add(1, std::memory_order_relaxed);
+      else s.empty.fetch_sub(1, std::memory_order_relaxed);
+    }
   }
   return true;
 }
@@ -462,6 +469,7 @@ void BlockIndex::clear() {
         s.publish_tail(l);
       }
       s.live.store(0, std::memory_order_relaxed);
+      s.empty.store(0, std::memory_order_relaxed);
       s.bytes.store(0, std::memory_order_relaxed);
     }
     if (reclaim_)
@@ -480,6 +488,12 @@ void BlockIndex::for_each(
       fn(x.id, x.get_loc(), (x.state.load(std::memory_order_relaxed) & kPrefix) != 0);
     }
   }
+}
+
+size_t BlockIndex::empty_entries() const {
+  size_t n = 0;
+  for (size_t i = 0; i <= shard_mask_; ++i) n += shards_[i].empty.load(std::memory_order_relaxed);
+  return n;
 }
 
 size_t BlockIndex::size() const {

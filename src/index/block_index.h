@@ -106,6 +106,7 @@ class BlockIndex {
   void for_each(const std::function<void(const BlockId&, const Location&, bool)>& fn) const;
 
   size_t size() const;             // live entries
+  size_t empty_entries() const;    // live entries of size 0
   uint64_t payload_bytes() const;  // sum of live sizes
   size_t leased() const;           // live entries with at least one lease
   size_t metadata_bytes() const;   // memory of tables and slabs

@@ -180,7 +180,7 @@ TEST(StoreTest, FullStoreEvictsLeastRecentlyUsedKeepsPrefix) {
 TEST(StoreTest, EmptyBlocksAreBoundedByTheTierAndEvictedLikeOthers) {
   // Empty blocks take no bytes of the arena, so bytes alone never evicted
   // them: a stream of them grew the index without bound. The tier keeps
-  // at most capacity / 4 KiB blocks; past that, the oldest go.
+  // at most capacity / 4 KiB empty blocks; past that, the oldest go.
   constexpr uint64_t kCap = 1 << 20;  // 256 entries
   auto store = open(host_config(kCap));
   const std::vector<uint8_t> data = random_bytes(64 << 10, 7);
@@ -208,6 +208,27 @@ TEST(StoreTest, EmptyBlocksAreBoundedByTheTierAndEvictedLikeOthers) {
   ASSERT_TRUE(store->get(batch.back(), out.data(), out.size(), &r).ok());
   EXPECT_TRUE(r.found);
   EXPECT_EQ(r.size, 0u);
+}
+
+TEST(StoreTest, EmptyBlocksBesideFullOnesDoNotStopEmptyPuts) {
+  // Empty blocks up to just under the bound, then blocks of 4 KiB filling
+  // the arena: the bound counts empty blocks only, so the next empty put
+  // succeeds. Before, every block counted, and an empty put needed more
+  // rounds of moving one block out than the store makes.
+  constexpr uint64_t kCap = 4 << 20;  // 1024 entries
+  auto store = open(host_config(kCap));
+  for (uint32_t i = 0; i < 1000; ++i)
+    ASSERT_TRUE(store->put(compute_block_id(&i, sizeof i), nullptr, 0).ok()) << i;
+  const std::vector<uint8_t> small = random_bytes(4096, 9);
+  for (uint32_t i = 0; i < 1000; ++i) {
+    std::vector<uint8_t> b = small;
+    std::memcpy(b.data(), &i, sizeof i);
+    ASSERT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).ok()) << i;
+  }
+  for (uint32_t i = 6000; i < 6100; ++i) {
+    const Status st = store->put(compute_block_id(&i, sizeof i), nullptr, 0);
+    ASSERT_TRUE(st.ok()) << i << ": " << st.ToString();
+  }
 }
 
 TEST(StoreTest, LeasedBlockIsNeverEvicted) {

@@ -25,12 +25,12 @@ ArenaTier::ArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capaci
       max_blocks_(std::max<uint64_t>(capacity / kEntryBytes, 1)) {}
 
 // Empty blocks take no range, so bytes alone would never bound them: past
-// as many blocks as the arena holds ranges of kEntryBytes, one is NoSpace
-// (the store then moves a block out, as it does for bytes).
+// as many of them as the arena holds ranges of kEntryBytes, one more is
+// NoSpace (the store then moves blocks out, as it does for bytes).
 Status ArenaTier::room_for_entry() const {
-  if (index_.size() < max_blocks_) return Status::OK();
+  if (index_.empty_entries() < max_blocks_) return Status::OK();
   return Status::NoSpace(where_ + " holds " + std::to_string(max_blocks_) +
-                         " blocks, as many as it keeps");
+                         " empty blocks, as many as it keeps");
 }
 
 Status ArenaTier::check_fits(uint64_t size) const {

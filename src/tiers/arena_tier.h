@@ -137,8 +137,8 @@ class ArenaTier : public Tier {
   // ---- for tiers with their own put and read paths ------------------------
   // InvalidArgument when a block of `size` can never fit.
   Status check_fits(uint64_t size) const;
-  // NoSpace when an empty block may not be added: the tier holds as many
-  // blocks as capacity / kEntryBytes.
+  // NoSpace when an empty block may not be added: the tier holds
+  // capacity / kEntryBytes empty blocks already.
   Status room_for_entry() const;
   static constexpr uint64_t kEntryBytes = 4096;
   // Makes a copied block visible and counts it. false when the id was
