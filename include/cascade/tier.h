@@ -201,11 +201,17 @@ class Tier {
   // Removes the block. NotFound when absent. A leased block disappears from
   // lookups at once; its space is reused when the last lease ends.
   virtual Status remove(const BlockId& id) = 0;
+  // Removes a victim this tier's claim_victims handed out, if its block is
+  // still the one stored under its id: NotFound when a user removed it
+  // meanwhile (and perhaps stored the id again, which stays).
+  virtual Status remove_victim(const Victim& victim) { return remove(victim.id); }
 
   // Chooses blocks to evict, least valuable first (ordinary before prefix
   // blocks), skipping leased ones, until their sizes sum to at least `bytes`
   // or nothing evictable is left. Chosen blocks are marked so no other caller
-  // chooses them; each must be passed to remove() afterwards.
+  // chooses them; each must be passed to remove() (or remove_victim())
+  // afterwards. bytes 0 asks a memory tier that holds as many empty blocks
+  // as it keeps for room for another: an empty block is chosen.
   virtual std::vector<Victim> claim_victims(uint64_t bytes) = 0;
 
   // Gives back a victim the caller chose not to remove (demotion failed): it

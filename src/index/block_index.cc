@@ -297,29 +297,46 @@ bool BlockIndex::remove(const BlockId& id) {
   uint64_t h = id.hash64();
   uint32_t si = static_cast<uint32_t>(h & shard_mask_);
   Shard& s = shards_[si];
-  BlockId rid;
-  Location loc;
-  {
-    std::unique_lock<std::shared_mutex> lock(s.mu);
-    long pos = s.find(id, fingerprint(h));
-    if (pos < 0) return false;
-    uint32_t e = static_cast<uint32_t>(s.table[pos]) - 1;
-    Entry& x = s.at(e);
-    s.erase_at(static_cast<size_t>(pos));
-    uint32_t st = x.state.load(std::memory_order_relaxed);
-    if (!(st & kEvicting)) s.unlink((st & kPrefix) ? 1 : 0, e);
-    loc = x.get_loc();
-    rid = x.id;
-    s.live.fetch_sub(1, std::memory_order_relaxed);
-    if (loc.size == 0) s.empty.fetch_sub(1, std::memory_order_relaxed);
-    s.bytes.fetch_sub(loc.size, std::memory_order_relaxed);
-    if (unlist_) unlist_(rid, loc);  // not doomed yet: no release can reclaim it
-    uint32_t old = x.state.fetch_or(kDoomed, std::memory_order_acq_rel);
-    if ((old & kLeaseMask) != 0) return true;  // the last lease reclaims
-    s.free_entry(e);
-  }
-  if (reclaim_) reclaim_(rid, loc);
+  std::unique_lock<std::shared_mutex> lock(s.mu);
+  long pos = s.find(id, fingerprint(h));
+  if (pos < 0) return false;
+  remove_at(si, pos, &lock);
   return true;
+}
+
+bool BlockIndex::remove_leased(uint64_t token) {
+  // The entry cannot be recycled while the caller's lease holds it.
+  uint32_t si = token_shard(token);
+  Entry* x = token_entry(token);
+  Shard& s = shards_[si];
+  std::unique_lock<std::shared_mutex> lock(s.mu);
+  if (x->state.load(std::memory_order_acquire) & kDoomed) return false;
+  long pos = s.find(x->id, fingerprint(x->id.hash64()));
+  if (pos < 0 || &s.at(static_cast<uint32_t>(s.table[pos]) - 1) != x) return false;
+  remove_at(si, pos, &lock);
+  return true;
+}
+
+// Takes the entry at table position pos out of shard si, whose lock *lock
+// holds; releases the lock before the reclaim callback.
+void BlockIndex::remove_at(uint32_t si, long pos, std::unique_lock<std::shared_mutex>* lock) {
+  Shard& s = shards_[si];
+  uint32_t e = static_cast<uint32_t>(s.table[pos]) - 1;
+  Entry& x = s.at(e);
+  s.erase_at(static_cast<size_t>(pos));
+  uint32_t st = x.state.load(std::memory_order_relaxed);
+  if (!(st & kEvicting)) s.unlink((st & kPrefix) ? 1 : 0, e);
+  const Location loc = x.get_loc();
+  const BlockId rid = x.id;
+  s.live.fetch_sub(1, std::memory_order_relaxed);
+  if (loc.size == 0) s.empty.fetch_sub(1, std::memory_order_relaxed);
+  s.bytes.fetch_sub(loc.size, std::memory_order_relaxed);
+  if (unlist_) unlist_(rid, loc);  // not doomed yet: no release can reclaim it
+  uint32_t old = x.state.fetch_or(kDoomed, std::memory_order_acq_rel);
+  if ((old & kLeaseMask) != 0) return;  // the last lease reclaims
+  s.free_entry(e);
+  lock->unlock();
+  if (reclaim_) reclaim_(rid, loc);
 }
 
 bool BlockIndex::relocate(const BlockId& id, const Location& from, const Location& to) {
@@ -341,6 +358,41 @@ bool BlockIndex::relocate(const BlockId& id, const Location& from, const Locatio
     }
   }
   return true;
+}
+
+std::vector<BlockIndex::Claimed> BlockIndex::claim_empty(size_t n) {
+  std::vector<Claimed> out;
+  // Shard by shard from a rotating start, each list from its oldest end: an
+  // approximation of age order, enough to make room for another empty block.
+  const size_t nshards = shard_mask_ + 1;
+  const size_t start = static_cast<size_t>(clock_.load(std::memory_order_relaxed)) % nshards;
+  for (size_t k = 0; k < nshards && out.size() < n; ++k) {
+    const uint32_t si = static_cast<uint32_t>((start + k) % nshards);
+    Shard& s = shards_[si];
+    if (s.empty.load(std::memory_order_relaxed) == 0) continue;
+    std::unique_lock<std::shared_mutex> lock(s.mu);
+    for (int l = 0; l < 2 && out.size() < n; ++l) {
+      int steps = 0;
+      for (uint32_t e = s.tail[l]; e != kNil && out.size() < n && steps < 4096; ++steps) {
+        Entry& x = s.at(e);
+        const uint32_t prev = x.prev;
+        const uint32_t st = x.state.load(std::memory_order_acquire);
+        if (x.get_loc().size == 0 && (st & kLeaseMask) == 0) {
+          s.unlink(l, e);
+          x.state.fetch_add(1 | kEvicting, std::memory_order_acq_rel);
+          s.leased.fetch_add(1, std::memory_order_relaxed);
+          Claimed c;
+          c.id = x.id;
+          c.lease.token = make_token(si, &x);
+          c.lease.loc = x.get_loc();
+          c.lease.is_prefix = (st & kPrefix) != 0;
+          out.push_back(c);
+        }
+        e = prev;
+      }
+    }
+  }
+  return out;
 }
 
 std::vector<BlockIndex::Claimed> BlockIndex::claim_victims(uint64_t bytes) {
@@ -413,9 +465,7 @@ std::vector<BlockIndex::Claimed> BlockIndex::claim_victims(uint64_t bytes) {
           c.lease.token = make_token(best, &x);
           c.lease.loc = x.get_loc();
           c.lease.is_prefix = (st & kPrefix) != 0;
-          // An empty block counts as a byte: a claim of n > 0 bytes ends,
-          // and a claim for room for another entry frees one.
-          got += std::max<uint64_t>(c.lease.loc.size, 1);
+          got += c.lease.loc.size;
           out.push_back(c);
         }
       }

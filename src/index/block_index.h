@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <shared_mutex>
 #include <vector>
@@ -84,6 +85,10 @@ class BlockIndex {
   std::optional<Location> peek(const BlockId& id) const;
   bool contains(const BlockId& id) const;
   bool remove(const BlockId& id);  // false when absent
+  // Removes the entry `token` leases (a claim's, say) if it is still the
+  // live entry of its id: false when it was removed meanwhile, whatever
+  // was stored under its id since. The caller still releases the token.
+  bool remove_leased(uint64_t token);
   // Points id's entry at `to` when it is present and still at `from` (a
   // tier moved the bytes, e.g. file-tier compaction). Leases taken before
   // keep the old location; eviction order and lease state are unchanged.
@@ -94,8 +99,11 @@ class BlockIndex {
     BlockId id;
     Lease lease;  // keeps the bytes valid; release() after remove()
   };
-  // See Tier::claim_victims. An empty block counts as one byte.
+  // See Tier::claim_victims.
   std::vector<Claimed> claim_victims(uint64_t bytes);
+  // Claims up to n unleased empty blocks, oldest first within each shard
+  // (shards in turn): room for another empty block in a tier at its bound.
+  std::vector<Claimed> claim_empty(size_t n);
   // Puts a claimed entry back in the eviction order and drops its lease.
   void unclaim(const BlockId& id, uint64_t token);
 
@@ -115,6 +123,7 @@ class BlockIndex {
   struct Shard;
   Shard& shard_for(const BlockId& id) const;
   void reclaim_entry(uint32_t shard, Entry* entry);
+  void remove_at(uint32_t shard, long pos, std::unique_lock<std::shared_mutex>* lock);
   std::unique_ptr<Shard[]> shards_;
   uint32_t shard_mask_;
   EvictionPolicy policy_;

@@ -13,12 +13,14 @@
 #include <random>
 #include <thread>
 
+#include "cascade/env.h"
 #include "cascade/store.h"
 #include "cuda/device_copy.h"
 #include "store/dedup_table.h"
 #include "store/simulated_disk_tier.h"
 #include "store/store_open.h"
 #include "store/tier_factory.h"
+#include "tiers/file/file_tier.h"
 
 namespace cascade {
 namespace {
@@ -605,6 +607,134 @@ TEST(DurabilityTest, AnArenaClosedCleanlyOverAnotherFileTierIsNotTakenAsAgreeing
   s->close();
   std::filesystem::remove_all(second.file_path);
   remove_kept(first);
+}
+
+TEST(DurabilityTest, AReattachedBlockWhoseWriteDownFailsStaysAboveNotTheOldCopy) {
+  // The file tier refuses every write while the kept block moves down: the
+  // block stays in the arena, still marked, rather than being dropped after
+  // its old copy's index entry went (the old record, still on disk, then
+  // came back at the next open).
+  const CascadeConfig c = kept_arena_config();
+  ASSERT_NO_FATAL_FAILURE(leave_new_bytes_above_old_ones(c));
+  {
+    FaultInjectingEnv env(Env::Default());
+    auto opened =
+        StoreOpener::OpenWithTiers(c, [&](TierKind k, const CascadeConfig& cc, ThreadPool* pool) {
+          return k == TierKind::kFile ? open_file_tier(cc, pool, &env) : open_tier(k, cc, pool);
+        });
+    for (int i = 0; i < 1000 && opened.status().is(Code::kBusy); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      opened =
+          StoreOpener::OpenWithTiers(c, [&](TierKind k, const CascadeConfig& cc, ThreadPool* pool) {
+            return k == TierKind::kFile ? open_file_tier(cc, pool, &env) : open_tier(k, cc, pool);
+          });
+    }
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    auto& s = *opened;
+    env.fail_writes_after(0);  // a full disk
+    put_blocks(s.get(), 100, 140, kKeptSize);
+    EXPECT_EQ(kept_tier_with(s.get(), 2), 0);
+    env.clear_faults();
+    s->close();
+  }
+  auto s = open_kept(c);
+  ASSERT_TRUE(s);
+  kept_tier_with(s.get(), 2);
+  s->close();
+  remove_kept(c);
+}
+
+TEST(DurabilityTest, ABlockRemovedWhileItMovesDownDoesNotComeBackBelow) {
+  // Each step moves the oldest block of a full arena down while a user
+  // removes it; all are then stored again with other bytes. Before, a copy
+  // put below after the removal outlived it, and the new bytes, finding the
+  // id below, were never written down: a reopen served the old ones.
+  constexpr uint32_t kN = 32;
+  std::mt19937 rng(1);
+  auto bytes = [](uint32_t i, uint8_t version) {
+    std::vector<uint8_t> b(kKeptSize, version);
+    std::memcpy(b.data(), &i, sizeof i);
+    return b;
+  };
+  for (int round = 0; round < 5; ++round) {
+    CascadeConfig c = kept_arena_config();
+    c.shm_persist = false;
+    c.shm_capacity_bytes = kN * kKeptSize;
+    c.eviction_policy = EvictionPolicy::kFifo;
+    {
+      auto s = CascadeStore::Open(c);
+      ASSERT_TRUE(s.ok()) << s.status().ToString();
+      for (uint32_t i = 0; i < kN; ++i) {
+        auto b = bytes(i, 1);
+        ASSERT_TRUE((*s)->put(id_of(i), b.data(), b.size()).ok());
+      }
+      for (uint32_t i = 0; i < kN; ++i) {
+        const int delay_us = int(rng() % 101);
+        std::thread filler([&] {
+          auto b = bytes(i, 9);
+          (void)(*s)->put(id_of(100000 + 1000 * round + i), b.data(), b.size());
+        });
+        const auto t0 = std::chrono::steady_clock::now();
+        while (std::chrono::steady_clock::now() - t0 < std::chrono::microseconds(delay_us)) {
+        }
+        (void)(*s)->remove(id_of(i));
+        filler.join();
+        EXPECT_FALSE((*s)->contains(id_of(i)))
+            << "removed block " << i << " is back, round " << round;
+      }
+      for (uint32_t i = 0; i < kN; ++i) {
+        auto b = bytes(i, 2);
+        ASSERT_TRUE((*s)->put(id_of(i), b.data(), b.size()).ok());
+      }
+      (*s)->close();
+      ASSERT_TRUE((*s)->close_status().ok());
+    }
+    auto s = CascadeStore::Open(c);
+    ASSERT_TRUE(s.ok());
+    std::vector<uint8_t> out(kKeptSize);
+    int old = 0;
+    for (uint32_t i = 0; i < kN; ++i) {
+      GetResult r;
+      ASSERT_TRUE((*s)->get(id_of(i), out.data(), out.size(), &r).ok());
+      ASSERT_TRUE(r.found) << i;
+      old += out != bytes(i, 2);
+    }
+    EXPECT_EQ(old, 0) << "round " << round;
+    (*s)->close();
+    remove_kept(c);
+    if (old) break;
+  }
+}
+
+TEST(DurabilityTest, ACopiedFileTierDirectoryIsAnotherTier) {
+  // The arena's below mark names its tier by the directory's key and the
+  // directory itself: a copy (same key) is not taken for the original.
+  const CascadeConfig a = kept_arena_config();
+  CascadeConfig b = a;
+  b.file_path += "-copy";
+  std::filesystem::remove_all(b.file_path);
+  auto v1 = bytes_of(1, kKeptSize), v2 = bytes_of(2, kKeptSize);
+  {
+    auto s = CascadeStore::Open(a);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    ASSERT_TRUE((*s)->put(kKeptId, v1.data(), v1.size()).ok());
+    (*s)->close();
+  }
+  std::filesystem::copy(a.file_path, b.file_path, std::filesystem::copy_options::recursive);
+  {
+    auto s = CascadeStore::Open(b);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    ASSERT_TRUE((*s)->remove(kKeptId).ok());
+    ASSERT_TRUE((*s)->put(kKeptId, v2.data(), v2.size()).ok());
+    (*s)->close();
+  }
+  auto s = open_kept(a);
+  ASSERT_TRUE(s);
+  put_blocks(s.get(), 100, 140, kKeptSize);
+  EXPECT_EQ(kept_tier_with(s.get(), 2), 1) << "the copy was taken for the original";
+  s->close();
+  std::filesystem::remove_all(b.file_path);
+  remove_kept(a);
 }
 
 TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {

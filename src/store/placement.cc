@@ -19,10 +19,10 @@ std::mutex& CascadeStore::Impl::content_lock(const BlockId& phys) {
 }
 
 // Makes room for `need` bytes in tier t by moving its least valuable blocks
-// down (or dropping them from the last tier). An empty block needs room for
-// its entry: at least one block is moved out.
+// down (or dropping them from the last tier). need 0: room for an empty
+// block in a tier at its bound of them (Tier::claim_victims).
 Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why) {
-  auto victims = tiers[t]->claim_victims(std::max<uint64_t>(need, 1));
+  auto victims = tiers[t]->claim_victims(need);
   if (victims.empty()) {
     // Nothing to move out: say why the tier had no room, and why that stays.
     const TierStats s = tiers[t]->stats();
@@ -36,16 +36,31 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
     Victim& v = victims[k];
     bool kept_below = false;
     if (t + 1 < tiers.size() && v.view) {
-      if (take_kept_above(v.id))
-        for (size_t b = t + 1; b < tiers.size(); ++b) (void)tiers[b]->remove(v.id);
+      // A block kept across a restart whose copy in the persistent tier may
+      // be older: that copy goes, and the block is written in its place.
+      // Should the write fail, the block stays here, still marked.
+      const bool replaces = t + 1 == persistent && take_kept_above(v.id);
+      if (replaces) (void)tiers[persistent]->remove(v.id);
       PutOptions o;
       o.is_prefix = v.is_prefix;
       o.origin = PutOrigin::kDemotion;
       o.src_kind = v.view.kind();
       o.cuda_stream = v.cuda_stream;
       kept_below = put_into(t + 1, v.id, v.view.data(), v.size, o).ok();
+      if (replaces && !kept_below) {
+        {
+          std::lock_guard<std::mutex> lock(kept_above_mu);
+          kept_above.insert(v.id);
+          any_kept_above.store(true, std::memory_order_release);
+        }
+        tiers[t]->unclaim(std::move(v));
+        return;
+      }
     }
-    (void)tiers[t]->remove(v.id);  // NotFound: removed meanwhile by a user
+    // NotFound: a user removed the block meanwhile (and may have stored its
+    // id again, which stays). A copy just put below is then undone: it would
+    // outlive the removal, and a later put of the id would find it there.
+    if (!tiers[t]->remove_victim(v).ok() && kept_below) (void)tiers[t + 1]->remove(v.id);
     v.view.reset();
     // Aliases go with the last copy: a victim of the last tier may still
     // be held above it (write-through, or written down by flush()).

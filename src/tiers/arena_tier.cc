@@ -263,8 +263,16 @@ Status ArenaTier::remove(const BlockId& id) {
   return index_.remove(id) ? Status::OK() : not_found();
 }
 
+Status ArenaTier::remove_victim(const Victim& victim) {
+  if (!victim.view) return remove(victim.id);
+  return index_.remove_leased(victim.view.token()) ? Status::OK() : not_found();
+}
+
+// bytes 0: room for another empty block (room_for_entry refused one), so
+// an empty block is claimed; blocks of bytes would not make that room.
 std::vector<Victim> ArenaTier::claim_victims(uint64_t bytes) {
-  std::vector<BlockIndex::Claimed> claims = index_.claim_victims(bytes);
+  std::vector<BlockIndex::Claimed> claims =
+      bytes == 0 ? index_.claim_empty(1) : index_.claim_victims(bytes);
   std::vector<Victim> out;
   out.reserve(claims.size());
   for (auto& c : claims) {

@@ -58,6 +58,7 @@ class ArenaTier : public Tier {
   bool contains(const BlockId& id) const override { return index_.contains(id); }
   Status remove(const BlockId& id) override;
   std::vector<Victim> claim_victims(uint64_t bytes) override;
+  Status remove_victim(const Victim& victim) override;
   void unclaim(Victim victim) override;
   uint64_t capacity_bytes() const override { return capacity_; }
   TierStats stats() const override;

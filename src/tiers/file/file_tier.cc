@@ -3,6 +3,8 @@
 // (compaction, holes, clear) in file_tier_space.cc. Design: file_tier.h.
 #include "tiers/file/file_tier.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -329,9 +331,12 @@ std::vector<std::pair<BlockId, BlockId>> FileTier::aliases() const {
 }
 
 uint64_t FileTier::identity() const {
-  // Keyed for any length (hash_with_secret): one value per directory key.
-  static constexpr char kWhat[] = "cascade file tier identity";
-  return xxh3::hash_with_secret(kWhat, sizeof kWhat - 1, key_.secret(), file::kKeySecretBytes) | 1;
+  // Keyed for any length (hash_with_secret): one value per directory key
+  // and directory, so a copy of the directory (same key) is another tier.
+  struct stat st {};
+  if (::stat(dir_.c_str(), &st) != 0) return 0;
+  const uint64_t what[3] = {0x636173636164652dull, uint64_t(st.st_dev), uint64_t(st.st_ino)};
+  return xxh3::hash_with_secret(what, sizeof what, key_.secret(), file::kKeySecretBytes) | 1;
 }
 
 bool FileTier::drop_alias(const BlockId& alias) {

@@ -118,10 +118,13 @@ Status LocalShare::copy_in(uint64_t offset, const void* src, uint64_t n,
 Result<Extent> LocalShare::reserve(uint64_t size) {
   if (size > capacity()) return Status::InvalidArgument("larger than the owner's share");
   Extent e{0, size};
+  if (size == 0) {
+    // Moving blocks of bytes out would make no room for another empty one.
+    CASCADE_RETURN_IF_ERROR(room_for_entry());
+    return e;
+  }
   for (int round = 0; round < 64; ++round) {
-    if (size == 0) {
-      if (room_for_entry().ok()) return e;  // else a block goes, as for bytes
-    } else if (auto off = alloc_.allocate(size)) {
+    if (auto off = alloc_.allocate(size)) {
       e.offset = *off;
       Status st = commit(*off + size);
       if (!st.ok()) {
@@ -133,7 +136,7 @@ Result<Extent> LocalShare::reserve(uint64_t size) {
     // Full: drop the least valuable unleased blocks. A peer's put cannot
     // ask this rank's store to demote them, so they leave the tier here
     // (write_through keeps a copy in the file tier of the rank that put them).
-    auto victims = index().claim_victims(std::max<uint64_t>(size, 1));
+    auto victims = index().claim_victims(size);
     if (victims.empty()) break;
     for (auto& v : victims) {
       index().remove(v.id);
