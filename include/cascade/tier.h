@@ -131,7 +131,7 @@ class BlockView {
 
 // A block the tier gave up for eviction. `view` holds a lease, so the bytes
 // stay valid while the store copies them down; then the store calls
-// Tier::remove(id). Tiers that cannot hand out views (file) leave it empty.
+// Tier::remove_victim. Tiers that cannot hand out views (file) leave it empty.
 // cuda_stream (a cudaStream_t as void*), where set, is a stream of the
 // view's GPU that copies out of it may use: the tier's own writes of the
 // block are complete, so those copies need not wait for the legacy default
@@ -231,8 +231,8 @@ class Tier {
   // holds after flush() is found again by a store opened later on it.
   virtual bool persistent() const { return false; }
   // A persistent tier: a nonzero number naming what it holds (the file
-  // tier's comes from its directory's key), the same for every store that
-  // opens it; 0 for other tiers.
+  // tier's comes from its directory's key, device and inode), the same for
+  // every store that opens it; 0 for other tiers.
   virtual uint64_t identity() const { return 0; }
   // A memory tier whose blocks outlive its store (a persistent host arena):
   // note_all_below(below) tells it, at a store's close, that the persistent

@@ -362,20 +362,21 @@ bool BlockIndex::relocate(const BlockId& id, const Location& from, const Locatio
 
 std::vector<BlockIndex::Claimed> BlockIndex::claim_empty(size_t n) {
   std::vector<Claimed> out;
-  // Shard by shard from a rotating start, each list from its oldest end: an
-  // approximation of age order, enough to make room for another empty block.
+  // Ordinary blocks before prefix blocks; within a list, shard by shard
+  // from a rotating start, each from its oldest end: an approximation of
+  // age order, enough to make room for another empty block.
   const size_t nshards = shard_mask_ + 1;
   const size_t start = static_cast<size_t>(clock_.load(std::memory_order_relaxed)) % nshards;
-  for (size_t k = 0; k < nshards && out.size() < n; ++k) {
-    const uint32_t si = static_cast<uint32_t>((start + k) % nshards);
-    Shard& s = shards_[si];
-    if (s.empty.load(std::memory_order_relaxed) == 0) continue;
-    std::unique_lock<std::shared_mutex> lock(s.mu);
-    for (int l = 0; l < 2 && out.size() < n; ++l) {
+  for (int l = 0; l < 2 && out.size() < n; ++l) {
+    for (size_t k = 0; k < nshards && out.size() < n; ++k) {
+      const uint32_t si = static_cast<uint32_t>((start + k) % nshards);
+      Shard& s = shards_[si];
+      if (s.empty.load(std::memory_order_relaxed) == 0) continue;
+      std::unique_lock<std::shared_mutex> lock(s.mu);
       int steps = 0;
       for (uint32_t e = s.tail[l]; e != kNil && out.size() < n && steps < 4096; ++steps) {
         Entry& x = s.at(e);
-        const uint32_t prev = x.prev;
+        const uint32_t prev = x.prev;  // read before an unlink clears it
         const uint32_t st = x.state.load(std::memory_order_acquire);
         if (x.get_loc().size == 0 && (st & kLeaseMask) == 0) {
           s.unlink(l, e);

@@ -101,8 +101,9 @@ class BlockIndex {
   };
   // See Tier::claim_victims.
   std::vector<Claimed> claim_victims(uint64_t bytes);
-  // Claims up to n unleased empty blocks, oldest first within each shard
-  // (shards in turn): room for another empty block in a tier at its bound.
+  // Claims up to n unleased empty blocks, ordinary before prefix ones,
+  // oldest first within each shard (shards in turn; the read bit is not
+  // looked at): room for another empty block in a tier at its bound.
   std::vector<Claimed> claim_empty(size_t n);
   // Puts a claimed entry back in the eviction order and drops its lease.
   void unclaim(const BlockId& id, uint64_t token);

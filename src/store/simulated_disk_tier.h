@@ -11,6 +11,7 @@
 // Thread-safety: one mutex per disk; every method is thread-safe.
 #pragma once
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -127,6 +128,7 @@ class SimulatedDiskTier final : public Tier {
     std::lock_guard<std::mutex> lock(disk_->mu);
     std::vector<Victim> out;
     uint64_t got = 0;
+    bytes = std::max<uint64_t>(bytes, 1);  // 0: room for an empty block
     for (const BlockId& id : order_) {
       if (got >= bytes) break;
       auto it = live_.find(id);

@@ -323,6 +323,33 @@ TEST(StoreTest, AllLeasedMeansNoSpace) {
   EXPECT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).ok());
 }
 
+TEST(StoreTest, AnEmptyBlockIntoAFullFileTierMakesRoomLikeAnyOther) {
+  // An empty block's record takes room in the file tier: when the tier is
+  // full, room is made for it by moving a block out, as for any block
+  // (room for "0 bytes" once found no victim there and failed the put).
+  auto c = host_config(128 << 10);
+  c.pipeline = "file";
+  c.file_path = (std::filesystem::temp_directory_path() /
+                 ("cascade-unit-emptyfile-" + std::to_string(getpid())))
+                    .string();
+  c.file_capacity_bytes = 4 << 20;
+  c.segment_size_bytes = 1 << 20;
+  c.io_direct = false;
+  std::filesystem::remove_all(c.file_path);
+  {
+    auto store = open(c);
+    for (int i = 0; i < 200; ++i) {
+      auto b = random_bytes(60 << 10, 300 + i);
+      ASSERT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).ok()) << i;
+    }
+    for (uint32_t i = 0; i < 2000; ++i) {
+      const Status st = store->put(compute_block_id(&i, sizeof i), nullptr, 0);
+      ASSERT_TRUE(st.ok()) << i << ": " << st.ToString();
+    }
+  }
+  std::filesystem::remove_all(c.file_path);
+}
+
 TEST(StoreTest, AllLeasedInTopTierGoesToTheTierBelow) {
   auto c = host_config(128 << 10);
   c.pipeline = "host|file";

@@ -61,6 +61,8 @@ Status write_one(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persist
     // there and skip. It goes; the new block is written down in its turn.
     // (A block no longer above at all was moved down, or removed while this
     // ran, which a removal racing a flush may be.)
+    // (Only this tier is looked at: a copy in another tier is at another
+    // address whether or not it holds other bytes.)
     auto now = tiers[t]->acquire(id);
     if (st.ok() && now.ok() && now->data() != view->data()) (void)tiers[persistent]->remove(id);
     return st;

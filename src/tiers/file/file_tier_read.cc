@@ -295,7 +295,8 @@ Status FileTier::remove(const BlockId& id) {
 
 std::vector<Victim> FileTier::claim_victims(uint64_t bytes) {
   std::vector<Victim> out;
-  for (auto& c : index_.claim_victims(bytes)) {
+  // bytes 0 (room for an empty block): a record takes room all the same.
+  for (auto& c : index_.claim_victims(std::max<uint64_t>(bytes, 1))) {
     Victim v;
     v.id = c.id;
     v.size = c.lease.loc.size;

@@ -119,7 +119,17 @@ Result<Extent> LocalShare::reserve(uint64_t size) {
   if (size > capacity()) return Status::InvalidArgument("larger than the owner's share");
   Extent e{0, size};
   if (size == 0) {
-    // Moving blocks of bytes out would make no room for another empty one.
+    // At the bound of empty blocks an empty one goes (blocks of bytes would
+    // make no room), dropped as the bytes path below drops blocks.
+    for (int round = 0; round < 4 && !room_for_entry().ok(); ++round) {
+      auto victims = index().claim_empty(1);
+      if (victims.empty()) break;
+      for (auto& v : victims) {
+        index().remove(v.id);
+        index().release(v.lease.token);
+      }
+      evicted_for_peers_.fetch_add(victims.size(), std::memory_order_relaxed);
+    }
     CASCADE_RETURN_IF_ERROR(room_for_entry());
     return e;
   }

@@ -76,6 +76,7 @@ class RemoteTier final : public Tier, private RequestHandler {
   Status remove(const BlockId& id) override;
   // Victims come from this rank's own share.
   std::vector<Victim> claim_victims(uint64_t bytes) override;
+  Status remove_victim(const Victim& victim) override;
   void unclaim(Victim victim) override;
   uint64_t capacity_bytes() const override { return share_.capacity(); }
   // The share's counters (blocks of this rank) plus this tier's (traffic

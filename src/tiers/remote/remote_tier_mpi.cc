@@ -702,6 +702,13 @@ std::vector<Victim> RemoteTier::claim_victims(uint64_t bytes) {
   return out;
 }
 
+// Victims are blocks of this rank's share: removed there, if still theirs.
+Status RemoteTier::remove_victim(const Victim& victim) {
+  auto use = fabric_->use();
+  if (!use.ok()) return RankFabric::finalized_status();
+  return share_.remove_victim(victim);
+}
+
 void RemoteTier::unclaim(Victim victim) {
   views_.fetch_sub(1, std::memory_order_relaxed);
   share_.unclaim(std::move(victim));  // takes the lease back by its token
