@@ -41,6 +41,10 @@ struct PutOptions {
   PutOrigin origin = PutOrigin::kUser;
   MemoryKind src_kind = MemoryKind::kHost;
   void* cuda_stream = nullptr;  // order device copies after this stream's work
+  // Where set, a put of the memory, file and simulated tiers sets it: true
+  // when this call stored the block, false when the id was there already.
+  // Other tiers leave it as it is.
+  bool* stored = nullptr;
 };
 
 struct ReadRequest {
@@ -205,6 +209,10 @@ class Tier {
   // still the one stored under its id: NotFound when a user removed it
   // meanwhile (and perhaps stored the id again, which stays).
   virtual Status remove_victim(const Victim& victim) { return remove(victim.id); }
+  // Whether the block `view` (a lease of this tier's) shows was removed by
+  // remove() or clear() since, rather than moved out as a victim. Tiers that
+  // cannot tell say false.
+  virtual bool removed_by_user(const BlockView& /*view*/) const { return false; }
 
   // Chooses blocks to evict, least valuable first (ordinary before prefix
   // blocks), skipping leased ones, until their sizes sum to at least `bytes`

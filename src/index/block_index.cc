@@ -16,7 +16,8 @@ static_assert(BlockIndex::kMaxLeases < kLeaseMask);
 constexpr uint32_t kEvicting = 1u << 25;    // claimed by an evictor; not in a list
 constexpr uint32_t kReferenced = 1u << 26;  // read since it was (re)queued
 constexpr uint32_t kPrefix = 1u << 27;
-constexpr uint32_t kChunkBits = 8;  // 256 entries a slab chunk
+constexpr uint32_t kRemovedByName = 1u << 28;  // removed by id or clear(), not as a victim
+constexpr uint32_t kChunkBits = 8;             // 256 entries a slab chunk
 constexpr uint32_t kChunk = 1u << kChunkBits;
 constexpr size_t kInitialSlots = 16;
 
@@ -300,8 +301,13 @@ bool BlockIndex::remove(const BlockId& id) {
   std::unique_lock<std::shared_mutex> lock(s.mu);
   long pos = s.find(id, fingerprint(h));
   if (pos < 0) return false;
-  remove_at(si, pos, &lock);
+  remove_at(si, pos, &lock, kRemovedByName);
   return true;
+}
+
+bool BlockIndex::removed_by_name(uint64_t token) const {
+  // The caller's lease keeps the entry from being recycled.
+  return (token_entry(token)->state.load(std::memory_order_acquire) & kRemovedByName) != 0;
 }
 
 bool BlockIndex::remove_leased(uint64_t token) {
@@ -313,13 +319,15 @@ bool BlockIndex::remove_leased(uint64_t token) {
   if (x->state.load(std::memory_order_acquire) & kDoomed) return false;
   long pos = s.find(x->id, fingerprint(x->id.hash64()));
   if (pos < 0 || &s.at(static_cast<uint32_t>(s.table[pos]) - 1) != x) return false;
-  remove_at(si, pos, &lock);
+  remove_at(si, pos, &lock, 0);
   return true;
 }
 
 // Takes the entry at table position pos out of shard si, whose lock *lock
-// holds; releases the lock before the reclaim callback.
-void BlockIndex::remove_at(uint32_t si, long pos, std::unique_lock<std::shared_mutex>* lock) {
+// holds; releases the lock before the reclaim callback. how: state bits
+// set with kDoomed.
+void BlockIndex::remove_at(uint32_t si, long pos, std::unique_lock<std::shared_mutex>* lock,
+                           uint32_t how) {
   Shard& s = shards_[si];
   uint32_t e = static_cast<uint32_t>(s.table[pos]) - 1;
   Entry& x = s.at(e);
@@ -332,7 +340,7 @@ void BlockIndex::remove_at(uint32_t si, long pos, std::unique_lock<std::shared_m
   if (loc.size == 0) s.empty.fetch_sub(1, std::memory_order_relaxed);
   s.bytes.fetch_sub(loc.size, std::memory_order_relaxed);
   if (unlist_) unlist_(rid, loc);  // not doomed yet: no release can reclaim it
-  uint32_t old = x.state.fetch_or(kDoomed, std::memory_order_acq_rel);
+  uint32_t old = x.state.fetch_or(kDoomed | how, std::memory_order_acq_rel);
   if ((old & kLeaseMask) != 0) return;  // the last lease reclaims
   s.free_entry(e);
   lock->unlock();
@@ -507,7 +515,7 @@ void BlockIndex::clear() {
         uint32_t e = static_cast<uint32_t>(slot) - 1;
         Entry& x = s.at(e);
         if (unlist_) unlist_(x.id, x.get_loc());
-        uint32_t old = x.state.fetch_or(kDoomed, std::memory_order_acq_rel);
+        uint32_t old = x.state.fetch_or(kDoomed | kRemovedByName, std::memory_order_acq_rel);
         if ((old & kLeaseMask) == 0) {
           freed.emplace_back(x.id, x.get_loc());
           s.free_entry(e);

@@ -89,6 +89,9 @@ class BlockIndex {
   // live entry of its id: false when it was removed meanwhile, whatever
   // was stored under its id since. The caller still releases the token.
   bool remove_leased(uint64_t token);
+  // Whether the entry `token` leases was removed by remove() or clear()
+  // (not by remove_leased, as an eviction removes its victims).
+  bool removed_by_name(uint64_t token) const;
   // Points id's entry at `to` when it is present and still at `from` (a
   // tier moved the bytes, e.g. file-tier compaction). Leases taken before
   // keep the old location; eviction order and lease state are unchanged.
@@ -124,7 +127,7 @@ class BlockIndex {
   struct Shard;
   Shard& shard_for(const BlockId& id) const;
   void reclaim_entry(uint32_t shard, Entry* entry);
-  void remove_at(uint32_t shard, long pos, std::unique_lock<std::shared_mutex>* lock);
+  void remove_at(uint32_t shard, long pos, std::unique_lock<std::shared_mutex>* lock, uint32_t how);
   std::unique_ptr<Shard[]> shards_;
   uint32_t shard_mask_;
   EvictionPolicy policy_;

@@ -35,6 +35,7 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
   auto move_out = [&](size_t k) {
     Victim& v = victims[k];
     bool kept_below = false;
+    bool stored_below = false;  // this call's put stored it there (was not there already)
     if (t + 1 < tiers.size() && v.view) {
       // A block kept across a restart whose copy in the persistent tier may
       // be older: that copy goes, and the block is written in its place.
@@ -46,6 +47,7 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
       o.origin = PutOrigin::kDemotion;
       o.src_kind = v.view.kind();
       o.cuda_stream = v.cuda_stream;
+      o.stored = &stored_below;
       kept_below = put_into(t + 1, v.id, v.view.data(), v.size, o).ok();
       if (replaces && !kept_below) {
         {
@@ -58,9 +60,10 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
       }
     }
     // NotFound: a user removed the block meanwhile (and may have stored its
-    // id again, which stays). A copy just put below is then undone: it would
-    // outlive the removal, and a later put of the id would find it there.
-    if (!tiers[t]->remove_victim(v).ok() && kept_below) (void)tiers[t + 1]->remove(v.id);
+    // id again, which stays). A copy this call stored below is then undone:
+    // it would outlive the removal, and a later put of the id would find it
+    // there. A copy that was there already (another's) is left alone.
+    if (!tiers[t]->remove_victim(v).ok() && stored_below) (void)tiers[t + 1]->remove(v.id);
     v.view.reset();
     // Aliases go with the last copy: a victim of the last tier may still
     // be held above it (write-through, or written down by flush()).
@@ -154,6 +157,8 @@ Status CascadeStore::Impl::put_impl(const BlockId& id, const void* data, uint64_
       return Status::OK();
     }
     if (contains_phys(phys)) phys = id;  // fingerprint collision: keep apart
+  } else if (stored_below_top(phys)) {
+    return Status::OK();  // immutable: stored already, in a tier below the top
   }
   size_t top = 0;
   while (top < tiers.size() && !fits(top, size)) ++top;
@@ -187,6 +192,17 @@ Status CascadeStore::Impl::put_impl(const BlockId& id, const void* data, uint64_
 Status CascadeStore::Impl::fail(Status st) {
   put_failures.fetch_add(1, std::memory_order_relaxed);
   return st;
+}
+
+// Whether a local tier below the top holds p (the top tier's own put finds
+// it there). The node pool and the remote tier are left out: asking them
+// costs a request, and their puts find what they hold themselves.
+bool CascadeStore::Impl::stored_below_top(const BlockId& p) const {
+  for (size_t t = 1; t < tiers.size(); ++t) {
+    const TierKind k = tiers[t]->kind();
+    if (k != TierKind::kPool && k != TierKind::kRemote && tiers[t]->contains(p)) return true;
+  }
+  return false;
 }
 
 bool CascadeStore::Impl::contains_phys(const BlockId& p) const {
@@ -335,8 +351,29 @@ size_t CascadeStore::Impl::put_batch_impl(std::span<const BlockId> ids,
       ptrs[i] = data[i].data;
       sizes[i] = data[i].size;
     }
-    tiers[0]->put_batch(ids, ptrs, sizes, options, *statuses);
-    put_batch_making_room(ids, ptrs, sizes, options, statuses);
+    // Immutable: an id a tier below holds already is not written on top.
+    std::vector<size_t> fresh;
+    for (size_t i = 0; i < n; ++i) {
+      if (stored_below_top(ids[i])) (*statuses)[i] = Status::OK();
+      else fresh.push_back(i);
+    }
+    if (fresh.size() == n) {
+      tiers[0]->put_batch(ids, ptrs, sizes, options, *statuses);
+      put_batch_making_room(ids, ptrs, sizes, options, statuses);
+    } else if (!fresh.empty()) {
+      std::vector<BlockId> f_ids;
+      std::vector<const void*> f_ptrs;
+      std::vector<uint64_t> f_sizes;
+      for (size_t i : fresh) {
+        f_ids.push_back(ids[i]);
+        f_ptrs.push_back(ptrs[i]);
+        f_sizes.push_back(sizes[i]);
+      }
+      std::vector<Status> f_st(fresh.size());
+      tiers[0]->put_batch(f_ids, f_ptrs, f_sizes, options, f_st);
+      put_batch_making_room(f_ids, f_ptrs, f_sizes, options, &f_st);
+      for (size_t k = 0; k < fresh.size(); ++k) (*statuses)[fresh[k]] = f_st[k];
+    }
     if (remote > 0 && remote < tiers.size()) publish_batch(ids, ptrs, sizes, options, statuses);
     for (size_t i = 0; i < n; ++i) {
       if ((*statuses)[i].ok()) {

@@ -51,7 +51,17 @@ void CascadeStore::Impl::maybe_promote(size_t t, const BlockId& phys, const void
   // The read's stream, if it had one: its copies are complete, and the
   // promotion keeps the read's order.
   o.cuda_stream = cuda_stream;
-  (void)put_into(0, phys, data, size, o);  // best effort: the read already succeeded
+  bool stored = false;
+  o.stored = &stored;
+  // Best effort: the read already succeeded.
+  if (put_into(0, phys, data, size, o).ok() && stored) undo_if_gone_below(t, phys);
+}
+
+// A promotion copied phys up from tier `from`; a user removed it meanwhile
+// (it is no longer there): the copy goes too, or it would outlive the
+// removal and make a later put of the id a no-op.
+void CascadeStore::Impl::undo_if_gone_below(size_t from, const BlockId& phys) {
+  if (!tiers[from]->contains(phys)) (void)tiers[0]->remove(phys);
 }
 
 // Reads the whole block from tier t into *buf, sized by the tier's
@@ -70,6 +80,9 @@ Status CascadeStore::Impl::read_whole(size_t t, const BlockId& phys, std::vector
     st = tiers[t]->read(phys, *rq, rr);
     if (!(st.is(Code::kInvalidArgument) && rr->block_size != buf->size())) break;
   }
+  // The id stored again meanwhile with a smaller block: it fit, and the
+  // buffer is cut to it (its tail holds nothing of the block).
+  if (st.ok() && rr->copied < buf->size()) buf->resize(rr->copied);
   return st;
 }
 
@@ -175,14 +188,22 @@ Status CascadeStore::Impl::promote(const BlockId& phys) {
       if (!view.ok()) continue;
       o.src_kind = view->kind();
       o.is_prefix = view->is_prefix();
-      return put_into(0, phys, view->data(), view->size(), o);
+      bool stored = false;
+      o.stored = &stored;
+      Status st = put_into(0, phys, view->data(), view->size(), o);
+      if (st.ok() && stored) undo_if_gone_below(t, phys);
+      return st;
     }
     std::vector<uint8_t> buf;
     ReadRequest rq;
     ReadResult rr;
     if (!read_whole(t, phys, &buf, &rq, &rr).ok()) continue;  // a miss is counted as a get's
     o.is_prefix = rr.is_prefix;
-    return put_into(0, phys, buf.data(), buf.size(), o);
+    bool stored = false;
+    o.stored = &stored;
+    Status st = put_into(0, phys, buf.data(), buf.size(), o);
+    if (st.ok() && stored) undo_if_gone_below(t, phys);
+    return st;
   }
   return Status::NotFound("block is in no tier");
 }

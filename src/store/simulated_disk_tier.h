@@ -72,6 +72,7 @@ class SimulatedDiskTier final : public Tier {
     std::lock_guard<std::mutex> lock(disk_->mu);
     if (disk_->dead) return Status::IOError("disk is gone");
     if (disk_->fail_puts.count(id)) return Status::IOError("injected write error");
+    if (o.stored) *o.stored = false;
     if (live_.count(id)) return Status::OK();
     if (disk_->capacity && size > disk_->capacity) return Status::InvalidArgument("too large");
     if (disk_->capacity && used_ + size > disk_->capacity) return Status::NoSpace("disk full");
@@ -88,6 +89,7 @@ class SimulatedDiskTier final : public Tier {
     order_.push_back(id);
     used_ += size;
     if (o.origin == PutOrigin::kDemotion) ++demotions_in_;
+    if (o.stored) *o.stored = true;
     return Status::OK();
   }
 

@@ -61,6 +61,8 @@ class CascadeStore::Impl {
   std::unordered_set<BlockId> kept_above;  // guarded by kept_above_mu
   // REQUIRES for take: the caller holds a lease on the block above.
   bool take_kept_above(const BlockId& id);
+  bool stored_below_top(const BlockId& p) const;
+  void undo_if_gone_below(size_t from, const BlockId& phys);
   bool is_kept_above(const BlockId& id);
   std::atomic<bool> any_kept_above{false};  // kept_above is not empty
   void find_kept_above();

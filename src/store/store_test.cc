@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <random>
 #include <thread>
@@ -254,6 +255,74 @@ TEST(StoreTest, RoomForAnEmptyBlockIsMadeByMovingOutAnEmptyOne) {
   for (const BlockId& id : full) left += store->contains(id);
   EXPECT_EQ(left, full.size());
   EXPECT_EQ(store->stats().tiers[0].evictions, 1u);
+}
+
+TEST(StoreTest, AGetIntoAVectorIsCutToTheBlockStoredMeanwhile) {
+  // The vector is sized from the block's size, and the id is removed and
+  // stored again with a smaller block before the read: the read fits, and
+  // the vector must be cut to it (before, it kept the first size, its tail
+  // holding nothing of the block).
+  auto store = open(host_config(8 << 20));
+  const BlockId id = numbered_ids(77000, 1)[0];
+  const auto big = random_bytes(64 << 10, 1), small = random_bytes(4096, 2);
+  ASSERT_TRUE(store->put(id, big.data(), big.size()).ok());
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    for (int i = 0; !stop.load(); ++i) {
+      (void)store->remove(id);
+      const auto& b = (i % 2) ? small : big;
+      (void)store->put(id, b.data(), b.size());
+    }
+  });
+  int hits = 0, wrong = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (wrong == 0 && hits < 5000 &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(3)) {
+    std::vector<uint8_t> out;
+    GetResult r;
+    if (!store->get(id, &out, &r).ok() || !r.found) continue;
+    ++hits;
+    if (out.size() != r.size) ++wrong;
+    else if (out != (r.size == small.size() ? small : big)) ++wrong;
+  }
+  stop = true;
+  writer.join();
+  EXPECT_GT(hits, 0);
+  EXPECT_EQ(wrong, 0);
+}
+
+TEST(StoreTest, APutOfAnIdHeldOnlyBelowWritesNothing) {
+  // Blocks are immutable: a put of an id the file tier holds (moved down
+  // from the host tier) succeeds without writing. Before, the new bytes
+  // went into the host tier over the old ones below, and which a get
+  // returned depended on where the block was.
+  auto c = host_config(256 << 10);
+  c.pipeline = "host|file";
+  c.file_path = (std::filesystem::temp_directory_path() /
+                 ("cascade-unit-immutable-" + std::to_string(getpid())))
+                    .string();
+  c.file_capacity_bytes = 64 << 20;
+  c.segment_size_bytes = 8 << 20;
+  c.io_direct = false;
+  std::filesystem::remove_all(c.file_path);
+  {
+    auto store = open(c);
+    const BlockId id = numbered_ids(78000, 1)[0];
+    const auto first = random_bytes(64 << 10, 3), other = random_bytes(64 << 10, 4);
+    ASSERT_TRUE(store->put(id, first.data(), first.size()).ok());
+    for (int i = 0; i < 8; ++i) {  // push it down to the file tier
+      auto b = random_bytes(64 << 10, 100 + i);
+      ASSERT_TRUE(store->put(compute_block_id(b.data(), b.size()), b.data(), b.size()).ok());
+    }
+    ASSERT_EQ(store->stats().tiers[1].blocks, 1u + 4u);
+    ASSERT_TRUE(store->put(id, other.data(), other.size()).ok());
+    std::vector<uint8_t> out(first.size());
+    GetResult r;
+    ASSERT_TRUE(store->get(id, out.data(), out.size(), &r).ok());
+    ASSERT_TRUE(r.found);
+    EXPECT_TRUE(out == first) << "a put over a block held below changed its bytes";
+  }
+  std::filesystem::remove_all(c.file_path);
 }
 
 TEST(StoreTest, LeasedBlockIsNeverEvicted) {

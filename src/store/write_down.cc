@@ -54,17 +54,20 @@ Status write_one(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persist
     PutOptions o;
     o.origin = PutOrigin::kDemotion;
     o.src_kind = view->kind();
+    bool stored = false;
+    o.stored = &stored;
     Status st = put(persistent, id, view->data(), view->size(), o);
-    // A user removed the block meanwhile and stored the id again in this
-    // tier (the lease kept the old bytes readable): the old copy just
-    // written would stand below the new one, and a later write-down of the
-    // id would find it there and skip. It goes; the new block is written
-    // down in its turn. A block no longer above at all was moved down, or
-    // removed while this ran (a removal racing a flush may or may not win).
-    // Other tiers are not looked at: a copy there is at another address
-    // whether or not it holds other bytes.
+    // A user removed the block meanwhile (the lease kept the old bytes
+    // readable), perhaps storing the id again in this tier: the copy this
+    // call stored would outlive the removal, and a later put or write-down
+    // of the id would find it there and skip. It goes; a new block is
+    // written down in its turn. A block moved out as a victim meanwhile
+    // went down with these bytes, and its copy stays. Other tiers are not
+    // looked at: a copy there is at another address whatever it holds.
     auto now = tiers[t]->acquire(id);
-    if (st.ok() && now.ok() && now->data() != view->data()) (void)tiers[persistent]->remove(id);
+    if (st.ok() && stored &&
+        (tiers[t]->removed_by_user(*view) || (now.ok() && now->data() != view->data())))
+      (void)tiers[persistent]->remove(id);
     return st;
   }
   return Status::OK();

@@ -50,6 +50,7 @@ Status ArenaTier::put(const BlockId& id, const void* data, uint64_t size,
                       const PutOptions& options) {
   CASCADE_RETURN_IF_ERROR(check_fits(size));
   if (size && !data) return Status::InvalidArgument("data is null");
+  if (options.stored) *options.stored = false;
   if (index_.contains(id)) return Status::OK();  // blocks are immutable
   Location loc{0, size};
   if (size == 0) CASCADE_RETURN_IF_ERROR(room_for_entry());
@@ -65,7 +66,9 @@ Status ArenaTier::put(const BlockId& id, const void* data, uint64_t size,
     }
   }
   // Another thread stored the same id first: blocks are immutable, so theirs is ours.
-  if (!publish(id, loc, options) && size) free_space(loc.offset, size);
+  const bool published = publish(id, loc, options);
+  if (!published && size) free_space(loc.offset, size);
+  if (options.stored) *options.stored = published;
   return Status::OK();
 }
 

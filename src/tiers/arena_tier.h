@@ -59,6 +59,9 @@ class ArenaTier : public Tier {
   Status remove(const BlockId& id) override;
   std::vector<Victim> claim_victims(uint64_t bytes) override;
   Status remove_victim(const Victim& victim) override;
+  bool removed_by_user(const BlockView& view) const override {
+    return view && index_.removed_by_name(view.token());
+  }
   void unclaim(Victim victim) override;
   uint64_t capacity_bytes() const override { return capacity_; }
   TierStats stats() const override;

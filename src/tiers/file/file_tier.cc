@@ -272,6 +272,7 @@ Status FileTier::append(const BlockId& id, const void* data, uint64_t size, uint
 
 Status FileTier::put(const BlockId& id, const void* data, uint64_t size,
                      const PutOptions& options) {
+  if (options.stored) *options.stored = false;
   if (index_.contains(id)) return Status::OK();
   const uint64_t rec = file::record_size(size);
   if (rec > file::kMaxSegmentBytes || (put_limit_ && rec > put_limit_))
@@ -293,6 +294,7 @@ Status FileTier::put(const BlockId& id, const void* data, uint64_t size,
                                    return inserted;
                                  }));
   if (inserted) counters_.stored(options, size);
+  if (options.stored) *options.stored = inserted;
   return Status::OK();
 }
 
