@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <thread>
 
@@ -422,12 +423,20 @@ void leave_new_bytes_above_old_ones(const CascadeConfig& c) {
   ASSERT_TRUE(WIFSIGNALED(status)) << "child exited with " << WEXITSTATUS(status);
 }
 
-std::unique_ptr<CascadeStore> open_kept(const CascadeConfig& c) {
-  auto opened = CascadeStore::Open(c);
+// file_env: where set, the file tier does its I/O through it.
+std::unique_ptr<CascadeStore> open_kept(const CascadeConfig& c, Env* file_env = nullptr) {
+  auto open = [&] {
+    if (!file_env) return CascadeStore::Open(c);
+    return StoreOpener::OpenWithTiers(
+        c, [&](TierKind k, const CascadeConfig& cc, ThreadPool* pool) {
+          return k == TierKind::kFile ? open_file_tier(cc, pool, file_env) : open_tier(k, cc, pool);
+        });
+  };
+  auto opened = open();
   // The kernel may drop a killed process's lock a moment after its exit.
   for (int i = 0; i < 1000 && opened.status().is(Code::kBusy); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    opened = CascadeStore::Open(c);
+    opened = open();
   }
   EXPECT_TRUE(opened.ok()) << opened.status().ToString();
   return opened.ok() ? std::move(opened.value()) : nullptr;
@@ -577,14 +586,18 @@ TEST(DurabilityTest, AFlushRacingEvictionsOfReattachedBlocksLosesNone) {
   }
 }
 
-TEST(DurabilityTest, AnArenaClosedCleanlyOverAnotherFileTierIsNotTakenAsAgreeing) {
-  // The arena's mark names the tier below it was written down to: a store
-  // over another directory (one shm_path, two configurations) must not take
-  // the kept blocks for ones its own tier holds with the same bytes.
+// Block 7 stored with the bytes of seed 1 over one directory and closed;
+// make_other(first, other) then makes the directory of `other` (empty, or
+// a copy), where block 7 is removed and stored again with those of seed 2,
+// and the close marks the arena as agreeing with it. A store over the
+// first directory must not take the kept block for the one its tier holds.
+void expect_kept_block_wins_over_another_directory(
+    const std::string& suffix,
+    const std::function<void(const CascadeConfig&, const CascadeConfig&)>& make_other) {
   const CascadeConfig first = kept_arena_config();
-  CascadeConfig second = first;
-  second.file_path += "-second";
-  std::filesystem::remove_all(second.file_path);
+  CascadeConfig other = first;
+  other.file_path += suffix;
+  std::filesystem::remove_all(other.file_path);
   auto v1 = bytes_of(1, kKeptSize), v2 = bytes_of(2, kKeptSize);
   {
     auto s = CascadeStore::Open(first);
@@ -592,12 +605,13 @@ TEST(DurabilityTest, AnArenaClosedCleanlyOverAnotherFileTierIsNotTakenAsAgreeing
     ASSERT_TRUE((*s)->put(kKeptId, v1.data(), v1.size()).ok());
     (*s)->close();
   }
+  make_other(first, other);
   {
-    auto s = CascadeStore::Open(second);
+    auto s = CascadeStore::Open(other);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     ASSERT_TRUE((*s)->remove(kKeptId).ok());
     ASSERT_TRUE((*s)->put(kKeptId, v2.data(), v2.size()).ok());
-    (*s)->close();  // marks the arena as agreeing with the second directory
+    (*s)->close();  // marks the arena as agreeing with the other directory
   }
   auto s = open_kept(first);
   ASSERT_TRUE(s);
@@ -605,8 +619,16 @@ TEST(DurabilityTest, AnArenaClosedCleanlyOverAnotherFileTierIsNotTakenAsAgreeing
   put_blocks(s.get(), 100, 140, kKeptSize);
   EXPECT_EQ(kept_tier_with(s.get(), 2), 1) << "moved down, the block came back with its old bytes";
   s->close();
-  std::filesystem::remove_all(second.file_path);
+  std::filesystem::remove_all(other.file_path);
   remove_kept(first);
+}
+
+TEST(DurabilityTest, AnArenaClosedCleanlyOverAnotherFileTierIsNotTakenAsAgreeing) {
+  // The arena's mark names the tier below it was written down to: a store
+  // over another directory (one shm_path, two configurations) must not take
+  // the kept blocks for ones its own tier holds with the same bytes.
+  expect_kept_block_wins_over_another_directory("-second",
+                                                [](const CascadeConfig&, const CascadeConfig&) {});
 }
 
 TEST(DurabilityTest, AReattachedBlockWhoseWriteDownFailsStaysAboveNotTheOldCopy) {
@@ -618,19 +640,8 @@ TEST(DurabilityTest, AReattachedBlockWhoseWriteDownFailsStaysAboveNotTheOldCopy)
   ASSERT_NO_FATAL_FAILURE(leave_new_bytes_above_old_ones(c));
   {
     FaultInjectingEnv env(Env::Default());
-    auto opened =
-        StoreOpener::OpenWithTiers(c, [&](TierKind k, const CascadeConfig& cc, ThreadPool* pool) {
-          return k == TierKind::kFile ? open_file_tier(cc, pool, &env) : open_tier(k, cc, pool);
-        });
-    for (int i = 0; i < 1000 && opened.status().is(Code::kBusy); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      opened =
-          StoreOpener::OpenWithTiers(c, [&](TierKind k, const CascadeConfig& cc, ThreadPool* pool) {
-            return k == TierKind::kFile ? open_file_tier(cc, pool, &env) : open_tier(k, cc, pool);
-          });
-    }
-    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-    auto& s = *opened;
+    auto s = open_kept(c, &env);
+    ASSERT_TRUE(s);
     env.fail_writes_after(0);  // a full disk
     put_blocks(s.get(), 100, 140, kKeptSize);
     EXPECT_EQ(kept_tier_with(s.get(), 2), 0);
@@ -709,32 +720,11 @@ TEST(DurabilityTest, ABlockRemovedWhileItMovesDownDoesNotComeBackBelow) {
 TEST(DurabilityTest, ACopiedFileTierDirectoryIsAnotherTier) {
   // The arena's below mark names its tier by the directory's key and the
   // directory itself: a copy (same key) is not taken for the original.
-  const CascadeConfig a = kept_arena_config();
-  CascadeConfig b = a;
-  b.file_path += "-copy";
-  std::filesystem::remove_all(b.file_path);
-  auto v1 = bytes_of(1, kKeptSize), v2 = bytes_of(2, kKeptSize);
-  {
-    auto s = CascadeStore::Open(a);
-    ASSERT_TRUE(s.ok()) << s.status().ToString();
-    ASSERT_TRUE((*s)->put(kKeptId, v1.data(), v1.size()).ok());
-    (*s)->close();
-  }
-  std::filesystem::copy(a.file_path, b.file_path, std::filesystem::copy_options::recursive);
-  {
-    auto s = CascadeStore::Open(b);
-    ASSERT_TRUE(s.ok()) << s.status().ToString();
-    ASSERT_TRUE((*s)->remove(kKeptId).ok());
-    ASSERT_TRUE((*s)->put(kKeptId, v2.data(), v2.size()).ok());
-    (*s)->close();
-  }
-  auto s = open_kept(a);
-  ASSERT_TRUE(s);
-  put_blocks(s.get(), 100, 140, kKeptSize);
-  EXPECT_EQ(kept_tier_with(s.get(), 2), 1) << "the copy was taken for the original";
-  s->close();
-  std::filesystem::remove_all(b.file_path);
-  remove_kept(a);
+  expect_kept_block_wins_over_another_directory(
+      "-copy", [](const CascadeConfig& first, const CascadeConfig& copy) {
+        std::filesystem::copy(first.file_path, copy.file_path,
+                              std::filesystem::copy_options::recursive);
+      });
 }
 
 TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {

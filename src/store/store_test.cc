@@ -30,6 +30,23 @@ CascadeConfig host_config(uint64_t capacity) {
   return c;
 }
 
+// host_config(host_capacity) with a file tier in a fresh directory of the
+// temporary folder named after tag, on buffered I/O.
+CascadeConfig with_file_tier(uint64_t host_capacity, const std::string& pipeline,
+                             const std::string& tag, uint64_t file_capacity = 64 << 20,
+                             uint64_t segment = 8 << 20) {
+  CascadeConfig c = host_config(host_capacity);
+  c.pipeline = pipeline;
+  c.file_path = (std::filesystem::temp_directory_path() /
+                 ("cascade-unit-" + tag + "-" + std::to_string(getpid())))
+                    .string();
+  c.file_capacity_bytes = file_capacity;
+  c.segment_size_bytes = segment;
+  c.io_direct = false;
+  std::filesystem::remove_all(c.file_path);
+  return c;
+}
+
 // A gpu tier on GPU 0 of gpu_capacity bytes over a host tier of host_capacity.
 CascadeConfig gpu_over_host_config(uint64_t host_capacity, uint64_t gpu_capacity) {
   CascadeConfig c = host_config(host_capacity);
@@ -296,15 +313,7 @@ TEST(StoreTest, APutOfAnIdHeldOnlyBelowWritesNothing) {
   // from the host tier) succeeds without writing. Before, the new bytes
   // went into the host tier over the old ones below, and which a get
   // returned depended on where the block was.
-  auto c = host_config(256 << 10);
-  c.pipeline = "host|file";
-  c.file_path = (std::filesystem::temp_directory_path() /
-                 ("cascade-unit-immutable-" + std::to_string(getpid())))
-                    .string();
-  c.file_capacity_bytes = 64 << 20;
-  c.segment_size_bytes = 8 << 20;
-  c.io_direct = false;
-  std::filesystem::remove_all(c.file_path);
+  auto c = with_file_tier(256 << 10, "host|file", "immutable");
   {
     auto store = open(c);
     const BlockId id = numbered_ids(78000, 1)[0];
@@ -396,15 +405,7 @@ TEST(StoreTest, AnEmptyBlockIntoAFullFileTierMakesRoomLikeAnyOther) {
   // An empty block's record takes room in the file tier: when the tier is
   // full, room is made for it by moving a block out, as for any block
   // (room for "0 bytes" once found no victim there and failed the put).
-  auto c = host_config(128 << 10);
-  c.pipeline = "file";
-  c.file_path = (std::filesystem::temp_directory_path() /
-                 ("cascade-unit-emptyfile-" + std::to_string(getpid())))
-                    .string();
-  c.file_capacity_bytes = 4 << 20;
-  c.segment_size_bytes = 1 << 20;
-  c.io_direct = false;
-  std::filesystem::remove_all(c.file_path);
+  auto c = with_file_tier(128 << 10, "file", "emptyfile", 4 << 20, 1 << 20);
   {
     auto store = open(c);
     for (int i = 0; i < 200; ++i) {
@@ -420,15 +421,7 @@ TEST(StoreTest, AnEmptyBlockIntoAFullFileTierMakesRoomLikeAnyOther) {
 }
 
 TEST(StoreTest, AllLeasedInTopTierGoesToTheTierBelow) {
-  auto c = host_config(128 << 10);
-  c.pipeline = "host|file";
-  c.file_path =
-      (std::filesystem::temp_directory_path() / ("cascade-unit-below-" + std::to_string(getpid())))
-          .string();
-  c.file_capacity_bytes = 64 << 20;
-  c.segment_size_bytes = 8 << 20;
-  c.io_direct = false;
-  std::filesystem::remove_all(c.file_path);
+  auto c = with_file_tier(128 << 10, "host|file", "below");
   {
     auto store = open(c);
     std::vector<BlockView> views;
@@ -780,16 +773,8 @@ TEST(StoreTest, AnAsyncDeviceBatchDoesNotWaitForWorkQueuedAfterIt) {
 
 TEST(StoreTest, AnAsyncDeviceBatchThatPromotesDoesNotWaitForWorkQueuedAfterIt) {
   if (gpu_count() == 0) GTEST_SKIP() << "no usable GPU";
-  auto c = host_config(64 << 20);
-  c.pipeline = "host|file";
-  c.file_path = (std::filesystem::temp_directory_path() /
-                 ("cascade-unit-promote-" + std::to_string(getpid())))
-                    .string();
-  c.file_capacity_bytes = 64 << 20;
-  c.segment_size_bytes = 8 << 20;
-  c.io_direct = false;
+  auto c = with_file_tier(64 << 20, "host|file", "promote");
   c.num_io_threads = 1;
-  std::filesystem::remove_all(c.file_path);
   const size_t block = 256 << 10, n = 8;
   std::vector<uint8_t> bytes = random_bytes(n * block, 17);
   const std::vector<BlockId> ids = numbered_ids(95000, n);

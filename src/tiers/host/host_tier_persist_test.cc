@@ -93,6 +93,21 @@ uint64_t arena_file_offset(const std::string& path) {
   return uint64_t(st.st_size) - kCapacity;
 }
 
+// Opens the tier on path after a process holding it was killed: the kernel
+// may drop the dead process's lock on the arena file a moment after
+// reporting its exit (seen on a 16-core machine), so Busy is retried for up
+// to 10 s.
+Result<std::unique_ptr<HostTier>> open_after_kill(const std::string& path, ThreadPool* pool) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto opened = HostTier::Open(persist_config(path), pool);
+  while (opened.status().is(Code::kBusy) &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    opened = HostTier::Open(persist_config(path), pool);
+  }
+  return opened;
+}
+
 void flip_byte(const std::string& path, uint64_t file_offset) {
   int fd = ::open(path.c_str(), O_RDWR);
   ASSERT_GE(fd, 0);
@@ -356,13 +371,7 @@ TEST(HostTierPersistTest, ABlockRemovedWhileLeasedStaysGoneAfterAKill) {
   ASSERT_EQ(::waitpid(child, &status, 0), child);
   ASSERT_TRUE(WIFSIGNALED(status)) << "child exited with " << WEXITSTATUS(status);
   ThreadPool pool(2);
-  auto t0 = std::chrono::steady_clock::now();
-  auto opened = HostTier::Open(persist_config(path), &pool);
-  while (opened.status().is(Code::kBusy) &&
-         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    opened = HostTier::Open(persist_config(path), &pool);
-  }
+  auto opened = open_after_kill(path, &pool);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   std::unique_ptr<HostTier> t = std::move(opened.value());
   EXPECT_FALSE(t->contains(id_of(2)));
@@ -421,15 +430,8 @@ TEST(HostTierPersistTest, SigkillAtRandomPointsLeavesOnlyCompleteVerifiedBlocks)
     ASSERT_TRUE(WIFSIGNALED(status)) << "child exited with " << WEXITSTATUS(status);
 
     ThreadPool pool(2);
-    // The kernel may drop a killed process's lock on the arena file a moment
-    // after reporting its exit (seen on a 16-core machine): retry Busy.
     auto t0 = std::chrono::steady_clock::now();
-    auto opened = HostTier::Open(persist_config(path), &pool);
-    while (opened.status().is(Code::kBusy) &&
-           std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      opened = HostTier::Open(persist_config(path), &pool);
-    }
+    auto opened = open_after_kill(path, &pool);
     const double waited =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     max_wait_ms = std::max(max_wait_ms, waited);
