@@ -368,6 +368,22 @@ bool BlockIndex::relocate(const BlockId& id, const Location& from, const Locatio
   return true;
 }
 
+// Takes entry e of list l out of the eviction order as a victim, leased
+// (state: its state as read). REQUIRES: shard si's lock held exclusively.
+BlockIndex::Claimed BlockIndex::claim_at(uint32_t si, int l, uint32_t e, uint32_t state) {
+  Shard& s = shards_[si];
+  Entry& x = s.at(e);
+  s.unlink(l, e);
+  x.state.fetch_add(1 | kEvicting, std::memory_order_acq_rel);
+  s.leased.fetch_add(1, std::memory_order_relaxed);
+  Claimed c;
+  c.id = x.id;
+  c.lease.token = make_token(si, &x);
+  c.lease.loc = x.get_loc();
+  c.lease.is_prefix = (state & kPrefix) != 0;
+  return c;
+}
+
 std::vector<BlockIndex::Claimed> BlockIndex::claim_empty(size_t n) {
   std::vector<Claimed> out;
   // Ordinary blocks before prefix blocks; within a list, shard by shard
@@ -386,17 +402,7 @@ std::vector<BlockIndex::Claimed> BlockIndex::claim_empty(size_t n) {
         Entry& x = s.at(e);
         const uint32_t prev = x.prev;  // read before an unlink clears it
         const uint32_t st = x.state.load(std::memory_order_acquire);
-        if (x.get_loc().size == 0 && (st & kLeaseMask) == 0) {
-          s.unlink(l, e);
-          x.state.fetch_add(1 | kEvicting, std::memory_order_acq_rel);
-          s.leased.fetch_add(1, std::memory_order_relaxed);
-          Claimed c;
-          c.id = x.id;
-          c.lease.token = make_token(si, &x);
-          c.lease.loc = x.get_loc();
-          c.lease.is_prefix = (st & kPrefix) != 0;
-          out.push_back(c);
-        }
+        if (x.get_loc().size == 0 && (st & kLeaseMask) == 0) out.push_back(claim_at(si, l, e, st));
         e = prev;
       }
     }
@@ -466,14 +472,7 @@ std::vector<BlockIndex::Claimed> BlockIndex::claim_victims(uint64_t bytes) {
             --budget;
             continue;
           }
-          s.unlink(l, e);
-          x.state.fetch_add(1 | kEvicting, std::memory_order_acq_rel);
-          s.leased.fetch_add(1, std::memory_order_relaxed);
-          Claimed c;
-          c.id = x.id;
-          c.lease.token = make_token(best, &x);
-          c.lease.loc = x.get_loc();
-          c.lease.is_prefix = (st & kPrefix) != 0;
+          Claimed c = claim_at(best, l, e, st);
           got += c.lease.loc.size;
           out.push_back(c);
         }

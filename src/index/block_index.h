@@ -128,6 +128,7 @@ class BlockIndex {
   Shard& shard_for(const BlockId& id) const;
   void reclaim_entry(uint32_t shard, Entry* entry);
   void remove_at(uint32_t shard, long pos, std::unique_lock<std::shared_mutex>* lock, uint32_t how);
+  Claimed claim_at(uint32_t shard, int list, uint32_t entry, uint32_t state);
   std::unique_ptr<Shard[]> shards_;
   uint32_t shard_mask_;
   EvictionPolicy policy_;

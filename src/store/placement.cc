@@ -330,6 +330,28 @@ Status CascadeStore::Impl::commit_impl(const Reservation& r, const PutOptions& o
   return Status::OK();
 }
 
+namespace {
+
+// The items `which` of a batch, for a put_batch of their own.
+struct BatchPart {
+  std::vector<BlockId> ids;
+  std::vector<const void*> ptrs;
+  std::vector<uint64_t> sizes;
+};
+
+BatchPart pick(const std::vector<size_t>& which, std::span<const BlockId> ids,
+               std::span<const void* const> ptrs, std::span<const uint64_t> sizes) {
+  BatchPart part;
+  for (size_t i : which) {
+    part.ids.push_back(ids[i]);
+    part.ptrs.push_back(ptrs[i]);
+    part.sizes.push_back(sizes[i]);
+  }
+  return part;
+}
+
+}  // namespace
+
 // Batch put. A top tier that prefers batches of the source's memory (gpu,
 // the node pool; the host tier for device memory, whose batch queues the
 // copies as batched GPU operations) takes the whole batch in one call.
@@ -361,17 +383,10 @@ size_t CascadeStore::Impl::put_batch_impl(std::span<const BlockId> ids,
       tiers[0]->put_batch(ids, ptrs, sizes, options, *statuses);
       put_batch_making_room(ids, ptrs, sizes, options, statuses);
     } else if (!fresh.empty()) {
-      std::vector<BlockId> f_ids;
-      std::vector<const void*> f_ptrs;
-      std::vector<uint64_t> f_sizes;
-      for (size_t i : fresh) {
-        f_ids.push_back(ids[i]);
-        f_ptrs.push_back(ptrs[i]);
-        f_sizes.push_back(sizes[i]);
-      }
+      const BatchPart f = pick(fresh, ids, ptrs, sizes);
       std::vector<Status> f_st(fresh.size());
-      tiers[0]->put_batch(f_ids, f_ptrs, f_sizes, options, f_st);
-      put_batch_making_room(f_ids, f_ptrs, f_sizes, options, &f_st);
+      tiers[0]->put_batch(f.ids, f.ptrs, f.sizes, options, f_st);
+      put_batch_making_room(f.ids, f.ptrs, f.sizes, options, &f_st);
       for (size_t k = 0; k < fresh.size(); ++k) (*statuses)[fresh[k]] = f_st[k];
     }
     if (remote > 0 && remote < tiers.size()) publish_batch(ids, ptrs, sizes, options, statuses);
@@ -417,16 +432,9 @@ void CascadeStore::Impl::put_batch_making_room(std::span<const BlockId> ids,
       need += sizes[i];
     }
     if (full.empty() || !make_room(0, need, (*statuses)[full.front()]).ok()) return;
-    std::vector<BlockId> sub_ids;
-    std::vector<const void*> sub_ptrs;
-    std::vector<uint64_t> sub_sizes;
-    for (size_t i : full) {
-      sub_ids.push_back(ids[i]);
-      sub_ptrs.push_back(ptrs[i]);
-      sub_sizes.push_back(sizes[i]);
-    }
+    const BatchPart part = pick(full, ids, ptrs, sizes);
     std::vector<Status> sub(full.size());
-    tiers[0]->put_batch(sub_ids, sub_ptrs, sub_sizes, options, sub);
+    tiers[0]->put_batch(part.ids, part.ptrs, part.sizes, options, sub);
     size_t placed = 0;
     for (size_t k = 0; k < full.size(); ++k) {
       (*statuses)[full[k]] = sub[k];

@@ -64,10 +64,14 @@ Status write_one(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persist
     // written down in its turn. A block moved out as a victim meanwhile
     // went down with these bytes, and its copy stays. Other tiers are not
     // looked at: a copy there is at another address whatever it holds.
-    auto now = tiers[t]->acquire(id);
-    if (st.ok() && stored &&
-        (tiers[t]->removed_by_user(*view) || (now.ok() && now->data() != view->data())))
-      (void)tiers[persistent]->remove(id);
+    if (st.ok() && stored) {
+      bool stale = tiers[t]->removed_by_user(*view);
+      if (!stale) {
+        auto now = tiers[t]->acquire(id);
+        stale = now.ok() && now->data() != view->data();
+      }
+      if (stale) (void)tiers[persistent]->remove(id);
+    }
     return st;
   }
   return Status::OK();
