@@ -71,6 +71,9 @@ Status CascadeStore::Impl::remove_impl(const BlockId& id) {
       unlinking.unlock();  // relinked meanwhile: lock its new bytes
     }
     if (u) {
+      // Its alias record below goes too: a later remove of the id finds
+      // nothing, and a block put under it later is not shadowed.
+      if (persistent < tiers.size()) (void)tiers[persistent]->remove(id);
       if (!u->second) return Status::OK();  // other ids still share the bytes
       phys = u->first;
       aliased = true;
@@ -171,7 +174,12 @@ Result<std::unique_ptr<CascadeStore>> StoreOpener::OpenWithTiers(
   // not this store deduplicates its own puts.
   size_t loaded = 0;
   if (impl->persistent < impl->tiers.size())
-    loaded = load_aliases(*impl->tiers[impl->persistent], impl->dedup.get());
+    loaded =
+        load_aliases(*impl->tiers[impl->persistent], impl->dedup.get(), [&impl](const BlockId& id) {
+          for (size_t t = 0; t < impl->persistent; ++t)
+            if (is_memory_tier(impl->tiers[t]->kind()) && impl->tiers[t]->contains(id)) return true;
+          return false;
+        });
   if (!config.dedup_enabled && loaded == 0) impl->dedup.reset();
   return std::unique_ptr<CascadeStore>(new CascadeStore(std::move(impl)));
 }

@@ -381,6 +381,33 @@ TEST(DurabilityTest, RemovedThenReputIdGetsNewestBytesAfterReopen) {
   }
 }
 
+TEST(DurabilityTest, AnIdSharingBytesRemovedAndPutAgainWithoutDedupGetsItsNewBytes) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(8 << 20);
+  c.dedup_enabled = true;
+  auto same = [](size_t) { return 1; };
+  {
+    auto s = open_on(c, disk);
+    for (size_t i = 0; i < 2; ++i) {
+      auto b = bytes_of(same(i), 4096);
+      ASSERT_TRUE(s->put(id_of(i), b.data(), b.size()).ok());
+    }
+  }
+  c.dedup_enabled = false;
+  {
+    auto s = reopen(c, disk);
+    ASSERT_TRUE(s->remove(id_of(0)).ok());
+    auto b = bytes_of(100, 4096);
+    ASSERT_TRUE(s->put(id_of(0), b.data(), b.size()).ok());
+  }
+  for (bool dedup : {false, true}) {
+    c.dedup_enabled = dedup;
+    auto r = reopen(c, disk);
+    EXPECT_EQ(count_intact(r.get(), 2, 4096, [](size_t i) { return i == 0 ? 100 : 1; }), 2u)
+        << "dedup " << dedup;
+  }
+}
+
 // A host arena kept across restarts over a file tier, 16 blocks of 64 KiB.
 CascadeConfig kept_arena_config() {
   CascadeConfig c;
@@ -725,6 +752,92 @@ TEST(DurabilityTest, ACopiedFileTierDirectoryIsAnotherTier) {
         std::filesystem::copy(first.file_path, copy.file_path,
                               std::filesystem::copy_options::recursive);
       });
+}
+
+// Ids 0 and 1 share bytes, stored under dedup and written down; a later
+// store removes id 0 (a removal the file tier does not write down) and puts
+// it again with other bytes. Every later open finds id 0's new bytes, with
+// dedup on or off, from a fresh arena (the file tier's newer block record
+// wins over the older alias record) or a kept one.
+TEST(DurabilityTest, AnAliasRemovedAndPutAgainKeepsItsNewBytesAfterReopen) {
+  const auto same = bytes_of(1, 4096), other = bytes_of(2, 4096);
+  for (bool persist : {false, true}) {
+    for (bool second_dedup : {false, true}) {
+      CascadeConfig c = kept_arena_config();
+      c.shm_persist = persist;
+      c.dedup_enabled = true;
+      {
+        auto s = open_kept(c);
+        ASSERT_TRUE(s->put(id_of(0), same.data(), same.size()).ok());
+        ASSERT_TRUE(s->put(id_of(1), same.data(), same.size()).ok());
+        EXPECT_EQ(s->stats().dedup_hits, 1u);
+      }
+      {
+        c.dedup_enabled = second_dedup;
+        auto s = open_kept(c);
+        ASSERT_TRUE(s->remove(id_of(0)).ok());
+        ASSERT_TRUE(s->put(id_of(0), other.data(), other.size()).ok());
+      }
+      for (bool dedup : {false, true}) {
+        c.dedup_enabled = dedup;
+        auto s = open_kept(c);
+        std::vector<uint8_t> out;
+        GetResult r;
+        ASSERT_TRUE(s->get(id_of(0), &out, &r).ok());
+        EXPECT_TRUE(r.found && out == other)
+            << "persist " << persist << ", dedup " << second_dedup << " then " << dedup;
+        ASSERT_TRUE(s->get(id_of(1), &out, &r).ok());
+        EXPECT_TRUE(r.found && out == same);
+      }
+      remove_kept(c);
+    }
+  }
+}
+
+// As above, with the second store killed before it wrote anything down:
+// the kept arena holds id 0's new bytes, the file tier only the old alias.
+TEST(DurabilityTest, AnAliasRemovedAndPutAgainBeforeAKillKeepsItsNewBytes) {
+  const auto same = bytes_of(1, 4096), other = bytes_of(2, 4096);
+  CascadeConfig c = kept_arena_config();
+  c.dedup_enabled = true;
+  {
+    auto s = open_kept(c);
+    ASSERT_TRUE(s->put(id_of(0), same.data(), same.size()).ok());
+    ASSERT_TRUE(s->put(id_of(1), same.data(), same.size()).ok());
+  }
+  c.dedup_enabled = false;
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto s = CascadeStore::Open(c);
+    if (!s.ok()) ::_exit(2);
+    if (!(*s)->remove(id_of(0)).ok() || !(*s)->put(id_of(0), other.data(), other.size()).ok())
+      ::_exit(3);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // sealed meanwhile
+    ::kill(::getpid(), SIGKILL);
+    ::_exit(4);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "child exited with " << WEXITSTATUS(status);
+  std::vector<uint8_t> out;
+  GetResult r;
+  {
+    auto s = open_kept(c);
+    ASSERT_TRUE(s->get(id_of(0), &out, &r).ok());
+    EXPECT_TRUE(r.found && out == other) << "the old alias shadowed the kept block";
+    ASSERT_TRUE(s->flush().ok());
+  }
+  ::unlink(c.shm_path.c_str());  // the arena lost (a reboot): the file tier alone
+  for (bool dedup : {false, true}) {
+    c.dedup_enabled = dedup;
+    auto s = open_kept(c);
+    ASSERT_TRUE(s->get(id_of(0), &out, &r).ok());
+    EXPECT_TRUE(r.found && out == other) << "dedup " << dedup;
+    ASSERT_TRUE(s->get(id_of(1), &out, &r).ok());
+    EXPECT_TRUE(r.found && out == same);
+  }
+  remove_kept(c);
 }
 
 TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {

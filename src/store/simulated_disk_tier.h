@@ -6,7 +6,9 @@
 // flush(). kill() ends the writer as a crash would: with power_loss the
 // pending writes are gone too, and every later call on the disk fails until
 // a new tier is opened on it. Removals are not written down (as in the file
-// tier). Failures can be injected per id, for aliases and for flush.
+// tier), and as there an id written as a block and as an alias is, on
+// reopen, what was written last. Failures can be injected per id, for
+// aliases and for flush.
 //
 // Thread-safety: one mutex per disk; every method is thread-safe.
 #pragma once
@@ -28,7 +30,13 @@ namespace cascade {
 struct SimulatedDisk {
   std::mutex mu;
   std::map<BlockId, std::vector<uint8_t>> durable, pending;
-  std::vector<std::pair<BlockId, BlockId>> durable_aliases, pending_aliases;  // oldest first
+  struct AliasRecord {
+    BlockId alias, target;
+    uint64_t sequence = 0;
+  };
+  std::vector<AliasRecord> durable_aliases, pending_aliases;  // oldest first
+  std::map<BlockId, uint64_t> block_sequence;                 // of each id's last block write
+  uint64_t next_sequence = 1;
   bool dead = false;
   uint64_t capacity = 0;        // 0: unbounded
   std::set<BlockId> fail_puts;  // put fails with IOError for these ids
@@ -62,7 +70,16 @@ class SimulatedDiskTier final : public Tier {
         used_ += bytes.size();
       }
     for (auto* v : {&disk_->durable_aliases, &disk_->pending_aliases})
-      for (auto& pr : *v) aliases_[pr.first] = pr.second;
+      for (auto& r : *v) {
+        auto block = live_.find(r.alias);
+        if (block != live_.end()) {
+          auto seq = disk_->block_sequence.find(r.alias);
+          if (seq != disk_->block_sequence.end() && seq->second > r.sequence) continue;
+          used_ -= block->second.size();
+          live_.erase(block);
+        }
+        aliases_[r.alias] = r.target;
+      }
   }
 
   TierKind kind() const override { return TierKind::kFile; }
@@ -85,6 +102,8 @@ class SimulatedDiskTier final : public Tier {
       if (!st.ok()) return st;
     }
     disk_->pending[id] = bytes;
+    disk_->block_sequence[id] = disk_->next_sequence++;
+    aliases_.erase(id);  // the block is newer
     live_.emplace(id, std::move(bytes));
     order_.push_back(id);
     used_ += size;
@@ -123,7 +142,8 @@ class SimulatedDiskTier final : public Tier {
 
   Status remove(const BlockId& id) override {
     std::lock_guard<std::mutex> lock(disk_->mu);
-    return erase_locked(id) ? Status::OK() : Status::NotFound("not on disk");
+    bool alias = aliases_.erase(id) != 0;
+    return erase_locked(id) || alias ? Status::OK() : Status::NotFound("not on disk");
   }
 
   std::vector<Victim> claim_victims(uint64_t bytes) override {
@@ -168,6 +188,7 @@ class SimulatedDiskTier final : public Tier {
     live_.clear();
     order_.clear();
     claimed_.clear();
+    aliases_.clear();
     used_ = 0;
   }
 
@@ -177,7 +198,7 @@ class SimulatedDiskTier final : public Tier {
     if (disk_->fail_flush) return Status::IOError("injected flush error");
     for (auto& [id, bytes] : disk_->pending) disk_->durable[id] = std::move(bytes);
     disk_->pending.clear();
-    for (auto& pr : disk_->pending_aliases) disk_->durable_aliases.push_back(pr);
+    for (auto& r : disk_->pending_aliases) disk_->durable_aliases.push_back(r);
     disk_->pending_aliases.clear();
     ++disk_->flushes;
     return Status::OK();
@@ -193,7 +214,7 @@ class SimulatedDiskTier final : public Tier {
     if (disk_->dead) return Status::IOError("disk is gone");
     if (disk_->fail_aliases) return Status::IOError("injected alias write error");
     if (!live_.count(target)) return Status::NotFound("alias target not on disk");
-    disk_->pending_aliases.emplace_back(alias, target);
+    disk_->pending_aliases.push_back({alias, target, disk_->next_sequence++});
     aliases_[alias] = target;
     return Status::OK();
   }

@@ -150,7 +150,8 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
   return st;
 }
 
-size_t load_aliases(const Tier& tier, DedupTable* table) {
+size_t load_aliases(Tier& tier, DedupTable* table,
+                    const std::function<bool(const BlockId&)>& held_above) {
   std::vector<std::pair<BlockId, BlockId>> pairs = tier.aliases();
   if (pairs.empty()) return 0;
   std::unordered_map<BlockId, uint64_t> sizes;
@@ -163,6 +164,10 @@ size_t load_aliases(const Tier& tier, DedupTable* table) {
   for (const auto& [alias, target] : pairs) {
     uint64_t size = sizes[target];
     if (size == UINT64_MAX) continue;
+    if (held_above(alias)) {
+      (void)tier.remove(alias);
+      continue;
+    }
     loaded += table->load(alias, target, size);
   }
   return loaded;

@@ -293,7 +293,10 @@ Status FileTier::put(const BlockId& id, const void* data, uint64_t size,
                                    inserted = index_.insert(id, loc, options.is_prefix);
                                    return inserted;
                                  }));
-  if (inserted) counters_.stored(options, size);
+  if (inserted) {
+    counters_.stored(options, size);
+    (void)drop_alias(id);  // an alias of the id removed before: the block is newer
+  }
   if (options.stored) *options.stored = inserted;
   return Status::OK();
 }

@@ -57,7 +57,8 @@
 // through the same lanes; aliases live in a map, alias -> target and the
 // record's location. An alias record is live (counted, kept by compaction)
 // while the alias is in the map; compaction drops aliases whose target is
-// no longer in the tier, remove(alias) and clear() drop them too.
+// no longer in the tier, remove(alias) and clear() drop them too, and so
+// does a put of a block under the alias's id.
 //
 // Reopen. The directory is locked (flock on LOCK); a second store on it gets
 // Busy. Sealed segments are loaded from their summaries; segments without
@@ -68,7 +69,9 @@
 // foreign: left alone, never indexed, counted. When an id has several
 // records (re-puts after removal, compaction copies), the one with the
 // largest (sequence, segment id, offset) wins: the newest write. Aliases
-// resolve the same way, then keep only those whose target was found.
+// resolve the same way, and an id with a block record and an alias record
+// keeps the newer of the two; then only aliases whose target was found are
+// kept.
 //
 // Index locations: Location.offset = slot << 28 | record_offset / 4096,
 // where slot = segment id mod 2^20 (a segment's slot is free when created)

@@ -318,6 +318,28 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
       }
     }
   }
+  // An id with both a block record and an alias record (removed under one
+  // kind, put again as the other): the newer record wins, as between two
+  // records of one kind.
+  for (auto it = alias_candidates.begin(); it != alias_candidates.end();) {
+    auto cur = index_.peek(it->first);
+    const RecordHeader* block = cur ? record_at(*cur) : nullptr;
+    if (!cur) {
+      ++it;
+      continue;
+    }
+    ++recovery_.duplicate_records;
+    const Ref block_ref = block
+                              ? Ref{block->sequence, by_slot[file::location_slot(cur->offset)]->id,
+                                    block->record_offset}
+                              : Ref{0, 0, 0};
+    if (it->second.ref.newer_than(block_ref)) {
+      (void)index_.remove(it->first);  // on_reclaim forgets the block's record
+      ++it;
+    } else {
+      it = alias_candidates.erase(it);
+    }
+  }
   // Aliases: the newest record of each alias, kept while its target is here.
   for (auto& [alias, c] : alias_candidates) {
     if (!index_.contains(c.target)) continue;
