@@ -840,6 +840,34 @@ TEST(DurabilityTest, AnAliasRemovedAndPutAgainBeforeAKillKeepsItsNewBytes) {
   remove_kept(c);
 }
 
+// Three tiers: a memory tier of 1 MiB over one of 128 KiB over a disk.
+// Blocks of 256 KiB fit the first and the disk, not the middle tier: the
+// first tier's victims go past the middle one to the disk, none is dropped.
+TEST(DurabilityTest, AVictimTooLargeForTheNextTierGoesFurtherDown) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(128 << 10);
+  c.pipeline = "gpu|host|file";  // the "gpu" stage is a second host tier
+  c.gpu_device_id = 0;
+  c.gpu_capacity_bytes = 1 << 20;
+  CascadeConfig top = c;
+  top.shm_path = shm_path();
+  top.shm_capacity_bytes = c.gpu_capacity_bytes;
+  auto opened = StoreOpener::OpenWithTiers(
+      c,
+      [&](TierKind k, const CascadeConfig& cfg, ThreadPool* pool) -> Result<std::unique_ptr<Tier>> {
+        if (k == TierKind::kFile) return std::unique_ptr<Tier>(new SimulatedDiskTier(disk));
+        if (k == TierKind::kGpu) return open_tier(TierKind::kHost, top, pool);
+        return open_tier(k, cfg, pool);
+      });
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  auto& s = *opened;
+  put_blocks(s.get(), 0, 12, kBlock);
+  const StoreStats st = s->stats();
+  EXPECT_EQ(st.tiers[1].blocks, 0u);
+  EXPECT_EQ(st.tiers[2].blocks, 12u - st.tiers[0].blocks);
+  EXPECT_EQ(count_intact(s.get(), 12, kBlock), 12u);
+}
+
 TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {
   auto disk = std::make_shared<SimulatedDisk>();
   disk->capacity = 8 * kBlock;

@@ -34,13 +34,16 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
   }
   auto move_out = [&](size_t k) {
     Victim& v = victims[k];
-    bool kept_below = false;
+    size_t below = SIZE_MAX;    // the tier below that holds the victim now
     bool stored_below = false;  // this call's put stored it there (was not there already)
-    if (t + 1 < tiers.size() && v.view) {
+    // The first tier below that takes it: one that is too small, or whose
+    // blocks are all in use, is passed over rather than the block dropped.
+    for (size_t b = t + 1; b < tiers.size() && v.view && below == SIZE_MAX; ++b) {
+      if (!fits(b, v.size)) continue;
       // A block kept across a restart whose copy in the persistent tier may
       // be older: that copy goes, and the block is written in its place.
       // Should the write fail, the block stays here, still marked.
-      const bool replaces = t + 1 == persistent && take_kept_above(v.id);
+      const bool replaces = b == persistent && take_kept_above(v.id);
       if (replaces) (void)tiers[persistent]->remove(v.id);
       PutOptions o;
       o.is_prefix = v.is_prefix;
@@ -48,8 +51,9 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
       o.src_kind = v.view.kind();
       o.cuda_stream = v.cuda_stream;
       o.stored = &stored_below;
-      kept_below = put_into(t + 1, v.id, v.view.data(), v.size, o).ok();
-      if (replaces && !kept_below) {
+      if (put_into(b, v.id, v.view.data(), v.size, o).ok()) {
+        below = b;
+      } else if (replaces) {
         {
           std::lock_guard<std::mutex> lock(kept_above_mu);
           kept_above.insert(v.id);
@@ -63,11 +67,11 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
     // id again, which stays). A copy this call stored below is then undone:
     // it would outlive the removal, and a later put of the id would find it
     // there. A copy that was there already (another's) is left alone.
-    if (!tiers[t]->remove_victim(v).ok() && stored_below) (void)tiers[t + 1]->remove(v.id);
+    if (!tiers[t]->remove_victim(v).ok() && stored_below) (void)tiers[below]->remove(v.id);
     v.view.reset();
     // Aliases go with the last copy: a victim of the last tier may still
     // be held above it (write-through, or written down by flush()).
-    if (!kept_below && dedup && !contains_phys(v.id)) dedup->drop(v.id);
+    if (below == SIZE_MAX && dedup && !contains_phys(v.id)) dedup->drop(v.id);
   };
   // Room for a batch moves many blocks down: on the I/O threads, as the
   // batch's own puts would have. Blocks only dropped (no tier below) go on
