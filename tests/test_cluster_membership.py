@@ -21,7 +21,8 @@ import pytest
 
 import cascade
 from cascade.cluster import ClusterError, EtcdClient, Membership, PlacementRing
-from cascade.cluster.records import members_prefix
+from cascade.cluster.membership import next_generation
+from cascade.cluster.records import generation_key, members_prefix
 from etcd_process import ETCD, SKIP_REASON, EtcdProcess
 
 pytestmark = pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)
@@ -85,6 +86,47 @@ def test_register_list_and_leave(members):
     # A clean leave revokes the lease: gone well before the 2 s TTL.
     took = wait_for(lambda: ids_of(b) == ["b"], 5, "b sees a leave")
     assert took < 1.5 and a.state()["state"] == "left"
+
+
+def test_generations_grow_past_a_clock_that_stepped_back(etcd):
+    client = EtcdClient([etcd.endpoint], timeout=2.0)
+    first = next_generation(client, "g", "n1")
+    assert abs(first - time.time_ns() // 1000) < 60 * 10**6  # the clock's, in microseconds
+    assert next_generation(client, "g", "n1") > first
+    # The last process of n1 ran on a clock an hour ahead of this one.
+    ahead = time.time_ns() // 1000 + 3600 * 10**6
+    client.put(generation_key("g", "n1"), str(ahead).encode())
+    assert next_generation(client, "g", "n1") == ahead + 1
+    assert client.get(generation_key("g", "n1")).value == str(ahead + 1).encode()
+    # Other node ids and clusters keep their own.
+    assert next_generation(client, "g", "n2") < ahead
+    assert next_generation(client, "h", "n1") < ahead
+    # A value that is not a generation counts as none.
+    for junk in (b"-5", b"12junk", b"9" * 40, b"\xff\x00"):
+        client.put(generation_key("g", "n3"), junk)
+        assert abs(next_generation(client, "g", "n3") - time.time_ns() // 1000) < 60 * 10**6
+    # Callers at once get distinct generations.
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def bump() -> None:
+        for _ in range(5):
+            g = next_generation(EtcdClient([etcd.endpoint], timeout=5.0), "g", "n1")
+            with lock:
+                got.append(g)
+
+    threads = [threading.Thread(target=bump) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 30 and len(set(got)) == 30 and min(got) > ahead + 1
+    # A service that does not answer is a ClusterError within the deadline.
+    etcd.kill()
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError):
+        next_generation(EtcdClient([etcd.endpoint], timeout=0.5), "g", "n1", timeout=0.5)
+    assert time.monotonic() - t0 < 3
 
 
 def test_killed_member_drops_out_after_its_ttl(etcd, members):

@@ -15,7 +15,8 @@ import uuid
 
 import pytest
 
-from cascade.cluster import default_node_id
+from cascade.cluster import EtcdClient, default_node_id
+from cascade.cluster.records import generation_key
 from etcd_process import ETCD, SKIP_REASON, EtcdProcess
 from test_serve import Server, cli, free_port, scrape
 
@@ -158,9 +159,15 @@ def test_killed_server_drops_out_and_its_restart_joins_again(place):
     assert m["cascade_pool_cluster_members"] == 1
     assert m["cascade_pool_cluster_view_version"] >= 2
     # The restarted server (same node id, arena kept) takes its place with a
-    # new generation: its memory is a new process's.
+    # new generation: its memory is a new process's. Also where the killed
+    # one's clock ran an hour ahead of this one's.
+    assert int(EtcdClient([place[2].endpoint]).get(generation_key("pools", "node-0")).value) == (
+        old_generation
+    )
+    ahead = old_generation + 3600 * 10**6
+    EtcdClient([place[2].endpoint]).put(generation_key("pools", "node-0"), str(ahead).encode())
     again = start(place, 0, ports[0], "node-0", run=1)
     again.wait_ready()
     until(lambda: len(records(url)) == 2, 10, "node 0 back")
-    assert records(url)["node-0"]["generation"] > old_generation
+    assert records(url)["node-0"]["generation"] == ahead + 1
     assert "joined: node-0" in place[3][1].text()

@@ -445,10 +445,22 @@ def _join_cluster(server, copts, capacity_bytes: int, etcd=None):
     and keeps the server's view of the members (and their ring) up to date.
     The server serves its node whether or not the coordination service
     answers now: a failed first registration is retried in the background."""
-    from cascade.cluster import MemberRecord, Membership
+    from cascade.cluster import ClusterError, MemberRecord, Membership
+    from cascade.cluster.membership import next_generation
 
     generation = time.time_ns() // 1000
     comm = _mpi_comm(copts)
+    if comm is None:
+        etcd = etcd if etcd is not None else _etcd_client(copts)
+        try:
+            generation = next_generation(etcd, copts.name, copts.node_id)
+        except ClusterError as e:
+            logger.warning(
+                "cluster %s: the last generation of %s could not be read (%s); using the clock's",
+                copts.name,
+                copts.node_id,
+                e,
+            )
     address = server.start_cluster(
         copts.node_id,
         generation,
@@ -498,7 +510,7 @@ def _join_cluster(server, copts, capacity_bytes: int, etcd=None):
         return members
 
     membership = Membership(
-        etcd if etcd is not None else _etcd_client(copts),
+        etcd,
         copts.name,
         copts.node_id,
         transport=address,

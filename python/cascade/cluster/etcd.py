@@ -546,6 +546,46 @@ class EtcdClient:
         # The key may have expired between the compare and the range.
         return found[0] if found else None
 
+    def get(self, key: bytes, timeout: float | None = None) -> KeyValue | None:
+        """The key ``key``; None when there is none (or etcd sent it in a
+        form this client cannot read)."""
+        items = self._items(self._post("/v3/kv/range", {"key": _b64(key)}, timeout))
+        return next((kv for kv in items if isinstance(kv, KeyValue)), None)
+
+    def increase(self, key: bytes, floor: int, timeout: float | None = None) -> int:
+        """Stores at ``key`` (no lease) the decimal integer that is the
+        larger of ``floor`` and one more than the integer there, and returns
+        it: a compare-and-swap on the key's revision, tried again when
+        another writer came between, so callers at once get distinct
+        values. A value there that is not a decimal integer counts as 0."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ClusterError(f"etcd increase of {key[:80]!r}: deadline passed")
+            kv = self.get(key, left)
+            last = 0
+            if kv is not None:
+                text = kv.value.decode("ascii", "replace")
+                last = int(text) if text.isdigit() and len(text) <= 20 else 0
+            value = max(int(floor), last + 1)
+            compare = (
+                {"target": "MOD", "key": _b64(key), "mod_revision": str(kv.mod_revision)}
+                if kv is not None
+                else {"target": "CREATE", "key": _b64(key), "create_revision": "0"}
+            )
+            body = {
+                "compare": [compare],
+                "success": [
+                    {"request_put": {"key": _b64(key), "value": _b64(str(value).encode())}}
+                ],
+            }
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ClusterError(f"etcd increase of {key[:80]!r}: deadline passed")
+            if self._post("/v3/kv/txn", body, left).get("succeeded"):
+                return value
+
     def range_prefix(
         self, prefix: bytes, timeout: float | None = None
     ) -> tuple[int, list[KeyValue | str]]:

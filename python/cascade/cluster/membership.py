@@ -44,7 +44,13 @@ from collections.abc import Callable
 from typing import Any
 
 from cascade.cluster.etcd import ClusterError, EtcdClient, KeyValue, PrefixWatch
-from cascade.cluster.records import MemberRecord, check_name, members_prefix, parse_record
+from cascade.cluster.records import (
+    MemberRecord,
+    check_name,
+    generation_key,
+    members_prefix,
+    parse_record,
+)
 from cascade.cluster.ring import DEFAULT_POINTS, PlacementRing
 
 logger = logging.getLogger("cascade.cluster")
@@ -69,6 +75,17 @@ COUNTERS = (
     "watches_made",
     "thread_errors",
 )
+
+
+def next_generation(
+    client: EtcdClient, cluster: str, node_id: str, timeout: float | None = None
+) -> int:
+    """The generation of a new process of ``node_id``: microseconds since
+    the epoch, or one more than the node id's last generation where that is
+    larger (the clock stepped back since, or two starts within one
+    microsecond); kept in the service as the node id's last. ClusterError
+    when the service does not answer."""
+    return client.increase(generation_key(cluster, node_id), time.time_ns() // 1000, timeout)
 
 
 @dataclasses.dataclass(frozen=True)

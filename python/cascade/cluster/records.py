@@ -10,8 +10,11 @@ A member's record is a JSON object stored at
   (the transport's own address format) in base64; empty until a transport
   publishes one.
 - ``generation``: chosen when the member process starts, larger than any
-  earlier process of the same node id had (microseconds since the epoch):
-  a record with a new generation is a restarted node whose memory holds
+  earlier process of the same node id had: microseconds since the epoch,
+  or one more than the last generation of the node id where that is larger
+  (a clock stepped back). The last one is kept, without a lease, at
+  ``/cascade/<cluster>/generations/<node id>`` (``generation_key``). A
+  record with a new generation is a restarted node whose memory holds
   none of its predecessor's blocks. Re-registering after an outage of the
   coordination service keeps the generation.
 
@@ -51,6 +54,14 @@ def check_name(value: Any, what: str) -> str:
 
 def members_prefix(cluster: str) -> bytes:
     return f"/cascade/{check_name(cluster, 'cluster name')}/members/".encode()
+
+
+def generation_key(cluster: str, node_id: str) -> bytes:
+    """Where the last generation of ``node_id`` is kept (no lease)."""
+    return (
+        f"/cascade/{check_name(cluster, 'cluster name')}/generations/"
+        f"{check_name(node_id, 'node id')}"
+    ).encode()
 
 
 @dataclasses.dataclass(frozen=True)
