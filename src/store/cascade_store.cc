@@ -84,6 +84,10 @@ Status CascadeStore::Impl::remove_impl(const BlockId& id) {
   }
   bool any = false;
   for (auto& t : tiers) any |= t->remove(phys).ok();
+  // A copy of the block between two tiers that started before the sweep
+  // may have landed after it: once none is in flight, sweep again.
+  copies.wait_idle(phys);
+  for (auto& t : tiers) any |= t->remove(phys).ok();
   if (!any && !aliased) return Status::NotFound("block " + id.hex() + " is not stored");
   return Status::OK();
 }
@@ -105,6 +109,7 @@ Status CascadeStore::Impl::write_down(const WriteDownOptions& o) {
   WriteDownOptions with = o;
   with.replaces_below = [this](const BlockId& id) { return take_kept_above(id); };
   with.may_replace_below = [this](const BlockId& id) { return is_kept_above(id); };
+  with.copies = &copies;
   return cascade::write_down(tiers, persistent, pool.get(), dedup.get(), put, put_alias, with);
 }
 

@@ -868,6 +868,127 @@ TEST(DurabilityTest, AVictimTooLargeForTheNextTierGoesFurtherDown) {
   EXPECT_EQ(count_intact(s.get(), 12, kBlock), 12u);
 }
 
+// A user removes a block while an eviction copies it down, and puts the id
+// again with other bytes. Held by the disk's hooks, the copy lands after
+// the removal's sweep and before the new put, where it would make the put a
+// no-op, and its undo would then leave the id stored nowhere. The remove
+// waits for the copy instead (the hooks' waits then run out): the new bytes
+// are found.
+TEST(DurabilityTest, ARemoveWaitsForACopyOfItsBlockInFlight) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  auto s = open_on(host_disk_config(2 * kBlock + (64 << 10)), disk);
+  const BlockId x = id_of(0);
+  std::atomic<bool> claimed{false}, removed{false}, landed{false}, put_again{false};
+  auto wait_for = [](std::atomic<bool>& flag) {
+    for (int i = 0; i < 300 && !flag.load(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  disk->before_put = [&](const BlockId& id) {
+    if (id != x) return;
+    claimed = true;
+    wait_for(removed);
+  };
+  disk->after_put = [&](const BlockId& id) {
+    if (id != x) return;
+    landed = true;
+    wait_for(put_again);
+  };
+  std::thread user([&] {
+    while (!claimed.load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    EXPECT_TRUE(s->remove(x).ok());
+    removed = true;
+    wait_for(landed);
+    auto b = bytes_of(100, kBlock);
+    EXPECT_TRUE(s->put(x, b.data(), b.size()).ok());
+    put_again = true;
+  });
+  put_blocks(s.get(), 0, 3, kBlock);  // x first: evicted by one of the others
+  user.join();
+  EXPECT_TRUE(claimed.load());
+  disk->before_put = nullptr;
+  disk->after_put = nullptr;
+  std::vector<uint8_t> out;
+  GetResult r;
+  ASSERT_TRUE(s->get(x, &out, &r).ok());
+  EXPECT_TRUE(r.found) << "the id was left stored nowhere";
+  EXPECT_TRUE(out == bytes_of(100, kBlock)) << "not the new bytes";
+}
+
+// Writers remove ids and put them again with new bytes, read them and
+// flush, while their puts evict each other's blocks down the tiers: a get
+// finds every id's newest bytes (the disk below holds all), never a miss,
+// never older bytes. Over host|disk, and over a second memory tier between.
+TEST(DurabilityTest, RemovesAndPutsAgainRacingEvictionsAndFlushesLoseNothing) {
+  for (bool three_tiers : {false, true}) {
+    auto disk = std::make_shared<SimulatedDisk>();
+    CascadeConfig c = host_disk_config(16 * 16384);
+    CascadeConfig top = c;
+    if (three_tiers) {
+      c.pipeline = "gpu|host|file";  // the "gpu" stage is a host tier too
+      c.gpu_device_id = 0;
+      c.gpu_capacity_bytes = 8 * 16384;
+      top.shm_path = shm_path();
+      top.shm_capacity_bytes = c.gpu_capacity_bytes;
+    }
+    auto opened =
+        StoreOpener::OpenWithTiers(c,
+                                   [&](TierKind k, const CascadeConfig& cfg,
+                                       ThreadPool* pool) -> Result<std::unique_ptr<Tier>> {
+                                     if (k == TierKind::kFile)
+                                       return std::unique_ptr<Tier>(new SimulatedDiskTier(disk));
+                                     if (k == TierKind::kGpu)
+                                       return open_tier(TierKind::kHost, top, pool);
+                                     return open_tier(k, cfg, pool);
+                                   });
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    CascadeStore* s = opened->get();
+    constexpr int kThreads = 3;
+    constexpr uint64_t kIds = 96;
+    auto size_of = [](uint64_t i, uint64_t v) { return 4096 * (1 + (i + v) % 4) + 8; };
+    auto bytes = [&](uint64_t i, uint64_t v) { return bytes_of(i * 100003 + v, size_of(i, v)); };
+    std::atomic<int> wrong{0}, lost{0};
+    std::atomic<bool> stop{false};
+    auto writer = [&](int t) {
+      std::mt19937 rng(t * 7 + three_tiers);
+      std::vector<int64_t> version(kIds, -1);  // of this thread's ids; -1: none
+      uint64_t next = 0;
+      std::vector<uint8_t> out;
+      while (!stop.load()) {
+        const uint64_t i = (rng() % (kIds / kThreads)) * kThreads + t;
+        const int op = rng() % 100;
+        if (op < 40) {
+          if (version[i] >= 0) {
+            EXPECT_TRUE(s->remove(id_of(i)).ok());
+            version[i] = -1;
+          }
+          const uint64_t v = ++next;
+          auto b = bytes(i, v);
+          ASSERT_TRUE(s->put(id_of(i), b.data(), b.size()).ok());
+          version[i] = int64_t(v);
+        } else if (op < 55) {
+          (void)s->remove(id_of(i));
+          version[i] = -1;
+        } else if (op < 97) {
+          GetResult r;
+          ASSERT_TRUE(s->get(id_of(i), &out, &r).ok());
+          if (version[i] < 0 && r.found) ++wrong;
+          if (version[i] >= 0 && !r.found) ++lost;
+          if (version[i] >= 0 && r.found && out != bytes(i, uint64_t(version[i]))) ++wrong;
+        } else {
+          EXPECT_TRUE(s->flush().ok());
+        }
+      }
+    };
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) threads.emplace_back(writer, t);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    stop = true;
+    for (auto& th : threads) th.join();
+    EXPECT_EQ(wrong.load(), 0) << "three tiers " << three_tiers;
+    EXPECT_EQ(lost.load(), 0) << "three tiers " << three_tiers;
+  }
+}
+
 TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {
   auto disk = std::make_shared<SimulatedDisk>();
   disk->capacity = 8 * kBlock;

@@ -36,9 +36,13 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
     Victim& v = victims[k];
     size_t below = SIZE_MAX;    // the tier below that holds the victim now
     bool stored_below = false;  // this call's put stored it there (was not there already)
+    // In flight from here; a user's remove that came first is seen now, and
+    // the victim then goes nowhere.
+    CopyRegistry::Guard in_flight = copies.enter(v.id);
+    const bool removed = v.view && tiers[t]->removed_by_user(v.view);
     // The first tier below that takes it: one that is too small, or whose
     // blocks are all in use, is passed over rather than the block dropped.
-    for (size_t b = t + 1; b < tiers.size() && v.view && below == SIZE_MAX; ++b) {
+    for (size_t b = t + 1; b < tiers.size() && v.view && !removed && below == SIZE_MAX; ++b) {
       if (!fits(b, v.size)) continue;
       // A block kept across a restart whose copy in the persistent tier may
       // be older: that copy goes, and the block is written in its place.

@@ -53,6 +53,9 @@ void CascadeStore::Impl::maybe_promote(size_t t, const BlockId& phys, const void
   o.cuda_stream = cuda_stream;
   bool stored = false;
   o.stored = &stored;
+  // In flight from here: a source removed since the read is not copied.
+  CopyRegistry::Guard in_flight = copies.enter(phys);
+  if (!tiers[t]->contains(phys)) return;
   // Best effort: the read already succeeded.
   if (put_into(0, phys, data, size, o).ok() && stored) undo_if_gone_below(t, phys);
 }
@@ -186,6 +189,8 @@ Status CascadeStore::Impl::promote(const BlockId& phys) {
       if (!tiers[t]->contains(phys)) continue;
       auto view = tiers[t]->acquire(phys);
       if (!view.ok()) continue;
+      CopyRegistry::Guard in_flight = copies.enter(phys);
+      if (tiers[t]->removed_by_user(*view)) return Status::NotFound("block was removed");
       o.src_kind = view->kind();
       o.is_prefix = view->is_prefix();
       bool stored = false;
@@ -198,6 +203,8 @@ Status CascadeStore::Impl::promote(const BlockId& phys) {
     ReadRequest rq;
     ReadResult rr;
     if (!read_whole(t, phys, &buf, &rq, &rr).ok()) continue;  // a miss is counted as a get's
+    CopyRegistry::Guard in_flight = copies.enter(phys);
+    if (!tiers[t]->contains(phys)) return Status::NotFound("block was removed");
     o.is_prefix = rr.is_prefix;
     bool stored = false;
     o.stored = &stored;

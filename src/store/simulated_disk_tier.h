@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -46,6 +47,8 @@ struct SimulatedDisk {
   bool fail_aliases = false;  // put_alias fails with IOError
   bool fail_flush = false;    // flush fails with IOError
   uint64_t flushes = 0;
+  // Called around each put (outside the lock), to hold a copy in flight.
+  std::function<void(const BlockId&)> before_put, after_put;
   uint64_t reads = 0;  // read() calls, hits and misses
 
   void kill(bool power_loss) {
@@ -86,6 +89,13 @@ class SimulatedDiskTier final : public Tier {
   bool persistent() const override { return true; }
 
   Status put(const BlockId& id, const void* data, uint64_t size, const PutOptions& o) override {
+    if (disk_->before_put) disk_->before_put(id);
+    Status st = put_locked(id, data, size, o);
+    if (disk_->after_put) disk_->after_put(id);
+    return st;
+  }
+
+  Status put_locked(const BlockId& id, const void* data, uint64_t size, const PutOptions& o) {
     std::lock_guard<std::mutex> lock(disk_->mu);
     if (disk_->dead) return Status::IOError("disk is gone");
     if (disk_->fail_puts.count(id)) return Status::IOError("injected write error");

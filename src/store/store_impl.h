@@ -31,6 +31,7 @@
 #include "cascade/store.h"
 #include "cascade/tier.h"
 #include "cuda/device_copy.h"
+#include "store/copy_registry.h"
 #include "store/dedup_table.h"
 #include "store/tier_factory.h"
 #include "store/write_down.h"
@@ -53,6 +54,9 @@ class CascadeStore::Impl {
   // hold the stripe of the physical id.
   std::array<std::mutex, 64> content_mu;
   std::mutex& content_lock(const BlockId& phys);
+  // Copies between tiers in flight (evictions, write-downs, promotions): a
+  // remove waits for those of its id before it returns (copy_registry.h).
+  CopyRegistry copies;
   // Blocks a memory tier kept across a restart (reattached) that a tier
   // below holds too: the copy below may be older, its removal never having
   // been written down. The first time such a block moves down, the copies

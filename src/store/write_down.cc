@@ -40,13 +40,17 @@ class Failures {
 Status write_one(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persistent,
                  const BlockId& id, const TierPut& put,
                  const std::function<bool(const BlockId&)>& replaces_below,
-                 const std::function<bool(const BlockId&)>& may_replace_below) {
+                 const std::function<bool(const BlockId&)>& may_replace_below,
+                 CopyRegistry* copies) {
   if (tiers[persistent]->contains(id) && !(may_replace_below && may_replace_below(id)))
     return Status::OK();
   for (size_t t = 0; t < persistent; ++t) {
     if (!is_memory_tier(tiers[t]->kind())) continue;
     auto view = tiers[t]->acquire(id);
     if (!view.ok()) continue;
+    // In flight from here; a user's remove that came first is seen now.
+    CopyRegistry::Guard in_flight(copies, id);
+    if (tiers[t]->removed_by_user(*view)) return Status::OK();
     if (tiers[persistent]->contains(id)) {
       if (!replaces_below || !replaces_below(id)) return Status::OK();
       (void)tiers[persistent]->remove(id);  // perhaps older than the copy above
@@ -110,7 +114,7 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
     blocks = ids.size();
     pool->parallel_for(ids.size(), [&](size_t i) {
       Status st = write_one(tiers, persistent, ids[i], put, options.replaces_below,
-                            options.may_replace_below);
+                            options.may_replace_below, options.copies);
       if (!st.ok()) block_failures.add(st);
     });
   }

@@ -21,6 +21,7 @@
 #include "cascade/block_id.h"
 #include "cascade/status.h"
 #include "cascade/tier.h"
+#include "store/copy_registry.h"
 #include "store/dedup_table.h"
 #include "util/thread_pool.h"
 
@@ -51,6 +52,8 @@ struct WriteDownOptions {
   // looks, cheaply, before any lease is taken.
   std::function<bool(const BlockId&)> replaces_below;
   std::function<bool(const BlockId&)> may_replace_below;
+  // Where set, each block's copy down is entered here while in flight.
+  CopyRegistry* copies = nullptr;
 };
 
 // Writes down (see above) into tiers[persistent], items in parallel on
