@@ -989,6 +989,52 @@ TEST(DurabilityTest, RemovesAndPutsAgainRacingEvictionsAndFlushesLoseNothing) {
   }
 }
 
+// A block reattached with newer bytes than the disk's copy (removed, put
+// again, then the store closed without writing down) is evicted: the
+// eviction removes the older copy below and writes the block in its place.
+// A flush racing it, held off by the disk's hook between the two, must not
+// return before the new bytes are below.
+TEST(DurabilityTest, AFlushRacingTheRewriteOfAReattachedBlockWaitsForIt) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(2 * kBlock + (64 << 10));
+  c.shm_persist = true;
+  c.ephemeral = true;  // the first store's close writes nothing down
+  const BlockId x = id_of(0);
+  const auto v1 = bytes_of(1, kBlock), v2 = bytes_of(2, kBlock);
+  {
+    auto s = open_on(c, disk);
+    ASSERT_TRUE(s->put(x, v1.data(), v1.size()).ok());
+    ASSERT_TRUE(s->flush().ok());
+    ASSERT_TRUE(s->remove(x).ok());  // not written down: the disk keeps v1
+    ASSERT_TRUE(s->put(x, v2.data(), v2.size()).ok());
+  }
+  c.ephemeral = false;
+  auto s = open_on(c, disk);
+  std::atomic<bool> removing{false}, flushed{false};
+  disk->before_remove = [&](const BlockId& id) {
+    if (id != x) return;
+    removing = true;
+    for (int i = 0; i < 300 && !flushed.load(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  std::vector<uint8_t> below_at_flush;
+  std::thread flusher([&] {
+    while (!removing.load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    EXPECT_TRUE(s->flush().ok());
+    {
+      std::lock_guard<std::mutex> lock(disk->mu);
+      auto it = disk->durable.find(x);
+      if (it != disk->durable.end()) below_at_flush = it->second;
+    }
+    flushed = true;
+  });
+  put_blocks(s.get(), 1, 3, kBlock);  // evicts x
+  flusher.join();
+  disk->before_remove = nullptr;
+  EXPECT_TRUE(below_at_flush == v2) << "the flush returned before the new bytes were below";
+  ::unlink(c.shm_path.c_str());
+}
+
 TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {
   auto disk = std::make_shared<SimulatedDisk>();
   disk->capacity = 8 * kBlock;

@@ -47,8 +47,9 @@ struct SimulatedDisk {
   bool fail_aliases = false;  // put_alias fails with IOError
   bool fail_flush = false;    // flush fails with IOError
   uint64_t flushes = 0;
-  // Called around each put (outside the lock), to hold a copy in flight.
-  std::function<void(const BlockId&)> before_put, after_put;
+  // Called around each put and before each remove (outside the lock), to
+  // hold a copy in flight.
+  std::function<void(const BlockId&)> before_put, after_put, before_remove;
   uint64_t reads = 0;  // read() calls, hits and misses
 
   void kill(bool power_loss) {
@@ -151,6 +152,7 @@ class SimulatedDiskTier final : public Tier {
   }
 
   Status remove(const BlockId& id) override {
+    if (disk_->before_remove) disk_->before_remove(id);
     std::lock_guard<std::mutex> lock(disk_->mu);
     bool alias = aliases_.erase(id) != 0;
     return erase_locked(id) || alias ? Status::OK() : Status::NotFound("not on disk");

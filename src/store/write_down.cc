@@ -42,8 +42,15 @@ Status write_one(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persist
                  const std::function<bool(const BlockId&)>& replaces_below,
                  const std::function<bool(const BlockId&)>& may_replace_below,
                  CopyRegistry* copies) {
-  if (tiers[persistent]->contains(id) && !(may_replace_below && may_replace_below(id)))
+  // Down already, or on its way: a block kept above whose rewrite below an
+  // eviction took on (take_kept_above) may be between the removal of the
+  // older copy and the write of its own, and the flush must not end first.
+  auto down_already = [&] {
+    if (copies) copies->wait_idle(id);
     return Status::OK();
+  };
+  if (tiers[persistent]->contains(id) && !(may_replace_below && may_replace_below(id)))
+    return down_already();
   for (size_t t = 0; t < persistent; ++t) {
     if (!is_memory_tier(tiers[t]->kind())) continue;
     auto view = tiers[t]->acquire(id);
@@ -52,7 +59,10 @@ Status write_one(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persist
     CopyRegistry::Guard in_flight(copies, id);
     if (tiers[t]->removed_by_user(*view)) return Status::OK();
     if (tiers[persistent]->contains(id)) {
-      if (!replaces_below || !replaces_below(id)) return Status::OK();
+      if (!replaces_below || !replaces_below(id)) {
+        in_flight = CopyRegistry::Guard();  // not a copy of its own: waits for the others
+        return down_already();
+      }
       (void)tiers[persistent]->remove(id);  // perhaps older than the copy above
     }
     PutOptions o;
