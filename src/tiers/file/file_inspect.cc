@@ -160,6 +160,21 @@ Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
       }
     }
   }
+  // An id with a block record and an alias record keeps the newer kind.
+  for (auto it = aliases.begin(); it != aliases.end();) {
+    auto block = blocks.find(it->first);
+    if (block == blocks.end()) {
+      ++it;
+      continue;
+    }
+    ++report.duplicate_records;
+    if (newer(it->second, block->second)) {
+      blocks.erase(block);
+      ++it;
+    } else {
+      it = aliases.erase(it);
+    }
+  }
   auto count_live = [&](const Best& b) {
     SegmentInspection& s = report.segments[b.seg_index];
     ++s.live_records;

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "cascade/env.h"
+#include "cascade/file_tier.h"
 #include "tiers/file/file_test_util.h"
 #include "tiers/file/file_tier.h"
 #include "tiers/file/segment_scan.h"
@@ -194,6 +195,12 @@ TEST(FileTierAliasTest, AnIdWrittenAsAnAliasAndAsABlockIsTheNewerOneAfterReopen)
   auto t = FileTier::Open(c, nullptr);
   ASSERT_TRUE(t.ok());
   EXPECT_EQ(alias_set(**t), (std::set<std::pair<BlockId, BlockId>>{{b, t1}}));
+  // The inspection of the directory resolves them as the tier does.
+  auto report = inspect_directory(tmp.path(), true);
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_EQ(report->aliases, (*t)->recovery_report().aliases);
+  EXPECT_EQ(report->duplicate_records, (*t)->recovery_report().duplicate_records);
+  EXPECT_EQ(report->live_records, 3u);  // t1, a's block, b's alias
   EXPECT_TRUE((*t)->contains(a));
   EXPECT_EQ(read_block(t->get(), a), bytes);
   EXPECT_FALSE((*t)->contains(b));
