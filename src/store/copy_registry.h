@@ -9,7 +9,8 @@
 // then leave the id stored nowhere. So a remove waits, after its sweep,
 // until no copy of the id is in flight, and sweeps again; a copy that
 // starts after the first sweep finds its source removed and stores
-// nothing (each copy checks that after enter()).
+// nothing (each copy checks that after enter(); a copy whose source is a
+// read checked by name enters before that read).
 //
 // Ids share counters by hash (a few thousand stripes): a remove may wait
 // for a copy of another id, never past the end of copies in flight.
@@ -37,6 +38,8 @@ class CopyRegistry {
     Guard() = default;
     Guard(CopyRegistry* r, const BlockId& id) : counter_(r ? &r->stripe(id) : nullptr) {
       if (counter_) counter_->fetch_add(1, std::memory_order_seq_cst);
+      // Before the copy looks at its source: pairs with wait_idle's fence.
+      std::atomic_thread_fence(std::memory_order_seq_cst);
     }
     Guard(Guard&& o) noexcept : counter_(o.counter_) { o.counter_ = nullptr; }
     Guard& operator=(Guard&& o) noexcept {
@@ -64,6 +67,8 @@ class CopyRegistry {
   // Returns once no copy of an id of id's stripe is in flight.
   void wait_idle(const BlockId& id) {
     std::atomic<uint32_t>& c = stripe(id);
+    // After the remove's sweep marked the blocks: pairs with Guard's fence.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
     for (int round = 0; c.load(std::memory_order_seq_cst) != 0; ++round) {
       if (round < 64) {
         std::this_thread::yield();

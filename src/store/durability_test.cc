@@ -1035,6 +1035,84 @@ TEST(DurabilityTest, AFlushRacingTheRewriteOfAReattachedBlockWaitsForIt) {
   ::unlink(c.shm_path.c_str());
 }
 
+// A block kept across a restart with newer bytes than the file tier's
+// copy, but too large for the file tier: evicted, it must not be passed over
+// (the old copy below would then be found); it stays, or the old copy goes.
+TEST(DurabilityTest, AKeptBlockTooLargeForTheFileTierNeverLeavesItsOldCopyFound) {
+  CascadeConfig c = kept_arena_config();
+  c.shm_capacity_bytes = 4 << 20;
+  c.file_capacity_bytes = 1 << 20;
+  c.segment_size_bytes = 1 << 20;
+  const size_t old_size = 64 << 10, new_size = 2 << 20;
+  const auto v1 = bytes_of(1, old_size), v2 = bytes_of(2, new_size);
+  {
+    CascadeConfig e = c;
+    e.ephemeral = true;  // the close leaves the arena unmarked, as a kill would
+    auto s = open_kept(e);
+    ASSERT_TRUE(s->put(kKeptId, v1.data(), v1.size()).ok());
+    ASSERT_TRUE(s->flush().ok());
+    ASSERT_TRUE(s->remove(kKeptId).ok());
+    ASSERT_TRUE(s->put(kKeptId, v2.data(), v2.size()).ok());
+  }
+  auto s = open_kept(c);
+  for (uint64_t i = 100; i < 103; ++i) {  // evict it
+    auto b = bytes_of(i, new_size);
+    (void)s->put(id_of(i), b.data(), b.size());
+  }
+  std::vector<uint8_t> out;
+  GetResult r;
+  ASSERT_TRUE(s->get(kKeptId, &out, &r).ok());
+  EXPECT_TRUE(!r.found || out == v2) << "the old copy below was found";
+  s.reset();
+  remove_kept(c);
+}
+
+// A read from the disk that will be promoted, held after it read the old
+// bytes while the owner removes the id, puts it again and evicts the new
+// block down to the disk: the promotion must not then copy the old bytes
+// above the new ones. Through get (maybe_promote) and acquire (promote).
+TEST(DurabilityTest, APromotionOfBytesReadBeforeARemoveDoesNotComeBack) {
+  for (bool via_acquire : {false, true}) {
+    auto disk = std::make_shared<SimulatedDisk>();
+    constexpr size_t kSize = 16384;
+    auto s = open_on(host_disk_config(2 * kSize + 4096), disk);
+    const BlockId x = id_of(0);
+    const auto v1 = bytes_of(1, kSize), v2 = bytes_of(2, kSize);
+    ASSERT_TRUE(s->put(x, v1.data(), kSize).ok());
+    put_blocks(s.get(), 1, 5, kSize);  // x goes down to the disk
+    ASSERT_EQ(s->locate_batch(std::vector<BlockId>{x})[0], 1);
+    std::atomic<bool> read{false}, put_again{false};
+    std::atomic<int> reads_of_x{0};
+    disk->after_read = [&](const BlockId& id) {
+      if (id != x || reads_of_x.fetch_add(1) != 0) return;
+      read = true;
+      for (int i = 0; i < 300 && !put_again.load(); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    };
+    std::thread reader([&] {
+      if (via_acquire) {
+        (void)s->acquire(x);
+      } else {
+        std::vector<uint8_t> out;
+        GetResult r;
+        (void)s->get(x, &out, &r);
+      }
+    });
+    while (!read.load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    ASSERT_TRUE(s->remove(x).ok());
+    ASSERT_TRUE(s->put(x, v2.data(), kSize).ok());
+    put_blocks(s.get(), 5, 9, kSize);  // the new x goes down too
+    put_again = true;
+    reader.join();
+    disk->after_read = nullptr;
+    std::vector<uint8_t> out;
+    GetResult r;
+    ASSERT_TRUE(s->get(x, &out, &r).ok());
+    EXPECT_TRUE(r.found && out == v2)
+        << (via_acquire ? "acquire" : "get") << ": the old bytes came back";
+  }
+}
+
 TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {
   auto disk = std::make_shared<SimulatedDisk>();
   disk->capacity = 8 * kBlock;

@@ -43,19 +43,21 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
     // The first tier below that takes it: one that is too small, or whose
     // blocks are all in use, is passed over rather than the block dropped.
     for (size_t b = t + 1; b < tiers.size() && v.view && !removed && below == SIZE_MAX; ++b) {
-      if (!fits(b, v.size)) continue;
       // A block kept across a restart whose copy in the persistent tier may
       // be older: that copy goes, and the block is written in its place.
-      // Should the write fail, the block stays here, still marked.
+      // Should the write fail (or the block not fit there), the block stays
+      // here, still marked: passing over that tier would leave the older
+      // copy to be found.
       const bool replaces = b == persistent && take_kept_above(v.id);
       if (replaces) (void)tiers[persistent]->remove(v.id);
+      if (!replaces && !fits(b, v.size)) continue;
       PutOptions o;
       o.is_prefix = v.is_prefix;
       o.origin = PutOrigin::kDemotion;
       o.src_kind = v.view.kind();
       o.cuda_stream = v.cuda_stream;
       o.stored = &stored_below;
-      if (put_into(b, v.id, v.view.data(), v.size, o).ok()) {
+      if (fits(b, v.size) && put_into(b, v.id, v.view.data(), v.size, o).ok()) {
         below = b;
       } else if (replaces) {
         {

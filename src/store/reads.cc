@@ -53,8 +53,8 @@ void CascadeStore::Impl::maybe_promote(size_t t, const BlockId& phys, const void
   o.cuda_stream = cuda_stream;
   bool stored = false;
   o.stored = &stored;
-  // In flight from here: a source removed since the read is not copied.
-  CopyRegistry::Guard in_flight = copies.enter(phys);
+  // The caller entered the copy before its read (CopyRegistry): a remove
+  // that came first left nothing to read, and one that comes later waits.
   if (!tiers[t]->contains(phys)) return;
   // Best effort: the read already succeeded.
   if (put_into(0, phys, data, size, o).ok() && stored) undo_if_gone_below(t, phys);
@@ -99,6 +99,9 @@ Status CascadeStore::Impl::get_impl(const BlockId& id, ReadRequest rq, GetResult
   Status out_st;
   for (size_t t = 0; t < tiers.size(); ++t) {
     ReadResult rr;
+    // A read that may be promoted is a copy in flight from before the read.
+    CopyRegistry::Guard in_flight;
+    if (t > 0 && rq.whole && config.promote_on_hit) in_flight = copies.enter(phys);
     Status st = whole ? read_whole(t, phys, whole, &rq, &rr) : tiers[t]->read(phys, rq, &rr);
     if (!settle(t, rq, st, rr, r, &out_st)) continue;
     if (out_st.ok()) {
@@ -140,6 +143,12 @@ size_t CascadeStore::Impl::get_batch_impl(std::span<const BlockId> ids,
       rqs[k].capacity = out[pending[k]].size;
       rqs[k].out_kind = out_kind;
       rqs[k].cuda_stream = cuda_stream;
+    }
+    // Reads that may be promoted are copies in flight from before the read.
+    std::vector<CopyRegistry::Guard> in_flight;
+    if (t > 0 && config.promote_on_hit) {
+      in_flight.reserve(m);
+      for (size_t k = 0; k < m; ++k) in_flight.push_back(copies.enter(pid[k]));
     }
     // A memory tier's reads go one per item over the I/O threads unless it
     // prefers batches for these destinations (device memory, where a batch
@@ -202,8 +211,8 @@ Status CascadeStore::Impl::promote(const BlockId& phys) {
     std::vector<uint8_t> buf;
     ReadRequest rq;
     ReadResult rr;
+    CopyRegistry::Guard in_flight = copies.enter(phys);       // from before the read
     if (!read_whole(t, phys, &buf, &rq, &rr).ok()) continue;  // a miss is counted as a get's
-    CopyRegistry::Guard in_flight = copies.enter(phys);
     if (!tiers[t]->contains(phys)) return Status::NotFound("block was removed");
     o.is_prefix = rr.is_prefix;
     bool stored = false;

@@ -47,9 +47,9 @@ struct SimulatedDisk {
   bool fail_aliases = false;  // put_alias fails with IOError
   bool fail_flush = false;    // flush fails with IOError
   uint64_t flushes = 0;
-  // Called around each put and before each remove (outside the lock), to
-  // hold a copy in flight.
-  std::function<void(const BlockId&)> before_put, after_put, before_remove;
+  // Called around each put, before each remove and after each read
+  // (outside the lock), to hold a copy in flight.
+  std::function<void(const BlockId&)> before_put, after_put, before_remove, after_read;
   uint64_t reads = 0;  // read() calls, hits and misses
 
   void kill(bool power_loss) {
@@ -124,6 +124,12 @@ class SimulatedDiskTier final : public Tier {
   }
 
   Status read(const BlockId& id, const ReadRequest& rq, ReadResult* rr) override {
+    Status st = read_locked(id, rq, rr);
+    if (disk_->after_read) disk_->after_read(id);
+    return st;
+  }
+
+  Status read_locked(const BlockId& id, const ReadRequest& rq, ReadResult* rr) {
     std::lock_guard<std::mutex> lock(disk_->mu);
     ++disk_->reads;
     auto it = live_.find(id);

@@ -122,6 +122,7 @@ class CascadeStore::Impl {
   BlockId physical(const BlockId& id) const;
   bool settle(size_t t, const ReadRequest& rq, const Status& st, const ReadResult& rr, GetResult* r,
               Status* out_st);
+  // REQUIRES: the caller entered phys in `copies` before it read the block.
   void maybe_promote(size_t t, const BlockId& phys, const void* data, uint64_t size, bool prefix,
                      MemoryKind kind, void* cuda_stream = nullptr);
   Status read_whole(size_t t, const BlockId& phys, std::vector<uint8_t>* buf, ReadRequest* rq,
