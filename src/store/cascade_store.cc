@@ -73,7 +73,8 @@ Status CascadeStore::Impl::remove_impl(const BlockId& id) {
     if (u) {
       // Its alias record below goes too: a later remove of the id finds
       // nothing, and a block put under it later is not shadowed.
-      if (persistent < tiers.size()) (void)tiers[persistent]->remove(id);
+      if (persistent < tiers.size() && tiers[persistent]->kind() == TierKind::kFile)
+        (void)tiers[persistent]->remove(id);
       if (!u->second) return Status::OK();  // other ids still share the bytes
       phys = u->first;
       aliased = true;
@@ -182,7 +183,7 @@ Result<std::unique_ptr<CascadeStore>> StoreOpener::OpenWithTiers(
     loaded =
         load_aliases(*impl->tiers[impl->persistent], impl->dedup.get(), [&impl](const BlockId& id) {
           for (size_t t = 0; t < impl->persistent; ++t)
-            if (is_memory_tier(impl->tiers[t]->kind()) && impl->tiers[t]->contains(id)) return true;
+            if (impl->newer_above[t] && impl->tiers[t]->contains(id)) return true;
           return false;
         });
   if (!config.dedup_enabled && loaded == 0) impl->dedup.reset();

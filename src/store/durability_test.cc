@@ -1113,6 +1113,49 @@ TEST(DurabilityTest, APromotionOfBytesReadBeforeARemoveDoesNotComeBack) {
   }
 }
 
+// A kept arena's store writes block 7 (then closes, cleanly or not), a
+// store without the arena then removes it from the directory and puts it
+// again with other bytes (as a block, or with dedup as an alias), and the
+// arena is reattached over the directory: the directory's bytes are the
+// newer, and are found.
+TEST(DurabilityTest, WhatAnotherStoreWroteBelowSinceWinsOverAReattachedArena) {
+  const auto v1 = bytes_of(1, kKeptSize), v2 = bytes_of(2, kKeptSize);
+  for (bool clean : {true, false}) {
+    for (bool dedup : {false, true}) {
+      CascadeConfig c = kept_arena_config();
+      {
+        CascadeConfig first = c;
+        first.ephemeral = !clean;  // an ephemeral close leaves the arena as a kill would
+        auto s = open_kept(first);
+        ASSERT_TRUE(s->put(kKeptId, v1.data(), v1.size()).ok());
+        ASSERT_TRUE(s->flush().ok());
+      }
+      {
+        CascadeConfig other = c;
+        other.pipeline = "file";
+        other.dedup_enabled = dedup;
+        auto s = open_kept(other);
+        ASSERT_TRUE(s->remove(kKeptId).ok());
+        ASSERT_TRUE(s->put(kKeptId, v2.data(), v2.size()).ok());
+      }
+      for (bool reader_dedup : {false, true}) {
+        CascadeConfig again = c;
+        again.dedup_enabled = reader_dedup;
+        auto s = open_kept(again);
+        std::vector<uint8_t> out;
+        GetResult r;
+        ASSERT_TRUE(s->get(kKeptId, &out, &r).ok());
+        EXPECT_TRUE(r.found && out == v2)
+            << "clean " << clean << ", dedup " << dedup << ", then " << reader_dedup;
+        put_blocks(s.get(), 100, 140, kKeptSize);  // moved down, the old bytes stay gone
+        ASSERT_TRUE(s->get(kKeptId, &out, &r).ok());
+        EXPECT_TRUE(r.found && out == v2);
+      }
+      remove_kept(c);
+    }
+  }
+}
+
 TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {
   auto disk = std::make_shared<SimulatedDisk>();
   disk->capacity = 8 * kBlock;

@@ -105,13 +105,34 @@ bool CascadeStore::Impl::is_kept_above(const BlockId& id) {
 }
 
 void CascadeStore::Impl::find_kept_above() {
+  const bool below = persistent < tiers.size();
+  const uint64_t previous = below ? tiers[persistent]->previous_identity() : 0;
+  newer_above.assign(tiers.size(), false);
   for (size_t t = 0; t + 1 < tiers.size(); ++t) {
     if (tiers[t]->stats().reattached_blocks == 0) continue;
-    if (persistent < tiers.size() && t < persistent &&
-        tiers[t]->agrees_below(tiers[persistent]->identity()))
-      continue;
+    // Closed cleanly over the tier below as it is now: the same bytes.
+    if (below && t < persistent && tiers[t]->agrees_below(previous)) continue;
     std::vector<BlockId> ids;
     tiers[t]->for_each_block([&](const BlockId& id, uint64_t) { ids.push_back(id); });
+    const Tier::Attachment last = tiers[t]->attached();
+    const bool same_tier = below && t < persistent && last.lineage != 0 &&
+                           last.lineage == tiers[persistent]->lineage();
+    if (same_tier && (previous == 0 || last.identity != previous)) {
+      // Another store opened the tier below since this tier's last store
+      // did, and this tier has not changed since: what the tier below holds
+      // is the newer. Blocks it holds, or holds aliases of, leave this tier.
+      std::unordered_set<BlockId> alias_ids;
+      for (const auto& pr : tiers[persistent]->aliases()) alias_ids.insert(pr.first);
+      for (const BlockId& id : ids)
+        if (alias_ids.count(id) || tiers[persistent]->contains(id)) (void)tiers[t]->remove(id);
+      continue;
+    }
+    // This tier's last store was the last to open the tier below (or was
+    // over another tier, and changed since it saw this one): what it kept
+    // is taken as the newer, and copies below are written over as they
+    // move down. Only in the first case is that known, and an alias below
+    // then also yields to a block kept here (load_aliases).
+    newer_above[t] = same_tier;
     std::lock_guard<std::mutex> lock(kept_above_mu);
     for (const BlockId& id : ids)
       for (size_t b = t + 1; b < tiers.size(); ++b)
@@ -121,6 +142,9 @@ void CascadeStore::Impl::find_kept_above() {
         }
     if (!kept_above.empty()) any_kept_above.store(true, std::memory_order_release);
   }
+  if (below)
+    for (size_t t = 0; t < persistent; ++t)
+      tiers[t]->note_attached({tiers[persistent]->lineage(), tiers[persistent]->identity()});
 }
 
 // Stores into tier t, evicting as needed.

@@ -47,6 +47,7 @@ struct SimulatedDisk {
   bool fail_aliases = false;  // put_alias fails with IOError
   bool fail_flush = false;    // flush fails with IOError
   uint64_t flushes = 0;
+  uint64_t opens = 0;  // tiers opened on it: each open is a new identity
   // Called around each put, before each remove and after each read
   // (outside the lock), to hold a copy in flight.
   std::function<void(const BlockId&)> before_put, after_put, before_remove, after_read;
@@ -67,6 +68,7 @@ class SimulatedDiskTier final : public Tier {
   explicit SimulatedDiskTier(std::shared_ptr<SimulatedDisk> disk) : disk_(std::move(disk)) {
     std::lock_guard<std::mutex> lock(disk_->mu);
     disk_->dead = false;  // a new writer
+    open_ = ++disk_->opens;
     for (auto* m : {&disk_->durable, &disk_->pending})
       for (auto& [id, bytes] : *m) {
         if (!live_.emplace(id, bytes).second) continue;
@@ -88,6 +90,9 @@ class SimulatedDiskTier final : public Tier {
 
   TierKind kind() const override { return TierKind::kFile; }
   bool persistent() const override { return true; }
+  uint64_t identity() const override { return identity_of(open_); }
+  uint64_t previous_identity() const override { return identity_of(open_ - 1); }
+  uint64_t lineage() const override { return identity_of(0) ^ 2; }
 
   Status put(const BlockId& id, const void* data, uint64_t size, const PutOptions& o) override {
     if (disk_->before_put) disk_->before_put(id);
@@ -258,7 +263,12 @@ class SimulatedDiskTier final : public Tier {
     return true;
   }
 
+  uint64_t identity_of(uint64_t open) const {
+    return (reinterpret_cast<uintptr_t>(disk_.get()) * 1000003 + open) | 1;
+  }
+
   std::shared_ptr<SimulatedDisk> disk_;
+  uint64_t open_ = 0;
   std::map<BlockId, std::vector<uint8_t>> live_;  // guarded by disk_->mu
   std::vector<BlockId> order_;                    // insertion order (may hold removed ids)
   std::set<BlockId> claimed_;

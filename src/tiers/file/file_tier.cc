@@ -335,12 +335,14 @@ std::vector<std::pair<BlockId, BlockId>> FileTier::aliases() const {
   return out;
 }
 
-uint64_t FileTier::identity() const {
-  // Keyed for any length (hash_with_secret): one value per directory key
-  // and directory, so a copy of the directory (same key) is another tier.
+uint64_t FileTier::identity_of(uint64_t nonce) const {
+  // Keyed for any length (hash_with_secret): one value per directory key,
+  // directory and open, so a copy of the directory (same key) is another
+  // tier, and so is the directory once another store has opened it.
+  // nonce 0: the directory across opens (lineage).
   struct stat st {};
   if (::stat(dir_.c_str(), &st) != 0) return 0;
-  const uint64_t what[3] = {0x636173636164652dull, uint64_t(st.st_dev), uint64_t(st.st_ino)};
+  const uint64_t what[4] = {0x636173636164652dull, uint64_t(st.st_dev), uint64_t(st.st_ino), nonce};
   return xxh3::hash_with_secret(what, sizeof what, key_.secret(), file::kKeySecretBytes) | 1;
 }
 

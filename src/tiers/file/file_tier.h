@@ -101,6 +101,7 @@
 #include "tiers/file/read_pacer.h"
 #include "tiers/file/record_format.h"
 #include "tiers/file/segment.h"
+#include "tiers/file/store_key.h"
 #include "tiers/tier_counters.h"
 #include "util/thread_pool.h"
 
@@ -155,7 +156,11 @@ class FileTier final : public Tier {
 
   bool persistent() const override { return true; }
   // From the directory's key: the same for every store that opens it.
-  uint64_t identity() const override;
+  uint64_t identity() const override { return nonces_.current ? identity_of(nonces_.current) : 0; }
+  uint64_t previous_identity() const override {
+    return nonces_.previous ? identity_of(nonces_.previous) : 0;
+  }
+  uint64_t lineage() const override { return identity_of(0); }
   void for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const override;
   // Writes an alias record (durable at the next flush, at once with
   // sync_writes). NotFound when target is not in the tier; InvalidArgument
@@ -265,6 +270,10 @@ class FileTier final : public Tier {
   std::unique_ptr<file::IoEngine> engine_;
   std::unique_ptr<FileLock> dir_lock_;
   file::RecordKey key_;  // set once by Open
+  // The directory's open nonces (store_key.h), set once by Open; an
+  // identity names the directory (key, device, inode) under one of them.
+  file::OpenNonces nonces_;
+  uint64_t identity_of(uint64_t nonce) const;
   BlockIndex index_;
   FileRecoveryReport recovery_;
   std::atomic<uint64_t> next_sequence_{1};

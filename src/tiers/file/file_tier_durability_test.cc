@@ -215,6 +215,45 @@ TEST(FileTierAliasTest, AnIdWrittenAsAnAliasAndAsABlockIsTheNewerOneAfterReopen)
   EXPECT_EQ(read_block(again->get(), b), bytes);
 }
 
+// Each open of a directory is a new identity, and the next open knows the
+// last one; the lineage names the directory across opens. A damaged EPOCH
+// file leaves the previous identity unknown (0).
+TEST(FileTierIdentityTest, EachOpenIsANewIdentityThatTheNextOpenKnows) {
+  TempDir tmp;
+  auto c = file_test::file_config(tmp.path());
+  uint64_t first = 0, lineage = 0;
+  {
+    auto t = FileTier::Open(c, nullptr);
+    ASSERT_TRUE(t.ok());
+    first = (*t)->identity();
+    lineage = (*t)->lineage();
+    EXPECT_NE(first, 0u);
+    EXPECT_NE(lineage, 0u);
+    EXPECT_NE(first, lineage);
+    EXPECT_EQ((*t)->previous_identity(), 0u);  // a new directory
+  }
+  uint64_t second = 0;
+  {
+    auto t = FileTier::Open(c, nullptr);
+    ASSERT_TRUE(t.ok());
+    EXPECT_EQ((*t)->previous_identity(), first);
+    EXPECT_EQ((*t)->lineage(), lineage);
+    second = (*t)->identity();
+    EXPECT_NE(second, first);
+  }
+  {  // a torn or foreign EPOCH file: unknown
+    auto f = Env::Default()->open(tmp.path() + "/EPOCH", FileOpenOptions{.write = true});
+    ASSERT_TRUE(f.ok());
+    const uint8_t junk = 0x5a;
+    ASSERT_TRUE((*f)->pwrite(&junk, 1, 3).ok());
+  }
+  auto t = FileTier::Open(c, nullptr);
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ((*t)->previous_identity(), 0u);
+  EXPECT_NE((*t)->identity(), 0u);
+  EXPECT_EQ((*t)->lineage(), lineage);
+}
+
 TEST(FileTierAliasTest, CompactionKeepsLiveAliasesAndDropsStaleOnes) {
   TempDir tmp;
   auto c = file_test::file_config(tmp.path());

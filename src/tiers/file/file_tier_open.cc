@@ -98,6 +98,7 @@ Result<std::unique_ptr<FileTier>> FileTier::Open(const CascadeConfig& config, Th
   if (!key.ok())
     return with_context(key.status(), "the file tier directory " + dir + " has no usable key");
   tier->key_ = key.value();
+  tier->nonces_ = file::advance_open_nonce(env, dir, tier->file_mode_, tier->key_);
 
   if (config.file_io_engine == FileIoEngine::kIoUring) {
     auto e = file::make_uring_engine(64);

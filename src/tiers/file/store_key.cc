@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "tiers/file/segment_scan.h"
+#include "util/xxh3.h"
 
 namespace cascade::file {
 namespace {
@@ -83,6 +84,61 @@ Result<RecordKey> load_store_key(Env* env, const std::string& dir, uint32_t file
   if (!got.ok()) return got.status();
   if (*got != sizeof(key)) return Status::Corruption(path + " is shorter than a key");
   return RecordKey(key, sizeof(key));
+}
+
+namespace {
+
+// The nonce's record: the nonce and its checksum, keyed with the
+// directory's key (a torn or foreign file does not validate).
+uint64_t nonce_checksum(uint64_t nonce, const RecordKey& key) {
+  return xxh3::hash_with_secret(&nonce, sizeof nonce, key.secret(), kKeySecretBytes);
+}
+
+}  // namespace
+
+OpenNonces advance_open_nonce(Env* env, const std::string& dir, uint32_t file_mode,
+                              const RecordKey& key) {
+  OpenNonces out;
+  const std::string path = join_path(dir, kEpochFileName);
+  {
+    FileOpenOptions o;
+    o.no_follow = true;
+    auto f = env->open(path, o);
+    uint64_t rec[2] = {0, 0};
+    if (f.ok()) {
+      auto got = (*f)->pread(rec, sizeof rec, 0);
+      if (got.ok() && *got == sizeof rec && rec[0] != 0 && rec[1] == nonce_checksum(rec[0], key))
+        out.previous = rec[0];
+    }
+  }
+  uint64_t nonce = 0;
+  while (nonce == 0)
+    if (RAND_bytes(reinterpret_cast<unsigned char*>(&nonce), sizeof nonce) != 1) break;
+  const std::string tmp = path + ".tmp";
+  (void)env->unlink(tmp);
+  Status st = nonce ? Status::OK() : Status::IOError("no random bytes for the open nonce");
+  if (st.ok()) {
+    FileOpenOptions o;
+    o.write = o.create = o.exclusive = o.no_follow = true;
+    o.mode = file_mode;
+    auto f = env->open(tmp, o);
+    st = f.status();
+    if (st.ok()) {
+      const uint64_t rec[2] = {nonce, nonce_checksum(nonce, key)};
+      st = (*f)->pwrite(rec, sizeof rec, 0);
+      if (st.ok()) st = (*f)->sync();
+    }
+  }
+  if (st.ok()) st = env->rename(tmp, path);
+  if (st.ok()) st = env->sync_dir(dir);
+  if (st.ok()) {
+    out.current = nonce;
+  } else {
+    (void)env->unlink(tmp);
+    (void)env->unlink(path);
+    (void)env->sync_dir(dir);
+  }
+  return out;
 }
 
 }  // namespace cascade::file

@@ -29,4 +29,17 @@ inline constexpr const char* kKeyFileName = "KEY";
 Result<RecordKey> load_store_key(Env* env, const std::string& dir, uint32_t file_mode, bool create,
                                  bool check_owner);
 
+// The directory's open nonce, in the file EPOCH (docs/formats.md): each
+// store that opens the directory writes a new random one. Returns the one
+// it found (0: none, or not readable with this key) and the one it wrote
+// (0: it could not write one; the file is then removed, so the next store
+// finds none either).
+struct OpenNonces {
+  uint64_t previous = 0;
+  uint64_t current = 0;
+};
+inline constexpr const char* kEpochFileName = "EPOCH";
+OpenNonces advance_open_nonce(Env* env, const std::string& dir, uint32_t file_mode,
+                              const RecordKey& key);
+
 }  // namespace cascade::file
