@@ -182,8 +182,13 @@ Result<std::unique_ptr<CascadeStore>> StoreOpener::OpenWithTiers(
   if (impl->persistent < impl->tiers.size())
     loaded =
         load_aliases(*impl->tiers[impl->persistent], impl->dedup.get(), [&impl](const BlockId& id) {
-          for (size_t t = 0; t < impl->persistent; ++t)
-            if (impl->newer_above[t] && impl->tiers[t]->contains(id)) return true;
+          // A block a reattached tier holds under an aliased id: the newer
+          // of the two stays (find_kept_above), the other goes.
+          for (size_t t = 0; t < impl->persistent; ++t) {
+            if (!impl->tiers[t]->contains(id)) continue;
+            if (impl->newer_above[t]) return true;
+            (void)impl->tiers[t]->remove(id);
+          }
           return false;
         });
   if (!config.dedup_enabled && loaded == 0) impl->dedup.reset();

@@ -114,25 +114,14 @@ void CascadeStore::Impl::find_kept_above() {
     if (below && t < persistent && tiers[t]->agrees_below(previous)) continue;
     std::vector<BlockId> ids;
     tiers[t]->for_each_block([&](const BlockId& id, uint64_t) { ids.push_back(id); });
+    // What this tier kept is taken as the newer, and copies below are
+    // written over as they move down. That is known when this tier's last
+    // store was the last to open the tier below (and an alias below then
+    // also yields to a block kept here, load_aliases); otherwise another
+    // store may have written below since, which cannot be told per block.
     const Tier::Attachment last = tiers[t]->attached();
-    const bool same_tier = below && t < persistent && last.lineage != 0 &&
-                           last.lineage == tiers[persistent]->lineage();
-    if (same_tier && (previous == 0 || last.identity != previous)) {
-      // Another store opened the tier below since this tier's last store
-      // did, and this tier has not changed since: what the tier below holds
-      // is the newer. Blocks it holds, or holds aliases of, leave this tier.
-      std::unordered_set<BlockId> alias_ids;
-      for (const auto& pr : tiers[persistent]->aliases()) alias_ids.insert(pr.first);
-      for (const BlockId& id : ids)
-        if (alias_ids.count(id) || tiers[persistent]->contains(id)) (void)tiers[t]->remove(id);
-      continue;
-    }
-    // This tier's last store was the last to open the tier below (or was
-    // over another tier, and changed since it saw this one): what it kept
-    // is taken as the newer, and copies below are written over as they
-    // move down. Only in the first case is that known, and an alias below
-    // then also yields to a block kept here (load_aliases).
-    newer_above[t] = same_tier;
+    newer_above[t] = below && t < persistent && previous != 0 && last.lineage != 0 &&
+                     last.lineage == tiers[persistent]->lineage() && last.identity == previous;
     std::lock_guard<std::mutex> lock(kept_above_mu);
     for (const BlockId& id : ids)
       for (size_t b = t + 1; b < tiers.size(); ++b)

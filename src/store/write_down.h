@@ -67,10 +67,10 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
 
 // Loads the aliases `tier` reports into `table`, each with the size of its
 // target block (pairs whose target the tier does not hold are skipped). An
-// alias whose id held_above() reports stored as a block of its own in a tier
-// above is older than that block (the alias was removed, a removal not
-// written down, and the id put again): it is not loaded, and is dropped
-// from `tier`. Returns how many were loaded.
+// alias for whose id held_above() returns true (a tier above holds a newer
+// block under the id: the alias was removed, a removal not written down,
+// and the id put again) is not loaded, and is dropped from `tier`.
+// Returns how many were loaded.
 size_t load_aliases(Tier& tier, DedupTable* table,
                     const std::function<bool(const BlockId&)>& held_above);
 
