@@ -244,11 +244,8 @@ class Tier {
   // makes a new one); 0 for other tiers. previous_identity(): the one the
   // tier had under the store that opened it before this one (0: unknown),
   // so a memory tier marked with it last saw the tier as it is now.
-  // lineage(): names the tier itself, the same across opens (the file
-  // tier's directory, by key, device and inode); 0 for other tiers.
   virtual uint64_t identity() const { return 0; }
   virtual uint64_t previous_identity() const { return 0; }
-  virtual uint64_t lineage() const { return 0; }
   // A memory tier whose blocks outlive its store (a persistent host arena):
   // note_all_below(below) tells it, at a store's close, that the persistent
   // tier of identity `below` holds every one of its blocks with the same
@@ -258,19 +255,6 @@ class Tier {
   // it false, and a block kept across it may differ from a copy below.
   virtual void note_all_below(uint64_t /*below*/) {}
   virtual bool agrees_below(uint64_t /*below*/) const { return false; }
-  // note_attached(lineage, identity) records, at a store's open, which
-  // persistent tier the store put under it, and under which open;
-  // attached() returns what the store before this one recorded ({0, 0}:
-  // nothing). A store that finds the same lineage under the same identity
-  // as the persistent tier's previous_identity() knows no other store
-  // opened that tier since: what this tier kept is the newer. The same
-  // lineage under another identity: another store wrote below since.
-  struct Attachment {
-    uint64_t lineage = 0;
-    uint64_t identity = 0;
-  };
-  virtual void note_attached(const Attachment& /*below*/) {}
-  virtual Attachment attached() const { return {}; }
 
   // Calls fn(id, size) for every block the tier holds now. A snapshot taken
   // shard by shard: blocks stored or removed meanwhile may or may not be

@@ -228,22 +228,8 @@ LockOutcome take_lock(int fd, dev_t dev, ino_t ino, int* err) {
 
 }  // namespace
 
-// The marks' places: the header page, after the header.
+// The mark's place: the header page, after the header.
 constexpr off_t kBelowMarkOffset = sizeof(ArenaHeader);
-constexpr off_t kAttachedMarkOffset = kBelowMarkOffset + 8;
-
-void ShmArena::set_attached_mark(uint64_t lineage, uint64_t identity) {
-  if (fd_ < 0 || !persistent()) return;
-  const uint64_t v[2] = {lineage, identity};
-  (void)!::pwrite(fd_, v, sizeof v, kAttachedMarkOffset);
-}
-
-std::pair<uint64_t, uint64_t> ShmArena::attached_mark() const {
-  if (fd_ < 0 || !persistent()) return {0, 0};
-  uint64_t v[2] = {0, 0};
-  if (::pread(fd_, v, sizeof v, kAttachedMarkOffset) != ssize_t(sizeof v)) return {0, 0};
-  return {v[0], v[1]};
-}
 
 void ShmArena::set_below_mark(uint64_t below) {
   if (fd_ < 0 || !persistent() || below == 0) return;

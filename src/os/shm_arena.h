@@ -102,10 +102,6 @@ class ShmArena {
   // reattaches the arena, so any other end leaves it unset.
   void set_below_mark(uint64_t below);
   uint64_t take_below_mark();
-  // The lineage and identity of the persistent tier the arena's last store
-  // opened it over (docs/formats.md): written at each open, read by the next.
-  void set_attached_mark(uint64_t lineage, uint64_t identity);
-  std::pair<uint64_t, uint64_t> attached_mark() const;
 
   // The block table of a persistent arena: table_slots() slots of
   // kSlotBytes (zero on a new arena), and the random key of its checksums,

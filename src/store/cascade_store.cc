@@ -182,13 +182,10 @@ Result<std::unique_ptr<CascadeStore>> StoreOpener::OpenWithTiers(
   if (impl->persistent < impl->tiers.size())
     loaded =
         load_aliases(*impl->tiers[impl->persistent], impl->dedup.get(), [&impl](const BlockId& id) {
-          // A block a reattached tier holds under an aliased id: the newer
-          // of the two stays (find_kept_above), the other goes.
-          for (size_t t = 0; t < impl->persistent; ++t) {
-            if (!impl->tiers[t]->contains(id)) continue;
-            if (impl->newer_above[t]) return true;
-            (void)impl->tiers[t]->remove(id);
-          }
+          // A block a reattached tier kept under an aliased id is taken as
+          // the newer (find_kept_above): the alias goes.
+          for (size_t t = 0; t < impl->persistent; ++t)
+            if (impl->kept_tier[t] && impl->tiers[t]->contains(id)) return true;
           return false;
         });
   if (!config.dedup_enabled && loaded == 0) impl->dedup.reset();

@@ -107,21 +107,17 @@ bool CascadeStore::Impl::is_kept_above(const BlockId& id) {
 void CascadeStore::Impl::find_kept_above() {
   const bool below = persistent < tiers.size();
   const uint64_t previous = below ? tiers[persistent]->previous_identity() : 0;
-  newer_above.assign(tiers.size(), false);
+  kept_tier.assign(tiers.size(), false);
   for (size_t t = 0; t + 1 < tiers.size(); ++t) {
     if (tiers[t]->stats().reattached_blocks == 0) continue;
     // Closed cleanly over the tier below as it is now: the same bytes.
     if (below && t < persistent && tiers[t]->agrees_below(previous)) continue;
     std::vector<BlockId> ids;
     tiers[t]->for_each_block([&](const BlockId& id, uint64_t) { ids.push_back(id); });
-    // What this tier kept is taken as the newer, and copies below are
-    // written over as they move down. That is known when this tier's last
-    // store was the last to open the tier below (and an alias below then
-    // also yields to a block kept here, load_aliases); otherwise another
-    // store may have written below since, which cannot be told per block.
-    const Tier::Attachment last = tiers[t]->attached();
-    newer_above[t] = below && t < persistent && previous != 0 && last.lineage != 0 &&
-                     last.lineage == tiers[persistent]->lineage() && last.identity == previous;
+    // What this tier kept is taken as the newer (docs/design.md), and
+    // copies below are written over as they move down; an alias below
+    // yields to a block kept here under its id (load_aliases).
+    kept_tier[t] = true;
     std::lock_guard<std::mutex> lock(kept_above_mu);
     for (const BlockId& id : ids)
       for (size_t b = t + 1; b < tiers.size(); ++b)
@@ -131,9 +127,6 @@ void CascadeStore::Impl::find_kept_above() {
         }
     if (!kept_above.empty()) any_kept_above.store(true, std::memory_order_release);
   }
-  if (below)
-    for (size_t t = 0; t < persistent; ++t)
-      tiers[t]->note_attached({tiers[persistent]->lineage(), tiers[persistent]->identity()});
 }
 
 // Stores into tier t, evicting as needed.

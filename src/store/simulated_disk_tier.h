@@ -92,7 +92,6 @@ class SimulatedDiskTier final : public Tier {
   bool persistent() const override { return true; }
   uint64_t identity() const override { return identity_of(open_); }
   uint64_t previous_identity() const override { return identity_of(open_ - 1); }
-  uint64_t lineage() const override { return identity_of(0) ^ 2; }
 
   Status put(const BlockId& id, const void* data, uint64_t size, const PutOptions& o) override {
     if (disk_->before_put) disk_->before_put(id);

@@ -70,12 +70,11 @@ class CascadeStore::Impl {
   bool is_kept_above(const BlockId& id);
   std::atomic<bool> any_kept_above{false};  // kept_above is not empty
   // At open: sorts what reattached memory tiers kept against the tiers
-  // below (docs/design.md, "Durability contract"), and marks the memory
-  // tiers as attached over the persistent tier.
+  // below (docs/design.md, "Durability contract").
   void find_kept_above();
-  // Per tier, set by find_kept_above: a reattached tier whose blocks are
-  // newer than what the persistent tier holds of the same ids.
-  std::vector<bool> newer_above;
+  // Per tier, set by find_kept_above: a reattached tier that does not
+  // agree with the persistent tier, whose blocks are taken as the newer.
+  std::vector<bool> kept_tier;
   size_t remote = SIZE_MAX;      // index of the remote tier (distributed stores), or SIZE_MAX
   size_t persistent = SIZE_MAX;  // index of the first persistent tier, or SIZE_MAX
 

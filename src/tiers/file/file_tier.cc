@@ -339,7 +339,6 @@ uint64_t FileTier::identity_of(uint64_t nonce) const {
   // Keyed for any length (hash_with_secret): one value per directory key,
   // directory and open, so a copy of the directory (same key) is another
   // tier, and so is the directory once another store has opened it.
-  // nonce 0: the directory across opens (lineage).
   struct stat st {};
   if (::stat(dir_.c_str(), &st) != 0) return 0;
   const uint64_t what[4] = {0x636173636164652dull, uint64_t(st.st_dev), uint64_t(st.st_ino), nonce};

@@ -160,7 +160,6 @@ class FileTier final : public Tier {
   uint64_t previous_identity() const override {
     return nonces_.previous ? identity_of(nonces_.previous) : 0;
   }
-  uint64_t lineage() const override { return identity_of(0); }
   void for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const override;
   // Writes an alias record (durable at the next flush, at once with
   // sync_writes). NotFound when target is not in the tier; InvalidArgument

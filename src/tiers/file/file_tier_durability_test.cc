@@ -216,20 +216,16 @@ TEST(FileTierAliasTest, AnIdWrittenAsAnAliasAndAsABlockIsTheNewerOneAfterReopen)
 }
 
 // Each open of a directory is a new identity, and the next open knows the
-// last one; the lineage names the directory across opens. A damaged EPOCH
-// file leaves the previous identity unknown (0).
+// last one. A damaged EPOCH file leaves the previous identity unknown (0).
 TEST(FileTierIdentityTest, EachOpenIsANewIdentityThatTheNextOpenKnows) {
   TempDir tmp;
   auto c = file_test::file_config(tmp.path());
-  uint64_t first = 0, lineage = 0;
+  uint64_t first = 0;
   {
     auto t = FileTier::Open(c, nullptr);
     ASSERT_TRUE(t.ok());
     first = (*t)->identity();
-    lineage = (*t)->lineage();
     EXPECT_NE(first, 0u);
-    EXPECT_NE(lineage, 0u);
-    EXPECT_NE(first, lineage);
     EXPECT_EQ((*t)->previous_identity(), 0u);  // a new directory
   }
   uint64_t second = 0;
@@ -237,7 +233,6 @@ TEST(FileTierIdentityTest, EachOpenIsANewIdentityThatTheNextOpenKnows) {
     auto t = FileTier::Open(c, nullptr);
     ASSERT_TRUE(t.ok());
     EXPECT_EQ((*t)->previous_identity(), first);
-    EXPECT_EQ((*t)->lineage(), lineage);
     second = (*t)->identity();
     EXPECT_NE(second, first);
   }
@@ -251,7 +246,6 @@ TEST(FileTierIdentityTest, EachOpenIsANewIdentityThatTheNextOpenKnows) {
   ASSERT_TRUE(t.ok());
   EXPECT_EQ((*t)->previous_identity(), 0u);
   EXPECT_NE((*t)->identity(), 0u);
-  EXPECT_EQ((*t)->lineage(), lineage);
 }
 
 TEST(FileTierAliasTest, CompactionKeepsLiveAliasesAndDropsStaleOnes) {

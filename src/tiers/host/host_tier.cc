@@ -30,8 +30,6 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const CascadeConfig& config, Th
   if (tier->table_) {
     if (tier->arena_->reattached()) {
       tier->below_mark_ = tier->arena_->take_below_mark();
-      auto [lineage, identity] = tier->arena_->attached_mark();
-      tier->attached_mark_ = Attachment{lineage, identity};
       tier->reattach();
     }
     tier->start_sealer();

@@ -58,8 +58,6 @@ class HostTier final : public HostArenaTier {
 
   void note_all_below(uint64_t below) override;
   bool agrees_below(uint64_t below) const override { return below != 0 && below_mark_ == below; }
-  void note_attached(const Attachment& below) override;
-  Attachment attached() const override { return attached_mark_; }
 
  private:
   HostTier(const CascadeConfig& config, std::unique_ptr<ShmArena> arena, ThreadPool* pool);
@@ -70,8 +68,7 @@ class HostTier final : public HostArenaTier {
   void on_publish(const BlockId& id, const Location& loc, bool is_prefix) override;
   void on_unpublish(const BlockId& id, const Location& loc) override;
 
-  uint64_t below_mark_ = 0;   // the arena's mark, taken at open
-  Attachment attached_mark_;  // the arena's attached mark, read at open
+  uint64_t below_mark_ = 0;  // the arena's mark, taken at open
 
   // Persistence (host_tier_persist.cc).
   void reattach();

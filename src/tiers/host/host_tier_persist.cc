@@ -33,10 +33,6 @@ void HostTier::note_all_below(uint64_t below) {
   if (table_) arena_->set_below_mark(below);
 }
 
-void HostTier::note_attached(const Attachment& below) {
-  if (table_) arena_->set_attached_mark(below.lineage, below.identity);
-}
-
 void HostTier::start_sealer() {
   sealer_ = std::thread([this] { seal_loop(); });
 }
