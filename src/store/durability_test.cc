@@ -1168,6 +1168,39 @@ TEST(DurabilityTest, AKeptBlockWinsOverAnOlderAliasAfterAnotherStoreOpenedTheDir
   }
 }
 
+// Write-through: a put of block 0 has written the host tier and is held
+// before the disk while another thread removes the id and puts it again
+// with other bytes. The remove waits for the first put, and its second
+// sweep takes the first put's disk copy: the new bytes are found, not the
+// first put's copy below (which would make the second put a no-op).
+TEST(DurabilityTest, ARemoveWaitsForAWriteThroughPutInFlight) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(8 << 20);
+  c.write_policy = WritePolicy::kWriteThrough;
+  auto s = open_on(c, disk);
+  const BlockId x = id_of(0);
+  const auto v1 = bytes_of(1, 4096), v2 = bytes_of(2, 4096);
+  std::atomic<int> puts_of_x{0};
+  std::atomic<bool> held{false}, removed{false};
+  disk->before_put = [&](const BlockId& id) {
+    if (id != x || puts_of_x.fetch_add(1) != 0) return;
+    held = true;
+    for (int i = 0; i < 300 && !removed.load(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  std::thread first([&] { EXPECT_TRUE(s->put(x, v1.data(), v1.size()).ok()); });
+  while (!held.load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  ASSERT_TRUE(s->remove(x).ok());
+  removed = true;
+  first.join();
+  ASSERT_TRUE(s->put(x, v2.data(), v2.size()).ok());
+  disk->before_put = nullptr;
+  std::vector<uint8_t> out;
+  GetResult r;
+  ASSERT_TRUE(s->get(x, &out, &r).ok());
+  EXPECT_TRUE(r.found && out == v2) << "the first put's copy below outlived the remove";
+}
+
 TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {
   auto disk = std::make_shared<SimulatedDisk>();
   disk->capacity = 8 * kBlock;

@@ -176,6 +176,13 @@ Status CascadeStore::Impl::put_impl(const BlockId& id, const void* data, uint64_
   } else if (stored_below_top(phys)) {
     return Status::OK();  // immutable: stored already, in a tier below the top
   }
+  // A put that writes more than one tier is in flight like a copy between
+  // tiers: a remove meanwhile waits for it, and its second sweep takes
+  // every copy the put wrote (else one written after the first sweep would
+  // stay, and make a put of the id again a no-op).
+  CopyRegistry::Guard in_flight;
+  if (config.write_policy == WritePolicy::kWriteThrough || remote < tiers.size())
+    in_flight = copies.enter(phys);
   size_t top = 0;
   while (top < tiers.size() && !fits(top, size)) ++top;
   if (top == tiers.size())
@@ -334,8 +341,9 @@ Status CascadeStore::Impl::commit_impl(const Reservation& r, const PutOptions& o
   o.is_prefix = r.is_prefix;
   Status st = tiers[0]->commit_reserved(r, o);
   if (st.ok() && config.write_policy == WritePolicy::kWriteThrough && tiers.size() > 1) {
+    CopyRegistry::Guard in_flight = copies.enter(r.id);  // as put_impl's
     auto view = tiers[0]->acquire(r.id);
-    if (view.ok()) {
+    if (view.ok() && !tiers[0]->removed_by_user(*view)) {
       o.src_kind = view->kind();
       for (size_t t = 1; t < tiers.size() && st.ok(); ++t)
         st = put_into(t, r.id, view->data(), view->size(), o);
