@@ -19,6 +19,10 @@ ETCD = shutil.which("etcd")
 SKIP_REASON = "etcd is not installed (Debian: apt-get install etcd-server; `make test` does)"
 
 
+class _PortTaken(Exception):
+    """etcd exited because a port it was given is in use."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -48,6 +52,23 @@ class EtcdProcess:
         self.log_path = os.path.join(os.path.dirname(data_dir), "etcd.log")
 
     def start(self, timeout: float = 15.0) -> None:
+        """Starts etcd and waits until it is healthy. Its first start takes
+        other free ports when one of those chosen was taken meanwhile (by any
+        process's bind or outgoing connection); a restart keeps its
+        endpoint, trying again while the port is still held."""
+        first = self.proc is None
+        for _ in range(20):
+            try:
+                return self._start_once(timeout)
+            except _PortTaken:
+                if first:
+                    self.port, self.peer_port = free_port(), free_port()
+                    self.endpoint = f"{self.endpoint.split('://')[0]}://127.0.0.1:{self.port}"
+                else:
+                    time.sleep(0.25)
+        raise AssertionError(f"etcd could not bind its ports: {self.log()}")
+
+    def _start_once(self, timeout: float) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
@@ -69,7 +90,10 @@ class EtcdProcess:
         log.close()
         deadline = time.monotonic() + timeout
         while True:
-            assert self.proc.poll() is None, f"etcd exited: {self.log()}"
+            if self.proc.poll() is not None:
+                if "address already in use" in self.log()[-600:]:
+                    raise _PortTaken()
+                raise AssertionError(f"etcd exited: {self.log()}")
             try:
                 with urllib.request.urlopen(
                     self.endpoint + "/health", timeout=1, context=self.context

@@ -88,6 +88,20 @@ def test_register_list_and_leave(members):
     assert took < 1.5 and a.state()["state"] == "left"
 
 
+def test_an_etcd_whose_port_was_taken_meanwhile_starts_on_others(tmp_path):
+    server = EtcdProcess(str(tmp_path / "data"))
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", server.port))  # another process got it first
+    taken.listen()
+    try:
+        server.start()
+        assert server.port != taken.getsockname()[1]
+        assert EtcdClient([server.endpoint], timeout=2.0).grant(5) > 0
+    finally:
+        server.kill()
+        taken.close()
+
+
 def test_generations_grow_past_a_clock_that_stepped_back(etcd):
     client = EtcdClient([etcd.endpoint], timeout=2.0)
     first = next_generation(client, "g", "n1")
