@@ -428,26 +428,37 @@ CascadeConfig kept_arena_config() {
 constexpr size_t kKeptSize = 64 << 10;
 const BlockId kKeptId = id_of(7);
 
-// In a child killed at the end: block 7 flushed with the bytes of seed 1,
-// removed (a removal the file tier does not write down), put again with
-// those of seed 2 and sealed in the arena. The arena then holds the new
-// bytes, the file tier the old ones.
-void leave_new_bytes_above_old_ones(const CascadeConfig& c) {
+// In a child: opens a store on c, runs work on it, waits sealed_ms (the
+// arena's sealer seals what work stored meanwhile) and kills itself with
+// SIGKILL. The child exits instead (and the test fails) when the open or
+// work fails.
+void run_then_kill(const CascadeConfig& c, const std::function<bool(CascadeStore*)>& work,
+                   int sealed_ms = 300) {
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
     auto s = CascadeStore::Open(c);
     if (!s.ok()) ::_exit(2);
-    auto v1 = bytes_of(1, kKeptSize), v2 = bytes_of(2, kKeptSize);
-    if (!(*s)->put(kKeptId, v1.data(), v1.size()).ok() || !(*s)->flush().ok()) ::_exit(3);
-    if (!(*s)->remove(kKeptId).ok() || !(*s)->put(kKeptId, v2.data(), v2.size()).ok()) ::_exit(4);
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // sealed meanwhile
+    if (!work(s->get())) ::_exit(3);
+    std::this_thread::sleep_for(std::chrono::milliseconds(sealed_ms));
     ::kill(::getpid(), SIGKILL);
-    ::_exit(5);
+    ::_exit(4);
   }
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
   ASSERT_TRUE(WIFSIGNALED(status)) << "child exited with " << WEXITSTATUS(status);
+}
+
+// In a child killed at the end: block 7 flushed with the bytes of seed 1,
+// removed (a removal the file tier does not write down), put again with
+// those of seed 2 and sealed in the arena. The arena then holds the new
+// bytes, the file tier the old ones.
+void leave_new_bytes_above_old_ones(const CascadeConfig& c) {
+  run_then_kill(c, [](CascadeStore* s) {
+    auto v1 = bytes_of(1, kKeptSize), v2 = bytes_of(2, kKeptSize);
+    return s->put(kKeptId, v1.data(), v1.size()).ok() && s->flush().ok() &&
+           s->remove(kKeptId).ok() && s->put(kKeptId, v2.data(), v2.size()).ok();
+  });
 }
 
 // file_env: where set, the file tier does its I/O through it.
@@ -565,28 +576,22 @@ TEST(DurabilityTest, AFlushRacingEvictionsOfReattachedBlocksLosesNone) {
     CascadeConfig c = kept_arena_config();
     c.shm_capacity_bytes = 2 << 20;  // 512 blocks of 4 KiB
     c.num_io_threads = 4;
-    const pid_t child = ::fork();
-    ASSERT_GE(child, 0);
-    if (child == 0) {
-      auto s = CascadeStore::Open(c);
-      if (!s.ok()) ::_exit(2);
-      for (uint32_t i = 0; i < kKept; ++i) {
-        auto b = bytes(i, 1);
-        if (!(*s)->put(id_of(i), b.data(), b.size()).ok()) ::_exit(3);
-      }
-      if (!(*s)->flush().ok()) ::_exit(4);
-      for (uint32_t i = 0; i < kKept; ++i) {
-        auto b = bytes(i, 2);
-        (void)(*s)->remove(id_of(i));
-        if (!(*s)->put(id_of(i), b.data(), b.size()).ok()) ::_exit(5);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // sealed meanwhile
-      ::kill(::getpid(), SIGKILL);
-      ::_exit(6);
-    }
-    int status = 0;
-    ASSERT_EQ(::waitpid(child, &status, 0), child);
-    ASSERT_TRUE(WIFSIGNALED(status)) << "child exited with " << WEXITSTATUS(status);
+    run_then_kill(
+        c,
+        [&](CascadeStore* s) {
+          for (uint32_t i = 0; i < kKept; ++i) {
+            auto b = bytes(i, 1);
+            if (!s->put(id_of(i), b.data(), b.size()).ok()) return false;
+          }
+          if (!s->flush().ok()) return false;
+          for (uint32_t i = 0; i < kKept; ++i) {
+            auto b = bytes(i, 2);
+            (void)s->remove(id_of(i));
+            if (!s->put(id_of(i), b.data(), b.size()).ok()) return false;
+          }
+          return true;
+        },
+        200);
     auto s = open_kept(c);
     ASSERT_TRUE(s);
     Status flushed;
@@ -806,20 +811,9 @@ TEST(DurabilityTest, AnAliasRemovedAndPutAgainBeforeAKillKeepsItsNewBytes) {
     ASSERT_TRUE(s->put(id_of(1), same.data(), same.size()).ok());
   }
   c.dedup_enabled = false;
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    auto s = CascadeStore::Open(c);
-    if (!s.ok()) ::_exit(2);
-    if (!(*s)->remove(id_of(0)).ok() || !(*s)->put(id_of(0), other.data(), other.size()).ok())
-      ::_exit(3);
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // sealed meanwhile
-    ::kill(::getpid(), SIGKILL);
-    ::_exit(4);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFSIGNALED(status)) << "child exited with " << WEXITSTATUS(status);
+  run_then_kill(c, [&](CascadeStore* s) {
+    return s->remove(id_of(0)).ok() && s->put(id_of(0), other.data(), other.size()).ok();
+  });
   std::vector<uint8_t> out;
   GetResult r;
   {
