@@ -28,6 +28,7 @@ nb::dict inspection_dict(const InspectReport& r) {
   d["unreadable_segments"] = r.unreadable_segments;
   d["foreign_segments"] = r.foreign_segments;
   d["aliases"] = r.aliases;
+  d["removal_records"] = r.removal_records;
   d["other_files"] = r.other_files;
   nb::list segs;
   for (const SegmentInspection& s : r.segments) {

@@ -54,6 +54,7 @@ struct InspectReport {
   uint64_t unreadable_segments = 0;
   uint64_t foreign_segments = 0;  // segment files a store would not read (see SegmentInspection)
   uint64_t aliases = 0;           // live alias records
+  uint64_t removal_records = 0;   // removal records (an id's older records are dead)
   uint64_t other_files = 0;       // names that are not the tier's
 
   // Nothing damaged was found (torn tails after a crash are not damage;

@@ -193,6 +193,11 @@ def _cmd_inspect(args) -> int:
             f"corrupt, {report['unreadable_segments']} unreadable segments, {report['aliases']} "
             f"aliases; checksums {'verified' if report['verified'] else 'not read (--no-verify)'}"
         )
+        if report.get("removal_records"):
+            print(
+                f"{report['removal_records']} removal records (ids put again with other bytes "
+                "whose newer records left the disk first: their older records are dead)"
+            )
         if report["foreign_segments"]:
             print(
                 f"{report['foreign_segments']} foreign segment files (an older format or another "

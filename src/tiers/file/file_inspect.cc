@@ -137,12 +137,23 @@ Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
   auto newer = [](const Best& a, const Best& b) {
     return std::tie(a.sequence, a.segment, a.offset) > std::tie(b.sequence, b.segment, b.offset);
   };
-  std::unordered_map<BlockId, Best> blocks, aliases;
+  std::unordered_map<BlockId, Best> blocks, aliases, removals;
+  std::unordered_map<BlockId, uint64_t> oldest;  // smallest sequence of an id's block or alias
   for (size_t i = 0; i < seen.size(); ++i) {
     if (!seen[i].usable) continue;
     const auto& scan = seen[i].scan;
     size_t t = 0;
     for (const auto& h : scan.records) {
+      if (h.is_removal()) {
+        ++report.removal_records;
+        Best b{h.sequence, report.segments[i].segment_id, h.record_offset, i, file::kPage, 0, false,
+               BlockId{}};
+        auto [it, fresh] = removals.emplace(h.id(), b);
+        if (!fresh && newer(b, it->second)) it->second = b;
+        continue;
+      }
+      auto [o, first] = oldest.emplace(h.id(), h.sequence);
+      if (!first) o->second = std::min(o->second, h.sequence);
       Best b{h.sequence,
              report.segments[i].segment_id,
              h.record_offset,
@@ -174,6 +185,17 @@ Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
     } else {
       it = aliases.erase(it);
     }
+  }
+  // A removal record at least as new as an id's block or alias removes it;
+  // it counts as live while an older record of its id is there.
+  for (const auto& [id, r] : removals) {
+    for (auto* table : {&blocks, &aliases}) {
+      auto it = table->find(id);
+      if (it != table->end() && it->second.sequence <= r.sequence) table->erase(it);
+    }
+    auto o = oldest.find(id);
+    if (o != oldest.end() && o->second < r.sequence)
+      report.segments[r.seg_index].live_bytes += r.bytes;
   }
   auto count_live = [&](const Best& b) {
     SegmentInspection& s = report.segments[b.seg_index];

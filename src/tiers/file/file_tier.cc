@@ -256,6 +256,7 @@ Status FileTier::append(const BlockId& id, const void* data, uint64_t size, uint
       if (!live) {
         seg->live_bytes.fetch_sub(rec);
         live_record_bytes_.fetch_sub(rec);
+        note_dead(id, loc, &h);
       }
       return Status::OK();
     }
@@ -312,17 +313,18 @@ Status FileTier::put_alias(const BlockId& alias, const BlockId& target) {
   return append(
       alias, target.bytes.data(), 16, file::kFlagAlias,
       [&](const Location& loc, const SegmentRef&, const RecordHeader& h) {
-        Location replaced;
+        AliasEntry replaced;
         {
           std::lock_guard<std::mutex> lock(alias_mu_);
           auto [it, fresh] = aliases_.try_emplace(alias, AliasEntry{target, loc, h.sequence});
           if (fresh) return true;
           // Two writers of one alias: the larger sequence wins, as on reopen.
           if (it->second.sequence > h.sequence) return false;
-          replaced = it->second.loc;
+          replaced = it->second;
           it->second = AliasEntry{target, loc, h.sequence};
         }
-        forget_record(replaced);
+        forget_record(replaced.loc);
+        note_dead_alias(alias, replaced);
         return true;
       });
 }
@@ -346,15 +348,16 @@ uint64_t FileTier::identity_of(uint64_t nonce) const {
 }
 
 bool FileTier::drop_alias(const BlockId& alias) {
-  Location loc;
+  AliasEntry dropped;
   {
     std::lock_guard<std::mutex> lock(alias_mu_);
     auto it = aliases_.find(alias);
     if (it == aliases_.end()) return false;
-    loc = it->second.loc;
+    dropped = it->second;
     aliases_.erase(it);
   }
-  forget_record(loc);
+  forget_record(dropped.loc);
+  note_dead_alias(alias, dropped);
   return true;
 }
 

@@ -43,6 +43,20 @@
 // comes back after a reopen (blocks are immutable, so it is the same data)
 // until compaction drops its record.
 //
+// Removal records. An id removed and put again with other bytes has an
+// older record and a newer one on disk; if the newer one (dead by then) left
+// the disk first, a reopen would find the older bytes. The tier keeps, in
+// memory, every dead record still on disk by id (its sequence and content
+// read from its header when a decision needs them) and the live removal
+// records. Before dropping dead records (deleting a dead segment, compacting
+// one, punching holes) it writes, for each id whose newest record on disk
+// is dropped while an older record with other content stays, a removal
+// record (record_format.h) with that newest sequence, durable before the
+// drop. A removal record is live (copied by compaction) while a dead record
+// of its id older than it stays on disk. Holes are never punched over a
+// dead record that another record of its id is weighed against (a full
+// disk has no room for removal records).
+//
 // A full file system (ENOSPC, with or without file_capacity_bytes): the put
 // that hits it first reclaims in place, then retries once. Fully dead
 // segments are deleted (open lanes holding dead bytes are sealed first);
@@ -79,9 +93,9 @@
 //
 // Thread-safety: every method is thread-safe.
 // Lock order: compact_mu_ -> Lane::mu (lanes in index order) -> alias_mu_ ->
-// table_mu_ -> BlockIndex shard locks. Index calls that may reclaim (remove, release,
-// clear) are never made while holding table_mu_.
-// Ownership: the pool and the Env must outlive the tier.
+// table_mu_ -> BlockIndex shard locks; dead_mu_ last of all. Index calls that may reclaim (remove,
+// release, clear) are never made while holding table_mu_. Ownership: the pool and the Env must
+// outlive the tier.
 #pragma once
 
 #include <atomic>
@@ -124,9 +138,10 @@ struct FileRecoveryReport {
   uint64_t corrupt_records = 0;        // damaged records skipped
   uint64_t tail_bytes = 0;             // bytes after the last valid record of scanned segments
   uint64_t foreign_segments =
-      0;                 // segment files not of this directory's key or format (left alone)
-  uint64_t aliases = 0;  // alias records whose alias was restored
-  double seconds = 0;    // wall time of the whole open
+      0;                  // segment files not of this directory's key or format (left alone)
+  uint64_t aliases = 0;   // alias records whose alias was restored
+  uint64_t removals = 0;  // removal records that an older record of their id needs
+  double seconds = 0;     // wall time of the whole open
 };
 
 class FileTier final : public Tier {
@@ -243,13 +258,60 @@ class FileTier final : public Tier {
     bool is_prefix = false;
     bool alias = false;
     BlockId target;  // aliases only
+    bool removal = false;
+    uint64_t sequence = 0;  // removals only
   };
   std::vector<LiveRecord> live_records_of(const file::Segment& seg) const;
   Status compact_segment(const SegmentRef& seg);
   bool delete_if_dead(const SegmentRef& seg);
   void retire_segment(const SegmentRef& seg);
+
+  // Dead records and removal records (see "Removal records" above).
+  struct DeadRecord {
+    uint64_t offset = 0;                 // Location::offset: slot and record offset
+    uint64_t size = 0;                   // payload bytes
+    uint64_t sequence = 0, content = 0;  // with state kKnown
+    uint8_t state = 0;                   // kUnread, kKnown, kUnusable
+  };
+  static constexpr uint8_t kUnread = 0, kKnown = 1, kUnusable = 2;
+  struct RemovalEntry {
+    Location loc;
+    uint64_t sequence = 0;
+  };
+  struct PlannedRemoval {
+    BlockId id;
+    uint64_t sequence = 0;
+  };
+  struct WrittenRemoval {
+    BlockId id;
+    RemovalEntry entry;
+    SegmentRef seg;
+  };
+  // Records (id, loc) as dead; h: its header when the caller has it.
+  void note_dead(const BlockId& id, const Location& loc, const file::RecordHeader* h);
+  void note_dead_alias(const BlockId& alias, const AliasEntry& e);
+  // The removal records that dropping seg's dead records needs. REQUIRES:
+  // compact_mu_ held, seg sealed. IOError when a header it needs cannot
+  // be read: seg must stay.
+  Status plan_removals(const file::Segment& seg, std::vector<PlannedRemoval>* out);
+  // Writes them through lane (locked). REQUIRES: compact_mu_ held.
+  Status write_removals(Lane& lane, const std::vector<PlannedRemoval>& plan,
+                        std::vector<WrittenRemoval>* written);
+  void keep_removals(const std::vector<WrittenRemoval>& written);
+  // Syncs the compaction lane's segment and the directory.
+  Status sync_compaction_lane(Lane& lane);
+  // Forgets the dead records of a segment leaving the disk, and removal
+  // records that nothing older needs any more.
+  void forget_dead_in(const file::Segment& seg);
+  // A removal record of id with this sequence still guards an older
+  // record. REQUIRES: dead_mu_ held.
+  bool removal_needed(const BlockId& id, uint64_t sequence) const;
+  // Ids with a dead record in seg that another record of theirs is weighed
+  // against (another dead record or a removal record).
+  std::vector<BlockId> contested_ids(const file::Segment& seg) const;
+  Result<DeadRecord> read_dead_header(const BlockId& id, DeadRecord d) const;
   void maybe_schedule_compaction();
-  void on_reclaim(const Location& loc);
+  void on_reclaim(const BlockId& id, const Location& loc);
   SegmentRef segment_at(uint64_t slot) const;  // REQUIRES: table_mu_ held
 
   const std::string dir_;
@@ -293,6 +355,12 @@ class FileTier final : public Tier {
   std::condition_variable background_cv_;
   bool background_running_ = false;  // guarded by background_mu_
   bool closing_ = false;             // guarded by background_mu_
+
+  // Taken after every other lock, and nothing is called while it is held.
+  mutable std::mutex dead_mu_;
+  std::unordered_multimap<BlockId, DeadRecord> dead_;                    // guarded by dead_mu_
+  std::unordered_map<uint64_t, std::vector<BlockId>> dead_ids_by_slot_;  // guarded by dead_mu_
+  std::unordered_multimap<BlockId, RemovalEntry> removals_;  // live ones; guarded by dead_mu_
 
   std::mutex claimed_mu_;
   std::unordered_map<BlockId, uint64_t>

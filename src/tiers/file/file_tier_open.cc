@@ -62,7 +62,7 @@ FileTier::FileTier(const CascadeConfig& config, ThreadPool* pool, Env* env)
       parallel_copy_threshold_(config.parallel_copy_threshold),
       read_pacer_(config.file_read_bytes_per_s),
       index_(config.index_shards, config.eviction_policy,
-             [this](const BlockId&, const Location& loc) { on_reclaim(loc); }) {
+             [this](const BlockId& id, const Location& loc) { on_reclaim(id, loc); }) {
   int lanes = std::clamp(pool ? pool->size() : 1, 1, 8);
   for (int i = 0; i < lanes; ++i) lanes_.push_back(std::make_unique<Lane>());
   compaction_lane_ = std::make_unique<Lane>();
@@ -272,8 +272,15 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
     Ref ref;
     BlockId target;
     Location loc;
+    const RecordHeader* header;
   };
   std::unordered_map<BlockId, AliasCandidate> alias_candidates;
+  struct RemovalCandidate {
+    Ref ref;
+    Location loc;
+    Segment* seg;
+  };
+  std::unordered_map<BlockId, std::vector<RemovalCandidate>> removal_candidates;
   uint64_t max_sequence = 0;
   for (Loaded& l : loaded) {
     if (!l.seg) continue;
@@ -285,12 +292,20 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
       const uint64_t rec = file::record_size(h.payload_length);
       Location loc{file::encode_location(seg.slot, h.record_offset), h.payload_length};
       Ref ref{h.sequence, seg.id, h.record_offset};
+      if (h.is_removal()) {
+        removal_candidates[h.id()].push_back({ref, loc, &seg});
+        continue;
+      }
       if (h.is_alias()) {
-        AliasCandidate c{ref, l.scan.alias_targets[alias_index++], loc};
+        AliasCandidate c{ref, l.scan.alias_targets[alias_index++], loc, &h};
         auto [it, fresh] = alias_candidates.emplace(h.id(), c);
         if (!fresh) {
           ++recovery_.duplicate_records;
-          if (!ref.newer_than(it->second.ref)) continue;
+          if (!ref.newer_than(it->second.ref)) {
+            note_dead(h.id(), loc, &h);
+            continue;
+          }
+          note_dead(h.id(), it->second.loc, it->second.header);
           it->second = c;
         }
         continue;
@@ -309,10 +324,12 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
       if (!newer) {
         seg.live_bytes.fetch_sub(rec);
         live_record_bytes_.fetch_sub(rec);
+        note_dead(h.id(), loc, &h);
         continue;
       }
       if (old && old->is_prefix() == h.is_prefix() && index_.relocate(h.id(), *cur, loc)) {
         forget_record(*cur);
+        note_dead(h.id(), *cur, old);
       } else {
         (void)index_.remove(h.id());  // on_reclaim forgets the old record
         (void)index_.insert(h.id(), loc, h.is_prefix());
@@ -338,12 +355,52 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
       (void)index_.remove(it->first);  // on_reclaim forgets the block's record
       ++it;
     } else {
+      note_dead(it->first, it->second.loc, it->second.header);
       it = alias_candidates.erase(it);
+    }
+  }
+  // Removal records: the newest one of an id at least as new as its block
+  // or alias record removes it. A removal record stays live while a dead
+  // record of its id older than it is on disk.
+  for (auto& [id, found] : removal_candidates) {
+    const RemovalCandidate* newest = &found[0];
+    for (const RemovalCandidate& r : found)
+      if (r.ref.newer_than(newest->ref)) newest = &r;
+    if (auto cur = index_.peek(id)) {
+      const RecordHeader* block = record_at(*cur);
+      if (!block || block->sequence <= newest->ref.sequence)
+        (void)index_.remove(id);  // on_reclaim forgets the block's record
+    }
+    auto alias = alias_candidates.find(id);
+    if (alias != alias_candidates.end() && alias->second.ref.sequence <= newest->ref.sequence) {
+      note_dead(id, alias->second.loc, alias->second.header);
+      alias_candidates.erase(alias);
+    }
+  }
+  for (auto& [id, found] : removal_candidates) {
+    // Copies of one removal record (an interrupted compaction): one is kept.
+    std::sort(found.begin(), found.end(), [](const RemovalCandidate& a, const RemovalCandidate& b) {
+      return a.ref.newer_than(b.ref);
+    });
+    uint64_t kept_sequence = UINT64_MAX;
+    for (const RemovalCandidate& r : found) {
+      {
+        std::lock_guard<std::mutex> lock(dead_mu_);
+        if (r.ref.sequence == kept_sequence || !removal_needed(id, r.ref.sequence)) continue;
+        removals_.emplace(id, RemovalEntry{r.loc, r.ref.sequence});
+      }
+      kept_sequence = r.ref.sequence;
+      r.seg->live_bytes.fetch_add(kPage);
+      live_record_bytes_.fetch_add(kPage);
+      ++recovery_.removals;
     }
   }
   // Aliases: the newest record of each alias, kept while its target is here.
   for (auto& [alias, c] : alias_candidates) {
-    if (!index_.contains(c.target)) continue;
+    if (!index_.contains(c.target)) {
+      note_dead(alias, c.loc, c.header);
+      continue;
+    }
     aliases_[alias] = AliasEntry{c.target, c.loc, c.ref.sequence};
     by_slot[file::location_slot(c.loc.offset)]->seg->live_bytes.fetch_add(
         file::record_size(c.loc.size));

@@ -45,8 +45,9 @@ FileTier::SegmentRef FileTier::segment_at(uint64_t slot) const {
   return it == slots_.end() ? nullptr : it->second;
 }
 
-void FileTier::on_reclaim(const Location& loc) {
+void FileTier::on_reclaim(const BlockId& id, const Location& loc) {
   forget_record(loc);
+  note_dead(id, loc, nullptr);
   if (!loading_.load(std::memory_order_relaxed)) maybe_schedule_compaction();
 }
 
@@ -278,7 +279,11 @@ Result<uint64_t> FileTier::size_of(const BlockId& id) {
 }
 
 Status FileTier::remove(const BlockId& id) {
+  // Noted dead at once: a lease may hold the entry (and its reclaim, which
+  // notes it too) for a while, and a compaction in between must know it.
+  const auto loc = index_.peek(id);
   bool removed = index_.remove(id);
+  if (removed && loc) note_dead(id, *loc, nullptr);
   if (drop_alias(id)) removed = true;
   uint64_t token = 0;
   {

@@ -52,6 +52,9 @@ Status FileTier::drop_page_cache() {
 
 void FileTier::retire_segment(const SegmentRef& seg) {
   if (seg->retired.exchange(true)) return;
+  // While the segment still holds its slot: no new segment can take the
+  // slot and have dead records of its own forgotten here.
+  forget_dead_in(*seg);
   {
     std::unique_lock<std::shared_mutex> lock(table_mu_);
     auto it = slots_.find(seg->slot);
@@ -65,6 +68,17 @@ void FileTier::retire_segment(const SegmentRef& seg) {
 
 bool FileTier::delete_if_dead(const SegmentRef& seg) {
   if (!seg->sealed.load() || seg->live_bytes.load() != 0) return false;
+  std::vector<PlannedRemoval> plan;
+  if (!plan_removals(*seg, &plan).ok()) return false;
+  if (!plan.empty()) {
+    Lane& lane = *compaction_lane_;
+    std::lock_guard<std::mutex> lock(lane.mu);
+    std::vector<WrittenRemoval> written;
+    Status st = write_removals(lane, plan, &written);
+    if (st.ok()) st = sync_compaction_lane(lane);
+    keep_removals(written);
+    if (!st.ok()) return false;  // the segment stays until its removal records are durable
+  }
   retire_segment(seg);
   return true;
 }
@@ -176,6 +190,12 @@ std::vector<FileTier::LiveRecord> FileTier::live_records_of(const Segment& seg) 
       if (file::location_slot(e.loc.offset) == seg.slot)
         live.push_back({alias, e.loc, false, true, e.target});
   }
+  {
+    std::lock_guard<std::mutex> lock(dead_mu_);
+    for (const auto& [id, r] : removals_)
+      if (file::location_slot(r.loc.offset) == seg.slot)
+        live.push_back({id, r.loc, false, false, BlockId{}, true, r.sequence});
+  }
   std::sort(live.begin(), live.end(),
             [](const LiveRecord& a, const LiveRecord& b) { return a.loc.offset < b.loc.offset; });
   return live;
@@ -186,7 +206,22 @@ bool FileTier::punch_dead_space(const SegmentRef& seg) {
   if (dead <= seg->punched_dead.load()) return false;  // nothing new since the last time
   const uint64_t end = seg->bytes.load();
   // Runs of dead records between the live ones; records are page aligned.
+  // A dead record that another record of its id is weighed against stays
+  // as if live (its drop may need a removal record, and a full disk has
+  // no room for one).
   std::vector<LiveRecord> live = live_records_of(*seg);
+  {
+    const std::vector<BlockId> contested = contested_ids(*seg);
+    std::lock_guard<std::mutex> lock(dead_mu_);
+    for (const BlockId& id : contested) {
+      auto [b, e] = dead_.equal_range(id);
+      for (auto d = b; d != e; ++d)
+        if (file::location_slot(d->second.offset) == seg->slot)
+          live.push_back({id, Location{d->second.offset, d->second.size}, false, false, BlockId{}});
+    }
+  }
+  std::sort(live.begin(), live.end(),
+            [](const LiveRecord& a, const LiveRecord& b) { return a.loc.offset < b.loc.offset; });
   std::vector<std::pair<uint64_t, uint64_t>> holes;  // [begin, end)
   uint64_t pos = 0;
   auto add_gap = [&](uint64_t b, uint64_t e) {
@@ -276,11 +311,14 @@ Status FileTier::compact(int max_segments) {
 
 // REQUIRES: compact_mu_ held; seg sealed.
 Status FileTier::compact_segment(const SegmentRef& seg) {
+  std::vector<PlannedRemoval> plan;
+  CASCADE_RETURN_IF_ERROR(plan_removals(*seg, &plan));
   std::vector<LiveRecord> live = live_records_of(*seg);
   struct Moved {
     LiveRecord rec;
     Location to;
     SegmentRef dest;
+    RecordHeader header{};  // of the copy (blocks and aliases)
   };
   std::vector<Moved> moved;
   std::vector<BlockId> stale_aliases;  // their target left the tier: not copied
@@ -288,7 +326,17 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
   std::unique_lock<std::mutex> lane_lock(lane.mu);
   AlignedBuffer buf;
   Status failure;
+  std::vector<WrittenRemoval> written;
   for (const LiveRecord& e : live) {
+    if (e.removal) {
+      // Written again from what the tier holds: the same id and sequence.
+      const size_t before = written.size();
+      failure = write_removals(lane, {PlannedRemoval{e.id, e.sequence}}, &written);
+      if (!failure.ok()) break;
+      moved.push_back({e, written[before].entry.loc, written[before].seg});
+      written.pop_back();
+      continue;
+    }
     if (e.alias && !index_.contains(e.target)) {
       stale_aliases.push_back(e.id);
       continue;
@@ -354,36 +402,48 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
     if (e.alias) dest.alias_targets.push_back(e.target);
     dest.bytes.store(to_off + rec);
     dest.unsynced.store(true);
-    moved.push_back({e, Location{file::encode_location(dest.slot, to_off), size}, lane.active});
+    moved.push_back({e, Location{file::encode_location(dest.slot, to_off), size}, lane.active, nh});
   }
+  // The removal records that dropping the segment's dead records needs.
+  if (failure.ok()) failure = write_removals(lane, plan, &written);
   // The copies must be durable before the index (and, below, the old
   // segment's deletion) depends on them.
-  if (lane.active && lane.active->unsynced.exchange(false)) {
-    Status st = lane.active->file->sync();
-    if (st.ok()) st = env_->sync_dir(dir_);
-    if (!st.ok()) {
-      lane.active->unsynced.store(true);
-      if (failure.ok()) failure = st;
-    }
-  }
+  if (Status st = sync_compaction_lane(lane); !st.ok() && failure.ok()) failure = st;
   lane_lock.unlock();
+  keep_removals(written);
   for (const BlockId& alias : stale_aliases) {
-    std::lock_guard<std::mutex> lock(alias_mu_);
-    auto it = aliases_.find(alias);
-    if (it == aliases_.end() || file::location_slot(it->second.loc.offset) != seg->slot) continue;
-    aliases_.erase(it);
+    AliasEntry dropped;
+    {
+      std::lock_guard<std::mutex> lock(alias_mu_);
+      auto it = aliases_.find(alias);
+      if (it == aliases_.end() || file::location_slot(it->second.loc.offset) != seg->slot) continue;
+      dropped = it->second;
+      aliases_.erase(it);
+    }
     seg->live_bytes.fetch_sub(kPage);
     live_record_bytes_.fetch_sub(kPage);
+    note_dead_alias(alias, dropped);
   }
   if (!failure.ok()) {
     // Copies already written stay as dead records; the old segment keeps
     // serving. Nothing was repointed.
+    for (const Moved& m : moved)
+      if (!m.rec.removal) note_dead(m.rec.id, m.to, &m.header);
     return failure;
   }
   for (const Moved& m : moved) {
     const uint64_t rec = file::record_size(m.rec.loc.size);
     bool repointed = false;
-    if (m.rec.alias) {
+    if (m.rec.removal) {
+      std::lock_guard<std::mutex> lock(dead_mu_);
+      auto [b, e] = removals_.equal_range(m.rec.id);
+      for (auto it = b; it != e; ++it) {
+        if (it->second.loc.offset != m.rec.loc.offset) continue;
+        it->second.loc = m.to;
+        repointed = true;
+        break;
+      }
+    } else if (m.rec.alias) {
       std::lock_guard<std::mutex> lock(alias_mu_);
       auto it = aliases_.find(m.rec.id);
       if (it != aliases_.end() && it->second.loc.offset == m.rec.loc.offset) {
@@ -396,6 +456,8 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
     if (repointed) {
       m.dest->live_bytes.fetch_add(rec);
       seg->live_bytes.fetch_sub(rec);
+    } else if (!m.rec.removal) {
+      note_dead(m.rec.id, m.to, &m.header);  // removed or moved meanwhile: the copy is dead
     }
   }
   retire_segment(seg);
@@ -414,6 +476,14 @@ void FileTier::clear() {
     std::lock_guard<std::mutex> lock(alias_mu_);
     live_record_bytes_.fetch_sub(aliases_.size() * file::record_size(16));
     aliases_.clear();
+  }
+  {
+    // Every segment goes: nothing older is left for a removal record to guard.
+    std::lock_guard<std::mutex> lock(dead_mu_);
+    live_record_bytes_.fetch_sub(removals_.size() * kPage);
+    removals_.clear();
+    dead_.clear();
+    dead_ids_by_slot_.clear();
   }
   for (auto& lane : lanes_) lane->active.reset();
   compaction_lane_->active.reset();

@@ -63,6 +63,17 @@ RecordHeader make_record_header(const RecordKey& key, const BlockId& id, uint64_
   return h;
 }
 
+RecordHeader make_removal_header(const RecordKey& key, const BlockId& id, uint64_t sequence,
+                                 uint64_t segment_id, uint64_t record_offset) {
+  return make_record_header(key, id, 0, payload_checksum(key, nullptr, 0), kFlagRemoval, sequence,
+                            segment_id, record_offset);
+}
+
+uint64_t record_content(const RecordHeader& h) {
+  const uint64_t what[3] = {h.flags, h.payload_length, h.payload_xxh3};
+  return XXH3_64bits(what, sizeof what);
+}
+
 RecordHeader make_hole_header(const RecordKey& key, uint64_t hole_bytes, uint64_t segment_id,
                               uint64_t record_offset) {
   return make_record_header(key, BlockId{}, hole_bytes - kPage, 0, kFlagHole, 0, segment_id,
@@ -107,6 +118,8 @@ HeaderCheck check_record_header(const RecordKey& key, const void* bytes, uint64_
   if (h.is_hole() && (h.flags != kFlagHole || h.payload_length < kPage || h.payload_length % kPage))
     return HeaderCheck::kBadLength;
   if (h.is_alias() && (h.payload_length != 16 || h.is_prefix())) return HeaderCheck::kBadLength;
+  if (h.is_removal() && (h.flags != kFlagRemoval || h.payload_length != 0))
+    return HeaderCheck::kBadLength;
   return HeaderCheck::kValid;
 }
 

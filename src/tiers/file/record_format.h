@@ -14,7 +14,8 @@
 //   off size field
 //     0   4  magic           0x52534143 ("CASR" as bytes on disk)
 //     4   2  format_version  2
-//     6   2  flags           bit 0 prefix, bit 1 alias, bit 2 hole; others zero
+//     6   2  flags           bit 0 prefix, bit 1 alias, bit 2 hole, bit 3 removal;
+//                            others zero
 //     8  16  block_id        the block's 128-bit id, most significant byte first
 //    24   8  payload_length  bytes of payload
 //    32   8  payload_xxh3    keyed XXH3-64 of the payload
@@ -42,6 +43,10 @@
 //   - a hole (bit 2): dead space given back to the file system (punched).
 //     payload_length covers the rest of the hole, which reads as zeros;
 //     payload_xxh3 and block_id are zero and the payload is not checked.
+//   - a removal (bit 3): no payload; says that block_id's records with a
+//     smaller sequence are dead (an id put again with other bytes, whose
+//     newer record left the disk before an older one). Its sequence is the
+//     sequence of the newest record of the id when it was written.
 // Format version 1 (unkeyed) segments are not read: a store leaves them
 // alone and counts them as foreign. docs/formats.md describes the same.
 //
@@ -67,7 +72,8 @@ inline constexpr uint64_t kInlinePayloadMax = kPage - kRecordHeaderSize;  // 403
 inline constexpr uint16_t kFlagPrefix = 1;
 inline constexpr uint16_t kFlagAlias = 2;
 inline constexpr uint16_t kFlagHole = 4;
-inline constexpr uint16_t kKnownFlags = kFlagPrefix | kFlagAlias | kFlagHole;
+inline constexpr uint16_t kFlagRemoval = 8;
+inline constexpr uint16_t kKnownFlags = kFlagPrefix | kFlagAlias | kFlagHole | kFlagRemoval;
 inline constexpr size_t kKeyBytes = 32;         // the directory's secret
 inline constexpr size_t kKeySecretBytes = 192;  // XXH3 secret derived from it
 // Records and segments stay below these bounds (index location encoding:
@@ -89,6 +95,7 @@ struct RecordHeader {
   bool is_prefix() const { return (flags & kFlagPrefix) != 0; }
   bool is_alias() const { return (flags & kFlagAlias) != 0; }
   bool is_hole() const { return (flags & kFlagHole) != 0; }
+  bool is_removal() const { return (flags & kFlagRemoval) != 0; }
 };
 static_assert(sizeof(RecordHeader) == kRecordHeaderSize, "RecordHeader must be 64 bytes");
 
@@ -130,6 +137,12 @@ uint64_t payload_checksum(const RecordKey& key, const void* data, size_t n);
 RecordHeader make_record_header(const RecordKey& key, const BlockId& id, uint64_t payload_length,
                                 uint64_t payload_xxh3, uint16_t flags, uint64_t sequence,
                                 uint64_t segment_id, uint64_t record_offset);
+// A removal record of id: records of id with a smaller sequence are dead.
+RecordHeader make_removal_header(const RecordKey& key, const BlockId& id, uint64_t sequence,
+                                 uint64_t segment_id, uint64_t record_offset);
+// What a record holds, as one number: two records of an id with the same
+// value hold the same block (kind, flags, length and payload checksum).
+uint64_t record_content(const RecordHeader& h);
 // A hole record covering [record_offset, record_offset + hole_bytes).
 // REQUIRES: hole_bytes a multiple of kPage, at least 2 pages.
 RecordHeader make_hole_header(const RecordKey& key, uint64_t hole_bytes, uint64_t segment_id,

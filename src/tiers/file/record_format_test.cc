@@ -96,8 +96,33 @@ TEST(RecordFormatTest, HoleAndAliasRecords) {
   EXPECT_TRUE(alias.is_alias());
   RecordHeader bad_alias = make_record_header(key, file_test::id_of(1), 17, 0, kFlagAlias, 9, 3, 0);
   EXPECT_EQ(check_record_header(key, &bad_alias, 3, 0), HeaderCheck::kBadLength);
-  RecordHeader unknown = make_record_header(key, file_test::id_of(1), 16, 0, 8, 9, 3, 0);
+  RecordHeader unknown = make_record_header(key, file_test::id_of(1), 16, 0, 16, 9, 3, 0);
   EXPECT_EQ(check_record_header(key, &unknown, 3, 0), HeaderCheck::kBadVersion);
+}
+
+TEST(RecordFormatTest, RemovalRecords) {
+  RecordKey key = key_of(5);
+  RecordHeader r = make_removal_header(key, file_test::id_of(1), 42, 3, 2 * kPage);
+  EXPECT_EQ(check_record_header(key, &r, 3, 2 * kPage), HeaderCheck::kValid);
+  EXPECT_TRUE(r.is_removal());
+  EXPECT_EQ(r.sequence, 42u);
+  EXPECT_EQ(r.id(), file_test::id_of(1));
+  EXPECT_EQ(record_size(r.payload_length), kPage);
+  // With a payload, or with another kind's flag, it is not a removal record.
+  RecordHeader with_payload =
+      make_record_header(key, file_test::id_of(1), 16, 0, kFlagRemoval, 42, 3, 0);
+  EXPECT_EQ(check_record_header(key, &with_payload, 3, 0), HeaderCheck::kBadLength);
+  RecordHeader mixed =
+      make_record_header(key, file_test::id_of(1), 0, 0, kFlagRemoval | kFlagPrefix, 42, 3, 0);
+  EXPECT_EQ(check_record_header(key, &mixed, 3, 0), HeaderCheck::kBadLength);
+  // What a record holds: the same for the same bytes, else not.
+  RecordHeader a = make_record_header(key, file_test::id_of(1), 100, 7, 0, 1, 3, 0);
+  RecordHeader b = make_record_header(key, file_test::id_of(1), 100, 7, 0, 2, 4, kPage);
+  RecordHeader c = make_record_header(key, file_test::id_of(1), 100, 8, 0, 3, 4, kPage);
+  RecordHeader d = make_record_header(key, file_test::id_of(1), 100, 7, kFlagPrefix, 3, 4, kPage);
+  EXPECT_EQ(record_content(a), record_content(b));
+  EXPECT_NE(record_content(a), record_content(c));
+  EXPECT_NE(record_content(a), record_content(d));
 }
 
 TEST(RecordFormatTest, EverySingleBitFlipIsDetected) {
