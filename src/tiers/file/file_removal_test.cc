@@ -384,6 +384,54 @@ TEST(FileRemovalTest, PutsAgainRemovesCompactionsAndKillsNeverServeAnOlderVersio
   }
 }
 
+TEST(FileRemovalTest, ACompactionDroppingAnAliasWhoseTargetLeftLeavesNoOlderBytesFound) {
+  // Block 1 (first version) removed, then put again as an alias whose
+  // target is removed too: the compaction that drops the alias must weigh
+  // it as the id's newest record.
+  file_test::TempDir tmp;
+  const CascadeConfig c = small_segments(tmp.path());
+  {
+    auto t = open(c);
+    for (uint64_t n : {1, 2, 150, 151}) ASSERT_TRUE(put(t.get(), n).ok());
+    ASSERT_TRUE(t->remove(id_of(1)).ok());
+    for (uint64_t n : {3, 4}) ASSERT_TRUE(put(t.get(), n).ok());  // segment 2
+    ASSERT_TRUE(t->put_alias(id_of(1), id_of(3)).ok());
+    ASSERT_EQ(t->segment_count(), 2u);
+    ASSERT_TRUE(t->remove(id_of(3)).ok());
+    ASSERT_TRUE(t->compact(1).ok());
+  }
+  auto t = open(c);
+  EXPECT_EQ(version_of(t.get(), 1), 0) << "the older bytes of block 1 came back";
+  EXPECT_EQ(version_of(t.get(), 4), 1);
+}
+
+TEST(FileRemovalTest, ARemoveRacingTheCompactionOfItsNewestRecordLeavesNoOlderBytesFound) {
+  // Block 1's second version is live in the segment being compacted while
+  // another thread removes it: whichever comes first, a reopen finds the
+  // second version or nothing.
+  int older = 0;
+  for (int run = 0; run < 150; ++run) {
+    file_test::TempDir tmp;
+    const CascadeConfig c = small_segments(tmp.path());
+    {
+      auto t = open(c);
+      two_versions_in_two_segments(t.get());
+      for (uint64_t n : {101, 102}) ASSERT_TRUE(t->remove(id_of(n)).ok());
+      std::thread remover([&] {
+        for (int i = 0; i < run % 40; ++i) std::this_thread::yield();
+        (void)t->remove(id_of(1));
+      });
+      (void)t->compact(1);
+      remover.join();
+    }
+    auto t = open(c);
+    const int v = version_of(t.get(), 1);
+    ASSERT_TRUE(v == 0 || v == 2) << "run " << run << ": version " << v;
+    older += v == 1;
+  }
+  EXPECT_EQ(older, 0);
+}
+
 TEST(FileRemovalTest, InspectResolvesRemovalRecordsAsAReopenDoes) {
   file_test::TempDir tmp;
   const CascadeConfig c = small_segments(tmp.path());

@@ -14,6 +14,13 @@ using file::RecordHeader;
 using file::Segment;
 
 void FileTier::note_dead(const BlockId& id, const Location& loc, const RecordHeader* h) {
+  {
+    // A record of a segment already gone (a reclaim that a lease delayed
+    // past a compaction) is on no disk: nothing to weigh.
+    std::shared_lock<std::shared_mutex> lock(table_mu_);
+    SegmentRef seg = segment_at(file::location_slot(loc.offset));
+    if (!seg || seg->retired.load()) return;
+  }
   DeadRecord d;
   d.offset = loc.offset;
   d.size = loc.size;
@@ -63,13 +70,15 @@ std::vector<BlockId> FileTier::contested_ids(const Segment& seg) const {
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   for (const BlockId& id : ids) {
-    bool here = false, elsewhere = removals_.count(id) != 0;
+    // Two dead records in seg count too: holes may take one and not the other.
+    size_t here = 0;
+    bool elsewhere = removals_.count(id) != 0;
     auto [b, e] = dead_.equal_range(id);
     for (auto d = b; d != e; ++d) {
-      if (file::location_slot(d->second.offset) == seg.slot) here = true;
+      if (file::location_slot(d->second.offset) == seg.slot) ++here;
       else elsewhere = true;
     }
-    if (here && elsewhere) out.push_back(id);
+    if (here && (elsewhere || here > 1)) out.push_back(id);
   }
   return out;
 }

@@ -3,6 +3,7 @@
 // file_tier.h and docs/design.md.
 #include <algorithm>
 #include <cstring>
+#include <unordered_set>
 
 #include "tiers/file/file_tier.h"
 #include "tiers/file/segment_scan.h"
@@ -52,16 +53,18 @@ Status FileTier::drop_page_cache() {
 
 void FileTier::retire_segment(const SegmentRef& seg) {
   if (seg->retired.exchange(true)) return;
-  // While the segment still holds its slot: no new segment can take the
-  // slot and have dead records of its own forgotten here.
-  forget_dead_in(*seg);
+  // Readers still holding the segment keep reading through its open file.
+  Status gone = env_->unlink(seg->path);
+  // Its dead records are forgotten once the file is gone (a file left
+  // behind is read at the next open, and its records still count), and
+  // while the segment holds its slot: no new segment can take the slot and
+  // have dead records of its own forgotten here.
+  if (gone.ok() || !env_->file_exists(seg->path)) forget_dead_in(*seg);
   {
     std::unique_lock<std::shared_mutex> lock(table_mu_);
     auto it = slots_.find(seg->slot);
     if (it != slots_.end() && it->second == seg) slots_.erase(it);
   }
-  // Readers still holding the segment keep reading through its open file.
-  (void)env_->unlink(seg->path);
   (void)env_->unlink(file::join_path(dir_, file::summary_file_name(seg->id)));
   disk_bytes_.fetch_sub(seg->bytes.load());
 }
@@ -76,8 +79,8 @@ bool FileTier::delete_if_dead(const SegmentRef& seg) {
     std::vector<WrittenRemoval> written;
     Status st = write_removals(lane, plan, &written);
     if (st.ok()) st = sync_compaction_lane(lane);
-    keep_removals(written);
     if (!st.ok()) return false;  // the segment stays until its removal records are durable
+    keep_removals(written);
   }
   retire_segment(seg);
   return true;
@@ -108,7 +111,7 @@ void FileTier::maybe_schedule_compaction() {
       for (auto& seg : candidates) {
         if (!delete_if_dead(seg)) {
           if (capacity_ && disk_bytes_.load() + seg->live_bytes.load() > capacity_) continue;
-          if (!compact_segment(seg).ok()) break;
+          (void)compact_segment(seg);  // one that fails stays; the others go on
         }
         std::lock_guard<std::mutex> lock(background_mu_);
         if (closing_) break;
@@ -295,6 +298,7 @@ Status FileTier::compact(int max_segments) {
   }
   file::sort_most_dead_first(&candidates);
   int done = 0;
+  Status first_failure;
   for (auto& seg : candidates) {
     if (max_segments >= 0 && done >= max_segments) break;
     if (delete_if_dead(seg)) {
@@ -303,17 +307,45 @@ Status FileTier::compact(int max_segments) {
     }
     if (capacity_ && disk_bytes_.load() + seg->live_bytes.load() > capacity_)
       return Status::NoSpace("not enough free capacity to compact " + seg->path);
-    CASCADE_RETURN_IF_ERROR(compact_segment(seg));
+    // A segment that cannot be compacted now (a record or a header it needs
+    // unreadable) stays; the others are still compacted.
+    Status st = compact_segment(seg);
+    if (!st.ok() && first_failure.ok()) first_failure = st;
     ++done;
   }
-  return Status::OK();
+  return first_failure;
 }
 
 // REQUIRES: compact_mu_ held; seg sealed.
 Status FileTier::compact_segment(const SegmentRef& seg) {
+  // An alias leaving the tier: dropped as a dead record (weighed by the plan).
+  auto drop_alias_here = [&](const BlockId& alias) {
+    AliasEntry dropped;
+    {
+      std::lock_guard<std::mutex> lock(alias_mu_);
+      auto it = aliases_.find(alias);
+      if (it == aliases_.end() || file::location_slot(it->second.loc.offset) != seg->slot) return;
+      dropped = it->second;
+      aliases_.erase(it);
+    }
+    seg->live_bytes.fetch_sub(kPage);
+    live_record_bytes_.fetch_sub(kPage);
+    note_dead_alias(alias, dropped);
+  };
+  // The live records first, then the plan: a record live here when the
+  // snapshot is taken is copied (a removal meanwhile leaves the copy, with
+  // the same sequence and bytes, as the newest record of its id), and one
+  // removed before it is a dead record the plan weighs.
+  std::vector<LiveRecord> live = live_records_of(*seg);
+  live.erase(std::remove_if(live.begin(), live.end(),
+                            [&](const LiveRecord& e) {
+                              if (!e.alias || index_.contains(e.target)) return false;
+                              drop_alias_here(e.id);  // its target left the tier
+                              return true;
+                            }),
+             live.end());
   std::vector<PlannedRemoval> plan;
   CASCADE_RETURN_IF_ERROR(plan_removals(*seg, &plan));
-  std::vector<LiveRecord> live = live_records_of(*seg);
   struct Moved {
     LiveRecord rec;
     Location to;
@@ -321,7 +353,7 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
     RecordHeader header{};  // of the copy (blocks and aliases)
   };
   std::vector<Moved> moved;
-  std::vector<BlockId> stale_aliases;  // their target left the tier: not copied
+  std::vector<BlockId> stale_aliases;  // damaged: not copied
   Lane& lane = *compaction_lane_;
   std::unique_lock<std::mutex> lane_lock(lane.mu);
   AlignedBuffer buf;
@@ -335,10 +367,6 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
       if (!failure.ok()) break;
       moved.push_back({e, written[before].entry.loc, written[before].seg});
       written.pop_back();
-      continue;
-    }
-    if (e.alias && !index_.contains(e.target)) {
-      stale_aliases.push_back(e.id);
       continue;
     }
     const uint64_t size = e.loc.size;
@@ -410,20 +438,10 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
   // segment's deletion) depends on them.
   if (Status st = sync_compaction_lane(lane); !st.ok() && failure.ok()) failure = st;
   lane_lock.unlock();
-  keep_removals(written);
-  for (const BlockId& alias : stale_aliases) {
-    AliasEntry dropped;
-    {
-      std::lock_guard<std::mutex> lock(alias_mu_);
-      auto it = aliases_.find(alias);
-      if (it == aliases_.end() || file::location_slot(it->second.loc.offset) != seg->slot) continue;
-      dropped = it->second;
-      aliases_.erase(it);
-    }
-    seg->live_bytes.fetch_sub(kPage);
-    live_record_bytes_.fetch_sub(kPage);
-    note_dead_alias(alias, dropped);
-  }
+  // Removal records count only once durable: a later plan takes them as
+  // guarding their ids.
+  if (failure.ok()) keep_removals(written);
+  for (const BlockId& alias : stale_aliases) drop_alias_here(alias);
   if (!failure.ok()) {
     // Copies already written stay as dead records; the old segment keeps
     // serving. Nothing was repointed.
@@ -477,9 +495,11 @@ void FileTier::clear() {
     live_record_bytes_.fetch_sub(aliases_.size() * file::record_size(16));
     aliases_.clear();
   }
+  std::unordered_set<uint64_t> guarding;  // slots of segments holding removal records
   {
     // Every segment goes: nothing older is left for a removal record to guard.
     std::lock_guard<std::mutex> lock(dead_mu_);
+    for (const auto& [id, r] : removals_) guarding.insert(file::location_slot(r.loc.offset));
     live_record_bytes_.fetch_sub(removals_.size() * kPage);
     removals_.clear();
     dead_.clear();
@@ -492,6 +512,10 @@ void FileTier::clear() {
     std::shared_lock<std::shared_mutex> lock(table_mu_);
     for (auto& [slot, seg] : slots_) all.push_back(seg);
   }
+  // Segments with removal records last: a kill in between must not leave
+  // an older record without the removal record that guards it.
+  std::stable_partition(all.begin(), all.end(),
+                        [&](const SegmentRef& seg) { return !guarding.count(seg->slot); });
   for (auto& seg : all) retire_segment(seg);
   (void)env_->sync_dir(dir_);
 }
