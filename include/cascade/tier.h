@@ -205,6 +205,14 @@ class Tier {
   // Removes the block. NotFound when absent. A leased block disappears from
   // lookups at once; its space is reused when the last lease ends.
   virtual Status remove(const BlockId& id) = 0;
+  // A user's remove: as remove(), and a persistent tier also writes the
+  // removal down, so that a reopen after a kill does not find the id with
+  // the bytes it had before (it may have been put again with others, held
+  // above only). Durable as a put is (at the next flush, at once with
+  // sync_writes). Evictions use remove() and remove_victim(): a block that
+  // leaves the last tier is not written down as removed. Tiers that keep
+  // nothing across a reopen: remove().
+  virtual Status remove_lasting(const BlockId& id) { return remove(id); }
   // Removes a victim this tier's claim_victims handed out, if its block is
   // still the one stored under its id: NotFound when a user removed it
   // meanwhile (and perhaps stored the id again, which stays).

@@ -74,7 +74,7 @@ Status CascadeStore::Impl::remove_impl(const BlockId& id) {
       // Its alias record below goes too: a later remove of the id finds
       // nothing, and a block put under it later is not shadowed.
       if (persistent < tiers.size() && tiers[persistent]->kind() == TierKind::kFile)
-        (void)tiers[persistent]->remove(id);
+        (void)tiers[persistent]->remove_lasting(id);
       if (!u->second) return Status::OK();  // other ids still share the bytes
       phys = u->first;
       aliased = true;
@@ -83,12 +83,14 @@ Status CascadeStore::Impl::remove_impl(const BlockId& id) {
                               " is not stored under its own id (dedup aliases share its bytes)");
     }
   }
+  // A user's remove is written down in a persistent tier (remove_lasting):
+  // the id is not found after a kill with the bytes it had before.
   bool any = false;
-  for (auto& t : tiers) any |= t->remove(phys).ok();
+  for (auto& t : tiers) any |= t->remove_lasting(phys).ok();
   // A copy of the block between two tiers that started before the sweep
   // may have landed after it: once none is in flight, sweep again.
   copies.wait_idle(phys);
-  for (auto& t : tiers) any |= t->remove(phys).ok();
+  for (auto& t : tiers) any |= t->remove_lasting(phys).ok();
   if (!any && !aliased) return Status::NotFound("block " + id.hex() + " is not stored");
   return Status::OK();
 }

@@ -123,7 +123,7 @@ void TierHandle::get_batch(std::span<const BlockId> ids, std::span<void* const> 
 
 Result<BlockView> TierHandle::acquire(const BlockId& id) { return parts_->tier->acquire(id); }
 bool TierHandle::contains(const BlockId& id) const { return parts_->tier->contains(id); }
-Status TierHandle::remove(const BlockId& id) { return parts_->tier->remove(id); }
+Status TierHandle::remove(const BlockId& id) { return parts_->tier->remove_lasting(id); }
 void TierHandle::clear() { parts_->tier->clear(); }
 Status TierHandle::flush() { return parts_->tier->flush(); }
 

@@ -234,13 +234,15 @@ TEST(TierHandleTest, FileHandlePutGetReopenInspect) {
     // Inspection works alongside the open handle.
     auto rep = inspect_directory(tmp.path(), true);
     ASSERT_TRUE(rep.ok());
-    EXPECT_EQ(rep->records, 30u);
+    EXPECT_EQ(rep->records, 31u);
   }
   auto rep = inspect_directory(tmp.path(), false);
   ASSERT_TRUE(rep.ok()) << rep.status().ToString();
   EXPECT_TRUE(rep->ok());
-  EXPECT_EQ(rep->records, 30u);  // the removal is not on disk
-  EXPECT_EQ(rep->live_records, 30u);
+  // 30 blocks and the removal record of block 29, which is not live.
+  EXPECT_EQ(rep->records, 31u);
+  EXPECT_EQ(rep->removal_records, 1u);
+  EXPECT_EQ(rep->live_records, 29u);
   EXPECT_GT(rep->segments.size(), 1u);
   for (auto& s : rep->segments) EXPECT_TRUE(s.sealed);
   EXPECT_EQ(rep->file_bytes, rep->live_bytes + rep->dead_bytes);
@@ -255,7 +257,7 @@ TEST(TierHandleTest, FileHandlePutGetReopenInspect) {
   EXPECT_TRUE(rep->verified);
   EXPECT_FALSE(rep->ok());
   EXPECT_EQ(rep->corrupt_records, 1u);
-  EXPECT_EQ(rep->records, 29u);
+  EXPECT_EQ(rep->records, 30u);  // 29 blocks (one damaged) and the removal record
   EXPECT_TRUE(inspect_directory(tmp.sub("nope"), false).status().is(Code::kNotFound));
   // Reopen: the damaged block is a miss, the rest are there.
   auto b = TierHandle::Open(TierKind::kFile, c);
@@ -267,7 +269,7 @@ TEST(TierHandleTest, FileHandlePutGetReopenInspect) {
   EXPECT_FALSE(found);
   EXPECT_EQ((*b)->stats().corrupt_blocks, 1u);
   ASSERT_TRUE((*b)->get(id_of(29), out.data(), out.size(), &found, &size).ok());
-  EXPECT_TRUE(found);  // removal is not durable until compaction
+  EXPECT_FALSE(found);  // a user's removal is written down (a removal record)
 }
 
 uint32_t mode_of(const std::string& path) {

@@ -274,6 +274,7 @@ Status FileTier::append(const BlockId& id, const void* data, uint64_t size, uint
 Status FileTier::put(const BlockId& id, const void* data, uint64_t size,
                      const PutOptions& options) {
   if (options.stored) *options.stored = false;
+  std::lock_guard<std::mutex> one_at_a_time(id_stripe(id));
   if (index_.contains(id)) return Status::OK();
   const uint64_t rec = file::record_size(size);
   if (rec > file::kMaxSegmentBytes || (put_limit_ && rec > put_limit_))
@@ -302,6 +303,24 @@ Status FileTier::put(const BlockId& id, const void* data, uint64_t size,
   return Status::OK();
 }
 
+Status FileTier::remove_lasting(const BlockId& id) {
+  std::lock_guard<std::mutex> one_at_a_time(id_stripe(id));
+  Status st = remove(id);
+  if (!st.ok()) return st;
+  // The removal record outlives the records it removes while one of them
+  // is on disk (removal_needed), as one a compaction writes does.
+  (void)append(id, nullptr, 0, file::kFlagRemoval,
+               [&](const Location& loc, const SegmentRef&, const RecordHeader& h) {
+                 std::lock_guard<std::mutex> lock(dead_mu_);
+                 removals_.emplace(id, RemovalEntry{loc, h.sequence});
+                 // Every record of the id on disk is older than it.
+                 auto [b, e] = dead_.equal_range(id);
+                 for (auto d = b; d != e; ++d) d->second.covered = true;
+                 return true;
+               });
+  return st;
+}
+
 Status FileTier::put_alias(const BlockId& alias, const BlockId& target) {
   if (alias == target) return Status::InvalidArgument("an alias cannot name itself");
   // Always a new record, also when the same pair is held already: the
@@ -310,6 +329,7 @@ Status FileTier::put_alias(const BlockId& alias, const BlockId& target) {
   // disk now.
   if (!index_.contains(target))
     return Status::NotFound("alias target " + target.hex() + " is not in the file tier");
+  std::lock_guard<std::mutex> one_at_a_time(id_stripe(alias));
   return append(
       alias, target.bytes.data(), 16, file::kFlagAlias,
       [&](const Location& loc, const SegmentRef&, const RecordHeader& h) {

@@ -39,9 +39,10 @@
 // the old segment. A crash at any point leaves either copy readable; on
 // reopen duplicates resolve to one record. Compaction runs inline when a put
 // needs room, in the background when dead bytes pile up, or via compact().
-// Removal is not written to disk: a removed block whose record still exists
-// comes back after a reopen (blocks are immutable, so it is the same data)
-// until compaction drops its record.
+// Evictions are not written to disk: an evicted block whose record still
+// exists comes back after a reopen (blocks are immutable, so it is the same
+// data) until compaction drops its record. A user's removal
+// (remove_lasting) writes a removal record.
 //
 // Removal records. An id removed and put again with other bytes has an
 // older record and a newer one on disk; if the newer one (dead by then) left
@@ -92,12 +93,13 @@
 // and record offsets are below 1 TiB; Location.size = payload bytes.
 //
 // Thread-safety: every method is thread-safe.
-// Lock order: compact_mu_ -> Lane::mu (lanes in index order) -> alias_mu_ ->
+// Lock order: id stripes -> compact_mu_ -> Lane::mu (lanes in index order) -> alias_mu_ ->
 // table_mu_ -> BlockIndex shard locks; dead_mu_ last of all. Index calls that may reclaim (remove,
 // release, clear) are never made while holding table_mu_. Ownership: the pool and the Env must
 // outlive the tier.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <memory>
@@ -160,6 +162,9 @@ class FileTier final : public Tier {
   Result<uint64_t> size_of(const BlockId& id) override;
   bool contains(const BlockId& id) const override;
   Status remove(const BlockId& id) override;
+  // Writes a removal record (a new sequence) once something was removed; a
+  // failure to write it leaves the removal in memory only (as remove()).
+  Status remove_lasting(const BlockId& id) override;
   std::vector<Victim> claim_victims(uint64_t bytes) override;
   void unclaim(Victim victim) override;
   uint64_t capacity_bytes() const override { return capacity_; }
@@ -272,6 +277,9 @@ class FileTier final : public Tier {
     uint64_t size = 0;                   // payload bytes
     uint64_t sequence = 0, content = 0;  // with state kKnown
     uint8_t state = 0;                   // kUnread, kKnown, kUnusable
+    // Older than a removal record of its id written since (remove_lasting):
+    // dropping it needs no decision.
+    bool covered = false;
   };
   static constexpr uint8_t kUnread = 0, kKnown = 1, kUnusable = 2;
   struct RemovalEntry {
@@ -361,6 +369,13 @@ class FileTier final : public Tier {
   std::unordered_multimap<BlockId, DeadRecord> dead_;                    // guarded by dead_mu_
   std::unordered_map<uint64_t, std::vector<BlockId>> dead_ids_by_slot_;  // guarded by dead_mu_
   std::unordered_multimap<BlockId, RemovalEntry> removals_;  // live ones; guarded by dead_mu_
+
+  // Puts of an id and remove_lasting() of it, one at a time: a removal
+  // record's sequence is then larger than those of the records it removes,
+  // and smaller than those of later puts. Taken before any other lock.
+  static constexpr size_t kIdStripes = 256;
+  std::array<std::mutex, kIdStripes> id_stripes_;
+  std::mutex& id_stripe(const BlockId& id) { return id_stripes_[id.hash64() % kIdStripes]; }
 
   std::mutex claimed_mu_;
   std::unordered_map<BlockId, uint64_t>

@@ -388,6 +388,10 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
         std::lock_guard<std::mutex> lock(dead_mu_);
         if (r.ref.sequence == kept_sequence || !removal_needed(id, r.ref.sequence)) continue;
         removals_.emplace(id, RemovalEntry{r.loc, r.ref.sequence});
+        auto [b, e] = dead_.equal_range(id);
+        for (auto d = b; d != e; ++d)
+          if (d->second.state == kKnown && d->second.sequence < r.ref.sequence)
+            d->second.covered = true;
       }
       kept_sequence = r.ref.sequence;
       r.seg->live_bytes.fetch_add(kPage);

@@ -33,7 +33,10 @@ void FileTier::note_dead(const BlockId& id, const Location& loc, const RecordHea
   auto [b, e] = dead_.equal_range(id);
   for (auto it = b; it != e; ++it) {
     if (it->second.offset != d.offset) continue;
-    if (it->second.state == kUnread) it->second = d;  // noted before (a remove, then its reclaim)
+    if (it->second.state == kUnread) {  // noted before (a remove, then its reclaim)
+      d.covered = it->second.covered;
+      it->second = d;
+    }
     return;
   }
   dead_.emplace(id, d);
@@ -75,8 +78,8 @@ std::vector<BlockId> FileTier::contested_ids(const Segment& seg) const {
     bool elsewhere = removals_.count(id) != 0;
     auto [b, e] = dead_.equal_range(id);
     for (auto d = b; d != e; ++d) {
-      if (file::location_slot(d->second.offset) == seg.slot) ++here;
-      else elsewhere = true;
+      if (file::location_slot(d->second.offset) != seg.slot) elsewhere = true;
+      else if (!d->second.covered) ++here;
     }
     if (here && (elsewhere || here > 1)) out.push_back(id);
   }
