@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -406,10 +407,12 @@ TEST(FileRemovalTest, ACompactionDroppingAnAliasWhoseTargetLeftLeavesNoOlderByte
   EXPECT_EQ(version_of(t.get(), 4), 1);
 }
 
-// Env::Default() with a hook called before each read of a file.
+// Env::Default() with a hook called before each read of a file, and one
+// that may fail an unlink.
 class ReadHookEnv final : public Env {
  public:
   std::function<void()> before_read;
+  std::function<bool(const std::string&)> fail_unlink;
 
   Result<std::unique_ptr<File>> open(const std::string& path,
                                      const FileOpenOptions& options) override {
@@ -426,7 +429,10 @@ class ReadHookEnv final : public Env {
   Status rename(const std::string& from, const std::string& to) override {
     return base_->rename(from, to);
   }
-  Status unlink(const std::string& path) override { return base_->unlink(path); }
+  Status unlink(const std::string& path) override {
+    if (fail_unlink && fail_unlink(path)) return Status::IOError("unlink refused: " + path);
+    return base_->unlink(path);
+  }
   Status sync_dir(const std::string& dir) override { return base_->sync_dir(dir); }
   Result<FsSpace> space(const std::string& path) override { return base_->space(path); }
   Result<std::unique_ptr<FileLock>> lock_file(const std::string& path, uint32_t mode) override {
@@ -487,20 +493,58 @@ TEST(FileRemovalTest, ARemoveInsideTheCompactionsDecisionLeavesNoOlderBytesFound
     ASSERT_TRUE(put(t, 150).ok());
     ASSERT_EQ(t->segment_count(), 2u);
     for (uint64_t n : {5, 150}) ASSERT_TRUE(t->remove(id_of(n)).ok());
+    // Another thread removes block 1 while the compaction reads a header;
+    // the hook gives it 100 ms (a remove that must wait for the decision
+    // finishes after it).
     bool fired = false;
+    std::atomic<bool> removed{false};
+    std::thread remover;
     env.before_read = [&] {
       if (fired) return;
       fired = true;
-      EXPECT_TRUE(t->remove(id_of(1)).ok());
+      remover = std::thread([&] {
+        EXPECT_TRUE(t->remove(id_of(1)).ok());
+        removed.store(true);
+      });
+      for (int i = 0; i < 100 && !removed.load(); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
     };
     ASSERT_TRUE(t->compact(1).ok());
     env.before_read = nullptr;
     ASSERT_TRUE(fired);
+    remover.join();
   }
   auto t = open(c);
   const int v = version_of(t.get(), 1);
   EXPECT_TRUE(v == 0 || v == 2) << "block 1 came back as version " << v;
   EXPECT_EQ(version_of(t.get(), 2), 1);
+}
+
+TEST(FileRemovalTest, ASegmentThatCouldNotBeDeletedStillCountsForRemovalRecords) {
+  // Block 1's first version sits in a dead segment whose file cannot be
+  // deleted (it stays, and a reopen reads it); its second version's
+  // segment then goes. The first version must not come back.
+  file_test::TempDir tmp;
+  const CascadeConfig c = small_segments(tmp.path());
+  ReadHookEnv env;
+  std::string stuck;
+  env.fail_unlink = [&](const std::string& path) { return !stuck.empty() && path == stuck; };
+  {
+    auto opened = FileTier::Open(c, nullptr, &env);
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    FileTier* t = opened->get();
+    for (uint64_t n : {1, 2, 150, 151}) ASSERT_TRUE(put(t, n).ok());
+    stuck = file_test::segment_files(tmp.path()).at(0);
+    for (uint64_t n : {1, 2, 150, 151}) ASSERT_TRUE(t->remove(id_of(n)).ok());
+    ASSERT_TRUE(t->compact().ok());
+    ASSERT_EQ(file_test::segment_files(tmp.path()).size(), 1u);  // it could not go
+    ASSERT_TRUE(put(t, 1, 2).ok());
+    ASSERT_TRUE(put(t, 3).ok());
+    for (uint64_t n : {1, 3}) ASSERT_TRUE(t->remove(id_of(n)).ok());
+    (void)t->compact();
+  }
+  auto t = open(c);
+  EXPECT_EQ(version_of(t.get(), 1), 0) << "the older bytes of block 1 came back";
 }
 
 TEST(FileRemovalTest, InspectResolvesRemovalRecordsAsAReopenDoes) {

@@ -126,15 +126,15 @@ Result<FileTier::SegmentRef> FileTier::create_segment() {
   return seg;
 }
 
-void FileTier::seal_segment(Segment& seg) {
+Status FileTier::seal_segment(Segment& seg) {
   seg.sealed.store(true);
   if (seg.bytes.load() == 0) {
     auto ref = [&]() -> SegmentRef {
       std::shared_lock<std::shared_mutex> lock(table_mu_);
       return segment_at(seg.slot);
     }();
-    if (ref.get() == &seg) retire_segment(ref);
-    return;
+    if (ref.get() == &seg) (void)retire_segment(ref);
+    return Status::OK();
   }
   Status st = seg.file->sync();
   seg.unsynced.store(false);
@@ -144,13 +144,18 @@ void FileTier::seal_segment(Segment& seg) {
                               /*sync=*/true, file_mode_);
   seg.headers = {};
   seg.alias_targets = {};
+  return st;
 }
 
 Status FileTier::ensure_room(Lane& lane, uint64_t record_bytes) {
   if (lane.active && !lane.active->retired.load()) {
     uint64_t used = lane.active->bytes.load();
     if (used == 0 || used + record_bytes <= segment_bytes_) return Status::OK();
-    seal_segment(*lane.active);
+    // A segment whose fsync failed holds records no later sync covers: the
+    // write that needed the room fails (a compaction then keeps its source).
+    Status sealed = seal_segment(*lane.active);
+    lane.active.reset();
+    if (!sealed.ok()) return with_context(sealed, "file tier segment sync failed");
   }
   lane.active.reset();
   auto seg = create_segment();
@@ -369,6 +374,7 @@ uint64_t FileTier::identity_of(uint64_t nonce) const {
 
 bool FileTier::drop_alias(const BlockId& alias) {
   AliasEntry dropped;
+  std::shared_lock<std::shared_mutex> not_while_deciding(removing_);
   {
     std::lock_guard<std::mutex> lock(alias_mu_);
     auto it = aliases_.find(alias);

@@ -93,10 +93,10 @@
 // and record offsets are below 1 TiB; Location.size = payload bytes.
 //
 // Thread-safety: every method is thread-safe.
-// Lock order: id stripes -> compact_mu_ -> Lane::mu (lanes in index order) -> alias_mu_ ->
-// table_mu_ -> BlockIndex shard locks; dead_mu_ last of all. Index calls that may reclaim (remove,
-// release, clear) are never made while holding table_mu_. Ownership: the pool and the Env must
-// outlive the tier.
+// Lock order: id stripes -> compact_mu_ -> removing_ -> Lane::mu (lanes in index order) ->
+// alias_mu_ -> table_mu_ -> BlockIndex shard locks; dead_mu_ last of all. Index calls that may
+// reclaim (remove, release, clear) are never made while holding table_mu_. Ownership: the pool and
+// the Env must outlive the tier.
 #pragma once
 
 #include <array>
@@ -232,7 +232,8 @@ class FileTier final : public Tier {
                       uint16_t flags, Location* loc, SegmentRef* seg, file::RecordHeader* header);
   Status ensure_room(Lane& lane, uint64_t record_bytes);
   Result<SegmentRef> create_segment();
-  void seal_segment(file::Segment& seg);
+  // The fsync's status: records a caller put there are durable only when OK.
+  Status seal_segment(file::Segment& seg);
   // Locks a writer lane (a free one if any) and returns it.
   std::unique_lock<std::mutex> lock_lane(Lane** lane);
 
@@ -269,7 +270,8 @@ class FileTier final : public Tier {
   std::vector<LiveRecord> live_records_of(const file::Segment& seg) const;
   Status compact_segment(const SegmentRef& seg);
   bool delete_if_dead(const SegmentRef& seg);
-  void retire_segment(const SegmentRef& seg);
+  // Deletes the segment file; false (the segment stays) when it cannot.
+  bool retire_segment(const SegmentRef& seg);
 
   // Dead records and removal records (see "Removal records" above).
   struct DeadRecord {
@@ -346,6 +348,11 @@ class FileTier final : public Tier {
   BlockIndex index_;
   FileRecoveryReport recovery_;
   std::atomic<uint64_t> next_sequence_{1};
+  // Segment files found at open that could not be read (set once by Open).
+  bool unread_segments_ = false;
+  // Removes (index removal, then noting the record dead) against a
+  // compaction's snapshot and decision: none falls in between.
+  mutable std::shared_mutex removing_;
   std::atomic<bool> loading_{false};  // Open is indexing the directory
 
   mutable std::mutex alias_mu_;

@@ -199,6 +199,7 @@ Status FileTier::load_directory() {
     if (!l.status.ok()) {
       // Unreadable: leave the file alone, serve nothing from it.
       ++recovery_.corrupt_records;
+      unread_segments_ = true;
       continue;
     }
     std::string path = file::join_path(dir_, file::segment_file_name(l.id));
@@ -411,7 +412,10 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
     live_record_bytes_.fetch_add(file::record_size(c.loc.size));
     ++recovery_.aliases;
   }
-  next_sequence_.store(max_sequence + 1);
+  // With a segment file unread, its records' sequences are unknown: new
+  // ones start far above any a run of the store could have written, so that
+  // a removal record in it never outranks a later put.
+  next_sequence_.store(max_sequence + 1 + (unread_segments_ ? uint64_t{1} << 40 : 0));
   for (Loaded& l : loaded) {
     l.scan.records = {};
     l.scan.alias_targets = {};
@@ -427,7 +431,7 @@ FileTier::~FileTier() {
   std::lock_guard<std::mutex> compacting(compact_mu_);
   auto seal_lane = [this](Lane& lane) {
     std::lock_guard<std::mutex> lock(lane.mu);
-    if (lane.active) seal_segment(*lane.active);
+    if (lane.active) (void)seal_segment(*lane.active);
     lane.active.reset();
   };
   for (auto& lane : lanes_) seal_lane(*lane);

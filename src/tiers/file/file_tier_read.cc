@@ -56,7 +56,9 @@ bool FileTier::drop_damaged(const BlockId& id, const Location& loc) {
   if (!now || now->offset != loc.offset || now->size != loc.size) return false;
   // Removed and re-put, or moved, meanwhile: its old record may be a hole.
   corrupt_blocks_.fetch_add(1, std::memory_order_relaxed);
+  std::shared_lock<std::shared_mutex> not_while_deciding(removing_);
   (void)index_.remove(id);
+  note_dead(id, loc, nullptr);
   return true;
 }
 
@@ -281,9 +283,13 @@ Result<uint64_t> FileTier::size_of(const BlockId& id) {
 Status FileTier::remove(const BlockId& id) {
   // Noted dead at once: a lease may hold the entry (and its reclaim, which
   // notes it too) for a while, and a compaction in between must know it.
-  const auto loc = index_.peek(id);
-  bool removed = index_.remove(id);
-  if (removed && loc) note_dead(id, *loc, nullptr);
+  bool removed = false;
+  {
+    std::shared_lock<std::shared_mutex> not_while_deciding(removing_);
+    const auto loc = index_.peek(id);
+    removed = index_.remove(id);
+    if (removed && loc) note_dead(id, *loc, nullptr);
+  }
   if (drop_alias(id)) removed = true;
   uint64_t token = 0;
   {

@@ -14,13 +14,14 @@ using file::RecordHeader;
 using file::Segment;
 
 void FileTier::note_dead(const BlockId& id, const Location& loc, const RecordHeader* h) {
+  SegmentRef seg;
   {
-    // A record of a segment already gone (a reclaim that a lease delayed
-    // past a compaction) is on no disk: nothing to weigh.
     std::shared_lock<std::shared_mutex> lock(table_mu_);
-    SegmentRef seg = segment_at(file::location_slot(loc.offset));
-    if (!seg || seg->retired.load()) return;
+    seg = segment_at(file::location_slot(loc.offset));
   }
+  // A record of a segment already gone (a reclaim that a lease delayed
+  // past a compaction) is on no disk: nothing to weigh.
+  if (!seg) return;
   DeadRecord d;
   d.offset = loc.offset;
   d.size = loc.size;
@@ -30,6 +31,9 @@ void FileTier::note_dead(const BlockId& id, const Location& loc, const RecordHea
     d.state = kKnown;
   }
   std::lock_guard<std::mutex> lock(dead_mu_);
+  // Checked under dead_mu_: a retire sets the flag before it forgets the
+  // segment's dead records under dead_mu_, so no entry outlives it.
+  if (seg->retired.load()) return;
   auto [b, e] = dead_.equal_range(id);
   for (auto it = b; it != e; ++it) {
     if (it->second.offset != d.offset) continue;
@@ -55,6 +59,8 @@ void FileTier::note_dead_alias(const BlockId& alias, const AliasEntry& e) {
 }
 
 bool FileTier::removal_needed(const BlockId& id, uint64_t sequence) const {
+  // A segment file that could not be read at open may hold older records.
+  if (unread_segments_) return true;
   auto [b, e] = dead_.equal_range(id);
   for (auto it = b; it != e; ++it) {
     const DeadRecord& d = it->second;

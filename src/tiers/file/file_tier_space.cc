@@ -51,15 +51,19 @@ Status FileTier::drop_page_cache() {
   return result;
 }
 
-void FileTier::retire_segment(const SegmentRef& seg) {
-  if (seg->retired.exchange(true)) return;
+bool FileTier::retire_segment(const SegmentRef& seg) {
+  if (seg->retired.exchange(true)) return true;
   // Readers still holding the segment keep reading through its open file.
   Status gone = env_->unlink(seg->path);
-  // Its dead records are forgotten once the file is gone (a file left
-  // behind is read at the next open, and its records still count), and
-  // while the segment holds its slot: no new segment can take the slot and
-  // have dead records of its own forgotten here.
-  if (gone.ok() || !env_->file_exists(seg->path)) forget_dead_in(*seg);
+  if (!gone.ok() && env_->file_exists(seg->path)) {
+    // Left behind, it is read at the next open: it stays in the table,
+    // its dead records still count, and a later pass deletes it.
+    seg->retired.store(false);
+    return false;
+  }
+  // Forgotten while the segment holds its slot: no new segment can take
+  // the slot and have dead records of its own forgotten here.
+  forget_dead_in(*seg);
   {
     std::unique_lock<std::shared_mutex> lock(table_mu_);
     auto it = slots_.find(seg->slot);
@@ -67,12 +71,16 @@ void FileTier::retire_segment(const SegmentRef& seg) {
   }
   (void)env_->unlink(file::join_path(dir_, file::summary_file_name(seg->id)));
   disk_bytes_.fetch_sub(seg->bytes.load());
+  return true;
 }
 
 bool FileTier::delete_if_dead(const SegmentRef& seg) {
   if (!seg->sealed.load() || seg->live_bytes.load() != 0) return false;
   std::vector<PlannedRemoval> plan;
-  if (!plan_removals(*seg, &plan).ok()) return false;
+  {
+    std::unique_lock<std::shared_mutex> no_removes(removing_);
+    if (!plan_removals(*seg, &plan).ok()) return false;
+  }
   if (!plan.empty()) {
     Lane& lane = *compaction_lane_;
     std::lock_guard<std::mutex> lock(lane.mu);
@@ -82,8 +90,7 @@ bool FileTier::delete_if_dead(const SegmentRef& seg) {
     if (!st.ok()) return false;  // the segment stays until its removal records are durable
     keep_removals(written);
   }
-  retire_segment(seg);
-  return true;
+  return retire_segment(seg);
 }
 
 void FileTier::maybe_schedule_compaction() {
@@ -127,7 +134,7 @@ void FileTier::seal_lanes_with_dead_bytes() {
   auto seal_if_dead = [this](Lane& lane) {
     std::lock_guard<std::mutex> lock(lane.mu);
     if (lane.active && dead_of(*lane.active) > 0) {
-      seal_segment(*lane.active);
+      (void)seal_segment(*lane.active);
       lane.active.reset();
     }
   };
@@ -212,6 +219,7 @@ bool FileTier::punch_dead_space(const SegmentRef& seg) {
   // A dead record that another record of its id is weighed against stays
   // as if live (its drop may need a removal record, and a full disk has
   // no room for one).
+  std::unique_lock<std::shared_mutex> no_removes(removing_);
   std::vector<LiveRecord> live = live_records_of(*seg);
   {
     const std::vector<BlockId> contested = contested_ids(*seg);
@@ -223,6 +231,7 @@ bool FileTier::punch_dead_space(const SegmentRef& seg) {
           live.push_back({id, Location{d->second.offset, d->second.size}, false, false, BlockId{}});
     }
   }
+  no_removes.unlock();
   std::sort(live.begin(), live.end(),
             [](const LiveRecord& a, const LiveRecord& b) { return a.loc.offset < b.loc.offset; });
   std::vector<std::pair<uint64_t, uint64_t>> holes;  // [begin, end)
@@ -254,6 +263,7 @@ bool FileTier::punch_dead_space(const SegmentRef& seg) {
   AlignedBuffer page;
   if (!page.reserve(kPage)) return false;
   bool punched = false;
+  std::vector<std::pair<uint64_t, uint64_t>> made;  // holes whose header was written
   for (auto [b, e] : holes) {
     // The hole's first page becomes a hole record, so a walk of the
     // segment steps over the zeros; then the rest goes back to the disk.
@@ -261,23 +271,25 @@ bool FileTier::punch_dead_space(const SegmentRef& seg) {
     std::memset(page.data(), 0, kPage);
     std::memcpy(page.data(), &h, sizeof(h));
     if (!seg->file->pwrite(page.data(), kPage, b).ok()) break;
+    made.emplace_back(b, e);
     if (!seg->file->punch_hole(b + kPage, e - b - kPage).ok()) break;
     punched = true;
   }
   (void)seg->file->sync();
   seg->punched_dead.store(dead);
 
+  // The new summary lists every record outside the holes made: dead ones
+  // left in a gap too small for a hole are still on disk, and a reopen
+  // must know them as a walk of the segment would.
   std::vector<RecordHeader> keep;
   std::vector<BlockId> targets;
   size_t next_target = 0;
-  size_t li = 0;
+  size_t hi = 0;
   for (const RecordHeader& h : listed->records) {
     BlockId target;
     if (h.is_alias()) target = listed->alias_targets[next_target++];
-    while (li < live.size() && file::location_record_offset(live[li].loc.offset) < h.record_offset)
-      ++li;
-    if (li == live.size() || file::location_record_offset(live[li].loc.offset) != h.record_offset)
-      continue;
+    while (hi < made.size() && made[hi].second <= h.record_offset) ++hi;
+    if (hi < made.size() && made[hi].first <= h.record_offset) continue;
     keep.push_back(h);
     if (h.is_alias()) targets.push_back(target);
   }
@@ -336,6 +348,9 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
   // snapshot is taken is copied (a removal meanwhile leaves the copy, with
   // the same sequence and bytes, as the newest record of its id), and one
   // removed before it is a dead record the plan weighs.
+  // No remove falls between the snapshot and the decision (a remove takes
+  // the record out of the index, then notes it dead).
+  std::unique_lock<std::shared_mutex> no_removes(removing_);
   std::vector<LiveRecord> live = live_records_of(*seg);
   live.erase(std::remove_if(live.begin(), live.end(),
                             [&](const LiveRecord& e) {
@@ -346,6 +361,7 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
              live.end());
   std::vector<PlannedRemoval> plan;
   CASCADE_RETURN_IF_ERROR(plan_removals(*seg, &plan));
+  no_removes.unlock();
   struct Moved {
     LiveRecord rec;
     Location to;
@@ -478,7 +494,7 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
       note_dead(m.rec.id, m.to, &m.header);  // removed or moved meanwhile: the copy is dead
     }
   }
-  retire_segment(seg);
+  (void)retire_segment(seg);  // a file left behind goes at a later pass
   (void)env_->sync_dir(dir_);
   compactions_.fetch_add(1, std::memory_order_relaxed);
   return Status::OK();
@@ -516,7 +532,7 @@ void FileTier::clear() {
   // an older record without the removal record that guards it.
   std::stable_partition(all.begin(), all.end(),
                         [&](const SegmentRef& seg) { return !guarding.count(seg->slot); });
-  for (auto& seg : all) retire_segment(seg);
+  for (auto& seg : all) (void)retire_segment(seg);
   (void)env_->sync_dir(dir_);
 }
 
