@@ -547,6 +547,36 @@ TEST(FileRemovalTest, ASegmentThatCouldNotBeDeletedStillCountsForRemovalRecords)
   EXPECT_EQ(version_of(t.get(), 1), 0) << "the older bytes of block 1 came back";
 }
 
+TEST(FileRemovalTest, APutWhileASegmentWithARemovalRecordIsUnreadableOutranksIt) {
+  // Block 1 put and removed by a user (a removal record); at the next open
+  // that segment file cannot be read, and block 1 is put again and flushed.
+  // Once the file reads again, the put must win over the removal record.
+  file_test::TempDir tmp;
+  const CascadeConfig c = small_segments(tmp.path());
+  {
+    auto t = open(c);
+    ASSERT_TRUE(put(t.get(), 1).ok());
+    ASSERT_TRUE(put(t.get(), 2).ok());
+    ASSERT_TRUE(t->remove_lasting(id_of(1)).ok());
+  }
+  const std::vector<std::string> segs = file_test::segment_files(tmp.path());
+  ASSERT_EQ(segs.size(), 1u);
+  const std::string aside = tmp.sub("aside");
+  ASSERT_EQ(::rename(segs[0].c_str(), aside.c_str()), 0);
+  ASSERT_EQ(::symlink(aside.c_str(), segs[0].c_str()), 0);  // refused: no links are followed
+  {
+    auto t = open(c);
+    EXPECT_GT(t->recovery_report().corrupt_records, 0u);
+    ASSERT_TRUE(put(t.get(), 1, 2).ok());
+    ASSERT_TRUE(t->flush().ok());
+  }
+  ASSERT_EQ(::unlink(segs[0].c_str()), 0);
+  ASSERT_EQ(::rename(aside.c_str(), segs[0].c_str()), 0);
+  auto t = open(c);
+  EXPECT_EQ(version_of(t.get(), 1), 2) << "a flushed put, never removed, was lost";
+  EXPECT_EQ(version_of(t.get(), 2), 1);
+}
+
 TEST(FileRemovalTest, InspectResolvesRemovalRecordsAsAReopenDoes) {
   file_test::TempDir tmp;
   const CascadeConfig c = small_segments(tmp.path());
