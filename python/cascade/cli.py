@@ -195,8 +195,8 @@ def _cmd_inspect(args) -> int:
         )
         if report.get("removal_records"):
             print(
-                f"{report['removal_records']} removal records (ids put again with other bytes "
-                "whose newer records left the disk first: their older records are dead)"
+                f"{report['removal_records']} removal records (ids removed by a user, or put "
+                "again with other bytes: their older records are dead)"
             )
         if report["foreign_segments"]:
             print(

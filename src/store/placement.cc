@@ -73,7 +73,8 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
     // id again, which stays). A copy this call stored below is then undone:
     // it would outlive the removal, and a later put of the id would find it
     // there. A copy that was there already (another's) is left alone.
-    if (!tiers[t]->remove_victim(v).ok() && stored_below) (void)tiers[below]->remove(v.id);
+    // Undone as the user's removal it lost to is: written down.
+    if (!tiers[t]->remove_victim(v).ok() && stored_below) (void)tiers[below]->remove_lasting(v.id);
     v.view.reset();
     // Aliases go with the last copy: a victim of the last tier may still
     // be held above it (write-through, or written down by flush()).

@@ -84,7 +84,8 @@ Status write_one(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persist
         auto now = tiers[t]->acquire(id);
         stale = now.ok() && now->data() != view->data();
       }
-      if (stale) (void)tiers[persistent]->remove(id);
+      // Undone as the user's removal it lost to is: written down.
+      if (stale) (void)tiers[persistent]->remove_lasting(id);
     }
     return st;
   }

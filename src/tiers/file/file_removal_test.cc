@@ -413,6 +413,7 @@ class ReadHookEnv final : public Env {
  public:
   std::function<void()> before_read;
   std::function<bool(const std::string&)> fail_unlink;
+  std::function<bool(const std::string&)> fail_sync;
 
   Result<std::unique_ptr<File>> open(const std::string& path,
                                      const FileOpenOptions& options) override {
@@ -459,7 +460,10 @@ class ReadHookEnv final : public Env {
     Status pwritev(const struct iovec* iov, int n, uint64_t off) override {
       return f_->pwritev(iov, n, off);
     }
-    Status sync() override { return f_->sync(); }
+    Status sync() override {
+      if (env_->fail_sync && env_->fail_sync(path())) return Status::IOError("sync refused");
+      return f_->sync();
+    }
     Status allocate(uint64_t off, uint64_t n) override { return f_->allocate(off, n); }
     Status punch_hole(uint64_t off, uint64_t n) override { return f_->punch_hole(off, n); }
     Status truncate(uint64_t size) override { return f_->truncate(size); }
@@ -545,6 +549,50 @@ TEST(FileRemovalTest, ASegmentThatCouldNotBeDeletedStillCountsForRemovalRecords)
   }
   auto t = open(c);
   EXPECT_EQ(version_of(t.get(), 1), 0) << "the older bytes of block 1 came back";
+}
+
+TEST(FileRemovalTest, ACompactedSegmentThatCouldNotBeDeletedKeepsItsOldCopiesWeighed) {
+  // Block 1 is copied out of a segment whose file then cannot be deleted;
+  // removed by a user after that, it must not come back from the old copy.
+  file_test::TempDir tmp;
+  const CascadeConfig c = small_segments(tmp.path());
+  ReadHookEnv env;
+  std::string stuck;
+  env.fail_unlink = [&](const std::string& path) { return !stuck.empty() && path == stuck; };
+  {
+    auto opened = FileTier::Open(c, nullptr, &env);
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    FileTier* t = opened->get();
+    for (uint64_t n : {1, 2}) ASSERT_TRUE(put(t, n).ok());
+    stuck = file_test::segment_files(tmp.path()).at(0);
+    ASSERT_TRUE(t->remove(id_of(2)).ok());
+    ASSERT_TRUE(t->compact().ok());  // block 1 copied out; the file stays
+    ASSERT_EQ(version_of(t, 1), 1);
+    ASSERT_TRUE(t->remove_lasting(id_of(1)).ok());
+    for (int i = 0; i < 3; ++i) (void)t->compact();
+  }
+  auto t = open(c);
+  EXPECT_EQ(version_of(t.get(), 1), 0) << "block 1, removed, came back";
+}
+
+TEST(FileRemovalTest, AFlushAfterASegmentFailedItsSyncAtSealSaysSo) {
+  // Records in a segment whose fsync failed as it was sealed are synced by
+  // no later flush: the next flush must not report them durable.
+  file_test::TempDir tmp;
+  const CascadeConfig c = small_segments(tmp.path());
+  ReadHookEnv env;
+  std::string failing;
+  env.fail_sync = [&](const std::string& path) { return !failing.empty() && path == failing; };
+  auto opened = FileTier::Open(c, nullptr, &env);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  FileTier* t = opened->get();
+  ASSERT_TRUE(put(t, 2).ok());
+  failing = file_test::segment_files(tmp.path()).at(0);
+  ASSERT_TRUE(put(t, 3).ok());
+  EXPECT_FALSE(put(t, 4).ok());  // needs a new segment: the full one's fsync fails
+  failing.clear();
+  EXPECT_FALSE(t->flush().ok()) << "blocks 2 and 3 were reported durable";
+  EXPECT_TRUE(t->flush().ok());  // said once
 }
 
 TEST(FileRemovalTest, APutWhileASegmentWithARemovalRecordIsUnreadableOutranksIt) {

@@ -138,6 +138,8 @@ Status FileTier::seal_segment(Segment& seg) {
   }
   Status st = seg.file->sync();
   seg.unsynced.store(false);
+  // No later flush syncs a sealed segment again: the next one says so.
+  if (!st.ok()) seal_sync_failed_.store(true);
   if (st.ok())
     (void)file::write_summary(env_, dir_, seg.id, key_, seg.headers, seg.alias_targets,
                               seg.bytes.load(),
@@ -261,7 +263,7 @@ Status FileTier::append(const BlockId& id, const void* data, uint64_t size, uint
       if (!live) {
         seg->live_bytes.fetch_sub(rec);
         live_record_bytes_.fetch_sub(rec);
-        note_dead(id, loc, &h);
+        if (!h.is_removal()) note_dead(id, loc, &h);
       }
       return Status::OK();
     }
@@ -317,6 +319,9 @@ Status FileTier::remove_lasting(const BlockId& id) {
   (void)append(id, nullptr, 0, file::kFlagRemoval,
                [&](const Location& loc, const SegmentRef&, const RecordHeader& h) {
                  std::lock_guard<std::mutex> lock(dead_mu_);
+                 // The removed record may have left the disk meanwhile (a
+                 // reclaim to make room for this one): then it guards nothing.
+                 if (!removal_needed(id, h.sequence)) return false;
                  removals_.emplace(id, RemovalEntry{loc, h.sequence});
                  // Every record of the id on disk is older than it.
                  auto [b, e] = dead_.equal_range(id);
@@ -373,6 +378,11 @@ uint64_t FileTier::identity_of(uint64_t nonce) const {
 }
 
 bool FileTier::drop_alias(const BlockId& alias) {
+  {
+    // Every put asks: most ids have no alias, and need no lock below.
+    std::lock_guard<std::mutex> lock(alias_mu_);
+    if (!aliases_.count(alias)) return false;
+  }
   AliasEntry dropped;
   std::shared_lock<std::shared_mutex> not_while_deciding(removing_);
   {
@@ -421,6 +431,10 @@ Status FileTier::flush() {
   }
   Status st = env_->sync_dir(dir_);
   if (result.ok() && !st.ok()) result = st;
+  if (result.ok() && seal_sync_failed_.exchange(false))
+    result = Status::IOError(
+        "a file tier segment failed its fsync when it was sealed: blocks put before this flush "
+        "may not be durable");
   return result;
 }
 

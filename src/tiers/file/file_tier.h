@@ -300,10 +300,12 @@ class FileTier final : public Tier {
   // Records (id, loc) as dead; h: its header when the caller has it.
   void note_dead(const BlockId& id, const Location& loc, const file::RecordHeader* h);
   void note_dead_alias(const BlockId& alias, const AliasEntry& e);
-  // The removal records that dropping seg's dead records needs. REQUIRES:
-  // compact_mu_ held, seg sealed. IOError when a header it needs cannot
-  // be read: seg must stay.
-  Status plan_removals(const file::Segment& seg, std::vector<PlannedRemoval>* out);
+  // The removal records that dropping seg's dead records needs, for the
+  // ids contested_ids(seg) gave while removing_ was held exclusive (with
+  // the snapshot of seg's live records). REQUIRES: compact_mu_ held, seg
+  // sealed. IOError when a header it needs cannot be read: seg must stay.
+  Status plan_removals(const file::Segment& seg, const std::vector<BlockId>& ids,
+                       std::vector<PlannedRemoval>* out);
   // Writes them through lane (locked). REQUIRES: compact_mu_ held.
   Status write_removals(Lane& lane, const std::vector<PlannedRemoval>& plan,
                         std::vector<WrittenRemoval>* written);
@@ -391,6 +393,7 @@ class FileTier final : public Tier {
   std::atomic<uint64_t> disk_bytes_{0};         // segment bytes + admitted puts not yet written
   std::atomic<uint64_t> live_record_bytes_{0};  // record bytes of indexed blocks
   std::atomic<bool> disk_full_{false};          // the file system said ENOSPC
+  std::atomic<bool> seal_sync_failed_{false};   // reported by the next flush()
   TierCounters counters_;
   std::atomic<uint64_t> corrupt_blocks_{0}, read_errors_{0}, compactions_{0};
 };

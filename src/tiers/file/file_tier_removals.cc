@@ -132,9 +132,9 @@ Result<FileTier::DeadRecord> FileTier::read_dead_header(const BlockId& id, DeadR
 // (dead ones and removal records) and the newest that stays once seg is
 // gone. A removal record is needed when the newest is one of seg's and what
 // stays is a record with other content.
-Status FileTier::plan_removals(const Segment& seg, std::vector<PlannedRemoval>* out) {
+Status FileTier::plan_removals(const Segment& seg, const std::vector<BlockId>& ids,
+                               std::vector<PlannedRemoval>* out) {
   out->clear();
-  const std::vector<BlockId> ids = contested_ids(seg);
   if (ids.empty()) return Status::OK();
   // Every put that took its sequence before now has published its record:
   // its lane lock is held from the sequence to the index insert. A record

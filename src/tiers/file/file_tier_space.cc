@@ -76,11 +76,14 @@ bool FileTier::retire_segment(const SegmentRef& seg) {
 
 bool FileTier::delete_if_dead(const SegmentRef& seg) {
   if (!seg->sealed.load() || seg->live_bytes.load() != 0) return false;
-  std::vector<PlannedRemoval> plan;
+  std::vector<BlockId> contested;
   {
+    // What the decision weighs, taken with no remove half done.
     std::unique_lock<std::shared_mutex> no_removes(removing_);
-    if (!plan_removals(*seg, &plan).ok()) return false;
+    contested = contested_ids(*seg);
   }
+  std::vector<PlannedRemoval> plan;
+  if (!plan_removals(*seg, contested, &plan).ok()) return false;
   if (!plan.empty()) {
     Lane& lane = *compaction_lane_;
     std::lock_guard<std::mutex> lock(lane.mu);
@@ -348,8 +351,10 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
   // snapshot is taken is copied (a removal meanwhile leaves the copy, with
   // the same sequence and bytes, as the newest record of its id), and one
   // removed before it is a dead record the plan weighs.
-  // No remove falls between the snapshot and the decision (a remove takes
-  // the record out of the index, then notes it dead).
+  // No remove falls between the snapshot and what the decision weighs (a
+  // remove takes the record out of the index, then notes it dead). A
+  // remove after them finds the record live in the snapshot: it is copied,
+  // and the copy (the same sequence and bytes) stays the id's newest.
   std::unique_lock<std::shared_mutex> no_removes(removing_);
   std::vector<LiveRecord> live = live_records_of(*seg);
   live.erase(std::remove_if(live.begin(), live.end(),
@@ -359,9 +364,10 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
                               return true;
                             }),
              live.end());
-  std::vector<PlannedRemoval> plan;
-  CASCADE_RETURN_IF_ERROR(plan_removals(*seg, &plan));
+  const std::vector<BlockId> contested = contested_ids(*seg);
   no_removes.unlock();
+  std::vector<PlannedRemoval> plan;
+  CASCADE_RETURN_IF_ERROR(plan_removals(*seg, contested, &plan));
   struct Moved {
     LiveRecord rec;
     Location to;
@@ -494,7 +500,12 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
       note_dead(m.rec.id, m.to, &m.header);  // removed or moved meanwhile: the copy is dead
     }
   }
-  (void)retire_segment(seg);  // a file left behind goes at a later pass
+  if (!retire_segment(seg)) {
+    // Left behind (a later pass deletes it): the old copies of the records
+    // moved out are dead records on disk now.
+    for (const Moved& m : moved)
+      if (!m.rec.removal) note_dead(m.rec.id, m.rec.loc, &m.header);
+  }
   (void)env_->sync_dir(dir_);
   compactions_.fetch_add(1, std::memory_order_relaxed);
   return Status::OK();
@@ -532,7 +543,12 @@ void FileTier::clear() {
   // an older record without the removal record that guards it.
   std::stable_partition(all.begin(), all.end(),
                         [&](const SegmentRef& seg) { return !guarding.count(seg->slot); });
-  for (auto& seg : all) (void)retire_segment(seg);
+  bool left_behind = false;
+  for (auto& seg : all) {
+    // A segment with removal records goes only if every other one went.
+    if (left_behind && guarding.count(seg->slot)) continue;
+    if (!retire_segment(seg)) left_behind = true;
+  }
   (void)env_->sync_dir(dir_);
 }
 
