@@ -52,15 +52,13 @@ Status FileTier::drop_page_cache() {
 }
 
 bool FileTier::retire_segment(const SegmentRef& seg) {
-  if (seg->retired.exchange(true)) return true;
+  if (seg->retired.load()) return true;
   // Readers still holding the segment keep reading through its open file.
   Status gone = env_->unlink(seg->path);
-  if (!gone.ok() && env_->file_exists(seg->path)) {
-    // Left behind, it is read at the next open: it stays in the table,
-    // its dead records still count, and a later pass deletes it.
-    seg->retired.store(false);
-    return false;
-  }
+  // Left behind, it is read at the next open: it stays in the table, its
+  // dead records still count, and a later pass deletes it.
+  if (!gone.ok() && env_->file_exists(seg->path)) return false;
+  if (seg->retired.exchange(true)) return true;
   // Forgotten while the segment holds its slot: no new segment can take
   // the slot and have dead records of its own forgotten here.
   forget_dead_in(*seg);
