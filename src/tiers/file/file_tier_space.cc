@@ -345,14 +345,10 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
     live_record_bytes_.fetch_sub(kPage);
     note_dead_alias(alias, dropped);
   };
-  // The live records first, then the plan: a record live here when the
-  // snapshot is taken is copied (a removal meanwhile leaves the copy, with
-  // the same sequence and bytes, as the newest record of its id), and one
-  // removed before it is a dead record the plan weighs.
-  // No remove falls between the snapshot and what the decision weighs (a
-  // remove takes the record out of the index, then notes it dead). A
-  // remove after them finds the record live in the snapshot: it is copied,
-  // and the copy (the same sequence and bytes) stays the id's newest.
+  // The live records first, then the plan. No remove falls between the snapshot and what the
+  // decision weighs (a remove takes the record out of the index, then notes it dead). A remove
+  // after them finds the record live in the snapshot: it is copied, and the copy (the same sequence
+  // and bytes) stays the id's newest.
   std::unique_lock<std::shared_mutex> no_removes(removing_);
   std::vector<LiveRecord> live = live_records_of(*seg);
   live.erase(std::remove_if(live.begin(), live.end(),
