@@ -450,9 +450,12 @@ size_t PoolTier::sub_batch(std::span<const uint64_t> sizes) const {
   }
   // Four sub-batches per thread balance the threads' shares; a sub-batch of
   // at least 1 MiB (and 16 small blocks) keeps the round trips to the server
-  // a small part of its copies.
-  const size_t least = std::clamp<size_t>(kSubBatchBytes / std::max<uint64_t>(1, largest), 1, 16);
-  return std::clamp<size_t>(n / (4 * size_t(pool_->size())), least, pool::kMaxItems);
+  // a small part of its copies, unless the batch is too small to give every
+  // thread one that large: then every thread gets one.
+  const size_t threads = size_t(pool_->size());
+  size_t least = std::clamp<size_t>(kSubBatchBytes / std::max<uint64_t>(1, largest), 1, 16);
+  least = std::min(least, std::max<size_t>(1, n / threads));
+  return std::clamp<size_t>(n / (4 * threads), least, pool::kMaxItems);
 }
 
 // Calls fn(c) for the parts [c0, c1), on the I/O threads when there are
