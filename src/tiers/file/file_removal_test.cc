@@ -63,8 +63,9 @@ int version_of(FileTier* t, uint64_t n) {
   return -1;
 }
 
-std::unique_ptr<FileTier> open(const CascadeConfig& c) {
-  auto t = FileTier::Open(c, nullptr);
+// env: null for Env::Default().
+std::unique_ptr<FileTier> open(const CascadeConfig& c, Env* env = nullptr) {
+  auto t = FileTier::Open(c, nullptr, env);
   EXPECT_TRUE(t.ok()) << t.status().message();
   return t.ok() ? std::move(t.value()) : nullptr;
 }
@@ -219,9 +220,8 @@ TEST(FileRemovalTest, HolesOnAFullDiskLeaveNoOlderBytesFound) {
   // version 1 stays (there is no room for a removal record).
   auto env = NewMemoryEnv(320 << 10);
   const CascadeConfig c = small_segments("/full");
-  auto opened = FileTier::Open(c, nullptr, env.get());
-  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-  std::unique_ptr<FileTier> t = std::move(opened.value());
+  std::unique_ptr<FileTier> t = open(c, env.get());
+  ASSERT_TRUE(t);
   two_versions_in_two_segments(t.get());
   for (uint64_t n : {1, 101, 102}) ASSERT_TRUE(t->remove(id_of(n)).ok());
   int stored = 0;
@@ -230,9 +230,8 @@ TEST(FileRemovalTest, HolesOnAFullDiskLeaveNoOlderBytesFound) {
   }
   ASSERT_GT(stored, 10);  // room won back from the holes and deleted segments
   t.reset();
-  opened = FileTier::Open(c, nullptr, env.get());
-  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-  t = std::move(opened.value());
+  t = open(c, env.get());
+  ASSERT_TRUE(t);
   const int v = version_of(t.get(), 1);
   EXPECT_TRUE(v == 0 || v == 2) << "block 1 came back as version " << v;
   for (uint64_t n : {2, 150, 151, 103}) EXPECT_EQ(version_of(t.get(), n), 1) << n;
@@ -486,9 +485,9 @@ TEST(FileRemovalTest, ARemoveInsideTheCompactionsDecisionLeavesNoOlderBytesFound
   const CascadeConfig c = small_segments(tmp.path());
   ReadHookEnv env;
   {
-    auto opened = FileTier::Open(c, nullptr, &env);
-    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-    FileTier* t = opened->get();
+    auto owned = open(c, &env);
+    ASSERT_TRUE(owned);
+    FileTier* t = owned.get();
     // Segment 1: 1 (first version), 5, 2. Segment 2: 1 (second version), 5 again, 150.
     for (uint64_t n : {1, 5, 2}) ASSERT_TRUE(put(t, n).ok());
     for (uint64_t n : {1, 5}) ASSERT_TRUE(t->remove(id_of(n)).ok());
@@ -534,9 +533,9 @@ TEST(FileRemovalTest, ASegmentThatCouldNotBeDeletedStillCountsForRemovalRecords)
   std::string stuck;
   env.fail_unlink = [&](const std::string& path) { return !stuck.empty() && path == stuck; };
   {
-    auto opened = FileTier::Open(c, nullptr, &env);
-    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-    FileTier* t = opened->get();
+    auto owned = open(c, &env);
+    ASSERT_TRUE(owned);
+    FileTier* t = owned.get();
     for (uint64_t n : {1, 2, 150, 151}) ASSERT_TRUE(put(t, n).ok());
     stuck = file_test::segment_files(tmp.path()).at(0);
     for (uint64_t n : {1, 2, 150, 151}) ASSERT_TRUE(t->remove(id_of(n)).ok());
@@ -560,9 +559,9 @@ TEST(FileRemovalTest, ACompactedSegmentThatCouldNotBeDeletedKeepsItsOldCopiesWei
   std::string stuck;
   env.fail_unlink = [&](const std::string& path) { return !stuck.empty() && path == stuck; };
   {
-    auto opened = FileTier::Open(c, nullptr, &env);
-    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-    FileTier* t = opened->get();
+    auto owned = open(c, &env);
+    ASSERT_TRUE(owned);
+    FileTier* t = owned.get();
     for (uint64_t n : {1, 2}) ASSERT_TRUE(put(t, n).ok());
     stuck = file_test::segment_files(tmp.path()).at(0);
     ASSERT_TRUE(t->remove(id_of(2)).ok());
@@ -583,9 +582,9 @@ TEST(FileRemovalTest, AFlushAfterASegmentFailedItsSyncAtSealSaysSo) {
   ReadHookEnv env;
   std::string failing;
   env.fail_sync = [&](const std::string& path) { return !failing.empty() && path == failing; };
-  auto opened = FileTier::Open(c, nullptr, &env);
-  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-  FileTier* t = opened->get();
+  auto owned = open(c, &env);
+  ASSERT_TRUE(owned);
+  FileTier* t = owned.get();
   ASSERT_TRUE(put(t, 2).ok());
   failing = file_test::segment_files(tmp.path()).at(0);
   ASSERT_TRUE(put(t, 3).ok());
