@@ -29,6 +29,7 @@ nb::dict inspection_dict(const InspectReport& r) {
   d["foreign_segments"] = r.foreign_segments;
   d["aliases"] = r.aliases;
   d["removal_records"] = r.removal_records;
+  d["needed_removal_records"] = r.needed_removal_records;
   d["other_files"] = r.other_files;
   nb::list segs;
   for (const SegmentInspection& s : r.segments) {

@@ -119,6 +119,27 @@ def test_inspect_clean_directory(file_config):
         cascade.inspect_directory(cfg.lustre_path + "-missing")
 
 
+def test_inspect_counts_a_users_removal_that_is_still_needed(file_config):
+    cfg = file_config()
+    with cascade.CascadeStore(cfg) as store:
+        for i in range(3):
+            store.put(f"i{i}", random_bytes(20_000, i))
+        store.flush()
+        assert store.remove("i1")
+    report = cascade.inspect_directory(cfg.lustre_path)
+    # i1's record is still on disk: its removal record keeps it from coming back.
+    assert report["ok"] and report["live_records"] == 2
+    assert report["removal_records"] == 1 and report["needed_removal_records"] == 1
+    r = subprocess.run(
+        [sys.executable, "-m", "cascade", "inspect", cfg.lustre_path],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0 and "1 removal records" in r.stdout and "1 still needed" in r.stdout
+    with cascade.CascadeStore(cfg) as store:
+        assert not store.contains("i1") and store.contains("i0")
+
+
 def test_lustre_backend_direct(tmp_path):
     path = str(tmp_path / "lustre")
     data = random_bytes(300_000, 9)

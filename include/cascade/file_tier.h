@@ -55,7 +55,11 @@ struct InspectReport {
   uint64_t foreign_segments = 0;  // segment files a store would not read (see SegmentInspection)
   uint64_t aliases = 0;           // live alias records
   uint64_t removal_records = 0;   // removal records (an id's older records are dead)
-  uint64_t other_files = 0;       // names that are not the tier's
+  // Of them, those still needed: an older record of their id is in the
+  // directory. Their pages count in live_bytes, not in live_records (which
+  // counts records that serve a block).
+  uint64_t needed_removal_records = 0;
+  uint64_t other_files = 0;  // names that are not the tier's
 
   // Nothing damaged was found (torn tails after a crash are not damage;
   // foreign segments are reported, not damage).

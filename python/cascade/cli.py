@@ -196,7 +196,9 @@ def _cmd_inspect(args) -> int:
         if report.get("removal_records"):
             print(
                 f"{report['removal_records']} removal records (ids removed by a user, or put "
-                "again with other bytes: their older records are dead)"
+                "again with other bytes: their older records are dead), "
+                f"{report.get('needed_removal_records', 0)} still needed (an older record of "
+                "their id is on disk; counted in the live bytes)"
             )
         if report["foreign_segments"]:
             print(

@@ -194,8 +194,10 @@ Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
       if (it != table->end() && it->second.sequence <= r.sequence) table->erase(it);
     }
     auto o = oldest.find(id);
-    if (o != oldest.end() && o->second < r.sequence)
+    if (o != oldest.end() && o->second < r.sequence) {
       report.segments[r.seg_index].live_bytes += r.bytes;
+      ++report.needed_removal_records;
+    }
   }
   auto count_live = [&](const Best& b) {
     SegmentInspection& s = report.segments[b.seg_index];

@@ -636,6 +636,7 @@ TEST(FileRemovalTest, InspectResolvesRemovalRecordsAsAReopenDoes) {
   ASSERT_TRUE(report.ok()) << report.status().message();
   EXPECT_EQ(report->live_records, 5u);  // 2, 150, 151, 102, 103; block 1 is removed
   EXPECT_EQ(report->removal_records, 1u);
+  EXPECT_EQ(report->needed_removal_records, 1u);  // block 1's older record is still there
   EXPECT_TRUE(report->ok());
 }
 
