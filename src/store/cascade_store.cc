@@ -100,9 +100,17 @@ Status CascadeStore::Impl::write_down(const WriteDownOptions& o) {
   auto put = [this](size_t t, const BlockId& id, const void* data, uint64_t size,
                     const PutOptions& po) { return put_into(t, id, data, size, po); };
   auto put_alias = [this](size_t t, const BlockId& alias, const BlockId& target) {
+    // Under the bytes' content lock, which a remove holds while it unlinks
+    // the alias and removes its record below: an alias removed since the
+    // flush listed it is not written back after its removal found no
+    // record, and one written here is marked before a remove can unlink it.
+    std::lock_guard<std::mutex> linked(content_lock(target));
+    if (dedup->resolve(alias) != target)
+      return Status::NotFound("alias " + alias.hex() + " was removed meanwhile");
     Status st;
     for (int round = 0; round < 256; ++round) {  // as put_into: each round evicts a block
       st = tiers[t]->put_alias(alias, target);
+      if (st.ok()) dedup->mark_written(alias, target);
       if (!st.is(Code::kNoSpace)) return st;  // NotFound: the room made was the target's
       Status room = make_room(t, kAliasRecordBytes, st);
       if (!room.ok()) return room;

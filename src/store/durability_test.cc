@@ -887,6 +887,42 @@ TEST(DurabilityTest, AnIdRemovedAndPutAgainBeforeAKillNeverComesBackWithItsOlder
   }
 }
 
+// A flush lists the aliases it has to write, then writes them: aliases a
+// user removes in between (from the end of the list, while the flush works
+// from its start) must not be written back, since their removal found no
+// record to remove. After a clean close, none comes back.
+TEST(DurabilityTest, AliasesRemovedWhileAFlushWritesThemStayRemoved) {
+  const auto bytes = bytes_of(3, 4096);
+  CascadeConfig c = kept_arena_config();
+  c.shm_persist = false;
+  c.dedup_enabled = true;
+  constexpr uint64_t kAliases = 3000;
+  {
+    auto s = open_kept(c);
+    ASSERT_TRUE(s->put(id_of(kAliases), bytes.data(), bytes.size()).ok());  // the bytes' own id
+    ASSERT_TRUE(s->flush().ok());
+    for (uint64_t i = 0; i < kAliases; ++i)
+      ASSERT_TRUE(s->put(id_of(i), bytes.data(), bytes.size()).ok());
+    Status flushed;
+    std::thread flusher([&] { flushed = s->flush(); });
+    for (uint64_t i = kAliases; i-- > 0;) ASSERT_TRUE(s->remove(id_of(i)).ok()) << i;
+    flusher.join();
+    EXPECT_TRUE(flushed.ok()) << flushed.ToString();
+  }
+  auto s = open_kept(c);
+  size_t back = 0;
+  for (uint64_t i = 0; i < kAliases; ++i) {
+    back += s->contains(id_of(i));
+  }
+  EXPECT_EQ(back, 0u) << "removed aliases came back after a clean close";
+  std::vector<uint8_t> out;
+  GetResult r;
+  ASSERT_TRUE(s->get(id_of(kAliases), &out, &r).ok());
+  EXPECT_TRUE(r.found && out == bytes);
+  s.reset();
+  remove_kept(c);
+}
+
 // Three tiers: a memory tier of 1 MiB over one of 128 KiB over a disk.
 // Blocks of 256 KiB fit the first and the disk, not the middle tier: the
 // first tier's victims go past the middle one to the disk, none is dropped.

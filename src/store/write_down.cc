@@ -138,15 +138,12 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
     pool->parallel_for(pending.size(), [&](size_t i) {
       const auto& [alias, target] = pending[i];
       if (!p.contains(target)) return;
-      Status st = put_alias(persistent, alias, target);
-      if (st.ok()) {
-        dedup->mark_written(alias, target);
-      } else if (!st.is(Code::kNotFound)) {
-        alias_failures.add(st);
-      }
-      // NotFound: the target left the tier meanwhile (evicted to make room),
-      // taking its aliases with it unless a tier above still holds it; then
-      // the alias stays unwritten and the next flush writes both down.
+      Status st = put_alias(persistent, alias, target);  // marks it written
+      if (!st.ok() && !st.is(Code::kNotFound)) alias_failures.add(st);
+      // NotFound: the alias was removed meanwhile, or the target left the
+      // tier (evicted to make room), taking its aliases with it unless a
+      // tier above still holds it; then the alias stays unwritten and the
+      // next flush writes both down.
     });
   }
   Status flushed;

@@ -35,7 +35,11 @@ size_t persistent_tier_index(const std::vector<std::unique_ptr<Tier>>& tiers);
 // a written-down block counts as received from the tier above.
 using TierPut = std::function<Status(size_t t, const BlockId& id, const void* data, uint64_t size,
                                      const PutOptions& options)>;
-// Writes a dedup alias into tier t, making room there as for a block.
+// Writes a dedup alias into tier t, making room there as for a block, and
+// marks it written in the dedup table, both as one step against a remove of
+// the alias: an alias removed (or linked elsewhere) since the write-down
+// listed it is not written back, and NotFound says so, as it does when the
+// target left the tier.
 using AliasPut = std::function<Status(size_t t, const BlockId& alias, const BlockId& target)>;
 
 struct WriteDownOptions {
