@@ -402,7 +402,8 @@ void register_store(nb::module_& m) {
            "For each id, the index in `pipeline` of the first tier holding it (0 = the top "
            "tier), or -1 for a miss.")
       .def("remove", &PyStore::remove, "block_id"_a,
-           "Removes the block; False when it was not stored.")
+           "Removes the block; False when it was not stored. Raises when no tier had it but one "
+           "could not say (UnavailableError: a node pool server gone).")
       .def(
           "put_batch", &PyStore::put_batch, "block_ids"_a, "data_list"_a, "is_prefix"_a = false,
           "Stores many blocks in parallel; returns how many are stored. data_list is a sequence of "

@@ -318,6 +318,9 @@ def test_a_client_sees_unavailable_when_the_server_goes(tmp_path):
     srv, client = small_pool(tmp_path)
     client.put("a", np.ones(4096, np.uint8))
     srv.close()
+    # A remove cannot tell whether the block was there: not "not stored".
+    with pytest.raises(cascade.UnavailableError):
+        client.remove("a")
     with pytest.raises(cascade.UnavailableError):
         client.put("b", np.ones(4096, np.uint8))
     # Closing flushes the pool (the server's durability contract); with the

@@ -101,7 +101,9 @@ class CascadeStore {
   std::vector<int> locate_batch(std::span<const BlockId> ids) const;
   std::vector<bool> contains_batch(std::span<const BlockId> ids) const;
 
-  // Removes the block from every tier. NotFound when no tier had it.
+  // Removes the block from every tier. NotFound when no tier had it; when
+  // none had it but one could not say (a node pool server gone, an I/O
+  // error), that tier's error.
   Status remove(const BlockId& id);
 
   // Zero-copy view of a block in the top memory tier, under a lease. A block

@@ -86,12 +86,23 @@ Status CascadeStore::Impl::remove_impl(const BlockId& id) {
   // A user's remove is written down in a persistent tier (remove_lasting):
   // the id is not found after a kill with the bytes it had before.
   bool any = false;
-  for (auto& t : tiers) any |= t->remove_lasting(phys).ok();
+  Status failed;  // a tier that could not say (a pool server gone, an I/O error)
+  auto sweep = [&] {
+    for (auto& t : tiers) {
+      Status st = t->remove_lasting(phys);
+      any |= st.ok();
+      if (!st.ok() && !st.is(Code::kNotFound) && failed.ok()) failed = st;
+    }
+  };
+  sweep();
   // A copy of the block between two tiers that started before the sweep
   // may have landed after it: once none is in flight, sweep again.
   copies.wait_idle(phys);
-  for (auto& t : tiers) any |= t->remove_lasting(phys).ok();
-  if (!any && !aliased) return Status::NotFound("block " + id.hex() + " is not stored");
+  sweep();
+  if (!any && !aliased) {
+    if (!failed.ok()) return failed;
+    return Status::NotFound("block " + id.hex() + " is not stored");
+  }
   return Status::OK();
 }
 
