@@ -640,5 +640,57 @@ TEST(FileRemovalTest, InspectResolvesRemovalRecordsAsAReopenDoes) {
   EXPECT_TRUE(report->ok());
 }
 
+// Small blocks (a page each) put and removed over and over, as a user
+// does: only the newest removal record of an id stays live, so the dead
+// records and older removal records are reclaimed, where one live page per
+// removal would pin half of every segment and the directory would grow
+// without bound. One compaction pass takes the directory down to its live
+// records, and a reopen counts one removal record per removed id at most.
+TEST(FileRemovalTest, AnIdRemovedOverAndOverKeepsOneRemovalRecordLive) {
+  file_test::TempDir tmp;
+  const CascadeConfig c = small_segments(tmp.path());
+  constexpr uint64_t kIds = 50, kOps = 6000;
+  std::mt19937_64 rng(5);
+  {
+    auto t = open(c);
+    for (uint64_t i = 0; i < kOps; ++i) {
+      const uint64_t n = 200 + rng() % kIds;
+      if (rng() % 2) {
+        auto d = bytes_of(i, 400);
+        ASSERT_TRUE(t->put(id_of(n), d.data(), d.size(), PutOptions{}).ok());
+      } else {
+        Status st = t->remove_lasting(id_of(n));
+        ASSERT_TRUE(st.ok() || st.is(Code::kNotFound)) << st.ToString();
+      }
+    }
+    ASSERT_TRUE(t->flush().ok());
+    ASSERT_TRUE(t->compact().ok());
+    // Live: at most one block or one removal record per id, in a few
+    // segments, against some 23 MiB written.
+    EXPECT_LT(t->stats().reserved_bytes, uint64_t{2} << 20);
+  }
+  auto t = open(c);
+  EXPECT_LE(t->recovery_report().removals, kIds);
+  EXPECT_LT(t->stats().reserved_bytes, uint64_t{2} << 20);
+}
+
+// On disk, an id put and removed three times has three removal records
+// beside its three dead records: a reopen keeps the newest alone live.
+TEST(FileRemovalTest, AReopenKeepsOnlyTheNewestRemovalRecordOfAnIdLive) {
+  file_test::TempDir tmp;
+  const CascadeConfig c = small_segments(tmp.path());
+  {
+    auto t = open(c);
+    for (uint64_t i = 0; i < 3; ++i) {
+      auto d = bytes_of(i, 400);
+      ASSERT_TRUE(t->put(id_of(200), d.data(), d.size(), PutOptions{}).ok());
+      ASSERT_TRUE(t->remove_lasting(id_of(200)).ok());
+    }
+  }
+  auto t = open(c);
+  EXPECT_EQ(t->recovery_report().removals, 1u);
+  EXPECT_FALSE(t->contains(id_of(200)));
+}
+
 }  // namespace
 }  // namespace cascade

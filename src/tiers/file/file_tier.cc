@@ -140,6 +140,7 @@ Status FileTier::seal_segment(Segment& seg) {
   seg.unsynced.store(false);
   // No later flush syncs a sealed segment again: the next one says so.
   if (!st.ok()) seal_sync_failed_.store(true);
+  if (st.ok()) removals_synced(seg);
   if (st.ok())
     (void)file::write_summary(env_, dir_, seg.id, key_, seg.headers, seg.alias_targets,
                               seg.bytes.load(),
@@ -316,18 +317,25 @@ Status FileTier::remove_lasting(const BlockId& id) {
   if (!st.ok()) return st;
   // The removal record outlives the records it removes while one of them
   // is on disk (removal_needed), as one a compaction writes does.
+  std::vector<Location> unneeded;
   (void)append(id, nullptr, 0, file::kFlagRemoval,
                [&](const Location& loc, const SegmentRef&, const RecordHeader& h) {
                  std::lock_guard<std::mutex> lock(dead_mu_);
                  // The removed record may have left the disk meanwhile (a
                  // reclaim to make room for this one): then it guards nothing.
                  if (!removal_needed(id, h.sequence)) return false;
-                 removals_.emplace(id, RemovalEntry{loc, h.sequence});
+                 // Synced already with sync_writes; else at the segment's
+                 // next sync (removals_synced), and until then the older
+                 // removal records of the id stay live.
+                 removals_.emplace(id, RemovalEntry{loc, h.sequence, sync_writes_});
+                 if (sync_writes_) supersede_removals(id, h.sequence, &unneeded);
+                 else undurable_removals_[file::location_slot(loc.offset)].push_back(id);
                  // Every record of the id on disk is older than it.
                  auto [b, e] = dead_.equal_range(id);
                  for (auto d = b; d != e; ++d) d->second.covered = true;
                  return true;
                });
+  for (const Location& loc : unneeded) forget_record(loc);
   return st;
 }
 
@@ -421,6 +429,8 @@ Status FileTier::flush() {
       if (!st.ok()) {
         lane.active->unsynced.store(true);
         if (result.ok()) result = st;
+      } else {
+        removals_synced(*lane.active);
       }
     }
   };

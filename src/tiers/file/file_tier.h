@@ -56,7 +56,11 @@
 // drop. A removal record is live (copied by compaction) while a dead record
 // of its id older than it stays on disk. Holes are never punched over a
 // dead record that another record of its id is weighed against (a full
-// disk has no room for removal records).
+// disk has no room for removal records). Only the newest removal record of
+// an id is live, once it is durable: it removes everything older than
+// itself, so an older removal record of the id guards nothing more (else
+// an id removed again and again would keep one page per removal live, and
+// the segments holding them would never be worth compacting).
 //
 // A full file system (ENOSPC, with or without file_capacity_bytes): the put
 // that hits it first reclaims in place, then retries once. Fully dead
@@ -287,6 +291,10 @@ class FileTier final : public Tier {
   struct RemovalEntry {
     Location loc;
     uint64_t sequence = 0;
+    // On disk for good (synced): then it supersedes the older removal
+    // records of its id. A user's removal without sync_writes is durable
+    // once its segment is synced (flush, seal).
+    bool durable = true;
   };
   struct PlannedRemoval {
     BlockId id;
@@ -318,6 +326,13 @@ class FileTier final : public Tier {
   // A removal record of id with this sequence still guards an older
   // record. REQUIRES: dead_mu_ held.
   bool removal_needed(const BlockId& id, uint64_t sequence) const;
+  // Drops the live removal records of id older than `sequence` (a durable
+  // one of that sequence supersedes them), adding their locations to
+  // `unneeded` for forget_record. REQUIRES: dead_mu_ held.
+  void supersede_removals(const BlockId& id, uint64_t sequence, std::vector<Location>* unneeded);
+  // seg was synced: its removal records are durable now, and supersede the
+  // older ones of their ids.
+  void removals_synced(const file::Segment& seg);
   // Ids with a dead record in seg that another record of theirs is weighed
   // against (another dead record or a removal record).
   std::vector<BlockId> contested_ids(const file::Segment& seg) const;
@@ -378,6 +393,9 @@ class FileTier final : public Tier {
   std::unordered_multimap<BlockId, DeadRecord> dead_;                    // guarded by dead_mu_
   std::unordered_map<uint64_t, std::vector<BlockId>> dead_ids_by_slot_;  // guarded by dead_mu_
   std::unordered_multimap<BlockId, RemovalEntry> removals_;  // live ones; guarded by dead_mu_
+  // Ids with a removal record not durable yet, by its segment's slot.
+  // Guarded by dead_mu_.
+  std::unordered_map<uint64_t, std::vector<BlockId>> undurable_removals_;
 
   // Puts of an id and remove_lasting() of it, one at a time: a removal
   // record's sequence is then larger than those of the records it removes,

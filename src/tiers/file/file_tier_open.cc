@@ -379,26 +379,24 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
     }
   }
   for (auto& [id, found] : removal_candidates) {
-    // Copies of one removal record (an interrupted compaction): one is kept.
-    std::sort(found.begin(), found.end(), [](const RemovalCandidate& a, const RemovalCandidate& b) {
-      return a.ref.newer_than(b.ref);
-    });
-    uint64_t kept_sequence = UINT64_MAX;
-    for (const RemovalCandidate& r : found) {
-      {
-        std::lock_guard<std::mutex> lock(dead_mu_);
-        if (r.ref.sequence == kept_sequence || !removal_needed(id, r.ref.sequence)) continue;
-        removals_.emplace(id, RemovalEntry{r.loc, r.ref.sequence});
-        auto [b, e] = dead_.equal_range(id);
-        for (auto d = b; d != e; ++d)
-          if (d->second.state == kKnown && d->second.sequence < r.ref.sequence)
-            d->second.covered = true;
-      }
-      kept_sequence = r.ref.sequence;
-      r.seg->live_bytes.fetch_add(kPage);
-      live_record_bytes_.fetch_add(kPage);
-      ++recovery_.removals;
+    // The newest removal record of an id, on disk, removes everything older
+    // than itself: the older ones (and copies of it left by an interrupted
+    // compaction) guard nothing more and are dead.
+    const RemovalCandidate* newest = &found[0];
+    for (const RemovalCandidate& r : found)
+      if (r.ref.newer_than(newest->ref)) newest = &r;
+    {
+      std::lock_guard<std::mutex> lock(dead_mu_);
+      if (!removal_needed(id, newest->ref.sequence)) continue;
+      removals_.emplace(id, RemovalEntry{newest->loc, newest->ref.sequence});
+      auto [b, e] = dead_.equal_range(id);
+      for (auto d = b; d != e; ++d)
+        if (d->second.state == kKnown && d->second.sequence < newest->ref.sequence)
+          d->second.covered = true;
     }
+    newest->seg->live_bytes.fetch_add(kPage);
+    live_record_bytes_.fetch_add(kPage);
+    ++recovery_.removals;
   }
   // Aliases: the newest record of each alias, kept while its target is here.
   for (auto& [alias, c] : alias_candidates) {

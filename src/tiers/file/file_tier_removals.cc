@@ -70,6 +70,41 @@ bool FileTier::removal_needed(const BlockId& id, uint64_t sequence) const {
   return false;
 }
 
+void FileTier::supersede_removals(const BlockId& id, uint64_t sequence,
+                                  std::vector<Location>* unneeded) {
+  auto [b, e] = removals_.equal_range(id);
+  for (auto r = b; r != e;) {
+    if (r->second.sequence < sequence) {
+      unneeded->push_back(r->second.loc);
+      r = removals_.erase(r);
+    } else {
+      ++r;
+    }
+  }
+}
+
+void FileTier::removals_synced(const Segment& seg) {
+  std::vector<Location> unneeded;
+  {
+    std::lock_guard<std::mutex> lock(dead_mu_);
+    auto it = undurable_removals_.find(seg.slot);
+    if (it == undurable_removals_.end()) return;
+    std::vector<BlockId> ids = std::move(it->second);
+    undurable_removals_.erase(it);
+    for (const BlockId& id : ids) {
+      uint64_t newest = 0;
+      auto [b, e] = removals_.equal_range(id);
+      for (auto r = b; r != e; ++r) {
+        if (file::location_slot(r->second.loc.offset) != seg.slot || r->second.durable) continue;
+        r->second.durable = true;
+        newest = std::max(newest, r->second.sequence);
+      }
+      if (newest) supersede_removals(id, newest, &unneeded);
+    }
+  }
+  for (const Location& loc : unneeded) forget_record(loc);
+}
+
 std::vector<BlockId> FileTier::contested_ids(const Segment& seg) const {
   std::vector<BlockId> out;
   std::lock_guard<std::mutex> lock(dead_mu_);
@@ -225,12 +260,15 @@ Status FileTier::write_removals(Lane& lane, const std::vector<PlannedRemoval>& p
 }
 
 void FileTier::keep_removals(const std::vector<WrittenRemoval>& written) {
+  std::vector<Location> unneeded;
   for (const WrittenRemoval& w : written) {
     w.seg->live_bytes.fetch_add(kPage);
     live_record_bytes_.fetch_add(kPage);
     std::lock_guard<std::mutex> lock(dead_mu_);
+    supersede_removals(w.id, w.entry.sequence, &unneeded);  // written and synced
     removals_.emplace(w.id, w.entry);
   }
+  for (const Location& loc : unneeded) forget_record(loc);
 }
 
 Status FileTier::sync_compaction_lane(Lane& lane) {
@@ -245,6 +283,7 @@ void FileTier::forget_dead_in(const Segment& seg) {
   std::vector<Location> unneeded;
   {
     std::lock_guard<std::mutex> lock(dead_mu_);
+    undurable_removals_.erase(seg.slot);  // none once sealed; the slot may be reused
     auto it = dead_ids_by_slot_.find(seg.slot);
     if (it == dead_ids_by_slot_.end()) return;
     std::vector<BlockId> ids = std::move(it->second);

@@ -523,6 +523,7 @@ void FileTier::clear() {
     for (const auto& [id, r] : removals_) guarding.insert(file::location_slot(r.loc.offset));
     live_record_bytes_.fetch_sub(removals_.size() * kPage);
     removals_.clear();
+    undurable_removals_.clear();
     dead_.clear();
     dead_ids_by_slot_.clear();
   }
