@@ -188,6 +188,63 @@ TEST(TransportOpen, SharedMemoryWithoutFailureDetection) {
   link.t->close();
 }
 
+// Without failure detection an endpoint closes with a flush, which a
+// stopped peer never answers: closing it does not wait for that, so the
+// thread closing it, and the worker it holds meanwhile, hold up no other
+// peer's transfers.
+TEST(TransportOpen, ClosingAStoppedPeerWithoutFailureDetectionHoldsUpNoOtherPeer) {
+  if (!Transport::available()) GTEST_SKIP() << "built without UCX";
+  ForkedPeerOptions fo;
+  fo.transport.fabrics = "tcp";
+  fo.transport.require_failure_detection = false;
+  fo.region_bytes = 1 << 20;
+  fo.seed = 21;
+  auto stopped = ForkedPeer::Start(fo, deadline_in(30s));
+  fo.seed = 22;
+  auto live = ForkedPeer::Start(fo, deadline_in(30s));
+  ASSERT_TRUE(stopped.ok() && live.ok());
+  TransportOptions lo = fo.transport;
+  lo.progress_thread = true;
+  auto t = Transport::Open(lo);
+  ASSERT_TRUE(t.ok());
+  auto p1 = (*t)->connect((*stopped)->address(), deadline_in(10s));
+  auto p2 = (*t)->connect((*live)->address(), deadline_in(10s));
+  ASSERT_TRUE(p1.ok() && p2.ok());
+  auto r1 = (*p1)->import_key((*stopped)->key());
+  auto r2 = (*p2)->import_key((*live)->key());
+  ASSERT_TRUE(r1.ok() && r2.ok());
+  // Kept until the transport closes: a get past its deadline may still land.
+  std::vector<uint8_t> b1(1 << 20), b2(64 << 10);
+  (*stopped)->signal(SIGSTOP);
+  // A get the stopped peer never serves: it misses its deadline, and the
+  // endpoint's flush would wait for it.
+  auto c = (*p1)->get(**r1, 0, b1.data(), b1.size());
+  if (c.ok()) (void)(*c)->wait(deadline_in(100ms));
+  // The close on one thread, gets from the live peer on this one.
+  std::atomic<bool> closed{false};
+  TransportClock::duration close_took{};
+  std::thread closer([&] {
+    const auto t0 = TransportClock::now();
+    (*p1)->close();
+    close_took = TransportClock::now() - t0;
+    closed.store(true);
+  });
+  TransportClock::duration slowest{};
+  for (int i = 0; i < 20 || !closed.load(); ++i) {
+    const auto t0 = TransportClock::now();
+    auto g = (*p2)->get(**r2, 0, b2.data(), b2.size());
+    ASSERT_TRUE(g.ok());
+    ASSERT_TRUE((*g)->wait(deadline_in(5s)).ok());
+    slowest = std::max(slowest, TransportClock::now() - t0);
+  }
+  closer.join();
+  for (size_t i = 0; i < b2.size(); ++i) ASSERT_EQ(b2[i], pattern_byte(i, 22)) << i;
+  EXPECT_LT(close_took, 150ms);
+  EXPECT_LT(slowest, 150ms) << "a get from the live peer waited for the close";
+  (*stopped)->signal(SIGCONT);
+  (*t)->close();
+}
+
 // Shared memory alone: a send to a stopped peer misses its deadline, and the
 // caller then reuses its buffer. The send, which nothing can cancel, goes on
 // from its own copy once the peer runs again: the peer gets the bytes sent.

@@ -75,8 +75,9 @@ constexpr auto kCancelGrace = 5s;
 // they have, which takes the sender. Past this the transport keeps it
 // (Worker::orphans) and the caller returns.
 constexpr auto kReceiveCancelGrace = 20ms;
-// How long closing an endpoint without failure detection waits for its flush:
-// a live peer answers at once, a dead one never does.
+// How long closing the transport waits for the flushes of its endpoints
+// without failure detection: a live peer answers at once, a dead one never
+// does. (Closing one such endpoint alone does not wait: close_locked.)
 constexpr auto kFlushCloseGrace = 200ms;
 constexpr uint64_t kMaxMessageBytes = 64ull << 20;
 // A waiter polls this long before it sleeps (where the worker can wake it).
@@ -281,10 +282,12 @@ struct PeerState {
     failed = true;
     why = reason;
   }
-  // Closes the endpoint, cancelling what is pending on it.
+  // Starts closing the endpoint: forced where requests can be cancelled
+  // (every pending one completes with UCS_ERR_CANCELED), else with a
+  // flush. The close's request, or null when it finished at once.
   // REQUIRES: w->mu held.
-  void close_locked() {
-    if (ep == nullptr) return;
+  void* start_close_locked() {
+    if (ep == nullptr) return nullptr;
     ucp_request_param_t p{};
     if (can_cancel) {
       p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -292,11 +295,24 @@ struct PeerState {
     }
     ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &p);
     ep = nullptr;
-    if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
-    Deadline until = TransportClock::now() + (can_cancel ? Deadline::duration(kCancelGrace)
-                                                         : Deadline::duration(kFlushCloseGrace));
-    while (ucp_request_check_status(req) == UCS_INPROGRESS && TransportClock::now() < until)
-      w->progress_locked();
+    if (req == nullptr || UCS_PTR_IS_ERR(req)) return nullptr;
+    return req;
+  }
+  // Closes the endpoint, cancelling what is pending on it. A forced close
+  // is local work, driven here until it is done. A flush close (no failure
+  // detection) needs the peer, which may be stopped or gone: its request is
+  // left to UCX (the progress thread drives it, and it is released when it
+  // ends), so the worker, which this thread holds, and its other peers
+  // never wait on a dead one.
+  // REQUIRES: w->mu held.
+  void close_locked() {
+    void* req = start_close_locked();
+    if (req == nullptr) return;
+    if (can_cancel) {
+      const Deadline until = TransportClock::now() + kCancelGrace;
+      while (ucp_request_check_status(req) == UCS_INPROGRESS && TransportClock::now() < until)
+        w->progress_locked();
+    }
     ucp_request_free(req);  // one still in progress is released when it ends
   }
   // REQUIRES: w->mu held.
@@ -816,13 +832,26 @@ class UcxTransport final : public Transport {
       w_->driven.store(false);
     }
     std::lock_guard<std::mutex> lock(w_->mu);
+    // Every endpoint's close started at once, then driven together: live
+    // peers answer their flushes within a grace, however many are dead.
+    std::vector<std::pair<void*, Deadline>> closing;
+    const auto now = TransportClock::now();
     for (auto& weak : peers_) {
       if (auto p = weak.lock()) {
         p->fail_locked("transport closed");
-        p->close_locked();
+        if (void* req = p->start_close_locked())
+          closing.emplace_back(req, now + (p->can_cancel ? Deadline::duration(kCancelGrace)
+                                                         : Deadline::duration(kFlushCloseGrace)));
       }
     }
     peers_.clear();
+    for (bool open = !closing.empty(); open;) {
+      open = false;
+      for (const auto& [req, until] : closing)
+        open |= ucp_request_check_status(req) == UCS_INPROGRESS && TransportClock::now() < until;
+      if (open) w_->progress_locked();
+    }
+    for (const auto& [req, until] : closing) ucp_request_free(req);
   }
 
  private:
