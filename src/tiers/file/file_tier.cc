@@ -140,7 +140,7 @@ Status FileTier::seal_segment(Segment& seg) {
   seg.unsynced.store(false);
   // No later flush syncs a sealed segment again: the next one says so.
   if (!st.ok()) seal_sync_failed_.store(true);
-  if (st.ok()) removals_synced(seg);
+  removals_synced(seg, st.ok());
   if (st.ok())
     (void)file::write_summary(env_, dir_, seg.id, key_, seg.headers, seg.alias_targets,
                               seg.bytes.load(),
@@ -328,11 +328,18 @@ Status FileTier::remove_lasting(const BlockId& id) {
                  // next sync (removals_synced), and until then the older
                  // removal records of the id stay live.
                  removals_.emplace(id, RemovalEntry{loc, h.sequence, sync_writes_});
-                 if (sync_writes_) supersede_removals(id, h.sequence, &unneeded);
-                 else undurable_removals_[file::location_slot(loc.offset)].push_back(id);
-                 // Every record of the id on disk is older than it.
+                 // Every record of the id on disk is older than it, and
+                 // covered by it once it is durable: until then a
+                 // compaction weighs them as if it were not there.
                  auto [b, e] = dead_.equal_range(id);
-                 for (auto d = b; d != e; ++d) d->second.covered = true;
+                 if (sync_writes_) {
+                   supersede_removals(id, h.sequence, &unneeded);
+                   for (auto d = b; d != e; ++d) d->second.covered = true;
+                 } else {
+                   UndurableRemoval u{id, h.sequence, {}};
+                   for (auto d = b; d != e; ++d) u.covers.push_back(d->second.offset);
+                   undurable_removals_[file::location_slot(loc.offset)].push_back(std::move(u));
+                 }
                  return true;
                });
   for (const Location& loc : unneeded) forget_record(loc);
@@ -429,9 +436,8 @@ Status FileTier::flush() {
       if (!st.ok()) {
         lane.active->unsynced.store(true);
         if (result.ok()) result = st;
-      } else {
-        removals_synced(*lane.active);
       }
+      removals_synced(*lane.active, st.ok());
     }
   };
   for (auto& lane : lanes_) flush_lane(*lane);

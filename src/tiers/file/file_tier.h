@@ -331,8 +331,10 @@ class FileTier final : public Tier {
   // `unneeded` for forget_record. REQUIRES: dead_mu_ held.
   void supersede_removals(const BlockId& id, uint64_t sequence, std::vector<Location>* unneeded);
   // seg was synced: its removal records are durable now, and supersede the
-  // older ones of their ids.
-  void removals_synced(const file::Segment& seg);
+  // older ones of their ids and cover the dead records they were written
+  // over. With ok false (the fsync failed, and what it should have written
+  // may be lost even if a later one succeeds), they never will.
+  void removals_synced(const file::Segment& seg, bool ok = true);
   // Ids with a dead record in seg that another record of theirs is weighed
   // against (another dead record or a removal record).
   std::vector<BlockId> contested_ids(const file::Segment& seg) const;
@@ -393,9 +395,15 @@ class FileTier final : public Tier {
   std::unordered_multimap<BlockId, DeadRecord> dead_;                    // guarded by dead_mu_
   std::unordered_map<uint64_t, std::vector<BlockId>> dead_ids_by_slot_;  // guarded by dead_mu_
   std::unordered_multimap<BlockId, RemovalEntry> removals_;  // live ones; guarded by dead_mu_
-  // Ids with a removal record not durable yet, by its segment's slot.
-  // Guarded by dead_mu_.
-  std::unordered_map<uint64_t, std::vector<BlockId>> undurable_removals_;
+  // A user's removal record not durable yet: the dead records of its id
+  // then on disk (by Location::offset), which it covers once durable.
+  struct UndurableRemoval {
+    BlockId id;
+    uint64_t sequence = 0;
+    std::vector<uint64_t> covers;
+  };
+  // By its segment's slot. Guarded by dead_mu_.
+  std::unordered_map<uint64_t, std::vector<UndurableRemoval>> undurable_removals_;
 
   // Puts of an id and remove_lasting() of it, one at a time: a removal
   // record's sequence is then larger than those of the records it removes,

@@ -124,6 +124,9 @@ struct FileTier::Loaded {
   uint64_t file_bytes = 0;
   file::SegmentScan scan;
   bool scanned = false;
+  // Scanned (no summary: its store was killed) and its fsync here failed:
+  // what it holds may not be on disk, so its removal records supersede none.
+  bool unsure = false;
   Status status;
   SegmentRef seg;  // set once the segment is in the table
 };
@@ -222,9 +225,16 @@ Status FileTier::load_directory() {
         continue;
       }
       // Seal it: it is never appended to again, and the next open is fast.
-      (void)file::write_summary(env_, dir_, l.id, key_, l.scan.records, l.scan.alias_targets,
-                                l.scan.end,
-                                /*sync=*/true, file_mode_);
+      // Its bytes first: a killed store's last writes may be in the page
+      // cache alone, and a summary must not outlive them; nor may a removal
+      // record in it stand alone for its id (index_loaded).
+      if (l.file->sync().ok()) {
+        (void)file::write_summary(env_, dir_, l.id, key_, l.scan.records, l.scan.alias_targets,
+                                  l.scan.end,
+                                  /*sync=*/true, file_mode_);
+      } else {
+        l.unsure = true;
+      }
     } else {
       ++recovery_.segments_from_summary;
     }
@@ -280,6 +290,7 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
     Ref ref;
     Location loc;
     Segment* seg;
+    bool unsure;  // its segment's fsync failed here (Loaded::unsure)
   };
   std::unordered_map<BlockId, std::vector<RemovalCandidate>> removal_candidates;
   uint64_t max_sequence = 0;
@@ -294,7 +305,7 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
       Location loc{file::encode_location(seg.slot, h.record_offset), h.payload_length};
       Ref ref{h.sequence, seg.id, h.record_offset};
       if (h.is_removal()) {
-        removal_candidates[h.id()].push_back({ref, loc, &seg});
+        removal_candidates[h.id()].push_back({ref, loc, &seg, l.unsure});
         continue;
       }
       if (h.is_alias()) {
@@ -381,22 +392,31 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
   for (auto& [id, found] : removal_candidates) {
     // The newest removal record of an id, on disk, removes everything older
     // than itself: the older ones (and copies of it left by an interrupted
-    // compaction) guard nothing more and are dead.
-    const RemovalCandidate* newest = &found[0];
-    for (const RemovalCandidate& r : found)
-      if (r.ref.newer_than(newest->ref)) newest = &r;
-    {
-      std::lock_guard<std::mutex> lock(dead_mu_);
-      if (!removal_needed(id, newest->ref.sequence)) continue;
-      removals_.emplace(id, RemovalEntry{newest->loc, newest->ref.sequence});
-      auto [b, e] = dead_.equal_range(id);
-      for (auto d = b; d != e; ++d)
-        if (d->second.state == kKnown && d->second.sequence < newest->ref.sequence)
-          d->second.covered = true;
+    // compaction) guard nothing more and are dead. Unless it is in a
+    // segment whose fsync failed here: then the next durable one is kept
+    // live too, and so on (copies of one record count once).
+    std::sort(found.begin(), found.end(), [](const RemovalCandidate& a, const RemovalCandidate& b) {
+      return a.ref.newer_than(b.ref);
+    });
+    uint64_t kept_sequence = UINT64_MAX;
+    for (const RemovalCandidate& r : found) {
+      {
+        std::lock_guard<std::mutex> lock(dead_mu_);
+        if (r.ref.sequence == kept_sequence || !removal_needed(id, r.ref.sequence)) continue;
+        removals_.emplace(id, RemovalEntry{r.loc, r.ref.sequence, !r.unsure});
+        if (!r.unsure) {
+          auto [b, e] = dead_.equal_range(id);
+          for (auto d = b; d != e; ++d)
+            if (d->second.state == kKnown && d->second.sequence < r.ref.sequence)
+              d->second.covered = true;
+        }
+      }
+      kept_sequence = r.ref.sequence;
+      r.seg->live_bytes.fetch_add(kPage);
+      live_record_bytes_.fetch_add(kPage);
+      ++recovery_.removals;
+      if (!r.unsure) break;
     }
-    newest->seg->live_bytes.fetch_add(kPage);
-    live_record_bytes_.fetch_add(kPage);
-    ++recovery_.removals;
   }
   // Aliases: the newest record of each alias, kept while its target is here.
   for (auto& [alias, c] : alias_candidates) {

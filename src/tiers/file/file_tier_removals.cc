@@ -83,23 +83,29 @@ void FileTier::supersede_removals(const BlockId& id, uint64_t sequence,
   }
 }
 
-void FileTier::removals_synced(const Segment& seg) {
+void FileTier::removals_synced(const Segment& seg, bool ok) {
   std::vector<Location> unneeded;
   {
     std::lock_guard<std::mutex> lock(dead_mu_);
     auto it = undurable_removals_.find(seg.slot);
     if (it == undurable_removals_.end()) return;
-    std::vector<BlockId> ids = std::move(it->second);
+    std::vector<UndurableRemoval> pending = std::move(it->second);
     undurable_removals_.erase(it);
-    for (const BlockId& id : ids) {
-      uint64_t newest = 0;
-      auto [b, e] = removals_.equal_range(id);
+    if (!ok) return;  // they stay live (while needed), superseding nothing
+    for (const UndurableRemoval& u : pending) {
+      bool here = false;
+      auto [b, e] = removals_.equal_range(u.id);
       for (auto r = b; r != e; ++r) {
-        if (file::location_slot(r->second.loc.offset) != seg.slot || r->second.durable) continue;
+        if (r->second.sequence != u.sequence || r->second.durable) continue;
         r->second.durable = true;
-        newest = std::max(newest, r->second.sequence);
+        here = true;
       }
-      if (newest) supersede_removals(id, newest, &unneeded);
+      if (!here) continue;  // superseded or no longer needed meanwhile
+      supersede_removals(u.id, u.sequence, &unneeded);
+      auto [db, de] = dead_.equal_range(u.id);
+      for (auto d = db; d != de; ++d)
+        if (std::find(u.covers.begin(), u.covers.end(), d->second.offset) != u.covers.end())
+          d->second.covered = true;
     }
   }
   for (const Location& loc : unneeded) forget_record(loc);
@@ -187,8 +193,11 @@ Status FileTier::plan_removals(const Segment& seg, const std::vector<BlockId>& i
       std::lock_guard<std::mutex> lock(dead_mu_);
       auto [b, e] = dead_.equal_range(id);
       for (auto d = b; d != e; ++d) records.push_back(d->second);
+      // Only durable removal records guard the id: one a power loss could
+      // take must not stand for the record that this drop takes.
       auto [rb, re] = removals_.equal_range(id);
-      for (auto r = rb; r != re; ++r) removals.push_back(r->second);
+      for (auto r = rb; r != re; ++r)
+        if (r->second.durable) removals.push_back(r->second);
     }
     for (DeadRecord& d : records) {
       auto read = read_dead_header(id, d);

@@ -517,14 +517,19 @@ void FileTier::clear() {
     aliases_.clear();
   }
   std::unordered_set<uint64_t> guarding;  // slots of segments holding removal records
+  // Every segment goes: nothing older is left for a removal record to guard,
+  // unless a segment's file cannot be deleted (then, below, what the
+  // segments left behind hold is known again).
+  std::unordered_multimap<BlockId, RemovalEntry> removals;
+  std::unordered_multimap<BlockId, DeadRecord> dead;
+  std::unordered_map<uint64_t, std::vector<UndurableRemoval>> undurable;
   {
-    // Every segment goes: nothing older is left for a removal record to guard.
     std::lock_guard<std::mutex> lock(dead_mu_);
     for (const auto& [id, r] : removals_) guarding.insert(file::location_slot(r.loc.offset));
     live_record_bytes_.fetch_sub(removals_.size() * kPage);
-    removals_.clear();
-    undurable_removals_.clear();
-    dead_.clear();
+    removals.swap(removals_);
+    undurable.swap(undurable_removals_);
+    dead.swap(dead_);
     dead_ids_by_slot_.clear();
   }
   for (auto& lane : lanes_) lane->active.reset();
@@ -545,6 +550,29 @@ void FileTier::clear() {
     if (!retire_segment(seg)) left_behind = true;
   }
   (void)env_->sync_dir(dir_);
+  if (!left_behind) return;
+  // The segments left behind keep their dead records and removal records,
+  // as before: a later compaction or deletion weighs them, and keeps an
+  // older record from outliving the removal record that guards it.
+  std::unordered_set<uint64_t> stayed;
+  {
+    std::shared_lock<std::shared_mutex> lock(table_mu_);
+    for (const auto& [slot, seg] : slots_) stayed.insert(slot);
+  }
+  std::lock_guard<std::mutex> lock(dead_mu_);
+  for (const auto& [id, d] : dead) {
+    const uint64_t slot = file::location_slot(d.offset);
+    if (!stayed.count(slot)) continue;
+    dead_.emplace(id, d);
+    dead_ids_by_slot_[slot].push_back(id);
+  }
+  for (const auto& [id, r] : removals) {
+    if (!stayed.count(file::location_slot(r.loc.offset))) continue;
+    removals_.emplace(id, r);
+    live_record_bytes_.fetch_add(kPage);  // its segment's live bytes still count it
+  }
+  for (auto& [slot, u] : undurable)
+    if (stayed.count(slot)) undurable_removals_[slot] = std::move(u);
 }
 
 }  // namespace cascade
