@@ -48,8 +48,10 @@ void in_child_then_killed(const Dirs& d, const std::function<bool(FileTier*, Pow
   if (child == 0) {
     PowerLossEnv env(d.shadow);
     env.fail_syncs = fail_open_syncs;
+    env.fail_dir_syncs = fail_open_syncs;
     auto t = FileTier::Open(d.config(), nullptr, &env);
     env.fail_syncs = false;
+    env.fail_dir_syncs = false;
     if (!t.ok() || !fn(t->get(), &env)) ::_exit(3);
     if (killed) ::kill(::getpid(), SIGKILL);
     t->reset();
@@ -135,8 +137,10 @@ TEST(FilePowerLossTest, ARemovalRecordWhoseFsyncFailedNeverSupersedesAnother) {
         !put(t, kX, 2, 3000) || !t->remove_lasting(id_of(kX)).ok() || !put(t, 4, 1, 3000))
       return false;
     env->fail_syncs = true;
+    env->fail_dir_syncs = true;
     const bool failed = !t->flush().ok();
     env->fail_syncs = false;
+    env->fail_dir_syncs = false;
     return failed && t->flush().ok() && t->compact(1).ok();
   });
   EXPECT_EQ(version_after_power_loss(d, kX, 3000), 0);
@@ -173,6 +177,52 @@ TEST(FilePowerLossTest, SegmentsAClearLeavesBehindKeepTheirRemovalRecords) {
       },
       /*killed=*/false);
   EXPECT_EQ(version_after_power_loss(d, kX, 3000), 0);
+}
+
+// A flush whose fsync fails, then one that would succeed without the pages
+// the failure dropped: the second rewrites what the failed segment holds
+// before it says OK, so everything put or removed before it survives a
+// power loss.
+TEST(FilePowerLossTest, AFlushAfterAFailedFsyncSaysOKOnlyOnceWhatItLostIsRewritten) {
+  Dirs d;
+  in_child_then_killed(d, [](FileTier* t, PowerLossEnv* env) {
+    if (!put(t, kX, 1, 3000) || !t->flush().ok() || !t->remove_lasting(id_of(kX)).ok() ||
+        !put(t, 2, 1, 3000))
+      return false;
+    env->fail_syncs = true;
+    env->fail_dir_syncs = true;
+    const bool failed = !t->flush().ok();
+    env->fail_syncs = false;
+    env->fail_dir_syncs = false;
+    return failed && t->flush().ok();
+  });
+  EXPECT_EQ(version_after_power_loss(d, kX, 3000), 0) << "a removal before an OK flush undone";
+  auto t = FileTier::Open(d.config(), nullptr, nullptr);
+  ASSERT_TRUE(t.ok());
+  EXPECT_TRUE((*t)->contains(id_of(2))) << "a put before an OK flush lost";
+}
+
+// A compaction whose fsync fails leaves its copies to a segment that takes
+// no more: the next compaction writes into a fresh one, whose records a
+// reopen after a power loss finds (a scan stops at the first lost page).
+TEST(FilePowerLossTest, ACompactionAfterOneWhoseFsyncFailedWritesItsCopiesElsewhere) {
+  Dirs d;
+  in_child_then_killed(d, [](FileTier* t, PowerLossEnv* env) {
+    // Segment 1: block 2 (live) beside blocks 3 and 4, removed (dead).
+    if (!put(t, 2, 1, 3000) || !put(t, 3, 1, 30000) || !put(t, 4, 1, 30000) ||
+        !put(t, 5, 1, 30000) || !t->remove(id_of(3)).ok() || !t->remove(id_of(4)).ok() ||
+        !t->flush().ok())
+      return false;
+    env->fail_syncs = true;  // the segments' own fsyncs, not the directory's
+    (void)t->compact(1);     // its copies are not durable, whatever it returns
+    env->fail_syncs = false;
+    return t->compact(1).ok() && t->flush().ok();
+  });
+  PowerLossEnv::power_loss(d.dir, d.shadow);
+  auto t = FileTier::Open(d.config(), nullptr, nullptr);
+  ASSERT_TRUE(t.ok());
+  EXPECT_TRUE((*t)->contains(id_of(2))) << "a block a compaction moved was lost";
+  EXPECT_TRUE((*t)->contains(id_of(5)));
 }
 
 }  // namespace

@@ -126,7 +126,7 @@ Result<FileTier::SegmentRef> FileTier::create_segment() {
   return seg;
 }
 
-Status FileTier::seal_segment(Segment& seg) {
+Status FileTier::seal_segment(Segment& seg, bool report) {
   seg.sealed.store(true);
   if (seg.bytes.load() == 0) {
     auto ref = [&]() -> SegmentRef {
@@ -139,8 +139,11 @@ Status FileTier::seal_segment(Segment& seg) {
   Status st = seg.file->sync();
   seg.unsynced.store(false);
   // No later flush syncs a sealed segment again: the next one says so.
-  if (!st.ok()) seal_sync_failed_.store(true);
-  removals_synced(seg, st.ok());
+  if (!st.ok()) {
+    if (report) seal_sync_failed_.store(true);
+    seg.sync_failed.store(true);
+  }
+  removals_synced(seg, st.ok() && !seg.sync_failed.load());
   if (st.ok())
     (void)file::write_summary(env_, dir_, seg.id, key_, seg.headers, seg.alias_targets,
                               seg.bytes.load(),
@@ -433,11 +436,16 @@ Status FileTier::flush() {
     std::lock_guard<std::mutex> lock(lane.mu);
     if (lane.active && lane.active->unsynced.exchange(false)) {
       Status st = lane.active->file->sync();
-      if (!st.ok()) {
-        lane.active->unsynced.store(true);
-        if (result.ok()) result = st;
-      }
       removals_synced(*lane.active, st.ok());
+      if (!st.ok()) {
+        // Linux drops the pages a failed fsync could not write, and a later
+        // fsync succeeds without them: the segment takes no more records,
+        // and its live ones are rewritten before a flush says OK again.
+        if (result.ok()) result = st;
+        lane.active->sync_failed.store(true);
+        (void)seal_segment(*lane.active, /*report=*/false);
+        lane.active.reset();
+      }
     }
   };
   for (auto& lane : lanes_) flush_lane(*lane);
@@ -447,10 +455,14 @@ Status FileTier::flush() {
   }
   Status st = env_->sync_dir(dir_);
   if (result.ok() && !st.ok()) result = st;
+  // Segments whose fsync failed are rewritten (once the syncs work again),
+  // whatever this flush reports: the next one can then say OK truthfully.
+  Status rewritten = result.ok() ? rewrite_sync_failed() : Status::OK();
   if (result.ok() && seal_sync_failed_.exchange(false))
     result = Status::IOError(
         "a file tier segment failed its fsync when it was sealed: blocks put before this flush "
         "may not be durable");
+  if (result.ok()) result = rewritten;
   return result;
 }
 

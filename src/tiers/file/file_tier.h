@@ -237,7 +237,9 @@ class FileTier final : public Tier {
   Status ensure_room(Lane& lane, uint64_t record_bytes);
   Result<SegmentRef> create_segment();
   // The fsync's status: records a caller put there are durable only when OK.
-  Status seal_segment(file::Segment& seg);
+  // A failure is reported by the next flush() unless `report` is false (the
+  // caller reports it).
+  Status seal_segment(file::Segment& seg, bool report = true);
   // Locks a writer lane (a free one if any) and returns it.
   std::unique_lock<std::mutex> lock_lane(Lane** lane);
 
@@ -273,6 +275,9 @@ class FileTier final : public Tier {
   };
   std::vector<LiveRecord> live_records_of(const file::Segment& seg) const;
   Status compact_segment(const SegmentRef& seg);
+  // Rewrites (compacts) the segments whose fsync failed, so that what they
+  // hold is durable elsewhere. IOError while one still holds live records.
+  Status rewrite_sync_failed();
   bool delete_if_dead(const SegmentRef& seg);
   // Deletes the segment file; false (the segment stays) when it cannot.
   bool retire_segment(const SegmentRef& seg);

@@ -283,7 +283,17 @@ void FileTier::keep_removals(const std::vector<WrittenRemoval>& written) {
 Status FileTier::sync_compaction_lane(Lane& lane) {
   if (!lane.active || !lane.active->unsynced.exchange(false)) return Status::OK();
   Status st = lane.active->file->sync();
-  if (st.ok()) st = env_->sync_dir(dir_);
+  if (!st.ok()) {
+    // What the failed fsync should have written may never reach the disk
+    // (and a scan stops at the first lost page): the compaction fails, and
+    // the segment takes no more copies; what it held live before is
+    // rewritten (FileTier::rewrite_sync_failed).
+    lane.active->sync_failed.store(true);
+    (void)seal_segment(*lane.active, /*report=*/false);
+    lane.active.reset();
+    return st;
+  }
+  st = env_->sync_dir(dir_);
   if (!st.ok()) lane.active->unsynced.store(true);
   return st;
 }

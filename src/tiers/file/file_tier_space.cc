@@ -189,6 +189,31 @@ bool FileTier::reclaim_space(uint64_t need, bool disk_full) {
   return freed;
 }
 
+Status FileTier::rewrite_sync_failed() {
+  std::vector<SegmentRef> failed;
+  {
+    std::shared_lock<std::shared_mutex> lock(table_mu_);
+    for (auto& [slot, seg] : slots_)
+      if (seg->sync_failed.load()) failed.push_back(seg);
+  }
+  if (failed.empty()) return Status::OK();
+  std::lock_guard<std::mutex> compacting(compact_mu_);
+  size_t left = 0;
+  Status why;
+  for (auto& seg : failed) {
+    if (seg->retired.load() || delete_if_dead(seg)) continue;
+    Status st = compact_segment(seg);
+    if (st.ok() && seg->retired.load()) continue;
+    ++left;
+    if (why.ok()) why = st;
+  }
+  if (!left) return Status::OK();
+  return Status::IOError(std::to_string(left) +
+                         " file tier segment(s) failed an fsync and could not be rewritten yet: "
+                         "blocks put before this flush may not be durable" +
+                         (why.ok() ? std::string() : " (" + why.message() + ")"));
+}
+
 std::vector<FileTier::LiveRecord> FileTier::live_records_of(const Segment& seg) const {
   std::vector<LiveRecord> live;
   index_.for_each([&](const BlockId& id, const Location& loc, bool is_prefix) {

@@ -36,8 +36,10 @@ class PowerLossEnv : public Env {
 
   // Unlinks of paths containing this (when not empty) fail with an IOError.
   std::string fail_unlink_of;
-  // While set, every sync (of files and of the directory) fails.
+  // While set, every sync of a file fails (fail_syncs), or of the
+  // directory too (fail_dir_syncs).
   std::atomic<bool> fail_syncs{false};
+  std::atomic<bool> fail_dir_syncs{false};
 
   // After the process that used the Env is gone: what the disk holds.
   static void power_loss(const std::string& dir, const std::string& shadow) {
@@ -84,7 +86,7 @@ class PowerLossEnv : public Env {
     return st;
   }
   Status sync_dir(const std::string& d) override {
-    if (fail_syncs.load()) return Status::IOError("directory fsync failed (a test's failure)");
+    if (fail_dir_syncs.load()) return Status::IOError("directory fsync failed (a test's failure)");
     return base_->sync_dir(d);
   }
   Result<FsSpace> space(const std::string& p) override { return base_->space(p); }

@@ -50,11 +50,14 @@ struct Segment {
   const std::string path;
   const std::unique_ptr<File> file;
 
-  std::atomic<uint64_t> bytes{0};         // bytes appended (records, incl. dead ones)
-  std::atomic<uint64_t> live_bytes{0};    // record bytes of blocks the index points here
-  std::atomic<bool> sealed{false};        // never written again
-  std::atomic<bool> unsynced{false};      // written since the last fdatasync
-  std::atomic<bool> retired{false};       // removed from the table (deleted or being deleted)
+  std::atomic<uint64_t> bytes{0};       // bytes appended (records, incl. dead ones)
+  std::atomic<uint64_t> live_bytes{0};  // record bytes of blocks the index points here
+  std::atomic<bool> sealed{false};      // never written again
+  std::atomic<bool> unsynced{false};    // written since the last fdatasync
+  std::atomic<bool> retired{false};     // removed from the table (deleted or being deleted)
+  // An fsync of it failed: what was dirty then may never reach the disk,
+  // whatever a later fsync says, until its live records are rewritten.
+  std::atomic<bool> sync_failed{false};
   std::atomic<uint64_t> punched_dead{0};  // dead bytes when holes were last punched
 
   // Writer only:
