@@ -87,6 +87,16 @@ int version_after_power_loss(const Dirs& d, uint64_t n, size_t size) {
   return -1;
 }
 
+// A flush while every fsync fails: whether it said so.
+bool flush_fails(FileTier* t, PowerLossEnv* env) {
+  env->fail_syncs = true;
+  env->fail_dir_syncs = true;
+  const bool failed = !t->flush().ok();
+  env->fail_syncs = false;
+  env->fail_dir_syncs = false;
+  return failed;
+}
+
 // X's first version and a live block in one segment, flushed; X removed and
 // the removal flushed (durable).
 bool removed_durably(FileTier* t) {
@@ -136,11 +146,7 @@ TEST(FilePowerLossTest, ARemovalRecordWhoseFsyncFailedNeverSupersedesAnother) {
     if (!removed_durably(t) || !put(t, 3, 1, 49152) || !t->remove_lasting(id_of(3)).ok() ||
         !put(t, kX, 2, 3000) || !t->remove_lasting(id_of(kX)).ok() || !put(t, 4, 1, 3000))
       return false;
-    env->fail_syncs = true;
-    env->fail_dir_syncs = true;
-    const bool failed = !t->flush().ok();
-    env->fail_syncs = false;
-    env->fail_dir_syncs = false;
+    const bool failed = flush_fails(t, env);
     return failed && t->flush().ok() && t->compact(1).ok();
   });
   EXPECT_EQ(version_after_power_loss(d, kX, 3000), 0);
@@ -189,11 +195,7 @@ TEST(FilePowerLossTest, AFlushAfterAFailedFsyncSaysOKOnlyOnceWhatItLostIsRewritt
     if (!put(t, kX, 1, 3000) || !t->flush().ok() || !t->remove_lasting(id_of(kX)).ok() ||
         !put(t, 2, 1, 3000))
       return false;
-    env->fail_syncs = true;
-    env->fail_dir_syncs = true;
-    const bool failed = !t->flush().ok();
-    env->fail_syncs = false;
-    env->fail_dir_syncs = false;
+    const bool failed = flush_fails(t, env);
     return failed && t->flush().ok();
   });
   EXPECT_EQ(version_after_power_loss(d, kX, 3000), 0) << "a removal before an OK flush undone";

@@ -153,6 +153,12 @@ Status FileTier::seal_segment(Segment& seg, bool report) {
   return st;
 }
 
+void FileTier::give_up_segment(Lane& lane) {
+  lane.active->sync_failed.store(true);
+  (void)seal_segment(*lane.active, /*report=*/false);  // the caller reports the failure
+  lane.active.reset();
+}
+
 Status FileTier::ensure_room(Lane& lane, uint64_t record_bytes) {
   if (lane.active && !lane.active->retired.load()) {
     uint64_t used = lane.active->bytes.load();
@@ -330,19 +336,15 @@ Status FileTier::remove_lasting(const BlockId& id) {
                  // Synced already with sync_writes; else at the segment's
                  // next sync (removals_synced), and until then the older
                  // removal records of the id stay live.
-                 removals_.emplace(id, RemovalEntry{loc, h.sequence, sync_writes_});
+                 removals_.emplace(id, RemovalEntry{loc, h.sequence, false});
                  // Every record of the id on disk is older than it, and
                  // covered by it once it is durable: until then a
                  // compaction weighs them as if it were not there.
+                 UndurableRemoval u{id, h.sequence, {}};
                  auto [b, e] = dead_.equal_range(id);
-                 if (sync_writes_) {
-                   supersede_removals(id, h.sequence, &unneeded);
-                   for (auto d = b; d != e; ++d) d->second.covered = true;
-                 } else {
-                   UndurableRemoval u{id, h.sequence, {}};
-                   for (auto d = b; d != e; ++d) u.covers.push_back(d->second.offset);
-                   undurable_removals_[file::location_slot(loc.offset)].push_back(std::move(u));
-                 }
+                 for (auto d = b; d != e; ++d) u.covers.push_back(d->second.offset);
+                 if (sync_writes_) removal_durable(u, &unneeded);
+                 else undurable_removals_[file::location_slot(loc.offset)].push_back(std::move(u));
                  return true;
                });
   for (const Location& loc : unneeded) forget_record(loc);
@@ -442,9 +444,7 @@ Status FileTier::flush() {
         // fsync succeeds without them: the segment takes no more records,
         // and its live ones are rewritten before a flush says OK again.
         if (result.ok()) result = st;
-        lane.active->sync_failed.store(true);
-        (void)seal_segment(*lane.active, /*report=*/false);
-        lane.active.reset();
+        give_up_segment(lane);
       }
     }
   };

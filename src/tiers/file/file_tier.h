@@ -340,6 +340,14 @@ class FileTier final : public Tier {
   // over. With ok false (the fsync failed, and what it should have written
   // may be lost even if a later one succeeds), they never will.
   void removals_synced(const file::Segment& seg, bool ok = true);
+  struct UndurableRemoval;
+  // u's removal record is durable now: it supersedes the older removal
+  // records of its id and covers the dead records it was written over.
+  // REQUIRES: dead_mu_ held.
+  void removal_durable(const UndurableRemoval& u, std::vector<Location>* unneeded);
+  // The lane's segment failed an fsync: it takes no more records, and
+  // rewrite_sync_failed rewrites what it holds live. REQUIRES: lane.mu held.
+  void give_up_segment(Lane& lane);
   // Ids with a dead record in seg that another record of theirs is weighed
   // against (another dead record or a removal record).
   std::vector<BlockId> contested_ids(const file::Segment& seg) const;

@@ -92,23 +92,25 @@ void FileTier::removals_synced(const Segment& seg, bool ok) {
     std::vector<UndurableRemoval> pending = std::move(it->second);
     undurable_removals_.erase(it);
     if (!ok) return;  // they stay live (while needed), superseding nothing
-    for (const UndurableRemoval& u : pending) {
-      bool here = false;
-      auto [b, e] = removals_.equal_range(u.id);
-      for (auto r = b; r != e; ++r) {
-        if (r->second.sequence != u.sequence || r->second.durable) continue;
-        r->second.durable = true;
-        here = true;
-      }
-      if (!here) continue;  // superseded or no longer needed meanwhile
-      supersede_removals(u.id, u.sequence, &unneeded);
-      auto [db, de] = dead_.equal_range(u.id);
-      for (auto d = db; d != de; ++d)
-        if (std::find(u.covers.begin(), u.covers.end(), d->second.offset) != u.covers.end())
-          d->second.covered = true;
-    }
+    for (const UndurableRemoval& u : pending) removal_durable(u, &unneeded);
   }
   for (const Location& loc : unneeded) forget_record(loc);
+}
+
+void FileTier::removal_durable(const UndurableRemoval& u, std::vector<Location>* unneeded) {
+  bool here = false;
+  auto [b, e] = removals_.equal_range(u.id);
+  for (auto r = b; r != e; ++r) {
+    if (r->second.sequence != u.sequence || r->second.durable) continue;
+    r->second.durable = true;
+    here = true;
+  }
+  if (!here) return;  // superseded or no longer needed meanwhile
+  supersede_removals(u.id, u.sequence, unneeded);
+  auto [db, de] = dead_.equal_range(u.id);
+  for (auto d = db; d != de; ++d)
+    if (std::find(u.covers.begin(), u.covers.end(), d->second.offset) != u.covers.end())
+      d->second.covered = true;
 }
 
 std::vector<BlockId> FileTier::contested_ids(const Segment& seg) const {
@@ -286,11 +288,8 @@ Status FileTier::sync_compaction_lane(Lane& lane) {
   if (!st.ok()) {
     // What the failed fsync should have written may never reach the disk
     // (and a scan stops at the first lost page): the compaction fails, and
-    // the segment takes no more copies; what it held live before is
-    // rewritten (FileTier::rewrite_sync_failed).
-    lane.active->sync_failed.store(true);
-    (void)seal_segment(*lane.active, /*report=*/false);
-    lane.active.reset();
+    // the segment takes no more copies.
+    give_up_segment(lane);
     return st;
   }
   st = env_->sync_dir(dir_);
