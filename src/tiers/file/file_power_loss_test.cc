@@ -1,4 +1,4 @@
-// Removal records across kills and power losses (PowerLossEnv): an id whose
+// Removal records across kills and power losses (FaultEnv): an id whose
 // removal a flush made durable is never found again with the bytes it had
 // before, whatever a reopen, a compaction, a failed fsync or a failed
 // unlink do in between.
@@ -11,15 +11,15 @@
 #include <string>
 #include <vector>
 
+#include "tiers/file/fault_env_testing.h"
 #include "tiers/file/file_test_util.h"
 #include "tiers/file/file_tier.h"
-#include "tiers/file/power_loss_env_testing.h"
 
 namespace cascade {
 namespace {
 
+using file_test::FaultEnv;
 using file_test::id_of;
-using file_test::PowerLossEnv;
 
 constexpr uint64_t kX = 1;  // the id removed
 
@@ -37,16 +37,16 @@ struct Dirs {
   }
 };
 
-// Runs fn with a tier on a PowerLossEnv in a child, which then kills
+// Runs fn with a tier on a FaultEnv in a child, which then kills
 // itself (SIGKILL), or closes the tier and exits. The child exits non-zero
 // where fn returns false. fail_open_syncs: every fsync of the open fails.
-void in_child_then_killed(const Dirs& d, const std::function<bool(FileTier*, PowerLossEnv*)>& fn,
+void in_child_then_killed(const Dirs& d, const std::function<bool(FileTier*, FaultEnv*)>& fn,
                           bool killed = true, bool fail_open_syncs = false) {
   std::fflush(stdout);
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
-    PowerLossEnv env(d.shadow);
+    FaultEnv env(d.shadow);
     env.fail_syncs = fail_open_syncs;
     env.fail_dir_syncs = fail_open_syncs;
     auto t = FileTier::Open(d.config(), nullptr, &env);
@@ -72,7 +72,7 @@ bool put(FileTier* t, uint64_t n, uint64_t version, size_t size) {
 // The version of block n a tier opened on d after a power loss serves (0:
 // none, -1: bytes of no version).
 int version_after_power_loss(const Dirs& d, uint64_t n, size_t size) {
-  PowerLossEnv::power_loss(d.dir, d.shadow);
+  FaultEnv::power_loss(d.dir, d.shadow);
   auto t = FileTier::Open(d.config(), nullptr, nullptr);
   EXPECT_TRUE(t.ok()) << t.status().ToString();
   if (!t.ok()) return -2;
@@ -88,7 +88,7 @@ int version_after_power_loss(const Dirs& d, uint64_t n, size_t size) {
 }
 
 // A flush while every fsync fails: whether it said so.
-bool flush_fails(FileTier* t, PowerLossEnv* env) {
+bool flush_fails(FileTier* t, FaultEnv* env) {
   env->fail_syncs = true;
   env->fail_dir_syncs = true;
   const bool failed = !t->flush().ok();
@@ -109,7 +109,7 @@ bool removed_durably(FileTier* t) {
 // version must have made it durable first (it syncs the killed store's
 // segments), or, where that sync fails, keep the older removal record too.
 void removed_again_then_killed(const Dirs& d) {
-  in_child_then_killed(d, [](FileTier* t, PowerLossEnv*) {
+  in_child_then_killed(d, [](FileTier* t, FaultEnv*) {
     return removed_durably(t) && put(t, 3, 1, 50000) && t->remove_lasting(id_of(3)).ok() &&
            put(t, kX, 2, 3000) && t->remove_lasting(id_of(kX)).ok();
   });
@@ -119,7 +119,7 @@ TEST(FilePowerLossTest, AReopenSyncsTheKilledStoresSegmentsBeforeItTrustsThem) {
   Dirs d;
   removed_again_then_killed(d);
   in_child_then_killed(
-      d, [](FileTier* t, PowerLossEnv*) { return t->compact(1).ok() && t->flush().ok(); },
+      d, [](FileTier* t, FaultEnv*) { return t->compact(1).ok() && t->flush().ok(); },
       /*killed=*/false);
   EXPECT_EQ(version_after_power_loss(d, kX, 3000), 0);
 }
@@ -129,7 +129,7 @@ TEST(FilePowerLossTest, AReopenWhoseSyncFailsKeepsTheOlderRemovalRecordsToo) {
   removed_again_then_killed(d);
   in_child_then_killed(
       d,
-      [](FileTier* t, PowerLossEnv*) {
+      [](FileTier* t, FaultEnv*) {
         // X's two removal records and block 3's one.
         return t->recovery_report().removals == 3 && t->compact(1).ok() && t->flush().ok();
       },
@@ -142,7 +142,7 @@ TEST(FilePowerLossTest, AReopenWhoseSyncFailsKeepsTheOlderRemovalRecordsToo) {
 // becomes the id's one guard.
 TEST(FilePowerLossTest, ARemovalRecordWhoseFsyncFailedNeverSupersedesAnother) {
   Dirs d;
-  in_child_then_killed(d, [](FileTier* t, PowerLossEnv* env) {
+  in_child_then_killed(d, [](FileTier* t, FaultEnv* env) {
     if (!removed_durably(t) || !put(t, 3, 1, 49152) || !t->remove_lasting(id_of(3)).ok() ||
         !put(t, kX, 2, 3000) || !t->remove_lasting(id_of(kX)).ok() || !put(t, 4, 1, 3000))
       return false;
@@ -158,7 +158,7 @@ TEST(FilePowerLossTest, ARemovalRecordWhoseFsyncFailedNeverSupersedesAnother) {
 // loss can take, and leave the first version as the id's newest.
 TEST(FilePowerLossTest, ACompactionDoesNotCountOnARemovalRecordNotYetDurable) {
   Dirs d;
-  in_child_then_killed(d, [](FileTier* t, PowerLossEnv*) {
+  in_child_then_killed(d, [](FileTier* t, FaultEnv*) {
     return put(t, kX, 1, 3000) && put(t, 2, 1, 57344) && t->flush().ok() &&
            t->remove(id_of(kX)).ok() &&  // an eviction
            put(t, kX, 2, 50000) && put(t, 3, 1, 20000) && t->flush().ok() &&
@@ -175,9 +175,9 @@ TEST(FilePowerLossTest, SegmentsAClearLeavesBehindKeepTheirRemovalRecords) {
   Dirs d;
   in_child_then_killed(
       d,
-      [](FileTier* t, PowerLossEnv* env) {
+      [](FileTier* t, FaultEnv* env) {
         if (!removed_durably(t) || !put(t, 3, 1, 49152) || !put(t, 4, 1, 20000)) return false;
-        env->fail_unlink_of = "seg-0000000000000001.dat";  // X's first version's segment
+        env->fail_unlinks_of("seg-0000000000000001.dat");  // X's first version's segment
         t->clear();
         return t->compact().ok() && t->flush().ok();
       },
@@ -191,7 +191,7 @@ TEST(FilePowerLossTest, SegmentsAClearLeavesBehindKeepTheirRemovalRecords) {
 // power loss.
 TEST(FilePowerLossTest, AFlushAfterAFailedFsyncSaysOKOnlyOnceWhatItLostIsRewritten) {
   Dirs d;
-  in_child_then_killed(d, [](FileTier* t, PowerLossEnv* env) {
+  in_child_then_killed(d, [](FileTier* t, FaultEnv* env) {
     if (!put(t, kX, 1, 3000) || !t->flush().ok() || !t->remove_lasting(id_of(kX)).ok() ||
         !put(t, 2, 1, 3000))
       return false;
@@ -209,7 +209,7 @@ TEST(FilePowerLossTest, AFlushAfterAFailedFsyncSaysOKOnlyOnceWhatItLostIsRewritt
 // reopen after a power loss finds (a scan stops at the first lost page).
 TEST(FilePowerLossTest, ACompactionAfterOneWhoseFsyncFailedWritesItsCopiesElsewhere) {
   Dirs d;
-  in_child_then_killed(d, [](FileTier* t, PowerLossEnv* env) {
+  in_child_then_killed(d, [](FileTier* t, FaultEnv* env) {
     // Segment 1: block 2 (live) beside blocks 3 and 4, removed (dead).
     if (!put(t, 2, 1, 3000) || !put(t, 3, 1, 30000) || !put(t, 4, 1, 30000) ||
         !put(t, 5, 1, 30000) || !t->remove(id_of(3)).ok() || !t->remove(id_of(4)).ok() ||
@@ -220,7 +220,7 @@ TEST(FilePowerLossTest, ACompactionAfterOneWhoseFsyncFailedWritesItsCopiesElsewh
     env->fail_syncs = false;
     return t->compact(1).ok() && t->flush().ok();
   });
-  PowerLossEnv::power_loss(d.dir, d.shadow);
+  FaultEnv::power_loss(d.dir, d.shadow);
   auto t = FileTier::Open(d.config(), nullptr, nullptr);
   ASSERT_TRUE(t.ok());
   EXPECT_TRUE((*t)->contains(id_of(2))) << "a block a compaction moved was lost";

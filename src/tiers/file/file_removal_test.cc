@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "cascade/file_tier.h"
+#include "tiers/file/fault_env_testing.h"
 #include "tiers/file/file_test_util.h"
 #include "tiers/file/file_tier.h"
 #include "tiers/file/segment_scan.h"
@@ -406,84 +407,13 @@ TEST(FileRemovalTest, ACompactionDroppingAnAliasWhoseTargetLeftLeavesNoOlderByte
   EXPECT_EQ(version_of(t.get(), 4), 1);
 }
 
-// Env::Default() with a hook called before each read of a file, and one
-// that may fail an unlink.
-class ReadHookEnv final : public Env {
- public:
-  std::function<void()> before_read;
-  std::function<bool(const std::string&)> fail_unlink;
-  std::function<bool(const std::string&)> fail_sync;
-
-  Result<std::unique_ptr<File>> open(const std::string& path,
-                                     const FileOpenOptions& options) override {
-    auto f = base_->open(path, options);
-    if (!f.ok()) return f.status();
-    return std::unique_ptr<File>(new HookedFile(this, std::move(f.value())));
-  }
-  Status create_dirs(const std::string& dir, uint32_t mode) override {
-    return base_->create_dirs(dir, mode);
-  }
-  Result<std::vector<std::string>> list_dir(const std::string& dir) override {
-    return base_->list_dir(dir);
-  }
-  Status rename(const std::string& from, const std::string& to) override {
-    return base_->rename(from, to);
-  }
-  Status unlink(const std::string& path) override {
-    if (fail_unlink && fail_unlink(path)) return Status::IOError("unlink refused: " + path);
-    return base_->unlink(path);
-  }
-  Status sync_dir(const std::string& dir) override { return base_->sync_dir(dir); }
-  Result<FsSpace> space(const std::string& path) override { return base_->space(path); }
-  Result<std::unique_ptr<FileLock>> lock_file(const std::string& path, uint32_t mode) override {
-    return base_->lock_file(path, mode);
-  }
-  Result<FileInfo> stat(const std::string& path) override { return base_->stat(path); }
-
- private:
-  class HookedFile final : public File {
-   public:
-    HookedFile(ReadHookEnv* env, std::unique_ptr<File> f)
-        : File(f->path()), env_(env), f_(std::move(f)) {}
-    Result<size_t> pread(void* buf, size_t n, uint64_t off) override {
-      if (env_->before_read) env_->before_read();
-      return f_->pread(buf, n, off);
-    }
-    Result<size_t> preadv(const struct iovec* iov, int n, uint64_t off) override {
-      if (env_->before_read) env_->before_read();
-      return f_->preadv(iov, n, off);
-    }
-    Status pwrite(const void* buf, size_t n, uint64_t off) override {
-      return f_->pwrite(buf, n, off);
-    }
-    Status pwritev(const struct iovec* iov, int n, uint64_t off) override {
-      return f_->pwritev(iov, n, off);
-    }
-    Status sync() override {
-      if (env_->fail_sync && env_->fail_sync(path())) return Status::IOError("sync refused");
-      return f_->sync();
-    }
-    Status allocate(uint64_t off, uint64_t n) override { return f_->allocate(off, n); }
-    Status punch_hole(uint64_t off, uint64_t n) override { return f_->punch_hole(off, n); }
-    Status truncate(uint64_t size) override { return f_->truncate(size); }
-    Result<uint64_t> size() override { return f_->size(); }
-    Result<FileInfo> info() override { return f_->info(); }
-    bool direct() const override { return f_->direct(); }
-
-   private:
-    ReadHookEnv* env_;
-    std::unique_ptr<File> f_;
-  };
-  Env* base_ = Env::Default();
-};
-
 TEST(FileRemovalTest, ARemoveInsideTheCompactionsDecisionLeavesNoOlderBytesFound) {
   // The compaction of segment 2 reads the headers of block 5's dead records
   // to decide; block 1, live there (its second version), is removed right
   // then. Its record must be copied or weighed, never dropped unweighed.
   file_test::TempDir tmp;
   const CascadeConfig c = small_segments(tmp.path());
-  ReadHookEnv env;
+  file_test::FaultEnv env;
   {
     auto owned = open(c, &env);
     ASSERT_TRUE(owned);
@@ -523,54 +453,58 @@ TEST(FileRemovalTest, ARemoveInsideTheCompactionsDecisionLeavesNoOlderBytesFound
   EXPECT_EQ(version_of(t.get(), 2), 1);
 }
 
+// A tier's directory whose segment file named `stuck` (once set) cannot be
+// deleted.
+struct StuckSegment {
+  file_test::TempDir tmp;
+  CascadeConfig c = small_segments(tmp.path());
+  file_test::FaultEnv env;
+  std::string stuck;
+  StuckSegment() {
+    env.fail_unlink = [this](const std::string& path) { return !stuck.empty() && path == stuck; };
+  }
+};
+
 TEST(FileRemovalTest, ASegmentThatCouldNotBeDeletedStillCountsForRemovalRecords) {
   // Block 1's first version sits in a dead segment whose file cannot be
   // deleted (it stays, and a reopen reads it); its second version's
   // segment then goes. The first version must not come back.
-  file_test::TempDir tmp;
-  const CascadeConfig c = small_segments(tmp.path());
-  ReadHookEnv env;
-  std::string stuck;
-  env.fail_unlink = [&](const std::string& path) { return !stuck.empty() && path == stuck; };
+  StuckSegment d;
   {
-    auto owned = open(c, &env);
+    auto owned = open(d.c, &d.env);
     ASSERT_TRUE(owned);
     FileTier* t = owned.get();
     for (uint64_t n : {1, 2, 150, 151}) ASSERT_TRUE(put(t, n).ok());
-    stuck = file_test::segment_files(tmp.path()).at(0);
+    d.stuck = file_test::segment_files(d.tmp.path()).at(0);
     for (uint64_t n : {1, 2, 150, 151}) ASSERT_TRUE(t->remove(id_of(n)).ok());
     ASSERT_TRUE(t->compact().ok());
-    ASSERT_EQ(file_test::segment_files(tmp.path()).size(), 1u);  // it could not go
+    ASSERT_EQ(file_test::segment_files(d.tmp.path()).size(), 1u);  // it could not go
     ASSERT_TRUE(put(t, 1, 2).ok());
     ASSERT_TRUE(put(t, 3).ok());
     for (uint64_t n : {1, 3}) ASSERT_TRUE(t->remove(id_of(n)).ok());
     (void)t->compact();
   }
-  auto t = open(c);
+  auto t = open(d.c);
   EXPECT_EQ(version_of(t.get(), 1), 0) << "the older bytes of block 1 came back";
 }
 
 TEST(FileRemovalTest, ACompactedSegmentThatCouldNotBeDeletedKeepsItsOldCopiesWeighed) {
   // Block 1 is copied out of a segment whose file then cannot be deleted;
   // removed by a user after that, it must not come back from the old copy.
-  file_test::TempDir tmp;
-  const CascadeConfig c = small_segments(tmp.path());
-  ReadHookEnv env;
-  std::string stuck;
-  env.fail_unlink = [&](const std::string& path) { return !stuck.empty() && path == stuck; };
+  StuckSegment d;
   {
-    auto owned = open(c, &env);
+    auto owned = open(d.c, &d.env);
     ASSERT_TRUE(owned);
     FileTier* t = owned.get();
     for (uint64_t n : {1, 2}) ASSERT_TRUE(put(t, n).ok());
-    stuck = file_test::segment_files(tmp.path()).at(0);
+    d.stuck = file_test::segment_files(d.tmp.path()).at(0);
     ASSERT_TRUE(t->remove(id_of(2)).ok());
     ASSERT_TRUE(t->compact().ok());  // block 1 copied out; the file stays
     ASSERT_EQ(version_of(t, 1), 1);
     ASSERT_TRUE(t->remove_lasting(id_of(1)).ok());
     for (int i = 0; i < 3; ++i) (void)t->compact();
   }
-  auto t = open(c);
+  auto t = open(d.c);
   EXPECT_EQ(version_of(t.get(), 1), 0) << "block 1, removed, came back";
 }
 
@@ -579,7 +513,7 @@ TEST(FileRemovalTest, AFlushAfterASegmentFailedItsSyncAtSealSaysSo) {
   // no later flush: the next flush must not report them durable.
   file_test::TempDir tmp;
   const CascadeConfig c = small_segments(tmp.path());
-  ReadHookEnv env;
+  file_test::FaultEnv env;
   std::string failing;
   env.fail_sync = [&](const std::string& path) { return !failing.empty() && path == failing; };
   auto owned = open(c, &env);

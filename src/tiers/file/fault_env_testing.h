@@ -1,15 +1,15 @@
-// An Env for tests that models what a power loss keeps of the file tier's
-// segment files (not part of the library).
+// An Env for the file tier's tests (not part of the library) that fails
+// unlinks and fsyncs on demand, runs a hook before each read, and, given a
+// shadow directory, models what a power loss keeps of the segment files.
 //
-// Each successful sync() of a segment file (seg-*) copies the file, as it
-// is then, to a shadow directory: what the disk holds. A failed sync (on
-// demand) behaves as Linux's does: the pages dirtied since the last good
-// sync are marked clean without reaching the disk, and a later sync that
-// succeeds never writes them (they read back as zeros). power_loss() then
-// rewrites every segment file of the directory to its shadow (a file never
-// synced is left empty, a summary never synced is gone). Directory
+// With a shadow directory, each successful sync() of a segment file (seg-*)
+// copies the file, as it is then, to the shadow: what the disk holds. A
+// failed sync behaves as Linux's does: the pages dirtied since the last
+// good sync are marked clean without reaching the disk, and a later sync
+// that succeeds never writes them (they read back as zeros). power_loss()
+// then rewrites every segment file of the directory to its shadow (a file
+// never synced is left empty, a summary never synced is gone). Directory
 // operations (create, rename, unlink) are taken as durable at once.
-// Unlinks of names containing a given string can be made to fail.
 #pragma once
 
 #include <sys/uio.h>
@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -28,18 +29,33 @@
 
 namespace cascade::file_test {
 
-class PowerLossEnv : public Env {
+class FaultEnv : public Env {
  public:
-  explicit PowerLossEnv(std::string shadow) : base_(Env::Default()), shadow_(std::move(shadow)) {
+  // No power-loss model: syncs that succeed keep nothing aside.
+  FaultEnv() : base_(Env::Default()) {}
+  explicit FaultEnv(std::string shadow) : base_(Env::Default()), shadow_(std::move(shadow)) {
     std::filesystem::create_directories(shadow_);
   }
 
-  // Unlinks of paths containing this (when not empty) fail with an IOError.
-  std::string fail_unlink_of;
+  // Set before the tier that uses the Env runs, or while it is idle: called
+  // from the tier's threads without a lock.
+  // Runs before every read of a file.
+  std::function<void()> before_read;
+  // Unlinks of the paths it accepts fail with an IOError.
+  std::function<bool(const std::string&)> fail_unlink;
+  // Syncs of the files whose paths it accepts fail.
+  std::function<bool(const std::string&)> fail_sync;
   // While set, every sync of a file fails (fail_syncs), or of the
-  // directory too (fail_dir_syncs).
+  // directory (fail_dir_syncs).
   std::atomic<bool> fail_syncs{false};
   std::atomic<bool> fail_dir_syncs{false};
+
+  // Fails the unlinks of paths that contain part.
+  void fail_unlinks_of(std::string part) {
+    fail_unlink = [part = std::move(part)](const std::string& p) {
+      return p.find(part) != std::string::npos;
+    };
+  }
 
   // After the process that used the Env is gone: what the disk holds.
   static void power_loss(const std::string& dir, const std::string& shadow) {
@@ -68,7 +84,7 @@ class PowerLossEnv : public Env {
   }
   Status rename(const std::string& from, const std::string& to) override {
     Status st = base_->rename(from, to);
-    if (st.ok()) {
+    if (st.ok() && shadowing()) {
       std::lock_guard<std::mutex> l(mu_);
       std::error_code ec;
       if (std::filesystem::exists(shadow_of(from)))
@@ -78,11 +94,11 @@ class PowerLossEnv : public Env {
     return st;
   }
   Status unlink(const std::string& p) override {
-    if (!fail_unlink_of.empty() && p.find(fail_unlink_of) != std::string::npos)
+    if (fail_unlink && fail_unlink(p))
       return Status::IOError("unlink of '" + p + "' failed (a test's failure)");
     Status st = base_->unlink(p);
     std::error_code ec;
-    if (st.ok()) std::filesystem::remove(shadow_of(p), ec);
+    if (st.ok() && shadowing()) std::filesystem::remove(shadow_of(p), ec);
     return st;
   }
   Status sync_dir(const std::string& d) override {
@@ -99,7 +115,10 @@ class PowerLossEnv : public Env {
   static std::string base_name(const std::string& p) {
     return std::filesystem::path(p).filename().string();
   }
-  static bool shadowed(const std::string& p) { return base_name(p).rfind("seg-", 0) == 0; }
+  bool shadowing() const { return !shadow_.empty(); }
+  bool shadowed(const std::string& p) const {
+    return shadowing() && base_name(p).rfind("seg-", 0) == 0;
+  }
   std::string shadow_of(const std::string& p) const { return shadow_ + "/" + base_name(p); }
 
   // Copies f's bytes to its shadow, with [lost_from, lost_to) as zeros.
@@ -125,10 +144,14 @@ class PowerLossEnv : public Env {
 
   class ShadowedFile : public File {
    public:
-    ShadowedFile(PowerLossEnv* env, std::unique_ptr<File> f, std::string path)
+    ShadowedFile(FaultEnv* env, std::unique_ptr<File> f, std::string path)
         : File(std::move(path)), env_(env), f_(std::move(f)) {}
-    Result<size_t> pread(void* b, size_t n, uint64_t o) override { return f_->pread(b, n, o); }
+    Result<size_t> pread(void* b, size_t n, uint64_t o) override {
+      if (env_->before_read) env_->before_read();
+      return f_->pread(b, n, o);
+    }
     Result<size_t> preadv(const struct iovec* iov, int c, uint64_t o) override {
+      if (env_->before_read) env_->before_read();
       return f_->preadv(iov, c, o);
     }
     Status pwrite(const void* b, size_t n, uint64_t o) override { return f_->pwrite(b, n, o); }
@@ -136,7 +159,7 @@ class PowerLossEnv : public Env {
       return f_->pwritev(iov, c, o);
     }
     Status sync() override {
-      if (env_->fail_syncs.load()) {
+      if (env_->fail_syncs.load() || (env_->fail_sync && env_->fail_sync(path()))) {
         // What was dirty is lost: it never reaches the disk.
         auto size = f_->size();
         if (size.ok() && *size > lost_to_) {
@@ -146,7 +169,7 @@ class PowerLossEnv : public Env {
         return Status::IOError("fsync failed (a test's failure)");
       }
       Status st = f_->sync();
-      if (st.ok() && shadowed(path())) {
+      if (st.ok() && env_->shadowed(path())) {
         env_->keep(f_.get(), path(), lost_from_, lost_to_);
         auto size = f_->size();
         if (size.ok()) synced_size_ = *size;
@@ -162,7 +185,7 @@ class PowerLossEnv : public Env {
     bool direct() const override { return f_->direct(); }
 
    private:
-    PowerLossEnv* env_;
+    FaultEnv* env_;
     std::unique_ptr<File> f_;
     uint64_t synced_size_ = 0, lost_from_ = UINT64_MAX, lost_to_ = 0;
   };
