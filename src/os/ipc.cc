@@ -14,6 +14,14 @@
 
 namespace cascade {
 
+namespace {
+constexpr char kPeerClosed[] = "the peer closed the connection";
+}  // namespace
+
+bool closed_by_peer(const Status& st) {
+  return st.is(Code::kUnavailable) && st.message() == kPeerClosed;
+}
+
 int watch_process(pid_t pid) {
 #ifdef SYS_pidfd_open
   if (pid <= 0) return -1;
@@ -92,8 +100,7 @@ Status send_message(int sock, const void* data, size_t n, const std::vector<int>
     ssize_t k = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
     if (k < 0) {
       if (errno == EINTR) continue;
-      if (errno == EPIPE || errno == ECONNRESET)
-        return Status::Unavailable("the peer closed the connection");
+      if (errno == EPIPE || errno == ECONNRESET) return Status::Unavailable(kPeerClosed);
       return errno_status(errno, "sendmsg");
     }
     attach = false;
@@ -135,6 +142,7 @@ Status receive_message(int sock, void* data, size_t n,
     ssize_t k = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     if (k < 0) {
       if (errno == EINTR || errno == EAGAIN) continue;
+      if (errno == ECONNRESET) return fail(Status::Unavailable(kPeerClosed));
       return fail(errno_status(errno, "recvmsg"));
     }
     for (struct cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
@@ -146,7 +154,7 @@ Status receive_message(int sock, void* data, size_t n,
         received.push_back(fd);
       }
     }
-    if (k == 0) return fail(Status::Unavailable("the peer closed the connection"));
+    if (k == 0) return fail(Status::Unavailable(kPeerClosed));
     got += static_cast<size_t>(k);
   }
   if (fds) {

@@ -37,6 +37,9 @@ Status send_message(int sock, const void* data, size_t n, const std::vector<int>
 Status receive_message(int sock, void* data, size_t n,
                        std::chrono::steady_clock::time_point deadline,
                        std::vector<int>* fds = nullptr, size_t max_fds = 0);
+// Whether st, from send_message or receive_message, says the peer closed
+// (or reset) the connection, rather than a deadline or another failure.
+bool closed_by_peer(const Status& st);
 // True when the peer has closed its end (or the socket failed); does not wait.
 bool peer_closed(int sock);
 

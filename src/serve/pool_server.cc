@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -48,9 +49,13 @@ constexpr int kMaxHandshakes = 64;
 // How long the reaper waits for a dead client's process to end before it
 // frees the ranges the client had reserved (see reap_loop).
 constexpr auto kProcessEndWait = std::chrono::seconds(5);
-// A peer silent this long after its connect is no client in the middle of
-// its hello: its handshake slot may go to a new connection.
-constexpr auto kSilentPeer = std::chrono::milliseconds(50);
+
+// Whether a whole hello is waiting in sock, unread: its sender is a client
+// whose handshake thread has not run yet, not a silent peer.
+bool hello_waiting(int sock) {
+  int n = 0;
+  return ::ioctl(sock, FIONREAD, &n) == 0 && n >= static_cast<int>(sizeof(pool::Hello));
+}
 
 uint32_t code_of(const Status& st) { return static_cast<uint32_t>(st.code()); }
 
@@ -531,15 +536,19 @@ void PoolServer::Impl::monitor_loop() {
       if (sock < 0) continue;
       std::lock_guard<std::mutex> l(mu);
       if (handshakes_running >= kMaxHandshakes && !awaiting_hello.empty()) {
-        // Every slot is taken, some by peers that connected and said
-        // nothing yet: the one silent longest gives its slot up (its
-        // handshake ends at once) once it has been silent longer than a
-        // real client ever is, so peers that stall on purpose cannot keep
-        // new clients out, and a burst of real clients is not cut short.
-        auto oldest =
-            std::min_element(awaiting_hello.begin(), awaiting_hello.end(),
-                             [](const auto& a, const auto& b) { return a.second < b.second; });
-        if (std::chrono::steady_clock::now() - oldest->second >= kSilentPeer) {
+        // Every slot is taken, some by peers whose hello has not been read
+        // yet. The one that connected first and has no whole hello waiting
+        // gives its slot up (its handshake ends at once), however young it
+        // is: a client sends its hello as soon as it connects, so peers that
+        // stall on purpose, or reconnect faster than any age limit, cannot
+        // keep new clients out, and a client whose hello waits for its
+        // handshake thread (a loaded host) keeps its slot.
+        auto oldest = awaiting_hello.end();
+        for (auto it = awaiting_hello.begin(); it != awaiting_hello.end(); ++it)
+          if ((oldest == awaiting_hello.end() || it->second < oldest->second) &&
+              !hello_waiting(it->first))
+            oldest = it;
+        if (oldest != awaiting_hello.end()) {
           ::shutdown(oldest->first, SHUT_RDWR);
           awaiting_hello.erase(oldest);
           ++handshakes_ending;
@@ -575,7 +584,7 @@ void PoolServer::Impl::handshake(int sock) {
         std::chrono::steady_clock::now() + std::chrono::milliseconds(options.handshake_timeout_ms);
     st = receive_message(sock, &hello, sizeof hello, deadline);
   }
-  bool evicted;  // its peer was silent too long when the slots ran out
+  bool evicted;  // its slot went to a new connection before its hello came
   {
     std::lock_guard<std::mutex> l(mu);
     evicted = awaiting_hello.erase(sock) == 0;

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <future>
 #include <random>
@@ -820,6 +821,64 @@ TEST(PoolServerTest, PeersThatConnectAndStaySilentDoNotKeepNewClientsOut) {
   char byte;
   EXPECT_EQ(::recv(silent[0], &byte, 1, MSG_DONTWAIT), 0);
   for (int sock : silent) ::close(sock);
+}
+
+TEST(PoolServerTest, PeersThatReconnectSilentlyAndFastDoNotKeepNewClientsOut) {
+  // A peer that holds more connections than the server has handshake
+  // slots, each closed young and made again at once, never saying hello:
+  // clients connecting meanwhile all get in (before, most were refused or
+  // cut off as silent while their hello waited to be read). A client the
+  // server cuts off before its welcome connects again.
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  const sockaddr_un addr = unix_address(f.socket);
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> made{0};
+  std::thread flood([&] {
+    std::deque<std::pair<std::chrono::steady_clock::time_point, int>> held;
+    while (!stop.load()) {
+      const auto now = std::chrono::steady_clock::now();
+      while (!held.empty() && now - held.front().first > std::chrono::milliseconds(20)) {
+        ::close(held.front().second);
+        held.pop_front();
+      }
+      while (held.size() < 80) {
+        const int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (sock < 0) break;
+        if (::connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
+          ::close(sock);
+          break;
+        }
+        held.emplace_back(std::chrono::steady_clock::now(), sock);
+        made.fetch_add(1);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    for (const auto& [at, sock] : held) ::close(sock);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  int admitted = 0, refused = 0;
+  std::string why;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
+  CascadeConfig c;
+  c.pipeline = "pool";
+  c.pool_socket = f.socket;
+  c.pool_channels = 1;
+  c.num_io_threads = 0;
+  c.use_gpu = false;
+  while (std::chrono::steady_clock::now() < end) {
+    auto client = CascadeStore::Open(c);
+    if (client.ok()) ++admitted;
+    else {
+      ++refused;
+      why = client.status().ToString();
+    }
+  }
+  stop.store(true);
+  flood.join();
+  EXPECT_GT(made.load(), 1000u) << "the flood did not take the slots";
+  EXPECT_GT(admitted, 20);
+  EXPECT_EQ(refused, 0) << admitted << " admitted; the last refusal: " << why;
 }
 
 TEST(PoolServerTest, APeerInTheAllowedGroupByASupplementaryGroupIsLetIn) {

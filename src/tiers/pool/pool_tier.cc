@@ -110,16 +110,31 @@ Result<std::unique_ptr<PoolTier>> PoolTier::Open(const CascadeConfig& config, Th
   return tier;
 }
 
-Status PoolTier::connect(const CascadeConfig& config) {
-  if (config.pool_namespace.size() > pool::kMaxNamespaceBytes)
-    return Status::InvalidArgument("pool_namespace is longer than 256 bytes");
+// Connects to the server, checks who it is, says hello and takes its
+// welcome (with the descriptors that come with it). cut_off: the server
+// closed the connection before any welcome.
+Status PoolTier::greet(const CascadeConfig& config, const pool::Hello& hello, pool::Welcome* w,
+                       std::vector<int>* fds, bool* cut_off) {
   auto sock = connect_unix(config.pool_socket);
   if (!sock.ok()) return sock.status();
   sock_ = *sock;
   auto peer = peer_credentials(sock_);
   if (!peer.ok()) return peer.status();
   CASCADE_RETURN_IF_ERROR(check_server(peer->uid, config.pool_socket));
+  Status st = send_message(sock_, &hello, sizeof hello);
+  if (st.ok()) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us_);
+    st = receive_message(sock_, w, sizeof *w, deadline, fds, 3);
+  }
+  if (st.ok()) return st;
+  *cut_off = closed_by_peer(st);
+  return Status::Unavailable("the pool server at '" + config.pool_socket +
+                             "' did not answer: " + st.message());
+}
 
+Status PoolTier::connect(const CascadeConfig& config) {
+  if (config.pool_namespace.size() > pool::kMaxNamespaceBytes)
+    return Status::InvalidArgument("pool_namespace is longer than 256 bytes");
   int channels = config.pool_channels;
   if (channels <= 0) {
     // A batch's I/O threads talk on two channels each (put_stream), the
@@ -135,15 +150,21 @@ Status PoolTier::connect(const CascadeConfig& config) {
   hello.channels = static_cast<uint32_t>(std::min<int>(channels, pool::kMaxChannels));
   hello.namespace_bytes = static_cast<uint32_t>(config.pool_namespace.size());
   std::memcpy(hello.name_space, config.pool_namespace.data(), config.pool_namespace.size());
-  CASCADE_RETURN_IF_ERROR(send_message(sock_, &hello, sizeof hello));
 
   pool::Welcome w{};
   std::vector<int> fds;
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us_);
-  Status st = receive_message(sock_, &w, sizeof w, deadline, &fds, 3);
-  if (!st.ok())
-    return Status::Unavailable("the pool server at '" + config.pool_socket +
-                               "' did not answer: " + st.message());
+  // A server whose handshake slots are all taken closes a new connection
+  // without a word (peers flooding it with connections that never say
+  // hello can cause that): the client connects again, a few times, soon.
+  for (int attempt = 0;; ++attempt) {
+    bool cut_off = false;
+    Status st = greet(config, hello, &w, &fds, &cut_off);
+    if (st.ok()) break;
+    if (!cut_off || attempt == kGreetings - 1) return st;
+    ::close(sock_);
+    sock_ = -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2 << attempt));
+  }
   auto close_fds = [&] {
     for (int fd : fds) ::close(fd);
   };
