@@ -29,6 +29,8 @@ namespace {
 constexpr int64_t kCheckUs = 10000;              // how often a waiting call checks the server
 constexpr int64_t kFlushTimeoutUs = 3600000000;  // a flush writes blocks down: it may take long
 constexpr size_t kReleaseBatch = 1024;           // queued releases sent at once
+// How long the releasing thread gathers releases before it sends them.
+constexpr auto kReleaseGather = std::chrono::microseconds(500);
 // The least bytes of a sub-batch (16 blocks at most); copying this many
 // takes longer than a round trip to the server.
 constexpr uint64_t kSubBatchBytes = 1 << 20;
@@ -743,6 +745,35 @@ Status PoolTier::call_with_ids(Slot* slot, Op op, std::span<const BlockId> ids,
 
 void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> views,
                              std::span<Status> statuses) {
+  lease_views(ids, views, statuses);
+  // A block the server could not bring into an arena whose blocks are all
+  // leased: leases this client ended may still wait in its release queue
+  // (sent in batches), and so may other clients'. Ours go now, theirs
+  // within a release batch's gathering; then such ids are asked once more.
+  std::vector<size_t> again;
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (statuses[i].is(Code::kNoSpace)) again.push_back(i);
+  if (again.empty()) return;
+  bool ours;
+  {
+    std::lock_guard<std::mutex> lock(release_mu_);
+    ours = !release_queue_.empty() || !failed_queue_.empty();
+  }
+  if (ours) release_queued();
+  else std::this_thread::sleep_for(2 * kReleaseGather);
+  std::vector<BlockId> retry_ids;
+  for (size_t i : again) retry_ids.push_back(ids[i]);
+  std::vector<BlockView> retry_views(again.size());
+  std::vector<Status> retry_statuses(again.size());
+  lease_views(retry_ids, retry_views, retry_statuses);
+  for (size_t j = 0; j < again.size(); ++j) {
+    views[again[j]] = std::move(retry_views[j]);
+    statuses[again[j]] = std::move(retry_statuses[j]);
+  }
+}
+
+void PoolTier::lease_views(std::span<const BlockId> ids, std::span<BlockView> views,
+                           std::span<Status> statuses) {
   for (size_t begin = 0; begin < ids.size(); begin += pool::kMaxItems) {
     const uint32_t m = static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, ids.size() - begin));
     // Views the caller passed in end first: ending one may send releases,
@@ -1296,7 +1327,7 @@ void PoolTier::release_loop() {
     if (!stopping_ && release_queue_.empty() && failed_queue_.empty()) continue;
     if (!stopping_) {
       // Gather what a burst of reads releases into one request.
-      release_cv_.wait_for(lock, std::chrono::microseconds(500),
+      release_cv_.wait_for(lock, kReleaseGather,
                            [&] { return stopping_ || release_queue_.size() >= kReleaseBatch; });
     }
     std::vector<uint64_t> now, failed;

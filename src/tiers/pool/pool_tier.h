@@ -109,6 +109,9 @@ class PoolTier final : public Tier {
  private:
   PoolTier(const CascadeConfig& config, ThreadPool* pool);
   Status connect(const CascadeConfig& config);
+  // acquire_batch's requests to the server, once.
+  void lease_views(std::span<const BlockId> ids, std::span<BlockView> views,
+                   std::span<Status> statuses);
   Status greet(const CascadeConfig& config, const pool::Hello& hello, pool::Welcome* w,
                std::vector<int>* fds, bool* cut_off);
   // Connections a client makes to a server that closes them unanswered.
