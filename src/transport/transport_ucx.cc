@@ -194,40 +194,12 @@ struct Worker {
         ucp_request_free(o.req);
       }
       for (const Lingering& l : lingering) ucp_request_free(l.req);
-      std::vector<std::unique_ptr<uint8_t[]>> dropped_into;
-      drop_unreceived(&dropped_into);
       ucp_worker_destroy(worker);
     }
     orphans.clear();
     lingering.clear();
     if (context) ucp_cleanup(context);
   }
-  // Takes in and drops the messages that came for tags nobody received
-  // (requests to an endpoint that is closing), which the worker's end
-  // would otherwise report one warning each for. A message still arriving
-  // after a short while (one its sender must finish sending) is cancelled;
-  // `buffers` keeps what such a receive may still write until the worker
-  // is gone. REQUIRES: nothing else drives the worker.
-  void drop_unreceived(std::vector<std::unique_ptr<uint8_t[]>>* buffers) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(50);
-    // Peers may still be sending: as many as came before the deadline.
-    while (std::chrono::steady_clock::now() < until) {
-      ucp_tag_recv_info_t info{};
-      ucp_tag_message_h msg = ucp_tag_probe_nb(worker, 0, 0, 1, &info);
-      if (!msg) return;
-      buffers->emplace_back(new uint8_t[std::max<size_t>(1, info.length)]);
-      ucp_request_param_t p{};
-      ucs_status_ptr_t r =
-          ucp_tag_msg_recv_nbx(worker, buffers->back().get(), info.length, msg, &p);
-      if (r == nullptr || UCS_PTR_IS_ERR(r)) continue;
-      while (ucp_request_check_status(r) == UCS_INPROGRESS &&
-             std::chrono::steady_clock::now() < until)
-        ucp_worker_progress(worker);
-      if (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_request_cancel(worker, r);
-      ucp_request_free(r);
-    }
-  }
-
   Worker() = default;
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
