@@ -29,8 +29,6 @@ namespace {
 constexpr int64_t kCheckUs = 10000;              // how often a waiting call checks the server
 constexpr int64_t kFlushTimeoutUs = 3600000000;  // a flush writes blocks down: it may take long
 constexpr size_t kReleaseBatch = 1024;           // queued releases sent at once
-// How long the releasing thread gathers releases before it sends them.
-constexpr auto kReleaseGather = std::chrono::microseconds(500);
 // The least bytes of a sub-batch (16 blocks at most); copying this many
 // takes longer than a round trip to the server.
 constexpr uint64_t kSubBatchBytes = 1 << 20;
@@ -748,19 +746,17 @@ void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> 
   lease_views(ids, views, statuses);
   // A block the server could not bring into an arena whose blocks are all
   // leased: leases this client ended may still wait in its release queue
-  // (sent in batches), and so may other clients'. Ours go now, theirs
-  // within a release batch's gathering; then such ids are asked once more.
+  // (sent in batches). When some do, they go now, and such ids are asked
+  // once more.
   std::vector<size_t> again;
   for (size_t i = 0; i < ids.size(); ++i)
     if (statuses[i].is(Code::kNoSpace)) again.push_back(i);
   if (again.empty()) return;
-  bool ours;
   {
     std::lock_guard<std::mutex> lock(release_mu_);
-    ours = !release_queue_.empty() || !failed_queue_.empty();
+    if (release_queue_.empty() && failed_queue_.empty()) return;
   }
-  if (ours) release_queued();
-  else std::this_thread::sleep_for(2 * kReleaseGather);
+  release_queued();
   std::vector<BlockId> retry_ids;
   for (size_t i : again) retry_ids.push_back(ids[i]);
   std::vector<BlockView> retry_views(again.size());
@@ -1327,7 +1323,7 @@ void PoolTier::release_loop() {
     if (!stopping_ && release_queue_.empty() && failed_queue_.empty()) continue;
     if (!stopping_) {
       // Gather what a burst of reads releases into one request.
-      release_cv_.wait_for(lock, kReleaseGather,
+      release_cv_.wait_for(lock, std::chrono::microseconds(500),
                            [&] { return stopping_ || release_queue_.size() >= kReleaseBatch; });
     }
     std::vector<uint64_t> now, failed;
