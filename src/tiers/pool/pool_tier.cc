@@ -743,20 +743,36 @@ Status PoolTier::call_with_ids(Slot* slot, Op op, std::span<const BlockId> ids,
 
 void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> views,
                              std::span<Status> statuses) {
+  uint64_t sent_before;
+  {
+    std::lock_guard<std::mutex> lock(release_mu_);
+    sent_before = releases_sent_;
+  }
   lease_views(ids, views, statuses);
   // A block the server could not bring into an arena whose blocks are all
   // leased: leases this client ended may still wait in its release queue
-  // (sent in batches). When some do, they go now, and such ids are asked
-  // once more.
+  // (sent in batches), or have reached the server only after it answered.
+  // Then those in the queue go now, and such ids are asked once more.
   std::vector<size_t> again;
   for (size_t i = 0; i < ids.size(); ++i)
     if (statuses[i].is(Code::kNoSpace)) again.push_back(i);
   if (again.empty()) return;
+  bool queued;
   {
     std::lock_guard<std::mutex> lock(release_mu_);
-    if (release_queue_.empty() && failed_queue_.empty()) return;
+    queued = !release_queue_.empty() || !failed_queue_.empty();
+    if (!queued && releases_on_the_way_ == 0 && releases_sent_ == sent_before) return;
   }
-  release_queued();
+  if (queued) release_queued();
+  // Those the releasing thread took from the queue and is sending.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2);
+  for (int round = 0; std::chrono::steady_clock::now() < until; ++round) {
+    {
+      std::lock_guard<std::mutex> lock(release_mu_);
+      if (releases_on_the_way_ == 0) break;
+    }
+    wait_a_little(round);
+  }
   std::vector<BlockId> retry_ids;
   for (size_t i : again) retry_ids.push_back(ids[i]);
   std::vector<BlockView> retry_views(again.size());
@@ -1237,10 +1253,23 @@ void PoolTier::release_leases(std::span<const uint64_t> tokens) {
     std::lock_guard<std::mutex> lock(release_mu_);
     first = release_queue_.empty();
     release_queue_.insert(release_queue_.end(), tokens.begin(), tokens.end());
-    if (release_queue_.size() >= kReleaseBatch) now.swap(release_queue_);
+    if (release_queue_.size() >= kReleaseBatch) {
+      now.swap(release_queue_);
+      ++releases_on_the_way_;
+    }
   }
-  if (!now.empty()) send_releases(std::move(now));
-  else if (first) release_cv_.notify_one();
+  if (!now.empty()) {
+    send_releases(std::move(now));
+    sent_releases();
+  } else if (first) {
+    release_cv_.notify_one();
+  }
+}
+
+void PoolTier::sent_releases() {
+  std::lock_guard<std::mutex> lock(release_mu_);
+  --releases_on_the_way_;
+  ++releases_sent_;
 }
 
 void PoolTier::queue_releases(std::span<const uint64_t> tokens) {
@@ -1262,9 +1291,11 @@ void PoolTier::release_queued() {
     std::lock_guard<std::mutex> lock(release_mu_);
     now.swap(release_queue_);
     failed.swap(failed_queue_);
+    ++releases_on_the_way_;
   }
   if (!now.empty()) send_releases(std::move(now));
   if (!failed.empty()) send_releases(std::move(failed), pool::kChecksumFailed);
+  sent_releases();
 }
 
 void PoolTier::release_failed(ReadPart* part) {
@@ -1330,10 +1361,13 @@ void PoolTier::release_loop() {
     now.swap(release_queue_);
     failed.swap(failed_queue_);
     bool stop = stopping_;
+    ++releases_on_the_way_;
     lock.unlock();
     if (!now.empty()) send_releases(std::move(now));
     if (!failed.empty()) send_releases(std::move(failed), pool::kChecksumFailed);
     lock.lock();
+    --releases_on_the_way_;
+    ++releases_sent_;
     if (stop && release_queue_.empty() && failed_queue_.empty()) return;
   }
 }

@@ -157,6 +157,8 @@ class PoolTier final : public Tier {
   // channel): it sends them when kReleaseBatch are queued, or shortly after.
   void queue_releases(std::span<const uint64_t> tokens);
   void send_releases(std::vector<uint64_t> tokens, uint32_t flags = 0);
+  // A queue taken out under release_mu_ (releases_on_the_way_) is sent.
+  void sent_releases();
   void release_loop();
   void map_arena();
   size_t sub_batch(std::span<const uint64_t> sizes) const;
@@ -327,6 +329,9 @@ class PoolTier final : public Tier {
   // Leases whose copies failed their checksums, released with a flag that
   // says so (by the releasing thread: the reader may hold a channel).
   std::vector<uint64_t> failed_queue_;
+  // Queues taken out and being sent, and those sent (guarded by release_mu_).
+  int releases_on_the_way_ = 0;
+  uint64_t releases_sent_ = 0;
   bool stopping_ = false;
   std::thread releaser_;
 
