@@ -1,6 +1,7 @@
 #include "os/ipc.h"
 
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -9,6 +10,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <thread>
 
 #include "util/errno_status.h"
 
@@ -17,6 +19,36 @@ namespace cascade {
 namespace {
 constexpr char kPeerClosed[] = "the peer closed the connection";
 }  // namespace
+
+Status wait_readable(int sock, size_t n, std::chrono::steady_clock::time_point deadline) {
+  auto waiting = [&](size_t* have) {
+    int k = 0;
+    if (::ioctl(sock, FIONREAD, &k) != 0) return errno_status(errno, "ioctl(FIONREAD)");
+    *have = k > 0 ? static_cast<size_t>(k) : 0;
+    return Status::OK();
+  };
+  while (true) {
+    size_t have = 0;
+    CASCADE_RETURN_IF_ERROR(waiting(&have));
+    if (have >= n) return Status::OK();
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          deadline - std::chrono::steady_clock::now())
+                          .count();
+    if (left <= 0) return Status::Unavailable("no message from the peer before the deadline");
+    // With part of the message in, poll would not wait for the rest: it
+    // only says whether the peer hung up, and the rest is looked for soon.
+    struct pollfd pfd {
+      sock, POLLIN | POLLRDHUP, 0
+    };
+    const int r = ::poll(&pfd, 1, have > 0 ? 0 : static_cast<int>(std::min<int64_t>(left, 1000)));
+    if (r < 0 && errno != EINTR) return errno_status(errno, "poll");
+    if (r > 0 && (pfd.revents & (POLLHUP | POLLRDHUP | POLLERR))) {
+      CASCADE_RETURN_IF_ERROR(waiting(&have));
+      return have >= n ? Status::OK() : Status::Unavailable(kPeerClosed);
+    }
+    if (have > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
 
 bool closed_by_peer(const Status& st) {
   return st.is(Code::kUnavailable) && st.message() == kPeerClosed;

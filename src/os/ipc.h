@@ -37,6 +37,10 @@ Status send_message(int sock, const void* data, size_t n, const std::vector<int>
 Status receive_message(int sock, void* data, size_t n,
                        std::chrono::steady_clock::time_point deadline,
                        std::vector<int>* fds = nullptr, size_t max_fds = 0);
+// Waits until at least n bytes are waiting to be read in sock (none read).
+// Unavailable when the peer closed the connection first or the deadline
+// passed.
+Status wait_readable(int sock, size_t n, std::chrono::steady_clock::time_point deadline);
 // Whether st, from send_message or receive_message, says the peer closed
 // (or reset) the connection, rather than a deadline or another failure.
 bool closed_by_peer(const Status& st);

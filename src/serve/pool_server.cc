@@ -52,6 +52,10 @@ constexpr auto kProcessEndWait = std::chrono::seconds(5);
 
 // Whether a whole hello is waiting in sock, unread: its sender is a client
 // whose handshake thread has not run yet, not a silent peer.
+// A connection younger than this keeps its handshake slot even with no
+// hello in yet: its client may be between its connect and its hello.
+constexpr auto kHelloGrace = std::chrono::milliseconds(2);
+
 bool hello_waiting(int sock) {
   int n = 0;
   return ::ioctl(sock, FIONREAD, &n) == 0 && n >= static_cast<int>(sizeof(pool::Hello));
@@ -538,14 +542,17 @@ void PoolServer::Impl::monitor_loop() {
       if (handshakes_running >= kMaxHandshakes && !awaiting_hello.empty()) {
         // Every slot is taken, some by peers whose hello has not been read
         // yet. The one that connected first and has no whole hello waiting
-        // gives its slot up (its handshake ends at once), however young it
-        // is: a client sends its hello as soon as it connects, so peers that
-        // stall on purpose, or reconnect faster than any age limit, cannot
-        // keep new clients out, and a client whose hello waits for its
-        // handshake thread (a loaded host) keeps its slot.
+        // gives its slot up (its handshake ends at once) once it is older
+        // than kHelloGrace: a client sends its hello as soon as it
+        // connects, so peers that stall on purpose, or reconnect before any
+        // longer age limit, cannot keep new clients out, and a client whose
+        // hello waits for its handshake thread (a loaded host) keeps its
+        // slot. A new connection refused meanwhile is retried by the client.
+        const auto now = std::chrono::steady_clock::now();
         auto oldest = awaiting_hello.end();
         for (auto it = awaiting_hello.begin(); it != awaiting_hello.end(); ++it)
-          if ((oldest == awaiting_hello.end() || it->second < oldest->second) &&
+          if (now - it->second >= kHelloGrace &&
+              (oldest == awaiting_hello.end() || it->second < oldest->second) &&
               !hello_waiting(it->first))
             oldest = it;
         if (oldest != awaiting_hello.end()) {
@@ -577,18 +584,24 @@ void PoolServer::Impl::handshake(int sock) {
   Status st;
   auto cred = peer_credentials(sock);
   pool::Hello hello{};
+  std::chrono::steady_clock::time_point deadline;
   if (!cred.ok()) {
     st = cred.status();
   } else {
-    auto deadline =
+    deadline =
         std::chrono::steady_clock::now() + std::chrono::milliseconds(options.handshake_timeout_ms);
-    st = receive_message(sock, &hello, sizeof hello, deadline);
+    // The whole hello is left in the socket until this connection is out
+    // of awaiting_hello: while it waits there the monitor never takes this
+    // slot (it looks under mu).
+    st = wait_readable(sock, sizeof hello, deadline);
   }
   bool evicted;  // its slot went to a new connection before its hello came
   {
     std::lock_guard<std::mutex> l(mu);
     evicted = awaiting_hello.erase(sock) == 0;
   }
+  if (st.ok() && evicted) st = Status::Unavailable("its handshake slot went to a new connection");
+  if (st.ok()) st = receive_message(sock, &hello, sizeof hello, deadline);
   if (cred.ok()) {
     if (st.ok()) st = admit(sock, *cred, hello, &client, &why);
   }

@@ -115,7 +115,7 @@ class PoolTier final : public Tier {
   Status greet(const CascadeConfig& config, const pool::Hello& hello, pool::Welcome* w,
                std::vector<int>* fds, bool* cut_off);
   // Connections a client makes to a server that closes them unanswered.
-  static constexpr int kGreetings = 4;
+  static constexpr int kGreetings = 7;
 
   // A channel held by the caller for one request (or, in a batch's
   // pipeline, for a request in flight).
