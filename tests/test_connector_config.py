@@ -73,12 +73,36 @@ def test_example_config_parses():
         ({"store": {"shm_capacity": 1}}, "unknown CascadeConfig option(s): shm_capacity"),
         ({"use_lite": True, "use_layerwise": True}, "use_lite moves no data"),
         ({"config_path": "/nonexistent/cascade.yaml"}, "config_path: cannot read"),
+        ({"tenant": "a|request"}, "tenant: may not hold '=' or '|'"),
+        ({"tenant": "request=1:x"}, "tenant: may not hold '=' or '|'"),
     ],
 )
 def test_bad_options_are_named(options, message):
     with pytest.raises(ValueError) as e:
         parse_connector_config(options)
     assert message in str(e.value)
+
+
+def test_salts_made_of_parts_never_coincide():
+    """A tenant, a request's salt and their parts are joined so that no two
+    different sets of them give one salt, whatever characters they hold."""
+    from cascade.integrations.ids import salt_of
+
+    salts = [
+        ConnectorConfig(tenant="a").namespace_tenant(salt_of(("cache_salt", "x|request:y"))),
+        ConnectorConfig(tenant="a").namespace_tenant(salt_of(("cache_salt", "x"))),
+        ConnectorConfig().namespace_tenant(salt_of(("cache_salt", "x"))),
+        ConnectorConfig(tenant="request").namespace_tenant(None),
+        ConnectorConfig().namespace_tenant(None),
+        ConnectorConfig().namespace_tenant(salt_of(("cache_salt", "acme|lora=3:sql"))),
+        ConnectorConfig().namespace_tenant(salt_of(("cache_salt", "acme"), ("lora", "sql"))),
+        ConnectorConfig().namespace_tenant(salt_of(("cache_salt", "acme|epoch=1:z"))),
+        salt_of(
+            ("salt", ConnectorConfig().namespace_tenant(salt_of(("cache_salt", "acme")))),
+            ("epoch", "z"),
+        ),
+    ]
+    assert len(set(salts)) == len(salts), salts
 
 
 def test_yaml_errors(tmp_path):

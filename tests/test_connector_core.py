@@ -28,6 +28,7 @@ from cascade.integrations.connector_core import (  # noqa: E402
     SchedulerPlanner,
     StepPlan,
     TransferJob,
+    split_layout,
 )
 from cascade.integrations.ids import prefix_block_ids  # noqa: E402
 from connector_helpers import (  # noqa: E402
@@ -150,6 +151,35 @@ def test_reset_makes_earlier_blocks_unreachable(ranks):
     assert p.matched_tokens("c", PROMPT, None, 0) == 5 * BS  # saved again under the new epoch
 
 
+def test_engines_that_reset_as_often_share_no_ids(ranks):
+    """Two engines on one store each reset once, after loading other
+    weights: the epoch in their ids is their own, not a count they share."""
+    key, _ = ranks()
+    a, b = planner_for(key), planner_for(key)
+    assert a.ids_of(a.track("x", PROMPT)) == b.ids_of(b.track("x", PROMPT))
+    a.reset()
+    b.reset()
+    assert set(a.ids_of(a.track("x", PROMPT))[0]).isdisjoint(b.ids_of(b.track("x", PROMPT))[0])
+
+
+def test_ranks_split_over_pipeline_stages_store_under_other_ids_than_tensor_ranks():
+    """A world of 2 as tensor x pipeline 2 x 1 and 1 x 2 holds other shares
+    of the KV in blocks of one size: their layouts differ, and so does a
+    layer partition; a single stage keeps the layout it had."""
+    assert split_layout("packed_kv", 1) == "packed_kv"
+    assert split_layout("packed_kv", 1, "4,4") == "packed_kv"
+    names = {
+        split_layout("packed_kv", 1),
+        split_layout("packed_kv", 2),
+        split_layout("packed_kv", 2, "10,22"),
+        split_layout("packed_kv", 2, "16,16"),
+        split_layout("packed_kv", 4),
+    }
+    assert len(names) == 5
+    assert split_layout("mla", 2, stages_named=True) == "mla"
+    assert split_layout("mla", 2, "10,22", stages_named=True) != "mla"
+
+
 def test_hit_ratio_caps_the_served_fraction(ranks):
     key, (r0,) = ranks()
     seed = planner_for(key)
@@ -245,6 +275,53 @@ def test_block_removed_between_lookup_and_load_is_a_load_error(ranks):
     m = metrics.take()
     assert (m["load_blocks"], m["load_errors"]) == (4, 1)
     assert m["load_bytes"] == 4 * r0.worker.kv.stored_block_bytes
+
+
+def test_a_step_whose_load_failed_saves_nothing_of_that_request_and_the_recompute_replaces(ranks):
+    """Blocks 0-2 are found, block 1 fails to load, and the step computes
+    blocks 3-5 from the pages that failed: they are not saved. When the
+    engine computes again from block 1, the blocks are saved then, replacing
+    whatever another rank may have stored under their ids."""
+    key, (r0,) = ranks()
+    metrics = ConnectorMetrics()
+    r0.worker.metrics = metrics
+    p = planner_for(key)
+    _, plan = schedule_prefill(p, "a", PROMPT[: 3 * BS + 1], list(range(4)))
+    r0.step(plan)
+    r0.worker.wait_all_saves()
+    longer = PROMPT[: 3 * BS] + list(range(7000, 7000 + 3 * BS + 1))
+    table = list(range(20, 27))
+    n = p.matched_tokens("b", longer, None, 0)
+    assert n == 3 * BS
+    ids = p.ids_of(p.track("b", longer))[0]
+    assert r0.worker.store.remove(ids[1])  # evicted between the lookup and the load
+    p.after_alloc("b", longer, None, table, n)
+    plan = p.build_plan(
+        [ScheduledRequest("b", n, len(longer) - n, block_ids=table, replace_blocks=True)]
+    )
+    assert [j.engine_blocks for j in plan.saves] == [table[3:6]]
+    r0.step(plan)
+    r0.worker.wait_all_saves()
+    assert r0.worker.take_load_errors() == {21}
+    assert not any(r0.worker.store.contains(i) for i in ids[3:6]), (
+        "blocks computed from a failed load"
+    )
+    assert metrics.take()["save_dropped_blocks"] == 3
+    # Another rank's shard, computed from the same wrong step, stored anyway.
+    wrong = torch.zeros_like(page(r0.layers, "packed_kv", 24))
+    r0.worker.store.put(ids[4], wrong.view(torch.uint8).numpy())
+    # The engine rolls the request back to block 1 and computes it again.
+    plan = p.build_plan([ScheduledRequest("b", 1 * BS, len(longer) - BS)])
+    assert [(j.first_block, j.replace) for j in plan.saves] == [(1, True)]
+    r0.step(plan)
+    r0.worker.wait_all_saves()
+    for j in range(1, 6):
+        got = torch.empty_like(page(r0.layers, "packed_kv", table[j]))
+        found, _ = r0.worker.store.get(ids[j], got.view(torch.uint8).numpy())
+        assert found and torch.equal(got, page(r0.layers, "packed_kv", table[j])), j
+    # A later step of the request plans no replacing save.
+    plan = p.build_plan([ScheduledRequest("b", len(longer), 1)])
+    assert plan.saves == []
 
 
 def test_wrong_size_block_is_a_load_error(ranks):

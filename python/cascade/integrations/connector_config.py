@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cascade.config import canonical_options, config_from_dict, parse_size
+from cascade.integrations.ids import salt_of
 
 _YAML_SECTION = "cascade_connector"
 _LOOKUP_MODES = ("auto", "socket", "off")
@@ -131,13 +132,18 @@ class ConnectorConfig:
     # defaults (a file tier whose reads the store caps, from the cap).
     tier_rates: Mapping[str, float] = field(default_factory=dict)
 
+    def __post_init__(self):
+        if self.tenant is not None and ("=" in self.tenant or "|" in self.tenant):
+            # Salts made of parts (a tenant with a request's salt) hold both.
+            raise ValueError(f"tenant: may not hold '=' or '|', got {self.tenant!r}")
+
     def namespace_tenant(self, request_salt: str | None) -> str | None:
         """The tenant salt of a request: the configured tenant and the request's own salt."""
         if request_salt is None:
             return self.tenant
         if self.tenant is None:
-            return "request:" + request_salt
-        return f"tenant:{self.tenant}|request:{request_salt}"
+            return salt_of(("request", request_salt))
+        return salt_of(("tenant", self.tenant), ("request", request_salt))
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ConnectorConfig)}

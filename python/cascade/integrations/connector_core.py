@@ -49,6 +49,7 @@ from cascade.integrations.connector_plan import (
     SchedulerPlanner,
     StepPlan,
     TransferJob,
+    split_layout,
 )
 from cascade.integrations.connector_worker import KvTransferWorker
 
@@ -66,4 +67,5 @@ __all__ = [
     "TraceRecorder",
     "TransferJob",
     "merge_counters",
+    "split_layout",
 ]

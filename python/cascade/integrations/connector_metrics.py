@@ -49,6 +49,10 @@ COUNTERS = {
         "Blocks not saved because Cascade already held them",
     ),
     "save_errors": ("save_errors_total", "Blocks that failed to save (a later miss, nothing more)"),
+    "save_dropped_blocks": (
+        "save_dropped_blocks_total",
+        "Blocks not saved because a load of their request failed in the same step",
+    ),
 }
 # Per tier, labelled ``tier``: keys "tier_hits:<tier>" and "tier_misses:<tier>".
 TIER_COUNTERS = {

@@ -5,6 +5,7 @@ Overview: ``cascade.integrations.connector_core``."""
 from __future__ import annotations
 
 import collections
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,7 +17,7 @@ from cascade.integrations.connector_config import (
     planner_tiers,
 )
 from cascade.integrations.connector_metrics import ConnectorMetrics, TraceRecorder
-from cascade.integrations.ids import KvNamespace, prefix_block_ids
+from cascade.integrations.ids import KvNamespace, prefix_block_ids, salt_of
 from cascade.planner import MEMORY_TIERS, LoadPlanner, Plan
 
 # ---------------------------------------------------------------------------
@@ -32,6 +33,9 @@ class TransferJob:
     first_block: int
     engine_blocks: list
     ids: list  # list (one per rank) of lists of 32-hex ids
+    # A save whose ids may hold bytes a failed step computed: they are
+    # removed and stored again, not skipped as present.
+    replace: bool = False
 
 
 @dataclass
@@ -101,6 +105,21 @@ class RankShards:
         ]
         namespaces = tuple(stages[r // tp_size] for r in range(tp_size * pp_size))
         return cls(namespaces, frozenset(p * tp_size for p in range(pp_size)))
+
+
+def split_layout(layout: str, pp_size: int, partition: str = "", stages_named: bool = False) -> str:
+    """The layout name of a rank's blocks with how an engine's ranks split
+    the KV where the rank and world size alone do not say it: a world of
+    tensor x pipeline ranks holds heads and layers in other shares than one
+    of tensor ranks alone (equal in bytes per block), and a layer partition
+    (vLLM's ``VLLM_PP_LAYER_PARTITION``) moves layers between the stages.
+    ``stages_named``: the layout names each stage already (MLA). A single
+    stage keeps the layout as it is."""
+    if pp_size <= 1:
+        return layout
+    partition = partition.replace(" ", "")
+    name = layout if stages_named else f"{layout}/pp={pp_size}"
+    return f"{name}/layers={partition}" if partition else name
 
 
 def _slices(ids_by_rank: list, first: int, end: int) -> list:
@@ -186,6 +205,11 @@ class _Tracked:
     plan: Plan | None = None  # the load-or-compute plan of its prompt, until its outcome
     plan_t0: float | None = None  # when its first step started
     plan_solo: bool = True  # every step of its prefill ran it alone
+    # Tokens computed once its last planned step ran (None: no step since
+    # it was first seen or preempted); a later step that starts before it
+    # was rolled back (a failed load: the engine computes those tokens again).
+    stepped_end: int | None = None
+    replace_until: int = 0  # blocks below this are saved with `replace`
 
 
 @dataclass
@@ -274,6 +298,7 @@ class SchedulerPlanner:
         self._lite_save = can_save and self.lite is not None
         # Bumped by reset(): blocks saved before are never found again.
         self.epoch = 0
+        self.epoch_tag = ""
         self.metrics = metrics or ConnectorMetrics()
         self.traces = traces or TraceRecorder(None, "scheduler")
         self._reqs: dict[str, _Tracked] = {}
@@ -345,7 +370,8 @@ class SchedulerPlanner:
         if t.ids is None:
             tenant = self.config.namespace_tenant(t.salt)
             if self.epoch:
-                tenant = f"epoch:{self.epoch}" if tenant is None else f"{tenant}|epoch:{self.epoch}"
+                parts = [] if tenant is None else [("salt", tenant)]
+                tenant = salt_of(*parts, ("epoch", self.epoch_tag))
             full = len(t.prompt) // self.block_size * self.block_size
             by_ns: dict = {}
             t.ids = []
@@ -532,8 +558,17 @@ class SchedulerPlanner:
                 plan.loads.append(
                     TransferJob(t.req_id, first, t.block_table[first:end], _slices(ids, first, end))
                 )
+            rolled_back = t.stepped_end is not None and s.num_computed_tokens < t.stepped_end
+            t.stepped_end = s.num_computed_tokens + s.num_scheduled_tokens
             if not ((self.can_save or self._lite_save) and t.eligible):
                 continue
+            if rolled_back and s.num_computed_tokens // bs < t.saved_blocks:
+                # A rank's load failed in an earlier step, which computed the
+                # blocks after it from wrong pages: a rank that knew dropped
+                # their saves, others may have stored them. The engine
+                # computes them again: they are saved again, replacing.
+                t.replace_until = max(t.replace_until, t.saved_blocks)
+                t.saved_blocks = s.num_computed_tokens // bs
             done = min(s.num_computed_tokens + s.num_scheduled_tokens, len(t.prompt)) // bs
             done = min(done, len(t.block_table))
             if done > t.saved_blocks:
@@ -545,7 +580,11 @@ class SchedulerPlanner:
                     continue
                 plan.saves.append(
                     TransferJob(
-                        t.req_id, first, t.block_table[first:done], _slices(ids, first, done)
+                        t.req_id,
+                        first,
+                        t.block_table[first:done],
+                        _slices(ids, first, done),
+                        replace=first < t.replace_until,
                     )
                 )
                 t.has_saves = True
@@ -556,6 +595,7 @@ class SchedulerPlanner:
             if t is not None:
                 t.pending_load = None
                 t.plan = None  # its prefill starts over: no outcome to learn from
+                t.stepped_end = None  # it starts over: not a rollback
         return plan
 
     # -- what the plan learns from the engine -------------------------------
@@ -643,12 +683,17 @@ class SchedulerPlanner:
     def reset(self) -> None:
         """Makes every block saved so far unreachable (the engine's weights changed).
 
-        The ids of later blocks carry a new epoch in their namespace, so no
-        worker has to be reached and nothing is deleted: old blocks age out of
-        the store as it evicts. A restart (with the weights loaded afresh)
-        starts again from epoch 0.
+        The ids of later blocks carry a new epoch in their namespace, a
+        random one, so no worker has to be reached and nothing is deleted: old
+        blocks age out of the store as it evicts, and no other engine sharing
+        the store (which may have reset as often with other weights) shares
+        the new ids. A restart (with the weights loaded afresh) starts again
+        from epoch 0.
         """
         self.epoch += 1
+        # Random, not the count: another engine on the same store may have
+        # reset as often with other weights, and must not share these ids.
+        self.epoch_tag = secrets.token_hex(16)
         for t in self._reqs.values():
             t.ids = None
         if self.lite is not None:

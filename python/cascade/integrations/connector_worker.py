@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import cascade
 from cascade.integrations.connector_config import ConnectorConfig
 from cascade.integrations.connector_metrics import ConnectorMetrics, TraceRecorder
 from cascade.integrations.connector_plan import StepPlan, TransferJob
@@ -72,6 +73,9 @@ class KvTransferWorker:
         self._has_saves: set = set()
         self._finished: set = set()
         self._load_errors: set = set()
+        # Requests with a block whose load failed in this step: the forward
+        # pass computes their later blocks from wrong pages, never saved.
+        self._failed_loads: set = set()
         self._load_thread: threading.Thread | None = None
         self._layer_events: list = []
         self._save_queue: queue.Queue[_SaveBatch | None] = queue.Queue()
@@ -155,6 +159,8 @@ class KvTransferWorker:
     def start_load(self, plan: StepPlan) -> None:
         """Loads the plan's blocks (returns when done), or starts the layer-by-layer thread."""
         self.finish_loads()
+        with self._lock:
+            self._failed_loads = set()
         if not plan.loads:
             return
         if self.kv is None:
@@ -208,8 +214,16 @@ class KvTransferWorker:
         for (kind, tier), n in self._tier_counts().items():
             self.metrics.add_tier(kind, tier, n - tiers_before.get((kind, tier), 0))
         bad = {b for b, e in zip(blocks, failed) if e is not None}
+        failed_reqs = set()
+        pos = 0
+        for job in jobs:
+            n = len(job.engine_blocks)
+            if any(e is not None for e in failed[pos : pos + n]):
+                failed_reqs.add(job.req_id)
+            pos += n
         with self._lock:
             self._load_errors |= bad
+            self._failed_loads |= failed_reqs
         if bad:
             reasons = sorted({e for e in failed if e is not None})
             logger.warning(
@@ -267,7 +281,23 @@ class KvTransferWorker:
 
     # -- saves -------------------------------------------------------------
     def submit_saves(self, plan: StepPlan) -> None:
-        """Queues the plan's saves (their pages are filled: the step's forward pass ran)."""
+        """Queues the plan's saves (their pages are filled: the step's forward pass ran).
+
+        Saves of a request whose load failed in this step are dropped: its
+        later blocks were computed from the pages that failed to load. The
+        engine computes them again, and the planner saves them then."""
+        self.finish_loads()
+        with self._lock:
+            poisoned = self._failed_loads
+        if poisoned and plan.saves:
+            dropped = [j for j in plan.saves if j.req_id in poisoned]
+            if dropped:
+                self.metrics.add("save_dropped_blocks", sum(len(j.engine_blocks) for j in dropped))
+                plan = StepPlan(
+                    loads=plan.loads,
+                    saves=[j for j in plan.saves if j.req_id not in poisoned],
+                    flush_req_ids=plan.flush_req_ids,
+                )
         if not plan.saves:
             return
         if self.kv is None:
@@ -318,6 +348,13 @@ class KvTransferWorker:
         for job in jobs:
             start = time.perf_counter()
             ids = self._ids(job)
+            if job.replace:
+                # Bytes a failed step computed may be stored under these ids.
+                for i in ids:
+                    try:
+                        self.store.remove(i)
+                    except cascade.CascadeError:
+                        pass
             todo = [(b, i) for b, i in zip(job.engine_blocks, ids) if not self.store.contains(i)]
             present = len(ids) - len(todo)
             errs: list = []

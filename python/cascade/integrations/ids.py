@@ -34,6 +34,15 @@ def _field(value: str) -> bytes:
     return struct.pack("<I", len(b)) + b
 
 
+def salt_of(*parts: tuple[str, str]) -> str:
+    """One tenant salt from named parts (``("cache_salt", s)``...), each
+    value prefixed with its length, so that two different lists of parts
+    never give one string, whatever characters the values hold. The result
+    always holds ``=``, which a configured tenant may not (so neither can
+    pass for the other)."""
+    return "|".join(f"{name}={len(value)}:{value}" for name, value in parts)
+
+
 @dataclass(frozen=True)
 class KvNamespace:
     """What a block's bytes depend on besides its tokens."""

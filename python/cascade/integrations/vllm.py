@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,7 @@ from cascade.integrations.connector_core import (
     StepPlan,
     TraceRecorder,
     merge_counters,
+    split_layout,
 )
 from cascade.integrations.connector_lookup import (
     LookupService,
@@ -67,7 +69,7 @@ from cascade.integrations.connector_lookup import (
     register_worker,
     unregister_worker,
 )
-from cascade.integrations.ids import KvNamespace
+from cascade.integrations.ids import KvNamespace, salt_of
 
 try:  # vLLM >= 0.30 names the tier of external hits
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -236,19 +238,21 @@ def request_salt(request: Request) -> str | None:
     parts = []
     salt = getattr(request, "cache_salt", None)
     if salt:
-        parts.append(f"cache_salt={salt}")
+        parts.append(("cache_salt", str(salt)))
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        parts.append(f"lora={lora.lora_name}@{getattr(lora, 'lora_path', '')}")
+        parts.append(("lora", str(lora.lora_name)))
+        parts.append(("lora_path", str(getattr(lora, "lora_path", "") or "")))
     features = getattr(request, "mm_features", None) or []
     if features:
         h = hashlib.sha256()
         for f in features:
             pos = getattr(f, "mm_position", None)
             offset, length = getattr(pos, "offset", ""), getattr(pos, "length", "")
-            h.update(f"{f.identifier}@{offset}+{length};".encode())
-        parts.append("mm=" + h.hexdigest()[:32])
-    return "|".join(parts) if parts else None
+            h.update(salt_of(("id", str(f.identifier)), ("at", f"{offset}+{length}")).encode())
+            h.update(b"\x00")
+        parts.append(("mm", h.hexdigest()[:32]))
+    return salt_of(*parts) if parts else None
 
 
 class CascadeConnector(KVConnectorBase_V1):
@@ -283,7 +287,12 @@ class CascadeConnector(KVConnectorBase_V1):
             self.shards = RankShards.replicated_tp(
                 model=model,
                 dtype=dtype,
-                layout=MLA_NAMESPACE_LAYOUT,
+                layout=split_layout(
+                    MLA_NAMESPACE_LAYOUT,
+                    int(parallel.pipeline_parallel_size),
+                    os.environ.get("VLLM_PP_LAYER_PARTITION", ""),
+                    stages_named=True,
+                ),
                 block_size=self.block_size,
                 tp_size=tp,
                 pp_size=int(parallel.pipeline_parallel_size),
@@ -296,7 +305,19 @@ class CascadeConnector(KVConnectorBase_V1):
                 )
         else:
             self.shards = RankShards.per_rank(
-                KvNamespace(model, dtype, NAMESPACE_LAYOUT, self.block_size, 0, self.world, None)
+                KvNamespace(
+                    model,
+                    dtype,
+                    split_layout(
+                        NAMESPACE_LAYOUT,
+                        int(parallel.pipeline_parallel_size),
+                        os.environ.get("VLLM_PP_LAYER_PARTITION", ""),
+                    ),
+                    self.block_size,
+                    0,
+                    self.world,
+                    None,
+                )
             )
         self.namespace = self.shards.namespaces[0].with_tenant(self.config.tenant)
         if CacheHitSource is not None:
