@@ -74,6 +74,9 @@ def test_example_config_parses():
         ({"use_lite": True, "use_layerwise": True}, "use_lite moves no data"),
         ({"config_path": "/nonexistent/cascade.yaml"}, "config_path: cannot read"),
         ({"tenant": "a|request"}, "tenant: may not hold '=' or '|'"),
+        ({"pool_socket": "/p.sock", "store": {"pipeline": "host"}}, "store.pipeline would replace"),
+        ({"pool_socket": "/p.sock", "store": {"shm_path": "/dev/shm/x"}}, "store.shm_path"),
+        ({"pool_socket": "/p.sock", "store_pipeline": "host|gpu"}, "is not one a pool client runs"),
         ({"tenant": "request=1:x"}, "tenant: may not hold '=' or '|'"),
     ],
 )

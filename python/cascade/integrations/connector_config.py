@@ -295,6 +295,24 @@ def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
             "tier in the server's configuration (cascade serve) and drop storage_path and the "
             "file tier from store_pipeline"
         )
+    if cfg.pool_socket:
+        # The pool client's own pipeline comes from pool_socket (pool, or
+        # gpu|pool): a store section must not give it another one.
+        given = set(canonical_options(cfg.store)) & {"pipeline", "shm_path", "file_path"}
+        if given:
+            raise ValueError(
+                f"pool_socket: store.{sorted(given)[0]} would replace the pool client's own "
+                "(pipeline pool, or gpu|pool with a gpu tier first in store_pipeline); drop it"
+            )
+        gpu_names = ("gpu", "hbm", "device")
+        names = [t.lower() for t in tiers]
+        if any(t not in (*gpu_names, "host", "pool") for t in names) or any(
+            t in gpu_names for t in names[1:]
+        ):
+            raise ValueError(
+                f"pool_socket: store_pipeline {cfg.store_pipeline!r} is not one a pool client "
+                "runs: use 'host' or 'pool' (the pool alone) or 'gpu|host' (a gpu tier above it)"
+            )
     if any(t in ("file", "lustre", "posix") for t in tiers) and not cfg.storage_path:
         raise ValueError(
             f"store_pipeline {cfg.store_pipeline!r} has a file tier: set storage_path "
