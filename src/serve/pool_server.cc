@@ -1,5 +1,6 @@
 #include "serve/pool_server.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
@@ -306,6 +307,8 @@ class PoolServer::Impl {
 
   // ---- connections ---------------------------------------------------------
   void monitor_loop();
+  bool handshake_room_locked() const;
+  void end_a_silent_handshake_locked();
   void handshake(int sock);
   Status admit(int sock, const PeerCredentials& cred, const pool::Hello& hello,
                std::shared_ptr<PoolClient>* out, std::string* why);
@@ -501,14 +504,49 @@ ClusterNode* PoolServer::cluster() { return impl_->cluster_node(); }
 
 // ---- connections ---------------------------------------------------------------
 
+// Whether another handshake may start. REQUIRES: mu held.
+bool PoolServer::Impl::handshake_room_locked() const {
+  return handshakes_running - handshakes_ending < kMaxHandshakes &&
+         handshakes_running < 2 * kMaxHandshakes;
+}
+
+// Every slot is taken, some by peers whose hello has not been read yet: the
+// one that connected first and has no whole hello waiting gives its slot up
+// (its handshake ends at once) once it is older than kHelloGrace. A client
+// sends its hello as soon as it connects, so peers that stall on purpose,
+// or reconnect before any longer age limit, cannot keep new clients out,
+// and a client whose hello waits for its handshake thread (a loaded host)
+// keeps its slot. REQUIRES: mu held.
+void PoolServer::Impl::end_a_silent_handshake_locked() {
+  const auto now = std::chrono::steady_clock::now();
+  auto oldest = awaiting_hello.end();
+  for (auto it = awaiting_hello.begin(); it != awaiting_hello.end(); ++it)
+    if (now - it->second >= kHelloGrace &&
+        (oldest == awaiting_hello.end() || it->second < oldest->second) &&
+        !hello_waiting(it->first))
+      oldest = it;
+  if (oldest == awaiting_hello.end()) return;
+  ::shutdown(oldest->first, SHUT_RDWR);
+  awaiting_hello.erase(oldest);
+  ++handshakes_ending;
+}
+
 void PoolServer::Impl::monitor_loop() {
   name_this_thread("cascade-monitor");
   std::vector<struct pollfd> fds;
   std::vector<std::shared_ptr<PoolClient>> watched;
+  // A connection waits in the listen queue while every handshake slot is
+  // taken (its client's hello waits with it), rather than being closed: the
+  // queue is looked at again every millisecond, and when a handshake ends.
+  bool queue_waits = false;
+  // Non-blocking: a connection seen in the queue may be gone by the accept.
+  // (The accepted sockets block, as every socket does unless asked.)
+  if (const int flags = ::fcntl(listen_fd, F_GETFL); flags >= 0)
+    (void)::fcntl(listen_fd, F_SETFL, flags | O_NONBLOCK);
   while (!stopping.load()) {
     fds.clear();
     watched.clear();
-    fds.push_back({listen_fd, POLLIN, 0});
+    fds.push_back({queue_waits ? -1 : listen_fd, POLLIN, 0});
     fds.push_back({wake_fd, POLLIN, 0});
     {
       std::lock_guard<std::mutex> l(mu);
@@ -522,8 +560,8 @@ void PoolServer::Impl::monitor_loop() {
         }
       }
     }
-    int r = ::poll(fds.data(), fds.size(), 1000);
-    if (r <= 0) continue;
+    int r = ::poll(fds.data(), fds.size(), queue_waits ? 1 : 1000);
+    if (r < 0) continue;
     if (fds[1].revents) {
       uint64_t v;
       (void)!::read(wake_fd, &v, sizeof v);
@@ -535,42 +573,19 @@ void PoolServer::Impl::monitor_loop() {
       // (the child cannot use the store; what the client held is freed).
       if (fds[i + 2].revents) drop(watched[i]);
     }
-    if (fds[0].revents & POLLIN) {
-      int sock = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-      if (sock < 0) continue;
+    if (!queue_waits && !(fds[0].revents & POLLIN)) continue;
+    {
       std::lock_guard<std::mutex> l(mu);
-      if (handshakes_running >= kMaxHandshakes && !awaiting_hello.empty()) {
-        // Every slot is taken, some by peers whose hello has not been read
-        // yet. The one that connected first and has no whole hello waiting
-        // gives its slot up (its handshake ends at once) once it is older
-        // than kHelloGrace: a client sends its hello as soon as it
-        // connects, so peers that stall on purpose, or reconnect before any
-        // longer age limit, cannot keep new clients out, and a client whose
-        // hello waits for its handshake thread (a loaded host) keeps its
-        // slot. A new connection refused meanwhile is retried by the client.
-        const auto now = std::chrono::steady_clock::now();
-        auto oldest = awaiting_hello.end();
-        for (auto it = awaiting_hello.begin(); it != awaiting_hello.end(); ++it)
-          if (now - it->second >= kHelloGrace &&
-              (oldest == awaiting_hello.end() || it->second < oldest->second) &&
-              !hello_waiting(it->first))
-            oldest = it;
-        if (oldest != awaiting_hello.end()) {
-          ::shutdown(oldest->first, SHUT_RDWR);
-          awaiting_hello.erase(oldest);
-          ++handshakes_ending;
-        }
-      }
-      if (handshakes_running - handshakes_ending >= kMaxHandshakes ||
-          handshakes_running >= 2 * kMaxHandshakes) {
-        refused.fetch_add(1);
-        ::close(sock);
-        continue;
-      }
-      ++handshakes_running;
-      awaiting_hello[sock] = std::chrono::steady_clock::now();
-      std::thread([this, sock] { handshake(sock); }).detach();
+      if (!handshake_room_locked() && !awaiting_hello.empty()) end_a_silent_handshake_locked();
+      queue_waits = !handshake_room_locked();
+      if (queue_waits) continue;
     }
+    int sock = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (sock < 0) continue;  // EAGAIN: its client gave up meanwhile
+    std::lock_guard<std::mutex> l(mu);
+    ++handshakes_running;
+    awaiting_hello[sock] = std::chrono::steady_clock::now();
+    std::thread([this, sock] { handshake(sock); }).detach();
   }
 }
 
@@ -648,10 +663,13 @@ void PoolServer::Impl::handshake(int sock) {
     (void)send_message(sock, &w, sizeof w);
     ::close(sock);
   }
-  std::lock_guard<std::mutex> l(mu);
-  --handshakes_running;
-  if (evicted) --handshakes_ending;
-  handshakes_cv.notify_all();
+  {
+    std::lock_guard<std::mutex> l(mu);
+    --handshakes_running;
+    if (evicted) --handshakes_ending;
+    handshakes_cv.notify_all();
+  }
+  wake();  // a connection may wait in the listen queue for this slot
 }
 
 Status PoolServer::Impl::admit(int sock, const PeerCredentials& cred, const pool::Hello& hello,
