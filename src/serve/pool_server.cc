@@ -50,13 +50,12 @@ constexpr int kMaxHandshakes = 64;
 // How long the reaper waits for a dead client's process to end before it
 // frees the ranges the client had reserved (see reap_loop).
 constexpr auto kProcessEndWait = std::chrono::seconds(5);
-
-// Whether a whole hello is waiting in sock, unread: its sender is a client
-// whose handshake thread has not run yet, not a silent peer.
 // A connection younger than this keeps its handshake slot even with no
 // hello in yet: its client may be between its connect and its hello.
 constexpr auto kHelloGrace = std::chrono::milliseconds(2);
 
+// Whether a whole hello is waiting in sock, unread: its sender is a client
+// whose handshake thread has not run yet, not a silent peer.
 bool hello_waiting(int sock) {
   int n = 0;
   return ::ioctl(sock, FIONREAD, &n) == 0 && n >= static_cast<int>(sizeof(pool::Hello));
@@ -663,13 +662,14 @@ void PoolServer::Impl::handshake(int sock) {
     (void)send_message(sock, &w, sizeof w);
     ::close(sock);
   }
-  {
-    std::lock_guard<std::mutex> l(mu);
-    --handshakes_running;
-    if (evicted) --handshakes_ending;
-    handshakes_cv.notify_all();
-  }
-  wake();  // a connection may wait in the listen queue for this slot
+  std::lock_guard<std::mutex> l(mu);
+  // A connection may wait in the listen queue for this slot. Woken before
+  // the count drops: close() waits for it, then closes wake_fd, and this
+  // thread must not touch the server after that.
+  wake();
+  --handshakes_running;
+  if (evicted) --handshakes_ending;
+  handshakes_cv.notify_all();
 }
 
 Status PoolServer::Impl::admit(int sock, const PeerCredentials& cred, const pool::Hello& hello,
