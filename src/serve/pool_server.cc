@@ -538,6 +538,9 @@ void PoolServer::Impl::monitor_loop() {
   // taken (its client's hello waits with it), rather than being closed: the
   // queue is looked at again every millisecond, and when a handshake ends.
   bool queue_waits = false;
+  // After an accept that failed for want of descriptors or memory, the
+  // queue is left alone a while: it stays readable, and the loop would spin.
+  std::chrono::steady_clock::time_point accept_paused_until{};
   // Non-blocking: a connection seen in the queue may be gone by the accept.
   // (The accepted sockets block, as every socket does unless asked.)
   if (const int flags = ::fcntl(listen_fd, F_GETFL); flags >= 0)
@@ -545,7 +548,8 @@ void PoolServer::Impl::monitor_loop() {
   while (!stopping.load()) {
     fds.clear();
     watched.clear();
-    fds.push_back({queue_waits ? -1 : listen_fd, POLLIN, 0});
+    const bool paused = std::chrono::steady_clock::now() < accept_paused_until;
+    fds.push_back({queue_waits || paused ? -1 : listen_fd, POLLIN, 0});
     fds.push_back({wake_fd, POLLIN, 0});
     {
       std::lock_guard<std::mutex> l(mu);
@@ -559,7 +563,7 @@ void PoolServer::Impl::monitor_loop() {
         }
       }
     }
-    int r = ::poll(fds.data(), fds.size(), queue_waits ? 1 : 1000);
+    int r = ::poll(fds.data(), fds.size(), queue_waits ? 1 : paused ? 10 : 1000);
     if (r < 0) continue;
     if (fds[1].revents) {
       uint64_t v;
@@ -572,7 +576,7 @@ void PoolServer::Impl::monitor_loop() {
       // (the child cannot use the store; what the client held is freed).
       if (fds[i + 2].revents) drop(watched[i]);
     }
-    if (!queue_waits && !(fds[0].revents & POLLIN)) continue;
+    if (paused || (!queue_waits && !(fds[0].revents & POLLIN))) continue;
     {
       std::lock_guard<std::mutex> l(mu);
       if (!handshake_room_locked() && !awaiting_hello.empty()) end_a_silent_handshake_locked();
@@ -580,7 +584,12 @@ void PoolServer::Impl::monitor_loop() {
       if (queue_waits) continue;
     }
     int sock = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-    if (sock < 0) continue;  // EAGAIN: its client gave up meanwhile
+    if (sock < 0) {
+      // EAGAIN: its client gave up meanwhile.
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+        accept_paused_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
+      continue;
+    }
     std::lock_guard<std::mutex> l(mu);
     ++handshakes_running;
     awaiting_hello[sock] = std::chrono::steady_clock::now();

@@ -5,6 +5,7 @@
 #include <grp.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -16,8 +17,10 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <random>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -922,6 +925,80 @@ TEST(PoolServerTest, ManyMoreClientsThanHandshakeSlotsConnectingAtOnceAllGetIn) 
     }
   EXPECT_EQ(failed, 0) << "the last failure: " << why;
   EXPECT_EQ(f.server->stats().clients, uint64_t(kClients - failed));
+}
+
+// CPU time (user and system, in clock ticks) process pid has used.
+long cpu_ticks(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const size_t end = stat.rfind(')');
+  if (end == std::string::npos) return -1;
+  std::istringstream rest(stat.substr(end + 2));
+  std::string field;
+  long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {
+    if (i == 14) utime = std::stol(field);
+    if (i == 15) stime = std::stol(field);
+  }
+  return utime + stime;
+}
+
+TEST(PoolServerTest, AServerOutOfDescriptorsWaitsRatherThanSpins) {
+  // The server's process runs out of descriptors while connections wait in
+  // its listen queue: accept fails with EMFILE and the queue stays
+  // readable. The monitor must not spin on it.
+  const std::string socket = "/tmp/" + unique("cascade-pool-test-") + ".sock";
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(ready[0]);
+    CascadeConfig c;
+    c.pipeline = "host";
+    c.shm_capacity_bytes = 16 << 20;
+    c.shm_path = "/dev/shm/" + unique("cascade-pool-test-");
+    c.num_io_threads = 1;
+    PoolServerOptions o;
+    o.socket_path = socket;
+    auto s = PoolServer::Start(c, o);
+    if (!s.ok()) ::_exit(2);
+    ::unlink(c.shm_path.c_str());
+    int open_fds = 0;
+    for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+      (void)e;
+      ++open_fds;
+    }
+    rlimit lim{};
+    ::getrlimit(RLIMIT_NOFILE, &lim);
+    lim.rlim_cur = static_cast<rlim_t>(open_fds + 1);
+    if (::setrlimit(RLIMIT_NOFILE, &lim) != 0) ::_exit(3);
+    (void)!::write(ready[1], "r", 1);
+    while (true) ::pause();  // until killed
+  }
+  ::close(ready[1]);
+  char b = 0;
+  ASSERT_EQ(::read(ready[0], &b, 1), 1) << "the server did not start";
+  ::close(ready[0]);
+  const sockaddr_un addr = unix_address(socket);
+  std::vector<int> peers;
+  for (int i = 0; i < 8; ++i) {
+    const int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(sock, 0);
+    ASSERT_EQ(::connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
+    peers.push_back(sock);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const long before = cpu_ticks(child);
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  const long used = cpu_ticks(child) - before;
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  for (int sock : peers) ::close(sock);
+  ::unlink(socket.c_str());
+  ASSERT_GE(before, 0);
+  // 600 ms is 60 ticks at 100 Hz: a spinning monitor takes about all of them.
+  EXPECT_LT(used, 15) << "the server used " << used << " ticks of CPU in 600 ms while idle";
 }
 
 TEST(PoolServerTest, APeerInTheAllowedGroupByASupplementaryGroupIsLetIn) {
