@@ -1,16 +1,17 @@
 #include "os/ipc.h"
 
 #include <poll.h>
-#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "util/errno_status.h"
 
@@ -20,33 +21,36 @@ namespace {
 constexpr char kPeerClosed[] = "the peer closed the connection";
 }  // namespace
 
+size_t bytes_waiting(int sock, size_t n) {
+  std::vector<uint8_t> peek(std::max<size_t>(n, 1));
+  const ssize_t k = ::recv(sock, peek.data(), peek.size(), MSG_PEEK | MSG_DONTWAIT);
+  return k > 0 ? static_cast<size_t>(k) : 0;
+}
+
 Status wait_readable(int sock, size_t n, std::chrono::steady_clock::time_point deadline) {
-  auto waiting = [&](size_t* have) {
-    int k = 0;
-    if (::ioctl(sock, FIONREAD, &k) != 0) return errno_status(errno, "ioctl(FIONREAD)");
-    *have = k > 0 ? static_cast<size_t>(k) : 0;
-    return Status::OK();
-  };
+  // With part of the message in, poll would not wait for the rest: the
+  // rest is looked for again after a nap that grows while it does not come.
+  int nap_ms = 1;
   while (true) {
-    size_t have = 0;
-    CASCADE_RETURN_IF_ERROR(waiting(&have));
+    const size_t have = bytes_waiting(sock, n);
     if (have >= n) return Status::OK();
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
                           deadline - std::chrono::steady_clock::now())
                           .count();
     if (left <= 0) return Status::Unavailable("no message from the peer before the deadline");
-    // With part of the message in, poll would not wait for the rest: it
-    // only says whether the peer hung up, and the rest is looked for soon.
     struct pollfd pfd {
       sock, POLLIN | POLLRDHUP, 0
     };
     const int r = ::poll(&pfd, 1, have > 0 ? 0 : static_cast<int>(std::min<int64_t>(left, 1000)));
     if (r < 0 && errno != EINTR) return errno_status(errno, "poll");
     if (r > 0 && (pfd.revents & (POLLHUP | POLLRDHUP | POLLERR))) {
-      CASCADE_RETURN_IF_ERROR(waiting(&have));
-      return have >= n ? Status::OK() : Status::Unavailable(kPeerClosed);
+      return bytes_waiting(sock, n) >= n ? Status::OK() : Status::Unavailable(kPeerClosed);
     }
-    if (have > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (have > 0) {
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds(std::min<int64_t>(nap_ms, std::max<int64_t>(1, left))));
+      nap_ms = std::min(nap_ms * 2, 50);
+    }
   }
 }
 

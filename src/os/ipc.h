@@ -37,6 +37,9 @@ Status send_message(int sock, const void* data, size_t n, const std::vector<int>
 Status receive_message(int sock, void* data, size_t n,
                        std::chrono::steady_clock::time_point deadline,
                        std::vector<int>* fds = nullptr, size_t max_fds = 0);
+// How many bytes, up to n, are waiting to be read in sock now (none read):
+// what a read would return, as a count of the queue (FIONREAD) may not be.
+size_t bytes_waiting(int sock, size_t n);
 // Waits until at least n bytes are waiting to be read in sock (none read).
 // Unavailable when the peer closed the connection first or the deadline
 // passed.

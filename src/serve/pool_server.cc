@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
-#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -18,6 +17,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 
@@ -57,8 +57,7 @@ constexpr auto kHelloGrace = std::chrono::milliseconds(2);
 // Whether a whole hello is waiting in sock, unread: its sender is a client
 // whose handshake thread has not run yet, not a silent peer.
 bool hello_waiting(int sock) {
-  int n = 0;
-  return ::ioctl(sock, FIONREAD, &n) == 0 && n >= static_cast<int>(sizeof(pool::Hello));
+  return bytes_waiting(sock, sizeof(pool::Hello)) >= sizeof(pool::Hello);
 }
 
 uint32_t code_of(const Status& st) { return static_cast<uint32_t>(st.code()); }
@@ -438,6 +437,8 @@ Status PoolServer::close() {
   if (s.monitor.joinable()) s.monitor.join();
   {
     std::unique_lock<std::mutex> l(s.mu);
+    // Handshakes still waiting for a hello end now, not at their deadline.
+    for (const auto& [sock, since] : s.awaiting_hello) ::shutdown(sock, SHUT_RDWR);
     s.handshakes_cv.wait(l, [&] { return s.handshakes_running == 0; });
   }
   std::vector<std::shared_ptr<PoolClient>> all;
@@ -590,10 +591,24 @@ void PoolServer::Impl::monitor_loop() {
         accept_paused_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
       continue;
     }
+    // Out-of-band bytes stay in the stream, where the hello is read: none
+    // can sit beside it, counted as waiting but never read.
+    const int one = 1;
+    (void)::setsockopt(sock, SOL_SOCKET, SO_OOBINLINE, &one, sizeof one);
     std::lock_guard<std::mutex> l(mu);
     ++handshakes_running;
     awaiting_hello[sock] = std::chrono::steady_clock::now();
-    std::thread([this, sock] { handshake(sock); }).detach();
+    try {
+      std::thread([this, sock] { handshake(sock); }).detach();
+    } catch (const std::system_error&) {
+      // No thread to be had (a process or memory limit): this connection
+      // is refused, and the queue left alone a while.
+      --handshakes_running;
+      awaiting_hello.erase(sock);
+      refused.fetch_add(1);
+      ::close(sock);
+      accept_paused_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
+    }
   }
 }
 

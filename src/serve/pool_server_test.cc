@@ -1001,6 +1001,103 @@ TEST(PoolServerTest, AServerOutOfDescriptorsWaitsRatherThanSpins) {
   EXPECT_LT(used, 15) << "the server used " << used << " ticks of CPU in 600 ms while idle";
 }
 
+TEST(PoolServerTest, PeersWhoseHelloEndsInAnOutOfBandByteDoNotHoldTheSlots) {
+  // Every slot taken by a connection that sent all of a hello but its last
+  // byte, and that byte out of band: a count of the socket's queue takes it
+  // for a whole hello, which no read ever gets. A client must still get in
+  // well before the handshakes' deadline.
+  PoolFixture f(64 << 20, false, -1, 0, 0, 2000);
+  ASSERT_TRUE(f.server);
+  const sockaddr_un addr = unix_address(f.socket);
+  std::vector<int> peers;
+  std::vector<uint8_t> part(sizeof(pool::Hello) - 1, 0x5a);
+  for (int i = 0; i < 80; ++i) {
+    const int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(sock, 0);
+    ASSERT_EQ(::connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
+    ASSERT_EQ(::send(sock, part.data(), part.size(), MSG_NOSIGNAL), ssize_t(part.size()));
+    const char last = 0x5a;
+    (void)::send(sock, &last, 1, MSG_OOB | MSG_NOSIGNAL);  // where the kernel has it
+    peers.push_back(sock);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto t0 = std::chrono::steady_clock::now();
+  auto c = f.client();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  ASSERT_TRUE(c);
+  EXPECT_LT(took, std::chrono::milliseconds(1000));
+  for (int sock : peers) ::close(sock);
+}
+
+TEST(PoolServerTest, CloseEndsHandshakesWaitingForAHello) {
+  PoolFixture f(64 << 20, false, -1, 0, 0, 2000);
+  ASSERT_TRUE(f.server);
+  const sockaddr_un addr = unix_address(f.socket);
+  std::vector<int> peers;
+  for (int i = 0; i < 8; ++i) {
+    const int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(sock, 0);
+    ASSERT_EQ(::connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
+    peers.push_back(sock);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(f.server->close().ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(1000))
+      << "close waited for the silent peers' handshake deadline";
+  for (int sock : peers) ::close(sock);
+}
+
+TEST(PoolServerTest, AServerThatCannotStartAThreadRefusesTheConnectionAndLives) {
+  // A handshake's thread cannot be made (the process's address space is
+  // full): the connection is refused, and the server goes on.
+  const std::string socket = "/tmp/" + unique("cascade-pool-test-") + ".sock";
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(ready[0]);
+    CascadeConfig c;
+    c.pipeline = "host";
+    c.shm_capacity_bytes = 16 << 20;
+    c.shm_path = "/dev/shm/" + unique("cascade-pool-test-");
+    c.num_io_threads = 1;
+    PoolServerOptions o;
+    o.socket_path = socket;
+    o.workers = 1;
+    auto s = PoolServer::Start(c, o);
+    if (!s.ok()) ::_exit(2);
+    ::unlink(c.shm_path.c_str());
+    // The address space as it is now, and a little more: no thread stack fits.
+    std::ifstream statm("/proc/self/statm");
+    uint64_t pages = 0;
+    statm >> pages;
+    rlimit lim{};
+    lim.rlim_cur = lim.rlim_max = pages * uint64_t(::sysconf(_SC_PAGESIZE)) + (1 << 20);
+    if (::setrlimit(RLIMIT_AS, &lim) != 0) ::_exit(3);
+    (void)!::write(ready[1], "r", 1);
+    while (true) ::pause();  // until killed
+  }
+  ::close(ready[1]);
+  char b = 0;
+  ASSERT_EQ(::read(ready[0], &b, 1), 1) << "the server did not start";
+  ::close(ready[0]);
+  const sockaddr_un addr = unix_address(socket);
+  const int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(sock, 0);
+  ASSERT_EQ(::connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  int status = 0;
+  const pid_t gone = ::waitpid(child, &status, WNOHANG);
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  ::close(sock);
+  ::unlink(socket.c_str());
+  EXPECT_EQ(gone, 0) << "the server's process ended: signal "
+                     << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+}
+
 TEST(PoolServerTest, APeerInTheAllowedGroupByASupplementaryGroupIsLetIn) {
   // The group a pool is opened to may be any of the peer's groups, not only
   // its primary one (before, such a peer was refused).
