@@ -153,9 +153,11 @@ Status PoolTier::connect(const CascadeConfig& config) {
 
   pool::Welcome w{};
   std::vector<int> fds;
-  // A server whose handshake slots are all taken closes a new connection
-  // without a word (peers flooding it with connections that never say
-  // hello can cause that): the client connects again, a few times, soon.
+  // A server closes a connection before its welcome when it gave the
+  // connection's handshake slot to another (no hello had come within a
+  // moment: a client descheduled between its connect and its hello), could
+  // not start its handshake, or is shutting down: the client connects
+  // again, a few times, soon.
   for (int attempt = 0;; ++attempt) {
     bool cut_off = false;
     Status st = greet(config, hello, &w, &fds, &cut_off);
