@@ -18,6 +18,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <random>
 #include <sstream>
@@ -597,6 +598,59 @@ sockaddr_un unix_address(const std::string& socket_path) {
   return addr;
 }
 
+// A connection to the server at `socket` that says nothing; -1 on failure.
+int connect_raw(const std::string& socket) {
+  const sockaddr_un addr = unix_address(socket);
+  const int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (sock >= 0 && ::connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
+    ::close(sock);
+    return -1;
+  }
+  return sock;
+}
+
+// A server in a child process, which runs `limit` once the server listens
+// (a resource limit the test puts it under), then waits to be killed.
+struct ServerInAChild {
+  std::string socket = "/tmp/" + unique("cascade-pool-test-") + ".sock";
+  pid_t pid = -1;
+  bool ready = false;
+
+  explicit ServerInAChild(const std::function<bool()>& limit, int workers = 0) {
+    int pipe_fds[2];
+    if (::pipe(pipe_fds) != 0) return;
+    pid = ::fork();
+    if (pid == 0) {
+      ::close(pipe_fds[0]);
+      CascadeConfig c;
+      c.pipeline = "host";
+      c.shm_capacity_bytes = 16 << 20;
+      c.shm_path = "/dev/shm/" + unique("cascade-pool-test-");
+      c.num_io_threads = 1;
+      PoolServerOptions o;
+      o.socket_path = socket;
+      o.workers = workers;
+      auto s = PoolServer::Start(c, o);
+      if (!s.ok()) ::_exit(2);
+      ::unlink(c.shm_path.c_str());
+      if (!limit()) ::_exit(3);
+      (void)!::write(pipe_fds[1], "r", 1);
+      while (true) ::pause();  // until killed
+    }
+    ::close(pipe_fds[1]);
+    char b = 0;
+    ready = pid > 0 && ::read(pipe_fds[0], &b, 1) == 1;
+    ::close(pipe_fds[0]);
+  }
+  ~ServerInAChild() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    ::unlink(socket.c_str());
+  }
+};
+
 // Connects from a child process running as uid/gid with the given
 // supplementary groups and returns the welcome's code (0: let in), or -1
 // when the child could not take those credentials or got no welcome.
@@ -806,13 +860,10 @@ TEST(PoolServerTest, PeersThatConnectAndStaySilentDoNotKeepNewClientsOut) {
   // deadline, and the silent peer that waited longest is let go.
   PoolFixture f;
   ASSERT_TRUE(f.server);
-  sockaddr_un addr = unix_address(f.socket);
   std::vector<int> silent;
   for (int i = 0; i < 80; ++i) {
-    int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    ASSERT_GE(sock, 0);
-    ASSERT_EQ(::connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-    silent.push_back(sock);
+    silent.push_back(connect_raw(f.socket));
+    ASSERT_GE(silent.back(), 0);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));  // all accepted
   auto t0 = std::chrono::steady_clock::now();
@@ -947,23 +998,7 @@ TEST(PoolServerTest, AServerOutOfDescriptorsWaitsRatherThanSpins) {
   // The server's process runs out of descriptors while connections wait in
   // its listen queue: accept fails with EMFILE and the queue stays
   // readable. The monitor must not spin on it.
-  const std::string socket = "/tmp/" + unique("cascade-pool-test-") + ".sock";
-  int ready[2];
-  ASSERT_EQ(::pipe(ready), 0);
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    ::close(ready[0]);
-    CascadeConfig c;
-    c.pipeline = "host";
-    c.shm_capacity_bytes = 16 << 20;
-    c.shm_path = "/dev/shm/" + unique("cascade-pool-test-");
-    c.num_io_threads = 1;
-    PoolServerOptions o;
-    o.socket_path = socket;
-    auto s = PoolServer::Start(c, o);
-    if (!s.ok()) ::_exit(2);
-    ::unlink(c.shm_path.c_str());
+  ServerInAChild server([] {
     int open_fds = 0;
     for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
       (void)e;
@@ -972,30 +1007,19 @@ TEST(PoolServerTest, AServerOutOfDescriptorsWaitsRatherThanSpins) {
     rlimit lim{};
     ::getrlimit(RLIMIT_NOFILE, &lim);
     lim.rlim_cur = static_cast<rlim_t>(open_fds + 1);
-    if (::setrlimit(RLIMIT_NOFILE, &lim) != 0) ::_exit(3);
-    (void)!::write(ready[1], "r", 1);
-    while (true) ::pause();  // until killed
-  }
-  ::close(ready[1]);
-  char b = 0;
-  ASSERT_EQ(::read(ready[0], &b, 1), 1) << "the server did not start";
-  ::close(ready[0]);
-  const sockaddr_un addr = unix_address(socket);
+    return ::setrlimit(RLIMIT_NOFILE, &lim) == 0;
+  });
+  ASSERT_TRUE(server.ready) << "the server did not start";
   std::vector<int> peers;
   for (int i = 0; i < 8; ++i) {
-    const int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    ASSERT_GE(sock, 0);
-    ASSERT_EQ(::connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
-    peers.push_back(sock);
+    peers.push_back(connect_raw(server.socket));
+    ASSERT_GE(peers.back(), 0);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  const long before = cpu_ticks(child);
+  const long before = cpu_ticks(server.pid);
   std::this_thread::sleep_for(std::chrono::milliseconds(600));
-  const long used = cpu_ticks(child) - before;
-  ::kill(child, SIGKILL);
-  ::waitpid(child, nullptr, 0);
+  const long used = cpu_ticks(server.pid) - before;
   for (int sock : peers) ::close(sock);
-  ::unlink(socket.c_str());
   ASSERT_GE(before, 0);
   // 600 ms is 60 ticks at 100 Hz: a spinning monitor takes about all of them.
   EXPECT_LT(used, 15) << "the server used " << used << " ticks of CPU in 600 ms while idle";
@@ -1008,13 +1032,11 @@ TEST(PoolServerTest, PeersWhoseHelloEndsInAnOutOfBandByteDoNotHoldTheSlots) {
   // well before the handshakes' deadline.
   PoolFixture f(64 << 20, false, -1, 0, 0, 2000);
   ASSERT_TRUE(f.server);
-  const sockaddr_un addr = unix_address(f.socket);
   std::vector<int> peers;
   std::vector<uint8_t> part(sizeof(pool::Hello) - 1, 0x5a);
   for (int i = 0; i < 80; ++i) {
-    const int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const int sock = connect_raw(f.socket);
     ASSERT_GE(sock, 0);
-    ASSERT_EQ(::connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
     ASSERT_EQ(::send(sock, part.data(), part.size(), MSG_NOSIGNAL), ssize_t(part.size()));
     const char last = 0x5a;
     (void)::send(sock, &last, 1, MSG_OOB | MSG_NOSIGNAL);  // where the kernel has it
@@ -1032,13 +1054,10 @@ TEST(PoolServerTest, PeersWhoseHelloEndsInAnOutOfBandByteDoNotHoldTheSlots) {
 TEST(PoolServerTest, CloseEndsHandshakesWaitingForAHello) {
   PoolFixture f(64 << 20, false, -1, 0, 0, 2000);
   ASSERT_TRUE(f.server);
-  const sockaddr_un addr = unix_address(f.socket);
   std::vector<int> peers;
   for (int i = 0; i < 8; ++i) {
-    const int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    ASSERT_GE(sock, 0);
-    ASSERT_EQ(::connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
-    peers.push_back(sock);
+    peers.push_back(connect_raw(f.socket));
+    ASSERT_GE(peers.back(), 0);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   const auto t0 = std::chrono::steady_clock::now();
@@ -1051,49 +1070,25 @@ TEST(PoolServerTest, CloseEndsHandshakesWaitingForAHello) {
 TEST(PoolServerTest, AServerThatCannotStartAThreadRefusesTheConnectionAndLives) {
   // A handshake's thread cannot be made (the process's address space is
   // full): the connection is refused, and the server goes on.
-  const std::string socket = "/tmp/" + unique("cascade-pool-test-") + ".sock";
-  int ready[2];
-  ASSERT_EQ(::pipe(ready), 0);
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    ::close(ready[0]);
-    CascadeConfig c;
-    c.pipeline = "host";
-    c.shm_capacity_bytes = 16 << 20;
-    c.shm_path = "/dev/shm/" + unique("cascade-pool-test-");
-    c.num_io_threads = 1;
-    PoolServerOptions o;
-    o.socket_path = socket;
-    o.workers = 1;
-    auto s = PoolServer::Start(c, o);
-    if (!s.ok()) ::_exit(2);
-    ::unlink(c.shm_path.c_str());
-    // The address space as it is now, and a little more: no thread stack fits.
-    std::ifstream statm("/proc/self/statm");
-    uint64_t pages = 0;
-    statm >> pages;
-    rlimit lim{};
-    lim.rlim_cur = lim.rlim_max = pages * uint64_t(::sysconf(_SC_PAGESIZE)) + (1 << 20);
-    if (::setrlimit(RLIMIT_AS, &lim) != 0) ::_exit(3);
-    (void)!::write(ready[1], "r", 1);
-    while (true) ::pause();  // until killed
-  }
-  ::close(ready[1]);
-  char b = 0;
-  ASSERT_EQ(::read(ready[0], &b, 1), 1) << "the server did not start";
-  ::close(ready[0]);
-  const sockaddr_un addr = unix_address(socket);
-  const int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ServerInAChild server(
+      [] {
+        // The address space as it is now, and a little more: no thread stack fits.
+        std::ifstream statm("/proc/self/statm");
+        uint64_t pages = 0;
+        statm >> pages;
+        rlimit lim{};
+        lim.rlim_cur = lim.rlim_max = pages * uint64_t(::sysconf(_SC_PAGESIZE)) + (1 << 20);
+        return ::setrlimit(RLIMIT_AS, &lim) == 0;
+      },
+      /*workers=*/1);
+  ASSERT_TRUE(server.ready) << "the server did not start";
+  const int sock = connect_raw(server.socket);
   ASSERT_GE(sock, 0);
-  ASSERT_EQ(::connect(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   int status = 0;
-  const pid_t gone = ::waitpid(child, &status, WNOHANG);
-  ::kill(child, SIGKILL);
-  ::waitpid(child, nullptr, 0);
+  const pid_t gone = ::waitpid(server.pid, &status, WNOHANG);
   ::close(sock);
-  ::unlink(socket.c_str());
+  if (gone == server.pid) server.pid = -1;  // reaped here
   EXPECT_EQ(gone, 0) << "the server's process ended: signal "
                      << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
 }
