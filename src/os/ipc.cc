@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -283,17 +284,33 @@ Status refuse_if_listening(const std::string& path) {
   return Status::Busy("a server is listening on '" + path + "' already");
 }
 
-Result<int> connect_unix(const std::string& path) {
+Result<int> connect_unix(const std::string& path, int64_t timeout_ms) {
   struct sockaddr_un addr;
   CASCADE_RETURN_IF_ERROR(fill_address(path, &addr));
   int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (sock < 0) return errno_status(errno, "socket");
+  // A Unix socket's connect waits for room in the listen queue at most its
+  // send timeout; the timeout is lifted again once connected.
+  struct timeval tv {
+    timeout_ms / 1000, static_cast<suseconds_t>((timeout_ms % 1000) * 1000)
+  };
+  if (timeout_ms >= 0) {
+    if (timeout_ms == 0) tv.tv_usec = 1;
+    (void)::setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  }
   if (::connect(sock, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr) != 0) {
     int err = errno;
     ::close(sock);
     if (err == ENOENT || err == ECONNREFUSED)
       return Status::Unavailable("no node pool server listens on '" + path + "'");
+    if (err == EAGAIN || err == EINPROGRESS)
+      return Status::Unavailable("the node pool server at '" + path +
+                                 "' accepts no connection now (its listen queue is full)");
     return errno_status(err, "connect " + path);
+  }
+  if (timeout_ms >= 0) {
+    tv = {};
+    (void)::setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   }
   return sock;
 }

@@ -73,7 +73,9 @@ Result<SocketFile> socket_file(const std::string& path);
 // server that shuts down never removes the socket of another that took the
 // path since.
 void remove_socket_file(const SocketFile& f);
-Result<int> connect_unix(const std::string& path);
+// timeout_ms >= 0: a connect that waits longer (the server's listen queue
+// is full) gives up with Unavailable.
+Result<int> connect_unix(const std::string& path, int64_t timeout_ms = -1);
 // Busy when a server answers a connect at path (a live listener); OK
 // otherwise (nothing there, a stale socket, a path that is no socket).
 Status refuse_if_listening(const std::string& path);
