@@ -120,6 +120,10 @@ nb::dict tier_stats_dict(const TierStats& t) {
   d["arena_discarded"] = t.arena_discarded;
   d["arena_replaced_in_use"] = t.arena_replaced_in_use;
   d["unpersisted_blocks"] = t.unpersisted_blocks;
+  if (t.name == "pool") {
+    d["reconnects"] = t.reconnects;
+    d["disconnected"] = t.disconnected;
+  }
   return d;
 }
 

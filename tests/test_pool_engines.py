@@ -6,6 +6,7 @@ serves it, and another model never hits it."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import pytest
@@ -107,6 +108,47 @@ def test_replica_b_loads_what_replica_a_saved_and_a_restarted_server_keeps_it(po
     stats = servers[-1].stats()["store"]["tiers"]["host"]
     assert stats["reattached_blocks"] >= len(ids)
     c.close()
+
+
+def test_a_running_worker_loads_and_saves_again_once_its_server_is_back(pool):
+    """The server stops while a worker's store stays open: loads miss and
+    saves fail meanwhile, and once a server is back on the kept arena the
+    same store, connected again by itself, loads what it saved before and
+    saves anew."""
+    sock, servers, start = pool
+    ns = KvNamespace(model="m", dtype="float32", layout="packed_kv", block_size=BLOCK)
+    ids = prefix_block_ids(list(range(6 * BLOCK)), ns)
+    blocks = list(range(len(ids)))
+    w = engine_store(sock, "replica-a")
+    try:
+        src, kv = kv_cache(len(ids), seed=5)
+        assert save_paged(w, kv, blocks[:3], ids[:3]) == [None] * 3
+        servers[0].close()
+        deadline = time.monotonic() + 10
+        while not w.get_stats()["tiers"]["pool"]["disconnected"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        _, kv_miss = kv_cache(len(ids))
+        assert all(e is not None for e in load_paged(w, kv_miss, blocks[:3], ids[:3]))
+        assert all(e is not None for e in save_paged(w, kv, blocks[3:], ids[3:]))
+        # The arena is free once the worker let go of it: the server starts
+        # on it again and reattaches what it held.
+        while True:
+            try:
+                servers.append(start())
+                break
+            except cascade.BusyError:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        while w.get_stats()["tiers"]["pool"]["reconnects"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert save_paged(w, kv, blocks[3:], ids[3:]) == [None] * 3
+        dst, kv_back = kv_cache(len(ids))
+        assert load_paged(w, kv_back, blocks, ids) == [None] * len(ids)
+        assert all(torch.equal(x, y) for x, y in zip(src, dst))
+    finally:
+        w.close()
 
 
 def test_a_worker_without_its_pool_server_fails_clearly(tmp_path):

@@ -267,6 +267,138 @@ def test_a_host_only_server_keeps_its_blocks_across_sigterm_and_says_so(tmp):
     restarted_serves(d, store, servers, data)
 
 
+def test_a_client_connects_again_to_a_server_killed_and_started_again(tmp):
+    """A server killed with SIGKILL and started again on its arena: a client
+    that stays open lets go of the old arena at once (so the new server
+    reattaches it rather than starting on a new file), connects again by
+    itself and serves every block it stored. Reads running all along get
+    each block right or miss it; none fails otherwise."""
+    d, shm, servers = tmp
+    store = {"pipeline": "host", "shm_path": shm, "shm_capacity_bytes": "64MiB"}
+    first = Server(d, dict(store), {})
+    servers.append(first)
+    first.wait_ready()
+    data = blocks(16)
+    c = cascade.CascadeStore(
+        cascade.config_from_dict(
+            {"pool_socket": first.socket, "use_gpu": False, "pool_timeout_ms": 2000}
+        )
+    )
+    try:
+        for k, v in data.items():
+            assert c.put(k, v)
+        wrong: list[str] = []
+        got = {"hits": 0, "misses": 0}
+        stop = threading.Event()
+
+        def reader() -> None:
+            while not stop.is_set():
+                for k, v in data.items():
+                    out = np.zeros_like(v)
+                    try:
+                        found, _ = c.get(k, out)
+                    except cascade.UnavailableError:
+                        found = False
+                    if not found:
+                        got["misses"] += 1
+                    elif np.array_equal(out, v):
+                        got["hits"] += 1
+                    else:
+                        wrong.append(k)
+
+        t = threading.Thread(target=reader)
+        t.start()
+        try:
+            time.sleep(0.2)
+            first.proc.kill()
+            first.wait()
+            os.unlink(serve_status.info_path(first.socket))  # left by the killed server
+            again = Server(d, dict(store), {}, name="again.yaml")
+            servers.append(again)
+            again.wait_ready()
+            deadline = time.monotonic() + 20
+            while c.get_stats()["tiers"]["pool"]["reconnects"] < 1:
+                assert time.monotonic() < deadline, again.text()
+                time.sleep(0.02)
+            hits = got["hits"]
+            while got["hits"] < hits + len(data):  # reads go on, through the new server
+                assert time.monotonic() < deadline, again.text()
+                time.sleep(0.02)
+        finally:
+            stop.set()
+            t.join()
+        assert not wrong, wrong
+        assert got["misses"] > 0  # the reads did run while no server was there
+        log = again.text()
+        assert "still mapped by its clients" not in log, log
+        pool = c.get_stats()["tiers"]["pool"]
+        assert pool["reconnects"] == 1 and not pool["disconnected"]
+        for k, v in data.items():
+            out = np.zeros_like(v)
+            assert c.get(k, out) == (True, v.nbytes)
+            assert np.array_equal(out, v)
+    finally:
+        c.close()
+
+
+def test_a_forked_child_of_a_client_keeps_neither_the_arena_nor_the_store(tmp):
+    """A child forked from a client (a worker pool) maps none of the
+    client's arena, so a server killed and started again reattaches it
+    while the child lives; the child's calls on the inherited store say
+    that it belongs to its parent."""
+    d, shm, servers = tmp
+    store = {"pipeline": "host", "shm_path": shm, "shm_capacity_bytes": "64MiB"}
+    first = Server(d, dict(store), {})
+    servers.append(first)
+    first.wait_ready()
+    data = blocks(4)
+    c = cascade.CascadeStore(
+        cascade.config_from_dict({"pool_socket": first.socket, "use_gpu": False})
+    )
+    r, w = os.pipe()
+    child = -1
+    try:
+        for k, v in data.items():
+            assert c.put(k, v)
+        c.flush()  # sealed: kept across the kill
+        child = os.fork()
+        if child == 0:  # pragma: no cover (the child)
+            os.close(w)
+            code = 3
+            try:
+                assert not c.contains("block-0")
+                try:
+                    c.put("other", np.ones(4096, np.uint8))
+                    code = 4
+                except cascade.UnavailableError as e:
+                    code = 0 if "forked" in str(e) else 5
+            finally:
+                os.read(r, 1)
+                os._exit(code)
+        os.close(r)
+        first.proc.kill()
+        first.wait()
+        os.unlink(serve_status.info_path(first.socket))
+        again = Server(d, dict(store), {}, name="again.yaml")
+        servers.append(again)
+        again.wait_ready()
+        assert "still mapped by its clients" not in again.text(), again.text()
+        deadline = time.monotonic() + 20
+        while c.get_stats()["tiers"]["pool"]["reconnects"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for k, v in data.items():
+            out = np.zeros_like(v)
+            assert c.get(k, out) == (True, v.nbytes)
+            assert np.array_equal(out, v)
+    finally:
+        os.close(w)
+        if child > 0:
+            _, status = os.waitpid(child, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+        c.close()
+
+
 def wide_batches_until_error(sock: str, timeout_ms: int, keys: list[str]):
     """Puts and reads batches of 64 KiB blocks (wide enough that each I/O
     thread pipelines its steps) in a thread until a call fails; returns the

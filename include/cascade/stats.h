@@ -45,6 +45,11 @@ struct TierStats {
   // server that died), so it was left to them and a new file took its place.
   bool arena_discarded = false;
   bool arena_replaced_in_use = false;
+  // The pool tier: connections made again after its server was lost, and
+  // whether it is lost now with no new connection yet (calls fail with
+  // Unavailable until one is made).
+  uint64_t reconnects = 0;
+  bool disconnected = false;
 };
 
 struct StoreStats {

@@ -651,6 +651,99 @@ struct ServerInAChild {
   }
 };
 
+// Servers started and killed on one socket, one at a time, by a launcher
+// process forked before the test starts threads of its own (a server forked
+// from a process whose other threads hold locks could wait on them for
+// ever). start() returns the new server's pid (-1 when it did not start).
+class ServerLauncher {
+ public:
+  std::string socket = "/tmp/" + unique("cascade-pool-test-") + ".sock";
+
+  ServerLauncher() {
+    int to[2], from[2];
+    if (::pipe(to) != 0 || ::pipe(from) != 0) return;
+    launcher_ = ::fork();
+    if (launcher_ == 0) {
+      ::close(to[1]);
+      ::close(from[0]);
+      serve_commands(to[0], from[1]);
+      ::_exit(0);
+    }
+    ::close(to[0]);
+    ::close(from[1]);
+    to_ = to[1];
+    from_ = from[0];
+  }
+  ~ServerLauncher() {
+    if (launcher_ > 0) {
+      ::close(to_);  // the launcher kills its server and ends
+      ::waitpid(launcher_, nullptr, 0);
+      ::close(from_);
+    }
+    ::unlink(socket.c_str());
+  }
+  pid_t start() { return command('s'); }
+  void kill() { command('k'); }
+
+ private:
+  pid_t command(char c) {
+    int32_t pid = -1;
+    if (::write(to_, &c, 1) != 1 || ::read(from_, &pid, sizeof pid) != sizeof pid) return -1;
+    return pid;
+  }
+  void serve_commands(int in, int out) {
+    const std::string shm = "/dev/shm/" + unique("cascade-pool-test-");
+    pid_t server = -1;
+    auto end_server = [&] {
+      if (server > 0) {
+        ::kill(server, SIGKILL);
+        ::waitpid(server, nullptr, 0);
+      }
+      server = -1;
+    };
+    char c;
+    while (::read(in, &c, 1) == 1) {
+      int32_t reply = 0;
+      if (c == 'k') end_server();
+      if (c == 's') {
+        int ready[2];
+        if (::pipe(ready) != 0) ::_exit(1);
+        server = ::fork();
+        if (server == 0) {
+          CascadeConfig cfg;
+          cfg.pipeline = "host";
+          cfg.shm_capacity_bytes = 16 << 20;
+          cfg.shm_path = shm;
+          cfg.shm_persist = true;
+          cfg.num_io_threads = 1;
+          PoolServerOptions o;
+          o.socket_path = socket;
+          auto started = PoolServer::Start(cfg, o);
+          if (!started.ok()) ::_exit(2);
+          (void)!::write(ready[1], "r", 1);
+          while (true) ::pause();
+        }
+        ::close(ready[1]);
+        char b;
+        if (::read(ready[0], &b, 1) == 1) {
+          reply = server;
+        } else {
+          ::waitpid(server, nullptr, 0);
+          server = -1;
+          reply = -1;
+        }
+        ::close(ready[0]);
+      }
+      if (::write(out, &reply, sizeof reply) != sizeof reply) break;
+    }
+    end_server();
+    ::unlink(shm.c_str());
+  }
+
+  pid_t launcher_ = -1;
+  int to_ = -1, from_ = -1;
+};
+
 // Connects from a child process running as uid/gid with the given
 // supplementary groups and returns the welcome's code (0: let in), or -1
 // when the child could not take those credentials or got no welcome.
@@ -1330,6 +1423,270 @@ TEST(PoolServerTest, CallsFailWithUnavailableOnceTheServerIsGone) {
   EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
   EXPECT_FALSE(c->contains(id_of(1)));
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+}
+
+// A host-only server whose arena outlives it (shm_persist), started on
+// `socket` and `shm_path`; null with the reason in *why when it cannot start.
+std::unique_ptr<PoolServer> persistent_server(const std::string& socket,
+                                              const std::string& shm_path, Status* why) {
+  CascadeConfig c;
+  c.pipeline = "host";
+  c.shm_capacity_bytes = 16 << 20;
+  c.shm_path = shm_path;
+  c.shm_persist = true;
+  c.num_io_threads = 1;
+  c.index_shards = 16;
+  PoolServerOptions o;
+  o.socket_path = socket;
+  auto s = PoolServer::Start(c, o);
+  *why = s.status();
+  return s.ok() ? std::move(s.value()) : nullptr;
+}
+
+// Waits up to `seconds` for pred(); its last answer.
+template <typename Pred>
+bool eventually(Pred pred, double seconds = 10) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > end) return pred();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+const TierStats& pool_stats(const StoreStats& s) { return s.tiers.at(0); }
+
+// The server stops and a new one starts on its arena: the client notices at
+// once, lets go of the old arena (so that the new server can reattach it),
+// connects again by itself and reads what it stored before, byte for byte.
+TEST(PoolServerTest, AStoreConnectsAgainToAServerStartedAgainAndReadsWhatItStored) {
+  const std::string socket = "/tmp/" + unique("cascade-pool-test-") + ".sock";
+  const std::string shm = "/dev/shm/" + unique("cascade-pool-test-");
+  Status why;
+  auto server = persistent_server(socket, shm, &why);
+  ASSERT_TRUE(server) << why.ToString();
+  CascadeConfig c;
+  c.pipeline = "pool";
+  c.pool_socket = socket;
+  c.pool_namespace = "again";
+  c.pool_channels = 2;
+  c.pool_timeout_ms = 2000;
+  c.num_io_threads = 2;
+  c.use_gpu = false;
+  auto opened = CascadeStore::Open(c);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  auto& store = *opened.value();
+  std::vector<std::vector<uint8_t>> blocks;
+  for (uint64_t i = 0; i < 8; ++i) {
+    blocks.push_back(bytes_for(500 + i, 64 << 10));
+    ASSERT_TRUE(store.put(id_of(500 + i), blocks[i].data(), blocks[i].size()).ok());
+  }
+  ASSERT_TRUE(server->close().ok());
+  server.reset();
+  // No call is made: the client notices the closed connection by itself.
+  ASSERT_TRUE(eventually([&] { return pool_stats(store.stats()).disconnected; }));
+  std::vector<uint8_t> out(64 << 10);
+  GetResult r;
+  const Status missed = store.get(id_of(500), out.data(), out.size(), &r);
+  EXPECT_FALSE(r.found) << missed.ToString();
+  // Started again as soon as the client has let go of the arena (its
+  // mapping holds the arena's lock): it reattaches the blocks.
+  ASSERT_TRUE(eventually([&] {
+    server = persistent_server(socket, shm, &why);
+    return server != nullptr;
+  })) << why.ToString();
+  EXPECT_EQ(server->stats().store.tiers[0].reattached_blocks, 8u);
+  ASSERT_TRUE(eventually([&] { return pool_stats(store.stats()).reconnects == 1; }));
+  EXPECT_FALSE(pool_stats(store.stats()).disconnected);
+  for (uint64_t i = 0; i < 8; ++i) {
+    std::fill(out.begin(), out.end(), 0);
+    ASSERT_TRUE(store.get(id_of(500 + i), out.data(), out.size(), &r).ok()) << i;
+    ASSERT_TRUE(r.found) << i;
+    EXPECT_EQ(out, blocks[i]) << i;
+  }
+  auto more = bytes_for(600, 4096);
+  EXPECT_TRUE(store.put(id_of(600), more.data(), more.size()).ok());
+  // The traffic of both connections is counted.
+  EXPECT_GE(pool_stats(store.stats()).hits, 8u);
+  opened.value().reset();
+  ASSERT_TRUE(server->close().ok());
+  std::filesystem::remove(shm);
+}
+
+// A view held while the server goes keeps its bytes and its connection's
+// mapping of the old arena; the client connects to the new server
+// meanwhile, and the old connection closes once the view is released.
+TEST(PoolServerTest, AViewHeldWhileTheServerGoesStaysValidAndTheClientConnectsAgain) {
+  const std::string socket = "/tmp/" + unique("cascade-pool-test-") + ".sock";
+  const std::string shm = "/dev/shm/" + unique("cascade-pool-test-");
+  const std::string shm2 = "/dev/shm/" + unique("cascade-pool-test-");
+  Status why;
+  auto server = persistent_server(socket, shm, &why);
+  ASSERT_TRUE(server) << why.ToString();
+  CascadeConfig c;
+  c.pipeline = "pool";
+  c.pool_socket = socket;
+  c.pool_channels = 2;
+  c.pool_timeout_ms = 2000;
+  c.use_gpu = false;
+  auto opened = CascadeStore::Open(c);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  auto& store = *opened.value();
+  auto want = bytes_for(700, 1 << 20);
+  ASSERT_TRUE(store.put(id_of(700), want.data(), want.size()).ok());
+  auto view = store.acquire(id_of(700));
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
+  ASSERT_TRUE(server->close().ok());
+  server.reset();
+  ASSERT_TRUE(eventually([&] { return pool_stats(store.stats()).disconnected; }));
+  // The old arena is still mapped here: a server on another file.
+  server = persistent_server(socket, shm2, &why);
+  ASSERT_TRUE(server) << why.ToString();
+  ASSERT_TRUE(eventually([&] { return pool_stats(store.stats()).reconnects == 1; }));
+  EXPECT_EQ(pool_stats(store.stats()).leased_blocks, 1u);
+  EXPECT_TRUE(std::equal(want.begin(), want.end(), view->data()));
+  auto other = bytes_for(701, 4096);
+  EXPECT_TRUE(store.put(id_of(701), other.data(), other.size()).ok());
+  EXPECT_FALSE(store.contains(id_of(700)));  // a new, empty arena
+  view->reset();
+  EXPECT_EQ(pool_stats(store.stats()).leased_blocks, 0u);
+  opened.value().reset();
+  ASSERT_TRUE(server->close().ok());
+  std::filesystem::remove(shm);
+  std::filesystem::remove(shm2);
+}
+
+// Stops process pid (SIGSTOP) and waits until every thread of it is
+// stopped: a signal takes effect on a thread only when it next runs.
+bool stop_process(pid_t pid) {
+  if (::kill(pid, SIGSTOP) != 0) return false;
+  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+  return eventually([&] {
+    for (const auto& e : std::filesystem::directory_iterator(tasks)) {
+      std::ifstream f(e.path() / "stat");
+      std::string line;
+      std::getline(f, line);
+      const size_t close = line.rfind(')');
+      if (close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'T')
+        return false;
+    }
+    return true;
+  });
+}
+
+// A server that stops answering (SIGSTOP): calls fail at their deadline,
+// then at once; once it answers again the client connects to it again by
+// itself. A store closed while its connection to a stopped server is being
+// made again closes at once.
+TEST(PoolServerTest, AStoreConnectsAgainToAServerThatStoppedAnsweringAndClosesWhileItWaits) {
+  ServerInAChild server([] { return true; });
+  ASSERT_TRUE(server.ready);
+  CascadeConfig c;
+  c.pipeline = "pool";
+  c.pool_socket = server.socket;
+  c.pool_channels = 2;
+  c.pool_timeout_ms = 300;
+  c.use_gpu = false;
+  auto opened = CascadeStore::Open(c);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  auto& store = *opened.value();
+  auto d = bytes_for(800, 4096);
+  ASSERT_TRUE(store.put(id_of(800), d.data(), d.size()).ok());
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round);
+    ASSERT_TRUE(stop_process(server.pid));
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_TRUE(store.put(id_of(801), d.data(), d.size()).is(Code::kUnavailable));
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+    ASSERT_TRUE(eventually([&] { return pool_stats(store.stats()).disconnected; }));
+    const auto t1 = std::chrono::steady_clock::now();
+    EXPECT_FALSE(store.contains(id_of(800)));  // a miss, at once
+    EXPECT_LT(std::chrono::steady_clock::now() - t1, std::chrono::milliseconds(100));
+    if (round == 1) break;
+    ASSERT_EQ(::kill(server.pid, SIGCONT), 0);
+    ASSERT_TRUE(eventually([&] { return pool_stats(store.stats()).reconnects == 1; }));
+    EXPECT_TRUE(store.contains(id_of(800)));
+  }
+  // Stopped again, and the client waits for its welcome: closing ends that.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto t2 = std::chrono::steady_clock::now();
+  opened.value().reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t2, std::chrono::milliseconds(500));
+}
+
+// Threads keep calling while the server is killed, and a new one takes its
+// socket: calls still running on the lost connection end after the client
+// set it aside. The client must still notice the next loss: here the new
+// server stops answering, and the client connects again once it resumes.
+TEST(PoolServerTest, AClientNoticesEveryLossNotOnlyTheFirst) {
+  ServerLauncher servers;
+  ASSERT_GT(servers.start(), 0);
+  CascadeConfig c;
+  c.pipeline = "pool";
+  c.pool_socket = servers.socket;
+  c.pool_channels = 8;
+  c.pool_timeout_ms = 300;
+  c.use_gpu = false;
+  auto opened = CascadeStore::Open(c);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  auto& store = *opened.value();
+  auto d = bytes_for(900, 4096);
+  ASSERT_TRUE(store.put(id_of(900), d.data(), d.size()).ok());
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> callers;
+  for (int k = 0; k < 4; ++k) {
+    callers.emplace_back([&] {
+      std::vector<uint8_t> out(4096);
+      GetResult r;
+      while (!stop.load()) {
+        (void)store.get(id_of(900), out.data(), out.size(), &r);
+        (void)store.contains(id_of(901));
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  servers.kill();
+  pid_t second = -1;
+  ASSERT_TRUE(eventually([&] { return (second = servers.start()) > 0; }));
+  ASSERT_TRUE(eventually([&] { return pool_stats(store.stats()).reconnects == 1; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  stop.store(true);
+  for (auto& t : callers) t.join();
+  ASSERT_TRUE(store.put(id_of(902), d.data(), d.size()).ok());
+  ASSERT_TRUE(stop_process(second));
+  EXPECT_FALSE(store.contains(id_of(902)));  // waits out the deadline: a stall
+  EXPECT_TRUE(eventually([&] { return pool_stats(store.stats()).disconnected; }, 3));
+  ASSERT_EQ(::kill(second, SIGCONT), 0);
+  EXPECT_TRUE(eventually([&] { return pool_stats(store.stats()).reconnects == 2; }));
+  EXPECT_TRUE(store.contains(id_of(902)));
+}
+
+// A flush may outlast a request's deadline, but not a server that stopped
+// answering: it asks the server whether it is there once a deadline, and
+// ends when it is not.
+TEST(PoolServerTest, AFlushEndsWhenTheServerStopsAnswering) {
+  ServerInAChild server([] { return true; });
+  ASSERT_TRUE(server.ready);
+  CascadeConfig c;
+  c.pipeline = "pool";
+  c.pool_socket = server.socket;
+  c.pool_channels = 2;
+  c.pool_timeout_ms = 300;
+  c.use_gpu = false;
+  auto opened = CascadeStore::Open(c);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  auto& store = *opened.value();
+  // The whole arena backed, so that the client's mapping thread, which asks
+  // the server how much is, has ended and cannot find the stall first.
+  auto d = bytes_for(950, 1 << 20);
+  for (uint64_t i = 0; i < 32; ++i) (void)store.put(id_of(950 + i), d.data(), d.size());
+  ASSERT_TRUE(eventually([&] { return pool_stats(store.stats()).committed_bytes == 16u << 20; }));
+  ASSERT_TRUE(stop_process(server.pid));
+  auto flushed = std::async(std::launch::async, [&] { return store.flush(); });
+  const bool ended = flushed.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  ::kill(server.pid, SIGCONT);
+  ASSERT_TRUE(ended) << "the flush waited for a stopped server";
+  EXPECT_TRUE(flushed.get().is(Code::kUnavailable));
 }
 
 // Threads of this process now.

@@ -3,7 +3,7 @@
 #include "tiers/file/file_tier.h"
 #include "tiers/gpu/gpu_tier.h"
 #include "tiers/host/host_tier.h"
-#include "tiers/pool/pool_tier.h"
+#include "tiers/pool/reconnecting_pool_tier.h"
 
 namespace cascade {
 
@@ -22,7 +22,7 @@ Result<std::unique_ptr<Tier>> open_tier(TierKind kind, const CascadeConfig& conf
           "(cascade/distributed.h; Python: cascade.distributed.open_store), collectively over MPI");
     case TierKind::kFile: return open_file_tier(config, pool, nullptr);
     case TierKind::kPool: {
-      auto t = PoolTier::Open(config, pool);
+      auto t = ReconnectingPoolTier::Open(config, pool);
       if (!t.ok()) return t.status();
       return std::unique_ptr<Tier>(std::move(t.value()));
     }

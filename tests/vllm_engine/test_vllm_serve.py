@@ -1,14 +1,18 @@
 """`vllm serve` (vLLM's real CPU engine, its OpenAI server) with the Cascade
 connector from --kv-transfer-config, prompts as token ids over HTTP: hits
 shown on /metrics, a restarted server hitting the file tier, and two servers
-sharing one node pool (`cascade serve`)."""
+sharing one node pool (`cascade serve`), also across a kill and restart of
+that pool."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import yaml
@@ -18,6 +22,12 @@ from cascade import serve_status
 
 PROMPT_TOKENS = 1500
 HIT = (PROMPT_TOKENS - 1) // BS * BS
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -74,13 +84,15 @@ def test_serve_hits_on_metrics_and_a_restarted_server_hits_the_file_tier(servers
 class PoolServer:
     """`cascade serve` on a host arena of its own; stop() ends it."""
 
-    def __init__(self, d: str, shm: str):
+    def __init__(self, d: str, shm: str, log: str = "pool.log", metrics_port: int = 0):
         self.socket = os.path.join(d, "pool.sock")
+        self.metrics_port = metrics_port
         config = os.path.join(d, "pool.yaml")
         with open(config, "w") as f:
             store = {"shm_path": os.path.join(shm, "pool"), "shm_capacity_bytes": "64MiB"}
-            yaml.safe_dump({**store, "serve": {"socket": self.socket}}, f)
-        self.log = open(os.path.join(d, "pool.log"), "w+")
+            serve = {"socket": self.socket, "metrics_port": metrics_port}
+            yaml.safe_dump({**store, "serve": serve}, f)
+        self.log = open(os.path.join(d, log), "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cascade", "serve", "--config", config],
             env=SERVER_ENV,
@@ -97,6 +109,18 @@ class PoolServer:
         self.log.flush()
         with open(self.log.name) as f:
             return f.read()
+
+    def clients(self) -> int:
+        """Clients connected now (served on the metrics port)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/stats.json"
+        return len(json.load(urllib.request.urlopen(url, timeout=10))["clients"])
+
+    def kill(self) -> None:
+        """SIGKILL, and the info file it leaves removed."""
+        self.proc.kill()
+        self.proc.wait()
+        os.unlink(serve_status.info_path(self.socket))
+        self.log.close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -131,6 +155,45 @@ def test_two_servers_share_the_node_pool(servers, work):
         deadline = time.monotonic() + 30
         while b.counter("vllm:cascade_save_blocks_total") < HIT // BS:
             assert time.monotonic() < deadline, "replica B did not save the second prompt"
+            time.sleep(0.1)
+        assert a.complete(q) == q_full
+        assert a.counter("vllm:cascade_hit_tokens_total") == HIT
+    finally:
+        for srv in (a, b) if "b" in locals() else ():
+            srv.stop()
+        pool.stop()
+
+
+def test_running_servers_use_the_node_pool_again_after_it_is_killed_and_started_again(
+    servers, work
+):
+    """The pool server is killed with SIGKILL while two `vllm serve` run on
+    it, and started again: its arena comes back with the blocks (the
+    engines' stores let go of it at once), the engines' stores connect again
+    by themselves, and each engine loads what the other saved before the
+    kill and after it."""
+    d, shm = work
+    port = free_port()
+    pool = PoolServer(d, shm, metrics_port=port)
+    try:
+        p, q = prompt(PROMPT_TOKENS, seed=10), prompt(PROMPT_TOKENS, seed=11)
+        a = servers({"pool_socket": pool.socket}, "replica-a")
+        b = servers({"pool_socket": pool.socket}, "replica-b")
+        full = a.complete(p)
+        connected = pool.clients()
+        pool.kill()
+        pool = PoolServer(d, shm, log="pool-again.log", metrics_port=port)
+        assert "still mapped by its clients" not in pool.text(), pool.text()
+        deadline = time.monotonic() + 30
+        while pool.clients() < connected:
+            assert time.monotonic() < deadline, f"{pool.clients()} of {connected} clients back"
+            time.sleep(0.05)
+        assert b.complete(p) == full
+        assert b.counter("vllm:cascade_hit_tokens_total") == HIT
+        assert b.counter("vllm:cascade_load_errors_total") == 0
+        q_full = b.complete(q)
+        while b.counter("vllm:cascade_save_blocks_total") < HIT // BS:
+            assert time.monotonic() < deadline, "replica B did not save after the restart"
             time.sleep(0.1)
         assert a.complete(q) == q_full
         assert a.counter("vllm:cascade_hit_tokens_total") == HIT

@@ -1,5 +1,6 @@
 #include "tiers/pool/pool_tier.h"
 
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -32,6 +33,9 @@ constexpr size_t kReleaseBatch = 1024;           // queued releases sent at once
 // The least bytes of a sub-batch (16 blocks at most); copying this many
 // takes longer than a round trip to the server.
 constexpr uint64_t kSubBatchBytes = 1 << 20;
+// How often a client waiting for the server's welcome checks whether it
+// was asked to give up.
+constexpr auto kGreetStep = std::chrono::milliseconds(50);
 
 Status wire_status(uint32_t code, std::string message) {
   if (code == 0) return Status::OK();
@@ -95,9 +99,10 @@ PoolTier::PoolTier(const CascadeConfig& config, ThreadPool* pool)
       timeout_us_(int64_t(config.pool_timeout_ms) * 1000),
       parallel_threshold_(config.parallel_copy_threshold) {}
 
-Result<std::unique_ptr<PoolTier>> PoolTier::Open(const CascadeConfig& config, ThreadPool* pool) {
+Result<std::unique_ptr<PoolTier>> PoolTier::Open(const CascadeConfig& config, ThreadPool* pool,
+                                                 const std::atomic<bool>* cancel) {
   std::unique_ptr<PoolTier> tier(new PoolTier(config, pool));
-  CASCADE_RETURN_IF_ERROR(tier->connect(config));
+  CASCADE_RETURN_IF_ERROR(tier->connect(config, cancel));
   if (gpu_usable(config.gpu_device_id)) {
     // As the host tier: loads to the GPU DMA straight from the arena.
     tier->registered_ = register_host_memory(tier->base_, tier->capacity_).ok();
@@ -114,8 +119,11 @@ Result<std::unique_ptr<PoolTier>> PoolTier::Open(const CascadeConfig& config, Th
 // welcome (with the descriptors that come with it). cut_off: the server
 // closed the connection before any welcome.
 Status PoolTier::greet(const CascadeConfig& config, const pool::Hello& hello, pool::Welcome* w,
-                       std::vector<int>* fds, bool* cut_off) {
-  auto sock = connect_unix(config.pool_socket);
+                       std::vector<int>* fds, bool* cut_off, const std::atomic<bool>* cancel) {
+  // A connection made again (cancel given) waits no longer for room in a
+  // stalled server's listen queue than for its welcome, a step at a time.
+  auto sock =
+      connect_unix(config.pool_socket, cancel ? std::chrono::milliseconds(kGreetStep).count() : -1);
   if (!sock.ok()) return sock.status();
   sock_ = *sock;
   auto peer = peer_credentials(sock_);
@@ -123,8 +131,22 @@ Status PoolTier::greet(const CascadeConfig& config, const pool::Hello& hello, po
   CASCADE_RETURN_IF_ERROR(check_server(peer->uid, config.pool_socket));
   Status st = send_message(sock_, &hello, sizeof hello);
   if (st.ok()) {
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us_);
-    st = receive_message(sock_, w, sizeof *w, deadline, fds, 3);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us_);
+    // The welcome is waited for in short steps, so that `cancel` ends the
+    // wait soon; it is read once all of it is there.
+    while (true) {
+      const auto step = std::min(deadline, std::chrono::steady_clock::now() + kGreetStep);
+      st = wait_readable(sock_, sizeof *w, step);
+      if (st.ok()) {
+        st = receive_message(sock_, w, sizeof *w, deadline, fds, 3);
+        break;
+      }
+      if (closed_by_peer(st) || std::chrono::steady_clock::now() >= deadline) break;
+      if (cancel && cancel->load(std::memory_order_acquire)) {
+        st = Status::Unavailable("connecting was given up");
+        break;
+      }
+    }
   }
   if (st.ok()) return st;
   *cut_off = closed_by_peer(st);
@@ -132,7 +154,7 @@ Status PoolTier::greet(const CascadeConfig& config, const pool::Hello& hello, po
                              "' did not answer: " + st.message());
 }
 
-Status PoolTier::connect(const CascadeConfig& config) {
+Status PoolTier::connect(const CascadeConfig& config, const std::atomic<bool>* cancel) {
   if (config.pool_namespace.size() > pool::kMaxNamespaceBytes)
     return Status::InvalidArgument("pool_namespace is longer than 256 bytes");
   int channels = config.pool_channels;
@@ -160,7 +182,7 @@ Status PoolTier::connect(const CascadeConfig& config) {
   // again, a few times, soon.
   for (int attempt = 0;; ++attempt) {
     bool cut_off = false;
-    Status st = greet(config, hello, &w, &fds, &cut_off);
+    Status st = greet(config, hello, &w, &fds, &cut_off, cancel);
     if (st.ok()) break;
     if (!cut_off || attempt == kGreetings - 1) return st;
     ::close(sock_);
@@ -207,6 +229,11 @@ Status PoolTier::connect(const CascadeConfig& config) {
     return errno_status(err, "mmap of the pool's arena");
   }
   arena_map_ = static_cast<uint8_t*>(a);
+  // A forked child maps none of it: the mapping holds the arena's lock (it
+  // came as the server's own open file), and a child that outlives this
+  // connection would keep a server started again from reattaching the arena.
+  (void)::madvise(arena_map_, arena_map_bytes_, MADV_DONTFORK);
+  (void)::madvise(doorbell_, pool::kDoorbellBytes, MADV_DONTFORK);
   base_ = arena_map_ + w.arena_file_offset;
   arena_committed_ = std::min(w.arena_committed, capacity_);
   channel_count_ = w.channels;
@@ -216,6 +243,7 @@ Status PoolTier::connect(const CascadeConfig& config) {
   ::close(fds[1]);
   if (c == MAP_FAILED) return errno_status(err, "mmap of the pool's channels");
   channel_map_ = static_cast<uint8_t*>(c);
+  (void)::madvise(channel_map_, channel_map_bytes_, MADV_DONTFORK);
   slots_.reset(new Slot[channel_count_]);
   for (uint32_t i = 0; i < channel_count_; ++i) {
     slots_[i].ch = Channel::at(channel_map_, i);
@@ -274,6 +302,15 @@ PoolTier::~PoolTier() {
     if (::getpid() == opened_by_) ::shutdown(sock_, SHUT_RDWR);
     ::close(sock_);
   }
+}
+
+bool PoolTier::wait_for_loss(int wake_fd, int timeout_ms) {
+  if (lost()) return true;
+  struct pollfd fds[2] = {{sock_, POLLRDHUP, 0}, {wake_fd, POLLIN, 0}};
+  const int r = ::poll(fds, wake_fd >= 0 ? 2 : 1, timeout_ms);
+  if (r > 0 && (fds[0].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)))
+    server_gone_.store(true, std::memory_order_release);
+  return lost();
 }
 
 PoolTier::Held PoolTier::hold() const {
@@ -1214,8 +1251,36 @@ Status PoolTier::flush() {
   release_queued();
   Held held = hold();
   if (!held.slot()) return Status::Unavailable("every channel to the pool server failed");
+  Slot* slot = held.slot();
+  CASCADE_RETURN_IF_ERROR(post(slot, Op::kFlush, 0, 0));
+  // A flush writes blocks down and may take long, longer than a request's
+  // deadline. Whether the server still answers is asked meanwhile, once a
+  // deadline, on another channel: a server that leaves that unanswered is
+  // stalled, and the flush ends with the rest. (With no other channel free,
+  // the calls on the others watch the server.)
+  while (!reply_within(slot, timeout_us_)) {
+    if (lost() || std::chrono::steady_clock::now() - slot->posted >
+                      std::chrono::microseconds(kFlushTimeoutUs))
+      break;
+    Held other = try_hold(0, slot);
+    if (!other.slot()) continue;
+    ReplyHeader pong;
+    Status alive = call(other.slot(), Op::kPing, 0, 0, &pong, timeout_us_);
+    if (!alive.ok()) {
+      slot->broken = true;  // a late reply would answer the next request
+      return alive;
+    }
+  }
   ReplyHeader reply;
-  return call(held.slot(), Op::kFlush, 0, 0, &reply, kFlushTimeoutUs);
+  return await_reply(slot, &reply, kFlushTimeoutUs);
+}
+
+bool PoolTier::reply_within(Slot* slot, int64_t timeout_us) const {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us);
+  pool::ChannelControl* control = slot->ch.control;
+  return pool::wait_change(
+      &control->reply_seq, slot->seq - 1, &control->client_sleeping, kCheckUs,
+      [&] { return lost() || peer_closed(sock_) || std::chrono::steady_clock::now() > until; });
 }
 
 Result<pool::ServerStatsReply> PoolTier::server_stats() const {
@@ -1243,8 +1308,10 @@ TierStats PoolTier::stats() const {
 
 // The release of a view acquire handed out (BlockView's release).
 void PoolTier::release_lease(uint64_t token) {
-  views_held_.fetch_sub(1, std::memory_order_relaxed);
   release_leases({&token, 1});
+  // Last: once no view is held, whoever closes the tier may do so at once
+  // (this thread touches the tier no more).
+  views_held_.fetch_sub(1, std::memory_order_release);
 }
 
 void PoolTier::release_leases(std::span<const uint64_t> tokens) {

@@ -63,8 +63,10 @@ class PoolTier final : public Tier {
  public:
   // Connects to config.pool_socket. Unavailable when no server listens;
   // InvalidArgument when the server refuses the namespace or the peer is
-  // not a server of an allowed user.
-  static Result<std::unique_ptr<PoolTier>> Open(const CascadeConfig& config, ThreadPool* pool);
+  // not a server of an allowed user. `cancel`, when given and set while the
+  // server has not welcomed this client yet, ends the wait (Unavailable).
+  static Result<std::unique_ptr<PoolTier>> Open(const CascadeConfig& config, ThreadPool* pool,
+                                                const std::atomic<bool>* cancel = nullptr);
   ~PoolTier() override;
 
   TierKind kind() const override { return TierKind::kPool; }
@@ -103,17 +105,31 @@ class PoolTier final : public Tier {
   // Sends the queued lease releases now.
   void release_queued();
 
+  // ---- the connection, for a tier that connects again (ReconnectingPoolTier)
+  // True once the server is gone or stopped answering: every later call
+  // fails with Unavailable.
+  bool lost() const {
+    return server_gone_.load(std::memory_order_acquire) ||
+           server_stalled_.load(std::memory_order_acquire);
+  }
+  // Waits up to timeout_ms (-1: no limit) until the server closes the
+  // connection, or `wake_fd` (when >= 0) becomes readable; then true when
+  // the server is lost (a closed connection makes it so).
+  bool wait_for_loss(int wake_fd, int timeout_ms);
+  // Views acquire handed out that their holders still hold.
+  uint64_t views_held() const { return views_held_.load(std::memory_order_acquire); }
+
  protected:
   void release_lease(uint64_t token) override;
 
  private:
   PoolTier(const CascadeConfig& config, ThreadPool* pool);
-  Status connect(const CascadeConfig& config);
+  Status connect(const CascadeConfig& config, const std::atomic<bool>* cancel);
   // acquire_batch's requests to the server, once.
   void lease_views(std::span<const BlockId> ids, std::span<BlockView> views,
                    std::span<Status> statuses);
   Status greet(const CascadeConfig& config, const pool::Hello& hello, pool::Welcome* w,
-               std::vector<int>* fds, bool* cut_off);
+               std::vector<int>* fds, bool* cut_off, const std::atomic<bool>* cancel);
   // Connections a client makes to a server that closes them unanswered.
   static constexpr int kGreetings = 7;
 
@@ -145,6 +161,10 @@ class PoolTier final : public Tier {
                                      size_t asked);
   Status call(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, pool::ReplyHeader* reply,
               int64_t timeout_us, uint32_t flags = 0) const;
+  // Whether the reply to the request posted on slot comes within
+  // timeout_us (false also when the server is lost first); the channel
+  // stays as it is either way: await_reply() takes the reply.
+  bool reply_within(Slot* slot, int64_t timeout_us) const;
   // Sends op with ids as its items on slot's channel (at most kMaxItems);
   // Unavailable for no slot. The reply's header goes to *reply, its items
   // are in the channel's reply area.

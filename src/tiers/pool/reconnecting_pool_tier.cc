@@ -1,0 +1,327 @@
+#include "tiers/pool/reconnecting_pool_tier.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <utility>
+
+#include "os/fork_generation.h"
+#include "util/errno_status.h"
+#include "util/thread_name.h"
+
+namespace cascade {
+
+namespace {
+
+// How often the watcher looks whether connections set aside are still used:
+// often at first (calls on them end within moments, and a server started
+// again waits for the arena they map), then seldom (a view is held long).
+constexpr int kAsideCheckMs = 5;
+constexpr int kAsideLaterCheckMs = 100;
+constexpr auto kAsideSoon = std::chrono::seconds(1);
+
+void add_traffic(TierStats* to, const TierStats& from) {
+  to->hits += from.hits;
+  to->misses += from.misses;
+  to->evictions += from.evictions;
+  to->demotions_in += from.demotions_in;
+  to->promotions_in += from.promotions_in;
+  to->bytes_written += from.bytes_written;
+  to->bytes_read += from.bytes_read;
+  to->corrupt_blocks += from.corrupt_blocks;
+  to->read_errors += from.read_errors;
+}
+
+}  // namespace
+
+ReconnectingPoolTier::ReconnectingPoolTier(const CascadeConfig& config, ThreadPool* pool)
+    : config_(config), pool_(pool), generation_(fork_generation()) {}
+
+Result<std::unique_ptr<ReconnectingPoolTier>> ReconnectingPoolTier::Open(
+    const CascadeConfig& config, ThreadPool* pool) {
+  std::unique_ptr<ReconnectingPoolTier> tier(new ReconnectingPoolTier(config, pool));
+  auto first = PoolTier::Open(config, pool);
+  if (!first.ok()) return first.status();
+  tier->wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (tier->wake_fd_ < 0) return errno_status(errno, "eventfd");
+  tier->adopt(std::move(first.value()));
+  tier->watcher_ = std::thread([t = tier.get()] { t->watch(); });
+  return tier;
+}
+
+ReconnectingPoolTier::~ReconnectingPoolTier() {
+  if (fork_generation() != generation_) {
+    // A forked child: the threads to join are the parent's, and the
+    // mappings to drop are not here (another may have taken their place).
+    // The connections are left as they are.
+    if (watcher_.joinable()) watcher_.detach();
+    new std::shared_ptr<PoolTier>(std::move(current_));
+    for (auto& t : aside_) new std::shared_ptr<PoolTier>(std::move(t));
+    if (wake_fd_ >= 0) ::close(wake_fd_);
+    return;
+  }
+  stopping_.store(true, std::memory_order_release);
+  wake();
+  if (watcher_.joinable()) watcher_.join();
+  // Views must not outlive the tier: nothing uses the connections now.
+  current_.reset();
+  aside_.clear();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void ReconnectingPoolTier::adopt(std::unique_ptr<PoolTier> t) {
+  capacity_.store(t->capacity_bytes(), std::memory_order_relaxed);
+  persistent_.store(t->persistent(), std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(mu_);
+  current_ = std::move(t);
+  in_use_.store(current_.get(), std::memory_order_release);
+}
+
+std::shared_ptr<PoolTier> ReconnectingPoolTier::link() const {
+  // In a forked child: the connection is the parent's (its channels, its
+  // requests in flight), and the arena is not mapped here.
+  if (fork_generation() != generation_) return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  return current_;
+}
+
+void ReconnectingPoolTier::wake() const {
+  const uint64_t one = 1;
+  if (wake_fd_ >= 0) (void)!::write(wake_fd_, &one, sizeof one);
+}
+
+void ReconnectingPoolTier::after(const PoolTier& t) const {
+  // Only while t is the connection in use: the calls that end on one set
+  // aside wake nobody. (t is alive while the caller holds it, so another
+  // connection cannot have its address.) The eventfd keeps a wake-up the
+  // watcher has not taken yet, so none is lost.
+  if (t.lost() && in_use_.load(std::memory_order_acquire) == &t) wake();
+}
+
+Status ReconnectingPoolTier::lost_status() const {
+  if (fork_generation() != generation_)
+    return Status::Unavailable(
+        "this process was forked from the one that opened the store: a pool client belongs to "
+        "the process that opened it; open a store in this process");
+  return Status::Unavailable("the node pool server is gone; connecting again to '" +
+                             config_.pool_socket + "'");
+}
+
+bool ReconnectingPoolTier::set_aside_if_lost() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!current_ || !current_->lost()) return false;
+  in_use_.store(nullptr, std::memory_order_release);
+  aside_.push_back(std::move(current_));
+  current_.reset();
+  return true;
+}
+
+void ReconnectingPoolTier::close_unused() {
+  std::vector<std::shared_ptr<PoolTier>> unused;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = aside_.begin(); it != aside_.end();) {
+      // Set aside, a connection gets no new callers: the count only falls,
+      // and once 1 (this list's), no call runs on it.
+      if (it->use_count() == 1 && (*it)->views_held() == 0) {
+        // Pairs with the release of the last caller's count (and of the
+        // last view's), so what they did to the connection happened before.
+        std::atomic_thread_fence(std::memory_order_acquire);
+        add_traffic(&closed_, (*it)->stats());
+        unused.push_back(std::move(*it));
+        it = aside_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  // Closed here, outside the lock: its threads are joined, its mappings
+  // of the arena and channels dropped.
+  unused.clear();
+}
+
+void ReconnectingPoolTier::watch() {
+  name_this_thread("cascade-reconnect");
+  auto retry = kFirstRetry;
+  auto next_try = std::chrono::steady_clock::now();
+  auto aside_since = next_try;
+  auto drain = [&] {
+    uint64_t n;
+    while (::read(wake_fd_, &n, sizeof n) > 0) {
+    }
+  };
+  // How long to wait before looking at the connections set aside again; -1
+  // when there are none.
+  auto aside_wait_ms = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aside_.empty()) return -1;
+    return std::chrono::steady_clock::now() - aside_since < kAsideSoon ? kAsideCheckMs
+                                                                       : kAsideLaterCheckMs;
+  };
+  while (!stopping_.load(std::memory_order_acquire)) {
+    if (std::shared_ptr<PoolTier> t = link()) {
+      // Drained before the wait looks at the connection: a call that finds
+      // it lost afterwards writes again.
+      drain();
+      const bool lost = t->wait_for_loss(wake_fd_, aside_wait_ms());
+      t.reset();
+      if (lost && set_aside_if_lost()) {
+        retry = kFirstRetry;
+        next_try = aside_since = std::chrono::steady_clock::now();
+      }
+      close_unused();
+      continue;
+    }
+    close_unused();
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= next_try) {
+      auto opened = PoolTier::Open(config_, pool_, &stopping_);
+      if (opened.ok()) {
+        adopt(std::move(opened.value()));
+        reconnects_.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      next_try = std::chrono::steady_clock::now() + retry;
+      retry = std::min<std::chrono::milliseconds>(retry * 2, kLastRetry);
+      continue;
+    }
+    int wait_ms = static_cast<int>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(next_try - now).count() + 1);
+    const int aside = aside_wait_ms();
+    if (aside >= 0) wait_ms = std::min(wait_ms, aside);
+    struct pollfd pfd {
+      wake_fd_, POLLIN, 0
+    };
+    (void)::poll(&pfd, 1, wait_ms);
+    drain();
+  }
+}
+
+// ---- calls -------------------------------------------------------------------
+
+Status ReconnectingPoolTier::put(const BlockId& id, const void* data, uint64_t size,
+                                 const PutOptions& options) {
+  auto t = link();
+  if (!t) return lost_status();
+  Status st = t->put(id, data, size, options);
+  after(*t);
+  return st;
+}
+
+void ReconnectingPoolTier::put_batch(std::span<const BlockId> ids,
+                                     std::span<const void* const> data,
+                                     std::span<const uint64_t> sizes, const PutOptions& options,
+                                     std::span<Status> statuses) {
+  auto t = link();
+  if (!t) {
+    std::fill(statuses.begin(), statuses.end(), lost_status());
+    return;
+  }
+  t->put_batch(ids, data, sizes, options, statuses);
+  after(*t);
+}
+
+Status ReconnectingPoolTier::read(const BlockId& id, const ReadRequest& req, ReadResult* result) {
+  auto t = link();
+  if (!t) return lost_status();
+  Status st = t->read(id, req, result);
+  after(*t);
+  return st;
+}
+
+void ReconnectingPoolTier::read_batch(std::span<const BlockId> ids,
+                                      std::span<const ReadRequest> reqs,
+                                      std::span<ReadResult> results, std::span<Status> statuses) {
+  auto t = link();
+  if (!t) {
+    std::fill(statuses.begin(), statuses.end(), lost_status());
+    return;
+  }
+  t->read_batch(ids, reqs, results, statuses);
+  after(*t);
+}
+
+Result<BlockView> ReconnectingPoolTier::acquire(const BlockId& id) {
+  auto t = link();
+  if (!t) return lost_status();
+  auto v = t->acquire(id);
+  after(*t);
+  return v;
+}
+
+void ReconnectingPoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> views,
+                                         std::span<Status> statuses) {
+  auto t = link();
+  if (!t) {
+    std::fill(statuses.begin(), statuses.end(), lost_status());
+    return;
+  }
+  t->acquire_batch(ids, views, statuses);
+  after(*t);
+}
+
+bool ReconnectingPoolTier::contains(const BlockId& id) const {
+  auto t = link();
+  if (!t) return false;
+  const bool found = t->contains(id);
+  after(*t);
+  return found;
+}
+
+void ReconnectingPoolTier::contains_batch(std::span<const BlockId> ids,
+                                          std::span<uint8_t> found) const {
+  auto t = link();
+  if (!t) {
+    std::fill(found.begin(), found.end(), 0);
+    return;
+  }
+  t->contains_batch(ids, found);
+  after(*t);
+}
+
+Result<uint64_t> ReconnectingPoolTier::size_of(const BlockId& id) {
+  auto t = link();
+  if (!t) return lost_status();
+  auto r = t->size_of(id);
+  after(*t);
+  return r;
+}
+
+Status ReconnectingPoolTier::remove(const BlockId& id) {
+  auto t = link();
+  if (!t) return lost_status();
+  Status st = t->remove(id);
+  after(*t);
+  return st;
+}
+
+Status ReconnectingPoolTier::flush() {
+  auto t = link();
+  if (!t) return lost_status();
+  Status st = t->flush();
+  after(*t);
+  return st;
+}
+
+TierStats ReconnectingPoolTier::stats() const {
+  TierStats s;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (current_) s = current_->stats();
+  s.name = name();
+  s.capacity_bytes = capacity_.load(std::memory_order_relaxed);
+  s.persistent = persistent_.load(std::memory_order_relaxed);
+  add_traffic(&s, closed_);
+  for (const auto& t : aside_) {
+    const TierStats a = t->stats();
+    add_traffic(&s, a);
+    s.leased_blocks += a.leased_blocks;
+  }
+  s.reconnects = reconnects_.load(std::memory_order_relaxed);
+  s.disconnected = !current_;
+  return s;
+}
+
+}  // namespace cascade
