@@ -115,7 +115,9 @@ class PyBlockLease {
   // that did not ask (then the view is dropped without calling into them).
   void end() {
     if (!view_) return;
-    if (owner_life_->enter(/*during_close=*/true)) {
+    if (fork_generation() != generation_) {
+      view_.detach();  // a forked child: the lease is the parent's
+    } else if (owner_life_->enter(/*during_close=*/true)) {
       view_.reset();
       owner_life_->leave();
     } else {
@@ -128,6 +130,7 @@ class PyBlockLease {
   Lifeline* owner_life_;  // owner_'s, valid while owner_ is held
   BlockView view_;
   int device_;
+  uint64_t generation_ = fork_generation();  // of the process that took the lease
   int exports_ = 0;
   bool released_ = false;
 };

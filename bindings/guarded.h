@@ -15,6 +15,11 @@
 // taken). A call can then never wait on its own close(), and the Python
 // object cannot be deallocated while one of its calls holds a Use (the
 // caller's frame holds a reference to it).
+//
+// An object belongs to the process that opened it: in a child forked from
+// that process, calls raise UnavailableError, and close() or deallocation
+// leaves the object as it is (its threads are the parent's, not the
+// child's, and its locks may be held by threads the child does not have).
 #pragma once
 
 #include <condition_variable>
@@ -24,6 +29,7 @@
 #include <utility>
 
 #include "common.h"
+#include "util/fork_generation.h"
 
 namespace cascade::py {
 
@@ -53,6 +59,7 @@ class Lifeline {
     return state_ == kOpen;
   }
   Status closed_status() const { return Status::Unavailable(name_ + " is closed"); }
+  const std::string& name() const { return name_; }
 
   void opened() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -120,6 +127,10 @@ class Guarded {
   Guarded& operator=(const Guarded&) = delete;
   // The Python object is being deallocated: no call is inside (see above).
   ~Guarded() {
+    if (forked()) {
+      leave_to_parent();
+      return;
+    }
     if (!obj_) return;
     if (PyGILState_Check()) {
       nb::gil_scoped_release release;
@@ -131,11 +142,18 @@ class Guarded {
 
   void open(std::unique_ptr<T> obj) {
     obj_ = std::move(obj);
+    generation_ = fork_generation();
     life_.opened();
   }
 
-  // REQUIRES: the GIL is held. UnavailableError once closed.
+  // REQUIRES: the GIL is held. UnavailableError once closed, or in a child
+  // forked from the process that opened the object.
   Use use() {
+    if (forked())
+      raise_status(
+          Status::Unavailable(life_.name() +
+                              " was opened by the process this one was forked from: it belongs to "
+                              "that process; open one in this process"));
     if (!life_.enter()) raise_status(life_.closed_status());
     return Use(&life_, obj_.get());
   }
@@ -144,6 +162,10 @@ class Guarded {
   // no call is inside; a non-OK status keeps the object open and is raised.
   template <class Check>
   void close(Check&& check) {
+    if (forked()) {
+      leave_to_parent();
+      return;
+    }
     Status st;
     {
       nb::gil_scoped_release release;
@@ -167,6 +189,11 @@ class Guarded {
   Lifeline* lifeline() { return &life_; }
 
  private:
+  bool forked() const { return generation_ != kNever && fork_generation() != generation_; }
+  // In a forked child: the object is dropped without being destroyed, and
+  // the lifeline is not touched (a thread of the parent may have held its
+  // lock at the fork).
+  void leave_to_parent() { (void)obj_.release(); }
   void destroy_now() {
     if (!life_.begin_close()) return;
     life_.destroying();
@@ -174,8 +201,10 @@ class Guarded {
     life_.closed();
   }
 
+  static constexpr uint64_t kNever = ~0ULL;
   Lifeline life_;
   std::unique_ptr<T> obj_;
+  uint64_t generation_ = kNever;  // fork_generation() when opened
 };
 
 // Busy while `leased` blocks are leased: close() refuses while a lease

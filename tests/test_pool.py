@@ -415,3 +415,71 @@ def test_contains_batch_asks_the_pool_once_per_batch(server):
     assert a.contains_batch([]) == []
     a.close()
     other.close()
+
+
+# A process whose store holds leases forks a child that starts a thread of
+# its own, tries a put, drops every inherited lease (more than one batch of
+# releases), closes the store and exits as Python exits. Prints the child's
+# exit code.
+FORKING_CLIENT = textwrap.dedent(
+    """
+    import os, sys, threading, numpy as np, cascade
+    store = cascade.CascadeStore(cascade.config_from_dict(eval(sys.argv[1])))
+    keys = [f"k{i}" for i in range(1100)]
+    for k in keys:
+        store.put(k, np.full(4096, 7, np.uint8))
+    leases = [store.acquire(k) for k in keys]
+    pid = os.fork()
+    if pid == 0:
+        t = threading.Thread(target=lambda: None)
+        t.start()
+        t.join()
+        try:
+            store.put("child", np.ones(4096, np.uint8))
+            sys.exit(4)
+        except cascade.UnavailableError as e:
+            if "forked" not in str(e):
+                sys.exit(5)
+        for lease in leases:
+            lease.release()
+        try:
+            store.close()
+        except cascade.CascadeError:
+            pass
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+    for lease in leases:
+        lease.release()
+    out = np.zeros(4096, np.uint8)
+    assert store.get("k5", out) == (True, 4096) and (out == 7).all()
+    store.close()
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["pool", "host"])
+def test_a_forked_child_that_drops_the_stores_leases_and_closes_it_exits_cleanly(server, kind):
+    """The child's calls fail, saying it was forked; its releases of the
+    parent's leases reach nothing of the parent's (a pool's channels are not
+    even mapped there), and closing the store there, or the child's exit,
+    joins none of the parent's threads. The parent's store is untouched."""
+    srv, sock = server
+    if kind == "pool":
+        config = {"pool_socket": sock, "use_gpu": False}
+    else:
+        shm = f"/dev/shm/cascade-test-fork-{uuid.uuid4().hex[:12]}"
+        config = {
+            "pipeline": "host",
+            "shm_path": shm,
+            "shm_capacity_bytes": 16 << 20,
+            "use_gpu": False,
+        }
+    r = subprocess.run(
+        [sys.executable, "-c", FORKING_CLIENT, repr(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "0", r.stdout + r.stderr

@@ -564,7 +564,8 @@ void PoolServer::Impl::monitor_loop() {
         }
       }
     }
-    int r = ::poll(fds.data(), fds.size(), queue_waits ? 1 : paused ? 10 : 1000);
+    int r = ::poll(fds.data(), fds.size(), queue_waits ? 1 : paused ? 10 : pool::kHeartbeatMs);
+    bell->heartbeat.fetch_add(1, std::memory_order_relaxed);
     if (r < 0) continue;
     if (fds[1].revents) {
       uint64_t v;

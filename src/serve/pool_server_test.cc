@@ -1662,9 +1662,44 @@ TEST(PoolServerTest, AClientNoticesEveryLossNotOnlyTheFirst) {
 }
 
 // A flush may outlast a request's deadline, but not a server that stopped
-// answering: it asks the server whether it is there once a deadline, and
-// ends when it is not.
+// answering: the server's heartbeat stands still, and the flush ends. So
+// with one channel (no other to ask on), and with every channel flushing.
 TEST(PoolServerTest, AFlushEndsWhenTheServerStopsAnswering) {
+  for (int channels : {1, 2}) {
+    SCOPED_TRACE(channels);
+    ServerInAChild server([] { return true; });
+    ASSERT_TRUE(server.ready);
+    CascadeConfig c;
+    c.pipeline = "pool";
+    c.pool_socket = server.socket;
+    c.pool_channels = channels;
+    c.pool_timeout_ms = 300;
+    c.use_gpu = false;
+    auto opened = CascadeStore::Open(c);
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    auto& store = *opened.value();
+    // The whole arena backed, so that the client's mapping thread, which
+    // asks the server how much is, has ended and cannot find the stall first.
+    auto d = bytes_for(950, 1 << 20);
+    for (uint64_t i = 0; i < 32; ++i) (void)store.put(id_of(950 + i), d.data(), d.size());
+    ASSERT_TRUE(eventually([&] { return pool_stats(store.stats()).committed_bytes == 16u << 20; }));
+    ASSERT_TRUE(stop_process(server.pid));
+    std::vector<std::future<Status>> flushes;
+    for (int k = 0; k < channels; ++k)
+      flushes.push_back(std::async(std::launch::async, [&] { return store.flush(); }));
+    bool ended = true;
+    for (auto& f : flushes)
+      ended = ended && f.wait_for(std::chrono::seconds(6)) == std::future_status::ready;
+    ::kill(server.pid, SIGCONT);
+    ASSERT_TRUE(ended) << "a flush waited for a stopped server";
+    for (auto& f : flushes) EXPECT_TRUE(f.get().is(Code::kUnavailable));
+  }
+}
+
+// A stall found by the client's own releasing thread (no call of the
+// store's user) is noticed too: the client connects again once the server
+// answers, with no call made meanwhile.
+TEST(PoolServerTest, AStallFoundByTheReleasingThreadIsNoticed) {
   ServerInAChild server([] { return true; });
   ASSERT_TRUE(server.ready);
   CascadeConfig c;
@@ -1676,17 +1711,17 @@ TEST(PoolServerTest, AFlushEndsWhenTheServerStopsAnswering) {
   auto opened = CascadeStore::Open(c);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   auto& store = *opened.value();
-  // The whole arena backed, so that the client's mapping thread, which asks
-  // the server how much is, has ended and cannot find the stall first.
-  auto d = bytes_for(950, 1 << 20);
-  for (uint64_t i = 0; i < 32; ++i) (void)store.put(id_of(950 + i), d.data(), d.size());
+  auto d = bytes_for(960, 1 << 20);
+  for (uint64_t i = 0; i < 32; ++i) (void)store.put(id_of(960 + i), d.data(), d.size());
   ASSERT_TRUE(eventually([&] { return pool_stats(store.stats()).committed_bytes == 16u << 20; }));
+  ASSERT_TRUE(store.put(id_of(999), d.data(), 4096).ok());
+  auto view = store.acquire(id_of(999));
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
   ASSERT_TRUE(stop_process(server.pid));
-  auto flushed = std::async(std::launch::async, [&] { return store.flush(); });
-  const bool ended = flushed.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
-  ::kill(server.pid, SIGCONT);
-  ASSERT_TRUE(ended) << "the flush waited for a stopped server";
-  EXPECT_TRUE(flushed.get().is(Code::kUnavailable));
+  view->reset();  // its release is sent by the releasing thread, and goes unanswered
+  EXPECT_TRUE(eventually([&] { return pool_stats(store.stats()).disconnected; }, 5));
+  ASSERT_EQ(::kill(server.pid, SIGCONT), 0);
+  EXPECT_TRUE(eventually([&] { return pool_stats(store.stats()).reconnects == 1; }));
 }
 
 // Threads of this process now.

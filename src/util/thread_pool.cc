@@ -2,6 +2,7 @@
 
 #include "util/copy_bytes.h"
 #include "util/errno_status.h"
+#include "util/fork_generation.h"
 #include "util/futex.h"
 #include "util/thread_name.h"
 
@@ -98,7 +99,8 @@ struct alignas(64) ThreadPool::ForSlot {
   std::atomic<ForState*> state{nullptr};
 };
 
-ThreadPool::ThreadPool(int threads, const char* name) : fors_(new ForSlot[kForSlots]) {
+ThreadPool::ThreadPool(int threads, const char* name)
+    : fors_(new ForSlot[kForSlots]), generation_(fork_generation()) {
   if (threads < 0) threads = default_threads();
   workers_.reserve(threads);
   try {
@@ -113,7 +115,16 @@ ThreadPool::ThreadPool(int threads, const char* name) : fors_(new ForSlot[kForSl
   }
 }
 
-ThreadPool::~ThreadPool() { stop_and_join(); }
+ThreadPool::~ThreadPool() {
+  if (fork_generation() != generation_) {
+    // A forked child: the workers are the parent's threads, not here to
+    // join (their handles may even name threads of this process now). They
+    // are left as they are.
+    new std::vector<std::thread>(std::move(workers_));
+    return;
+  }
+  stop_and_join();
+}
 
 void ThreadPool::stop_and_join() {
   {

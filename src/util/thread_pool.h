@@ -80,6 +80,7 @@ class ThreadPool {
   std::atomic<uint32_t> epoch_{0};
   std::atomic<int> sleepers_{0};
   std::unique_ptr<ForSlot[]> fors_;  // the parallel_fors asking for helpers
+  const uint64_t generation_;        // fork_generation() of the process that made it
   std::vector<std::thread> workers_;
 };
 

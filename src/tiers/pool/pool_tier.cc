@@ -17,6 +17,7 @@
 #include "util/block_checksum.h"
 #include "util/copy_bytes.h"
 #include "util/errno_status.h"
+#include "util/fork_generation.h"
 #include "util/thread_name.h"
 
 namespace cascade {
@@ -97,11 +98,13 @@ class PoolTier::Held {
 PoolTier::PoolTier(const CascadeConfig& config, ThreadPool* pool)
     : pool_(pool),
       timeout_us_(int64_t(config.pool_timeout_ms) * 1000),
-      parallel_threshold_(config.parallel_copy_threshold) {}
+      parallel_threshold_(config.parallel_copy_threshold),
+      generation_(fork_generation()) {}
 
 Result<std::unique_ptr<PoolTier>> PoolTier::Open(const CascadeConfig& config, ThreadPool* pool,
-                                                 const std::atomic<bool>* cancel) {
+                                                 const std::atomic<bool>* cancel, int loss_fd) {
   std::unique_ptr<PoolTier> tier(new PoolTier(config, pool));
+  tier->loss_fd_ = loss_fd;
   CASCADE_RETURN_IF_ERROR(tier->connect(config, cancel));
   if (gpu_usable(config.gpu_device_id)) {
     // As the host tier: loads to the GPU DMA straight from the arena.
@@ -308,9 +311,18 @@ bool PoolTier::wait_for_loss(int wake_fd, int timeout_ms) {
   if (lost()) return true;
   struct pollfd fds[2] = {{sock_, POLLRDHUP, 0}, {wake_fd, POLLIN, 0}};
   const int r = ::poll(fds, wake_fd >= 0 ? 2 : 1, timeout_ms);
-  if (r > 0 && (fds[0].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)))
-    server_gone_.store(true, std::memory_order_release);
+  if (r > 0 && (fds[0].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL))) mark_lost(false);
   return lost();
+}
+
+bool PoolTier::mark_lost(bool stalled) const {
+  std::atomic<bool>& flag = stalled ? server_stalled_ : server_gone_;
+  const bool before = flag.exchange(true, std::memory_order_acq_rel);
+  if (!before && loss_fd_ >= 0) {
+    const uint64_t one = 1;
+    (void)!::write(loss_fd_, &one, sizeof one);
+  }
+  return before;
 }
 
 PoolTier::Held PoolTier::hold() const {
@@ -384,11 +396,10 @@ Status PoolTier::await_reply(Slot* slot, ReplyHeader* reply, int64_t timeout_us)
   if (!answered) {
     slot->broken = true;  // a late reply would answer the next request
     if (gone) {
-      server_gone_.store(true, std::memory_order_release);
+      mark_lost(false);
       return Status::Unavailable("the node pool server is gone");
     }
-    if (server_stalled_.exchange(true, std::memory_order_acq_rel))
-      return Status::Unavailable("the node pool server stopped answering");
+    if (mark_lost(true)) return Status::Unavailable("the node pool server stopped answering");
     return Status::Unavailable("the node pool server did not answer within " +
                                std::to_string(timeout_us / 1000) + " ms");
   }
@@ -1254,22 +1265,26 @@ Status PoolTier::flush() {
   Slot* slot = held.slot();
   CASCADE_RETURN_IF_ERROR(post(slot, Op::kFlush, 0, 0));
   // A flush writes blocks down and may take long, longer than a request's
-  // deadline. Whether the server still answers is asked meanwhile, once a
-  // deadline, on another channel: a server that leaves that unanswered is
-  // stalled, and the flush ends with the rest. (With no other channel free,
-  // the calls on the others watch the server.)
-  while (!reply_within(slot, timeout_us_)) {
+  // deadline. Meanwhile the server's heartbeat (the doorbell's) tells a
+  // server at work from a stopped one: one whose heartbeat stood still for
+  // a deadline (at least a second, many beats) is stalled, and the flush
+  // ends with the rest.
+  const int64_t window_us = std::max<int64_t>(timeout_us_, 1000000);
+  uint64_t beat = doorbell_->heartbeat.load(std::memory_order_relaxed);
+  while (!reply_within(slot, window_us)) {
     if (lost() || std::chrono::steady_clock::now() - slot->posted >
                       std::chrono::microseconds(kFlushTimeoutUs))
       break;
-    Held other = try_hold(0, slot);
-    if (!other.slot()) continue;
-    ReplyHeader pong;
-    Status alive = call(other.slot(), Op::kPing, 0, 0, &pong, timeout_us_);
-    if (!alive.ok()) {
+    const uint64_t now = doorbell_->heartbeat.load(std::memory_order_relaxed);
+    if (now == beat) {
       slot->broken = true;  // a late reply would answer the next request
-      return alive;
+      mark_lost(true);
+      return Status::Unavailable(
+          "the node pool server stopped answering (its heartbeat stood "
+          "still for " +
+          std::to_string(window_us / 1000) + " ms during a flush)");
     }
+    beat = now;
   }
   ReplyHeader reply;
   return await_reply(slot, &reply, kFlushTimeoutUs);
@@ -1308,7 +1323,9 @@ TierStats PoolTier::stats() const {
 
 // The release of a view acquire handed out (BlockView's release).
 void PoolTier::release_lease(uint64_t token) {
-  release_leases({&token, 1});
+  // In a forked child the lease is the parent's, and the channels are not
+  // mapped here: nothing to send.
+  if (fork_generation() == generation_) release_leases({&token, 1});
   // Last: once no view is held, whoever closes the tier may do so at once
   // (this thread touches the tier no more).
   views_held_.fetch_sub(1, std::memory_order_release);

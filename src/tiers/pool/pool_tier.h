@@ -65,8 +65,12 @@ class PoolTier final : public Tier {
   // InvalidArgument when the server refuses the namespace or the peer is
   // not a server of an allowed user. `cancel`, when given and set while the
   // server has not welcomed this client yet, ends the wait (Unavailable).
+  // `loss_fd` (an eventfd), when given, is written to once when the tier
+  // finds its server lost, whichever thread finds it (a call, the
+  // releasing or the mapping thread).
   static Result<std::unique_ptr<PoolTier>> Open(const CascadeConfig& config, ThreadPool* pool,
-                                                const std::atomic<bool>* cancel = nullptr);
+                                                const std::atomic<bool>* cancel = nullptr,
+                                                int loss_fd = -1);
   ~PoolTier() override;
 
   TierKind kind() const override { return TierKind::kPool; }
@@ -125,6 +129,9 @@ class PoolTier final : public Tier {
  private:
   PoolTier(const CascadeConfig& config, ThreadPool* pool);
   Status connect(const CascadeConfig& config, const std::atomic<bool>* cancel);
+  // Takes the server as gone (stalled: as not answering); true when it was
+  // so taken already. The first time, writes to loss_fd_.
+  bool mark_lost(bool stalled) const;
   // acquire_batch's requests to the server, once.
   void lease_views(std::span<const BlockId> ids, std::span<BlockView> views,
                    std::span<Status> statuses);
@@ -304,6 +311,8 @@ class PoolTier final : public Tier {
   const uint64_t parallel_threshold_;
   int sock_ = -1;
   pid_t opened_by_ = ::getpid();  // the process that connected sock_
+  const uint64_t generation_;     // fork_generation() of that process
+  int loss_fd_ = -1;
   uint64_t client_id_ = 0;
   uint8_t* arena_map_ = nullptr;
   uint64_t arena_map_bytes_ = 0;

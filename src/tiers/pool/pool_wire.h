@@ -28,7 +28,7 @@
 namespace cascade::pool {
 
 inline constexpr uint32_t kMagic = 0x4c4f4f50;  // "POOL"
-inline constexpr uint32_t kVersion = 3;
+inline constexpr uint32_t kVersion = 4;
 inline constexpr uint32_t kMaxNamespaceBytes = 256;
 inline constexpr uint32_t kMaxChannels = 64;
 inline constexpr uint32_t kMaxItems = 2048;  // items in one request
@@ -70,12 +70,17 @@ static_assert(sizeof(Welcome) == 576);
 // `spinning`; a client that posted a request rings (bumps `seq` and wakes
 // one worker) only when no worker spins and some worker sleeps
 // (pool_channel.h has the protocol and why no wake-up is lost).
+// `heartbeat`: the server adds one at least every kHeartbeatMs while it
+// runs; a client waiting long for a reply (a flush) looks at it to tell a
+// server at work from one that is stopped.
 struct Doorbell {
   alignas(64) std::atomic<uint32_t> seq;
   std::atomic<uint32_t> sleepers;
   std::atomic<uint32_t> spinning;
+  alignas(64) std::atomic<uint64_t> heartbeat;
 };
-static_assert(sizeof(Doorbell) == 64);
+static_assert(sizeof(Doorbell) == 128);
+inline constexpr int kHeartbeatMs = 100;
 inline constexpr uint64_t kDoorbellBytes = 4096;  // the doorbell file: one Doorbell at 0
 
 // ---- channels ---------------------------------------------------------------

@@ -8,8 +8,8 @@
 #include <cerrno>
 #include <utility>
 
-#include "os/fork_generation.h"
 #include "util/errno_status.h"
+#include "util/fork_generation.h"
 #include "util/thread_name.h"
 
 namespace cascade {
@@ -43,10 +43,10 @@ ReconnectingPoolTier::ReconnectingPoolTier(const CascadeConfig& config, ThreadPo
 Result<std::unique_ptr<ReconnectingPoolTier>> ReconnectingPoolTier::Open(
     const CascadeConfig& config, ThreadPool* pool) {
   std::unique_ptr<ReconnectingPoolTier> tier(new ReconnectingPoolTier(config, pool));
-  auto first = PoolTier::Open(config, pool);
-  if (!first.ok()) return first.status();
   tier->wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (tier->wake_fd_ < 0) return errno_status(errno, "eventfd");
+  auto first = PoolTier::Open(config, pool, nullptr, tier->wake_fd_);
+  if (!first.ok()) return first.status();
   tier->adopt(std::move(first.value()));
   tier->watcher_ = std::thread([t = tier.get()] { t->watch(); });
   return tier;
@@ -57,7 +57,7 @@ ReconnectingPoolTier::~ReconnectingPoolTier() {
     // A forked child: the threads to join are the parent's, and the
     // mappings to drop are not here (another may have taken their place).
     // The connections are left as they are.
-    if (watcher_.joinable()) watcher_.detach();
+    new std::thread(std::move(watcher_));
     new std::shared_ptr<PoolTier>(std::move(current_));
     for (auto& t : aside_) new std::shared_ptr<PoolTier>(std::move(t));
     if (wake_fd_ >= 0) ::close(wake_fd_);
@@ -77,7 +77,6 @@ void ReconnectingPoolTier::adopt(std::unique_ptr<PoolTier> t) {
   persistent_.store(t->persistent(), std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(mu_);
   current_ = std::move(t);
-  in_use_.store(current_.get(), std::memory_order_release);
 }
 
 std::shared_ptr<PoolTier> ReconnectingPoolTier::link() const {
@@ -93,14 +92,6 @@ void ReconnectingPoolTier::wake() const {
   if (wake_fd_ >= 0) (void)!::write(wake_fd_, &one, sizeof one);
 }
 
-void ReconnectingPoolTier::after(const PoolTier& t) const {
-  // Only while t is the connection in use: the calls that end on one set
-  // aside wake nobody. (t is alive while the caller holds it, so another
-  // connection cannot have its address.) The eventfd keeps a wake-up the
-  // watcher has not taken yet, so none is lost.
-  if (t.lost() && in_use_.load(std::memory_order_acquire) == &t) wake();
-}
-
 Status ReconnectingPoolTier::lost_status() const {
   if (fork_generation() != generation_)
     return Status::Unavailable(
@@ -113,7 +104,6 @@ Status ReconnectingPoolTier::lost_status() const {
 bool ReconnectingPoolTier::set_aside_if_lost() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!current_ || !current_->lost()) return false;
-  in_use_.store(nullptr, std::memory_order_release);
   aside_.push_back(std::move(current_));
   current_.reset();
   return true;
@@ -126,10 +116,15 @@ void ReconnectingPoolTier::close_unused() {
     for (auto it = aside_.begin(); it != aside_.end();) {
       // Set aside, a connection gets no new callers: the count only falls,
       // and once 1 (this list's), no call runs on it.
-      if (it->use_count() == 1 && (*it)->views_held() == 0) {
-        // Pairs with the release of the last caller's count (and of the
-        // last view's), so what they did to the connection happened before.
-        std::atomic_thread_fence(std::memory_order_acquire);
+      if (it->use_count() != 1) {
+        ++it;
+        continue;
+      }
+      // Pairs with the release of the last caller's count, so that what it
+      // did to the connection happened before (and its views, counted
+      // before its call ended, are seen below).
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if ((*it)->views_held() == 0) {
         add_traffic(&closed_, (*it)->stats());
         unused.push_back(std::move(*it));
         it = aside_.erase(it);
@@ -178,7 +173,7 @@ void ReconnectingPoolTier::watch() {
     close_unused();
     const auto now = std::chrono::steady_clock::now();
     if (now >= next_try) {
-      auto opened = PoolTier::Open(config_, pool_, &stopping_);
+      auto opened = PoolTier::Open(config_, pool_, &stopping_, wake_fd_);
       if (opened.ok()) {
         adopt(std::move(opened.value()));
         reconnects_.fetch_add(1, std::memory_order_relaxed);
@@ -207,7 +202,6 @@ Status ReconnectingPoolTier::put(const BlockId& id, const void* data, uint64_t s
   auto t = link();
   if (!t) return lost_status();
   Status st = t->put(id, data, size, options);
-  after(*t);
   return st;
 }
 
@@ -221,14 +215,12 @@ void ReconnectingPoolTier::put_batch(std::span<const BlockId> ids,
     return;
   }
   t->put_batch(ids, data, sizes, options, statuses);
-  after(*t);
 }
 
 Status ReconnectingPoolTier::read(const BlockId& id, const ReadRequest& req, ReadResult* result) {
   auto t = link();
   if (!t) return lost_status();
   Status st = t->read(id, req, result);
-  after(*t);
   return st;
 }
 
@@ -241,14 +233,12 @@ void ReconnectingPoolTier::read_batch(std::span<const BlockId> ids,
     return;
   }
   t->read_batch(ids, reqs, results, statuses);
-  after(*t);
 }
 
 Result<BlockView> ReconnectingPoolTier::acquire(const BlockId& id) {
   auto t = link();
   if (!t) return lost_status();
   auto v = t->acquire(id);
-  after(*t);
   return v;
 }
 
@@ -260,14 +250,12 @@ void ReconnectingPoolTier::acquire_batch(std::span<const BlockId> ids, std::span
     return;
   }
   t->acquire_batch(ids, views, statuses);
-  after(*t);
 }
 
 bool ReconnectingPoolTier::contains(const BlockId& id) const {
   auto t = link();
   if (!t) return false;
   const bool found = t->contains(id);
-  after(*t);
   return found;
 }
 
@@ -279,14 +267,12 @@ void ReconnectingPoolTier::contains_batch(std::span<const BlockId> ids,
     return;
   }
   t->contains_batch(ids, found);
-  after(*t);
 }
 
 Result<uint64_t> ReconnectingPoolTier::size_of(const BlockId& id) {
   auto t = link();
   if (!t) return lost_status();
   auto r = t->size_of(id);
-  after(*t);
   return r;
 }
 
@@ -294,7 +280,6 @@ Status ReconnectingPoolTier::remove(const BlockId& id) {
   auto t = link();
   if (!t) return lost_status();
   Status st = t->remove(id);
-  after(*t);
   return st;
 }
 
@@ -302,7 +287,6 @@ Status ReconnectingPoolTier::flush() {
   auto t = link();
   if (!t) return lost_status();
   Status st = t->flush();
-  after(*t);
   return st;
 }
 

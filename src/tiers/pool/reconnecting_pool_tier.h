@@ -5,8 +5,9 @@
 // past a request's deadline, every call on it fails with Unavailable. This
 // tier holds the connection in use and a watcher thread that
 //   - notices the server closing the connection at once, even while no
-//     call is made (it waits on the socket), and a stall when a call
-//     reports one;
+//     call is made (it waits on the socket), and a stall when the
+//     connection reports one (it writes to the watcher's eventfd, whichever
+//     of its threads found it);
 //   - then sets the connection aside: calls made from then on fail at once
 //     with Unavailable (no call waits for the server to come back), and the
 //     old connection is closed as soon as no call runs on it and no view it
@@ -89,8 +90,6 @@ class ReconnectingPoolTier final : public Tier {
   ReconnectingPoolTier(const CascadeConfig& config, ThreadPool* pool);
   // The connection in use; null while the server is lost.
   std::shared_ptr<PoolTier> link() const;
-  // After a call on `t`: when it found the server lost, the watcher is told.
-  void after(const PoolTier& t) const;
   Status lost_status() const;
   void watch();
   // Sets the connection in use aside when it is lost (true: it was).
@@ -110,8 +109,6 @@ class ReconnectingPoolTier final : public Tier {
   std::atomic<uint64_t> capacity_{0};
   std::atomic<bool> persistent_{false};
   std::atomic<uint64_t> reconnects_{0};
-  // current_'s address, read without the lock by after().
-  std::atomic<const PoolTier*> in_use_{nullptr};
   // fork_generation() of the process that opened the tier.
   const uint64_t generation_;
   std::atomic<bool> stopping_{false};

@@ -1,4 +1,4 @@
-#include "os/fork_generation.h"
+#include "util/fork_generation.h"
 
 #include <pthread.h>
 
