@@ -341,6 +341,7 @@ def test_a_client_connects_again_to_a_server_killed_and_started_again(tmp):
         c.close()
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")
 def test_a_forked_child_of_a_client_keeps_neither_the_arena_nor_the_store(tmp):
     """A child forked from a client (a worker pool) maps none of the
     client's arena, so a server killed and started again reattaches it
