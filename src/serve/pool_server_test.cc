@@ -1663,7 +1663,7 @@ TEST(PoolServerTest, AClientNoticesEveryLossNotOnlyTheFirst) {
 
 // A flush may outlast a request's deadline, but not a server that stopped
 // answering: the server's heartbeat stands still, and the flush ends. So
-// with one channel (no other to ask on), and with every channel flushing.
+// with one channel, and with every channel flushing.
 TEST(PoolServerTest, AFlushEndsWhenTheServerStopsAnswering) {
   for (int channels : {1, 2}) {
     SCOPED_TRACE(channels);
@@ -1694,6 +1694,35 @@ TEST(PoolServerTest, AFlushEndsWhenTheServerStopsAnswering) {
     ASSERT_TRUE(ended) << "a flush waited for a stopped server";
     for (auto& f : flushes) EXPECT_TRUE(f.get().is(Code::kUnavailable));
   }
+}
+
+// A request to a stopped server ends when the server's heartbeat has stood
+// still a while, long before a long deadline; the client connects again
+// once the server goes on.
+TEST(PoolServerTest, ARequestToAStoppedServerEndsByItsHeartbeatBeforeItsDeadline) {
+  ServerInAChild server([] { return true; });
+  ASSERT_TRUE(server.ready);
+  CascadeConfig c;
+  c.pipeline = "pool";
+  c.pool_socket = server.socket;
+  c.pool_channels = 2;
+  c.pool_timeout_ms = 60000;
+  c.use_gpu = false;
+  auto opened = CascadeStore::Open(c);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  auto& store = *opened.value();
+  auto d = bytes_for(970, 4096);
+  ASSERT_TRUE(store.put(id_of(970), d.data(), d.size()).ok());
+  ASSERT_TRUE(stop_process(server.pid));
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(store.contains(id_of(970)));
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_GT(waited, std::chrono::milliseconds(pool::kStillHeartbeatMs - 200));
+  EXPECT_LT(waited, std::chrono::milliseconds(pool::kStillHeartbeatMs + 3000));
+  EXPECT_TRUE(eventually([&] { return pool_stats(store.stats()).disconnected; }, 3));
+  ASSERT_EQ(::kill(server.pid, SIGCONT), 0);
+  EXPECT_TRUE(eventually([&] { return pool_stats(store.stats()).reconnects == 1; }));
+  EXPECT_TRUE(store.contains(id_of(970)));
 }
 
 // A stall found by the client's own releasing thread (no call of the

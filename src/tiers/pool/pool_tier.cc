@@ -383,13 +383,25 @@ Status PoolTier::await_reply(Slot* slot, ReplyHeader* reply, int64_t timeout_us)
   // come yet, the server's worker is waiting for a core, and a spin here
   // would keep one from it.
   const int64_t spin_ns = (slot->flags & pool::kAhead) ? 0 : pool::kClientSpinNs;
-  bool gone = false;
+  bool gone = false, stopped = false;
+  // The server's heartbeat, looked at on each check while the reply is
+  // waited for: one that stands still for kStillHeartbeatMs is a stopped
+  // server's, whatever the deadline.
+  uint64_t beat = doorbell_->heartbeat.load(std::memory_order_relaxed);
+  auto beat_seen = std::chrono::steady_clock::now();
   bool answered = pool::wait_change(
       &ch.control->reply_seq, seq - 1, &ch.control->client_sleeping, kCheckUs,
       [&] {
         if (peer_closed(sock_)) gone = true;
-        return gone || server_stalled_.load(std::memory_order_relaxed) ||
-               std::chrono::steady_clock::now() > deadline;
+        const auto now = std::chrono::steady_clock::now();
+        const uint64_t b = doorbell_->heartbeat.load(std::memory_order_relaxed);
+        if (b != beat) {
+          beat = b;
+          beat_seen = now;
+        } else if (now - beat_seen > std::chrono::milliseconds(pool::kStillHeartbeatMs)) {
+          stopped = true;
+        }
+        return gone || stopped || server_stalled_.load(std::memory_order_relaxed) || now > deadline;
       },
       spin_ns);
   if (answered && ch.control->reply_seq.load(std::memory_order_acquire) != seq) answered = false;
@@ -400,6 +412,9 @@ Status PoolTier::await_reply(Slot* slot, ReplyHeader* reply, int64_t timeout_us)
       return Status::Unavailable("the node pool server is gone");
     }
     if (mark_lost(true)) return Status::Unavailable("the node pool server stopped answering");
+    if (stopped)
+      return Status::Unavailable("the node pool server stopped: its heartbeat stood still for " +
+                                 std::to_string(pool::kStillHeartbeatMs / 1000) + " s");
     return Status::Unavailable("the node pool server did not answer within " +
                                std::to_string(timeout_us / 1000) + " ms");
   }
@@ -1262,40 +1277,10 @@ Status PoolTier::flush() {
   release_queued();
   Held held = hold();
   if (!held.slot()) return Status::Unavailable("every channel to the pool server failed");
-  Slot* slot = held.slot();
-  CASCADE_RETURN_IF_ERROR(post(slot, Op::kFlush, 0, 0));
-  // A flush writes blocks down and may take long, longer than a request's
-  // deadline. Meanwhile the server's heartbeat (the doorbell's) tells a
-  // server at work from a stopped one: one whose heartbeat stood still for
-  // a deadline (at least a second, many beats) is stalled, and the flush
-  // ends with the rest.
-  const int64_t window_us = std::max<int64_t>(timeout_us_, 1000000);
-  uint64_t beat = doorbell_->heartbeat.load(std::memory_order_relaxed);
-  while (!reply_within(slot, window_us)) {
-    if (lost() || std::chrono::steady_clock::now() - slot->posted >
-                      std::chrono::microseconds(kFlushTimeoutUs))
-      break;
-    const uint64_t now = doorbell_->heartbeat.load(std::memory_order_relaxed);
-    if (now == beat) {
-      slot->broken = true;  // a late reply would answer the next request
-      mark_lost(true);
-      return Status::Unavailable(
-          "the node pool server stopped answering (its heartbeat stood "
-          "still for " +
-          std::to_string(window_us / 1000) + " ms during a flush)");
-    }
-    beat = now;
-  }
+  // A flush writes blocks down and may take long: its deadline is long, and
+  // a stopped server is told by its heartbeat (await_reply).
   ReplyHeader reply;
-  return await_reply(slot, &reply, kFlushTimeoutUs);
-}
-
-bool PoolTier::reply_within(Slot* slot, int64_t timeout_us) const {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us);
-  pool::ChannelControl* control = slot->ch.control;
-  return pool::wait_change(
-      &control->reply_seq, slot->seq - 1, &control->client_sleeping, kCheckUs,
-      [&] { return lost() || peer_closed(sock_) || std::chrono::steady_clock::now() > until; });
+  return call(held.slot(), Op::kFlush, 0, 0, &reply, kFlushTimeoutUs);
 }
 
 Result<pool::ServerStatsReply> PoolTier::server_stats() const {

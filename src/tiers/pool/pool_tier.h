@@ -152,8 +152,9 @@ class PoolTier final : public Tier {
   Held try_hold(uint32_t start = 0, const Slot* mine = nullptr) const;
   // Sends the request written in the slot's request area (a header with
   // `flags` and `count` items of item_bytes); await_reply() then waits for
-  // the reply header. Unavailable when the server is gone or does not
-  // answer within timeout_us (the channel is not used again). call() does
+  // the reply header. Unavailable when the server is gone, does not answer
+  // within timeout_us, or is stopped (its heartbeat stood still for
+  // pool::kStillHeartbeatMs); the channel is not used again. call() does
   // both.
   Status post(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, uint32_t flags = 0) const;
   // On failure reply->count is 0, except where the server answered with
@@ -168,10 +169,6 @@ class PoolTier final : public Tier {
                                      size_t asked);
   Status call(Slot* slot, Op op, uint32_t count, uint64_t item_bytes, pool::ReplyHeader* reply,
               int64_t timeout_us, uint32_t flags = 0) const;
-  // Whether the reply to the request posted on slot comes within
-  // timeout_us (false also when the server is lost first); the channel
-  // stays as it is either way: await_reply() takes the reply.
-  bool reply_within(Slot* slot, int64_t timeout_us) const;
   // Sends op with ids as its items on slot's channel (at most kMaxItems);
   // Unavailable for no slot. The reply's header goes to *reply, its items
   // are in the channel's reply area.

@@ -71,8 +71,9 @@ static_assert(sizeof(Welcome) == 576);
 // one worker) only when no worker spins and some worker sleeps
 // (pool_channel.h has the protocol and why no wake-up is lost).
 // `heartbeat`: the server adds one at least every kHeartbeatMs while it
-// runs; a client waiting long for a reply (a flush) looks at it to tell a
-// server at work from one that is stopped.
+// runs; a client waiting for a reply looks at it to tell a server at work
+// (a long flush, a busy host) from one that is stopped: a heartbeat that
+// stood still for kStillHeartbeatMs is a stopped server's.
 struct Doorbell {
   alignas(64) std::atomic<uint32_t> seq;
   std::atomic<uint32_t> sleepers;
@@ -81,6 +82,7 @@ struct Doorbell {
 };
 static_assert(sizeof(Doorbell) == 128);
 inline constexpr int kHeartbeatMs = 100;
+inline constexpr int kStillHeartbeatMs = 3000;
 inline constexpr uint64_t kDoorbellBytes = 4096;  // the doorbell file: one Doorbell at 0
 
 // ---- channels ---------------------------------------------------------------
