@@ -150,13 +150,38 @@ def restarted_serves(d: str, store: dict, servers: list, data: dict[str, np.ndar
     srv.wait_ready()
     c = client(srv.socket, "m")
     try:
-        for k, v in data.items():
-            out = np.zeros_like(v)
-            assert c.get(k, out) == (True, v.nbytes)
-            assert np.array_equal(out, v)
+        assert_serves(c, data)
     finally:
         c.close()
     return srv
+
+
+def assert_serves(c: cascade.CascadeStore, data: dict[str, np.ndarray]) -> None:
+    """Every block of ``data`` is in ``c``, byte for byte."""
+    for k, v in data.items():
+        out = np.zeros_like(v)
+        assert c.get(k, out) == (True, v.nbytes)
+        assert np.array_equal(out, v)
+
+
+def killed_and_started_again(first: Server, d: str, store: dict, servers: list) -> Server:
+    """Kills ``first`` with SIGKILL and starts a server again on the same
+    store configuration; returns it, serving."""
+    first.proc.kill()
+    first.wait()
+    os.unlink(serve_status.info_path(first.socket))  # left by the killed server
+    again = Server(d, dict(store), {}, name="again.yaml")
+    servers.append(again)
+    again.wait_ready()
+    return again
+
+
+def wait_reconnected(c: cascade.CascadeStore, server: Server, deadline: float) -> None:
+    """Waits until ``c`` has connected again to ``server``, at most until
+    ``deadline`` (time.monotonic())."""
+    while c.get_stats()["tiers"]["pool"]["reconnects"] < 1:
+        assert time.monotonic() < deadline, server.text()
+        time.sleep(0.02)
 
 
 def test_serve_shares_blocks_reports_and_writes_down_on_sigterm(tmp):
@@ -310,16 +335,9 @@ def test_a_client_connects_again_to_a_server_killed_and_started_again(tmp):
         t.start()
         try:
             time.sleep(0.2)
-            first.proc.kill()
-            first.wait()
-            os.unlink(serve_status.info_path(first.socket))  # left by the killed server
-            again = Server(d, dict(store), {}, name="again.yaml")
-            servers.append(again)
-            again.wait_ready()
+            again = killed_and_started_again(first, d, store, servers)
             deadline = time.monotonic() + 20
-            while c.get_stats()["tiers"]["pool"]["reconnects"] < 1:
-                assert time.monotonic() < deadline, again.text()
-                time.sleep(0.02)
+            wait_reconnected(c, again, deadline)
             hits = got["hits"]
             while got["hits"] < hits + len(data):  # reads go on, through the new server
                 assert time.monotonic() < deadline, again.text()
@@ -333,10 +351,7 @@ def test_a_client_connects_again_to_a_server_killed_and_started_again(tmp):
         assert "still mapped by its clients" not in log, log
         pool = c.get_stats()["tiers"]["pool"]
         assert pool["reconnects"] == 1 and not pool["disconnected"]
-        for k, v in data.items():
-            out = np.zeros_like(v)
-            assert c.get(k, out) == (True, v.nbytes)
-            assert np.array_equal(out, v)
+        assert_serves(c, data)
     finally:
         c.close()
 
@@ -376,21 +391,10 @@ def test_a_forked_child_of_a_client_keeps_neither_the_arena_nor_the_store(tmp):
             os.read(r, 1)
             os._exit(code)
         os.close(r)
-        first.proc.kill()
-        first.wait()
-        os.unlink(serve_status.info_path(first.socket))
-        again = Server(d, dict(store), {}, name="again.yaml")
-        servers.append(again)
-        again.wait_ready()
+        again = killed_and_started_again(first, d, store, servers)
         assert "still mapped by its clients" not in again.text(), again.text()
-        deadline = time.monotonic() + 20
-        while c.get_stats()["tiers"]["pool"]["reconnects"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        for k, v in data.items():
-            out = np.zeros_like(v)
-            assert c.get(k, out) == (True, v.nbytes)
-            assert np.array_equal(out, v)
+        wait_reconnected(c, again, time.monotonic() + 20)
+        assert_serves(c, data)
     finally:
         os.close(w)
         if child > 0:
@@ -536,12 +540,7 @@ def test_a_server_restarts_while_a_client_of_the_last_one_still_maps_its_arena(t
     try:
         assert old.stdout is not None and old.stdin is not None
         assert old.stdout.readline().strip() == "ready"
-        first.proc.kill()
-        first.wait()
-        os.unlink(serve_status.info_path(first.socket))  # left by the killed server
-        again = Server(d, dict(store), {}, name="again.yaml")
-        servers.append(again)
-        again.wait_ready()
+        again = killed_and_started_again(first, d, store, servers)
         assert "still mapped by its clients" in again.text()
         c = client(again.socket, "m")
         try:

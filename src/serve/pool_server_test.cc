@@ -1456,6 +1456,17 @@ bool eventually(Pred pred, double seconds = 10) {
 
 const TierStats& pool_stats(const StoreStats& s) { return s.tiers.at(0); }
 
+// A client of the pool at `socket` alone, with no GPU.
+CascadeConfig client_of(const std::string& socket, int channels, uint32_t timeout_ms) {
+  CascadeConfig c;
+  c.pipeline = "pool";
+  c.pool_socket = socket;
+  c.pool_channels = channels;
+  c.pool_timeout_ms = timeout_ms;
+  c.use_gpu = false;
+  return c;
+}
+
 // The server stops and a new one starts on its arena: the client notices at
 // once, lets go of the old arena (so that the new server can reattach it),
 // connects again by itself and reads what it stored before, byte for byte.
@@ -1465,14 +1476,9 @@ TEST(PoolServerTest, AStoreConnectsAgainToAServerStartedAgainAndReadsWhatItStore
   Status why;
   auto server = persistent_server(socket, shm, &why);
   ASSERT_TRUE(server) << why.ToString();
-  CascadeConfig c;
-  c.pipeline = "pool";
-  c.pool_socket = socket;
+  CascadeConfig c = client_of(socket, 2, 2000);
   c.pool_namespace = "again";
-  c.pool_channels = 2;
-  c.pool_timeout_ms = 2000;
   c.num_io_threads = 2;
-  c.use_gpu = false;
   auto opened = CascadeStore::Open(c);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   auto& store = *opened.value();
@@ -1523,12 +1529,7 @@ TEST(PoolServerTest, AViewHeldWhileTheServerGoesStaysValidAndTheClientConnectsAg
   Status why;
   auto server = persistent_server(socket, shm, &why);
   ASSERT_TRUE(server) << why.ToString();
-  CascadeConfig c;
-  c.pipeline = "pool";
-  c.pool_socket = socket;
-  c.pool_channels = 2;
-  c.pool_timeout_ms = 2000;
-  c.use_gpu = false;
+  CascadeConfig c = client_of(socket, 2, 2000);
   auto opened = CascadeStore::Open(c);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   auto& store = *opened.value();
@@ -1556,6 +1557,16 @@ TEST(PoolServerTest, AViewHeldWhileTheServerGoesStaysValidAndTheClientConnectsAg
   std::filesystem::remove(shm2);
 }
 
+// Fills the 16 MiB arena of a ServerInAChild through `store` with blocks of
+// 1 MiB (seeded by `seed`) until the client has the whole arena mapped: its
+// mapping thread, which asks the server how much is backed, has then ended
+// and cannot be the one to find a stall.
+bool back_whole_arena(CascadeStore& store, uint64_t seed) {
+  auto d = bytes_for(seed, 1 << 20);
+  for (uint64_t i = 0; i < 32; ++i) (void)store.put(id_of(seed + i), d.data(), d.size());
+  return eventually([&] { return pool_stats(store.stats()).committed_bytes == 16u << 20; });
+}
+
 // Stops process pid (SIGSTOP) and waits until every thread of it is
 // stopped: a signal takes effect on a thread only when it next runs.
 bool stop_process(pid_t pid) {
@@ -1581,12 +1592,7 @@ bool stop_process(pid_t pid) {
 TEST(PoolServerTest, AStoreConnectsAgainToAServerThatStoppedAnsweringAndClosesWhileItWaits) {
   ServerInAChild server([] { return true; });
   ASSERT_TRUE(server.ready);
-  CascadeConfig c;
-  c.pipeline = "pool";
-  c.pool_socket = server.socket;
-  c.pool_channels = 2;
-  c.pool_timeout_ms = 300;
-  c.use_gpu = false;
+  CascadeConfig c = client_of(server.socket, 2, 300);
   auto opened = CascadeStore::Open(c);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   auto& store = *opened.value();
@@ -1621,12 +1627,7 @@ TEST(PoolServerTest, AStoreConnectsAgainToAServerThatStoppedAnsweringAndClosesWh
 TEST(PoolServerTest, AClientNoticesEveryLossNotOnlyTheFirst) {
   ServerLauncher servers;
   ASSERT_GT(servers.start(), 0);
-  CascadeConfig c;
-  c.pipeline = "pool";
-  c.pool_socket = servers.socket;
-  c.pool_channels = 8;
-  c.pool_timeout_ms = 300;
-  c.use_gpu = false;
+  CascadeConfig c = client_of(servers.socket, 8, 300);
   auto opened = CascadeStore::Open(c);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   auto& store = *opened.value();
@@ -1669,20 +1670,11 @@ TEST(PoolServerTest, AFlushEndsWhenTheServerStopsAnswering) {
     SCOPED_TRACE(channels);
     ServerInAChild server([] { return true; });
     ASSERT_TRUE(server.ready);
-    CascadeConfig c;
-    c.pipeline = "pool";
-    c.pool_socket = server.socket;
-    c.pool_channels = channels;
-    c.pool_timeout_ms = 300;
-    c.use_gpu = false;
+    CascadeConfig c = client_of(server.socket, channels, 300);
     auto opened = CascadeStore::Open(c);
     ASSERT_TRUE(opened.ok()) << opened.status().ToString();
     auto& store = *opened.value();
-    // The whole arena backed, so that the client's mapping thread, which
-    // asks the server how much is, has ended and cannot find the stall first.
-    auto d = bytes_for(950, 1 << 20);
-    for (uint64_t i = 0; i < 32; ++i) (void)store.put(id_of(950 + i), d.data(), d.size());
-    ASSERT_TRUE(eventually([&] { return pool_stats(store.stats()).committed_bytes == 16u << 20; }));
+    ASSERT_TRUE(back_whole_arena(store, 950));
     ASSERT_TRUE(stop_process(server.pid));
     std::vector<std::future<Status>> flushes;
     for (int k = 0; k < channels; ++k)
@@ -1702,12 +1694,7 @@ TEST(PoolServerTest, AFlushEndsWhenTheServerStopsAnswering) {
 TEST(PoolServerTest, ARequestToAStoppedServerEndsByItsHeartbeatBeforeItsDeadline) {
   ServerInAChild server([] { return true; });
   ASSERT_TRUE(server.ready);
-  CascadeConfig c;
-  c.pipeline = "pool";
-  c.pool_socket = server.socket;
-  c.pool_channels = 2;
-  c.pool_timeout_ms = 60000;
-  c.use_gpu = false;
+  CascadeConfig c = client_of(server.socket, 2, 60000);
   auto opened = CascadeStore::Open(c);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   auto& store = *opened.value();
@@ -1731,19 +1718,13 @@ TEST(PoolServerTest, ARequestToAStoppedServerEndsByItsHeartbeatBeforeItsDeadline
 TEST(PoolServerTest, AStallFoundByTheReleasingThreadIsNoticed) {
   ServerInAChild server([] { return true; });
   ASSERT_TRUE(server.ready);
-  CascadeConfig c;
-  c.pipeline = "pool";
-  c.pool_socket = server.socket;
-  c.pool_channels = 2;
-  c.pool_timeout_ms = 300;
-  c.use_gpu = false;
+  CascadeConfig c = client_of(server.socket, 2, 300);
   auto opened = CascadeStore::Open(c);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   auto& store = *opened.value();
-  auto d = bytes_for(960, 1 << 20);
-  for (uint64_t i = 0; i < 32; ++i) (void)store.put(id_of(960 + i), d.data(), d.size());
-  ASSERT_TRUE(eventually([&] { return pool_stats(store.stats()).committed_bytes == 16u << 20; }));
-  ASSERT_TRUE(store.put(id_of(999), d.data(), 4096).ok());
+  ASSERT_TRUE(back_whole_arena(store, 960));
+  auto d = bytes_for(960, 4096);
+  ASSERT_TRUE(store.put(id_of(999), d.data(), d.size()).ok());
   auto view = store.acquire(id_of(999));
   ASSERT_TRUE(view.ok()) << view.status().ToString();
   ASSERT_TRUE(stop_process(server.pid));

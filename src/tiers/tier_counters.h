@@ -40,13 +40,21 @@ struct TierCounters {
   void add_to(TierStats* s) const {
     TierStats mine;
     fill(&mine);
-    s->hits += mine.hits;
-    s->misses += mine.misses;
-    s->evictions += mine.evictions;
-    s->demotions_in += mine.demotions_in;
-    s->promotions_in += mine.promotions_in;
-    s->bytes_written += mine.bytes_written;
-    s->bytes_read += mine.bytes_read;
+    add_traffic(s, mine);
+  }
+
+  // Adds the traffic counters of `from` (those above, and the corrupt and
+  // failed reads) to those of `to`; leaves every other field alone.
+  static void add_traffic(TierStats* to, const TierStats& from) {
+    to->hits += from.hits;
+    to->misses += from.misses;
+    to->evictions += from.evictions;
+    to->demotions_in += from.demotions_in;
+    to->promotions_in += from.promotions_in;
+    to->bytes_written += from.bytes_written;
+    to->bytes_read += from.bytes_read;
+    to->corrupt_blocks += from.corrupt_blocks;
+    to->read_errors += from.read_errors;
   }
 };
 

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <utility>
 
+#include "tiers/tier_counters.h"
 #include "util/errno_status.h"
 #include "util/fork_generation.h"
 #include "util/thread_name.h"
@@ -22,18 +23,6 @@ namespace {
 constexpr int kAsideCheckMs = 5;
 constexpr int kAsideLaterCheckMs = 100;
 constexpr auto kAsideSoon = std::chrono::seconds(1);
-
-void add_traffic(TierStats* to, const TierStats& from) {
-  to->hits += from.hits;
-  to->misses += from.misses;
-  to->evictions += from.evictions;
-  to->demotions_in += from.demotions_in;
-  to->promotions_in += from.promotions_in;
-  to->bytes_written += from.bytes_written;
-  to->bytes_read += from.bytes_read;
-  to->corrupt_blocks += from.corrupt_blocks;
-  to->read_errors += from.read_errors;
-}
 
 }  // namespace
 
@@ -125,7 +114,7 @@ void ReconnectingPoolTier::close_unused() {
       // before its call ended, are seen below).
       std::atomic_thread_fence(std::memory_order_acquire);
       if ((*it)->views_held() == 0) {
-        add_traffic(&closed_, (*it)->stats());
+        TierCounters::add_traffic(&closed_, (*it)->stats());
         unused.push_back(std::move(*it));
         it = aside_.erase(it);
       } else {
@@ -297,10 +286,10 @@ TierStats ReconnectingPoolTier::stats() const {
   s.name = name();
   s.capacity_bytes = capacity_.load(std::memory_order_relaxed);
   s.persistent = persistent_.load(std::memory_order_relaxed);
-  add_traffic(&s, closed_);
+  TierCounters::add_traffic(&s, closed_);
   for (const auto& t : aside_) {
     const TierStats a = t->stats();
-    add_traffic(&s, a);
+    TierCounters::add_traffic(&s, a);
     s.leased_blocks += a.leased_blocks;
   }
   s.reconnects = reconnects_.load(std::memory_order_relaxed);
