@@ -133,6 +133,19 @@ class PoolServer:
         self.log.close()
 
 
+def loads_what_the_other_saved(saver, loader, q: list[int], deadline: float) -> None:
+    """``saver``, which has saved nothing yet, answers prompt ``q``; once its
+    saves are done (they finish after its reply; at most until ``deadline``),
+    ``loader``, which has hit nothing yet, answers ``q`` the same, loading
+    the whole prefix."""
+    q_full = saver.complete(q)
+    while saver.counter("vllm:cascade_save_blocks_total") < HIT // BS:
+        assert time.monotonic() < deadline, "the saving replica did not save the prompt"
+        time.sleep(0.1)
+    assert loader.complete(q) == q_full
+    assert loader.counter("vllm:cascade_hit_tokens_total") == HIT
+
+
 def test_two_servers_share_the_node_pool(servers, work):
     d, shm = work
     pool = PoolServer(d, shm)
@@ -149,15 +162,7 @@ def test_two_servers_share_the_node_pool(servers, work):
         assert b.counter("vllm:cascade_save_blocks_total") == 0  # nothing new to save
         assert b.counter("vllm:cascade_load_errors_total") == 0
         # A different prompt saved by B is a hit for A.
-        q = prompt(PROMPT_TOKENS, seed=9)
-        q_full = b.complete(q)
-        # B's saves finish after its reply: A looks the prompt up once they have.
-        deadline = time.monotonic() + 30
-        while b.counter("vllm:cascade_save_blocks_total") < HIT // BS:
-            assert time.monotonic() < deadline, "replica B did not save the second prompt"
-            time.sleep(0.1)
-        assert a.complete(q) == q_full
-        assert a.counter("vllm:cascade_hit_tokens_total") == HIT
+        loads_what_the_other_saved(b, a, prompt(PROMPT_TOKENS, seed=9), time.monotonic() + 30)
     finally:
         for srv in (a, b) if "b" in locals() else ():
             srv.stop()
@@ -191,12 +196,7 @@ def test_running_servers_use_the_node_pool_again_after_it_is_killed_and_started_
         assert b.complete(p) == full
         assert b.counter("vllm:cascade_hit_tokens_total") == HIT
         assert b.counter("vllm:cascade_load_errors_total") == 0
-        q_full = b.complete(q)
-        while b.counter("vllm:cascade_save_blocks_total") < HIT // BS:
-            assert time.monotonic() < deadline, "replica B did not save after the restart"
-            time.sleep(0.1)
-        assert a.complete(q) == q_full
-        assert a.counter("vllm:cascade_hit_tokens_total") == HIT
+        loads_what_the_other_saved(b, a, q, deadline)
     finally:
         for srv in (a, b) if "b" in locals() else ():
             srv.stop()
