@@ -403,6 +403,101 @@ def test_a_forked_child_of_a_client_keeps_neither_the_arena_nor_the_store(tmp):
         c.close()
 
 
+def _torch_gpu():
+    """torch when this build and machine can copy into GPU memory, else None."""
+    if not (cascade.HAVE_CUDA and cascade.gpu_usable(0)):
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+@pytest.mark.skipif(_torch_gpu() is None, reason="needs a usable CUDA GPU and torch with CUDA")
+def test_device_batches_run_on_through_a_server_killed_and_started_again(tmp):
+    """A client whose arena is registered with CUDA puts batches from GPU
+    memory and loads them into it while its server is killed and started
+    again: every block loaded has its bytes, the old arena's registration and
+    mapping go (the new server reattaches the arena rather than starting on a
+    new file), and the new connection's arena carries device batches both
+    ways."""
+    torch = _torch_gpu()
+    d, shm, servers = tmp
+    store = {"pipeline": "host", "shm_path": shm, "shm_capacity_bytes": "128MiB"}
+    first = Server(d, dict(store), {})
+    servers.append(first)
+    first.wait_ready()
+    keys = [f"dev-{i}" for i in range(64)]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    on_gpu = [
+        torch.randint(
+            0, 256, ((64 << 10) * (1 + i % 4),), dtype=torch.uint8, device="cuda", generator=gen
+        )
+        for i in range(len(keys))
+    ]
+    c = cascade.CascadeStore(
+        cascade.config_from_dict(
+            {
+                "pool_socket": first.socket,
+                "pipeline": "pool",
+                "use_gpu": False,
+                "pool_timeout_ms": 2000,
+                "num_io_threads": 2,
+            }
+        )
+    )
+
+    def loaded() -> int:
+        """Loads every key into GPU memory; the number found. Fails on a
+        wrong byte."""
+        outs = [torch.empty_like(v) for v in on_gpu]
+        try:
+            _, sizes = c.get_batch(keys, outs)
+        except cascade.UnavailableError:
+            return 0
+        for k, v, out, size in zip(keys, on_gpu, outs, sizes):
+            if size:
+                assert size == v.numel() and torch.equal(out, v), k
+        return sum(1 for size in sizes if size)
+
+    try:
+        c.put_batch(keys, on_gpu)
+        assert loaded() == len(keys)
+        c.flush()  # sealed: kept across the kill
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def loads() -> None:
+            try:
+                while not stop.is_set():
+                    loaded()
+            except BaseException as e:  # a wrong byte, reported by the test
+                errors.append(e)
+
+        t = threading.Thread(target=loads)
+        t.start()
+        try:
+            time.sleep(0.2)
+            again = killed_and_started_again(first, d, store, servers)
+            wait_reconnected(c, again, time.monotonic() + 20)
+        finally:
+            stop.set()
+            t.join()
+        assert not errors, errors
+        assert "still mapped by its clients" not in again.text(), again.text()
+        assert loaded() == len(keys)  # what the first server stored, reattached
+        fresh = [torch.flip(v, (0,)).contiguous() for v in on_gpu[:8]]
+        new_keys = [f"new-{i}" for i in range(8)]
+        c.put_batch(new_keys, fresh)
+        outs = [torch.empty_like(v) for v in fresh]
+        _, sizes = c.get_batch(new_keys, outs)
+        assert list(sizes) == [v.numel() for v in fresh]
+        assert all(torch.equal(o, v) for o, v in zip(outs, fresh))
+    finally:
+        c.close()
+
+
 def wide_batches_until_error(sock: str, timeout_ms: int, keys: list[str]):
     """Puts and reads batches of 64 KiB blocks (wide enough that each I/O
     thread pipelines its steps) in a thread until a call fails; returns the

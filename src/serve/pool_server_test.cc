@@ -1712,6 +1712,31 @@ TEST(PoolServerTest, ARequestToAStoppedServerEndsByItsHeartbeatBeforeItsDeadline
   EXPECT_TRUE(store.contains(id_of(970)));
 }
 
+// A store that makes no call notices a stopped server by its heartbeat: a
+// call made afterwards fails at once instead of waiting for the heartbeat
+// itself, and the store connects again once the server goes on.
+TEST(PoolServerTest, AnIdleStoreNoticesAStoppedServerAndItsNextCallEndsAtOnce) {
+  ServerInAChild server([] { return true; });
+  ASSERT_TRUE(server.ready);
+  CascadeConfig c = client_of(server.socket, 2, 60000);
+  auto opened = CascadeStore::Open(c);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  auto& store = *opened.value();
+  auto d = bytes_for(971, 4096);
+  ASSERT_TRUE(store.put(id_of(971), d.data(), d.size()).ok());
+  ASSERT_TRUE(stop_process(server.pid));
+  const auto stopped = std::chrono::steady_clock::now();
+  EXPECT_TRUE(eventually([&] { return pool_stats(store.stats()).disconnected; }, 10));
+  EXPECT_GT(std::chrono::steady_clock::now() - stopped,
+            std::chrono::milliseconds(pool::kStillHeartbeatMs - 200));
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(store.contains(id_of(971)));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(500));
+  ASSERT_EQ(::kill(server.pid, SIGCONT), 0);
+  EXPECT_TRUE(eventually([&] { return pool_stats(store.stats()).reconnects == 1; }));
+  EXPECT_TRUE(store.contains(id_of(971)));
+}
+
 // A stall found by the client's own releasing thread (no call of the
 // store's user) is noticed too: the client connects again once the server
 // answers, with no call made meanwhile.

@@ -310,8 +310,18 @@ PoolTier::~PoolTier() {
 bool PoolTier::wait_for_loss(int wake_fd, int timeout_ms) {
   if (lost()) return true;
   struct pollfd fds[2] = {{sock_, POLLRDHUP, 0}, {wake_fd, POLLIN, 0}};
-  const int r = ::poll(fds, wake_fd >= 0 ? 2 : 1, timeout_ms);
+  const int wait_ms = timeout_ms < 0 ? kWatchBeatMs : std::min(timeout_ms, kWatchBeatMs);
+  const int r = ::poll(fds, wake_fd >= 0 ? 2 : 1, wait_ms);
   if (r > 0 && (fds[0].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL))) mark_lost(false);
+  const auto now = std::chrono::steady_clock::now();
+  const uint64_t beat = doorbell_->heartbeat.load(std::memory_order_relaxed);
+  if (beat != watched_beat_ || watched_beat_seen_ == std::chrono::steady_clock::time_point{}) {
+    watched_beat_ = beat;
+    watched_beat_seen_ = now;
+  } else if (now - watched_beat_seen_ > std::chrono::milliseconds(pool::kStillHeartbeatMs)) {
+    // Calls waiting for replies look at server_stalled_ and end with it.
+    mark_lost(true);
+  }
   return lost();
 }
 

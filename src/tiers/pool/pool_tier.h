@@ -118,8 +118,12 @@ class PoolTier final : public Tier {
   }
   // Waits up to timeout_ms (-1: no limit) until the server closes the
   // connection, or `wake_fd` (when >= 0) becomes readable; then true when
-  // the server is lost (a closed connection makes it so).
+  // the server is lost. A closed connection makes it so, and so does a
+  // server whose heartbeat stood still for pool::kStillHeartbeatMs across
+  // these waits (looked at every kWatchBeatMs at least), so that a stopped
+  // server is noticed with no call made to it. One thread at a time.
   bool wait_for_loss(int wake_fd, int timeout_ms);
+  static constexpr int kWatchBeatMs = 250;
   // Views acquire handed out that their holders still hold.
   uint64_t views_held() const { return views_held_.load(std::memory_order_acquire); }
 
@@ -347,6 +351,9 @@ class PoolTier final : public Tier {
   // gone (a stalled server would otherwise cost every request in flight,
   // and every later one, a deadline each).
   mutable std::atomic<bool> server_stalled_{false};
+  // The heartbeat as wait_for_loss last saw it change, and when.
+  uint64_t watched_beat_ = 0;
+  std::chrono::steady_clock::time_point watched_beat_seen_{};
 
   std::mutex release_mu_;
   std::condition_variable release_cv_;
