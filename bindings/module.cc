@@ -1,4 +1,6 @@
 // cascade._core: the compiled half of the cascade package.
+#include <pthread.h>
+
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -28,6 +30,10 @@ using namespace cascade::py;
 NB_MODULE(_core, m) {
   m.doc() = "Cascade core (C++). Use the `cascade` package rather than this module.";
   register_exceptions(m);
+  // A forked child keeps the objects that its parent's other threads were
+  // using at the fork, with no thread left to drop them: at its exit they
+  // are not leaks of the bindings, and nanobind is told not to report them.
+  (void)::pthread_atfork(nullptr, nullptr, [] { nb::set_leak_warnings(false); });
 
   nb::enum_<EvictionPolicy>(m, "EvictionPolicy")
       .value("LRU", EvictionPolicy::kLru)

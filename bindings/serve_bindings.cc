@@ -7,6 +7,7 @@
 #include "guarded.h"
 #include "serve/pool_server.h"
 #include "store_wrap.h"
+#include "tiers/pool/pool_wire.h"
 
 namespace cascade::py {
 
@@ -229,6 +230,8 @@ class PyPoolServer {
 }  // namespace
 
 void register_serve(nb::module_& m) {
+  // The node pool's protocol version, as a client's hello carries it.
+  m.attr("POOL_PROTOCOL_VERSION") = pool::kVersion;
   nb::class_<PyPoolServer>(m, "PoolServer",
                            "The node pool server: one store shared by the node's processes "
                            "(docs/node-pool.md). Clients connect with pool_socket set.")

@@ -356,6 +356,157 @@ def test_a_client_connects_again_to_a_server_killed_and_started_again(tmp):
         c.close()
 
 
+@pytest.mark.parametrize("loss", ["killed", "stopped"])
+def test_a_flush_after_connecting_again_writes_down_what_was_put_before_the_loss(tmp, loss):
+    """A block put before the server was lost (killed and started again on
+    its arena, or stopped long enough to be taken as gone) is written down
+    by the store's next flush on its new connection, though the server's
+    list of what the old connection committed went with it: once the arena
+    is gone too (a reboot), the file tier serves both blocks."""
+    d, shm, servers = tmp
+    store = {
+        "pipeline": "host|file",
+        "shm_path": shm,
+        "shm_capacity_bytes": "32MiB",
+        "file_path": os.path.join(d, "files"),
+    }
+    server = Server(d, dict(store), {})
+    servers.append(server)
+    server.wait_ready()
+    before, after = blocks(2).values()
+    c = cascade.CascadeStore(
+        cascade.config_from_dict(
+            {"pool_socket": server.socket, "use_gpu": False, "pool_timeout_ms": 2000}
+        )
+    )
+    try:
+        assert c.put("before", before)
+        if loss == "killed":
+            server = killed_and_started_again(server, d, store, servers)
+        else:
+            server.proc.send_signal(signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 20
+                while not c.get_stats()["tiers"]["pool"]["disconnected"]:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+        wait_reconnected(c, server, time.monotonic() + 20)
+        assert c.put("after", after)
+        c.flush()
+    finally:
+        c.close()
+    server.proc.kill()
+    server.wait()
+    os.unlink(serve_status.info_path(server.socket))
+    os.unlink(shm)  # the arena is lost: only the file tier remains
+    again = Server(d, dict(store), {}, name="rebooted.yaml")
+    servers.append(again)
+    again.wait_ready()
+    fresh = client(again.socket, "")
+    try:
+        assert_serves(fresh, {"before": before, "after": after})
+    finally:
+        fresh.close()
+
+
+FORK_DURING_A_CALL = """
+import os, sys, threading, time, warnings
+import cascade
+warnings.simplefilter("ignore")
+c = cascade.CascadeStore(cascade.config_from_dict({"pool_socket": sys.argv[1], "use_gpu": False}))
+stop = threading.Event()
+def busy():
+    while not stop.is_set():
+        c.contains("a")
+t = threading.Thread(target=busy)
+t.start()
+time.sleep(0.2)
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+stop.set()
+t.join()
+c.close()
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_child_forked_during_a_call_exits_without_a_leak_report(tmp):
+    """A child forked while another thread of its parent is inside a store
+    call keeps that call's objects with no thread to drop them; its exit
+    says nothing of leaks in the bindings."""
+    d, shm, servers = tmp
+    server = Server(d, {"pipeline": "host", "shm_path": shm, "shm_capacity_bytes": "16MiB"}, {})
+    servers.append(server)
+    server.wait_ready()
+    r = subprocess.run(
+        [sys.executable, "-c", FORK_DURING_A_CALL, server.socket],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "child 0" in r.stdout, r.stdout + r.stderr
+    assert "leaked" not in r.stderr, r.stderr
+
+
+def test_calls_say_why_the_server_refuses_to_take_a_client_back(tmp):
+    """A server that refuses a client connecting again (here: its one
+    client's place is taken) is asked again and again; meanwhile the
+    client's calls say the server's reason, not only that it is gone."""
+    d, shm, servers = tmp
+    store = {"pipeline": "host", "shm_path": shm, "shm_capacity_bytes": "16MiB"}
+    first = Server(d, dict(store), {})
+    servers.append(first)
+    first.wait_ready()
+    c = cascade.CascadeStore(
+        cascade.config_from_dict(
+            {"pool_socket": first.socket, "use_gpu": False, "pool_timeout_ms": 2000}
+        )
+    )
+    other = None
+    try:
+        first.proc.kill()
+        first.wait()
+        os.unlink(serve_status.info_path(first.socket))
+        # The next server takes its one client on a path of its own, then
+        # moves its socket to where the first one listened.
+        full = Server(
+            d,
+            {**store, "shm_path": shm + "-full"},
+            {"socket": os.path.join(d, "run", "full.sock"), "max_clients": 1},
+            name="full.yaml",
+        )
+        servers.append(full)
+        full.wait_ready()
+        other = client(full.socket, "")
+        os.rename(full.socket, first.socket)
+        deadline = time.monotonic() + 20
+        while True:
+            with pytest.raises(cascade.UnavailableError) as e:
+                c.put("x", blocks(1)["block-0"])
+            if "its limit" in str(e.value):
+                break
+            assert time.monotonic() < deadline, str(e.value)
+            time.sleep(0.05)
+        assert "connecting again" in str(e.value)
+        assert c.get_stats()["tiers"]["pool"]["disconnected"]
+        other.close()  # the place is free: the client is taken back
+        other = None
+        wait_reconnected(c, full, time.monotonic() + 20)
+        assert c.put("x", blocks(1)["block-0"])
+    finally:
+        if other is not None:
+            other.close()
+        c.close()
+        if os.path.exists(shm + "-full"):
+            os.unlink(shm + "-full")
+
+
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")
 def test_a_forked_child_of_a_client_keeps_neither_the_arena_nor_the_store(tmp):
     """A child forked from a client (a worker pool) maps none of the
@@ -808,7 +959,11 @@ def test_a_client_with_a_namespace_that_is_not_text_cannot_end_the_server(tmp):
     srv.wait_ready()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
         raw.connect(srv.socket)
-        raw.sendall(struct.pack("<IIII256s", 0x4C4F4F50, 4, 1, 2, b"\xff\x1b"))
+        raw.sendall(
+            struct.pack(
+                "<IIII256s", 0x4C4F4F50, cascade._core.POOL_PROTOCOL_VERSION, 1, 2, b"\xff\x1b"
+            )
+        )
         time.sleep(3)  # the server's periodic reports see the client
         assert srv.proc.poll() is None, srv.text()
         stats = json.loads(

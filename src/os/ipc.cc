@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -282,6 +283,75 @@ Status refuse_if_listening(const std::string& path) {
   if (!probe.ok()) return Status::OK();
   ::close(*probe);
   return Status::Busy("a server is listening on '" + path + "' already");
+}
+
+namespace {
+
+// "/", "/a", "/a/b" for "/a/b" (an absolute path).
+std::vector<std::string> directories_to(const std::string& dir) {
+  std::vector<std::string> out{"/"};
+  for (size_t at = 1; at <= dir.size(); ++at) {
+    if (at == dir.size() || dir[at] == '/') {
+      if (dir[at - 1] != '/') out.push_back(dir.substr(0, at));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Status check_socket_owner(uid_t server, const std::string& socket_path) {
+  const uid_t me = ::geteuid();
+  if (server == me || server == 0) return Status::OK();
+  std::string path = socket_path;
+  if (path.empty() || path[0] != '/') {
+    std::vector<char> cwd(4096);
+    if (!::getcwd(cwd.data(), cwd.size())) return errno_status(errno, "getcwd");
+    path = std::string(cwd.data()) + "/" + path;
+  }
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == 0 ? std::string("/") : path.substr(0, slash);
+  const std::string who = "the process listening on '" + socket_path + "' runs as uid " +
+                          std::to_string(server) + ", neither this user nor root";
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0 || st.st_uid != server || (st.st_mode & 022))
+    return Status::InvalidArgument(who +
+                                   " nor the owner of the socket's directory, which no one else "
+                                   "may write: not trusted as a pool server");
+  // Whether `d` could only have been made or replaced by root, this user or
+  // the server's; else why not.
+  auto unsafe = [&](const std::string& d, bool follow) -> std::string {
+    struct stat s;
+    if ((follow ? ::stat(d.c_str(), &s) : ::lstat(d.c_str(), &s)) != 0)
+      return "'" + d + "' cannot be looked at";
+    // A link is as safe as the directory holding it, checked on its own;
+    // where it leads is checked with the links resolved.
+    if (S_ISLNK(s.st_mode)) return {};
+    if (s.st_uid != 0 && s.st_uid != me && s.st_uid != server)
+      return "'" + d + "' belongs to uid " + std::to_string(s.st_uid);
+    if (s.st_mode & 022)
+      return "'" + d +
+             "' may be written by others than its owner, so anyone may have made what "
+             "is in it";
+    return {};
+  };
+  std::vector<std::string> checked = directories_to(dir);
+  std::vector<char> resolved(PATH_MAX + 1);
+  if (!::realpath(dir.c_str(), resolved.data())) return errno_status(errno, "realpath " + dir);
+  std::string why;
+  for (const auto& d : checked) {
+    why = unsafe(d, false);
+    if (!why.empty()) break;
+  }
+  if (why.empty()) {
+    for (const auto& d : directories_to(resolved.data())) {
+      why = unsafe(d, true);
+      if (!why.empty()) break;
+    }
+  }
+  if (why.empty()) return Status::OK();
+  return Status::InvalidArgument(who + "; it owns the socket's directory, but " + why +
+                                 ": not trusted as a pool server");
 }
 
 Result<int> connect_unix(const std::string& path, int64_t timeout_ms) {

@@ -80,4 +80,14 @@ Result<int> connect_unix(const std::string& path, int64_t timeout_ms = -1);
 // otherwise (nothing there, a stale socket, a path that is no socket).
 Status refuse_if_listening(const std::string& path);
 
+// Whether the process listening at socket_path, which runs as `server`,
+// may be trusted by this process: OK when it runs as this user or as root,
+// or as the owner of the socket's directory (an operator's service
+// directory such as /run/cascade) when no one but root, this user and that
+// owner could have made or replaced any directory on the way to it: each
+// one, as written in the path and with its links resolved, is owned by one
+// of them and writable by no group or other user. A directory made in a
+// directory open to all (/tmp) may be anyone's: InvalidArgument, saying why.
+Status check_socket_owner(uid_t server, const std::string& socket_path);
+
 }  // namespace cascade

@@ -1444,14 +1444,16 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       break;
     }
     case Op::kFlush: {
-      // What this client committed since its last flush; a failed flush
-      // keeps it for the next.
+      // What this client committed since its last flush (or every block,
+      // when the client asks: it lost a connection whose list went with
+      // it); a failed flush keeps it for the next.
       std::vector<BlockId> ids;
       bool everything;
       {
         std::lock_guard<std::mutex> l(c->unflushed_mu);
         ids.swap(c->unflushed);
-        everything = std::exchange(c->flush_everything, false);
+        everything =
+            std::exchange(c->flush_everything, false) || (h.flags & pool::kFlushEverything) != 0;
       }
       Status st = everything ? store->flush() : store->flush(ids);
       if (!st.ok()) {

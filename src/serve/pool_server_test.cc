@@ -2,6 +2,7 @@
 // (pipeline "pool") or raw protocol clients talking to it over its socket.
 #include "serve/pool_server.h"
 
+#include <fcntl.h>
 #include <grp.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -1735,6 +1736,67 @@ TEST(PoolServerTest, AnIdleStoreNoticesAStoppedServerAndItsNextCallEndsAtOnce) {
   ASSERT_EQ(::kill(server.pid, SIGCONT), 0);
   EXPECT_TRUE(eventually([&] { return pool_stats(store.stats()).reconnects == 1; }));
   EXPECT_TRUE(store.contains(id_of(971)));
+}
+
+// Whether this process maps or holds open a file whose name has `tag` in it.
+// Async-signal-safe: for a child forked from a process with threads.
+bool holds_file_named(const char* tag) {
+  static char buf[1 << 16];
+  const size_t tag_len = std::strlen(tag);
+  const int maps = ::open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+  if (maps < 0) return false;
+  bool found = false;
+  size_t kept = 0;  // the end of the last read, kept so a name split across reads is found
+  ssize_t n;
+  while (!found && (n = ::read(maps, buf + kept, sizeof buf - kept)) > 0) {
+    const size_t have = kept + size_t(n);
+    found = ::memmem(buf, have, tag, tag_len) != nullptr;
+    kept = std::min(have, tag_len);
+    std::memmove(buf, buf + have - kept, kept);
+  }
+  ::close(maps);
+  for (int fd = 0; !found && fd < 1024; ++fd) {
+    char path[64], target[512];
+    std::snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    const ssize_t len = ::readlink(path, target, sizeof target);
+    found = len > 0 && ::memmem(target, size_t(len), tag, tag_len) != nullptr;
+  }
+  return found;
+}
+
+// A child forked while a store connects (as its watcher does in the
+// background, at any moment) never holds the server's arena: neither a
+// mapping made and not yet marked MADV_DONTFORK nor a descriptor received
+// and not yet closed.
+TEST(PoolServerTest, AChildForkedWhileAStoreConnectsHoldsNoneOfTheArena) {
+  ServerInAChild server([] { return true; });
+  ASSERT_TRUE(server.ready);
+  CascadeConfig c = client_of(server.socket, 1, 2000);
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> opened{0};
+  std::thread connecting([&] {
+    while (!stop.load()) {
+      auto t = PoolTier::Open(c, nullptr);
+      if (!t.ok()) break;
+      opened.fetch_add(1);
+    }
+  });
+  int forks = 0, holding = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(4);
+  while (std::chrono::steady_clock::now() < end) {
+    const pid_t child = ::fork();
+    if (child == 0) ::_exit(holds_file_named("cascade-pool-test-") ? 1 : 0);
+    ASSERT_GT(child, 0);
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    ++forks;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++holding;
+  }
+  stop.store(true);
+  connecting.join();
+  EXPECT_GT(opened.load(), 100u);
+  EXPECT_EQ(holding, 0) << "of " << forks << " children forked while " << opened.load()
+                        << " connections were made";
 }
 
 // A stall found by the client's own releasing thread (no call of the

@@ -9,10 +9,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "cuda/device_copy.h"
 #include "os/committed_memory.h"
+#include "os/ipc.h"
 #include "tiers/leased_reads.h"
 #include "util/block_checksum.h"
 #include "util/copy_bytes.h"
@@ -61,23 +63,6 @@ Status lease_failure(uint32_t code, const BlockId& id) {
   return wire_status(code, std::move(what));
 }
 
-// The server is trusted when it runs as this user, as root, or as the owner
-// of a directory that only its owner may write (an operator's service
-// directory such as /run/cascade) holding the socket.
-Status check_server(uid_t server, const std::string& socket_path) {
-  if (server == ::geteuid() || server == 0) return Status::OK();
-  const size_t slash = socket_path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? std::string(".")
-                          : slash == 0               ? std::string(1, '/')
-                                                     : socket_path.substr(0, slash);
-  struct stat st;
-  if (::stat(dir.c_str(), &st) == 0 && st.st_uid == server && !(st.st_mode & 022))
-    return Status::OK();
-  return Status::InvalidArgument(
-      "the process listening on '" + socket_path + "' runs as uid " + std::to_string(server) +
-      ", neither this user nor the owner of the socket's directory: not trusted as a pool server");
-}
-
 }  // namespace
 
 class PoolTier::Held {
@@ -122,7 +107,8 @@ Result<std::unique_ptr<PoolTier>> PoolTier::Open(const CascadeConfig& config, Th
 // welcome (with the descriptors that come with it). cut_off: the server
 // closed the connection before any welcome.
 Status PoolTier::greet(const CascadeConfig& config, const pool::Hello& hello, pool::Welcome* w,
-                       std::vector<int>* fds, bool* cut_off, const std::atomic<bool>* cancel) {
+                       std::vector<int>* fds, bool* cut_off, const std::atomic<bool>* cancel,
+                       std::optional<ForkFence>* fence) {
   // A connection made again (cancel given) waits no longer for room in a
   // stalled server's listen queue than for its welcome, a step at a time.
   auto sock =
@@ -131,7 +117,7 @@ Status PoolTier::greet(const CascadeConfig& config, const pool::Hello& hello, po
   sock_ = *sock;
   auto peer = peer_credentials(sock_);
   if (!peer.ok()) return peer.status();
-  CASCADE_RETURN_IF_ERROR(check_server(peer->uid, config.pool_socket));
+  CASCADE_RETURN_IF_ERROR(check_socket_owner(peer->uid, config.pool_socket));
   Status st = send_message(sock_, &hello, sizeof hello);
   if (st.ok()) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us_);
@@ -141,6 +127,7 @@ Status PoolTier::greet(const CascadeConfig& config, const pool::Hello& hello, po
       const auto step = std::min(deadline, std::chrono::steady_clock::now() + kGreetStep);
       st = wait_readable(sock_, sizeof *w, step);
       if (st.ok()) {
+        fence->emplace();
         st = receive_message(sock_, w, sizeof *w, deadline, fds, 3);
         break;
       }
@@ -178,6 +165,10 @@ Status PoolTier::connect(const CascadeConfig& config, const std::atomic<bool>* c
 
   pool::Welcome w{};
   std::vector<int> fds;
+  // From the receipt of the server's descriptors until they are closed and
+  // the mappings made of them marked MADV_DONTFORK: a child forked in
+  // between would hold the arena open (and with it the arena's lock).
+  std::optional<ForkFence> fence;
   // A server closes a connection before its welcome when it gave the
   // connection's handshake slot to another (no hello had come within a
   // moment: a client descheduled between its connect and its hello), could
@@ -185,8 +176,9 @@ Status PoolTier::connect(const CascadeConfig& config, const std::atomic<bool>* c
   // again, a few times, soon.
   for (int attempt = 0;; ++attempt) {
     bool cut_off = false;
-    Status st = greet(config, hello, &w, &fds, &cut_off, cancel);
+    Status st = greet(config, hello, &w, &fds, &cut_off, cancel, &fence);
     if (st.ok()) break;
+    fence.reset();
     if (!cut_off || attempt == kGreetings - 1) return st;
     ::close(sock_);
     sock_ = -1;
@@ -1283,14 +1275,15 @@ Status PoolTier::remove(const BlockId& id) {
   return wire_status(r.code, "block " + id.hex() + " is not in the pool");
 }
 
-Status PoolTier::flush() {
+Status PoolTier::flush(bool everything) {
   release_queued();
   Held held = hold();
   if (!held.slot()) return Status::Unavailable("every channel to the pool server failed");
   // A flush writes blocks down and may take long: its deadline is long, and
   // a stopped server is told by its heartbeat (await_reply).
   ReplyHeader reply;
-  return call(held.slot(), Op::kFlush, 0, 0, &reply, kFlushTimeoutUs);
+  return call(held.slot(), Op::kFlush, 0, 0, &reply, kFlushTimeoutUs,
+              everything ? pool::kFlushEverything : 0);
 }
 
 Result<pool::ServerStatsReply> PoolTier::server_stats() const {

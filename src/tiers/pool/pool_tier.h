@@ -44,6 +44,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <thread>
 #include <vector>
@@ -53,6 +54,7 @@
 #include "os/file_mapping.h"
 #include "tiers/pool/pool_channel.h"
 #include "tiers/tier_counters.h"
+#include "util/fork_generation.h"
 #include "util/thread_pool.h"
 
 namespace cascade {
@@ -93,7 +95,10 @@ class PoolTier final : public Tier {
   uint64_t capacity_bytes() const override { return capacity_; }
   TierStats stats() const override;
   void clear() override {}
-  Status flush() override;
+  Status flush() override { return flush(false); }
+  // everything: every block of the pool, not only those this connection
+  // committed since its last flush.
+  Status flush(bool everything);
   bool persistent() const override { return persistent_; }
 
   // Leases many blocks at once (one request per kMaxItems): views[i] is a
@@ -139,8 +144,10 @@ class PoolTier final : public Tier {
   // acquire_batch's requests to the server, once.
   void lease_views(std::span<const BlockId> ids, std::span<BlockView> views,
                    std::span<Status> statuses);
+  // `fence` is started before the descriptors are received.
   Status greet(const CascadeConfig& config, const pool::Hello& hello, pool::Welcome* w,
-               std::vector<int>* fds, bool* cut_off, const std::atomic<bool>* cancel);
+               std::vector<int>* fds, bool* cut_off, const std::atomic<bool>* cancel,
+               std::optional<ForkFence>* fence);
   // Connections a client makes to a server that closes them unanswered.
   static constexpr int kGreetings = 7;
 

@@ -28,7 +28,7 @@
 namespace cascade::pool {
 
 inline constexpr uint32_t kMagic = 0x4c4f4f50;  // "POOL"
-inline constexpr uint32_t kVersion = 4;
+inline constexpr uint32_t kVersion = 5;
 inline constexpr uint32_t kMaxNamespaceBytes = 256;
 inline constexpr uint32_t kMaxChannels = 64;
 inline constexpr uint32_t kMaxItems = 2048;  // items in one request
@@ -146,6 +146,10 @@ inline constexpr uint32_t kChecksumFailed = 2;
 // (or after a bound). A server that does not know the flag frees them when
 // the connection ends.
 inline constexpr uint32_t kDeviceWrites = 4;
+// On kFlush: write down every block of the pool, not only those this
+// connection committed since its last flush (the client lost an earlier
+// connection, and with it the server's list of what that one committed).
+inline constexpr uint32_t kFlushEverything = 8;
 struct ReplyHeader {
   uint32_t code;  // OK: count items follow; otherwise message_bytes of text
   uint32_t count;

@@ -86,8 +86,14 @@ Status ReconnectingPoolTier::lost_status() const {
     return Status::Unavailable(
         "this process was forked from the one that opened the store: a pool client belongs to "
         "the process that opened it; open a store in this process");
+  std::string last;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last = last_attempt_;
+  }
   return Status::Unavailable("the node pool server is gone; connecting again to '" +
-                             config_.pool_socket + "'");
+                             config_.pool_socket + "'" +
+                             (last.empty() ? std::string() : " (the last attempt: " + last + ")"));
 }
 
 bool ReconnectingPoolTier::set_aside_if_lost() {
@@ -95,6 +101,7 @@ bool ReconnectingPoolTier::set_aside_if_lost() {
   if (!current_ || !current_->lost()) return false;
   aside_.push_back(std::move(current_));
   current_.reset();
+  losses_.fetch_add(1, std::memory_order_release);
   return true;
 }
 
@@ -164,9 +171,20 @@ void ReconnectingPoolTier::watch() {
     if (now >= next_try) {
       auto opened = PoolTier::Open(config_, pool_, &stopping_, wake_fd_);
       if (opened.ok()) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          last_attempt_.clear();
+        }
         adopt(std::move(opened.value()));
         reconnects_.fetch_add(1, std::memory_order_relaxed);
         continue;
+      }
+      {
+        // Why, for the calls that fail meanwhile: a refusal that lasts (a
+        // full server, another protocol, a server not trusted) is the
+        // user's to act on.
+        std::lock_guard<std::mutex> lock(mu_);
+        last_attempt_ = opened.status().ToString();
       }
       next_try = std::chrono::steady_clock::now() + retry;
       retry = std::min<std::chrono::milliseconds>(retry * 2, kLastRetry);
@@ -275,7 +293,18 @@ Status ReconnectingPoolTier::remove(const BlockId& id) {
 Status ReconnectingPoolTier::flush() {
   auto t = link();
   if (!t) return lost_status();
-  Status st = t->flush();
+  // Read after link(): a loss set aside before the connection in hand was
+  // made is counted by then.
+  const uint64_t losses = losses_.load(std::memory_order_acquire);
+  // The server's list of what a lost connection committed went with it:
+  // the first flush after a loss writes down every block of the pool.
+  const bool everything = losses != flushed_losses_.load(std::memory_order_acquire);
+  Status st = t->flush(everything);
+  if (st.ok() && everything) {
+    uint64_t seen = flushed_losses_.load(std::memory_order_relaxed);
+    while (seen < losses && !flushed_losses_.compare_exchange_weak(seen, losses)) {
+    }
+  }
   return st;
 }
 

@@ -36,6 +36,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -105,10 +106,15 @@ class ReconnectingPoolTier final : public Tier {
   mutable std::mutex mu_;
   std::shared_ptr<PoolTier> current_;             // guarded by mu_
   std::vector<std::shared_ptr<PoolTier>> aside_;  // watcher only, and stats() under mu_
-  TierStats closed_;  // the counters of connections closed (guarded by mu_)
+  TierStats closed_;          // the counters of connections closed (guarded by mu_)
+  std::string last_attempt_;  // why the last attempt to connect again failed (guarded by mu_)
   std::atomic<uint64_t> capacity_{0};
   std::atomic<bool> persistent_{false};
   std::atomic<uint64_t> reconnects_{0};
+  // Connections lost (set aside), and how many of those losses a flush of
+  // every block of the pool has covered since.
+  std::atomic<uint64_t> losses_{0};
+  std::atomic<uint64_t> flushed_losses_{0};
   // fork_generation() of the process that opened the tier.
   const uint64_t generation_;
   std::atomic<bool> stopping_{false};
