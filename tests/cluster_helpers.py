@@ -14,12 +14,18 @@ from cascade.cluster import PlacementRing
 
 
 @contextlib.contextmanager
-def in_process_cluster(n: int, capacity: int = 64 << 20, map_same_host: bool = True):
+def in_process_cluster(
+    n: int,
+    capacity: int = 64 << 20,
+    map_same_host: bool = True,
+    arenas: list[str] | None = None,
+):
     """Yields the servers' socket paths; the view places ids over all n.
     map_same_host: the servers map each other's arenas (one host) or move
-    blocks over UCX only."""
+    blocks over UCX only. arenas, when given, gets the servers' arena paths."""
     d = tempfile.mkdtemp(prefix="cascade-cl-")
-    servers, shms = [], []
+    servers: list = []
+    shms: list[str] = [] if arenas is None else arenas
     try:
         for i in range(n):
             cfg = _core.CascadeConfig()

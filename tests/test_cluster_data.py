@@ -372,3 +372,58 @@ def test_a_stopped_server_costs_each_read_at_most_its_deadline(place, mapped):
         assert scrape(nodes[1][1])["cascade_pool_cluster_call_failures_total"] >= 1
     finally:
         stopped.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("change", ["removed", "replaced"])
+def test_a_client_that_cannot_map_a_members_arena_reads_its_blocks_through_its_server(change):
+    """A member's arena file this client cannot open (here: its path
+    removed, or replaced by another file, while the member runs on; another
+    user's file does the same) costs no hit: the client reads those blocks
+    through its own server, which brings them into its arena."""
+    from cluster_helpers import in_process_cluster
+
+    arenas: list[str] = []
+    with in_process_cluster(2, arenas=arenas) as (socks, servers):
+        writer = cascade.CascadeStore(
+            cascade.config_from_dict({"pool_socket": socks[1], "pool_namespace": NS})
+        )
+        try:
+            keys = [f"k{i}" for i in range(64)]
+            writer.put_batch(keys, [block(i) for i in range(64)])
+        finally:
+            writer.close()
+        assert servers[1].cluster_drain(5000)  # pushed to their owners
+
+        def read_all(store: cascade.CascadeStore) -> None:
+            outs = [np.empty_like(block(i)) for i in range(64)]
+            _, sizes = store.get_batch(keys, outs)
+            assert list(sizes) == [block(i).size for i in range(64)]
+            for i, out in enumerate(outs):
+                assert np.array_equal(out, block(i)), i
+
+        # A first reader: the server maps the other member's arena, and
+        # answers with leases there from then on.
+        first = cascade.CascadeStore(
+            cascade.config_from_dict({"pool_socket": socks[0], "pool_namespace": NS})
+        )
+        try:
+            read_all(first)
+        finally:
+            first.close()
+        assert servers[0].cluster_stats()["mapped"] == 1
+        os.unlink(arenas[1])
+        if change == "replaced":
+            with open(arenas[1], "wb") as f:
+                f.write(b"\0" * (1 << 20))
+        for _ in range(2):  # the second time, with the member's arena known as unmappable
+            reader = cascade.CascadeStore(
+                cascade.config_from_dict({"pool_socket": socks[0], "pool_namespace": NS})
+            )
+            try:
+                read_all(reader)
+                for i in (0, 1, 2, 3):
+                    out = np.empty_like(block(i))
+                    assert reader.get(keys[i], out) == (True, block(i).size)
+                    assert np.array_equal(out, block(i))
+            finally:
+                reader.close()

@@ -1039,7 +1039,8 @@ Status PoolTier::post_lease_read(Slot* slot, const ReadBatch& b, const ReadPart&
 }
 
 void PoolTier::take_lease_read(Slot* slot, const ReadBatch& b, ReadPart* part) {
-  part->got.assign(part->count, Leased{});
+  part->got.clear();
+  part->got.resize(part->count);
   part->tokens.clear();
   part->members = false;
   ReplyHeader reply;
@@ -1077,25 +1078,49 @@ void PoolTier::take_lease_read(Slot* slot, const ReadBatch& b, ReadPart* part) {
   }
 }
 
-// Blocks in a member's arena: its mapping, made outside the channels.
+// Blocks in a member's arena: its mapping, made outside the channels. A
+// block whose member's arena this process cannot map is read through the
+// server, which brings it into its own arena (from its own mapping of the
+// member's arena, or over the transport) and leases it there.
 void PoolTier::map_members(const ReadBatch& b, ReadPart* part) {
+  std::vector<size_t> unmapped;  // items of the part
   for (size_t k = 0; k < part->count; ++k) {
     const size_t i = part->begin + k;
     Leased& g = part->got[k];
     if (!b.statuses[i].ok() || g.lease.arena == 0) continue;
     auto member = member_arena(g.lease.arena);
-    if (!member.ok() || g.lease.offset > (*member)->size() ||
-        g.lease.size > (*member)->size() - g.lease.offset) {
-      const std::string why =
-          member.ok() ? std::string("the lease lies outside it") : member.status().message();
-      b.statuses[i] =
-          Status::NotFound("block " + b.ids[i].hex() +
-                           ": the arena of the member holding it cannot be read (" + why + ")");
+    if (!member.ok()) {
+      unmapped.push_back(k);
+      continue;
+    }
+    if (g.lease.offset > (*member)->size() || g.lease.size > (*member)->size() - g.lease.offset) {
+      b.statuses[i] = Status::NotFound("block " + b.ids[i].hex() +
+                                       ": its lease lies outside the arena of the member "
+                                       "holding it");
       TierCounters::add(counters_.misses);
       continue;
     }
     g.member = std::move(member.value());
     g.data = g.member->data() + g.lease.offset;
+  }
+  if (unmapped.empty()) return;
+  std::vector<BlockId> ids;
+  for (size_t k : unmapped) ids.push_back(b.ids[part->begin + k]);
+  std::vector<BlockView> views(ids.size());
+  std::vector<Status> statuses(ids.size());
+  // The member's leases are released with the part's others.
+  acquire_batch(ids, views, statuses);
+  for (size_t j = 0; j < unmapped.size(); ++j) {
+    const size_t i = part->begin + unmapped[j];
+    Leased& g = part->got[unmapped[j]];
+    b.statuses[i] = statuses[j];
+    if (!statuses[j].ok()) continue;
+    g.through_server = std::move(views[j]);
+    g.lease.arena = 0;
+    g.lease.size = g.through_server.size();
+    g.lease.checksum = 0;
+    g.data = g.through_server.data();
+    b.results[i].is_prefix = g.through_server.is_prefix();
   }
 }
 
@@ -1153,6 +1178,8 @@ Result<std::shared_ptr<const ReadOnlyMapping>> PoolTier::member_arena(uint32_t i
     std::lock_guard<std::mutex> l(members_mu_);
     auto it = member_arenas_.find(index);
     if (it != member_arenas_.end()) return it->second;
+    auto failed = unmappable_arenas_.find(index);
+    if (failed != unmappable_arenas_.end()) return failed->second;
   }
   pool::ArenaReply r{};
   {
@@ -1170,8 +1197,11 @@ Result<std::shared_ptr<const ReadOnlyMapping>> PoolTier::member_arena(uint32_t i
     return Status::Unavailable("the pool server described a member arena without a path");
   auto m = map_file_read_only(std::string(r.path, r.path_bytes), r.device, r.inode, r.file_offset,
                               r.bytes);
-  if (!m.ok()) return m.status();
   std::lock_guard<std::mutex> l(members_mu_);
+  if (!m.ok()) {
+    unmappable_arenas_.emplace(index, m.status());
+    return m.status();
+  }
   auto [it, fresh] = member_arenas_.emplace(index, std::move(m.value()));
   return it->second;
 }
@@ -1181,12 +1211,14 @@ void PoolTier::forget_gone_arenas() {
   {
     std::lock_guard<std::mutex> l(members_mu_);
     for (auto& [index, m] : member_arenas_) known.push_back(index);
+    for (auto& [index, why] : unmappable_arenas_) known.push_back(index);
   }
   // A server that is gone (or every channel to it) leases nothing more:
   // every mapping goes, the memory with the last copy under way.
   auto forget_all = [&] {
     std::lock_guard<std::mutex> l(members_mu_);
     member_arenas_.clear();
+    unmappable_arenas_.clear();
   };
   for (uint32_t index : known) {
     pool::ArenaReply r{};
@@ -1206,6 +1238,7 @@ void PoolTier::forget_gone_arenas() {
     // Copies under way keep their own reference; the memory goes with the last.
     std::lock_guard<std::mutex> l(members_mu_);
     member_arenas_.erase(index);
+    unmappable_arenas_.erase(index);
   }
 }
 
@@ -1417,7 +1450,7 @@ void PoolTier::release_loop() {
       bool any;
       {
         std::lock_guard<std::mutex> l(members_mu_);
-        any = !member_arenas_.empty();
+        any = !member_arenas_.empty() || !unmappable_arenas_.empty();
       }
       if (any) {
         lock.unlock();

@@ -291,6 +291,9 @@ class PoolTier final : public Tier {
     pool::LeaseReadReply lease{};                   // as the server answered
     const uint8_t* data = nullptr;                  // where the block is in this process
     std::shared_ptr<const ReadOnlyMapping> member;  // lease.arena != 0: its mapping
+    // A member's block read through the server (its arena could not be
+    // mapped here): the server's lease on its own copy (lease.arena is 0).
+    BlockView through_server;
     bool failed = false;  // its copy failed the owner's checksum (written by its copier)
   };
   struct ReadPart : SharedCopies {
@@ -378,6 +381,10 @@ class PoolTier final : public Tier {
   // Cluster members' arenas of this host mapped here, by the server's index.
   std::mutex members_mu_;
   std::map<uint32_t, std::shared_ptr<const ReadOnlyMapping>> member_arenas_;
+  // Member arenas this process could not map (another user's file, a path
+  // removed or replaced), and why: their blocks are read through the
+  // server. Indexes are never reused.
+  std::map<uint32_t, Status> unmappable_arenas_;
 
   mutable TierCounters counters_;
 };
