@@ -270,6 +270,22 @@ NB_MODULE(_core, m) {
       "ranges of `batch_span` bytes. Every size's first read and a last pass of batches over "
       "the span are compared byte for byte. Raises Unavailable without UCX.");
   m.def(
+      "check_transport",
+      [](const std::string& fabrics) {
+        TransportOptions o;
+        o.fabrics = fabrics;
+        Result<std::unique_ptr<Transport>> t = Status::OK();
+        {
+          nb::gil_scoped_release release;
+          t = Transport::Open(o);
+          if (t.ok()) t.value()->close();
+        }
+        check(t.status());
+      },
+      "fabrics"_a,
+      "Opens a UCX endpoint on `fabrics` (UCX_TLS names, empty for UCX's choice) and closes "
+      "it: raises what opening one for a cluster would, without a cluster.");
+  m.def(
       "gpu_usable", [](int device) { return gpu_usable(device); }, "device"_a = 0);
   m.attr("HAVE_CUDA") = bool(CASCADE_HAVE_CUDA);
   m.attr("HAVE_URING") = bool(CASCADE_HAVE_URING);

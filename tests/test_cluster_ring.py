@@ -156,6 +156,27 @@ def test_cluster_options():
         {"endpoints": ["http://x:1"], "typo": 1},
         {"endpoints": ["http://x:1"], "grace_seconds": "long"},
         {"endpoints": ["http://x:1"], "watch": "yes"},
+        {"endpoints": ["http://x:1"], "request_timeout_seconds": 1e-9},
+        {"endpoints": ["http://exa mple:2379"]},
+        {"endpoints": ["http://x:0"]},
     ):
         with pytest.raises(ValueError):
             cluster_options(bad, "/s")
+    with pytest.raises(ValueError, match="cluster.endpoints: etcd endpoint"):
+        cluster_options({"endpoints": ["http://127.0.0.1:99999"]}, "/s")
+    assert cluster_options({"endpoints": ["http://[::1]:2379"]}, "/s").endpoints
+
+
+def test_fabrics_that_cannot_tell_a_dead_member_need_saying_so():
+    """UCX's shared-memory transports alone cannot tell a dead member: such
+    fabrics are refused before the server starts, unless the section says
+    that undetected failures are accepted."""
+    for fabrics in ("sm", "posix,sysv", "sm,cma,self"):
+        with pytest.raises(ValueError, match="allow_undetected_failures"):
+            cluster_options({"endpoints": "http://x:1", "fabrics": fabrics}, "/s")
+        assert cluster_options(
+            {"endpoints": "http://x:1", "fabrics": fabrics, "allow_undetected_failures": True},
+            "/s",
+        )
+    for fabrics in ("", "tcp", "sm,tcp", "rc,sm", "all"):
+        assert cluster_options({"endpoints": "http://x:1", "fabrics": fabrics}, "/s")

@@ -439,6 +439,19 @@ def _close(server, stats: Mapping[str, Any], ephemeral: bool, arena_kept: bool =
     return True
 
 
+def _check_fabrics(fabrics: str) -> None:
+    """Opens a transport endpoint on the cluster's fabrics and closes it: a
+    fabric UCX does not know, or a build without UCX, is refused before the
+    arena is made."""
+    from cascade import _core
+
+    try:
+        _core.check_transport(fabrics)
+    except _core.CascadeError as e:
+        what = repr(fabrics) if fabrics else "UCX's default fabrics"
+        raise ValueError(f"cluster.fabrics: no transport can be opened on {what}: {e}") from None
+
+
 def _join_cluster(server, copts, capacity_bytes: int, etcd=None):
     """Makes this server a member of the cluster ``copts`` names: starts its
     data transport, publishes the transport's address in the member record,
@@ -643,6 +656,8 @@ def run(
     _check_socket_path(socket_path)
     _check_group(opts.group)
     etcd = _etcd_client(copts) if copts is not None and copts.transport != "mpi" else None
+    if copts is not None and copts.transport == "ucx":
+        _check_fabrics(copts.fabrics)
     prepare_socket_dir(socket_path, opts.group)
     stop = threading.Event()
     _install_signals(stop)

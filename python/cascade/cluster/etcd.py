@@ -27,6 +27,7 @@ import dataclasses
 import http.client
 import io
 import json
+import re
 import socket
 import ssl
 import threading
@@ -202,7 +203,16 @@ def check_endpoint(endpoint: str) -> str:
     """``http://host:port`` or ``https://host:port`` without a trailing
     slash; ValueError otherwise."""
     parsed = urllib.parse.urlsplit(endpoint)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
+    try:
+        port = parsed.port
+    except ValueError:  # not a number, or out of 0-65535
+        port = None
+    if (
+        parsed.scheme not in ("http", "https")
+        or not parsed.hostname
+        or not re.fullmatch(r"[A-Za-z0-9._:%-]+", parsed.hostname)
+        or not port
+    ):
         raise ValueError(f"etcd endpoint {endpoint!r}: expected http(s)://HOST:PORT")
     if parsed.path not in ("", "/") or parsed.query or parsed.fragment:
         raise ValueError(f"etcd endpoint {endpoint!r}: expected http(s)://HOST:PORT, no path")

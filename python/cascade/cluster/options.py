@@ -70,6 +70,33 @@ _ETCD_ONLY = (
 )
 
 
+# UCX transports that cannot tell a dead peer: shared memory, the process
+# itself, and the GPU copy transports.
+_UNDETECTING = (
+    "sm",
+    "shm",
+    "posix",
+    "sysv",
+    "cma",
+    "knem",
+    "xpmem",
+    "self",
+    "cuda_copy",
+    "cuda_ipc",
+    "gdr_copy",
+    "rocm_copy",
+    "rocm_ipc",
+)
+
+
+def _detects_failures(fabrics: str) -> bool:
+    """Whether a UCX_TLS list (empty: UCX's choice, which includes TCP) may
+    offer a transport that tells a dead peer: it names one that is not
+    known to be unable to (a name UCX does not know is its to refuse)."""
+    names = [t.strip() for t in fabrics.split(",") if t.strip()]
+    return not names or any(n not in _UNDETECTING for n in names)
+
+
 def default_node_id(socket_path: str) -> str:
     """The host's name and a digest of the server's socket path: two servers
     of one host (different sockets) get different ids, a restarted server
@@ -97,7 +124,10 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
                 value = [v.strip() for v in value.split(",") if v.strip()]
             if not isinstance(value, list) or not value:
                 raise ValueError("cluster.endpoints: a list of http://HOST:PORT")
-            value = [check_endpoint(str(v)) for v in value]
+            try:
+                value = [check_endpoint(str(v)) for v in value]
+            except ValueError as e:
+                raise ValueError(f"cluster.endpoints: {e}") from None
         elif name in ("name", "node_id"):
             value = check_name(str(value), f"cluster.{name}")
         elif name == "transport":
@@ -137,6 +167,16 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
             raise ValueError("cluster.fabrics: UCX's; not with cluster.transport mpi")
     elif not o.endpoints:
         raise ValueError("cluster.endpoints: at least one etcd endpoint (http://HOST:PORT)")
+    if (
+        o.transport == "ucx"
+        and not o.allow_undetected_failures
+        and not _detects_failures(o.fabrics)
+    ):
+        raise ValueError(
+            f"cluster.fabrics: {o.fabrics!r} alone cannot tell a dead member (UCX's shared-memory "
+            "transports have no failure detection): add tcp beside it ('sm,tcp'), or set "
+            "cluster.allow_undetected_failures: true"
+        )
     if bool(o.username) != bool(o.password_file):
         raise ValueError("cluster.username and cluster.password_file: both, or neither")
     if o.key_file and not o.cert_file:
@@ -149,9 +189,9 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
         raise ValueError(f"cluster.refresh_seconds: above 0, at most 3600: {o.refresh_seconds}")
     if o.grace_seconds < 0:
         raise ValueError(f"cluster.grace_seconds: at least 0, not {o.grace_seconds}")
-    if not 0 < o.request_timeout_seconds < o.lease_ttl_seconds:
+    if not 0.001 <= o.request_timeout_seconds < o.lease_ttl_seconds:
         raise ValueError(
-            "cluster.request_timeout_seconds: above 0 and below the lease TTL, not "
+            "cluster.request_timeout_seconds: at least 0.001 and below the lease TTL, not "
             f"{o.request_timeout_seconds}"
         )
     if not 1 <= o.points_per_member <= MAX_POINTS:
