@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -25,7 +27,7 @@ import pytest
 import cascade
 from cascade import _core
 from etcd_process import ETCD, SKIP_REASON, EtcdProcess
-from test_serve import Server, free_port, scrape
+from test_serve import ENV, Server, free_port, scrape
 
 pytestmark = [
     pytest.mark.skipif(ETCD is None, reason=SKIP_REASON),
@@ -427,3 +429,77 @@ def test_a_client_that_cannot_map_a_members_arena_reads_its_blocks_through_its_s
                     assert np.array_equal(out, block(i))
             finally:
                 reader.close()
+
+
+# A client of one server that reads blocks of another member of its host
+# (straight from that member's arena, or as views its server copies from
+# the arena), before and after the member's arena file is cut short; prints
+# its hits and exits 3 on a wrong byte.
+READ_THROUGH = """
+import sys, numpy as np, cascade
+sock, ns, n, flag = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+import os, time
+def block(i):
+    return np.random.default_rng(i).integers(0, 256, 4096 * (1 + i % 24), dtype=np.uint8)
+c = cascade.CascadeStore(cascade.config_from_dict(
+    {"pool_socket": sock, "pool_namespace": ns, "use_gpu": False, "pool_channels": 2}))
+def read_all(views):
+    hits = 0
+    for i in range(n):
+        want = block(i)
+        out = np.empty_like(want)
+        found, size = c.get(f"k{i}", out)
+        if found and (size != want.size or not np.array_equal(out, want)):
+            sys.exit(3)
+        hits += bool(found)
+        if not views:
+            continue
+        try:
+            v = c.acquire(f"k{i}")
+        except cascade.CascadeError:
+            continue
+        if not np.array_equal(np.from_dlpack(v), want):
+            sys.exit(3)
+        v.release()
+    return hits
+# Reads alone at first: the blocks stay in their member's arena only.
+print("before", read_all(False), flush=True)
+open(flag, "w").close()
+while os.path.exists(flag):
+    time.sleep(0.02)
+print("after", read_all(True), flush=True)
+c.close()
+"""
+
+
+def test_a_members_arena_file_cut_short_costs_misses_not_the_other_servers(place):
+    """A member's arena file cut short under the mappings of the other
+    members of its host and their clients (by its owner's user, or root):
+    their copies out of it fault, and end as misses; neither the other
+    server nor its client goes down, and no wrong byte is read."""
+    (n0, url0), (n1, _) = cluster_up(place, 2, mapped=True)
+    writer = client(place, n1.socket)
+    keys = [f"k{i}" for i in range(48)]
+    writer.put_batch(keys, [block(i) for i in range(48)])
+    flag = os.path.join(place[0], "cut")
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READ_THROUGH, n0.socket, NS, "48", flag],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    until(lambda: os.path.exists(flag) or reader.poll() is not None, 60, "the first reads")
+    assert reader.poll() is None, reader.communicate()
+    assert scrape(url0).get("cascade_pool_cluster_mapped_members", 0) == 1
+    arena = place[1][1]  # node-1's
+    os.truncate(arena, 4096)
+    os.unlink(flag)
+    out, err = reader.communicate(timeout=120)
+    assert reader.returncode == 0, out + err
+    before = int(out.split("before ")[1].split()[0])
+    assert before == 48, out
+    assert "after" in out, out + err
+    assert n0.proc.poll() is None, n0.text()  # the other server lives on
+    # Its own copy out of the member's arena faulted too, and was counted.
+    assert scrape(url0)["cascade_pool_cluster_map_failures_total"] >= 1

@@ -281,13 +281,19 @@ def test_lost_lease_is_registered_again(etcd, members, caplog):
     assert b.view().members["a"].generation == a.record.generation
 
 
-def test_duplicate_node_id_waits_for_the_live_one(members):
+def test_duplicate_node_id_waits_for_the_live_one(members, caplog):
+    caplog.set_level(logging.INFO, logger="cascade.cluster")
     first = members("same")
     assert first.start()
     second = members("same")
     assert not second.start()
     assert "another live process" in second.state()["last_error"]
     assert second.state()["state"] == "joining"
+    time.sleep(1.0)  # about ten more attempts: said once, not at each
+    said = [r for r in caplog.records if "another live process" in r.getMessage()]
+    assert [r.levelno for r in said if r.levelno >= logging.WARNING] == [logging.WARNING], [
+        r.getMessage() for r in said
+    ]
     first.close()
     wait_for(lambda: second.state()["state"] == "member", 5, "second registers")
 

@@ -22,6 +22,7 @@
 #include "transport/transport.h"
 #include "util/block_checksum.h"
 #include "util/copy_bytes.h"
+#include "util/sigbus_guard.h"
 #include "util/thread_name.h"
 #include "util/thread_pool.h"
 
@@ -890,15 +891,30 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
     // Same host: one pass from the owner's arena into the reserved ranges,
     // the checksum computed on the way.
     sums.assign(leased.size(), 0);
+    // The member's file cut short under the mapping (by its owner's user,
+    // or root) faults the copy, not this process.
+    std::atomic<bool> cut_short{false};
     auto copy_one = [&](size_t j) {
       const size_t k = moving[j];
       const cluster::LeaseReply& l = lr[leased[k]];
       const uint8_t* from = ln.mapped->data() + l.offset;
-      if (options.verify) sums[k] = copy_with_checksum(arena.base + res[k].offset, from, l.size);
-      else copy_bytes(arena.base + res[k].offset, from, l.size);
+      uint8_t* to = arena.base + res[k].offset;
+      const bool whole = options.verify
+                             ? copy_out_of_mapping_with_checksum(to, from, l.size, &sums[k])
+                             : copy_out_of_mapping(to, from, l.size);
+      if (!whole) cut_short.store(true, std::memory_order_relaxed);
     };
     // Over the call pool (parallel_for may run inside one of its jobs).
     calls->parallel_for(moving.size(), copy_one, kCallThreads);
+    if (cut_short.load()) {
+      // Its mapping goes with the member's links: the next connect maps
+      // the file again only if it is whole, else goes over the transport.
+      map_failures.fetch_add(1, std::memory_order_relaxed);
+      for (size_t k : moving) store->abort(res[k]);
+      release_all();
+      fail(s, *link);
+      return;
+    }
     if (Clock::now() > leased_until)
       st = Status::Unavailable("a copy from a member's mapped arena outlasted its deadline");
     if (st.ok()) fetched_mapped.fetch_add(moving.size(), std::memory_order_relaxed);

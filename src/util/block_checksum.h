@@ -32,5 +32,11 @@ uint64_t block_checksum(const void* data, size_t n, ThreadPool* pool = nullptr,
 // costs CPU time but no extra pass over memory.
 uint64_t copy_with_checksum(void* dst, const void* src, size_t n, ThreadPool* pool = nullptr,
                             size_t parallel_threshold = 4u << 20);
+// As copy_with_checksum, from memory mapped from a file another process
+// owns: false, instead of the end of this process, when the file was cut
+// short under the mapping (util/sigbus_guard.h); *checksum otherwise.
+bool copy_out_of_mapping_with_checksum(void* dst, const void* src, size_t n, uint64_t* checksum,
+                                       ThreadPool* pool = nullptr,
+                                       size_t parallel_threshold = 4u << 20);
 
 }  // namespace cascade

@@ -390,12 +390,16 @@ class Membership:
             if existing is not None and not self._is_own(existing):
                 self.client.revoke(lease)
                 with self._lock:
+                    said = self._last_error
                     self._last_error = (
                         f"node id {self.node_id} is registered by another live process "
                         f"(lease {existing.lease:x}); waiting for it to leave or expire"
                     )
                     self._reachable()
-                logger.warning("%s", self._last_error)
+                # Once per other process, not at every attempt.
+                (logger.debug if said == self._last_error else logger.warning)(
+                    "%s", self._last_error
+                )
                 return False
             if existing is not None:
                 self.client.put(self.key, self.record.to_json(), lease)

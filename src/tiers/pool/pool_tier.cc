@@ -20,6 +20,7 @@
 #include "util/copy_bytes.h"
 #include "util/errno_status.h"
 #include "util/fork_generation.h"
+#include "util/sigbus_guard.h"
 #include "util/thread_name.h"
 
 namespace cascade {
@@ -1142,20 +1143,34 @@ void PoolTier::copy_leased(const ReadBatch& b, ReadPart* part, size_t k) {
     // the end. For part of a block the whole block is copied aside and
     // checked, and the part handed out from that copy: bytes read from
     // the arena twice might differ between the reads.
+    // The member's file cut short under the mapping (by its owner's user,
+    // or root) faults the copy, not this process.
     uint64_t sum = 0;
+    bool whole = true;
     if (g.lease.checksum == 0) {
-      if (count) copy_bytes(out, g.data + from, count);
+      if (count) whole = copy_out_of_mapping(out, g.data + from, count);
     } else if (from == 0 && count == g.lease.size) {
-      sum = copy_with_checksum(out, g.data, g.lease.size, pool_, parallel_threshold_);
+      whole = copy_out_of_mapping_with_checksum(out, g.data, g.lease.size, &sum, pool_,
+                                                parallel_threshold_);
     } else {
-      std::unique_ptr<uint8_t[]> whole(new uint8_t[g.lease.size]);
-      sum = copy_with_checksum(whole.get(), g.data, g.lease.size, pool_, parallel_threshold_);
-      if (count) copy_bytes(out, whole.get() + from, count);
+      std::unique_ptr<uint8_t[]> block(new uint8_t[g.lease.size]);
+      whole = copy_out_of_mapping_with_checksum(block.get(), g.data, g.lease.size, &sum, pool_,
+                                                parallel_threshold_);
+      if (whole && count) copy_bytes(out, block.get() + from, count);
     }
     const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                             std::chrono::steady_clock::now().time_since_epoch())
                             .count();
-    if (sum != g.lease.checksum) {
+    if (!whole) {
+      st = Status::NotFound("block " + b.ids[i].hex() +
+                            ": the arena file of the member holding it was cut short under its "
+                            "mapping");
+      TierCounters::add(counters_.misses);
+      // Later reads of that member's blocks go through the server.
+      std::lock_guard<std::mutex> l(members_mu_);
+      member_arenas_.erase(g.lease.arena);
+      unmappable_arenas_.emplace(g.lease.arena, st);
+    } else if (sum != g.lease.checksum) {
       st = Status::NotFound("block " + b.ids[i].hex() + " failed its checksum in a member's arena");
       TierCounters::add(counters_.misses);
       TierCounters::add(corrupt_);
