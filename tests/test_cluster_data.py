@@ -427,6 +427,8 @@ def test_a_client_that_cannot_map_a_members_arena_reads_its_blocks_through_its_s
                     out = np.empty_like(block(i))
                     assert reader.get(keys[i], out) == (True, block(i).size)
                     assert np.array_equal(out, block(i))
+                pool = reader.get_stats()["tiers"]["pool"]
+                assert (pool["hits"], pool["misses"]) == (64 + 4, 0)  # each read once
             finally:
                 reader.close()
 

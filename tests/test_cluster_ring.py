@@ -178,5 +178,14 @@ def test_fabrics_that_cannot_tell_a_dead_member_need_saying_so():
             {"endpoints": "http://x:1", "fabrics": fabrics, "allow_undetected_failures": True},
             "/s",
         )
-    for fabrics in ("", "tcp", "sm,tcp", "rc,sm", "all"):
+    for fabrics in ("", "tcp", "sm,tcp", "rc,sm", "all", "rc_x,dc_mlx5,cuda_copy"):
         assert cluster_options({"endpoints": "http://x:1", "fabrics": fabrics}, "/s")
+    # A misspelt name is refused, not skipped: UCX would go on with the others.
+    for fabrics in ("sm,tpc", "mm,bogus", "posix,tcpp"):
+        with pytest.raises(ValueError, match="is not a UCX transport"):
+            cluster_options(
+                {"endpoints": "http://x:1", "fabrics": fabrics, "allow_undetected_failures": True},
+                "/s",
+            )
+    with pytest.raises(ValueError, match="allow_undetected_failures"):
+        cluster_options({"endpoints": "http://x:1", "fabrics": "mm"}, "/s")

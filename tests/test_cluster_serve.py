@@ -15,6 +15,7 @@ import uuid
 
 import pytest
 
+from cascade import _core
 from cascade.cluster import EtcdClient, default_node_id
 from cascade.cluster.records import generation_key
 from etcd_process import ETCD, SKIP_REASON, EtcdProcess
@@ -138,13 +139,26 @@ def test_bad_cluster_section_is_refused(place):
     servers.append(srv)
     assert srv.wait() == 1
     assert "cluster.replicas: 1 or 2" in srv.text()
-    # A fabric UCX does not know: refused before the arena is made.
-    store["cluster"] = {"endpoints": [etcd.endpoint], "fabrics": "tpc"}
+    # A fabric misspelt, or one this machine lacks: refused before the arena
+    # is made.
+    store["cluster"] = {"endpoints": [etcd.endpoint], "fabrics": "sm,tpc"}
     srv = Server(d, store, {"socket": os.path.join(d, "r", "pool.sock")}, name="c.yaml")
     servers.append(srv)
     assert srv.wait() == 1
-    assert "cluster.fabrics: no transport can be opened on 'tpc'" in srv.text(), srv.text()
+    assert "cluster.fabrics: 'tpc' is not a UCX transport" in srv.text(), srv.text()
     assert not os.path.exists(shms[0])
+    try:
+        _core.check_transport("ud_x,dc_x")
+        lacks_rdma = False
+    except _core.CascadeError:
+        lacks_rdma = True
+    if lacks_rdma:
+        store["cluster"] = {"endpoints": [etcd.endpoint], "fabrics": "ud_x,dc_x"}
+        srv = Server(d, store, {"socket": os.path.join(d, "r", "pool.sock")}, name="d.yaml")
+        servers.append(srv)
+        assert srv.wait() == 1
+        assert "cluster.fabrics: no transport can be opened on 'ud_x,dc_x'" in srv.text()
+        assert not os.path.exists(shms[0])
 
 
 def test_killed_server_drops_out_and_its_restart_joins_again(place):

@@ -70,30 +70,49 @@ _ETCD_ONLY = (
 )
 
 
-# UCX transports that cannot tell a dead peer: shared memory, the process
-# itself, and the GPU copy transports.
+# UCX transports (UCX_TLS names) that tell a dead peer: TCP and the RDMA
+# families (rc, ud, dc and their variants such as rc_x, dc_mlx5); "all" and
+# "ib" include them.
+_DETECTING = ("tcp", "rc", "ud", "dc", "ib", "all")
+# Those that cannot: shared memory, the process itself, the GPU copies.
 _UNDETECTING = (
     "sm",
     "shm",
+    "mm",
     "posix",
     "sysv",
     "cma",
     "knem",
     "xpmem",
     "self",
+    "cuda",
     "cuda_copy",
     "cuda_ipc",
     "gdr_copy",
+    "rocm",
     "rocm_copy",
     "rocm_ipc",
+    "rocm_gdr",
 )
 
 
-def _detects_failures(fabrics: str) -> bool:
-    """Whether a UCX_TLS list (empty: UCX's choice, which includes TCP) may
-    offer a transport that tells a dead peer: it names one that is not
-    known to be unable to (a name UCX does not know is its to refuse)."""
+def _fabric_names(fabrics: str) -> list[str]:
+    """The UCX_TLS list's names; ValueError for one this does not know (a
+    misspelt name would be skipped by UCX, leaving the others alone)."""
     names = [t.strip() for t in fabrics.split(",") if t.strip()]
+    for n in names:
+        if n not in _UNDETECTING and not (n == "all" or n.split("_")[0] in _DETECTING):
+            raise ValueError(
+                f"cluster.fabrics: {n!r} is not a UCX transport (tcp, sm, rc, ud, dc, ib, all; "
+                "posix, sysv, cma, knem, xpmem, self; cuda_copy, cuda_ipc, gdr_copy...)"
+            )
+    return names
+
+
+def _detects_failures(fabrics: str) -> bool:
+    """Whether a UCX_TLS list (empty: UCX's choice, which includes TCP)
+    offers a transport that tells a dead peer."""
+    names = _fabric_names(fabrics)
     return not names or any(n not in _UNDETECTING for n in names)
 
 
@@ -169,8 +188,8 @@ def cluster_options(section: Mapping[str, Any], socket_path: str) -> ClusterOpti
         raise ValueError("cluster.endpoints: at least one etcd endpoint (http://HOST:PORT)")
     if (
         o.transport == "ucx"
-        and not o.allow_undetected_failures
         and not _detects_failures(o.fabrics)
+        and not o.allow_undetected_failures
     ):
         raise ValueError(
             f"cluster.fabrics: {o.fabrics!r} alone cannot tell a dead member (UCX's shared-memory "

@@ -811,12 +811,17 @@ Status PoolTier::call_with_ids(Slot* slot, Op op, std::span<const BlockId> ids,
 
 void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> views,
                              std::span<Status> statuses) {
+  acquire_views(ids, views, statuses, true);
+}
+
+void PoolTier::acquire_views(std::span<const BlockId> ids, std::span<BlockView> views,
+                             std::span<Status> statuses, bool count) {
   uint64_t sent_before;
   {
     std::lock_guard<std::mutex> lock(release_mu_);
     sent_before = releases_sent_;
   }
-  lease_views(ids, views, statuses);
+  lease_views(ids, views, statuses, count);
   // A block the server could not bring into an arena whose blocks are all
   // leased: leases this client ended may still wait in its release queue
   // (sent in batches), or have reached the server only after it answered.
@@ -845,7 +850,7 @@ void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> 
   for (size_t i : again) retry_ids.push_back(ids[i]);
   std::vector<BlockView> retry_views(again.size());
   std::vector<Status> retry_statuses(again.size());
-  lease_views(retry_ids, retry_views, retry_statuses);
+  lease_views(retry_ids, retry_views, retry_statuses, count);
   for (size_t j = 0; j < again.size(); ++j) {
     views[again[j]] = std::move(retry_views[j]);
     statuses[again[j]] = std::move(retry_statuses[j]);
@@ -853,7 +858,7 @@ void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> 
 }
 
 void PoolTier::lease_views(std::span<const BlockId> ids, std::span<BlockView> views,
-                           std::span<Status> statuses) {
+                           std::span<Status> statuses, bool count) {
   for (size_t begin = 0; begin < ids.size(); begin += pool::kMaxItems) {
     const uint32_t m = static_cast<uint32_t>(std::min<size_t>(pool::kMaxItems, ids.size() - begin));
     // Views the caller passed in end first: ending one may send releases,
@@ -878,7 +883,8 @@ void PoolTier::lease_views(std::span<const BlockId> ids, std::span<BlockView> vi
       std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
       if (r.code != 0) {
         statuses[i] = lease_failure(r.code, ids[i]);
-        if (r.code == static_cast<uint32_t>(Code::kNotFound)) TierCounters::add(counters_.misses);
+        if (count && r.code == static_cast<uint32_t>(Code::kNotFound))
+          TierCounters::add(counters_.misses);
         continue;
       }
       if (r.offset > capacity_ || r.size > capacity_ - r.offset) {
@@ -886,7 +892,7 @@ void PoolTier::lease_views(std::span<const BlockId> ids, std::span<BlockView> vi
         statuses[i] = Status::Unavailable("the pool server leased a range outside its arena");
         continue;
       }
-      TierCounters::add(counters_.hits);
+      if (count) TierCounters::add(counters_.hits);
       statuses[i] = Status::OK();
       views_held_.fetch_add(1, std::memory_order_relaxed);
       views[i] = BlockView(this, base_ + r.offset, r.size, MemoryKind::kHost, r.token,
@@ -1109,12 +1115,14 @@ void PoolTier::map_members(const ReadBatch& b, ReadPart* part) {
   for (size_t k : unmapped) ids.push_back(b.ids[part->begin + k]);
   std::vector<BlockView> views(ids.size());
   std::vector<Status> statuses(ids.size());
-  // The member's leases are released with the part's others.
-  acquire_batch(ids, views, statuses);
+  // The member's leases are released with the part's others. The views'
+  // hits and misses are counted once, as the part's reads (copy_leased).
+  acquire_views(ids, views, statuses, false);
   for (size_t j = 0; j < unmapped.size(); ++j) {
     const size_t i = part->begin + unmapped[j];
     Leased& g = part->got[unmapped[j]];
     b.statuses[i] = statuses[j];
+    if (statuses[j].is(Code::kNotFound)) TierCounters::add(counters_.misses);
     if (!statuses[j].ok()) continue;
     g.through_server = std::move(views[j]);
     g.lease.arena = 0;

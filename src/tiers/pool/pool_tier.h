@@ -141,9 +141,12 @@ class PoolTier final : public Tier {
   // Takes the server as gone (stalled: as not answering); true when it was
   // so taken already. The first time, writes to loss_fd_.
   bool mark_lost(bool stalled) const;
+  // acquire_batch, counting hits and misses when `count`.
+  void acquire_views(std::span<const BlockId> ids, std::span<BlockView> views,
+                     std::span<Status> statuses, bool count);
   // acquire_batch's requests to the server, once.
   void lease_views(std::span<const BlockId> ids, std::span<BlockView> views,
-                   std::span<Status> statuses);
+                   std::span<Status> statuses, bool count);
   // `fence` is started before the descriptors are received.
   Status greet(const CascadeConfig& config, const pool::Hello& hello, pool::Welcome* w,
                std::vector<int>* fds, bool* cut_off, const std::atomic<bool>* cancel,
