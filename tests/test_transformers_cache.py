@@ -360,6 +360,73 @@ def test_bad_input_is_a_clear_error(model, kv_store):
     plan = pc.lookup(tokens(40, 14))
     with pytest.raises(ValueError, match="plan"):
         pc.prefill(tokens(41, 14), plan=plan)
+    with pytest.raises(ValueError, match="ids are not the block ids"):
+        pc.save(tokens(40, 14), None, ids=pc.block_ids(tokens(40, 15)))
+
+
+def test_a_plan_of_other_tokens_is_refused_and_stores_nothing(model, kv_store):
+    """A plan made for another prompt of the same length, for the same rows
+    in another order, or by a cache of another namespace, would load that
+    prompt's blocks as this one's prefix and save this one's under its ids:
+    refused, before anything is loaded or stored."""
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
+    x, y = tokens(100, 31), tokens(100, 32)
+    pc.prefill(x)  # x's blocks stored
+    for plan, ids in (
+        (pc.lookup(x), y),
+        (pc.lookup(torch.stack([x, y])), torch.stack([y, x])),
+        (
+            PrefixCache(model, kv_store, model_name="tiny-llama-other", block_size=BS).lookup(x),
+            x,
+        ),
+    ):
+        with pytest.raises(ValueError, match="plan was made for other input_ids"):
+            pc.prefill(ids, plan=plan)
+    assert not any(kv_store.contains(b) for b in pc.block_ids(y)[0])
+    r = pc.prefill(x)  # x's blocks as they were
+    assert r.cached_tokens == 96
+    assert_matches_full(model, x, r.logits)
+
+
+def test_layers_without_a_full_per_token_cache_are_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for extra in (
+        {"layer_types": ["full_attention", "chunked_attention", "full_attention"]},
+        {"layer_types": ["sliding_attention"] * 3},
+        {"attention_chunk_size": 64},
+    ):
+        cfg = LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+        )
+        for k, v in extra.items():
+            setattr(cfg, k, v)
+        with pytest.raises(NotImplementedError, match="full attention only"):
+            kv_geometry(LlamaForCausalLM(cfg))
+
+
+def test_hit_ratio_zero_loads_nothing_even_with_a_planner(model, kv_store):
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
+    a = tokens(64, 41)
+    pc.prefill(a)
+    zero = PrefixCache(
+        model, kv_store, model_name="tiny-llama-test", block_size=BS, hit_ratio=0.0, planner=True
+    )
+    r = zero.prefill(a, save=False)
+    assert r.cached_tokens == 0
+    assert_matches_full(model, a, r.logits)
+
+
+def test_a_block_rows_share_is_stored_and_counted_once(model, kv_store):
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
+    a = tokens(64, 51)
+    r = pc.prefill(torch.stack([a, a]))
+    assert r.saved_blocks == 64 // BS
     with pytest.raises(ValueError, match="cache"):
         pc.save(tokens(40, 14), [(torch.zeros(1, 3, 40, 32), torch.zeros(1, 3, 40, 32))] * 3)
 

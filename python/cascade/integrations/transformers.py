@@ -116,12 +116,19 @@ def kv_geometry(model) -> KvGeometry:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     layer_types = getattr(cfg, "layer_types", None) or []
-    if any("sliding" in str(t) for t in layer_types) or (
-        getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    other = sorted({str(t) for t in layer_types if str(t) != "full_attention"})
+    if (
+        other
+        or (getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True))
+        or getattr(cfg, "attention_chunk_size", None)
     ):
+        # Sliding-window and chunked attention keep only part of the prompt
+        # in a layer's cache (the window, the current chunk); other kinds
+        # (linear attention, state-space layers) keep no per-token K/V.
+        what = ", ".join(other) if other else "sliding-window or chunked attention"
         raise NotImplementedError(
-            f"{type(cfg).__name__}: sliding-window attention layers keep only part of "
-            "the prompt in their cache; the prefix cache supports full attention only"
+            f"{type(cfg).__name__}: layers of {what} keep no full per-token K/V of the "
+            "prompt; the prefix cache supports full attention only"
         )
     return KvGeometry(int(layers), int(kv_heads), int(head_dim), model.dtype)
 
@@ -522,9 +529,19 @@ class PrefixCache:
     ) -> tuple[int, list[tuple[int, int, str]]]:
         """Stores every full block of each row that the store lacks, copied
         from a transformers cache holding (at least) the prompt's tokens.
-        Returns (blocks stored, errors [(row, block, why)])."""
+        `ids`, when given, must be block_ids(input_ids). Returns (blocks
+        stored, errors [(row, block, why)]); a block that several rows
+        share is stored once."""
         batch = self._as_batch(input_ids)
-        ids = self.block_ids(batch) if ids is None else ids
+        expected = self.block_ids(batch)
+        if ids is not None and ids != expected:
+            raise ValueError("ids are not the block ids of input_ids (in this cache's namespace)")
+        return self._save_blocks(batch, past_key_values, expected, skip_present)
+
+    def _save_blocks(
+        self, batch: torch.Tensor, past_key_values, ids: list[list[str]], skip_present: bool
+    ) -> tuple[int, list[tuple[int, int, str]]]:
+        """save(), with `ids` known to be the batch's block ids."""
         pairs = kv_from_past(past_key_values)
         g = self.geometry
         if len(pairs) != g.num_layers:
@@ -546,12 +563,14 @@ class PrefixCache:
             )
         have = k0.shape[2]
         todo = []  # (row, block)
+        taken: set[str] = set()  # a block rows share goes once
         for r, row_ids in enumerate(ids):
             for j, bid in enumerate(row_ids):
                 if (j + 1) * self.block_size > have:
                     break
-                if skip_present and self.store.contains(bid):
+                if bid in taken or (skip_present and self.store.contains(bid)):
                     continue
+                taken.add(bid)
                 todo.append((r, j))
         if not todo:
             return 0, []
@@ -608,13 +627,26 @@ class PrefixCache:
         one-time costs would mislead the next plans)."""
         batch = self._as_batch(input_ids).to(self.device)
         rows, tokens = batch.shape
-        if self.planner is not None and plan is None and hit_ratio is None and not self.hit_ratio:
+        if (
+            self.planner is not None
+            and plan is None
+            and hit_ratio is None
+            and self.hit_ratio is None
+        ):
             return self._planned_prefill(batch, save, chunk_tokens or self.chunk_tokens, learn)
         t0 = time.perf_counter()
         if plan is None:
             plan = self.lookup(batch, hit_ratio=hit_ratio)
-        elif len(plan.ids) != rows or plan.tokens != tokens or plan.block_size != self.block_size:
-            raise ValueError("plan was made for other input_ids")
+        elif (
+            len(plan.ids) != rows
+            or plan.tokens != tokens
+            or plan.block_size != self.block_size
+            or plan.ids != self.block_ids(batch)
+        ):
+            # Another prompt's plan (other tokens, rows in another order, or
+            # another cache's namespace) would load its blocks as this
+            # prompt's prefix, and save this prompt's under its ids.
+            raise ValueError("plan was made for other input_ids (or by another cache)")
         t1 = time.perf_counter()
         with torch.no_grad():
             buf, good, errors = self.load(plan)
@@ -642,8 +674,8 @@ class PrefixCache:
         """Stores the prompt's blocks the store lacks (when `save`), timed from `since`."""
         if save:
             with torch.no_grad():
-                result.saved_blocks, result.save_errors = self.save(
-                    batch, result.past_key_values, ids=ids
+                result.saved_blocks, result.save_errors = self._save_blocks(
+                    batch, result.past_key_values, ids, True
                 )
             self._sync()
             result.timings["save"] = time.perf_counter() - since
