@@ -245,8 +245,12 @@ _CHILD = textwrap.dedent(
     sp.randomize(pool, 30)
     src = pool.alloc(6 * sp.PAGE)
     want = [p.hex() for p in sp.page_bytes(pool, src)]
-    if mode == "save":
+    if mode in ("save", "save-killed"):
         ok = b.batch_set_v1(ks, src)
+        if mode == "save-killed":  # as SGLang ends its schedulers: no close
+            import os, signal
+            print(json.dumps({{"ok": ok, "pid": os.getpid()}}), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         b.close()
         print(json.dumps({{"ok": ok}}))
     else:
@@ -263,7 +267,7 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _child(mode, d, shm):
+def _child(mode, d, shm, killed=False):
     import json
 
     r = subprocess.run(
@@ -272,8 +276,68 @@ def _child(mode, d, shm):
         text=True,
         timeout=300,
     )
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == (-9 if killed else 0), r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_pages_saved_before_a_sigkill_are_found_and_its_arena_goes(work):
+    """SGLang ends its schedulers with SIGKILL, so the backend never closes:
+    pages it saved are in the files all the same (a file tier is written
+    through), and the next start removes the host arena the killed one left."""
+    d, shm = work
+    files = os.path.join(d, "kv")
+    saved = _child("save-killed", files, shm, killed=True)
+    assert saved["ok"] == [True] * 6
+    left = [n for n in os.listdir(shm) if n.startswith(f"cascade-sglang-{saved['pid']}-")]
+    assert left  # the killed process's arena
+    r = _child("load", files, shm)
+    assert r["hits"] == 6 and r["got"] == [True] * 6 and r["same"]
+    assert not any(os.path.exists(os.path.join(shm, n)) for n in left)
+
+
+def test_dp_attention_ranks_open_stores_of_their_own(work):
+    """With DP attention, ranks of different attention groups share tp_rank
+    and tp_size; dp_rank keeps their arenas and file directories apart."""
+    d, shm = work
+    files = os.path.join(d, "kv")
+    made = []
+    try:
+        for dp in (0, 1):
+            made.append(backend(sp.dynamic_extra(file_tier(files), shm_dir=shm), dp_rank=dp))
+        assert sorted(os.listdir(files)) == ["tp0-of-1", "tp0-of-1-dp1"]
+        assert made[0].store.config.shm_path != made[1].store.config.shm_path
+        assert made[0].store.config.write_policy == made[1].store.config.write_policy
+    finally:
+        for b in made:
+            b.close()
+
+
+def test_host_indices_outside_the_pool_and_keys_that_are_not_text_are_refused(work):
+    import torch
+
+    d, shm = work
+    b = backend(sp.dynamic_extra(host_cfg(shm), shm_dir=shm))
+    try:
+        pool = sp.mha_pool("page_first")
+        b.register_mem_pool_host(pool)
+        ks = sp.keys(2, "bounds")
+        good = pool.alloc(2 * sp.PAGE)
+        for bad, why in (
+            (torch.arange(-sp.PAGE, sp.PAGE), "outside the host pool"),
+            (torch.arange(2 * sp.PAGE) + int(pool.size), "outside the host pool"),
+            (good + 1, "multiple of"),
+            (good.to(torch.float32), "integers"),
+            (good.reshape(2, -1), "1-D"),
+        ):
+            for call in (b.batch_set_v1, b.batch_get_v1):
+                with pytest.raises(ValueError, match=why):
+                    call(ks, bad)
+        for key in (None, b"bytes", 123, ""):
+            with pytest.raises(TypeError, match="page keys"):
+                b.batch_exists([key])
+        assert b.batch_set_v1(ks, good) == [True, True]
+    finally:
+        b.close()
 
 
 def test_a_new_process_hits_what_the_first_saved_in_the_file_tier(work):

@@ -133,6 +133,9 @@ def _parallel_config(storage_config: Any) -> dict[str, int]:
         "cp_rank": get("attn_cp_rank", 0),
         "cp_size": get("attn_cp_size", 1),
         "dcp_size": get("dcp_size", 1),
+        # With DP attention, tp_rank counts within an attention group and
+        # dp_rank tells the groups apart.
+        "dp_rank": get("dp_rank", 0),
     }
 
 
@@ -156,15 +159,71 @@ def store_config(options: BackendOptions, storage_config: Any) -> cascade.Cascad
         rank += f"-pp{p['pp_rank']}-of-{p['pp_size']}"
     if p["cp_size"] > 1:
         rank += f"-cp{p['cp_rank']}-of-{p['cp_size']}"
+    if p["dp_rank"] > 0:  # the first attention group keeps the names it had
+        rank += f"-dp{p['dp_rank']}"
+    several = p["tp_size"] * p["pp_size"] * p["cp_size"] > 1 or p["dp_rank"] > 0
     if not opts.get("shm_path"):
-        opts["shm_path"] = os.path.join(options.shm_dir, f"cascade-sglang-{os.getpid()}-{rank}")
-    elif p["tp_size"] * p["pp_size"] * p["cp_size"] > 1:
+        remove_stale_arenas(options.shm_dir)
+        opts["shm_path"] = os.path.join(options.shm_dir, f"{_ARENA_PREFIX}{os.getpid()}-{rank}")
+    elif several:
         opts["shm_path"] = f"{os.fspath(opts['shm_path'])}-{rank}"  # one arena per rank
     opts.setdefault("shm_capacity_bytes", options.host_capacity)
     if opts.get("file_path"):
         opts["file_path"] = os.path.join(os.fspath(opts["file_path"]), rank)
         os.makedirs(opts["file_path"], exist_ok=True)
+        # SGLang ends its schedulers with SIGKILL: a page held in the host
+        # arena only, waiting to be written down, would be lost with it.
+        opts.setdefault("write_policy", "write_through")
     return cascade.config_from_dict(opts)
+
+
+# Host arenas the backend names after its process (no shm_path given).
+_ARENA_PREFIX = "cascade-sglang-"
+
+
+def remove_stale_arenas(shm_dir: str) -> list[str]:
+    """Removes the host arenas of backends whose process is gone: SGLang ends
+    its schedulers with SIGKILL, so none closes its store, and each restart
+    would leave one arena per rank behind. An arena is stale when no process
+    holds its lock (every open store holds its arena's); returns the paths
+    removed."""
+    import fcntl
+
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        rest = name[len(_ARENA_PREFIX) :] if name.startswith(_ARENA_PREFIX) else ""
+        pid, _, rank = rest.partition("-")
+        if not pid.isdigit() or not rank.startswith("tp") or int(pid) == os.getpid():
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a live store's arena
+            continue
+        else:
+            try:
+                # Only while the path still names the file locked here.
+                if os.stat(path, follow_symlinks=False).st_ino == st.st_ino:
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info("Cascade HiCache storage: removed %d stale host arena(s)", len(removed))
+    return removed
 
 
 class PageIds:
@@ -214,6 +273,9 @@ class PageIds:
         self._head = _ID_TAG + self.ns.digest
 
     def _id(self, key: str, part: str) -> str:
+        if not isinstance(key, str) or not key:
+            # SGLang's page keys are hash strings; anything else is a caller's bug.
+            raise TypeError(f"page keys are non-empty strings, not {key!r:.60}")
         return hashlib.sha256(self._head + _field(key) + _field(part)).digest()[:16].hex()
 
     def flat(self, key: str) -> str:
@@ -449,6 +511,7 @@ class CascadeHiCacheStorage(_HiCacheStorage):
                 f"{len(keys)} keys need {len(keys) * page_size} host indices, "
                 f"got {int(host_indices.numel())}"
             )
+        _check_host_indices(host_indices, page_size, getattr(self.mem_pool_host, "size", None))
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         if len(ptrs) != len(keys) * self.ids.parts or any(s != self.ids.part_bytes for s in sizes):
             raise ValueError(
@@ -551,6 +614,30 @@ class CascadeHiCacheStorage(_HiCacheStorage):
 
     def close(self) -> None:
         self.store.close()
+
+
+def _check_host_indices(host_indices: Any, page_size: int, pool_size: Any) -> None:
+    """Host pool indices as the pool's get_page_buffer_meta takes them: one
+    dimension of integers, each page's starting at a multiple of the page
+    size, all inside the pool (its pointers are used as they come, so an
+    index outside would read or write other memory)."""
+    import torch
+
+    if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1:
+        raise ValueError("host_indices: expected a 1-D tensor of host pool indices")
+    if host_indices.dtype.is_floating_point or host_indices.dtype == torch.bool:
+        raise ValueError(f"host_indices: expected integers, got {host_indices.dtype}")
+    if host_indices.numel() == 0:
+        return
+    idx = host_indices.to("cpu", torch.int64)
+    low, high = int(idx.min()), int(idx.max())
+    if low < 0 or (pool_size is not None and high >= int(pool_size)):
+        raise ValueError(
+            f"host_indices: from {low} to {high}, outside the host pool's "
+            f"{pool_size if pool_size is not None else '?'} slots"
+        )
+    if bool((idx[::page_size] % page_size != 0).any()):
+        raise ValueError(f"host_indices: a page does not start at a multiple of {page_size}")
 
 
 def pool_indices(page_size: int) -> Any:
