@@ -189,7 +189,7 @@ def remove_stale_arenas(shm_dir: str) -> list[str]:
     removed."""
     import fcntl
 
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(shm_dir)
     except OSError:
