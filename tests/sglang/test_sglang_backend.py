@@ -280,10 +280,13 @@ def _child(mode, d, shm, killed=False):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_pages_saved_before_a_sigkill_are_found_and_its_arena_goes(work):
+def test_pages_saved_before_a_sigkill_are_found_and_its_arena_is_reclaimed(work):
     """SGLang ends its schedulers with SIGKILL, so the backend never closes:
     pages it saved are in the files all the same (a file tier is written
-    through), and the next start removes the host arena the killed one left."""
+    through), and the host arena the killed one left is reclaimed, while a
+    live backend's arena and files that are no arena stay."""
+    from cascade.integrations.sglang import reclaim_stale_arenas
+
     d, shm = work
     files = os.path.join(d, "kv")
     saved = _child("save-killed", files, shm, killed=True)
@@ -292,7 +295,21 @@ def test_pages_saved_before_a_sigkill_are_found_and_its_arena_goes(work):
     assert left  # the killed process's arena
     r = _child("load", files, shm)
     assert r["hits"] == 6 and r["got"] == [True] * 6 and r["same"]
-    assert not any(os.path.exists(os.path.join(shm, n)) for n in left)
+    fifo = os.path.join(shm, "cascade-sglang-1-tp0-of-1-dp1")  # would hold up a blocking open
+    os.mkfifo(fifo, 0o600)
+    other = os.path.join(shm, "cascade-sglang-2-tpu-profile.json")
+    with open(other, "w") as f:
+        f.write("{}")
+    live = backend(sp.dynamic_extra(host_cfg(shm), shm_dir=shm))
+    try:
+        assert reclaim_stale_arenas(shm) == []  # none old enough yet
+        assert reclaim_stale_arenas(shm, min_age_s=0) == [os.path.join(shm, n) for n in left]
+        assert os.path.exists(live.store.config.shm_path)
+        assert os.path.exists(fifo) and os.path.exists(other)
+    finally:
+        live.close()
+        os.unlink(fifo)
+        os.unlink(other)
 
 
 def test_dp_attention_ranks_open_stores_of_their_own(work):

@@ -20,17 +20,15 @@ every option with its default.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import os
 import re
-import stat
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from cascade.config import canonical_options, config_from_dict, parse_size
+from cascade.integrations.arenas import remove_stale_arenas
 from cascade.integrations.ids import salt_of
 
 _YAML_SECTION = "cascade_connector"
@@ -426,45 +424,6 @@ def reclaim_stale_arenas(shm_dir: str, min_age_s: float = 10.0) -> list[str]:
     A worker's store holds a lock on its arena while it is open and removes the
     arena when it closes. A worker that never closes its store (vLLM ends its
     workers with SIGKILL when it shuts down without ``--shutdown-timeout``, or a
-    crash) leaves the file, with every page it committed, behind. An arena is
-    removed only when it is this user's regular file of that name, mode 0600, one
-    link, no store holds its lock, and it is older than ``min_age_s`` (a store
-    creates its file just before it locks it)."""
-    removed: list[str] = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    now = time.time()
-    for name in names:
-        if not _ARENA_NAME.fullmatch(name):
-            continue
-        path = os.path.join(shm_dir, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if (
-                not stat.S_ISREG(st.st_mode)
-                or st.st_uid != os.geteuid()
-                or stat.S_IMODE(st.st_mode) != 0o600
-                or st.st_nlink != 1
-                or now - st.st_ctime < min_age_s
-            ):
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # a live store holds it
-            try:
-                current = os.lstat(path)
-            except OSError:
-                continue
-            if (current.st_dev, current.st_ino) == (st.st_dev, st.st_ino):
-                os.unlink(path)
-                removed.append(path)
-        finally:
-            os.close(fd)
-    return removed
+    crash) leaves the file, with every page it committed, behind
+    (``cascade.integrations.arenas`` says which files go)."""
+    return remove_stale_arenas(shm_dir, _ARENA_NAME, min_age_s)

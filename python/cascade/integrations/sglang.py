@@ -28,6 +28,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import cascade
 from cascade.config import canonical_options, parse_size
+from cascade.integrations.arenas import remove_stale_arenas
 from cascade.integrations.ids import KvNamespace
 
 if TYPE_CHECKING:
@@ -163,7 +165,8 @@ def store_config(options: BackendOptions, storage_config: Any) -> cascade.Cascad
         rank += f"-dp{p['dp_rank']}"
     several = p["tp_size"] * p["pp_size"] * p["cp_size"] > 1 or p["dp_rank"] > 0
     if not opts.get("shm_path"):
-        remove_stale_arenas(options.shm_dir)
+        if not opts.get("shm_persist"):  # a kept arena is the next start's to reattach
+            reclaim_stale_arenas(options.shm_dir)
         opts["shm_path"] = os.path.join(options.shm_dir, f"{_ARENA_PREFIX}{os.getpid()}-{rank}")
     elif several:
         opts["shm_path"] = f"{os.fspath(opts['shm_path'])}-{rank}"  # one arena per rank
@@ -181,46 +184,19 @@ def store_config(options: BackendOptions, storage_config: Any) -> cascade.Cascad
 _ARENA_PREFIX = "cascade-sglang-"
 
 
-def remove_stale_arenas(shm_dir: str) -> list[str]:
+# The host arenas the backend names after its process (no shm_path given).
+_ARENA_NAME = re.compile(
+    rf"{_ARENA_PREFIX}[0-9]+-tp[0-9]+-of-[0-9]+(-pp[0-9]+-of-[0-9]+)?(-cp[0-9]+-of-[0-9]+)?"
+    r"(-dp[0-9]+)?"
+)
+
+
+def reclaim_stale_arenas(shm_dir: str, min_age_s: float = 10.0) -> list[str]:
     """Removes the host arenas of backends whose process is gone: SGLang ends
     its schedulers with SIGKILL, so none closes its store, and each restart
-    would leave one arena per rank behind. An arena is stale when no process
-    holds its lock (every open store holds its arena's); returns the paths
-    removed."""
-    import fcntl
-
-    removed: list[str] = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for name in names:
-        rest = name[len(_ARENA_PREFIX) :] if name.startswith(_ARENA_PREFIX) else ""
-        pid, _, rank = rest.partition("-")
-        if not pid.isdigit() or not rank.startswith("tp") or int(pid) == os.getpid():
-            continue
-        path = os.path.join(shm_dir, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != os.geteuid():
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: a live store's arena
-            continue
-        else:
-            try:
-                # Only while the path still names the file locked here.
-                if os.stat(path, follow_symlinks=False).st_ino == st.st_ino:
-                    os.unlink(path)
-                    removed.append(path)
-            except OSError:
-                pass
-        finally:
-            os.close(fd)
+    would leave one arena per rank behind (``cascade.integrations.arenas``
+    says which files go). Returns the paths removed."""
+    removed = remove_stale_arenas(shm_dir, _ARENA_NAME, min_age_s)
     if removed:
         logger.info("Cascade HiCache storage: removed %d stale host arena(s)", len(removed))
     return removed
