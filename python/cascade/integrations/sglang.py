@@ -149,7 +149,8 @@ def store_config(options: BackendOptions, storage_config: Any) -> cascade.Cascad
     store of its own: a host arena named after the process (a given ``shm_path``
     gets the rank appended when there are several), and, with a file
     tier, the subdirectory ``tp<r>-of-<n>`` (``-pp<p>-of-<q>``, ``-cp<c>-of-<d>``
-    when those are used) of ``file_path``, the same across restarts.
+    when those are used, ``-dp<d>`` for the attention groups after the first)
+    of ``file_path``, the same across restarts, written through.
     """
     opts = dict(options.cascade_config)
     if opts.get("pool_socket"):
@@ -180,11 +181,8 @@ def store_config(options: BackendOptions, storage_config: Any) -> cascade.Cascad
     return cascade.config_from_dict(opts)
 
 
-# Host arenas the backend names after its process (no shm_path given).
-_ARENA_PREFIX = "cascade-sglang-"
-
-
 # The host arenas the backend names after its process (no shm_path given).
+_ARENA_PREFIX = "cascade-sglang-"
 _ARENA_NAME = re.compile(
     rf"{_ARENA_PREFIX}[0-9]+-tp[0-9]+-of-[0-9]+(-pp[0-9]+-of-[0-9]+)?(-cp[0-9]+-of-[0-9]+)?"
     r"(-dp[0-9]+)?"
