@@ -184,6 +184,40 @@ def wait_reconnected(c: cascade.CascadeStore, server: Server, deadline: float) -
         time.sleep(0.02)
 
 
+def restarted_while(
+    work, first: Server, d: str, store: dict, servers: list, c: cascade.CascadeStore, then=None
+) -> Server:
+    """Runs ``work()`` over and over in a thread while ``first`` is killed
+    with SIGKILL and started again, until ``c`` has connected again and
+    ``then(deadline)``, when given, has returned; returns the new server. An
+    error ``work`` raised (a wrong byte) is raised here."""
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            while not stop.is_set():
+                work()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        time.sleep(0.2)
+        again = killed_and_started_again(first, d, store, servers)
+        deadline = time.monotonic() + 20
+        wait_reconnected(c, again, deadline)
+        if then is not None:
+            then(deadline)
+    finally:
+        stop.set()
+        t.join()
+    if errors:
+        raise errors[0]
+    return again
+
+
 def test_serve_shares_blocks_reports_and_writes_down_on_sigterm(tmp):
     d, shm, servers = tmp
     files = os.path.join(d, "files")
@@ -314,37 +348,28 @@ def test_a_client_connects_again_to_a_server_killed_and_started_again(tmp):
             assert c.put(k, v)
         wrong: list[str] = []
         got = {"hits": 0, "misses": 0}
-        stop = threading.Event()
 
-        def reader() -> None:
-            while not stop.is_set():
-                for k, v in data.items():
-                    out = np.zeros_like(v)
-                    try:
-                        found, _ = c.get(k, out)
-                    except cascade.UnavailableError:
-                        found = False
-                    if not found:
-                        got["misses"] += 1
-                    elif np.array_equal(out, v):
-                        got["hits"] += 1
-                    else:
-                        wrong.append(k)
+        def read_all() -> None:
+            for k, v in data.items():
+                out = np.zeros_like(v)
+                try:
+                    found, _ = c.get(k, out)
+                except cascade.UnavailableError:
+                    found = False
+                if not found:
+                    got["misses"] += 1
+                elif np.array_equal(out, v):
+                    got["hits"] += 1
+                else:
+                    wrong.append(k)
 
-        t = threading.Thread(target=reader)
-        t.start()
-        try:
-            time.sleep(0.2)
-            again = killed_and_started_again(first, d, store, servers)
-            deadline = time.monotonic() + 20
-            wait_reconnected(c, again, deadline)
+        def reads_go_on(deadline: float) -> None:
             hits = got["hits"]
-            while got["hits"] < hits + len(data):  # reads go on, through the new server
-                assert time.monotonic() < deadline, again.text()
+            while got["hits"] < hits + len(data):  # through the new server
+                assert time.monotonic() < deadline
                 time.sleep(0.02)
-        finally:
-            stop.set()
-            t.join()
+
+        again = restarted_while(read_all, first, d, store, servers, c, then=reads_go_on)
         assert not wrong, wrong
         assert got["misses"] > 0  # the reads did run while no server was there
         log = again.text()
@@ -621,26 +646,7 @@ def test_device_batches_run_on_through_a_server_killed_and_started_again(tmp):
         c.put_batch(keys, on_gpu)
         assert loaded() == len(keys)
         c.flush()  # sealed: kept across the kill
-        errors: list[BaseException] = []
-        stop = threading.Event()
-
-        def loads() -> None:
-            try:
-                while not stop.is_set():
-                    loaded()
-            except BaseException as e:  # a wrong byte, reported by the test
-                errors.append(e)
-
-        t = threading.Thread(target=loads)
-        t.start()
-        try:
-            time.sleep(0.2)
-            again = killed_and_started_again(first, d, store, servers)
-            wait_reconnected(c, again, time.monotonic() + 20)
-        finally:
-            stop.set()
-            t.join()
-        assert not errors, errors
+        again = restarted_while(loaded, first, d, store, servers, c)
         assert "still mapped by its clients" not in again.text(), again.text()
         assert loaded() == len(keys)  # what the first server stored, reattached
         fresh = [torch.flip(v, (0,)).contiguous() for v in on_gpu[:8]]

@@ -26,11 +26,10 @@ BS = 16
 VOCAB = 512
 
 
-@pytest.fixture(scope="module")
-def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama_config():
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(
+    return LlamaConfig(
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=3,
@@ -41,8 +40,14 @@ def model():
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(1234)
-    return LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM(tiny_llama_config()).eval()
 
 
 @pytest.fixture
@@ -389,21 +394,14 @@ def test_a_plan_of_other_tokens_is_refused_and_stores_nothing(model, kv_store):
 
 
 def test_layers_without_a_full_per_token_cache_are_refused():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     for extra in (
         {"layer_types": ["full_attention", "chunked_attention", "full_attention"]},
         {"layer_types": ["sliding_attention"] * 3},
         {"attention_chunk_size": 64},
     ):
-        cfg = LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=VOCAB,
-        )
+        cfg = tiny_llama_config()
         for k, v in extra.items():
             setattr(cfg, k, v)
         with pytest.raises(NotImplementedError, match="full attention only"):

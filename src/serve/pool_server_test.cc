@@ -1468,6 +1468,18 @@ CascadeConfig client_of(const std::string& socket, int channels, uint32_t timeou
   return c;
 }
 
+// A store of the client_of configuration, opened; null (and the test
+// failed) when it did not open.
+std::unique_ptr<CascadeStore> open_client(const std::string& socket, int channels,
+                                          uint32_t timeout_ms) {
+  auto opened = CascadeStore::Open(client_of(socket, channels, timeout_ms));
+  if (!opened.ok()) {
+    ADD_FAILURE() << opened.status().ToString();
+    return nullptr;
+  }
+  return std::move(opened.value());
+}
+
 // The server stops and a new one starts on its arena: the client notices at
 // once, lets go of the old arena (so that the new server can reattach it),
 // connects again by itself and reads what it stored before, byte for byte.
@@ -1593,10 +1605,9 @@ bool stop_process(pid_t pid) {
 TEST(PoolServerTest, AStoreConnectsAgainToAServerThatStoppedAnsweringAndClosesWhileItWaits) {
   ServerInAChild server([] { return true; });
   ASSERT_TRUE(server.ready);
-  CascadeConfig c = client_of(server.socket, 2, 300);
-  auto opened = CascadeStore::Open(c);
-  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-  auto& store = *opened.value();
+  auto opened = open_client(server.socket, 2, 300);
+  ASSERT_TRUE(opened);
+  auto& store = *opened;
   auto d = bytes_for(800, 4096);
   ASSERT_TRUE(store.put(id_of(800), d.data(), d.size()).ok());
   for (int round = 0; round < 2; ++round) {
@@ -1617,7 +1628,7 @@ TEST(PoolServerTest, AStoreConnectsAgainToAServerThatStoppedAnsweringAndClosesWh
   // Stopped again, and the client waits for its welcome: closing ends that.
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   const auto t2 = std::chrono::steady_clock::now();
-  opened.value().reset();
+  opened.reset();
   EXPECT_LT(std::chrono::steady_clock::now() - t2, std::chrono::milliseconds(500));
 }
 
@@ -1671,10 +1682,9 @@ TEST(PoolServerTest, AFlushEndsWhenTheServerStopsAnswering) {
     SCOPED_TRACE(channels);
     ServerInAChild server([] { return true; });
     ASSERT_TRUE(server.ready);
-    CascadeConfig c = client_of(server.socket, channels, 300);
-    auto opened = CascadeStore::Open(c);
-    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-    auto& store = *opened.value();
+    auto opened = open_client(server.socket, channels, 300);
+    ASSERT_TRUE(opened);
+    auto& store = *opened;
     ASSERT_TRUE(back_whole_arena(store, 950));
     ASSERT_TRUE(stop_process(server.pid));
     std::vector<std::future<Status>> flushes;
@@ -1695,10 +1705,9 @@ TEST(PoolServerTest, AFlushEndsWhenTheServerStopsAnswering) {
 TEST(PoolServerTest, ARequestToAStoppedServerEndsByItsHeartbeatBeforeItsDeadline) {
   ServerInAChild server([] { return true; });
   ASSERT_TRUE(server.ready);
-  CascadeConfig c = client_of(server.socket, 2, 60000);
-  auto opened = CascadeStore::Open(c);
-  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-  auto& store = *opened.value();
+  auto opened = open_client(server.socket, 2, 60000);
+  ASSERT_TRUE(opened);
+  auto& store = *opened;
   auto d = bytes_for(970, 4096);
   ASSERT_TRUE(store.put(id_of(970), d.data(), d.size()).ok());
   ASSERT_TRUE(stop_process(server.pid));
@@ -1719,10 +1728,9 @@ TEST(PoolServerTest, ARequestToAStoppedServerEndsByItsHeartbeatBeforeItsDeadline
 TEST(PoolServerTest, AnIdleStoreNoticesAStoppedServerAndItsNextCallEndsAtOnce) {
   ServerInAChild server([] { return true; });
   ASSERT_TRUE(server.ready);
-  CascadeConfig c = client_of(server.socket, 2, 60000);
-  auto opened = CascadeStore::Open(c);
-  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-  auto& store = *opened.value();
+  auto opened = open_client(server.socket, 2, 60000);
+  ASSERT_TRUE(opened);
+  auto& store = *opened;
   auto d = bytes_for(971, 4096);
   ASSERT_TRUE(store.put(id_of(971), d.data(), d.size()).ok());
   ASSERT_TRUE(stop_process(server.pid));
@@ -1805,10 +1813,9 @@ TEST(PoolServerTest, AChildForkedWhileAStoreConnectsHoldsNoneOfTheArena) {
 TEST(PoolServerTest, AStallFoundByTheReleasingThreadIsNoticed) {
   ServerInAChild server([] { return true; });
   ASSERT_TRUE(server.ready);
-  CascadeConfig c = client_of(server.socket, 2, 300);
-  auto opened = CascadeStore::Open(c);
-  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-  auto& store = *opened.value();
+  auto opened = open_client(server.socket, 2, 300);
+  ASSERT_TRUE(opened);
+  auto& store = *opened;
   ASSERT_TRUE(back_whole_arena(store, 960));
   auto d = bytes_for(960, 4096);
   ASSERT_TRUE(store.put(id_of(999), d.data(), d.size()).ok());
