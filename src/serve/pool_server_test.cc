@@ -1532,6 +1532,47 @@ TEST(PoolServerTest, AStoreConnectsAgainToAServerStartedAgainAndReadsWhatItStore
   std::filesystem::remove(shm);
 }
 
+// A flush made while the client waits to connect again (its attempts a
+// second apart by then) connects at once to a server started again, as a
+// close() of the store needs; with no server it fails at once, without
+// waiting out the request deadline.
+TEST(PoolServerTest, AFlushWhileTheServerIsLostConnectsAtOnce) {
+  const std::string socket = "/tmp/" + unique("cascade-pool-test-") + ".sock";
+  const std::string shm = "/dev/shm/" + unique("cascade-pool-test-");
+  Status why;
+  auto server = persistent_server(socket, shm, &why);
+  ASSERT_TRUE(server) << why.ToString();
+  auto opened = open_client(socket, 2, 60000);
+  ASSERT_TRUE(opened);
+  auto& store = *opened;
+  const auto block = bytes_for(700, 4096);
+  ASSERT_TRUE(store.put(id_of(700), block.data(), block.size()).ok());
+  ASSERT_TRUE(server->close().ok());
+  server.reset();
+  ASSERT_TRUE(eventually([&] { return pool_stats(store.stats()).disconnected; }));
+  // Past the first attempts: the next is up to a second away.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  auto t0 = std::chrono::steady_clock::now();
+  Status lost = store.flush();
+  EXPECT_TRUE(lost.is(Code::kUnavailable)) << lost.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  // Started again right after an attempt failed (the arena was let go
+  // of long ago).
+  server = persistent_server(socket, shm, &why);
+  ASSERT_TRUE(server) << why.ToString();
+  EXPECT_TRUE(store.flush().ok());
+  EXPECT_EQ(pool_stats(store.stats()).reconnects, 1u);
+  std::vector<uint8_t> out(block.size());
+  GetResult r;
+  ASSERT_TRUE(store.get(id_of(700), out.data(), out.size(), &r).ok());
+  EXPECT_TRUE(r.found);
+  EXPECT_EQ(out, block);
+  opened.reset();
+  ASSERT_TRUE(server->close().ok());
+  std::filesystem::remove(shm);
+}
+
 // A view held while the server goes keeps its bytes and its connection's
 // mapping of the old arena; the client connects to the new server
 // meanwhile, and the old connection closes once the view is released.

@@ -54,6 +54,8 @@ ReconnectingPoolTier::~ReconnectingPoolTier() {
   }
   stopping_.store(true, std::memory_order_release);
   wake();
+  { std::lock_guard<std::mutex> lock(mu_); }
+  attempt_cv_.notify_all();
   if (watcher_.joinable()) watcher_.join();
   // Views must not outlive the tier: nothing uses the connections now.
   current_.reset();
@@ -167,15 +169,24 @@ void ReconnectingPoolTier::watch() {
       continue;
     }
     close_unused();
-    const auto now = std::chrono::steady_clock::now();
+    auto now = std::chrono::steady_clock::now();
+    if (attempt_now_.exchange(false, std::memory_order_acq_rel)) next_try = now;
     if (now >= next_try) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++attempts_started_;
+      }
       auto opened = PoolTier::Open(config_, pool_, &stopping_, wake_fd_);
       if (opened.ok()) {
         {
           std::lock_guard<std::mutex> lock(mu_);
           last_attempt_.clear();
+          current_ = std::move(opened.value());
+          capacity_.store(current_->capacity_bytes(), std::memory_order_relaxed);
+          persistent_.store(current_->persistent(), std::memory_order_relaxed);
+          ++attempts_ended_;
         }
-        adopt(std::move(opened.value()));
+        attempt_cv_.notify_all();
         reconnects_.fetch_add(1, std::memory_order_relaxed);
         continue;
       }
@@ -185,7 +196,9 @@ void ReconnectingPoolTier::watch() {
         // user's to act on.
         std::lock_guard<std::mutex> lock(mu_);
         last_attempt_ = opened.status().ToString();
+        ++attempts_ended_;
       }
+      attempt_cv_.notify_all();
       next_try = std::chrono::steady_clock::now() + retry;
       retry = std::min<std::chrono::milliseconds>(retry * 2, kLastRetry);
       continue;
@@ -290,10 +303,30 @@ Status ReconnectingPoolTier::remove(const BlockId& id) {
   return st;
 }
 
+std::shared_ptr<PoolTier> ReconnectingPoolTier::link_or_connect_now() {
+  if (fork_generation() != generation_) return nullptr;
+  std::unique_lock<std::mutex> lock(mu_);
+  auto usable = [&] { return current_ && !current_->lost(); };
+  if (usable()) return current_;
+  // The attempt to wait for: the next one to start, after the watcher has
+  // set a lost connection aside. One under way may have started before the
+  // server was back.
+  const uint64_t wanted = attempts_started_ + 1;
+  attempt_now_.store(true, std::memory_order_release);
+  wake();
+  // An attempt ends within the request deadline it gives the server (its
+  // connect, hello and welcome), and the one under way first.
+  const auto limit = std::chrono::milliseconds(2 * int64_t(config_.pool_timeout_ms) + 1000);
+  attempt_cv_.wait_for(lock, limit, [&] {
+    return usable() || attempts_ended_ >= wanted || stopping_.load(std::memory_order_acquire);
+  });
+  return usable() ? current_ : nullptr;
+}
+
 Status ReconnectingPoolTier::flush() {
-  auto t = link();
+  auto t = link_or_connect_now();
   if (!t) return lost_status();
-  // Read after link(): a loss set aside before the connection in hand was
+  // Read after the connection is taken: a loss set aside before it was
   // made is counted by then.
   const uint64_t losses = losses_.load(std::memory_order_acquire);
   // The server's list of what a lost connection committed went with it:

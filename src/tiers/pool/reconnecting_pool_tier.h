@@ -18,6 +18,9 @@
 //   - connects again, soon and then less often (kFirstRetry doubling up to
 //     kLastRetry), with the store's configuration, until a server welcomes
 //     it; calls use the new connection from then on.
+// A flush made while the server is lost does not fail at once: it asks the
+// watcher to try to connect now and waits for that attempt (a server just
+// started again is then flushed to, as a close() of the store asks).
 // A view held across the loss stays valid: it keeps its connection, and
 // that connection's mapping of the old arena, until it is released.
 // A child forked from the process that opened the tier inherits none of
@@ -34,6 +37,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -99,6 +103,9 @@ class ReconnectingPoolTier final : public Tier {
   void close_unused();
   void wake() const;
   void adopt(std::unique_ptr<PoolTier> t);
+  // The connection in use, after one attempt to connect that starts after
+  // this call (when the server is lost); null when that attempt fails.
+  std::shared_ptr<PoolTier> link_or_connect_now();
 
   const CascadeConfig config_;
   ThreadPool* const pool_;
@@ -108,6 +115,12 @@ class ReconnectingPoolTier final : public Tier {
   std::vector<std::shared_ptr<PoolTier>> aside_;  // watcher only, and stats() under mu_
   TierStats closed_;          // the counters of connections closed (guarded by mu_)
   std::string last_attempt_;  // why the last attempt to connect again failed (guarded by mu_)
+  // Attempts to connect again started and ended (guarded by mu_; the
+  // watcher notifies attempt_cv_ at each end), and a caller's wish for an
+  // attempt now rather than at the next retry.
+  uint64_t attempts_started_ = 0, attempts_ended_ = 0;
+  std::condition_variable attempt_cv_;
+  std::atomic<bool> attempt_now_{false};
   std::atomic<uint64_t> capacity_{0};
   std::atomic<bool> persistent_{false};
   std::atomic<uint64_t> reconnects_{0};
