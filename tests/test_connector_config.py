@@ -78,12 +78,27 @@ def test_example_config_parses():
         ({"pool_socket": "/p.sock", "store": {"shm_path": "/dev/shm/x"}}, "store.shm_path"),
         ({"pool_socket": "/p.sock", "store_pipeline": "host|gpu"}, "is not one a pool client runs"),
         ({"tenant": "request=1:x"}, "tenant: may not hold '=' or '|'"),
+        ({"lookup_timeout_ms": 0}, "lookup_timeout_ms: expected at least 1"),
+        ({"lookup_socket_dir": "/nonexistent/lookups"}, "lookup_socket_dir: '/nonexistent"),
+        ({"lookup_socket_dir": "/etc/hostname"}, "is not a directory"),
     ],
 )
 def test_bad_options_are_named(options, message):
     with pytest.raises(ValueError) as e:
         parse_connector_config(options)
     assert message in str(e.value)
+
+
+def test_a_lookup_socket_dir_others_can_write_must_be_sticky(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match="writable by other users and not sticky"):
+        parse_connector_config({"lookup_socket_dir": str(shared)})
+    shared.chmod(0o1777)
+    assert parse_connector_config({"lookup_socket_dir": str(shared)}).lookup_socket_dir == str(
+        shared
+    )
 
 
 def test_salts_made_of_parts_never_coincide():

@@ -365,6 +365,7 @@ def test_socket_and_secret_are_private(sockdir):
             (d, 0o700, stat.S_ISDIR),
             (svc.address, 0o600, stat.S_ISSOCK),
             (os.path.join(d, "secret"), 0o600, stat.S_ISREG),
+            (os.path.join(d, "lock"), 0o600, stat.S_ISREG),
         ):
             st = os.lstat(path)
             assert (
@@ -403,6 +404,127 @@ def test_a_directory_that_is_not_private_is_refused(sockdir):
     with pytest.raises(OSError):
         start_service(key, held_prefix(1), sockdir)
     assert os.listdir(target) == []
+
+
+def slow_prefix(n, seconds):
+    """held_prefix(n), answering after `seconds`."""
+    fn = held_prefix(n)
+
+    def answer(ids):
+        time.sleep(seconds)
+        return fn(ids)
+
+    return answer
+
+
+def test_ranks_answer_in_parallel_and_a_slow_rank_costs_no_other_its_connection(sockdir):
+    # Each rank answers well within the lookup's time, but the two in turn
+    # would not: the requests go out together, so the lookup is a hit, and
+    # no rank is set aside for the time another took.
+    key = engine_key()
+    services = [
+        start_service(key, slow_prefix(4, 0.2), sockdir, rank=0),
+        start_service(key, slow_prefix(4, 0.15), sockdir, rank=1),
+    ]
+    try:
+        look = lk.PrefixLookup(key, 2, mode="socket", socket_dir=sockdir, timeout_ms=300)
+        assert look.prefix_length([HELD, HELD]) == 4
+        assert look.locate([HELD, HELD]) == [0] * 4
+        look.close()
+    finally:
+        for svc in services:
+            svc.close()
+    # A rank of this process that takes the lookup's whole time: a miss,
+    # and the rank in another process, asked first, keeps its connection
+    # and answers the next lookup at once.
+    key = engine_key()
+    slow = {"s": 0.4}
+    lk.register_worker(key, 0, lambda ids: (time.sleep(slow["s"]), 4)[1])
+    svc = start_service(key, held_prefix(4), sockdir, rank=1)
+    try:
+        look = lk.PrefixLookup(key, 2, mode="auto", socket_dir=sockdir, timeout_ms=300)
+        assert look.prefix_length([HELD, HELD]) == 4  # the first answer: in time, read late
+        slow["s"] = 0.0
+        for _ in range(3):
+            assert look.prefix_length([HELD, HELD]) == 4
+        assert svc.connections == 1
+        look.close()
+    finally:
+        lk.unregister_worker(key, 0)
+        svc.close()
+
+
+def test_a_second_service_of_the_same_engine_and_rank_is_refused_while_the_first_lives(sockdir):
+    key = engine_key()
+    first = start_service(key, held_prefix(2), sockdir)
+    try:
+        with pytest.raises(OSError, match="another lookup service of this engine and rank"):
+            start_service(key, held_prefix(6), sockdir)
+        # The first is untouched: its files, its answers.
+        look = lk.PrefixLookup(key, 1, mode="socket", socket_dir=sockdir, timeout_ms=2000)
+        assert look.prefix_length([HELD]) == 2
+        look.close()
+    finally:
+        first.close()
+    second = start_service(key, held_prefix(6), sockdir)
+    look = lk.PrefixLookup(key, 1, mode="socket", socket_dir=sockdir, timeout_ms=2000)
+    assert look.prefix_length([HELD]) == 6
+    look.close()
+    second.close()
+    assert not os.path.exists(lk.service_dir(sockdir, key, 0))
+
+
+def _serve_until_killed(key, socket_dir, ready):
+    start_service(key, held_prefix(2), socket_dir)
+    ready.set()
+    time.sleep(120)
+
+
+def test_directories_of_killed_services_are_removed_and_live_ones_kept(sockdir):
+    from cascade.integrations.lookup_wire import remove_stale_service_dirs
+
+    ctx = multiprocessing.get_context("spawn")
+    killed = []
+    for _ in range(2):
+        key, ready = engine_key(), ctx.Event()
+        child = ctx.Process(target=_serve_until_killed, args=(key, sockdir, ready), daemon=True)
+        child.start()
+        assert ready.wait(60)
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        killed.append(lk.service_dir(sockdir, key, 0))
+    live_key = engine_key()
+    live = start_service(live_key, held_prefix(3), sockdir)
+    others = os.path.join(sockdir, "cascade-lookup-0123456789abcdef-r0")
+    os.mkdir(others, 0o755)  # not private: not a service's of this user
+    try:
+        assert all(os.path.isdir(d) for d in killed)
+        assert remove_stale_service_dirs(sockdir, min_age_s=60) == []  # too young
+        assert sorted(remove_stale_service_dirs(sockdir, min_age_s=0)) == sorted(killed)
+        assert not any(os.path.exists(d) for d in killed)
+        assert os.path.isdir(others)
+        look = lk.PrefixLookup(live_key, 1, mode="socket", socket_dir=sockdir, timeout_ms=2000)
+        assert look.prefix_length([HELD]) == 3
+        look.close()
+    finally:
+        live.close()
+
+
+def test_a_closed_lookup_misses_and_connects_no_more(sockdir):
+    key = engine_key()
+    svc = start_service(key, held_prefix(3), sockdir)
+    try:
+        look = lk.PrefixLookup(key, 1, mode="socket", socket_dir=sockdir, timeout_ms=2000)
+        assert look.prefix_length([HELD]) == 3
+        look.close()
+        assert look.prefix_length([HELD]) == 0
+        assert look.locate([HELD]) == []
+        time.sleep(0.1)
+        assert svc.connections == 0
+    finally:
+        svc.close()
+    with pytest.raises(ValueError, match="timeout_ms"):
+        lk.PrefixLookup(key, 1, mode="socket", timeout_ms=0)
 
 
 def test_no_pickle_or_multiprocessing_connection_on_the_wire():

@@ -327,6 +327,22 @@ def test_locate_answers_are_checked():
         b.close()
 
 
+def test_a_tier_outside_the_planners_pipeline_ends_the_hits(caplog):
+    # A worker whose pipeline is longer than the scheduler's names tier 2 of
+    # a host|file planner: those blocks are misses, not a crash.
+    key = engine_key()
+    lk.register_worker(key, 0, lambda ids: len(ids), lambda ids: [0, 0, 1, 2] + [0] * 8)
+    try:
+        p = planned(key, tier_rates={"file": 50.0}, prefill_tokens_per_s=10.0)
+        with caplog.at_level("WARNING", logger="cascade.integrations.connector"):
+            p.matched_tokens("a", PROMPT, None, 0)
+            p.matched_tokens("b", PROMPT, None, 0)
+        assert p.track("a", PROMPT).lookup_present == 3
+        assert sum("outside this scheduler's pipeline" in r.message for r in caplog.records) == 1
+    finally:
+        lk.unregister_worker(key, 0)
+
+
 def test_hits_in_memory_tiers_are_loaded_without_a_plan(ranks):
     key, (r0,) = ranks()
     p = SchedulerPlanner(

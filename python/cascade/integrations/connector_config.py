@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -258,6 +259,21 @@ def _check(name: str, value: Any) -> Any:
     raise AssertionError(name)  # pragma: no cover
 
 
+def _check_socket_dir(path: str) -> None:
+    """lookup_socket_dir must be a directory others cannot write to, unless it is sticky."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ValueError(f"lookup_socket_dir: {path!r}: {e.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"lookup_socket_dir: {path!r} is not a directory")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise ValueError(
+            f"lookup_socket_dir: {path!r} is writable by other users and not sticky; "
+            "choose a directory of your own (or one like /tmp)"
+        )
+
+
 def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     """A ConnectorConfig from ``kv_connector_extra_config`` (and the YAML file it names)."""
     extra = dict(extra or {})
@@ -280,6 +296,12 @@ def parse_connector_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     cfg = ConnectorConfig(**values)
     if cfg.lookup not in _LOOKUP_MODES:
         raise ValueError(f"lookup: {cfg.lookup!r} is not one of {', '.join(_LOOKUP_MODES)}")
+    if cfg.lookup_timeout_ms < 1:
+        raise ValueError(
+            f"lookup_timeout_ms: expected at least 1 (ms), got {cfg.lookup_timeout_ms}"
+        )
+    if cfg.lookup_socket_dir:
+        _check_socket_dir(cfg.lookup_socket_dir)
     if cfg.load_policy not in _LOAD_POLICIES:
         raise ValueError(
             f"load_policy: {cfg.load_policy!r} is not one of {', '.join(_LOAD_POLICIES)}"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -132,11 +133,11 @@ class LookupService:
         self._lock = threading.Lock()
         # open connection -> authenticated; its thread removes it, or an eviction does
         self._conns: dict[socket.socket, bool] = {}
-        self._secret = wire.create_service_dir(self.directory)
+        self._secret, self._lock_fd = wire.create_service_dir(self.directory)
         try:
-            self._listener, self._socket_id = wire.listen(self.address)
+            self._listener = wire.listen(self.address)
         except BaseException:
-            wire.remove_service_dir(self.directory)
+            wire.remove_service_dir(self.directory, self._lock_fd)
             raise
         self._thread = threading.Thread(target=self._accept, name="cascade-lookup", daemon=True)
         self._thread.start()
@@ -254,7 +255,7 @@ class LookupService:
             _shutdown(c)
         self._thread.join(timeout=5)
         self._listener.close()
-        wire.remove_service_dir(self.directory, self._socket_id)
+        wire.remove_service_dir(self.directory, self._lock_fd)
 
 
 def _shutdown(conn: socket.socket):
@@ -264,11 +265,36 @@ def _shutdown(conn: socket.socket):
         pass
 
 
+class _Asked:
+    """A request sent to a rank's service, its answer still to be read."""
+
+    __slots__ = ("remote", "conn", "query", "kind")
+
+    def __init__(self, remote: _RemoteRank, conn: socket.socket, query: list, kind: int):
+        self.remote = remote
+        self.conn = conn
+        self.query = query
+        self.kind = kind
+
+    def finish(self, deadline: Deadline) -> list[int]:
+        return self.remote.finish(self, deadline)
+
+
 class _RemoteRank:
-    """One persistent, authenticated connection to a rank's LookupService."""
+    """One persistent, authenticated connection to a rank's LookupService.
+
+    A lookup sends its request (``start``), and reads the answer later
+    (``finish``): the scheduler sends to every rank before it reads any
+    answer, so the ranks answer in parallel and each has the lookup's whole
+    time. A rank that fails (its socket absent or refused, a protocol error,
+    no answer within that time) is left alone for a while (``RETRY_S``,
+    doubling up to ``MAX_RETRY_S``); a lookup whose time went elsewhere
+    before this rank was asked is a miss with nothing held against it."""
 
     RETRY_S = 1.0
     MAX_RETRY_S = 30.0
+    # Time to read an answer already waiting when the lookup's time is up.
+    _WAITING_ANSWER_S = 0.05
 
     def __init__(self, socket_dir: str, engine_key: str, rank: int):
         self.directory = service_dir(socket_dir, engine_key, rank)
@@ -281,7 +307,7 @@ class _RemoteRank:
         self._can_locate = True  # False once the service answered a locate as unknown
 
     def _connect(self, deadline: Deadline) -> socket.socket | None:
-        if time.monotonic() < self._next_try:
+        if time.monotonic() < self._next_try or deadline.left() <= 0:
             return None
         conn = None
         try:
@@ -305,75 +331,80 @@ class _RemoteRank:
             logger.warning("Cascade lookup: %s; its lookups count as misses", why)
             self._warned = True
 
-    def prefix_length(self, ids: Sequence[str], deadline: Deadline) -> int:
-        if not self._lock.acquire(timeout=max(0.0, deadline.left())):
-            return 0
+    def start(self, ids: Sequence[str], deadline: Deadline, locate: bool) -> _Asked | None:
+        """Sends a prefix (or locate) request; None when none was sent (a miss).
+        On success the rank's lock stays held until ``finish``."""
+        if deadline.left() <= 0 or not self._lock.acquire(timeout=deadline.left()):
+            return None
+        sent = False
         try:
             conn = self._conn or self._connect(deadline)
             if conn is None:
-                return 0
+                return None
             query = list(ids[:MAX_IDS])
+            kind = wire.LOCATE if locate and self._can_locate else wire.PREFIX
             try:
-                wire.send_request(conn, query, deadline)
-                status, n = wire.recv_answer(conn, deadline)
+                wire.send_request(conn, query, deadline, kind=kind)
             except ValueError as e:  # ids that are not block ids: nothing to ask
                 logger.warning("Cascade lookup: %s: counted as a miss", e)
-                return 0
+                return None
             except (OSError, WireError) as e:
                 self._drop()
                 self._failed(f"lookup at {self.address} failed ({e})")
-                return 0
-            if status != wire.ST_OK or n > len(query):
-                logger.warning(
-                    "Cascade lookup at %s: answer %s (%d of %d): counted as a miss",
-                    self.address,
-                    wire.status_name(status),
-                    n,
-                    len(query),
-                )
-                if status != wire.ST_FAILED:
-                    self._drop()
-                return 0
-            self._warned = False
-            return n
+                return None
+            sent = True
+            return _Asked(self, conn, query, kind)
+        finally:
+            if not sent:
+                self._lock.release()
+
+    def finish(self, asked: _Asked, deadline: Deadline) -> list[int]:
+        """The tier index of each leading id the rank holds (0 for each of a
+        prefix answer); [] on any failure. Never raises; releases the lock."""
+        try:
+            return self._answer(asked, deadline)
+        except Exception as e:  # never into the scheduler
+            self._drop()
+            self._failed(f"lookup at {self.address} failed ({e})")
+            return []
         finally:
             self._lock.release()
 
-    def locate(self, ids: Sequence[str], deadline: Deadline) -> list[int]:
-        """The tier index of each leading id the rank holds ([] on any failure).
-        A service that does not know locate requests is asked for the prefix;
-        its blocks then count as the top tier's."""
-        if not self._can_locate:
-            return [0] * self.prefix_length(ids, deadline)
-        if not self._lock.acquire(timeout=max(0.0, deadline.left())):
-            return []
+    def _answer(self, asked: _Asked, deadline: Deadline) -> list[int]:
+        conn, query = asked.conn, asked.query
+        if deadline.left() <= 0 and select.select([conn], [], [], 0)[0]:
+            # Sent at the lookup's start, the answer came while other
+            # ranks' answers were read: it is in time.
+            deadline = Deadline(self._WAITING_ANSWER_S)
         try:
-            conn = self._conn or self._connect(deadline)
-            if conn is None:
-                return []
-            query = list(ids[:MAX_IDS])
-            try:
-                wire.send_request(conn, query, deadline, kind=wire.LOCATE)
-                status, n = wire.recv_answer(conn, deadline)
-                if status == wire.ST_TIERS:
-                    self._warned = False
-                    return wire.recv_tiers(conn, n, len(query), deadline)
-            except ValueError as e:  # ids that are not block ids: nothing to ask
-                logger.warning("Cascade lookup: %s: counted as a miss", e)
-                return []
-            except (OSError, WireError) as e:
-                self._drop()
-                self._failed(f"locate at {self.address} failed ({e})")
-                return []
-            if status == wire.ST_BAD_REQUEST:  # a service without locate; it closed
-                self._drop()
-                self._can_locate = False
-                logger.info("Cascade lookup at %s: no locate; asking prefixes", self.address)
-            elif status != wire.ST_FAILED:
-                self._drop()
+            status, n = wire.recv_answer(conn, deadline)
+            if status == wire.ST_TIERS and asked.kind == wire.LOCATE:
+                tiers = wire.recv_tiers(conn, n, len(query), deadline)
+                self._warned = False
+                return tiers
+        except (OSError, WireError) as e:  # its answer may still come: the connection goes
+            self._drop()
+            self._failed(f"lookup at {self.address} failed ({e})")
             return []
-        finally:
-            self._lock.release()
+        if status == wire.ST_OK and asked.kind == wire.PREFIX and n <= len(query):
+            self._warned = False
+            return [0] * n
+        if status == wire.ST_BAD_REQUEST and asked.kind == wire.LOCATE:
+            # A service without locate; it closed. Asked prefixes from now on.
+            self._drop()
+            self._can_locate = False
+            logger.info("Cascade lookup at %s: no locate; asking prefixes", self.address)
+            return []
+        logger.warning(
+            "Cascade lookup at %s: answer %s (%d of %d): counted as a miss",
+            self.address,
+            wire.status_name(status),
+            n,
+            len(query),
+        )
+        if status != wire.ST_FAILED:
+            self._drop()
+        return []
 
     def _drop(self):
         if self._conn is not None:
@@ -399,88 +430,99 @@ class PrefixLookup:
     ):
         if mode not in ("auto", "socket", "off"):
             raise ValueError(f"lookup mode {mode!r} is not one of auto, socket, off")
+        if timeout_ms <= 0:
+            raise ValueError(f"lookup timeout_ms must be positive, got {timeout_ms}")
         self.engine_key = engine_key
         self.world = world
         self.mode = mode
         self._socket_dir = socket_dir
         self._timeout = timeout_ms / 1000.0
         self._remotes: dict[int, _RemoteRank] = {}
+        self._closed = False
         self._lock = threading.Lock()
 
-    def _rank_fn(self, rank: int, deadline: Deadline) -> PrefixFn | None:
-        if self.mode in ("auto", "off"):
-            fn = local_worker(self.engine_key, rank)
-            if fn is not None or self.mode == "off":
+    def _local(self, rank: int, locate: bool) -> Callable[[Sequence[str]], list] | None:
+        """A worker of this process asked directly (mode auto or off)."""
+        if self.mode not in ("auto", "off"):
+            return None
+        if locate:
+            fn = local_locator(self.engine_key, rank)
+            if fn is not None:
                 return fn
+        prefix = local_worker(self.engine_key, rank)
+        if prefix is None:
+            return None
+        return lambda ids: [0] * max(0, min(int(prefix(ids)), len(ids)))
+
+    def _remote(self, rank: int) -> _RemoteRank | None:
         with self._lock:
+            if self._closed:
+                return None
             remote = self._remotes.get(rank)
             if remote is None:
                 remote = _RemoteRank(self._socket_dir, self.engine_key, rank)
                 self._remotes[rank] = remote
-        return lambda ids: remote.prefix_length(ids, deadline)
+            return remote
+
+    def _ask(self, ids_by_rank: Sequence[Sequence[str]], locate: bool) -> list[int]:
+        if len(ids_by_rank) != self.world:
+            raise ValueError(f"ids for {len(ids_by_rank)} ranks, the engine has {self.world}")
+        deadline = Deadline(self._timeout)
+        n = min((len(ids) for ids in ids_by_rank), default=0)
+        if n == 0:
+            return []
+        # Requests to ranks in other processes go out first: they answer
+        # while the ranks of this process are asked.
+        local: dict[int, Callable[[Sequence[str]], list]] = {}
+        asked: list[_Asked] = []
+        miss = False
+        for rank in range(self.world):
+            fn = self._local(rank, locate)
+            if fn is not None:
+                local[rank] = fn
+                continue
+            remote = None if self.mode == "off" else self._remote(rank)
+            sent = remote.start(ids_by_rank[rank][:n], deadline, locate) if remote else None
+            if sent is None:
+                miss = True
+                break
+            asked.append(sent)
+        answers: list[list[int]] = []
+        try:
+            for rank, fn in local.items():
+                if miss:
+                    break
+                try:
+                    answers.append(leading_tiers(fn(ids_by_rank[rank][:n]), n))
+                except Exception as e:
+                    logger.warning(
+                        "Cascade lookup on rank %d failed (%s): counted as a miss", rank, e
+                    )
+                    miss = True
+        finally:
+            # Every answer sent for is read, so each connection stays in step.
+            answers.extend(a.finish(deadline) for a in asked)
+        if miss:
+            return []
+        held = min(len(a) for a in answers)
+        return [max(column) for column in zip(*(a[:held] for a in answers))]
 
     def locate(self, ids_by_rank: Sequence[Sequence[str]]) -> list[int]:
         """For each leading block every rank holds, the pipeline index of the
         slowest tier (the highest index) any rank holds it in; as
         prefix_length, within one ``timeout_ms`` in all."""
-        if len(ids_by_rank) != self.world:
-            raise ValueError(f"ids for {len(ids_by_rank)} ranks, the engine has {self.world}")
-        deadline = Deadline(self._timeout)
-        n = min((len(ids) for ids in ids_by_rank), default=0)
-        tiers: list[int] = []
-        for rank, ids in enumerate(ids_by_rank):
-            if n == 0:
-                break
-            try:
-                got = self._rank_locate(rank, deadline)(ids[:n])
-            except Exception as e:
-                logger.warning("Cascade locate on rank %d failed (%s): counted as a miss", rank, e)
-                return []
-            got = leading_tiers(got, n)
-            n = len(got)
-            tiers = [max(a, b) for a, b in zip(tiers, got)] if rank else got
-        return tiers[:n]
-
-    def _rank_locate(self, rank: int, deadline: Deadline) -> Callable[[Sequence[str]], list]:
-        if self.mode in ("auto", "off"):
-            fn = local_locator(self.engine_key, rank)
-            if fn is not None:
-                return fn
-            prefix = local_worker(self.engine_key, rank)
-            if prefix is not None:
-                return lambda ids: [0] * int(prefix(ids))
-            if self.mode == "off":
-                return lambda ids: []
-        with self._lock:
-            remote = self._remotes.get(rank)
-            if remote is None:
-                remote = _RemoteRank(self._socket_dir, self.engine_key, rank)
-                self._remotes[rank] = remote
-        return lambda ids: remote.locate(ids, deadline)
+        return self._ask(ids_by_rank, locate=True)
 
     def prefix_length(self, ids_by_rank: Sequence[Sequence[str]]) -> int:
         """Leading blocks every rank holds; ``ids_by_rank[r]`` are rank r's ids of the same blocks.
 
         Every rank in another process is asked within one ``timeout_ms`` in all."""
-        if len(ids_by_rank) != self.world:
-            raise ValueError(f"ids for {len(ids_by_rank)} ranks, the engine has {self.world}")
-        deadline = Deadline(self._timeout)
-        n = min((len(ids) for ids in ids_by_rank), default=0)
-        for rank, ids in enumerate(ids_by_rank):
-            if n == 0:
-                break
-            fn = self._rank_fn(rank, deadline)
-            if fn is None:
-                return 0
-            try:
-                n = min(n, int(fn(ids[:n])))
-            except Exception as e:
-                logger.warning("Cascade lookup on rank %d failed (%s): counted as a miss", rank, e)
-                return 0
-        return max(0, n)
+        return len(self._ask(ids_by_rank, locate=False))
 
     def close(self):
+        """Closes the connections; every lookup after it is a miss."""
         with self._lock:
+            self._closed = True
             remotes, self._remotes = list(self._remotes.values()), {}
         for r in remotes:
             r.close()

@@ -5,6 +5,7 @@ Overview: ``cascade.integrations.connector_core``."""
 from __future__ import annotations
 
 import collections
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -19,6 +20,8 @@ from cascade.integrations.connector_config import (
 from cascade.integrations.connector_metrics import ConnectorMetrics, TraceRecorder
 from cascade.integrations.ids import KvNamespace, prefix_block_ids, salt_of
 from cascade.planner import MEMORY_TIERS, LoadPlanner, Plan
+
+logger = logging.getLogger("cascade.integrations.connector")
 
 # ---------------------------------------------------------------------------
 # The plan of one engine step (scheduler -> workers; plain, picklable data)
@@ -305,6 +308,7 @@ class SchedulerPlanner:
         self.load_planner: LoadPlanner | None = None
         # Which tier holds each hit block (PrefixLookup.locate); None: unknown.
         self._locate = None if self.lite is not None else getattr(lookup, "locate", None)
+        self._warned_unknown_tier = False
         if (
             self.can_load
             and config.load_policy == "auto"
@@ -401,6 +405,21 @@ class SchedulerPlanner:
         tiers: list[int] = []
         if planner is not None and self._locate is not None:
             tiers = list(self._locate(ids))
+            # A worker whose pipeline is not the planner's can name a tier
+            # the planner has not got: its blocks from there on are misses.
+            known = next(
+                (k for k, w in enumerate(tiers) if not 0 <= w < len(planner.tiers)), len(tiers)
+            )
+            if known < len(tiers):
+                if not self._warned_unknown_tier:
+                    logger.warning(
+                        "Cascade lookup: a worker holds blocks in tier %d, outside this "
+                        "scheduler's pipeline %s: counted as misses",
+                        tiers[known],
+                        "|".join(planner.tiers),
+                    )
+                    self._warned_unknown_tier = True
+                tiers = tiers[:known]
             present = len(tiers)
         else:
             present = self.lookup.prefix_length(ids)

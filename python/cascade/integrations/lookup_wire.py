@@ -3,9 +3,13 @@
 Files. Each worker rank serving lookups owns a private directory,
 ``<socket_dir>/cascade-lookup-<sha256(engine key)[:16]>-r<rank>/`` (mode
 0700, owned by the worker's user; a directory that is not is refused), that
-holds the socket ``sock`` (0600) and ``secret`` (0600): 32 random bytes made
-afresh each time the service starts. Only processes of the same user can
-reach either; the scheduler reads the secret from there before it connects.
+holds the socket ``sock`` (0600), ``secret`` (0600): 32 random bytes made
+afresh each time the service starts, and ``lock`` (0600), which the service
+holds locked (``flock``) while it runs: a second service of the same engine
+key and rank is refused while the first lives, and a directory whose lock
+nobody holds is a killed service's, removed by the next worker that starts
+(``remove_stale_service_dirs``). Only processes of the same user can reach
+any of them; the scheduler reads the secret from there before it connects.
 
 Messages. Every message starts with a 10-byte header, little-endian:
 magic ``b"CSLK"`` (4), version (1), kind (1), n (u32), followed by a body
@@ -41,9 +45,11 @@ No message is ever unpickled or evaluated.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import socket
 import stat
@@ -74,6 +80,7 @@ MAX_IDS = 1 << 18  # 4 MiB of ids: a 4M-token prompt in 16-token blocks
 
 SOCKET_NAME = "sock"
 SECRET_NAME = "secret"
+LOCK_NAME = "lock"
 _CLIENT_TAG = b"cascade-lookup/1 client\x00"
 _SERVER_TAG = b"cascade-lookup/1 server\x00"
 _SUN_PATH_MAX = 107
@@ -152,14 +159,51 @@ def _unlink_at(name: str, dfd: int) -> None:
         pass
 
 
-def create_service_dir(path: str) -> bytes:
-    """Makes (or takes back) the service's private directory and a fresh secret in it."""
+class ServiceBusy(OSError):
+    """Another live lookup service holds the directory (the same engine key and rank)."""
+
+
+def _lock_service_dir(dfd: int, path: str) -> int:
+    """The directory's ``lock`` file, open and locked by this process; ServiceBusy when a
+    live service holds it."""
+    while True:
+        fd = os.open(
+            LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd
+        )
+        try:
+            _check_private(os.fstat(fd), os.path.join(path, LOCK_NAME), directory=False)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ServiceBusy(
+                    f"{path}: another lookup service of this engine and rank is running; give "
+                    "each vLLM server on a node its own engine_id (or lookup_socket_dir)"
+                ) from None
+            # A service closing meanwhile unlinks the file it held: lock the
+            # one the directory names.
+            held, named = os.fstat(fd), os.stat(LOCK_NAME, dir_fd=dfd, follow_symlinks=False)
+            if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def create_service_dir(path: str) -> tuple[bytes, int]:
+    """Makes (or takes back) the service's private directory, locks it, and writes a fresh
+    secret in it: the secret and the lock's descriptor (held for the service's life; given
+    back to ``remove_service_dir``). ServiceBusy when a live service holds it."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
     dfd = _open_private_dir(path)
+    lock_fd = -1
     try:
+        lock_fd = _lock_service_dir(dfd, path)
         for name in (SOCKET_NAME, SECRET_NAME, SECRET_NAME + ".new"):
             _unlink_at(name, dfd)  # left by a dead service of the same engine and rank
         secret = secrets.token_bytes(SECRET_BYTES)
@@ -175,7 +219,11 @@ def create_service_dir(path: str) -> bytes:
         finally:
             os.close(fd)
         os.replace(SECRET_NAME + ".new", SECRET_NAME, src_dir_fd=dfd, dst_dir_fd=dfd)
-        return secret
+        return secret, lock_fd
+    except BaseException:
+        if lock_fd >= 0:
+            os.close(lock_fd)
+        raise
     finally:
         os.close(dfd)
 
@@ -197,31 +245,63 @@ def read_secret(path: str) -> bytes:
     return data
 
 
-def remove_service_dir(path: str, socket_id: tuple | None = None) -> None:
-    """Removes the service's socket (only if it is still ``socket_id``), secret and directory."""
-    try:
-        dfd = _open_private_dir(path)
-    except OSError:
-        return
+def remove_service_dir(path: str, lock_fd: int) -> None:
+    """Removes the directory of the service holding its lock as ``lock_fd`` (its socket,
+    secret and lock), then lets go of the lock."""
     try:
         try:
-            st = os.stat(SOCKET_NAME, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            st = None
-        if st is not None and socket_id is not None and (st.st_dev, st.st_ino) != socket_id:
-            return  # another service of the same engine and rank took the place over
-        for name in (SOCKET_NAME, SECRET_NAME):
-            _unlink_at(name, dfd)
+            dfd = _open_private_dir(path)
+        except OSError:
+            return
+        try:
+            for name in (SOCKET_NAME, SECRET_NAME, LOCK_NAME):
+                _unlink_at(name, dfd)
+        finally:
+            os.close(dfd)
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
     finally:
-        os.close(dfd)
+        os.close(lock_fd)
+
+
+_SERVICE_DIR = re.compile(r"cascade-lookup-[0-9a-f]{16}-r[0-9]+")
+
+
+def remove_stale_service_dirs(socket_dir: str, min_age_s: float = 10.0) -> list[str]:
+    """Removes the lookup directories in ``socket_dir`` (the temp dir when empty) of this
+    user's services that ended without closing (killed): those whose lock no live service
+    holds, at least ``min_age_s`` old. The paths removed."""
+    base = socket_dir or tempfile.gettempdir()
     try:
-        os.rmdir(path)
+        names = os.listdir(base)
     except OSError:
-        pass
+        return []
+    removed = []
+    for name in names:
+        if not _SERVICE_DIR.fullmatch(name):
+            continue
+        path = os.path.join(base, name)
+        try:
+            dfd = _open_private_dir(path)
+        except OSError:
+            continue  # not this user's, not private, or gone
+        try:
+            if time.time() - os.fstat(dfd).st_mtime < min_age_s:
+                continue
+            lock_fd = _lock_service_dir(dfd, path)
+        except OSError:  # ServiceBusy: a live service
+            continue
+        finally:
+            os.close(dfd)
+        remove_service_dir(path, lock_fd)
+        removed.append(path)
+    return removed
 
 
-def listen(address: str) -> tuple[socket.socket, tuple]:
-    """A listening socket at ``address`` (in a private directory), mode 0600; and its (dev, ino)."""
+def listen(address: str) -> socket.socket:
+    """A listening socket at ``address`` (in a private directory), mode 0600."""
     if len(os.fsencode(address)) > _SUN_PATH_MAX:
         raise ValueError(
             f"lookup socket path {address!r} is longer than {_SUN_PATH_MAX} bytes; "
@@ -231,13 +311,12 @@ def listen(address: str) -> tuple[socket.socket, tuple]:
     try:
         sock.bind(address)
         os.chmod(address, 0o600)
-        st = os.stat(address)
         sock.listen(64)
         sock.settimeout(0.25)  # accept() wakes to notice close()
     except BaseException:
         sock.close()
         raise
-    return sock, (st.st_dev, st.st_ino)
+    return sock
 
 
 def connect(address: str, deadline: Deadline) -> socket.socket:

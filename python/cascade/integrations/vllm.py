@@ -70,6 +70,7 @@ from cascade.integrations.connector_lookup import (
     unregister_worker,
 )
 from cascade.integrations.ids import KvNamespace, salt_of
+from cascade.integrations.lookup_wire import remove_stale_service_dirs
 
 try:  # vLLM >= 0.30 names the tier of external hits
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -523,6 +524,10 @@ class CascadeConnector(KVConnectorBase_V1):
             )
         backend = getattr(parallel, "distributed_executor_backend", None)
         if self.config.lookup == "socket" or (self.config.lookup == "auto" and backend != "uni"):
+            for path in remove_stale_service_dirs(self.config.lookup_socket_dir):
+                logger.info(
+                    "CascadeConnector: removed the lookup directory of a stopped worker: %s", path
+                )
             self._service = LookupService(
                 self.engine_key,
                 self._rank,
