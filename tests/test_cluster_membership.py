@@ -381,37 +381,14 @@ def test_trickling_endpoint_fails_within_the_deadline(trickling_endpoint):
 
 
 @pytest.fixture
-def nesting_endpoint() -> Iterator[str]:
+def nesting_endpoint(answering_endpoint) -> str:
     # Answers every request with 200 and JSON nested deeper than the parser goes.
     body = b"[" * 200_000 + b"]" * 200_000 + b"\n"
-    stop = threading.Event()
-    listener = _local_listener()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.settimeout(2)
-                try:
-                    conn.recv(65536)
-                    conn.sendall(
-                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                        + body
-                    )
-                    time.sleep(0.2)
-                except OSError:
-                    pass
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    stop.set()
-    t.join(5)
-    listener.close()
+    return answering_endpoint(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
 
 
 def test_an_answer_nested_too_deep_is_a_cluster_error(nesting_endpoint):
@@ -587,3 +564,211 @@ def test_junk_too_large_to_list_at_once_does_not_freeze_the_view(etcd, members):
     assert b.start()
     wait_for(lambda: ids_of(a) == ids_of(b) == ["a", "b"], 20, "both see both")
     assert a.state()["malformed_records"] >= 15
+
+
+def test_a_node_id_registered_again_while_its_live_record_was_deleted_is_held_by_one(etcd, members):
+    """Two live processes of one node id: the second waits while the first
+    holds the key. When the first's record is deleted while its lease
+    lives, the second registers; the first then gives the node id up
+    instead of writing its record back over the second's, time after time."""
+    client = EtcdClient([etcd.endpoint])
+    first = members("dup", refresh_seconds=1.0, watch=False, generation=1000)
+    second = members("dup", refresh_seconds=0.2, watch=False, generation=2000)
+    assert first.start()
+    assert not second.start()
+    key = members_prefix("t") + b"dup"
+    client.delete(key)
+    wait_for(lambda: second.state()["state"] == "member", 5, "the second registers")
+    time.sleep(2.5)  # two of the first's refreshes
+    seen = set()
+    for _ in range(20):
+        kv = client.get(key)
+        seen.add(kv.value if kv else None)
+        time.sleep(0.1)
+    assert seen == {second.record.to_json()}
+    assert first.state()["state"] == "joining"
+    assert first.state()["node_id_conflicts"] == 1
+    assert "another live process" in first.state()["last_error"]
+
+
+def test_a_listing_that_keeps_failing_isolates_whatever_the_renewals_do(etcd, members):
+    """Renewals that succeed while every listing fails do not keep the
+    last view past the grace: the member isolates, and counts one outage."""
+    a = members("a", refresh_seconds=0.1, grace_seconds=1.0, lease_ttl=2)
+    b = members("b")
+    assert a.start() and b.start()
+    wait_for(lambda: ids_of(a) == ["a", "b"], 5, "both registered")
+
+    def failing(prefix, timeout=None):
+        raise ClusterError("listing refused (test)")
+
+    a.client.range_prefix = failing  # type: ignore[method-assign]
+    b.close()
+    wait_for(lambda: a.state()["state"] == "isolated", 5, "a isolates")
+    assert ids_of(a) == ["a"]
+    assert a.state()["renewals"] >= 1
+    assert a.state()["outages"] == 1
+
+
+def test_a_change_the_watch_never_reports_makes_it_again(etcd, members):
+    """A watch whose connection stays open but silent (its far end gone
+    behind a proxy): once listings show a change it has not reported for a
+    refresh period, the member makes the watch again."""
+    a = members("a", refresh_seconds=0.5)
+    assert a.start()
+    wait_for(lambda: a.state()["watching"], 5, "a watches")
+    with a._lock:
+        watch = a._watch
+    assert watch is not None
+    real = watch.next_change
+    quiet = threading.Event()
+
+    def silent() -> int:
+        if quiet.is_set():
+            while not watch._closed:
+                time.sleep(0.05)
+        return real()
+
+    watch.next_change = silent  # type: ignore[method-assign]
+    quiet.set()
+    # The reader is in a real next_change now: the first change goes to it.
+    b = members("b")
+    assert b.start()
+    wait_for(lambda: ids_of(a) == ["a", "b"], 5, "a lists b")
+    c = members("c")
+    assert c.start()
+    wait_for(lambda: a.state()["watches_stale"] == 1, 10, "the silent watch is made again")
+    wait_for(lambda: a.state()["watches_made"] == 2, 5, "a second watch")
+    wait_for(lambda: ids_of(a) == ["a", "b", "c"], 5, "a sees c")
+
+
+@pytest.fixture
+def answering_endpoint() -> Iterator[Callable[[bytes], str]]:
+    """Endpoints that answer every request with the raw HTTP answer given."""
+    stops: list[Callable[[], None]] = []
+
+    def make(answer: bytes) -> str:
+        stop = threading.Event()
+        listener = _local_listener()
+
+        def serve() -> None:
+            while not stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.settimeout(2)
+                    try:
+                        conn.recv(65536)
+                        conn.sendall(answer)
+                    except OSError:
+                        pass
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+
+        def close() -> None:
+            stop.set()
+            t.join(5)
+            listener.close()
+
+        stops.append(close)
+        return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    yield make
+    for close in stops:
+        close()
+
+
+def _http(status: str, body: bytes, headers: str = "") -> bytes:
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n{headers}"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+
+
+def test_answers_of_proxies_in_front_of_etcd_are_cluster_errors(answering_endpoint, etcd):
+    """Error bodies that are JSON but not objects, and redirects, fail as
+    ClusterError within the deadline (a redirect is not followed, so the
+    token goes nowhere else); a 429 or 408 from one endpoint moves on to
+    the next."""
+    for body in (b"[]", b"null", b"503", b'"text"'):
+        client = EtcdClient([answering_endpoint(_http("503 Unavailable", body))], timeout=1.0)
+        with pytest.raises(ClusterError, match="HTTP 503"):
+            client.grant(5)
+    moved = answering_endpoint(_http("302 Found", b"{}", "Location: http://127.0.0.1:9/x\r\n"))
+    client = EtcdClient([moved], timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match="HTTP 302"):
+        client.range_prefix(b"/x/")
+    assert time.monotonic() - t0 < 1.3
+    for status in ("429 Too Many Requests", "408 Request Timeout"):
+        busy = answering_endpoint(_http(status, b'{"message":"etcdserver: too many requests"}'))
+        assert EtcdClient([busy, etcd.endpoint], timeout=2.0).grant(5) > 0
+
+
+def test_a_watch_answer_that_closes_its_connection_is_read(answering_endpoint):
+    """A watch answered with "Connection: close" (a proxy, HTTP/1.0) is read
+    as any other: its changes are reported, and close() ends it."""
+    created = b'{"result":{"header":{"revision":"7"},"created":true}}\n'
+    change = b'{"result":{"header":{"revision":"8"},"events":[{"kv":{}}]}}\n'
+    endpoint = answering_endpoint(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+        + created
+        + change
+    )
+    watch = EtcdClient([endpoint], timeout=2.0).watch_prefix(b"/x/")
+    assert watch.revision == 7
+    assert watch.next_change() == 1 and watch.revision == 8
+    watch.close()
+    with pytest.raises(ClusterError):
+        watch.next_change()
+
+
+def test_a_generation_at_the_largest_integer_starts_again_from_the_clock(etcd):
+    client = EtcdClient([etcd.endpoint])
+    client.put(generation_key("t", "big"), str((1 << 63) - 1).encode())
+    before = time.time_ns() // 1000
+    g = next_generation(client, "t", "big")
+    assert before <= g < (1 << 63) - 1
+    Membership(client, "t", "big", generation=g)  # accepted
+
+
+def test_an_endpoint_with_a_user_is_refused():
+    with pytest.raises(ValueError, match="no user in the endpoint"):
+        EtcdClient(["http://user:secret@127.0.0.1:2379"])
+
+
+def test_a_lease_gone_behind_a_members_back_is_registered_again_at_once(etcd, members):
+    """A lease that etcd no longer has (revoked, or an etcd that lost its
+    data) found by the refresh: the member registers again at once, with
+    no outage counted for a service that answered."""
+    client = EtcdClient([etcd.endpoint])
+    a = members("a", lease_ttl=30)  # renewals 10 s apart: the refresh finds it first
+    assert a.start()
+    lease = a.state()["lease"]
+    client.revoke(int(lease, 16) if isinstance(lease, str) else lease)
+    wait_for(lambda: a.state()["registrations"] == 2, 5, "registered again")
+    assert a.state()["outages"] == 0
+    assert a.state()["state"] == "member"
+
+
+def test_more_members_than_listed_do_not_hide_a_members_own_record(etcd, members):
+    """With more records than a listing keeps, sorted before the member's
+    own key, the member still finds its record and does not publish it
+    again at every refresh."""
+    from cascade.cluster.membership import MAX_MEMBERS
+
+    client = EtcdClient([etcd.endpoint], timeout=10.0)
+    prefix = members_prefix("t")
+    for i in range(MAX_MEMBERS + 4):
+        node = f"m{i:05d}"
+        value = b'{"format":1,"node_id":"%s","generation":1}' % node.encode()
+        client.put(prefix + node.encode(), value)
+    z = members("z", refresh_seconds=0.2, timeout=10.0, lease_ttl=60)
+    assert z.start()
+    revision = client.range_prefix(prefix + b"z")[0]
+    time.sleep(2.0)  # ten refreshes
+    assert client.range_prefix(prefix + b"z")[0] == revision
+    assert len(z.view().members) == MAX_MEMBERS + 1  # and its own

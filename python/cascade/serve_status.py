@@ -146,6 +146,18 @@ CLUSTER_METRICS = [
         "Watches of the members' keys made (the first, and each after one broke)",
     ),
     (
+        "cluster_watches_stale_total",
+        "watches_stale",
+        "counter",
+        "Watches made again because a listing showed a change they had not reported",
+    ),
+    (
+        "cluster_node_id_conflicts_total",
+        "node_id_conflicts",
+        "counter",
+        "Times this member gave its node id up to another live process registered under it",
+    ),
+    (
         "cluster_thread_errors_total",
         "thread_errors",
         "counter",

@@ -45,6 +45,11 @@ GRPC_NOT_FOUND = 5
 MAX_RESPONSE_BYTES = 16 << 20
 
 
+# A watch's connection: probed after 10 s of silence, every 5 s, and given up
+# after 3 probes unanswered.
+_WATCH_KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+
+
 class _DeadlineSocket:
     """A connected socket whose every send and receive is bounded by the
     time left to one deadline, so no exchange outlives it."""
@@ -56,9 +61,17 @@ class _DeadlineSocket:
         self._closed = False
 
     def lift(self) -> None:
-        """No deadline from now on (a watch, once created)."""
+        """No deadline from now on (a watch, once created). TCP keepalives
+        instead end a connection whose far end vanished without a word."""
         self._deadline = None
         self._sock.settimeout(None)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for name, value in _WATCH_KEEPALIVE:
+                if hasattr(socket, name):
+                    self._sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+        except OSError:
+            pass  # not TCP: nothing to keep alive
 
     def _arm(self) -> None:
         if self._deadline is None:
@@ -109,7 +122,9 @@ class _DeadlineConnection(http.client.HTTPConnection):
 
     def connect(self) -> None:
         super().connect()
-        self.sock = _DeadlineSocket(self.sock, self._deadline)
+        # Kept here too: an answer with "Connection: close" takes conn.sock.
+        self.deadline_socket = _DeadlineSocket(self.sock, self._deadline)
+        self.sock = self.deadline_socket
 
 
 class _DeadlineHTTPSConnection(_DeadlineConnection, http.client.HTTPSConnection):
@@ -121,6 +136,14 @@ def _connection(endpoint: str, timeout: float, context: ssl.SSLContext | None):
     if endpoint.startswith("https://"):
         return _DeadlineHTTPSConnection(netloc, timeout=timeout, context=context)
     return _DeadlineConnection(netloc, timeout=timeout)
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """etcd never redirects: a 3xx (a proxy in the way) is an error, not a
+    new request with a new deadline and the token sent elsewhere."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
 
 
 class _DeadlineHandler(urllib.request.HTTPHandler):
@@ -199,6 +222,10 @@ def prefix_end(prefix: bytes) -> bytes:
     return b"\0"  # every key
 
 
+# The largest value ``increase`` stores: a signed 64-bit integer's.
+_MAX_COUNT = (1 << 63) - 1
+
+
 def check_endpoint(endpoint: str) -> str:
     """``http://host:port`` or ``https://host:port`` without a trailing
     slash; ValueError otherwise."""
@@ -214,6 +241,11 @@ def check_endpoint(endpoint: str) -> str:
         or not port
     ):
         raise ValueError(f"etcd endpoint {endpoint!r}: expected http(s)://HOST:PORT")
+    if parsed.username is not None or parsed.password is not None:
+        raise ValueError(
+            f"etcd endpoint {parsed.scheme}://...@{parsed.hostname}: no user in the endpoint; "
+            "give it as cluster.username and cluster.password_file"
+        )
     if parsed.path not in ("", "/") or parsed.query or parsed.fragment:
         raise ValueError(f"etcd endpoint {endpoint!r}: expected http(s)://HOST:PORT, no path")
     return endpoint.rstrip("/")
@@ -237,6 +269,9 @@ class PrefixWatch:
         self._response = response
         self.endpoint = endpoint
         self._closed = False
+        # The newest revision etcd said this watch is up to (its answers'
+        # headers): changes up to it have been reported.
+        self.revision = 0
 
     def next_change(self) -> int:
         try:
@@ -277,6 +312,10 @@ class PrefixWatch:
             events = result.get("events") or []
             if not isinstance(events, list):
                 raise ClusterError(f"etcd watch at {self.endpoint}: events is not a list")
+            try:
+                self.revision = max(self.revision, EtcdClient._revision(result))
+            except ClusterError:
+                pass  # an answer without a header: no newer revision
             if events:
                 return len(events)
             # A progress notice, or the answer to the watch's creation.
@@ -289,7 +328,7 @@ class PrefixWatch:
         """Ends the watch: a reader blocked in next_change wakes and raises
         (and closes the connection). Safe from any thread, more than once."""
         self._closed = True
-        sock = self._conn.sock
+        sock = getattr(self._conn, "deadline_socket", None)
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -351,7 +390,11 @@ class EtcdClient:
         self._token_lock = threading.Lock()
         self.authentications = 0  # tokens fetched
         # No proxy from the environment: the service is reached directly.
-        handlers: list[Any] = [urllib.request.ProxyHandler({}), _DeadlineHandler()]
+        handlers: list[Any] = [
+            urllib.request.ProxyHandler({}),
+            _NoRedirects(),
+            _DeadlineHandler(),
+        ]
         if self._tls is not None:
             handlers.append(_DeadlineHTTPSHandler(self._tls))
         self._opener = urllib.request.build_opener(*handlers)
@@ -435,9 +478,13 @@ class EtcdClient:
                     info = json.loads(e.read(65536) or b"{}")
                 except (ValueError, RecursionError, OSError):
                     info = {}
+                if not isinstance(info, dict):  # a proxy's answer, not etcd's
+                    info = {}
                 message = info.get("message") or info.get("error") or e.reason
                 code = info.get("code")
-                if code == GRPC_NOT_FOUND or e.code < 500:
+                # 408 and 429 (etcd's "too many requests") are one member's
+                # passing state: another may answer.
+                if code == GRPC_NOT_FOUND or (e.code < 500 and e.code not in (408, 429)):
                     raise ClusterError(
                         f"etcd {path} at {endpoint}: HTTP {e.code}: {message}",
                         not_found=code == GRPC_NOT_FOUND,
@@ -567,7 +614,8 @@ class EtcdClient:
         larger of ``floor`` and one more than the integer there, and returns
         it: a compare-and-swap on the key's revision, tried again when
         another writer came between, so callers at once get distinct
-        values. A value there that is not a decimal integer counts as 0."""
+        values. A value there that is not a decimal integer below 2^63 - 1
+        counts as 0."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
             left = deadline - time.monotonic()
@@ -578,6 +626,8 @@ class EtcdClient:
             if kv is not None:
                 text = kv.value.decode("ascii", "replace")
                 last = int(text) if text.isdigit() and len(text) <= 20 else 0
+                if last >= _MAX_COUNT:  # no larger value fits: start again from the floor
+                    last = 0
             value = max(int(floor), last + 1)
             compare = (
                 {"target": "MOD", "key": _b64(key), "mod_revision": str(kv.mod_revision)}
@@ -695,8 +745,8 @@ class EtcdClient:
                 result = answer.get("result") if isinstance(answer, dict) else None
                 if not isinstance(result, dict) or not result.get("created"):
                     raise ClusterError(f"not a watch's creation: {first[:200]!r}")
-                assert isinstance(conn.sock, _DeadlineSocket)
-                conn.sock.lift()
+                watch.revision = self._revision(result)
+                conn.deadline_socket.lift()
                 return watch
             except (
                 ClusterError,

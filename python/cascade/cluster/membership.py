@@ -73,8 +73,16 @@ COUNTERS = (
     "outages",
     "watch_changes",
     "watches_made",
+    "watches_stale",
+    "node_id_conflicts",
     "thread_errors",
 )
+
+
+def _some(ids: list[str], shown: int = 16) -> str:
+    """The first ``shown`` of ``ids`` for a log line, and how many more."""
+    more = len(ids) - shown
+    return ", ".join(ids[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def next_generation(
@@ -169,6 +177,10 @@ class Membership:
         self._lease = 0
         self._state = "joining"
         self._unreachable_since: float | None = None  # monotonic
+        # When the member listing began to fail (monotonic), None while it works.
+        self._listing_failed_since: float | None = None
+        # When a listing first showed a change the watch had not reported.
+        self._watch_behind_since: float | None = None
         self._last_error = ""
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._watch_enabled = bool(watch)
@@ -337,6 +349,12 @@ class Membership:
                 logger.debug("watching %s: %s", self.prefix, e)
                 self._stop.wait(1.0)
                 continue
+            except Exception:  # a bug, an answer nobody foresaw: the watcher goes on
+                with self._lock:
+                    self._counters["thread_errors"] += 1
+                logger.exception("cluster %s: making a watch failed", self.cluster)
+                self._stop.wait(1.0)
+                continue
             with self._lock:
                 if self._stop.is_set():
                     watch.close()
@@ -357,6 +375,10 @@ class Membership:
             except ClusterError as e:
                 if not self._stop.is_set():
                     logger.debug("watch of %s ended: %s", self.prefix, e)
+            except Exception:
+                with self._lock:
+                    self._counters["thread_errors"] += 1
+                logger.exception("cluster %s: reading the watch failed", self.cluster)
             finally:
                 with self._lock:
                     self._watch = None
@@ -485,20 +507,24 @@ class Membership:
         except ClusterError as e:
             with self._lock:
                 self._counters["refresh_failures"] += 1
+                if self._listing_failed_since is None:
+                    self._listing_failed_since = time.monotonic()
             self._failed("member listing", e)
             return
         members: dict[str, MemberRecord] = {}
         own_entry: KeyValue | None = None
+        newest = 0  # the newest change the listing shows
         for item in items:
-            if len(members) >= MAX_MEMBERS:
-                self._bad(b"", 0, f"more than {MAX_MEMBERS} records; the rest are ignored")
-                break
             if isinstance(item, str):
                 self._bad(b"", revision, item)
                 continue
-            node = item.key[len(self.prefix) :]
+            newest = max(newest, item.mod_revision)
             if item.key == self.key:
-                own_entry = item
+                own_entry = item  # looked at whatever the records before it
+            if len(members) >= MAX_MEMBERS and item.key != self.key:
+                self._bad(b"", 0, f"more than {MAX_MEMBERS} records; the rest are ignored")
+                continue
+            node = item.key[len(self.prefix) :]
             try:
                 record = parse_record(node.decode(), item.value)
             except (ValueError, UnicodeDecodeError) as e:
@@ -507,11 +533,22 @@ class Membership:
             members[record.node_id] = record
         with self._lock:
             self._counters["refreshes"] += 1
+            self._listing_failed_since = None
             outage = self._reachable()
             registered = bool(self._lease)
         if outage:
             logger.info("coordination service back after %.1f s", outage)
+        self._check_watch(newest)
         lease = self._lease
+        if registered and own_entry is not None and own_entry.lease not in (0, lease):
+            if not self._is_own(own_entry):
+                # Another live process of this node id holds the key (this
+                # one's record was deleted while its lease lived, and the
+                # other registered meanwhile): it keeps it, and this one
+                # waits for it to leave, as a registration does.
+                self._yield_node_id(own_entry)
+                self._install(members, revision)
+                return
         if registered and (
             own_entry is None
             or own_entry.lease != lease
@@ -519,17 +556,71 @@ class Membership:
         ):
             # The record went while the lease lives (deleted by someone, or
             # the lease just expired), or something else was written over it
-            # (another value, or no lease): publish it again. A lease of ours
-            # that has expired meanwhile fails the put, and the renewal
-            # registers again.
+            # (another value, or no lease): publish it again, where it is
+            # missing only if it still is. A lease of ours that has expired
+            # meanwhile fails the put, and this member registers again.
             what = "missing" if own_entry is None else "overwritten"
             try:
-                self.client.put(self.key, self.record.to_json(), lease)
+                if own_entry is None:
+                    taken = self.client.create(self.key, self.record.to_json(), lease)
+                    if taken is not None:  # written by another meanwhile: the next listing says
+                        self._install(members, revision)
+                        return
+                else:
+                    self.client.put(self.key, self.record.to_json(), lease)
                 members[self.node_id] = self.record
                 logger.warning("own record of %s was %s: published again", self.node_id, what)
             except ClusterError as e:
-                self._failed("re-publishing the record", e)
+                if e.not_found:  # the lease is gone (an etcd that lost its data): register
+                    with self._lock:
+                        self._lease = 0
+                        self._reachable()
+                    self._try_register()
+                else:
+                    self._failed("re-publishing the record", e)
         self._install(members, revision)
+
+    def _yield_node_id(self, holder: KeyValue) -> None:
+        """Gives this member's lease up to another live process of its node id."""
+        with self._lock:
+            lease, self._lease = self._lease, 0
+            self._counters["node_id_conflicts"] += 1
+            self._last_error = (
+                f"node id {self.node_id} is registered by another live process "
+                f"(lease {holder.lease:x}); waiting for it to leave or expire"
+            )
+            self._reachable()
+        logger.warning("%s; this process leaves the view meanwhile", self._last_error)
+        try:
+            self.client.revoke(lease)
+        except ClusterError:
+            pass  # the lease expires by itself
+
+    def _check_watch(self, newest: int) -> None:
+        """Makes the watch again when a listing shows a change it has not
+        reported for a whole refresh period: a connection whose far end is
+        gone without a word (a proxy that keeps it open) reports nothing."""
+        with self._lock:
+            watch = self._watch
+            if watch is None or newest <= watch.revision:
+                self._watch_behind_since = None
+                return
+            now = time.monotonic()
+            if self._watch_behind_since is None:
+                self._watch_behind_since = now
+                return
+            if now - self._watch_behind_since < self.refresh_seconds:
+                return
+            self._watch_behind_since = None
+            self._counters["watches_stale"] += 1
+        logger.warning(
+            "cluster %s: the watch at %s has not reported revision %d for %.0f s; made again",
+            self.cluster,
+            watch.endpoint,
+            newest,
+            self.refresh_seconds,
+        )
+        watch.close()
 
     def _install(self, members: dict[str, MemberRecord], revision: int) -> None:
         """Makes ``members`` the view (and its ring) if it differs. Called by
@@ -559,8 +650,8 @@ class Membership:
             self.cluster,
             version,
             len(members),
-            f"; joined: {', '.join(joined)}" if joined else "",
-            f"; left: {', '.join(left)}" if left else "",
+            f"; joined: {_some(joined)}" if joined else "",
+            f"; left: {_some(left)}" if left else "",
         )
 
     def _check_grace(self) -> None:
@@ -610,7 +701,10 @@ class Membership:
 
     def _reachable(self) -> float:
         """Marks the service as answering (caller holds the lock); the length
-        of the outage that ends, or 0.0."""
+        of the outage that ends, or 0.0. While the member listing fails, a
+        renewal that succeeds ends no outage: the view is what goes stale."""
+        if self._listing_failed_since is not None:
+            return 0.0
         since, self._unreachable_since = self._unreachable_since, None
         self._state = "member" if self._lease else "joining"
         return time.monotonic() - since if since is not None else 0.0
