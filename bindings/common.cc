@@ -140,6 +140,7 @@ BufferRef& BufferRef::operator=(BufferRef&& o) noexcept {
     has_view_ = o.has_view_;
     keep_ = std::move(o.keep_);
     held_ = std::move(o.held_);
+    held_ro_ = std::move(o.held_ro_);
     o.has_view_ = false;
   }
   return *this;
@@ -156,6 +157,18 @@ BufferRef BufferRef::writable(nb::handle obj, const char* what, std::vector<int>
   return make(obj, true, what, ordered);
 }
 
+// Whether a buffer's struct-style format holds object ('O') or pointer
+// ('&') items; field names (between colons) are skipped.
+static bool holds_objects(const char* format) {
+  if (!format) return false;
+  bool in_name = false;
+  for (const char* c = format; *c; ++c) {
+    if (*c == ':') in_name = !in_name;
+    else if (!in_name && (*c == 'O' || *c == '&')) return true;
+  }
+  return false;
+}
+
 BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what,
                           std::vector<int>* ordered) {
   BufferRef ref;
@@ -164,6 +177,12 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what,
     int flags = PyBUF_RECORDS_RO;  // strides + format, so we can check contiguity ourselves
     if (PyObject_GetBuffer(obj.ptr(), &ref.view_, flags) != 0) throw nb::python_error();
     ref.has_view_ = true;
+    if (holds_objects(ref.view_.format)) {
+      throw nb::type_error((w + " holds Python objects (format '" + ref.view_.format +
+                            "', such as a numpy array of dtype object): its bytes are "
+                            "pointers; pass an array of numbers")
+                               .c_str());
+    }
     if (!PyBuffer_IsContiguous(&ref.view_, 'C')) {
       throw nb::value_error((w +
                              " is not contiguous; pass a contiguous array "
@@ -190,7 +209,7 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what,
     // event each time). A producer that takes no stream, or refuses one
     // (torch for a tensor of another than the current device), is imported
     // as before, unordered.
-    nb::object src = nb::borrow(obj);
+    nb::object src;
     if (nb::hasattr(obj, "__dlpack_device__")) {
       nb::object where = obj.attr("__dlpack_device__")();
       long type = -1, index = -1;  // the items may be IntEnums (torch)
@@ -212,34 +231,94 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what,
         }
       }
     }
-    nb::ndarray<> arr;
-    if (!nb::try_cast(src, arr, false)) {
-      throw nb::type_error((w + ": could not import it through DLPack").c_str());
-    }
-    size_t ndim = arr.ndim();
-    int64_t expect = 1;
-    for (size_t d = ndim; d-- > 0;) {
-      if (arr.shape(d) != 1 && arr.stride(d) != expect) {
-        throw nb::value_error((w + " is not contiguous; pass a contiguous tensor "
-                                   "(tensor.contiguous()): cascade never copies input silently")
+    // A torch view whose values are not its bytes (the conjugate or
+    // negative bit set): DLPack carries the bytes alone.
+    for (const char* bit : {"is_conj", "is_neg"}) {
+      if (!nb::hasattr(obj, bit)) continue;
+      nb::object set = obj.attr(bit)();
+      if (PyObject_IsTrue(set.ptr()) == 1) {
+        throw nb::value_error((w +
+                               ": its producer would not export it through DLPack as its "
+                               "values (" +
+                               bit +
+                               "() is true); for a torch tensor: "
+                               "tensor.resolve_conj().resolve_neg()")
                                   .c_str());
       }
-      expect *= static_cast<int64_t>(arr.shape(d));
     }
-    ref.data_ = arr.data();
-    ref.size_ = static_cast<uint64_t>(arr.nbytes());
-    int dev = arr.device_type();
-    if (dev == nb::device::cpu::value || dev == nb::device::cuda_host::value) {
-      ref.kind_ = MemoryKind::kHost;
-    } else if (dev == nb::device::cuda::value || dev == nb::device::cuda_managed::value) {
-      ref.kind_ = MemoryKind::kDevice;
-      ref.device_ = arr.device_id();
+    if (!src.is_valid()) {
+      // The producer's own export, whose checks stand (torch refuses a
+      // tensor whose conjugate or negative bit is set, or one that requires
+      // grad): nanobind would otherwise fall back to an export of the raw
+      // storage, which ignores those bits.
+      // DLPack 1.0 first, whose flags say read-only (an older producer
+      // refuses the argument, or a read-only tensor without it).
+      try {
+        src = obj.attr("__dlpack__")(nb::arg("max_version") = nb::make_tuple(1, 0));
+      } catch (nb::python_error& e) {
+        if (!e.matches(PyExc_TypeError) && !e.matches(PyExc_BufferError) &&
+            !e.matches(PyExc_RuntimeError))
+          throw;
+      }
+      if (!src.is_valid()) {
+        try {
+          src = obj.attr("__dlpack__")();
+        } catch (nb::python_error& e) {
+          if (!e.matches(PyExc_BufferError) && !e.matches(PyExc_TypeError) &&
+              !e.matches(PyExc_RuntimeError))
+            throw;
+          throw nb::value_error((w + ": its producer would not export it through DLPack (" +
+                                 std::string(nb::str(e.value()).c_str()) +
+                                 "); for a torch tensor: tensor.resolve_conj().resolve_neg() "
+                                 "or tensor.detach()")
+                                    .c_str());
+        }
+      }
+    }
+    auto take = [&](auto& arr) {
+      size_t ndim = arr.ndim();
+      int64_t expect = 1;
+      for (size_t d = ndim; d-- > 0;) {
+        if (arr.shape(d) != 1 && arr.stride(d) != expect) {
+          throw nb::value_error((w + " is not contiguous; pass a contiguous tensor "
+                                     "(tensor.contiguous()): cascade never copies input silently")
+                                    .c_str());
+        }
+        expect *= static_cast<int64_t>(arr.shape(d));
+      }
+      ref.data_ = const_cast<void*>(static_cast<const void*>(arr.data()));
+      ref.size_ = static_cast<uint64_t>(arr.nbytes());
+      int dev = arr.device_type();
+      if (dev == nb::device::cpu::value || dev == nb::device::cuda_host::value) {
+        ref.kind_ = MemoryKind::kHost;
+      } else if (dev == nb::device::cuda::value || dev == nb::device::cuda_managed::value) {
+        ref.kind_ = MemoryKind::kDevice;
+        ref.device_ = arr.device_id();
+      } else {
+        throw nb::value_error((w + " lives on a device cascade cannot reach (DLPack device type " +
+                               std::to_string(dev) + ")")
+                                  .c_str());
+      }
+    };
+    if (writable) {
+      nb::ndarray<> arr;
+      if (!nb::try_cast(src, arr, false)) {
+        // A capsule is consumed by its first import: a read-only one is told
+        // apart by its own flag, not by a second import.
+        throw nb::type_error((w + ": could not import it through DLPack for writing (a "
+                                  "read-only tensor, such as a lease's view, or not a tensor)")
+                                 .c_str());
+      }
+      take(arr);
+      ref.held_ = std::move(arr);
     } else {
-      throw nb::value_error((w + " lives on a device cascade cannot reach (DLPack device type " +
-                             std::to_string(dev) + ")")
-                                .c_str());
+      nb::ndarray<nb::ro> arr;
+      if (!nb::try_cast(src, arr, false)) {
+        throw nb::type_error((w + ": could not import it through DLPack").c_str());
+      }
+      take(arr);
+      ref.held_ro_ = std::move(arr);
     }
-    ref.held_ = std::move(arr);
     ref.keep_ = nb::borrow(obj);
     return ref;
   }
@@ -250,12 +329,36 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what,
                            .c_str());
 }
 
+// The extent of a single batch buffer's first dimension when it has two or
+// more (one row per block), else -1 (bytes split evenly among the keys).
+static int64_t leading_extent(nb::handle obj) {
+  if (!nb::hasattr(obj, "shape")) return -1;
+  nb::object shape = obj.attr("shape");
+  if (!PySequence_Check(shape.ptr())) return -1;
+  const Py_ssize_t ndim = PySequence_Size(shape.ptr());
+  if (ndim < 2) {
+    PyErr_Clear();
+    return -1;
+  }
+  nb::object first = nb::steal(PySequence_GetItem(shape.ptr(), 0));
+  if (!first.is_valid() || !PyLong_Check(first.ptr())) {
+    PyErr_Clear();
+    return -1;
+  }
+  return PyLong_AsLongLong(first.ptr());
+}
+
 static bool is_single_buffer(nb::handle obj) {
   return PyObject_CheckBuffer(obj.ptr()) || nb::hasattr(obj, "__dlpack__");
 }
 
 BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable) {
   BatchArgs a;
+  if (PyUnicode_Check(keys.ptr()) || PyBytes_Check(keys.ptr()) || PyByteArray_Check(keys.ptr())) {
+    // One key, not a sequence of keys: it would be taken a character each.
+    throw nb::type_error(
+        "block_ids: a sequence of keys, not a single str or bytes; wrap one key in a list");
+  }
   // A list or tuple is read in place; other sequences by index, through
   // their own __getitem__ (an unordered collection, a set say, fails there
   // rather than pair keys with buffers in an order the caller cannot know).
@@ -276,6 +379,13 @@ BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable) {
   if (is_single_buffer(buffers)) {
     BufferRef big =
         writable ? BufferRef::writable(buffers, what) : BufferRef::readable(buffers, what);
+    const int64_t rows = leading_extent(buffers);
+    if (rows >= 0 && static_cast<uint64_t>(rows) != n) {
+      throw nb::value_error((std::string(what) + " is one buffer of " + std::to_string(rows) +
+                             " rows for " + std::to_string(n) +
+                             " keys; they must pair up (one row per block)")
+                                .c_str());
+    }
     if (n == 0 || big.size() % n != 0) {
       throw nb::value_error((std::string(what) + " is one buffer of " + std::to_string(big.size()) +
                              " bytes, which does not split into " + std::to_string(n) +

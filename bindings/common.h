@@ -73,8 +73,9 @@ class BufferRef {
   int device_ = -1;
   Py_buffer view_{};
   bool has_view_ = false;
-  nb::object keep_;     // the DLPack exporter
-  nb::ndarray<> held_;  // the imported DLPack tensor (its capsule's owner keeps the bytes)
+  nb::object keep_;              // the DLPack exporter
+  nb::ndarray<> held_;           // the imported DLPack tensor (its capsule's owner keeps the bytes)
+  nb::ndarray<nb::ro> held_ro_;  // the same, imported for reading only
 };
 
 // Raises BufferTooSmallError (a ValueError) with .needed set.

@@ -62,6 +62,7 @@ struct DLManagedTensorVersioned {
   uint64_t flags;
   DLTensor dl_tensor;
 };
+constexpr uint64_t kDlpackReadOnly = 1;  // DLPACK_FLAG_BITMASK_READ_ONLY
 constexpr int32_t kDLCPU = 1;
 constexpr int32_t kDLCUDA = 2;
 
@@ -80,8 +81,15 @@ class PyBlockLease {
   PyBlockLease(const PyBlockLease&) = delete;
   ~PyBlockLease() { end(); }
 
-  bool released() const { return released_ || !view_; }
+  // A lease inherited by a forked child reads as released there: its
+  // block's mapping is the parent's alone.
+  bool forked() const { return fork_generation() != generation_; }
+  bool released() const { return released_ || !view_ || forked(); }
   void check_live() const {
+    if (forked())
+      raise_status(Status::Unavailable(
+          "the lease belongs to the process this one was forked from; lease the block again "
+          "through a store opened here"));
     if (released()) raise_status(Status::InvalidArgument("the lease was released"));
   }
   uintptr_t ptr() const {
@@ -172,6 +180,10 @@ void versioned_capsule_dtor(PyObject* cap) {
 nb::object dlpack_export(nb::handle self, nb::handle stream, nb::handle max_version,
                          nb::handle dl_device, nb::handle copy) {
   PyBlockLease& lease = nb::cast<PyBlockLease&>(self);
+  if (lease.forked())
+    throw nb::buffer_error(
+        "the lease belongs to the process this one was forked from: its block is not mapped "
+        "here; lease it again through a store opened in this process");
   if (lease.released()) throw nb::buffer_error("the lease was released; nothing to export");
   if (copy.is_valid() && !copy.is_none() && nb::cast<bool>(copy))
     throw nb::buffer_error("a BlockLease exports its block in place; copy=True is not supported");
@@ -204,7 +216,9 @@ nb::object dlpack_export(nb::handle self, nb::handle stream, nb::handle max_vers
     ctx->versioned.version = {1, 0};
     ctx->versioned.manager_ctx = ctx;
     ctx->versioned.deleter = versioned_deleter;
-    ctx->versioned.flags = 0;
+    // Blocks are immutable: a consumer that honours the flag (numpy) makes a
+    // read-only array, which a get then refuses as its destination.
+    ctx->versioned.flags = kDlpackReadOnly;
     ctx->versioned.dl_tensor = t;
     cap = PyCapsule_New(&ctx->versioned, "dltensor_versioned", versioned_capsule_dtor);
   } else {

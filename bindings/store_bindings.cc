@@ -12,6 +12,7 @@
 #include "cuda/device_copy.h"
 #include "guarded.h"
 #include "store_wrap.h"
+#include "util/fork_generation.h"
 
 namespace cascade::py {
 
@@ -83,10 +84,18 @@ class BatchHandle {
  public:
   BatchHandle(std::shared_ptr<BatchTask> task, BatchArgs args, bool gets)
       : task_(std::move(task)), args_(std::move(args)), gets_(gets) {}
+  bool forked() const { return fork_generation() != generation_; }
   BatchHandle(const BatchHandle&) = delete;
   BatchHandle& operator=(const BatchHandle&) = delete;
   ~BatchHandle() {
     if (task_ && !task_->done()) {
+      if (forked()) {
+        // A forked child: the threads that would end the batch are the
+        // parent's, and its buffers are the parent's to free.
+        new std::shared_ptr<BatchTask>(std::move(task_));
+        new BatchArgs(std::move(args_));
+        return;
+      }
       nb::gil_scoped_release release;
       task_->wait();
     }
@@ -94,6 +103,10 @@ class BatchHandle {
   bool done() const { return task_->done(); }
   // Waits; returns the count of items that succeeded (and, for gets, sizes).
   nb::object wait() {
+    if (!task_->done() && forked())
+      raise_status(Status::Unavailable(
+          "this batch belongs to the process this one was forked from, where it runs; it "
+          "never ends here"));
     {
       nb::gil_scoped_release release;
       task_->wait();
@@ -114,6 +127,7 @@ class BatchHandle {
   std::shared_ptr<BatchTask> task_;
   BatchArgs args_;
   bool gets_;
+  uint64_t generation_ = fork_generation();  // of the process that began the batch
 };
 
 class PyStore {

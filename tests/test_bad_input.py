@@ -137,3 +137,74 @@ def test_file_at_shm_path_that_is_not_an_arena_is_left_alone(make_config):
         cascade.CascadeStore(cfg)
     with open(cfg.shm_path, "rb") as f:
         assert f.read() == b"garbage"
+
+
+def test_buffers_of_python_objects_are_refused(store):
+    # Their bytes are pointers: a get into one would corrupt the interpreter.
+    objects = np.array([object(), "x"], dtype=object)
+    with pytest.raises(TypeError, match="holds Python objects"):
+        store.put("obj", objects)
+    store.put("obj", b"\x01" * 16)
+    with pytest.raises(TypeError, match="holds Python objects"):
+        store.get("obj", objects)
+    mixed = np.zeros(2, dtype=[("n", "i8"), ("o", "O")])
+    with pytest.raises(TypeError, match="holds Python objects"):
+        store.get("obj", mixed)
+    assert store.get("obj") == b"\x01" * 16
+
+
+def test_a_single_key_is_not_a_batch_of_characters(store):
+    rows = np.zeros((32, 16), np.uint8)
+    for keys in ("0123456789abcdef0123456789abcdef", b"key"):
+        with pytest.raises(TypeError, match="not a single str or bytes"):
+            store.put_batch(keys, rows)
+        with pytest.raises(TypeError, match="not a single str or bytes"):
+            store.contains_batch(keys)
+    assert not store.contains("0")
+
+
+def test_one_buffer_for_a_batch_has_a_row_per_key(store):
+    six_rows = np.zeros((6, 1024), np.uint8)
+    with pytest.raises(ValueError, match="6 rows for 3 keys"):
+        store.put_batch(["a", "b", "c"], six_rows)
+    with pytest.raises(ValueError, match="6 rows for 3 keys"):
+        store.get_batch(["a", "b", "c"], six_rows)
+    assert store.put_batch(["a", "b", "c"], six_rows[:3]) == 3
+    assert store.put_batch(["d", "e"], np.zeros(2048, np.uint8)) == 2  # 1-D: split evenly
+
+
+def test_torch_views_whose_values_are_not_their_bytes_are_refused(store):
+    torch = pytest.importorskip("torch")
+    z = torch.tensor([1 + 2j, 3 + 4j])
+    x = torch.tensor([1.0, 2.0])
+    for view in (z.conj(), x._neg_view()):
+        with pytest.raises(ValueError, match="would not export it through DLPack"):
+            store.put("v", view)
+    store.put("x", x)
+    with pytest.raises(ValueError, match="would not export"):
+        store.get("x", torch.zeros(2)._neg_view())
+    store.put("y", x._neg_view().resolve_neg())  # resolved: its bytes are its values
+    out = torch.zeros(2)
+    assert store.get("y", out) == (True, 8) and out.tolist() == [-1.0, -2.0]
+
+
+class _ReadOnlyDlpack:
+    """A producer that exports through DLPack only, read-only (DLPack 1.0's flag)."""
+
+    def __init__(self, array):
+        self._a = array
+        self._a.flags.writeable = False
+
+    def __dlpack__(self, **kw):
+        return self._a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_a_read_only_dlpack_tensor_can_be_put_not_got_into(store):
+    src = _ReadOnlyDlpack(np.arange(16, dtype=np.uint8))
+    assert store.put("ro", src)
+    assert store.get("ro") == bytes(range(16))
+    with pytest.raises(TypeError, match="for writing"):
+        store.get("ro", _ReadOnlyDlpack(np.zeros(16, np.uint8)))

@@ -421,6 +421,18 @@ def test_contains_batch_asks_the_pool_once_per_batch(server):
 # its own, tries a put, drops every inherited lease (more than one batch of
 # releases), closes the store and exits as Python exits. Prints the child's
 # exit code.
+def client_config(kind: str, sock: str, capacity: int = 16 << 20) -> dict:
+    """A client of the pool at `sock`, or ("host") a store of its own."""
+    if kind == "pool":
+        return {"pool_socket": sock, "use_gpu": False}
+    return {
+        "pipeline": "host",
+        "shm_path": f"/dev/shm/cascade-test-client-{uuid.uuid4().hex[:12]}",
+        "shm_capacity_bytes": capacity,
+        "use_gpu": False,
+    }
+
+
 FORKING_CLIENT = textwrap.dedent(
     """
     import os, sys, threading, numpy as np, cascade
@@ -464,19 +476,98 @@ def test_a_forked_child_that_drops_the_stores_leases_and_closes_it_exits_cleanly
     parent's leases reach nothing of the parent's (a pool's channels are not
     even mapped there), and closing the store there, or the child's exit,
     joins none of the parent's threads. The parent's store is untouched."""
-    srv, sock = server
-    if kind == "pool":
-        config = {"pool_socket": sock, "use_gpu": False}
-    else:
-        shm = f"/dev/shm/cascade-test-fork-{uuid.uuid4().hex[:12]}"
-        config = {
-            "pipeline": "host",
-            "shm_path": shm,
-            "shm_capacity_bytes": 16 << 20,
-            "use_gpu": False,
-        }
+    _, sock = server
     r = subprocess.run(
-        [sys.executable, "-c", FORKING_CLIENT, repr(config)],
+        [sys.executable, "-c", FORKING_CLIENT, repr(client_config(kind, sock))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "0", r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("kind", ["pool", "host"])
+def test_a_get_never_writes_into_a_stored_blocks_view(server, kind):
+    """A lease's view is read-only where the consumer honours DLPack's flag
+    (numpy); where it does not (torch), a get into it, or into any range of
+    the store's arena, is refused: it would change another stored block,
+    for every client of the pool."""
+    torch = pytest.importorskip("torch")
+    _, sock = server
+    store = cascade.CascadeStore(cascade.config_from_dict(client_config(kind, sock)))
+    try:
+        a, b = block(1), block(2)[: block(1).size]
+        store.put("view-a", a)
+        store.put("view-b", b)
+        lease = store.acquire("view-a")
+        view = np.from_dlpack(lease)
+        assert not view.flags.writeable
+        with pytest.raises(TypeError, match="read-only"):
+            store.get("view-b", view)
+        tensor = torch.from_dlpack(lease)  # torch makes it writable
+        with pytest.raises(cascade.InvalidArgumentError, match="store's own memory"):
+            store.get("view-b", tensor)
+        with pytest.raises(cascade.InvalidArgumentError, match="store's own memory"):
+            store.get_range("view-b", 0, tensor[:100])
+        assert store.get_batch(["view-b"], [tensor]) == (0, [0])
+        assert store.get_batch_async(["view-b"], [tensor]).wait() == (0, [0])
+        assert store.put("view-c", lease)  # reading a lease is fine
+        del view, tensor
+        lease.release()
+        for key, want in (("view-a", a), ("view-c", a), ("view-b", b)):
+            out = np.zeros_like(want)
+            assert store.get(key, out) == (True, want.size) and np.array_equal(out, want), key
+    finally:
+        store.close()
+
+
+FORK_WITH_WORK_IN_FLIGHT = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    import cascade
+    from cascade import _core
+    config = eval(sys.argv[1])
+    store = cascade.CascadeStore(cascade.config_from_dict(config))
+    store.put("lease-me", np.full(4096, 3, np.uint8))
+    lease = store.acquire("lease-me")
+    rows = np.zeros((64, 256 << 10), np.uint8)
+    keys = [[f"b{h}-{i}" for i in range(64)] for h in range(16)]
+    handles = [store.put_batch_async(k, rows) for k in keys]
+    pid = os.fork()
+    if pid == 0:
+        try:
+            np.from_dlpack(lease)
+            os._exit(3)  # exported a block this process has not mapped
+        except BufferError as e:
+            if "forked" not in str(e):
+                os._exit(4)
+        if not lease.released:
+            os._exit(5)
+        for h in handles:
+            try:
+                h.wait()
+            except cascade.UnavailableError as e:
+                if "forked" not in str(e):
+                    os._exit(6)
+        sys.exit(0)  # dropping the handles waits for nothing of the parent's
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+    for h in handles:
+        h.wait()
+    lease.release()
+    store.close()
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["pool", "host"])
+def test_a_child_forked_with_leases_and_batches_in_flight_neither_faults_nor_hangs(server, kind):
+    _, sock = server
+    config = client_config(kind, sock, 512 << 20)
+    r = subprocess.run(
+        [sys.executable, "-c", FORK_WITH_WORK_IN_FLIGHT, repr(config)],
         capture_output=True,
         text=True,
         timeout=120,
