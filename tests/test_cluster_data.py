@@ -387,7 +387,9 @@ def test_a_client_that_cannot_map_a_members_arena_reads_its_blocks_through_its_s
     arenas: list[str] = []
     with in_process_cluster(2, arenas=arenas) as (socks, servers):
         writer = cascade.CascadeStore(
-            cascade.config_from_dict({"pool_socket": socks[1], "pool_namespace": NS})
+            cascade.config_from_dict(
+                {"pool_socket": socks[1], "pool_namespace": NS, "use_gpu": False}
+            )
         )
         try:
             keys = [f"k{i}" for i in range(64)]
@@ -406,7 +408,9 @@ def test_a_client_that_cannot_map_a_members_arena_reads_its_blocks_through_its_s
         # A first reader: the server maps the other member's arena, and
         # answers with leases there from then on.
         first = cascade.CascadeStore(
-            cascade.config_from_dict({"pool_socket": socks[0], "pool_namespace": NS})
+            cascade.config_from_dict(
+                {"pool_socket": socks[0], "pool_namespace": NS, "use_gpu": False}
+            )
         )
         try:
             read_all(first)
@@ -419,7 +423,9 @@ def test_a_client_that_cannot_map_a_members_arena_reads_its_blocks_through_its_s
                 f.write(b"\0" * (1 << 20))
         for _ in range(2):  # the second time, with the member's arena known as unmappable
             reader = cascade.CascadeStore(
-                cascade.config_from_dict({"pool_socket": socks[0], "pool_namespace": NS})
+                cascade.config_from_dict(
+                    {"pool_socket": socks[0], "pool_namespace": NS, "use_gpu": False}
+                )
             )
             try:
                 read_all(reader)
