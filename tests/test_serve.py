@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 
@@ -952,6 +953,13 @@ def test_serve_options_refuse_what_would_be_taken_silently(tmp):
     for text, what in (
         ("serve:\n  max_clients: 4\nserve:\n  max_clients: 8\n", "given twice"),
         ("[]\n", "expected a mapping"),
+        # A few lines of aliases can stand for a value of any size.
+        ("a: &x [1, 2]\nshm_capacity_bytes: *x\n", "YAML aliases"),
+        ("serve:\n  log_level: &x debug\n  summary_seconds: *x\n", "YAML aliases"),
+        ("base: &b {socket: /x}\nserve:\n  <<: *b\n", "YAML aliases"),
+        ("serve:\n  <<: {socket: /x}\n", "merge keys"),
+        ("1: 2\n", "option names are text"),
+        ("? [a, b]\n: 1\n", "option names are text"),
     ):
         path = os.path.join(d, "bad.yaml")
         with open(path, "w") as f:
@@ -1027,12 +1035,18 @@ def test_a_metrics_port_that_cannot_be_had_fails_the_start_before_the_arena(tmp)
     assert not os.path.exists(shm) and not os.path.exists(srv.socket)
 
 
-def test_idle_metrics_connections_are_bounded_and_time_out(tmp):
+def serving_with_metrics(tmp) -> tuple[Server, int]:
+    """A server of the tmp fixture with metrics on a free port, ready."""
     d, shm, servers = tmp
     port = free_port()
     srv = Server(d, {"shm_path": shm}, {"metrics_port": port})
     servers.append(srv)
     srv.wait_ready()
+    return srv, port
+
+
+def test_idle_metrics_connections_are_bounded_and_time_out(tmp):
+    srv, port = serving_with_metrics(tmp)
 
     def threads() -> int:
         with open(f"/proc/{srv.proc.pid}/status") as f:
@@ -1105,6 +1119,17 @@ def test_info_pool_reads_a_garbage_info_file_and_a_stranger_on_the_metrics_port(
         f.write("[]")
     r = cli("info", "--pool", srv.socket)
     assert r.returncode == 0 and "not a JSON object" in r.stdout + r.stderr, r.stdout + r.stderr
+    # What a terminal would act on is escaped; fields of another type are
+    # dropped, and a state without what a server writes is a clear error.
+    with open(info, "w") as f:
+        json.dump({"pid": 7, "pipeline": "host\x1b]0;title\x07\x1b[2J", "started": "yesterday"}, f)
+    r = cli("info", "--pool", srv.socket)
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "\\x1b" in r.stdout, r.stdout
+    with open(info, "w") as f:
+        json.dump({"pid": 7, "cluster": {"name": "c"}}, f)
+    r = cli("info", "--pool", srv.socket)
+    assert r.returncode != 0 and "do not hold what a pool server writes" in r.stderr, r.stderr
     stranger = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
     threading.Thread(target=stranger.serve_forever, daemon=True).start()
     try:
@@ -1172,3 +1197,186 @@ def test_client_watcher_logs_arrivals_departures_and_unlisted(caplog):
         w.poll(4, [])
         assert "went away" not in caplog.text
         assert "client 1 disconnected" in caplog.text and "client 4 disconnected" in caplog.text
+
+
+def test_info_pool_trusts_no_info_file_another_could_have_written(tmp):
+    """An info file (and so a metrics address) is taken only from this
+    user, root, or the socket's owner in a directory no one else may write:
+    `cascade info` never shows a pool another user made up, nor hangs on a
+    FIFO or a device in the file's place, nor prints what a terminal acts on."""
+    d, shm, servers = tmp
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make files of another user")
+    nobody = 65534
+    evil = os.path.join(d, "evil")
+    os.mkdir(evil, 0o1777)  # anyone may write: as /tmp
+    sock = os.path.join(evil, "pool.sock")
+    forged = os.path.join(evil, "pool.sock.json")
+    with open(forged, "w") as f:
+        json.dump({"pid": 1, "pipeline": "host", "metrics": "http://127.0.0.1:9"}, f)
+    os.chown(forged, nobody, nobody)
+    r = cli("info", "--pool", sock)
+    assert r.returncode != 0 and "not trusted" in r.stdout + r.stderr, r.stdout + r.stderr
+    os.unlink(forged)
+    os.mkfifo(forged)
+    t0 = time.monotonic()
+    r = cli("info", "--pool", sock)
+    assert time.monotonic() - t0 < 20 and "not a regular file" in r.stdout + r.stderr
+    os.unlink(forged)
+    os.symlink("/dev/zero", forged)
+    r = cli("info", "--pool", sock)
+    assert r.returncode != 0 and "MemoryError" not in r.stderr, r.stderr
+
+
+def test_info_pool_gives_a_trickling_metrics_endpoint_its_deadline_in_all():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+            while not stop.wait(0.5):
+                try:
+                    conn.sendall(b" ")
+                except OSError:
+                    return
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match="within"):
+        serve_status.pool_info(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=1.0)
+    assert time.monotonic() - t0 < 3
+    stop.set()
+    listener.close()
+
+
+# Connections to the port in argv[1] that send nothing, made again as soon
+# as the other end closes one.
+HOG = """
+import socket, sys, time
+port = int(sys.argv[1])
+def closed(c):
+    try:
+        return c.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+conns = []
+while True:
+    for c in [c for c in conns if closed(c)]:
+        c.close()
+        conns.remove(c)
+    while len(conns) < 40:
+        conns.append(socket.create_connection(("127.0.0.1", port)))
+    time.sleep(0.02)
+"""
+
+
+def test_idle_connections_made_again_keep_no_scrape_out():
+    """Idle connections, each made again as soon as the endpoint closes it,
+    hold every slot; a scrape takes the place of the oldest of them, and
+    gets its answer."""
+
+    class Quick(serve_status.MetricsServer):
+        REQUEST_S = 0.5
+
+    m = Quick("127.0.0.1", 0, {"pid": os.getpid()})
+    port = m.httpd.server_address[1]
+    hog = subprocess.Popen([sys.executable, "-c", HOG, str(port)])
+    try:
+        deadline = time.monotonic() + 30
+        while len(m._deadlines) < Quick.MAX_CONNECTIONS:  # every slot taken
+            assert time.monotonic() < deadline and hog.poll() is None
+            time.sleep(0.05)
+        answered = 0
+        for _ in range(10):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/nothing", timeout=2):
+                    pass
+            except urllib.error.HTTPError as e:
+                answered += e.code == 404
+            except OSError:
+                pass
+        assert answered >= 8, answered
+    finally:
+        hog.kill()
+        hog.wait()
+        m.stop()
+
+
+def test_a_second_server_on_a_live_socket_is_refused_at_once_and_counts_no_refusal(tmp):
+    d, shm, servers = tmp
+    first, port = serving_with_metrics(tmp)
+    t0 = time.monotonic()
+    second = Server(d, {"shm_path": shm + "-2"}, {"socket": first.socket}, name="second.yaml")
+    servers.append(second)
+    assert second.wait() != 0
+    assert time.monotonic() - t0 < 4, second.text()
+    assert "is listening" in second.text()
+    assert scrape(f"http://127.0.0.1:{port}")["cascade_pool_refused_connections_total"] == 0
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait() == 0, first.text()
+
+
+SECOND_SIGNAL = """
+import os, signal, sys, threading, time
+from cascade import serve
+read, write = os.pipe()
+os.dup2(write, 2)
+os.close(read)  # stderr: a pipe nobody reads any more
+stop = threading.Event()
+serve._install_signals(stop)
+os.kill(os.getpid(), signal.SIGTERM)  # the shutdown begins
+time.sleep(0.1)
+os.kill(os.getpid(), signal.SIGTERM)  # and is cut short
+time.sleep(10)
+sys.exit(0)
+"""
+
+
+def test_a_second_signal_exits_at_once_whatever_stderr_is():
+    r = subprocess.run(
+        [sys.executable, "-c", SECOND_SIGNAL], env=ENV, capture_output=True, timeout=60
+    )
+    assert r.returncode == 128 + signal.SIGTERM
+
+
+def test_a_server_that_cannot_write_its_info_file_serves_on(tmp):
+    d, shm, servers = tmp
+    sock = os.path.join(d, "run", "pool.sock")
+    os.makedirs(serve_status.info_path(sock))  # a directory where the file would go
+    srv = Server(d, {"shm_path": shm}, {"socket": sock})
+    servers.append(srv)
+    deadline = time.monotonic() + 30
+    while "cannot write" not in srv.text():
+        assert srv.proc.poll() is None, srv.text()
+        assert time.monotonic() < deadline, srv.text()
+        time.sleep(0.05)
+    c = client(sock, "info")
+    assert c.put("k", b"v") and c.get("k") == b"v"
+    c.close()
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.wait() == 0, srv.text()
+
+
+def test_options_that_would_be_misread_are_refused_by_name():
+    for bad, what in (
+        ({"socket": 123}, "serve.socket: a path"),
+        ({"socket_mode": 600}, "not 0o1130"),
+        ({"workers": 10**11}, "up to 256"),
+        ({"group": "99999999999"}, "serve.group: a group id"),
+        ({"log_level": ["debug"]}, "serve.log_level"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            serve.serve_options(bad)
+    assert serve.serve_options({"socket": ""}).socket == serve.ServeOptions().socket
+    with pytest.raises(ValueError, match="file_path: a path"):
+        cascade.config_from_dict({"file_path": 123})
+    with pytest.raises(ValueError, match="option names are text"):
+        cascade.config_from_dict({5: 1})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -74,18 +75,30 @@ def fields() -> list[str]:
     )
 
 
+def short_repr(value: Any) -> str:
+    """A value for an error message: its repr, bounded in size and depth
+    however large or nested it is."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = 60
+    r.maxlevel = 3
+    return r.repr(value)
+
+
 def canonical_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """`options` with older names (ALIASES) replaced by the fields' names.
 
-    ValueError when an option is given under both names with different values.
+    ValueError when an option is given under both names with different values,
+    or a name is not text.
     """
     out: dict[str, Any] = {}
     for name, value in options.items():
+        if not isinstance(name, str):
+            raise ValueError(f"option names are text, not {short_repr(name)}")
         field = ALIASES.get(name, name)
         if field in out and out[field] != value:
             raise ValueError(
                 f"{name} and {field} name one option; they are given different values "
-                f"({value!r}, {out[field]!r})"
+                f"({short_repr(value)}, {short_repr(out[field])})"
             )
         out[field] = value
     return out
@@ -94,7 +107,7 @@ def canonical_options(options: Mapping[str, Any]) -> dict[str, Any]:
 def parse_size(value: Any, what: str = "size") -> int:
     """Bytes from an int or a string such as "64GiB", "1.5 MB", "4k"."""
     if isinstance(value, bool):
-        raise ValueError(f"{what}: expected a size, got {value!r}")
+        raise ValueError(f"{what}: expected a size, got {short_repr(value)}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{what}: a size cannot be negative ({value})")
@@ -106,7 +119,7 @@ def parse_size(value: Any, what: str = "size") -> int:
         if m and m.group(2).lower() in _UNITS:
             return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     raise ValueError(
-        f"{what}: cannot read {value!r} as a size (examples: 1048576, '64GiB', '512MB')"
+        f"{what}: cannot read {short_repr(value)} as a size (examples: 1048576, '64GiB', '512MB')"
     )
 
 
@@ -118,7 +131,7 @@ def _enum_value(enum, value, name):
         if hasattr(enum, key):
             return getattr(enum, key)
     choices = ", ".join(m.lower() for m in enum.__members__)
-    raise ValueError(f"{name}: {value!r} is not one of {choices}")
+    raise ValueError(f"{name}: {short_repr(value)} is not one of {choices}")
 
 
 def config_from_dict(
@@ -144,15 +157,19 @@ def config_from_dict(
                 value = int(value.strip().lower().removeprefix("0o"), 8)
             except ValueError:
                 raise ValueError(
-                    f"file_mode: cannot read {value!r} as octal permission bits"
+                    f"file_mode: cannot read {short_repr(value)} as octal permission bits"
                 ) from None
         elif name in ("file_path", "shm_path") and value is not None:
+            if not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"{name}: a path, not {short_repr(value)}")
             value = os.fspath(value)
         try:
             setattr(cfg, name, value)
         except TypeError as e:
             cur = getattr(CascadeConfig(), name)
-            raise ValueError(f"{name}: expected {type(cur).__name__}, got {value!r}") from e
+            raise ValueError(
+                f"{name}: expected {type(cur).__name__}, got {short_repr(value)}"
+            ) from e
     return cfg
 
 

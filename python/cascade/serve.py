@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from cascade.config import config_from_dict
+from cascade.config import config_from_dict, short_repr
 from cascade.machine import arena_pages
 from cascade.serve_status import human_bytes, summary_line
 
@@ -63,20 +63,26 @@ def default_socket_path() -> str:
 
 def _octal(value: Any, what: str) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"{what}: expected permission bits such as 0600, got {value!r}")
+        raise ValueError(f"{what}: expected permission bits such as 0600, got {short_repr(value)}")
     if isinstance(value, int):
         return value
+    if not isinstance(value, str):
+        raise ValueError(
+            f'{what}: expected permission bits such as "0600", not {short_repr(value)}'
+        )
     try:  # "0660", "0o660", "660": permission bits are octal
         return int(str(value).strip().lower().removeprefix("0o"), 8)
     except ValueError:
-        raise ValueError(f"{what}: cannot read {value!r} as octal permission bits") from None
+        raise ValueError(
+            f"{what}: cannot read {short_repr(value)} as octal permission bits"
+        ) from None
 
 
 def _gid(value: Any) -> int:
     if value is None or value == "":
         return -1
     if isinstance(value, bool) or isinstance(value, float):
-        raise ValueError(f"serve.group: a group name or id, not {value!r}")
+        raise ValueError(f"serve.group: a group name or id, not {short_repr(value)}")
     if isinstance(value, int):
         if value == -1:
             return -1
@@ -85,7 +91,7 @@ def _gid(value: Any) -> int:
         return value
     text = str(value).strip()
     if text.isdigit():
-        return int(text)
+        return _gid(int(text))
     try:
         return grp.getgrnam(text).gr_gid
     except KeyError:
@@ -105,11 +111,18 @@ def serve_options(section: Mapping[str, Any]) -> ServeOptions:
         if value is None:
             continue
         if name == "socket":
+            if not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"serve.socket: a path, not {short_repr(value)}")
+            if not os.fspath(value):
+                continue  # the default path
             value = os.path.abspath(os.path.expanduser(os.fspath(value)))
         elif name == "socket_mode":
             value = _octal(value, "serve.socket_mode")
             if value & ~0o777 or (value & 0o600) != 0o600:
-                raise ValueError("serve.socket_mode: permission bits granting the owner rw")
+                raise ValueError(
+                    f"serve.socket_mode: permission bits granting the owner rw, not {value:#o} "
+                    '(octal: write it quoted, such as "0600")'
+                )
         elif name == "group":
             value = _gid(value)
         elif name in ("max_clients", "metrics_port", "workers"):
@@ -118,16 +131,27 @@ def serve_options(section: Mapping[str, Any]) -> ServeOptions:
             value = _number(value, "serve.summary_seconds")
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(
-                    f"serve.summary_seconds: 0 (off) or a positive number, not {value!r}"
+                    f"serve.summary_seconds: 0 (off) or a positive number, not {short_repr(value)}"
                 )
         elif name == "share_across_users":
             if not isinstance(value, bool):
-                raise ValueError(f"serve.share_across_users: expected true or false: {value!r}")
+                raise ValueError(
+                    f"serve.share_across_users: expected true or false: {short_repr(value)}"
+                )
         elif name == "log_level":
-            value = str(value).lower()
-            if value not in ("debug", "info", "warning", "error"):
-                raise ValueError(f"serve.log_level: debug, info, warning or error, not {value!r}")
+            if not isinstance(value, str) or value.lower() not in (
+                "debug",
+                "info",
+                "warning",
+                "error",
+            ):
+                raise ValueError(
+                    f"serve.log_level: debug, info, warning or error, not {short_repr(value)}"
+                )
+            value = value.lower()
         else:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError(f"serve.{name}: a text value, not {short_repr(value)}")
             value = str(value)
         setattr(o, name, value)
     if not o.metrics_address.strip():
@@ -139,29 +163,35 @@ def serve_options(section: Mapping[str, Any]) -> ServeOptions:
         raise ValueError(f"serve.metrics_port: 0 (off) or a TCP port, not {o.metrics_port}")
     if not 1 <= o.max_clients <= 1 << 20:
         raise ValueError(f"serve.max_clients: 1 to 1048576, not {o.max_clients}")
-    if o.workers < 0:
-        raise ValueError(f"serve.workers: 0 (two per core) or a positive count, not {o.workers}")
+    if not 0 <= o.workers <= MAX_WORKERS:
+        raise ValueError(
+            f"serve.workers: 0 (two per core) or a count up to {MAX_WORKERS}, not {o.workers}"
+        )
     return o
+
+
+# The most request workers a server runs (the server's own bound).
+MAX_WORKERS = 256
 
 
 def _integer(value: Any, what: str) -> int:
     """An integer option: an int, or text of one; never a bool or a float."""
     if isinstance(value, bool) or isinstance(value, float):
-        raise ValueError(f"{what}: expected an integer, not {value!r}")
+        raise ValueError(f"{what}: expected an integer, not {short_repr(value)}")
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{what}: expected an integer, not {value!r:.60}") from None
+        raise ValueError(f"{what}: expected an integer, not {short_repr(value)}") from None
 
 
 def _number(value: Any, what: str) -> float:
     """A number option: an int or a float, or text of one; never a bool."""
     if isinstance(value, bool):
-        raise ValueError(f"{what}: expected a number, not {value!r}")
+        raise ValueError(f"{what}: expected a number, not {short_repr(value)}")
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{what}: expected a number, not {value!r:.60}") from None
+        raise ValueError(f"{what}: expected a number, not {short_repr(value)}") from None
 
 
 def split_config(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -209,14 +239,31 @@ def _unique_key_loader():
     def construct_mapping(loader, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            line = key_node.start_mark.line + 1
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                raise ValueError(
+                    f"line {line}: merge keys (<<) are not read; write the options out"
+                )
             key = loader.construct_object(key_node, deep=deep)
+            if not isinstance(key, str):
+                raise ValueError(f"line {line}: option names are text, not {short_repr(key)}")
             if key in seen:
-                raise ValueError(f"line {key_node.start_mark.line + 1}: {key!r} given twice")
+                raise ValueError(f"line {line}: {key!r} given twice")
             seen.add(key)
         return loader.construct_mapping(node, deep=deep)
 
+    class NoAliasLoader(Loader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.events.AliasEvent):
+                event = self.peek_event()
+                raise ValueError(
+                    f"line {event.start_mark.line + 1}: YAML aliases (*name) are not read; "
+                    "write the value out"
+                )
+            return super().compose_node(parent, index)
+
     Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
-    return Loader
+    return NoAliasLoader
 
 
 def read_config_file(
@@ -354,8 +401,10 @@ def _start_server(cfg, socket_path: str, opts):
                 share_across_users=opts.share_across_users,
                 workers=opts.workers,
             )
-        except _core.BusyError:
-            if time.monotonic() >= deadline:
+        except _core.BusyError as e:
+            # A live server on the socket is final; only the arena's lock,
+            # which a killed predecessor may hold a moment longer, is waited for.
+            if "is listening" in str(e) or time.monotonic() >= deadline:
                 raise
             time.sleep(0.05)
 
@@ -369,11 +418,16 @@ def _install_signals(stop: threading.Event) -> None:
     def on_signal(signum, frame):
         name = signal.Signals(signum).name
         if stop.is_set():
-            sys.stderr.write(
-                f"cascade serve: {name} again: exiting now; blocks not yet written down "
-                "to a persistent tier are lost\n"
-            )
-            sys.stderr.flush()
+            # Whatever stderr is (a pipe nobody reads any more), the exit
+            # comes: a raw write that may fail, then _exit.
+            try:
+                os.write(
+                    2,
+                    f"cascade serve: {name} again: exiting now; blocks not yet written down "
+                    "to a persistent tier are lost\n".encode(),
+                )
+            except OSError:
+                pass
             os._exit(128 + signum)
         logger.info("%s: shutting down (a second signal exits at once)", name)
         stop.set()
@@ -744,7 +798,15 @@ def run(
             facts["metrics"] = metrics.url
             logger.info("metrics on %s/metrics and %s/stats.json", metrics.url, metrics.url)
         if not stop.is_set():
-            serve_status.write_info_file(socket_path, opts.socket_mode, opts.group, facts)
+            try:
+                serve_status.write_info_file(socket_path, opts.socket_mode, opts.group, facts)
+            except OSError as e:
+                # A convenience for `cascade info`: the pool serves without it.
+                logger.warning(
+                    "cannot write %s (%s): `cascade info --pool` will ask the socket instead",
+                    serve_status.info_path(socket_path),
+                    e,
+                )
         watcher = ClientWatcher()
         next_summary = time.monotonic() + opts.summary_seconds
         last_failure = ""

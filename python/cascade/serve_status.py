@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -339,12 +340,17 @@ class MetricsServer:
 
     It listens from its construction, before the pool server exists (a port
     that cannot be had fails the start before the arena is made), and
-    answers 503 until attach() hands it the server. A connection is closed
-    TIMEOUT_S after it was accepted, whether it sends nothing or trickles
-    its request a byte at a time, and at most MAX_CONNECTIONS are served at
-    once (more are closed at once)."""
+    answers 503 until attach() hands it the server. A connection whose
+    request has not come whole REQUEST_S after it was accepted is closed,
+    and any connection TIMEOUT_S after it was accepted, whether it sends
+    nothing or trickles its request a byte at a time. At most
+    MAX_CONNECTIONS are served at once: a new one takes the place of the
+    oldest still waiting for its request, and is closed only when every
+    one has sent its request (so idle connections, however often made
+    again, keep no scrape out)."""
 
     TIMEOUT_S = 10.0
+    REQUEST_S = 2.0
     MAX_CONNECTIONS = 32
 
     def __init__(self, address: str, port: int, facts: Mapping[str, Any]):
@@ -358,6 +364,8 @@ class MetricsServer:
         # Connections served now and when each is cut off (the socket's
         # timeout bounds each read; this bounds the whole exchange).
         self._deadlines: dict[socket.socket, float] = {}
+        self._admitted: dict[socket.socket, float] = {}  # when each was accepted
+        self._requested: set[socket.socket] = set()  # those whose request came whole
         self._deadlines_lock = threading.Lock()
         self._stopping = threading.Event()
 
@@ -373,6 +381,7 @@ class MetricsServer:
                 super().finish()
 
             def do_GET(self):  # noqa: N802 (http.server's name)
+                outer._answering(self.connection)
                 path = self.path.split("?", 1)[0]
                 try:
                     if outer.pool is None and path in ("/metrics", "/stats.json"):
@@ -405,10 +414,13 @@ class MetricsServer:
         class Server(ThreadingHTTPServer):
             daemon_threads = True
             address_family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            request_queue_size = 64  # scrapes at once wait in the queue, not for SYN retries
 
             def process_request(self, request, client_address):
-                if not outer._slots.acquire(blocking=False):
-                    self.shutdown_request(request)  # too many at once
+                if not outer._slots.acquire(blocking=False) and not (
+                    outer._evict_idle() and outer._slots.acquire(timeout=1.0)
+                ):
+                    self.shutdown_request(request)  # every slot serves a request
                     return
                 try:
                     super().process_request(request, client_address)
@@ -445,12 +457,38 @@ class MetricsServer:
         self._cutter.start()
 
     def _admit(self, conn: socket.socket) -> None:
+        now = time.monotonic()
         with self._deadlines_lock:
-            self._deadlines[conn] = time.monotonic() + self.TIMEOUT_S
+            self._admitted[conn] = now
+            self._deadlines[conn] = now + min(self.REQUEST_S, self.TIMEOUT_S)
+
+    def _answering(self, conn: socket.socket) -> None:
+        """The connection's request came whole: it has until TIMEOUT_S."""
+        with self._deadlines_lock:
+            if conn in self._deadlines:
+                self._requested.add(conn)
+                self._deadlines[conn] = self._admitted[conn] + self.TIMEOUT_S
 
     def _forget(self, conn: socket.socket) -> None:
         with self._deadlines_lock:
             self._deadlines.pop(conn, None)
+            self._admitted.pop(conn, None)
+            self._requested.discard(conn)
+
+    def _evict_idle(self) -> bool:
+        """Shuts down the oldest connection still waiting for its request
+        (its handler ends, and gives its slot back); False when none is."""
+        with self._deadlines_lock:
+            idle = [c for c in self._deadlines if c not in self._requested]
+            if not idle:
+                return False
+            oldest = min(idle, key=self._admitted.__getitem__)
+            del self._deadlines[oldest]
+            try:
+                oldest.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return True
 
     def _cut_late(self) -> None:
         """Shuts down connections past their deadline: their handlers'
@@ -528,31 +566,59 @@ def write_info_file(socket_path: str, socket_mode: int, group: int, facts: Mappi
         raise
 
 
+# The most a /stats.json or an info file may hold: what a server of many
+# clients writes is far less.
+_MAX_STATS_BYTES = 16 << 20
+_MAX_INFO_BYTES = 1 << 20
+
+
 def remove_info_file(socket_path: str) -> None:
     """Removes ``<socket>.json`` if this process wrote it: a server that shuts
-    down never removes the file of another that took the socket path since."""
+    down never removes the file of another that took the socket path since,
+    nor what is no file of a server's (a link, a directory)."""
     path = info_path(socket_path)
     try:
-        with open(path, encoding="utf-8") as f:
-            pid = json.load(f).get("pid")
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return
-    except (OSError, ValueError, AttributeError):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
+        data = os.read(fd, _MAX_INFO_BYTES + 1)
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+    try:
+        pid = json.loads(data).get("pid")
+    except (ValueError, AttributeError, RecursionError):
         pid = None  # unreadable: whoever wrote it, it describes no server that can be asked
     if pid not in (None, os.getpid()):
         return
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:
         pass
 
 
 def _fetch_json(url: str, timeout: float) -> dict[str, Any]:
-    """A pool server's /stats.json at ``url``; OSError when what answers
-    there is not one (no answer, not HTTP, not such a JSON object)."""
+    """A pool server's /stats.json at ``url``, within ``timeout`` in all;
+    OSError when what answers there is not one (no answer in time, not
+    HTTP, not such a JSON object, too large)."""
+    deadline = time.monotonic() + timeout
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/stats.json", timeout=timeout) as r:
-            answer = json.loads(r.read(64 << 20))
+            body = bytearray()
+            while len(body) <= _MAX_STATS_BYTES:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no whole answer within {timeout:g} s")
+                chunk = r.read1(1 << 16)
+                if not chunk:
+                    break
+                body += chunk
+            if len(body) > _MAX_STATS_BYTES:
+                raise OSError(f"{url}: an answer over {_MAX_STATS_BYTES} bytes")
+            answer = json.loads(bytes(body))
     except OSError:
         raise
     except Exception as e:  # not HTTP, not JSON, nested too deep
@@ -593,6 +659,96 @@ def _client_probe(socket_path: str, timeout: float) -> dict[str, Any]:
     }
 
 
+# The info file's fields and their types; others, or of another type, are dropped.
+_INFO_FIELDS: dict[str, tuple[type, ...]] = {
+    "pid": (int,),
+    "started": (int, float),
+    "socket": (str,),
+    "pipeline": (str,),
+    "shm_path": (str,),
+    "arena_pages": (str, int),
+    "metrics": (str,),
+    "cluster": (dict,),
+}
+
+
+def _trusted_directories(directory: str, owner: int) -> str:
+    """Why a file of uid ``owner`` in ``directory`` may not be that user's
+    own (another made or replaced it), or "" when it can only be: the
+    directory is the owner's and no one else may write to it, nor to any
+    directory above it, as written or with links resolved, unless root or
+    this user owns it. The rule the pool client applies to its server."""
+    me = os.geteuid()
+    try:
+        st = os.stat(directory)
+    except OSError as e:
+        return f"{directory} cannot be looked at ({e.strerror})"
+    if st.st_uid != owner or st.st_mode & 0o022:
+        return f"{directory} is not uid {owner}'s alone"
+    paths = {directory, os.path.realpath(directory)}
+    for path in paths:
+        d = path
+        while True:
+            try:
+                st = os.lstat(d)
+            except OSError as e:
+                return f"{d} cannot be looked at ({e.strerror})"
+            if not stat.S_ISLNK(st.st_mode):
+                if st.st_uid not in (0, me, owner):
+                    return f"{d} belongs to uid {st.st_uid}"
+                if st.st_mode & 0o022:
+                    return f"{d} may be written by others than its owner"
+            parent = os.path.dirname(d)
+            if parent == d:
+                break
+            d = parent
+    return ""
+
+
+def read_info_file(socket_path: str) -> dict[str, Any]:
+    """``<socket>.json``, when it can only be the server's: a regular file
+    of this user, root, or the user the socket belongs to (then in a
+    directory only that user could have written), at most 1 MiB, a JSON
+    object; its known fields of the right types. FileNotFoundError when
+    there is none; ValueError or OSError (saying why) otherwise."""
+    path = info_path(socket_path)
+    # No following a link, no waiting on a FIFO, no reading a device.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_uid not in (0, os.geteuid()):
+            try:
+                server = os.lstat(socket_path).st_uid
+            except OSError:
+                server = -1
+            why = (
+                f"the socket is not uid {st.st_uid}'s"
+                if server != st.st_uid
+                else _trusted_directories(os.path.dirname(path), st.st_uid)
+            )
+            if why:
+                raise ValueError(f"written by uid {st.st_uid}, and {why}: not trusted")
+        data = os.read(fd, _MAX_INFO_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_INFO_BYTES:
+        raise ValueError(f"over {_MAX_INFO_BYTES} bytes")
+    info = json.loads(data)
+    if not isinstance(info, dict):
+        raise ValueError("not a JSON object")
+    typed = {k: v for k, v in info.items() if v is None or isinstance(v, _INFO_FIELDS.get(k, ()))}
+    if isinstance(typed.get("pid"), bool):
+        del typed["pid"]
+    started = typed.get("started")
+    if started is not None and not (
+        isinstance(started, (int, float)) and 0 < started <= time.time() + 86400
+    ):
+        typed["started"] = None
+    return typed
+
+
 def pool_info(target: str, timeout: float = 3.0) -> dict[str, Any]:
     """The state of the pool at ``target``: a socket path or an http:// URL.
 
@@ -608,16 +764,12 @@ def pool_info(target: str, timeout: float = 3.0) -> dict[str, Any]:
     socket_path = os.path.abspath(target)
     readable = False
     try:
-        with open(info_path(socket_path), encoding="utf-8") as f:
-            info_file = json.load(f)
-        if not isinstance(info_file, dict):
-            raise ValueError("not a JSON object")
-        out["info"] = info_file
+        out["info"] = read_info_file(socket_path)
         readable = True
     except FileNotFoundError:
         out["notes"].append(f"no {info_path(socket_path)}: not started by `cascade serve`?")
     except (OSError, ValueError, RecursionError) as e:
-        out["notes"].append(f"cannot read {info_path(socket_path)}: {e}")
+        out["notes"].append(f"cannot read {info_path(socket_path)}: {e}; asking the socket")
     info = out["info"] or {}
     url = info.get("metrics")
     if url and not (isinstance(url, str) and url.startswith(("http://", "https://"))):
@@ -640,7 +792,13 @@ def pool_info(target: str, timeout: float = 3.0) -> dict[str, Any]:
             "metrics are off (serve.metrics_port 0): counters, tiers and clients are "
             "served only over HTTP; shown here is what a client connection tells"
         )
-    out["probe"] = _client_probe(socket_path, timeout)
+    try:
+        out["probe"] = _client_probe(socket_path, timeout)
+    except Exception as e:
+        if not out["notes"]:
+            raise
+        # What was found on the way says more than the failure alone.
+        raise OSError(f"{e} ({'; '.join(out['notes'])})") from None
     out["source"] = "client"
     return out
 
@@ -678,7 +836,31 @@ def _duration(seconds: float) -> str:
     return (f"{d}d " if d else "") + (f"{h}h " if d or h else "") + f"{m}m {s}s"
 
 
+def _printable_all(value: Any) -> Any:
+    """``value`` with every string in it (keys too) made printable."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, Mapping):
+        return {_printable_all(k): _printable_all(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_printable_all(v) for v in value]
+    return value
+
+
 def format_pool_info(r: Mapping[str, Any]) -> str:
+    """The pool's state for people: every text in it escaped where a
+    terminal would act on it; ValueError when the state lacks what it
+    should hold."""
+    try:
+        return _format_pool_info(_printable_all(r))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(
+            f"the pool's info file or metrics do not hold what a pool server writes "
+            f"({type(e).__name__}: {e}); `--json` shows them as they are"
+        ) from None
+
+
+def _format_pool_info(r: Mapping[str, Any]) -> str:
     from cascade.bench.common import format_table
 
     info = {**(r.get("info") or {}), **(r.get("server") or {})}
@@ -692,7 +874,7 @@ def format_pool_info(r: Mapping[str, Any]) -> str:
     lines = [head]
     if info.get("pipeline"):
         pages = f" ({info['arena_pages']} pages)" if info.get("arena_pages") else ""
-        lines.append(f"pipeline {info['pipeline']}, arena {info.get('shm_path')}{pages}")
+        lines.append(f"pipeline {info['pipeline']}, arena {info.get('shm_path', 'unknown')}{pages}")
     if r.get("source") == "client":
         p = r["probe"]
         lines.append(

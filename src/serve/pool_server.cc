@@ -679,7 +679,10 @@ void PoolServer::Impl::handshake(int sock) {
       cleanup(client.get());
     }
   } else {
-    refused.fetch_add(1);
+    // A peer that closed before sending a byte (a check that a server
+    // listens here, a client that gave up) was refused nothing.
+    char byte;
+    if (::recv(sock, &byte, 1, MSG_PEEK | MSG_DONTWAIT) != 0) refused.fetch_add(1);
     if (why.empty()) why = st.message();
     w.code = code_of(st);
     w.message_bytes = static_cast<uint32_t>(std::min<size_t>(why.size(), pool::kMaxMessageBytes));
