@@ -575,3 +575,95 @@ def test_the_wire_header_is_the_documented_one():
     assert struct.pack("<4sBBI", b"CSLK", 1, 4, 2) == wire.HEADER.pack(
         wire.MAGIC, wire.VERSION, wire.PREFIX, 2
     )
+
+
+def test_an_interrupted_lookup_leaves_every_rank_usable(sockdir, monkeypatch):
+    """A KeyboardInterrupt while a lookup waits (in a rank of this process,
+    or reading a rank's answer) ends that lookup only: every rank's lock is
+    given back, no connection is left with an answer nobody read, and the
+    next lookups answer at once and right."""
+    from cascade.integrations import lookup_wire as wire
+
+    key = engine_key()
+    services = [start_service(key, held_prefix(4), sockdir, rank=r) for r in (1, 2)]
+    interrupt = {"local": True}
+
+    def rank0(ids):
+        if interrupt["local"]:
+            interrupt["local"] = False
+            raise KeyboardInterrupt
+        return held_prefix(4)(ids)
+
+    lk.register_worker(key, 0, rank0)
+    try:
+        look = lk.PrefixLookup(key, 3, mode="auto", socket_dir=sockdir, timeout_ms=2000)
+        with pytest.raises(KeyboardInterrupt):
+            look.prefix_length([HELD] * 3)
+        real = wire.recv_answer
+        calls = {"n": 0}
+
+        def interrupted_once(sock, deadline):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise KeyboardInterrupt
+            return real(sock, deadline)
+
+        monkeypatch.setattr(wire, "recv_answer", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            look.prefix_length([HELD] * 3)
+        other = [hashlib.sha256(b"other %d" % i).hexdigest()[:32] for i in range(4)]
+        for ids, want in ((other, 0), (HELD, 4), (HELD[:2], 2)):
+            t0 = time.monotonic()
+            assert look.prefix_length([ids] * 3) == want
+            assert time.monotonic() - t0 < 1.0
+        look.close()
+    finally:
+        lk.unregister_worker(key, 0)
+        for svc in services:
+            svc.close()
+
+
+def test_an_answer_waiting_on_a_high_descriptor_is_read(sockdir):
+    """A rank of this process takes the lookup's whole time; the other
+    rank's answer, waiting on a descriptor number past 1024, is still read."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip("fewer than 1200 descriptors may be open")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    filler = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    key = engine_key()
+    lk.register_worker(key, 0, lambda ids: (time.sleep(0.4), 4)[1])
+    svc = start_service(key, held_prefix(4), sockdir, rank=1)
+    try:
+        look = lk.PrefixLookup(key, 2, mode="auto", socket_dir=sockdir, timeout_ms=300)
+        assert look.prefix_length([HELD, HELD]) == 4
+        look.close()
+    finally:
+        lk.unregister_worker(key, 0)
+        svc.close()
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_sweep_of_stale_directories_leaves_its_own_engines_alone(sockdir):
+    from cascade.integrations import lookup_wire as wire
+
+    mine, other = engine_key(), engine_key()
+    for key in (mine, other):
+        for rank in (0, 11):  # as killed services leave them: no lock held
+            os.mkdir(lk.service_dir(sockdir, key, rank), 0o700)
+    removed = wire.remove_stale_service_dirs(sockdir, min_age_s=0, keep_engine_key=mine)
+    assert sorted(removed) == sorted(lk.service_dir(sockdir, other, r) for r in (0, 11))
+    assert all(os.path.isdir(lk.service_dir(sockdir, mine, r)) for r in (0, 11))
+    # A service that starts while another worker holds its old directory's
+    # lock for a moment (sweeping it) takes it back once it is let go.
+    d = lk.service_dir(sockdir, mine, 0)
+    dfd = os.open(d, os.O_RDONLY)
+    held = wire._lock_service_dir(dfd, d)
+    os.close(dfd)
+    threading.Timer(0.2, os.close, (held,)).start()
+    svc = start_service(mine, held_prefix(1), sockdir)
+    svc.close()

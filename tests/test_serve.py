@@ -1380,3 +1380,44 @@ def test_options_that_would_be_misread_are_refused_by_name():
         cascade.config_from_dict({"file_path": 123})
     with pytest.raises(ValueError, match="option names are text"):
         cascade.config_from_dict({5: 1})
+
+
+def test_signals_end_a_server_whose_stderr_nobody_reads(tmp):
+    """A stderr pipe full (its reader stopped reading): the first signal
+    starts the shutdown, whose log line waits for the pipe, and a second
+    one still exits at once."""
+    d, shm, servers = tmp
+    config = os.path.join(d, "pool.yaml")
+    sock = os.path.join(d, "run", "pool.sock")
+    with open(config, "w") as f:
+        yaml.safe_dump({"shm_path": shm, "serve": {"socket": sock}}, f)
+    read, write = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cascade", "serve", "--config", config],
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=write,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(serve_status.info_path(sock)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        os.set_blocking(write, False)
+        try:
+            while True:  # fill the pipe: the server's next write waits
+                os.write(write, b"x" * 4096)
+        except BlockingIOError:
+            pass
+        os.set_blocking(write, True)  # the description the server shares: its writes wait
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.5)  # the shutdown's first log line is waiting for the pipe
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(read)
+        os.close(write)

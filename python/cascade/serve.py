@@ -20,6 +20,7 @@ import grp
 import logging
 import math
 import os
+import select
 import signal
 import stat
 import sys
@@ -414,22 +415,34 @@ def _start_server(cfg, socket_path: str, opts):
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def _install_signals(stop: threading.Event) -> None:
+def _exit_at_once(signum: int) -> None:
+    """Exits with 128 + ``signum`` whatever stderr is: the message goes out
+    only when the write cannot block (a pipe nobody reads any more)."""
+    name = signal.Signals(signum).name
+    message = (
+        f"cascade serve: {name} again: exiting now; blocks not yet written down "
+        "to a persistent tier are lost\n"
+    ).encode()
+    try:
+        writable = select.poll()
+        writable.register(2, select.POLLOUT)
+        if writable.poll(0):
+            os.write(2, message)  # under PIPE_BUF bytes: no short write, no wait
+    except OSError:
+        pass
+    os._exit(128 + signum)
+
+
+def _install_signals(stop: threading.Event) -> list[int]:
+    """Shutdown signals set ``stop`` (a second exits at once); the list
+    returned gets the first one's number. The handler writes nothing: a
+    write to a stderr nobody reads would hold it, and every later signal."""
+    received: list[int] = []
+
     def on_signal(signum, frame):
-        name = signal.Signals(signum).name
         if stop.is_set():
-            # Whatever stderr is (a pipe nobody reads any more), the exit
-            # comes: a raw write that may fail, then _exit.
-            try:
-                os.write(
-                    2,
-                    f"cascade serve: {name} again: exiting now; blocks not yet written down "
-                    "to a persistent tier are lost\n".encode(),
-                )
-            except OSError:
-                pass
-            os._exit(128 + signum)
-        logger.info("%s: shutting down (a second signal exits at once)", name)
+            _exit_at_once(signum)
+        received.append(signum)
         stop.set()
 
     for sig in SHUTDOWN_SIGNALS:
@@ -437,6 +450,7 @@ def _install_signals(stop: threading.Event) -> None:
         if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
             continue
         signal.signal(sig, on_signal)
+    return received
 
 
 def _close(server, stats: Mapping[str, Any], ephemeral: bool, arena_kept: bool = False) -> bool:
@@ -714,7 +728,7 @@ def run(
         _check_fabrics(copts.fabrics)
     prepare_socket_dir(socket_path, opts.group)
     stop = threading.Event()
-    _install_signals(stop)
+    received = _install_signals(stop)
     facts: dict[str, Any] = {
         "pid": os.getpid(),
         "socket": socket_path,
@@ -825,6 +839,11 @@ def run(
                 last_failure = failure
             else:
                 last_failure = ""
+        if received:
+            logger.info(
+                "%s: shutting down (a second signal exits at once)",
+                signal.Signals(received[0]).name,
+            )
         final = server.stats()
         logger.info("%s", summary_line(final))
     except BaseException:

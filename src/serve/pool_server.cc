@@ -634,6 +634,10 @@ void PoolServer::Impl::handshake(int sock) {
     // slot (it looks under mu).
     st = wait_readable(sock, sizeof hello, deadline);
   }
+  // A peer that closed before sending a byte (a check that a server
+  // listens here, a client that gave up) was refused nothing.
+  char byte;
+  const bool said_nothing = !st.ok() && ::recv(sock, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
   bool evicted;  // its slot went to a new connection before its hello came
   {
     std::lock_guard<std::mutex> l(mu);
@@ -679,10 +683,7 @@ void PoolServer::Impl::handshake(int sock) {
       cleanup(client.get());
     }
   } else {
-    // A peer that closed before sending a byte (a check that a server
-    // listens here, a client that gave up) was refused nothing.
-    char byte;
-    if (::recv(sock, &byte, 1, MSG_PEEK | MSG_DONTWAIT) != 0) refused.fetch_add(1);
+    if (!said_nothing) refused.fetch_add(1);
     if (why.empty()) why = st.message();
     w.code = code_of(st);
     w.message_bytes = static_cast<uint32_t>(std::min<size_t>(why.size(), pool::kMaxMessageBytes));

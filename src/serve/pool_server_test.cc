@@ -1412,6 +1412,32 @@ TEST(PoolServerTest, BadHellosAreRefusedWithoutStoppingTheServer) {
   EXPECT_GE(f.server->stats().refused, 32u);
 }
 
+// Refusals are counted whether the peer waits for its answer or not; a
+// peer that closes before sending a byte (a check that a server listens)
+// was refused nothing.
+TEST(PoolServerTest, RefusalsAreCountedAndChecksThatTheServerListensAreNot) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  constexpr int kBad = 12, kChecks = 12;
+  for (int i = 0; i < kBad + kChecks; ++i) {
+    auto s = connect_unix(f.socket);
+    ASSERT_TRUE(s.ok());
+    if (i < kBad) {
+      pool::Hello h{};
+      h.magic = pool::kMagic + 1;  // not ours: refused
+      h.version = pool::kVersion;
+      h.channels = 1;
+      ASSERT_TRUE(send_message(*s, &h, sizeof h).ok());
+    }
+    ::close(*s);  // no waiting for the answer
+  }
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (f.server->stats().refused < kBad && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the checks' handshakes too
+  EXPECT_EQ(f.server->stats().refused, static_cast<uint64_t>(kBad));
+}
+
 TEST(PoolServerTest, CallsFailWithUnavailableOnceTheServerIsGone) {
   PoolFixture f;
   ASSERT_TRUE(f.server);

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -280,6 +279,17 @@ class _Asked:
         return self.remote.finish(self, deadline)
 
 
+def _answer_waiting(conn: socket.socket) -> bool:
+    """Whether bytes (or the end of the stream) wait to be read on ``conn``."""
+    try:
+        conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # the read reports it
+    return True
+
+
 class _RemoteRank:
     """One persistent, authenticated connection to a rank's LookupService.
 
@@ -352,6 +362,9 @@ class _RemoteRank:
                 self._drop()
                 self._failed(f"lookup at {self.address} failed ({e})")
                 return None
+            except BaseException:  # part of a request may have gone: out of step
+                self._drop()
+                raise
             sent = True
             return _Asked(self, conn, query, kind)
         finally:
@@ -367,12 +380,15 @@ class _RemoteRank:
             self._drop()
             self._failed(f"lookup at {self.address} failed ({e})")
             return []
+        except BaseException:  # an answer half read: the connection is out of step
+            self._drop()
+            raise
         finally:
             self._lock.release()
 
     def _answer(self, asked: _Asked, deadline: Deadline) -> list[int]:
         conn, query = asked.conn, asked.query
-        if deadline.left() <= 0 and select.select([conn], [], [], 0)[0]:
+        if deadline.left() <= 0 and _answer_waiting(conn):
             # Sent at the lookup's start, the answer came while other
             # ranks' answers were read: it is in time.
             deadline = Deadline(self._WAITING_ANSWER_S)
@@ -475,20 +491,20 @@ class PrefixLookup:
         # while the ranks of this process are asked.
         local: dict[int, Callable[[Sequence[str]], list]] = {}
         asked: list[_Asked] = []
-        miss = False
-        for rank in range(self.world):
-            fn = self._local(rank, locate)
-            if fn is not None:
-                local[rank] = fn
-                continue
-            remote = None if self.mode == "off" else self._remote(rank)
-            sent = remote.start(ids_by_rank[rank][:n], deadline, locate) if remote else None
-            if sent is None:
-                miss = True
-                break
-            asked.append(sent)
         answers: list[list[int]] = []
+        miss = False
         try:
+            for rank in range(self.world):
+                fn = self._local(rank, locate)
+                if fn is not None:
+                    local[rank] = fn
+                    continue
+                remote = None if self.mode == "off" else self._remote(rank)
+                sent = remote.start(ids_by_rank[rank][:n], deadline, locate) if remote else None
+                if sent is None:
+                    miss = True
+                    break
+                asked.append(sent)
             for rank, fn in local.items():
                 if miss:
                     break
@@ -500,8 +516,17 @@ class PrefixLookup:
                     )
                     miss = True
         finally:
-            # Every answer sent for is read, so each connection stays in step.
-            answers.extend(a.finish(deadline) for a in asked)
+            # Every rank asked is finished (its answer read, or its
+            # connection dropped), whatever is raised meanwhile: each
+            # connection stays in step and each rank's lock is given back.
+            interrupted: BaseException | None = None
+            for a in asked:
+                try:
+                    answers.append(a.finish(deadline))
+                except BaseException as e:
+                    interrupted = interrupted or e
+            if interrupted is not None:
+                raise interrupted
         if miss:
             return []
         held = min(len(a) for a in answers)

@@ -192,10 +192,28 @@ def _lock_service_dir(dfd: int, path: str) -> int:
         os.close(fd)
 
 
+# How long a service waits for a directory another worker's sweep of stale
+# ones holds (for moments) or removes under it, before it reports it busy.
+_TAKE_BACK_S = 1.0
+
+
 def create_service_dir(path: str) -> tuple[bytes, int]:
     """Makes (or takes back) the service's private directory, locks it, and writes a fresh
     secret in it: the secret and the lock's descriptor (held for the service's life; given
     back to ``remove_service_dir``). ServiceBusy when a live service holds it."""
+    deadline = time.monotonic() + _TAKE_BACK_S
+    while True:
+        try:
+            return _create_service_dir(path)
+        except (ServiceBusy, FileNotFoundError):
+            # Another worker removing the directory as a killed service's
+            # holds its lock a moment, or removes it under this one.
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
+
+
+def _create_service_dir(path: str) -> tuple[bytes, int]:
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -269,18 +287,22 @@ def remove_service_dir(path: str, lock_fd: int) -> None:
 _SERVICE_DIR = re.compile(r"cascade-lookup-[0-9a-f]{16}-r[0-9]+")
 
 
-def remove_stale_service_dirs(socket_dir: str, min_age_s: float = 10.0) -> list[str]:
+def remove_stale_service_dirs(
+    socket_dir: str, min_age_s: float = 10.0, keep_engine_key: str = ""
+) -> list[str]:
     """Removes the lookup directories in ``socket_dir`` (the temp dir when empty) of this
     user's services that ended without closing (killed): those whose lock no live service
-    holds, at least ``min_age_s`` old. The paths removed."""
+    holds, at least ``min_age_s`` old, but those of ``keep_engine_key`` (its ranks take
+    their own back). The paths removed."""
     base = socket_dir or tempfile.gettempdir()
+    own = os.path.basename(service_dir(base, keep_engine_key, 0))[:-1] if keep_engine_key else ""
     try:
         names = os.listdir(base)
     except OSError:
         return []
     removed = []
     for name in names:
-        if not _SERVICE_DIR.fullmatch(name):
+        if not _SERVICE_DIR.fullmatch(name) or (own and name.startswith(own)):
             continue
         path = os.path.join(base, name)
         try:

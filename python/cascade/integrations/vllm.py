@@ -524,7 +524,10 @@ class CascadeConnector(KVConnectorBase_V1):
             )
         backend = getattr(parallel, "distributed_executor_backend", None)
         if self.config.lookup == "socket" or (self.config.lookup == "auto" and backend != "uni"):
-            for path in remove_stale_service_dirs(self.config.lookup_socket_dir):
+            stale = remove_stale_service_dirs(
+                self.config.lookup_socket_dir, keep_engine_key=self.engine_key
+            )
+            for path in stale:
                 logger.info(
                     "CascadeConnector: removed the lookup directory of a stopped worker: %s", path
                 )
