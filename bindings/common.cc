@@ -267,11 +267,17 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what,
           if (!e.matches(PyExc_BufferError) && !e.matches(PyExc_TypeError) &&
               !e.matches(PyExc_RuntimeError))
             throw;
-          throw nb::value_error((w + ": its producer would not export it through DLPack (" +
-                                 std::string(nb::str(e.value()).c_str()) +
-                                 "); for a torch tensor: tensor.resolve_conj().resolve_neg() "
-                                 "or tensor.detach()")
-                                    .c_str());
+          // Refused for what nanobind's own import handles (torch: a tensor
+          // of another than the current device, one that requires grad):
+          // imported as before, its conjugate and negative bits checked
+          // above. A tensor torch keeps from in-place writes is no
+          // destination.
+          if (writable && nb::hasattr(obj, "requires_grad") &&
+              PyObject_IsTrue(obj.attr("requires_grad").ptr()) == 1)
+            throw nb::value_error((w + " requires grad: torch allows no write into it in "
+                                       "place; pass tensor.detach()")
+                                      .c_str());
+          src = nb::borrow(obj);
         }
       }
     }
@@ -379,7 +385,7 @@ BatchArgs batch_args(nb::handle keys, nb::handle buffers, bool writable) {
   if (is_single_buffer(buffers)) {
     BufferRef big =
         writable ? BufferRef::writable(buffers, what) : BufferRef::readable(buffers, what);
-    const int64_t rows = leading_extent(buffers);
+    const int64_t rows = n > 1 ? leading_extent(buffers) : -1;  // one key: the whole buffer
     if (rows >= 0 && static_cast<uint64_t>(rows) != n) {
       throw nb::value_error((std::string(what) + " is one buffer of " + std::to_string(rows) +
                              " rows for " + std::to_string(n) +

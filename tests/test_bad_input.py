@@ -208,3 +208,21 @@ def test_a_read_only_dlpack_tensor_can_be_put_not_got_into(store):
     assert store.get("ro") == bytes(range(16))
     with pytest.raises(TypeError, match="for writing"):
         store.get("ro", _ReadOnlyDlpack(np.zeros(16, np.uint8)))
+
+
+def test_tensors_that_require_grad_are_read_but_not_written(store):
+    torch = pytest.importorskip("torch")
+    w = torch.nn.Parameter(torch.arange(4, dtype=torch.float32))
+    assert store.put("w", w)
+    assert store.put_batch(["w2"], [w]) == 1
+    with pytest.raises(ValueError, match="requires grad"):
+        store.get("w", torch.nn.Parameter(torch.zeros(4)))
+    out = torch.zeros(4)
+    assert store.get("w", out) == (True, 16) and out.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_one_key_takes_a_whole_buffer_of_rows(store):
+    rows = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    assert store.put_batch(["one"], rows) == 1
+    out = np.zeros((3, 4), np.uint8)
+    assert store.get_batch(["one"], out)[0] == 1 and np.array_equal(out, rows)

@@ -506,12 +506,20 @@ def test_a_get_never_writes_into_a_stored_blocks_view(server, kind):
         with pytest.raises(TypeError, match="read-only"):
             store.get("view-b", view)
         tensor = torch.from_dlpack(lease)  # torch makes it writable
-        with pytest.raises(cascade.InvalidArgumentError, match="store's own memory"):
+        with pytest.raises(cascade.InvalidArgumentError, match="holds stored blocks"):
             store.get("view-b", tensor)
-        with pytest.raises(cascade.InvalidArgumentError, match="store's own memory"):
+        with pytest.raises(cascade.InvalidArgumentError, match="holds stored blocks"):
             store.get_range("view-b", 0, tensor[:100])
         assert store.get_batch(["view-b"], [tensor]) == (0, [0])
         assert store.get_batch_async(["view-b"], [tensor]).wait() == (0, [0])
+        # Nor through another store of this process (another client of the pool).
+        other = cascade.CascadeStore(cascade.config_from_dict(client_config(kind, sock)))
+        try:
+            other.put("view-d", b)
+            with pytest.raises(cascade.InvalidArgumentError, match="holds stored blocks"):
+                other.get("view-d", tensor)
+        finally:
+            other.close()
         assert store.put("view-c", lease)  # reading a lease is fine
         del view, tensor
         lease.release()

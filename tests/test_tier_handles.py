@@ -107,7 +107,18 @@ def test_calls_of_one_tier(shm_path, tmp_path):
         assert lease.size == 8192 and lease.device == -1
         with pytest.raises(cascade.BusyError):
             h.close()
+        # A get into the block's own bytes would change a stored block.
+        torch = pytest.importorskip("torch")
+        view = torch.from_dlpack(lease)
+        assert h.put("other", b"y" * 8192)
+        with pytest.raises(cascade.InvalidArgumentError, match="holds stored blocks"):
+            h.get("other", view)
+        with pytest.raises(cascade.InvalidArgumentError, match="holds stored blocks"):
+            h.get_batch(["other"], [view])
+        del view
         lease.release()
+        out = bytearray(8192)
+        assert h.get("k", out) == (True, 8192) and out == b"x" * 8192
     with cascade.FileBackend(str(tmp_path / "d"), segment_size_bytes=MiB) as f:
         assert f.path == str(tmp_path / "d")
         assert f.put("k", b"x" * 8192, is_prefix=True)

@@ -98,17 +98,6 @@ struct SharedArena {
 
 class Tier;
 
-// Bytes in this process's memory.
-struct ByteRange {
-  const void* base = nullptr;
-  uint64_t size = 0;
-  // Whether [p, p + n) shares a byte with this range.
-  bool overlaps(const void* p, uint64_t n) const {
-    const auto a = reinterpret_cast<uintptr_t>(p), b = reinterpret_cast<uintptr_t>(base);
-    return n && size && base && a < b + size && b < a + n;
-  }
-};
-
 // A leased, read-only view of a block resident in a memory tier. Move-only;
 // the lease ends when the view is destroyed or reset().
 class BlockView {
@@ -252,10 +241,6 @@ class Tier {
   virtual void clear() = 0;
   // Makes every stored block durable (file tier); a no-op for memory tiers.
   virtual Status flush() { return Status::OK(); }
-  // Adds to `ranges` the memory this tier keeps blocks in, as mapped here
-  // (its arenas): a read must not write there, since those bytes are other
-  // blocks'.
-  virtual void arenas(std::vector<ByteRange>* /*ranges*/) const {}
 
   // ---- durability -----------------------------------------------------------
   // True when the tier's blocks outlive the store (the file tier): what it

@@ -9,6 +9,7 @@
 #include <climits>
 #include <fstream>
 
+#include "util/arena_ranges.h"
 #include "util/errno_status.h"
 
 namespace cascade {
@@ -41,7 +42,10 @@ Result<OpenFileIdentity> describe_open_file(int fd) {
 }
 
 ReadOnlyMapping::~ReadOnlyMapping() {
-  if (size_ > 0) ::munmap(const_cast<uint8_t*>(data_), size_);
+  if (size_ > 0) {
+    remove_arena_range(data_);
+    ::munmap(const_cast<uint8_t*>(data_), size_);
+  }
 }
 
 Result<std::shared_ptr<const ReadOnlyMapping>> map_file_read_only(const std::string& path,

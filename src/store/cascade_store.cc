@@ -15,6 +15,7 @@
 #include "store/store_open.h"
 #include "store/tier_factory.h"
 #include "store/write_down.h"
+#include "util/arena_ranges.h"
 #include "util/thread_pool.h"
 
 namespace cascade {
@@ -222,26 +223,13 @@ CascadeStore::~CascadeStore() { close(); }
 
 static Status closed_status() { return Status::Unavailable("the store is closed"); }
 
-// InvalidArgument when a get's destination lies in memory a tier keeps
-// blocks in (a view of a stored block): the copy would change other blocks.
-static Status check_outs(const std::vector<std::unique_ptr<Tier>>& tiers,
-                         std::span<const MutableBuffer> out) {
-  thread_local std::vector<ByteRange> arenas;  // kept: no allocation per call
-  arenas.clear();
-  for (const auto& t : tiers) t->arenas(&arenas);
+// A batch one of whose destinations would write over stored blocks (a
+// lease's view, of any store of this process) is refused whole.
+static Status check_outs(std::span<const MutableBuffer> out) {
   for (size_t i = 0; i < out.size(); ++i)
-    for (const ByteRange& a : arenas)
-      if (a.overlaps(out[i].data, out[i].size))
-        return Status::InvalidArgument(
-            (out.size() > 1 ? "out[" + std::to_string(i) + "]" : std::string("out")) +
-            " lies in the store's own memory (the bytes of a stored block, such as a lease's "
-            "view): a get must not write over stored blocks; pass a buffer of your own");
+    CASCADE_RETURN_IF_ERROR(check_read_destination(
+        out[i].data, out[i].size, out.size() > 1 ? "out[" + std::to_string(i) + "]" : "out"));
   return Status::OK();
-}
-
-static Status check_out(const std::vector<std::unique_ptr<Tier>>& tiers, void* out, uint64_t n) {
-  const MutableBuffer b{out, n};
-  return check_outs(tiers, std::span<const MutableBuffer>(&b, 1));
 }
 
 Status CascadeStore::put(const BlockId& id, const void* data, uint64_t size,
@@ -255,7 +243,7 @@ Status CascadeStore::get(const BlockId& id, void* out, uint64_t capacity, GetRes
                          MemoryKind out_kind) {
   CASCADE_LIVE_OR(closed_status());
   if (capacity && !out) return Status::InvalidArgument("out is null");
-  CASCADE_RETURN_IF_ERROR(check_out(impl_->tiers, out, capacity));
+  CASCADE_RETURN_IF_ERROR(check_read_destination(out, capacity));
   ReadRequest rq;
   rq.out = out;
   rq.capacity = capacity;
@@ -272,7 +260,7 @@ Status CascadeStore::get_range(const BlockId& id, uint64_t offset, void* out, ui
                                GetResult* result) {
   CASCADE_LIVE_OR(closed_status());
   if (capacity && !out) return Status::InvalidArgument("out is null");
-  CASCADE_RETURN_IF_ERROR(check_out(impl_->tiers, out, capacity));
+  CASCADE_RETURN_IF_ERROR(check_read_destination(out, capacity));
   ReadRequest rq;
   rq.offset = offset;
   rq.out = out;
@@ -424,7 +412,7 @@ size_t CascadeStore::get_batch(std::span<const BlockId> ids, std::span<const Mut
     statuses->assign(ids.size(), Status::InvalidArgument("ids and buffers differ in length"));
     return 0;
   }
-  if (Status bad = check_outs(impl_->tiers, out); !bad.ok()) {
+  if (Status bad = check_outs(out); !bad.ok()) {
     results->assign(ids.size(), GetResult{});
     statuses->assign(ids.size(), bad);
     return 0;
@@ -469,7 +457,7 @@ std::shared_ptr<BatchTask> CascadeStore::get_batch_async(std::vector<BlockId> id
     task->finish(0);
     return task;
   }
-  if (Status bad = check_outs(impl_->tiers, out); !bad.ok()) {
+  if (Status bad = check_outs(out); !bad.ok()) {
     task->statuses_.assign(ids.size(), bad);
     task->finish(0);
     return task;

@@ -6,6 +6,7 @@
 #include "store/tier_factory.h"
 #include "tiers/file/file_tier.h"
 #include "tiers/gpu/gpu_tier.h"
+#include "util/arena_ranges.h"
 #include "util/thread_pool.h"
 
 namespace cascade {
@@ -82,6 +83,9 @@ void settle(Status* st, const ReadRequest& rq, const ReadResult& r, bool* found,
 
 Status TierHandle::get(const BlockId& id, void* out, uint64_t capacity, bool* found, uint64_t* size,
                        MemoryKind out_kind, void* cuda_stream) {
+  if (found) *found = false;
+  if (size) *size = 0;
+  CASCADE_RETURN_IF_ERROR(check_read_destination(out, capacity));
   ReadRequest rq;
   rq.out = out;
   rq.capacity = capacity;
@@ -104,6 +108,13 @@ void TierHandle::get_batch(std::span<const BlockId> ids, std::span<void* const> 
   if (out.size() != n || capacities.size() != n) {
     statuses->assign(n, Status::InvalidArgument("ids, buffers and capacities differ in length"));
     return;
+  }
+  for (size_t i = 0; i < n; ++i) {  // a batch that would write over stored blocks: none of it
+    Status bad = check_read_destination(out[i], capacities[i], "out[" + std::to_string(i) + "]");
+    if (!bad.ok()) {
+      statuses->assign(n, bad);
+      return;
+    }
   }
   std::vector<ReadRequest> reqs(n);
   for (size_t i = 0; i < n; ++i) {

@@ -7,6 +7,7 @@
 
 #include "cuda/device_copy.h"
 #include "tiers/leased_reads.h"
+#include "util/arena_ranges.h"
 
 namespace cascade {
 
@@ -22,7 +23,11 @@ ArenaTier::ArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capaci
             if (loc.size) free_space(loc.offset, loc.size);
           },
           [this](const BlockId& id, const Location& loc) { on_unpublish(id, loc); }),
-      max_blocks_(std::max<uint64_t>(capacity / kEntryBytes, 1)) {}
+      max_blocks_(std::max<uint64_t>(capacity / kEntryBytes, 1)) {
+  add_arena_range(base_, capacity_);  // no read writes into stored blocks
+}
+
+ArenaTier::~ArenaTier() { remove_arena_range(base_); }
 
 // Empty blocks take no range, so bytes alone would never bound them: past
 // as many of them as the arena holds ranges of kEntryBytes, one more is

@@ -66,9 +66,6 @@ class ArenaTier : public Tier {
   uint64_t capacity_bytes() const override { return capacity_; }
   TierStats stats() const override;
   void clear() override { index_.clear(); }
-  void arenas(std::vector<ByteRange>* ranges) const override {
-    ranges->push_back({base_, capacity_});
-  }
   void for_each_block(const std::function<void(const BlockId&, uint64_t)>& fn) const override;
   Result<Reservation> reserve(const BlockId& id, uint64_t size, const PutOptions& options) override;
   void reserve_batch(std::span<const BlockId> ids, std::span<const uint64_t> sizes,
@@ -99,6 +96,10 @@ class ArenaTier : public Tier {
   ArenaTier(const CascadeConfig& config, uint8_t* base, uint64_t capacity, MemoryKind memory,
             std::string where);
 
+ public:
+  ~ArenaTier() override;
+
+ protected:
   // ---- what a tier supplies ---------------------------------------------------
   // A stream for copies out of a victim's bytes (Victim::cuda_stream);
   // tiers whose arena is host memory need none.

@@ -16,6 +16,7 @@
 #include "os/committed_memory.h"
 #include "os/ipc.h"
 #include "tiers/leased_reads.h"
+#include "util/arena_ranges.h"
 #include "util/block_checksum.h"
 #include "util/copy_bytes.h"
 #include "util/errno_status.h"
@@ -231,6 +232,7 @@ Status PoolTier::connect(const CascadeConfig& config, const std::atomic<bool>* c
   (void)::madvise(arena_map_, arena_map_bytes_, MADV_DONTFORK);
   (void)::madvise(doorbell_, pool::kDoorbellBytes, MADV_DONTFORK);
   base_ = arena_map_ + w.arena_file_offset;
+  add_arena_range(arena_map_, arena_map_bytes_);  // no read writes into stored blocks
   arena_committed_ = std::min(w.arena_committed, capacity_);
   channel_count_ = w.channels;
   channel_map_bytes_ = uint64_t(w.channels) * pool::kChannelStride;
@@ -289,7 +291,10 @@ PoolTier::~PoolTier() {
   if (registered_) unregister_host_memory(base_);
   if (channel_map_) ::munmap(channel_map_, channel_map_bytes_);
   if (doorbell_) ::munmap(doorbell_, pool::kDoorbellBytes);
-  if (arena_map_) ::munmap(arena_map_, arena_map_bytes_);
+  if (arena_map_) {
+    remove_arena_range(arena_map_);
+    ::munmap(arena_map_, arena_map_bytes_);
+  }
   if (sock_ >= 0) {
     // The server ends what this client still held once the connection
     // ends: shut down here, since a child forked meanwhile may hold a copy

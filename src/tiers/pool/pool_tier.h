@@ -93,9 +93,6 @@ class PoolTier final : public Tier {
   std::vector<Victim> claim_victims(uint64_t) override { return {}; }
   void unclaim(Victim victim) override { victim.view.reset(); }
   uint64_t capacity_bytes() const override { return capacity_; }
-  void arenas(std::vector<ByteRange>* ranges) const override {
-    ranges->push_back({base_, capacity_});
-  }
   TierStats stats() const override;
   void clear() override {}
   Status flush() override { return flush(false); }

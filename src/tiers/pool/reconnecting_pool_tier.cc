@@ -341,13 +341,6 @@ Status ReconnectingPoolTier::flush() {
   return st;
 }
 
-void ReconnectingPoolTier::arenas(std::vector<ByteRange>* ranges) const {
-  // The connections set aside too: views held across a loss read there.
-  std::lock_guard<std::mutex> lock(mu_);
-  if (current_) current_->arenas(ranges);
-  for (const auto& t : aside_) t->arenas(ranges);
-}
-
 TierStats ReconnectingPoolTier::stats() const {
   TierStats s;
   std::lock_guard<std::mutex> lock(mu_);

@@ -85,7 +85,6 @@ class ReconnectingPoolTier final : public Tier {
   TierStats stats() const override;
   void clear() override {}
   Status flush() override;
-  void arenas(std::vector<ByteRange>* ranges) const override;
   bool persistent() const override { return persistent_.load(std::memory_order_relaxed); }
 
  protected:

@@ -1,0 +1,28 @@
+// The memory of this process that holds stored blocks: every arena as
+// mapped here, by any store, tier or pool connection of the process. A read
+// must never write there: those bytes are other blocks', for every process
+// that maps them.
+//
+// Thread-safety: all functions are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cascade/status.h"
+
+namespace cascade {
+
+// Adds [base, base + size) (nothing when either is zero); remove_arena_range
+// takes it out again, by its base, before it is unmapped.
+void add_arena_range(const void* base, uint64_t size);
+void remove_arena_range(const void* base);
+
+// Whether [p, p + n) shares a byte with a range added and not removed.
+bool overlaps_arena(const void* p, uint64_t n);
+
+// InvalidArgument, naming the destination `what`, when a read into
+// [p, p + n) would write over stored blocks; OK otherwise.
+Status check_read_destination(const void* p, uint64_t n, const std::string& what = "out");
+
+}  // namespace cascade
