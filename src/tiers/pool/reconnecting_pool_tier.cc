@@ -314,10 +314,10 @@ std::shared_ptr<PoolTier> ReconnectingPoolTier::link_or_connect_now() {
   const uint64_t wanted = attempts_started_ + 1;
   attempt_now_.store(true, std::memory_order_release);
   wake();
-  // An attempt ends within the request deadline it gives the server (its
-  // connect, hello and welcome), and the one under way first.
-  const auto limit = std::chrono::milliseconds(2 * int64_t(config_.pool_timeout_ms) + 1000);
-  attempt_cv_.wait_for(lock, limit, [&] {
+  // A server started again welcomes at once; one that is stopped does not,
+  // and the flush (a store's close) fails as a call would, without waiting
+  // out the attempt's deadline.
+  attempt_cv_.wait_for(lock, kConnectNowWait, [&] {
     return usable() || attempts_ended_ >= wanted || stopping_.load(std::memory_order_acquire);
   });
   return usable() ? current_ : nullptr;

@@ -61,6 +61,9 @@ class ReconnectingPoolTier final : public Tier {
   // attempts while the server does not answer.
   static constexpr auto kFirstRetry = std::chrono::milliseconds(20);
   static constexpr auto kLastRetry = std::chrono::milliseconds(1000);
+  // How long a flush made while the server is lost waits for its attempt
+  // to connect at once.
+  static constexpr auto kConnectNowWait = std::chrono::milliseconds(250);
 
   TierKind kind() const override { return TierKind::kPool; }
   Status put(const BlockId& id, const void* data, uint64_t size,
