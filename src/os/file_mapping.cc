@@ -76,6 +76,7 @@ Result<std::shared_ptr<const ReadOnlyMapping>> map_file_read_only(const std::str
   const int err = errno;
   ::close(fd);  // the mapping holds the file
   if (p == MAP_FAILED) return errno_status(err, "map '" + path + "'");
+  add_arena_range(p, size);  // another member's blocks: never a read's destination
   return std::shared_ptr<const ReadOnlyMapping>(
       new ReadOnlyMapping(static_cast<const uint8_t*>(p), size));
 }
