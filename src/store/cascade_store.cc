@@ -226,9 +226,11 @@ static Status closed_status() { return Status::Unavailable("the store is closed"
 // A batch one of whose destinations would write over stored blocks (a
 // lease's view, of any store of this process) is refused whole.
 static Status check_outs(std::span<const MutableBuffer> out) {
+  const ArenaRangesView arenas;
   for (size_t i = 0; i < out.size(); ++i)
-    CASCADE_RETURN_IF_ERROR(check_read_destination(
-        out[i].data, out[i].size, out.size() > 1 ? "out[" + std::to_string(i) + "]" : "out"));
+    if (arenas.overlaps(out[i].data, out[i].size))
+      return arenas.check_read_destination(
+          out[i].data, out[i].size, out.size() > 1 ? "out[" + std::to_string(i) + "]" : "out");
   return Status::OK();
 }
 

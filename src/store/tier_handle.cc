@@ -109,10 +109,12 @@ void TierHandle::get_batch(std::span<const BlockId> ids, std::span<void* const> 
     statuses->assign(n, Status::InvalidArgument("ids, buffers and capacities differ in length"));
     return;
   }
-  for (size_t i = 0; i < n; ++i) {  // a batch that would write over stored blocks: none of it
-    Status bad = check_read_destination(out[i], capacities[i], "out[" + std::to_string(i) + "]");
-    if (!bad.ok()) {
-      statuses->assign(n, bad);
+  {
+    const ArenaRangesView arenas;  // a batch that would write over stored blocks: none of it
+    for (size_t i = 0; i < n; ++i) {
+      if (!arenas.overlaps(out[i], capacities[i])) continue;
+      statuses->assign(n, arenas.check_read_destination(out[i], capacities[i],
+                                                        "out[" + std::to_string(i) + "]"));
       return;
     }
   }

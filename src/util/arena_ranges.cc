@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <mutex>
-#include <shared_mutex>
 #include <vector>
 
 namespace cascade {
@@ -42,22 +41,29 @@ void remove_arena_range(const void* base) {
   if (it != r.list.end()) r.list.erase(it);
 }
 
-bool overlaps_arena(const void* p, uint64_t n) {
+ArenaRangesView::ArenaRangesView() : lock_(ranges().mu) {}
+
+bool ArenaRangesView::overlaps(const void* p, uint64_t n) const {
   if (!p || !n) return false;
   const auto a = reinterpret_cast<uintptr_t>(p);
-  Ranges& r = ranges();
-  std::shared_lock<std::shared_mutex> lock(r.mu);
-  for (const Range& x : r.list)
+  for (const Range& x : ranges().list)
     if (a < x.end && x.begin < a + n) return true;
   return false;
 }
 
-Status check_read_destination(const void* p, uint64_t n, const std::string& what) {
-  if (!overlaps_arena(p, n)) return Status::OK();
+Status ArenaRangesView::check_read_destination(const void* p, uint64_t n,
+                                               const std::string& what) const {
+  if (!overlaps(p, n)) return Status::OK();
   return Status::InvalidArgument(what +
                                  " lies in memory that holds stored blocks (such as a lease's "
                                  "view): a read must not write over stored blocks; pass a buffer "
                                  "of your own");
+}
+
+bool overlaps_arena(const void* p, uint64_t n) { return ArenaRangesView().overlaps(p, n); }
+
+Status check_read_destination(const void* p, uint64_t n, const std::string& what) {
+  return ArenaRangesView().check_read_destination(p, n, what);
 }
 
 }  // namespace cascade

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <shared_mutex>
 #include <string>
 
 #include "cascade/status.h"
@@ -18,11 +19,25 @@ namespace cascade {
 void add_arena_range(const void* base, uint64_t size);
 void remove_arena_range(const void* base);
 
-// Whether [p, p + n) shares a byte with a range added and not removed.
-bool overlaps_arena(const void* p, uint64_t n);
+// The ranges held for reading while it lives: a batch's checks take the
+// registry's lock once.
+class ArenaRangesView {
+ public:
+  ArenaRangesView();
+  ArenaRangesView(const ArenaRangesView&) = delete;
+  ArenaRangesView& operator=(const ArenaRangesView&) = delete;
+  // Whether [p, p + n) shares a byte with a range added and not removed.
+  bool overlaps(const void* p, uint64_t n) const;
+  // InvalidArgument, naming the destination `what`, when a read into
+  // [p, p + n) would write over stored blocks; OK otherwise.
+  Status check_read_destination(const void* p, uint64_t n, const std::string& what) const;
 
-// InvalidArgument, naming the destination `what`, when a read into
-// [p, p + n) would write over stored blocks; OK otherwise.
+ private:
+  std::shared_lock<std::shared_mutex> lock_;
+};
+
+// One destination's check (a view of its own).
+bool overlaps_arena(const void* p, uint64_t n);
 Status check_read_destination(const void* p, uint64_t n, const std::string& what = "out");
 
 }  // namespace cascade
