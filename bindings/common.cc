@@ -247,12 +247,9 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what,
       }
     }
     if (!src.is_valid()) {
-      // The producer's own export, whose checks stand (torch refuses a
-      // tensor whose conjugate or negative bit is set, or one that requires
-      // grad): nanobind would otherwise fall back to an export of the raw
-      // storage, which ignores those bits.
-      // DLPack 1.0 first, whose flags say read-only (an older producer
-      // refuses the argument, or a read-only tensor without it).
+      // The producer's own export: DLPack 1.0 first, whose flags say
+      // read-only (an older producer refuses the argument, or a read-only
+      // tensor without it), then its plain one, then nanobind's import.
       try {
         src = obj.attr("__dlpack__")(nb::arg("max_version") = nb::make_tuple(1, 0));
       } catch (nb::python_error& e) {
