@@ -184,10 +184,12 @@ void ReconnectingPoolTier::watch() {
           current_ = std::move(opened.value());
           capacity_.store(current_->capacity_bytes(), std::memory_order_relaxed);
           persistent_.store(current_->persistent(), std::memory_order_relaxed);
+          // Counted before a flush waiting for this attempt wakes: its
+          // caller's stats say the connection was made again.
+          reconnects_.fetch_add(1, std::memory_order_relaxed);
           ++attempts_ended_;
         }
         attempt_cv_.notify_all();
-        reconnects_.fetch_add(1, std::memory_order_relaxed);
         continue;
       }
       {
