@@ -37,11 +37,14 @@ class CutShort {
     map_ = static_cast<const uint8_t*>(m);
     first_.assign(bytes.begin(), bytes.begin() + page_);
     (void)!::ftruncate(fd_, off_t(page_));
+    // The mapping and the descriptor hold the file: no name is left behind
+    // by a test process a signal ends.
+    ::unlink(path_.c_str());
   }
   ~CutShort() {
     if (map_) ::munmap(const_cast<uint8_t*>(map_), kPages * page_);
     if (fd_ >= 0) ::close(fd_);
-    ::unlink(path_.c_str());
+    ::unlink(path_.c_str());  // one set up only in part
   }
   const uint8_t* map() const { return map_; }
   size_t page() const { return page_; }
