@@ -226,12 +226,9 @@ static Status closed_status() { return Status::Unavailable("the store is closed"
 // A batch one of whose destinations would write over stored blocks (a
 // lease's view, of any store of this process) is refused whole.
 static Status check_outs(std::span<const MutableBuffer> out) {
-  const ArenaRangesView arenas;
-  for (size_t i = 0; i < out.size(); ++i)
-    if (arenas.overlaps(out[i].data, out[i].size))
-      return arenas.check_read_destination(
-          out[i].data, out[i].size, out.size() > 1 ? "out[" + std::to_string(i) + "]" : "out");
-  return Status::OK();
+  return ArenaRangesView().check_read_destinations(out.size(), [&](size_t i) {
+    return std::pair<const void*, uint64_t>(out[i].data, out[i].size);
+  });
 }
 
 Status CascadeStore::put(const BlockId& id, const void* data, uint64_t size,

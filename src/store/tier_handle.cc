@@ -109,14 +109,12 @@ void TierHandle::get_batch(std::span<const BlockId> ids, std::span<void* const> 
     statuses->assign(n, Status::InvalidArgument("ids, buffers and capacities differ in length"));
     return;
   }
-  {
-    const ArenaRangesView arenas;  // a batch that would write over stored blocks: none of it
-    for (size_t i = 0; i < n; ++i) {
-      if (!arenas.overlaps(out[i], capacities[i])) continue;
-      statuses->assign(n, arenas.check_read_destination(out[i], capacities[i],
-                                                        "out[" + std::to_string(i) + "]"));
-      return;
-    }
+  // A batch that would write over stored blocks: none of it.
+  Status bad = ArenaRangesView().check_read_destinations(
+      n, [&](size_t i) { return std::pair<const void*, uint64_t>(out[i], capacities[i]); });
+  if (!bad.ok()) {
+    statuses->assign(n, bad);
+    return;
   }
   std::vector<ReadRequest> reqs(n);
   for (size_t i = 0; i < n; ++i) {

@@ -6,6 +6,7 @@
 // Thread-safety: all functions are thread-safe.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <shared_mutex>
 #include <string>
@@ -31,6 +32,18 @@ class ArenaRangesView {
   // InvalidArgument, naming the destination `what`, when a read into
   // [p, p + n) would write over stored blocks; OK otherwise.
   Status check_read_destination(const void* p, uint64_t n, const std::string& what) const;
+  // The first of n destinations, `at(i)` giving the i-th as (pointer,
+  // bytes), that would write over stored blocks, as check_read_destination
+  // names it ("out[i]", or "out" for one); OK when none would.
+  template <typename At>
+  Status check_read_destinations(size_t n, At at) const {
+    for (size_t i = 0; i < n; ++i) {
+      const auto [p, bytes] = at(i);
+      if (overlaps(p, bytes))
+        return check_read_destination(p, bytes, n > 1 ? "out[" + std::to_string(i) + "]" : "out");
+    }
+    return Status::OK();
+  }
 
  private:
   std::shared_lock<std::shared_mutex> lock_;

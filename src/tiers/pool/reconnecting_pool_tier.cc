@@ -36,7 +36,10 @@ Result<std::unique_ptr<ReconnectingPoolTier>> ReconnectingPoolTier::Open(
   if (tier->wake_fd_ < 0) return errno_status(errno, "eventfd");
   auto first = PoolTier::Open(config, pool, nullptr, tier->wake_fd_);
   if (!first.ok()) return first.status();
-  tier->adopt(std::move(first.value()));
+  {
+    std::lock_guard<std::mutex> lock(tier->mu_);
+    tier->adopt(std::move(first.value()));
+  }
   tier->watcher_ = std::thread([t = tier.get()] { t->watch(); });
   return tier;
 }
@@ -66,7 +69,6 @@ ReconnectingPoolTier::~ReconnectingPoolTier() {
 void ReconnectingPoolTier::adopt(std::unique_ptr<PoolTier> t) {
   capacity_.store(t->capacity_bytes(), std::memory_order_relaxed);
   persistent_.store(t->persistent(), std::memory_order_relaxed);
-  std::lock_guard<std::mutex> lock(mu_);
   current_ = std::move(t);
 }
 
@@ -181,9 +183,7 @@ void ReconnectingPoolTier::watch() {
         {
           std::lock_guard<std::mutex> lock(mu_);
           last_attempt_.clear();
-          current_ = std::move(opened.value());
-          capacity_.store(current_->capacity_bytes(), std::memory_order_relaxed);
-          persistent_.store(current_->persistent(), std::memory_order_relaxed);
+          adopt(std::move(opened.value()));
           // Counted before a flush waiting for this attempt wakes: its
           // caller's stats say the connection was made again.
           reconnects_.fetch_add(1, std::memory_order_relaxed);

@@ -105,6 +105,7 @@ class ReconnectingPoolTier final : public Tier {
   // Closes the connections set aside that nothing uses any more.
   void close_unused();
   void wake() const;
+  // Makes `t` the connection in use. REQUIRES: mu_ held.
   void adopt(std::unique_ptr<PoolTier> t);
   // The connection in use, after one attempt to connect that starts after
   // this call (when the server is lost); null when that attempt fails.
