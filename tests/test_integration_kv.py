@@ -143,6 +143,30 @@ def test_misses_and_wrong_sizes_are_item_errors(store):
     assert store.get_stats()["tiers"]["host"]["leased_blocks"] == 0
 
 
+def test_a_load_never_writes_into_a_stored_block(store):
+    """A cache whose tensors are a lease's memory (torch makes DLPack's
+    read-only export writable) is never loaded into: the bytes belong to
+    another stored block."""
+    src = packed(9)
+    save_paged(store, PagedKv.from_layers(src), [0, 1], IDS[:2])
+    size = L * NB * H * BS * 2 * D * 2
+    other = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    store.put("kv-holder", other)
+    lease = store.acquire("kv-holder")
+    try:
+        held = torch.from_dlpack(lease).view(torch.bfloat16).view(L, NB, H, BS, 2 * D)
+        res = load_paged(store, PagedKv.from_layers([held[i] for i in range(L)]), [2, 3], IDS[:2])
+        assert all(r is not None and "hold stored blocks" in r for r in res), res
+        del held
+    finally:
+        lease.release()
+    out = bytearray(size)
+    assert store.get("kv-holder", out) == (True, size) and bytes(out) == other
+    dst = packed(10)
+    assert load_paged(store, PagedKv.from_layers(dst), [2, 3], IDS[:2]) == [None, None]
+    assert torch.equal(dst[1][3], src[1][1])
+
+
 def test_bad_descriptions_are_refused(store):
     layers = packed(7)
     with pytest.raises(ValueError, match="layout"):

@@ -1,8 +1,10 @@
 // Paged KV description checks, geometry, and the CPU reference transfer.
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
 #include "kv/paged_kv_plan.h"
+#include "util/arena_ranges.h"
 
 namespace cascade {
 namespace {
@@ -145,6 +147,33 @@ Status check_kv_request(const PagedKvCache& c, std::span<const int64_t> engine_b
   return Status::OK();
 }
 
+Status check_kv_load_destinations(const PagedKvCache& c, const KvGeometry& g,
+                                  std::span<const int64_t> blocks) {
+  if (blocks.empty()) return Status::OK();
+  const auto [lo, hi] = std::minmax_element(blocks.begin(), blocks.end());
+  // The bytes one block's section spans, from its first: strides are not
+  // negative, so section s of block b lies in [b * block_stride + s *
+  // kv_stride, + span) (K and V apart, as split layouts keep them).
+  int64_t span = 0;
+  for (uint32_t o = 0; o < g.section_bytes; o += g.run_bytes)
+    span = std::max(span, kv_engine_offset(g, 0, 0, o) + int64_t(g.run_bytes));
+  const uint64_t bytes = uint64_t(*hi - *lo) * uint64_t(g.block_stride) + uint64_t(span);
+  ArenaRangesView held;
+  for (int l = g.layer_begin; l < g.layer_begin + g.layer_count; ++l) {
+    for (int s = 0; s < g.sections; ++s) {
+      const uint8_t* first =
+          static_cast<const uint8_t*>(c.layers[l]) + kv_engine_offset(g, *lo, s, 0);
+      if (held.overlaps(first, bytes)) {
+        return Status::InvalidArgument(
+            "paged KV: layer " + std::to_string(l) +
+            "'s pages to load into hold stored blocks (a view of a lease or an arena); load into "
+            "the engine's own cache");
+      }
+    }
+  }
+  return Status::OK();
+}
+
 namespace {
 
 template <bool kSave>
@@ -153,6 +182,7 @@ Status transfer_cpu(const PagedKvCache& c, std::span<const int64_t> blocks, uint
   KvGeometry g;
   CASCADE_RETURN_IF_ERROR(make_kv_geometry(c, layer_begin, layer_end, &g));
   CASCADE_RETURN_IF_ERROR(check_kv_request(c, blocks, blocks.size()));
+  if (!kSave) CASCADE_RETURN_IF_ERROR(check_kv_load_destinations(c, g, blocks));
   for (size_t i = 0; i < blocks.size(); ++i) {
     if (!store[i]) return Status::InvalidArgument("paged KV: a store block pointer is null");
     for (int l = g.layer_begin; l < g.layer_begin + g.layer_count; ++l) {

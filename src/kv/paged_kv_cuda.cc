@@ -255,6 +255,7 @@ Status transfer(const PagedKvCache& c, std::span<const int64_t> blocks, uint8_t*
                                     std::span<const void* const>(ptrs.data(), ptrs.size()),
                                     o.layer_begin, o.layer_end);
   }
+  if (!save) CASCADE_RETURN_IF_ERROR(check_kv_load_destinations(c, g, blocks));
   int device = -1;
   auto ctx = ready_device(c, &device);
   if (!ctx.ok()) return ctx.status();

@@ -8,6 +8,7 @@
 
 #include "cascade/paged_kv.h"
 #include "cuda/device_buffer.h"
+#include "util/arena_ranges.h"
 
 namespace cascade {
 namespace {
@@ -116,6 +117,11 @@ const Shape kShapes[] = {
     {PagedKvLayout::kFlatBytes, 1, 3, 7, 1, 5},
 };
 
+TestCache make_cache(const Shape& sh, int layers, int blocks, uint64_t seed) {
+  return make_cache(sh.layout, layers, blocks, sh.heads, sh.block_size, sh.head_size, sh.elem,
+                    sh.pad, seed);
+}
+
 std::vector<void*> store_ptrs(std::vector<std::vector<uint8_t>>& blocks) {
   std::vector<void*> p;
   for (auto& b : blocks) p.push_back(b.data());
@@ -125,8 +131,7 @@ std::vector<void*> store_ptrs(std::vector<std::vector<uint8_t>>& blocks) {
 TEST(PagedKvCpu, StoredLayoutMatchesModel) {
   for (const Shape& sh : kShapes) {
     SCOPED_TRACE(paged_kv_layout_name(sh.layout));
-    TestCache t =
-        make_cache(sh.layout, 3, 10, sh.heads, sh.block_size, sh.head_size, sh.elem, sh.pad, 7);
+    TestCache t = make_cache(sh, 3, 10, 7);
     const uint64_t bytes = stored_kv_block_bytes(t.desc);
     std::vector<int64_t> engine = {7, 0, 9, 3};
     std::vector<std::vector<uint8_t>> stored(engine.size(), std::vector<uint8_t>(bytes, 0xee));
@@ -139,8 +144,7 @@ TEST(PagedKvCpu, StoredLayoutMatchesModel) {
 TEST(PagedKvCpu, RoundTripRestoresOnlyThoseBlocks) {
   for (const Shape& sh : kShapes) {
     SCOPED_TRACE(paged_kv_layout_name(sh.layout));
-    TestCache t =
-        make_cache(sh.layout, 2, 12, sh.heads, sh.block_size, sh.head_size, sh.elem, sh.pad, 11);
+    TestCache t = make_cache(sh, 2, 12, 11);
     auto original = t.layer_bytes;
     std::vector<int64_t> engine = {1, 5, 11};
     std::vector<std::vector<uint8_t>> stored(engine.size(),
@@ -231,6 +235,43 @@ TEST(PagedKvCpu, RejectsBadRequests) {
   EXPECT_TRUE(validate_paged_kv(c).is(Code::kInvalidArgument));
   std::vector<void*> null_store = {nullptr};
   EXPECT_TRUE(save_paged_kv_cpu(t.desc, ok, null_store).is(Code::kInvalidArgument));
+}
+
+// A cache whose pages hold stored blocks (a view of a lease or an arena)
+// is never loaded into: the load would overwrite other blocks' bytes. Saves
+// from it, and loads into the pages beside it, go on.
+TEST(PagedKvCpu, LoadsNeverWriteIntoStoredBlocks) {
+  for (const Shape& sh : kShapes) {
+    SCOPED_TRACE(paged_kv_layout_name(sh.layout));
+    TestCache t = make_cache(sh, 2, 6, 7);
+    const uint64_t bytes = stored_kv_block_bytes(t.desc);
+    std::vector<std::vector<uint8_t>> stored(1, std::vector<uint8_t>(bytes));
+    auto ptrs = store_ptrs(stored);
+    std::vector<const void*> cptrs(ptrs.begin(), ptrs.end());
+    const std::vector<int64_t> held = {3};
+    ASSERT_TRUE(save_paged_kv_cpu(t.desc, held, ptrs).ok());
+    // One byte of layer 1, inside block 3's pages, is an arena's.
+    const int64_t elem = sh.layout == PagedKvLayout::kFlatBytes ? 1 : sh.elem;
+    const uint8_t* in_block = t.layer_bytes[1].data() + 3 * t.desc.block_stride * elem;
+    add_arena_range(in_block, 1);
+    const auto before = t.layer_bytes;
+    Status st = load_paged_kv_cpu(t.desc, held, cptrs);
+    EXPECT_TRUE(st.is(Code::kInvalidArgument)) << st.ToString();
+    EXPECT_NE(st.message().find("layer 1"), std::string::npos) << st.message();
+    EXPECT_TRUE(load_paged_kv(t.desc, held, cptrs, MemoryKind::kHost).is(Code::kInvalidArgument));
+    // Blocks 2 and 4 together span block 3 as well.
+    EXPECT_TRUE(load_paged_kv_cpu(t.desc, std::vector<int64_t>{2, 4},
+                                  std::vector<const void*>{cptrs[0], cptrs[0]})
+                    .is(Code::kInvalidArgument));
+    EXPECT_EQ(t.layer_bytes, before);  // nothing written
+    EXPECT_TRUE(save_paged_kv_cpu(t.desc, held, ptrs).ok());
+    EXPECT_TRUE(load_paged_kv_cpu(t.desc, std::vector<int64_t>{1}, cptrs).ok());
+    EXPECT_TRUE(load_paged_kv_cpu(t.desc, std::vector<int64_t>{4}, cptrs).ok());
+    // A layer range without layer 1 goes on.
+    EXPECT_TRUE(load_paged_kv_cpu(t.desc, held, cptrs, 0, 1).ok());
+    remove_arena_range(in_block);
+    EXPECT_TRUE(load_paged_kv_cpu(t.desc, held, cptrs).ok());
+  }
 }
 
 TEST(PagedKvCpu, DispatcherRunsHostCachesOnTheCpu) {
@@ -350,8 +391,7 @@ void gpu_round_trip(const TestCache& t, std::vector<int64_t> engine, StoreKind k
 TEST(PagedKvGpu, EveryLayoutAndStoreKindMatchesTheCpuReference) {
   SKIP_WITHOUT_GPU();
   for (const Shape& sh : kShapes) {
-    TestCache t =
-        make_cache(sh.layout, 3, 24, sh.heads, sh.block_size, sh.head_size, sh.elem, sh.pad, 31);
+    TestCache t = make_cache(sh, 3, 24, 31);
     for (StoreKind k : {StoreKind::kDevice, StoreKind::kPinnedDirect, StoreKind::kPinnedStaged,
                         StoreKind::kPageable})
       gpu_round_trip(t, {23, 0, 7, 8, 9, 15}, k);
