@@ -583,6 +583,33 @@ def test_paged_kv_cuda_round_trip(shm_path, tmp_path, pipeline, layout):
         )
 
 
+@gpu_test
+def test_paged_kv_cuda_load_never_writes_into_a_gpu_tier_block(shm_path):
+    """A device cache whose pages are a gpu tier lease's memory is never
+    loaded into: they hold another stored block."""
+    torch = _torch_cuda()
+    from cascade.integrations.kv import PagedKv, load_paged, save_paged
+
+    src_buf, src = _kv_pages(torch, "packed_kv", 3)
+    size = src_buf.numel() * src_buf.element_size()
+    with _gpu_store(shm_path, 64 * MiB, promote_on_hit=False) as store:
+        ids = [f"{i:032x}" for i in range(1, 5)]
+        assert save_paged(store, PagedKv.from_layers(src), [0, 1, 2, 3], ids) == [None] * 4
+        other = random_bytes(size, seed=77)
+        store.put("kv-holder", torch.from_numpy(other).cuda())
+        lease = store.acquire("kv-holder")
+        assert lease.device == 0
+        held = torch.from_dlpack(lease).view(src_buf.dtype).view(src_buf.shape)
+        kv = PagedKv.from_layers([held[i] for i in range(held.shape[0])])
+        res = load_paged(store, kv, [4, 5, 6, 7], ids)
+        assert all(r is not None and "hold stored blocks" in r for r in res), res
+        torch.cuda.synchronize()
+        del held, kv
+        lease.release()
+        out = np.zeros(size, dtype=np.uint8)
+        assert store.get("kv-holder", out) == (True, size) and np.array_equal(out, other)
+
+
 # A fresh process: CUDA loads a kernel on its first launch by default, and
 # that load waits for all work queued on the device.
 _FIRST_TRANSFER_SCRIPT = r"""
