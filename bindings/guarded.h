@@ -51,7 +51,7 @@ class Lifeline {
   }
   void leave() {
     std::lock_guard<std::mutex> lock(mu_);
-    if (--inside_ == 0 && state_ == kDraining) cv_.notify_all();
+    if (--inside_ == held_ && state_ == kDraining) cv_.notify_all();
   }
 
   bool is_open() const {
@@ -65,16 +65,40 @@ class Lifeline {
     std::lock_guard<std::mutex> lock(mu_);
     state_ = kOpen;
   }
+  // A call inside that stays inside past its call, as the claim of a
+  // Python object that uses the object until it ends (what names it in
+  // close()'s refusal): close() refuses while it does rather than wait.
+  void hold(const char* what) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++held_;
+    held_what_ = what;
+  }
+  void leave_held() {
+    std::lock_guard<std::mutex> lock(mu_);
+    --held_;
+    if (--inside_ == held_ && state_ == kDraining) cv_.notify_all();
+  }
+
+  enum class Closing { kClosed, kBegun, kHeld };
   // REQUIRES: the GIL is not held. Waits for another close() in progress;
-  // false when the object is closed already. Otherwise stops new calls and
-  // returns once no call is inside.
-  bool begin_close() {
+  // kClosed when the object is closed already. Otherwise stops new calls and
+  // waits until no call is inside but held ones: kBegun when none is held;
+  // kHeld, the object open again, while one is (held_status() says why).
+  Closing begin_close() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return state_ == kOpen || state_ == kClosed; });
-    if (state_ == kClosed) return false;
+    if (state_ == kClosed) return Closing::kClosed;
     state_ = kDraining;
-    cv_.wait(lock, [&] { return inside_ == 0; });
-    return true;
+    cv_.wait(lock, [&] { return inside_ == held_; });
+    if (held_ == 0) return Closing::kBegun;
+    state_ = kOpen;
+    cv_.notify_all();
+    return Closing::kHeld;
+  }
+  Status held_status() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return Status::Busy(name_ + " is in use by " + std::to_string(held_) + " unfinished " +
+                        held_what_ + "; finish it before closing");
   }
   // After begin_close(): the object stays open (the close was refused) ...
   void cancel_close() { set(kOpen); }
@@ -97,6 +121,8 @@ class Lifeline {
   std::condition_variable cv_;
   State state_ = kClosed;  // until opened()
   int inside_ = 0;
+  int held_ = 0;  // of inside_: held past their calls (hold())
+  const char* held_what_ = "";
 };
 
 template <class T>
@@ -106,12 +132,20 @@ class Guarded {
   class Use {
    public:
     Use(Lifeline* life, T* obj) : life_(life), obj_(obj) {}
-    Use(Use&& o) noexcept : life_(std::exchange(o.life_, nullptr)), obj_(o.obj_) {}
+    Use(Use&& o) noexcept : life_(std::exchange(o.life_, nullptr)), obj_(o.obj_), held_(o.held_) {}
     Use(const Use&) = delete;
     Use& operator=(const Use&) = delete;
     Use& operator=(Use&&) = delete;
     ~Use() {
-      if (life_) life_->leave();
+      if (!life_) return;
+      if (held_) life_->leave_held();
+      else life_->leave();
+    }
+    // This use outlives its call, held by an object named `what` (a
+    // literal): close() then raises BusyError instead of waiting for it.
+    void hold(const char* what) {
+      if (life_ && !held_) life_->hold(what);
+      held_ = true;
     }
     T& operator*() const { return *obj_; }
     T* operator->() const { return obj_; }
@@ -120,6 +154,7 @@ class Guarded {
    private:
     Lifeline* life_;
     T* obj_;
+    bool held_ = false;
   };
 
   explicit Guarded(std::string name) : life_(std::move(name)) {}
@@ -169,13 +204,18 @@ class Guarded {
     Status st;
     {
       nb::gil_scoped_release release;
-      if (!life_.begin_close()) return;
-      st = check(*obj_);
+      const Lifeline::Closing begun = life_.begin_close();
+      if (begun == Lifeline::Closing::kClosed) return;
+      if (begun == Lifeline::Closing::kHeld) {
+        st = life_.held_status();
+      } else {
+        st = check(*obj_);
+      }
       if (st.ok()) {
         life_.destroying();
         obj_.reset();
         life_.closed();
-      } else {
+      } else if (begun == Lifeline::Closing::kBegun) {
         life_.cancel_close();
       }
     }
@@ -194,8 +234,10 @@ class Guarded {
   // the lifeline is not touched (a thread of the parent may have held its
   // lock at the fork).
   void leave_to_parent() { (void)obj_.release(); }
+  // No use is held here: what holds one holds a reference to the Python
+  // object too.
   void destroy_now() {
-    if (!life_.begin_close()) return;
+    if (life_.begin_close() != Lifeline::Closing::kBegun) return;
     life_.destroying();
     obj_.reset();
     life_.closed();

@@ -30,8 +30,12 @@ PagedKvLayout parse_layout(const std::string& name) {
 // for finish()) and the blocks' leases until finish().
 class PyLayeredLoad {
  public:
-  PyLayeredLoad(Guarded<CascadeStore>::Use use, std::unique_ptr<LayeredLoad> load)
-      : use_(std::move(use)), load_(std::move(load)) {}
+  // Holds the store open until finish(): its close() raises BusyError
+  // meanwhile, and the store's Python object stays alive.
+  PyLayeredLoad(nb::object store, Guarded<CascadeStore>::Use use, std::unique_ptr<LayeredLoad> load)
+      : store_(std::move(store)), use_(std::move(use)), load_(std::move(load)) {
+    use_->hold("LayeredLoad (load_layers)");
+  }
   int num_layers() const { return load_->num_layers(); }
   void wait_layer(int layer, uintptr_t stream) const {
     check(load_->wait_layer(layer, reinterpret_cast<void*>(stream)));
@@ -57,6 +61,7 @@ class PyLayeredLoad {
   }
 
  private:
+  nb::object store_;  // destroyed last, with the GIL held
   std::optional<Guarded<CascadeStore>::Use> use_;
   std::unique_ptr<LayeredLoad> load_;
   std::vector<Status> statuses_;
@@ -68,7 +73,8 @@ class PyKvMover {
   PyKvMover(nb::object store, const std::string& layout, int device, int num_layers,
             int64_t num_blocks, int num_kv_heads, int block_size, int head_size, int elem_bytes,
             uint64_t bytes_per_block, const std::vector<uintptr_t>& layers, int64_t block_stride,
-            int64_t head_stride, int64_t token_stride, int64_t kv_stride)
+            int64_t head_stride, int64_t token_stride, int64_t kv_stride,
+            const std::vector<uint64_t>& layer_bytes)
       : store_obj_(std::move(store)) {
     PagedKvCache c;
     c.layout = parse_layout(layout);
@@ -85,6 +91,7 @@ class PyKvMover {
     c.head_stride = head_stride;
     c.token_stride = token_stride;
     c.kv_stride = kv_stride;
+    c.layer_bytes = layer_bytes;
     // The mover keeps a pointer to the store: run() holds a Use of it.
     auto m = KvBlockMover::Create(use_store(store_obj_).get(), c, device < 0 ? 0 : device);
     check(m.status());
@@ -115,7 +122,7 @@ class PyKvMover {
       load = mover_->load_layers(blocks, ids, o);
     }
     check(load.status());
-    return new PyLayeredLoad(std::move(store), std::move(load.value()));
+    return new PyLayeredLoad(nb::borrow(store_obj_), std::move(store), std::move(load.value()));
   }
 
  private:
@@ -157,10 +164,14 @@ void register_kv(nb::module_& m) {
       "Moves paged KV blocks between an engine's cache and a CascadeStore. Use "
       "cascade.integrations.kv (PagedKv, save_paged, load_paged) rather than this class.")
       .def(nb::init<nb::object, const std::string&, int, int, int64_t, int, int, int, int, uint64_t,
-                    const std::vector<uintptr_t>&, int64_t, int64_t, int64_t, int64_t>(),
+                    const std::vector<uintptr_t>&, int64_t, int64_t, int64_t, int64_t,
+                    const std::vector<uint64_t>&>(),
            "store"_a, "layout"_a, "device"_a, "num_layers"_a, "num_blocks"_a, "num_kv_heads"_a,
            "block_size"_a, "head_size"_a, "elem_bytes"_a, "bytes_per_block"_a, "layers"_a,
-           "block_stride"_a, "head_stride"_a, "token_stride"_a, "kv_stride"_a)
+           "block_stride"_a, "head_stride"_a, "token_stride"_a, "kv_stride"_a,
+           "layer_bytes"_a = std::vector<uint64_t>{},
+           "layer_bytes: per layer, the bytes from its pointer to the end of its memory (checked "
+           "against what the description reaches); empty: not checked.")
       .def_prop_ro("block_bytes", &PyKvMover::block_bytes)
       .def("save", &PyKvMover::save, "engine_blocks"_a, "ids"_a, "stream"_a = 0,
            "Per item: None when stored (or already present), else why not.")
@@ -174,7 +185,8 @@ void register_kv(nb::module_& m) {
       m, "LayeredLoad",
       "A load queued layer by layer: wait_layer(l, stream) orders a stream after layer l's "
       "copies (on the GPU); finish() waits for all of them, ends the leases and returns per "
-      "item None or why the block did not load. The store cannot close before finish().")
+      "item None or why the block did not load. Until finish(), the store's close() raises "
+      "BusyError.")
       .def_prop_ro("num_layers", &PyLayeredLoad::num_layers)
       .def("wait_layer", &PyLayeredLoad::wait_layer, "layer"_a, "stream"_a = 0)
       .def("finish", &PyLayeredLoad::finish);

@@ -700,3 +700,69 @@ def test_opening_a_host_store_makes_no_cuda_context(shm_path, use_gpu):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "context after open: False" in r.stdout
+
+
+# ---- two GPUs ------------------------------------------------------------------------
+
+
+def _two_gpus():
+    torch = _torch_cuda()
+    if not GPU or torch.cuda.device_count() < 2 or not cascade.gpu_usable(1):
+        pytest.skip("needs two usable GPUs")
+    return torch
+
+
+@gpu_test
+@pytest.mark.parametrize("pipeline", ["gpu|host", "host"])
+def test_tensors_on_another_gpu_than_the_current_one(shm_path, pipeline):
+    """Tensors on GPU 1 while GPU 0 is current (torch refuses their DLPack
+    export then, so they are imported another way) and the gpu tier on GPU
+    0: every byte comes back, into either GPU; a batch over both GPUs is
+    refused with a clear error."""
+    torch = _two_gpus()
+    torch.cuda.set_device(0)
+    with _gpu_store(shm_path, 64 * MiB, pipeline=pipeline, use_gpu="gpu" in pipeline) as store:
+        one = torch.randint(0, 256, (MiB,), dtype=torch.uint8, device="cuda:1")
+        assert store.put("on-1", one)
+        for dev in ("cuda:1", "cuda:0"):
+            out = torch.zeros(MiB, dtype=torch.uint8, device=dev)
+            assert store.get("on-1", out) == (True, MiB)
+            torch.cuda.synchronize(dev)
+            assert torch.equal(out.cpu(), one.cpu()), dev
+        keys = [f"b{i}" for i in range(8)]
+        src = [
+            torch.randint(0, 256, (256 << 10,), dtype=torch.uint8, device="cuda:1") for _ in keys
+        ]
+        assert store.put_batch(keys, src) == len(keys)
+        outs = [torch.zeros_like(t) for t in src]
+        assert store.get_batch(keys, outs)[0] == len(keys)
+        torch.cuda.synchronize(1)
+        assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(outs, src))
+        mixed = [torch.zeros_like(src[0], device="cuda:0"), torch.zeros_like(src[1])]
+        with pytest.raises(ValueError, match="one GPU"):
+            store.get_batch(keys[:2], mixed)
+        # The other GPU current: the same bytes.
+        with torch.cuda.device(1):
+            out = torch.zeros(MiB, dtype=torch.uint8, device="cuda:0")
+            assert store.get("on-1", out) == (True, MiB)
+            torch.cuda.synchronize(0)
+            assert torch.equal(out.cpu(), one.cpu())
+
+
+@gpu_test
+def test_paged_kv_on_another_gpu_than_the_store(shm_path):
+    """An engine whose cache is on GPU 1 saves and loads through a store
+    whose gpu tier is on GPU 0."""
+    torch = _two_gpus()
+    from cascade.integrations.kv import PagedKv, load_paged, save_paged
+
+    torch.cuda.set_device(0)
+    src_buf, src = _kv_pages(torch, "packed_kv", 5, device="cuda:1")
+    dst_buf, dst = _kv_pages(torch, "packed_kv", 6, device="cuda:1")
+    with _gpu_store(shm_path, 64 * MiB) as store:
+        ids = [f"{i:032x}" for i in range(1, 9)]
+        assert save_paged(store, PagedKv.from_layers(src), list(range(8)), ids) == [None] * 8
+        assert load_paged(store, PagedKv.from_layers(dst), list(range(20, 28)), ids) == [None] * 8
+        torch.cuda.synchronize(1)
+        for b in range(8):
+            assert torch.equal(src_buf[:, b].cpu(), dst_buf[:, 20 + b].cpu()), b

@@ -167,6 +167,93 @@ def test_a_load_never_writes_into_a_stored_block(store):
     assert torch.equal(dst[1][3], src[1][1])
 
 
+def test_a_store_with_an_unfinished_layered_load_refuses_to_close(make_config):
+    """close() raises BusyError while a LayeredLoad is not finished (it
+    waited forever before), and closes once it is."""
+    src, dst = packed(11), packed(12)
+    store = cascade.CascadeStore(make_config())
+    save_paged(store, PagedKv.from_layers(src), [1], IDS[:1])
+    load = load_layers(store, PagedKv.from_layers(dst), [5], IDS[:1])
+    with pytest.raises(cascade.BusyError, match="unfinished LayeredLoad"):
+        store.close()
+    assert store.contains(IDS[0])  # still open
+    with pytest.raises(cascade.BusyError):
+        with store:
+            pass
+    assert load.finish() == [None]
+    store.close()
+    with pytest.raises(cascade.UnavailableError):
+        store.contains(IDS[0])
+    assert load.finish() == [None]
+
+
+def test_expanded_and_oversized_descriptions_are_refused(store):
+    """Elements that share memory (an expanded view) or a description that
+    reaches past its tensor's memory would have loads write outside the
+    cache or blocks over each other."""
+    base = packed(13)[0]
+    before = base.clone()
+    save_paged(store, PagedKv.from_layers(packed(14)), [0, 1], IDS[:2])
+    with pytest.raises(ValueError, match="expanded view"):
+        PagedKv.from_layers([base[:1].expand(NB, H, BS, 2 * D)])  # block stride 0
+    with pytest.raises(ValueError, match="expanded view"):
+        PagedKv.from_layers([base[:, :1].expand(NB, H, BS, 2 * D)])  # head stride 0
+    with pytest.raises(ValueError, match="expanded view"):
+        PagedKv.from_layers([base[:1, 0, :, :D].expand(NB, BS, D)], "mla")
+    # The constructor trusts its numbers no further than the tensor's memory.
+    big = PagedKv(
+        [base],
+        "packed_kv",
+        num_blocks=1000,
+        num_kv_heads=H,
+        block_size=BS,
+        head_size=D,
+        elem_bytes=2,
+    )
+    with pytest.raises(cascade.InvalidArgumentError, match="exceed the tensor"):
+        load_paged(store, big, [5], IDS[:1])
+    # Strides that put heads over each other.
+    overlap = PagedKv(
+        [base],
+        "packed_kv",
+        num_blocks=NB,
+        num_kv_heads=H,
+        block_size=BS,
+        head_size=D,
+        elem_bytes=2,
+        block_stride=H * BS * 2 * D,
+        head_stride=2 * D,
+        token_stride=2 * D,
+        kv_stride=D,
+    )
+    with pytest.raises(cascade.InvalidArgumentError, match="over others"):
+        load_paged(store, overlap, [1], IDS[:1])
+    assert torch.equal(base, before)
+
+
+@pytest.mark.parametrize("layers", [range(0, -1), (0, -5), (2, 1), (1, 1), (0, L + 1), (-1, 2)])
+def test_layer_ranges_outside_the_cache_are_refused(store, layers):
+    src, dst = packed(15), packed(16)
+    before = [t.clone() for t in dst]
+    save_paged(store, PagedKv.from_layers(src), [0], IDS[:1])
+    kv = PagedKv.from_layers(dst)
+    with pytest.raises(ValueError, match="not a non-empty range"):
+        load_paged(store, kv, [0], IDS[:1], layers=layers)
+    with pytest.raises(ValueError):
+        save_paged(store, kv, [0], IDS[:1], layers=layers)
+    assert all(torch.equal(a, b) for a, b in zip(dst, before))
+
+
+def test_a_block_of_another_size_under_an_id_is_a_save_error(store):
+    """Not "stored": every load of the id would fail while every save said
+    it was present."""
+    store.put(IDS[0], b"x" * 10)
+    kv = PagedKv.from_layers(packed(17))
+    res = save_paged(store, kv, [0, 1], IDS[:2])
+    assert "stored with 10 bytes" in res[0] and res[1] is None
+    assert save_paged(store, kv, [1], IDS[1:2]) == [None]  # present, the right size
+
+
 def test_bad_descriptions_are_refused(store):
     layers = packed(7)
     with pytest.raises(ValueError, match="layout"):

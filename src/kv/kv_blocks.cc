@@ -154,15 +154,27 @@ Result<size_t> KvBlockMover::save(std::span<const int64_t> engine_blocks,
         "a save copies every layer (a stored block is written once, whole)");
   }
   statuses->assign(ids.size(), Status::OK());
-  // Items that need a copy: not already stored, block in range.
+  // Items that need a copy: not already stored, block in range. A block of
+  // another size under the id is an item error: it would be "present" for
+  // every save and fail every load.
   std::vector<size_t> todo;
   todo.reserve(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) {
     Status st = check_block(engine_blocks[i], cache_.num_blocks);
     if (!st.ok()) {
       (*statuses)[i] = st;
-    } else if (!store_->contains(ids[i])) {
+      continue;
+    }
+    Result<uint64_t> stored = store_->size_of(ids[i]);
+    if (stored.status().is(Code::kNotFound)) {
       todo.push_back(i);
+    } else if (!stored.ok()) {
+      (*statuses)[i] = stored.status();
+    } else if (*stored != block_bytes_) {
+      (*statuses)[i] = Status::InvalidArgument(
+          "block " + ids[i].hex() + " is stored with " + std::to_string(*stored) +
+          " bytes, not the cache's " + std::to_string(block_bytes_) +
+          " (another model or layout under the same id)");
     }
   }
   if (todo.empty()) return count_ok(*statuses);
@@ -298,7 +310,7 @@ Result<size_t> KvBlockMover::load(std::span<const int64_t> engine_blocks,
                                   std::span<const BlockId> ids, const KvMoveOptions& options,
                                   std::vector<Status>* statuses) {
   CASCADE_RETURN_IF_ERROR(check_spans(engine_blocks.size(), ids.size()));
-  const int end = options.layer_end < 0 ? cache_.num_layers : options.layer_end;
+  const int end = options.layer_end == -1 ? cache_.num_layers : options.layer_end;
   if (options.layer_begin < 0 || options.layer_begin >= end || end > cache_.num_layers) {
     return Status::InvalidArgument("layers [" + std::to_string(options.layer_begin) + ", " +
                                    std::to_string(end) + ") are not within the cache's " +
@@ -409,7 +421,7 @@ Result<std::unique_ptr<LayeredLoad>> KvBlockMover::load_layers(
     const KvMoveOptions& options) {
   CASCADE_RETURN_IF_ERROR(check_spans(engine_blocks.size(), ids.size()));
   if (options.layer_begin != 0 ||
-      (options.layer_end >= 0 && options.layer_end != cache_.num_layers))
+      (options.layer_end != -1 && options.layer_end != cache_.num_layers))
     return Status::InvalidArgument("a layer-ordered load covers every layer of the cache");
   auto state = std::make_unique<LayeredLoad::State>();
   state->layers = cache_.num_layers;

@@ -2,6 +2,8 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "kv/paged_kv_plan.h"
 #include "util/arena_ranges.h"
@@ -40,6 +42,58 @@ Strides effective_strides(const PagedKvCache& c) {
   return s;
 }
 
+// Distinct elements of a layer never share memory: the dimensions of more
+// than one element, by stride, each step past all the inner ones reach.
+// Then every layer's last byte lies within its layer_bytes, when given.
+Status check_layer_reach(const PagedKvCache& c) {
+  struct Dim {
+    const char* name;
+    int64_t size;
+    __int128 stride;  // bytes
+  };
+  const Strides s = effective_strides(c);
+  const int64_t e = c.layout == PagedKvLayout::kFlatBytes ? 1 : c.elem_bytes;
+  std::vector<Dim> dims;
+  if (c.layout == PagedKvLayout::kFlatBytes) {
+    dims = {{"blocks", c.num_blocks, s.block}, {"block bytes", int64_t(c.bytes_per_block), 1}};
+  } else {
+    dims = {{"blocks", c.num_blocks, __int128(s.block) * e},
+            {"K/V", 2, __int128(s.kv) * e},
+            {"tokens", c.block_size, __int128(s.token) * e},
+            {"heads", c.num_kv_heads, __int128(s.head) * e},
+            {"head elements", int64_t(c.head_size) * e, 1}};
+  }
+  std::erase_if(dims, [](const Dim& d) { return d.size < 2; });
+  std::stable_sort(dims.begin(), dims.end(),
+                   [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  __int128 reach = 0;  // the last byte the inner dimensions address
+  for (const Dim& d : dims) {
+    if (d.stride <= reach) {
+      return Status::InvalidArgument(
+          std::string("paged KV: the ") + d.name + " dimension's stride of " +
+          std::to_string(int64_t(d.stride)) +
+          " bytes puts its elements over others (an expanded or overlapping view): loads "
+          "would write blocks over each other");
+    }
+    reach += (d.size - 1) * d.stride;
+  }
+  if (c.layer_bytes.empty()) return Status::OK();
+  if (c.layer_bytes.size() != c.layers.size())
+    return Status::InvalidArgument("paged KV: " + std::to_string(c.layer_bytes.size()) +
+                                   " layer sizes for " + std::to_string(c.layers.size()) +
+                                   " layers");
+  for (size_t l = 0; l < c.layer_bytes.size(); ++l) {
+    if (reach >= __int128(c.layer_bytes[l])) {
+      return Status::InvalidArgument(
+          "paged KV: layer " + std::to_string(l) + " reaches " +
+          std::to_string(uint64_t(std::min<__int128>(reach + 1, ~uint64_t{0}))) +
+          " bytes from its start, but its memory holds " + std::to_string(c.layer_bytes[l]) +
+          " (num_blocks or the strides exceed the tensor)");
+    }
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 const char* paged_kv_layout_name(PagedKvLayout layout) {
@@ -57,15 +111,15 @@ Status validate_paged_kv(const PagedKvCache& c) {
     return Status::InvalidArgument("paged KV: " + std::to_string(c.layers.size()) +
                                    " layer pointers for " + std::to_string(c.num_layers) +
                                    " layers");
+  if (c.num_blocks < 1) return Status::InvalidArgument("paged KV: num_blocks must be at least 1");
   for (void* p : c.layers)
     if (!p) return Status::InvalidArgument("paged KV: a layer pointer is null");
-  if (c.num_blocks < 1) return Status::InvalidArgument("paged KV: num_blocks must be at least 1");
   if (c.block_stride < 0 || c.kv_stride < 0 || c.token_stride < 0 || c.head_stride < 0)
     return Status::InvalidArgument("paged KV: strides must not be negative");
   if (c.layout == PagedKvLayout::kFlatBytes) {
     if (c.bytes_per_block == 0 || c.bytes_per_block > uint64_t(kMaxSection))
       return Status::InvalidArgument("paged KV: bytes_per_block must be 1 to 2^31-1");
-    return Status::OK();
+    return check_layer_reach(c);
   }
   if (c.layout != PagedKvLayout::kPackedKv && c.layout != PagedKvLayout::kSplitKv)
     return Status::InvalidArgument("paged KV: unknown layout");
@@ -77,7 +131,7 @@ Status validate_paged_kv(const PagedKvCache& c) {
   int64_t section = int64_t(c.block_size) * c.num_kv_heads * c.head_size * c.elem_bytes;
   if (section > kMaxSection)
     return Status::InvalidArgument("paged KV: a block's K or V part exceeds 2 GiB");
-  return Status::OK();
+  return check_layer_reach(c);
 }
 
 uint64_t stored_kv_block_bytes(const PagedKvCache& c) {
@@ -88,7 +142,7 @@ uint64_t stored_kv_block_bytes(const PagedKvCache& c) {
 
 Status make_kv_geometry(const PagedKvCache& c, int layer_begin, int layer_end, KvGeometry* g) {
   CASCADE_RETURN_IF_ERROR(validate_paged_kv(c));
-  if (layer_end < 0) layer_end = c.num_layers;
+  if (layer_end == -1) layer_end = c.num_layers;
   if (layer_begin < 0 || layer_begin >= layer_end || layer_end > c.num_layers)
     return Status::InvalidArgument("paged KV: layer range [" + std::to_string(layer_begin) + ", " +
                                    std::to_string(layer_end) + ") is not within the " +

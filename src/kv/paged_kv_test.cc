@@ -274,6 +274,49 @@ TEST(PagedKvCpu, LoadsNeverWriteIntoStoredBlocks) {
   }
 }
 
+// Descriptions whose elements share memory, or that reach past the memory
+// their layers lie in, are refused before any byte moves.
+TEST(PagedKvCpu, RejectsOverlappingOrOversizedDescriptions) {
+  for (const Shape& sh : kShapes) {
+    SCOPED_TRACE(paged_kv_layout_name(sh.layout));
+    TestCache t = make_cache(sh, 2, 6, 3);
+    EXPECT_TRUE(validate_paged_kv(t.desc).ok());
+    PagedKvCache c = t.desc;
+    c.layer_bytes = {t.layer_size, t.layer_size};
+    EXPECT_TRUE(validate_paged_kv(c).ok()) << validate_paged_kv(c).ToString();
+    // Unpadded, the last block's last byte is the layer's last.
+    const uint64_t shorter = sh.pad == 0 ? t.layer_size - 1 : t.layer_size / 2;
+    c.layer_bytes = {t.layer_size, shorter};
+    Status st = validate_paged_kv(c);
+    EXPECT_TRUE(st.is(Code::kInvalidArgument));
+    EXPECT_NE(st.message().find("layer 1 reaches"), std::string::npos) << st.message();
+    c.layer_bytes = {t.layer_size};
+    EXPECT_TRUE(validate_paged_kv(c).is(Code::kInvalidArgument));
+    // Blocks one element apart overlap.
+    c = t.desc;
+    c.block_stride = 1;
+    st = validate_paged_kv(c);
+    EXPECT_TRUE(st.is(Code::kInvalidArgument)) << st.ToString();
+    EXPECT_NE(st.message().find("over others"), std::string::npos) << st.message();
+    if (sh.layout == PagedKvLayout::kFlatBytes) continue;
+    // Heads that lie on each other's tokens.
+    c = t.desc;
+    c.head_stride = c.token_stride;
+    EXPECT_TRUE(validate_paged_kv(c).is(Code::kInvalidArgument));
+    // V on K.
+    c = t.desc;
+    c.kv_stride = 1;
+    EXPECT_TRUE(validate_paged_kv(c).is(Code::kInvalidArgument));
+  }
+  // One head, one token, one block: their strides never matter.
+  TestCache one = make_cache(PagedKvLayout::kPackedKv, 1, 1, 1, 1, 8, 2, 0, 9);
+  PagedKvCache c = one.desc;
+  c.head_stride = 1;
+  c.token_stride = 1;
+  c.block_stride = 1;
+  EXPECT_TRUE(validate_paged_kv(c).ok()) << validate_paged_kv(c).ToString();
+}
+
 TEST(PagedKvCpu, DispatcherRunsHostCachesOnTheCpu) {
   TestCache t = make_cache(PagedKvLayout::kSplitKv, 2, 4, 2, 4, 8, 2, 0, 3);
   std::vector<int64_t> engine = {2};

@@ -86,6 +86,37 @@ def test_flat_pages_set_get_exists_through_the_pools_own_page_calls(work):
         b.close()
 
 
+def test_flat_pages_before_the_pool_is_registered_or_of_another_size_are_refused(work):
+    # Before registration the ids would name no dtype or page geometry: a
+    # page of one dtype would hit for a backend of another. After it, a flat
+    # page of another size than the pool's would poison its key.
+    import torch
+
+    d, shm = work
+    pool = sp.mha_pool("page_first")
+    b = backend(sp.dynamic_extra(host_cfg(shm), shm_dir=shm, interface_v1=0))
+    try:
+        page = torch.arange(64, dtype=torch.float16)
+        for call in (
+            lambda: b.batch_set(sp.keys(1, "early"), [page]),
+            lambda: b.batch_get(sp.keys(1, "early"), [torch.zeros_like(page)]),
+            lambda: b.batch_exists(sp.keys(1, "early")),
+        ):
+            with pytest.raises(ValueError, match="register_mem_pool_host first"):
+                call()
+        b.register_mem_pool_host(pool)
+        ks = sp.keys(1, "short")
+        with pytest.raises(ValueError, match="flat page is"):
+            b.batch_set(ks, [page[:3]])
+        assert b.batch_exists(ks) == 0
+        sp.randomize(pool, 3)
+        src = pool.alloc(sp.PAGE)
+        assert b.batch_set(ks, [pool.get_data_page(int(src[0]))])
+        assert b.batch_exists(ks) == 1
+    finally:
+        b.close()
+
+
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "page_head", "layer_first"])
 def test_zero_copy_v1_round_trip_through_a_real_mha_host_pool(work, layout):
     d, shm = work

@@ -30,6 +30,7 @@ were not all written into the engine's pages.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 
 from cascade import _core
@@ -132,6 +133,7 @@ class PagedKv:
         else:
             raise ValueError(f"KV tensors on {dev} are not supported (cpu or cuda)")
         shape, st = tuple(first.shape), first.stride()
+        _check_strides(shape, st)
         elem = first.element_size()
         if layout == "flat_bytes":
             if len(shape) != 2 or elem != 1:
@@ -215,6 +217,7 @@ class PagedKv:
                 hs,
                 ts,
                 kvs,
+                _memory_after(self.layers),
             )
             entry = (store, mover)
             self._movers[key] = entry
@@ -241,6 +244,32 @@ class PagedKv:
             f"head_size={self.head_size}, elem_bytes={self.elem_bytes}, {where}, "
             f"stored_block_bytes={self.stored_block_bytes})"
         )
+
+
+def _memory_after(layers) -> list:
+    """Per layer tensor, the bytes from its first element to the end of its
+    storage: how far a description of it may reach. Empty when a layer is
+    not a torch tensor (nothing to check against)."""
+    out = []
+    for t in layers:
+        storage = getattr(t, "untyped_storage", None)
+        if storage is None:
+            return []
+        s = storage()
+        out.append(max(0, s.data_ptr() + s.nbytes() - t.data_ptr()))
+    return out
+
+
+def _check_strides(shape, strides) -> None:
+    """A view whose stride is 0 on a dimension of more than one element
+    (``expand``) has elements that share memory: a load would write several
+    blocks, heads or tokens over each other."""
+    for size, stride in zip(shape, strides):
+        if size > 1 and stride == 0:
+            raise ValueError(
+                f"the KV tensors are an expanded view (shape {tuple(shape)}, strides "
+                f"{tuple(strides)}): elements share memory; give the cache's own tensors"
+            )
 
 
 def _mla_shape(t) -> tuple:
@@ -271,6 +300,7 @@ def mla_block_bytes(t, block_size: int | None = None):
             f"block_size {block_size} given but the MLA tensor holds blocks of {bs} tokens"
         )
     st = t.stride()
+    _check_strides(tuple(t.shape), st)
     block_stride = st[0]
     token_stride, inner = (st[2], st[3]) if t.dim() == 4 else (st[1], st[2])
     if inner != 1 or (bs > 1 and token_stride != hs):
@@ -289,14 +319,23 @@ def mla_block_bytes(t, block_size: int | None = None):
 
 
 def _layer_range(kv: PagedKv, layers) -> tuple:
+    """(begin, end) of ``layers``: None for all of them, or a range (step 1)
+    or pair within [0, num_layers) that holds at least one layer."""
     if layers is None:
         return 0, -1
     if isinstance(layers, range):
         if layers.step != 1:
             raise ValueError("layers must be a contiguous range")
-        return layers.start, layers.stop
-    begin, end = layers
-    return int(begin), int(end)
+        begin, end = layers.start, layers.stop
+    else:
+        begin, end = layers
+        begin, end = operator.index(begin), operator.index(end)
+    if not 0 <= begin < end <= kv.num_layers:
+        raise ValueError(
+            f"layers [{begin}, {end}) are not a non-empty range within the cache's "
+            f"{kv.num_layers} layers"
+        )
+    return begin, end
 
 
 def save_paged(
@@ -354,8 +393,8 @@ def load_layers(
     the GPU) for that layer alone, so a forward pass overlaps the copies of
     the layers after the one it computes; ``finish()`` waits for every copy,
     ends the leases and returns per item None or why the block did not load.
-    A cache in host memory is loaded before the call returns. The store
-    cannot close until ``finish()``."""
+    A cache in host memory is loaded before the call returns. Until
+    ``finish()`` the store's ``close()`` raises ``BusyError``."""
     blocks = _as_int_list(engine_blocks, "engine_blocks")
     return kv._mover(store).load_layers(blocks, list(ids), kv._stream(cuda_stream))
 

@@ -369,11 +369,22 @@ class CascadeHiCacheStorage(_HiCacheStorage):
         return PageIds(**common, **geometry, parts=len(ptrs), part_bytes=int(sizes[0]))
 
     def _key_ids(self, keys: Sequence[str]) -> list[list[str]]:
+        self._check_registered()
         if self.interface_v1 and self.ids.parts:
             return [self.ids.page(k) for k in keys]
         return [[self.ids.flat(k)] for k in keys]
 
     # -- registration ------------------------------------------------------
+
+    def _check_registered(self) -> None:
+        """Page ids name the host pool's dtype, layout and page geometry, so
+        no page is stored or read before the pool is registered (two
+        backends of one model in other dtypes would share ids otherwise)."""
+        if self.mem_pool_host is None:
+            raise ValueError(
+                "CascadeHiCacheStorage: register_mem_pool_host first (page ids name the host "
+                "pool's dtype and layout)"
+            )
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         self.mem_pool_host = mem_pool_host
@@ -428,11 +439,8 @@ class CascadeHiCacheStorage(_HiCacheStorage):
         """Each page into its target tensor (a flat page); None for a miss."""
         if not keys:
             return []
+        self._check_registered()
         if target_locations is None:
-            if self.mem_pool_host is None:
-                raise ValueError(
-                    "CascadeHiCacheStorage.batch_get: give target tensors or register a host pool"
-                )
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         targets = list(target_locations)
         if len(targets) != len(keys):
@@ -467,18 +475,23 @@ class CascadeHiCacheStorage(_HiCacheStorage):
         """Stores each flat page tensor; True when every page is stored."""
         if not keys:
             return True
+        self._check_registered()
         if values is None or len(values) != len(keys):
             raise ValueError("batch_set: give one value per key")
         ids = [self.ids.flat(k) for k in keys]
-        return all(self._put(ids, [_byte_view(v) for v in values]))
+        views = [_byte_view(v) for v in values]
+        wrong = sorted({v.nbytes for v in views if v.nbytes != self.ids.part_bytes})
+        if wrong:
+            raise ValueError(
+                f"batch_set: pages of {wrong} bytes; the registered host pool's flat page is "
+                f"{self.ids.part_bytes} bytes"
+            )
+        return all(self._put(ids, views))
 
     # -- the zero-copy path (host pool indices) ----------------------------
 
     def _page_buffers(self, keys: Sequence[str], host_indices: Any) -> list:
-        if self.mem_pool_host is None:
-            raise ValueError(
-                "CascadeHiCacheStorage: the v1 interface needs register_mem_pool_host first"
-            )
+        self._check_registered()
         page_size = int(self.mem_pool_host.page_size)
         if int(host_indices.numel()) != len(keys) * page_size:
             raise ValueError(
