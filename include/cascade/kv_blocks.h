@@ -113,6 +113,10 @@ class KvBlockMover {
   int device_;
   uint64_t block_bytes_;
   bool top_is_gpu_;
+  // Whether the kernels may read the top tier's device leases in place:
+  // the gpu tier is on the cache's GPU (no peer access is set up between
+  // GPUs, so another GPU's leases are read through host memory).
+  bool device_leases_in_reach_ = false;
   size_t tiers_ = 1;
   uint64_t top_capacity_ = 0;  // 0 = unbounded
   std::mutex save_mu_, load_mu_;

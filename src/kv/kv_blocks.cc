@@ -41,6 +41,8 @@ KvBlockMover::KvBlockMover(CascadeStore* store, const PagedKvCache& cache, int d
       load_staging_(std::make_unique<Staging>()) {
   std::vector<TierKind> p = store->pipeline();
   top_is_gpu_ = !p.empty() && p.front() == TierKind::kGpu;
+  device_leases_in_reach_ =
+      top_is_gpu_ && cache.memory == MemoryKind::kDevice && store->config().gpu_device_id == device;
   tiers_ = p.size();
   StoreStats st = store->stats();
   top_capacity_ = st.tiers.empty() ? 0 : st.tiers.front().capacity_bytes;
@@ -269,8 +271,9 @@ void KvBlockMover::lease_sources(std::span<const int64_t> engine_blocks,
                                     " bytes, the cache's blocks " + std::to_string(block_bytes_));
         continue;
       }
-      // A host cache cannot read device leases directly.
-      if (cache_.memory == MemoryKind::kHost && v.kind() != host) {
+      // A host cache, or a cache on another GPU, cannot read device leases
+      // directly.
+      if (v.kind() != host && !device_leases_in_reach_) {
         out->fallback.push_back(i);
         continue;
       }

@@ -264,6 +264,16 @@ Status transfer(const PagedKvCache& c, std::span<const int64_t> blocks, uint8_t*
   KvTransfer t(c, g, blocks, store, save, *ctx, s);
   Status st;
   if (store_kind == MemoryKind::kDevice) {
+    // Another GPU's memory is not the kernel's to touch (no peer access is
+    // set up): refused, never faulted on. The blocks of one call come from
+    // one tier, so its first and last stand for all.
+    for (size_t i : {size_t{0}, nstore - 1}) {
+      const int d = device_of(store[i]);
+      if (d >= 0 && d != device)
+        return Status::InvalidArgument("paged KV: store blocks on GPU " + std::to_string(d) +
+                                       " for a cache on GPU " + std::to_string(device) +
+                                       "; copy them through host memory");
+    }
     st = t.direct();
   } else {
     bool reachable = true;
