@@ -111,6 +111,7 @@ nb::dict tier_stats_dict(const TierStats& t) {
   d["bytes_read"] = t.bytes_read;
   d["corrupt_blocks"] = t.corrupt_blocks;
   d["read_errors"] = t.read_errors;
+  d["file_system_full"] = t.file_system_full;
   d["leased_blocks"] = t.leased_blocks;
   d["persistent"] = t.persistent;
   d["reattached_blocks"] = t.reattached_blocks;

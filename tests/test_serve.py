@@ -143,13 +143,16 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def restarted_serves(d: str, store: dict, servers: list, data: dict[str, np.ndarray]) -> Server:
+def restarted_serves(
+    d: str, store: dict, servers: list, data: dict[str, np.ndarray], ns: str = "m"
+) -> Server:
     """Starts a server again on the same store configuration and checks that
-    it serves every block of ``data``, byte for byte; returns it."""
+    it serves every block of ``data`` to namespace ``ns``, byte for byte;
+    returns it."""
     srv = Server(d, dict(store), {}, name="again.yaml")
     servers.append(srv)
     srv.wait_ready()
-    c = client(srv.socket, "m")
+    c = client(srv.socket, ns)
     try:
         assert_serves(c, data)
     finally:
@@ -382,14 +385,8 @@ def test_a_client_connects_again_to_a_server_killed_and_started_again(tmp):
         c.close()
 
 
-@pytest.mark.parametrize("loss", ["killed", "stopped"])
-def test_a_flush_after_connecting_again_writes_down_what_was_put_before_the_loss(tmp, loss):
-    """A block put before the server was lost (killed and started again on
-    its arena, or stopped long enough to be taken as gone) is written down
-    by the store's next flush on its new connection, though the server's
-    list of what the old connection committed went with it: once the arena
-    is gone too (a reboot), the file tier serves both blocks."""
-    d, shm, servers = tmp
+def file_backed_server(d: str, shm: str, servers: list) -> tuple[dict, Server]:
+    """A started server whose arena has a file tier below it, and its store options."""
     store = {
         "pipeline": "host|file",
         "shm_path": shm,
@@ -399,6 +396,30 @@ def test_a_flush_after_connecting_again_writes_down_what_was_put_before_the_loss
     server = Server(d, dict(store), {})
     servers.append(server)
     server.wait_ready()
+    return store, server
+
+
+def served_after_a_reboot(
+    server: Server, d: str, shm: str, store: dict, servers: list, want: dict
+) -> None:
+    """Kills `server`, removes its arena (a reboot: only the file tier
+    remains), starts another on the same options and checks it serves `want`."""
+    server.proc.kill()
+    server.wait()
+    os.unlink(serve_status.info_path(server.socket))
+    os.unlink(shm)
+    restarted_serves(d, store, servers, want, ns="")
+
+
+@pytest.mark.parametrize("loss", ["killed", "stopped"])
+def test_a_flush_after_connecting_again_writes_down_what_was_put_before_the_loss(tmp, loss):
+    """A block put before the server was lost (killed and started again on
+    its arena, or stopped long enough to be taken as gone) is written down
+    by the store's next flush on its new connection, though the server's
+    list of what the old connection committed went with it: once the arena
+    is gone too (a reboot), the file tier serves both blocks."""
+    d, shm, servers = tmp
+    store, server = file_backed_server(d, shm, servers)
     before, after = blocks(2).values()
     c = cascade.CascadeStore(
         cascade.config_from_dict(
@@ -428,18 +449,50 @@ def test_a_flush_after_connecting_again_writes_down_what_was_put_before_the_loss
         c.flush()
     finally:
         c.close()
-    server.proc.kill()
-    server.wait()
-    os.unlink(serve_status.info_path(server.socket))
-    os.unlink(shm)  # the arena is lost: only the file tier remains
-    again = Server(d, dict(store), {}, name="rebooted.yaml")
-    servers.append(again)
-    again.wait_ready()
-    fresh = client(again.socket, "")
+    served_after_a_reboot(server, d, shm, store, servers, {"before": before, "after": after})
+
+
+PUT_AND_WAIT = """
+import sys, numpy as np, cascade
+c = cascade.CascadeStore(cascade.config_from_dict(
+    {"pool_socket": sys.argv[1], "pool_namespace": "", "use_gpu": False}))
+assert c.put(sys.argv[2], np.frombuffer(bytes.fromhex(sys.stdin.readline().strip()), np.uint8))
+print("put", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_flush_covers_a_block_another_client_put_first(tmp):
+    """Two clients put the same block (engines share prefix blocks by
+    content); the one whose put found it present flushes, the other never
+    does: after a reboot (the server killed, its arena gone) the file tier
+    serves it. A put that succeeds is the putting client's to flush."""
+    d, shm, servers = tmp
+    store, server = file_backed_server(d, shm, servers)
+    shared, own = blocks(2).values()
+    # The first client puts the block and is killed: it never flushes (a
+    # close, even an ephemeral one, would flush the server's tiers).
+    first = subprocess.Popen(
+        [sys.executable, "-c", PUT_AND_WAIT, server.socket, "shared"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        assert_serves(fresh, {"before": before, "after": after})
+        first.stdin.write(shared.tobytes().hex() + "\n")
+        first.stdin.flush()
+        assert first.stdout.readline().strip() == "put"
+        second = client(server.socket, "")
+        try:
+            assert second.put("shared", shared)  # present already
+            assert second.put("own", own)
+            second.flush()
+        finally:
+            second.close()
     finally:
-        fresh.close()
+        first.kill()
+        first.wait()
+    served_after_a_reboot(server, d, shm, store, servers, {"shared": shared, "own": own})
 
 
 FORK_DURING_A_CALL = """
@@ -1197,6 +1250,31 @@ def test_client_watcher_logs_arrivals_departures_and_unlisted(caplog):
         w.poll(4, [])
         assert "went away" not in caplog.text
         assert "client 1 disconnected" in caplog.text and "client 4 disconnected" in caplog.text
+
+
+def test_a_full_file_system_is_warned_about_at_most_once_a_minute(caplog, monkeypatch):
+    """The file tier evicts its oldest blocks, flushed ones too, when its file
+    system is full: the server says so, and names the directory."""
+    clock = [1000.0]
+    monkeypatch.setattr(serve.time, "monotonic", lambda: clock[0])
+    w = serve.FileSystemFullWatcher("/nvme/kv")
+    with caplog.at_level("WARNING", logger="cascade.serve"):
+        w.poll({"host": {}, "file": {"file_system_full": 0}})
+        w.poll({"host": {}})  # no file tier
+        assert not caplog.text
+        w.poll({"file": {"file_system_full": 3}})
+        assert "/nvme/kv" in caplog.text and "3 put(s) refused" in caplog.text
+        caplog.clear()
+        clock[0] += 30
+        w.poll({"file": {"file_system_full": 5}})
+        assert not caplog.text  # within the minute
+        clock[0] += 31
+        w.poll({"file": {"file_system_full": 5}})
+        assert "2 put(s) refused" in caplog.text
+        caplog.clear()
+        clock[0] += 120
+        w.poll({"file": {"file_system_full": 5}})
+        assert not caplog.text  # nothing new
 
 
 def test_info_pool_trusts_no_info_file_another_could_have_written(tmp):

@@ -29,8 +29,12 @@ struct TierStats {
   uint64_t bytes_read = 0;
   uint64_t corrupt_blocks = 0;  // reads that failed verification (counted, never served)
   uint64_t read_errors = 0;     // reads the device failed (I/O error): misses, block kept
-  uint64_t leased_blocks = 0;   // blocks with a reader or a zero-copy lease right now
-  bool persistent = false;      // its blocks outlive the store (Tier::persistent)
+  // file: puts the file system refused as full (ENOSPC after winning dead
+  // space back). With nothing below the tier, the store then evicts its
+  // least valuable blocks to make room, as at a configured capacity.
+  uint64_t file_system_full = 0;
+  uint64_t leased_blocks = 0;  // blocks with a reader or a zero-copy lease right now
+  bool persistent = false;     // its blocks outlive the store (Tier::persistent)
   // A host tier with shm_persist: what its open adopted from the arena file
   // (warm restart), and blocks stored while its block table was full (kept
   // in memory, not across a restart).

@@ -325,6 +325,35 @@ def prepare_socket_dir(socket_path: str, group: int = -1) -> str:
     return d
 
 
+class FileSystemFullWatcher:
+    """Warns, at most once a minute, when the file tier's file system
+    refused puts as full since the last poll: the tier then evicts its
+    oldest blocks (flushed ones too) to make room, as at a configured
+    capacity, and an operator should know."""
+
+    INTERVAL_S = 60.0
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.seen = 0
+        self.next_warning = 0.0
+
+    def poll(self, tiers: dict[str, dict[str, Any]]) -> None:
+        full = int(tiers.get("file", {}).get("file_system_full", 0))
+        now = time.monotonic()
+        if full <= self.seen or now < self.next_warning:
+            return
+        logger.warning(
+            "the file system of the file tier (%s) is full: %d put(s) refused since the last "
+            "warning; the tier evicts its oldest blocks, flushed ones too, to make room (set "
+            "file_capacity_bytes below the free space to keep a fixed share)",
+            self.directory,
+            full - self.seen,
+        )
+        self.seen = full
+        self.next_warning = now + self.INTERVAL_S
+
+
 class ClientWatcher:
     """Logs clients that connected or went away since the last poll, and
     how many came and went between two polls (never listed)."""
@@ -822,11 +851,13 @@ def run(
                     e,
                 )
         watcher = ClientWatcher()
+        disk = FileSystemFullWatcher(cfg.file_path)
         next_summary = time.monotonic() + opts.summary_seconds
         last_failure = ""
         while not stop.wait(1.0):
             try:
                 watcher.poll(server.stats()["connections"], server.clients())
+                disk.poll(server.stats()["store"]["tiers"])
                 if opts.summary_seconds > 0 and time.monotonic() >= next_summary:
                     next_summary += opts.summary_seconds
                     logger.info("%s", summary_line(server.stats()))
@@ -846,6 +877,7 @@ def run(
             )
         final = server.stats()
         logger.info("%s", summary_line(final))
+        disk.poll(final["store"]["tiers"])
     except BaseException:
         if membership:
             membership.close()

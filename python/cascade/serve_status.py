@@ -97,6 +97,12 @@ TIER_METRICS = [
         "Blocks found corrupt (served as misses)",
     ),
     ("tier_read_errors_total", "read_errors", "counter", "Reads of the tier that failed"),
+    (
+        "tier_file_system_full_total",
+        "file_system_full",
+        "counter",
+        "Puts the file system refused as full (the tier then evicts to make room)",
+    ),
 ]
 
 

@@ -1185,6 +1185,9 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       }
       std::vector<std::pair<uint32_t, Reservation>> made;
       made.reserve(asked);
+      // Ids the store holds already are this client's to flush too: its
+      // put succeeded, and another client may never flush them.
+      std::vector<BlockId> present;
       for (int prefix = 0; prefix < 2; ++prefix) {
         const std::vector<uint32_t>& ks = order[prefix];
         if (ks.empty()) continue;
@@ -1202,11 +1205,16 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
         for (size_t j = 0; j < ks.size(); ++j) {
           pool::ReserveReply r{};
           r.code = code_of(st[j]);
-          if (st[j].ok() && res[j].present) r.flags = pool::kPresent;
-          else if (st[j].ok()) made.emplace_back(ks[j], res[j]);
+          if (st[j].ok() && res[j].present) {
+            r.flags = pool::kPresent;
+            if (persistent_below) present.push_back(some_ids[j]);
+          } else if (st[j].ok()) {
+            made.emplace_back(ks[j], res[j]);
+          }
           put_out(ks[j], r);
         }
       }
+      if (!present.empty()) c->committed(std::move(present));
       if (!made.empty()) {
         PoolClient::Shard& sh = c->shards[channel];
         std::lock_guard<std::mutex> l(sh.mu);
@@ -1251,17 +1259,18 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       std::vector<Status> st;
       store->commit_batch(batch, PutOptions{}, &st);
       uint64_t ok = 0, bytes = 0;
-      std::vector<BlockId> stored;
+      std::vector<BlockId> stored, flushable;  // new to the store; this client's to flush
       ClusterNode* cn = cluster_node();
       for (size_t j = 0; j < held.size(); ++j) {
         put_out(held[j], pool::CodeReply{code_of(st[j])});
         if (!st[j].ok()) continue;
         ++ok;
         bytes += batch[j].size;
-        if ((persistent_below || cn) && !batch[j].present) stored.push_back(batch[j].id);
+        if (cn && !batch[j].present) stored.push_back(batch[j].id);
+        if (persistent_below) flushable.push_back(batch[j].id);
       }
       if (cn) cn->publish(stored);
-      if (persistent_below && !stored.empty()) c->committed(std::move(stored));
+      if (!flushable.empty()) c->committed(std::move(flushable));
       commits.fetch_add(ok, std::memory_order_relaxed);
       bytes_committed.fetch_add(bytes, std::memory_order_relaxed);
       break;

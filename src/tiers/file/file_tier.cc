@@ -283,6 +283,7 @@ Status FileTier::append(const BlockId& id, const void* data, uint64_t size, uint
     // The file system is full: win space back in place, then try once more.
     if (attempt > 0 || !reclaim_space(rec, /*disk_full=*/true)) {
       disk_full_.store(true);
+      file_system_full_.fetch_add(1, std::memory_order_relaxed);
       return st;
     }
   }

@@ -432,6 +432,7 @@ class FileTier final : public Tier {
   std::atomic<uint64_t> disk_bytes_{0};         // segment bytes + admitted puts not yet written
   std::atomic<uint64_t> live_record_bytes_{0};  // record bytes of indexed blocks
   std::atomic<bool> disk_full_{false};          // the file system said ENOSPC
+  std::atomic<uint64_t> file_system_full_{0};   // puts refused for it (TierStats)
   std::atomic<bool> seal_sync_failed_{false};   // reported by the next flush()
   TierCounters counters_;
   std::atomic<uint64_t> corrupt_blocks_{0}, read_errors_{0}, compactions_{0};

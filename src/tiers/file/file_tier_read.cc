@@ -352,6 +352,7 @@ TierStats FileTier::stats() const {
   counters_.fill(&s);
   s.corrupt_blocks = corrupt_blocks_.load(std::memory_order_relaxed);
   s.read_errors = read_errors_.load(std::memory_order_relaxed);
+  s.file_system_full = file_system_full_.load(std::memory_order_relaxed);
   s.leased_blocks = index_.leased();
   return s;
 }

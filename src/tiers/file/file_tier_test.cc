@@ -364,10 +364,12 @@ TEST(FileTierTest, DiskFullFailsThePutCleanlyAndKeepsServing) {
   EXPECT_TRUE(st.is(Code::kNoSpace)) << st.ToString();
   EXPECT_GE(stored, 2);
   EXPECT_LE(stored, 4);
+  EXPECT_EQ(t->stats().file_system_full, 1u);  // counted, for the operator's warning
   for (uint64_t i = 0; i < 10 + static_cast<uint64_t>(stored); ++i)
     EXPECT_TRUE(reads_back(t.get(), i, 30000));
   EXPECT_FALSE(t->contains(id_of(10 + stored)));  // the failed put left nothing visible
   EXPECT_TRUE(put(t.get(), 100, 30000).is(Code::kNoSpace));
+  EXPECT_EQ(t->stats().file_system_full, 2u);
   env.clear_faults();
   ASSERT_TRUE(put(t.get(), 100, 30000).ok());
   EXPECT_TRUE(reads_back(t.get(), 100, 30000));
