@@ -263,6 +263,10 @@ class Tier {
   // it false, and a block kept across it may differ from a copy below.
   virtual void note_all_below(uint64_t /*below*/) {}
   virtual bool agrees_below(uint64_t /*below*/) const { return false; }
+  // The store's open failed after this tier opened: a tier whose medium was
+  // made by this open (nothing adopted from before) removes it when it is
+  // destroyed instead of keeping it for the next open.
+  virtual void open_failed() {}
 
   // Calls fn(id, size) for every block the tier holds now. A snapshot taken
   // shard by shard: blocks stored or removed meanwhile may or may not be

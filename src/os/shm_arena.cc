@@ -471,12 +471,12 @@ ShmArena::~ShmArena() {
   if (base_) ::munmap(base_, capacity_);
   if (table_) ::munmap(table_, table_bytes_);
   if (fd_ < 0) return;
-  // A persistent arena stays for the next open. An ephemeral one is removed
-  // only while the path still names it: a file someone put there since is
-  // not ours.
+  // A persistent arena stays for the next open (unless remove_if_new()). An
+  // ephemeral one is removed only while the path still names it: a file
+  // someone put there since is not ours.
   struct stat now;
-  if (table_slots_ == 0 && ::lstat(path_.c_str(), &now) == 0 && now.st_dev == dev_ &&
-      now.st_ino == ino_)
+  if ((table_slots_ == 0 || remove_at_close_) && ::lstat(path_.c_str(), &now) == 0 &&
+      now.st_dev == dev_ && now.st_ino == ino_)
     ::unlink(path_.c_str());
   ::close(fd_);  // releases the flock
 }

@@ -96,6 +96,10 @@ class ShmArena {
   // table, format) and was discarded: this arena starts empty.
   bool discarded() const { return discarded_; }
   bool persistent() const { return table_slots_ > 0; }
+  // A persistent arena that kept nothing from before (made, replaced or
+  // discarded by this Create) is removed at destruction, as an ephemeral
+  // one is: the open it was made for failed.
+  void remove_if_new() { remove_at_close_ = !reattached_; }
   // A persistent arena's mark that the persistent tier of identity `below`
   // (Tier::identity, nonzero) holds every block it holds (docs/formats.md):
   // set at a store's close, read and cleared (0) by the next store that
@@ -134,6 +138,7 @@ class ShmArena {
   uint64_t header_bytes_ = 0;
   bool adopted_ = false;
   bool reattached_ = false;
+  bool remove_at_close_ = false;
   bool replaced_in_use_ = false;
   bool discarded_ = false;
   uint8_t* table_ = nullptr;

@@ -187,6 +187,7 @@ Result<std::unique_ptr<CascadeStore>> StoreOpener::OpenWithTiers(
   for (TierKind k : *kinds) {
     auto tier = open_stage(k, config, impl->pool.get());
     if (!tier.ok()) {
+      for (auto& opened : impl->tiers) opened->open_failed();
       return Status(tier.status().code(), std::string("cannot open the ") + tier_kind_name(k) +
                                               " tier: " + tier.status().message());
     }

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
 #include <thread>
@@ -427,6 +428,43 @@ CascadeConfig kept_arena_config() {
 
 constexpr size_t kKeptSize = 64 << 10;
 const BlockId kKeptId = id_of(7);
+
+// An open that fails at the file tier leaves no arena it made behind (it
+// holds nothing), and keeps one it reattached (it holds the last run's
+// blocks).
+TEST(DurabilityTest, AnOpenThatFailsBelowTheArenaRemovesOnlyAnArenaItMade) {
+  CascadeConfig c = kept_arena_config();
+  const std::string good = c.file_path;
+  const std::string not_a_dir = good + ".file";
+  { std::ofstream(not_a_dir) << "x"; }
+  CascadeConfig bad = c;
+  bad.file_path = not_a_dir;
+  ::unlink(c.shm_path.c_str());
+  auto failed = CascadeStore::Open(bad);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_NE(failed.status().message().find("file tier"), std::string::npos)
+      << failed.status().ToString();
+  EXPECT_NE(::access(c.shm_path.c_str(), F_OK), 0) << "a new arena was left at " << c.shm_path;
+  {
+    auto s = CascadeStore::Open(c);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    auto d = bytes_of(7, kKeptSize);
+    ASSERT_TRUE((*s)->put(kKeptId, d.data(), d.size()).ok());
+    (*s)->close();
+  }
+  ASSERT_FALSE(CascadeStore::Open(bad).ok());
+  ASSERT_EQ(::access(c.shm_path.c_str(), F_OK), 0) << "a kept arena was removed";
+  c.pipeline = "host";  // the arena alone: its block is there
+  c.file_path.clear();
+  auto s = CascadeStore::Open(c);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_TRUE((*s)->contains(kKeptId));
+  (*s)->close();
+  s.value().reset();
+  ::unlink(c.shm_path.c_str());
+  ::unlink(not_a_dir.c_str());
+  std::filesystem::remove_all(good);
+}
 
 // In a child: opens a store on c, runs work on it, waits sealed_ms (the
 // arena's sealer seals what work stored meanwhile) and kills itself with

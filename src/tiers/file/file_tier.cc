@@ -89,7 +89,22 @@ Status FileTier::admit(uint64_t record_bytes) {
                          std::to_string(dead_bytes()) + " dead)");
 }
 
+Status FileTier::check_directory() const {
+  const std::string lock = file::join_path(dir_, file::kLockFileName);
+  auto info = env_->stat(lock);
+  if (info.ok()) return Status::OK();
+  if (info.status().is(Code::kNotFound)) {
+    return Status::IOError("the file tier directory " + dir_ +
+                           " has lost its LOCK file: it was removed or replaced while the store "
+                           "ran, so blocks written since are not on disk; restart the store");
+  }
+  return with_context(info.status(), "cannot check the file tier directory " + dir_);
+}
+
 Result<FileTier::SegmentRef> FileTier::create_segment() {
+  // Not into a directory made again in place of ours: its segments would
+  // be under our key without the KEY file to read them by.
+  CASCADE_RETURN_IF_ERROR(check_directory());
   uint64_t id;
   {
     std::unique_lock<std::shared_mutex> lock(table_mu_);
@@ -144,7 +159,8 @@ Status FileTier::seal_segment(Segment& seg, bool report) {
     seg.sync_failed.store(true);
   }
   removals_synced(seg, st.ok() && !seg.sync_failed.load());
-  if (st.ok())
+  // No summary into a directory made again in place of ours.
+  if (st.ok() && check_directory().ok())
     (void)file::write_summary(env_, dir_, seg.id, key_, seg.headers, seg.alias_targets,
                               seg.bytes.load(),
                               /*sync=*/true, file_mode_);
@@ -455,6 +471,9 @@ Status FileTier::flush() {
     flush_lane(*compaction_lane_);
   }
   Status st = env_->sync_dir(dir_);
+  if (result.ok() && !st.ok()) result = st;
+  // Synced records in a directory no longer there are not durable.
+  st = check_directory();
   if (result.ok() && !st.ok()) result = st;
   // Segments whose fsync failed are rewritten (once the syncs work again),
   // whatever this flush reports: the next one can then say OK truthfully.

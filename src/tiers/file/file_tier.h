@@ -236,6 +236,9 @@ class FileTier final : public Tier {
                       uint16_t flags, Location* loc, SegmentRef* seg, file::RecordHeader* header);
   Status ensure_room(Lane& lane, uint64_t record_bytes);
   Result<SegmentRef> create_segment();
+  // IOError once the directory's LOCK file is gone (the directory removed,
+  // perhaps made again, under the running store).
+  Status check_directory() const;
   // The fsync's status: records a caller put there are durable only when OK.
   // A failure is reported by the next flush() unless `report` is false (the
   // caller reports it).

@@ -349,6 +349,37 @@ TEST(FileTierTest, UnusableDirectoryGivesAClearError) {
   EXPECT_TRUE(FileTier::Open(CascadeConfig{}, nullptr).status().is(Code::kInvalidArgument));
 }
 
+// The directory removed under a running store, then made again: a flush
+// fails rather than say OK for records no reopen could read (written under
+// the store's key without its KEY file), and no segment is made in the new
+// directory.
+TEST(FileTierTest, ADirectoryRemovedAndMadeAgainFailsTheFlush) {
+  TempDir tmp;
+  const CascadeConfig c = file_test::file_config(tmp.path());
+  ThreadPool pool(2);
+  auto t = open_tier(c, &pool);
+  for (uint64_t i = 0; t && i < 4; ++i) ASSERT_TRUE(put(t.get(), i, 30000).ok());
+  ASSERT_TRUE(t && t->flush().ok());
+  std::filesystem::remove_all(c.file_path);
+  ASSERT_TRUE(std::filesystem::create_directory(c.file_path));
+  Status st = t->flush();
+  EXPECT_TRUE(st.is(Code::kIOError)) << st.ToString();
+  EXPECT_NE(st.message().find("lost its LOCK file"), std::string::npos) << st.message();
+  // Enough puts to need a new segment: refused, and none made.
+  Status put_st;
+  for (uint64_t i = 10; i < 80 && put_st.ok(); ++i) put_st = put(t.get(), i, 30000);
+  EXPECT_TRUE(put_st.is(Code::kIOError)) << put_st.ToString();
+  EXPECT_TRUE(t->flush().is(Code::kIOError));
+  t.reset();
+  int files = 0;
+  std::string names;
+  for (const auto& e : std::filesystem::directory_iterator(c.file_path)) {
+    names += e.path().filename().string() + " ";
+    ++files;
+  }
+  EXPECT_EQ(files, 0) << names;
+}
+
 TEST(FileTierTest, DiskFullFailsThePutCleanlyAndKeepsServing) {
   TempDir tmp;
   ThreadPool pool(2);

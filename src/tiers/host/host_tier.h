@@ -57,6 +57,7 @@ class HostTier final : public HostArenaTier {
   static uint32_t table_slots_for(const CascadeConfig& config);
 
   void note_all_below(uint64_t below) override;
+  void open_failed() override { arena_->remove_if_new(); }
   bool agrees_below(uint64_t below) const override { return below != 0 && below_mark_ == below; }
 
  private:
