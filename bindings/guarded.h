@@ -69,9 +69,12 @@ class Lifeline {
   // Python object that uses the object until it ends (what names it in
   // close()'s refusal): close() refuses while it does rather than wait.
   void hold(const char* what) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++held_;
-    held_what_ = what;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++held_;
+      held_what_ = what;
+    }
+    cv_.notify_all();  // a close() draining counts it now
   }
   void leave_held() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -81,13 +84,16 @@ class Lifeline {
 
   enum class Closing { kClosed, kBegun, kHeld };
   // REQUIRES: the GIL is not held. Waits for another close() in progress;
-  // kClosed when the object is closed already. Otherwise stops new calls and
-  // waits until no call is inside but held ones: kBegun when none is held;
-  // kHeld, the object open again, while one is (held_status() says why).
+  // kClosed when the object is closed already; kHeld at once, the object
+  // left open and its calls undisturbed, while a use is held (held_status()
+  // says why). Otherwise stops new calls and waits until no call is inside
+  // but held ones: kBegun when none is held; kHeld, the object open again,
+  // when a call inside became held meanwhile.
   Closing begin_close() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return state_ == kOpen || state_ == kClosed; });
     if (state_ == kClosed) return Closing::kClosed;
+    if (held_ > 0) return Closing::kHeld;
     state_ = kDraining;
     cv_.wait(lock, [&] { return inside_ == held_; });
     if (held_ == 0) return Closing::kBegun;

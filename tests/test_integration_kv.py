@@ -187,6 +187,41 @@ def test_a_store_with_an_unfinished_layered_load_refuses_to_close(make_config):
     assert load.finish() == [None]
 
 
+def test_a_refused_close_leaves_other_threads_calls_alone(make_config):
+    """While a LayeredLoad is unfinished, close() is refused at once: it does
+    not first stop the store's other calls (they would fail as if it were
+    closed) nor wait for them."""
+    import threading
+
+    store = cascade.CascadeStore(make_config())
+    try:
+        save_paged(store, PagedKv.from_layers(packed(18)), [1], IDS[:1])
+        load = load_layers(store, PagedKv.from_layers(packed(19)), [2], IDS[:1])
+        stop = threading.Event()
+        failures: list = []
+
+        def reads() -> None:
+            while not stop.is_set():
+                try:
+                    store.contains(IDS[0])
+                except cascade.CascadeError as e:
+                    failures.append(e)
+
+        t = threading.Thread(target=reads)
+        t.start()
+        try:
+            for _ in range(300):
+                with pytest.raises(cascade.BusyError):
+                    store.close()
+        finally:
+            stop.set()
+            t.join()
+        assert not failures, failures[:3]
+        assert load.finish() == [None]
+    finally:
+        store.close()
+
+
 def test_expanded_and_oversized_descriptions_are_refused(store):
     """Elements that share memory (an expanded view) or a description that
     reaches past its tensor's memory would have loads write outside the
@@ -200,7 +235,19 @@ def test_expanded_and_oversized_descriptions_are_refused(store):
         PagedKv.from_layers([base[:, :1].expand(NB, H, BS, 2 * D)])  # head stride 0
     with pytest.raises(ValueError, match="expanded view"):
         PagedKv.from_layers([base[:1, 0, :, :D].expand(NB, BS, D)], "mla")
-    # The constructor trusts its numbers no further than the tensor's memory.
+    # The constructor trusts its numbers no further than the tensor: not to
+    # the end of its storage (the next layer's pages), nor past that.
+    past_layer = PagedKv(
+        [packed(20)[0]],  # a view of [L, NB, ...]: its storage holds every layer
+        "packed_kv",
+        num_blocks=2 * NB,
+        num_kv_heads=H,
+        block_size=BS,
+        head_size=D,
+        elem_bytes=2,
+    )
+    with pytest.raises(cascade.InvalidArgumentError, match="exceed the tensor"):
+        load_paged(store, past_layer, [NB + 1], IDS[:1])
     big = PagedKv(
         [base],
         "packed_kv",
@@ -229,6 +276,23 @@ def test_expanded_and_oversized_descriptions_are_refused(store):
     with pytest.raises(cascade.InvalidArgumentError, match="over others"):
         load_paged(store, overlap, [1], IDS[:1])
     assert torch.equal(base, before)
+
+
+def test_layers_that_overlap_or_memory_that_moved_are_refused(store):
+    """Two layers that are overlapping views of one buffer, or a layer whose
+    storage was resized after the description was first used."""
+    buf = torch.zeros(NB + 1, H, BS, 2 * D, dtype=torch.bfloat16)
+    save_paged(store, PagedKv.from_layers(packed(21)), [0], IDS[:1])
+    with pytest.raises(cascade.InvalidArgumentError, match="share memory"):
+        load_paged(store, PagedKv.from_layers([buf[:NB], buf[1:]]), [3], IDS[:1])
+    same = buf[:NB]
+    assert load_paged(store, PagedKv.from_layers([same, same, same]), [3], IDS[:1]) == [None]
+    layers = packed(22)
+    kv = PagedKv.from_layers(layers)
+    assert load_paged(store, kv, [3], IDS[:1]) == [None]
+    layers[0].untyped_storage().resize_(0)
+    with pytest.raises(cascade.InvalidArgumentError):
+        load_paged(store, kv, [3], IDS[:1])
 
 
 @pytest.mark.parametrize("layers", [range(0, -1), (0, -5), (2, 1), (1, 1), (0, L + 1), (-1, 2)])

@@ -74,9 +74,9 @@ struct PagedKvCache {
   int64_t head_stride = 0;   // kPackedKv, kSplitKv
   int64_t token_stride = 0;  // kPackedKv, kSplitKv
   int64_t kv_stride = 0;     // K to V: head_size for kPackedKv, one block pool for kSplitKv
-  // Per layer, the bytes from its pointer to the end of the memory it lies
-  // in (a tensor's storage), checked against the bytes the description
-  // reaches; empty: not checked (the caller vouches).
+  // Per layer, the bytes from its pointer that the caller lets the
+  // description reach (a tensor's own extent, within its storage), checked
+  // against the bytes it does reach; empty: not checked (the caller vouches).
   std::vector<uint64_t> layer_bytes;
 };
 
@@ -85,8 +85,9 @@ uint64_t stored_kv_block_bytes(const PagedKvCache& cache);
 
 // Checks the description alone (shape, strides, pointers present): no two
 // elements of a layer share memory (an expanded or overlapping view would
-// have loads write blocks over each other), and each layer's reach lies
-// within its layer_bytes when given.
+// have loads write blocks over each other), nor do two layers but layers
+// that are one, and each layer's reach lies within its layer_bytes when
+// given.
 Status validate_paged_kv(const PagedKvCache& cache);
 
 // Readies the cache's GPU for its transfers ahead of the first one: the

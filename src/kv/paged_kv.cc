@@ -42,15 +42,36 @@ Strides effective_strides(const PagedKvCache& c) {
   return s;
 }
 
+struct Dim {
+  const char* name;
+  int64_t size;
+  __int128 stride;  // bytes
+};
+
+// Whether d = sum of j_k * dims[k].stride over k < n with |j_k| < size_k:
+// whether an element of a layer lies d bytes from another element of it.
+// dims sorted by stride, each step past what the ones before it reach
+// (inner[k]), so at most two j_k fit each dimension.
+bool is_element_distance(__int128 d, const std::vector<Dim>& dims,
+                         const std::vector<__int128>& inner, size_t n) {
+  if (n == 0) return d == 0;
+  const Dim& dim = dims[n - 1];
+  const __int128 r = inner[n - 1];
+  auto floor_div = [](__int128 a, __int128 b) { return a / b - ((a % b != 0) && (a < 0)); };
+  const __int128 lo = -floor_div(-(d - r), dim.stride);  // ceil((d - r) / stride)
+  const __int128 hi = floor_div(d + r, dim.stride);
+  for (__int128 j = std::max<__int128>(lo, 1 - dim.size); j <= std::min<__int128>(hi, dim.size - 1);
+       ++j)
+    if (is_element_distance(d - j * dim.stride, dims, inner, n - 1)) return true;
+  return false;
+}
+
 // Distinct elements of a layer never share memory: the dimensions of more
 // than one element, by stride, each step past all the inner ones reach.
-// Then every layer's last byte lies within its layer_bytes, when given.
+// Nor do two layers, unless they are one (layers that share their KV: the
+// same bytes, written twice alike). Then every layer's last byte lies
+// within its layer_bytes, when given.
 Status check_layer_reach(const PagedKvCache& c) {
-  struct Dim {
-    const char* name;
-    int64_t size;
-    __int128 stride;  // bytes
-  };
   const Strides s = effective_strides(c);
   const int64_t e = c.layout == PagedKvLayout::kFlatBytes ? 1 : c.elem_bytes;
   std::vector<Dim> dims;
@@ -67,6 +88,7 @@ Status check_layer_reach(const PagedKvCache& c) {
   std::stable_sort(dims.begin(), dims.end(),
                    [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
   __int128 reach = 0;  // the last byte the inner dimensions address
+  std::vector<__int128> inner;
   for (const Dim& d : dims) {
     if (d.stride <= reach) {
       return Status::InvalidArgument(
@@ -75,7 +97,23 @@ Status check_layer_reach(const PagedKvCache& c) {
           " bytes puts its elements over others (an expanded or overlapping view): loads "
           "would write blocks over each other");
     }
+    inner.push_back(reach);
     reach += (d.size - 1) * d.stride;
+  }
+  std::vector<std::pair<uintptr_t, size_t>> bases;  // (address, layer)
+  for (size_t l = 0; l < c.layers.size(); ++l)
+    bases.emplace_back(reinterpret_cast<uintptr_t>(c.layers[l]), l);
+  std::sort(bases.begin(), bases.end());
+  for (size_t i = 0; i < bases.size(); ++i) {
+    for (size_t j = i + 1; j < bases.size() && bases[j].first - bases[i].first <= reach; ++j) {
+      const __int128 d = bases[j].first - bases[i].first;
+      if (d != 0 && is_element_distance(d, dims, inner, dims.size())) {
+        return Status::InvalidArgument(
+            "paged KV: layers " + std::to_string(bases[i].second) + " and " +
+            std::to_string(bases[j].second) +
+            " share memory (overlapping views): loads would write one over the other");
+      }
+    }
   }
   if (c.layer_bytes.empty()) return Status::OK();
   if (c.layer_bytes.size() != c.layers.size())

@@ -317,6 +317,60 @@ TEST(PagedKvCpu, RejectsOverlappingOrOversizedDescriptions) {
   EXPECT_TRUE(validate_paged_kv(c).ok()) << validate_paged_kv(c).ToString();
 }
 
+// Layers are checked against each other too: views of one buffer that
+// overlap are refused; layers interleaved block by block (a buffer of
+// [blocks, layers, ...]) or one layer given twice (layers that share their
+// KV) are not, and move their bytes right.
+TEST(PagedKvCpu, LayersThatShareMemoryAreRefusedButInterleavedOnesAreNot) {
+  const int blocks = 6, heads = 2, bs = 4, d = 8, elem = 2;
+  const int64_t block_elems = int64_t(heads) * bs * 2 * d;
+  PagedKvCache c;
+  c.layout = PagedKvLayout::kPackedKv;
+  c.memory = MemoryKind::kHost;
+  c.num_layers = 2;
+  c.num_blocks = blocks;
+  c.num_kv_heads = heads;
+  c.block_size = bs;
+  c.head_size = d;
+  c.elem_bytes = elem;
+  std::vector<uint8_t> buf = random_bytes(size_t(blocks + 2) * 2 * block_elems * elem, 4);
+  // Layer 1 starts one block into layer 0.
+  c.layers = {buf.data(), buf.data() + block_elems * elem};
+  Status st = validate_paged_kv(c);
+  EXPECT_TRUE(st.is(Code::kInvalidArgument)) << st.ToString();
+  EXPECT_NE(st.message().find("layers 0 and 1 share memory"), std::string::npos) << st.message();
+  // Half a head apart: elements collide too.
+  c.layers = {buf.data(), buf.data() + d * elem};
+  EXPECT_TRUE(validate_paged_kv(c).is(Code::kInvalidArgument));
+  // One layer twice.
+  c.layers = {buf.data(), buf.data()};
+  EXPECT_TRUE(validate_paged_kv(c).ok()) << validate_paged_kv(c).ToString();
+  // Interleaved: [blocks][layers][heads][tokens][2d], layer l at l blocks'
+  // worth of elements, blocks two apart.
+  PagedKvCache i = c;
+  i.block_stride = 2 * block_elems;
+  i.head_stride = int64_t(bs) * 2 * d;
+  i.token_stride = 2 * d;
+  i.kv_stride = d;
+  i.layers = {buf.data(), buf.data() + block_elems * elem};
+  i.layer_bytes = {buf.size(), buf.size() - block_elems * elem};
+  ASSERT_TRUE(validate_paged_kv(i).ok()) << validate_paged_kv(i).ToString();
+  std::vector<std::vector<uint8_t>> stored(2, std::vector<uint8_t>(stored_kv_block_bytes(i)));
+  auto ptrs = store_ptrs(stored);
+  ASSERT_TRUE(save_paged_kv_cpu(i, std::vector<int64_t>{1, 4}, ptrs).ok());
+  const std::vector<uint8_t> before = buf;
+  std::fill(buf.begin(), buf.end(), 0);
+  std::vector<const void*> cptrs(ptrs.begin(), ptrs.end());
+  ASSERT_TRUE(load_paged_kv_cpu(i, std::vector<int64_t>{1, 4}, cptrs).ok());
+  for (int b : {1, 4})
+    for (int l = 0; l < 2; ++l) {
+      const size_t at = size_t((int64_t(b) * 2 + l) * block_elems * elem);
+      EXPECT_TRUE(
+          std::equal(buf.begin() + at, buf.begin() + at + block_elems * elem, before.begin() + at))
+          << "block " << b << " layer " << l;
+    }
+}
+
 TEST(PagedKvCpu, DispatcherRunsHostCachesOnTheCpu) {
   TestCache t = make_cache(PagedKvLayout::kSplitKv, 2, 4, 2, 4, 8, 2, 0, 3);
   std::vector<int64_t> engine = {2};

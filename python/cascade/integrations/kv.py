@@ -199,7 +199,10 @@ class PagedKv:
     def _mover(self, store):
         key = id(store)
         entry = self._movers.get(key)
-        if entry is None or entry[0] is not store:
+        # The tensors' memory may have moved (a storage resized or set anew):
+        # the mover is then made, and its description checked, again.
+        ptrs = [t.data_ptr() for t in self.layers]
+        if entry is None or entry[0] is not store or entry[2] != ptrs:
             bs, hs, ts, kvs = self.strides
             mover = _core.KvBlockMover(
                 store,
@@ -212,14 +215,14 @@ class PagedKv:
                 self.head_size,
                 self.elem_bytes,
                 self.bytes_per_block,
-                [t.data_ptr() for t in self.layers],
+                ptrs,
                 bs,
                 hs,
                 ts,
                 kvs,
                 _memory_after(self.layers),
             )
-            entry = (store, mover)
+            entry = (store, mover, ptrs)
             self._movers[key] = entry
         return entry[1]
 
@@ -247,16 +250,21 @@ class PagedKv:
 
 
 def _memory_after(layers) -> list:
-    """Per layer tensor, the bytes from its first element to the end of its
-    storage: how far a description of it may reach. Empty when a layer is
-    not a torch tensor (nothing to check against)."""
+    """Per layer tensor, how far a description of it may reach from its first
+    element: the tensor's own extent, within its storage (a description
+    past it would write into whatever else the storage holds). Empty when a
+    layer is not a torch tensor (nothing to check against)."""
     out = []
     for t in layers:
         storage = getattr(t, "untyped_storage", None)
         if storage is None:
             return []
         s = storage()
-        out.append(max(0, s.data_ptr() + s.nbytes() - t.data_ptr()))
+        in_storage = max(0, s.data_ptr() + s.nbytes() - t.data_ptr())
+        own = 0
+        if t.numel() > 0:
+            own = (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        out.append(min(own, in_storage))
     return out
 
 
