@@ -70,6 +70,9 @@ struct FileInfo {
   uint32_t mode = 0;  // permission bits (0777 mask)
   uint32_t uid = 0;   // owner
   uint64_t size = 0;
+  // Which file this is while it exists (device and inode): another file
+  // made at the same path has another; 0 where the Env cannot tell.
+  uint64_t file_id = 0;
 };
 
 // An open file. Positional I/O only.

@@ -160,6 +160,7 @@ class MemoryFile final : public File {
     i.type = FileInfo::Type::kRegular;
     i.uid = static_cast<uint32_t>(::geteuid());
     i.mode = data_->mode;
+    i.file_id = reinterpret_cast<uintptr_t>(data_.get());
     std::shared_lock<std::shared_mutex> lock(data_->mu);
     i.size = data_->bytes.size();
     return i;
@@ -294,6 +295,7 @@ class MemoryEnv final : public Env {
     if (it != files_.end()) {
       i.type = FileInfo::Type::kRegular;
       i.mode = it->second->mode;
+      i.file_id = reinterpret_cast<uintptr_t>(it->second.get());
       std::shared_lock<std::shared_mutex> dl(it->second->mu);
       i.size = it->second->bytes.size();
       return i;

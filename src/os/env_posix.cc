@@ -68,6 +68,8 @@ FileInfo info_of(const struct stat& st) {
   i.mode = static_cast<uint32_t>(st.st_mode & 07777);
   i.uid = static_cast<uint32_t>(st.st_uid);
   i.size = static_cast<uint64_t>(st.st_size);
+  i.file_id =
+      (static_cast<uint64_t>(st.st_dev) * 0x9E3779B97F4A7C15ULL) ^ static_cast<uint64_t>(st.st_ino);
   return i;
 }
 

@@ -20,6 +20,7 @@
 #include <system_error>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "os/ipc.h"
 #include "serve/cluster_node.h"
@@ -118,23 +119,26 @@ struct PoolClient {
   // The client has reserved ranges it fills from GPU memory (kDeviceWrites).
   std::atomic<bool> device_writes{false};
 
-  // The blocks this client committed since its last flush, when the store
-  // has a persistent tier: the client's flush writes down these alone, not
-  // every block of the pool. Past kMaxUnflushed ids the list is dropped and
-  // the next flush writes down the whole pool.
+  // The blocks this client committed (or put, finding them present) since
+  // its last flush, each once, when the store has a persistent tier: the
+  // client's flush writes down these alone, not every block of the pool.
+  // Past kMaxUnflushed ids the list is dropped and the next flush writes
+  // down the whole pool.
   static constexpr size_t kMaxUnflushed = size_t(1) << 18;
   std::mutex unflushed_mu;
-  std::vector<BlockId> unflushed;
+  std::unordered_set<BlockId> unflushed;
   bool flush_everything = false;
   void committed(std::vector<BlockId>&& ids) {
     std::lock_guard<std::mutex> l(unflushed_mu);
     if (flush_everything) return;
-    if (unflushed.size() + ids.size() > kMaxUnflushed) {
-      flush_everything = true;
-      std::vector<BlockId>().swap(unflushed);
-      return;
+    for (const BlockId& id : ids) {
+      if (unflushed.size() >= kMaxUnflushed && !unflushed.count(id)) {
+        flush_everything = true;
+        std::unordered_set<BlockId>().swap(unflushed);
+        return;
+      }
+      unflushed.insert(id);
     }
-    unflushed.insert(unflushed.end(), ids.begin(), ids.end());
   }
 
   static constexpr int kShardShift = 48;
@@ -1464,7 +1468,8 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       bool everything;
       {
         std::lock_guard<std::mutex> l(c->unflushed_mu);
-        ids.swap(c->unflushed);
+        ids.assign(c->unflushed.begin(), c->unflushed.end());
+        std::unordered_set<BlockId>().swap(c->unflushed);
         everything =
             std::exchange(c->flush_everything, false) || (h.flags & pool::kFlushEverything) != 0;
       }
@@ -1473,7 +1478,7 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
         if (everything) {
           std::lock_guard<std::mutex> l(c->unflushed_mu);
           c->flush_everything = true;
-          std::vector<BlockId>().swap(c->unflushed);
+          std::unordered_set<BlockId>().swap(c->unflushed);
         } else {
           c->committed(std::move(ids));
         }

@@ -582,6 +582,31 @@ TEST(PoolServerTest, AClientsFlushWritesDownWhatItStoredNotTheWholePool) {
   }
 }
 
+// A client that puts a present block over and over owns it once for its
+// flush: its list does not fill up and turn its next flush into one of the
+// whole pool.
+TEST(PoolServerTest, PutsOfAPresentBlockCountOnceForTheClientsFlush) {
+  PoolFixture f(64 << 20, /*with_file=*/true);
+  ASSERT_TRUE(f.server);
+  auto a = f.client();
+  auto b = f.client();
+  auto file_blocks = [&] { return f.server->stats().store.tiers[1].blocks; };
+  for (uint64_t i = 0; i < 8; ++i) {
+    auto d = bytes_for(i, 4096);
+    ASSERT_TRUE(a->put(id_of(i), d.data(), d.size()).ok());
+  }
+  const auto d = bytes_for(0, 4096);
+  std::vector<BlockId> ids(4096, id_of(0));
+  std::vector<ConstBuffer> in(ids.size(), ConstBuffer{d.data(), d.size()});
+  std::vector<Status> st;
+  for (int round = 0; round < 70; ++round)  // past 2^18 puts of it
+    ASSERT_EQ(b->put_batch(ids, in, &st), ids.size());
+  ASSERT_TRUE(b->flush().ok());
+  EXPECT_EQ(file_blocks(), 1u);  // its one block, not a's seven others
+  a->close();
+  b->close();
+}
+
 // A hello of one channel in namespace "ns", as a forked child sends it.
 pool::Hello hello_ns() {
   pool::Hello h{};

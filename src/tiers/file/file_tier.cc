@@ -92,11 +92,12 @@ Status FileTier::admit(uint64_t record_bytes) {
 Status FileTier::check_directory() const {
   const std::string lock = file::join_path(dir_, file::kLockFileName);
   auto info = env_->stat(lock);
-  if (info.ok()) return Status::OK();
-  if (info.status().is(Code::kNotFound)) {
+  if (info.ok() && (lock_file_id_ == 0 || info->file_id == lock_file_id_)) return Status::OK();
+  if (info.ok() || info.status().is(Code::kNotFound)) {
     return Status::IOError("the file tier directory " + dir_ +
-                           " has lost its LOCK file: it was removed or replaced while the store "
-                           "ran, so blocks written since are not on disk; restart the store");
+                           " has lost the LOCK file this store holds: it was removed or replaced "
+                           "while the store ran, so blocks written since are not on disk; "
+                           "restart the store");
   }
   return with_context(info.status(), "cannot check the file tier directory " + dir_);
 }

@@ -236,8 +236,9 @@ class FileTier final : public Tier {
                       uint16_t flags, Location* loc, SegmentRef* seg, file::RecordHeader* header);
   Status ensure_room(Lane& lane, uint64_t record_bytes);
   Result<SegmentRef> create_segment();
-  // IOError once the directory's LOCK file is gone (the directory removed,
-  // perhaps made again, under the running store).
+  // IOError once the LOCK file this store holds is no longer the one at its
+  // path (the directory removed, perhaps made again by another store, under
+  // the running store).
   Status check_directory() const;
   // The fsync's status: records a caller put there are durable only when OK.
   // A failure is reported by the next flush() unless `report` is false (the
@@ -375,7 +376,8 @@ class FileTier final : public Tier {
   file::ReadPacer read_pacer_;  // config.file_read_bytes_per_s
   std::unique_ptr<file::IoEngine> engine_;
   std::unique_ptr<FileLock> dir_lock_;
-  file::RecordKey key_;  // set once by Open
+  uint64_t lock_file_id_ = 0;  // FileInfo::file_id of the LOCK file held; 0: unknown
+  file::RecordKey key_;        // set once by Open
   // The directory's open nonces (store_key.h), set once by Open; an
   // identity names the directory (key, device, inode) under one of them.
   file::OpenNonces nonces_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <tuple>
 #include <unordered_map>
@@ -39,8 +40,21 @@ Result<std::unique_ptr<Tier>> open_file_tier(const CascadeConfig& config, Thread
   return std::unique_ptr<Tier>(std::move(t.value()));
 }
 
+namespace {
+
+// A relative directory is taken from the working directory at open: a
+// process that changes its working directory later keeps its tier.
+std::string absolute_dir(const std::string& path) {
+  if (path.empty() || path.front() == '/') return path;
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::absolute(path, ec);
+  return ec ? path : p.lexically_normal().string();
+}
+
+}  // namespace
+
 FileTier::FileTier(const CascadeConfig& config, ThreadPool* pool, Env* env)
-    : dir_(config.file_path),
+    : dir_(absolute_dir(config.file_path)),
       file_mode_(config.file_mode),
       env_(env),
       pool_(pool),
@@ -93,6 +107,9 @@ Result<std::unique_ptr<FileTier>> FileTier::Open(const CascadeConfig& config, Th
     return with_context(lock.status(), "the file tier directory " + dir + " is not writable");
   }
   tier->dir_lock_ = std::move(lock.value());
+  // The LOCK file this store holds, to tell it from one made in its place.
+  auto lock_info = env->stat(file::join_path(dir, file::kLockFileName));
+  if (lock_info.ok()) tier->lock_file_id_ = lock_info->file_id;
   auto key =
       file::load_store_key(env, dir, tier->file_mode_, /*create=*/true, /*check_owner=*/true);
   if (!key.ok())

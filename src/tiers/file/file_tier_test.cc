@@ -364,20 +364,56 @@ TEST(FileTierTest, ADirectoryRemovedAndMadeAgainFailsTheFlush) {
   ASSERT_TRUE(std::filesystem::create_directory(c.file_path));
   Status st = t->flush();
   EXPECT_TRUE(st.is(Code::kIOError)) << st.ToString();
-  EXPECT_NE(st.message().find("lost its LOCK file"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("lost the LOCK file"), std::string::npos) << st.message();
   // Enough puts to need a new segment: refused, and none made.
   Status put_st;
   for (uint64_t i = 10; i < 80 && put_st.ok(); ++i) put_st = put(t.get(), i, 30000);
   EXPECT_TRUE(put_st.is(Code::kIOError)) << put_st.ToString();
+  // Another store opens the new directory (a LOCK file of its own there):
+  // still not this store's.
+  auto other = open_tier(c, &pool);
+  ASSERT_TRUE(other);
   EXPECT_TRUE(t->flush().is(Code::kIOError));
+  EXPECT_TRUE(put(other.get(), 200, 30000).ok());
+  EXPECT_TRUE(other->flush().ok());
   t.reset();
-  int files = 0;
-  std::string names;
+  other.reset();
+  std::string names;  // the other store's one segment, none of this store's
+  int segments = 0;
   for (const auto& e : std::filesystem::directory_iterator(c.file_path)) {
     names += e.path().filename().string() + " ";
-    ++files;
+    segments += e.path().extension() == ".dat";
   }
-  EXPECT_EQ(files, 0) << names;
+  EXPECT_EQ(segments, 1) << names;
+  other = open_tier(c, &pool);
+  ASSERT_TRUE(other);
+  EXPECT_TRUE(reads_back(other.get(), 200, 30000));
+  EXPECT_FALSE(other->contains(id_of(0)));
+}
+
+// A relative file_path names the directory as the working directory was
+// at open: a process that changes it later keeps its tier.
+TEST(FileTierTest, ARelativeDirectoryOutlivesAChangeOfWorkingDirectory) {
+  TempDir tmp;
+  const std::filesystem::path before = std::filesystem::current_path();
+  std::filesystem::current_path(tmp.path());
+  CascadeConfig c = file_test::file_config(tmp.path());
+  c.file_path = "kv";
+  ThreadPool pool(2);
+  auto t = open_tier(c, &pool);
+  std::filesystem::current_path("/");
+  const bool opened = t != nullptr;
+  Status put_st = opened ? put(t.get(), 1, 30000) : Status::OK();
+  Status flushed = opened ? t->flush() : Status::OK();
+  t.reset();
+  std::filesystem::current_path(before);
+  ASSERT_TRUE(opened);
+  EXPECT_TRUE(put_st.ok()) << put_st.ToString();
+  EXPECT_TRUE(flushed.ok()) << flushed.ToString();
+  c.file_path = tmp.path() + "/kv";
+  t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  EXPECT_TRUE(reads_back(t.get(), 1, 30000));
 }
 
 TEST(FileTierTest, DiskFullFailsThePutCleanlyAndKeepsServing) {
