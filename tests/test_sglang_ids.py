@@ -73,8 +73,18 @@ def test_flat_pages_round_trip_without_sglang(tmp_path, shm_path):
         extra_config={"cascade_config": {"pipeline": "host", "shm_path": shm_path}},
     )
     b = CascadeHiCacheStorage(cfg, {})
+    # What the flat path asks of SGLang's host pool.
+    pool = SimpleNamespace(
+        page_size=16,
+        dtype=torch.int16,
+        layout="page_first",
+        get_dummy_flat_data_page=lambda: torch.zeros(512, dtype=torch.int16),
+    )
     try:
         page = torch.arange(512, dtype=torch.int16)
+        with pytest.raises(ValueError, match="register_mem_pool_host first"):
+            b.set("k", page)
+        b.register_mem_pool_host(pool)
         assert b.set("k", page) and b.exists("k") and not b.exists("j")
         out = torch.zeros_like(page)
         assert b.get("k", out) is out and torch.equal(out, page)
