@@ -38,6 +38,27 @@ inline void check(const Status& status) {
 
 void register_exceptions(nb::module_& m);
 
+// __exit__ of a `with` block over an object that close() ends. Without an
+// exception in flight, close()'s error is raised. With one, that exception
+// goes on and close()'s error (a live lease, a write-down that failed) is a
+// RuntimeWarning: raising it would put it in the other's place.
+template <class Close>
+void exit_with(nb::handle exc_type, Close&& close) {
+  if (exc_type.is_none()) {
+    close();
+    return;
+  }
+  try {
+    close();
+  } catch (const StatusError& e) {
+    const std::string what = e.status.ToString();
+    if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                         "close() failed as an exception left the with block (which goes on): %s",
+                         what.c_str()) != 0)
+      throw nb::python_error();
+  }
+}
+
 // Every field of a tier's statistics, as the dict get_stats() returns.
 nb::dict tier_stats_dict(const TierStats& t);
 

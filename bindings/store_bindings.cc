@@ -473,7 +473,12 @@ void register_store(nb::module_& m) {
       .def_prop_ro("pipeline", &PyStore::pipeline)
       .def_prop_ro("config", &PyStore::config, nb::rv_policy::copy)
       .def("__enter__", [](nb::handle self) { return self; })
-      .def("__exit__", [](PyStore& s, nb::args) { s.close(); });
+      .def(
+          "__exit__",
+          [](PyStore& s, nb::handle exc_type, nb::handle, nb::handle) {
+            exit_with(exc_type, [&] { s.close(); });
+          },
+          "exc_type"_a.none(), "exc"_a.none(), "tb"_a.none());
 }
 
 }  // namespace cascade::py

@@ -384,7 +384,12 @@ void register_tier_handles(nb::module_& m) {
           "Idempotent.")
       .def_prop_ro("closed", &PyTierHandle::closed)
       .def("__enter__", [](nb::handle self) { return self; })
-      .def("__exit__", [](PyTierHandle& h, nb::args) { h.close(); });
+      .def(
+          "__exit__",
+          [](PyTierHandle& h, nb::handle exc_type, nb::handle, nb::handle) {
+            exit_with(exc_type, [&] { h.close(); });
+          },
+          "exc_type"_a.none(), "exc"_a.none(), "tb"_a.none());
 
   nb::class_<PyHostBackend, PyTierHandle>(
       m, "HostBackend", "The host tier (a shared-memory arena file) used on its own.")

@@ -155,6 +155,27 @@ def test_close_with_lease_raises_busy_then_closes(make_config):
         store.get("a")
 
 
+def test_a_with_block_left_by_an_exception_keeps_it_over_a_failed_close(make_config):
+    """The block's own exception goes on; close()'s (a live lease) becomes a
+    RuntimeWarning instead of taking its place. Left normally, the block
+    raises close()'s error as before."""
+    store = cascade.CascadeStore(make_config())
+    store.put("a", b"x" * 4096)
+    lease = store.acquire("a")
+    with pytest.warns(RuntimeWarning, match="still leased"):
+        with pytest.raises(KeyError, match="the caller's"):
+            with store:
+                raise KeyError("the caller's")
+    assert not store.closed
+    with pytest.raises(cascade.BusyError):
+        with store:
+            pass
+    lease.release()
+    with store:
+        pass
+    assert store.closed
+
+
 def test_async_handle_outlives_closed_store(make_config):
     import numpy as np
 
