@@ -121,3 +121,13 @@ def test_documented_pipeline_aliases_are_the_ones_accepted():
     c.pipeline = "ssd"  # not a name of any tier
     with pytest.raises(cascade.InvalidArgumentError, match="unknown tier"):
         c.validate()
+
+
+def test_options_over_a_base_leave_the_base_as_it_was():
+    base = cascade.config_from_dict({"shm_capacity_bytes": "1GiB", "pipeline": "host"})
+    cfg = cascade.config_from_dict({"shm_capacity_bytes": "2GiB"}, base)
+    assert cfg.shm_capacity_bytes == 2 << 30 and cfg.pipeline == "host"
+    assert base.shm_capacity_bytes == 1 << 30
+    with pytest.raises(ValueError):
+        cascade.config_from_dict({"shm_capacity_bytes": "3GiB", "file_mode": "nine"}, base)
+    assert base.shm_capacity_bytes == 1 << 30

@@ -137,8 +137,12 @@ def _enum_value(enum, value, name):
 def config_from_dict(
     options: Mapping[str, Any], base: CascadeConfig | None = None
 ) -> CascadeConfig:
-    """A CascadeConfig with `options` applied over `base` (or the defaults)."""
-    cfg = base if base is not None else CascadeConfig()
+    """A new CascadeConfig with `options` applied over a copy of `base` (or
+    the defaults); `base` is left as it is, also when an option is refused."""
+    cfg = CascadeConfig()
+    if base is not None:
+        for name in fields():
+            setattr(cfg, name, getattr(base, name))
     options = canonical_options(options)
     known = set(fields())
     unknown = sorted(k for k in options if k not in known)
