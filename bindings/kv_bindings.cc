@@ -170,8 +170,8 @@ void register_kv(nb::module_& m) {
            "block_size"_a, "head_size"_a, "elem_bytes"_a, "bytes_per_block"_a, "layers"_a,
            "block_stride"_a, "head_stride"_a, "token_stride"_a, "kv_stride"_a,
            "layer_bytes"_a = std::vector<uint64_t>{},
-           "layer_bytes: per layer, the bytes from its pointer to the end of its memory (checked "
-           "against what the description reaches); empty: not checked.")
+           "layer_bytes: per layer, the bytes from its pointer the description may reach (a "
+           "tensor's own extent, within its storage); empty: not checked.")
       .def_prop_ro("block_bytes", &PyKvMover::block_bytes)
       .def("save", &PyKvMover::save, "engine_blocks"_a, "ids"_a, "stream"_a = 0,
            "Per item: None when stored (or already present), else why not.")

@@ -772,3 +772,21 @@ def test_more_members_than_listed_do_not_hide_a_members_own_record(etcd, members
     time.sleep(2.0)  # ten refreshes
     assert client.range_prefix(prefix + b"z")[0] == revision
     assert len(z.view().members) == MAX_MEMBERS + 1  # and its own
+
+
+def test_a_member_without_a_lease_still_sees_itself(etcd, members):
+    """A listing taken while the member holds no lease (it ran out in an
+    outage; the member registers again next) leaves the member in its own
+    view, as when it is alone, not out of its own ring; a record another
+    live process holds under its node id is left as it is."""
+    a = members("a")
+    b = members("b")
+    assert a._try_register() and b.start()
+    a._refresh()
+    assert ids_of(a) == ["a", "b"]
+    with a._lock:
+        lease, a._lease = a._lease, 0
+    a.client.revoke(lease)
+    a._refresh()  # no record of a listed, no lease of its own
+    assert ids_of(a) == ["a", "b"] and a.view().members["a"] == a.record
+    assert ids_of(b) in (["a", "b"], ["b"])

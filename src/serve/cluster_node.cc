@@ -39,7 +39,7 @@ constexpr uint64_t kM2 = 0xBF58476D1CE4E5B9ULL;
 constexpr auto kServiceWait = 100ms;  // a service thread's receive, between checks for the end
 constexpr auto kSweepEvery = 1s;
 // The longest a member whose address refuses connections is skipped.
-constexpr auto kMaxRefusedSkip = 30s;
+constexpr auto kMaxFailedSkip = 30s;
 
 // The ring position of a block id: a mix of all 128 bits (the membership
 // service's ring uses the same function).
@@ -129,11 +129,15 @@ struct LinkSlot {
   // The member's lanes' addresses, from its reply to the first Hello.
   std::vector<std::vector<uint8_t>> lane_addresses;
   Clock::time_point skip_until{};
-  // Connects to this address refused at once in a row (nothing listens
-  // there: the member is most likely gone): each doubles the skip, up to
-  // kMaxRefusedSkip, until the member's record changes or a connect works.
-  // Every refused attempt costs a socket that UCX 1.13 never closes.
-  uint32_t refusals = 0;
+  // Failures in a row: connects refused (nothing listens there) or timed
+  // out, hellos that failed, calls that missed their deadline (a member
+  // stopped, or cut off from the others while its lease in the view
+  // lives). Each doubles the skip, from retry_after_ms up to kMaxFailedSkip,
+  // until the member's record changes or a connect and its hello work: a
+  // member that never answers costs a deadline ever more rarely, not every
+  // retry_after_ms. Every refused attempt also costs a socket that UCX 1.13
+  // never closes.
+  uint32_t failures = 0;
   // The member's arena file mapped (same host), from its Hello reply; dropped
   // with its connections, so a member that is gone pins no memory here.
   std::shared_ptr<const ReadOnlyMapping> mapped;
@@ -392,7 +396,7 @@ class ClusterNode::Impl {
         s->generation = m.generation;
         s->address = m.address;
         s->skip_until = {};
-        s->refusals = 0;
+        s->failures = 0;
       }
     }
     for (auto& p : closing) p->close();  // outside mu: a close may drive the transport a while
@@ -413,6 +417,17 @@ class ClusterNode::Impl {
     return peers;
   }
 
+  // One more failure in a row for the slot: skipped twice as long as after
+  // the last. REQUIRES: s.mu held.
+  void back_off(LinkSlot& s) const {
+    s.failures = std::min<uint32_t>(s.failures + 1, 16);
+    const auto skip = std::min<Clock::duration>(
+        std::chrono::milliseconds(options.retry_after_ms) * (uint64_t{1} << (s.failures - 1)),
+        kMaxFailedSkip);
+    s.skip_until = Clock::now() + std::max<Clock::duration>(
+                                      skip, std::chrono::milliseconds(options.retry_after_ms));
+  }
+
   // A failed call on `link`: every lane's connection to the member is
   // dropped (the member is likely gone), and it is skipped for a while.
   void fail(const std::shared_ptr<LinkSlot>& s, const std::shared_ptr<Link>& link) {
@@ -422,7 +437,7 @@ class ClusterNode::Impl {
       std::lock_guard<std::mutex> l(s->mu);
       if (link && link->lane < s->links.size() && s->links[link->lane] == link) {
         closing = drop_links(*s);
-        s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
+        back_off(*s);
       }
     }
     for (auto& p : closing) p->close();
@@ -555,31 +570,12 @@ class ClusterNode::Impl {
     auto fail_now = [&](const Status& st) -> Status {
       timeouts.fetch_add(1, std::memory_order_relaxed);
       std::lock_guard<std::mutex> l(s->mu);
-      if (s->epoch == epoch)
-        s->skip_until = Clock::now() + std::chrono::milliseconds(options.retry_after_ms);
+      if (s->epoch == epoch) back_off(*s);
       return st;
     };
     Transport& t = *lanes[lane].t;
     auto peer = t.connect(address, until);
-    if (!peer.ok()) {
-      Status st = fail_now(peer.status());
-      if (Clock::now() + std::chrono::milliseconds(10) < until) {
-        // Refused well before the deadline, not timed out: back off longer.
-        std::lock_guard<std::mutex> l(s->mu);
-        if (s->epoch != epoch) return st;
-        s->refusals = std::min<uint32_t>(s->refusals + 1, 16);
-        auto skip = std::min<Clock::duration>(
-            std::chrono::milliseconds(options.retry_after_ms) * (1ull << (s->refusals - 1)),
-            kMaxRefusedSkip);
-        s->skip_until = Clock::now() + std::max<Clock::duration>(
-                                           skip, std::chrono::milliseconds(options.retry_after_ms));
-      }
-      return st;
-    }
-    {
-      std::lock_guard<std::mutex> l(s->mu);
-      if (s->epoch == epoch) s->refusals = 0;
-    }
+    if (!peer.ok()) return fail_now(peer.status());
     const std::vector<uint8_t>& mine = t.address();
     auto reply = call(lane, **peer, Op::kHello, static_cast<uint32_t>(mine.size()), mine, until);
     if (!reply.ok()) {
@@ -657,6 +653,7 @@ class ClusterNode::Impl {
       return Status::Unavailable("member " + m.node_id + " changed while connecting");
     }
     if (s->lane_addresses.empty()) s->lane_addresses = std::move(addresses);
+    s->failures = 0;  // connected, and the member said hello
     if (!s->mapped && mapping) {
       s->mapped = std::move(mapping);
       s->mapped_index = next_mapping.fetch_add(1, std::memory_order_relaxed);

@@ -1029,6 +1029,33 @@ TEST(ClusterNode, AConnectToASlowMemberHoldsUpNeitherStatsNorMappings) {
   caller.join();
 }
 
+TEST(ClusterNode, AMemberThatNeverAnswersCostsADeadlineEverMoreRarely) {
+  SKIP_WITHOUT_TRANSPORT();
+  // A member in the view that takes connections and never answers (stopped,
+  // or cut off from the others while its lease lives): each failure in a
+  // row doubles its skip, so lookups pay its deadline ever more rarely
+  // instead of once every retry_after_ms.
+  Member a("a", 60000, 4, /*timeout_ms=*/200);
+  ASSERT_TRUE(a.node);
+  RawOwner owner(
+      [](cluster::Op, uint32_t, const uint8_t*) { return std::optional<std::vector<uint8_t>>(); });
+  owner.hello_delay = 60000ms;  // past every deadline
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  int lookups = 0;
+  while (std::chrono::steady_clock::now() - t0 < 3s) {
+    EXPECT_FALSE(lookup_one(a.node, id_of(9950)).first);
+    ++lookups;
+    std::this_thread::sleep_for(10ms);
+  }
+  // Skips of 100, 200, 400, 800 and 1600 ms after attempts of 200 ms: five
+  // attempts in 3 s, where a fixed skip made ten.
+  const uint64_t timeouts = a.node->stats().timeouts;
+  EXPECT_GE(timeouts, 3u);
+  EXPECT_LE(timeouts, 6u) << lookups << " lookups";
+}
+
 TEST(ClusterNode, AConnectToAMembersOldAddressThatFailsDoesNotHoldOffItsNewOne) {
   SKIP_WITHOUT_TRANSPORT();
   // A call connects to a member at the address of its old record (a

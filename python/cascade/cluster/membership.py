@@ -578,6 +578,12 @@ class Membership:
                     self._try_register()
                 else:
                     self._failed("re-publishing the record", e)
+        if not registered and own_entry is None:
+            # Not registered now (its lease ran out in an outage; it
+            # registers again next): it still sees itself, as when alone,
+            # rather than a view without itself and so no share of the ring.
+            # (A record of another live process of this node id stays.)
+            members[self.node_id] = self.record
         self._install(members, revision)
 
     def _yield_node_id(self, holder: KeyValue) -> None:
