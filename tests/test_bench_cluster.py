@@ -329,3 +329,31 @@ def test_first_contact_blocks_never_share_a_key_with_a_rows_blocks():
         timed = {k for i in range(3) for k in cluster._aggregate_set(i, size, 8)[0]}
         warm = {k for i in range(3) for k in cluster._first_contact_set(i, 3)[0]}
         assert not timed & warm
+
+
+def test_a_timed_read_that_returns_other_bytes_or_sizes_fails():
+    """The timed reads themselves are checked (sizes, and the bytes left
+    of the last batch), not only the read made afterwards to compare."""
+    import numpy as np
+
+    from cascade.bench import cluster as bench_cluster
+
+    want = np.arange(6 * 8, dtype=np.uint8).reshape(6, 8)
+    keys = [f"k{i}" for i in range(6)]
+
+    class Store:
+        def __init__(self, fill, size):
+            self.fill, self.size = fill, size
+
+        def get_batch(self, ks, out):
+            for j, k in enumerate(ks):
+                out[j] = want[keys.index(k)] if self.fill else 0
+            return len(ks), [self.size] * len(ks)
+
+    assert bench_cluster._timed_read(Store(True, 8), keys, want, 4) >= 0
+    with pytest.raises(RuntimeError, match="came back wrong"):
+        bench_cluster._timed_read(Store(False, 8), keys, want, 4)
+    with pytest.raises(RuntimeError, match="another size"):
+        bench_cluster._timed_read(Store(True, 7), keys, want, 4)
+    # Within an aggregate pass the bytes wait for the comparison after both.
+    assert bench_cluster._timed_read(Store(False, 8), keys, want, 4, check_last=False) >= 0

@@ -50,7 +50,10 @@ def _cmd_bench(args) -> int:
     from cascade.bench.tiers_report import format_report
 
     args.sizes = [parse_size_arg(s) for s in (args.size or ["64KiB", "1MiB", "16MiB", "512MiB"])]
-    args.total = parse_size_arg(args.total)
+    # None unless given (in any spelling argparse takes): --distributed has a
+    # default of its own.
+    args.total_given = args.total is not None
+    args.total = parse_size_arg(args.total if args.total_given else "1GiB")
     args.overflow_block = parse_size_arg(args.overflow_block)
     if args.tiers == "auto":
         from cascade import _core
@@ -309,7 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="blocks per size (default: enough for --total bytes, at least 4)",
     )
-    bench.add_argument("--total", default="1GiB", help="bytes per size when --blocks is not given")
+    bench.add_argument(
+        "--total",
+        default=None,
+        help="bytes per size when --blocks is not given (1GiB; with --distributed, per rank)",
+    )
     bench.add_argument("--threads", type=int, default=0, help="I/O threads (default: one per core)")
     bench.add_argument(
         "--repeats", type=int, default=3, help="timed passes per phase; the best is reported"

@@ -267,13 +267,35 @@ class Bench {
     if (!cold.ok()) return cold.status();
     auto puts = time_runs(o_.repeats, put, clear);
     if (!puts.ok()) return puts.status();
+    // The reads must write what they report: the destination starts cleared
+    // (an earlier case wrote the same bytes there), and sampled blocks are
+    // compared with their sources afterwards, in device memory too.
+    for (size_t k = 0; k < n; ++k) {
+      uint8_t* d = dst + order[k] * block;
+      if (kind == MemoryKind::kHost) std::memset(d, 0, block);
+      else CASCADE_RETURN_IF_ERROR(cuda_status(cudaMemset(d, 0, block), "clear the destination"));
+    }
     auto gets = time_runs(o_.repeats, get);
     if (!gets.ok()) return gets.status();
-    // Check the bytes once.
     bool verified = true;
-    if (kind == MemoryKind::kHost) {
-      for (size_t k = 0; k < n && verified; k += std::max<size_t>(1, n / 64))
-        verified = std::memcmp(dst + order[k] * block, src + order[k] * block, block) == 0;
+    std::vector<uint8_t> want(kind == MemoryKind::kHost ? 0 : block);
+    std::vector<uint8_t> got(want.size());
+    for (size_t k = 0; k < n && verified; k += std::max<size_t>(1, n / 64)) {
+      const uint8_t* s = src + order[k] * block;
+      const uint8_t* d = dst + order[k] * block;
+      if (kind == MemoryKind::kHost) {
+        verified = std::memcmp(d, s, block) == 0;
+        continue;
+      }
+      CASCADE_RETURN_IF_ERROR(cuda_status(cudaMemcpy(want.data(), s, block, cudaMemcpyDeviceToHost),
+                                          "copy a source back"));
+      CASCADE_RETURN_IF_ERROR(cuda_status(cudaMemcpy(got.data(), d, block, cudaMemcpyDeviceToHost),
+                                          "copy a result back"));
+      verified = want == got;
+    }
+    if (!verified) {
+      return Status::Corruption(std::string("gpu bench: ") + method + " " + placement +
+                                " reads from " + source + " memory gave other bytes than were put");
     }
     const uint64_t bytes = n * block;
     auto record = [&](const char* op, const char* dir, const Runs& r, double ceiling,

@@ -279,7 +279,7 @@ def run_distributed_bench(args, progress) -> dict:
             "this build of cascade cannot open distributed stores (built without MPI)"
         )
     g = _Group()
-    per_rank = args.total if "--total" in args.argv else DEFAULT_BYTES_PER_RANK
+    per_rank = args.total if getattr(args, "total_given", False) else DEFAULT_BYTES_PER_RANK
     cores = os.cpu_count() or 1
     bound = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
     # A launcher that binds each rank to a core or two (Open MPI does for
