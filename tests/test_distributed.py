@@ -145,6 +145,12 @@ def test_owner_that_leaves_turns_its_blocks_into_misses_without_hanging():
 
 
 @needs_mpi
+def test_ranks_that_disagree_on_node_local_loads_all_fail_at_open():
+    _, text, _ = mpirun(2, "loads_mismatch")
+    assert "OK: loads_mismatch on 2 rank(s)" in text
+
+
+@needs_mpi
 def test_job_killed_mid_write_restarts_from_whole_blocks(tmp_path):
     # First job: rank 0 kills itself mid-write; Open MPI ends the whole job.
     proc, text, took = mpirun(4, "kill_write", str(tmp_path), timeout=60, expect_success=False)

@@ -184,7 +184,9 @@ def same_id(env: Env):
 def leave(env: Env, timeout_ms: int = 1500):
     """An owner closes its store mid-run: its blocks become misses for the
     others, at once when it announces it, within the timeout when it leaves
-    silently; nobody hangs, and its ids get new owners."""
+    silently; nobody hangs. Announced, its ids get new owners; silent, they
+    stay its own on every rank (a rank that only missed a deadline must not
+    be routed around by one rank alone), misses until it answers."""
     rank, size = env.rank, env.size
     leaver = size - 1
     for announce in (True, False):
@@ -214,10 +216,16 @@ def leave(env: Env, timeout_ms: int = 1500):
             for k in kept:
                 w, i = int(k.split("/")[2]), int(k.split("/")[3])
                 env.read_back(store, k, payload(w, i, 65536))
-            if rank == 0:  # the departed owner's ids now have a live owner
+            if rank == 0 and announce:  # the departed owner's ids now have a live owner
                 env.check(store.put(lost[0], payload(77, 0, 4096)), "put after the owner left")
+            if rank == 0 and not announce:  # still its own: not stored elsewhere by one rank
+                try:
+                    stored = store.put(lost[0], payload(77, 0, 4096))
+                except env.cascade.CascadeError:
+                    stored = False
+                env.check(not stored, "silent: an id of the owner was stored at another rank")
         env.comm.Barrier()
-        if rank != leaver:
+        if rank != leaver and announce:
             env.read_back(store, lost[0], payload(77, 0, 4096))
         env.comm.Barrier()  # nobody leaves while others still read from it
         if rank != leaver:
@@ -310,6 +318,19 @@ def file_tier_usable(env: Env, directory: str) -> str | None:
         return str(e)
 
 
+def loads_mismatch(env: Env):
+    """node_local_loads differing between ranks: every rank gets the same
+    clear error (the window that one side alone would create was a
+    collective the others never joined: the open hung)."""
+    try:
+        env.cd.open_store(env.config(), node_local_loads=env.rank % 2 == 0)
+        outcome = "opened"
+    except env.cascade.InvalidArgumentError as e:
+        outcome = str(e)
+    env.check("must be the same on every rank" in outcome, f"rank {env.rank}: {outcome}")
+    env.done("loads_mismatch")
+
+
 def main(argv):
     env = Env()
     scenario = argv[0]
@@ -319,6 +340,8 @@ def main(argv):
         same_id(env)
     elif scenario == "leave":
         leave(env)
+    elif scenario == "loads_mismatch":
+        loads_mismatch(env)
     elif scenario in ("kill_write", "kill_restart"):
         why = env.comm.allgather(file_tier_usable(env, argv[1]))
         if any(why):

@@ -107,6 +107,15 @@ class RankFabric {
   LiveRanks& live() { return live_; }
   PendingCalls& calls() { return calls_; }
 
+  // A peer that left no answer in time: calls to it fail at once for a
+  // while (Unavailable), twice as long after each such failure in a row
+  // (from `base` up to 30 s), and any reply from it ends the streak. It
+  // keeps its place in every rank's ring: routing around it here alone
+  // would put its ids at another owner for this rank only.
+  void note_unanswered(int peer, std::chrono::milliseconds base);
+  // Whether calls to the peer are skipped now.
+  bool skipped(int peer) const;
+
   // Holds windows and memory mapped for the duration of an operation.
   class Use {
    public:
@@ -184,6 +193,11 @@ class RankFabric {
 
   LiveRanks live_;
   PendingCalls calls_;
+  struct Unanswered {
+    std::atomic<int64_t> skip_until_ns{0};  // steady clock
+    std::atomic<uint32_t> streak{0};
+  };
+  std::unique_ptr<Unanswered[]> unanswered_;  // one per rank
 
   std::shared_mutex lifecycle_;
   std::atomic<bool> down_{false};

@@ -124,6 +124,7 @@ Result<std::shared_ptr<RankFabric>> RankFabric::Open(MPI_Comm comm, uint64_t seg
   rc = MPI_Allgather(&delta, 1, MPI_UINT64_T, deltas.data(), 1, MPI_UINT64_T, f->comm_);
   if (rc != MPI_SUCCESS) return fail(mpi_status(rc, "MPI_Allgather"));
   f->peer_bytes_.resize(f->size_);
+  f->unanswered_ = std::make_unique<Unanswered[]>(f->size_);
   rc = MPI_Allgather(&segment_bytes, 1, MPI_UINT64_T, f->peer_bytes_.data(), 1, MPI_UINT64_T,
                      f->comm_);
   if (rc != MPI_SUCCESS) return fail(mpi_status(rc, "MPI_Allgather"));
@@ -156,7 +157,13 @@ Result<std::shared_ptr<RankFabric>> RankFabric::Open(MPI_Comm comm, uint64_t seg
 
   // Ranks on other nodes (or every peer, without node-local loads) are
   // reached through one-sided operations on a window over the same memory.
-  if (node_size < f->size_ || !node_local_loads) {
+  // Its creation is collective, so the ranks decide together: a rank whose
+  // node_local_loads differs then opens on, to the check of the options
+  // every rank must share, instead of waiting for the others for ever.
+  int need_rma = (node_size < f->size_ || !node_local_loads) ? 1 : 0;
+  int any_rma = need_rma;
+  MPI_Allreduce(&need_rma, &any_rma, 1, MPI_INT, MPI_MAX, f->comm_);
+  if (any_rma) {
     rc = MPI_Win_create(f->local_base_, static_cast<MPI_Aint>(segment_bytes), 1, MPI_INFO_NULL,
                         f->comm_, &f->rma_win_);
     Status st = mpi_status(rc, "MPI_Win_create");
@@ -300,9 +307,25 @@ Status RankFabric::post(int peer, int tag, const Message& m) {
   return Status::OK();
 }
 
+void RankFabric::note_unanswered(int peer, std::chrono::milliseconds base) {
+  Unanswered& u = unanswered_[peer];
+  const uint32_t streak = std::min<uint32_t>(u.streak.fetch_add(1) + 1, 16);
+  const auto skip = std::min<std::chrono::nanoseconds>(base * (int64_t{1} << (streak - 1)),
+                                                       std::chrono::seconds(30));
+  u.skip_until_ns.store((Clock::now() + skip).time_since_epoch().count());
+}
+
+bool RankFabric::skipped(int peer) const {
+  return Clock::now().time_since_epoch().count() <
+         unanswered_[peer].skip_until_ns.load(std::memory_order_relaxed);
+}
+
 Result<std::shared_ptr<PendingCalls::Call>> RankFabric::start_call(int peer, Message request) {
   if (!live_.present(peer))
     return Status::Unavailable("rank " + std::to_string(peer) + " has left the group");
+  if (skipped(peer))
+    return Status::Unavailable("rank " + std::to_string(peer) +
+                               " left a request unanswered recently; skipped for now");
   auto c = calls_.open(peer);
   request.call_id = c->id;
   if (Status st = post(peer, kRequestTag, request); !st.ok()) {
@@ -346,6 +369,7 @@ void RankFabric::dispatch(int source, int tag, std::span<const uint8_t> bytes) {
     return;
   }
   if (tag == kReplyTag) {
+    unanswered_[source].streak.store(0, std::memory_order_relaxed);  // it answers
     if (calls_.deliver(source, std::move(*m))) return;
     std::lock_guard<std::mutex> lock(handler_mu_);
     if (handler_) handler_->on_stale_reply(source, *m);

@@ -55,16 +55,18 @@ RemoteTier::Clock::time_point RemoteTier::deadline() const {
 }
 
 Status RemoteTier::call_failed(int owner, const Status& st) const {
-  if (fabric_->live().present(owner)) {
-    // No answer in time (or the message could not be sent): treat the
-    // owner as gone so later calls do not wait again.
-    timeouts_.fetch_add(1, std::memory_order_relaxed);
-    fabric_->live().mark_gone(owner);
-    return Status::Unavailable(rank_name(owner) + " did not answer within " +
-                               std::to_string(options_.request_timeout_ms) +
-                               " ms; it is treated as gone from the group (" + st.message() + ")");
-  }
-  return Status::Unavailable(rank_name(owner) + " left the group");
+  if (!fabric_->live().present(owner))
+    return Status::Unavailable(rank_name(owner) + " left the group");
+  if (fabric_->skipped(owner)) return st;  // refused at once, or another call timed out first
+  // No answer in time (or the message could not be sent): later calls to
+  // the owner fail at once for a while, but it stays the owner of its ids
+  // (the ranks' rings never part: a put or remove of its ids goes nowhere
+  // else, so no id gets a second copy that a remove would miss).
+  timeouts_.fetch_add(1, std::memory_order_relaxed);
+  fabric_->note_unanswered(owner, std::chrono::milliseconds(options_.request_timeout_ms));
+  return Status::Unavailable(rank_name(owner) + " did not answer within " +
+                             std::to_string(options_.request_timeout_ms) +
+                             " ms; its ids are misses for a while (" + st.message() + ")");
 }
 
 bool RemoteTier::verifies(int owner) const {
@@ -727,6 +729,7 @@ TierStats RemoteTier::stats() const {
   counters_.add_to(&s);
   s.evictions += share_.evicted_for_peers();
   s.corrupt_blocks = corrupt_.load(std::memory_order_relaxed);
+  s.read_errors = timeouts_.load(std::memory_order_relaxed);  // requests left unanswered
   s.leased_blocks =
       static_cast<uint64_t>(std::max<int64_t>(0, views_.load(std::memory_order_relaxed)));
   return s;
