@@ -151,6 +151,12 @@ def test_ranks_that_disagree_on_node_local_loads_all_fail_at_open():
 
 
 @needs_mpi
+def test_an_option_refused_on_one_rank_is_an_error_on_every_rank():
+    _, text, _ = mpirun(2, "one_bad_option")
+    assert "OK: one_bad_option on 2 rank(s)" in text
+
+
+@needs_mpi
 def test_job_killed_mid_write_restarts_from_whole_blocks(tmp_path):
     # First job: rank 0 kills itself mid-write; Open MPI ends the whole job.
     proc, text, took = mpirun(4, "kill_write", str(tmp_path), timeout=60, expect_success=False)

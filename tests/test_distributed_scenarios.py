@@ -331,6 +331,21 @@ def loads_mismatch(env: Env):
     env.done("loads_mismatch")
 
 
+def one_bad_option(env: Env):
+    """An option refused on one rank (in Python, before the collective open)
+    is an error on every rank, not a rank that raised alone while the
+    others wait in the open for ever."""
+    bad = env.rank == env.size - 1
+    try:
+        env.cd.open_store(env.config(), request_timeout_ms=0 if bad else 1000)
+        outcome = "opened"
+    except env.cascade.CascadeError as e:
+        outcome = type(e).__name__
+    want = "InvalidArgumentError" if bad else "UnavailableError"
+    env.check(outcome == want, f"rank {env.rank}: {outcome}, not {want}")
+    env.done("one_bad_option")
+
+
 def main(argv):
     env = Env()
     scenario = argv[0]
@@ -342,6 +357,8 @@ def main(argv):
         leave(env)
     elif scenario == "loads_mismatch":
         loads_mismatch(env)
+    elif scenario == "one_bad_option":
+        one_bad_option(env)
     elif scenario in ("kill_write", "kill_restart"):
         why = env.comm.allgather(file_tier_usable(env, argv[1]))
         if any(why):

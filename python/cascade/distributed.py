@@ -87,11 +87,25 @@ def open_store(config=None, comm=None, **options):
             "MPI was initialized without MPI_THREAD_MULTIPLE; keep mpi4py's default "
             "(mpi4py.rc.thread_level = 'multiple') before importing mpi4py.MPI"
         )
-    if config is None or isinstance(config, dict):
-        config = config_from_dict(config or {})
-    return _core.open_distributed(
-        config, comm if comm is not None else MPI.COMM_WORLD, make_options(**options)
-    )
+    comm = comm if comm is not None else MPI.COMM_WORLD
+    # Options refused here must be refused on every rank together, as the
+    # C++ side does: a rank that raised alone would leave the others in the
+    # open's collectives for ever.
+    error: BaseException | None = None
+    try:
+        if config is None or isinstance(config, dict):
+            config = config_from_dict(config or {})
+        opts = make_options(**options)
+    except (ValueError, TypeError, _core.CascadeError) as e:
+        error = e
+    if comm.allreduce(1 if error is not None else 0, op=MPI.MAX):
+        if error is not None:
+            raise error
+        raise _core.UnavailableError(
+            "another rank refused its options for the distributed store (its own error says "
+            "why); no rank opened it"
+        )
+    return _core.open_distributed(config, comm, opts)
 
 
 def owner(block_id, ranks: int, points_per_rank: int | None = None) -> int:
