@@ -73,6 +73,9 @@ def test_owner_is_consistent_hashing():
         assert all(b == n for _, b in moved), "an id moved between two ranks that stayed"
         assert abs(len(moved) / len(keys) - 1 / (n + 1)) < 0.5 / (n + 1)
     assert cd.owner("owner/1", 5) == cd.owner(cascade_block_id("owner/1"), 5)  # keys and ids agree
+    for none in (0, -1):
+        with pytest.raises(ValueError, match="at least one rank"):
+            cd.owner("owner/1", none)
 
 
 def cascade_block_id(key):

@@ -111,6 +111,8 @@ def open_store(config=None, comm=None, **options):
 def owner(block_id, ranks: int, points_per_rank: int | None = None) -> int:
     """The rank that owns ``block_id`` in a group of ``ranks`` ranks, all
     present (the same answer on every rank)."""
+    if ranks < 1:
+        raise ValueError(f"a group has at least one rank, not {ranks}")
     if points_per_rank is None:
         return _core.ring_owner(block_id, ranks)
     return _core.ring_owner(block_id, ranks, points_per_rank)
