@@ -137,10 +137,10 @@ def test_a_reader_thread_that_fails_fails_the_run_at_once(monkeypatch, capsys):
     real = cluster._timed_read
     failing = f"b{1000 * (64 << 10) + 1}-"
 
-    def failing_read(store, keys, width, batch):
+    def failing_read(store, keys, want, batch, **kw):
         if keys and keys[0].startswith(failing):
             raise RuntimeError("injected reader failure")
-        return real(store, keys, width, batch)
+        return real(store, keys, want, batch, **kw)
 
     monkeypatch.setattr(cluster, "_timed_read", failing_read)
     argv = ["bench", "cluster", "--quick", "--quiet", "--servers", "2", "--fabrics", "sm"]
@@ -160,7 +160,7 @@ class _RecordingStore:
         self.log.append(("read", keys[0]))
         for k, key in enumerate(keys):
             out[k] = self.blocks[key]
-        return len(keys), None
+        return len(keys), [out.shape[1]] * len(keys)
 
 
 def test_aggregate_readers_check_bytes_only_after_both_timed_passes():
