@@ -320,8 +320,8 @@ def file_tier_usable(env: Env, directory: str) -> str | None:
 
 def loads_mismatch(env: Env):
     """node_local_loads differing between ranks: every rank gets the same
-    clear error (the window that one side alone would create was a
-    collective the others never joined: the open hung)."""
+    clear error, not an open left waiting in a collective (the window for
+    one-sided reads) that only some ranks joined."""
     try:
         env.cd.open_store(env.config(), node_local_loads=env.rank % 2 == 0)
         outcome = "opened"
