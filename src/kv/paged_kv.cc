@@ -104,14 +104,33 @@ Status check_layer_reach(const PagedKvCache& c) {
   for (size_t l = 0; l < c.layers.size(); ++l)
     bases.emplace_back(reinterpret_cast<uintptr_t>(c.layers[l]), l);
   std::sort(bases.begin(), bases.end());
-  for (size_t i = 0; i < bases.size(); ++i) {
-    for (size_t j = i + 1; j < bases.size() && bases[j].first - bases[i].first <= reach; ++j) {
-      const __int128 d = bases[j].first - bases[i].first;
-      if (d != 0 && is_element_distance(d, dims, inner, dims.size())) {
-        return Status::InvalidArgument(
-            "paged KV: layers " + std::to_string(bases[i].second) + " and " +
-            std::to_string(bases[j].second) +
-            " share memory (overlapping views): loads would write one over the other");
+  auto shared = [&](size_t i, size_t j) {
+    return Status::InvalidArgument(
+        "paged KV: layers " + std::to_string(bases[i].second) + " and " +
+        std::to_string(bases[j].second) +
+        " share memory (overlapping views): loads would write one over the other");
+  };
+  // Layers one step apart (one buffer cut in equal parts, or interleaved
+  // block by block; a layer given twice aside): a pair's distance is a
+  // multiple of the step, so each multiple is checked once, not each pair.
+  // This runs for every transfer.
+  std::vector<size_t> distinct;  // first index of each address
+  for (size_t i = 0; i < bases.size(); ++i)
+    if (i == 0 || bases[i].first != bases[i - 1].first) distinct.push_back(i);
+  const uintptr_t step =
+      distinct.size() > 1 ? bases[distinct[1]].first - bases[distinct[0]].first : 0;
+  bool even = true;
+  for (size_t k = 1; k < distinct.size() && even; ++k)
+    even = bases[distinct[k]].first - bases[distinct[k - 1]].first == step;
+  if (even) {
+    for (size_t k = 1; k < distinct.size() && __int128(k) * step <= reach; ++k)
+      if (is_element_distance(__int128(k) * step, dims, inner, dims.size()))
+        return shared(distinct[0], distinct[k]);
+  } else {
+    for (size_t i = 0; i < bases.size(); ++i) {
+      for (size_t j = i + 1; j < bases.size() && bases[j].first - bases[i].first <= reach; ++j) {
+        const __int128 d = bases[j].first - bases[i].first;
+        if (d != 0 && is_element_distance(d, dims, inner, dims.size())) return shared(i, j);
       }
     }
   }

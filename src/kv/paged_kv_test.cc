@@ -345,6 +345,17 @@ TEST(PagedKvCpu, LayersThatShareMemoryAreRefusedButInterleavedOnesAreNot) {
   // One layer twice.
   c.layers = {buf.data(), buf.data()};
   EXPECT_TRUE(validate_paged_kv(c).ok()) << validate_paged_kv(c).ToString();
+  // Three layers at uneven steps (each pair checked): apart, then two that
+  // overlap by most of a layer. Only their addresses are looked at.
+  uint8_t* const far = reinterpret_cast<uint8_t*>(uintptr_t{1} << 44);
+  const int64_t layer_bytes = blocks * block_elems * elem;
+  c.num_layers = 3;
+  c.layers = {far, far + layer_bytes, far + 2 * layer_bytes + block_elems * elem};
+  EXPECT_TRUE(validate_paged_kv(c).ok()) << validate_paged_kv(c).ToString();
+  c.layers = {far, far + layer_bytes, far + layer_bytes + 2 * block_elems * elem};
+  st = validate_paged_kv(c);
+  EXPECT_NE(st.message().find("layers 1 and 2 share memory"), std::string::npos) << st.ToString();
+  c.num_layers = 2;
   // Interleaved: [blocks][layers][heads][tokens][2d], layer l at l blocks'
   // worth of elements, blocks two apart.
   PagedKvCache i = c;
