@@ -35,10 +35,18 @@ void register_distributed(nb::module_& m) {
       [](const CascadeConfig& config, nb::handle comm,
          const DistributedOptions& options) -> nb::object {
         MpiCommunicator c = MpiCommunicator::World();
-        if (nb::hasattr(comm, "py2f")) {
-          c = MpiCommunicator::FromFortran(nb::cast<int64_t>(comm.attr("py2f")()));
-        } else if (!comm.is_none()) {
-          c = MpiCommunicator::FromFortran(nb::cast<int64_t>(comm));
+        nb::object handle = nb::borrow(comm);
+        if (nb::hasattr(comm, "py2f")) handle = comm.attr("py2f")();
+        if (!handle.is_none()) {
+          int64_t fortran = 0;
+          if (!nb::isinstance<nb::int_>(handle) || nb::isinstance<nb::bool_>(handle) ||
+              !nb::try_cast(handle, fortran))
+            throw nb::type_error(
+                ("comm must be an mpi4py communicator, a Fortran communicator handle (int) or "
+                 "None, not " +
+                 std::string(nb::type_name(comm.type()).c_str()))
+                    .c_str());
+          c = MpiCommunicator::FromFortran(fortran);
         }
         Result<std::unique_ptr<CascadeStore>> store = Status::OK();
         {

@@ -157,6 +157,13 @@ def test_options_refused_on_one_rank_are_an_error_on_every_rank(scenario):
 
 
 @needs_mpi
+@pytest.mark.parametrize("what", ["no_host_level", "shm_persist", "wrong_comm"])
+def test_a_config_one_rank_cannot_serve_is_an_error_on_every_rank(what):
+    _, text, _ = mpirun(2, "one_bad_config", what)
+    assert f"OK: one_bad_config {what} on 2 rank(s)" in text
+
+
+@needs_mpi
 def test_job_killed_mid_write_restarts_from_whole_blocks(tmp_path):
     # First job: rank 0 kills itself mid-write; Open MPI ends the whole job.
     proc, text, took = mpirun(4, "kill_write", str(tmp_path), timeout=60, expect_success=False)

@@ -346,6 +346,44 @@ def one_bad_option(env: Env):
     env.done("one_bad_option")
 
 
+def one_bad_config(env: Env, what: str):
+    """A configuration a distributed store cannot serve, on one rank: a
+    pipeline without the host level that spans the ranks, or shm_persist
+    (which a rank's share cannot honour). That rank gets the reason, every
+    other rank an error saying another rank refused; none opens alone."""
+    if what == "wrong_comm":
+        # Refused on every rank before any collective: a type error naming
+        # what was given, not a C++ cast failure.
+        for comm in ("world", 2.5, True):
+            for opener in (env.cd.open_store, env.cascade._core.open_distributed):
+                try:
+                    opener(env.config(), comm)
+                    outcome = "opened"
+                except TypeError as e:
+                    outcome = str(e)
+                env.check("comm must be" in outcome, f"comm={comm!r}: {outcome!r}")
+        env.done("one_bad_config wrong_comm")
+        return
+    bad = env.rank == env.size - 1
+    fields = {}
+    if bad and what == "no_host_level":
+        fields = {"pipeline": "file", "file_path": f"/tmp/cascade-bad-config-{os.getpid()}"}
+    elif bad:
+        fields = {"shm_persist": True}
+    try:
+        env.cd.open_store(env.config(**fields)).close()
+        outcome = "opened"
+    except env.cascade.InvalidArgumentError as e:
+        outcome = str(e)
+    want = (
+        ("needs a host level" if what == "no_host_level" else "shm_persist")
+        if bad
+        else ("another rank's configuration")
+    )
+    env.check(want in outcome, f"{outcome!r} does not say {want!r}")
+    env.done(f"one_bad_config {what}")
+
+
 def main(argv):
     env = Env()
     scenario = argv[0]
@@ -359,6 +397,8 @@ def main(argv):
         loads_mismatch(env)
     elif scenario == "one_bad_option":
         one_bad_option(env)
+    elif scenario == "one_bad_config":
+        one_bad_config(env, argv[1])
     elif scenario in ("kill_write", "kill_restart"):
         why = env.comm.allgather(file_tier_usable(env, argv[1]))
         if any(why):

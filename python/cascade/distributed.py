@@ -68,7 +68,8 @@ def make_options(**fields) -> DistributedOptions:
 
 def open_store(config=None, comm=None, **options):
     """Opens this rank's part of a distributed store; collective over
-    ``comm`` (default: MPI.COMM_WORLD). ``config`` is a CascadeConfig or a
+    ``comm`` (an mpi4py communicator or a Fortran handle; default:
+    MPI.COMM_WORLD). ``config`` is a CascadeConfig or a
     dict of its fields; keyword arguments are DistributedOptions fields.
     Returns a cascade.CascadeStore."""
     if not available():
@@ -87,7 +88,15 @@ def open_store(config=None, comm=None, **options):
             "MPI was initialized without MPI_THREAD_MULTIPLE; keep mpi4py's default "
             "(mpi4py.rc.thread_level = 'multiple') before importing mpi4py.MPI"
         )
-    comm = comm if comm is not None else MPI.COMM_WORLD
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    elif isinstance(comm, int) and not isinstance(comm, bool):
+        comm = MPI.Comm.f2py(comm)
+    elif not isinstance(comm, MPI.Comm):
+        raise TypeError(
+            "comm must be an mpi4py communicator (mpi4py.MPI.Comm), a Fortran communicator "
+            f"handle (int) or None, not {type(comm).__name__}"
+        )
     # Options refused here must be refused on every rank together, as the
     # C++ side does: a rank that raised alone would leave the others in the
     # open's collectives for ever.

@@ -56,8 +56,17 @@ std::string distributed_pipeline(const CascadeConfig& config) {
 
 Status prepare_rank_config(const CascadeConfig& config, const DistributedOptions& options, int rank,
                            CascadeConfig* out) {
+  if (config.shm_persist)
+    return Status::InvalidArgument(
+        "shm_persist is not available to distributed stores: a rank's share of the remote tier "
+        "is emptied when the rank leaves (keep blocks across restarts with a file tier)");
   *out = config;
   out->pipeline = distributed_pipeline(config);
+  if (("|" + out->pipeline + "|").find("|remote|") == std::string::npos)
+    return Status::InvalidArgument(
+        "the pipeline of a distributed store needs a host level (host, shm or remote), which "
+        "spans every rank's arena; got '" +
+        config.pipeline + "'");
   if (options.file_dir_per_rank && !config.file_path.empty()) {
     char name[32];
     std::snprintf(name, sizeof name, "rank-%05d", rank);
