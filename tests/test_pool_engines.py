@@ -110,6 +110,26 @@ def test_replica_b_loads_what_replica_a_saved_and_a_restarted_server_keeps_it(po
     c.close()
 
 
+def test_a_save_asks_the_server_which_blocks_it_holds_once_per_batch(pool):
+    """Which blocks of a save are stored already is one lookup for the
+    batch, not a request (or two) per block; a block stored with another
+    size is still refused."""
+    sock, servers, _ = pool
+    ns = KvNamespace(model="m", dtype="float32", layout="packed_kv", block_size=BLOCK)
+    ids = prefix_block_ids(list(range(64 * BLOCK)), ns)
+    blocks = list(range(len(ids)))
+    w = engine_store(sock, "replica-a")
+    _, kv = kv_cache(len(ids), seed=3)
+    assert save_paged(w, kv, blocks[:8], ids[:8]) == [None] * 8
+    before = servers[0].stats()["requests"]
+    assert save_paged(w, kv, blocks, ids) == [None] * len(ids)
+    requests = servers[0].stats()["requests"] - before
+    assert requests < len(ids) // 2, requests
+    w.put("f" * 32, b"x" * 3)
+    assert "stored with 3 bytes" in save_paged(w, kv, [0], ["f" * 32])[0]
+    w.close()
+
+
 def test_a_running_worker_loads_and_saves_again_once_its_server_is_back(pool):
     """The server stops while a worker's store stays open: loads miss and
     saves fail meanwhile, and once a server is back on the kept arena the

@@ -159,12 +159,20 @@ Result<size_t> KvBlockMover::save(std::span<const int64_t> engine_blocks,
   // Items that need a copy: not already stored, block in range. A block of
   // another size under the id is an item error: it would be "present" for
   // every save and fail every load.
+  // Which are stored is asked for the whole batch (one request per tier:
+  // through a node pool, one round trip); only those found are asked their
+  // size.
+  const std::vector<bool> present = store_->contains_batch(ids);
   std::vector<size_t> todo;
   todo.reserve(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) {
     Status st = check_block(engine_blocks[i], cache_.num_blocks);
     if (!st.ok()) {
       (*statuses)[i] = st;
+      continue;
+    }
+    if (!present[i]) {
+      todo.push_back(i);
       continue;
     }
     Result<uint64_t> stored = store_->size_of(ids[i]);
