@@ -198,6 +198,10 @@ class FaultInjectingEnv : public Env {
   // this Env (counted from now): the write that crosses the limit stores
   // the part that fits, then fails (what a full disk does).
   void fail_writes_after(uint64_t bytes);
+  // Writes reaching past `bytes` into any file fail with EFBIG after storing
+  // the part below it (what RLIMIT_FSIZE or a file system's largest file
+  // does); 0 disarms it.
+  void limit_file_size(uint64_t bytes);
   // Reads of `path_substring` files overlapping [begin, end) fail with EIO.
   void fail_reads(const std::string& path_substring, uint64_t begin, uint64_t end);
   // The next write (of any file) writes only its first `keep` bytes, then
@@ -233,7 +237,7 @@ class FaultInjectingEnv : public Env {
   friend class FaultFile;
   // What a write of n bytes may store: n when no fault applies; else the
   // prefix length and the errno to fail with afterwards.
-  size_t admit_write(size_t n, int* err);
+  size_t admit_write(size_t n, uint64_t offset, int* err);
   bool read_fails(const std::string& path, uint64_t offset, size_t n);
   Status read_only_error(const std::string& what) const;
   bool read_only_now();  // counts an injected fault when true
@@ -245,6 +249,7 @@ class FaultInjectingEnv : public Env {
   // Guarded by mu_:
   bool limit_armed_ = false;
   uint64_t limit_left_ = 0;
+  uint64_t file_size_limit_ = 0;  // 0: none
   bool tear_armed_ = false;
   uint64_t tear_keep_ = 0;
   bool read_only_ = false;

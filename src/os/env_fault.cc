@@ -27,7 +27,7 @@ class FaultInjectingEnv::FaultFile final : public File {
 
   Status pwrite(const void* buf, size_t n, uint64_t offset) override {
     int err = 0;
-    size_t allowed = env_->admit_write(n, &err);
+    size_t allowed = env_->admit_write(n, offset, &err);
     if (allowed) CASCADE_RETURN_IF_ERROR(base_->pwrite(buf, allowed, offset));
     if (err) return errno_status(err, "write " + path());
     return Status::OK();
@@ -37,7 +37,7 @@ class FaultInjectingEnv::FaultFile final : public File {
     size_t n = 0;
     for (int i = 0; i < iovcnt; ++i) n += iov[i].iov_len;
     int err = 0;
-    size_t allowed = env_->admit_write(n, &err);
+    size_t allowed = env_->admit_write(n, offset, &err);
     if (allowed == n) return base_->pwritev(iov, iovcnt, offset);
     // Write the admitted prefix piece by piece, then fail.
     uint64_t pos = offset;
@@ -89,6 +89,11 @@ void FaultInjectingEnv::fail_writes_after(uint64_t bytes) {
   limit_left_ = bytes;
 }
 
+void FaultInjectingEnv::limit_file_size(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  file_size_limit_ = bytes;
+}
+
 void FaultInjectingEnv::fail_reads(const std::string& path_substring, uint64_t begin,
                                    uint64_t end) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -114,16 +119,21 @@ void FaultInjectingEnv::fail_syncs(bool fail) {
 void FaultInjectingEnv::clear_faults() {
   std::lock_guard<std::mutex> lock(mu_);
   limit_armed_ = tear_armed_ = read_only_ = fail_syncs_ = false;
+  file_size_limit_ = 0;
   read_faults_.clear();
 }
 
-size_t FaultInjectingEnv::admit_write(size_t n, int* err) {
+size_t FaultInjectingEnv::admit_write(size_t n, uint64_t offset, int* err) {
   std::lock_guard<std::mutex> lock(mu_);
   size_t allowed = n;
   *err = 0;
   if (read_only_) {
     *err = EROFS;
     allowed = 0;
+  }
+  if (file_size_limit_ && offset + allowed > file_size_limit_) {
+    allowed = offset < file_size_limit_ ? static_cast<size_t>(file_size_limit_ - offset) : 0;
+    *err = EFBIG;
   }
   if (tear_armed_) {
     tear_armed_ = false;

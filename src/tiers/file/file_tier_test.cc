@@ -450,6 +450,39 @@ TEST(FileTierTest, DiskFullFailsThePutCleanlyAndKeepsServing) {
   EXPECT_EQ(t->stats().blocks, 11u + stored);
 }
 
+// A write refused past a file size limit fails its put, and the tier goes
+// on in a new segment instead of failing every later write at that offset.
+TEST(FileTierTest, AWriteRefusedForTheFilesSizeMovesOnToANewSegment) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  FaultInjectingEnv env(Env::Default());
+  CascadeConfig c = file_test::file_config(tmp.path());
+  auto t = open_tier(c, &pool, &env);
+  ASSERT_TRUE(t);
+  env.limit_file_size(200000);  // room for six records of a segment
+  std::vector<uint64_t> stored;
+  int failed = 0;
+  for (uint64_t i = 0; i < 40; ++i) {
+    Status st = put(t.get(), i, 30000);
+    if (st.ok()) {
+      stored.push_back(i);
+      continue;
+    }
+    ++failed;
+    EXPECT_NE(st.ToString().find("too large"), std::string::npos) << st.ToString();
+    EXPECT_FALSE(t->contains(id_of(i)));
+  }
+  EXPECT_GE(stored.size(), 30u) << failed << " puts failed";
+  for (uint64_t i : stored) EXPECT_TRUE(reads_back(t.get(), i, 30000)) << i;
+  EXPECT_TRUE(t->flush().ok());
+  t.reset();
+  env.clear_faults();
+  t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  for (uint64_t i : stored) EXPECT_TRUE(reads_back(t.get(), i, 30000)) << i;
+  EXPECT_EQ(t->stats().blocks, stored.size());
+}
+
 TEST(FileTierTest, TornWriteIsNotPublished) {
   TempDir tmp;
   FaultInjectingEnv env(Env::Default());
