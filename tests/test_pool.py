@@ -386,6 +386,33 @@ def test_a_block_that_cannot_be_brought_into_a_fully_leased_arena_says_so(tmp_pa
         srv.close()
 
 
+def test_a_get_right_after_reading_a_full_arena_finds_a_block_kept_below(tmp_path):
+    """The arena is full of blocks this client has just read (their leases
+    ended, the releases still queued in the client): a get of a block in the
+    file tier sends those releases and asks again, as acquire does, instead
+    of answering that the block is not stored."""
+    srv, c = small_pool(tmp_path, file_path=str(tmp_path / "files"))
+    size = 256 << 10
+    try:
+        for i in range(96):
+            assert c.put(f"k{i}", np.full(size, i, np.uint8))
+        c.flush()
+        hot = [f"k{i}" for i in range(64, 96)]  # the 8 MiB arena holds 32
+        out = np.empty(size, np.uint8)
+        missed = 0
+        for t in range(30):
+            c.get_batch(hot, [np.empty(size, np.uint8) for _ in hot])
+            k = t % 32
+            found, n = c.get(f"k{k}", out)
+            missed += not found
+            if found:
+                assert n == size and (out == k).all()
+        assert missed == 0, f"{missed} of 30 gets of a stored block missed"
+    finally:
+        c.close()
+        srv.close()
+
+
 def test_no_server_is_a_clear_error(tmp_path):
     with pytest.raises(cascade.UnavailableError, match="no node pool server listens"):
         cascade.CascadeStore(

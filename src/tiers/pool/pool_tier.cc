@@ -819,27 +819,23 @@ void PoolTier::acquire_batch(std::span<const BlockId> ids, std::span<BlockView> 
   acquire_views(ids, views, statuses, true);
 }
 
-void PoolTier::acquire_views(std::span<const BlockId> ids, std::span<BlockView> views,
-                             std::span<Status> statuses, bool count) {
-  uint64_t sent_before;
-  {
-    std::lock_guard<std::mutex> lock(release_mu_);
-    sent_before = releases_sent_;
-  }
-  lease_views(ids, views, statuses, count);
-  // A block the server could not bring into an arena whose blocks are all
-  // leased: leases this client ended may still wait in its release queue
-  // (sent in batches), or have reached the server only after it answered.
-  // Then those in the queue go now, and such ids are asked once more.
-  std::vector<size_t> again;
-  for (size_t i = 0; i < ids.size(); ++i)
-    if (statuses[i].is(Code::kNoSpace)) again.push_back(i);
-  if (again.empty()) return;
+uint64_t PoolTier::releases_sent() const {
+  std::lock_guard<std::mutex> lock(release_mu_);
+  return releases_sent_;
+}
+
+// Items the server could not bring into an arena whose blocks are all
+// leased: leases this client ended may still wait in its release queue
+// (sent in batches), or have reached the server only after it answered.
+// Those in the queue go now, and those on their way are waited for a
+// little. False when none were queued, on their way or sent since
+// `sent_before`: asking again would find the arena as full.
+bool PoolTier::send_releases_before_asking_again(uint64_t sent_before) {
   bool queued;
   {
     std::lock_guard<std::mutex> lock(release_mu_);
     queued = !release_queue_.empty() || !failed_queue_.empty();
-    if (!queued && releases_on_the_way_ == 0 && releases_sent_ == sent_before) return;
+    if (!queued && releases_on_the_way_ == 0 && releases_sent_ == sent_before) return false;
   }
   if (queued) release_queued();
   // Those the releasing thread took from the queue and is sending.
@@ -851,6 +847,26 @@ void PoolTier::acquire_views(std::span<const BlockId> ids, std::span<BlockView> 
     }
     wait_a_little(round);
   }
+  return true;
+}
+
+namespace {
+
+std::vector<size_t> out_of_room(std::span<const Status> statuses) {
+  std::vector<size_t> again;
+  for (size_t i = 0; i < statuses.size(); ++i)
+    if (statuses[i].is(Code::kNoSpace)) again.push_back(i);
+  return again;
+}
+
+}  // namespace
+
+void PoolTier::acquire_views(std::span<const BlockId> ids, std::span<BlockView> views,
+                             std::span<Status> statuses, bool count) {
+  const uint64_t sent_before = releases_sent();
+  lease_views(ids, views, statuses, count);
+  const std::vector<size_t> again = out_of_room(statuses);
+  if (again.empty() || !send_releases_before_asking_again(sent_before)) return;
   std::vector<BlockId> retry_ids;
   for (size_t i : again) retry_ids.push_back(ids[i]);
   std::vector<BlockView> retry_views(again.size());
@@ -919,6 +935,29 @@ Result<BlockView> PoolTier::acquire(const BlockId& id) {
 
 void PoolTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                           std::span<ReadResult> results, std::span<Status> statuses) {
+  const uint64_t sent_before = releases_sent();
+  read_batch_once(ids, reqs, results, statuses);
+  // As acquire_batch: items refused for an arena full of leases are asked
+  // once more after this client's own ended leases have gone out.
+  const std::vector<size_t> again = out_of_room(statuses);
+  if (again.empty() || !send_releases_before_asking_again(sent_before)) return;
+  std::vector<BlockId> retry_ids;
+  std::vector<ReadRequest> retry_reqs;
+  for (size_t i : again) {
+    retry_ids.push_back(ids[i]);
+    retry_reqs.push_back(reqs[i]);
+  }
+  std::vector<ReadResult> retry_results(again.size());
+  std::vector<Status> retry_statuses(again.size());
+  read_batch_once(retry_ids, retry_reqs, retry_results, retry_statuses);
+  for (size_t j = 0; j < again.size(); ++j) {
+    results[again[j]] = retry_results[j];
+    statuses[again[j]] = std::move(retry_statuses[j]);
+  }
+}
+
+void PoolTier::read_batch_once(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                               std::span<ReadResult> results, std::span<Status> statuses) {
   const size_t n = ids.size();
   std::vector<uint64_t> sizes(n, 0);  // what the sub-batch choice needs: the requests' sizes
   for (size_t i = 0; i < n; ++i) sizes[i] = reqs[i].capacity;

@@ -144,6 +144,11 @@ class PoolTier final : public Tier {
   // acquire_batch, counting hits and misses when `count`.
   void acquire_views(std::span<const BlockId> ids, std::span<BlockView> views,
                      std::span<Status> statuses, bool count);
+  uint64_t releases_sent() const;
+  bool send_releases_before_asking_again(uint64_t sent_before);
+  // read_batch's requests to the server, once.
+  void read_batch_once(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
+                       std::span<ReadResult> results, std::span<Status> statuses);
   // acquire_batch's requests to the server, once.
   void lease_views(std::span<const BlockId> ids, std::span<BlockView> views,
                    std::span<Status> statuses, bool count);
@@ -368,7 +373,7 @@ class PoolTier final : public Tier {
   uint64_t watched_beat_ = 0;
   std::chrono::steady_clock::time_point watched_beat_seen_{};
 
-  std::mutex release_mu_;
+  mutable std::mutex release_mu_;
   std::condition_variable release_cv_;
   std::condition_variable map_cv_;  // the mapper's pause (with release_mu_)
   std::vector<uint64_t> release_queue_;
