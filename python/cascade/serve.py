@@ -432,8 +432,10 @@ def _start_server(cfg, socket_path: str, opts):
                 workers=opts.workers,
             )
         except _core.BusyError as e:
-            # A live server on the socket is final; only the arena's lock,
-            # which a killed predecessor may hold a moment longer, is waited for.
+            # A live server on the socket is final. The locks of the arena and
+            # of the file tier's directory, which a killed predecessor holds
+            # until the kernel has ended it, are waited for: a live holder of
+            # either costs this wait before the error.
             if "is listening" in str(e) or time.monotonic() >= deadline:
                 raise
             time.sleep(0.05)
