@@ -105,6 +105,47 @@ constexpr size_t kBlock = 256 << 10;
 
 }  // namespace
 
+TEST(DurabilityTest, ABlockTheDiskRefusesToTakeIsNotDroppedToMakeRoom) {
+  // The disk refuses the blocks put after a flush: moving them out of a
+  // full host tier fails, so they stay (the puts that need their room fail
+  // instead), and the next flush once the disk is back writes them all.
+  // Before, they were dropped and that flush said OK without them.
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(16 * kBlock);
+  auto s = open_on(c, disk);
+  ASSERT_TRUE(s);
+  put_blocks(s.get(), 0, 8, kBlock);
+  ASSERT_TRUE(s->flush().ok());
+  for (uint64_t i = 100; i < 140; ++i) disk->fail_puts.insert(id_of(i));
+  std::vector<uint64_t> stored;
+  Status refused;
+  for (uint64_t i = 100; i < 140; ++i) {
+    auto b = bytes_of(i, kBlock);
+    Status st = s->put(id_of(i), b.data(), b.size());
+    if (st.ok()) stored.push_back(i);
+    else refused = st;
+  }
+  EXPECT_GE(stored.size(), 16u);  // the flushed blocks made room
+  EXPECT_LT(stored.size(), 40u);
+  EXPECT_TRUE(refused.is(Code::kIOError)) << refused.ToString();
+  EXPECT_NE(refused.message().find("not written down yet"), std::string::npos)
+      << refused.ToString();
+  EXPECT_FALSE(s->flush().ok());
+  disk->fail_puts.clear();
+  ASSERT_TRUE(s->flush().ok());
+  for (uint64_t i : stored) EXPECT_TRUE(s->contains(id_of(i))) << i;
+  s->close();
+  s = reopen(c, disk);
+  ASSERT_TRUE(s);
+  for (uint64_t i : stored) {
+    std::vector<uint8_t> out(kBlock);
+    GetResult r;
+    ASSERT_TRUE(s->get(id_of(i), out.data(), out.size(), &r).ok());
+    EXPECT_TRUE(r.found) << "block " << i << " was put, and a flush said OK, but it is gone";
+    if (r.found) EXPECT_TRUE(out == bytes_of(i, kBlock)) << i;
+  }
+}
+
 TEST(DurabilityTest, FlushWritesHostBlocksDown) {
   auto disk = std::make_shared<SimulatedDisk>();
   CascadeConfig c = host_disk_config(64 << 20);
@@ -228,13 +269,19 @@ TEST(DurabilityTest, FlushDuringConcurrentPutsKeepsEveryEarlierPut) {
   constexpr size_t kWriters = 4, kPer = 400, kSize = 32 << 10;
   std::atomic<size_t> done[kWriters];
   for (auto& d : done) d = 0;
+  std::atomic<bool> disk_dead{false};
   std::vector<std::thread> writers;
   for (size_t w = 0; w < kWriters; ++w) {
     writers.emplace_back([&, w] {
       for (size_t k = 0; k < kPer; ++k) {
         size_t i = w * kPer + k;
         auto b = bytes_of(i, kSize);
-        ASSERT_TRUE(s->put(id_of(i), b.data(), b.size()).ok());
+        // Once the disk is dead, a put that needs room fails: the host
+        // tier's blocks are not written down, so none can be moved out.
+        if (!s->put(id_of(i), b.data(), b.size()).ok()) {
+          ASSERT_TRUE(disk_dead.load());
+          return;
+        }
         done[w].store(k + 1, std::memory_order_release);
       }
     });
@@ -243,6 +290,7 @@ TEST(DurabilityTest, FlushDuringConcurrentPutsKeepsEveryEarlierPut) {
   size_t acked[kWriters];
   for (size_t w = 0; w < kWriters; ++w) acked[w] = done[w].load(std::memory_order_acquire);
   ASSERT_TRUE(s->flush().ok());
+  disk_dead.store(true);
   disk->kill(true);
   for (auto& t : writers) t.join();
   s.reset();
@@ -731,7 +779,11 @@ TEST(DurabilityTest, AReattachedBlockWhoseWriteDownFailsStaysAboveNotTheOldCopy)
     auto s = open_kept(c, &env);
     ASSERT_TRUE(s);
     env.fail_writes_after(0);  // a full disk
-    put_blocks(s.get(), 100, 140, kKeptSize);
+    // Puts that need the room of blocks not written down fail now.
+    for (uint64_t i = 100; i < 140; ++i) {
+      auto b = bytes_of(i, kKeptSize);
+      (void)s->put(id_of(i), b.data(), b.size());
+    }
     EXPECT_EQ(kept_tier_with(s.get(), 2), 0);
     env.clear_faults();
     s->close();

@@ -6,6 +6,7 @@
 #include "store/store_impl.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -32,6 +33,12 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
       return Status::NoSpace(reason + "; the " + name + " tier holds no block to move out");
     return Status::NoSpace(reason + "; every block in the " + name + " tier is in use (leased)");
   }
+  // Victims the persistent tier refused (a read-only, failing or full
+  // disk) that it does not hold: dropping one would lose a block no flush
+  // has written down yet, so it stays, and the next flush tries it again.
+  std::atomic<size_t> kept{0};
+  std::mutex kept_mu;
+  Status kept_why;
   auto move_out = [&](size_t k) {
     Victim& v = victims[k];
     size_t below = SIZE_MAX;    // the tier below that holds the victim now
@@ -57,13 +64,25 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
       o.src_kind = v.view.kind();
       o.cuda_stream = v.cuda_stream;
       o.stored = &stored_below;
-      if (fits(b, v.size) && put_into(b, v.id, v.view.data(), v.size, o).ok()) {
+      const Status down = fits(b, v.size) ? put_into(b, v.id, v.view.data(), v.size, o)
+                                          : Status::InvalidArgument("does not fit");
+      if (down.ok()) {
         below = b;
       } else if (replaces) {
         {
           std::lock_guard<std::mutex> lock(kept_above_mu);
           kept_above.insert(v.id);
           any_kept_above.store(true, std::memory_order_release);
+        }
+        tiers[t]->unclaim(std::move(v));
+        return;
+      } else if (b == persistent && !down.is(Code::kInvalidArgument) &&
+                 !down.is(Code::kNotSupported)) {
+        // A block the tier can never take (too large, a kind it does not
+        // store) goes as before; flush reports it each time.
+        if (kept.fetch_add(1) == 0) {
+          std::lock_guard<std::mutex> lock(kept_mu);
+          kept_why = down;
         }
         tiers[t]->unclaim(std::move(v));
         return;
@@ -83,10 +102,19 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
   // Room for a batch moves many blocks down: on the I/O threads, as the
   // batch's own puts would have. Blocks only dropped (no tier below) go on
   // this thread: spread over threads, their removals contend and are slower.
-  if (victims.size() > 1 && t + 1 < tiers.size()) {
-    pool->parallel_for(victims.size(), move_out);
+  const size_t claimed = victims.size();
+  if (claimed > 1 && t + 1 < tiers.size()) {
+    pool->parallel_for(claimed, move_out);
   } else {
-    for (size_t k = 0; k < victims.size(); ++k) move_out(k);
+    for (size_t k = 0; k < claimed; ++k) move_out(k);
+  }
+  if (kept.load() == claimed) {
+    std::lock_guard<std::mutex> lock(kept_mu);
+    return Status(kept_why.code(), "no block of the " + std::string(tiers[t]->name()) +
+                                       " tier could be moved out: the " +
+                                       std::string(tiers[persistent]->name()) +
+                                       " tier refused it (" + kept_why.message() +
+                                       "), and it is not written down yet");
   }
   return Status::OK();
 }
