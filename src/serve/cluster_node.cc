@@ -133,11 +133,13 @@ struct LinkSlot {
   // out, hellos that failed, calls that missed their deadline (a member
   // stopped, or cut off from the others while its lease in the view
   // lives). Each doubles the skip, from retry_after_ms up to kMaxFailedSkip,
-  // until the member's record changes or a connect and its hello work: a
-  // member that never answers costs a deadline ever more rarely, not every
-  // retry_after_ms. Every refused attempt also costs a socket that UCX 1.13
-  // never closes.
-  uint32_t failures = 0;
+  // until the member's record changes or it answers a request: a member
+  // that never answers costs a deadline ever more rarely, not every
+  // retry_after_ms. A hello answered does not count (hellos have threads
+  // of their own, which answer while the member's service threads are
+  // stuck). Every refused attempt also costs a socket that UCX 1.13 never
+  // closes. Written under mu; read without it by answered().
+  std::atomic<uint32_t> failures{0};
   // The member's arena file mapped (same host), from its Hello reply; dropped
   // with its connections, so a member that is gone pins no memory here.
   std::shared_ptr<const ReadOnlyMapping> mapped;
@@ -420,12 +422,21 @@ class ClusterNode::Impl {
   // One more failure in a row for the slot: skipped twice as long as after
   // the last. REQUIRES: s.mu held.
   void back_off(LinkSlot& s) const {
-    s.failures = std::min<uint32_t>(s.failures + 1, 16);
+    const uint32_t failures = std::min<uint32_t>(s.failures.load() + 1, 16);
+    s.failures.store(failures);
     const auto skip = std::min<Clock::duration>(
-        std::chrono::milliseconds(options.retry_after_ms) * (uint64_t{1} << (s.failures - 1)),
+        std::chrono::milliseconds(options.retry_after_ms) * (uint64_t{1} << (failures - 1)),
         kMaxFailedSkip);
     s.skip_until = Clock::now() + std::max<Clock::duration>(
                                       skip, std::chrono::milliseconds(options.retry_after_ms));
+  }
+
+  // A call the member answered: its failures in a row end.
+  static void answered(LinkSlot& s) {
+    if (s.failures.load(std::memory_order_relaxed)) {
+      std::lock_guard<std::mutex> l(s.mu);
+      s.failures.store(0);
+    }
   }
 
   // A failed call on `link`: every lane's connection to the member is
@@ -653,7 +664,6 @@ class ClusterNode::Impl {
       return Status::Unavailable("member " + m.node_id + " changed while connecting");
     }
     if (s->lane_addresses.empty()) s->lane_addresses = std::move(addresses);
-    s->failures = 0;  // connected, and the member said hello
     if (!s->mapped && mapping) {
       s->mapped = std::move(mapping);
       s->mapped_index = next_mapping.fetch_add(1, std::memory_order_relaxed);
@@ -736,6 +746,7 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
           fail(s, *link);
           break;
         }
+        answered(*s);
         for (size_t j = b; j < e; ++j) {
           auto lr = item_at<cluster::LookupReply>(reply->data(), j - b);
           if (lr.code != 0) continue;
@@ -810,6 +821,7 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
     fail(s, *link);
     return;
   }
+  answered(*s);
   // What the owner leased us: reserve room here for it.
   std::vector<size_t> leased;     // positions in `which`
   std::vector<uint64_t> refused;  // tokens of leases outside the owner's arena
@@ -1013,6 +1025,7 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
           fail(s, *link);
           return;
         }
+        answered(*s);
         const int64_t valid_until =
             std::chrono::duration_cast<std::chrono::nanoseconds>(
                 (sent + std::chrono::milliseconds(expiry_ms)).time_since_epoch())
@@ -1151,6 +1164,7 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
     fail(s, *link);
     return;
   }
+  answered(*s);
   std::vector<TransferOp> ops;
   std::vector<cluster::CommitItem> commits;
   std::vector<uint64_t> bytes;
