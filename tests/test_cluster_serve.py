@@ -161,6 +161,50 @@ def test_bad_cluster_section_is_refused(place):
         assert not os.path.exists(shms[0])
 
 
+def test_a_second_server_with_a_live_members_node_id_takes_no_part(place):
+    """A server started with the node id of a live member stays joining, and
+    meanwhile calls no member: its hello (a newer generation of that id)
+    ended the live member's connections and leases at every owner, whose
+    next requests then waited out their deadline."""
+    ports = [free_port(), free_port(), free_port()]
+    start(place, 0, ports[0], "node-0")
+    start(place, 1, ports[1], "node-1")
+    for srv in place[3]:
+        srv.wait_ready()
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    until(lambda: len(records(urls[1])) == 2, 10, "two members")
+    live = cascade_store(place[3][1].socket)
+    ids = [uuid.uuid4().hex for _ in range(64)]  # about half of them owned by node-0
+    live.contains_batch(ids)
+    until(lambda: scrape(urls[1])["cascade_pool_cluster_connected_members"] >= 1, 5, "connected")
+    place[1].append(f"/dev/shm/cascade-test-cl-{uuid.uuid4().hex[:12]}")
+    duplicate = start(place, 2, ports[2], "node-1")
+    duplicate.wait_ready()
+    until(lambda: "is not registered yet" in duplicate.text(), 10, "the duplicate waits")
+    before = scrape(urls[1])["cascade_pool_cluster_call_failures_total"]
+    # Clients of both look up ids, so both would call node-0.
+    other = cascade_store(duplicate.socket)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3:
+        other.contains_batch([uuid.uuid4().hex for _ in range(64)])
+        live.contains_batch([uuid.uuid4().hex for _ in range(64)])
+        time.sleep(0.05)
+    other.close()
+    assert scrape(urls[1])["cascade_pool_cluster_call_failures_total"] == before
+    m = scrape(urls[2])
+    assert m['cascade_pool_cluster_state{state="joining"}'] == 1
+    assert m["cascade_pool_cluster_connected_members"] == 0
+    live.close()
+
+
+def cascade_store(socket_path: str):
+    import cascade
+
+    return cascade.CascadeStore(
+        cascade.config_from_dict({"pool_socket": socket_path, "use_gpu": False})
+    )
+
+
 def test_killed_server_drops_out_and_its_restart_joins_again(place):
     ports = [free_port(), free_port()]
     first = start(place, 0, ports[0], "node-0")

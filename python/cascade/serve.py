@@ -593,6 +593,14 @@ def _join_cluster(server, copts, capacity_bytes: int, etcd=None):
     )
 
     def install(view, ring) -> None:
+        held = view.members.get(copts.node_id)
+        if held is not None and held.generation != generation:
+            # Another process holds this node id (a live duplicate, or a
+            # predecessor whose lease has not run out): this one takes no
+            # part until it registers. A hello from it would end the other's
+            # connections and leases at every member it called.
+            server.set_cluster_view(view.version, [], [], [], ring.replicas)
+            return
         positions, owners = ring.points()
         members = [
             (
