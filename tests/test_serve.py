@@ -7,6 +7,7 @@ import http.server
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -44,6 +45,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _before_exec(ignore_sighup: bool, soft_nofile: int | None) -> None:
+    if ignore_sighup:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    if soft_nofile:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft_nofile, hard))
+
+
 class Server:
     """`python -m cascade serve` on a temporary config; stop() ends it."""
 
@@ -54,6 +63,7 @@ class Server:
         serve_section: dict,
         name: str = "pool.yaml",
         ignore_sighup: bool = False,
+        soft_nofile: int | None = None,
     ):
         self.tmp = tmp
         self.socket = serve_section.setdefault("socket", os.path.join(tmp, "run", "pool.sock"))
@@ -66,8 +76,8 @@ class Server:
             env=ENV,
             stdout=subprocess.DEVNULL,
             stderr=self.log,
-            preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
-            if ignore_sighup
+            preexec_fn=(lambda: _before_exec(ignore_sighup, soft_nofile))
+            if ignore_sighup or soft_nofile
             else None,
         )
 
@@ -787,6 +797,26 @@ def test_a_stalled_or_killed_server_ends_wide_batches_at_their_deadline(tmp):
         for p in (srv.socket, serve_status.info_path(srv.socket), shm):
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def test_the_server_raises_its_descriptor_limit_and_shows_its_descriptors(tmp):
+    """Started under a soft limit of 256 open descriptors (a shell's
+    default is 1024), the server raises it to the hard limit: clients and
+    member connections take descriptors, and one that runs out cannot take
+    clients (and UCX stops listening on a lane for good)."""
+    d, shm, servers = tmp
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard limit of open descriptors is {hard}")
+    port = free_port()
+    srv = Server(d, {"shm_path": shm}, {"metrics_port": port}, soft_nofile=256)
+    servers.append(srv)
+    srv.wait_ready()
+    m = scrape(f"http://127.0.0.1:{port}")
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    assert m["cascade_pool_max_fds"] == want
+    assert 0 < m["cascade_pool_open_fds"] < want
+    assert f"open descriptors: limit raised from 256 to {want}" in srv.text()
 
 
 def test_group_socket_and_info_without_metrics(tmp):

@@ -416,6 +416,25 @@ def _store_config(options: Mapping[str, Any]):
 BUSY_RETRY_SECONDS = 5.0
 
 
+def _raise_descriptor_limit() -> None:
+    """Raises the soft limit of open descriptors to the hard one. Every
+    client takes descriptors (its socket and channels), every cluster
+    member connection a few; a server that runs out cannot accept clients,
+    and UCX's TCP transport stops listening on a lane after an accept fails
+    for it, for good."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft >= hard:
+        return
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        logger.info("open descriptors: limit raised from %d to %d", soft, want)
+    except (ValueError, OSError) as e:
+        logger.warning("open descriptors: the limit stays %d (%s)", soft, e)
+
+
 def _start_server(cfg, socket_path: str, opts):
     from cascade import _core
 
@@ -768,6 +787,7 @@ def run(
     prepare_socket_dir(socket_path, opts.group)
     stop = threading.Event()
     received = _install_signals(stop)
+    _raise_descriptor_limit()
     facts: dict[str, Any] = {
         "pid": os.getpid(),
         "socket": socket_path,

@@ -296,6 +296,19 @@ CLUSTER_DATA_METRICS = [
 ]
 
 
+def open_descriptors() -> tuple[int, int] | None:
+    """(open, soft limit) of this process's descriptors; None where /proc
+    does not say."""
+    import resource
+
+    try:
+        n = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return n, (soft if soft != resource.RLIM_INFINITY else -1)
+
+
 def prometheus_text(
     stats: Mapping[str, Any],
     started: float | None = None,
@@ -316,6 +329,10 @@ def prometheus_text(
         family(
             "start_time_seconds", "gauge", "When the server started (Unix time)", [("", started)]
         )
+    fds = open_descriptors()
+    if fds is not None:
+        family("open_fds", "gauge", "Descriptors this process has open", [("", fds[0])])
+        family("max_fds", "gauge", "The soft limit of open descriptors", [("", fds[1])])
     tiers = stats["store"]["tiers"]
     for name, key, kind, doc in TIER_METRICS:
         family(name, kind, doc, [(f'{{tier="{_label(t)}"}}', ts[key]) for t, ts in tiers.items()])
