@@ -44,7 +44,8 @@ struct TierStats {
   double reattach_seconds = 0;     // scan, verification and index insertion
   uint64_t unpersisted_blocks = 0;
   // Why a host tier's open started empty although an arena file was there:
-  // it did not match this configuration (capacity, table size, format), or
+  // it did not match this configuration (capacity, table size, format) or
+  // was kept over another persistent tier (its blocks were dropped), or
   // its store was gone but other processes still mapped it (clients of a
   // server that died), so it was left to them and a new file took its place.
   bool arena_discarded = false;

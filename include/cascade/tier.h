@@ -263,6 +263,17 @@ class Tier {
   // it false, and a block kept across it may differ from a copy below.
   virtual void note_all_below(uint64_t /*below*/) {}
   virtual bool agrees_below(uint64_t /*below*/) const { return false; }
+  // A persistent tier: a nonzero number naming where it keeps its blocks
+  // (the file tier's directory: its key, device and inode), the same for
+  // every store that opens it; 0 for other tiers.
+  virtual uint64_t place() const { return 0; }
+  // A memory tier whose blocks outlive its store, told at a store's open
+  // the place of the persistent tier below it (0: none, and nothing is
+  // done): blocks it kept across a restart over another place are another
+  // store's, and it drops them (served, or moved down as the newer copies
+  // of their ids, they would replace that tier's own); it records `place`
+  // for the next open.
+  virtual void adopt_place(uint64_t /*place*/) {}
   // The store's open failed after this tier opened: a tier whose medium was
   // made by this open (nothing adopted from before) removes it when it is
   // destroyed instead of keeping it for the next open.

@@ -236,6 +236,21 @@ void ShmArena::set_below_mark(uint64_t below) {
   (void)!::pwrite(fd_, &below, sizeof below, kBelowMarkOffset);
 }
 
+// The place mark: after the below mark.
+constexpr off_t kPlaceMarkOffset = kBelowMarkOffset + sizeof(uint64_t);
+
+void ShmArena::set_place_mark(uint64_t place) {
+  if (fd_ < 0 || !persistent()) return;
+  (void)!::pwrite(fd_, &place, sizeof place, kPlaceMarkOffset);
+}
+
+uint64_t ShmArena::place_mark() const {
+  if (fd_ < 0 || !persistent()) return 0;
+  uint64_t v = 0;
+  if (::pread(fd_, &v, sizeof v, kPlaceMarkOffset) != ssize_t(sizeof v)) return 0;
+  return v;
+}
+
 uint64_t ShmArena::take_below_mark() {
   if (fd_ < 0 || !persistent()) return 0;
   uint64_t v = 0;

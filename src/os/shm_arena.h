@@ -106,6 +106,10 @@ class ShmArena {
   // reattaches the arena, so any other end leaves it unset.
   void set_below_mark(uint64_t below);
   uint64_t take_below_mark();
+  // The place (Tier::place) of the persistent tier the arena's store last
+  // opened over, kept until another is set; 0 when none was.
+  void set_place_mark(uint64_t place);
+  uint64_t place_mark() const;
 
   // The block table of a persistent arena: table_slots() slots of
   // kSlotBytes (zero on a new arena), and the random key of its checksums,

@@ -195,6 +195,12 @@ Result<std::unique_ptr<CascadeStore>> StoreOpener::OpenWithTiers(
     impl->tiers.push_back(std::move(tier.value()));
   }
   impl->persistent = persistent_tier_index(impl->tiers);
+  {
+    const uint64_t place =
+        impl->persistent < impl->tiers.size() ? impl->tiers[impl->persistent]->place() : 0;
+    for (size_t t = 0; t < impl->tiers.size() && t < impl->persistent; ++t)
+      impl->tiers[t]->adopt_place(place);
+  }
   impl->find_kept_above();
   impl->dedup_puts = config.dedup_enabled;
   if (config.dedup_enabled || impl->persistent < impl->tiers.size())

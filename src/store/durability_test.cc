@@ -709,7 +709,12 @@ TEST(DurabilityTest, AFlushRacingEvictionsOfReattachedBlocksLosesNone) {
 // a copy), where block 7 is removed and stored again with those of seed 2,
 // and the close marks the arena as agreeing with it. A store over the
 // first directory must not take the kept block for the one its tier holds.
-void expect_kept_block_wins_over_another_directory(
+// One shm_path, two configurations: the arena kept by a store over the
+// first directory, opened by a store over another (make_other makes it),
+// holds another store's blocks. They are dropped at that open (served, or
+// moved down as the newer copies of their ids, they replaced the other
+// directory's own blocks), and the same again when the first reopens it.
+void expect_an_arena_kept_over_another_directory_is_dropped(
     const std::string& suffix,
     const std::function<void(const CascadeConfig&, const CascadeConfig&)>& make_other) {
   const CascadeConfig first = kept_arena_config();
@@ -717,6 +722,7 @@ void expect_kept_block_wins_over_another_directory(
   other.file_path += suffix;
   std::filesystem::remove_all(other.file_path);
   auto v1 = bytes_of(1, kKeptSize), v2 = bytes_of(2, kKeptSize);
+  auto host_discarded = [](CascadeStore* s) { return s->stats().tiers[0].arena_discarded; };
   {
     auto s = CascadeStore::Open(first);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
@@ -727,26 +733,26 @@ void expect_kept_block_wins_over_another_directory(
   {
     auto s = CascadeStore::Open(other);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
-    ASSERT_TRUE((*s)->remove(kKeptId).ok());
+    EXPECT_TRUE(host_discarded(s->get()));
+    EXPECT_EQ((*s)->stats().tiers[0].blocks, 0u);
+    (void)(*s)->remove(kKeptId);  // a copy of the first directory has it
     ASSERT_TRUE((*s)->put(kKeptId, v2.data(), v2.size()).ok());
-    (*s)->close();  // marks the arena as agreeing with the other directory
+    (*s)->close();
   }
   auto s = open_kept(first);
   ASSERT_TRUE(s);
-  EXPECT_EQ(kept_tier_with(s.get(), 2), 0) << "reattached";
+  EXPECT_TRUE(host_discarded(s.get()));
+  EXPECT_EQ(kept_tier_with(s.get(), 1), 1) << "found in the arena: another store's block";
   put_blocks(s.get(), 100, 140, kKeptSize);
-  EXPECT_EQ(kept_tier_with(s.get(), 2), 1) << "moved down, the block came back with its old bytes";
+  EXPECT_EQ(kept_tier_with(s.get(), 1), 1);
   s->close();
   std::filesystem::remove_all(other.file_path);
   remove_kept(first);
 }
 
-TEST(DurabilityTest, AnArenaClosedCleanlyOverAnotherFileTierIsNotTakenAsAgreeing) {
-  // The arena's mark names the tier below it was written down to: a store
-  // over another directory (one shm_path, two configurations) must not take
-  // the kept blocks for ones its own tier holds with the same bytes.
-  expect_kept_block_wins_over_another_directory("-second",
-                                                [](const CascadeConfig&, const CascadeConfig&) {});
+TEST(DurabilityTest, AnArenaKeptOverAnotherFileTierIsDropped) {
+  expect_an_arena_kept_over_another_directory_is_dropped(
+      "-second", [](const CascadeConfig&, const CascadeConfig&) {});
 }
 
 TEST(DurabilityTest, AReattachedBlockWhoseWriteDownFailsStaysAboveNotTheOldCopy) {
@@ -858,9 +864,9 @@ TEST(DurabilityTest, ABlockRemovedWhileItMovesDownDoesNotComeBackBelow) {
 }
 
 TEST(DurabilityTest, ACopiedFileTierDirectoryIsAnotherTier) {
-  // The arena's below mark names its tier by the directory's key and the
+  // The arena's marks name its tier by the directory's key and the
   // directory itself: a copy (same key) is not taken for the original.
-  expect_kept_block_wins_over_another_directory(
+  expect_an_arena_kept_over_another_directory_is_dropped(
       "-copy", [](const CascadeConfig& first, const CascadeConfig& copy) {
         std::filesystem::copy(first.file_path, copy.file_path,
                               std::filesystem::copy_options::recursive);

@@ -181,6 +181,7 @@ class FileTier final : public Tier {
   bool persistent() const override { return true; }
   // From the directory's key: the same for every store that opens it.
   uint64_t identity() const override { return nonces_.current ? identity_of(nonces_.current) : 0; }
+  uint64_t place() const override { return identity_of(0); }
   uint64_t previous_identity() const override {
     return nonces_.previous ? identity_of(nonces_.previous) : 0;
   }

@@ -100,7 +100,7 @@ TierStats HostTier::stats() const {
   s.warmed_bytes = arena_->warmed_bytes();
   s.warming = warming;
   s.reattached_blocks = reattached_blocks_;
-  s.arena_discarded = arena_->discarded();
+  s.arena_discarded = arena_->discarded() || dropped_for_place_;
   s.arena_replaced_in_use = arena_->replaced_in_use();
   s.reattach_dropped = reattach_dropped_;
   s.reattach_bytes = reattach_bytes_;

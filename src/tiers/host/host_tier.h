@@ -57,6 +57,7 @@ class HostTier final : public HostArenaTier {
   static uint32_t table_slots_for(const CascadeConfig& config);
 
   void note_all_below(uint64_t below) override;
+  void adopt_place(uint64_t place) override;
   void open_failed() override { arena_->remove_if_new(); }
   bool agrees_below(uint64_t below) const override { return below != 0 && below_mark_ == below; }
 
@@ -70,6 +71,9 @@ class HostTier final : public HostArenaTier {
   void on_unpublish(const BlockId& id, const Location& loc) override;
 
   uint64_t below_mark_ = 0;  // the arena's mark, taken at open
+  // The blocks kept across a restart were dropped at open: the arena was
+  // kept over another persistent tier (adopt_place).
+  bool dropped_for_place_ = false;
 
   // Persistence (host_tier_persist.cc).
   void reattach();

@@ -33,6 +33,22 @@ void HostTier::note_all_below(uint64_t below) {
   if (table_) arena_->set_below_mark(below);
 }
 
+void HostTier::adopt_place(uint64_t place) {
+  // Without a persistent tier below there is nothing to keep apart: the
+  // arena's blocks are served as kept, and its mark stays.
+  if (!table_ || place == 0) return;
+  const uint64_t kept = arena_->place_mark();
+  if (arena_->reattached() && kept != 0 && kept != place && stats().blocks > 0) {
+    // Another store's blocks (one shm_path, two configurations): served,
+    // or moved down as the newer copies of their ids, they would replace
+    // this store's own blocks below and bring another's namespaces in.
+    clear();
+    below_mark_ = 0;
+    dropped_for_place_ = true;
+  }
+  if (kept != place) arena_->set_place_mark(place);
+}
+
 void HostTier::start_sealer() {
   sealer_ = std::thread([this] { seal_loop(); });
 }
