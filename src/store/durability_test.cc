@@ -146,6 +146,29 @@ TEST(DurabilityTest, ABlockTheDiskRefusesToTakeIsNotDroppedToMakeRoom) {
   }
 }
 
+TEST(DurabilityTest, OneBlockTheDiskRefusesDoesNotFailAPutThatOthersMakeRoomFor) {
+  // The least recently used block cannot be written down; the next ones
+  // can: the put that needs room moves those out and succeeds, and the
+  // refused block stays for the next flush.
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(16 * kBlock);
+  auto s = open_on(c, disk);
+  ASSERT_TRUE(s);
+  put_blocks(s.get(), 0, 16, kBlock);
+  disk->fail_puts.insert(id_of(0));
+  auto b = bytes_of(16, kBlock);
+  Status st = s->put(id_of(16), b.data(), b.size());
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_TRUE(s->contains(id_of(0)));
+  EXPECT_FALSE(s->flush().ok());
+  disk->fail_puts.clear();
+  EXPECT_TRUE(s->flush().ok());
+  s->close();
+  s = reopen(c, disk);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(count_intact(s.get(), 17, kBlock), 17u);
+}
+
 TEST(DurabilityTest, FlushWritesHostBlocksDown) {
   auto disk = std::make_shared<SimulatedDisk>();
   CascadeConfig c = host_disk_config(64 << 20);

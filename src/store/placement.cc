@@ -21,8 +21,25 @@ std::mutex& CascadeStore::Impl::content_lock(const BlockId& phys) {
 
 // Makes room for `need` bytes in tier t by moving its least valuable blocks
 // down (or dropping them from the last tier). need 0: room for an empty
-// block in a tier at its bound of them (Tier::claim_victims).
+// block in a tier at its bound of them (Tier::claim_victims). A round whose
+// victims the persistent tier all refused is tried again with others (the
+// refused ones were put back as the most recently used): the refusal may
+// have been the last of a segment the tier has given up, or others may be
+// written down already.
 Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why) {
+  constexpr int kRounds = 3;
+  Status st;
+  for (int round = 0; round < kRounds; ++round) {
+    bool all_refused = false;
+    st = move_out_victims(t, need, why, &all_refused);
+    if (!all_refused) return st;
+  }
+  return st;
+}
+
+Status CascadeStore::Impl::move_out_victims(size_t t, uint64_t need, const Status& why,
+                                            bool* all_refused) {
+  *all_refused = false;
   auto victims = tiers[t]->claim_victims(need);
   if (victims.empty()) {
     // Nothing to move out: say why the tier had no room, and why that stays.
@@ -109,6 +126,7 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
     for (size_t k = 0; k < claimed; ++k) move_out(k);
   }
   if (kept.load() == claimed) {
+    *all_refused = true;
     std::lock_guard<std::mutex> lock(kept_mu);
     return Status(kept_why.code(), "no block of the " + std::string(tiers[t]->name()) +
                                        " tier could be moved out: the " +

@@ -95,6 +95,9 @@ class CascadeStore::Impl {
   // `why`: the tier's NoSpace that asked for the room (its own reason, such
   // as a full file system, is kept when nothing can be moved out).
   Status make_room(size_t t, uint64_t need, const Status& why);
+  // One round of make_room; *all_refused: every victim stayed, the
+  // persistent tier having refused each.
+  Status move_out_victims(size_t t, uint64_t need, const Status& why, bool* all_refused);
   Status put_into(size_t t, const BlockId& id, const void* data, uint64_t size,
                   const PutOptions& o);
   bool fits(size_t t, uint64_t size) const;
