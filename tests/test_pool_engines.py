@@ -118,7 +118,10 @@ def test_a_save_asks_the_server_which_blocks_it_holds_once_per_batch(pool):
     ns = KvNamespace(model="m", dtype="float32", layout="packed_kv", block_size=BLOCK)
     ids = prefix_block_ids(list(range(64 * BLOCK)), ns)
     blocks = list(range(len(ids)))
-    w = engine_store(sock, "replica-a")
+    cfg = parse_connector_config({"pool_socket": sock, "store_pipeline": "host"})
+    c = worker_store_config(cfg, engine_key="replica-a", rank=0, world=1)
+    c.num_io_threads = 2  # the put's own requests: one pair of sub-batches per thread
+    w = cascade.CascadeStore(c)
     _, kv = kv_cache(len(ids), seed=3)
     assert save_paged(w, kv, blocks[:8], ids[:8]) == [None] * 8
     before = servers[0].stats()["requests"]
