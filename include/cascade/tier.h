@@ -184,6 +184,10 @@ class Tier {
   // Zero-copy access under a lease. NotFound on a miss; NotSupported for
   // tiers without addressable memory.
   virtual Result<BlockView> acquire(const BlockId& id);
+  // A lease to copy the block elsewhere (a flush writing it down): as
+  // acquire, but not a use of the block: no hit is counted and its place
+  // in the eviction order stays.
+  virtual Result<BlockView> acquire_to_copy(const BlockId& id) { return acquire(id); }
   // Many acquires: views[i] and statuses[i] as acquire(ids[i]). Tiers whose
   // leases cost a round trip (pool) take the batch in one; the default
   // loops over acquire().
@@ -268,11 +272,11 @@ class Tier {
   // every store that opens it; 0 for other tiers.
   virtual uint64_t place() const { return 0; }
   // A memory tier whose blocks outlive its store, told at a store's open
-  // the place of the persistent tier below it (0: none, and nothing is
-  // done): blocks it kept across a restart over another place are another
-  // store's, and it drops them (served, or moved down as the newer copies
-  // of their ids, they would replace that tier's own); it records `place`
-  // for the next open.
+  // the place of the persistent tier below it (0: none, itself a place):
+  // blocks it kept across a restart under another place are another
+  // configuration's, and it drops them (served, or moved down as the newer
+  // copies of their ids, they would stand in for this store's own). It
+  // records the place for the next open.
   virtual void adopt_place(uint64_t /*place*/) {}
   // The store's open failed after this tier opened: a tier whose medium was
   // made by this open (nothing adopted from before) removes it when it is

@@ -169,6 +169,36 @@ TEST(DurabilityTest, OneBlockTheDiskRefusesDoesNotFailAPutThatOthersMakeRoomFor)
   EXPECT_EQ(count_intact(s.get(), 17, kBlock), 17u);
 }
 
+TEST(DurabilityTest, APutFindsRoomAmongWrittenDownBlocksWhileTheDiskRefusesNewOnes) {
+  // 13 blocks written down by a flush, 3 put after it; the disk then
+  // refuses every write. A put needs room: one of the 13 moves out with no
+  // write, whether the flush left them the oldest (it is no use of them) or
+  // reads made them the most recently used.
+  for (bool read_after_flush : {false, true}) {
+    auto disk = std::make_shared<SimulatedDisk>();
+    CascadeConfig c = host_disk_config(16 * kBlock);
+    auto s = open_on(c, disk);
+    ASSERT_TRUE(s);
+    put_blocks(s.get(), 0, 13, kBlock);
+    ASSERT_TRUE(s->flush().ok());
+    if (read_after_flush) EXPECT_EQ(count_intact(s.get(), 13, kBlock), 13u);
+    put_blocks(s.get(), 13, 16, kBlock);
+    for (uint64_t i = 13; i < 20; ++i) disk->fail_puts.insert(id_of(i));
+    for (uint64_t i = 16; i < 18; ++i) {
+      auto b = bytes_of(i, kBlock);
+      Status st = s->put(id_of(i), b.data(), b.size());
+      EXPECT_TRUE(st.ok()) << "read after flush " << read_after_flush << ": " << st.ToString();
+    }
+    for (uint64_t i = 13; i < 18; ++i) EXPECT_TRUE(s->contains(id_of(i))) << i;
+    disk->fail_puts.clear();
+    ASSERT_TRUE(s->flush().ok());
+    s->close();
+    s = reopen(c, disk);
+    ASSERT_TRUE(s);
+    EXPECT_EQ(count_intact(s.get(), 18, kBlock), 18u);
+  }
+}
+
 TEST(DurabilityTest, FlushWritesHostBlocksDown) {
   auto disk = std::make_shared<SimulatedDisk>();
   CascadeConfig c = host_disk_config(64 << 20);
@@ -525,10 +555,9 @@ TEST(DurabilityTest, AnOpenThatFailsBelowTheArenaRemovesOnlyAnArenaItMade) {
   }
   ASSERT_FALSE(CascadeStore::Open(bad).ok());
   ASSERT_EQ(::access(c.shm_path.c_str(), F_OK), 0) << "a kept arena was removed";
-  c.pipeline = "host";  // the arena alone: its block is there
-  c.file_path.clear();
   auto s = CascadeStore::Open(c);
   ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ((*s)->stats().tiers[0].reattached_blocks, 1u);  // the arena's own block
   EXPECT_TRUE((*s)->contains(kKeptId));
   (*s)->close();
   s.value().reset();
@@ -776,6 +805,42 @@ void expect_an_arena_kept_over_another_directory_is_dropped(
 TEST(DurabilityTest, AnArenaKeptOverAnotherFileTierIsDropped) {
   expect_an_arena_kept_over_another_directory_is_dropped(
       "-second", [](const CascadeConfig&, const CascadeConfig&) {});
+}
+
+TEST(DurabilityTest, AnArenaAStoreWithoutAFileTierUsedIsDroppedByOneWithIt) {
+  // A store with no persistent tier drops the blocks of an arena kept over
+  // a directory and puts its own bytes under an id there; the store over
+  // the directory, reopened, drops those and finds its own flushed bytes.
+  const CascadeConfig first = kept_arena_config();
+  CascadeConfig host_only = first;
+  host_only.pipeline = "host";
+  host_only.file_path.clear();
+  auto v1 = bytes_of(1, kKeptSize), v2 = bytes_of(2, kKeptSize);
+  {
+    auto s = CascadeStore::Open(first);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    ASSERT_TRUE((*s)->put(kKeptId, v1.data(), v1.size()).ok());
+    (*s)->close();
+  }
+  {
+    auto s = CascadeStore::Open(host_only);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    EXPECT_TRUE((*s)->stats().tiers[0].arena_discarded);
+    EXPECT_FALSE((*s)->contains(kKeptId));
+    ASSERT_TRUE((*s)->put(kKeptId, v2.data(), v2.size()).ok());
+    (*s)->close();
+  }
+  auto s = open_kept(first);
+  ASSERT_TRUE(s);
+  EXPECT_TRUE(s->stats().tiers[0].arena_discarded);
+  EXPECT_EQ(kept_tier_with(s.get(), 1), 1);
+  put_blocks(s.get(), 100, 140, kKeptSize);
+  s->close();
+  s = open_kept(first);
+  ASSERT_TRUE(s);
+  kept_tier_with(s.get(), 1);
+  s->close();
+  remove_kept(first);
 }
 
 TEST(DurabilityTest, AReattachedBlockWhoseWriteDownFailsStaysAboveNotTheOldCopy) {

@@ -23,15 +23,18 @@ std::mutex& CascadeStore::Impl::content_lock(const BlockId& phys) {
 // down (or dropping them from the last tier). need 0: room for an empty
 // block in a tier at its bound of them (Tier::claim_victims). A round whose
 // victims the persistent tier all refused is tried again with others (the
-// refused ones were put back as the most recently used): the refusal may
-// have been the last of a segment the tier has given up, or others may be
-// written down already.
+// refused ones were put back as the most recently used), twice as many
+// bytes of them each time: the refusal may have been the last write into a
+// segment the tier gave up, and blocks written down already, which move out
+// with no write, may be further along the eviction order than the newest
+// ones, which are not.
 Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why) {
-  constexpr int kRounds = 3;
+  constexpr int kRounds = 8;
   Status st;
   for (int round = 0; round < kRounds; ++round) {
     bool all_refused = false;
-    st = move_out_victims(t, need, why, &all_refused);
+    const uint64_t bytes = round == 0 ? need : std::max<uint64_t>(need, 1) << round;
+    st = move_out_victims(t, bytes, why, &all_refused);
     if (!all_refused) return st;
   }
   return st;

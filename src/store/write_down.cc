@@ -53,7 +53,7 @@ Status write_one(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persist
     return down_already();
   for (size_t t = 0; t < persistent; ++t) {
     if (!is_memory_tier(tiers[t]->kind())) continue;
-    auto view = tiers[t]->acquire(id);
+    auto view = tiers[t]->acquire_to_copy(id);
     if (!view.ok()) continue;
     // In flight from here; a user's remove that came first is seen now.
     CopyRegistry::Guard in_flight(copies, id);
@@ -81,7 +81,7 @@ Status write_one(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persist
     if (st.ok() && stored) {
       bool stale = tiers[t]->removed_by_user(*view);
       if (!stale) {
-        auto now = tiers[t]->acquire(id);
+        auto now = tiers[t]->acquire_to_copy(id);
         stale = now.ok() && now->data() != view->data();
       }
       // Undone as the user's removal it lost to is: written down.

@@ -253,6 +253,13 @@ void ArenaTier::put_batch_from_device(std::span<const BlockId> ids,
       n, [&](size_t i) { return std::pair<size_t, uint64_t>(1, sizes[i]); }, start, finish);
 }
 
+Result<BlockView> ArenaTier::acquire_to_copy(const BlockId& id) {
+  auto lease = index_.acquire(id, /*touch=*/false);
+  if (!lease) return not_found();
+  return BlockView(this, base_ + lease->loc.offset, lease->loc.size, memory_, lease->token,
+                   lease->is_prefix);
+}
+
 Result<BlockView> ArenaTier::acquire(const BlockId& id) {
   auto lease = lease_counted(id);
   if (!lease) return not_found();

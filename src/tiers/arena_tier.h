@@ -54,6 +54,7 @@ class ArenaTier : public Tier {
   void read_batch(std::span<const BlockId> ids, std::span<const ReadRequest> reqs,
                   std::span<ReadResult> results, std::span<Status> statuses) override;
   Result<BlockView> acquire(const BlockId& id) override;
+  Result<BlockView> acquire_to_copy(const BlockId& id) override;
   Result<uint64_t> size_of(const BlockId& id) override;
   bool contains(const BlockId& id) const override { return index_.contains(id); }
   Status remove(const BlockId& id) override;

@@ -34,19 +34,24 @@ void HostTier::note_all_below(uint64_t below) {
 }
 
 void HostTier::adopt_place(uint64_t place) {
-  // Without a persistent tier below there is nothing to keep apart: the
-  // arena's blocks are served as kept, and its mark stays.
-  if (!table_ || place == 0) return;
+  if (!table_) return;
+  // A store without a persistent tier has a place of its own: the blocks
+  // it puts are copies of no directory's. Places of persistent tiers have
+  // their low bit set; this one has not.
+  constexpr uint64_t kNoPersistentTier = 2;
+  const uint64_t mine = place ? place : kNoPersistentTier;
   const uint64_t kept = arena_->place_mark();
-  if (arena_->reattached() && kept != 0 && kept != place && stats().blocks > 0) {
-    // Another store's blocks (one shm_path, two configurations): served,
-    // or moved down as the newer copies of their ids, they would replace
-    // this store's own blocks below and bring another's namespaces in.
+  // An arena made before the mark existed (0) is adopted.
+  if (arena_->reattached() && kept != 0 && kept != mine && stats().blocks > 0) {
+    // Another configuration's blocks (one shm_path, two of them): served,
+    // or moved down as the newer copies of their ids, they would stand in
+    // for this store's own blocks (replacing them below) and bring another
+    // configuration's namespaces in.
     clear();
     below_mark_ = 0;
     dropped_for_place_ = true;
   }
-  if (kept != place) arena_->set_place_mark(place);
+  if (kept != mine) arena_->set_place_mark(mine);
 }
 
 void HostTier::start_sealer() {
