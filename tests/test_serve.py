@@ -819,6 +819,45 @@ def test_the_server_raises_its_descriptor_limit_and_shows_its_descriptors(tmp):
     assert f"open descriptors: limit raised from 256 to {want}" in srv.text()
 
 
+def test_a_put_the_servers_disk_refuses_room_for_says_so_and_loses_nothing(tmp):
+    """The server's file tier cannot write (a file size limit below one
+    record): its arena fills with blocks not written down, which it keeps,
+    and a put that needs their room fails naming the disk, not a full pool.
+    What was put is all there."""
+    d, shm, servers = tmp
+    store = {
+        "pipeline": "host|file",
+        "shm_path": shm,
+        "shm_capacity_bytes": "4MiB",
+        "file_path": os.path.join(d, "files"),
+    }
+    srv = Server(d, store, {"summary_seconds": 0})
+    servers.append(srv)
+    srv.wait_ready()
+    c = client(srv.socket, "m")
+    # Python ignores SIGXFSZ: the file tier's writes past the limit fail
+    # with EFBIG. Set once the arena and the client's channels have their
+    # sizes (they are files too).
+    resource.prlimit(srv.proc.pid, resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))
+    size = 256 << 10
+    stored, error = [], None
+    for i in range(24):
+        try:
+            assert c.put(f"k{i}", np.full(size, i, np.uint8))
+            stored.append(i)
+        except cascade.CascadeIOError as e:
+            error = str(e)
+            break
+    assert error is not None and "persistent tier refused" in error, error
+    out = np.empty(size, np.uint8)
+    for i in stored:
+        assert c.get(f"k{i}", out) == (True, size) and (out == i).all()
+    # Closing flushes, and the flush cannot write them down either.
+    with pytest.raises(cascade.CascadeIOError, match="could not be written down"):
+        c.close()
+    srv.stop()
+
+
 def test_group_socket_and_info_without_metrics(tmp):
     d, shm, servers = tmp
     group = os.getegid()

@@ -49,6 +49,33 @@ Status wire_status(uint32_t code, std::string message) {
   return Status(static_cast<Code>(code), std::move(message));
 }
 
+// Why the server did not reserve room for a block, in the user's terms
+// (only the code crosses the wire).
+Status reserve_failure(uint32_t code, const BlockId& id) {
+  std::string what;
+  switch (static_cast<Code>(code)) {
+    case Code::kNoSpace:
+      what = "the pool has no room for block " + id.hex() + " (every block of its arena is in use)";
+      break;
+    case Code::kIOError:
+      what = "the pool could not make room for block " + id.hex() +
+             ": its persistent tier refused to take the blocks that would move out, which are "
+             "not written down yet (a read-only, failing or full disk; the server's flush "
+             "reports it)";
+      break;
+    case Code::kInvalidArgument:
+      what = "the pool refused block " + id.hex() + " (larger than its arena)";
+      break;
+    case Code::kBusy:
+      what = "the pool could not take block " + id.hex() +
+             " now (it is being written, or this client holds as many reservations as a "
+             "client may)";
+      break;
+    default: what = "the pool server could not reserve room for block " + id.hex(); break;
+  }
+  return wire_status(code, std::move(what));
+}
+
 // Why the server did not lease a block, in the user's terms.
 Status lease_failure(uint32_t code, const BlockId& id) {
   std::string what;
@@ -730,7 +757,7 @@ void PoolTier::take_reserve(Slot* slot, const PutBatch& b, PutPart* part) {
     }
     std::memcpy(&r, slot->ch.reply + sizeof(ReplyHeader) + k * sizeof r, sizeof r);
     if (r.code != 0) {
-      b.statuses[i] = wire_status(r.code, "the pool has no room for block " + b.ids[i].hex());
+      b.statuses[i] = reserve_failure(r.code, b.ids[i]);
     } else if (r.flags & pool::kPresent) {
       b.statuses[i] = Status::OK();
     } else if (r.offset > capacity_ || b.sizes[i] > capacity_ - r.offset) {
