@@ -413,6 +413,18 @@ def test_a_get_right_after_reading_a_full_arena_finds_a_block_kept_below(tmp_pat
         srv.close()
 
 
+def test_a_file_tier_below_a_pool_is_refused(tmp_path):
+    """A pool client's blocks live in its server's arena, which the server
+    writes down: a file tier of the client's below the pool took none of
+    them, and its flush said OK with nothing written."""
+    for fields in (
+        {"pool_socket": str(tmp_path / "p.sock"), "file_path": str(tmp_path / "kv")},
+        {"pipeline": "pool|file", "pool_socket": "/p.sock", "file_path": str(tmp_path / "kv")},
+    ):
+        with pytest.raises(cascade.InvalidArgumentError, match="file tier below a pool tier"):
+            cascade.CascadeStore(cascade.config_from_dict({**fields, "use_gpu": False}))
+
+
 def test_no_server_is_a_clear_error(tmp_path):
     with pytest.raises(cascade.UnavailableError, match="no node pool server listens"):
         cascade.CascadeStore(

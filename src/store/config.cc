@@ -1,6 +1,8 @@
 // CascadeConfig validation and pipeline resolution.
 #include "cascade/config.h"
 
+#include <algorithm>
+
 #include <string_view>
 
 namespace cascade {
@@ -84,6 +86,16 @@ Result<std::vector<TierKind>> CascadeConfig::resolve_pipeline(bool gpu_available
 Status CascadeConfig::validate() const {
   auto tiers = resolve_pipeline(true);
   if (!tiers.ok()) return tiers.status();
+  // A pool's blocks are in its server's arena, not this process's, and its
+  // server writes them down to the tiers below it: a file tier of this
+  // process below the pool would take none of them, and a flush would say
+  // OK with nothing written.
+  if (std::find(tiers->begin(), tiers->end(), TierKind::kPool) != tiers->end() &&
+      std::find(tiers->begin(), tiers->end(), TierKind::kFile) != tiers->end())
+    return Status::InvalidArgument(
+        "a file tier below a pool tier is not supported: the pool's server owns the tiers below "
+        "its arena (give it a file tier in its own configuration) and writes them down; leave "
+        "file_path empty in a pool client's configuration");
   for (TierKind t : *tiers) {
     if (t == TierKind::kHost || t == TierKind::kRemote) {
       if (shm_capacity_bytes == 0)

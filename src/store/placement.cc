@@ -29,21 +29,24 @@ std::mutex& CascadeStore::Impl::content_lock(const BlockId& phys) {
 // with no write, may be further along the eviction order than the newest
 // ones, which are not.
 Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why) {
-  constexpr int kRounds = 8;
+  constexpr int kRounds = 5;  // at most 1 + 2 + 4 + 8 + 16 refused victims
   Status st;
   for (int round = 0; round < kRounds; ++round) {
     bool all_refused = false;
-    const uint64_t bytes = round == 0 ? need : std::max<uint64_t>(need, 1) << round;
-    st = move_out_victims(t, bytes, why, &all_refused);
+    const uint64_t claim = round == 0 ? need : std::max<uint64_t>(need, 1) << round;
+    st = move_out_victims(t, claim, need, why, &all_refused);
     if (!all_refused) return st;
   }
   return st;
 }
 
-Status CascadeStore::Impl::move_out_victims(size_t t, uint64_t need, const Status& why,
-                                            bool* all_refused) {
+// Claims victims of `claim` bytes and moves them out until `need` bytes
+// have gone (a later round claims more than it needs, to get past refused
+// ones): the rest are put back.
+Status CascadeStore::Impl::move_out_victims(size_t t, uint64_t claim, uint64_t need,
+                                            const Status& why, bool* all_refused) {
   *all_refused = false;
-  auto victims = tiers[t]->claim_victims(need);
+  auto victims = tiers[t]->claim_victims(claim);
   if (victims.empty()) {
     // Nothing to move out: say why the tier had no room, and why that stays.
     const TierStats s = tiers[t]->stats();
@@ -57,10 +60,16 @@ Status CascadeStore::Impl::move_out_victims(size_t t, uint64_t need, const Statu
   // disk) that it does not hold: dropping one would lose a block no flush
   // has written down yet, so it stays, and the next flush tries it again.
   std::atomic<size_t> kept{0};
+  std::atomic<uint64_t> freed{0};
   std::mutex kept_mu;
   Status kept_why;
+  const bool beyond_need = claim > need;
   auto move_out = [&](size_t k) {
     Victim& v = victims[k];
+    if (beyond_need && freed.load() >= std::max<uint64_t>(need, 1)) {
+      tiers[t]->unclaim(std::move(v));  // enough room made: not moved
+      return;
+    }
     size_t below = SIZE_MAX;    // the tier below that holds the victim now
     bool stored_below = false;  // this call's put stored it there (was not there already)
     // In flight from here; a user's remove that came first is seen now, and
@@ -114,6 +123,7 @@ Status CascadeStore::Impl::move_out_victims(size_t t, uint64_t need, const Statu
     // there. A copy that was there already (another's) is left alone.
     // Undone as the user's removal it lost to is: written down.
     if (!tiers[t]->remove_victim(v).ok() && stored_below) (void)tiers[below]->remove_lasting(v.id);
+    freed.fetch_add(std::max<uint64_t>(v.size, 1));
     v.view.reset();
     // Aliases go with the last copy: a victim of the last tier may still
     // be held above it (write-through, or written down by flush()).

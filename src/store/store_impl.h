@@ -97,7 +97,8 @@ class CascadeStore::Impl {
   Status make_room(size_t t, uint64_t need, const Status& why);
   // One round of make_room; *all_refused: every victim stayed, the
   // persistent tier having refused each.
-  Status move_out_victims(size_t t, uint64_t need, const Status& why, bool* all_refused);
+  Status move_out_victims(size_t t, uint64_t claim, uint64_t need, const Status& why,
+                          bool* all_refused);
   Status put_into(size_t t, const BlockId& id, const void* data, uint64_t size,
                   const PutOptions& o);
   bool fits(size_t t, uint64_t size) const;

@@ -251,11 +251,14 @@ Status FileTier::write_record(Lane& lane, const BlockId& id, const void* data, u
   if (st.ok() && sync_writes_) st = seg.file->sync();
   if (!st.ok()) {
     (void)seg.file->truncate(off);  // drop the partial record (and give back its blocks)
-    if (!st.is(Code::kNoSpace)) {
+    if (!st.is(Code::kNoSpace) && off > 0) {
       // The next write would fail at the same offset (a file size limit,
       // a bad extent): the segment is sealed with what it holds, and the
-      // lane's next record starts a new one. A full file system keeps the
-      // segment: the caller wins space back and writes here again.
+      // lane's next record starts a new one. A write that failed at the
+      // start of a segment would fail in a new one too (a disk refusing
+      // every write), so that segment stays, empty, for the next try. A
+      // full file system keeps the segment: the caller wins space back and
+      // writes here again.
       (void)seal_segment(seg);
       lane.active.reset();
     }

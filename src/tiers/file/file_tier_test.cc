@@ -483,6 +483,28 @@ TEST(FileTierTest, AWriteRefusedForTheFilesSizeMovesOnToANewSegment) {
   EXPECT_EQ(t->stats().blocks, stored.size());
 }
 
+// A disk that refuses every write (a file size limit below one record):
+// each put fails, and no segment is made and given up per attempt.
+TEST(FileTierTest, WritesRefusedAtTheStartOfASegmentMakeNoNewSegments) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  FaultInjectingEnv env(Env::Default());
+  CascadeConfig c = file_test::file_config(tmp.path());
+  auto t = open_tier(c, &pool, &env);
+  ASSERT_TRUE(t);
+  env.limit_file_size(1000);
+  for (uint64_t i = 0; i < 50; ++i) EXPECT_FALSE(put(t.get(), i, 30000).ok());
+  env.clear_faults();
+  ASSERT_TRUE(put(t.get(), 100, 30000).ok());
+  EXPECT_TRUE(reads_back(t.get(), 100, 30000));
+  // Segment ids are never reused: the one now written is the count made.
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(c.file_path))
+    if (e.path().extension() == ".dat") names.push_back(e.path().filename().string());
+  ASSERT_EQ(names.size(), 1u);
+  EXPECT_LE(std::stoull(names[0].substr(4, 16), nullptr, 16), 2u) << names[0];
+}
+
 TEST(FileTierTest, TornWriteIsNotPublished) {
   TempDir tmp;
   FaultInjectingEnv env(Env::Default());
