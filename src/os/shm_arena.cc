@@ -228,36 +228,34 @@ LockOutcome take_lock(int fd, dev_t dev, ino_t ino, int* err) {
 
 }  // namespace
 
-// The mark's place: the header page, after the header.
+// The marks' places: the header page, after the header.
 constexpr off_t kBelowMarkOffset = sizeof(ArenaHeader);
-
-void ShmArena::set_below_mark(uint64_t below) {
-  if (fd_ < 0 || !persistent() || below == 0) return;
-  (void)!::pwrite(fd_, &below, sizeof below, kBelowMarkOffset);
-}
-
-// The place mark: after the below mark.
 constexpr off_t kPlaceMarkOffset = kBelowMarkOffset + sizeof(uint64_t);
 
-void ShmArena::set_place_mark(uint64_t place) {
-  if (fd_ < 0 || !persistent()) return;
-  (void)!::pwrite(fd_, &place, sizeof place, kPlaceMarkOffset);
-}
-
-uint64_t ShmArena::place_mark() const {
+uint64_t ShmArena::read_mark(off_t at) const {
   if (fd_ < 0 || !persistent()) return 0;
   uint64_t v = 0;
-  if (::pread(fd_, &v, sizeof v, kPlaceMarkOffset) != ssize_t(sizeof v)) return 0;
+  if (::pread(fd_, &v, sizeof v, at) != ssize_t(sizeof v)) return 0;
   return v;
 }
 
+bool ShmArena::write_mark(off_t at, uint64_t value) {
+  if (fd_ < 0 || !persistent()) return false;
+  return ::pwrite(fd_, &value, sizeof value, at) == ssize_t(sizeof value);
+}
+
+void ShmArena::set_below_mark(uint64_t below) {
+  if (below != 0) (void)write_mark(kBelowMarkOffset, below);
+}
+
+void ShmArena::set_place_mark(uint64_t place) { (void)write_mark(kPlaceMarkOffset, place); }
+
+uint64_t ShmArena::place_mark() const { return read_mark(kPlaceMarkOffset); }
+
 uint64_t ShmArena::take_below_mark() {
-  if (fd_ < 0 || !persistent()) return 0;
-  uint64_t v = 0;
-  if (::pread(fd_, &v, sizeof v, kBelowMarkOffset) != ssize_t(sizeof v) || v == 0) return 0;
-  const uint64_t zero = 0;
+  const uint64_t v = read_mark(kBelowMarkOffset);
   // Unset at once: a crash from here on must not find it set.
-  if (::pwrite(fd_, &zero, sizeof zero, kBelowMarkOffset) != ssize_t(sizeof zero)) return 0;
+  if (v == 0 || !write_mark(kBelowMarkOffset, 0)) return 0;
   return v;
 }
 

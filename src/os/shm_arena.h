@@ -140,6 +140,9 @@ class ShmArena {
   uint8_t* base_ = nullptr;
   uint64_t capacity_ = 0;
   uint64_t header_bytes_ = 0;
+  // A word of the header page of a persistent arena; 0 / false otherwise.
+  uint64_t read_mark(off_t at) const;
+  bool write_mark(off_t at, uint64_t value);
   bool adopted_ = false;
   bool reattached_ = false;
   bool remove_at_close_ = false;

@@ -253,18 +253,21 @@ void ArenaTier::put_batch_from_device(std::span<const BlockId> ids,
       n, [&](size_t i) { return std::pair<size_t, uint64_t>(1, sizes[i]); }, start, finish);
 }
 
+BlockView ArenaTier::view_of(const BlockIndex::Lease& lease) {
+  return BlockView(this, base_ + lease.loc.offset, lease.loc.size, memory_, lease.token,
+                   lease.is_prefix);
+}
+
 Result<BlockView> ArenaTier::acquire_to_copy(const BlockId& id) {
   auto lease = index_.acquire(id, /*touch=*/false);
   if (!lease) return not_found();
-  return BlockView(this, base_ + lease->loc.offset, lease->loc.size, memory_, lease->token,
-                   lease->is_prefix);
+  return view_of(*lease);
 }
 
 Result<BlockView> ArenaTier::acquire(const BlockId& id) {
   auto lease = lease_counted(id);
   if (!lease) return not_found();
-  return BlockView(this, base_ + lease->loc.offset, lease->loc.size, memory_, lease->token,
-                   lease->is_prefix);
+  return view_of(*lease);
 }
 
 Result<uint64_t> ArenaTier::size_of(const BlockId& id) {
@@ -296,8 +299,7 @@ std::vector<Victim> ArenaTier::claim_victims(uint64_t bytes) {
     v.size = c.lease.loc.size;
     v.is_prefix = c.lease.is_prefix;
     // The view leases the bytes in place while the store copies them down.
-    v.view =
-        BlockView(this, base_ + c.lease.loc.offset, v.size, memory_, c.lease.token, v.is_prefix);
+    v.view = view_of(c.lease);
     v.cuda_stream = copy_out_stream();
     out.push_back(std::move(v));
   }

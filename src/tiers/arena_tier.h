@@ -155,6 +155,8 @@ class ArenaTier : public Tier {
   bool publish(const BlockId& id, const Location& loc, const PutOptions& options);
   // A lease on id, counted as a hit or a miss.
   std::optional<BlockIndex::Lease> lease_counted(const BlockId& id);
+  // The block a lease holds, as a view that releases it when it ends.
+  BlockView view_of(const BlockIndex::Lease& lease);
   Status not_found() const { return Status::NotFound("not in " + where_); }
   void release_lease(uint64_t token) override { index_.release(token); }
 

@@ -42,7 +42,7 @@ void HostTier::adopt_place(uint64_t place) {
   const uint64_t mine = place ? place : kNoPersistentTier;
   const uint64_t kept = arena_->place_mark();
   // An arena made before the mark existed (0) is adopted.
-  if (arena_->reattached() && kept != 0 && kept != mine && stats().blocks > 0) {
+  if (reattached_blocks_ > 0 && kept != 0 && kept != mine) {
     // Another configuration's blocks (one shm_path, two of them): served,
     // or moved down as the newer copies of their ids, they would stand in
     // for this store's own blocks (replacing them below) and bring another
