@@ -111,9 +111,9 @@ def test_replica_b_loads_what_replica_a_saved_and_a_restarted_server_keeps_it(po
 
 
 def test_a_save_asks_the_server_which_blocks_it_holds_once_per_batch(pool):
-    """Which blocks of a save are stored already is one lookup for the
-    batch, not a request (or two) per block; a block stored with another
-    size is still refused."""
+    """Which blocks of a save are stored already, and their sizes, are one
+    lookup for the batch, not a request (or two) per block; a block stored
+    with another size is still refused."""
     sock, servers, _ = pool
     ns = KvNamespace(model="m", dtype="float32", layout="packed_kv", block_size=BLOCK)
     ids = prefix_block_ids(list(range(64 * BLOCK)), ns)
@@ -128,6 +128,10 @@ def test_a_save_asks_the_server_which_blocks_it_holds_once_per_batch(pool):
     assert save_paged(w, kv, blocks, ids) == [None] * len(ids)
     requests = servers[0].stats()["requests"] - before
     assert requests < len(ids) // 2, requests
+    # Every block stored already: the lookup answers their sizes too.
+    before = servers[0].stats()["requests"]
+    assert save_paged(w, kv, blocks, ids) == [None] * len(ids)
+    assert servers[0].stats()["requests"] - before <= 2
     w.put("f" * 32, b"x" * 3)
     assert "stored with 3 bytes" in save_paged(w, kv, [0], ["f" * 32])[0]
     w.close()

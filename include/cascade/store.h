@@ -97,8 +97,11 @@ class CascadeStore {
   // contains() of many ids, each tier asked once for the ids not found above
   // it (one request to a node pool per tier).
   // The index in the pipeline of the first tier holding each id (0 = the
-  // top tier), -1 for a miss: one call per tier, as contains_batch.
-  std::vector<int> locate_batch(std::span<const BlockId> ids) const;
+  // top tier), -1 for a miss: one call per tier, as contains_batch. With
+  // `sizes`, also each found block's size there (resized to ids.size()), in
+  // the same calls.
+  std::vector<int> locate_batch(std::span<const BlockId> ids,
+                                std::vector<uint64_t>* sizes = nullptr) const;
   std::vector<bool> contains_batch(std::span<const BlockId> ids) const;
 
   // Removes the block from every tier. NotFound when no tier had it; when

@@ -199,6 +199,11 @@ class Tier {
   // lookups cost a round trip (pool) take the batch in one; the default
   // loops.
   virtual void contains_batch(std::span<const BlockId> ids, std::span<uint8_t> found) const;
+  // contains_batch() with the size of each block found (sizes[i] set where
+  // found[i]); a hit counts nothing, as size_of. A pool takes the batch in
+  // one request; the default asks contains, then size_of.
+  virtual void sizes_batch(std::span<const BlockId> ids, std::span<uint8_t> found,
+                           std::span<uint64_t> sizes);
 
   // The size of a stored block, without copying it: a caller sizes its
   // buffer with it and then reads the block once. NotFound on a miss,

@@ -159,30 +159,21 @@ Result<size_t> KvBlockMover::save(std::span<const int64_t> engine_blocks,
   // Items that need a copy: not already stored, block in range. A block of
   // another size under the id is an item error: it would be "present" for
   // every save and fail every load.
-  // Which are stored is asked for the whole batch (one request per tier:
-  // through a node pool, one round trip); only those found are asked their
-  // size.
-  const std::vector<bool> present = store_->contains_batch(ids);
+  // Which are stored, and their sizes, are asked for the whole batch (one
+  // request per tier: through a node pool, one round trip).
+  std::vector<uint64_t> stored;
+  const std::vector<int> where = store_->locate_batch(ids, &stored);
   std::vector<size_t> todo;
   todo.reserve(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) {
     Status st = check_block(engine_blocks[i], cache_.num_blocks);
     if (!st.ok()) {
       (*statuses)[i] = st;
-      continue;
-    }
-    if (!present[i]) {
+    } else if (where[i] < 0) {
       todo.push_back(i);
-      continue;
-    }
-    Result<uint64_t> stored = store_->size_of(ids[i]);
-    if (stored.status().is(Code::kNotFound)) {
-      todo.push_back(i);
-    } else if (!stored.ok()) {
-      (*statuses)[i] = stored.status();
-    } else if (*stored != block_bytes_) {
+    } else if (stored[i] != block_bytes_) {
       (*statuses)[i] = Status::InvalidArgument(
-          "block " + ids[i].hex() + " is stored with " + std::to_string(*stored) +
+          "block " + ids[i].hex() + " is stored with " + std::to_string(stored[i]) +
           " bytes, not the cache's " + std::to_string(block_bytes_) +
           " (another model or layout under the same id)");
     }

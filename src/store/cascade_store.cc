@@ -287,8 +287,10 @@ std::vector<bool> CascadeStore::contains_batch(std::span<const BlockId> ids) con
   return out;
 }
 
-std::vector<int> CascadeStore::locate_batch(std::span<const BlockId> ids) const {
+std::vector<int> CascadeStore::locate_batch(std::span<const BlockId> ids,
+                                            std::vector<uint64_t>* sizes) const {
   std::vector<int> out(ids.size(), -1);
+  if (sizes) sizes->assign(ids.size(), 0);
   CASCADE_LIVE_OR(out);
   std::vector<size_t> pending(ids.size());
   std::vector<BlockId> phys;
@@ -297,11 +299,17 @@ std::vector<int> CascadeStore::locate_batch(std::span<const BlockId> ids) const 
     phys.resize(pending.size());
     for (size_t k = 0; k < pending.size(); ++k) phys[k] = impl_->physical(ids[pending[k]]);
     std::vector<uint8_t> found(pending.size(), 0);
-    impl_->tiers[t]->contains_batch(phys, found);
+    std::vector<uint64_t> size(sizes ? pending.size() : 0);
+    if (sizes) impl_->tiers[t]->sizes_batch(phys, found, size);
+    else impl_->tiers[t]->contains_batch(phys, found);
     std::vector<size_t> still;
     for (size_t k = 0; k < pending.size(); ++k) {
-      if (found[k]) out[pending[k]] = static_cast<int>(t);
-      else still.push_back(pending[k]);
+      if (!found[k]) {
+        still.push_back(pending[k]);
+        continue;
+      }
+      out[pending[k]] = static_cast<int>(t);
+      if (sizes) (*sizes)[pending[k]] = size[k];
     }
     pending.swap(still);
   }

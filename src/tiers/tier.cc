@@ -85,4 +85,16 @@ void Tier::contains_batch(std::span<const BlockId> ids, std::span<uint8_t> found
   for (size_t i = 0; i < ids.size(); ++i) found[i] = contains(ids[i]);
 }
 
+void Tier::sizes_batch(std::span<const BlockId> ids, std::span<uint8_t> found,
+                       std::span<uint64_t> sizes) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    found[i] = 0;
+    if (!contains(ids[i])) continue;
+    auto size = size_of(ids[i]);
+    if (!size.ok()) continue;
+    found[i] = 1;
+    sizes[i] = *size;
+  }
+}
+
 }  // namespace cascade

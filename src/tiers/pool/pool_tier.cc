@@ -1380,6 +1380,13 @@ void PoolTier::contains_batch(std::span<const BlockId> ids, std::span<uint8_t> f
   for (size_t i = 0; i < ids.size(); ++i) found[i] = st[i].ok();
 }
 
+void PoolTier::sizes_batch(std::span<const BlockId> ids, std::span<uint8_t> found,
+                           std::span<uint64_t> sizes) {
+  std::vector<Status> st(ids.size());
+  lookup_batch(ids, sizes, st);
+  for (size_t i = 0; i < ids.size(); ++i) found[i] = st[i].ok();
+}
+
 Result<uint64_t> PoolTier::size_of(const BlockId& id) {
   uint64_t size = 0;
   Status st;

@@ -88,6 +88,8 @@ class PoolTier final : public Tier {
   Result<BlockView> acquire(const BlockId& id) override;
   bool contains(const BlockId& id) const override;
   void contains_batch(std::span<const BlockId> ids, std::span<uint8_t> found) const override;
+  void sizes_batch(std::span<const BlockId> ids, std::span<uint8_t> found,
+                   std::span<uint64_t> sizes) override;
   Result<uint64_t> size_of(const BlockId& id) override;
   Status remove(const BlockId& id) override;
   std::vector<Victim> claim_victims(uint64_t) override { return {}; }

@@ -291,6 +291,16 @@ void ReconnectingPoolTier::contains_batch(std::span<const BlockId> ids,
   t->contains_batch(ids, found);
 }
 
+void ReconnectingPoolTier::sizes_batch(std::span<const BlockId> ids, std::span<uint8_t> found,
+                                       std::span<uint64_t> sizes) {
+  auto t = link();
+  if (!t) {
+    std::fill(found.begin(), found.end(), 0);
+    return;
+  }
+  t->sizes_batch(ids, found, sizes);
+}
+
 Result<uint64_t> ReconnectingPoolTier::size_of(const BlockId& id) {
   auto t = link();
   if (!t) return lost_status();
