@@ -69,8 +69,7 @@ nb::dict stats_dict(const StoreStats& s) {
   d["logical_blocks"] = s.logical_blocks;
   d["logical_bytes"] = s.logical_bytes;
   d["physical_bytes"] = s.physical_bytes;
-  d["dedup_saved_bytes"] =
-      s.logical_bytes > s.physical_bytes ? s.logical_bytes - s.physical_bytes : 0;
+  d["dedup_saved_bytes"] = s.dedup_saved_bytes;
   d["bytes_put"] = s.bytes_put;
   d["bytes_got"] = s.bytes_got;
   d["corrupt_blocks"] = corrupt;

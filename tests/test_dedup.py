@@ -26,6 +26,29 @@ def test_identical_content_stored_once(make_config):
         assert np.array_equal(out, system_prompt)
 
 
+def test_saved_bytes_count_each_shared_block_once_whatever_tiers_hold_it(make_config, tmp_path):
+    """A block held in the host tier and written down to the file tier is
+    one block that ids share: the saving is not taken from the bytes of
+    both copies (before, it read 0 once a flush had written them down)."""
+    cfg = make_config(dedup_enabled=True, pipeline="host|file", file_path=str(tmp_path))
+    with cascade.CascadeStore(cfg) as store:
+        shared = random_bytes(1 << 20, 42)
+        for conv in range(4):
+            assert store.put(f"conv-{conv}/block-0", shared)
+            assert store.put(f"conv-{conv}/block-1", random_bytes(1 << 20, conv))
+        assert store.get_stats()["dedup_saved_bytes"] == 3 << 20
+        store.flush()
+        s = store.get_stats()
+        assert s["physical_bytes"] == 10 << 20  # five blocks, above and below
+        assert s["logical_bytes"] == 8 << 20
+        assert s["dedup_saved_bytes"] == 3 << 20
+        assert store.remove("conv-0/block-1")
+        assert store.get_stats()["dedup_saved_bytes"] == 3 << 20
+        for conv in range(3):
+            assert store.remove(f"conv-{conv}/block-0")
+        assert store.get_stats()["dedup_saved_bytes"] == 0
+
+
 def test_dedup_off_keeps_copies(make_config):
     with cascade.CascadeStore(make_config()) as store:
         data = random_bytes(4096, 1)

@@ -68,9 +68,15 @@ struct StoreStats {
   // Rounds in which a batch put made room in a full top tier for the items
   // it refused, all at once, and gave them to it as a batch again.
   uint64_t batch_room_rounds = 0;
-  uint64_t logical_blocks = 0;  // ids the store answers for
-  uint64_t logical_bytes = 0;   // sum of their sizes
+  // With dedup, the ids the store answers for and their sizes summed;
+  // without, the blocks and bytes of every tier summed (a block held in two
+  // tiers counts twice), as physical_bytes.
+  uint64_t logical_blocks = 0;
+  uint64_t logical_bytes = 0;
   uint64_t physical_bytes = 0;  // payload bytes stored, summed over tiers
+  // With dedup: the bytes ids share (logical bytes less those of the
+  // distinct blocks they name); 0 without.
+  uint64_t dedup_saved_bytes = 0;
   uint64_t bytes_put = 0;
   uint64_t bytes_got = 0;
 };

@@ -530,6 +530,7 @@ StoreStats CascadeStore::stats() const {
   if (impl_->dedup_puts) {
     s.logical_blocks = impl_->dedup->aliases();
     s.logical_bytes = impl_->dedup->logical_bytes();
+    s.dedup_saved_bytes = s.logical_bytes - impl_->dedup->unique_bytes();
   } else {
     for (auto& t : s.tiers) s.logical_blocks += t.blocks;
     s.logical_bytes = s.physical_bytes;

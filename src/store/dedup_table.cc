@@ -38,6 +38,7 @@ bool DedupTable::link_locked(const BlockId& id, const BlockId& p, uint64_t size,
   if (!alias_.emplace(id, Alias{p, written}).second) return false;
   Record& r = records_[p];
   *shared = !r.aliases.empty();
+  if (!*shared) unique_bytes_ += size;
   r.size = size;
   r.aliases.push_back(id);
   logical_bytes_ += size;
@@ -57,7 +58,10 @@ std::optional<std::pair<BlockId, bool>> DedupTable::unlink(const BlockId& id) {
     v.erase(std::remove(v.begin(), v.end(), id), v.end());
     logical_bytes_ -= rit->second.size;
     last = v.empty();
-    if (last) records_.erase(rit);
+    if (last) {
+      unique_bytes_ -= rit->second.size;
+      records_.erase(rit);
+    }
   }
   return std::make_pair(p, last);
 }
@@ -70,6 +74,7 @@ void DedupTable::drop(const BlockId& p) {
     alias_.erase(a);
     logical_bytes_ -= rit->second.size;
   }
+  unique_bytes_ -= rit->second.size;
   records_.erase(rit);
 }
 
@@ -78,6 +83,7 @@ void DedupTable::clear() {
   alias_.clear();
   records_.clear();
   logical_bytes_ = 0;
+  unique_bytes_ = 0;
 }
 
 bool DedupTable::is_target(const BlockId& p) const {
@@ -107,6 +113,11 @@ uint64_t DedupTable::aliases() const {
 uint64_t DedupTable::logical_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return logical_bytes_;
+}
+
+uint64_t DedupTable::unique_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return unique_bytes_;
 }
 
 }  // namespace cascade

@@ -52,7 +52,8 @@ class DedupTable {
   void mark_written(const BlockId& id, const BlockId& p);
 
   uint64_t aliases() const;
-  uint64_t logical_bytes() const;
+  uint64_t logical_bytes() const;  // the aliases' sizes summed
+  uint64_t unique_bytes() const;   // the sizes of their physical blocks, each once
 
  private:
   struct Alias {
@@ -69,6 +70,7 @@ class DedupTable {
   std::unordered_map<BlockId, Alias> alias_;     // logical -> physical
   std::unordered_map<BlockId, Record> records_;  // physical -> record
   uint64_t logical_bytes_ = 0;
+  uint64_t unique_bytes_ = 0;
 };
 
 // Physical id of content under dedup: XXH3-128 of the bytes, with the top bit
