@@ -1438,6 +1438,12 @@ TEST(DurabilityTest, AKeptBlockWinsOverAnOlderAliasAfterAnotherStoreOpenedTheDir
   }
 }
 
+CascadeConfig write_through_config() {
+  CascadeConfig c = host_disk_config(8 << 20);
+  c.write_policy = WritePolicy::kWriteThrough;
+  return c;
+}
+
 // Write-through: a put of block 0 has written the host tier and is held
 // before the disk while another thread removes the id and puts it again
 // with other bytes. The remove waits for the first put, and its second
@@ -1445,8 +1451,7 @@ TEST(DurabilityTest, AKeptBlockWinsOverAnOlderAliasAfterAnotherStoreOpenedTheDir
 // first put's copy below (which would make the second put a no-op).
 TEST(DurabilityTest, ARemoveWaitsForAWriteThroughPutInFlight) {
   auto disk = std::make_shared<SimulatedDisk>();
-  CascadeConfig c = host_disk_config(8 << 20);
-  c.write_policy = WritePolicy::kWriteThrough;
+  CascadeConfig c = write_through_config();
   auto s = open_on(c, disk);
   const BlockId x = id_of(0);
   const auto v1 = bytes_of(1, 4096), v2 = bytes_of(2, 4096);
@@ -1469,6 +1474,98 @@ TEST(DurabilityTest, ARemoveWaitsForAWriteThroughPutInFlight) {
   GetResult r;
   ASSERT_TRUE(s->get(x, &out, &r).ok());
   EXPECT_TRUE(r.found && out == v2) << "the first put's copy below outlived the remove";
+}
+
+// Write-through: a put the disk refuses fails, and leaves no copy above.
+// Before, its bytes stayed in the host tier: served, written down by the
+// next flush, and kept by the next put of the id, whose other bytes went
+// to the disk alone (two versions of one block).
+TEST(DurabilityTest, AWriteThroughPutTheDiskRefusesLeavesNoCopyAbove) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = write_through_config();
+  auto s = open_on(c, disk);
+  const BlockId x = id_of(0);
+  const auto v1 = bytes_of(1, 4096), v2 = bytes_of(2, 4096);
+  disk->fail_every_put = true;
+  EXPECT_TRUE(s->put(x, v1.data(), v1.size()).is(Code::kIOError));
+  EXPECT_FALSE(s->contains(x));
+  EXPECT_EQ(s->stats().tiers[0].blocks, 0u);
+  disk->fail_every_put = false;
+  ASSERT_TRUE(s->put(x, v2.data(), v2.size()).ok());
+  std::vector<uint8_t> out;
+  GetResult r;
+  ASSERT_TRUE(s->get(x, &out, &r).ok());
+  EXPECT_TRUE(r.found && out == v2);
+  ASSERT_TRUE(s->flush().ok());
+  s.reset();
+  auto again = reopen(c, disk);
+  ASSERT_TRUE(again->get(x, &out, &r).ok());
+  EXPECT_TRUE(r.found && out == v2);
+}
+
+// An empty put into a host tier at its bound of empty blocks while the
+// disk refuses every write: each round asks for one empty victim, which the
+// disk refuses, and the put fails. Before, the later rounds asked for bytes
+// and moved every block of bytes out (written down already, they went with
+// no write) without making the room an empty block needs.
+TEST(DurabilityTest, AnEmptyPutTheDiskRefusesMovesNoBlockOfBytesOut) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  auto s = open_on(host_disk_config(1 << 20), disk);  // room for 256 empty blocks
+  put_blocks(s.get(), 0, 10, 64 << 10);
+  ASSERT_TRUE(s->flush().ok());
+  disk->fail_every_put = true;
+  Status st;
+  uint64_t i = 100;
+  for (; i < 400 && st.ok(); ++i) st = s->put(id_of(i), nullptr, 0);
+  EXPECT_FALSE(st.ok());
+  EXPECT_EQ(i - 101, 256u);
+  EXPECT_EQ(s->stats().tiers[0].used_bytes, 10u * (64 << 10));  // every block of bytes stays
+  EXPECT_EQ(s->stats().tiers[0].evictions, 0u);
+  disk->fail_every_put = false;
+}
+
+// With dedup the block is stored under its content's fingerprint and
+// linked to the id only once the put succeeds: a refused put left a block
+// no id reached, holding room until a flush wrote it down for good.
+TEST(DurabilityTest, AWriteThroughDedupPutTheDiskRefusesLeavesNoOrphan) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = write_through_config();
+  c.dedup_enabled = true;
+  auto s = open_on(c, disk);
+  disk->fail_every_put = true;
+  for (uint64_t i = 0; i < 3; ++i) {
+    auto b = bytes_of(i, 4096);
+    EXPECT_FALSE(s->put(id_of(i), b.data(), b.size()).ok());
+  }
+  EXPECT_EQ(s->stats().tiers[0].blocks, 0u);
+  disk->fail_every_put = false;
+  ASSERT_TRUE(s->flush().ok());
+  EXPECT_EQ(s->stats().tiers[1].blocks, 0u);
+}
+
+// Write-through of an id the host tier holds and the disk dropped (its
+// capacity is smaller): the host's bytes go down, not the caller's.
+TEST(DurabilityTest, AWriteThroughPutOfAnIdHeldAboveWritesTheHeldBytesDown) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  disk->capacity = 4 * kBlock;
+  CascadeConfig c = host_disk_config(64 << 20);
+  c.write_policy = WritePolicy::kWriteThrough;
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 10, kBlock);  // the disk keeps the last four
+  const BlockId x = id_of(0);
+  {
+    std::lock_guard<std::mutex> lock(disk->mu);
+    ASSERT_EQ(disk->pending.count(x), 1u);  // written, then dropped from the tier
+  }
+  ASSERT_EQ(s->stats().tiers[1].blocks, 4u);  // id 0 among those dropped
+  const auto other = bytes_of(1000, kBlock);
+  ASSERT_TRUE(s->put(x, other.data(), other.size()).ok());
+  std::vector<uint8_t> out;
+  GetResult r;
+  ASSERT_TRUE(s->get(x, &out, &r).ok());
+  EXPECT_EQ(out, bytes_of(0, kBlock));
+  std::lock_guard<std::mutex> lock(disk->mu);
+  EXPECT_EQ(disk->pending[x], bytes_of(0, kBlock)) << "the caller's bytes went down";
 }
 
 TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {

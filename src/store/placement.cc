@@ -33,7 +33,9 @@ Status CascadeStore::Impl::make_room(size_t t, uint64_t need, const Status& why)
   Status st;
   for (int round = 0; round < kRounds; ++round) {
     bool all_refused = false;
-    const uint64_t claim = round == 0 ? need : std::max<uint64_t>(need, 1) << round;
+    // Room for an empty block is made by moving out empty blocks only: one
+    // per round (blocks of bytes would go and free none of it).
+    const uint64_t claim = need << round;
     st = move_out_victims(t, claim, need, why, &all_refused);
     if (!all_refused) return st;
   }
@@ -248,15 +250,18 @@ Status CascadeStore::Impl::put_impl(const BlockId& id, const void* data, uint64_
   if (top == tiers.size())
     return fail(Status::InvalidArgument("block of " + std::to_string(size) +
                                         " bytes is larger than every tier of the pipeline"));
-  Status st = put_into(top, phys, data, size, options);
+  bool stored_here = true;  // tiers that do not say are taken to have stored it
+  PutOptions o = options;
+  o.stored = &stored_here;
+  Status st = put_into(top, phys, data, size, o);
   // Every block of the tier is in use (leased, or being moved down by
   // concurrent puts): place this one further down rather than fail.
   while (st.is(Code::kNoSpace) && top + 1 < tiers.size() && fits(top + 1, size)) {
-    st = put_into(++top, phys, data, size, options);
+    stored_here = true;
+    st = put_into(++top, phys, data, size, o);
   }
   if (st.ok() && config.write_policy == WritePolicy::kWriteThrough) {
-    for (size_t t = top + 1; t < tiers.size() && st.ok(); ++t)
-      st = put_into(t, phys, data, size, options);
+    st = write_through(top, phys, data, size, stored_here, options);
   } else if (st.ok() && remote > top && remote < tiers.size()) {
     // A distributed store publishes every put to the remote tier (the
     // block's owner rank) before returning, so every rank can read it.
@@ -270,6 +275,39 @@ Status CascadeStore::Impl::put_impl(const BlockId& id, const void* data, uint64_
   }
   bytes_put.fetch_add(size, std::memory_order_relaxed);
   return Status::OK();
+}
+
+// The copy in tier `top` goes to every tier below it. When this put stored
+// it there (stored_here), its bytes are `data` (null: read from the top);
+// else the id was stored already and keeps its bytes, which are what goes
+// down, not the caller's (KV blocks of one id are not always bit-identical).
+// When a tier refuses, what this put stored goes again, so that a failed
+// put leaves no copy that is served, written down by the next flush, or
+// kept by the next put of the id in place of its bytes.
+Status CascadeStore::Impl::write_through(size_t top, const BlockId& phys, const void* data,
+                                         uint64_t size, bool stored_here, PutOptions o) {
+  Result<BlockView> view = Status::NotFound("");
+  if (!stored_here || !data) {
+    view = tiers[top]->acquire_to_copy(phys);
+    // Removed meanwhile, or moved down (which stored it below).
+    if (!view.ok() || tiers[top]->removed_by_user(*view)) return Status::OK();
+    data = view->data();
+    size = view->size();
+    o.src_kind = view->kind();
+  }
+  std::vector<size_t> stored_below;
+  Status st;
+  for (size_t t = top + 1; t < tiers.size(); ++t) {
+    bool stored = true;
+    o.stored = &stored;
+    st = put_into(t, phys, data, size, o);
+    if (!st.ok()) break;
+    if (stored) stored_below.push_back(t);
+  }
+  if (st.ok() || !stored_here) return st;
+  for (size_t t : stored_below) (void)tiers[t]->remove_lasting(phys);
+  (void)tiers[top]->remove(phys);
+  return st;
 }
 
 Status CascadeStore::Impl::fail(Status st) {
@@ -399,15 +437,12 @@ Status CascadeStore::Impl::commit_impl(const Reservation& r, const PutOptions& o
   puts.fetch_add(1, std::memory_order_relaxed);
   PutOptions o = options;
   o.is_prefix = r.is_prefix;
+  bool stored_here = true;  // tiers that do not say are taken to have stored it
+  o.stored = &stored_here;
   Status st = tiers[0]->commit_reserved(r, o);
   if (st.ok() && config.write_policy == WritePolicy::kWriteThrough && tiers.size() > 1) {
     CopyRegistry::Guard in_flight = copies.enter(r.id);  // as put_impl's
-    auto view = tiers[0]->acquire(r.id);
-    if (view.ok() && !tiers[0]->removed_by_user(*view)) {
-      o.src_kind = view->kind();
-      for (size_t t = 1; t < tiers.size() && st.ok(); ++t)
-        st = put_into(t, r.id, view->data(), view->size(), o);
-    }
+    st = write_through(0, r.id, nullptr, 0, stored_here, o);
   }
   if (!st.ok()) return fail(st);
   bytes_put.fetch_add(r.size, std::memory_order_relaxed);

@@ -41,6 +41,7 @@ struct SimulatedDisk {
   bool dead = false;
   uint64_t capacity = 0;        // 0: unbounded
   std::set<BlockId> fail_puts;  // put fails with IOError for these ids
+  bool fail_every_put = false;  // put of a block not stored fails with IOError
   // read of these ids fails with InvalidArgument although the request fits,
   // as a device copy the driver refuses does
   std::set<BlockId> refuse_copies;
@@ -106,6 +107,7 @@ class SimulatedDiskTier final : public Tier {
     if (disk_->fail_puts.count(id)) return Status::IOError("injected write error");
     if (o.stored) *o.stored = false;
     if (live_.count(id)) return Status::OK();
+    if (disk_->fail_every_put) return Status::IOError("injected write error");
     if (disk_->capacity && size > disk_->capacity) return Status::InvalidArgument("too large");
     if (disk_->capacity && used_ + size > disk_->capacity) return Status::NoSpace("disk full");
     std::vector<uint8_t> bytes(size);

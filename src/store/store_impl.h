@@ -102,6 +102,9 @@ class CascadeStore::Impl {
   Status put_into(size_t t, const BlockId& id, const void* data, uint64_t size,
                   const PutOptions& o);
   bool fits(size_t t, uint64_t size) const;
+  // Write-through of the copy tier `top` holds to every tier below it.
+  Status write_through(size_t top, const BlockId& phys, const void* data, uint64_t size,
+                       bool stored_here, PutOptions o);
   Status put_impl(const BlockId& id, const void* data, uint64_t size, const PutOptions& options);
   Status fail(Status st);
   bool contains_phys(const BlockId& p) const;

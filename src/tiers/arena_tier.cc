@@ -152,7 +152,10 @@ Status ArenaTier::commit_reserved(const Reservation& r, const PutOptions& option
   if (r.present) return Status::OK();
   PutOptions o = options;
   o.is_prefix = r.is_prefix;
-  if (!publish(r.id, Location{r.offset, r.size}, o) && r.size) free_space(r.offset, r.size);
+  // Another reservation of the id committed first: blocks are immutable.
+  const bool published = publish(r.id, Location{r.offset, r.size}, o);
+  if (!published && r.size) free_space(r.offset, r.size);
+  if (options.stored) *options.stored = published;
   return Status::OK();
 }
 
