@@ -360,6 +360,59 @@ def test_layer_by_layer_load(ranks):
     assert not dst[next(iter(dst))][15].any()
 
 
+def test_a_layer_by_layer_load_takes_every_layer_of_a_block_from_one_version(ranks, monkeypatch):
+    """Another engine of the namespace removes the blocks and stores them
+    again with other bytes once layer 0 is in: every block the load reports
+    loaded has all its layers from the version it began with. Before, each
+    layer was a load of its own, the later layers came from the new version,
+    and the blocks were reported loaded."""
+    import types
+
+    from cascade.integrations import connector_worker
+    from cascade.integrations.kv import PagedKv, save_paged
+
+    key, (r0,) = ranks()
+    p = planner_for(key)
+    _, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
+    r0.step(plan)
+    ids = p.ids_of(p.track("a", PROMPT))[0][:5]
+    old = make_layers("packed_kv", 100)  # what r0 saved
+    other = PagedKv.from_layers(make_layers("packed_kv", 200), block_size=BS)
+    store = r0.worker.store
+
+    class RestoredAfterLayer0(threading.Event):
+        fired = False
+
+        def set(self):
+            if not RestoredAfterLayer0.fired:
+                RestoredAfterLayer0.fired = True
+                for i in ids:
+                    assert store.remove(i)
+                assert save_paged(store, other, list(range(5)), ids) == [None] * 5
+            super().set()
+
+    monkeypatch.setattr(
+        connector_worker,
+        "threading",
+        types.SimpleNamespace(Event=RestoredAfterLayer0, Thread=threading.Thread),
+    )
+    dst = make_layers("packed_kv")
+    r0.worker.register(dst, block_size=BS, layout="packed_kv")
+    r0.worker.config = ConnectorConfig(use_layerwise=True)
+    n, plan = schedule_prefill(p, "b", PROMPT, [10, 11, 12, 13, 14, 15])
+    assert n == 5 * BS
+    r0.worker.start_load(plan)
+    for name in dst:
+        r0.worker.wait_layer(name)
+    errors = r0.worker.take_load_errors()
+    assert RestoredAfterLayer0.fired
+    for b in range(5):
+        if 10 + b in errors:
+            continue
+        whole = [torch.equal(dst[name][10 + b], old[name][b]) for name in dst]
+        assert all(whole), f"block {b}: layers of the old version {whole}"
+
+
 def test_saves_are_async_and_hold_pages_until_done(ranks):
     key, (r0,) = ranks()
     p = planner_for(key)

@@ -187,25 +187,14 @@ class KvTransferWorker:
 
         start = time.perf_counter()
         tiers_before = self._tier_counts()
-        failed: list = [None] * len(blocks)
         try:
-            layer_ranges = (
-                [None]
-                if events is None
-                else [(layer, layer + 1) for layer in range(self._paged().num_layers)]
-            )
-            for li, layers in enumerate(layer_ranges):
+            if events is None:
                 try:
-                    errs = load_paged(
-                        self.store, self._paged(), blocks, ids, layers=layers, cuda_stream=stream
-                    )
+                    failed = load_paged(self.store, self._paged(), blocks, ids, cuda_stream=stream)
                 except Exception as e:  # the whole call failed: every block of it did
-                    errs = [f"load failed: {e}"] * len(blocks)
-                for i, err in enumerate(errs):
-                    if err is not None and failed[i] is None:
-                        failed[i] = err
-                if events is not None:
-                    events[li].set()
+                    failed = [f"load failed: {e}"] * len(blocks)
+            else:
+                failed = self._load_by_layer(blocks, ids, stream, events)
         finally:
             if events is not None:
                 for ev in events:
@@ -256,6 +245,32 @@ class KvTransferWorker:
                     rank=self.rank,
                     layerwise=events is not None,
                 )
+
+    def _load_by_layer(self, blocks, ids, stream, events) -> list:
+        """Loads layer by layer, each block leased once for all its layers:
+        a block removed and stored again meanwhile (by another engine of the
+        namespace) cannot give some layers from one version and the rest from
+        another. Each layer's event is set once its copies have arrived."""
+        from cascade.integrations.kv import load_layers
+
+        try:
+            load = load_layers(self.store, self._paged(), blocks, ids, cuda_stream=stream)
+        except Exception as e:  # the whole call failed: every block of it did
+            return [f"load failed: {e}"] * len(blocks)
+        try:
+            waiter = None
+            if stream is not None:
+                import torch
+
+                waiter = torch.cuda.Stream(self._paged().device)
+            for layer, ev in enumerate(events):
+                if waiter is not None:
+                    load.wait_layer(layer, waiter.cuda_stream)
+                    waiter.synchronize()
+                ev.set()
+        except Exception as e:  # the layers left are released once finish() has every copy in
+            logger.warning("Cascade rank %d: waiting for a layer's copies failed: %s", self.rank, e)
+        return load.finish()
 
     def wait_layer(self, layer_name: str) -> None:
         """Returns once the layer's blocks are in its pages (layer-by-layer loads)."""
