@@ -344,6 +344,7 @@ Status FileTier::put(const BlockId& id, const void* data, uint64_t size,
   if (inserted) {
     counters_.stored(options, size);
     (void)drop_alias(id);  // an alias of the id removed before: the block is newer
+    removal_superseded(id);
   }
   if (options.stored) *options.stored = inserted;
   return Status::OK();
@@ -353,31 +354,72 @@ Status FileTier::remove_lasting(const BlockId& id) {
   std::lock_guard<std::mutex> one_at_a_time(id_stripe(id));
   Status st = remove(id);
   if (!st.ok()) return st;
+  if (!write_removal(id).ok()) {
+    std::lock_guard<std::mutex> lock(unwritten_mu_);
+    unwritten_removals_.insert(id);
+  }
+  return st;
+}
+
+Status FileTier::write_removal(const BlockId& id) {
   // The removal record outlives the records it removes while one of them
   // is on disk (removal_needed), as one a compaction writes does.
   std::vector<Location> unneeded;
-  (void)append(id, nullptr, 0, file::kFlagRemoval,
-               [&](const Location& loc, const SegmentRef&, const RecordHeader& h) {
-                 std::lock_guard<std::mutex> lock(dead_mu_);
-                 // The removed record may have left the disk meanwhile (a
-                 // reclaim to make room for this one): then it guards nothing.
-                 if (!removal_needed(id, h.sequence)) return false;
-                 // Synced already with sync_writes; else at the segment's
-                 // next sync (removals_synced), and until then the older
-                 // removal records of the id stay live.
-                 removals_.emplace(id, RemovalEntry{loc, h.sequence, false});
-                 // Every record of the id on disk is older than it, and
-                 // covered by it once it is durable: until then a
-                 // compaction weighs them as if it were not there.
-                 UndurableRemoval u{id, h.sequence, {}};
-                 auto [b, e] = dead_.equal_range(id);
-                 for (auto d = b; d != e; ++d) u.covers.push_back(d->second.offset);
-                 if (sync_writes_) removal_durable(u, &unneeded);
-                 else undurable_removals_[file::location_slot(loc.offset)].push_back(std::move(u));
-                 return true;
-               });
+  Status st =
+      append(id, nullptr, 0, file::kFlagRemoval,
+             [&](const Location& loc, const SegmentRef&, const RecordHeader& h) {
+               std::lock_guard<std::mutex> lock(dead_mu_);
+               // The removed record may have left the disk meanwhile (a
+               // reclaim to make room for this one): then it guards nothing.
+               if (!removal_needed(id, h.sequence)) return false;
+               // Synced already with sync_writes; else at the segment's
+               // next sync (removals_synced), and until then the older
+               // removal records of the id stay live.
+               removals_.emplace(id, RemovalEntry{loc, h.sequence, false});
+               // Every record of the id on disk is older than it, and
+               // covered by it once it is durable: until then a
+               // compaction weighs them as if it were not there.
+               UndurableRemoval u{id, h.sequence, {}};
+               auto [b, e] = dead_.equal_range(id);
+               for (auto d = b; d != e; ++d) u.covers.push_back(d->second.offset);
+               if (sync_writes_) removal_durable(u, &unneeded);
+               else undurable_removals_[file::location_slot(loc.offset)].push_back(std::move(u));
+               return true;
+             });
   for (const Location& loc : unneeded) forget_record(loc);
   return st;
+}
+
+void FileTier::removal_superseded(const BlockId& id) {
+  std::lock_guard<std::mutex> lock(unwritten_mu_);
+  unwritten_removals_.erase(id);
+}
+
+Status FileTier::write_unwritten_removals() {
+  std::vector<BlockId> ids;
+  {
+    std::lock_guard<std::mutex> lock(unwritten_mu_);
+    ids.assign(unwritten_removals_.begin(), unwritten_removals_.end());
+  }
+  size_t failed = 0;
+  Status first;
+  for (const BlockId& id : ids) {
+    std::lock_guard<std::mutex> one_at_a_time(id_stripe(id));
+    {
+      std::lock_guard<std::mutex> lock(unwritten_mu_);
+      if (!unwritten_removals_.count(id)) continue;  // put again meanwhile
+    }
+    Status st = write_removal(id);
+    if (!st.ok()) {
+      if (failed++ == 0) first = st;
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(unwritten_mu_);
+    unwritten_removals_.erase(id);
+  }
+  if (!failed) return Status::OK();
+  return Status(first.code(), std::to_string(failed) + " of " + std::to_string(ids.size()) +
+                                  " removals could not be written down: " + first.message());
 }
 
 Status FileTier::put_alias(const BlockId& alias, const BlockId& target) {
@@ -389,7 +431,7 @@ Status FileTier::put_alias(const BlockId& alias, const BlockId& target) {
   if (!index_.contains(target))
     return Status::NotFound("alias target " + target.hex() + " is not in the file tier");
   std::lock_guard<std::mutex> one_at_a_time(id_stripe(alias));
-  return append(
+  Status st = append(
       alias, target.bytes.data(), 16, file::kFlagAlias,
       [&](const Location& loc, const SegmentRef&, const RecordHeader& h) {
         AliasEntry replaced;
@@ -406,6 +448,8 @@ Status FileTier::put_alias(const BlockId& alias, const BlockId& target) {
         note_dead_alias(alias, replaced);
         return true;
       });
+  if (st.ok()) removal_superseded(alias);
+  return st;
 }
 
 std::vector<std::pair<BlockId, BlockId>> FileTier::aliases() const {
@@ -462,7 +506,8 @@ void FileTier::for_each_block(const std::function<void(const BlockId&, uint64_t)
 }
 
 Status FileTier::flush() {
-  Status result;
+  // Written first, so this flush's syncs make them durable.
+  Status result = write_unwritten_removals();
   auto flush_lane = [&](Lane& lane) {
     std::lock_guard<std::mutex> lock(lane.mu);
     if (lane.active && lane.active->unsynced.exchange(false)) {

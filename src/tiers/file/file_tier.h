@@ -111,6 +111,7 @@
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "cascade/env.h"
@@ -430,6 +431,19 @@ class FileTier final : public Tier {
   static constexpr size_t kIdStripes = 256;
   std::array<std::mutex, kIdStripes> id_stripes_;
   std::mutex& id_stripe(const BlockId& id) { return id_stripes_[id.hash64() % kIdStripes]; }
+
+  // Writes the removal record of id (removed from the index already).
+  // REQUIRES: id_stripe(id) held.
+  Status write_removal(const BlockId& id);
+  // Ids removed whose removal record could not be written (a read-only,
+  // full or failing disk): flush() writes them, and fails while it cannot.
+  // A later put or alias of the id is newer than the removal, and drops
+  // it (its record, written after theirs, would remove them at reopen).
+  // Changed under the id's stripe, then unwritten_mu_.
+  Status write_unwritten_removals();
+  void removal_superseded(const BlockId& id);
+  std::mutex unwritten_mu_;
+  std::unordered_set<BlockId> unwritten_removals_;  // guarded by unwritten_mu_
 
   std::mutex claimed_mu_;
   std::unordered_map<BlockId, uint64_t>
