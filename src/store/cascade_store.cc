@@ -559,8 +559,11 @@ Status CascadeStore::flush() {
 
 Status CascadeStore::flush(std::span<const BlockId> ids) {
   CASCADE_LIVE_OR(closed_status());
+  // With dedup an id names its bytes' block through its alias.
+  std::vector<BlockId> phys(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) phys[i] = impl_->physical(ids[i]);
   WriteDownOptions o;
-  o.only = ids;
+  o.only = phys;
   o.only_these = true;
   return impl_->write_down(o);
 }

@@ -1601,6 +1601,24 @@ TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierButHeldAboveStays) {
   EXPECT_EQ(s->stats().logical_blocks, 10u);
 }
 
+// flush(ids) with dedup: an id names its block through its alias, and the
+// block is what is written down (before, the ids were taken for the blocks'
+// own, nothing was found above, and the flush said OK having written none).
+TEST(DurabilityTest, AFlushOfIdsUnderDedupWritesTheirBlocksDown) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  CascadeConfig c = host_disk_config(8 << 20);
+  c.dedup_enabled = true;
+  auto s = open_on(c, disk);
+  put_blocks(s.get(), 0, 3, 4096);
+  const std::vector<BlockId> two = {id_of(0), id_of(1)};
+  ASSERT_TRUE(s->flush(two).ok());
+  EXPECT_EQ(s->stats().tiers[1].blocks, 2u);
+  disk->kill(true);
+  s.reset();
+  auto r = reopen(c, disk);
+  EXPECT_EQ(count_intact(r.get(), 2, 4096), 2u);
+}
+
 TEST(DurabilityTest, FailedAliasWritesAreCountedAndRetried) {
   auto disk = std::make_shared<SimulatedDisk>();
   CascadeConfig c = host_disk_config(8 << 20);
