@@ -258,6 +258,8 @@ void KvBlockMover::lease_sources(std::span<const int64_t> engine_blocks,
       if (!lease_st[k].ok()) {
         if (lease_st[k].is(Code::kNotFound)) {
           (*statuses)[i] = Status::NotFound("block " + ids[i].hex() + " is not stored");
+        } else if (lease_st[k].is(Code::kUnavailable)) {
+          (*statuses)[i] = lease_st[k];  // the node pool is gone: a read would fail too
         } else {
           out->fallback.push_back(i);  // no room to promote it, for one: read it instead
         }
