@@ -1588,6 +1588,42 @@ TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierIsGone) {
   EXPECT_EQ(count_intact(r.get(), 30, kBlock), std::min<size_t>(live, 8));
 }
 
+// A dedup put finds its content on disk (the last tier) and links its id
+// to it while another put evicts that block and drops its aliases: the id
+// is left naming a block no tier holds. It is a miss, as an evicted block
+// is; a later put of the id stores the bytes again. Before, that put took
+// the alias for the block and stored nothing: a miss for good.
+TEST(DurabilityTest, AnAliasLeftNamingAnEvictedBlockIsStoredAgainByTheNextPut) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  disk->capacity = 4 * kBlock;
+  CascadeConfig c = host_disk_config(1 << 20);  // 4 blocks in host
+  c.dedup_enabled = true;
+  c.promote_on_hit = false;
+  auto s = open_on(c, disk);
+  const auto content = bytes_of(1, kBlock);
+  ASSERT_TRUE(s->put(id_of(1), content.data(), content.size()).ok());
+  put_blocks(s.get(), 10, 17, kBlock);  // the content's block is the oldest on disk
+  std::atomic<bool> fired{false};
+  disk->after_read = [&](const BlockId&) {
+    if (fired.exchange(true)) return;
+    // While the put compares its content with the copy it read: another
+    // put moves a block down, and the disk drops its oldest to take it.
+    std::thread other([&] { put_blocks(s.get(), 17, 18, kBlock); });
+    other.join();
+  };
+  const BlockId x = id_of(2);
+  ASSERT_TRUE(s->put(x, content.data(), content.size()).ok());
+  disk->after_read = nullptr;
+  ASSERT_TRUE(fired.load());
+  std::vector<uint8_t> out(kBlock);
+  GetResult r;
+  ASSERT_TRUE(s->get(x, out.data(), out.size(), &r).ok());
+  EXPECT_FALSE(r.found);  // evicted, as the block it shares
+  ASSERT_TRUE(s->put(x, content.data(), content.size()).ok());
+  ASSERT_TRUE(s->get(x, out.data(), out.size(), &r).ok());
+  EXPECT_TRUE(r.found && out == content) << "the put of the id stored nothing";
+}
+
 TEST(DurabilityTest, AliasOfBlockEvictedFromLastTierButHeldAboveStays) {
   auto disk = std::make_shared<SimulatedDisk>();
   disk->capacity = 4 * kBlock;

@@ -221,7 +221,7 @@ Status CascadeStore::Impl::put_impl(const BlockId& id, const void* data, uint64_
   }
   // Immutable: an id stored already (through an alias, or under itself by
   // a store without dedup) is not written again.
-  if (dedup && dedup->resolve(id)) return Status::OK();
+  if (dedup && !stale_alias_dropped(id)) return Status::OK();
   std::unique_lock<std::mutex> linking;  // held until id is linked to phys
   if (dedup_puts) {
     if (!dedup->is_target(id) && contains_phys(id)) return Status::OK();
@@ -308,6 +308,21 @@ Status CascadeStore::Impl::write_through(size_t top, const BlockId& phys, const 
   for (size_t t : stored_below) (void)tiers[t]->remove_lasting(phys);
   (void)tiers[top]->remove(phys);
   return st;
+}
+
+// With dedup: false when id is an alias of a block the store holds (a put
+// of it stores nothing). An alias naming a block no tier holds any more is
+// unlinked, and true returned: a put linked it to a block on disk while an
+// eviction dropped that block and its aliases, and it would otherwise keep
+// every later put of the id from storing its bytes. True when id is no alias.
+bool CascadeStore::Impl::stale_alias_dropped(const BlockId& id) {
+  const auto p = dedup->resolve(id);
+  if (!p) return true;
+  if (contains_phys(*p)) return false;
+  std::lock_guard<std::mutex> linked(content_lock(*p));
+  if (dedup->resolve(id) != p || contains_phys(*p)) return false;
+  (void)dedup->unlink(id);
+  return true;
 }
 
 Status CascadeStore::Impl::fail(Status st) {

@@ -107,6 +107,7 @@ class CascadeStore::Impl {
                        bool stored_here, PutOptions o);
   Status put_impl(const BlockId& id, const void* data, uint64_t size, const PutOptions& options);
   Status fail(Status st);
+  bool stale_alias_dropped(const BlockId& id);
   bool contains_phys(const BlockId& p) const;
   bool same_content_stored(const BlockId& p, const void* data, uint64_t size);
   size_t put_batch_impl(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
