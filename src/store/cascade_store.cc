@@ -57,6 +57,27 @@ constexpr uint64_t kAliasRecordBytes = 4096;
 
 }  // namespace
 
+// Removes phys from every tier, written down in a persistent tier
+// (remove_lasting): the id is not found after a kill with the bytes it had
+// before. *any: a tier held it. Returns the error of a tier that could not
+// say (a pool server gone, an I/O error), else OK.
+Status CascadeStore::Impl::remove_everywhere(const BlockId& phys, bool* any) {
+  Status failed;
+  auto sweep = [&] {
+    for (auto& t : tiers) {
+      Status st = t->remove_lasting(phys);
+      *any |= st.ok();
+      if (!st.ok() && !st.is(Code::kNotFound) && failed.ok()) failed = st;
+    }
+  };
+  sweep();
+  // A copy of the block between two tiers that started before the sweep
+  // may have landed after it: once none is in flight, sweep again.
+  copies.wait_idle(phys);
+  sweep();
+  return failed;
+}
+
 Status CascadeStore::Impl::remove_impl(const BlockId& id) {
   BlockId phys = id;
   bool aliased = false;
@@ -84,22 +105,8 @@ Status CascadeStore::Impl::remove_impl(const BlockId& id) {
                               " is not stored under its own id (dedup aliases share its bytes)");
     }
   }
-  // A user's remove is written down in a persistent tier (remove_lasting):
-  // the id is not found after a kill with the bytes it had before.
   bool any = false;
-  Status failed;  // a tier that could not say (a pool server gone, an I/O error)
-  auto sweep = [&] {
-    for (auto& t : tiers) {
-      Status st = t->remove_lasting(phys);
-      any |= st.ok();
-      if (!st.ok() && !st.is(Code::kNotFound) && failed.ok()) failed = st;
-    }
-  };
-  sweep();
-  // A copy of the block between two tiers that started before the sweep
-  // may have landed after it: once none is in flight, sweep again.
-  copies.wait_idle(phys);
-  sweep();
+  const Status failed = remove_everywhere(phys, &any);
   if (!any && !aliased) {
     if (!failed.ok()) return failed;
     return Status::NotFound("block " + id.hex() + " is not stored");

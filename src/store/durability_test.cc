@@ -1524,6 +1524,71 @@ TEST(DurabilityTest, AnEmptyPutTheDiskRefusesMovesNoBlockOfBytesOut) {
   disk->fail_every_put = false;
 }
 
+// A flush writes the block of a write-through put down between the disk's
+// refusal of the put's own write and the put's taking back of what it
+// stored: that copy goes too. Before, it stayed, and the failed put's
+// bytes were found (and written down for good by the next flush).
+TEST(DurabilityTest, AFailedWriteThroughPutTakesBackTheCopyAFlushWroteMeanwhile) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  auto s = open_on(write_through_config(), disk);
+  const BlockId x = id_of(0);
+  const auto v1 = bytes_of(1, 4096);
+  std::atomic<int> puts_of_x{0};
+  disk->before_put = [&](const BlockId& id) {
+    if (id == x && puts_of_x.fetch_add(1) == 0) disk->fail_every_put = true;
+  };
+  disk->after_put = [&](const BlockId& id) {
+    if (id != x || !disk->fail_every_put) return;
+    disk->fail_every_put = false;
+    std::thread flush([&] { EXPECT_TRUE(s->flush().ok()); });
+    flush.join();
+  };
+  EXPECT_FALSE(s->put(x, v1.data(), v1.size()).ok());
+  disk->before_put = disk->after_put = nullptr;
+  EXPECT_EQ(puts_of_x.load(), 2);  // the put's and the flush's
+  EXPECT_FALSE(s->contains(x));
+  EXPECT_EQ(s->stats().tiers[1].blocks, 0u);
+}
+
+// A second put of the same id while the first one's write-through fails:
+// it waits for the first to take its bytes back, then stores its own.
+// Before, it took the first put's copy for the block, wrote it down and
+// said OK; the first put's bytes then stood on disk.
+TEST(DurabilityTest, APutOfAnIdWhoseWriteThroughFailsMeanwhileStoresItsOwnBytes) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  auto s = open_on(write_through_config(), disk);
+  const BlockId x = id_of(0);
+  const auto v1 = bytes_of(1, 4096), v2 = bytes_of(2, 4096);
+  std::atomic<int> puts_of_x{0};
+  std::thread second;
+  std::atomic<bool> second_ok{false}, second_done{false};
+  disk->before_put = [&](const BlockId& id) {
+    if (id == x && puts_of_x.fetch_add(1) == 0) disk->fail_every_put = true;
+  };
+  disk->after_put = [&](const BlockId& id) {
+    if (id != x || !disk->fail_every_put) return;
+    disk->fail_every_put = false;
+    second = std::thread([&] {
+      second_ok = s->put(x, v2.data(), v2.size()).ok();
+      second_done = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  };
+  EXPECT_FALSE(s->put(x, v1.data(), v1.size()).ok());
+  second.join();
+  disk->before_put = disk->after_put = nullptr;
+  EXPECT_TRUE(second_ok.load());
+  std::vector<uint8_t> out;
+  GetResult r;
+  ASSERT_TRUE(s->get(x, &out, &r).ok());
+  EXPECT_TRUE(r.found && out == v2)
+      << "found " << r.found << ", the first put's bytes " << (out == v1);
+  s.reset();
+  auto again = reopen(write_through_config(), disk);
+  ASSERT_TRUE(again->get(x, &out, &r).ok());
+  EXPECT_TRUE(r.found && out == v2);
+}
+
 // With dedup the block is stored under its content's fingerprint and
 // linked to the id only once the put succeeds: a refused put left a block
 // no id reached, holding room until a flush wrote it down for good.

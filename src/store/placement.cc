@@ -235,8 +235,14 @@ Status CascadeStore::Impl::put_impl(const BlockId& id, const void* data, uint64_
       return Status::OK();
     }
     if (contains_phys(phys)) phys = id;  // fingerprint collision: keep apart
-  } else if (stored_below_top(phys)) {
-    return Status::OK();  // immutable: stored already, in a tier below the top
+  } else {
+    // Write-through puts of one id go one at a time (dedup puts do under
+    // their content's lock, above): one that fails takes back what it
+    // stored, which another put of the id must not have taken for the
+    // block meanwhile.
+    if (config.write_policy == WritePolicy::kWriteThrough)
+      linking = std::unique_lock<std::mutex>(content_lock(phys));
+    if (stored_below_top(phys)) return Status::OK();  // immutable: stored already, below the top
   }
   // A put that writes more than one tier is in flight like a copy between
   // tiers: a remove meanwhile waits for it, and its second sweep takes
@@ -262,6 +268,10 @@ Status CascadeStore::Impl::put_impl(const BlockId& id, const void* data, uint64_
   }
   if (st.ok() && config.write_policy == WritePolicy::kWriteThrough) {
     st = write_through(top, phys, data, size, stored_here, options);
+    if (!st.ok() && stored_here) {
+      in_flight = CopyRegistry::Guard();  // the sweep waits for copies in flight
+      undo_put(phys);
+    }
   } else if (st.ok() && remote > top && remote < tiers.size()) {
     // A distributed store publishes every put to the remote tier (the
     // block's owner rank) before returning, so every rank can read it.
@@ -281,9 +291,6 @@ Status CascadeStore::Impl::put_impl(const BlockId& id, const void* data, uint64_
 // it there (stored_here), its bytes are `data` (null: read from the top);
 // else the id was stored already and keeps its bytes, which are what goes
 // down, not the caller's (KV blocks of one id are not always bit-identical).
-// When a tier refuses, what this put stored goes again, so that a failed
-// put leaves no copy that is served, written down by the next flush, or
-// kept by the next put of the id in place of its bytes.
 Status CascadeStore::Impl::write_through(size_t top, const BlockId& phys, const void* data,
                                          uint64_t size, bool stored_here, PutOptions o) {
   Result<BlockView> view = Status::NotFound("");
@@ -295,19 +302,19 @@ Status CascadeStore::Impl::write_through(size_t top, const BlockId& phys, const 
     size = view->size();
     o.src_kind = view->kind();
   }
-  std::vector<size_t> stored_below;
   Status st;
-  for (size_t t = top + 1; t < tiers.size(); ++t) {
-    bool stored = true;
-    o.stored = &stored;
-    st = put_into(t, phys, data, size, o);
-    if (!st.ok()) break;
-    if (stored) stored_below.push_back(t);
-  }
-  if (st.ok() || !stored_here) return st;
-  for (size_t t : stored_below) (void)tiers[t]->remove_lasting(phys);
-  (void)tiers[top]->remove(phys);
+  for (size_t t = top + 1; t < tiers.size() && st.ok(); ++t) st = put_into(t, phys, data, size, o);
   return st;
+}
+
+// Takes back a write-through put a lower tier refused: every copy of it,
+// also one a flush or an eviction wrote below meanwhile, so that a failed
+// put leaves no copy that is served, written down, or kept by the next put
+// of the id in place of its bytes. The caller holds the id's put lock and
+// no copy guard of it.
+void CascadeStore::Impl::undo_put(const BlockId& phys) {
+  bool any = false;
+  (void)remove_everywhere(phys, &any);
 }
 
 // With dedup: false when id is an alias of a block the store holds (a put
@@ -454,10 +461,17 @@ Status CascadeStore::Impl::commit_impl(const Reservation& r, const PutOptions& o
   o.is_prefix = r.is_prefix;
   bool stored_here = true;  // tiers that do not say are taken to have stored it
   o.stored = &stored_here;
+  const bool through = config.write_policy == WritePolicy::kWriteThrough && tiers.size() > 1;
+  std::unique_lock<std::mutex> one_put;  // as put_impl's
+  if (through) one_put = std::unique_lock<std::mutex>(content_lock(r.id));
   Status st = tiers[0]->commit_reserved(r, o);
-  if (st.ok() && config.write_policy == WritePolicy::kWriteThrough && tiers.size() > 1) {
+  if (st.ok() && through) {
     CopyRegistry::Guard in_flight = copies.enter(r.id);  // as put_impl's
     st = write_through(0, r.id, nullptr, 0, stored_here, o);
+    if (!st.ok() && stored_here) {
+      in_flight = CopyRegistry::Guard();
+      undo_put(r.id);
+    }
   }
   if (!st.ok()) return fail(st);
   bytes_put.fetch_add(r.size, std::memory_order_relaxed);

@@ -8,11 +8,13 @@
 //                     stats, remove, write-down, async tasks
 //
 // Lock order: lifecycle_ (shared for every public call, exclusive in close)
-// is taken first and only by public entry points; then, with dedup, one
-// stripe of content_mu (a put from its fingerprint until its link, a remove
-// of an alias until the bytes are gone); below it, tiers and the dedup table
-// take their own locks one at a time. Work run on the pool calls the *_impl
-// functions, which take no lifecycle lock.
+// is taken first and only by public entry points; then one stripe of
+// content_mu (with dedup, a put from its fingerprint until its link and a
+// remove of an alias until the bytes are gone; with write-through, a put or
+// commit of an id until it is written through or taken back); below it,
+// tiers and the dedup table take their own locks one at a time. No thread
+// takes a stripe of content_mu while it holds a copy guard (copies). Work run on the pool calls the
+// *_impl functions, which take no lifecycle lock.
 #pragma once
 
 #include <array>
@@ -51,8 +53,9 @@ class CascadeStore::Impl {
   bool dedup_puts = false;
   // A put linking an id to stored bytes and a remove of their last alias
   // must not interleave, or the link would name bytes just removed: both
-  // hold the stripe of the physical id.
-  std::array<std::mutex, 64> content_mu;
+  // hold the stripe of the physical id. Write-through puts of one id hold
+  // it too (placement.cc).
+  std::array<std::mutex, 256> content_mu;
   std::mutex& content_lock(const BlockId& phys);
   // Copies between tiers in flight (evictions, write-downs, promotions): a
   // remove waits for those of its id before it returns (copy_registry.h).
@@ -105,9 +108,11 @@ class CascadeStore::Impl {
   // Write-through of the copy tier `top` holds to every tier below it.
   Status write_through(size_t top, const BlockId& phys, const void* data, uint64_t size,
                        bool stored_here, PutOptions o);
+  void undo_put(const BlockId& phys);
   Status put_impl(const BlockId& id, const void* data, uint64_t size, const PutOptions& options);
   Status fail(Status st);
   bool stale_alias_dropped(const BlockId& id);
+  Status remove_everywhere(const BlockId& phys, bool* any);
   bool contains_phys(const BlockId& p) const;
   bool same_content_stored(const BlockId& p, const void* data, uint64_t size);
   size_t put_batch_impl(std::span<const BlockId> ids, std::span<const ConstBuffer> data,
