@@ -480,6 +480,83 @@ def _serve_until_killed(key, socket_dir, ready):
     time.sleep(120)
 
 
+def _serve_fork_and_die(key, socket_dir, ready, child_pid):
+    start_service(key, held_prefix(2), socket_dir)
+    pid = os.fork()
+    if pid == 0:  # a helper forked without exec, outliving the worker
+        time.sleep(60)
+        os._exit(0)
+    child_pid.value = pid
+    ready.set()
+    time.sleep(120)
+
+
+def test_a_worker_restarts_while_a_child_it_forked_lives_on(sockdir):
+    """A child forked without exec lets go of its copies of the service's lock
+    and socket: the worker killed, a new one of the same engine and rank starts.
+    Before, it was refused as busy while the child lived."""
+    ctx = multiprocessing.get_context("spawn")
+    key, ready, child_pid = engine_key(), ctx.Event(), ctx.Value("i", 0)
+    worker = ctx.Process(
+        target=_serve_fork_and_die, args=(key, sockdir, ready, child_pid), daemon=True
+    )
+    worker.start()
+    assert ready.wait(60)
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()
+    try:
+        os.kill(child_pid.value, 0)  # the forked child lives on
+        again = start_service(key, held_prefix(3), sockdir)
+        look = lk.PrefixLookup(key, 1, mode="socket", socket_dir=sockdir, timeout_ms=2000)
+        assert look.prefix_length([HELD]) == 3
+        look.close()
+        again.close()
+    finally:
+        os.kill(child_pid.value, signal.SIGKILL)
+
+
+def test_a_second_worker_of_one_engine_key_and_rank_in_a_process_is_refused():
+    """Two engines of one process given one engine_id: the second worker's
+    registration is refused, as a second service of the key is. Before, it
+    replaced the first, whose scheduler then counted blocks only the second's
+    store held."""
+    from cascade.integrations.lookup_wire import ServiceBusy
+
+    key = engine_key()
+    first, second = held_prefix(2), held_prefix(8)
+    lk.register_worker(key, 0, first)
+    try:
+        with pytest.raises(ServiceBusy, match="another worker of this process"):
+            lk.register_worker(key, 0, second)
+        lk.register_worker(key, 0, first)  # the same worker again: fine
+        look = lk.PrefixLookup(key, 1, mode="off")
+        assert look.prefix_length([HELD]) == 2
+        look.close()
+    finally:
+        lk.unregister_worker(key, 0, first)
+
+
+def test_a_fifo_in_place_of_the_secret_is_refused_within_the_deadline(sockdir):
+    """A FIFO named as the secret: the scheduler's lookup is a miss by its
+    deadline. Before, opening it waited for a writer, past every deadline."""
+    key = engine_key()
+    service = start_service(key, held_prefix(4), sockdir)
+    directory = lk.service_dir(sockdir, key, 0)
+    try:
+        os.unlink(os.path.join(directory, "secret"))
+        os.mkfifo(os.path.join(directory, "secret"), 0o600)
+        look = lk.PrefixLookup(key, 1, mode="socket", socket_dir=sockdir, timeout_ms=300)
+        result = []
+        t = threading.Thread(target=lambda: result.append(look.prefix_length([HELD])), daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "the lookup waited on the FIFO"
+        assert result == [0]
+        look.close()
+    finally:
+        service.close()
+
+
 def test_directories_of_killed_services_are_removed_and_live_ones_kept(sockdir):
     from cascade.integrations.lookup_wire import remove_stale_service_dirs
 

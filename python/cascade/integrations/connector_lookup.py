@@ -33,6 +33,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Callable
 
@@ -59,8 +60,18 @@ _directory_lock = threading.Lock()
 def register_worker(
     engine_key: str, rank: int, prefix_fn: PrefixFn, locate_fn: LocateFn | None = None
 ) -> None:
-    """Makes a worker of this process answer its engine's scheduler directly."""
+    """Makes a worker of this process answer its engine's scheduler directly.
+
+    ``wire.ServiceBusy`` when another worker of this process holds the engine key
+    and rank (two engines given one engine_id): its scheduler would otherwise be
+    answered by the newer worker's store, and count blocks its own does not hold."""
     with _directory_lock:
+        held = _directory.get((engine_key, rank))
+        if held is not None and held != prefix_fn:
+            raise wire.ServiceBusy(
+                f"engine key {engine_key!r} rank {rank}: another worker of this process answers "
+                "its lookups; give each vLLM engine its own engine_id"
+            )
         _directory[(engine_key, rank)] = prefix_fn
         if locate_fn is not None:
             _locators[(engine_key, rank)] = locate_fn
@@ -140,6 +151,23 @@ class LookupService:
             raise
         self._thread = threading.Thread(target=self._accept, name="cascade-lookup", daemon=True)
         self._thread.start()
+        _live_services.add(self)
+
+    def _let_go_in_child(self) -> None:
+        """In a child forked without exec: closes its copies of the lock, the
+        listening socket and the connections, which are the parent's (a worker
+        restarted after the parent died would be refused while the child kept the
+        lock), and leaves the directory to the parent."""
+        self._closed.set()
+        for sock in [self._listener, *self._conns]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        try:
+            os.close(self._lock_fd)
+        except OSError:
+            pass
 
     @property
     def connections(self) -> int:
@@ -255,6 +283,18 @@ class LookupService:
         self._thread.join(timeout=5)
         self._listener.close()
         wire.remove_service_dir(self.directory, self._lock_fd)
+
+
+# The services of this process, for a child forked from it.
+_live_services: weakref.WeakSet[LookupService] = weakref.WeakSet()
+
+
+def _let_go_in_child() -> None:
+    for service in list(_live_services):
+        service._let_go_in_child()
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 def _shutdown(conn: socket.socket):

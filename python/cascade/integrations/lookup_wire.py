@@ -250,7 +250,11 @@ def read_secret(path: str) -> bytes:
     """The secret of the service whose directory is ``path`` (checked private to this user)."""
     dfd = _open_private_dir(path)
     try:
-        fd = os.open(SECRET_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        # O_NONBLOCK: a FIFO under the name would block the open until a
+        # writer came; the check below then refuses it.
+        fd = os.open(
+            SECRET_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd
+        )
     finally:
         os.close(dfd)
     try:

@@ -519,9 +519,14 @@ class CascadeConnector(KVConnectorBase_V1):
             stores_blocks=self._rank in self.shards.savers,
         )
         if self.config.lookup != "socket":
-            register_worker(
-                self.engine_key, self._rank, self.worker.prefix_length, self.worker.locate
-            )
+            try:
+                register_worker(
+                    self.engine_key, self._rank, self.worker.prefix_length, self.worker.locate
+                )
+            except BaseException:
+                self.worker.close()  # and its store
+                self.worker = None
+                raise
         backend = getattr(parallel, "distributed_executor_backend", None)
         if self.config.lookup == "socket" or (self.config.lookup == "auto" and backend != "uni"):
             stale = remove_stale_service_dirs(
