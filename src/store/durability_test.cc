@@ -1589,6 +1589,46 @@ TEST(DurabilityTest, APutOfAnIdWhoseWriteThroughFailsMeanwhileStoresItsOwnBytes)
   EXPECT_TRUE(r.found && out == v2);
 }
 
+// A reserved put (the node pool's) under write-through that the disk
+// refuses is taken back as a put is. Before, the commit's own "stored"
+// answer was overwritten by the disk's, the block stayed and was served,
+// and a later put of the id kept its bytes without writing them down.
+TEST(DurabilityTest, AWriteThroughCommitTheDiskRefusesLeavesNoCopyAbove) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  auto s = open_on(write_through_config(), disk);
+  const BlockId x = id_of(0);
+  const auto v1 = bytes_of(1, 4096), v2 = bytes_of(2, 4096);
+  auto r = s->reserve(x, v1.size());
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::memcpy(s->shared_arena().base + r->offset, v1.data(), v1.size());
+  disk->fail_every_put = true;
+  EXPECT_TRUE(s->commit(*r).is(Code::kIOError));
+  EXPECT_FALSE(s->contains(x));
+  disk->fail_every_put = false;
+  ASSERT_TRUE(s->put(x, v2.data(), v2.size()).ok());
+  std::vector<uint8_t> out;
+  GetResult got;
+  ASSERT_TRUE(s->get(x, &out, &got).ok());
+  EXPECT_TRUE(got.found && out == v2);
+  std::lock_guard<std::mutex> lock(disk->mu);
+  EXPECT_EQ(disk->pending[x], v2);
+}
+
+// A flush that fails for blocks and for its tier's own flush says both.
+TEST(DurabilityTest, AFlushSaysEveryKindOfFailure) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  auto s = open_on(host_disk_config(8 << 20), disk);
+  put_blocks(s.get(), 0, 2, 4096);
+  disk->fail_every_put = true;
+  disk->fail_flush = true;
+  Status st = s->flush();
+  EXPECT_NE(st.message().find("2 of 2 blocks could not be written down"), std::string::npos)
+      << st.ToString();
+  EXPECT_NE(st.message().find("could not flush"), std::string::npos) << st.ToString();
+  disk->fail_every_put = disk->fail_flush = false;
+  EXPECT_TRUE(s->flush().ok());
+}
+
 // With dedup the block is stored under its content's fingerprint and
 // linked to the id only once the put succeeds: a refused put left a block
 // no id reached, holding room until a flush wrote it down for good.

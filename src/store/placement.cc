@@ -293,6 +293,7 @@ Status CascadeStore::Impl::put_impl(const BlockId& id, const void* data, uint64_
 // down, not the caller's (KV blocks of one id are not always bit-identical).
 Status CascadeStore::Impl::write_through(size_t top, const BlockId& phys, const void* data,
                                          uint64_t size, bool stored_here, PutOptions o) {
+  o.stored = nullptr;  // the caller's, of the top tier
   Result<BlockView> view = Status::NotFound("");
   if (!stored_here || !data) {
     view = tiers[top]->acquire_to_copy(phys);

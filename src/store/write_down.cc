@@ -153,12 +153,19 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
       flushed = Status(st.code(),
                        std::string("the ") + t->name() + " tier could not flush: " + st.message());
   }
-  Status st =
-      block_failures.summary(blocks, "blocks could not be written down to the " + below + " tier");
-  if (st.ok())
-    st = alias_failures.summary(aliases,
-                                "dedup aliases could not be written to the " + below + " tier");
-  if (st.ok()) st = flushed;
+  // Every kind of failure is said (the first one's code): a tier's flush
+  // fails for what it could not write itself (removals), which the blocks'
+  // failures would otherwise hide.
+  Status st;
+  for (const Status& part :
+       {block_failures.summary(blocks,
+                               "blocks could not be written down to the " + below + " tier"),
+        alias_failures.summary(aliases,
+                               "dedup aliases could not be written to the " + below + " tier"),
+        flushed}) {
+    if (part.ok()) continue;
+    st = st.ok() ? part : Status(st.code(), st.message() + "; " + part.message());
+  }
   return st;
 }
 
