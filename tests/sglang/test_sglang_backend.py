@@ -556,3 +556,13 @@ def test_the_controllers_backup_hit_query_and_prefetch_calls(work, interface_v1)
         assert ctl.hit_query(other) == ([], 0)
     finally:
         b.close()
+
+
+def test_a_clear_the_store_cannot_do_is_false_not_raised(work):
+    """clear on a closed store answers False (logged), as the other calls answer
+    a miss; before, the store's error was raised into SGLang."""
+    d, shm = work
+    b = backend(sp.dynamic_extra(host_cfg(shm), shm_dir=shm))
+    assert b.clear() is True
+    b.close()
+    assert b.clear() is False

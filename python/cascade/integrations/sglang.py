@@ -595,8 +595,13 @@ class CascadeHiCacheStorage(_HiCacheStorage):
 
     def clear(self) -> bool:
         """Drops every block of this rank's store (a node pool's blocks are every
-        client's: a pool client drops nothing)."""
-        self.store.clear()
+        client's: a pool client drops nothing). False when the store could not
+        (closed, its server gone): logged, not raised, as the other calls' errors."""
+        try:
+            self.store.clear()
+        except cascade.CascadeError as e:
+            logger.warning("Cascade HiCache storage: clear failed: %s", e)
+            return False
         return True
 
     def close(self) -> None:
