@@ -1614,6 +1614,48 @@ TEST(DurabilityTest, AWriteThroughCommitTheDiskRefusesLeavesNoCopyAbove) {
   EXPECT_EQ(disk->pending[x], v2);
 }
 
+// A reservation of an id whose write-through commit is under way (another
+// client of a node pool) waits for it to settle: the block that commit
+// made visible was taken back, so this one reserves and stores its own.
+// Before, it was answered "present" at once and its commit said OK for an
+// id that was then a miss.
+TEST(DurabilityTest, AReservationWaitsForAWriteThroughCommitOfTheIdToSettle) {
+  auto disk = std::make_shared<SimulatedDisk>();
+  auto s = open_on(write_through_config(), disk);
+  const BlockId x = id_of(0);
+  const auto v1 = bytes_of(1, 4096), v2 = bytes_of(2, 4096);
+  auto first = s->reserve(x, v1.size());
+  ASSERT_TRUE(first.ok());
+  std::memcpy(s->shared_arena().base + first->offset, v1.data(), v1.size());
+  std::thread second;
+  Status second_st = Status::Unavailable("not run");
+  disk->before_put = [&](const BlockId& id) {
+    if (id != x || second.joinable()) return;
+    disk->fail_every_put = true;
+    second = std::thread([&] {
+      auto r = s->reserve(x, v2.size());
+      if (!r.ok()) {
+        second_st = r.status();
+        return;
+      }
+      if (!r->present) std::memcpy(s->shared_arena().base + r->offset, v2.data(), v2.size());
+      second_st = s->commit(*r);
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  };
+  disk->after_put = [&](const BlockId& id) {
+    if (id == x) disk->fail_every_put = false;
+  };
+  EXPECT_FALSE(s->commit(*first).ok());
+  second.join();
+  disk->before_put = disk->after_put = nullptr;
+  ASSERT_TRUE(second_st.ok()) << second_st.ToString();
+  std::vector<uint8_t> out;
+  GetResult got;
+  ASSERT_TRUE(s->get(x, &out, &got).ok());
+  EXPECT_TRUE(got.found && out == v2) << "an OK commit left the id a miss";
+}
+
 // A flush that fails for blocks and for its tier's own flush says both.
 TEST(DurabilityTest, AFlushSaysEveryKindOfFailure) {
   auto disk = std::make_shared<SimulatedDisk>();

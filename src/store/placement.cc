@@ -324,13 +324,16 @@ void CascadeStore::Impl::undo_put(const BlockId& phys) {
 // eviction dropped that block and its aliases, and it would otherwise keep
 // every later put of the id from storing its bytes. True when id is no alias.
 bool CascadeStore::Impl::stale_alias_dropped(const BlockId& id) {
-  const auto p = dedup->resolve(id);
-  if (!p) return true;
-  if (contains_phys(*p)) return false;
-  std::lock_guard<std::mutex> linked(content_lock(*p));
-  if (dedup->resolve(id) != p || contains_phys(*p)) return false;
-  (void)dedup->unlink(id);
-  return true;
+  while (true) {
+    const auto p = dedup->resolve(id);
+    if (!p) return true;
+    if (contains_phys(*p)) return false;
+    std::lock_guard<std::mutex> linked(content_lock(*p));
+    if (dedup->resolve(id) != p) continue;  // unlinked or linked anew meanwhile: look again
+    if (contains_phys(*p)) return false;
+    (void)dedup->unlink(id);
+    return true;
+  }
 }
 
 Status CascadeStore::Impl::fail(Status st) {
@@ -392,7 +395,14 @@ std::optional<Result<Reservation>> CascadeStore::Impl::reserve_decided(const Blo
   present.is_prefix = options.is_prefix;
   present.present = true;
   if (dedup && dedup->resolve(id)) return Result<Reservation>(present);
-  if (contains_phys(id)) return Result<Reservation>(present);
+  {
+    // A write-through commit of the id under way settles first: the block
+    // it made visible may yet be taken back.
+    std::unique_lock<std::mutex> settled;
+    if (config.write_policy == WritePolicy::kWriteThrough)
+      settled = std::unique_lock<std::mutex>(content_lock(id));
+    if (contains_phys(id)) return Result<Reservation>(present);
+  }
   if (!fits(0, size))
     return Result<Reservation>(Status::InvalidArgument("block of " + std::to_string(size) +
                                                        " bytes is larger than the " +

@@ -71,15 +71,16 @@ std::unique_lock<std::mutex> FileTier::lock_lane(Lane** out) {
   return std::unique_lock<std::mutex>((*out)->mu);
 }
 
-Status FileTier::admit(uint64_t record_bytes) {
+Status FileTier::admit(uint64_t record_bytes, bool removal) {
   if (disk_full_.exchange(false)) (void)reclaim_space(record_bytes, /*disk_full=*/true);
   if (!put_limit_) {
     disk_bytes_.fetch_add(record_bytes);
     return Status::OK();
   }
+  const uint64_t limit = removal ? capacity_ : put_limit_;
   for (int attempt = 0; attempt < 3; ++attempt) {
     uint64_t cur = disk_bytes_.load();
-    while (cur + record_bytes <= put_limit_) {
+    while (cur + record_bytes <= limit) {
       if (disk_bytes_.compare_exchange_weak(cur, cur + record_bytes)) return Status::OK();
     }
     if (!reclaim_space(record_bytes, /*disk_full=*/false)) break;
@@ -283,7 +284,7 @@ Status FileTier::append(const BlockId& id, const void* data, uint64_t size, uint
                         Publish&& publish) {
   const uint64_t rec = file::record_size(size);
   for (int attempt = 0;; ++attempt) {
-    CASCADE_RETURN_IF_ERROR(admit(rec));
+    CASCADE_RETURN_IF_ERROR(admit(rec, flags & file::kFlagRemoval));
     Lane* lane = nullptr;
     auto lock = lock_lane(&lane);
     Location loc;

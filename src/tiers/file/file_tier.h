@@ -227,7 +227,11 @@ class FileTier final : public Tier {
   FileTier(const CascadeConfig& config, ThreadPool* pool, Env* env);
   Status load_directory();
   void index_loaded(std::vector<Loaded>& loaded);
-  Status admit(uint64_t record_bytes);
+  // Counts a record's bytes on disk, within put_limit_ (NoSpace past it,
+  // once reclaiming found no room). A removal record may use the
+  // compaction reserve, up to the capacity: it makes no room itself, and
+  // refusing it would fail every flush of a full tier.
+  Status admit(uint64_t record_bytes, bool removal = false);
   // Writes one record through a lane and, under the lane lock, calls
   // publish(loc, seg, header), which returns whether the record is live.
   // On ENOSPC reclaims space in place and tries once more.

@@ -618,6 +618,32 @@ TEST(FileTierTest, SegmentTruncatedOrDeletedUnderARunningStore) {
   EXPECT_TRUE(reads_back(t.get(), 100, 20000));
 }
 
+// A tier filled to its bound of blocks still writes removal records: they
+// may use the compaction reserve. Before, each was refused as the tier
+// being full, and every flush failed until the store happened to evict.
+TEST(FileTierTest, AFullTierStillWritesRemovalRecords) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  CascadeConfig c = file_test::file_config(tmp.path());  // segments of 1 MiB
+  c.file_capacity_bytes = 2 << 20;  // too small to compact one: dead records stay
+  auto t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  uint64_t n = 0;
+  while (put(t.get(), n, 30000).ok()) ++n;
+  ASSERT_GT(n, 3u);
+  for (uint64_t k = n; put(t.get(), k, 100).ok(); ++k) {
+  }  // records of a page, as a removal's, until none fits
+  for (uint64_t i = 0; i < 3; ++i) ASSERT_TRUE(t->remove_lasting(id_of(i)).ok());
+  Status st = t->flush();
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_LE(t->disk_bytes(), c.file_capacity_bytes);
+  t.reset();
+  t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  for (uint64_t i = 0; i < 3; ++i) EXPECT_FALSE(t->contains(id_of(i)));
+  EXPECT_TRUE(reads_back(t.get(), 3, 30000));
+}
+
 TEST(FileTierTest, CapacityBoundEvictionAndReuse) {
   TempDir tmp;
   ThreadPool pool(2);
