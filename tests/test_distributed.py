@@ -148,6 +148,18 @@ def test_owner_that_leaves_turns_its_blocks_into_misses_without_hanging():
 
 
 @needs_mpi
+def test_a_put_after_the_owner_removed_the_id_reaches_the_owner(tmp_path):
+    _, text, _ = mpirun(2, "put_after_remove", str(tmp_path))
+    assert "OK: put_after_remove on 2 rank(s)" in text
+
+
+@needs_mpi
+def test_an_owner_stopped_and_continued_is_asked_again_once_it_answers():
+    _, text, _ = mpirun(2, "stopped_and_back")
+    assert "OK: stopped_and_back on 2 rank(s)" in text
+
+
+@needs_mpi
 @pytest.mark.parametrize("scenario", ["loads_mismatch", "one_bad_option"])
 def test_options_refused_on_one_rank_are_an_error_on_every_rank(scenario):
     """node_local_loads differing between ranks, or an option one rank's

@@ -233,6 +233,73 @@ def leave(env: Env, timeout_ms: int = 1500):
     env.done("leave (announced and silent)")
 
 
+def stopped_and_back(env: Env, timeout_ms: int = 300):
+    """An owner stopped (SIGSTOP) long enough to be skipped for seconds, then
+    continued: its late replies end the skip, and puts to it succeed again at
+    once. Before, it stayed skipped for the whole backoff window after it had
+    answered."""
+    rank, size = env.rank, env.size
+    store = env.cd.open_store(env.config(), request_timeout_ms=timeout_ms)
+    pids = env.comm.allgather(os.getpid())
+    keys = [f"stopped/{i}" for i in range(400) if env.cd.owner(f"stopped/{i}", size) == 1]
+    env.check(len(keys) > 20, "rank 1 owns some ids")
+    env.comm.Barrier()
+    if rank == 0:
+        os.kill(pids[1], signal.SIGSTOP)
+        t0, i = time.monotonic(), 0
+        while time.monotonic() - t0 < 3.5:  # timeouts in a row: skipped for 2.4 s after
+            try:
+                store.put(keys[i % len(keys)], payload(0, i, 4096))
+            except env.cascade.CascadeError:
+                pass
+            i += 1
+            time.sleep(0.01)
+        os.kill(pids[1], signal.SIGCONT)
+        time.sleep(0.3)  # its late replies arrive
+        t0, stored = time.monotonic(), False
+        while not stored and time.monotonic() - t0 < 1.0:
+            try:
+                stored = store.put(keys[-1], payload(0, 999, 4096))
+            except env.cascade.CascadeError:
+                time.sleep(0.02)
+        env.check(stored, "rank 1 answers again and is still skipped")
+    env.comm.Barrier()
+    if rank == 1:
+        env.read_back(store, keys[-1], payload(0, 999, 4096))
+    env.comm.Barrier()
+    store.close()
+    env.done("stopped_and_back")
+
+
+def put_after_remove(env: Env, directory: str):
+    """A rank puts an id another rank owns, the owner removes it, and the
+    first rank puts it again with other bytes: the owner then serves the new
+    bytes. Before, the put found the rank's own file copy of the old bytes
+    (which a remove elsewhere does not reach), said OK and published nothing."""
+    rank, size = env.rank, env.size
+    store = env.cd.open_store(
+        env.config(
+            32 << 20, pipeline="host|file", lustre_path=directory, write_policy="write_through"
+        )
+    )
+    key = next(f"again/{i}" for i in range(1000) if env.cd.owner(f"again/{i}", size) == 0)
+    first, second = payload(1, 0, 4096), payload(1, 1, 4096)
+    if rank == 1:
+        env.check(store.put(key, first), "the first put")
+    env.comm.Barrier()
+    if rank == 0:
+        env.check(store.remove(key), "the owner's remove")
+    env.comm.Barrier()
+    if rank == 1:
+        env.check(store.put(key, second), "the second put")
+    env.comm.Barrier()
+    if rank == 0:
+        env.read_back(store, key, second)
+    env.comm.Barrier()
+    store.close()
+    env.done("put_after_remove")
+
+
 def _progress_file(directory, rank):
     return os.path.join(directory, f"progress-{rank}.txt")
 
@@ -393,13 +460,15 @@ def main(argv):
         same_id(env)
     elif scenario == "leave":
         leave(env)
+    elif scenario == "stopped_and_back":
+        stopped_and_back(env)
     elif scenario == "loads_mismatch":
         loads_mismatch(env)
     elif scenario == "one_bad_option":
         one_bad_option(env)
     elif scenario == "one_bad_config":
         one_bad_config(env, argv[1])
-    elif scenario in ("kill_write", "kill_restart"):
+    elif scenario in ("kill_write", "kill_restart", "put_after_remove"):
         why = env.comm.allgather(file_tier_usable(env, argv[1]))
         if any(why):
             if env.rank == 0:
@@ -409,7 +478,11 @@ def main(argv):
                     flush=True,
                 )
             return
-        (kill_write if scenario == "kill_write" else kill_restart)(env, argv[1])
+        {
+            "kill_write": kill_write,
+            "kill_restart": kill_restart,
+            "put_after_remove": put_after_remove,
+        }[scenario](env, argv[1])
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 

@@ -242,7 +242,11 @@ Status CascadeStore::Impl::put_impl(const BlockId& id, const void* data, uint64_
     // block meanwhile.
     if (config.write_policy == WritePolicy::kWriteThrough)
       linking = std::unique_lock<std::mutex>(content_lock(phys));
-    if (stored_below_top(phys)) return Status::OK();  // immutable: stored already, below the top
+    // Immutable: stored already, below the top. Not so in a distributed
+    // store: this rank's copy below may be of bytes another rank removed at
+    // the owner (a remove does not reach other ranks' tiers), and the put
+    // must reach the owner, whose put finds what it holds itself.
+    if (remote >= tiers.size() && stored_below_top(phys)) return Status::OK();
   }
   // A put that writes more than one tier is in flight like a copy between
   // tiers: a remove meanwhile waits for it, and its second sweep takes
@@ -524,7 +528,9 @@ size_t CascadeStore::Impl::put_batch_impl(std::span<const BlockId> ids,
                                           const PutOptions& options) {
   size_t n = ids.size();
   std::vector<size_t> rest;
-  if (!dedup && config.write_policy == WritePolicy::kWriteBack &&
+  // Not in a distributed store: its puts are published to their owners
+  // one by one (put_impl).
+  if (!dedup && config.write_policy == WritePolicy::kWriteBack && remote >= tiers.size() &&
       tiers[0]->prefers_batches(options.src_kind)) {
     std::vector<const void*> ptrs(n);
     std::vector<uint64_t> sizes(n);

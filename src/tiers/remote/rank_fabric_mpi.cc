@@ -369,7 +369,10 @@ void RankFabric::dispatch(int source, int tag, std::span<const uint8_t> bytes) {
     return;
   }
   if (tag == kReplyTag) {
-    unanswered_[source].streak.store(0, std::memory_order_relaxed);  // it answers
+    // It answers: no longer skipped (its late replies to calls that gave
+    // up come first, as soon as it runs again).
+    unanswered_[source].streak.store(0, std::memory_order_relaxed);
+    unanswered_[source].skip_until_ns.store(0, std::memory_order_relaxed);
     if (calls_.deliver(source, std::move(*m))) return;
     std::lock_guard<std::mutex> lock(handler_mu_);
     if (handler_) handler_->on_stale_reply(source, *m);
