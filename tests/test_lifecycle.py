@@ -218,7 +218,9 @@ def test_close_waits_for_its_own_prefetch(make_config, tmp_path):
     with cascade.CascadeStore(make_config(pipeline="file", file_path=str(directory))) as writer:
         assert writer.put_batch(ids, data) == n
     seen_reading = 0
-    for _ in range(5):
+    for _ in range(20):  # until close() meets a promotion under way (timing: a loaded machine)
+        if seen_reading:
+            break
         store = cascade.CascadeStore(
             make_config(capacity=256 << 20, pipeline="host|file", file_path=str(directory))
         )
