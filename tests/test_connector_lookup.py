@@ -515,6 +515,27 @@ def test_a_worker_restarts_while_a_child_it_forked_lives_on(sockdir):
         os.kill(child_pid.value, signal.SIGKILL)
 
 
+def test_a_child_forked_after_a_service_closed_keeps_its_descriptors(sockdir, tmp_path):
+    """A service closed and still referenced: a child forked later closes
+    nothing (the service's old descriptor numbers name other files by then).
+    Before, the child closed the number of the old lock file."""
+    service = start_service(engine_key(), held_prefix(1), sockdir)
+    service.close()
+    with open(tmp_path / "a", "w") as a, open(tmp_path / "b", "w") as b:
+        fds = (a.fileno(), b.fileno())
+        pid = os.fork()
+        if pid == 0:
+            try:
+                for fd in fds:
+                    os.write(fd, b"x")
+                os._exit(0)
+            except OSError:
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "a descriptor was closed"
+    del service
+
+
 def test_a_second_worker_of_one_engine_key_and_rank_in_a_process_is_refused():
     """Two engines of one process given one engine_id: the second worker's
     registration is refused, as a second service of the key is. Before, it

@@ -157,7 +157,10 @@ class LookupService:
         """In a child forked without exec: closes its copies of the lock, the
         listening socket and the connections, which are the parent's (a worker
         restarted after the parent died would be refused while the child kept the
-        lock), and leaves the directory to the parent."""
+        lock), and leaves the directory to the parent. Nothing for a service the
+        parent closed: its descriptor numbers may name other files by now."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         for sock in [self._listener, *self._conns]:
             try:
@@ -276,6 +279,7 @@ class LookupService:
         if self._closed.is_set():
             return
         self._closed.set()
+        _live_services.discard(self)
         with self._lock:
             conns = list(self._conns)
         for c in conns:

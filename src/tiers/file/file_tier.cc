@@ -77,14 +77,19 @@ Status FileTier::admit(uint64_t record_bytes, bool removal) {
     disk_bytes_.fetch_add(record_bytes);
     return Status::OK();
   }
-  const uint64_t limit = removal ? capacity_ : put_limit_;
-  for (int attempt = 0; attempt < 3; ++attempt) {
+  auto take = [&](uint64_t limit) {
     uint64_t cur = disk_bytes_.load();
     while (cur + record_bytes <= limit) {
-      if (disk_bytes_.compare_exchange_weak(cur, cur + record_bytes)) return Status::OK();
+      if (disk_bytes_.compare_exchange_weak(cur, cur + record_bytes)) return true;
     }
+    return false;
+  };
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    if (take(put_limit_)) return Status::OK();
     if (!reclaim_space(record_bytes, /*disk_full=*/false)) break;
   }
+  // The reserve only once reclaiming found no room: compaction needs it.
+  if (removal && take(capacity_)) return Status::OK();
   return Status::NoSpace("file tier is full: " + std::to_string(disk_bytes_.load()) + " of " +
                          std::to_string(capacity_) + " bytes on disk (" +
                          std::to_string(dead_bytes()) + " dead)");

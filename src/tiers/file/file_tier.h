@@ -228,9 +228,10 @@ class FileTier final : public Tier {
   Status load_directory();
   void index_loaded(std::vector<Loaded>& loaded);
   // Counts a record's bytes on disk, within put_limit_ (NoSpace past it,
-  // once reclaiming found no room). A removal record may use the
-  // compaction reserve, up to the capacity: it makes no room itself, and
-  // refusing it would fail every flush of a full tier.
+  // once reclaiming found no room). A removal record that reclaiming found
+  // no room for may use the compaction reserve, up to the capacity: it
+  // makes no room itself, and refusing it would fail every flush of a full
+  // tier.
   Status admit(uint64_t record_bytes, bool removal = false);
   // Writes one record through a lane and, under the lane lock, calls
   // publish(loc, seg, header), which returns whether the record is live.

@@ -644,6 +644,29 @@ TEST(FileTierTest, AFullTierStillWritesRemovalRecords) {
   EXPECT_TRUE(reads_back(t.get(), 3, 30000));
 }
 
+// Removal records in a full tier whose segments hold dead records: the
+// space is reclaimed for them first, and the compaction reserve is left for
+// compaction. Taken first, the reserve filled with removal records, no
+// segment could be compacted any more, and every flush failed.
+TEST(FileTierTest, RemovalRecordsLeaveTheCompactionReserveToCompaction) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  CascadeConfig c = file_test::file_config(tmp.path());  // segments of 1 MiB
+  c.file_capacity_bytes = 8 << 20;
+  auto t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  uint64_t n = 0;
+  while (put(t.get(), n, 100).ok()) ++n;  // records of a page, as a removal's
+  for (uint64_t i = 0; i < n; i += 2) ASSERT_TRUE(t->remove_lasting(id_of(i)).ok());
+  Status st = t->flush();
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_LE(t->disk_bytes(), c.file_capacity_bytes);
+  t.reset();
+  t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  for (uint64_t i = 0; i < n; ++i) EXPECT_EQ(t->contains(id_of(i)), i % 2 == 1) << i;
+}
+
 TEST(FileTierTest, CapacityBoundEvictionAndReuse) {
   TempDir tmp;
   ThreadPool pool(2);

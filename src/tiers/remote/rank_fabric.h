@@ -196,6 +196,7 @@ class RankFabric {
   struct Unanswered {
     std::atomic<int64_t> skip_until_ns{0};  // steady clock
     std::atomic<uint32_t> streak{0};
+    std::atomic<int64_t> base_ns{0};  // the deadline of the last call it left unanswered
   };
   std::unique_ptr<Unanswered[]> unanswered_;  // one per rank
 

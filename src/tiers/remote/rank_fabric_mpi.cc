@@ -309,6 +309,7 @@ Status RankFabric::post(int peer, int tag, const Message& m) {
 
 void RankFabric::note_unanswered(int peer, std::chrono::milliseconds base) {
   Unanswered& u = unanswered_[peer];
+  u.base_ns.store(std::chrono::nanoseconds(base).count());
   const uint32_t streak = std::min<uint32_t>(u.streak.fetch_add(1) + 1, 16);
   const auto skip = std::min<std::chrono::nanoseconds>(base * (int64_t{1} << (streak - 1)),
                                                        std::chrono::seconds(30));
@@ -369,11 +370,23 @@ void RankFabric::dispatch(int source, int tag, std::span<const uint8_t> bytes) {
     return;
   }
   if (tag == kReplyTag) {
-    // It answers: no longer skipped (its late replies to calls that gave
-    // up come first, as soon as it runs again).
-    unanswered_[source].streak.store(0, std::memory_order_relaxed);
-    unanswered_[source].skip_until_ns.store(0, std::memory_order_relaxed);
-    if (calls_.deliver(source, std::move(*m))) return;
+    Unanswered& u = unanswered_[source];
+    if (calls_.deliver(source, std::move(*m))) {
+      // It answers in time: the run of unanswered calls ends.
+      u.streak.store(0, std::memory_order_relaxed);
+      u.skip_until_ns.store(0, std::memory_order_relaxed);
+      return;
+    }
+    // A late reply (its call gave up): it runs again, so it is skipped at
+    // most one deadline more, not the rest of a doubled window (a rank
+    // stopped for a while answers these first when it goes on). The run
+    // goes on: a rank that always answers late is still skipped most of
+    // the time rather than costing every call its deadline.
+    const int64_t soon =
+        (Clock::now() + std::chrono::nanoseconds(u.base_ns.load())).time_since_epoch().count();
+    int64_t until = u.skip_until_ns.load(std::memory_order_relaxed);
+    while (until > soon && !u.skip_until_ns.compare_exchange_weak(until, soon)) {
+    }
     std::lock_guard<std::mutex> lock(handler_mu_);
     if (handler_) handler_->on_stale_reply(source, *m);
     return;
