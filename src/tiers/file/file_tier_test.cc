@@ -618,6 +618,15 @@ TEST(FileTierTest, SegmentTruncatedOrDeletedUnderARunningStore) {
   EXPECT_TRUE(reads_back(t.get(), 100, 20000));
 }
 
+// Flushes, which must succeed within the capacity, and opens the tier again.
+void flush_and_reopen(std::unique_ptr<FileTier>& t, const CascadeConfig& c, ThreadPool* pool) {
+  Status st = t->flush();
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_LE(t->disk_bytes(), c.file_capacity_bytes);
+  t.reset();
+  t = open_tier(c, pool);
+}
+
 // A tier filled to its bound of blocks still writes removal records: they
 // may use the compaction reserve. Before, each was refused as the tier
 // being full, and every flush failed until the store happened to evict.
@@ -634,11 +643,7 @@ TEST(FileTierTest, AFullTierStillWritesRemovalRecords) {
   for (uint64_t k = n; put(t.get(), k, 100).ok(); ++k) {
   }  // records of a page, as a removal's, until none fits
   for (uint64_t i = 0; i < 3; ++i) ASSERT_TRUE(t->remove_lasting(id_of(i)).ok());
-  Status st = t->flush();
-  EXPECT_TRUE(st.ok()) << st.ToString();
-  EXPECT_LE(t->disk_bytes(), c.file_capacity_bytes);
-  t.reset();
-  t = open_tier(c, &pool);
+  flush_and_reopen(t, c, &pool);
   ASSERT_TRUE(t);
   for (uint64_t i = 0; i < 3; ++i) EXPECT_FALSE(t->contains(id_of(i)));
   EXPECT_TRUE(reads_back(t.get(), 3, 30000));
@@ -658,11 +663,7 @@ TEST(FileTierTest, RemovalRecordsLeaveTheCompactionReserveToCompaction) {
   uint64_t n = 0;
   while (put(t.get(), n, 100).ok()) ++n;  // records of a page, as a removal's
   for (uint64_t i = 0; i < n; i += 2) ASSERT_TRUE(t->remove_lasting(id_of(i)).ok());
-  Status st = t->flush();
-  EXPECT_TRUE(st.ok()) << st.ToString();
-  EXPECT_LE(t->disk_bytes(), c.file_capacity_bytes);
-  t.reset();
-  t = open_tier(c, &pool);
+  flush_and_reopen(t, c, &pool);
   ASSERT_TRUE(t);
   for (uint64_t i = 0; i < n; ++i) EXPECT_EQ(t->contains(id_of(i)), i % 2 == 1) << i;
 }
