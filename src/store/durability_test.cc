@@ -94,6 +94,18 @@ size_t count_intact(CascadeStore* s, size_t n, size_t size) {
   return count_intact(s, n, size, [](size_t i) { return i; });
 }
 
+// Whether s finds id with exactly the bytes `want`.
+::testing::AssertionResult finds(CascadeStore* s, const BlockId& id,
+                                 const std::vector<uint8_t>& want) {
+  std::vector<uint8_t> out;
+  GetResult r;
+  Status st = s->get(id, &out, &r);
+  if (!st.ok()) return ::testing::AssertionFailure() << st.ToString();
+  if (!r.found) return ::testing::AssertionFailure() << "not found";
+  if (out != want) return ::testing::AssertionFailure() << "found with other bytes";
+  return ::testing::AssertionSuccess();
+}
+
 void put_blocks(CascadeStore* s, size_t from, size_t to, size_t size) {
   for (size_t i = from; i < to; ++i) {
     auto b = bytes_of(i, size);
@@ -1177,11 +1189,7 @@ TEST(DurabilityTest, ARemoveWaitsForACopyOfItsBlockInFlight) {
   EXPECT_TRUE(claimed.load());
   disk->before_put = nullptr;
   disk->after_put = nullptr;
-  std::vector<uint8_t> out;
-  GetResult r;
-  ASSERT_TRUE(s->get(x, &out, &r).ok());
-  EXPECT_TRUE(r.found) << "the id was left stored nowhere";
-  EXPECT_TRUE(out == bytes_of(100, kBlock)) << "not the new bytes";
+  EXPECT_TRUE(finds(s.get(), x, bytes_of(100, kBlock))) << "the new bytes, stored somewhere";
 }
 
 // Writers remove ids and put them again with new bytes, read them and
@@ -1375,10 +1383,7 @@ TEST(DurabilityTest, APromotionOfBytesReadBeforeARemoveDoesNotComeBack) {
     put_again = true;
     reader.join();
     disk->after_read = nullptr;
-    std::vector<uint8_t> out;
-    GetResult r;
-    ASSERT_TRUE(s->get(x, &out, &r).ok());
-    EXPECT_TRUE(r.found && out == v2)
+    EXPECT_TRUE(finds(s.get(), x, v2))
         << (via_acquire ? "acquire" : "get") << ": the old bytes came back";
   }
 }
@@ -1470,10 +1475,7 @@ TEST(DurabilityTest, ARemoveWaitsForAWriteThroughPutInFlight) {
   first.join();
   ASSERT_TRUE(s->put(x, v2.data(), v2.size()).ok());
   disk->before_put = nullptr;
-  std::vector<uint8_t> out;
-  GetResult r;
-  ASSERT_TRUE(s->get(x, &out, &r).ok());
-  EXPECT_TRUE(r.found && out == v2) << "the first put's copy below outlived the remove";
+  EXPECT_TRUE(finds(s.get(), x, v2)) << "the first put's copy below outlived the remove";
 }
 
 // Write-through: a put the disk refuses fails, and leaves no copy above.
@@ -1492,15 +1494,10 @@ TEST(DurabilityTest, AWriteThroughPutTheDiskRefusesLeavesNoCopyAbove) {
   EXPECT_EQ(s->stats().tiers[0].blocks, 0u);
   disk->fail_every_put = false;
   ASSERT_TRUE(s->put(x, v2.data(), v2.size()).ok());
-  std::vector<uint8_t> out;
-  GetResult r;
-  ASSERT_TRUE(s->get(x, &out, &r).ok());
-  EXPECT_TRUE(r.found && out == v2);
+  EXPECT_TRUE(finds(s.get(), x, v2));
   ASSERT_TRUE(s->flush().ok());
   s.reset();
-  auto again = reopen(c, disk);
-  ASSERT_TRUE(again->get(x, &out, &r).ok());
-  EXPECT_TRUE(r.found && out == v2);
+  EXPECT_TRUE(finds(reopen(c, disk).get(), x, v2));
 }
 
 // An empty put into a host tier at its bound of empty blocks while the
@@ -1578,15 +1575,9 @@ TEST(DurabilityTest, APutOfAnIdWhoseWriteThroughFailsMeanwhileStoresItsOwnBytes)
   second.join();
   disk->before_put = disk->after_put = nullptr;
   EXPECT_TRUE(second_ok.load());
-  std::vector<uint8_t> out;
-  GetResult r;
-  ASSERT_TRUE(s->get(x, &out, &r).ok());
-  EXPECT_TRUE(r.found && out == v2)
-      << "found " << r.found << ", the first put's bytes " << (out == v1);
+  EXPECT_TRUE(finds(s.get(), x, v2)) << "the first put's bytes: " << finds(s.get(), x, v1);
   s.reset();
-  auto again = reopen(write_through_config(), disk);
-  ASSERT_TRUE(again->get(x, &out, &r).ok());
-  EXPECT_TRUE(r.found && out == v2);
+  EXPECT_TRUE(finds(reopen(write_through_config(), disk).get(), x, v2));
 }
 
 // A reserved put (the node pool's) under write-through that the disk
@@ -1606,10 +1597,7 @@ TEST(DurabilityTest, AWriteThroughCommitTheDiskRefusesLeavesNoCopyAbove) {
   EXPECT_FALSE(s->contains(x));
   disk->fail_every_put = false;
   ASSERT_TRUE(s->put(x, v2.data(), v2.size()).ok());
-  std::vector<uint8_t> out;
-  GetResult got;
-  ASSERT_TRUE(s->get(x, &out, &got).ok());
-  EXPECT_TRUE(got.found && out == v2);
+  EXPECT_TRUE(finds(s.get(), x, v2));
   std::lock_guard<std::mutex> lock(disk->mu);
   EXPECT_EQ(disk->pending[x], v2);
 }
@@ -1650,10 +1638,7 @@ TEST(DurabilityTest, AReservationWaitsForAWriteThroughCommitOfTheIdToSettle) {
   second.join();
   disk->before_put = disk->after_put = nullptr;
   ASSERT_TRUE(second_st.ok()) << second_st.ToString();
-  std::vector<uint8_t> out;
-  GetResult got;
-  ASSERT_TRUE(s->get(x, &out, &got).ok());
-  EXPECT_TRUE(got.found && out == v2) << "an OK commit left the id a miss";
+  EXPECT_TRUE(finds(s.get(), x, v2)) << "an OK commit left the id a miss";
 }
 
 // A flush that fails for blocks and for its tier's own flush says both.
@@ -1707,10 +1692,7 @@ TEST(DurabilityTest, AWriteThroughPutOfAnIdHeldAboveWritesTheHeldBytesDown) {
   ASSERT_EQ(s->stats().tiers[1].blocks, 4u);  // id 0 among those dropped
   const auto other = bytes_of(1000, kBlock);
   ASSERT_TRUE(s->put(x, other.data(), other.size()).ok());
-  std::vector<uint8_t> out;
-  GetResult r;
-  ASSERT_TRUE(s->get(x, &out, &r).ok());
-  EXPECT_EQ(out, bytes_of(0, kBlock));
+  EXPECT_TRUE(finds(s.get(), x, bytes_of(0, kBlock)));
   std::lock_guard<std::mutex> lock(disk->mu);
   EXPECT_EQ(disk->pending[x], bytes_of(0, kBlock)) << "the caller's bytes went down";
 }
