@@ -271,32 +271,50 @@ def stopped_and_back(env: Env, timeout_ms: int = 300):
     env.done("stopped_and_back")
 
 
+def _put_one(store, policy: str, key: str, data) -> bool:
+    """put when written through, put_batch of one when written back."""
+    if policy == "write_through":
+        return store.put(key, data)
+    return store.put_batch([key], [data]) == 1
+
+
 def put_after_remove(env: Env, directory: str):
     """A rank puts an id another rank owns, the owner removes it, and the
     first rank puts it again with other bytes: the owner then serves the new
     bytes. Before, the put found the rank's own file copy of the old bytes
-    (which a remove elsewhere does not reach), said OK and published nothing."""
+    (which a remove elsewhere does not reach), said OK and published nothing.
+    Written through with put, and written back (flushed) with put_batch."""
     rank, size = env.rank, env.size
-    store = env.cd.open_store(
-        env.config(
-            32 << 20, pipeline="host|file", lustre_path=directory, write_policy="write_through"
+    for policy in ("write_through", "write_back"):
+        store = env.cd.open_store(
+            env.config(
+                32 << 20,
+                pipeline="host|file",
+                lustre_path=os.path.join(directory, policy),
+                write_policy=policy,
+            )
         )
-    )
-    key = next(f"again/{i}" for i in range(1000) if env.cd.owner(f"again/{i}", size) == 0)
-    first, second = payload(1, 0, 4096), payload(1, 1, 4096)
-    if rank == 1:
-        env.check(store.put(key, first), "the first put")
-    env.comm.Barrier()
-    if rank == 0:
-        env.check(store.remove(key), "the owner's remove")
-    env.comm.Barrier()
-    if rank == 1:
-        env.check(store.put(key, second), "the second put")
-    env.comm.Barrier()
-    if rank == 0:
-        env.read_back(store, key, second)
-    env.comm.Barrier()
-    store.close()
+        key = next(
+            f"again/{policy}/{i}"
+            for i in range(1000)
+            if env.cd.owner(f"again/{policy}/{i}", size) == 0
+        )
+        first, second = payload(1, 0, 4096), payload(1, 1, 4096)
+
+        if rank == 1:
+            env.check(_put_one(store, policy, key, first), f"{policy}: the first put")
+            store.flush()
+        env.comm.Barrier()
+        if rank == 0:
+            env.check(store.remove(key), f"{policy}: the owner's remove")
+        env.comm.Barrier()
+        if rank == 1:
+            env.check(_put_one(store, policy, key, second), f"{policy}: the second put")
+        env.comm.Barrier()
+        if rank == 0:
+            env.read_back(store, key, second)
+        env.comm.Barrier()
+        store.close()
     env.done("put_after_remove")
 
 

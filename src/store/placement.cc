@@ -528,9 +528,7 @@ size_t CascadeStore::Impl::put_batch_impl(std::span<const BlockId> ids,
                                           const PutOptions& options) {
   size_t n = ids.size();
   std::vector<size_t> rest;
-  // Not in a distributed store: its puts are published to their owners
-  // one by one (put_impl).
-  if (!dedup && config.write_policy == WritePolicy::kWriteBack && remote >= tiers.size() &&
+  if (!dedup && config.write_policy == WritePolicy::kWriteBack &&
       tiers[0]->prefers_batches(options.src_kind)) {
     std::vector<const void*> ptrs(n);
     std::vector<uint64_t> sizes(n);
@@ -538,7 +536,8 @@ size_t CascadeStore::Impl::put_batch_impl(std::span<const BlockId> ids,
       ptrs[i] = data[i].data;
       sizes[i] = data[i].size;
     }
-    // Immutable: an id a tier below holds already is not written on top.
+    // Immutable: an id a tier below holds already is not written on top
+    // (in a distributed store it is still published to its owner, below).
     std::vector<size_t> fresh;
     for (size_t i = 0; i < n; ++i) {
       if (stored_below_top(ids[i])) (*statuses)[i] = Status::OK();
