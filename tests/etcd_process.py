@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
 import urllib.request
+
+from free_ports import free_port
 
 ETCD = shutil.which("etcd")
 SKIP_REASON = "etcd is not installed (Debian: apt-get install etcd-server; `make test` does)"
@@ -21,12 +22,6 @@ SKIP_REASON = "etcd is not installed (Debian: apt-get install etcd-server; `make
 
 class _PortTaken(Exception):
     """etcd exited because a port it was given is in use."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdProcess:

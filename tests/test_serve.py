@@ -28,6 +28,7 @@ import yaml
 import cascade
 from cascade import serve, serve_status
 from cascade.machine import arena_pages
+from free_ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The servers import the cascade package this test imported (a source tree or an install).
@@ -37,12 +38,6 @@ SAMPLE = re.compile(
     r'[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*",?)*\})? '
     r"(-?[0-9.e+-]+|NaN|[+-]Inf)"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _before_exec(ignore_sighup: bool, soft_nofile: int | None) -> None:

@@ -8,15 +8,18 @@ import gc
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import cascade
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/free_ports.py
+from free_ports import free_port  # noqa: E402
 
 BS = 32  # vLLM's CPU attention takes blocks of a multiple of 32 tokens
 VOCAB = 2048
@@ -157,12 +160,6 @@ def metrics(llm) -> dict[str, float]:
         tier = m.labels.get("tier")
         out[f"{m.name}{{{tier}}}" if tier else m.name] = out.get(m.name, 0) + value
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VllmServer:

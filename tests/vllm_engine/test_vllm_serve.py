@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,18 +15,12 @@ import urllib.request
 
 import pytest
 import yaml
-from real_engine import BS, SERVER_ENV, VllmServer, file_tier, prompt
+from real_engine import BS, SERVER_ENV, VllmServer, file_tier, free_port, prompt
 
 from cascade import serve_status
 
 PROMPT_TOKENS = 1500
 HIT = (PROMPT_TOKENS - 1) // BS * BS
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
