@@ -765,3 +765,45 @@ def test_a_sweep_of_stale_directories_leaves_its_own_engines_alone(sockdir):
     threading.Timer(0.2, os.close, (held,)).start()
     svc = start_service(mine, held_prefix(1), sockdir)
     svc.close()
+
+
+def test_a_restarted_worker_is_asked_at_once_over_a_new_connection(sockdir):
+    """The scheduler's connection to a worker that restarted is closed by the
+    old service: the next lookup sees that before it sends, connects to the
+    new service and is answered. Before, it sent over the dead connection,
+    counted a miss and left the rank alone for the retry delay."""
+    key = engine_key()
+    first = start_service(key, held_prefix(2), sockdir)
+    look = lk.PrefixLookup(key, 1, mode="socket", socket_dir=sockdir, timeout_ms=2000)
+    assert look.prefix_length([HELD]) == 2
+    first.close()
+    second = start_service(key, held_prefix(5), sockdir)
+    try:
+        assert look.prefix_length([HELD]) == 5
+    finally:
+        look.close()
+        second.close()
+
+
+def test_bytes_no_request_asked_for_put_the_connection_out_of_use(sockdir):
+    """An answer that comes with no request outstanding (a service out of
+    step) is never taken as the answer to the next request: the connection
+    goes and the next lookup is asked over a new one."""
+    key = engine_key()
+    svc = start_service(key, held_prefix(4), sockdir)
+    look = lk.PrefixLookup(key, 1, mode="socket", socket_dir=sockdir, timeout_ms=2000)
+    try:
+        assert look.prefix_length([HELD[:1]]) == 1
+        # The service side of the scheduler's connection sends an answer of
+        # its own: "ok, 1".
+        deadline = time.monotonic() + 5
+        while not svc.connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        conns = list(svc._conns)
+        assert len(conns) == 1
+        lk.wire.send_answer(conns[0], lk.wire.ST_OK, 1, lk.Deadline(2))
+        time.sleep(0.1)
+        assert look.prefix_length([HELD]) == 4  # not the stray "1"
+    finally:
+        look.close()
+        svc.close()

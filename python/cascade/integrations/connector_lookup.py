@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -324,14 +325,12 @@ class _Asked:
 
 
 def _answer_waiting(conn: socket.socket) -> bool:
-    """Whether bytes (or the end of the stream) wait to be read on ``conn``."""
-    try:
-        conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True  # the read reports it
-    return True
+    """Whether bytes (or the end of the stream, or an error) wait to be read
+    on ``conn``, without waiting: ``poll`` with no timeout (a recv would wait
+    for the socket's own timeout first)."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class _RemoteRank:
@@ -392,6 +391,15 @@ class _RemoteRank:
             return None
         sent = False
         try:
+            if self._conn is not None and _answer_waiting(self._conn):
+                # No request is outstanding here: bytes or the end of the
+                # stream mean a service that closed (a worker restarted) or
+                # one out of step. Either way the connection goes, and the
+                # request is asked over a new one.
+                logger.info(
+                    "Cascade lookup at %s: connection ended; connecting again", self.address
+                )
+                self._drop()
             conn = self._conn or self._connect(deadline)
             if conn is None:
                 return None
