@@ -295,6 +295,28 @@ def test_layers_that_overlap_or_memory_that_moved_are_refused(store):
         load_paged(store, kv, [3], IDS[:1])
 
 
+def test_memory_that_shrank_at_the_same_address_is_refused(store):
+    """A layer whose storage is replaced by a smaller one at the same address
+    (an allocator that hands the address back): the description made at the
+    first load no longer fits and is refused, and nothing is written past the
+    new storage. Before, the cached mover was kept, since the address had not
+    changed, and the load wrote past the end and said it was done."""
+    import numpy as np
+
+    save_paged(store, PagedKv.from_layers(packed(31)), [NB - 1], IDS[:1])
+    memory = np.zeros(NB * H * BS * 2 * D * 2, dtype=np.uint8)
+    layer = torch.from_numpy(memory).view(torch.bfloat16).view(NB, H, BS, 2 * D)
+    kv = PagedKv.from_layers([layer] * L)
+    assert load_paged(store, kv, [0], IDS[:1]) == [None]
+    memory[:] = 0
+    one_block = H * BS * 2 * D * 2
+    layer.set_(torch.from_numpy(memory[:one_block]).untyped_storage())  # same address
+    assert layer.data_ptr() == memory.ctypes.data
+    with pytest.raises(cascade.InvalidArgumentError):
+        load_paged(store, kv, [NB - 1], IDS[:1])
+    assert not memory.any()
+
+
 @pytest.mark.parametrize("layers", [range(0, -1), (0, -5), (2, 1), (1, 1), (0, L + 1), (-1, 2)])
 def test_layer_ranges_outside_the_cache_are_refused(store, layers):
     src, dst = packed(15), packed(16)
@@ -368,3 +390,29 @@ def test_blocks_survive_in_the_file_tier(make_config, tmp_path):
         assert cached_prefix_length(s, IDS) == 3
         assert load_paged(s, PagedKv.from_layers(dst), [4, 5, 6], IDS) == [None] * 3
     assert all(torch.equal(dst[i][4 + j], src[i][1 + j]) for i in range(L) for j in range(3))
+
+
+def test_one_id_string_is_refused_not_split_into_characters(store):
+    """Before, a single id string was taken as one id per character: 32
+    blocks stored under "0".."f", and a lookup counted them as a prefix."""
+    kv = PagedKv.from_layers(packed(41))
+    one = IDS[0]
+    for call in (save_paged, load_paged, load_layers):
+        with pytest.raises(TypeError, match="not a single str"):
+            call(store, kv, list(range(len(one))), one)
+    with pytest.raises(TypeError, match="not a single str"):
+        cached_prefix_length(store, one)
+    assert not any(store.contains(c) for c in set(one))
+
+
+def test_engine_blocks_may_be_numpy_integers(store):
+    import numpy as np
+
+    src, dst = packed(42), packed(43)
+    assert save_paged(store, PagedKv.from_layers(src), [np.int64(2)], IDS[:1]) == [None]
+    assert load_paged(store, PagedKv.from_layers(dst), [np.int32(5)], IDS[:1]) == [None]
+    assert torch.equal(k_of(dst, "packed_kv", 5), k_of(src, "packed_kv", 2))
+    with pytest.raises(TypeError, match="integers"):
+        load_paged(store, PagedKv.from_layers(dst), [True], IDS[:1])
+    with pytest.raises(TypeError, match="integers"):
+        load_paged(store, PagedKv.from_layers(dst), [5.0], IDS[:1])

@@ -41,11 +41,27 @@ LAYOUTS = ("packed_kv", "split_kv", "flat_bytes", "mla")
 def _as_int_list(values, what: str) -> list:
     if hasattr(values, "tolist"):
         values = values.tolist()
-    out = list(values)
-    for v in out:
-        if isinstance(v, bool) or not isinstance(v, int):
+    out = []
+    for v in values:
+        # Python ints and integer scalars (numpy's, torch's 0-d), never bools.
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
             raise TypeError(f"{what} must be integers, got {type(v).__name__}")
+        out.append(operator.index(v))
     return out
+
+
+def _refuse_one_id(ids) -> None:
+    """One str or bytes where a sequence of ids belongs is refused, not taken
+    a character each."""
+    if isinstance(ids, (str, bytes, bytearray)):
+        raise TypeError(
+            "ids: a sequence of block ids, not a single str or bytes; wrap one id in a list"
+        )
+
+
+def _as_id_list(ids) -> list:
+    _refuse_one_id(ids)
+    return list(ids)
 
 
 class PagedKv:
@@ -199,10 +215,12 @@ class PagedKv:
     def _mover(self, store):
         key = id(store)
         entry = self._movers.get(key)
-        # The tensors' memory may have moved (a storage resized or set anew):
-        # the mover is then made, and its description checked, again.
+        # The tensors' memory may have moved or shrunk (a storage resized or
+        # set anew, possibly at the same address): the mover is then made, and
+        # its description checked against the memory, again.
         ptrs = [t.data_ptr() for t in self.layers]
-        if entry is None or entry[0] is not store or entry[2] != ptrs:
+        memory = [(p, _storage_bytes(t)) for p, t in zip(ptrs, self.layers)]
+        if entry is None or entry[0] is not store or entry[2] != memory:
             bs, hs, ts, kvs = self.strides
             mover = _core.KvBlockMover(
                 store,
@@ -222,7 +240,7 @@ class PagedKv:
                 kvs,
                 _memory_after(self.layers),
             )
-            entry = (store, mover, ptrs)
+            entry = (store, mover, memory)
             self._movers[key] = entry
         return entry[1]
 
@@ -247,6 +265,13 @@ class PagedKv:
             f"head_size={self.head_size}, elem_bytes={self.elem_bytes}, {where}, "
             f"stored_block_bytes={self.stored_block_bytes})"
         )
+
+
+def _storage_bytes(t) -> int:
+    """The size of the memory behind a layer tensor (-1 when it is not a
+    torch tensor)."""
+    storage = getattr(t, "untyped_storage", None)
+    return -1 if storage is None else storage().nbytes()
 
 
 def _memory_after(layers) -> list:
@@ -363,7 +388,7 @@ def save_paged(
     if layers is not None and _layer_range(kv, layers) not in ((0, -1), (0, kv.num_layers)):
         raise ValueError("a save copies every layer: a stored block is written once, whole")
     blocks = _as_int_list(engine_blocks, "engine_blocks")
-    return kv._mover(store).save(blocks, list(ids), kv._stream(cuda_stream))
+    return kv._mover(store).save(blocks, _as_id_list(ids), kv._stream(cuda_stream))
 
 
 def load_paged(
@@ -384,7 +409,7 @@ def load_paged(
     """
     begin, end = _layer_range(kv, layers)
     blocks = _as_int_list(engine_blocks, "engine_blocks")
-    return kv._mover(store).load(blocks, list(ids), begin, end, kv._stream(cuda_stream))
+    return kv._mover(store).load(blocks, _as_id_list(ids), begin, end, kv._stream(cuda_stream))
 
 
 def load_layers(
@@ -404,11 +429,12 @@ def load_layers(
     A cache in host memory is loaded before the call returns. Until
     ``finish()`` the store's ``close()`` raises ``BusyError``."""
     blocks = _as_int_list(engine_blocks, "engine_blocks")
-    return kv._mover(store).load_layers(blocks, list(ids), kv._stream(cuda_stream))
+    return kv._mover(store).load_layers(blocks, _as_id_list(ids), kv._stream(cuda_stream))
 
 
 def cached_prefix_length(store, ids: Iterable[str]) -> int:
     """How many leading ids the store holds (a lookup; moves nothing)."""
+    _refuse_one_id(ids)
     n = 0
     for block_id in ids:
         if not store.contains(block_id):
