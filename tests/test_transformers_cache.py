@@ -429,6 +429,37 @@ def test_a_block_rows_share_is_stored_and_counted_once(model, kv_store):
         pc.save(tokens(40, 14), [(torch.zeros(1, 3, 40, 32), torch.zeros(1, 3, 40, 32))] * 3)
 
 
+# (layer, 0 for K or 1 for V, damage): None for every layer.
+PAST_DAMAGE = {
+    "V of layer 0 with one head": (0, 1, lambda t: t[:, :1]),
+    "K of layer 1 with one head": (1, 0, lambda t: t[:, :1]),
+    "V of layer 2 of head_dim 1": (2, 1, lambda t: t[..., :1]),
+    "V of layer 1 with one token": (1, 1, lambda t: t[:, :, :1]),
+    "V of every layer in float64": (None, 1, lambda t: t.double()),
+}
+
+
+@pytest.mark.parametrize("damage", list(PAST_DAMAGE))
+def test_a_past_whose_layers_differ_from_layer_0_is_refused(model, kv_store, damage):
+    """Every layer's K and V is checked, not only layer 0's K. Before, a
+    dimension of 1 elsewhere was broadcast by the copy into the save buffer:
+    wrong KV stored as the prompt's blocks, and loaded by the next prefill."""
+    pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
+    a = tokens(64, 61)
+    with torch.no_grad():
+        past = model(a[None], use_cache=True).past_key_values
+    pairs = [(k.clone(), v.clone()) for k, v in kv_from_past(past)]
+    which, kv, change = PAST_DAMAGE[damage]
+    bad = [list(p) for p in pairs]
+    for layer, p in enumerate(bad):
+        if which is None or layer == which:
+            p[kv] = change(p[kv])
+    with pytest.raises(ValueError, match="cache [KV] of layer"):
+        pc.save(a, [tuple(p) for p in bad])
+    assert pc.lookup(a).present_blocks == [0]
+    assert pc.save(a, pairs)[0] == 64 // BS  # the intact past is stored
+
+
 GPU = bool(cascade.HAVE_CUDA) and cascade.gpu_usable(0) and torch.cuda.is_available()
 
 

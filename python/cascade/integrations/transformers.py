@@ -557,11 +557,21 @@ class PrefixCache:
                 f"cache K of shape {tuple(k0.shape)} does not hold [batch={want[0]}, "
                 f"kv_heads={want[1]}, >= {batch.shape[1] - 1} tokens, head_dim={want[2]}]"
             )
-        if k0.dtype != g.dtype:
-            raise ValueError(
-                f"cache dtype {k0.dtype} differs from the model's {g.dtype} (the namespace's)"
-            )
         have = k0.shape[2]
+        # Every layer's K and V the shape of layer 0's K: a copy would
+        # broadcast a dimension of 1 (one head, one token) into wrong KV.
+        for layer, pair in enumerate(pairs):
+            for name, t in zip("KV", pair):
+                if t.dtype != g.dtype:
+                    raise ValueError(
+                        f"cache {name} of layer {layer} has dtype {t.dtype}, the model "
+                        f"{g.dtype} (the namespace's)"
+                    )
+                if tuple(t.shape) != tuple(k0.shape):
+                    raise ValueError(
+                        f"cache {name} of layer {layer} has shape {tuple(t.shape)}, "
+                        f"layer 0's K {tuple(k0.shape)}"
+                    )
         todo = []  # (row, block)
         taken: set[str] = set()  # a block rows share goes once
         for r, row_ids in enumerate(ids):
