@@ -38,6 +38,11 @@ constexpr uint64_t kM1 = 0x9E3779B97F4A7C15ULL;
 constexpr uint64_t kM2 = 0xBF58476D1CE4E5B9ULL;
 constexpr auto kServiceWait = 100ms;  // a service thread's receive, between checks for the end
 constexpr auto kSweepEvery = 1s;
+// How long a member that left the view is still answered (its holdings
+// ended, its connection back kept): one stopped or cut off from the
+// coordination service past its lease comes back with the same generation
+// and goes on over the links it has, which nothing tells it to renew.
+constexpr auto kAbsentMemberKept = 10min;
 // The longest a member whose address refuses connections is skipped.
 constexpr auto kMaxFailedSkip = 30s;
 
@@ -165,6 +170,10 @@ struct PeerState {
   std::unordered_map<uint64_t, Lease> leases;
   std::unordered_map<uint64_t, Held> reservations;
   Clock::time_point since = Clock::now();  // its Hello
+  // Guarded by peers_mu: seen in a view of this member with this
+  // generation; since when it has been out of the view (zero: in it).
+  bool was_member = false;
+  Clock::time_point absent_since{};
   // Set by end_peer: a request served concurrently must not add to maps
   // nobody will end again.
   bool ended = false;
@@ -708,7 +717,20 @@ class ClusterNode::Impl {
                                    const std::string& node_id, std::span<const uint8_t> address,
                                    std::shared_ptr<Peer>* back);
   std::vector<uint8_t> serve_items(PeerState& p, Op op, uint32_t count, const uint8_t* items);
-  void end_peer(PeerState& p, bool closed = false);
+  void end_peer(PeerState& p, bool closed = false) { end_holdings(p, closed, /*for_good=*/true); }
+  // Ends the leases and reservations a member holds here; for good: its
+  // state too (requests that were under way add nothing) and its
+  // connection back.
+  void end_holdings(PeerState& p, bool closed, bool for_good);
+  // A member that left the view: what it holds ends, and it is still
+  // answered over its connection for kAbsentMemberKept. REQUIRES: peers_mu.
+  void mark_absent(PeerState& p, Clock::time_point now,
+                   std::vector<std::shared_ptr<PeerState>>* to_end,
+                   const std::shared_ptr<PeerState>& ref) {
+    if (p.absent_since != Clock::time_point{}) return;
+    p.absent_since = now;
+    to_end->push_back(ref);
+  }
   void sweep();
 };
 
@@ -1630,12 +1652,12 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
 // freed by sweep. With the transports closed (`closed`), nothing lands any
 // more and they are freed at once.
 // REQUIRES: p is no longer reachable from `peers`, or peers_mu is held.
-void ClusterNode::Impl::end_peer(PeerState& p, bool closed) {
+void ClusterNode::Impl::end_holdings(PeerState& p, bool closed, bool for_good) {
   std::vector<BlockView> ended;
   std::vector<Ending> held_back;
   {
     std::lock_guard<std::mutex> l(p.mu);
-    p.ended = true;
+    if (for_good) p.ended = true;
     for (auto& [t, lease] : p.leases) ended.push_back(std::move(lease.view));
     for (auto& [t, held] : p.reservations) held_back.push_back(Ending{held.r, held.expires});
     p.leases.clear();
@@ -1657,36 +1679,49 @@ void ClusterNode::Impl::end_peer(PeerState& p, bool closed) {
       ending.insert(ending.end(), held_back.begin(), held_back.end());
     }
   }
-  if (p.back) p.back->close();
+  if (for_good && p.back) p.back->close();
 }
 
 // Ends leases and reservations past their expiry: a member that leased a
-// block and never released it does not pin it for ever. A member that is not
-// in the view (or is there with a newer generation) loses all it holds here,
-// its connection back included, once a deadline has passed since its Hello:
-// time for a member that just joined to appear in this member's view.
+// block and never released it does not pin it for ever. A sender that is
+// not in the view loses all it holds here once a deadline has passed since
+// its Hello (time for a member that just joined to appear in this member's
+// view): one never seen in the view is forgotten with its connection back,
+// one that was a member is still answered for kAbsentMemberKept (it may be
+// stopped, or cut off from the coordination service, and come back with
+// the same generation), and one whose node is in the view with a newer
+// generation is forgotten at once.
 void ClusterNode::Impl::sweep() {
-  std::vector<std::shared_ptr<PeerState>> all, strays;
+  std::vector<std::shared_ptr<PeerState>> all, strays, absent;
   const auto now = Clock::now();
   {
     const auto r = current();
     const auto grace = std::chrono::milliseconds(options.request_timeout_ms);
     std::lock_guard<std::mutex> l(peers_mu);
     for (auto it = peers.begin(); it != peers.end();) {
-      const PeerState& p = *it->second;
-      bool in_view = false;
+      PeerState& p = *it->second;
+      bool in_view = false, newer = false;
       if (r)
-        for (const auto& m : r->view.members)
+        for (const auto& m : r->view.members) {
           in_view |= m.node_id == p.node_id && m.generation <= p.generation;
-      if (!in_view && now - p.since >= grace) {
-        strays.push_back(it->second);
-        it = peers.erase(it);
-      } else {
-        all.push_back(it->second);
-        ++it;
+          newer |= m.node_id == p.node_id && m.generation > p.generation;
+        }
+      if (in_view) {
+        p.was_member = true;
+        p.absent_since = {};
+      } else if (now - p.since >= grace) {
+        if (p.was_member && !newer) mark_absent(p, now, &absent, it->second);
+        if (!p.was_member || newer || now - p.absent_since >= kAbsentMemberKept) {
+          strays.push_back(it->second);
+          it = peers.erase(it);
+          continue;
+        }
       }
+      all.push_back(it->second);
+      ++it;
     }
   }
+  for (auto& p : absent) end_holdings(*p, /*closed=*/false, /*for_good=*/false);
   for (auto& p : strays) end_peer(*p);
   for (auto& p : all) {
     std::vector<BlockView> ended;
@@ -1844,23 +1879,29 @@ Status ClusterNode::set_view(ClusterView view) {
     std::unique_lock<std::shared_mutex> l(impl_->view_mu);
     old = std::exchange(impl_->ring, ring);
   }
-  std::vector<std::shared_ptr<PeerState>> gone;
+  std::vector<std::shared_ptr<PeerState>> gone, absent;
   if (old) {
+    const auto at = Clock::now();
     std::lock_guard<std::mutex> l(impl_->peers_mu);
     for (auto it = impl_->peers.begin(); it != impl_->peers.end();) {
       const auto& [id, gen, lane] = it->first;
       auto seen = now.find(id);
       bool was = false;
-      for (const auto& mem : old->view.members) was |= mem.node_id == id;
-      if ((seen == now.end() && was) || (seen != now.end() && seen->second > gen)) {
+      for (const auto& mem : old->view.members) was |= mem.node_id == id && mem.generation <= gen;
+      if (seen != now.end() && seen->second > gen) {  // a new process of the member
         gone.push_back(it->second);
         it = impl_->peers.erase(it);
-      } else {
-        ++it;
+        continue;
       }
+      if (seen == now.end() && was) {  // it left: it may come back (see sweep)
+        it->second->was_member = true;
+        impl_->mark_absent(*it->second, at, &absent, it->second);
+      }
+      ++it;
     }
   }
   for (auto& p : gone) impl_->end_peer(*p);
+  for (auto& p : absent) impl_->end_holdings(*p, /*closed=*/false, /*for_good=*/false);
   // Connections to members no longer in the view end, and so do mappings
   // of their arenas: a member that is gone pins no memory here. (A call
   // under way keeps its own Link until it returns.)

@@ -777,6 +777,43 @@ TEST(ClusterNode, WhatAMemberThatIsNotInTheViewHoldsEndsAfterADeadline) {
   EXPECT_FALSE(known.call(cluster::Op::kLookup, 1, one).empty());
 }
 
+TEST(ClusterNode, AMemberThatLeftTheViewAndCameBackIsAnsweredWithoutANewHello) {
+  SKIP_WITHOUT_TRANSPORT();
+  // A member stopped (or cut off from the coordination service) past its
+  // lease drops out of the others' views and comes back with the same
+  // generation; its own view never changed, so nothing makes it say Hello
+  // again. Before, the owner forgot it when it left, and every request of
+  // its links went unanswered: its pushes were dropped, its reads missed.
+  Member a("a");
+  ASSERT_TRUE(a.node);
+  std::vector<uint8_t> ids = put_blocks(a.server->store(), 8100, 8);
+  RawMember raw(a.node->address());
+  const ClusterView both = view_of({{"a", a.node->address()}, {"raw", raw.t->address()}});
+  ASSERT_TRUE(a.node->set_view(both).ok());
+  ASSERT_FALSE(raw.call(cluster::Op::kHello, static_cast<uint32_t>(raw.t->address().size()),
+                        raw.t->address())
+                   .empty());
+  ASSERT_FALSE(raw.call(cluster::Op::kLease, 8, ids).empty());
+  EXPECT_EQ(a.node->stats().peer_leases, 8u);
+  // It leaves the view: what it holds ends at once ...
+  ClusterView alone = view_of({{"a", a.node->address()}}, 2);
+  ASSERT_TRUE(a.node->set_view(alone).ok());
+  EXPECT_EQ(a.node->stats().peer_leases, 0u);
+  // ... and, past the deadline after which a stray is forgotten, it is
+  // still answered, and its holdings stay ended.
+  std::this_thread::sleep_for(2500ms);  // the timeout (500 ms) and two sweeps
+  const std::vector<uint8_t> one(ids.begin(), ids.begin() + 16);
+  EXPECT_FALSE(raw.call(cluster::Op::kLookup, 1, one).empty());
+  EXPECT_EQ(a.node->stats().peer_leases, 0u);
+  // Back in the view, its requests go on over the same connection.
+  ClusterView again = both;
+  again.version = 3;
+  ASSERT_TRUE(a.node->set_view(again).ok());
+  auto lease = raw.call(cluster::Op::kLease, 8, ids);
+  ASSERT_EQ(lease.size(), sizeof(cluster::ReplyHead) + 8 * sizeof(cluster::LeaseReply));
+  EXPECT_EQ(a.node->stats().peer_leases, 8u);
+}
+
 TEST(ClusterNode, ATokenOfAnEndedConnectionNeverReleasesALeaseOfTheNextOne) {
   // A member that connects a lane again (its Hello ends what the lane held)
   // may still send a release of a lease the old connection was granted: it
