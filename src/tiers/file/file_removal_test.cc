@@ -627,4 +627,34 @@ TEST(FileRemovalTest, AReopenKeepsOnlyTheNewestRemovalRecordOfAnIdLive) {
 }
 
 }  // namespace
+TEST(FileRemovalTest, AnEvictedBlockRemovedStaysRemovedAfterAReopen) {
+  // An eviction is not written down: the block's record stays on disk and a
+  // reopen finds it. A remove of the id after the eviction finds nothing
+  // here, and before, wrote nothing either: the removed id came back.
+  file_test::TempDir tmp;
+  CascadeConfig c = small_segments(tmp.path());
+  {
+    auto t = open(c);
+    ASSERT_TRUE(t);
+    ASSERT_TRUE(put(t.get(), 2).ok());
+    ASSERT_TRUE(put(t.get(), 150).ok());
+    ASSERT_TRUE(t->flush().ok());
+    for (auto& v : t->claim_victims(1 << 30)) {
+      if (v.id == id_of(2)) ASSERT_TRUE(t->remove_victim(v).ok());
+      else t->unclaim(std::move(v));
+    }
+    ASSERT_FALSE(t->contains(id_of(2)));
+    EXPECT_TRUE(t->remove_lasting(id_of(2)).is(Code::kNotFound));
+    // An id never stored writes nothing.
+    const uint64_t disk = t->disk_bytes();
+    EXPECT_TRUE(t->remove_lasting(id_of(999)).is(Code::kNotFound));
+    EXPECT_EQ(t->disk_bytes(), disk);
+    ASSERT_TRUE(t->flush().ok());
+  }
+  auto t = open(c);
+  ASSERT_TRUE(t);
+  EXPECT_EQ(version_of(t.get(), 2), 0);
+  EXPECT_EQ(version_of(t.get(), 150), 1);
+}
+
 }  // namespace cascade

@@ -359,7 +359,9 @@ Status FileTier::put(const BlockId& id, const void* data, uint64_t size,
 Status FileTier::remove_lasting(const BlockId& id) {
   std::lock_guard<std::mutex> one_at_a_time(id_stripe(id));
   Status st = remove(id);
-  if (!st.ok()) return st;
+  // An id that is not here may still have records on disk (evicted, which
+  // is not written down): a reopen would find it again without a removal.
+  if (st.is(Code::kNotFound) ? !records_left_on_disk(id) : !st.ok()) return st;
   if (!write_removal(id).ok()) {
     std::lock_guard<std::mutex> lock(unwritten_mu_);
     unwritten_removals_.insert(id);
@@ -387,7 +389,10 @@ Status FileTier::write_removal(const BlockId& id) {
                // compaction weighs them as if it were not there.
                UndurableRemoval u{id, h.sequence, {}};
                auto [b, e] = dead_.equal_range(id);
-               for (auto d = b; d != e; ++d) u.covers.push_back(d->second.offset);
+               for (auto d = b; d != e; ++d) {
+                 u.covers.push_back(d->second.offset);
+                 d->second.removal_written = true;
+               }
                if (sync_writes_) removal_durable(u, &unneeded);
                else undurable_removals_[file::location_slot(loc.offset)].push_back(std::move(u));
                return true;
@@ -444,11 +449,16 @@ Status FileTier::put_alias(const BlockId& alias, const BlockId& target) {
         {
           std::lock_guard<std::mutex> lock(alias_mu_);
           auto [it, fresh] = aliases_.try_emplace(alias, AliasEntry{target, loc, h.sequence});
-          if (fresh) return true;
+          if (fresh) {
+            link_alias(alias, target);
+            return true;
+          }
           // Two writers of one alias: the larger sequence wins, as on reopen.
           if (it->second.sequence > h.sequence) return false;
           replaced = it->second;
           it->second = AliasEntry{target, loc, h.sequence};
+          unlink_alias(alias, replaced.target);
+          link_alias(alias, target);
         }
         forget_record(replaced.loc);
         note_dead_alias(alias, replaced);
@@ -490,10 +500,40 @@ bool FileTier::drop_alias(const BlockId& alias) {
     if (it == aliases_.end()) return false;
     dropped = it->second;
     aliases_.erase(it);
+    unlink_alias(alias, dropped.target);
   }
   forget_record(dropped.loc);
   note_dead_alias(alias, dropped);
   return true;
+}
+
+void FileTier::unlink_alias(const BlockId& alias, const BlockId& target) {
+  auto [b, e] = alias_targets_.equal_range(target);
+  for (auto it = b; it != e; ++it)
+    if (it->second == alias) {
+      alias_targets_.erase(it);
+      return;
+    }
+}
+
+void FileTier::drop_aliases_of(const BlockId& target) {
+  std::vector<std::pair<BlockId, AliasEntry>> dropped;
+  {
+    std::lock_guard<std::mutex> lock(alias_mu_);
+    auto [b, e] = alias_targets_.equal_range(target);
+    if (b == e || index_.contains(target)) return;  // none, or the block is back (a new put)
+    for (auto it = b; it != e; ++it) {
+      auto a = aliases_.find(it->second);
+      if (a == aliases_.end() || a->second.target != target) continue;
+      dropped.emplace_back(a->first, a->second);
+      aliases_.erase(a);
+    }
+    alias_targets_.erase(b, e);
+  }
+  for (const auto& [alias, entry] : dropped) {
+    forget_record(entry.loc);
+    note_dead_alias(alias, entry);
+  }
 }
 
 void FileTier::forget_record(const Location& loc) {

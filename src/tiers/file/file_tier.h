@@ -267,6 +267,15 @@ class FileTier final : public Tier {
   void forget_record(const Location& loc);
   // Drops an alias; true when it existed.
   bool drop_alias(const BlockId& alias);
+  // Drops the aliases of a block that left the tier (evicted, removed,
+  // damaged), unless it is back: their records are dead bytes from then
+  // on, which reclaiming and compaction weigh.
+  void drop_aliases_of(const BlockId& target);
+  // The reverse map of aliases_. REQUIRES: alias_mu_ held.
+  void link_alias(const BlockId& alias, const BlockId& target) {
+    alias_targets_.emplace(target, alias);
+  }
+  void unlink_alias(const BlockId& alias, const BlockId& target);
 
   // disk_full: the file system said ENOSPC (also reclaim dead space in place).
   bool reclaim_space(uint64_t need, bool disk_full);
@@ -302,6 +311,8 @@ class FileTier final : public Tier {
     // Older than a removal record of its id written since (remove_lasting):
     // dropping it needs no decision.
     bool covered = false;
+    // A removal record of its id was written after it (durable or not yet).
+    bool removal_written = false;
   };
   static constexpr uint8_t kUnread = 0, kKnown = 1, kUnusable = 2;
   struct RemovalEntry {
@@ -324,6 +335,9 @@ class FileTier final : public Tier {
   // Records (id, loc) as dead; h: its header when the caller has it.
   void note_dead(const BlockId& id, const Location& loc, const file::RecordHeader* h);
   void note_dead_alias(const BlockId& alias, const AliasEntry& e);
+  // Dead records of id on disk that no removal record written since covers
+  // (or segments not read at open, which may hold some).
+  bool records_left_on_disk(const BlockId& id) const;
   // The removal records that dropping seg's dead records needs, for the
   // ids contested_ids(seg) gave while removing_ was held exclusive (with
   // the snapshot of seg's live records). REQUIRES: compact_mu_ held, seg
@@ -400,7 +414,8 @@ class FileTier final : public Tier {
   std::atomic<bool> loading_{false};  // Open is indexing the directory
 
   mutable std::mutex alias_mu_;
-  std::unordered_map<BlockId, AliasEntry> aliases_;  // guarded by alias_mu_
+  std::unordered_map<BlockId, AliasEntry> aliases_;          // guarded by alias_mu_
+  std::unordered_multimap<BlockId, BlockId> alias_targets_;  // target -> alias; alias_mu_
 
   mutable std::shared_mutex table_mu_;
   std::unordered_map<uint64_t, SegmentRef> slots_;  // slot -> segment; guarded by table_mu_

@@ -24,6 +24,29 @@ namespace {
 
 constexpr uint64_t kMinSegmentBytes = 64 << 10;
 
+// The size at which a segment is sealed: the configured one, and with a
+// capacity at most the compaction reserve (a quarter of the capacity), so
+// that the live records of any sealed segment fit beside what is on disk
+// when it is compacted. A capacity of under four configured segments
+// otherwise leaves segments that can never be compacted.
+uint64_t segment_bytes_for(const CascadeConfig& config) {
+  uint64_t seg = file::round_up_page(
+      std::clamp<uint64_t>(config.segment_size_bytes, kMinSegmentBytes, file::kMaxSegmentBytes));
+  if (config.file_capacity_bytes) {
+    const uint64_t quarter = config.file_capacity_bytes / 4 / file::kPage * file::kPage;
+    seg = std::min(seg, std::max(quarter, kMinSegmentBytes));
+  }
+  return seg;
+}
+
+// What puts may fill: the capacity less the compaction reserve (one
+// segment, at most a quarter of the capacity).
+uint64_t put_limit_for(const CascadeConfig& config) {
+  if (!config.file_capacity_bytes) return 0;
+  return config.file_capacity_bytes -
+         std::min<uint64_t>(segment_bytes_for(config), config.file_capacity_bytes / 4);
+}
+
 // The directory's mode: file_mode plus search (x) wherever read is granted.
 uint32_t directory_mode(uint32_t file_mode) { return file_mode | ((file_mode & 0444) >> 2); }
 
@@ -59,15 +82,8 @@ FileTier::FileTier(const CascadeConfig& config, ThreadPool* pool, Env* env)
       env_(env),
       pool_(pool),
       capacity_(config.file_capacity_bytes),
-      put_limit_(config.file_capacity_bytes
-                     ? config.file_capacity_bytes -
-                           std::min<uint64_t>(file::round_up_page(std::clamp<uint64_t>(
-                                                  config.segment_size_bytes, kMinSegmentBytes,
-                                                  file::kMaxSegmentBytes)),
-                                              config.file_capacity_bytes / 4)
-                     : 0),
-      segment_bytes_(file::round_up_page(std::clamp<uint64_t>(
-          config.segment_size_bytes, kMinSegmentBytes, file::kMaxSegmentBytes))),
+      put_limit_(put_limit_for(config)),
+      segment_bytes_(segment_bytes_for(config)),
       direct_(config.io_direct),
       sync_writes_(config.sync_writes),
       stripe_size_(config.file_stripe_size),
@@ -442,6 +458,7 @@ void FileTier::index_loaded(std::vector<Loaded>& loaded) {
       continue;
     }
     aliases_[alias] = AliasEntry{c.target, c.loc, c.ref.sequence};
+    link_alias(alias, c.target);
     by_slot[file::location_slot(c.loc.offset)]->seg->live_bytes.fetch_add(
         file::record_size(c.loc.size));
     live_record_bytes_.fetch_add(file::record_size(c.loc.size));

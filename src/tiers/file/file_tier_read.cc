@@ -48,6 +48,7 @@ FileTier::SegmentRef FileTier::segment_at(uint64_t slot) const {
 void FileTier::on_reclaim(const BlockId& id, const Location& loc) {
   forget_record(loc);
   note_dead(id, loc, nullptr);
+  drop_aliases_of(id);
   if (!loading_.load(std::memory_order_relaxed)) maybe_schedule_compaction();
 }
 

@@ -39,6 +39,7 @@ void FileTier::note_dead(const BlockId& id, const Location& loc, const RecordHea
     if (it->second.offset != d.offset) continue;
     if (it->second.state == kUnread) {  // noted before (a remove, then its reclaim)
       d.covered = it->second.covered;
+      d.removal_written = it->second.removal_written;
       it->second = d;
     }
     return;
@@ -56,6 +57,17 @@ void FileTier::note_dead_alias(const BlockId& alias, const AliasEntry& e) {
   h.payload_xxh3 = file::payload_checksum(key_, e.target.bytes.data(), 16);
   h.sequence = e.sequence;
   note_dead(alias, e.loc, &h);
+}
+
+bool FileTier::records_left_on_disk(const BlockId& id) const {
+  std::lock_guard<std::mutex> lock(dead_mu_);
+  if (unread_segments_) return true;
+  auto [b, e] = dead_.equal_range(id);
+  for (auto it = b; it != e; ++it) {
+    const DeadRecord& d = it->second;
+    if (d.state != kUnusable && !d.covered && !d.removal_written) return true;
+  }
+  return false;
 }
 
 bool FileTier::removal_needed(const BlockId& id, uint64_t sequence) const {

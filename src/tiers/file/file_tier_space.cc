@@ -157,34 +157,48 @@ bool FileTier::reclaim_space(uint64_t need, bool disk_full) {
   };
   auto room = [&] { return !put_limit_ || disk_bytes_.load() + need <= put_limit_; };
   bool freed = false;
+  // Deletes the wholly dead candidates, then compacts those worth it until
+  // there is room; true when that is done.
+  auto reclaim = [&](const std::vector<SegmentRef>& candidates) {
+    for (auto& seg : candidates) {
+      if (delete_if_dead(seg)) freed = true;
+    }
+    if (disk_full) {
+      // Copying live records needs free space the file system does not have:
+      // give dead space back in place first. Compaction can then proceed.
+      for (auto& seg : candidates) {
+        if (!seg->retired.load() && punch_dead_space(seg)) freed = true;
+      }
+      if (freed) return true;
+    }
+    if (freed && room()) return true;
+    for (auto& seg : candidates) {
+      if (seg->retired.load()) continue;
+      // Copying a segment to win back a sliver of it is not worth it: wait
+      // (NoSpace) until eviction has freed the put's size or a quarter of it.
+      if (dead_of(*seg) < std::min(need, seg->bytes.load() / 4)) continue;
+      if (capacity_ && disk_bytes_.load() + seg->live_bytes.load() > capacity_) continue;
+      if (compact_segment(seg).ok()) {
+        freed = true;
+        if (room()) return true;
+      }
+    }
+    return false;
+  };
   auto candidates = sealed_candidates();
+  bool sealed = false;
   if (candidates.empty() || disk_full) {
     // The dead bytes may sit in segments still open for writing.
     seal_lanes_with_dead_bytes();
+    sealed = true;
     candidates = sealed_candidates();
   }
-  for (auto& seg : candidates) {
-    if (delete_if_dead(seg)) freed = true;
-  }
-  if (disk_full) {
-    // Copying live records needs free space the file system does not have:
-    // give dead space back in place first. Compaction can then proceed.
-    for (auto& seg : candidates) {
-      if (!seg->retired.load() && punch_dead_space(seg)) freed = true;
-    }
-    if (freed) return true;
-  }
-  if (freed && room()) return true;
-  for (auto& seg : candidates) {
-    if (seg->retired.load()) continue;
-    // Copying a segment to win back a sliver of it is not worth it: wait
-    // (NoSpace) until eviction has freed the put's size or a quarter of it.
-    if (dead_of(*seg) < std::min(need, seg->bytes.load() / 4)) continue;
-    if (capacity_ && disk_bytes_.load() + seg->live_bytes.load() > capacity_) continue;
-    if (compact_segment(seg).ok()) {
-      freed = true;
-      if (room()) break;
-    }
+  if (reclaim(candidates)) return true;
+  if (!sealed && !room()) {
+    // The sealed segments could not make the room: the open ones may hold
+    // the dead bytes (records put and removed since they opened).
+    seal_lanes_with_dead_bytes();
+    if (reclaim(sealed_candidates())) return true;
   }
   return freed;
 }
@@ -365,6 +379,7 @@ Status FileTier::compact_segment(const SegmentRef& seg) {
       if (it == aliases_.end() || file::location_slot(it->second.loc.offset) != seg->slot) return;
       dropped = it->second;
       aliases_.erase(it);
+      unlink_alias(alias, dropped.target);
     }
     seg->live_bytes.fetch_sub(kPage);
     live_record_bytes_.fetch_sub(kPage);
@@ -540,6 +555,7 @@ void FileTier::clear() {
     std::lock_guard<std::mutex> lock(alias_mu_);
     live_record_bytes_.fetch_sub(aliases_.size() * file::record_size(16));
     aliases_.clear();
+    alias_targets_.clear();
   }
   std::unordered_set<uint64_t> guarding;  // slots of segments holding removal records
   // Every segment goes: nothing older is left for a removal record to guard,

@@ -123,6 +123,109 @@ TEST(FileTierStressTest, ConcurrentPutGetRemoveOnASmallTier) {
   EXPECT_EXIT(std::exit(body()), ::testing::ExitedWithCode(0), "");
 }
 
+CascadeConfig capped(const std::string& dir, uint64_t segment, uint64_t capacity) {
+  auto c = file_test::file_config(dir);
+  c.segment_size_bytes = segment;
+  c.file_capacity_bytes = capacity;
+  return c;
+}
+
+// Evicts the block of id from the tier, as the store does.
+void evict(FileTier* t, const BlockId& id) {
+  for (auto& v : t->claim_victims(1 << 30))
+    if (v.id == id) ASSERT_TRUE(t->remove_victim(v).ok());
+  ASSERT_FALSE(t->contains(id));
+}
+
+TEST(FileTierSpaceTest, AliasesOfAnEvictedBlockAreDeadBytesAndMakeRoom) {
+  // One block named by 700 aliases (dedup), then evicted: the alias
+  // records name nothing any more. Before, they stayed counted as live,
+  // no reclaim or compaction touched their segments, and a tier holding
+  // no block refused every put for good.
+  TempDir tmp;
+  const auto c = capped(tmp.path(), 1 << 20, 4 << 20);
+  auto opened = FileTier::Open(c, nullptr);
+  ASSERT_TRUE(opened.ok());
+  FileTier* t = opened->get();
+  auto x = bytes_of(1, 4000);
+  ASSERT_TRUE(t->put(id_of(1), x.data(), x.size(), PutOptions{}).ok());
+  for (uint64_t a = 0; a < 700; ++a) ASSERT_TRUE(t->put_alias(id_of(1000 + a), id_of(1)).ok());
+  ASSERT_TRUE(t->flush().ok());
+  ASSERT_NO_FATAL_FAILURE(evict(t, id_of(1)));
+  EXPECT_TRUE(t->aliases().empty());
+  EXPECT_EQ(t->dead_bytes(), t->disk_bytes());
+  auto y = bytes_of(2, 400'000);
+  ASSERT_TRUE(t->put(id_of(2), y.data(), y.size(), PutOptions{}).ok());
+  EXPECT_TRUE(t->contains(id_of(2)));
+}
+
+TEST(FileTierSpaceTest, DeadBytesInSegmentsStillOpenAreReclaimed) {
+  // A sealed segment with a sliver of dead bytes, and blocks put on four
+  // lanes and removed, in segments still open for writing. Before, the
+  // reclaim found the sealed segment, which was not worth compacting, and
+  // never sealed the open ones: a tier of dead bytes refused the put.
+  TempDir tmp;
+  const auto c = capped(tmp.path(), 4 << 20, 16 << 20);  // puts up to 12 MiB
+  ThreadPool pool(4);                                    // four lanes
+  {
+    auto opened = FileTier::Open(c, &pool);
+    ASSERT_TRUE(opened.ok());
+    for (uint64_t n = 0; n < 100; ++n) {
+      auto d = bytes_of(n, 4000);
+      ASSERT_TRUE((*opened)->put(id_of(n), d.data(), d.size(), PutOptions{}).ok());
+    }
+    auto d = bytes_of(100, 4000);
+    ASSERT_TRUE((*opened)->put(id_of(100), d.data(), d.size(), PutOptions{}).ok());
+    ASSERT_TRUE((*opened)->remove_lasting(id_of(100)).ok());
+  }
+  auto opened = FileTier::Open(c, &pool);  // the segment is sealed
+  ASSERT_TRUE(opened.ok());
+  FileTier* t = opened->get();
+  for (uint64_t k = 0; k < 4; ++k) {  // one thread per lane, each new
+    std::thread([&, k] {
+      for (uint64_t n = 200 + 2 * k; n < 202 + 2 * k; ++n) {
+        auto d = bytes_of(n, 1 << 20);
+        ASSERT_TRUE(t->put(id_of(n), d.data(), d.size(), PutOptions{}).ok());
+      }
+    }).join();
+  }
+  for (uint64_t n = 200; n < 208; ++n) ASSERT_TRUE(t->remove(id_of(n)).ok());
+  auto big = bytes_of(300, 4 << 20);
+  ASSERT_TRUE(t->put(id_of(300), big.data(), big.size(), PutOptions{}).ok());
+  for (uint64_t n = 0; n < 100; ++n) EXPECT_TRUE(t->contains(id_of(n)));
+}
+
+TEST(FileTierSpaceTest, ATierOfUnderFourSegmentsCompactsWhatItMust) {
+  // 1.25 MiB with 1 MiB segments: the compaction reserve (a quarter) could
+  // not hold a segment's live records, so no segment was ever compacted and
+  // a tier of 400 KB live refused 40 KB. Segments are now sealed at the
+  // reserve.
+  TempDir tmp;
+  const auto c = capped(tmp.path(), 1 << 20, 1280 << 10);
+  auto opened = FileTier::Open(c, nullptr);
+  ASSERT_TRUE(opened.ok());
+  FileTier* t = opened->get();
+  for (uint64_t n = 0; n < 20; ++n) {
+    auto d = bytes_of(n, 40'000);
+    ASSERT_TRUE(t->put(id_of(n), d.data(), d.size(), PutOptions{}).ok());
+  }
+  for (uint64_t n = 0; n < 20; n += 2) ASSERT_TRUE(t->remove(id_of(n)).ok());
+  for (uint64_t n = 100; n < 110; ++n) {
+    auto d = bytes_of(n, 40'000);
+    ASSERT_TRUE(t->put(id_of(n), d.data(), d.size(), PutOptions{}).ok()) << n;
+  }
+  std::vector<uint8_t> out(40'000);
+  for (uint64_t n = 1; n < 20; n += 2) {
+    ReadRequest r;
+    r.out = out.data();
+    r.capacity = out.size();
+    ReadResult rr;
+    ASSERT_TRUE(t->read(id_of(n), r, &rr).ok());
+    EXPECT_EQ(out, bytes_of(n, 40'000));
+  }
+  EXPECT_TRUE(t->compact().ok());
+}
+
 // Fills the file system (file_capacity_bytes = 0: bounded only by it),
 // removes 90% of the blocks, then expects puts to succeed again.
 void fill_remove_refill(Env* env, const std::string& dir, ThreadPool* pool) {
