@@ -226,3 +226,26 @@ def test_one_key_takes_a_whole_buffer_of_rows(store):
     assert store.put_batch(["one"], rows) == 1
     out = np.zeros((3, 4), np.uint8)
     assert store.get_batch(["one"], out)[0] == 1 and np.array_equal(out, rows)
+
+
+def test_get_batch_into_a_destination_the_store_refuses_raises(store):
+    """A lease's view (memory that holds stored blocks) as a destination is
+    refused by get() and by get_batch() alike. Before, get_batch() answered
+    as for a miss, every item of the batch a 0, the valid ones too."""
+    torch = pytest.importorskip("torch")
+    store.put("a", np.arange(100, dtype=np.uint8))
+    store.put("b", np.full(100, 7, np.uint8))
+    lease = store.acquire("a")
+    view = torch.from_dlpack(lease)
+    try:
+        with pytest.raises(cascade.InvalidArgumentError, match="holds stored blocks"):
+            store.get("b", view)
+        with pytest.raises(cascade.InvalidArgumentError, match="holds stored blocks"):
+            store.get_batch(["b", "a"], [view, np.zeros(100, np.uint8)])
+        assert bytes(view.numpy()) == bytes(range(100))
+    finally:
+        del view
+        lease.release()
+    # A buffer too small is still reported through the sizes.
+    n, sizes = store.get_batch(["b"], [np.zeros(10, np.uint8)])
+    assert n == 0 and sizes == [100]
