@@ -189,6 +189,9 @@ class PyPoolServer {
     d["map_failures"] = s.map_failures;
     d["remote_lookups"] = s.remote_lookups;
     d["remote_hits"] = s.remote_hits;
+    d["remote_removes"] = s.remote_removes;
+    d["remote_removed"] = s.remote_removed;
+    d["served_removes"] = s.served_removes;
     d["served_leases"] = s.served_leases;
     d["served_lease_bytes"] = s.served_lease_bytes;
     d["lease_hashes"] = s.lease_hashes;

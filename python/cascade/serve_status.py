@@ -236,6 +236,19 @@ CLUSTER_DATA_METRICS = [
     ),
     ("cluster_remote_lookups_total", "remote_lookups", "counter", "Ids asked of owners"),
     ("cluster_remote_hits_total", "remote_hits", "counter", "Ids an owner held"),
+    ("cluster_remote_removes_total", "remote_removes", "counter", "Ids sent to members to remove"),
+    (
+        "cluster_remote_removed_total",
+        "remote_removed",
+        "counter",
+        "Ids a member removed at our request",
+    ),
+    (
+        "cluster_served_removes_total",
+        "served_removes",
+        "counter",
+        "Ids removed here at members' request",
+    ),
     ("cluster_served_leases_total", "served_leases", "counter", "Blocks other members read here"),
     (
         "cluster_lease_hashes_total",

@@ -270,6 +270,7 @@ class ClusterNode::Impl {
 
   std::atomic<uint64_t> pushed{0}, pushed_bytes{0}, push_dropped{0}, fetched{0}, fetched_bytes{0};
   std::atomic<uint64_t> remote_lookups{0}, remote_hits{0}, served_leases{0}, served_lease_bytes{0};
+  std::atomic<uint64_t> remote_removes{0}, remote_removed{0}, served_removes{0};
   std::atomic<uint64_t> served_commits{0}, served_commit_bytes{0}, checksum_failures{0},
       timeouts{0}, budget_cuts{0};
   std::atomic<uint64_t> expired{0}, bad_messages{0};
@@ -690,6 +691,7 @@ class ClusterNode::Impl {
   void lookup(std::span<const BlockId> ids, std::span<uint8_t> found, std::span<uint64_t> sizes,
               Deadline budget);
   void fetch(std::span<const BlockId> ids, std::span<uint8_t> got, Deadline budget);
+  void remove(std::span<const BlockId> ids, std::span<uint8_t> removed, Deadline budget);
   void lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out, Deadline budget);
   void release_mapped(std::span<const MappedLease> leases);
   // The slot whose current mapping has this index, or null.
@@ -779,6 +781,50 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
       }
     });
   }
+}
+
+void ClusterNode::Impl::remove(std::span<const BlockId> ids, std::span<uint8_t> removed,
+                               Deadline budget) {
+  auto r = current();
+  if (!r || ids.empty()) return;
+  // Every member but this one: a copy may be at an owner, at the second
+  // owner, or at any member that fetched the block for its clients.
+  std::vector<size_t> others;
+  for (size_t mi = 0; mi < r->view.members.size(); ++mi)
+    if (static_cast<int>(mi) != r->self) others.push_back(mi);
+  if (others.empty()) return;
+  std::vector<std::vector<uint8_t>> held(others.size(), std::vector<uint8_t>(ids.size()));
+  for_each_call(others.size(), [&](size_t g) {
+    const ClusterMember& m = r->view.members[others[g]];
+    if (budget_spent(budget, calls_for(ids.size()))) return;
+    const Deadline first = deadline();
+    auto s = slot_of(m);
+    auto link = link_to(s, m, first);
+    if (!link.ok()) return;
+    for (size_t b = 0; b < ids.size(); b += cluster::kMaxItems) {
+      if (budget_spent(budget, calls_for(ids.size() - b))) break;
+      const size_t e = std::min(ids.size(), b + cluster::kMaxItems);
+      std::vector<uint8_t> items;
+      items.reserve((e - b) * 16);
+      for (size_t j = b; j < e; ++j) put_item(&items, ids[j].bytes);
+      remote_removes.fetch_add(e - b, std::memory_order_relaxed);
+      auto reply = call(**link, Op::kRemove, static_cast<uint32_t>(e - b), items,
+                        b == 0 ? first : deadline());
+      if (!reply.ok()) {
+        fail(s, *link);
+        break;
+      }
+      answered(*s);
+      for (size_t j = b; j < e; ++j)
+        held[g][j] = item_at<cluster::CodeReply>(reply->data(), j - b).code == 0;
+    }
+  });
+  for (const auto& h : held)
+    for (size_t i = 0; i < ids.size(); ++i)
+      if (h[i]) {
+        removed[i] = 1;
+        remote_removed.fetch_add(1, std::memory_order_relaxed);
+      }
 }
 
 void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> got,
@@ -1310,7 +1356,7 @@ void ClusterNode::Impl::serve(size_t lane, std::vector<uint8_t>&& msg) {
   std::memcpy(&h, msg.data(), sizeof h);
   if (h.magic != cluster::kMagic || h.version != cluster::kVersion || h.node_id_bytes == 0 ||
       h.node_id_bytes > cluster::kMaxNodeIdBytes || h.op < static_cast<uint32_t>(Op::kHello) ||
-      h.op > static_cast<uint32_t>(Op::kAbort) || h.lane >= cluster::kMaxLanes) {
+      h.op > static_cast<uint32_t>(Op::kRemove) || h.lane >= cluster::kMaxLanes) {
     bad_messages.fetch_add(1, std::memory_order_relaxed);
     return;
   }
@@ -1465,6 +1511,17 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
         r.code = code_of(size.status());
         if (size.ok()) r.size = *size;
         put_item(&out, r);
+      }
+      return ok_reply(count, out);
+    }
+    case Op::kRemove: {
+      // This store's copy goes; a push of the id that a member has under
+      // way lands afterwards and stores it again (as a put after the
+      // remove would).
+      for (uint32_t k = 0; k < count; ++k) {
+        const Status st = store->remove(id_of(k));
+        if (st.ok()) served_removes.fetch_add(1, std::memory_order_relaxed);
+        put_item(&out, cluster::CodeReply{code_of(st)});
       }
       return ok_reply(count, out);
     }
@@ -1936,6 +1993,12 @@ void ClusterNode::lookup(std::span<const BlockId> ids, std::span<uint8_t> found,
   impl_->lookup(ids, found, sizes, budget == kOwnBudget ? request_deadline() : budget);
 }
 
+void ClusterNode::remove(std::span<const BlockId> ids, std::span<uint8_t> removed,
+                         Deadline budget) {
+  if (impl_->stopping.load()) return;
+  impl_->remove(ids, removed, budget == kOwnBudget ? request_deadline() : budget);
+}
+
 void ClusterNode::fetch(std::span<const BlockId> ids, std::span<uint8_t> fetched, Deadline budget) {
   if (impl_->stopping.load()) return;
   impl_->fetch(ids, fetched, budget == kOwnBudget ? request_deadline() : budget);
@@ -2017,6 +2080,9 @@ ClusterStats ClusterNode::stats() const {
   s.fetched_bytes = get(i.fetched_bytes);
   s.remote_lookups = get(i.remote_lookups);
   s.remote_hits = get(i.remote_hits);
+  s.remote_removes = get(i.remote_removes);
+  s.remote_removed = get(i.remote_removed);
+  s.served_removes = get(i.served_removes);
   s.served_leases = get(i.served_leases);
   s.served_lease_bytes = get(i.served_lease_bytes);
   s.served_commits = get(i.served_commits);

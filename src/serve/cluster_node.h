@@ -122,6 +122,8 @@ struct ClusterStats {
   uint64_t mapped_leases = 0;               // leases clients read from a member's mapped arena
   uint64_t map_failures = 0;                // members on this host whose arena could not be mapped
   uint64_t remote_lookups = 0, remote_hits = 0;        // ids asked of owners
+  uint64_t remote_removes = 0, remote_removed = 0;     // ids sent to members to remove; held there
+  uint64_t served_removes = 0;                         // ids other members removed here
   uint64_t served_leases = 0, served_lease_bytes = 0;  // blocks other members read here
   uint64_t lease_hashes = 0;  // of them, hashed to answer (no checksum known yet)
   uint64_t served_commits = 0, served_commit_bytes = 0;  // blocks other members stored here
@@ -190,6 +192,12 @@ class ClusterNode {
   // found[i]/sizes[i] for each id some owner (other than this member)
   // holds; ids whose owner is this member are left as they are.
   void lookup(std::span<const BlockId> ids, std::span<uint8_t> found, std::span<uint64_t> sizes,
+              Deadline budget = kOwnBudget);
+  // Removes the ids at every other member of the view: their owners, and
+  // members that fetched them into their own stores. removed[i] set where
+  // one held id i. A member that does not answer within its deadline keeps
+  // its copy (and serves it until it leaves the view or is restarted).
+  void remove(std::span<const BlockId> ids, std::span<uint8_t> removed,
               Deadline budget = kOwnBudget);
   // Brings the ids from their owners into the store; fetched[i] set for
   // those now in the store's top tier.

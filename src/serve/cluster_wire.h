@@ -45,6 +45,7 @@ enum class Op : uint32_t {
   kReserve = 5,  // ReserveItem -> ReserveReply
   kCommit = 6,   // CommitItem -> CodeReply
   kAbort = 7,    // TokenItem -> no reply
+  kRemove = 8,   // BlockIdItem -> CodeReply (0: removed here; NotFound: not held)
 };
 
 struct RequestHead {
@@ -122,7 +123,8 @@ static_assert(sizeof(CommitItem) == 16);
 inline uint64_t request_item_bytes(Op op) {
   switch (op) {
     case Op::kLookup:
-    case Op::kLease: return sizeof(BlockIdItem);
+    case Op::kLease:
+    case Op::kRemove: return sizeof(BlockIdItem);
     case Op::kRelease:
     case Op::kAbort: return sizeof(TokenItem);
     case Op::kReserve: return sizeof(ReserveItem);
@@ -135,7 +137,8 @@ inline uint64_t reply_item_bytes(Op op) {
     case Op::kLookup: return sizeof(LookupReply);
     case Op::kLease: return sizeof(LeaseReply);
     case Op::kReserve: return sizeof(ReserveReply);
-    case Op::kCommit: return sizeof(CodeReply);
+    case Op::kCommit:
+    case Op::kRemove: return sizeof(CodeReply);
     default: return 0;
   }
 }

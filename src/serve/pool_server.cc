@@ -1454,10 +1454,22 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       break;
     }
     case Op::kRemove: {
+      std::vector<BlockId> ids(count);
+      std::vector<Status> st(count);
       for (uint32_t k = 0; k < count; ++k) {
-        pool::CodeReply r{code_of(store->remove(c->scoped(items + k * 16)))};
-        put_out(k, r);
+        ids[k] = c->scoped(items + k * 16);
+        st[k] = store->remove(ids[k]);
       }
+      // In a cluster the owners, and members that fetched an id, hold
+      // copies of their own: they go too, or they would go on serving the
+      // bytes the client removed.
+      if (ClusterNode* cn = cluster_node()) {
+        std::vector<uint8_t> removed(count);
+        cn->remove(ids, removed);
+        for (uint32_t k = 0; k < count; ++k)
+          if (removed[k] && st[k].is(Code::kNotFound)) st[k] = Status::OK();
+      }
+      for (uint32_t k = 0; k < count; ++k) put_out(k, pool::CodeReply{code_of(st[k])});
       break;
     }
     case Op::kFlush: {
