@@ -549,8 +549,10 @@ def test_a_get_never_writes_into_a_stored_blocks_view(server, kind):
             store.get("view-b", tensor)
         with pytest.raises(cascade.InvalidArgumentError, match="holds stored blocks"):
             store.get_range("view-b", 0, tensor[:100])
-        assert store.get_batch(["view-b"], [tensor]) == (0, [0])
-        assert store.get_batch_async(["view-b"], [tensor]).wait() == (0, [0])
+        with pytest.raises(cascade.InvalidArgumentError, match="holds stored blocks"):
+            store.get_batch(["view-b"], [tensor])
+        refused = store.get_batch_async(["view-b"], [tensor])
+        assert refused.wait() == (0, [0]) and "holds stored blocks" in str(refused.errors())
         # Nor through another store of this process (another client of the pool).
         other = cascade.CascadeStore(cascade.config_from_dict(client_config(kind, sock)))
         try:
@@ -560,7 +562,7 @@ def test_a_get_never_writes_into_a_stored_blocks_view(server, kind):
         finally:
             other.close()
         assert store.put("view-c", lease)  # reading a lease is fine
-        del view, tensor
+        del view, tensor, refused
         lease.release()
         for key, want in (("view-a", a), ("view-c", a), ("view-b", b)):
             out = np.zeros_like(want)
