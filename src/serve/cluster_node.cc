@@ -1953,6 +1953,9 @@ Status ClusterNode::set_view(ClusterView view) {
       if (seen == now.end() && was) {  // it left: it may come back (see sweep)
         it->second->was_member = true;
         impl_->mark_absent(*it->second, at, &absent, it->second);
+      } else if (seen != now.end()) {  // in the view: what it holds from now on ends if it leaves
+        it->second->was_member = true;
+        it->second->absent_since = {};
       }
       ++it;
     }
