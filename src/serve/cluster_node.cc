@@ -14,6 +14,7 @@
 #include <thread>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "cascade/store.h"
@@ -271,6 +272,12 @@ class ClusterNode::Impl {
   std::atomic<uint64_t> pushed{0}, pushed_bytes{0}, push_dropped{0}, fetched{0}, fetched_bytes{0};
   std::atomic<uint64_t> remote_lookups{0}, remote_hits{0}, served_leases{0}, served_lease_bytes{0};
   std::atomic<uint64_t> remote_removes{0}, remote_removed{0}, served_removes{0};
+  // Ids whose push has taken hold of their bytes here and not ended: a
+  // remove waits for them, or the push's commit at the owner could land
+  // after the remove there and store the removed bytes again.
+  std::mutex pushing_mu;
+  std::condition_variable pushing_cv;
+  std::unordered_multiset<BlockId> pushing;  // guarded by pushing_mu
   std::atomic<uint64_t> served_commits{0}, served_commit_bytes{0}, checksum_failures{0},
       timeouts{0}, budget_cuts{0};
   std::atomic<uint64_t> expired{0}, bad_messages{0};
@@ -787,6 +794,16 @@ void ClusterNode::Impl::remove(std::span<const BlockId> ids, std::span<uint8_t> 
                                Deadline budget) {
   auto r = current();
   if (!r || ids.empty()) return;
+  {
+    // This member's pushes of the ids that took hold of the bytes before
+    // the caller removed them here end first (within the budget).
+    std::unique_lock<std::mutex> l(pushing_mu);
+    (void)pushing_cv.wait_until(l, std::min(budget, deadline()), [&] {
+      for (const BlockId& id : ids)
+        if (pushing.count(id)) return false;
+      return true;
+    });
+  }
   // Every member but this one: a copy may be at an owner, at the second
   // owner, or at any member that fetched the block for its clients.
   std::vector<size_t> others;
@@ -1209,6 +1226,24 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
   }
   Peer& peer = *(*link)->peer;
   const Link& ln = **link;
+  // Listed before the bytes are taken hold of (a remove that misses the
+  // list removed them first, and the acquire finds nothing) and until the
+  // push has ended, committed or not.
+  {
+    std::lock_guard<std::mutex> l(pushing_mu);
+    for (const BlockId& id : ids) pushing.insert(id);
+  }
+  struct Unlist {
+    Impl* self;
+    const std::vector<BlockId>& ids;
+    ~Unlist() {
+      {
+        std::lock_guard<std::mutex> l(self->pushing_mu);
+        for (const BlockId& id : ids) self->pushing.erase(self->pushing.find(id));
+      }
+      self->pushing_cv.notify_all();
+    }
+  } unlist{this, ids};
   // The bytes stay leased here while they travel.
   std::vector<BlockView> views;
   std::vector<Status> vst;
@@ -1462,6 +1497,14 @@ std::vector<uint8_t> ClusterNode::Impl::serve_hello(size_t lane, const cluster::
   std::shared_ptr<PeerState> old;
   {
     std::lock_guard<std::mutex> l(peers_mu);
+    // A member this owner kept while it is out of the view (or that was in
+    // it) stays so on a new connection of any of its lanes.
+    for (const auto& [key, p] : peers)
+      if (std::get<0>(key) == node_id && std::get<1>(key) == h.generation && p->was_member) {
+        state->was_member = true;
+        state->absent_since = p->absent_since;
+        break;
+      }
     auto& slot = peers[{node_id, h.generation, h.lane}];
     old = std::exchange(slot, state);
     // An older generation of the same member is gone for good.

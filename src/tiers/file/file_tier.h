@@ -335,8 +335,8 @@ class FileTier final : public Tier {
   // Records (id, loc) as dead; h: its header when the caller has it.
   void note_dead(const BlockId& id, const Location& loc, const file::RecordHeader* h);
   void note_dead_alias(const BlockId& alias, const AliasEntry& e);
-  // Dead records of id on disk that no removal record written since covers
-  // (or segments not read at open, which may hold some).
+  // Dead records of id on disk (that this tier knows of) that no removal
+  // record written since covers.
   bool records_left_on_disk(const BlockId& id) const;
   // The removal records that dropping seg's dead records needs, for the
   // ids contested_ids(seg) gave while removing_ was held exclusive (with

@@ -60,8 +60,10 @@ void FileTier::note_dead_alias(const BlockId& alias, const AliasEntry& e) {
 }
 
 bool FileTier::records_left_on_disk(const BlockId& id) const {
+  // Records this tier knows of only: a segment not read at open may hold
+  // some too, but every remove of an absent id would then write a record
+  // that stays for good.
   std::lock_guard<std::mutex> lock(dead_mu_);
-  if (unread_segments_) return true;
   auto [b, e] = dead_.equal_range(id);
   for (auto it = b; it != e; ++it) {
     const DeadRecord& d = it->second;
