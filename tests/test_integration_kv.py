@@ -416,3 +416,17 @@ def test_engine_blocks_may_be_numpy_integers(store):
         load_paged(store, PagedKv.from_layers(dst), [True], IDS[:1])
     with pytest.raises(TypeError, match="integers"):
         load_paged(store, PagedKv.from_layers(dst), [5.0], IDS[:1])
+
+
+def test_a_load_into_one_engine_block_twice_is_refused(store):
+    """Before, both items were reported loaded while the block held one of
+    the two ids' KV."""
+    src, dst = packed(44), packed(45)
+    assert save_paged(store, PagedKv.from_layers(src), [0, 1], IDS[:2]) == [None, None]
+    before = [t.clone() for t in dst]
+    kv = PagedKv.from_layers(dst)
+    for call in (load_paged, load_layers):
+        with pytest.raises(ValueError, match="listed twice"):
+            call(store, kv, [3, 3], IDS[:2])
+    assert all(torch.equal(a, b) for a, b in zip(dst, before))
+    assert save_paged(store, PagedKv.from_layers(src), [1, 1], IDS[1:3]) == [None, None]

@@ -50,6 +50,17 @@ def _as_int_list(values, what: str) -> list:
     return out
 
 
+def _destinations(engine_blocks) -> list:
+    """The engine blocks a load writes: one block written twice in one call
+    would hold one of the two ids' KV while both are reported loaded."""
+    blocks = _as_int_list(engine_blocks, "engine_blocks")
+    if len(set(blocks)) != len(blocks):
+        raise ValueError(
+            "engine_blocks: a load writes each engine block once; a block is listed twice"
+        )
+    return blocks
+
+
 def _refuse_one_id(ids) -> None:
     """One str or bytes where a sequence of ids belongs is refused, not taken
     a character each."""
@@ -408,7 +419,7 @@ def load_paged(
     complete when the call returns (ordered after ``cuda_stream``'s work).
     """
     begin, end = _layer_range(kv, layers)
-    blocks = _as_int_list(engine_blocks, "engine_blocks")
+    blocks = _destinations(engine_blocks)
     return kv._mover(store).load(blocks, _as_id_list(ids), begin, end, kv._stream(cuda_stream))
 
 
@@ -428,7 +439,7 @@ def load_layers(
     ends the leases and returns per item None or why the block did not load.
     A cache in host memory is loaded before the call returns. Until
     ``finish()`` the store's ``close()`` raises ``BusyError``."""
-    blocks = _as_int_list(engine_blocks, "engine_blocks")
+    blocks = _destinations(engine_blocks)
     return kv._mover(store).load_layers(blocks, _as_id_list(ids), kv._stream(cuda_stream))
 
 
