@@ -55,3 +55,39 @@ def test_dedup_off_keeps_copies(make_config):
         store.put("a", data)
         store.put("b", data)
         assert store.get_stats()["physical_bytes"] == 8192
+
+
+def test_aliases_of_a_block_the_file_tier_evicted_while_held_above_survive_a_reopen(
+    make_config, tmp_path
+):
+    """The file tier drops a block's alias records with the block; when the
+    host tier still holds the block, the flush that writes it down again
+    writes its aliases again. Before, the store kept them marked written,
+    and a clean close and reopen lost ids that were never removed."""
+    cfg = make_config(
+        capacity=16 << 20,
+        dedup_enabled=True,
+        pipeline="host|file",
+        file_path=str(tmp_path),
+        file_capacity_bytes=3 << 20,
+        segment_size_bytes=1 << 20,
+    )
+    shared = random_bytes(40_000, 7)
+    names = [f"a{i}" for i in range(5)]
+    with cascade.CascadeStore(cfg) as store:
+        for k in names:
+            assert store.put(k, shared)
+        store.flush()
+        for r in range(3):  # others fill the file tier, which evicts the shared block
+            others = [f"b{r}-{i}" for i in range(60)]
+            for i, k in enumerate(others):
+                assert store.put(k, random_bytes(40_000, 1000 * r + i))
+            store.flush()
+            for k in others:
+                assert store.remove(k)
+            store.flush()
+    with cascade.CascadeStore(cfg) as store:
+        for k in names:
+            out = np.zeros(40_000, np.uint8)
+            assert store.get(k, out) == (True, 40_000), k
+            assert np.array_equal(out, shared)

@@ -40,7 +40,7 @@ bool DedupTable::link_locked(const BlockId& id, const BlockId& p, uint64_t size,
   *shared = !r.aliases.empty();
   if (!*shared) unique_bytes_ += size;
   r.size = size;
-  r.aliases.push_back(id);
+  r.aliases.insert(id);
   logical_bytes_ += size;
   return true;
 }
@@ -55,7 +55,7 @@ std::optional<std::pair<BlockId, bool>> DedupTable::unlink(const BlockId& id) {
   auto rit = records_.find(p);
   if (rit != records_.end()) {
     auto& v = rit->second.aliases;
-    v.erase(std::remove(v.begin(), v.end(), id), v.end());
+    v.erase(id);
     logical_bytes_ -= rit->second.size;
     last = v.empty();
     if (last) {
@@ -103,6 +103,16 @@ void DedupTable::mark_written(const BlockId& id, const BlockId& p) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = alias_.find(id);
   if (it != alias_.end() && it->second.physical == p) it->second.written = true;
+}
+
+void DedupTable::mark_unwritten(const BlockId& p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = records_.find(p);
+  if (r == records_.end()) return;
+  for (const BlockId& id : r->second.aliases) {
+    auto it = alias_.find(id);
+    if (it != alias_.end()) it->second.written = false;
+  }
 }
 
 uint64_t DedupTable::aliases() const {

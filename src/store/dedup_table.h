@@ -21,6 +21,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -50,6 +51,10 @@ class DedupTable {
   // Marks id's alias written when it still names p (it may have been
   // unlinked, or unlinked and linked again, meanwhile).
   void mark_written(const BlockId& id, const BlockId& p);
+  // p left the persistent tier, which took its alias records with it, while
+  // a tier above still holds it: its aliases are written again (at the
+  // flush that writes p down again).
+  void mark_unwritten(const BlockId& p);
 
   uint64_t aliases() const;
   uint64_t logical_bytes() const;  // the aliases' sizes summed
@@ -62,7 +67,7 @@ class DedupTable {
   };
   struct Record {
     uint64_t size = 0;
-    std::vector<BlockId> aliases;
+    std::unordered_set<BlockId> aliases;  // an unlink costs the same however many share it
   };
   bool link_locked(const BlockId& id, const BlockId& p, uint64_t size, bool written, bool* shared);
 

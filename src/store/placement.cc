@@ -128,8 +128,13 @@ Status CascadeStore::Impl::move_out_victims(size_t t, uint64_t claim, uint64_t n
     freed.fetch_add(std::max<uint64_t>(v.size, 1));
     v.view.reset();
     // Aliases go with the last copy: a victim of the last tier may still
-    // be held above it (write-through, or written down by flush()).
-    if (below == SIZE_MAX && dedup && !contains_phys(v.id)) dedup->drop(v.id);
+    // be held above it (write-through, or written down by flush()). Then
+    // the last tier dropped their records with the block, and the flush that
+    // writes the block down again writes them again too.
+    if (below == SIZE_MAX && dedup) {
+      if (!contains_phys(v.id)) dedup->drop(v.id);
+      else if (persistent == t) dedup->mark_unwritten(v.id);
+    }
   };
   // Room for a batch moves many blocks down: on the I/O threads, as the
   // batch's own puts would have. Blocks only dropped (no tier below) go on

@@ -508,27 +508,25 @@ bool FileTier::drop_alias(const BlockId& alias) {
 }
 
 void FileTier::unlink_alias(const BlockId& alias, const BlockId& target) {
-  auto [b, e] = alias_targets_.equal_range(target);
-  for (auto it = b; it != e; ++it)
-    if (it->second == alias) {
-      alias_targets_.erase(it);
-      return;
-    }
+  auto it = alias_targets_.find(target);
+  if (it == alias_targets_.end()) return;
+  it->second.erase(alias);
+  if (it->second.empty()) alias_targets_.erase(it);
 }
 
 void FileTier::drop_aliases_of(const BlockId& target) {
   std::vector<std::pair<BlockId, AliasEntry>> dropped;
   {
     std::lock_guard<std::mutex> lock(alias_mu_);
-    auto [b, e] = alias_targets_.equal_range(target);
-    if (b == e || index_.contains(target)) return;  // none, or the block is back (a new put)
-    for (auto it = b; it != e; ++it) {
-      auto a = aliases_.find(it->second);
+    auto t = alias_targets_.find(target);
+    if (t == alias_targets_.end() || index_.contains(target)) return;  // none, or it is back
+    for (const BlockId& alias : t->second) {
+      auto a = aliases_.find(alias);
       if (a == aliases_.end() || a->second.target != target) continue;
       dropped.emplace_back(a->first, a->second);
       aliases_.erase(a);
     }
-    alias_targets_.erase(b, e);
+    alias_targets_.erase(t);
   }
   for (const auto& [alias, entry] : dropped) {
     forget_record(entry.loc);

@@ -273,7 +273,7 @@ class FileTier final : public Tier {
   void drop_aliases_of(const BlockId& target);
   // The reverse map of aliases_. REQUIRES: alias_mu_ held.
   void link_alias(const BlockId& alias, const BlockId& target) {
-    alias_targets_.emplace(target, alias);
+    alias_targets_[target].insert(alias);
   }
   void unlink_alias(const BlockId& alias, const BlockId& target);
 
@@ -414,8 +414,9 @@ class FileTier final : public Tier {
   std::atomic<bool> loading_{false};  // Open is indexing the directory
 
   mutable std::mutex alias_mu_;
-  std::unordered_map<BlockId, AliasEntry> aliases_;          // guarded by alias_mu_
-  std::unordered_multimap<BlockId, BlockId> alias_targets_;  // target -> alias; alias_mu_
+  std::unordered_map<BlockId, AliasEntry> aliases_;  // guarded by alias_mu_
+  // target -> its aliases; guarded by alias_mu_.
+  std::unordered_map<BlockId, std::unordered_set<BlockId>> alias_targets_;
 
   mutable std::shared_mutex table_mu_;
   std::unordered_map<uint64_t, SegmentRef> slots_;  // slot -> segment; guarded by table_mu_

@@ -103,8 +103,12 @@ Result<std::unique_ptr<FileTier>> FileTier::Open(const CascadeConfig& config, Th
   auto t0 = std::chrono::steady_clock::now();
   if (config.file_path.empty())
     return Status::InvalidArgument("the file tier needs a directory: set file_path");
-  if (config.file_capacity_bytes && config.file_capacity_bytes < 4 * kPage)
-    return Status::InvalidArgument("file_capacity_bytes must be 0 (unbounded) or at least 16 KiB");
+  // Four of the smallest segments: a quarter of the capacity, the
+  // compaction reserve, holds a sealed segment's live records.
+  if (config.file_capacity_bytes && config.file_capacity_bytes < 4 * kMinSegmentBytes)
+    return Status::InvalidArgument(
+        "file_capacity_bytes must be 0 (unbounded) or at least 256 KiB (four segments of the "
+        "smallest size)");
   if ((config.file_mode & ~0777u) || (config.file_mode & 0600u) != 0600u)
     return Status::InvalidArgument(
         "file_mode must be permission bits (at most 0777) with 0600 set");

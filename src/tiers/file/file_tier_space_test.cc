@@ -226,6 +226,19 @@ TEST(FileTierSpaceTest, ATierOfUnderFourSegmentsCompactsWhatItMust) {
   EXPECT_TRUE(t->compact().ok());
 }
 
+TEST(FileTierSpaceTest, ACapacityBelowFourOfTheSmallestSegmentsIsRefused) {
+  // Below 256 KiB a quarter of the capacity (the compaction reserve) cannot
+  // hold a sealed segment of the smallest size: before, such a tier was
+  // opened and refused puts with most of its bytes dead, as compaction
+  // never had the room.
+  TempDir tmp;
+  auto small = FileTier::Open(capped(tmp.path(), 1 << 20, 200 << 10), nullptr);
+  ASSERT_FALSE(small.ok());
+  EXPECT_TRUE(small.status().is(Code::kInvalidArgument));
+  EXPECT_NE(small.status().message().find("256 KiB"), std::string::npos);
+  EXPECT_TRUE(FileTier::Open(capped(tmp.path(), 1 << 20, 256 << 10), nullptr).ok());
+}
+
 // Fills the file system (file_capacity_bytes = 0: bounded only by it),
 // removes 90% of the blocks, then expects puts to succeed again.
 void fill_remove_refill(Env* env, const std::string& dir, ThreadPool* pool) {
