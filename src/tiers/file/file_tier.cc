@@ -442,12 +442,20 @@ Status FileTier::put_alias(const BlockId& alias, const BlockId& target) {
   if (!index_.contains(target))
     return Status::NotFound("alias target " + target.hex() + " is not in the file tier");
   std::lock_guard<std::mutex> one_at_a_time(id_stripe(alias));
+  bool target_gone = false;
   Status st = append(
       alias, target.bytes.data(), 16, file::kFlagAlias,
       [&](const Location& loc, const SegmentRef&, const RecordHeader& h) {
         AliasEntry replaced;
         {
           std::lock_guard<std::mutex> lock(alias_mu_);
+          // Evicted or removed since the check above: its aliases were
+          // dropped (drop_aliases_of, under alias_mu_), and this one would
+          // name nothing while counted live.
+          if (!index_.contains(target)) {
+            target_gone = true;
+            return false;
+          }
           auto [it, fresh] = aliases_.try_emplace(alias, AliasEntry{target, loc, h.sequence});
           if (fresh) {
             link_alias(alias, target);
@@ -464,6 +472,8 @@ Status FileTier::put_alias(const BlockId& alias, const BlockId& target) {
         note_dead_alias(alias, replaced);
         return true;
       });
+  if (st.ok() && target_gone)
+    return Status::NotFound("alias target " + target.hex() + " left the file tier");
   if (st.ok()) removal_superseded(alias);
   return st;
 }
