@@ -132,8 +132,12 @@ Status CascadeStore::Impl::write_down(const WriteDownOptions& o) {
       return Status::NotFound("alias " + alias.hex() + " was removed meanwhile");
     Status st;
     for (int round = 0; round < 256; ++round) {  // as put_into: each round evicts a block
+      // An eviction of the target from the tier after the record is
+      // written drops the record again, and marks the alias unwritten:
+      // the epoch keeps this mark from undoing that.
+      const uint64_t epoch = dedup->epoch_of(target);
       st = tiers[t]->put_alias(alias, target);
-      if (st.ok()) dedup->mark_written(alias, target);
+      if (st.ok()) dedup->mark_written(alias, target, epoch);
       if (!st.is(Code::kNoSpace)) return st;  // NotFound: the room made was the target's
       Status room = make_room(t, kAliasRecordBytes, st);
       if (!room.ok()) return room;

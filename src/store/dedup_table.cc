@@ -99,16 +99,26 @@ std::vector<std::pair<BlockId, BlockId>> DedupTable::unwritten() const {
   return out;
 }
 
-void DedupTable::mark_written(const BlockId& id, const BlockId& p) {
+uint64_t DedupTable::epoch_of(const BlockId& p) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = records_.find(p);
+  return r == records_.end() ? 0 : r->second.epoch;
+}
+
+void DedupTable::mark_written(const BlockId& id, const BlockId& p, uint64_t epoch) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = alias_.find(id);
-  if (it != alias_.end() && it->second.physical == p) it->second.written = true;
+  auto r = records_.find(p);
+  if (it != alias_.end() && it->second.physical == p && r != records_.end() &&
+      r->second.epoch == epoch)
+    it->second.written = true;
 }
 
 void DedupTable::mark_unwritten(const BlockId& p) {
   std::lock_guard<std::mutex> lock(mu_);
   auto r = records_.find(p);
   if (r == records_.end()) return;
+  ++r->second.epoch;
   for (const BlockId& id : r->second.aliases) {
     auto it = alias_.find(id);
     if (it != alias_.end()) it->second.written = false;

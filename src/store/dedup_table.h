@@ -48,9 +48,14 @@ class DedupTable {
 
   // Aliases not yet written to the persistent tier, as (alias, physical).
   std::vector<std::pair<BlockId, BlockId>> unwritten() const;
+  // p's count of mark_unwritten calls: read before an alias record of p is
+  // written, and given to mark_written after.
+  uint64_t epoch_of(const BlockId& p) const;
   // Marks id's alias written when it still names p (it may have been
-  // unlinked, or unlinked and linked again, meanwhile).
-  void mark_written(const BlockId& id, const BlockId& p);
+  // unlinked, or unlinked and linked again, meanwhile) and p was not
+  // marked unwritten since `epoch` was read (the record written then may
+  // have left the tier with p).
+  void mark_written(const BlockId& id, const BlockId& p, uint64_t epoch);
   // p left the persistent tier, which took its alias records with it, while
   // a tier above still holds it: its aliases are written again (at the
   // flush that writes p down again).
@@ -68,6 +73,7 @@ class DedupTable {
   struct Record {
     uint64_t size = 0;
     std::unordered_set<BlockId> aliases;  // an unlink costs the same however many share it
+    uint64_t epoch = 0;                   // mark_unwritten calls
   };
   bool link_locked(const BlockId& id, const BlockId& p, uint64_t size, bool written, bool* shared);
 

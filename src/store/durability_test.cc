@@ -1845,6 +1845,24 @@ TEST(DurabilityTest, ClearThenReopenBringsFlushedBlocksBack) {
   EXPECT_EQ(count_intact(r.get(), 5, 4096), 5u);
 }
 
+TEST(DedupTableTest, AnAliasWrittenBeforeItsBlockLeftTheTierStaysUnwritten) {
+  // A flush writes a's record, then an eviction of p from the tier drops
+  // it and marks p's aliases unwritten, then the flush marks a written: the
+  // mark must not hold, or the next flush would not write a again.
+  DedupTable t;
+  BlockId a = id_of(1), b = id_of(2), p = id_of(10);
+  bool shared = false;
+  ASSERT_TRUE(t.link(a, p, 5, &shared));
+  ASSERT_TRUE(t.link(b, p, 5, &shared));
+  const uint64_t before = t.epoch_of(p);
+  t.mark_written(b, p, before);
+  t.mark_unwritten(p);  // p evicted from the tier between the write and the mark
+  t.mark_written(a, p, before);
+  EXPECT_EQ(t.unwritten().size(), 2u);
+  t.mark_written(a, p, t.epoch_of(p));
+  EXPECT_EQ(t.unwritten().size(), 1u);
+}
+
 TEST(DedupTableTest, UnwrittenAliasesAreMarkedOnlyWhileTheyStillNameTheirBlock) {
   DedupTable t;
   BlockId a = id_of(1), b = id_of(2), p = id_of(10), q = id_of(11);
@@ -1853,11 +1871,11 @@ TEST(DedupTableTest, UnwrittenAliasesAreMarkedOnlyWhileTheyStillNameTheirBlock) 
   ASSERT_TRUE(t.link(b, p, 5, &shared));
   EXPECT_TRUE(shared);
   EXPECT_EQ(t.unwritten().size(), 2u);
-  t.mark_written(a, p);
+  t.mark_written(a, p, t.epoch_of(p));
   EXPECT_EQ(t.unwritten().size(), 1u);
   ASSERT_TRUE(t.unlink(b).has_value());
   ASSERT_TRUE(t.link(b, q, 7, &shared));
-  t.mark_written(b, p);  // stale: b names q now
+  t.mark_written(b, p, t.epoch_of(p));  // stale: b names q now
   ASSERT_EQ(t.unwritten().size(), 1u);
   EXPECT_EQ(t.unwritten()[0].second, q);
   EXPECT_TRUE(t.load(id_of(3), q, 7));
