@@ -272,12 +272,34 @@ class ClusterNode::Impl {
   std::atomic<uint64_t> pushed{0}, pushed_bytes{0}, push_dropped{0}, fetched{0}, fetched_bytes{0};
   std::atomic<uint64_t> remote_lookups{0}, remote_hits{0}, served_leases{0}, served_lease_bytes{0};
   std::atomic<uint64_t> remote_removes{0}, remote_removed{0}, served_removes{0};
-  // Ids whose push has taken hold of their bytes here and not ended: a
-  // remove waits for them, or the push's commit at the owner could land
-  // after the remove there and store the removed bytes again.
-  std::mutex pushing_mu;
-  std::condition_variable pushing_cv;
-  std::unordered_multiset<BlockId> pushing;  // guarded by pushing_mu
+  // Ids a push has taken hold of here, or a fetch is bringing here, and
+  // not done with: a remove waits for them. Else a push's commit at the
+  // owner could land after the remove there, or a fetch's copy here after
+  // the remove here, and store the removed bytes again.
+  std::mutex in_flight_mu;
+  std::condition_variable in_flight_cv;
+  std::unordered_multiset<BlockId> in_flight;  // guarded by in_flight_mu
+  // Lists ids in in_flight for its lifetime.
+  class Listed {
+   public:
+    Listed(Impl* self, std::vector<BlockId> ids) : self_(self), ids_(std::move(ids)) {
+      std::lock_guard<std::mutex> l(self_->in_flight_mu);
+      for (const BlockId& id : ids_) self_->in_flight.insert(id);
+    }
+    ~Listed() {
+      {
+        std::lock_guard<std::mutex> l(self_->in_flight_mu);
+        for (const BlockId& id : ids_) self_->in_flight.erase(self_->in_flight.find(id));
+      }
+      self_->in_flight_cv.notify_all();
+    }
+    Listed(const Listed&) = delete;
+    Listed& operator=(const Listed&) = delete;
+
+   private:
+    Impl* self_;
+    std::vector<BlockId> ids_;
+  };
   std::atomic<uint64_t> served_commits{0}, served_commit_bytes{0}, checksum_failures{0},
       timeouts{0}, budget_cuts{0};
   std::atomic<uint64_t> expired{0}, bad_messages{0};
@@ -796,13 +818,23 @@ void ClusterNode::Impl::remove(std::span<const BlockId> ids, std::span<uint8_t> 
   if (!r || ids.empty()) return;
   {
     // This member's pushes of the ids that took hold of the bytes before
-    // the caller removed them here end first (within the budget).
-    std::unique_lock<std::mutex> l(pushing_mu);
-    (void)pushing_cv.wait_until(l, std::min(budget, deadline()), [&] {
+    // the caller removed them here, and its fetches of them, end first
+    // (within the budget).
+    std::unique_lock<std::mutex> l(in_flight_mu);
+    bool waited = false;
+    (void)in_flight_cv.wait_until(l, std::min(budget, deadline()), [&] {
       for (const BlockId& id : ids)
-        if (pushing.count(id)) return false;
+        if (in_flight.count(id)) {
+          waited = true;
+          return false;
+        }
       return true;
     });
+    l.unlock();
+    // A fetch that ended meanwhile may have stored its copy here.
+    if (waited)
+      for (size_t i = 0; i < ids.size(); ++i)
+        if (store->remove(ids[i]).ok()) removed[i] = 1;
   }
   // Every member but this one: a copy may be at an owner, at the second
   // owner, or at any member that fetched the block for its clients.
@@ -897,6 +929,11 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
   std::vector<uint8_t> items;
   items.reserve(which.size() * 16);
   for (size_t i : which) put_item(&items, ids[i].bytes);
+  // Listed until the copies are committed here (or given up).
+  std::vector<BlockId> fetching;
+  fetching.reserve(which.size());
+  for (size_t i : which) fetching.push_back(ids[i]);
+  const Listed listed(this, std::move(fetching));
   // The owner grants the leases after this, and keeps them at least three
   // deadlines (lease_expiry_ms): a copy from its mapped arena that ends by
   // this call's deadline read ranges that were leased all along.
@@ -1229,21 +1266,7 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
   // Listed before the bytes are taken hold of (a remove that misses the
   // list removed them first, and the acquire finds nothing) and until the
   // push has ended, committed or not.
-  {
-    std::lock_guard<std::mutex> l(pushing_mu);
-    for (const BlockId& id : ids) pushing.insert(id);
-  }
-  struct Unlist {
-    Impl* self;
-    const std::vector<BlockId>& ids;
-    ~Unlist() {
-      {
-        std::lock_guard<std::mutex> l(self->pushing_mu);
-        for (const BlockId& id : ids) self->pushing.erase(self->pushing.find(id));
-      }
-      self->pushing_cv.notify_all();
-    }
-  } unlist{this, ids};
+  const Listed listed(this, ids);
   // The bytes stay leased here while they travel.
   std::vector<BlockView> views;
   std::vector<Status> vst;

@@ -24,8 +24,8 @@
 
 namespace cascade::cluster {
 
-inline constexpr uint32_t kMagic = 0x54534c43;  // "CLST"
-inline constexpr uint32_t kVersion = 2;
+inline constexpr uint32_t kMagic = 0x54534c43;                // "CLST"
+inline constexpr uint32_t kVersion = 3;                       // 3: the remove op
 inline constexpr uint64_t kRequestTag = 0x43415343414445ULL;  // requests to an owner
 // Reply tags have this bit set, so they never match kRequestTag.
 inline constexpr uint64_t kReplyTagBit = 1ULL << 63;
