@@ -75,9 +75,11 @@
 // Aliases (dedup): put_alias writes an alias record (record_format.h)
 // through the same lanes; aliases live in a map, alias -> target and the
 // record's location. An alias record is live (counted, kept by compaction)
-// while the alias is in the map; compaction drops aliases whose target is
-// no longer in the tier, remove(alias) and clear() drop them too, and so
-// does a put of a block under the alias's id.
+// while the alias is in the map; a block leaving the index (evicted,
+// removed, damaged: on_reclaim) drops its aliases through a map from
+// target to aliases, compaction drops any whose target is gone,
+// remove(alias) and clear() drop them too, and so does a put of a block
+// under the alias's id.
 //
 // Reopen. The directory is locked (flock on LOCK); a second store on it gets
 // Busy. Sealed segments are loaded from their summaries; segments without
@@ -99,8 +101,8 @@
 // Thread-safety: every method is thread-safe.
 // Lock order: id stripes -> compact_mu_ -> removing_ -> Lane::mu (lanes in index order) ->
 // alias_mu_ -> table_mu_ -> BlockIndex shard locks; dead_mu_ last of all. Index calls that may
-// reclaim (remove, release, clear) are never made while holding table_mu_. Ownership: the pool and
-// the Env must outlive the tier.
+// reclaim (remove, release, clear) are never made while holding alias_mu_, table_mu_ or dead_mu_
+// (the reclaim takes them). Ownership: the pool and the Env must outlive the tier.
 #pragma once
 
 #include <array>
@@ -279,7 +281,10 @@ class FileTier final : public Tier {
 
   // disk_full: the file system said ENOSPC (also reclaim dead space in place).
   bool reclaim_space(uint64_t need, bool disk_full);
-  void seal_lanes_with_dead_bytes();  // REQUIRES: compact_mu_ held
+  // Seals the open segments with dead bytes; with `need`, only those worth
+  // reclaiming for it (as compaction weighs a segment). REQUIRES:
+  // compact_mu_ held.
+  void seal_lanes_with_dead_bytes(uint64_t need = 0);
   // Gives the dead space of a sealed segment back to the file system
   // (holes). true when it punched anything. REQUIRES: compact_mu_ held.
   bool punch_dead_space(const SegmentRef& seg);

@@ -131,10 +131,11 @@ void FileTier::maybe_schedule_compaction() {
   });
 }
 
-void FileTier::seal_lanes_with_dead_bytes() {
-  auto seal_if_dead = [this](Lane& lane) {
+void FileTier::seal_lanes_with_dead_bytes(uint64_t need) {
+  auto seal_if_dead = [this, need](Lane& lane) {
     std::lock_guard<std::mutex> lock(lane.mu);
-    if (lane.active && dead_of(*lane.active) > 0) {
+    if (lane.active && dead_of(*lane.active) > 0 &&
+        (!need || dead_of(*lane.active) >= std::min(need, lane.active->bytes.load() / 4))) {
       (void)seal_segment(*lane.active);
       lane.active.reset();
     }
@@ -196,8 +197,10 @@ bool FileTier::reclaim_space(uint64_t need, bool disk_full) {
   if (reclaim(candidates)) return true;
   if (!sealed && !room()) {
     // The sealed segments could not make the room: the open ones may hold
-    // the dead bytes (records put and removed since they opened).
-    seal_lanes_with_dead_bytes();
+    // the dead bytes (records put and removed since they opened). Only
+    // those worth it: a tier kept full by eviction would otherwise seal
+    // every lane with one dead record at each refused put.
+    seal_lanes_with_dead_bytes(need);
     if (reclaim(sealed_candidates())) return true;
   }
   return freed;

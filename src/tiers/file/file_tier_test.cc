@@ -634,7 +634,7 @@ TEST(FileTierTest, AFullTierStillWritesRemovalRecords) {
   TempDir tmp;
   ThreadPool pool(2);
   CascadeConfig c = file_test::file_config(tmp.path());  // segments of 1 MiB
-  c.file_capacity_bytes = 2 << 20;  // too small to compact one: dead records stay
+  c.file_capacity_bytes = 2 << 20;  // segments sealed at 512 KiB, a quarter of it
   auto t = open_tier(c, &pool);
   ASSERT_TRUE(t);
   uint64_t n = 0;
