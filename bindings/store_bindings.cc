@@ -428,10 +428,12 @@ void register_store(nb::module_& m) {
           "Stores many blocks in parallel; returns how many are stored. data_list is a sequence of "
           "buffers, or one contiguous buffer with one row per block.")
       .def("get_batch", &PyStore::get_batch, "block_ids"_a, "out_list"_a,
-           "Reads many blocks in parallel; returns (count_found, sizes) with size 0 for a miss. "
-           "out_list is a sequence of buffers, or one contiguous buffer with one row per block; "
-           "all host memory, or all GPU memory (CUDA tensors), which blocks held in host memory "
-           "reach as one batched copy.")
+           "Reads many blocks in parallel; returns (count_found, sizes) with size 0 for a miss and "
+           "a size above its buffer's for a buffer too small (that item not read). out_list is a "
+           "sequence of buffers, or one contiguous buffer with one row per block; all host memory, "
+           "or all GPU memory (CUDA tensors), which blocks held in host memory reach as one "
+           "batched copy. Raises for a buffer the store refuses (memory that holds stored blocks, "
+           "such as a lease's view) and for an I/O error.")
       .def("put_batch_async", &PyStore::put_batch_async, "block_ids"_a, "data_list"_a,
            "is_prefix"_a = false, nb::rv_policy::take_ownership,
            "put_batch on the store's threads; the buffers must stay unchanged until wait().")

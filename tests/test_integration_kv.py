@@ -418,9 +418,9 @@ def test_engine_blocks_may_be_numpy_integers(store):
         load_paged(store, PagedKv.from_layers(dst), [5.0], IDS[:1])
 
 
-def test_a_load_into_one_engine_block_twice_is_refused(store):
+def test_a_load_into_one_engine_block_with_two_ids_is_refused(store):
     """Before, both items were reported loaded while the block held one of
-    the two ids' KV."""
+    the two ids' KV. The same id twice loads the same bytes: allowed."""
     src, dst = packed(44), packed(45)
     assert save_paged(store, PagedKv.from_layers(src), [0, 1], IDS[:2]) == [None, None]
     before = [t.clone() for t in dst]
@@ -429,4 +429,6 @@ def test_a_load_into_one_engine_block_twice_is_refused(store):
         with pytest.raises(ValueError, match="listed twice"):
             call(store, kv, [3, 3], IDS[:2])
     assert all(torch.equal(a, b) for a, b in zip(dst, before))
+    assert load_paged(store, kv, [3, 3], [IDS[1], IDS[1]]) == [None, None]
+    assert torch.equal(k_of(dst, "packed_kv", 3), k_of(src, "packed_kv", 1))
     assert save_paged(store, PagedKv.from_layers(src), [1, 1], IDS[1:3]) == [None, None]

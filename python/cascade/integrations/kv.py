@@ -50,14 +50,18 @@ def _as_int_list(values, what: str) -> list:
     return out
 
 
-def _destinations(engine_blocks) -> list:
-    """The engine blocks a load writes: one block written twice in one call
-    would hold one of the two ids' KV while both are reported loaded."""
+def _destinations(engine_blocks, ids: list) -> list:
+    """The engine blocks a load writes: one block given two ids in one call
+    would hold one of the two's KV while both are reported loaded (the same
+    id twice writes the same bytes twice)."""
     blocks = _as_int_list(engine_blocks, "engine_blocks")
-    if len(set(blocks)) != len(blocks):
-        raise ValueError(
-            "engine_blocks: a load writes each engine block once; a block is listed twice"
-        )
+    seen: dict = {}
+    for block, block_id in zip(blocks, ids):
+        if seen.setdefault(block, block_id) != block_id:
+            raise ValueError(
+                f"engine_blocks: block {block} is listed twice with different ids; "
+                "a load writes each engine block once"
+            )
     return blocks
 
 
@@ -419,8 +423,9 @@ def load_paged(
     complete when the call returns (ordered after ``cuda_stream``'s work).
     """
     begin, end = _layer_range(kv, layers)
-    blocks = _destinations(engine_blocks)
-    return kv._mover(store).load(blocks, _as_id_list(ids), begin, end, kv._stream(cuda_stream))
+    ids = _as_id_list(ids)
+    blocks = _destinations(engine_blocks, ids)
+    return kv._mover(store).load(blocks, ids, begin, end, kv._stream(cuda_stream))
 
 
 def load_layers(
@@ -439,8 +444,9 @@ def load_layers(
     ends the leases and returns per item None or why the block did not load.
     A cache in host memory is loaded before the call returns. Until
     ``finish()`` the store's ``close()`` raises ``BusyError``."""
-    blocks = _destinations(engine_blocks)
-    return kv._mover(store).load_layers(blocks, _as_id_list(ids), kv._stream(cuda_stream))
+    ids = _as_id_list(ids)
+    blocks = _destinations(engine_blocks, ids)
+    return kv._mover(store).load_layers(blocks, ids, kv._stream(cuda_stream))
 
 
 def cached_prefix_length(store, ids: Iterable[str]) -> int:
