@@ -279,19 +279,33 @@ class ClusterNode::Impl {
   std::mutex in_flight_mu;
   std::condition_variable in_flight_cv;
   std::unordered_multiset<BlockId> in_flight;  // guarded by in_flight_mu
+  // Removes of listed ids, numbered: a fetch listed before a remove of its
+  // id does not store its copy. Guarded by in_flight_mu.
+  uint64_t remove_seq = 0;
+  std::unordered_map<BlockId, uint64_t> removed_at;  // listed ids only
   // Lists ids in in_flight for its lifetime.
   class Listed {
    public:
     Listed(Impl* self, std::vector<BlockId> ids) : self_(self), ids_(std::move(ids)) {
       std::lock_guard<std::mutex> l(self_->in_flight_mu);
       for (const BlockId& id : ids_) self_->in_flight.insert(id);
+      seq_ = self_->remove_seq;
     }
     ~Listed() {
       {
         std::lock_guard<std::mutex> l(self_->in_flight_mu);
-        for (const BlockId& id : ids_) self_->in_flight.erase(self_->in_flight.find(id));
+        for (const BlockId& id : ids_) {
+          self_->in_flight.erase(self_->in_flight.find(id));
+          if (!self_->in_flight.count(id)) self_->removed_at.erase(id);
+        }
       }
       self_->in_flight_cv.notify_all();
+    }
+    // Whether a remove of id came after this listing.
+    bool removed_since(const BlockId& id) const {
+      std::lock_guard<std::mutex> l(self_->in_flight_mu);
+      auto it = self_->removed_at.find(id);
+      return it != self_->removed_at.end() && it->second > seq_;
     }
     Listed(const Listed&) = delete;
     Listed& operator=(const Listed&) = delete;
@@ -299,6 +313,7 @@ class ClusterNode::Impl {
    private:
     Impl* self_;
     std::vector<BlockId> ids_;
+    uint64_t seq_ = 0;
   };
   std::atomic<uint64_t> served_commits{0}, served_commit_bytes{0}, checksum_failures{0},
       timeouts{0}, budget_cuts{0};
@@ -821,6 +836,9 @@ void ClusterNode::Impl::remove(std::span<const BlockId> ids, std::span<uint8_t> 
     // the caller removed them here, and its fetches of them, end first
     // (within the budget).
     std::unique_lock<std::mutex> l(in_flight_mu);
+    ++remove_seq;
+    for (const BlockId& id : ids)
+      if (in_flight.count(id)) removed_at[id] = remove_seq;
     bool waited = false;
     (void)in_flight_cv.wait_until(l, std::min(budget, deadline()), [&] {
       for (const BlockId& id : ids)
@@ -920,6 +938,13 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
                                    std::span<const BlockId> ids, const std::vector<size_t>& which,
                                    std::span<uint8_t> got, Deadline budget) {
   if (budget_spent(budget)) return;
+  // Listed from before the owner is asked until the copies are committed
+  // here (or given up): a remove of an id meanwhile waits for it, and its
+  // copy is not committed.
+  std::vector<BlockId> fetching;
+  fetching.reserve(which.size());
+  for (size_t i : which) fetching.push_back(ids[i]);
+  const Listed listed(this, std::move(fetching));
   const Deadline until = deadline();  // the connect's and the lease's
   auto s = slot_of(m);
   auto link = link_to(s, m, lane, until);
@@ -929,11 +954,6 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
   std::vector<uint8_t> items;
   items.reserve(which.size() * 16);
   for (size_t i : which) put_item(&items, ids[i].bytes);
-  // Listed until the copies are committed here (or given up).
-  std::vector<BlockId> fetching;
-  fetching.reserve(which.size());
-  for (size_t i : which) fetching.push_back(ids[i]);
-  const Listed listed(this, std::move(fetching));
   // The owner grants the leases after this, and keeps them at least three
   // deadlines (lease_expiry_ms): a copy from its mapped arena that ends by
   // this call's deadline read ranges that were leased all along.
@@ -1081,6 +1101,10 @@ void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
                                          : sums[k];
     if (options.verify && (l.checksum == 0 || sum != l.checksum)) {
       checksum_failures.fetch_add(1, std::memory_order_relaxed);
+      store->abort(res[k]);
+      continue;
+    }
+    if (listed.removed_since(res[k].id)) {  // removed here while it travelled
       store->abort(res[k]);
       continue;
     }

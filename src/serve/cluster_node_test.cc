@@ -29,6 +29,7 @@
 #include "serve/pool_server.h"
 #include "transport/forked_peer.h"
 #include "transport/transport.h"
+#include "util/block_checksum.h"
 
 namespace cascade {
 namespace {
@@ -1110,6 +1111,56 @@ TEST(ClusterNode, ARemoveWaitsForThisMembersPushOfTheIdUnderWay) {
   const auto remove = std::find(seen.begin(), seen.end(), cluster::Op::kRemove);
   ASSERT_NE(remove, seen.end());
   EXPECT_LT(commit, remove) << "the remove reached the owner before the push's commit";
+}
+
+TEST(ClusterNode, AFetchUnderWayWhenItsIdIsRemovedStoresNothing) {
+  SKIP_WITHOUT_TRANSPORT();
+  // A view through a fetches X from its owner, whose hello comes late; a
+  // remove of X through a meanwhile. Before, the fetch was not listed while
+  // it connected: the remove did not wait for it, and its copy was stored
+  // here after the remove returned, served from then on, and a put of other
+  // bytes under X was answered "present".
+  Member a("a", 60000, 1, /*timeout_ms=*/1500);
+  ASSERT_TRUE(a.node);
+  const BlockId x = id_of(8400);
+  const auto old_bytes = bytes_of(3, 4096);
+  RawOwner owner([&](cluster::Op op, uint32_t count, const uint8_t*) {
+    std::optional<std::vector<uint8_t>> out;
+    out.emplace();
+    auto append = [&](const auto& item) {
+      const auto* b = reinterpret_cast<const uint8_t*>(&item);
+      out->insert(out->end(), b, b + sizeof item);
+    };
+    for (uint32_t k = 0; k < count; ++k) {
+      if (op == cluster::Op::kLease) {
+        cluster::LeaseReply l{};
+        l.size = old_bytes.size();
+        l.token = 77;
+        l.checksum = block_checksum(old_bytes.data(), old_bytes.size());
+        append(l);
+      } else if (op == cluster::Op::kRemove) {
+        append(cluster::CodeReply{static_cast<uint32_t>(Code::kNotFound)});
+      } else {
+        append(cluster::CodeReply{static_cast<uint32_t>(Code::kNotFound)});
+      }
+    }
+    return out;
+  });
+  std::memcpy(owner.memory.data(), old_bytes.data(), old_bytes.size());
+  owner.hello_delay = 600ms;
+  owner.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), owner.t->address())).ok());
+  auto reader = a.client();
+  auto remover = a.client();
+  ASSERT_TRUE(reader && remover);
+  std::thread read([&] {
+    auto view = reader->acquire(x);  // a view: fetched into a's store
+    if (view.ok()) view->reset();
+  });
+  std::this_thread::sleep_for(200ms);  // the fetch is connecting to the owner
+  (void)remover->remove(x);
+  read.join();
+  EXPECT_FALSE(remover->contains(x)) << "the fetched copy outlived the remove";
 }
 
 TEST(ClusterNode, AConnectWithTwoHellosTakesOneDeadlineInAll) {
