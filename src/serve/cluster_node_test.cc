@@ -398,6 +398,13 @@ void expect_block(CascadeStore* store, const BlockId& id, const std::vector<uint
   ASSERT_EQ(0, std::memcmp(out.data(), want.data(), want.size()));
 }
 
+// Appends a reply item's bytes.
+template <class T>
+void append_item(std::vector<uint8_t>* out, const T& item) {
+  const auto* b = reinterpret_cast<const uint8_t*>(&item);
+  out->insert(out->end(), b, b + sizeof item);
+}
+
 // Installs the view of members a and b in both.
 bool share_view(Member& a, Member& b) {
   auto v = view_of({{"a", a.node->address()}, {"b", b.node->address()}});
@@ -1074,10 +1081,7 @@ TEST(ClusterNode, ARemoveWaitsForThisMembersPushOfTheIdUnderWay) {
     }
     std::optional<std::vector<uint8_t>> out;
     out.emplace();
-    auto append = [&](const auto& item) {
-      const auto* b = reinterpret_cast<const uint8_t*>(&item);
-      out->insert(out->end(), b, b + sizeof item);
-    };
+    auto append = [&](const auto& item) { append_item(&*out, item); };
     for (uint32_t k = 0; k < count; ++k) {
       if (op == cluster::Op::kReserve) {
         cluster::ReserveReply r{};
@@ -1127,10 +1131,7 @@ TEST(ClusterNode, AFetchUnderWayWhenItsIdIsRemovedStoresNothing) {
   RawOwner owner([&](cluster::Op op, uint32_t count, const uint8_t*) {
     std::optional<std::vector<uint8_t>> out;
     out.emplace();
-    auto append = [&](const auto& item) {
-      const auto* b = reinterpret_cast<const uint8_t*>(&item);
-      out->insert(out->end(), b, b + sizeof item);
-    };
+    auto append = [&](const auto& item) { append_item(&*out, item); };
     for (uint32_t k = 0; k < count; ++k) {
       if (op == cluster::Op::kLease) {
         cluster::LeaseReply l{};
@@ -1138,9 +1139,7 @@ TEST(ClusterNode, AFetchUnderWayWhenItsIdIsRemovedStoresNothing) {
         l.token = 77;
         l.checksum = block_checksum(old_bytes.data(), old_bytes.size());
         append(l);
-      } else if (op == cluster::Op::kRemove) {
-        append(cluster::CodeReply{static_cast<uint32_t>(Code::kNotFound)});
-      } else {
+      } else {  // a remove (not held here)
         append(cluster::CodeReply{static_cast<uint32_t>(Code::kNotFound)});
       }
     }
