@@ -306,7 +306,11 @@ std::string find_on_path(const char* name) {
 class PosixEnv final : public Env {
  public:
   Result<std::unique_ptr<File>> open(const std::string& path, const FileOpenOptions& o) override {
-    int flags = O_CLOEXEC | (o.write ? O_RDWR : O_RDONLY);
+    // O_NONBLOCK: a FIFO put where a file is expected would otherwise hold
+    // the open until a writer comes (for ever, and no signal handler of
+    // the caller's runs meanwhile); it is refused below as not a regular
+    // file, and regular files ignore the flag.
+    int flags = O_CLOEXEC | O_NONBLOCK | (o.write ? O_RDWR : O_RDONLY);
     if (o.truncate) flags |= O_TRUNC;
     if (o.no_follow) flags |= O_NOFOLLOW;
     bool direct = o.direct;
@@ -324,6 +328,17 @@ class PosixEnv final : public Env {
         return Status::IOError("open " + path + ": is a symbolic link");
       return errno_status(errno, "open " + path);
     }
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      const int err = errno;
+      ::close(fd);
+      return errno_status(err, "stat " + path);
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return Status::IOError("open " + path + ": not a regular file");
+    }
+    (void)::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     return std::unique_ptr<File>(new PosixFile(path, fd, direct));
   }
 

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 
 #include "tiers/file/file_test_util.h"
@@ -122,6 +123,28 @@ TEST(EnvTest, NoFollowRefusesSymlinks) {
   EXPECT_TRUE(f.status().is(Code::kIOError)) << f.status().ToString();
   EXPECT_EQ(Env::Default()->stat(tmp.sub("link"))->type, FileInfo::Type::kSymlink);
   EXPECT_TRUE(Env::Default()->open(tmp.sub("link"), FileOpenOptions{}).ok());
+}
+
+TEST(EnvTest, AFifoOrADirectoryIsRefusedAtOnce) {
+  // A FIFO where a file tier expects a segment (or its key, or its epoch):
+  // before, the open waited for a writer for ever, and a server stopped
+  // with SIGTERM never ran its handler.
+  file_test::TempDir tmp;
+  ASSERT_EQ(::mkfifo(tmp.sub("fifo").c_str(), 0600), 0);
+  ASSERT_EQ(::mkdir(tmp.sub("dir").c_str(), 0700), 0);
+  for (const char* name : {"fifo", "dir"}) {
+    for (bool write : {false, true}) {
+      FileOpenOptions o;
+      o.write = write;
+      const auto t0 = std::chrono::steady_clock::now();
+      auto f = Env::Default()->open(tmp.sub(name), o);
+      EXPECT_FALSE(f.ok()) << name;
+      EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2)) << name;
+    }
+  }
+  auto fifo = Env::Default()->open(tmp.sub("fifo"), FileOpenOptions{});
+  EXPECT_NE(fifo.status().message().find("not a regular file"), std::string::npos)
+      << fifo.status().ToString();
 }
 
 TEST(EnvTest, PunchHoleGivesSpaceBack) {
