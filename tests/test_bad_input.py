@@ -249,3 +249,20 @@ def test_get_batch_into_a_destination_the_store_refuses_raises(store):
     # A buffer too small is still reported through the sizes.
     n, sizes = store.get_batch(["b"], [np.zeros(10, np.uint8)])
     assert n == 0 and sizes == [100]
+
+
+@pytest.mark.parametrize(
+    "name", ["num_io_threads", "index_shards", "pool_channels", "shm_table_slots"]
+)
+def test_a_bool_is_not_a_count(name):
+    """`num_io_threads: yes` in a YAML file is True; before, it was taken as 1."""
+    with pytest.raises(ValueError, match=name):
+        cascade.config_from_dict({name: True})
+
+
+@pytest.mark.parametrize("name", ["shm_path", "file_path"])
+def test_a_path_with_a_nul_is_refused(name):
+    """Before, the store took the path up to the NUL: another arena or
+    directory than the one configured, and logs naming the configured one."""
+    with pytest.raises(ValueError, match="NUL"):
+        cascade.config_from_dict({name: "/tmp/cascade-nul\0.configured"})

@@ -167,6 +167,12 @@ def config_from_dict(
             if not isinstance(value, (str, os.PathLike)):
                 raise ValueError(f"{name}: a path, not {short_repr(value)}")
             value = os.fspath(value)
+            if "\0" in value:  # the store would take the path up to it
+                raise ValueError(f"{name}: a path has no NUL character: {short_repr(value)}")
+        elif isinstance(value, bool) and not isinstance(getattr(CascadeConfig(), name), bool):
+            # A bool is an int to the binding: `num_io_threads: yes` would be 1.
+            cur = getattr(CascadeConfig(), name)
+            raise ValueError(f"{name}: expected {type(cur).__name__}, got {short_repr(value)}")
         try:
             setattr(cfg, name, value)
         except TypeError as e:
