@@ -106,6 +106,10 @@ class File {
   // so the next read comes from the device. OK and a no-op where there is
   // no page cache.
   virtual Status drop_cache() { return Status::OK(); }
+  // The first offset at or after `offset` that may hold data: holes (which
+  // read as zeros) are skipped, the file's size when only a hole is left,
+  // `offset` itself where the file system cannot say (SEEK_DATA).
+  virtual uint64_t data_from(uint64_t offset) { return offset; }
   // The kernel file descriptor, for I/O engines that submit to the kernel
   // themselves (io_uring); -1 when the file is not a plain kernel file
   // (memory files, fault-injecting wrappers). Such files are driven through

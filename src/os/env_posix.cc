@@ -242,6 +242,16 @@ class PosixFile final : public File {
     return static_cast<uint64_t>(st.st_size);
   }
 
+  uint64_t data_from(uint64_t offset) override {
+    const off_t at = ::lseek(fd_, static_cast<off_t>(offset), SEEK_DATA);
+    if (at >= 0) return static_cast<uint64_t>(at);
+    if (errno == ENXIO) {  // no data at or after offset
+      struct stat st;
+      if (::fstat(fd_, &st) == 0) return std::max<uint64_t>(offset, st.st_size);
+    }
+    return offset;
+  }
+
   Result<FileInfo> info() override {
     struct stat st;
     if (::fstat(fd_, &st) != 0) return errno_status(errno, "stat " + path());

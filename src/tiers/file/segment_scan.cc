@@ -35,6 +35,9 @@ class ChunkReader {
   ChunkReader(File* file, uint64_t file_bytes, size_t chunk = kScanChunk)
       : file_(file), file_bytes_(file_bytes), chunk_(chunk) {}
 
+  // The first offset at or after pos that may hold data (holes skipped).
+  uint64_t data_from(uint64_t pos) { return file_->data_from(pos); }
+
   // Makes [pos, pos + n) readable; returns a pointer to pos, or nullptr when
   // the range passes the end of the file. REQUIRES: n <= kScanChunk.
   Result<const uint8_t*> view(uint64_t pos, size_t n) {
@@ -83,9 +86,12 @@ Result<bool> payload_matches(ChunkReader& reader, uint64_t record_pos, const Rec
   return sum == h.payload_xxh3;
 }
 
-// Whether [from, to) holds only zero bytes.
+// Whether [from, to) holds only zero bytes. Holes are zeros without reading
+// them: a file of terabytes that holds nothing is checked in no time.
 Result<bool> all_zero(ChunkReader& reader, uint64_t from, uint64_t to) {
   for (uint64_t pos = from; pos < to;) {
+    pos = std::max(pos, reader.data_from(pos));
+    if (pos >= to) break;
     size_t n = static_cast<size_t>(std::min<uint64_t>(to - pos, kScanChunk - (pos % kPage)));
     auto v = reader.view(pos, n);
     if (!v.ok()) return v.status();
