@@ -266,3 +266,27 @@ def test_a_path_with_a_nul_is_refused(name):
     directory than the one configured, and logs naming the configured one."""
     with pytest.raises(ValueError, match="NUL"):
         cascade.config_from_dict({name: "/tmp/cascade-nul\0.configured"})
+
+
+def test_messages_name_what_was_given_and_stay_short():
+    """Two names of one option with different values are both named (before:
+    "file_path and file_path"), and an unknown option of 100 kB is not
+    echoed whole."""
+    with pytest.raises(ValueError, match="lustre_path and file_path name one option"):
+        cascade.config_from_dict({"lustre_path": "/tmp/a", "file_path": "/tmp/b"})
+    with pytest.raises(ValueError) as e:
+        cascade.config_from_dict({"x" * 100_000: 1})
+    assert len(str(e.value)) < 5_000
+
+
+def test_inspect_of_a_missing_directory_prints_the_message_plain(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "cascade", "inspect", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2
+    assert r.stderr.startswith("cascade inspect: ") and "'" not in r.stderr.split(": ", 1)[1][:1]

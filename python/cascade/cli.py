@@ -151,7 +151,8 @@ def _cmd_inspect(args) -> int:
     try:
         report = _core.inspect_directory(args.dir, not args.no_verify)
     except _core.CascadeError as e:
-        print(f"cascade inspect: {e}", file=sys.stderr)
+        # The message alone (NotFoundError is a KeyError, whose str() quotes it).
+        print(f"cascade inspect: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report, indent=2))

@@ -91,16 +91,18 @@ def canonical_options(options: Mapping[str, Any]) -> dict[str, Any]:
     or a name is not text.
     """
     out: dict[str, Any] = {}
+    given_as: dict[str, str] = {}  # field -> the name it was given under
     for name, value in options.items():
         if not isinstance(name, str):
             raise ValueError(f"option names are text, not {short_repr(name)}")
         field = ALIASES.get(name, name)
         if field in out and out[field] != value:
             raise ValueError(
-                f"{name} and {field} name one option; they are given different values "
-                f"({short_repr(value)}, {short_repr(out[field])})"
+                f"{given_as[field]} and {name} name one option; they are given different values "
+                f"({short_repr(out[field])}, {short_repr(value)})"
             )
         out[field] = value
+        given_as[field] = name
     return out
 
 
@@ -145,7 +147,7 @@ def config_from_dict(
             setattr(cfg, name, getattr(base, name))
     options = canonical_options(options)
     known = set(fields())
-    unknown = sorted(k for k in options if k not in known)
+    unknown = sorted(short_repr(k) for k in options if k not in known)
     if unknown:
         raise ValueError(
             f"unknown CascadeConfig option(s): {', '.join(unknown)}; "
