@@ -736,6 +736,13 @@ class ClusterNode::Impl {
               Deadline budget);
   void fetch(std::span<const BlockId> ids, std::span<uint8_t> got, Deadline budget);
   void remove(std::span<const BlockId> ids, std::span<uint8_t> removed, Deadline budget);
+  // The owner's side of a remove: reservations members hold for the ids
+  // (pushes under way) end, so their commits store nothing; commits under
+  // way end (within `until`); then the store's copies go. removed[i] set
+  // where one did.
+  void remove_here(std::span<const BlockId> ids, std::span<uint8_t> removed, Deadline until);
+  // Waits (until `until`) for the ids in in_flight; true when there were.
+  bool wait_not_in_flight(std::span<const BlockId> ids, Deadline until);
   void lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out, Deadline budget);
   void release_mapped(std::span<const MappedLease> leases);
   // The slot whose current mapping has this index, or null.
@@ -831,29 +838,11 @@ void ClusterNode::Impl::remove(std::span<const BlockId> ids, std::span<uint8_t> 
                                Deadline budget) {
   auto r = current();
   if (!r || ids.empty()) return;
-  {
-    // This member's pushes of the ids that took hold of the bytes before
-    // the caller removed them here, and its fetches of them, end first
-    // (within the budget).
-    std::unique_lock<std::mutex> l(in_flight_mu);
-    ++remove_seq;
-    for (const BlockId& id : ids)
-      if (in_flight.count(id)) removed_at[id] = remove_seq;
-    bool waited = false;
-    (void)in_flight_cv.wait_until(l, std::min(budget, deadline()), [&] {
-      for (const BlockId& id : ids)
-        if (in_flight.count(id)) {
-          waited = true;
-          return false;
-        }
-      return true;
-    });
-    l.unlock();
-    // A fetch that ended meanwhile may have stored its copy here.
-    if (waited)
-      for (size_t i = 0; i < ids.size(); ++i)
-        if (store->remove(ids[i]).ok()) removed[i] = 1;
-  }
+  // This member's pushes of the ids that took hold of the bytes before the
+  // caller removed them here, its fetches of them and commits of members'
+  // pushes of them end first (within the budget), and what they stored
+  // here goes; so do reservations members hold here for them.
+  remove_here(ids, removed, std::min(budget, deadline()));
   // Every member but this one: a copy may be at an owner, at the second
   // owner, or at any member that fetched the block for its clients.
   std::vector<size_t> others;
@@ -892,6 +881,60 @@ void ClusterNode::Impl::remove(std::span<const BlockId> ids, std::span<uint8_t> 
         removed[i] = 1;
         remote_removed.fetch_add(1, std::memory_order_relaxed);
       }
+}
+
+bool ClusterNode::Impl::wait_not_in_flight(std::span<const BlockId> ids, Deadline until) {
+  std::unique_lock<std::mutex> l(in_flight_mu);
+  ++remove_seq;
+  for (const BlockId& id : ids)
+    if (in_flight.count(id)) removed_at[id] = remove_seq;
+  bool waited = false;
+  (void)in_flight_cv.wait_until(l, until, [&] {
+    for (const BlockId& id : ids)
+      if (in_flight.count(id)) {
+        waited = true;
+        return false;
+      }
+    return true;
+  });
+  return waited;
+}
+
+void ClusterNode::Impl::remove_here(std::span<const BlockId> ids, std::span<uint8_t> removed,
+                                    Deadline until) {
+  const std::unordered_set<BlockId> gone(ids.begin(), ids.end());
+  std::vector<std::shared_ptr<PeerState>> all;
+  {
+    std::lock_guard<std::mutex> l(peers_mu);
+    for (const auto& [key, p] : peers) all.push_back(p);
+  }
+  std::vector<Ending> cancelled;
+  for (auto& p : all) {
+    std::lock_guard<std::mutex> l(p->mu);
+    for (auto it = p->reservations.begin(); it != p->reservations.end();) {
+      if (gone.count(it->second.r.id)) {
+        // The member may still be writing the range: held until its expiry.
+        cancelled.push_back(Ending{it->second.r, it->second.expires});
+        it = p->reservations.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  if (!cancelled.empty()) {
+    std::unique_lock<std::mutex> q(quarantine_mu);
+    if (transports_closed) {
+      q.unlock();
+      peer_reservations.fetch_sub(static_cast<int64_t>(cancelled.size()),
+                                  std::memory_order_relaxed);
+      for (const auto& e : cancelled) store->abort(e.r);
+    } else {
+      ending.insert(ending.end(), cancelled.begin(), cancelled.end());
+    }
+  }
+  (void)wait_not_in_flight(ids, until);
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (store->remove(ids[i]).ok()) removed[i] = 1;
 }
 
 void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> got,
@@ -1605,13 +1648,16 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
       return ok_reply(count, out);
     }
     case Op::kRemove: {
-      // This store's copy goes; a push of the id that a member has under
-      // way lands afterwards and stores it again (as a put after the
-      // remove would).
+      // Within half a deadline: the remover's call waits one.
+      std::vector<BlockId> ids(count);
+      for (uint32_t k = 0; k < count; ++k) ids[k] = id_of(k);
+      std::vector<uint8_t> removed(count);
+      remove_here(ids, removed,
+                  Clock::now() + std::chrono::milliseconds(options.request_timeout_ms / 2));
       for (uint32_t k = 0; k < count; ++k) {
-        const Status st = store->remove(id_of(k));
-        if (st.ok()) served_removes.fetch_add(1, std::memory_order_relaxed);
-        put_item(&out, cluster::CodeReply{code_of(st)});
+        if (removed[k]) served_removes.fetch_add(1, std::memory_order_relaxed);
+        put_item(&out,
+                 cluster::CodeReply{code_of(removed[k] ? Status::OK() : Status::NotFound(""))});
       }
       return ok_reply(count, out);
     }
@@ -1722,17 +1768,26 @@ std::vector<uint8_t> ClusterNode::Impl::serve_items(PeerState& p, Op op, uint32_
     case Op::kCommit:
     case Op::kAbort: {
       std::vector<std::optional<Reservation>> taken(count);
+      // A commit's ids are listed (in_flight) from when its reservations
+      // are taken, under the member's lock a remove cancels them under,
+      // until the commit ended: a remove of one either cancels its
+      // reservation first or waits for the commit and removes what it
+      // stored.
+      std::optional<Listed> committing;
       {
         std::lock_guard<std::mutex> l(p.mu);
+        std::vector<BlockId> ids;
         for (uint32_t k = 0; k < count; ++k) {
           const uint64_t token = op == Op::kCommit ? item_at<cluster::CommitItem>(items, k).token
                                                    : item_at<cluster::TokenItem>(items, k).token;
           auto it = p.reservations.find(token);
           if (it == p.reservations.end()) continue;
           taken[k] = it->second.r;
+          ids.push_back(it->second.r.id);
           p.reservations.erase(it);
           peer_reservations.fetch_sub(1, std::memory_order_relaxed);
         }
+        if (op == Op::kCommit && !ids.empty()) committing.emplace(this, std::move(ids));
       }
       if (op == Op::kAbort) {
         for (auto& t : taken)

@@ -794,6 +794,57 @@ TEST(ClusterNode, AMemberLeavingTheViewKeepsItsReservationsUntilTheyExpire) {
   EXPECT_GE(a.node->stats().expired, 1u);
 }
 
+TEST(ClusterNode, AReservationForAnIdRemovedAtItsOwnerCommitsNothing) {
+  SKIP_WITHOUT_TRANSPORT();
+  // A member's push of X is under way (reserved at the owner, bytes on
+  // their way) when a client removes X at the owner. Before, the push's
+  // commit then stored the removed bytes at the owner, which kept them
+  // against every later put of X.
+  Member a("a", /*expiry_ms=*/6000);
+  ASSERT_TRUE(a.node);
+  RawMember raw(a.node->address());
+  ASSERT_TRUE(
+      a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
+  auto hello = raw.call(cluster::Op::kHello, static_cast<uint32_t>(raw.t->address().size()),
+                        raw.t->address());
+  ASSERT_GE(hello.size(), sizeof(cluster::ReplyHead) + sizeof(cluster::HelloReply));
+  cluster::HelloReply hr;
+  std::memcpy(&hr, hello.data() + sizeof(cluster::ReplyHead), sizeof hr);
+  auto region = raw.peer->import_key(std::span<const uint8_t>(
+      hello.data() + sizeof(cluster::ReplyHead) + sizeof hr, hr.key_bytes));
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  const BlockId x = id_of(8500);
+  const auto old_bytes = bytes_of(5, 8192);
+  pool::ReserveItem ri{};
+  std::memcpy(ri.id, x.bytes.data(), 16);
+  ri.size = old_bytes.size();
+  std::vector<uint8_t> body(sizeof ri);
+  std::memcpy(body.data(), &ri, sizeof ri);
+  auto rr = raw.call(cluster::Op::kReserve, 1, body);
+  ASSERT_EQ(rr.size(), sizeof(cluster::ReplyHead) + sizeof(cluster::ReserveReply));
+  cluster::ReserveReply granted;
+  std::memcpy(&granted, rr.data() + sizeof(cluster::ReplyHead), sizeof granted);
+  ASSERT_EQ(granted.code, 0u);
+  // The push's bytes land; then a client removes X at the owner.
+  auto put = raw.peer->put(**region, granted.offset, old_bytes.data(), old_bytes.size());
+  ASSERT_TRUE(put.ok()) << put.status().ToString();
+  ASSERT_TRUE((*put)->wait(deadline_in(2000ms)).ok());
+  // What the server does for a client's remove: its store's copy, then the
+  // cluster's.
+  (void)a.server->store()->remove(x);
+  std::vector<uint8_t> removed(1);
+  a.node->remove({&x, 1}, removed);
+  cluster::CommitItem ci{granted.token, block_checksum(old_bytes.data(), old_bytes.size())};
+  std::vector<uint8_t> cbody(sizeof ci);
+  std::memcpy(cbody.data(), &ci, sizeof ci);
+  auto cr = raw.call(cluster::Op::kCommit, 1, cbody);
+  ASSERT_EQ(cr.size(), sizeof(cluster::ReplyHead) + sizeof(cluster::CodeReply));
+  cluster::CodeReply code;
+  std::memcpy(&code, cr.data() + sizeof(cluster::ReplyHead), sizeof code);
+  EXPECT_NE(code.code, 0u) << "a reservation of a removed id was committed";
+  EXPECT_FALSE(a.server->store()->contains(x));
+}
+
 TEST(ClusterNode, WhatAMemberThatIsNotInTheViewHoldsEndsAfterADeadline) {
   SKIP_WITHOUT_TRANSPORT();
   Member a("a");  // leases expire after a minute: the test must not wait for that
