@@ -166,6 +166,33 @@ struct RawMember {
   void send_raw(const std::vector<uint8_t>& m) {
     EXPECT_TRUE(peer->send(cluster::kRequestTag, m, deadline_in(1000ms)).ok());
   }
+  // Says hello and imports the owner's arena key: null on failure.
+  std::shared_ptr<RemoteRegion> hello_with_key() {
+    auto hello =
+        call(cluster::Op::kHello, static_cast<uint32_t>(t->address().size()), t->address());
+    if (hello.size() < sizeof(cluster::ReplyHead) + sizeof(cluster::HelloReply)) return nullptr;
+    cluster::HelloReply hr;
+    std::memcpy(&hr, hello.data() + sizeof(cluster::ReplyHead), sizeof hr);
+    const size_t key_at = sizeof(cluster::ReplyHead) + sizeof hr;
+    if (key_at + hr.key_bytes > hello.size()) return nullptr;
+    auto region = peer->import_key(std::span<const uint8_t>(hello.data() + key_at, hr.key_bytes));
+    EXPECT_TRUE(region.ok()) << region.status().ToString();
+    return region.ok() ? std::move(region.value()) : nullptr;
+  }
+  // Reserves room for one block at the owner; code != 0 when refused.
+  cluster::ReserveReply reserve(const BlockId& id, uint64_t size) {
+    pool::ReserveItem ri{};
+    std::memcpy(ri.id, id.bytes.data(), 16);
+    ri.size = size;
+    std::vector<uint8_t> body(sizeof ri);
+    std::memcpy(body.data(), &ri, sizeof ri);
+    auto rr = call(cluster::Op::kReserve, 1, body);
+    cluster::ReserveReply granted{};
+    granted.code = UINT32_MAX;
+    if (rr.size() == sizeof(cluster::ReplyHead) + sizeof granted)
+      std::memcpy(&granted, rr.data() + sizeof(cluster::ReplyHead), sizeof granted);
+    return granted;
+  }
 };
 
 // An owner that speaks the protocol by hand: it answers hellos (after
@@ -734,27 +761,12 @@ TEST(ClusterNode, AMemberLeavingTheViewKeepsItsReservationsUntilTheyExpire) {
     }
     return v;
   };
-  auto hello = raw.call(cluster::Op::kHello, static_cast<uint32_t>(raw.t->address().size()),
-                        raw.t->address());
-  ASSERT_GE(hello.size(), sizeof(cluster::ReplyHead) + sizeof(cluster::HelloReply));
-  cluster::HelloReply hr;
-  std::memcpy(&hr, hello.data() + sizeof(cluster::ReplyHead), sizeof hr);
-  const size_t key_at = sizeof(cluster::ReplyHead) + sizeof hr;
-  ASSERT_LE(key_at + hr.key_bytes, hello.size());
-  auto region = raw.peer->import_key(std::span<const uint8_t>(hello.data() + key_at, hr.key_bytes));
-  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  auto region = raw.hello_with_key();
+  ASSERT_TRUE(region);
 
   constexpr uint64_t kBlock = 1 << 20;
-  pool::ReserveItem ri{};
   const BlockId pushed = id_of(9100);
-  std::memcpy(ri.id, pushed.bytes.data(), 16);
-  ri.size = kBlock;
-  std::vector<uint8_t> body(sizeof ri);
-  std::memcpy(body.data(), &ri, sizeof ri);
-  auto rr = raw.call(cluster::Op::kReserve, 1, body);
-  ASSERT_EQ(rr.size(), sizeof(cluster::ReplyHead) + sizeof(cluster::ReserveReply));
-  cluster::ReserveReply granted;
-  std::memcpy(&granted, rr.data() + sizeof(cluster::ReplyHead), sizeof granted);
+  const cluster::ReserveReply granted = raw.reserve(pushed, kBlock);
   ASSERT_EQ(granted.code, 0u);
   EXPECT_EQ(a.node->stats().peer_reservations, 1u);
 
@@ -771,7 +783,7 @@ TEST(ClusterNode, AMemberLeavingTheViewKeepsItsReservationsUntilTheyExpire) {
   }
   // The member's put lands now, into the range it reserved.
   std::vector<uint8_t> late(kBlock, 0xAB);
-  auto put = raw.peer->put(**region, granted.offset, late.data(), kBlock);
+  auto put = raw.peer->put(*region, granted.offset, late.data(), kBlock);
   ASSERT_TRUE(put.ok()) << put.status().ToString();
   ASSERT_TRUE((*put)->wait(deadline_in(2000ms)).ok());
   int present = 0;
@@ -805,28 +817,14 @@ TEST(ClusterNode, AReservationForAnIdRemovedAtItsOwnerCommitsNothing) {
   RawMember raw(a.node->address());
   ASSERT_TRUE(
       a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
-  auto hello = raw.call(cluster::Op::kHello, static_cast<uint32_t>(raw.t->address().size()),
-                        raw.t->address());
-  ASSERT_GE(hello.size(), sizeof(cluster::ReplyHead) + sizeof(cluster::HelloReply));
-  cluster::HelloReply hr;
-  std::memcpy(&hr, hello.data() + sizeof(cluster::ReplyHead), sizeof hr);
-  auto region = raw.peer->import_key(std::span<const uint8_t>(
-      hello.data() + sizeof(cluster::ReplyHead) + sizeof hr, hr.key_bytes));
-  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  auto region = raw.hello_with_key();
+  ASSERT_TRUE(region);
   const BlockId x = id_of(8500);
   const auto old_bytes = bytes_of(5, 8192);
-  pool::ReserveItem ri{};
-  std::memcpy(ri.id, x.bytes.data(), 16);
-  ri.size = old_bytes.size();
-  std::vector<uint8_t> body(sizeof ri);
-  std::memcpy(body.data(), &ri, sizeof ri);
-  auto rr = raw.call(cluster::Op::kReserve, 1, body);
-  ASSERT_EQ(rr.size(), sizeof(cluster::ReplyHead) + sizeof(cluster::ReserveReply));
-  cluster::ReserveReply granted;
-  std::memcpy(&granted, rr.data() + sizeof(cluster::ReplyHead), sizeof granted);
+  const cluster::ReserveReply granted = raw.reserve(x, old_bytes.size());
   ASSERT_EQ(granted.code, 0u);
   // The push's bytes land; then a client removes X at the owner.
-  auto put = raw.peer->put(**region, granted.offset, old_bytes.data(), old_bytes.size());
+  auto put = raw.peer->put(*region, granted.offset, old_bytes.data(), old_bytes.size());
   ASSERT_TRUE(put.ok()) << put.status().ToString();
   ASSERT_TRUE((*put)->wait(deadline_in(2000ms)).ok());
   // What the server does for a client's remove: its store's copy, then the
