@@ -97,8 +97,9 @@ def canonical_options(options: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"option names are text, not {short_repr(name)}")
         field = ALIASES.get(name, name)
         if field in out and out[field] != value:
+            older = given_as[field] if given_as[field] != field else name
             raise ValueError(
-                f"{given_as[field]} and {name} name one option; they are given different values "
+                f"{older} and {field} name one option; they are given different values "
                 f"({short_repr(out[field])}, {short_repr(value)})"
             )
         out[field] = value
@@ -147,7 +148,7 @@ def config_from_dict(
             setattr(cfg, name, getattr(base, name))
     options = canonical_options(options)
     known = set(fields())
-    unknown = sorted(short_repr(k) for k in options if k not in known)
+    unknown = sorted(k if len(k) <= 80 else k[:77] + "..." for k in options if k not in known)
     if unknown:
         raise ValueError(
             f"unknown CascadeConfig option(s): {', '.join(unknown)}; "
