@@ -741,6 +741,19 @@ class ClusterNode::Impl {
   // way end (within `until`); then the store's copies go. removed[i] set
   // where one did.
   void remove_here(std::span<const BlockId> ids, std::span<uint8_t> removed, Deadline until);
+  // Calls `m` with `op` for ids[which[j]], j in order, in batches of up to
+  // kMaxItems ids, each batch only while the request's `budget` lasts; the
+  // connect and the first batch share one deadline. `ready` runs once the
+  // link is up (false: no call is made). `take(link, b, e, reply, sent)`
+  // reads the reply to the batch of which[b..e), sent at `sent`. A call that
+  // fails ends the batches (the member is then skipped). `asked` counts the
+  // ids sent.
+  using LinkReady = std::function<bool(LinkSlot&, const Link&)>;
+  using TakeReply = std::function<void(const Link&, size_t, size_t, const std::vector<uint8_t>&,
+                                       Clock::time_point)>;
+  void call_in_batches(const ClusterMember& m, Op op, std::span<const BlockId> ids,
+                       std::span<const size_t> which, Deadline budget, std::atomic<uint64_t>* asked,
+                       const LinkReady& ready, const TakeReply& take);
   // Waits (until `until`) for the ids in in_flight; true when there were.
   bool wait_not_in_flight(std::span<const BlockId> ids, Deadline until);
   void lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out, Deadline budget);
@@ -789,6 +802,36 @@ class ClusterNode::Impl {
 
 // ---- lookups and fetches -----------------------------------------------------
 
+void ClusterNode::Impl::call_in_batches(const ClusterMember& m, Op op, std::span<const BlockId> ids,
+                                        std::span<const size_t> which, Deadline budget,
+                                        std::atomic<uint64_t>* asked, const LinkReady& ready,
+                                        const TakeReply& take) {
+  if (budget_spent(budget, calls_for(which.size()))) return;
+  // A connect and the first batch share one deadline, which runs while
+  // another thread holds the slot too.
+  const Deadline first = deadline();
+  auto s = slot_of(m);
+  auto link = link_to(s, m, first);
+  if (!link.ok() || (ready && !ready(*s, **link))) return;
+  for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
+    // Also after the connect, which may have waited for another's.
+    if (budget_spent(budget, calls_for(which.size() - b))) return;
+    const size_t e = std::min(which.size(), b + cluster::kMaxItems);
+    std::vector<uint8_t> items;
+    items.reserve((e - b) * 16);
+    for (size_t j = b; j < e; ++j) put_item(&items, ids[which[j]].bytes);
+    if (asked) asked->fetch_add(e - b, std::memory_order_relaxed);
+    const Clock::time_point sent = Clock::now();
+    auto reply = call(**link, op, static_cast<uint32_t>(e - b), items, b == 0 ? first : deadline());
+    if (!reply.ok()) {
+      fail(s, *link);
+      return;
+    }
+    answered(*s);
+    take(**link, b, e, *reply, sent);
+  }
+}
+
 void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> found,
                                std::span<uint64_t> sizes, Deadline budget) {
   auto r = current();
@@ -799,37 +842,18 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
     if (groups.empty()) return;
     for_each_call(groups.size(), [&](size_t g) {
       const auto& [mi, which] = groups[g];
-      const ClusterMember& m = r->view.members[mi];
-      if (budget_spent(budget, calls_for(which.size()))) return;
-      // A connect and the first batch share one deadline, which runs while
-      // another thread holds the slot too.
-      const Deadline first = deadline();
-      auto s = slot_of(m);
-      auto link = link_to(s, m, first);
-      if (!link.ok()) return;
-      for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
-        // Also after the connect, which may have waited for another's.
-        if (budget_spent(budget, calls_for(which.size() - b))) break;
-        const size_t e = std::min(which.size(), b + cluster::kMaxItems);
-        std::vector<uint8_t> items;
-        items.reserve((e - b) * 16);
-        for (size_t j = b; j < e; ++j) put_item(&items, ids[which[j]].bytes);
-        remote_lookups.fetch_add(e - b, std::memory_order_relaxed);
-        auto reply = call(**link, Op::kLookup, static_cast<uint32_t>(e - b), items,
-                          b == 0 ? first : deadline());
-        if (!reply.ok()) {
-          fail(s, *link);
-          break;
-        }
-        answered(*s);
-        for (size_t j = b; j < e; ++j) {
-          auto lr = item_at<cluster::LookupReply>(reply->data(), j - b);
-          if (lr.code != 0) continue;
-          found[which[j]] = 1;
-          sizes[which[j]] = lr.size;
-          remote_hits.fetch_add(1, std::memory_order_relaxed);
-        }
-      }
+      call_in_batches(r->view.members[mi], Op::kLookup, ids, which, budget, &remote_lookups,
+                      nullptr,
+                      [&](const Link&, size_t b, size_t e, const std::vector<uint8_t>& reply,
+                          Clock::time_point) {
+                        for (size_t j = b; j < e; ++j) {
+                          auto lr = item_at<cluster::LookupReply>(reply.data(), j - b);
+                          if (lr.code != 0) continue;
+                          found[which[j]] = 1;
+                          sizes[which[j]] = lr.size;
+                          remote_hits.fetch_add(1, std::memory_order_relaxed);
+                        }
+                      });
     });
   }
 }
@@ -849,31 +873,16 @@ void ClusterNode::Impl::remove(std::span<const BlockId> ids, std::span<uint8_t> 
   for (size_t mi = 0; mi < r->view.members.size(); ++mi)
     if (static_cast<int>(mi) != r->self) others.push_back(mi);
   if (others.empty()) return;
+  std::vector<size_t> every(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) every[i] = i;
   std::vector<std::vector<uint8_t>> held(others.size(), std::vector<uint8_t>(ids.size()));
   for_each_call(others.size(), [&](size_t g) {
-    const ClusterMember& m = r->view.members[others[g]];
-    if (budget_spent(budget, calls_for(ids.size()))) return;
-    const Deadline first = deadline();
-    auto s = slot_of(m);
-    auto link = link_to(s, m, first);
-    if (!link.ok()) return;
-    for (size_t b = 0; b < ids.size(); b += cluster::kMaxItems) {
-      if (budget_spent(budget, calls_for(ids.size() - b))) break;
-      const size_t e = std::min(ids.size(), b + cluster::kMaxItems);
-      std::vector<uint8_t> items;
-      items.reserve((e - b) * 16);
-      for (size_t j = b; j < e; ++j) put_item(&items, ids[j].bytes);
-      remote_removes.fetch_add(e - b, std::memory_order_relaxed);
-      auto reply = call(**link, Op::kRemove, static_cast<uint32_t>(e - b), items,
-                        b == 0 ? first : deadline());
-      if (!reply.ok()) {
-        fail(s, *link);
-        break;
-      }
-      answered(*s);
-      for (size_t j = b; j < e; ++j)
-        held[g][j] = item_at<cluster::CodeReply>(reply->data(), j - b).code == 0;
-    }
+    call_in_batches(
+        r->view.members[others[g]], Op::kRemove, ids, every, budget, &remote_removes, nullptr,
+        [&](const Link&, size_t b, size_t e, const std::vector<uint8_t>& reply, Clock::time_point) {
+          for (size_t j = b; j < e; ++j)
+            held[g][j] = item_at<cluster::CodeReply>(reply.data(), j - b).code == 0;
+        });
   });
   for (const auto& h : held)
     for (size_t i = 0; i < ids.size(); ++i)
@@ -1183,38 +1192,19 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
     if (groups.empty()) return;
     for_each_call(groups.size(), [&](size_t g) {
       const auto& [mi, which] = groups[g];
-      const ClusterMember& m = r->view.members[mi];
-      if (budget_spent(budget, calls_for(which.size()))) return;
-      // A connect and the first batch share one deadline.
-      const Deadline first = deadline();
-      auto s = slot_of(m);
-      auto link = link_to(s, m, first);
-      if (!link.ok() || !(*link)->mapped) return;
-      uint32_t index, expiry_ms;
-      {
-        std::lock_guard<std::mutex> l(s->mu);
-        if (s->mapped != (*link)->mapped) return;
-        index = s->mapped_index;
-        expiry_ms = s->lease_expiry_ms;
-      }
-      const Link& ln = **link;
-      for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
-        // Also after the connect, which may have waited for another's.
-        if (budget_spent(budget, calls_for(which.size() - b))) return;
-        const size_t e = std::min(which.size(), b + cluster::kMaxItems);
-        std::vector<uint8_t> items;
-        items.reserve((e - b) * 16);
-        for (size_t j = b; j < e; ++j) put_item(&items, ids[which[j]].bytes);
-        // The owner grants after this: its leases last at least its expiry
-        // from now.
-        const Clock::time_point sent = Clock::now();
-        auto reply =
-            call(ln, Op::kLease, static_cast<uint32_t>(e - b), items, b == 0 ? first : deadline());
-        if (!reply.ok()) {
-          fail(s, *link);
-          return;
-        }
-        answered(*s);
+      uint32_t index = 0, expiry_ms = 0;
+      auto ready = [&](LinkSlot& s, const Link& ln) {
+        if (!ln.mapped) return false;
+        std::lock_guard<std::mutex> l(s.mu);
+        if (s.mapped != ln.mapped) return false;
+        index = s.mapped_index;
+        expiry_ms = s.lease_expiry_ms;
+        return true;
+      };
+      // The owner grants after `sent`: its leases last at least its expiry
+      // from then.
+      auto take = [&](const Link& ln, size_t b, size_t e, const std::vector<uint8_t>& reply,
+                      Clock::time_point sent) {
         const int64_t valid_until =
             std::chrono::duration_cast<std::chrono::nanoseconds>(
                 (sent + std::chrono::milliseconds(expiry_ms)).time_since_epoch())
@@ -1222,7 +1212,7 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
         std::vector<uint8_t> refused;
         uint32_t refused_count = 0;
         for (size_t j = b; j < e; ++j) {
-          auto l = item_at<cluster::LeaseReply>(reply->data(), j - b);
+          auto l = item_at<cluster::LeaseReply>(reply.data(), j - b);
           if (l.code != 0) continue;
           if (l.size > ln.arena_bytes || l.offset > ln.arena_bytes - l.size ||
               (options.verify && l.checksum == 0)) {
@@ -1243,7 +1233,8 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
           mapped_leases.fetch_add(1, std::memory_order_relaxed);
         }
         if (refused_count > 0) (void)call(ln, Op::kRelease, refused_count, refused, deadline());
-      }
+      };
+      call_in_batches(r->view.members[mi], Op::kLease, ids, which, budget, nullptr, ready, take);
     });
   }
 }

@@ -48,6 +48,13 @@ std::vector<uint8_t> bytes_of(int i, size_t n) {
   return v;
 }
 
+// Polls `done` every `step` until it holds or `limit` has passed.
+void poll_until(const std::function<bool()>& done, std::chrono::milliseconds limit,
+                std::chrono::milliseconds step = 10ms) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!done() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(step);
+}
+
 struct Member {
   std::string socket = "/tmp/" + unique("cascade-cluster-test-") + ".sock";
   std::unique_ptr<PoolServer> server;
@@ -489,9 +496,7 @@ TEST(ClusterNode, BlocksCommittedOnOneMemberAreFetchedThroughAnother) {
   EXPECT_GT(sb.served_commits, 0u);
   EXPECT_EQ(sb.checksum_failures, 0u);
   // Every fetch released its leases (releases are sent without waiting).
-  const auto t0 = std::chrono::steady_clock::now();
-  while (a.node->stats().peer_leases > 0 && std::chrono::steady_clock::now() - t0 < 2s)
-    std::this_thread::sleep_for(10ms);
+  poll_until([&] { return a.node->stats().peer_leases == 0; }, 2000ms);
   EXPECT_EQ(a.node->stats().peer_leases, 0u);
 }
 
@@ -726,9 +731,7 @@ TEST(ClusterNode, LeasesOfAMemberThatNeverReleasesExpireAndALeavingMemberLosesTh
     EXPECT_NE(l.checksum, 0u);
   }
   EXPECT_EQ(a.node->stats().peer_leases, 8u);
-  const auto t0 = std::chrono::steady_clock::now();
-  while (a.node->stats().peer_leases > 0 && std::chrono::steady_clock::now() - t0 < 8s)
-    std::this_thread::sleep_for(50ms);
+  poll_until([&] { return a.node->stats().peer_leases == 0; }, 8000ms, 50ms);
   EXPECT_EQ(a.node->stats().peer_leases, 0u);
   EXPECT_GE(a.node->stats().expired, 8u);
 
@@ -799,9 +802,7 @@ TEST(ClusterNode, AMemberLeavingTheViewKeepsItsReservationsUntilTheyExpire) {
       << "freed before its expiry";
 
   // After its expiry the range is free.
-  const auto t0 = std::chrono::steady_clock::now();
-  while (a.node->stats().peer_reservations > 0 && std::chrono::steady_clock::now() - t0 < 8s)
-    std::this_thread::sleep_for(50ms);
+  poll_until([&] { return a.node->stats().peer_reservations == 0; }, 8000ms, 50ms);
   EXPECT_EQ(a.node->stats().peer_reservations, 0u);
   EXPECT_GE(a.node->stats().expired, 1u);
 }
@@ -861,9 +862,7 @@ TEST(ClusterNode, WhatAMemberThatIsNotInTheViewHoldsEndsAfterADeadline) {
     ASSERT_EQ(lease.size(), sizeof(cluster::ReplyHead) + 8 * sizeof(cluster::LeaseReply));
   }
   EXPECT_EQ(a.node->stats().peer_leases, 16u);
-  const auto t0 = std::chrono::steady_clock::now();
-  while (a.node->stats().peer_leases > 8 && std::chrono::steady_clock::now() - t0 < 5s)
-    std::this_thread::sleep_for(20ms);
+  poll_until([&] { return a.node->stats().peer_leases <= 8; }, 5000ms, 20ms);
   EXPECT_EQ(a.node->stats().peer_leases, 8u);  // the member in the view keeps its leases
   EXPECT_EQ(a.node->stats().expired, 0u);      // ended, not expired
   // The stray member is forgotten (its requests are dropped until it says
@@ -958,9 +957,7 @@ TEST(ClusterNode, ATokenOfAnEndedConnectionNeverReleasesALeaseOfTheNextOne) {
   const uint8_t* t = reinterpret_cast<const uint8_t*>(&old_token);
   release.insert(release.end(), t, t + sizeof old_token);
   raw.send_raw(release);
-  const auto t0 = std::chrono::steady_clock::now();
-  while (a.node->stats().peer_leases == 1 && std::chrono::steady_clock::now() - t0 < 500ms)
-    std::this_thread::sleep_for(10ms);
+  poll_until([&] { return a.node->stats().peer_leases != 1; }, 500ms);
   EXPECT_EQ(a.node->stats().peer_leases, 1u);  // the new connection's lease holds
 }
 
@@ -1154,9 +1151,7 @@ TEST(ClusterNode, ARemoveWaitsForThisMembersPushOfTheIdUnderWay) {
     std::lock_guard<std::mutex> l(mu);
     return std::find(seen.begin(), seen.end(), op) != seen.end();
   };
-  const auto t0 = std::chrono::steady_clock::now();
-  while (!saw(cluster::Op::kReserve) && std::chrono::steady_clock::now() - t0 < 5s)
-    std::this_thread::sleep_for(1ms);
+  poll_until([&] { return saw(cluster::Op::kReserve); }, 5000ms, 1ms);
   ASSERT_TRUE(saw(cluster::Op::kReserve));  // the push holds the bytes and waits for its reply
   ASSERT_TRUE(ca->remove(id_of(8300)).ok());
   std::lock_guard<std::mutex> l(mu);
@@ -1392,10 +1387,7 @@ TEST(ClusterNode, RepliesThatComeAfterTheirCallGaveUpAreDropped) {
   }
   EXPECT_GE(a.node->stats().timeouts, uint64_t(kCalls));
   // Every late reply is taken and dropped, none is left waiting.
-  const auto t0 = std::chrono::steady_clock::now();
-  while (a.node->stats().late_replies < uint64_t(kCalls) &&
-         std::chrono::steady_clock::now() - t0 < 5s)
-    std::this_thread::sleep_for(20ms);
+  poll_until([&] { return a.node->stats().late_replies >= uint64_t(kCalls); }, 5000ms, 20ms);
   EXPECT_EQ(a.node->stats().late_replies, uint64_t(kCalls));
 }
 
@@ -1619,9 +1611,7 @@ TEST(ClusterNode, MembersOnOneHostCopyFromTheOwnersMappedArena) {
   EXPECT_EQ(sb.mapped, 1u);
   EXPECT_EQ(sb.map_failures, 0u);
   EXPECT_EQ(sb.checksum_failures, 0u);
-  const auto t0 = std::chrono::steady_clock::now();
-  while (a.node->stats().peer_leases > 0 && std::chrono::steady_clock::now() - t0 < 2s)
-    std::this_thread::sleep_for(10ms);
+  poll_until([&] { return a.node->stats().peer_leases == 0; }, 2000ms);
   EXPECT_EQ(a.node->stats().peer_leases, 0u);
 }
 
@@ -1755,9 +1745,7 @@ TEST(ClusterNode, AMemberLeavingTheViewIsUnmapped) {
   alone.owners.push_back(0);
   ASSERT_TRUE(b.node->set_view(alone).ok());
   EXPECT_EQ(b.node->stats().mapped, 0u);
-  const auto t0 = std::chrono::steady_clock::now();
-  while (mappings_of(a.shm_path) > before && std::chrono::steady_clock::now() - t0 < 5s)
-    std::this_thread::sleep_for(50ms);
+  poll_until([&] { return mappings_of(a.shm_path) <= before; }, 5000ms, 50ms);
   EXPECT_EQ(mappings_of(a.shm_path), before);
 }
 
@@ -1778,9 +1766,7 @@ TEST(ClusterNode, AClientWhoseServerIsGoneUnmapsTheMembersArenas) {
   // b's server goes: nothing more is read through it, and its client keeps
   // no mapping of a's arena (which would pin its memory once a replaced it).
   ASSERT_TRUE(b.server->close().ok());
-  const auto t0 = std::chrono::steady_clock::now();
-  while (mappings_of(a.shm_path) > before && std::chrono::steady_clock::now() - t0 < 5s)
-    std::this_thread::sleep_for(50ms);
+  poll_until([&] { return mappings_of(a.shm_path) <= before; }, 5000ms, 50ms);
   EXPECT_EQ(mappings_of(a.shm_path), before);
   std::vector<uint8_t> out(data.size());
   GetResult r;
