@@ -31,6 +31,7 @@ nb::dict inspection_dict(const InspectReport& r) {
   d["removal_records"] = r.removal_records;
   d["needed_removal_records"] = r.needed_removal_records;
   d["other_files"] = r.other_files;
+  d["tier_files"] = r.tier_files;
   nb::list segs;
   for (const SegmentInspection& s : r.segments) {
     nb::dict x;

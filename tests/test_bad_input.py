@@ -290,3 +290,45 @@ def test_inspect_of_a_missing_directory_prints_the_message_plain(tmp_path):
     )
     assert r.returncode == 2
     assert r.stderr.startswith("cascade inspect: ") and "'" not in r.stderr.split(": ", 1)[1][:1]
+
+
+def test_inspect_of_a_directory_no_file_tier_wrote_says_so(tmp_path):
+    # Before, any directory (/proc, a parent of the ranks' directories)
+    # printed an empty table and OK, which reads as "its blocks are intact".
+    import subprocess
+    import sys
+
+    def inspect(path):
+        return subprocess.run(
+            [sys.executable, "-m", "cascade", "inspect", str(path)], capture_output=True, text=True
+        )
+
+    other = tmp_path / "other"
+    (other / "rank-0").mkdir(parents=True)
+    (other / "rank-1").mkdir()
+    (other / "notes.txt").write_text("x")
+    r = inspect(other)
+    assert r.returncode == 2
+    assert "is not a file tier's directory" in r.stderr
+    assert "rank-0, rank-1: inspect those" in r.stderr
+    assert "OK" not in r.stdout
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = inspect(empty)
+    assert r.returncode == 0
+    assert "an empty directory" in r.stdout
+
+    # A directory a file tier opened is inspected as before.
+    tier = tmp_path / "tier"
+    store = cascade.CascadeStore(
+        cascade.config_from_dict(
+            {"pipeline": "file", "file_path": str(tier), "file_capacity_bytes": 64 << 20}
+        )
+    )
+    store.put(b"k" * 16, b"v" * 4096)
+    store.close()
+    r = inspect(tier)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip().endswith("OK")
+    assert "an empty directory" not in r.stdout

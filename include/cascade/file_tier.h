@@ -60,6 +60,9 @@ struct InspectReport {
   // counts records that serve a block).
   uint64_t needed_removal_records = 0;
   uint64_t other_files = 0;  // names that are not the tier's
+  // Names of the tier's own (its key, lock, segments, summaries, files being
+  // written): none in a directory no file tier has opened.
+  uint64_t tier_files = 0;
 
   // Nothing damaged was found (torn tails after a crash are not damage;
   // foreign segments are reported, not damage).

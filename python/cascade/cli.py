@@ -154,6 +154,25 @@ def _cmd_inspect(args) -> int:
         # The message alone (NotFoundError is a KeyError, whose str() quotes it).
         print(f"cascade inspect: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
+    if report["tier_files"] == 0 and report["other_files"] > 0:
+        # Not a file tier's directory (a typo, a parent of one): saying OK
+        # would read as "its blocks are intact".
+        ranks = sorted(
+            n
+            for n in os.listdir(args.dir)
+            if n.startswith("rank-") and os.path.isdir(os.path.join(args.dir, n))
+        )
+        hint = (
+            f"; it holds {', '.join(ranks[:4])}{', ...' if len(ranks) > 4 else ''}: inspect those"
+            if ranks
+            else ""
+        )
+        print(
+            f"cascade inspect: {args.dir} is not a file tier's directory (no key, lock or segment "
+            f"file among its {report['other_files']} entries){hint}",
+            file=sys.stderr,
+        )
+        return 2
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -209,6 +228,8 @@ def _cmd_inspect(args) -> int:
                 f"{report['foreign_segments']} foreign segment files (an older format or another "
                 "key): a store leaves them alone and serves nothing from them"
             )
+        if report["tier_files"] == 0:
+            print("an empty directory: no file tier has written here")
         print(
             "OK"
             if report["ok"]

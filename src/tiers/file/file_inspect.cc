@@ -26,11 +26,15 @@ Result<InspectReport> inspect_directory(const std::string& dir, bool verify) {
   for (const auto& name : *names) {
     uint64_t id = 0;
     switch (file::classify_dir_entry(name, &id)) {
-      case file::DirEntryKind::kSegment: segments.emplace(id, false); break;
-      case file::DirEntryKind::kSummary: break;
-      case file::DirEntryKind::kTemporary: break;
+      case file::DirEntryKind::kSegment:
+        segments.emplace(id, false);
+        ++report.tier_files;
+        break;
+      case file::DirEntryKind::kSummary:
+      case file::DirEntryKind::kTemporary: ++report.tier_files; break;
       case file::DirEntryKind::kOther:
         if (name != file::kLockFileName && name != file::kKeyFileName) ++report.other_files;
+        else ++report.tier_files;
         break;
     }
   }
