@@ -1076,7 +1076,9 @@ def test_serve_options_refuse_what_would_be_taken_silently(tmp):
         ("base: &b {socket: /x}\nserve:\n  <<: *b\n", "YAML aliases"),
         ("serve:\n  <<: {socket: /x}\n", "merge keys"),
         ("1: 2\n", "option names are text"),
-        ("? [a, b]\n: 1\n", "option names are text"),
+        # The key's content is shown (it was an empty []).
+        ("? [a, b]\n: 1\n", r"option names are text, not \['a', 'b'\]"),
+        ("? {x: [1]}\n: 1\n", r"option names are text, not \{'x': \[1\]\}"),
     ):
         path = os.path.join(d, "bad.yaml")
         with open(path, "w") as f:

@@ -245,7 +245,8 @@ def _unique_key_loader():
                 raise ValueError(
                     f"line {line}: merge keys (<<) are not read; write the options out"
                 )
-            key = loader.construct_object(key_node, deep=deep)
+            # deep: a sequence or mapping key is shown with its content.
+            key = loader.construct_object(key_node, deep=True)
             if not isinstance(key, str):
                 raise ValueError(f"line {line}: option names are text, not {short_repr(key)}")
             if key in seen:
