@@ -1,5 +1,6 @@
 #include "os/shm_arena.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/mman.h>
@@ -192,6 +193,54 @@ bool process_gone(long pid) {
   return state == 'Z' || state == 'X';
 }
 
+// Whether the running process `pid` has the file (dev, ino) open or
+// mapped, as the taker of a flock on it does while it lives. /proc/locks
+// names a lock's taker by pid, and a pid reused by another process since
+// the taker died must not keep the file busy. The taker of an arena's lock
+// was a process of the arena's owner, this effective uid: a process of
+// another user at that pid is not it. Where its descriptors cannot be
+// read, it is taken to have the file.
+bool process_has_file(long pid, dev_t dev, ino_t ino) {
+  char path[96];
+  std::snprintf(path, sizeof path, "/proc/%ld", pid);
+  struct stat ps {};
+  if (::stat(path, &ps) != 0) return errno != ENOENT;
+  if (ps.st_uid != ::geteuid() && ::geteuid() != 0) return false;
+  std::snprintf(path, sizeof path, "/proc/%ld/fd", pid);
+  DIR* d = ::opendir(path);
+  if (!d) return errno != ENOENT;
+  bool has = false;
+  while (const dirent* e = ::readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    char link[160];
+    std::snprintf(link, sizeof link, "%s/%s", path, e->d_name);
+    struct stat fs {};
+    if (::stat(link, &fs) == 0 && fs.st_dev == dev && fs.st_ino == ino) {
+      has = true;
+      break;
+    }
+  }
+  ::closedir(d);
+  if (has) return true;
+  // A mapping keeps the lock's open file description too, after its
+  // descriptor was closed: "start-end perms offset major:minor inode path".
+  std::snprintf(path, sizeof path, "/proc/%ld/maps", pid);
+  FILE* f = std::fopen(path, "re");
+  if (!f) return errno != ENOENT;
+  char line[4096];
+  while (!has && std::fgets(line, sizeof line, f)) {
+    unsigned maj = 0, min = 0;
+    unsigned long long inode = 0;
+    if (std::sscanf(line, "%*s %*s %*s %x:%x %llu", &maj, &min, &inode) == 3)
+      has = inode == static_cast<unsigned long long>(ino) && ::makedev(maj, min) == dev;
+    // A line longer than the buffer: skip the rest of it.
+    while (!std::strchr(line, '\n') && std::fgets(line, sizeof line, f)) {
+    }
+  }
+  std::fclose(f);
+  return has;
+}
+
 enum class LockOutcome { kTaken, kHeld, kLeftInUse };
 
 // Takes the flock on fd's file, or says why not: kHeld while a running
@@ -216,8 +265,11 @@ LockOutcome take_lock(int fd, dev_t dev, ino_t ino, int* err) {
   // lock so (held on by clients that still map the arena), and takes it
   // for gone; a live holder of another namespace looks the same, which is
   // why a pool server first looks for a live server on its socket.
-  const bool gone = holders.empty() ? !in_initial_pid_namespace()
-                                    : std::all_of(holders.begin(), holders.end(), process_gone);
+  const bool gone = holders.empty()
+                        ? !in_initial_pid_namespace()
+                        : std::all_of(holders.begin(), holders.end(), [&](long pid) {
+                            return process_gone(pid) || !process_has_file(pid, dev, ino);
+                          });
   if (!gone) return LockOutcome::kHeld;
   for (int i = 0; i < 50; ++i) {
     ::usleep(20000);

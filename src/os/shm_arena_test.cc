@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -387,6 +388,74 @@ TEST(ShmArena, AnArenaLeftInUseByADeadStoresClientIsReplacedNotTaken) {
   ASSERT_EQ(::read(ready[0], &c, 1), 1);
   EXPECT_EQ(c, 'K');
   for (int fd : {ready[0], ready[1], stop[0], stop[1]}) ::close(fd);
+  b->reset();
+  ::unlink(path.c_str());
+}
+
+// Starts a process that waits (until killed) at `pid`, by setting the
+// kernel's last pid just below it; 0 where that cannot be done (not root, or
+// another process took the pid first every time).
+pid_t occupy_pid(pid_t pid) {
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    std::FILE* f = std::fopen("/proc/sys/kernel/ns_last_pid", "we");
+    if (!f) return 0;
+    const bool written = std::fprintf(f, "%d", pid - 1) > 0;
+    if (std::fclose(f) != 0 || !written) return 0;
+    const pid_t p = ::fork();
+    if (p < 0) return 0;
+    if (p == 0) {
+      ::pause();
+      ::_exit(0);
+    }
+    if (p == pid) return p;
+    ::kill(p, SIGKILL);
+    ::waitpid(p, nullptr, 0);
+  }
+  return 0;
+}
+
+TEST(ShmArena, AnArenaLeftInUseIsReplacedWhenItsDeadStoresPidWasTakenByAnother) {
+  // /proc/locks names the lock of a store that died by its pid. Another
+  // process that got that pid since (one that has nothing to do with the
+  // arena) made the arena look held by a live store: the next store on the
+  // path was refused as Busy for as long as that process lived.
+  std::string path = unique_path("reused");
+  int ready[2], stop[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(stop), 0);
+  const pid_t store = ::fork();
+  ASSERT_GE(store, 0);
+  if (store == 0) {
+    auto a = ShmArena::Create(path, kCap, false, 64);
+    if (!a.ok() || !(*a)->commit(kCap).ok()) ::_exit(2);
+    if (::fork() == 0) {  // the client, which outlives the store
+      char c = 1;
+      if (::write(ready[1], &c, 1) != 1) ::_exit(3);
+      (void)!::read(stop[0], &c, 1);
+      ::_exit(0);
+    }
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(store, &status, 0), store);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  char c = 0;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  const pid_t other = occupy_pid(store);
+  Result<std::unique_ptr<ShmArena>> b = Status::Unavailable("not tried");
+  if (other) b = ShmArena::Create(path, kCap, false, 64);
+  (void)!::write(stop[1], &c, 1);
+  if (other) {
+    ::kill(other, SIGKILL);
+    ::waitpid(other, nullptr, 0);
+  }
+  for (int fd : {ready[0], ready[1], stop[0], stop[1]}) ::close(fd);
+  if (!other) {
+    ::unlink(path.c_str());
+    GTEST_SKIP() << "cannot start a process at a given pid here (needs root)";
+  }
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  EXPECT_TRUE((*b)->replaced_in_use());
   b->reset();
   ::unlink(path.c_str());
 }
