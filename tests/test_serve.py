@@ -457,6 +457,95 @@ def test_a_flush_after_connecting_again_writes_down_what_was_put_before_the_loss
     served_after_a_reboot(server, d, shm, store, servers, {"before": before, "after": after})
 
 
+HOLD_A_VIEW = """
+import sys, numpy as np, cascade
+c = cascade.CascadeStore(cascade.config_from_dict(
+    {"pool_socket": sys.argv[1], "pool_namespace": "", "use_gpu": False}))
+assert c.put("held", np.ones(4096, np.uint8))
+view = c.acquire("held")
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("lost", ["table-full", "arena-replaced"])
+def test_a_flush_after_a_restart_that_lost_blocks_says_so(tmp, lost):
+    """Blocks stored since the last flush, then the server killed and
+    started again without them: with the block table full (a block with no
+    slot is not kept), or with its arena still mapped by another client's
+    view (it starts on a new one). Before, the next flush said OK, though
+    the blocks were gone. It now fails once, saying so, and the next flush
+    is OK."""
+    d, shm, servers = tmp
+    store = {"pipeline": "host", "shm_path": shm, "shm_capacity_bytes": "32MiB"}
+    if lost == "table-full":
+        store["shm_table_slots"] = 16
+    server = Server(d, dict(store), {})
+    servers.append(server)
+    server.wait_ready()
+    holder = None
+    if lost == "arena-replaced":
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD_A_VIEW, server.socket],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdout.readline().strip() == "held"
+    c = cascade.CascadeStore(
+        cascade.config_from_dict(
+            {"pool_socket": server.socket, "use_gpu": False, "pool_timeout_ms": 2000}
+        )
+    )
+    try:
+        first = blocks(32, 4096)
+        for k, v in first.items():
+            assert c.put(k, v)
+        c.flush()  # nothing lost: OK
+        time.sleep(0.5)  # sealed, where the table has slots for them
+        for k, v in blocks(32, 8192).items():
+            assert c.put("more-" + k, v)
+        server = killed_and_started_again(server, d, store, servers)
+        wait_reconnected(c, server, time.monotonic() + 20)
+        with pytest.raises(cascade.CascadeError, match="did not keep every block"):
+            c.flush()
+        c.flush()  # said once
+    finally:
+        c.close()
+        if holder:
+            holder.kill()
+            holder.wait()
+
+
+def test_a_flush_after_a_restart_that_lost_blocks_is_ok_for_a_client_that_stored_nothing_since(tmp):
+    """A restart that lost blocks costs a flush of a client that stored
+    nothing since its last flush no error: it had nothing at stake."""
+    d, shm, servers = tmp
+    store = {
+        "pipeline": "host",
+        "shm_path": shm,
+        "shm_capacity_bytes": "32MiB",
+        "shm_table_slots": 16,
+    }
+    server = Server(d, dict(store), {})
+    servers.append(server)
+    server.wait_ready()
+    c = cascade.CascadeStore(
+        cascade.config_from_dict(
+            {"pool_socket": server.socket, "use_gpu": False, "pool_timeout_ms": 2000}
+        )
+    )
+    try:
+        for k, v in blocks(32, 4096).items():
+            assert c.put(k, v)
+        c.flush()
+        server = killed_and_started_again(server, d, store, servers)
+        wait_reconnected(c, server, time.monotonic() + 20)
+        c.flush()
+    finally:
+        c.close()
+
+
 PUT_AND_WAIT = """
 import sys, numpy as np, cascade
 c = cascade.CascadeStore(cascade.config_from_dict(

@@ -94,6 +94,9 @@ struct SharedArena {
   uint64_t capacity = 0;
   uint8_t* base = nullptr;  // the arena in this process
   uint64_t committed = 0;   // bytes from the start backed by memory now
+  // The same across restarts of the arena's owner while none lost a block
+  // it held; another value after one did (HostTier::kept_since).
+  uint64_t kept_since = 0;
 };
 
 class Tier;

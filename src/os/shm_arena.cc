@@ -283,6 +283,7 @@ LockOutcome take_lock(int fd, dev_t dev, ino_t ino, int* err) {
 // The marks' places: the header page, after the header.
 constexpr off_t kBelowMarkOffset = sizeof(ArenaHeader);
 constexpr off_t kPlaceMarkOffset = kBelowMarkOffset + sizeof(uint64_t);
+constexpr off_t kKeptMarkOffset = kPlaceMarkOffset + sizeof(uint64_t);
 
 uint64_t ShmArena::read_mark(off_t at) const {
   if (fd_ < 0 || !persistent()) return 0;
@@ -303,6 +304,10 @@ void ShmArena::set_below_mark(uint64_t below) {
 void ShmArena::set_place_mark(uint64_t place) { (void)write_mark(kPlaceMarkOffset, place); }
 
 uint64_t ShmArena::place_mark() const { return read_mark(kPlaceMarkOffset); }
+
+void ShmArena::set_kept_mark(uint64_t kept) { (void)write_mark(kKeptMarkOffset, kept); }
+
+uint64_t ShmArena::kept_mark() const { return read_mark(kKeptMarkOffset); }
 
 uint64_t ShmArena::take_below_mark() {
   const uint64_t v = read_mark(kBelowMarkOffset);

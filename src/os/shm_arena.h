@@ -110,6 +110,12 @@ class ShmArena {
   // opened over, kept until another is set; 0 when none was.
   void set_place_mark(uint64_t place);
   uint64_t place_mark() const;
+  // The kept mark: a nonzero word that stays the same across the stores
+  // that had the arena in turn while none of them lost a block a store
+  // before it held (docs/formats.md); 0: unknown (made before the field, a
+  // store died while deciding, or blocks were stored that a crash loses).
+  void set_kept_mark(uint64_t kept);
+  uint64_t kept_mark() const;
 
   // The block table of a persistent arena: table_slots() slots of
   // kSlotBytes (zero on a new arena), and the random key of its checksums,

@@ -660,6 +660,7 @@ void PoolServer::Impl::handshake(int sock) {
     w.arena_file_offset = arena.file_offset;
     w.channel_stride = pool::kChannelStride;
     w.arena_committed = store->shared_arena().committed;
+    w.kept_since = arena.kept_since;
     w.flags = persistent ? pool::kPersistent : 0;
     // The client is listed, and its channels are in the workers' table,
     // before it has its welcome: its first request finds them, and what it

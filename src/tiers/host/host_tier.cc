@@ -1,10 +1,18 @@
 #include "tiers/host/host_tier.h"
 
 #include <algorithm>
+#include <random>
 
 #include "cuda/device_copy.h"
 
 namespace cascade {
+
+uint64_t HostTier::new_kept_since() {
+  std::random_device rd;
+  uint64_t v = 0;
+  while (v == 0) v = (uint64_t(rd()) << 32) ^ rd();
+  return v;
+}
 
 uint32_t HostTier::table_slots_for(const CascadeConfig& config) {
   if (!config.shm_persist) return 0;
@@ -27,11 +35,18 @@ Result<std::unique_ptr<HostTier>> HostTier::Open(const CascadeConfig& config, Th
   // Prefault: open backs the whole arena, the warmers helping.
   if (config.shm_prefault) CASCADE_RETURN_IF_ERROR(a.commit(a.capacity()));
   std::unique_ptr<HostTier> tier(new HostTier(config, std::move(arena.value()), pool));
+  tier->kept_since_ = new_kept_since();
   if (tier->table_) {
+    // Unknown while this start decides: one killed while it drops blocks
+    // leaves no mark that says it kept them.
+    const uint64_t kept = tier->arena_->reattached() ? tier->arena_->kept_mark() : 0;
+    tier->arena_->set_kept_mark(0);
     if (tier->arena_->reattached()) {
       tier->below_mark_ = tier->arena_->take_below_mark();
       tier->reattach();
     }
+    if (kept != 0 && tier->reattach_dropped_ == 0) tier->kept_since_ = kept;
+    tier->arena_->set_kept_mark(tier->kept_since_);
     tier->start_sealer();
   }
   if (gpu_usable(config.gpu_device_id)) {
@@ -65,6 +80,7 @@ SharedArena HostTier::shared_arena() const {
   a.capacity = arena_->capacity();
   a.base = arena_base();
   a.committed = arena_->committed();
+  a.kept_since = kept_since_;
   return a;
 }
 

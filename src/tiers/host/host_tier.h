@@ -56,6 +56,15 @@ class HostTier final : public HostArenaTier {
   // The block table's slots for this config (0 without shm_persist).
   static uint32_t table_slots_for(const CascadeConfig& config);
 
+  // Names the run of this arena's owners, across restarts, in which none
+  // lost a block held before it: kept by a start that reattached every
+  // block of the arena's table, new when a start lost any (a block not
+  // sealed or damaged, a new or replaced arena, blocks of another
+  // configuration dropped) or the arena is not persistent. A pool client
+  // whose server restarted compares it to learn whether what it stored
+  // before may be gone (docs/design.md, "Warm restart").
+  uint64_t kept_since() const { return kept_since_; }
+
   void note_all_below(uint64_t below) override;
   void adopt_place(uint64_t place) override;
   void open_failed() override { arena_->remove_if_new(); }
@@ -70,6 +79,10 @@ class HostTier final : public HostArenaTier {
   void on_publish(const BlockId& id, const Location& loc, bool is_prefix) override;
   void on_unpublish(const BlockId& id, const Location& loc) override;
 
+  static uint64_t new_kept_since();
+  uint64_t kept_since_ = 0;  // decided at open (adopt_place may renew it)
+  // The kept mark was unset since this store stored a block without a slot.
+  std::atomic<bool> kept_mark_unset_{false};
   uint64_t below_mark_ = 0;  // the arena's mark, taken at open
   // The blocks kept across a restart were dropped at open: the arena was
   // kept over another persistent tier (adopt_place).

@@ -14,6 +14,9 @@ void HostTier::on_publish(const BlockId& id, const Location& loc, bool is_prefix
   BlockTable::Pending p;
   if (!table_->add(id, loc, is_prefix, &p)) {
     unpersisted_.fetch_add(1, std::memory_order_relaxed);
+    // A crash loses this block: the next start must not find the mark that
+    // says every block was kept.
+    if (!kept_mark_unset_.exchange(true)) arena_->set_kept_mark(0);
     return;
   }
   {
@@ -47,9 +50,12 @@ void HostTier::adopt_place(uint64_t place) {
     // or moved down as the newer copies of their ids, they would stand in
     // for this store's own blocks (replacing them below) and bring another
     // configuration's namespaces in.
+    arena_->set_kept_mark(0);  // unknown while the blocks go
     clear();
     below_mark_ = 0;
     dropped_for_place_ = true;
+    kept_since_ = new_kept_since();
+    if (!kept_mark_unset_.load()) arena_->set_kept_mark(kept_since_);
   }
   if (kept != mine) arena_->set_place_mark(mine);
 }

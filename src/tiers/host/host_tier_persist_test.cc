@@ -313,6 +313,68 @@ TEST(HostTierPersistTest, AFullTableStoresButDoesNotKeep) {
   ::unlink(path.c_str());
 }
 
+TEST(HostTierPersistTest, KeptSinceStaysWhileEveryBlockIsKeptAndChangesWhenOneIsLost) {
+  // What a pool client compares across its server's restart to learn
+  // whether blocks it stored may be gone.
+  const std::string path = fresh_path();
+  ThreadPool pool(2);
+  CascadeConfig c = persist_config(path);
+  c.shm_table_slots = 8;
+  uint64_t first = 0;
+  {
+    auto t = open_tier(c, &pool);
+    ASSERT_TRUE(t);
+    first = t->kept_since();
+    EXPECT_NE(first, 0u);
+    EXPECT_EQ(t->shared_arena().kept_since, first);
+    for (uint32_t k = 0; k < 4; ++k) ASSERT_TRUE(put_block(t.get(), k).ok());
+  }
+  uint64_t second = 0;
+  {
+    auto t = open_tier(c, &pool);  // every block sealed at close: kept
+    ASSERT_TRUE(t);
+    EXPECT_EQ(t->kept_since(), first);
+    for (uint32_t k = 4; k < 10; ++k) ASSERT_TRUE(put_block(t.get(), k).ok());  // 2 with no slot
+    second = t->kept_since();
+  }
+  uint64_t third = 0, victim = 0;
+  {
+    auto t = open_tier(c, &pool);  // the two without a slot are lost
+    ASSERT_TRUE(t);
+    EXPECT_EQ(second, first);
+    third = t->kept_since();
+    EXPECT_NE(third, first);
+    ASSERT_TRUE(t->flush().ok());
+    auto loc = t->index().peek(id_of(1));
+    ASSERT_TRUE(loc);
+    victim = loc->offset + loc->size / 2;
+  }
+  flip_byte(path, arena_file_offset(path) + victim);
+  {
+    auto t = open_tier(c, &pool);  // a damaged block dropped
+    ASSERT_TRUE(t);
+    EXPECT_EQ(t->stats().reattach_dropped, 1u);
+    EXPECT_NE(t->kept_since(), third);
+    EXPECT_NE(t->kept_since(), first);
+  }
+  // Without persistence every open is a new run.
+  c.shm_persist = false;
+  const std::string other = fresh_path();
+  c.shm_path = other;
+  uint64_t ephemeral = 0;
+  {
+    auto t = open_tier(c, &pool);
+    ASSERT_TRUE(t);
+    ephemeral = t->kept_since();
+  }
+  auto t = open_tier(c, &pool);
+  ASSERT_TRUE(t);
+  EXPECT_NE(t->kept_since(), ephemeral);
+  t.reset();
+  ::unlink(path.c_str());
+  ::unlink(other.c_str());
+}
+
 TEST(HostTierPersistTest, WithoutPersistenceNothingIsKept) {
   const std::string path = fresh_path();
   ThreadPool pool(2);

@@ -235,6 +235,7 @@ Status PoolTier::connect(const CascadeConfig& config, const std::atomic<bool>* c
   client_id_ = w.client_id;
   capacity_ = w.arena_capacity;
   persistent_ = w.flags & pool::kPersistent;
+  kept_since_ = w.kept_since;
   void* d = ::mmap(nullptr, pool::kDoorbellBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[2], 0);
   int err = errno;
   ::close(fds[2]);

@@ -102,6 +102,11 @@ class PoolTier final : public Tier {
   // committed since its last flush.
   Status flush(bool everything);
   bool persistent() const override { return persistent_; }
+  // The server's Welcome::kept_since.
+  uint64_t kept_since() const { return kept_since_; }
+  // Blocks stored through this connection, as its owner counts them.
+  void add_stored(uint64_t n) { stored_.fetch_add(n, std::memory_order_relaxed); }
+  uint64_t stored() const { return stored_.load(std::memory_order_relaxed); }
 
   // Leases many blocks at once (one request per kMaxItems): views[i] is a
   // view on a hit, empty on a miss (statuses[i] NotFound) or an error.
@@ -350,6 +355,8 @@ class PoolTier final : public Tier {
   // (misses; stats().corrupt_blocks). The servers never see these copies.
   std::atomic<uint64_t> corrupt_{0};
   bool persistent_ = false;
+  uint64_t kept_since_ = 0;
+  std::atomic<uint64_t> stored_{0};
   bool registered_ = false;
   uint8_t* channel_map_ = nullptr;
   uint64_t channel_map_bytes_ = 0;

@@ -28,7 +28,7 @@
 namespace cascade::pool {
 
 inline constexpr uint32_t kMagic = 0x4c4f4f50;  // "POOL"
-inline constexpr uint32_t kVersion = 5;
+inline constexpr uint32_t kVersion = 6;
 inline constexpr uint32_t kMaxNamespaceBytes = 256;
 inline constexpr uint32_t kMaxChannels = 64;
 inline constexpr uint32_t kMaxItems = 2048;  // items in one request
@@ -58,11 +58,14 @@ struct Welcome {
   uint64_t arena_file_offset;  // where the arena starts in its file
   uint64_t channel_stride;     // bytes of one channel in the channel file
   uint64_t arena_committed;    // bytes from the arena's start backed by memory now
+  // The same across the server's restarts while none lost a block it held
+  // (SharedArena::kept_since).
+  uint64_t kept_since;
   uint32_t flags;
   uint32_t message_bytes;
   char message[kMaxMessageBytes];
 };
-static_assert(sizeof(Welcome) == 576);
+static_assert(sizeof(Welcome) == 584);
 
 // ---- doorbell ---------------------------------------------------------------
 // The server's workers sleep on `seq` (futex). A worker announces that it

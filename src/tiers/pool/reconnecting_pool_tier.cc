@@ -69,6 +69,8 @@ ReconnectingPoolTier::~ReconnectingPoolTier() {
 void ReconnectingPoolTier::adopt(std::unique_ptr<PoolTier> t) {
   capacity_.store(t->capacity_bytes(), std::memory_order_relaxed);
   persistent_.store(t->persistent(), std::memory_order_relaxed);
+  uint64_t unset = 0;  // the first connection's: what later ones are compared with
+  (void)kept_since_.compare_exchange_strong(unset, t->kept_since());
   current_ = std::move(t);
 }
 
@@ -126,6 +128,7 @@ void ReconnectingPoolTier::close_unused() {
       std::atomic_thread_fence(std::memory_order_acquire);
       if ((*it)->views_held() == 0) {
         TierCounters::add_traffic(&closed_, (*it)->stats());
+        stored_on_closed_ += (*it)->stored();
         unused.push_back(std::move(*it));
         it = aside_.erase(it);
       } else {
@@ -224,6 +227,7 @@ Status ReconnectingPoolTier::put(const BlockId& id, const void* data, uint64_t s
   auto t = link();
   if (!t) return lost_status();
   Status st = t->put(id, data, size, options);
+  if (st.ok()) t->add_stored(1);
   return st;
 }
 
@@ -237,6 +241,8 @@ void ReconnectingPoolTier::put_batch(std::span<const BlockId> ids,
     return;
   }
   t->put_batch(ids, data, sizes, options, statuses);
+  t->add_stored(uint64_t(
+      std::count_if(statuses.begin(), statuses.end(), [](const Status& s) { return s.ok(); })));
 }
 
 Status ReconnectingPoolTier::read(const BlockId& id, const ReadRequest& req, ReadResult* result) {
@@ -344,13 +350,39 @@ Status ReconnectingPoolTier::flush() {
   // The server's list of what a lost connection committed went with it:
   // the first flush after a loss writes down every block of the pool.
   const bool everything = losses != flushed_losses_.load(std::memory_order_acquire);
+  // Blocks stored through connections lost since the last flush are the
+  // ones a restart may have lost (a block stored through this connection
+  // is on this server): more than all stored as of the last flush.
+  const uint64_t elsewhere = stored_elsewhere(t.get());
+  const uint64_t all = elsewhere + t->stored();
   Status st = t->flush(everything);
-  if (st.ok() && everything) {
+  if (!st.ok()) return st;
+  if (everything) {
     uint64_t seen = flushed_losses_.load(std::memory_order_relaxed);
     while (seen < losses && !flushed_losses_.compare_exchange_weak(seen, losses)) {
     }
+    // The server restarted (or this is another server): the flush wrote
+    // down what it has, which is what this client stored only if no
+    // restart since lost a block it held.
+    const uint64_t kept = t->kept_since();
+    if (kept_since_.exchange(kept) != kept &&
+        elsewhere > stored_at_flush_.load(std::memory_order_relaxed))
+      st = Status::IOError(
+          "the node pool server at '" + config_.pool_socket +
+          "' started again since this client's last flush and did not keep every block it "
+          "held (blocks not yet sealed when it stopped, or a damaged or replaced arena): blocks "
+          "this client stored before then may be gone; the rest are written down");
   }
+  stored_at_flush_.store(all, std::memory_order_relaxed);
   return st;
+}
+
+uint64_t ReconnectingPoolTier::stored_elsewhere(const PoolTier* current) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t n = stored_on_closed_;
+  for (const auto& a : aside_)
+    if (a.get() != current) n += a->stored();
+  return n;
 }
 
 TierStats ReconnectingPoolTier::stats() const {

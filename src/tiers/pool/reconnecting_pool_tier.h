@@ -134,6 +134,15 @@ class ReconnectingPoolTier final : public Tier {
   // every block of the pool has covered since.
   std::atomic<uint64_t> losses_{0};
   std::atomic<uint64_t> flushed_losses_{0};
+  // The kept_since of the server as of this client's last flush (or its
+  // first connection); blocks stored through connections closed since they
+  // were lost (guarded by mu_), and through every connection as of the
+  // last flush.
+  std::atomic<uint64_t> kept_since_{0};
+  uint64_t stored_on_closed_ = 0;
+  std::atomic<uint64_t> stored_at_flush_{0};
+  // Blocks stored through the connections other than `current`.
+  uint64_t stored_elsewhere(const PoolTier* current) const;
   // fork_generation() of the process that opened the tier.
   const uint64_t generation_;
   std::atomic<bool> stopping_{false};
