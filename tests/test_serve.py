@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import os
 import re
 import resource
@@ -1105,6 +1106,40 @@ def test_unsafe_socket_directory_is_refused(tmp):
     assert os.listdir(run) == [] and not os.path.exists(shm)
 
 
+@pytest.mark.parametrize("what", ["file", "directory", "fifo"])
+def test_a_socket_path_that_is_not_a_socket_leaves_no_arena_behind(tmp, what):
+    """Before, the server made (and kept) its arena, then found the path was
+    not a socket as it listened: a full arena left in /dev/shm."""
+    d, shm, servers = tmp
+    run = os.path.join(d, "run")
+    os.makedirs(run, mode=0o700, exist_ok=True)
+    path = os.path.join(run, "pool.sock")
+    if what == "file":
+        open(path, "w").close()
+    elif what == "directory":
+        os.mkdir(path)
+    else:
+        os.mkfifo(path)
+    srv = Server(d, {"shm_path": shm, "shm_capacity_bytes": "32MiB"}, {"socket": path})
+    servers.append(srv)
+    assert srv.wait(30) != 0
+    assert "exists and is not a socket; it was left untouched" in srv.text()
+    assert not os.path.exists(shm)
+    assert os.path.lexists(path)
+
+
+def test_a_socket_directory_that_cannot_be_made_is_said_in_context(tmp):
+    """A directory below a file cannot be made, for root too: the message
+    says which and why (before: a bare OSError)."""
+    d, _, _ = tmp
+    a_file = os.path.join(d, "a-file")
+    open(a_file, "w").close()
+    with pytest.raises(
+        ValueError, match="cannot create the socket's directory .*: Not a directory"
+    ):
+        serve.prepare_socket_dir(os.path.join(a_file, "sub", "run", "pool.sock"))
+
+
 def test_socket_directory_checks(tmp):
     d, _, _ = tmp
     made = serve.prepare_socket_dir(os.path.join(d, "new", "pool.sock"))
@@ -1279,6 +1314,35 @@ def test_idle_metrics_connections_are_bounded_and_time_out(tmp):
             time.sleep(0.2)
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.wait() == 0, srv.text()
+
+
+def test_a_metrics_request_line_is_logged_with_its_control_characters_escaped(caplog):
+    """At debug level the metrics server logs each request line. Before, it
+    was logged raw: any local user could write terminal escapes (erase the
+    line, return) and forged lines into the server's log."""
+    m = serve_status.MetricsServer("127.0.0.1", 0, {"pid": os.getpid()})
+    try:
+        with caplog.at_level(logging.DEBUG, logger="cascade.serve"):
+            c = socket.create_connection(("127.0.0.1", m.httpd.server_address[1]), timeout=10)
+            c.sendall(b"GET /\x1b[2K\rFORGED HTTP/1.0\r\n\r\n")
+            c.recv(65536)
+            c.close()
+            deadline = time.monotonic() + 5
+            while "FORGED" not in caplog.text:
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.02)
+        assert "\x1b" not in caplog.text and "\r" not in caplog.text.replace("\r\n", "")
+        assert "\\x1b[2K\\x0dFORGED" in caplog.text
+    finally:
+        m.stop()
+
+
+def test_info_pool_with_an_empty_target_is_an_error():
+    r = subprocess.run(
+        [sys.executable, "-m", "cascade", "info", "--pool", ""], capture_output=True, text=True
+    )
+    assert r.returncode == 2
+    assert "--pool needs a socket path" in r.stderr
 
 
 def test_a_metrics_client_that_trickles_its_request_is_cut_off():
@@ -1461,7 +1525,11 @@ def test_info_pool_trusts_no_info_file_another_could_have_written(tmp):
     assert r.returncode != 0 and "MemoryError" not in r.stderr, r.stderr
 
 
-def test_info_pool_gives_a_trickling_metrics_endpoint_its_deadline_in_all():
+@pytest.mark.parametrize("part", ["body", "headers"])
+def test_info_pool_gives_a_trickling_metrics_endpoint_its_deadline_in_all(part):
+    """An answer that comes a little at a time, in its body or a header line
+    at a time (each read within the socket's timeout), ends at the deadline.
+    Before, headers trickled so kept `cascade info --pool` waiting for ever."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(4)
@@ -1471,12 +1539,16 @@ def test_info_pool_gives_a_trickling_metrics_endpoint_its_deadline_in_all():
         conn, _ = listener.accept()
         with conn:
             conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            if part == "body":
+                conn.sendall(b"Content-Length: 100000\r\n\r\n")
+            n = 0
             while not stop.wait(0.5):
                 try:
-                    conn.sendall(b" ")
+                    conn.sendall(b" " if part == "body" else b"X-%d: y\r\n" % n)
                 except OSError:
                     return
+                n += 1
 
     t = threading.Thread(target=trickle, daemon=True)
     t.start()

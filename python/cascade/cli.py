@@ -28,7 +28,10 @@ import sys
 
 
 def _cmd_info(args) -> int:
-    if args.pool:
+    if args.pool is not None:
+        if not args.pool:
+            print("cascade info: --pool needs a socket path or an http:// address", file=sys.stderr)
+            return 2
         from cascade.serve_status import format_pool_info, pool_info
 
         report = pool_info(args.pool)

@@ -292,15 +292,19 @@ def prepare_socket_dir(socket_path: str, group: int = -1) -> str:
     d = os.path.dirname(os.path.abspath(socket_path))
     try:
         os.lstat(d)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(d), exist_ok=True)
+    except (FileNotFoundError, NotADirectoryError):
         try:
+            os.makedirs(os.path.dirname(d), exist_ok=True)
             os.mkdir(d, 0o700)
             if group >= 0:
                 os.chown(d, -1, group)
                 os.chmod(d, 0o710)
         except FileExistsError:
             pass  # checked below like any existing directory
+        except OSError as e:
+            raise ValueError(
+                f"serve.socket: cannot create the socket's directory {d}: {e.strerror}"
+            ) from None
     st = os.lstat(d)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise ValueError(f"socket directory {d} is not a directory (a link or a file): refused")
@@ -715,6 +719,24 @@ def _check_socket_path(socket_path: str) -> None:
         )
 
 
+def _check_socket_file(socket_path: str) -> None:
+    """What is at the socket's path may be replaced only when it is a socket
+    of this user's (a stale one): checked before the arena is made, so that
+    a mistake leaves none behind (the server checks again as it listens)."""
+    try:
+        st = os.lstat(socket_path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ValueError(
+            f"serve.socket: {socket_path} exists and is not a socket; it was left untouched"
+        )
+    if st.st_uid != os.geteuid():
+        raise ValueError(
+            f"serve.socket: {socket_path} belongs to uid {st.st_uid}; it was left untouched"
+        )
+
+
 def _check_group(group: int) -> None:
     """The socket can be given to `group` only by a member of it (or root)."""
     if group < 0 or os.geteuid() == 0:
@@ -786,6 +808,7 @@ def run(
     if copts is not None and copts.transport == "ucx":
         _check_fabrics(copts.fabrics)
     prepare_socket_dir(socket_path, opts.group)
+    _check_socket_file(socket_path)
     stop = threading.Event()
     received = _install_signals(stop)
     _raise_descriptor_limit()

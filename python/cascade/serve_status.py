@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import math
@@ -24,7 +25,7 @@ import stat
 import sys
 import threading
 import time
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -451,7 +452,12 @@ class MetricsServer:
                 self.wfile.write(body)
 
             def log_message(self, format, *args):
-                logger.debug("metrics %s: " + format, self.address_string(), *args)
+                # What a client sent (its request line) is shown with its
+                # control characters escaped: raw, any local user could
+                # write terminal escapes and forged lines into the log.
+                if logger.isEnabledFor(logging.DEBUG):
+                    text = (format % args).translate(_CONTROL_ESCAPES)
+                    logger.debug("metrics %s: %s", self.address_string(), text)
 
         class Server(ThreadingHTTPServer):
             daemon_threads = True
@@ -643,28 +649,63 @@ def remove_info_file(socket_path: str) -> None:
         pass
 
 
+# C0 controls and DEL as \xNN, for text from the network in the log.
+_CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)}
+
+
 def _fetch_json(url: str, timeout: float) -> dict[str, Any]:
     """A pool server's /stats.json at ``url``, within ``timeout`` in all;
     OSError when what answers there is not one (no answer in time, not
     HTTP, not such a JSON object, too large)."""
-    deadline = time.monotonic() + timeout
+    parts = urllib.parse.urlsplit(url.rstrip("/") + "/stats.json")
+    if parts.scheme != "http" or not parts.hostname:
+        raise OSError(f"{url}: not an http:// address")
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    # A socket timeout bounds each read, not the exchange: an answer that
+    # trickles in (a header line a second) would be read for ever. At the
+    # deadline the connection is shut down under the reads.
+    expired = threading.Event()
+
+    def cut() -> None:
+        expired.set()
+        sock = conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(timeout, cut)
+    timer.daemon = True
+    timer.start()
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/stats.json", timeout=timeout) as r:
-            body = bytearray()
-            while len(body) <= _MAX_STATS_BYTES:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no whole answer within {timeout:g} s")
-                chunk = r.read1(1 << 16)
-                if not chunk:
-                    break
-                body += chunk
-            if len(body) > _MAX_STATS_BYTES:
-                raise OSError(f"{url}: an answer over {_MAX_STATS_BYTES} bytes")
-            answer = json.loads(bytes(body))
-    except OSError:
-        raise
-    except Exception as e:  # not HTTP, not JSON, nested too deep
+        conn.connect()
+        if expired.is_set():  # the connect took it all (the cut found no socket)
+            raise TimeoutError
+        conn.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""))
+        r = conn.getresponse()
+        if r.status != 200:
+            raise OSError(f"{url}: HTTP {r.status} {r.reason}")
+        body = bytearray()
+        while len(body) <= _MAX_STATS_BYTES:
+            chunk = r.read1(1 << 16)
+            if not chunk:
+                break
+            body += chunk
+        if expired.is_set():
+            raise TimeoutError
+        if len(body) > _MAX_STATS_BYTES:
+            raise OSError(f"{url}: an answer over {_MAX_STATS_BYTES} bytes")
+        answer = json.loads(bytes(body))
+    except Exception as e:  # not HTTP, not JSON, nested too deep, cut short
+        if expired.is_set():
+            raise TimeoutError(f"{url}: no whole answer within {timeout:g} s") from None
+        if isinstance(e, OSError):
+            raise
         raise OSError(f"{url} is not a pool server's metrics: {type(e).__name__}: {e}") from None
+    finally:
+        timer.cancel()
+        conn.close()
     if not (
         isinstance(answer, dict)
         and isinstance(answer.get("stats"), dict)
