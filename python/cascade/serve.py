@@ -20,6 +20,7 @@ import grp
 import logging
 import math
 import os
+import queue
 import select
 import signal
 import stat
@@ -486,6 +487,64 @@ def _exit_at_once(signum: int) -> None:
     except OSError:
         pass
     os._exit(128 + signum)
+
+
+class QueuedStderrHandler(logging.Handler):
+    """Log lines written to a stream by a thread of their own: a stream that
+    does not take them (stderr a pipe nobody reads, a paused terminal, a
+    stuck log shipper) holds that thread only, never the server's: its main
+    loop, which acts on SIGTERM, and the metrics threads go on. Lines past
+    `limit` waiting are dropped, and how many is said once the stream takes
+    lines again."""
+
+    def __init__(self, stream, fmt: str, limit: int = 10_000):
+        super().__init__()
+        self.setFormatter(logging.Formatter(fmt))
+        self._stream = stream
+        self._lines: queue.Queue[str] = queue.Queue(limit)
+        self._dropped = 0  # guarded by the handler's lock (emit holds it)
+        self._writer = threading.Thread(target=self._write, name="cascade-log", daemon=True)
+        self._writer.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + "\n"
+        except Exception:
+            self.handleError(record)
+            return
+        try:
+            self._lines.put_nowait(line)
+        except queue.Full:
+            self._dropped += 1
+
+    def _write(self) -> None:
+        reported = 0
+        while True:
+            line = self._lines.get()
+            try:
+                self._stream.write(line)
+                dropped = self._dropped
+                if dropped != reported:
+                    self._stream.write(
+                        f"{dropped - reported} log lines were dropped: the log's stream did not "
+                        "take them\n"
+                    )
+                    reported = dropped
+                self._stream.flush()
+            except (OSError, ValueError):
+                pass  # a closed stream: the lines have nowhere to go
+            finally:
+                self._lines.task_done()
+
+    def drain(self, timeout: float) -> bool:
+        """Waits up to `timeout` for the lines queued to be written; True
+        when they were."""
+        deadline = time.monotonic() + timeout
+        while self._lines.unfinished_tasks:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
 
 def _install_signals(stop: threading.Event) -> list[int]:
@@ -976,7 +1035,8 @@ def main(args) -> int:
         if getattr(args, flag) is not None:
             store_options[key] = getattr(args, flag)
     opts = serve_options(section)
-    logging.basicConfig(stream=sys.stderr, level=opts.log_level.upper(), format=LOG_FORMAT)
+    handler = QueuedStderrHandler(sys.stderr, LOG_FORMAT)
+    logging.basicConfig(level=opts.log_level.upper(), handlers=[handler])
     try:
         return run(store_options, opts, cluster)
     except Exception as e:
@@ -985,6 +1045,10 @@ def main(args) -> int:
         logger.error("%s", e)
         _abort_mpi_job()
         return 1
+    finally:
+        # The last lines (the close's) out, unless the stream stopped taking
+        # them: the exit does not wait for it.
+        handler.drain(2.0)
 
 
 def _abort_mpi_job() -> None:
