@@ -49,6 +49,7 @@ class PyPoolServer {
     d["disconnects"] = s.disconnects;
     d["requests"] = s.requests;
     d["malformed"] = s.malformed;
+    d["doorbell_repairs"] = s.doorbell_repairs;
     d["reclaimed_leases"] = s.reclaimed_leases;
     d["reclaimed_reservations"] = s.reclaimed_reservations;
     d["lookups"] = s.lookups;

@@ -55,6 +55,12 @@ POOL_METRICS = [
         "Requests refused for their form",
     ),
     (
+        "doorbell_repairs_total",
+        "doorbell_repairs",
+        "counter",
+        "Doorbell counts a client overwrote, set back by the server",
+    ),
+    (
         "reclaimed_leases_total",
         "reclaimed_leases",
         "counter",

@@ -286,7 +286,19 @@ class PoolServer::Impl {
   std::vector<std::thread> workers;
   int max_spinners = 1;
   std::atomic<int> spinners{0};  // the server's own count (bell->spinning is the clients')
-  std::mutex table_mu;           // guards table
+  std::atomic<int> sleeping{0};  // likewise for bell->sleepers
+  // Workers only add to and take from the doorbell's counts, so a client's
+  // stray write there would stay for good: a count above the server's own
+  // has clients never ring (each request then waits for a worker's
+  // kWorkerCheckUs), one below has them ring for nothing. The monitor sets
+  // a count back when it differed from the server's own by the same amount
+  // at two checks kDoorbellCheck apart (a worker between its two updates
+  // makes a difference that does not last). Monitor thread only.
+  void check_doorbell();
+  std::chrono::steady_clock::time_point next_doorbell_check{};
+  int64_t spinning_gap = 0, sleepers_gap = 0;
+  std::atomic<uint64_t> doorbell_repairs{0};
+  std::mutex table_mu;  // guards table
   std::shared_ptr<const ChannelTable> table = std::make_shared<ChannelTable>();
   std::atomic<uint64_t> table_gen{1};
   // Flushes wait here for the flusher; each holds its channel's claim and
@@ -535,6 +547,27 @@ void PoolServer::Impl::end_a_silent_handshake_locked() {
   ++handshakes_ending;
 }
 
+void PoolServer::Impl::check_doorbell() {
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_doorbell_check) return;
+  next_doorbell_check = now + std::chrono::milliseconds(pool::kHeartbeatMs);
+  auto check = [&](std::atomic<uint32_t>& count, int own, int64_t* last_gap) {
+    const uint32_t seen = count.load(std::memory_order_seq_cst);
+    const int64_t gap = int64_t(seen) - int64_t(own);
+    if (gap == 0 || gap != *last_gap) {
+      *last_gap = gap;
+      return;
+    }
+    *last_gap = 0;
+    uint32_t expected = seen;  // unless a worker changed it meanwhile
+    if (count.compare_exchange_strong(expected, uint32_t(std::max(own, 0)),
+                                      std::memory_order_seq_cst))
+      doorbell_repairs.fetch_add(1, std::memory_order_relaxed);
+  };
+  check(bell->spinning, spinners.load(std::memory_order_seq_cst), &spinning_gap);
+  check(bell->sleepers, sleeping.load(std::memory_order_seq_cst), &sleepers_gap);
+}
+
 void PoolServer::Impl::monitor_loop() {
   name_this_thread("cascade-monitor");
   std::vector<struct pollfd> fds;
@@ -570,6 +603,7 @@ void PoolServer::Impl::monitor_loop() {
     }
     int r = ::poll(fds.data(), fds.size(), queue_waits ? 1 : paused ? 10 : pool::kHeartbeatMs);
     bell->heartbeat.fetch_add(1, std::memory_order_relaxed);
+    check_doorbell();
     if (r < 0) continue;
     if (fds[1].revents) {
       uint64_t v;
@@ -1027,15 +1061,18 @@ void PoolServer::Impl::worker_loop() {
     // The eventcount: key, announce, scan again, then wait for the key to
     // change (pool_channel.h says why no ring is lost).
     const uint32_t key = bell->seq.load(std::memory_order_seq_cst);
+    sleeping.fetch_add(1, std::memory_order_seq_cst);
     bell->sleepers.fetch_add(1, std::memory_order_seq_cst);
     if (claim(w, &ref, &more)) {
       bell->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      sleeping.fetch_sub(1, std::memory_order_seq_cst);
       take();
       continue;
     }
     w.table.reset();  // a sleeping worker keeps no client mapped
     if (!stopping.load(std::memory_order_seq_cst)) futex_wait(&bell->seq, key, kWorkerCheckUs);
     bell->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    sleeping.fetch_sub(1, std::memory_order_seq_cst);
   }
 }
 
@@ -1541,6 +1578,7 @@ PoolServer::Stats PoolServer::stats() const {
   out.disconnects = s.disconnects.load();
   out.requests = s.requests.load();
   out.malformed = s.malformed.load();
+  out.doorbell_repairs = s.doorbell_repairs.load();
   out.reclaimed_leases = s.reclaimed_leases.load();
   out.reclaimed_reservations = s.reclaimed_reservations.load();
   out.lookups = s.lookups.load();

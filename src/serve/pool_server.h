@@ -91,6 +91,8 @@ class PoolServer {
     uint64_t disconnects = 0;   // clients gone, with their leases and reservations ended
     uint64_t requests = 0;
     uint64_t malformed = 0;  // requests answered InvalidArgument for their form
+    // Doorbell counts a client overwrote, set back (PoolServer::Impl::check_doorbell).
+    uint64_t doorbell_repairs = 0;
     uint64_t reclaimed_leases = 0;
     uint64_t reclaimed_reservations = 0;
     uint64_t lookups = 0, lookup_hits = 0;

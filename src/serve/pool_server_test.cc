@@ -1401,6 +1401,39 @@ TEST(PoolServerTest, ARequestSentAheadIsAnsweredAndNoWorkerSpinsAfterIt) {
   while (std::chrono::steady_clock::now() < until) ASSERT_EQ(raw.bell->spinning.load(), 0u);
 }
 
+// A client's stray write to the doorbell's spinning count (workers only add
+// to it and take from it) made every client believe a worker spins: none
+// rang, and each request after a pause waited for a sleeping worker's
+// periodic check, for as long as the server ran. The server sets the count
+// back.
+TEST(PoolServerTest, ADoorbellCountAClientOverwroteIsSetBack) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  RawClient raw;
+  ASSERT_TRUE(raw.connect(f.socket).ok());
+  pool::BlockIdItem item;
+  const BlockId id = id_of(3);
+  std::memcpy(item.id, id.bytes.data(), 16);
+  pool::ReplyHeader reply;
+  // Every worker asleep.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  raw.bell->spinning.store(1);
+  raw.bell->sleepers.store(0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // two of the monitor's checks
+  EXPECT_EQ(raw.bell->spinning.load(), 0u);
+  EXPECT_GE(f.server->stats().doorbell_repairs, 1u);
+  // Requests after a pause are answered at once again, not after a
+  // sleeping worker's check.
+  auto worst = std::chrono::steady_clock::duration::zero();
+  for (int i = 0; i < 10; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_EQ(raw.request(Op::kLookup, &item, 1, sizeof item, &reply), 0u);
+    worst = std::max(worst, std::chrono::steady_clock::now() - t0);
+  }
+  EXPECT_LT(worst, std::chrono::milliseconds(200));
+}
+
 TEST(PoolServerTest, BadHellosAreRefusedWithoutStoppingTheServer) {
   PoolFixture f;
   ASSERT_TRUE(f.server);
