@@ -193,7 +193,6 @@ class PyPoolServer {
     d["remote_removes"] = s.remote_removes;
     d["remote_removed"] = s.remote_removed;
     d["served_removes"] = s.served_removes;
-    d["former_owner_hits"] = s.former_owner_hits;
     d["served_leases"] = s.served_leases;
     d["served_lease_bytes"] = s.served_lease_bytes;
     d["lease_hashes"] = s.lease_hashes;

@@ -251,12 +251,6 @@ CLUSTER_DATA_METRICS = [
         "Ids a member removed at our request",
     ),
     (
-        "cluster_former_owner_hits_total",
-        "former_owner_hits",
-        "counter",
-        "Blocks fetched from where they were stored before the members changed",
-    ),
-    (
         "cluster_served_removes_total",
         "served_removes",
         "counter",

@@ -65,13 +65,6 @@ uint32_t code_of(const Status& st) { return static_cast<uint32_t>(st.code()); }
 constexpr int kCallThreads = 7;
 // A fetch is split over lanes only in parts of at least this many blocks.
 constexpr size_t kMinBlocksPerLane = 8;
-// Placements of views with other members kept after they are replaced: a
-// block stays with the owner it was stored at until a read moves it, so a
-// read asks the owners they named too.
-constexpr size_t kFormerPlacements = 3;
-// The members a read may ask about one id: its two owners, then two under
-// each former placement.
-constexpr int kMaxCandidates = 2 + 2 * static_cast<int>(kFormerPlacements);
 
 Status status_of(uint32_t code, std::string message) {
   if (code > static_cast<uint32_t>(Code::kNotSupported))
@@ -211,17 +204,10 @@ class ClusterNode::Impl {
   bool closed = false;
 
   // The view, and for each point the member of the next distinct point.
-  struct Placement {
+  struct Ring {
     ClusterView view;
     std::vector<uint32_t> second;
-  };
-  struct Ring : Placement {
     int self = -1;
-    // Placements replaced by views with other members, newest first; and
-    // for each, the index in this view of each of its members (-1: not in
-    // this view, or this member).
-    std::vector<std::shared_ptr<const Placement>> formers;
-    std::vector<std::vector<int>> former_index;
   };
   mutable std::shared_mutex view_mu;
   std::shared_ptr<const Ring> ring;  // guarded by view_mu
@@ -286,7 +272,6 @@ class ClusterNode::Impl {
   std::atomic<uint64_t> pushed{0}, pushed_bytes{0}, push_dropped{0}, fetched{0}, fetched_bytes{0};
   std::atomic<uint64_t> remote_lookups{0}, remote_hits{0}, served_leases{0}, served_lease_bytes{0};
   std::atomic<uint64_t> remote_removes{0}, remote_removed{0}, served_removes{0};
-  std::atomic<uint64_t> former_owner_hits{0};
   // Ids a push has taken hold of here, or a fetch is bringing here, and
   // not done with: a remove waits for them. Else a push's commit at the
   // owner could land after the remove there, or a fetch's copy here after
@@ -415,95 +400,33 @@ class ClusterNode::Impl {
 
   // ---- placement --------------------------------------------------------------
   // The members holding id, best first, this member excluded.
-  // The members a placement names for an id, best first (one, or two
-  // distinct ones with two replicas), as indices of its own view.
-  static int placed(const Placement& p, uint64_t position, uint32_t out[2]) {
-    const auto& pos = p.view.positions;
-    if (pos.empty()) return 0;
-    size_t i = std::lower_bound(pos.begin(), pos.end(), position) - pos.begin();
-    if (i == pos.size()) i = 0;
-    out[0] = p.view.owners[i];
-    return p.view.replicas >= 2 && p.second[i] != out[0] ? (out[1] = p.second[i], 2) : 1;
-  }
-  // For each point of a view, the member of the next point that is not its
-  // own (the second owner with two replicas).
-  static std::vector<uint32_t> second_owners(const ClusterView& view) {
-    const size_t n = view.owners.size();
-    std::vector<uint32_t> second(view.owners.begin(), view.owners.end());
-    int64_t nearest = -1;
-    for (size_t k = 2 * n; k-- > 0;) {
-      const size_t i = k % n;
-      const uint32_t next = view.owners[(i + 1) % n];
-      if (next != view.owners[i]) nearest = next;
-      if (k < n && nearest >= 0) second[i] = static_cast<uint32_t>(nearest);
-    }
-    return second;
-  }
-  // The placement of a view without one of its members (its points gone,
-  // the others' member indices kept).
-  static Placement without(const ClusterView& view, int member) {
-    Placement p;
-    p.view.version = view.version;
-    p.view.replicas = view.replicas;
-    p.view.members = view.members;
-    for (size_t i = 0; i < view.positions.size(); ++i) {
-      if (static_cast<int>(view.owners[i]) == member) continue;
-      p.view.positions.push_back(view.positions[i]);
-      p.view.owners.push_back(view.owners[i]);
-    }
-    p.second = second_owners(p.view);
-    return p;
-  }
-  // Whether two views place every id on members of the same names.
-  static bool same_placement(const ClusterView& a, const ClusterView& b) {
-    if (a.replicas != b.replicas || a.positions != b.positions) return false;
-    for (size_t i = 0; i < a.owners.size(); ++i)
-      if (a.members[a.owners[i]].node_id != b.members[b.owners[i]].node_id) return false;
-    return true;
-  }
   void owners_of(const Ring& r, const BlockId& id, uint32_t out[2], int* n) const {
     *n = 0;
-    uint32_t o[2];
-    const int k = placed(r, id_position(id), o);
-    for (int j = 0; j < k; ++j)
-      if (static_cast<int>(o[j]) != r.self) out[(*n)++] = o[j];
-  }
-  // The members to ask about id, best first, this member excluded: its
-  // owners, then those the former placements named that are still in the
-  // view. *owners: how many of them are its owners now.
-  void candidates_of(const Ring& r, const BlockId& id, uint32_t out[kMaxCandidates], int* n,
-                     int* owners) const {
-    owners_of(r, id, out, n);
-    *owners = *n;
-    const uint64_t position = id_position(id);
-    for (size_t f = 0; f < r.formers.size(); ++f) {
-      uint32_t o[2];
-      const int k = placed(*r.formers[f], position, o);
-      for (int j = 0; j < k; ++j) {
-        const int now = r.former_index[f][o[j]];
-        if (now < 0 || std::find(out, out + *n, static_cast<uint32_t>(now)) != out + *n) continue;
-        out[(*n)++] = static_cast<uint32_t>(now);
-      }
+    const auto& pos = r.view.positions;
+    if (pos.empty()) return;
+    size_t i = std::lower_bound(pos.begin(), pos.end(), id_position(id)) - pos.begin();
+    if (i == pos.size()) i = 0;
+    const uint32_t first = r.view.owners[i];
+    if (static_cast<int>(first) != r.self) out[(*n)++] = first;
+    if (r.view.replicas >= 2) {
+      const uint32_t second = r.second[i];
+      if (second != first && static_cast<int>(second) != r.self) out[(*n)++] = second;
     }
   }
 
   // The ids not yet done, grouped by the member to ask in this round: round
-  // 0 asks each id's first owner, round 1 its second (replicas 2), later
-  // rounds the members former placements named (candidates_of). With
-  // `former`, each id's flag is set when this round asks a former owner.
+  // 0 asks each id's first owner, round 1 its second (replicas 2).
   using Groups = std::vector<std::pair<uint32_t, std::vector<size_t>>>;
   template <typename Done>
-  Groups owners_in_round(const Ring& r, std::span<const BlockId> ids, int round, Done&& done,
-                         std::vector<uint8_t>* former = nullptr) const {
+  Groups owners_in_round(const Ring& r, std::span<const BlockId> ids, int round,
+                         Done&& done) const {
     std::map<uint32_t, std::vector<size_t>> by_member;
     for (size_t i = 0; i < ids.size(); ++i) {
       if (done(i)) continue;
-      uint32_t o[kMaxCandidates];
-      int n, owners;
-      candidates_of(r, ids[i], o, &n, &owners);
-      if (round >= n) continue;
-      by_member[o[round]].push_back(i);
-      if (former) (*former)[i] = round >= owners;
+      uint32_t o[2];
+      int n;
+      owners_of(r, ids[i], o, &n);
+      if (round < n) by_member[o[round]].push_back(i);
     }
     return Groups(std::make_move_iterator(by_member.begin()),
                   std::make_move_iterator(by_member.end()));
@@ -851,8 +774,6 @@ class ClusterNode::Impl {
   void fetch_from(const ClusterMember& m, size_t lane, std::span<const BlockId> ids,
                   const std::vector<size_t>& which, std::span<uint8_t> got, Deadline budget);
   void push_loop();
-  // Queues ids for their owners (dropped, and counted, past publish_queue).
-  void queue_pushes(std::span<const BlockId> ids);
   void push_to(const ClusterMember& m, size_t lane, const std::vector<BlockId>& ids);
 
   // ---- the owning side -------------------------------------------------------
@@ -915,9 +836,8 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
                                std::span<uint64_t> sizes, Deadline budget) {
   auto r = current();
   if (!r || r->view.members.empty()) return;
-  // Round 0 asks the first owner, round 1 the second of what is still
-  // missing, later rounds the owners of former placements.
-  for (int round = 0; round < kMaxCandidates; ++round) {
+  // Round 0 asks the first owner, round 1 the second of what is still missing.
+  for (int round = 0; round < 2; ++round) {
     const Groups groups = owners_in_round(*r, ids, round, [&](size_t i) { return found[i] != 0; });
     if (groups.empty()) return;
     for_each_call(groups.size(), [&](size_t g) {
@@ -1030,14 +950,9 @@ void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> g
                               Deadline budget) {
   auto r = current();
   if (!r || r->view.members.empty()) return;
-  // Blocks found under a former placement, now stored here too: pushed to
-  // their owners, so later reads find them there.
-  std::vector<uint8_t> former(ids.size());
-  std::vector<BlockId> moved;
-  for (int round = 0; round < kMaxCandidates; ++round) {
-    const Groups by_member = owners_in_round(
-        *r, ids, round, [&](size_t i) { return got[i] != 0; }, &former);
-    if (by_member.empty()) break;
+  for (int round = 0; round < 2; ++round) {
+    const Groups by_member = owners_in_round(*r, ids, round, [&](size_t i) { return got[i] != 0; });
+    if (by_member.empty()) return;
     // Each owner's ids in parts, the parts on different lanes at once: one
     // lane moves bytes on one thread, so a large fetch spreads over them.
     struct Part {
@@ -1068,13 +983,7 @@ void ClusterNode::Impl::fetch(std::span<const BlockId> ids, std::span<uint8_t> g
     for_each_call(parts.size(), [&](size_t k) {
       fetch_from(r->view.members[parts[k].member], parts[k].lane, ids, parts[k].which, got, budget);
     });
-    for (const auto& [mi, which] : by_member)
-      for (size_t i : which)
-        if (got[i] && former[i]) moved.push_back(ids[i]);
   }
-  if (moved.empty()) return;
-  former_owner_hits.fetch_add(moved.size(), std::memory_order_relaxed);
-  queue_pushes(moved);
 }
 
 void ClusterNode::Impl::fetch_from(const ClusterMember& m, size_t lane,
@@ -1277,7 +1186,7 @@ void ClusterNode::Impl::lease_mapped(std::span<const BlockId> ids, std::span<Map
                                      Deadline budget) {
   auto r = current();
   if (!r || r->view.members.empty()) return;
-  for (int round = 0; round < kMaxCandidates; ++round) {
+  for (int round = 0; round < 2; ++round) {
     const Groups groups =
         owners_in_round(*r, ids, round, [&](size_t i) { return out[i].arena != 0; });
     if (groups.empty()) return;
@@ -2143,7 +2052,16 @@ Status ClusterNode::set_view(ClusterView view) {
   auto ring = std::make_shared<Impl::Ring>();
   for (size_t i = 0; i < m; ++i)
     if (view.members[i].node_id == impl_->options.node_id) ring->self = static_cast<int>(i);
-  ring->second = Impl::second_owners(view);
+  // For each point, the member of the next point that is not its own.
+  const size_t n = view.owners.size();
+  ring->second.assign(view.owners.begin(), view.owners.end());
+  int64_t nearest = -1;
+  for (size_t k = 2 * n; k-- > 0;) {
+    const size_t i = k % n;
+    const uint32_t next = view.owners[(i + 1) % n];
+    if (next != view.owners[i]) nearest = next;
+    if (k < n && nearest >= 0) ring->second[i] = static_cast<uint32_t>(nearest);
+  }
   // Members that were in the old view and are not in the new one (or are
   // there with a new generation) lose what they held here.
   std::map<std::string, uint64_t> now;
@@ -2152,37 +2070,7 @@ Status ClusterNode::set_view(ClusterView view) {
   ring->view = std::move(view);
   {
     std::unique_lock<std::shared_mutex> l(impl_->view_mu);
-    old = impl_->ring;
-    // The placement replaced (when this view's differs) and the ones kept
-    // before it, but none this view's equals. Before its first view with
-    // other members, a member had none of theirs: the placement before it
-    // joined, this view without it, stands for the one replaced (the
-    // blocks stored before it joined are there). The old ring's placement
-    // is copied: kept as it is, it would keep its own formers, and they
-    // theirs.
-    std::vector<std::shared_ptr<const Impl::Placement>> formers;
-    const bool others_before = old && old->view.members.size() > (old->self >= 0 ? 1u : 0u);
-    std::shared_ptr<const Impl::Placement> replaced;
-    if (others_before)
-      replaced = std::make_shared<const Impl::Placement>(static_cast<const Impl::Placement&>(*old));
-    else if (ring->self >= 0 && m > 1)
-      replaced = std::make_shared<const Impl::Placement>(Impl::without(ring->view, ring->self));
-    if (replaced && !Impl::same_placement(replaced->view, ring->view)) formers.push_back(replaced);
-    if (old)
-      for (const auto& f : old->formers)
-        if (formers.size() < kFormerPlacements && !Impl::same_placement(f->view, ring->view))
-          formers.push_back(f);
-    for (const auto& f : formers) {
-      std::vector<int> index(f->view.members.size(), -1);
-      for (size_t k = 0; k < index.size(); ++k)
-        for (size_t i = 0; i < m; ++i)
-          if (static_cast<int>(i) != ring->self &&
-              ring->view.members[i].node_id == f->view.members[k].node_id)
-            index[k] = static_cast<int>(i);
-      ring->former_index.push_back(std::move(index));
-    }
-    ring->formers = std::move(formers);
-    impl_->ring = ring;
+    old = std::exchange(impl_->ring, ring);
   }
   std::vector<std::shared_ptr<PeerState>> gone, absent;
   if (old) {
@@ -2283,20 +2171,16 @@ void ClusterNode::publish(std::span<const BlockId> ids) {
   if (ids.empty()) return;
   impl_->forget(ids);  // stored again here: perhaps with other bytes
   if (impl_->stopping.load()) return;
-  impl_->queue_pushes(ids);
-}
-
-void ClusterNode::Impl::queue_pushes(std::span<const BlockId> ids) {
   {
-    std::lock_guard<std::mutex> l(queue_mu);
-    const size_t room =
-        options.publish_queue - std::min<size_t>(queue.size(), options.publish_queue);
+    std::lock_guard<std::mutex> l(impl_->queue_mu);
+    const size_t room = impl_->options.publish_queue -
+                        std::min<size_t>(impl_->queue.size(), impl_->options.publish_queue);
     const size_t take = std::min(room, ids.size());
-    queue.insert(queue.end(), ids.begin(), ids.begin() + take);
-    queued += take;
-    push_dropped.fetch_add(ids.size() - take, std::memory_order_relaxed);
+    impl_->queue.insert(impl_->queue.end(), ids.begin(), ids.begin() + take);
+    impl_->queued += take;
+    impl_->push_dropped.fetch_add(ids.size() - take, std::memory_order_relaxed);
   }
-  queue_cv.notify_one();
+  impl_->queue_cv.notify_one();
 }
 
 bool ClusterNode::drain(uint32_t timeout_ms) {
@@ -2337,7 +2221,6 @@ ClusterStats ClusterNode::stats() const {
   s.remote_hits = get(i.remote_hits);
   s.remote_removes = get(i.remote_removes);
   s.remote_removed = get(i.remote_removed);
-  s.former_owner_hits = get(i.former_owner_hits);
   s.served_removes = get(i.served_removes);
   s.served_leases = get(i.served_leases);
   s.served_lease_bytes = get(i.served_lease_bytes);

@@ -121,11 +121,8 @@ struct ClusterStats {
   uint64_t fetched_mapped = 0;              // of them, copied from a mapped arena (same host)
   uint64_t mapped_leases = 0;               // leases clients read from a member's mapped arena
   uint64_t map_failures = 0;                // members on this host whose arena could not be mapped
-  uint64_t remote_lookups = 0, remote_hits = 0;     // ids asked of owners
-  uint64_t remote_removes = 0, remote_removed = 0;  // ids sent to members to remove; held there
-  // Blocks fetched from a member a former placement named (a view with
-  // other members): then pushed to their owners.
-  uint64_t former_owner_hits = 0;
+  uint64_t remote_lookups = 0, remote_hits = 0;        // ids asked of owners
+  uint64_t remote_removes = 0, remote_removed = 0;     // ids sent to members to remove; held there
   uint64_t served_removes = 0;                         // ids other members removed here
   uint64_t served_leases = 0, served_lease_bytes = 0;  // blocks other members read here
   uint64_t lease_hashes = 0;  // of them, hashed to answer (no checksum known yet)

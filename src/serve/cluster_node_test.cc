@@ -500,47 +500,6 @@ TEST(ClusterNode, BlocksCommittedOnOneMemberAreFetchedThroughAnother) {
   EXPECT_EQ(a.node->stats().peer_leases, 0u);
 }
 
-// Blocks stored while a and b were the members, read after c joined, through
-// c (which now owns some of them) and through b. Before, the ids c came to
-// own were misses through every server until stored again: nothing asked
-// the owners they were stored at.
-void read_blocks_stored_before_a_join(bool mapped) {
-  Member a("a", 60000, 4, 500, mapped), b("b", 60000, 4, 500, mapped),
-      c("c", 60000, 4, 500, mapped);
-  ASSERT_TRUE(a.node && b.node && c.node);
-  auto two = view_of({{"a", a.node->address()}, {"b", b.node->address()}});
-  for (Member* m : {&a, &b}) ASSERT_TRUE(m->node->set_view(two).ok());
-  auto ca = a.client();
-  auto cb = b.client();
-  auto cc = c.client();
-  ASSERT_TRUE(ca && cb && cc);
-  constexpr int kBlocks = 64;
-  for (int i = 0; i < kBlocks; ++i)
-    ASSERT_TRUE(ca->put(id_of(i), bytes_of(i, 4096).data(), 4096).ok());
-  ASSERT_TRUE(a.node->drain(5000));
-  auto three =
-      view_of({{"a", a.node->address()}, {"b", b.node->address()}, {"c", c.node->address()}}, 2);
-  for (Member* m : {&a, &b, &c}) ASSERT_TRUE(m->node->set_view(three).ok());
-  for (int i = 0; i < kBlocks; ++i) EXPECT_TRUE(cb->contains(id_of(i))) << i;
-  for (int i = 0; i < kBlocks; ++i) expect_block(cc.get(), id_of(i), bytes_of(i, 4096));
-  for (int i = 0; i < kBlocks; ++i) expect_block(cb.get(), id_of(i), bytes_of(i, 4096));
-  if (mapped) return;  // c's client read them from the arenas they are in
-  // c fetched its own ids from where they were stored, so they are at their
-  // owner now: b reads them from c, not from a former owner.
-  EXPECT_GT(c.node->stats().former_owner_hits, 0u);  // about a third of the ids are c's
-  EXPECT_EQ(b.node->stats().former_owner_hits, 0u);
-}
-
-TEST(ClusterNode, BlocksStoredBeforeAMemberJoinedAreReadThroughEveryServer) {
-  SKIP_WITHOUT_TRANSPORT();
-  read_blocks_stored_before_a_join(false);
-}
-
-TEST(ClusterNode, BlocksStoredBeforeAMemberJoinedAreReadFromTheArenasTheyAreIn) {
-  SKIP_WITHOUT_TRANSPORT();
-  read_blocks_stored_before_a_join(true);
-}
-
 TEST(ClusterNode, ARemoveReachesTheOwnersAndTheMembersThatFetchedTheBlock) {
   // Before, a remove went to the client's own server only: the owner, and
   // members that had fetched the block, went on serving it, and a put of
