@@ -1351,6 +1351,7 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
   answered(*s);
   std::vector<TransferOp> ops;
   std::vector<cluster::CommitItem> commits;
+  std::vector<BlockId> committing;
   std::vector<uint64_t> bytes;
   std::vector<uint8_t> unused;  // tokens of reservations granted and not used: aborted
   uint32_t unused_count = 0;
@@ -1372,6 +1373,7 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
     ops.push_back(TransferOp{TransferKind::kPut, (*link)->arena.get(), rr.offset,
                              const_cast<uint8_t*>(v.data()), v.size()});
     commits.push_back(cluster::CommitItem{rr.token, checksum(v.data(), v.size())});
+    committing.push_back(ids[have[j]]);
     bytes.push_back(v.size());
   }
   // The owner keeps a granted reservation until it expires unless told:
@@ -1386,6 +1388,32 @@ void ClusterNode::Impl::push_to(const ClusterMember& m, size_t lane,
     push_dropped.fetch_add(ops.size(), std::memory_order_relaxed);
     fail(s, *link);
     return;
+  }
+  // Ids removed here while their bytes travelled (a remove another member
+  // sent reached this one): their reservations are aborted, not committed.
+  // The owner may have served the same remove before this push's reserve
+  // reached it, and would store the removed bytes again.
+  {
+    std::vector<uint8_t> dropped;
+    uint32_t dropped_count = 0;
+    size_t kept = 0;
+    for (size_t j = 0; j < commits.size(); ++j) {
+      if (listed.removed_since(committing[j])) {
+        put_item(&dropped, cluster::TokenItem{commits[j].token});
+        ++dropped_count;
+        continue;
+      }
+      commits[kept] = commits[j];
+      bytes[kept] = bytes[j];
+      ++kept;
+    }
+    commits.resize(kept);
+    bytes.resize(kept);
+    if (dropped_count) {
+      push_dropped.fetch_add(dropped_count, std::memory_order_relaxed);
+      (void)call(ln, Op::kAbort, dropped_count, dropped, deadline());
+    }
+    if (commits.empty()) return;
   }
   items.clear();
   for (const auto& c : commits) put_item(&items, c);
