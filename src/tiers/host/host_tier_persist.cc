@@ -10,12 +10,13 @@
 namespace cascade {
 
 void HostTier::on_publish(const BlockId& id, const Location& loc, bool is_prefix) {
-  if (!table_ || loc.size == 0) return;  // empty blocks hold no range and are not kept
+  if (!table_) return;
+  // An empty block holds no range and has no slot; a block the full table
+  // has none for is not kept either. A restart loses them: the next start
+  // must not find the mark that says every block was kept.
   BlockTable::Pending p;
-  if (!table_->add(id, loc, is_prefix, &p)) {
-    unpersisted_.fetch_add(1, std::memory_order_relaxed);
-    // A crash loses this block: the next start must not find the mark that
-    // says every block was kept.
+  if (loc.size == 0 || !table_->add(id, loc, is_prefix, &p)) {
+    if (loc.size) unpersisted_.fetch_add(1, std::memory_order_relaxed);
     if (!kept_mark_unset_.exchange(true)) arena_->set_kept_mark(0);
     return;
   }

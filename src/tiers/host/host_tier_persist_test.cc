@@ -357,6 +357,25 @@ TEST(HostTierPersistTest, KeptSinceStaysWhileEveryBlockIsKeptAndChangesWhenOneIs
     EXPECT_NE(t->kept_since(), third);
     EXPECT_NE(t->kept_since(), first);
   }
+  // An empty block has no slot: a restart loses it.
+  uint64_t before_empty = 0;
+  {
+    auto t = open_tier(c, &pool);
+    ASSERT_TRUE(t);
+    before_empty = t->kept_since();
+  }
+  {
+    auto t = open_tier(c, &pool);
+    ASSERT_TRUE(t);
+    EXPECT_EQ(t->kept_since(), before_empty);
+    ASSERT_TRUE(t->put(id_of(5000), nullptr, 0, {}).ok());
+  }
+  {
+    auto t = open_tier(c, &pool);
+    ASSERT_TRUE(t);
+    EXPECT_FALSE(t->contains(id_of(5000)));
+    EXPECT_NE(t->kept_since(), before_empty);
+  }
   // Without persistence every open is a new run.
   c.shm_persist = false;
   const std::string other = fresh_path();
