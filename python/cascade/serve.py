@@ -1043,7 +1043,7 @@ def main(args) -> int:
         if os.environ.get("CASCADE_DEBUG"):
             raise
         logger.error("%s", e)
-        _abort_mpi_job()
+        _abort_mpi_job(handler)
         return 1
     finally:
         # The last lines (the close's) out, unless the stream stopped taking
@@ -1051,13 +1051,15 @@ def main(args) -> int:
         handler.drain(2.0)
 
 
-def _abort_mpi_job() -> None:
+def _abort_mpi_job(handler: QueuedStderrHandler) -> None:
     """A rank of an MPI job that cannot serve ends the whole job: its exit
     would otherwise wait in MPI_Finalize, which is collective, for ranks that
-    go on serving (or that wait in a collective start for it)."""
+    go on serving (or that wait in a collective start for it). The log's
+    lines (why) go out first: the abort ends the process at once."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         logger.error("ending the MPI job: this rank cannot serve")
+        handler.drain(2.0)
         mpi.COMM_WORLD.Abort(1)
 
 
