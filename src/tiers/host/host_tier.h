@@ -87,6 +87,10 @@ class HostTier final : public HostArenaTier {
   // The blocks kept across a restart were dropped at open: the arena was
   // kept over another persistent tier (adopt_place).
   bool dropped_for_place_ = false;
+  // A persistent tier is below this one (adopt_place): a flush writes the
+  // blocks down there, slot or not.
+  bool persistent_below_ = false;
+  std::atomic<uint64_t> unkept_said_{0};  // unpersisted_ as of the last flush that said so
 
   // Persistence (host_tier_persist.cc).
   void reattach();

@@ -39,6 +39,7 @@ void HostTier::note_all_below(uint64_t below) {
 
 void HostTier::adopt_place(uint64_t place) {
   if (!table_) return;
+  persistent_below_ = place != 0;
   // A store without a persistent tier has a place of its own: the blocks
   // it puts are copies of no directory's. Places of persistent tiers have
   // their low bit set; this one has not.
@@ -112,7 +113,18 @@ Status HostTier::flush() {
   }
   std::unique_lock<std::mutex> lock(seal_mu_);
   done_cv_.wait(lock, [&] { return sealer_done_ >= wait_for; });
-  return Status::OK();
+  lock.unlock();
+  // Blocks stored while the table was full are not kept by a restart, and
+  // with no persistent tier below nothing else keeps them: the flush does
+  // not vouch for them (said once for each).
+  if (persistent_below_) return Status::OK();
+  const uint64_t unkept = unpersisted_.load(std::memory_order_relaxed);
+  const uint64_t said = unkept_said_.exchange(unkept);
+  if (unkept <= said) return Status::OK();
+  return Status::NoSpace(std::to_string(unkept - said) +
+                         " blocks were stored while the arena's block table was full "
+                         "(shm_table_slots " +
+                         std::to_string(table_->slots()) + "): a restart does not keep them");
 }
 
 void HostTier::reattach() {

@@ -295,6 +295,13 @@ TEST(HostTierPersistTest, AFullTableStoresButDoesNotKeep) {
     for (uint32_t k = 0; k < 6; ++k) ASSERT_TRUE(put_block(t.get(), k).ok());
     for (uint32_t k = 0; k < 6; ++k) EXPECT_TRUE(holds_block(t.get(), k)) << k;
     EXPECT_EQ(t->stats().unpersisted_blocks, 2u);
+    // A flush does not vouch for them (before, it said OK), and says so once.
+    Status st = t->flush();
+    EXPECT_TRUE(st.is(Code::kNoSpace)) << st.ToString();
+    EXPECT_NE(st.message().find("2 blocks were stored while the arena's block table was full"),
+              std::string::npos)
+        << st.message();
+    EXPECT_TRUE(t->flush().ok());
   }
   {
     auto t = open_tier(c, &pool);
