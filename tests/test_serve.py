@@ -552,6 +552,25 @@ def test_a_flush_after_a_restart_that_lost_blocks_is_ok_for_a_client_that_stored
         c.close()
 
 
+def test_a_stop_says_which_blocks_the_arena_does_not_keep(tmp):
+    d, shm, servers = tmp
+    store = {"pipeline": "host", "shm_path": shm, "shm_capacity_bytes": "32MiB"}
+    store["shm_table_slots"] = 16
+    server = Server(d, dict(store), {})
+    servers.append(server)
+    server.wait_ready()
+    c = client(server.socket, "")
+    try:
+        for k, v in blocks(32, 4096).items():
+            assert c.put(k, v)
+    finally:
+        with pytest.raises(cascade.NoSpaceError, match="16 blocks were stored while"):
+            c.close()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.wait() == 0
+    assert "but for 16 stored while its block table was full" in server.text()
+
+
 PUT_AND_WAIT = """
 import sys, numpy as np, cascade
 c = cascade.CascadeStore(cascade.config_from_dict(

@@ -588,11 +588,16 @@ def _close(server, stats: Mapping[str, Any], ephemeral: bool, arena_kept: bool =
         )
     elif arena_kept:
         why = "the store is ephemeral" if persistent else "no persistent tier"
+        unkept = sum(t.get("unpersisted_blocks", 0) for t in memory.values())
         logger.info(
             "closing: %s; the memory tiers hold %s, and the arena's blocks stay in it for the "
-            "next start (shm_persist)",
+            "next start (shm_persist)%s",
             why,
             held,
+            f", but for {unkept} stored while its block table was full (shm_table_slots), "
+            "which a restart does not keep"
+            if unkept
+            else "",
         )
     else:
         why = "the store is ephemeral" if persistent else "no persistent tier"
