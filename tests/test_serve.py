@@ -1421,6 +1421,48 @@ def test_a_stderr_nobody_reads_does_not_keep_the_server_from_its_sigterm(tmp):
         proc.stderr.close()
 
 
+def test_a_server_started_with_stderr_closed_writes_nothing_into_its_arena(tmp):
+    """Started with descriptor 2 closed (`2>&-`), the server's arena took
+    it: a second signal's exit line was written over the arena's header,
+    and the next start refused the file (every kept block lost)."""
+    d, shm, servers = tmp
+    config = os.path.join(d, "closed.yaml")
+    sock = os.path.join(d, "run", "pool.sock")
+    with open(config, "w") as f:
+        yaml.safe_dump(
+            {"shm_path": shm, "shm_capacity_bytes": "16MiB", "serve": {"socket": sock}}, f
+        )
+    cmd = [sys.executable, "-m", "cascade", "serve", "--config", config]
+    proc = subprocess.Popen(
+        ["/bin/sh", "-c", 'exec "$@" 2>&-', "sh", *cmd], env=ENV, stdout=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(serve_status.info_path(sock)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        c = client(sock, "")
+        data = blocks(4)
+        for k, v in data.items():
+            assert c.put(k, v)
+        c.close()
+        with open(shm, "rb") as f:
+            assert f.read(16).startswith(b"CASCADE-ARENA")
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.002)
+        proc.send_signal(signal.SIGTERM)  # exits at once, with a line for stderr
+        proc.wait(20)
+        with open(shm, "rb") as f:
+            assert f.read(16).startswith(b"CASCADE-ARENA")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if os.path.exists(serve_status.info_path(sock)):  # left by an exit at once
+        os.unlink(serve_status.info_path(sock))
+    restarted_serves(d, {"shm_path": shm, "shm_capacity_bytes": "16MiB"}, servers, data, ns="")
+
+
 def test_a_metrics_client_that_trickles_its_request_is_cut_off():
     """A byte every 0.3 s keeps each read under the socket's timeout; the
     connection still ends TIMEOUT_S after it was accepted, so clients that

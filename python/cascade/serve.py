@@ -1017,8 +1017,27 @@ def run(
     return 0 if ok else 1
 
 
+def _hold_standard_descriptors() -> None:
+    """Descriptors 0-2 closed when the server was started (`2>&-`) would go
+    to the next files it opens, the arena's among them, and what is meant
+    for stderr would be written into that file (the exit line of a second
+    signal overwrote the arena's header, and every kept block was lost).
+    Each closed one is opened on /dev/null first."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is None:  # Python found descriptor 2 closed at its start
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 (the process's own stderr)
+
+
 def main(args) -> int:
     """The `cascade serve` command (args from cli.build_parser)."""
+    _hold_standard_descriptors()
     store_options: dict[str, Any] = {}
     section: dict[str, Any] = {}
     cluster: dict[str, Any] | None = None
