@@ -42,6 +42,8 @@ struct TierStats {
   uint64_t reattach_dropped = 0;   // slots not adopted: unsealed, torn, corrupt, overlapping
   uint64_t reattach_bytes = 0;     // bytes verified
   double reattach_seconds = 0;     // scan, verification and index insertion
+  // Blocks held now with no slot in the block table (empty ones, and those
+  // stored while it was full): a restart does not keep them.
   uint64_t unpersisted_blocks = 0;
   // Why a host tier's open started empty although an arena file was there:
   // it did not match this configuration (capacity, table size, format) or

@@ -197,6 +197,12 @@ class CascadeStore {
   // only in memory tiers are written down, then aliases and tiers as
   // flush() does. Ids the store does not hold are skipped.
   Status flush(std::span<const BlockId> ids);
+  // Of `ids`, how many the store holds that a restart does not keep though
+  // the store keeps its blocks across restarts: with no persistent tier
+  // below, a persistent arena's blocks that have no slot in its block table
+  // (empty ones, and those stored while it was full). A flush does not
+  // vouch for them.
+  uint64_t unkept(std::span<const BlockId> ids) const;
 
   // Waits until the async tasks submitted so far (batches, prefetches)
   // have finished, and with them the reads they hold.

@@ -253,6 +253,10 @@ class Tier {
   virtual void clear() = 0;
   // Makes every stored block durable (file tier); a no-op for memory tiers.
   virtual Status flush() { return Status::OK(); }
+  // Of `ids` (every block held, when empty), how many this tier holds that
+  // a restart does not keep although it keeps its blocks across restarts
+  // (a persistent host arena's blocks with no slot in its table).
+  virtual uint64_t unkept(std::span<const BlockId> /*ids*/) const { return 0; }
 
   // ---- durability -----------------------------------------------------------
   // True when the tier's blocks outlive the store (the file tier): what it

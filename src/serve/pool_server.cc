@@ -218,6 +218,7 @@ class PoolServer::Impl {
   bool persistent = false;  // a tier of the store keeps blocks past its close
   // A tier below the arena keeps blocks: a flush writes blocks down to it.
   bool persistent_below = false;
+  bool tracks_unflushed = false;  // clients' commits are listed for their flushes
   int listen_fd = -1;
   SocketFile socket_file;  // what listen_fd was bound to, removed at close if still there
   int wake_fd = -1;        // eventfd: the monitor re-reads its list or stops
@@ -385,6 +386,9 @@ Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& confi
     impl->persistent |= tiers[t].persistent;
     if (t > 0) impl->persistent_below |= tiers[t].persistent;
   }
+  // A flush writes a client's blocks down, or (an arena kept across
+  // restarts, no tier below) says which of them a restart does not keep.
+  impl->tracks_unflushed = impl->persistent_below || config.shm_persist;
   if (impl->arena.fd < 0)
     return Status::InvalidArgument(
         "a pool server's pipeline must start with the host tier (its shared arena is what "
@@ -1249,7 +1253,7 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
           r.code = code_of(st[j]);
           if (st[j].ok() && res[j].present) {
             r.flags = pool::kPresent;
-            if (persistent_below) present.push_back(some_ids[j]);
+            if (tracks_unflushed) present.push_back(some_ids[j]);
           } else if (st[j].ok()) {
             made.emplace_back(ks[j], res[j]);
           }
@@ -1309,7 +1313,7 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
         ++ok;
         bytes += batch[j].size;
         if (cn && !batch[j].present) stored.push_back(batch[j].id);
-        if (persistent_below) flushable.push_back(batch[j].id);
+        if (tracks_unflushed) flushable.push_back(batch[j].id);
       }
       if (cn) cn->publish(stored);
       if (!flushable.empty()) c->committed(std::move(flushable));
@@ -1534,6 +1538,15 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
         }
         return error_reply(reply, st);
       }
+      // Blocks of this client's that a restart does not keep: said once (a
+      // flush again cannot keep them).
+      if (const uint64_t n = everything ? 0 : store->unkept(ids))
+        return error_reply(
+            reply, Status::NoSpace(std::to_string(n) +
+                                   " of the blocks this client stored since "
+                                   "its last flush have no slot in the arena's block table "
+                                   "(empty, or stored while it was full: shm_table_slots): a "
+                                   "restart does not keep them"));
       break;
     }
     case Op::kStats: {

@@ -572,6 +572,14 @@ Status CascadeStore::flush() {
   return impl_->write_down(WriteDownOptions{});
 }
 
+uint64_t CascadeStore::unkept(std::span<const BlockId> ids) const {
+  if (!impl_ || impl_->closed.load() || ids.empty()) return 0;
+  if (impl_->persistent < impl_->tiers.size()) return 0;  // written down there
+  uint64_t n = 0;
+  for (const auto& t : impl_->tiers) n += t->unkept(ids);
+  return n;
+}
+
 Status CascadeStore::flush(std::span<const BlockId> ids) {
   CASCADE_LIVE_OR(closed_status());
   // With dedup an id names its bytes' block through its alias.

@@ -122,7 +122,7 @@ TierStats HostTier::stats() const {
   s.reattach_bytes = reattach_bytes_;
   s.reattach_seconds = reattach_seconds_;
   s.corrupt_blocks += reattach_corrupt_;
-  s.unpersisted_blocks = unpersisted_.load(std::memory_order_relaxed);
+  s.unpersisted_blocks = unkept({});
   return s;
 }
 

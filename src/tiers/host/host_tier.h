@@ -27,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <unordered_set>
 
 #include "os/shm_arena.h"
 #include "tiers/arena_tier.h"
@@ -67,6 +68,7 @@ class HostTier final : public HostArenaTier {
 
   void note_all_below(uint64_t below) override;
   void adopt_place(uint64_t place) override;
+  uint64_t unkept(std::span<const BlockId> ids) const override;
   void open_failed() override { arena_->remove_if_new(); }
   bool agrees_below(uint64_t below) const override { return below != 0 && below_mark_ == below; }
 
@@ -87,10 +89,10 @@ class HostTier final : public HostArenaTier {
   // The blocks kept across a restart were dropped at open: the arena was
   // kept over another persistent tier (adopt_place).
   bool dropped_for_place_ = false;
-  // A persistent tier is below this one (adopt_place): a flush writes the
-  // blocks down there, slot or not.
-  bool persistent_below_ = false;
-  std::atomic<uint64_t> unkept_said_{0};  // unpersisted_ as of the last flush that said so
+  // Blocks held with no slot in the table (empty, or stored while it was
+  // full): a restart does not keep them.
+  mutable std::mutex unslotted_mu_;
+  std::unordered_set<BlockId> unslotted_;  // guarded by unslotted_mu_
 
   // Persistence (host_tier_persist.cc).
   void reattach();
@@ -110,7 +112,6 @@ class HostTier final : public HostArenaTier {
   uint64_t sealer_done_ = 0;               // items the sealer finished; guarded by seal_mu_
   bool stop_ = false;                      // guarded by seal_mu_
   std::thread sealer_;
-  std::atomic<uint64_t> unpersisted_{0};
   // What reattach() found; written before the tier is shared.
   uint64_t reattached_blocks_ = 0, reattach_dropped_ = 0, reattach_bytes_ = 0;
   uint64_t reattach_corrupt_ = 0;

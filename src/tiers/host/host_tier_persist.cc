@@ -16,7 +16,10 @@ void HostTier::on_publish(const BlockId& id, const Location& loc, bool is_prefix
   // must not find the mark that says every block was kept.
   BlockTable::Pending p;
   if (loc.size == 0 || !table_->add(id, loc, is_prefix, &p)) {
-    if (loc.size) unpersisted_.fetch_add(1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(unslotted_mu_);
+      unslotted_.insert(id);
+    }
     if (!kept_mark_unset_.exchange(true)) arena_->set_kept_mark(0);
     return;
   }
@@ -29,8 +32,13 @@ void HostTier::on_publish(const BlockId& id, const Location& loc, bool is_prefix
 
 // A removed block's slot is cleared when the removal happens, not when the
 // last lease on it ends: a crash in between must not bring it back.
-void HostTier::on_unpublish(const BlockId&, const Location& loc) {
-  if (table_ && loc.size) table_->drop(loc.offset);
+void HostTier::on_unpublish(const BlockId& id, const Location& loc) {
+  if (!table_) return;
+  {
+    std::lock_guard<std::mutex> lock(unslotted_mu_);
+    if (unslotted_.erase(id)) return;  // it had no slot
+  }
+  if (loc.size) table_->drop(loc.offset);
 }
 
 void HostTier::note_all_below(uint64_t below) {
@@ -39,7 +47,6 @@ void HostTier::note_all_below(uint64_t below) {
 
 void HostTier::adopt_place(uint64_t place) {
   if (!table_) return;
-  persistent_below_ = place != 0;
   // A store without a persistent tier has a place of its own: the blocks
   // it puts are copies of no directory's. Places of persistent tiers have
   // their low bit set; this one has not.
@@ -94,6 +101,15 @@ void HostTier::seal_loop() {
   }
 }
 
+uint64_t HostTier::unkept(std::span<const BlockId> ids) const {
+  if (!table_) return 0;
+  std::lock_guard<std::mutex> lock(unslotted_mu_);
+  if (ids.empty()) return unslotted_.size();
+  uint64_t n = 0;
+  for (const BlockId& id : ids) n += unslotted_.count(id);
+  return n;
+}
+
 Status HostTier::flush() {
   if (!table_) return Status::OK();
   std::vector<BlockTable::Pending> mine;
@@ -113,18 +129,7 @@ Status HostTier::flush() {
   }
   std::unique_lock<std::mutex> lock(seal_mu_);
   done_cv_.wait(lock, [&] { return sealer_done_ >= wait_for; });
-  lock.unlock();
-  // Blocks stored while the table was full are not kept by a restart, and
-  // with no persistent tier below nothing else keeps them: the flush does
-  // not vouch for them (said once for each).
-  if (persistent_below_) return Status::OK();
-  const uint64_t unkept = unpersisted_.load(std::memory_order_relaxed);
-  const uint64_t said = unkept_said_.exchange(unkept);
-  if (unkept <= said) return Status::OK();
-  return Status::NoSpace(std::to_string(unkept - said) +
-                         " blocks were stored while the arena's block table was full "
-                         "(shm_table_slots " +
-                         std::to_string(table_->slots()) + "): a restart does not keep them");
+  return Status::OK();
 }
 
 void HostTier::reattach() {
