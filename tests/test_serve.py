@@ -580,7 +580,7 @@ def test_blocks_a_full_block_table_does_not_keep_are_said_to_the_client_that_sto
         a.close()
     server.proc.send_signal(signal.SIGTERM)
     assert server.wait() == 0
-    assert "but for 3 stored while its block table was full" in server.text()
+    assert "but for 3 with no slot in its block table" in server.text()
 
 
 PUT_AND_WAIT = """

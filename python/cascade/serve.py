@@ -594,8 +594,8 @@ def _close(server, stats: Mapping[str, Any], ephemeral: bool, arena_kept: bool =
             "next start (shm_persist)%s",
             why,
             held,
-            f", but for {unkept} stored while its block table was full (shm_table_slots), "
-            "which a restart does not keep"
+            f", but for {unkept} with no slot in its block table (empty, or stored while it was "
+            "full: shm_table_slots), which a restart does not keep"
             if unkept
             else "",
         )
