@@ -293,7 +293,7 @@ class PoolServer::Impl {
   // has clients never ring (each request then waits for a worker's
   // kWorkerCheckUs), one below has them ring for nothing. The monitor sets
   // a count back when it differed from the server's own by the same amount
-  // at two checks kDoorbellCheck apart (a worker between its two updates
+  // at two checks a heartbeat apart (a worker between its two updates
   // makes a difference that does not last). Monitor thread only.
   void check_doorbell();
   std::chrono::steady_clock::time_point next_doorbell_check{};
