@@ -258,6 +258,21 @@ class ClusterNode::Impl {
   // Set once close() has closed the transports: nothing lands any more, and
   // what ends from then on is freed at once. Guarded by quarantine_mu.
   bool transports_closed = false;
+  // Reservations taken from their members, held in `ending` until their
+  // expiry (still counted in peer_reservations until sweep frees them), or
+  // freed at once when the transports are closed (`closed`, or once they
+  // are): nothing lands in them any more.
+  void hold_until_expiry(std::vector<Ending>&& held, bool closed) {
+    if (held.empty()) return;
+    std::unique_lock<std::mutex> q(quarantine_mu);
+    if (closed || transports_closed) {
+      q.unlock();
+      peer_reservations.fetch_sub(static_cast<int64_t>(held.size()), std::memory_order_relaxed);
+      for (const auto& e : held) store->abort(e.r);
+      return;
+    }
+    ending.insert(ending.end(), held.begin(), held.end());
+  }
   std::mutex queue_mu;
   std::condition_variable queue_cv, drained_cv;
   std::deque<BlockId> queue;      // guarded by queue_mu
@@ -930,17 +945,7 @@ void ClusterNode::Impl::remove_here(std::span<const BlockId> ids, std::span<uint
       }
     }
   }
-  if (!cancelled.empty()) {
-    std::unique_lock<std::mutex> q(quarantine_mu);
-    if (transports_closed) {
-      q.unlock();
-      peer_reservations.fetch_sub(static_cast<int64_t>(cancelled.size()),
-                                  std::memory_order_relaxed);
-      for (const auto& e : cancelled) store->abort(e.r);
-    } else {
-      ending.insert(ending.end(), cancelled.begin(), cancelled.end());
-    }
-  }
+  hold_until_expiry(std::move(cancelled), /*closed=*/false);
   (void)wait_not_in_flight(ids, until);
   for (size_t i = 0; i < ids.size(); ++i)
     if (store->remove(ids[i]).ok()) removed[i] = 1;
@@ -1885,21 +1890,7 @@ void ClusterNode::Impl::end_holdings(PeerState& p, bool closed, bool for_good) {
     p.reservations.clear();
   }
   peer_leases.fetch_sub(static_cast<int64_t>(ended.size()), std::memory_order_relaxed);
-  if (closed) {
-    peer_reservations.fetch_sub(static_cast<int64_t>(held_back.size()), std::memory_order_relaxed);
-    for (const auto& e : held_back) store->abort(e.r);
-  } else if (!held_back.empty()) {
-    // Still counted in peer_reservations until sweep frees them.
-    std::unique_lock<std::mutex> q(quarantine_mu);
-    if (transports_closed) {  // ended by a view installed while the node closed
-      q.unlock();
-      peer_reservations.fetch_sub(static_cast<int64_t>(held_back.size()),
-                                  std::memory_order_relaxed);
-      for (const auto& e : held_back) store->abort(e.r);
-    } else {
-      ending.insert(ending.end(), held_back.begin(), held_back.end());
-    }
-  }
+  hold_until_expiry(std::move(held_back), closed);
   if (for_good && p.back) p.back->close();
 }
 
