@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <string>
 
@@ -249,8 +250,12 @@ TEST(ShmArena, SecondArenaOnALockedPathIsBusy) {
 // The scenario of the test below, run in a process of its own: a store
 // dies leaving a client that maps its arena, and a new store is created on
 // the path. Its exit code: 0 when the new store replaced the arena in use,
-// else why not.
-int left_in_use_replaced(const std::string& path) {
+// else why not. `between(store)`, when given, runs after the store died
+// and before the new one is created (77 when it returns false), and
+// `after()` once the new store was tried.
+int left_in_use_replaced(const std::string& path,
+                         const std::function<bool(pid_t)>& between = nullptr,
+                         const std::function<void()>& after = nullptr) {
   int ready[2], stop[2];
   if (::pipe(ready) != 0 || ::pipe(stop) != 0) return 20;
   const pid_t store = ::fork();
@@ -271,9 +276,12 @@ int left_in_use_replaced(const std::string& path) {
     return 22;
   char c = 0;
   if (::read(ready[0], &c, 1) != 1) return 23;
-  auto b = ShmArena::Create(path, kCap, false, 64);
-  int code = !b.ok() ? 24 : (*b)->replaced_in_use() ? 0 : 25;
-  if (!b.ok()) std::fprintf(stderr, "%s\n", b.status().ToString().c_str());
+  Result<std::unique_ptr<ShmArena>> b = Status::Unavailable("not tried");
+  const bool go = !between || between(store);
+  if (go) b = ShmArena::Create(path, kCap, false, 64);
+  if (after) after();
+  int code = !go ? 77 : !b.ok() ? 24 : (*b)->replaced_in_use() ? 0 : 25;
+  if (go && !b.ok()) std::fprintf(stderr, "%s\n", b.status().ToString().c_str());
   (void)!::write(stop[1], &c, 1);
   if (b.ok()) b->reset();
   ::unlink(path.c_str());
@@ -419,45 +427,20 @@ TEST(ShmArena, AnArenaLeftInUseIsReplacedWhenItsDeadStoresPidWasTakenByAnother) 
   // process that got that pid since (one that has nothing to do with the
   // arena) made the arena look held by a live store: the next store on the
   // path was refused as Busy for as long as that process lived.
-  std::string path = unique_path("reused");
-  int ready[2], stop[2];
-  ASSERT_EQ(::pipe(ready), 0);
-  ASSERT_EQ(::pipe(stop), 0);
-  const pid_t store = ::fork();
-  ASSERT_GE(store, 0);
-  if (store == 0) {
-    auto a = ShmArena::Create(path, kCap, false, 64);
-    if (!a.ok() || !(*a)->commit(kCap).ok()) ::_exit(2);
-    if (::fork() == 0) {  // the client, which outlives the store
-      char c = 1;
-      if (::write(ready[1], &c, 1) != 1) ::_exit(3);
-      (void)!::read(stop[0], &c, 1);
-      ::_exit(0);
-    }
-    ::_exit(0);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(store, &status, 0), store);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
-  char c = 0;
-  ASSERT_EQ(::read(ready[0], &c, 1), 1);
-  const pid_t other = occupy_pid(store);
-  Result<std::unique_ptr<ShmArena>> b = Status::Unavailable("not tried");
-  if (other) b = ShmArena::Create(path, kCap, false, 64);
-  (void)!::write(stop[1], &c, 1);
-  if (other) {
-    ::kill(other, SIGKILL);
-    ::waitpid(other, nullptr, 0);
-  }
-  for (int fd : {ready[0], ready[1], stop[0], stop[1]}) ::close(fd);
-  if (!other) {
-    ::unlink(path.c_str());
-    GTEST_SKIP() << "cannot start a process at a given pid here (needs root)";
-  }
-  ASSERT_TRUE(b.ok()) << b.status().ToString();
-  EXPECT_TRUE((*b)->replaced_in_use());
-  b->reset();
-  ::unlink(path.c_str());
+  pid_t other = 0;
+  const int code = left_in_use_replaced(
+      unique_path("reused"),
+      [&](pid_t store) {
+        other = occupy_pid(store);
+        return other != 0;
+      },
+      [&] {
+        if (!other) return;
+        ::kill(other, SIGKILL);
+        ::waitpid(other, nullptr, 0);
+      });
+  if (code == 77) GTEST_SKIP() << "cannot start a process at a given pid here (needs root)";
+  EXPECT_EQ(code, 0) << "24: the new store was refused (Busy)";
 }
 
 // A persistent arena of another capacity is discarded, and says so.
