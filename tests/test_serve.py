@@ -121,6 +121,14 @@ def client(sock: str, ns: str) -> cascade.CascadeStore:
     )
 
 
+def quick_client(sock: str) -> cascade.CascadeStore:
+    """A client of the default namespace that takes a server silent for 2 s
+    as gone (the tests that stop or kill servers)."""
+    return cascade.CascadeStore(
+        cascade.config_from_dict({"pool_socket": sock, "use_gpu": False, "pool_timeout_ms": 2000})
+    )
+
+
 def blocks(n: int = 4, size: int = 64 << 10) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
     return {f"block-{i}": rng.integers(0, 256, size, dtype=np.uint8) for i in range(n)}
@@ -348,11 +356,7 @@ def test_a_client_connects_again_to_a_server_killed_and_started_again(tmp):
     servers.append(first)
     first.wait_ready()
     data = blocks(16)
-    c = cascade.CascadeStore(
-        cascade.config_from_dict(
-            {"pool_socket": first.socket, "use_gpu": False, "pool_timeout_ms": 2000}
-        )
-    )
+    c = quick_client(first.socket)
     try:
         for k, v in data.items():
             assert c.put(k, v)
@@ -427,11 +431,7 @@ def test_a_flush_after_connecting_again_writes_down_what_was_put_before_the_loss
     d, shm, servers = tmp
     store, server = file_backed_server(d, shm, servers)
     before, after = blocks(2).values()
-    c = cascade.CascadeStore(
-        cascade.config_from_dict(
-            {"pool_socket": server.socket, "use_gpu": False, "pool_timeout_ms": 2000}
-        )
-    )
+    c = quick_client(server.socket)
     try:
         assert c.put("before", before)
         if loss == "killed":
@@ -493,11 +493,7 @@ def test_a_flush_after_a_restart_that_lost_blocks_says_so(tmp, lost):
             text=True,
         )
         assert holder.stdout.readline().strip() == "held"
-    c = cascade.CascadeStore(
-        cascade.config_from_dict(
-            {"pool_socket": server.socket, "use_gpu": False, "pool_timeout_ms": 2000}
-        )
-    )
+    c = quick_client(server.socket)
     try:
         first = blocks(32, 4096)
         for k, v in first.items():
@@ -534,11 +530,7 @@ def test_a_flush_after_a_restart_that_lost_blocks_is_ok_for_a_client_that_stored
     server = Server(d, dict(store), {})
     servers.append(server)
     server.wait_ready()
-    c = cascade.CascadeStore(
-        cascade.config_from_dict(
-            {"pool_socket": server.socket, "use_gpu": False, "pool_timeout_ms": 2000}
-        )
-    )
+    c = quick_client(server.socket)
     try:
         for k, v in blocks(32, 4096).items():
             assert c.put(k, v)
@@ -678,11 +670,7 @@ def test_calls_say_why_the_server_refuses_to_take_a_client_back(tmp):
     first = Server(d, dict(store), {})
     servers.append(first)
     first.wait_ready()
-    c = cascade.CascadeStore(
-        cascade.config_from_dict(
-            {"pool_socket": first.socket, "use_gpu": False, "pool_timeout_ms": 2000}
-        )
-    )
+    c = quick_client(first.socket)
     other = None
     try:
         first.proc.kill()

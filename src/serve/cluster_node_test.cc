@@ -202,6 +202,11 @@ struct RawMember {
   }
 };
 
+// A view of member "a" and the hand-made member "raw".
+ClusterView view_with_raw(const Member& a, const RawMember& raw) {
+  return view_of({{"a", a.node->address()}, {"raw", raw.t->address()}});
+}
+
 // An owner that speaks the protocol by hand: it answers hellos (after
 // hello_delay) with a small registered arena of its own, and every other
 // request with what `answer` returns (nothing: no reply), after reply_delay.
@@ -716,8 +721,7 @@ TEST(ClusterNode, LeasesOfAMemberThatNeverReleasesExpireAndALeavingMemberLosesTh
   ASSERT_TRUE(a.node);
   std::vector<uint8_t> ids = put_blocks(a.server->store(), 2000, 8);
   RawMember raw(a.node->address());
-  ASSERT_TRUE(
-      a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
+  ASSERT_TRUE(a.node->set_view(view_with_raw(a, raw)).ok());
   ASSERT_FALSE(raw.call(cluster::Op::kHello, static_cast<uint32_t>(raw.t->address().size()),
                         raw.t->address())
                    .empty());
@@ -751,8 +755,7 @@ TEST(ClusterNode, AMemberLeavingTheViewKeepsItsReservationsUntilTheyExpire) {
   Member a("a", /*expiry_ms=*/6000);
   ASSERT_TRUE(a.node);
   RawMember raw(a.node->address());
-  ASSERT_TRUE(
-      a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
+  ASSERT_TRUE(a.node->set_view(view_with_raw(a, raw)).ok());
   // Blocks of a word pattern: made fast enough under the sanitizers that
   // the test ends well within the reservation's expiry.
   auto block = [](uint64_t i, size_t n) {
@@ -816,8 +819,7 @@ TEST(ClusterNode, AReservationForAnIdRemovedAtItsOwnerCommitsNothing) {
   Member a("a", /*expiry_ms=*/6000);
   ASSERT_TRUE(a.node);
   RawMember raw(a.node->address());
-  ASSERT_TRUE(
-      a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
+  ASSERT_TRUE(a.node->set_view(view_with_raw(a, raw)).ok());
   auto region = raw.hello_with_key();
   ASSERT_TRUE(region);
   const BlockId x = id_of(8500);
@@ -883,7 +885,7 @@ TEST(ClusterNode, AMemberThatLeftTheViewAndCameBackIsAnsweredWithoutANewHello) {
   ASSERT_TRUE(a.node);
   std::vector<uint8_t> ids = put_blocks(a.server->store(), 8100, 8);
   RawMember raw(a.node->address());
-  const ClusterView both = view_of({{"a", a.node->address()}, {"raw", raw.t->address()}});
+  const ClusterView both = view_with_raw(a, raw);
   ASSERT_TRUE(a.node->set_view(both).ok());
   ASSERT_FALSE(raw.call(cluster::Op::kHello, static_cast<uint32_t>(raw.t->address().size()),
                         raw.t->address())
@@ -929,8 +931,7 @@ TEST(ClusterNode, ATokenOfAnEndedConnectionNeverReleasesALeaseOfTheNextOne) {
   ASSERT_TRUE(a.node);
   std::vector<uint8_t> ids = put_blocks(a.server->store(), 5000, 2);
   RawMember raw(a.node->address());
-  ASSERT_TRUE(
-      a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
+  ASSERT_TRUE(a.node->set_view(view_with_raw(a, raw)).ok());
   auto hello = [&] {
     return !raw.call(cluster::Op::kHello, static_cast<uint32_t>(raw.t->address().size()),
                      raw.t->address())
@@ -967,8 +968,7 @@ TEST(ClusterNode, WhatAReplyThatCannotBeDeliveredGrantedIsTakenBack) {
   ASSERT_TRUE(a.node);
   std::vector<uint8_t> ids = put_blocks(a.server->store(), 3000, 4);
   RawMember raw(a.node->address());
-  ASSERT_TRUE(
-      a.node->set_view(view_of({{"a", a.node->address()}, {"raw", raw.t->address()}})).ok());
+  ASSERT_TRUE(a.node->set_view(view_with_raw(a, raw)).ok());
   // The hello names another endpoint as where replies go, then that
   // endpoint closes: the owner's replies cannot be delivered.
   TransportOptions o;
