@@ -148,6 +148,7 @@ Status CascadeStore::Impl::write_down(const WriteDownOptions& o) {
   with.replaces_below = [this](const BlockId& id) { return take_kept_above(id); };
   with.may_replace_below = [this](const BlockId& id) { return is_kept_above(id); };
   with.copies = &copies;
+  with.drops = &drops;
   return cascade::write_down(tiers, persistent, pool.get(), dedup.get(), put, put_alias, with);
 }
 

@@ -154,7 +154,9 @@ TEST(DurabilityTest, ABlockTheDiskRefusesToTakeIsNotDroppedToMakeRoom) {
     GetResult r;
     ASSERT_TRUE(s->get(id_of(i), out.data(), out.size(), &r).ok());
     EXPECT_TRUE(r.found) << "block " << i << " was put, and a flush said OK, but it is gone";
-    if (r.found) EXPECT_TRUE(out == bytes_of(i, kBlock)) << i;
+    if (r.found) {
+      EXPECT_TRUE(out == bytes_of(i, kBlock)) << i;
+    }
   }
 }
 
@@ -193,7 +195,9 @@ TEST(DurabilityTest, APutFindsRoomAmongWrittenDownBlocksWhileTheDiskRefusesNewOn
     ASSERT_TRUE(s);
     put_blocks(s.get(), 0, 13, kBlock);
     ASSERT_TRUE(s->flush().ok());
-    if (read_after_flush) EXPECT_EQ(count_intact(s.get(), 13, kBlock), 13u);
+    if (read_after_flush) {
+      EXPECT_EQ(count_intact(s.get(), 13, kBlock), 13u);
+    }
     put_blocks(s.get(), 13, 16, kBlock);
     for (uint64_t i = 13; i < 20; ++i) disk->fail_puts.insert(id_of(i));
     for (uint64_t i = 16; i < 18; ++i) {
@@ -1342,6 +1346,39 @@ TEST(DurabilityTest, AKeptBlockTooLargeForTheFileTierNeverLeavesItsOldCopyFound)
   ASSERT_TRUE(s->get(kKeptId, &out, &r).ok());
   EXPECT_TRUE(!r.found || out == v2) << "the old copy below was found";
   s.reset();
+  remove_kept(c);
+}
+
+// A flush of more blocks than the file tier holds: each write makes room by
+// moving out older blocks, those of the same flush too. The flush must not
+// say OK for blocks it wrote and the tier then dropped again (they are held
+// in memory only), nor a close mark the arena as all written down.
+TEST(DurabilityTest, AFlushOfMoreThanTheFileTierHoldsSaysHowManyItCouldNotKeep) {
+  CascadeConfig c = kept_arena_config();
+  c.shm_capacity_bytes = 16 << 20;
+  c.file_capacity_bytes = 4 << 20;
+  c.segment_size_bytes = 1 << 20;
+  constexpr size_t kN = 100, kSize = 64 << 10;  // 6.25 MiB
+  auto s = open_kept(c);
+  ASSERT_TRUE(s);
+  put_blocks(s.get(), 0, kN, kSize);
+  Status st = s->flush();
+  const uint64_t below = s->stats().tiers[1].blocks;
+  ASSERT_LT(below, kN);
+  EXPECT_TRUE(st.is(Code::kNoSpace)) << st.ToString();
+  EXPECT_NE(st.message().find(" of " + std::to_string(kN) + " blocks written down were moved out"),
+            std::string::npos)
+      << st.message();
+  EXPECT_EQ(count_intact(s.get(), kN, kSize), kN);  // every block still served
+  s->close();
+  EXPECT_TRUE(s->close_status().is(Code::kNoSpace)) << s->close_status().ToString();
+  s.reset();
+  // Reopened without the arena: what the file tier kept, never wrong bytes.
+  ::unlink(c.shm_path.c_str());
+  auto r = open_kept(c);
+  ASSERT_TRUE(r);
+  EXPECT_LE(count_intact(r.get(), kN, kSize), below);
+  r.reset();
   remove_kept(c);
 }
 

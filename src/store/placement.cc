@@ -131,6 +131,7 @@ Status CascadeStore::Impl::move_out_victims(size_t t, uint64_t claim, uint64_t n
     // be held above it (write-through, or written down by flush()). Then
     // the last tier dropped their records with the block, and the flush that
     // writes the block down again writes them again too.
+    if (below == SIZE_MAX && t == persistent && !removed) drops.note(v.id);
     if (below == SIZE_MAX && dedup) {
       if (!contains_phys(v.id)) dedup->drop(v.id);
       else if (persistent == t) dedup->mark_unwritten(v.id);

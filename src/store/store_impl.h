@@ -60,6 +60,8 @@ class CascadeStore::Impl {
   // Copies between tiers in flight (evictions, write-downs, promotions): a
   // remove waits for those of its id before it returns (copy_registry.h).
   CopyRegistry copies;
+  // Blocks the persistent tier dropped while write-downs ran (write_down.h).
+  DropLog drops;
   // Blocks a memory tier kept across a restart (reattached) that a tier
   // below holds too: the copy below may be older, its removal never having
   // been written down. The first time such a block moves down, the copies

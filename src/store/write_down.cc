@@ -1,9 +1,11 @@
 #include "store/write_down.h"
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include "store/tier_factory.h"
 
@@ -92,7 +94,50 @@ Status write_one(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persist
   return Status::OK();
 }
 
+// Of the blocks a write-down listed (`listed`), how many the persistent
+// tier dropped while it ran (`dropped`) and does not hold again now, while a
+// memory tier still does: written down, then moved out again to make room
+// for later blocks (of this write-down or another writer's).
+size_t dropped_again(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persistent,
+                     const std::unordered_set<BlockId>& listed, std::vector<BlockId> dropped) {
+  std::sort(dropped.begin(), dropped.end());
+  dropped.erase(std::unique(dropped.begin(), dropped.end()), dropped.end());
+  size_t n = 0;
+  for (const BlockId& id : dropped) {
+    if (!listed.count(id) || tiers[persistent]->contains(id)) continue;
+    for (size_t t = 0; t < persistent; ++t) {
+      if (is_memory_tier(tiers[t]->kind()) && tiers[t]->contains(id)) {
+        ++n;
+        break;
+      }
+    }
+  }
+  return n;
+}
+
 }  // namespace
+
+uint64_t DropLog::begin() {
+  std::lock_guard<std::mutex> lock(mu_);
+  recording_.fetch_add(1, std::memory_order_acq_rel);
+  return first_ + log_.size();
+}
+
+std::vector<BlockId> DropLog::since(uint64_t from) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<BlockId> out(log_.begin() + static_cast<ptrdiff_t>(from - first_), log_.end());
+  if (recording_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    first_ += log_.size();
+    std::vector<BlockId>().swap(log_);
+  }
+  return out;
+}
+
+void DropLog::note(const BlockId& id) {
+  if (recording_.load(std::memory_order_acquire) == 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (recording_.load(std::memory_order_relaxed) > 0) log_.push_back(id);
+}
 
 size_t persistent_tier_index(const std::vector<std::unique_ptr<Tier>>& tiers) {
   for (size_t t = 0; t < tiers.size(); ++t)
@@ -104,7 +149,7 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
                   ThreadPool* pool, DedupTable* dedup, const TierPut& put,
                   const AliasPut& put_alias, const WriteDownOptions& options) {
   Failures block_failures, alias_failures;
-  size_t blocks = 0, aliases = 0;
+  size_t blocks = 0, aliases = 0, dropped = 0;
   std::string below = persistent < tiers.size() ? tiers[persistent]->name() : "";
   if (persistent < tiers.size() && options.blocks) {
     // Top-down, so a block moving down between two memory tiers meanwhile
@@ -123,11 +168,14 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
       }
     }
     blocks = ids.size();
+    const uint64_t drops_from = options.drops ? options.drops->begin() : 0;
     pool->parallel_for(ids.size(), [&](size_t i) {
       Status st = write_one(tiers, persistent, ids[i], put, options.replaces_below,
                             options.may_replace_below, options.copies);
       if (!st.ok()) block_failures.add(st);
     });
+    if (options.drops)
+      dropped = dropped_again(tiers, persistent, seen, options.drops->since(drops_from));
   }
   if (persistent < tiers.size() && dedup && options.aliases) {
     Tier& p = *tiers[persistent];
@@ -157,9 +205,16 @@ Status write_down(const std::vector<std::unique_ptr<Tier>>& tiers, size_t persis
   // fails for what it could not write itself (removals), which the blocks'
   // failures would otherwise hide.
   Status st;
+  Status gone;
+  if (dropped)
+    gone = Status::NoSpace(std::to_string(dropped) + " of " + std::to_string(blocks) +
+                           " blocks written down were moved out of the " + below +
+                           " tier again to make room for others (it cannot hold them all): "
+                           "they are held in memory only");
   for (const Status& part :
        {block_failures.summary(blocks,
                                "blocks could not be written down to the " + below + " tier"),
+        gone,
         alias_failures.summary(aliases,
                                "dedup aliases could not be written to the " + below + " tier"),
         flushed}) {

@@ -12,9 +12,11 @@
 // tier, or were removed).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <vector>
 
@@ -42,6 +44,26 @@ using TierPut = std::function<Status(size_t t, const BlockId& id, const void* da
 // target left the tier.
 using AliasPut = std::function<Status(size_t t, const BlockId& alias, const BlockId& target)>;
 
+// The blocks the persistent tier dropped to make room (moved out with no
+// tier below), while at least one write-down records them: a write-down
+// learns which of the blocks it wrote were dropped again before it ended.
+// note() costs one atomic load while none records.
+class DropLog {
+ public:
+  // Starts recording; the position to pass to since().
+  uint64_t begin();
+  // The ids dropped since `from` (perhaps some twice), and ends this
+  // recording.
+  std::vector<BlockId> since(uint64_t from);
+  void note(const BlockId& id);
+
+ private:
+  std::atomic<int> recording_{0};
+  std::mutex mu_;
+  uint64_t first_ = 0;        // the position of log_[0]; guarded by mu_
+  std::vector<BlockId> log_;  // guarded by mu_
+};
+
 struct WriteDownOptions {
   bool blocks = true;   // copy memory-only blocks down (false: an ephemeral close)
   bool aliases = true;  // write unwritten dedup aliases whose block is down
@@ -58,6 +80,10 @@ struct WriteDownOptions {
   std::function<bool(const BlockId&)> may_replace_below;
   // Where set, each block's copy down is entered here while in flight.
   CopyRegistry* copies = nullptr;
+  // Where set, the persistent tier's drops are noted here: a block written
+  // down and then dropped again to make room, while a memory tier still
+  // holds it, is not durable, and the write-down fails with NoSpace.
+  DropLog* drops = nullptr;
 };
 
 // Writes down (see above) into tiers[persistent], items in parallel on
