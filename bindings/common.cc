@@ -1,6 +1,11 @@
 #include "common.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
 
 #include <nanobind/stl/string.h>
 
@@ -29,7 +34,54 @@ PyObject* make_exc(nb::module_& m, const char* name, PyObject* bases, const char
   return t;
 }
 
+// Threads in a ReleaseGil's destructor, between its look at g_exiting and
+// having the GIL back.
+std::atomic<int> g_taking_gil{0};
+std::atomic<bool> g_exiting{false};
+// The thread that ran at_exit(): the one that finalizes the interpreter,
+// which takes the GIL back as always. Set before g_exiting.
+std::thread::id g_exit_thread;
+
+std::vector<ThreadClaim*>& thread_claims() {
+  thread_local std::vector<ThreadClaim*> claims;
+  return claims;
+}
+
 }  // namespace
+
+void ThreadClaim::track() { thread_claims().push_back(this); }
+
+void ThreadClaim::untrack() {
+  auto& claims = thread_claims();
+  auto it = std::find(claims.rbegin(), claims.rend(), this);
+  if (it != claims.rend()) claims.erase(std::next(it).base());
+}
+
+ReleaseGil::~ReleaseGil() {
+  g_taking_gil.fetch_add(1);
+  if (g_exiting.load() && std::this_thread::get_id() != g_exit_thread) {
+    auto& claims = thread_claims();
+    while (!claims.empty()) {
+      ThreadClaim* c = claims.back();
+      claims.pop_back();
+      c->abandon();
+    }
+    g_taking_gil.fetch_sub(1);
+    for (;;) ::pause();  // the process is ending; nothing here may run on
+  }
+  PyEval_RestoreThread(state_);
+  g_taking_gil.fetch_sub(1);
+}
+
+void at_exit(int timeout_ms) {
+  g_exit_thread = std::this_thread::get_id();
+  g_exiting.store(true);
+  PyThreadState* state = PyEval_SaveThread();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (g_taking_gil.load() > 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  PyEval_RestoreThread(state);
+}
 
 void raise_status(const Status& status) { throw StatusError{status}; }
 

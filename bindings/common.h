@@ -30,6 +30,45 @@ struct StatusError {
   Status status;
 };
 
+// A call's claim on an object of the bindings (guarded.h) that a thread
+// which never runs on (ReleaseGil, at exit) gives up without returning.
+// Claims made on a thread are listed for it until they end.
+class ThreadClaim {
+ public:
+  virtual void abandon() = 0;
+
+ protected:
+  ThreadClaim() = default;
+  ~ThreadClaim() = default;
+  void track();
+  void untrack();
+};
+
+// Lets go of the GIL for a call that may block, as nb::gil_scoped_release
+// does, and takes it back at the end of the scope, unless the program is
+// exiting by then (at_exit() ran) and this is not the thread that exits: a
+// thread that waits for the GIL while the interpreter finalizes is ended
+// with pthread_exit, and that unwinding through this destructor (noexcept,
+// as every destructor) ends the whole process with std::terminate. Such a
+// thread (a daemon thread still in a store call as the program exits)
+// gives up its claims (ThreadClaim), so that a close() at exit does not
+// wait for them, and waits for the process to end.
+class ReleaseGil {
+ public:
+  ReleaseGil() : state_(PyEval_SaveThread()) {}
+  ~ReleaseGil();
+  ReleaseGil(const ReleaseGil&) = delete;
+  ReleaseGil& operator=(const ReleaseGil&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
+// Run at exit (atexit), with the GIL held: from now on, threads leaving a
+// ReleaseGil do not take the GIL back; those taking it back already are let
+// have it first (at most `timeout_ms`).
+void at_exit(int timeout_ms);
+
 // Raises the Python exception for a non-OK status (never returns).
 [[noreturn]] void raise_status(const Status& status);
 inline void check(const Status& status) {

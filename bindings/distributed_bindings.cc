@@ -50,7 +50,7 @@ void register_distributed(nb::module_& m) {
         }
         Result<std::unique_ptr<CascadeStore>> store = Status::OK();
         {
-          nb::gil_scoped_release release;  // collective: waits for the other ranks
+          ReleaseGil release;  // collective: waits for the other ranks
           store = OpenDistributed(config, options, c);
         }
         check(store.status());

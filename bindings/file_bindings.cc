@@ -62,7 +62,7 @@ void register_file(nb::module_& m) {
       [](const std::string& dir, bool verify) {
         Result<InspectReport> r = Status::OK();
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           r = inspect_directory(dir, verify);
         }
         check(r.status());
@@ -78,7 +78,7 @@ void register_file(nb::module_& m) {
       [](const std::string& dir, uint64_t bytes, uint64_t block_size, int threads) {
         Result<ProbeResult> r = Status::OK();
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           r = probe_direct_io(dir, bytes, block_size, threads);
         }
         check(r.status());

@@ -248,7 +248,7 @@ int bench_main(const std::vector<std::string>& args) {
   argv.push_back(nullptr);
   int rc;
   {
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     std::fflush(stdout);
     rc = gpu_bench_main(int(a.size()), argv.data());
     std::fflush(stdout);
@@ -263,7 +263,7 @@ nb::dict copy_bandwidth(uint64_t bytes, int device, int repeats) {
   double h2d = 0, d2h = 0;
   std::string err;
   {
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     void* host = nullptr;
     void* dev = nullptr;
     cudaStream_t s = nullptr;

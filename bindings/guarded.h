@@ -135,17 +135,24 @@ template <class T>
 class Guarded {
  public:
   // One call's claim on the object; the object lives at least as long.
-  class Use {
+  // Listed for its thread (ThreadClaim) where it was made, not where it
+  // was moved to (a lease's, which outlives its call).
+  class Use final : public ThreadClaim {
    public:
-    Use(Lifeline* life, T* obj) : life_(life), obj_(obj) {}
+    Use(Lifeline* life, T* obj) : life_(life), obj_(obj) { track(); }
     Use(Use&& o) noexcept : life_(std::exchange(o.life_, nullptr)), obj_(o.obj_), held_(o.held_) {}
     Use(const Use&) = delete;
     Use& operator=(const Use&) = delete;
     Use& operator=(Use&&) = delete;
     ~Use() {
+      untrack();
+      abandon();
+    }
+    void abandon() override {
       if (!life_) return;
       if (held_) life_->leave_held();
       else life_->leave();
+      life_ = nullptr;
     }
     // This use outlives its call, held by an object named `what` (a
     // literal): close() then raises BusyError instead of waiting for it.
@@ -174,7 +181,7 @@ class Guarded {
     }
     if (!obj_) return;
     if (PyGILState_Check()) {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       destroy_now();
     } else {
       destroy_now();
@@ -209,7 +216,7 @@ class Guarded {
     }
     Status st;
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       const Lifeline::Closing begun = life_.begin_close();
       if (begun == Lifeline::Closing::kClosed) return;
       if (begun == Lifeline::Closing::kHeld) {

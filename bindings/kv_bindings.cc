@@ -43,7 +43,7 @@ class PyLayeredLoad {
   std::vector<std::optional<std::string>> finish() {
     if (!done_) {
       {
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         statuses_ = load_->finish();
       }
       done_ = true;
@@ -56,7 +56,7 @@ class PyLayeredLoad {
   }
   ~PyLayeredLoad() {
     if (done_) return;
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     (void)load_->finish();
   }
 
@@ -118,7 +118,7 @@ class PyKvMover {
     o.cuda_stream = reinterpret_cast<void*>(stream);
     Result<std::unique_ptr<LayeredLoad>> load = Status::OK();
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       load = mover_->load_layers(blocks, ids, o);
     }
     check(load.status());
@@ -141,7 +141,7 @@ class PyKvMover {
     std::vector<Status> statuses;
     Result<size_t> n = Status::OK();
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       n = save ? mover_->save(blocks, ids, o, &statuses) : mover_->load(blocks, ids, o, &statuses);
     }
     check(n.status());

@@ -34,6 +34,10 @@ NB_MODULE(_core, m) {
   // using at the fork, with no thread left to drop them: at its exit they
   // are not leaks of the bindings, and nanobind is told not to report them.
   (void)::pthread_atfork(nullptr, nullptr, [] { nb::set_leak_warnings(false); });
+  // At exit, before the interpreter finalizes: threads finishing a call into
+  // the store take the GIL back while they still may (ReleaseGil).
+  m.def("_at_exit", [] { at_exit(1000); });
+  nb::module_::import_("atexit").attr("register")(m.attr("_at_exit"));
 
   nb::enum_<EvictionPolicy>(m, "EvictionPolicy")
       .value("LRU", EvictionPolicy::kLru)
@@ -109,7 +113,7 @@ NB_MODULE(_core, m) {
           throw nb::value_error("compute_block_id hashes host memory");
         BlockId id;
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           id = cascade::compute_block_id(buf.data(), buf.size());
         }
         return id.hex();
@@ -123,7 +127,7 @@ NB_MODULE(_core, m) {
       [](size_t bytes, int threads, int repeats) {
         MemcpyCeiling c;
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           c = measure_memcpy_ceiling(bytes, threads, repeats);
         }
         nb::dict d;
@@ -142,7 +146,7 @@ NB_MODULE(_core, m) {
         if (readers < 1 || readers > 256) check(Status::InvalidArgument("readers: 1 to 256"));
         FirstTouchCeiling c;
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           c = measure_first_touch_copy(dir, bytes, block, repeats, readers);
         }
         if (!c.error.empty()) check(Status::IOError(c.error));
@@ -162,7 +166,7 @@ NB_MODULE(_core, m) {
       [](uint64_t blocks, int threads, uint64_t lookups) {
         IndexProbeResult r;
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           r = measure_index_lookups(blocks, threads, lookups);
         }
         nb::dict d;
@@ -178,7 +182,7 @@ NB_MODULE(_core, m) {
       [](uint64_t count) {
         Result<RoundTrips> r = Status::OK();
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           r = socket_round_trips(count);
         }
         check(r.status());
@@ -194,7 +198,7 @@ NB_MODULE(_core, m) {
       [](const std::string& socket, const std::string& ns, uint64_t count) {
         Result<PoolRoundTrips> r = Status::OK();
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           r = pool_round_trips(socket, ns, count);
         }
         check(r.status());
@@ -215,7 +219,7 @@ NB_MODULE(_core, m) {
          int threads) {
         Result<double> r = 0.0;
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           r = pool_lookup_rate(socket, ns, batch, seconds, threads);
         }
         check(r.status());
@@ -241,7 +245,7 @@ NB_MODULE(_core, m) {
         o.batch_span = batch_span;
         Result<TransportProbeResult> r = Status::OK();
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           r = transport_probe(o);
         }
         check(r.status());
@@ -276,7 +280,7 @@ NB_MODULE(_core, m) {
         o.fabrics = fabrics;
         Result<std::unique_ptr<Transport>> t = Status::OK();
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           t = Transport::Open(o);
           if (t.ok()) t.value()->close();
         }

@@ -26,7 +26,7 @@ class PyPoolServer {
     o.workers = workers;
     Result<std::unique_ptr<PoolServer>> server = Status::OK();
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       server = PoolServer::Start(config, o);
     }
     check(server.status());
@@ -37,7 +37,7 @@ class PyPoolServer {
     auto use = server_.use();
     PoolServer::Stats s;
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       s = use->stats();
     }
     nb::dict d;
@@ -67,7 +67,7 @@ class PyPoolServer {
     auto use = server_.use();
     std::vector<PoolServer::ClientInfo> cs;
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       cs = use->clients();
     }
     nb::list out;
@@ -118,7 +118,7 @@ class PyPoolServer {
     auto use = server_.use();
     Result<ClusterNode*> cn = Status::OK();
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       cn = use->start_cluster(o);
     }
     check(cn.status());
@@ -150,7 +150,7 @@ class PyPoolServer {
     if (!cn) check(Status::Unavailable("this server is not a cluster member"));
     Status st;
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       st = cn->set_view(std::move(v));
     }
     check(st);
@@ -161,7 +161,7 @@ class PyPoolServer {
     auto use = server_.use();
     ClusterNode* cn = use->cluster();
     if (!cn) return true;
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     return cn->drain(timeout_ms);
   }
 
@@ -171,7 +171,7 @@ class PyPoolServer {
     if (!cn) return nb::none();
     ClusterStats s;
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       s = cn->stats();
     }
     nb::dict d;

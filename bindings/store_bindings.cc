@@ -95,7 +95,7 @@ class BatchHandle {
         new BatchArgs(std::move(args_));
         return;
       }
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       task_->wait();
     }
   }
@@ -107,7 +107,7 @@ class BatchHandle {
           "this batch belongs to the process this one was forked from, where it runs; it "
           "never ends here"));
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       task_->wait();
     }
     if (!gets_) return nb::int_(task_->succeeded());
@@ -136,7 +136,7 @@ class PyStore {
   explicit PyStore(const CascadeConfig& config) {
     Result<std::unique_ptr<CascadeStore>> s = Status::OK();
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       s = CascadeStore::Open(config);
     }
     check(s.status());
@@ -157,7 +157,7 @@ class PyStore {
     Status st;
     {
       auto s = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       st = s->put(id, buf.data(), buf.size(), o);
     }
     if (st.is(Code::kNoSpace)) return false;  // a cache may decline; stats count it
@@ -173,7 +173,7 @@ class PyStore {
       std::vector<uint8_t> tmp;
       {
         auto s = use();
-        nb::gil_scoped_release release;
+        ReleaseGil release;
         st = s->get(id, &tmp, &r);  // one walk through the tiers, one read
       }
       check(st);
@@ -183,7 +183,7 @@ class PyStore {
     BufferRef buf = BufferRef::writable(out, "out");
     {
       auto s = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       st = s->get(id, buf.data(), buf.size(), &r, buf.kind());
     }
     if (st.is(Code::kInvalidArgument) && r.found && r.size > buf.size())
@@ -201,7 +201,7 @@ class PyStore {
     Status st;
     {
       auto s = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       st = s->get_range(id, offset, buf.data(), buf.size(), &r);
     }
     check(st);
@@ -211,21 +211,21 @@ class PyStore {
   bool contains(nb::handle key) {
     BlockId id = parse_key(key);
     auto s = use();
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     return s->contains(id);
   }
 
   std::vector<bool> contains_batch(nb::handle keys) {
     BatchArgs args = batch_args(keys, nb::handle(), false);
     auto s = use();
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     return s->contains_batch(args.ids);
   }
 
   std::vector<int> locate_batch(nb::handle keys) {
     BatchArgs args = batch_args(keys, nb::handle(), false);
     auto s = use();
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     return s->locate_batch(args.ids);
   }
 
@@ -234,7 +234,7 @@ class PyStore {
     Status st;
     {
       auto s = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       st = s->remove(id);
     }
     if (st.is(Code::kNotFound)) return false;
@@ -252,7 +252,7 @@ class PyStore {
     size_t n;
     {
       auto s = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       n = s->put_batch(a.ids, a.spans, &statuses, o);
     }
     for (auto& st : statuses)  // space shortage is a per-item "not stored"; other failures raise
@@ -269,7 +269,7 @@ class PyStore {
     size_t n;
     {
       auto s = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       n = s->get_batch(a.ids, out, &results, &statuses, a.kind);
     }
     // A buffer too small for its block shows as a size above the buffer's
@@ -315,23 +315,27 @@ class PyStore {
     StoreStats st;
     {
       auto s = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       st = s->stats();
     }
     return stats_dict(st);
   }
 
   void clear() {
-    auto s = use();
-    nb::gil_scoped_release release;
-    s->clear();
+    Status st;
+    {
+      auto s = use();
+      ReleaseGil release;
+      st = s->clear();
+    }
+    check(st);
   }
 
   void flush() {
     Status st;
     {
       auto s = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       st = s->flush();
     }
     check(st);
@@ -452,7 +456,7 @@ void register_store(nb::module_& m) {
             {
               auto store = py.use();
               device = store->config().gpu_device_id;
-              nb::gil_scoped_release release;
+              ReleaseGil release;
               v = store->acquire(id);
             }
             check(v.status());

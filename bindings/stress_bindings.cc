@@ -50,7 +50,7 @@ void register_stress(nb::module_& m) {
         for (const auto& k : kinds) ks.push_back(parse_kind(k));
         Result<std::vector<stress::EnvCall>> trace = Status::OK();
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           trace = stress::trace_fault_workload(o);
         }
         check(trace.status());
@@ -76,7 +76,7 @@ void register_stress(nb::module_& m) {
           ps.push_back({parse_kind(kind), index, stress::EnvCall::kOpenRead});
         stress::FaultCampaignResult r;
         {
-          nb::gil_scoped_release release;
+          ReleaseGil release;
           r = stress::run_fault_points(o, ps);
         }
         nb::dict d;

@@ -42,7 +42,7 @@ class PyTierHandle {
   PyTierHandle(TierKind kind, const CascadeConfig& config, const std::string& what) : kind_(kind) {
     Result<std::unique_ptr<TierHandle>> h = Status::OK();
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       h = TierHandle::Open(kind, config);
     }
     if (kind == TierKind::kGpu && h.status().is(Code::kUnavailable)) {
@@ -71,7 +71,7 @@ class PyTierHandle {
     Status st;
     {
       auto h = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       st = h->put(id, buf.data(), buf.size(), o);
     }
     if (st.is(Code::kNoSpace)) return false;
@@ -89,7 +89,7 @@ class PyTierHandle {
     Status st;
     {
       auto h = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       st = h->get(id, buf.data(), buf.size(), &found, &size, buf.kind(), s);
     }
     if (st.is(Code::kInvalidArgument) && found && size > buf.size())
@@ -111,7 +111,7 @@ class PyTierHandle {
     std::vector<uint64_t> lens = a.sizes();
     {
       auto h = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       h->put_batch(a.ids, ptrs, lens, &statuses, o);
     }
     size_t stored = 0;
@@ -134,7 +134,7 @@ class PyTierHandle {
     std::vector<uint64_t> caps = a.sizes();
     {
       auto h = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       h->get_batch(a.ids, ptrs, caps, &found, &sizes, &statuses, a.kind, s);
     }
     size_t n = 0;
@@ -151,7 +151,7 @@ class PyTierHandle {
   bool contains(nb::handle key) {
     BlockId id = parse_key(key);
     auto h = use();
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     return h->contains(id);
   }
 
@@ -160,7 +160,7 @@ class PyTierHandle {
     Status st;
     {
       auto h = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       st = h->remove(id);
     }
     if (st.is(Code::kNotFound)) return false;
@@ -170,7 +170,7 @@ class PyTierHandle {
 
   void clear() {
     auto h = use();
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     h->clear();
   }
 
@@ -180,7 +180,7 @@ class PyTierHandle {
     Status st;
     {
       auto h = use();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       st = ((*h).*Fn)();
     }
     check(st);
@@ -192,7 +192,7 @@ class PyTierHandle {
     {
       auto h = use();
       device = h->device();
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       st = h->stats();
     }
     nb::dict d = tier_stats_dict(st);
@@ -230,7 +230,7 @@ nb::object acquire(nb::handle self, nb::handle key) {
   {
     auto h = t.use();
     device = h->device();
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     v = h->acquire(id);
   }
   check(v.status());

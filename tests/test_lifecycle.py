@@ -236,3 +236,65 @@ def test_close_waits_for_its_own_prefetch(make_config, tmp_path):
     with cascade.CascadeStore(make_config(pipeline="file", file_path=str(directory))) as reader:
         for i in (0, n - 1):
             assert reader.get(ids[i]) == data[i].tobytes()
+
+
+_EXIT_CHILD = textwrap.dedent(
+    r"""
+    import atexit, sys, threading, time
+    box = {}
+    if sys.argv[2] == "close-at-exit":
+        # Registered before cascade is imported: runs after cascade's own hook.
+        atexit.register(lambda: (box["s"].close(), print("closed at exit", flush=True)))
+    import numpy as np
+    import cascade
+    if sys.argv[1] == "local":
+        cfg = {"pipeline": "host", "shm_path": sys.argv[3], "shm_persist": False,
+               "shm_capacity_bytes": 64 << 20}
+    else:
+        cfg = {"pool_socket": sys.argv[1]}
+    cfg.update({"use_gpu": False, "num_io_threads": 2})
+    s = box["s"] = cascade.CascadeStore(cascade.config_from_dict(cfg))
+    keys = [f"k{i}" for i in range(32)]
+    data = [np.full(512 << 10, i, np.uint8) for i in range(32)]
+
+    def work():
+        while True:
+            s.put_batch(keys, data)
+            s.get_batch(keys, [np.empty(512 << 10, np.uint8) for _ in keys])
+
+    threading.Thread(target=work, daemon=True).start()
+    time.sleep(0.2)
+    """
+)
+
+
+@pytest.mark.parametrize("at_exit", ["leave-open", "close-at-exit"])
+def test_the_program_exits_cleanly_while_a_daemon_thread_is_in_store_calls(tmp_path, at_exit):
+    """A daemon thread inside a store call as the interpreter exits: taking
+    the GIL back while the interpreter finalizes would end the thread with
+    pthread_exit, whose unwinding through the bindings ended the process
+    (SIGABRT) in about one exit of four. It now waits for the process to
+    end, and a close() made at exit does not wait for it."""
+    from cascade import _core
+
+    pcfg = _core.CascadeConfig()
+    pcfg.pipeline = "host"
+    pcfg.use_gpu = False
+    pcfg.shm_capacity_bytes = 64 << 20
+    pcfg.shm_path = f"/dev/shm/cascade-test-exit-{os.getpid()}-{at_exit}"
+    srv = _core.PoolServer(pcfg, str(tmp_path / "pool.sock"))
+    try:
+        for i in range(8):
+            target = str(tmp_path / "pool.sock") if i % 2 else "local"
+            shm = f"/dev/shm/cascade-test-exit-child-{os.getpid()}-{i}"
+            r = subprocess.run(
+                [sys.executable, "-c", _EXIT_CHILD, target, at_exit, shm],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert r.returncode == 0, f"exit {i} ({target}): rc {r.returncode}: {r.stderr[-600:]}"
+            if at_exit == "close-at-exit":
+                assert "closed at exit" in r.stdout, r.stderr[-600:]
+    finally:
+        srv.close()

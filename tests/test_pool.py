@@ -297,15 +297,21 @@ def test_server_and_client_threads_carry_names(tmp_path):
         srv.close()
 
 
-def small_pool(tmp_path, file_path: str = "") -> tuple[_core.PoolServer, cascade.CascadeStore]:
+def small_pool(
+    tmp_path, file_path: str = "", file_capacity: int = 0
+) -> tuple[_core.PoolServer, cascade.CascadeStore]:
     """A server with an 8 MiB arena (and a file tier below it when file_path
-    is given) and one client of it, whose requests wait 2 s at most."""
+    is given, of file_capacity bytes) and one client of it, whose requests
+    wait 2 s at most."""
     cfg = _core.CascadeConfig()
     cfg.pipeline = "host|file" if file_path else "host"
     cfg.use_gpu = False
     cfg.shm_capacity_bytes = 8 << 20
     cfg.shm_path = f"/dev/shm/cascade-test-pool-{uuid.uuid4().hex[:12]}"
     cfg.file_path = file_path
+    if file_capacity:
+        cfg.file_capacity_bytes = file_capacity
+        cfg.segment_size_bytes = 1 << 20
     sock = str(tmp_path / "pool.sock")
     srv = _core.PoolServer(cfg, sock)
     client = cascade.CascadeStore(
@@ -413,6 +419,32 @@ def test_a_get_right_after_reading_a_full_arena_finds_a_block_kept_below(tmp_pat
         srv.close()
 
 
+def test_a_flush_the_file_tier_cannot_hold_says_so_and_is_owed_again(tmp_path):
+    """A client stored more than the server's file tier holds: writing its
+    blocks down, the tier moves earlier ones of them out again to make room.
+    The flush fails with NoSpaceError saying how many, rather than OK, and
+    the next flush owes them still; every block stays readable."""
+    srv, c = small_pool(tmp_path, file_path=str(tmp_path / "files"), file_capacity=3 << 20)
+    size = 256 << 10
+    try:
+        for i in range(24):  # 6 MiB: in the arena, twice what the file tier holds
+            assert c.put(f"k{i}", np.full(size, i, np.uint8))
+        for _ in range(2):
+            with pytest.raises(cascade.NoSpaceError, match="moved out of the file tier again"):
+                c.flush()
+        out = np.empty(size, np.uint8)
+        for i in range(24):
+            found, n = c.get(f"k{i}", out)
+            assert found and n == size and (out == i).all()
+        with pytest.raises(cascade.NoSpaceError):
+            c.close()  # its flush meets the same full tier
+        with pytest.raises(cascade.NoSpaceError):
+            srv.close()  # and so does the server's own write-down
+    finally:
+        c.close()
+        srv.close()
+
+
 def test_a_file_tier_below_a_pool_is_refused(tmp_path):
     """A pool client's blocks live in its server's arena, which the server
     writes down: a file tier of the client's below the pool took none of
@@ -423,6 +455,36 @@ def test_a_file_tier_below_a_pool_is_refused(tmp_path):
     ):
         with pytest.raises(cascade.InvalidArgumentError, match="file tier below a pool tier"):
             cascade.CascadeStore(cascade.config_from_dict({**fields, "use_gpu": False}))
+
+
+def test_options_a_pool_client_cannot_honour_are_refused(tmp_path):
+    """dedup_enabled made aliases of this process's alone: what it stored
+    under them was lost to every other client, and to itself reopened. A
+    pool_timeout_ms of 0 failed every request as a server that did not
+    answer."""
+    sock = str(tmp_path / "p.sock")
+    for fields, match in (
+        ({"dedup_enabled": True}, "dedup_enabled is not supported by a node pool's client"),
+        ({"pool_timeout_ms": 0}, "pool_timeout_ms is 0"),
+    ):
+        with pytest.raises(cascade.InvalidArgumentError, match=match):
+            cascade.CascadeStore(
+                cascade.config_from_dict({"pool_socket": sock, "use_gpu": False, **fields})
+            )
+
+
+def test_clear_on_a_pool_client_is_refused_and_drops_nothing(tmp_path):
+    """The pool's blocks are every client's: clear() raises rather than
+    answer as if it had dropped them."""
+    srv, c = small_pool(tmp_path)
+    try:
+        assert c.put("a", np.ones(4096, np.uint8))
+        with pytest.raises(cascade.NotSupportedError, match="node pool"):
+            c.clear()
+        assert c.contains("a")
+    finally:
+        c.close()
+        srv.close()
 
 
 def test_no_server_is_a_clear_error(tmp_path):

@@ -220,6 +220,28 @@ def test_namespaces_do_not_share_blocks(model, kv_store):
     assert others[1].lookup(a).usable_blocks == 0
 
 
+def test_a_model_configured_otherwise_under_one_name_does_not_share_blocks(model, kv_store):
+    """One name, one KV shape, but another RoPE base (as an override for a
+    longer context gives): its K differs, so its ids do. A field that cannot
+    change K and V (the attention implementation) keeps them."""
+    a = tokens(64, 11)
+    PrefixCache(model, kv_store, model_name="tiny-llama-cfg", block_size=BS).prefill(a)
+    other = copy.deepcopy(model)
+    rope = getattr(other.config, "rope_parameters", None)
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        other.config.rope_parameters = dict(rope, rope_theta=rope["rope_theta"] * 4)
+    else:
+        other.config.rope_theta = getattr(other.config, "rope_theta", 10000.0) * 4
+    pc = PrefixCache(other, kv_store, model_name="tiny-llama-cfg", block_size=BS)
+    assert pc.lookup(a).usable_blocks == 0
+    assert pc.prefill(a, save=False).cached_tokens == 0
+    same = copy.deepcopy(model)
+    same.config._attn_implementation = "eager"
+    same.config.use_cache = not same.config.use_cache
+    pc = PrefixCache(same, kv_store, model_name="tiny-llama-cfg", block_size=BS)
+    assert pc.lookup(a).usable_blocks == 4
+
+
 def test_hit_ratio_limits_the_loaded_prefix(model, kv_store):
     pc = PrefixCache(model, kv_store, model_name="tiny-llama-test", block_size=BS)
     a = tokens(160, 11)

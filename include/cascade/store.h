@@ -184,7 +184,9 @@ class CascadeStore {
 
   // Drops every block from every tier. Not written down: a persistent
   // tier's blocks (and dedup aliases) come back in a store opened later.
-  void clear();
+  // NotSupported, dropping nothing, where the pipeline has a pool tier: the
+  // pool's blocks are every client's.
+  Status clear();
 
   // Makes every block stored before the call durable in the persistent tier
   // (file), if the pipeline has one: blocks held only in the memory tiers

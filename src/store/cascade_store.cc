@@ -562,10 +562,16 @@ std::vector<TierKind> CascadeStore::pipeline() const {
   return out;
 }
 
-void CascadeStore::clear() {
-  CASCADE_LIVE_OR();
+Status CascadeStore::clear() {
+  CASCADE_LIVE_OR(closed_status());
+  for (auto& t : impl_->tiers)
+    if (t->kind() == TierKind::kPool)
+      return Status::NotSupported(
+          "clear() is not supported by a node pool's client: the pool's blocks are every "
+          "client's (remove ids instead, or restart the pool server without its arena)");
   for (auto& t : impl_->tiers) t->clear();
   if (impl_->dedup) impl_->dedup->clear();
+  return Status::OK();
 }
 
 Status CascadeStore::flush() {

@@ -96,6 +96,13 @@ Status CascadeConfig::validate() const {
         "a file tier below a pool tier is not supported: the pool's server owns the tiers below "
         "its arena (give it a file tier in its own configuration) and writes them down; leave "
         "file_path empty in a pool client's configuration");
+  // The pool's clients share its blocks; an alias table of one client's
+  // would name blocks the others (and this client, reopened) never find.
+  if (dedup_enabled && std::find(tiers->begin(), tiers->end(), TierKind::kPool) != tiers->end())
+    return Status::InvalidArgument(
+        "dedup_enabled is not supported by a node pool's client: its aliases would be this "
+        "process's alone, and what it stored under them lost to every other client and to "
+        "itself once reopened");
   for (TierKind t : *tiers) {
     if (t == TierKind::kHost || t == TierKind::kRemote) {
       if (shm_capacity_bytes == 0)
@@ -114,6 +121,10 @@ Status CascadeConfig::validate() const {
         return Status::InvalidArgument("the pipeline has a pool tier but pool_socket is empty");
       if (pool_channels < 0 || pool_channels > 64)
         return Status::InvalidArgument("pool_channels must be 0 (one per core) to 64");
+      if (pool_timeout_ms == 0)
+        return Status::InvalidArgument(
+            "pool_timeout_ms is 0: every request would fail before the server could answer it "
+            "(the default is 15000)");
       if (pool_namespace.size() > 256)
         return Status::InvalidArgument("pool_namespace is longer than 256 bytes");
     }

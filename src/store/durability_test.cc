@@ -1874,7 +1874,7 @@ TEST(DurabilityTest, ClearThenReopenBringsFlushedBlocksBack) {
   auto s = open_on(c, disk);
   put_blocks(s.get(), 0, 5, 4096);
   ASSERT_TRUE(s->flush().ok());
-  s->clear();
+  ASSERT_TRUE(s->clear().ok());
   EXPECT_EQ(count_intact(s.get(), 5, 4096), 0u);
   EXPECT_EQ(s->stats().logical_blocks, 0u);
   s.reset();

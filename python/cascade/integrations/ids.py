@@ -18,6 +18,7 @@ The exact byte encoding is in docs/formats.md ("Token block ids").
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,57 @@ _NO_PARENT = bytes(16)
 def _field(value: str) -> bytes:
     b = value.encode("utf-8")
     return struct.pack("<I", len(b)) + b
+
+
+# Fields of a model's configuration that do not change the K and V it
+# computes: where it was loaded from, bookkeeping, token ids, and what a
+# caller asks of a forward pass or of generation. The dtype is a field of
+# the namespace of its own (the one the cache holds, not the config's).
+_CONFIG_FIELDS_NOT_KV = frozenset(
+    {
+        "_name_or_path",
+        "name_or_path",
+        "transformers_version",
+        "_commit_hash",
+        "architectures",
+        "auto_map",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "_attn_implementation_internal",
+        "attn_implementation",
+        "id2label",
+        "label2id",
+        "task_specific_params",
+        "problem_type",
+        "finetuning_task",
+        "tokenizer_class",
+        "prefix",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+    }
+)
+
+
+def config_fingerprint(config: dict) -> str:
+    """A short digest of a model configuration (a transformers config's
+    ``to_dict()``): every field but those that cannot change the KV (above),
+    sub-configurations whole. Two processes whose configurations differ in
+    anything that may change K and V (RoPE parameters, layer count, heads,
+    head size, sliding windows...) get different digests, so blocks one
+    computed are never loaded by the other; a field that changes nothing
+    costs only misses."""
+    kept = {k: v for k, v in config.items() if k not in _CONFIG_FIELDS_NOT_KV}
+    blob = json.dumps(kept, sort_keys=True, default=repr, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def salt_of(*parts: tuple[str, str]) -> str:

@@ -594,9 +594,9 @@ class CascadeHiCacheStorage(_HiCacheStorage):
         return {"backend": counters, "store": self.store.get_stats()}
 
     def clear(self) -> bool:
-        """Drops every block of this rank's store (a node pool's blocks are every
-        client's: a pool client drops nothing). False when the store could not
-        (closed, its server gone): logged, not raised, as the other calls' errors."""
+        """Drops every block of this rank's store. False when the store could not
+        (a node pool's client, whose pool's blocks are every client's; closed;
+        its server gone): logged, not raised, as the other calls' errors."""
         try:
             self.store.clear()
         except cascade.CascadeError as e:

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from cascade.integrations.ids import KvNamespace, prefix_block_ids
+from cascade.integrations.ids import KvNamespace, config_fingerprint, prefix_block_ids
 from cascade.integrations.kv import (
     PagedKv,
     cached_prefix_length,
@@ -277,7 +277,9 @@ class PrefixCache:
 
     model_name: names the model in block ids; defaults to the config's
         name_or_path. Two different weights must never share a name (random
-        weights: put the seed in it). The KV shape is added to it.
+        weights: put the seed in it). The KV shape and a digest of the
+        model's configuration (every field that may change K and V, such as
+        RoPE parameters) are added to it.
     block_size: tokens per stored block (default 256, LMCache's chunk).
     tenant: optional salt; tenants never see each other's blocks.
     hit_ratio: use at most this fraction of each prompt from the store (the
@@ -335,6 +337,7 @@ class PrefixCache:
         g = self.geometry
         self.model_name = (
             f"{name}|layers={g.num_layers}|kv_heads={g.num_kv_heads}|head_dim={g.head_dim}"
+            f"|config={config_fingerprint(model.config.to_dict())}"
         )
         self.block_size = block_size
         self.hit_ratio = hit_ratio

@@ -69,7 +69,7 @@ from cascade.integrations.connector_lookup import (
     register_worker,
     unregister_worker,
 )
-from cascade.integrations.ids import KvNamespace, salt_of
+from cascade.integrations.ids import KvNamespace, config_fingerprint, salt_of
 from cascade.integrations.lookup_wire import remove_stale_service_dirs
 
 try:  # vLLM >= 0.30 names the tier of external hits
@@ -226,6 +226,29 @@ def _model_name(vllm_config: VllmConfig) -> str:
     return name
 
 
+def _kv_shape_tag(vllm_config: VllmConfig) -> str:
+    """What a block's bytes depend on besides the model's name: the model's
+    configuration as its overrides left it (a digest), and this engine's KV
+    geometry. Added to the name, also to a configured model_name: two engines
+    whose KV differs never share ids, whatever they are called."""
+    mc = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    parts = []
+    to_dict = getattr(getattr(mc, "hf_config", None), "to_dict", None)
+    if callable(to_dict):
+        parts.append(f"config={config_fingerprint(to_dict())}")
+    for name, ask in (
+        ("kv_heads", lambda: mc.get_num_kv_heads(parallel)),
+        ("head_size", lambda: mc.get_head_size()),
+        ("layers", lambda: mc.get_num_layers(parallel)),
+    ):
+        try:
+            parts.append(f"{name}={int(ask())}")
+        except (AttributeError, TypeError, ValueError, NotImplementedError):
+            continue  # a model config that cannot say: the digest covers it
+    return "".join("|" + p for p in parts)
+
+
 def _kv_dtype(vllm_config: VllmConfig) -> str:
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype != "auto":
@@ -275,7 +298,8 @@ class CascadeConnector(KVConnectorBase_V1):
         dp_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
         self.dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0) if dp_size > 1 else None
         self.engine_key = f"{ktc.engine_id}/dp{self.dp_rank or 0}"
-        model, dtype = self.config.model_name or _model_name(vllm_config), _kv_dtype(vllm_config)
+        model = (self.config.model_name or _model_name(vllm_config)) + _kv_shape_tag(vllm_config)
+        dtype = _kv_dtype(vllm_config)
         if self.kind == "mla":
             tp = int(parallel.tensor_parallel_size)
             if tp > 1 and not self.config.pool_socket and not self.config.use_lite:

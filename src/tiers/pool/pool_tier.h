@@ -26,7 +26,8 @@
 // from being evicted a little longer.
 //
 // The server chooses what to evict, so claim_victims() returns nothing, and
-// clear() drops nothing (the blocks are other processes' too). A server that
+// clear() drops nothing (the blocks are other processes' too; the store
+// refuses a clear() of a pipeline with a pool tier). A server that
 // dies or stops answering turns every call into Unavailable; the mapped
 // arena stays valid for views already held.
 //
