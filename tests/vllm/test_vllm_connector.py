@@ -163,6 +163,36 @@ def test_namespace_separation(engines, model_dir, tmp_path):
     same.run()
 
 
+def test_a_model_configured_otherwise_under_one_name_does_not_share_blocks(engines):
+    """One model_name, another RoPE base in the model's configuration (an
+    override): the K differs, so the ids do, as they do for another KV
+    geometry. An fp8 cache whose scales the engine computes keeps its blocks
+    to itself."""
+    eng = engines({"model_name": "shared-name"})
+    model = eng.connector.namespace.model
+    assert "|config=" in model and "|kv_heads=" in model and "|head_size=" in model
+    eng.add("a", PROMPT)
+    eng.run()
+    cfg = eng.vc
+    cfg.model_config.hf_config.rope_theta = (
+        getattr(cfg.model_config.hf_config, "rope_theta", 1e4) * 4
+    )
+    other = CascadeConnector(cfg, KVConnectorRole.SCHEDULER)
+    try:
+        assert other.namespace.model != model
+        assert other.namespace.digest != eng.connector.namespace.digest
+    finally:
+        other.shutdown()
+    cfg.cache_config.cache_dtype = "fp8"
+    cfg.cache_config.calculate_kv_scales = True
+    scaled = CascadeConnector(cfg, KVConnectorRole.SCHEDULER)
+    try:
+        engine = cfg.kv_transfer_config.engine_id
+        assert f"|kv_scales=computed:{engine}" in scaled.namespace.model
+    finally:
+        scaled.shutdown()
+
+
 def test_prefix_cache_reset_drops_earlier_blocks(engines):
     eng = engines()
     eng.add("a", PROMPT)

@@ -300,6 +300,17 @@ class CascadeConnector(KVConnectorBase_V1):
         self.engine_key = f"{ktc.engine_id}/dp{self.dp_rank or 0}"
         model = (self.config.model_name or _model_name(vllm_config)) + _kv_shape_tag(vllm_config)
         dtype = _kv_dtype(vllm_config)
+        if dtype.startswith("fp8") and getattr(
+            vllm_config.cache_config, "calculate_kv_scales", False
+        ):
+            # The scales come from this engine's first batches: another engine,
+            # or this one restarted, quantizes the same tokens with others.
+            model += f"|kv_scales=computed:{ktc.engine_id}"
+            logger.warning(
+                "CascadeConnector: calculate_kv_scales is on, so the fp8 KV cache's scales are "
+                "this engine's own: its blocks are kept apart from every other engine's and from "
+                "its next start's (scales from the checkpoint are shared)"
+            )
         if self.kind == "mla":
             tp = int(parallel.tensor_parallel_size)
             if tp > 1 and not self.config.pool_socket and not self.config.use_lite:
