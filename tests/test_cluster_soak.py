@@ -45,6 +45,7 @@ def test_soak_members_killed_and_restarted_while_clients_read_and_write(place): 
     stop = threading.Event()
     wrong: list[str] = []
     counts = {"puts": 0, "hits": 0, "misses": 0, "errors": 0, "kills": 0, "etcd_restarts": 0}
+    close_failures: list[str] = []
     slowest = [0.0]
     lock = threading.Lock()
 
@@ -79,7 +80,14 @@ def test_soak_members_killed_and_restarted_while_clients_read_and_write(place): 
                     counts[key] += 1
                     slowest[0] = max(slowest[0], dt)
         finally:
-            store.close()
+            try:
+                store.close()
+            except cascade.NoSpaceError as e:
+                # Blocks of 4 to 64 KiB fill its server's block table (a slot
+                # per 64 KiB of arena): those stored since then are not kept
+                # across a restart of the server, and the close says so.
+                if "no slot in the arena's block table" not in str(e):
+                    close_failures.append(repr(e))
 
     threads = [threading.Thread(target=worker, args=(k, nodes[k % 2][0].socket)) for k in range(4)]
     for t in threads:
@@ -114,6 +122,7 @@ def test_soak_members_killed_and_restarted_while_clients_read_and_write(place): 
     # Clients of live servers never fail and never wait on a dead member
     # past the deadlines of its calls (a lookup and a lease, each bounded).
     assert counts["errors"] == 0
+    assert not close_failures, close_failures
     assert slowest[0] < 4 * TIMEOUT_S + 2.0, slowest[0]
     for _, url in nodes[:2]:
         m = scrape(url)

@@ -74,6 +74,15 @@ def test_aliases_of_a_block_the_file_tier_evicted_while_held_above_survive_a_reo
     )
     shared = random_bytes(40_000, 7)
     names = [f"a{i}" for i in range(5)]
+
+    def flush(store):
+        # A round fills the file tier, whose room for the round's last blocks
+        # may be made by moving out its first ones again: said, not a failure.
+        try:
+            store.flush()
+        except cascade.NoSpaceError as e:
+            assert "moved out of the file tier again" in str(e), e
+
     with cascade.CascadeStore(cfg) as store:
         for k in names:
             assert store.put(k, shared)
@@ -82,7 +91,7 @@ def test_aliases_of_a_block_the_file_tier_evicted_while_held_above_survive_a_reo
             others = [f"b{r}-{i}" for i in range(60)]
             for i, k in enumerate(others):
                 assert store.put(k, random_bytes(40_000, 1000 * r + i))
-            store.flush()
+            flush(store)
             for k in others:
                 assert store.remove(k)
             store.flush()
