@@ -94,3 +94,29 @@ def test_bad_input_is_refused():
         prefix_block_ids(TOKENS, NS, parent="not-an-id")
     with pytest.raises(TypeError):
         prefix_block_ids(TOKENS, "llama")
+
+
+def test_a_config_fingerprint_is_the_same_in_every_process():
+    """Values json cannot write (objects, sets) are written without what
+    differs between processes: an object's address would give every process
+    ids of its own, and no block would ever be shared."""
+    import subprocess
+    import sys
+
+    code = (
+        "from cascade.integrations.ids import config_fingerprint\n"
+        "class Q:\n"
+        "    pass\n"
+        "class C:\n"
+        "    def to_dict(self):\n"
+        "        return {'bits': 4}\n"
+        "print(config_fingerprint({'rope_theta': 1e4, 'q': Q(), 'c': C(), 's': {'b', 'a'},"
+        " '_name_or_path': '/x'}))\n"
+    )
+    runs = {subprocess.check_output([sys.executable, "-c", code], text=True) for _ in range(2)}
+    assert len(runs) == 1, runs
+    from cascade.integrations.ids import config_fingerprint
+
+    base = {"rope_theta": 1e4, "num_hidden_layers": 2}
+    assert config_fingerprint(base) == config_fingerprint({**base, "_name_or_path": "/other"})
+    assert config_fingerprint(base) != config_fingerprint({**base, "rope_theta": 4e4})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -82,8 +83,21 @@ def config_fingerprint(config: dict) -> str:
     computed are never loaded by the other; a field that changes nothing
     costs only misses."""
     kept = {k: v for k, v in config.items() if k not in _CONFIG_FIELDS_NOT_KV}
-    blob = json.dumps(kept, sort_keys=True, default=repr, separators=(",", ":"))
+    blob = json.dumps(kept, sort_keys=True, default=_stable_value, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _stable_value(value):
+    """A value json cannot write, as the same text in every process: a
+    configuration object through its to_dict(), a set sorted, and anything
+    else by its str() without what differs between processes (an object's
+    address)."""
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=str)
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", str(value))
 
 
 def salt_of(*parts: tuple[str, str]) -> str:
