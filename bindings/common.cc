@@ -34,13 +34,24 @@ PyObject* make_exc(nb::module_& m, const char* name, PyObject* bases, const char
   return t;
 }
 
-// Threads in a ReleaseGil's destructor, between its look at g_exiting and
-// having the GIL back.
+// Threads in a ReleaseGil's destructor, between its look at the
+// interpreter and having the GIL back.
 std::atomic<int> g_taking_gil{0};
 std::atomic<bool> g_exiting{false};
 // The thread that ran at_exit(): the one that finalizes the interpreter,
 // which takes the GIL back as always. Set before g_exiting.
 std::thread::id g_exit_thread;
+// How long a thread leaving a call after the atexit hook looks for the
+// interpreter's finalizing before it takes the GIL back.
+constexpr int kExitGraceMs = 100;
+
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
 
 std::vector<ThreadClaim*>& thread_claims() {
   thread_local std::vector<ThreadClaim*> claims;
@@ -58,8 +69,14 @@ void ThreadClaim::untrack() {
 }
 
 ReleaseGil::~ReleaseGil() {
+  const bool exiting = g_exiting.load() && std::this_thread::get_id() != g_exit_thread;
+  // After the atexit hook the interpreter is about to finalize, unless a
+  // later atexit handler waits for this thread (joins it): a while first,
+  // to see the finalizing begin before waiting for the GIL, not during.
+  for (int i = 0; exiting && i < kExitGraceMs && !interpreter_finalizing(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   g_taking_gil.fetch_add(1);
-  if (g_exiting.load() && std::this_thread::get_id() != g_exit_thread) {
+  if (exiting && interpreter_finalizing()) {
     auto& claims = thread_claims();
     while (!claims.empty()) {
       ThreadClaim* c = claims.back();

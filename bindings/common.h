@@ -45,14 +45,16 @@ class ThreadClaim {
 };
 
 // Lets go of the GIL for a call that may block, as nb::gil_scoped_release
-// does, and takes it back at the end of the scope, unless the program is
-// exiting by then (at_exit() ran) and this is not the thread that exits: a
-// thread that waits for the GIL while the interpreter finalizes is ended
-// with pthread_exit, and that unwinding through this destructor (noexcept,
-// as every destructor) ends the whole process with std::terminate. Such a
-// thread (a daemon thread still in a store call as the program exits)
-// gives up its claims (ThreadClaim), so that a close() at exit does not
-// wait for them, and waits for the process to end.
+// does, and takes it back at the end of the scope, unless the interpreter
+// is finalizing by then (after the atexit handlers, at_exit() among them)
+// and this is not the thread that finalizes it: a thread that waits for the
+// GIL then is ended with pthread_exit, and that unwinding through this
+// destructor (noexcept, as every destructor) ends the whole process with
+// std::terminate. Such a thread (a daemon thread still in a store call as
+// the program exits) gives up its claims (ThreadClaim), so that a close()
+// during finalization does not wait for them, and waits for the process to
+// end. While atexit handlers run, threads take the GIL back as always (a
+// handler may join them).
 class ReleaseGil {
  public:
   ReleaseGil() : state_(PyEval_SaveThread()) {}
@@ -64,9 +66,10 @@ class ReleaseGil {
   PyThreadState* state_;
 };
 
-// Run at exit (atexit), with the GIL held: from now on, threads leaving a
-// ReleaseGil do not take the GIL back; those taking it back already are let
-// have it first (at most `timeout_ms`).
+// Run at exit (atexit), with the GIL held: notes the exiting thread, and
+// lets the threads taking the GIL back in a ReleaseGil have it first (at
+// most `timeout_ms`), so that fewer of them still wait for it when the
+// interpreter begins to finalize.
 void at_exit(int timeout_ms);
 
 // Raises the Python exception for a non-OK status (never returns).

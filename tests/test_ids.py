@@ -120,3 +120,12 @@ def test_a_config_fingerprint_is_the_same_in_every_process():
     base = {"rope_theta": 1e4, "num_hidden_layers": 2}
     assert config_fingerprint(base) == config_fingerprint({**base, "_name_or_path": "/other"})
     assert config_fingerprint(base) != config_fingerprint({**base, "rope_theta": 4e4})
+    # A sub-configuration's fields that cannot change K and V (its dtype, set
+    # when a multimodal model is loaded) count no more than the top level's.
+    nested = {**base, "text_config": {"num_hidden_layers": 2, "dtype": "float32"}}
+    assert config_fingerprint(nested) == config_fingerprint(
+        {**nested, "text_config": {"num_hidden_layers": 2, "dtype": "bfloat16"}}
+    )
+    assert config_fingerprint(nested) != config_fingerprint(
+        {**nested, "text_config": {"num_hidden_layers": 3, "dtype": "float32"}}
+    )

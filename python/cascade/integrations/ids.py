@@ -77,14 +77,24 @@ _CONFIG_FIELDS_NOT_KV = frozenset(
 def config_fingerprint(config: dict) -> str:
     """A short digest of a model configuration (a transformers config's
     ``to_dict()``): every field but those that cannot change the KV (above),
-    sub-configurations whole. Two processes whose configurations differ in
+    at every level (sub-configurations, such as a multimodal model's
+    ``text_config``, too). Two processes whose configurations differ in
     anything that may change K and V (RoPE parameters, layer count, heads,
     head size, sliding windows...) get different digests, so blocks one
     computed are never loaded by the other; a field that changes nothing
     costs only misses."""
-    kept = {k: v for k, v in config.items() if k not in _CONFIG_FIELDS_NOT_KV}
-    blob = json.dumps(kept, sort_keys=True, default=_stable_value, separators=(",", ":"))
+    blob = json.dumps(
+        _kv_fields(config), sort_keys=True, default=_stable_value, separators=(",", ":")
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _kv_fields(value):
+    if isinstance(value, dict):
+        return {k: _kv_fields(v) for k, v in value.items() if k not in _CONFIG_FIELDS_NOT_KV}
+    if isinstance(value, (list, tuple)):
+        return [_kv_fields(v) for v in value]
+    return value
 
 
 def _stable_value(value):
