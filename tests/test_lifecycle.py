@@ -300,12 +300,17 @@ def test_the_program_exits_cleanly_while_a_daemon_thread_is_in_store_calls(tmp_p
         for i in range(8):
             target = str(tmp_path / "pool.sock") if i % 2 else "local"
             shm = f"/dev/shm/cascade-test-exit-child-{os.getpid()}-{i}"
-            r = subprocess.run(
-                [sys.executable, "-c", _EXIT_CHILD, target, at_exit, shm],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            try:
+                r = subprocess.run(
+                    [sys.executable, "-c", _EXIT_CHILD, target, at_exit, shm],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+            finally:
+                # A store left open at exit leaves its arena behind.
+                if os.path.exists(shm):
+                    os.unlink(shm)
             assert r.returncode == 0, f"exit {i} ({target}): rc {r.returncode}: {r.stderr[-600:]}"
             if at_exit != "leave-open":
                 assert "closed at exit" in r.stdout, r.stderr[-600:]
