@@ -518,6 +518,17 @@ def test_contains_batch_asks_the_pool_once_per_batch(server):
     other.close()
 
 
+def test_a_range_past_the_end_of_an_empty_block_is_an_error_not_a_miss(server):
+    srv, sock = server
+    client = cascade.CascadeStore(cascade.config_from_dict({"pool_socket": sock, "use_gpu": False}))
+    client.put("empty", b"")
+    out = np.zeros(8, np.uint8)
+    assert client.get_range("empty", 0, out) == (True, 0)
+    with pytest.raises(ValueError, match="offset"):
+        client.get_range("empty", 1, out)
+    client.close()
+
+
 # A process whose store holds leases forks a child that starts a thread of
 # its own, tries a put, drops every inherited lease (more than one batch of
 # releases), closes the store and exits as Python exits. Prints the child's

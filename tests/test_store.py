@@ -114,6 +114,10 @@ def test_get_range(store):
     assert store.get_range("missing", 0, out) == (False, 0)
     with pytest.raises(ValueError):
         store.get_range("r", 100_001, out)
+    store.put("empty", b"")
+    assert store.get_range("empty", 0, out) == (True, 0)
+    with pytest.raises(ValueError, match="offset"):  # past the end: not a miss
+        store.get_range("empty", 1, out)
 
 
 def test_remove(store):

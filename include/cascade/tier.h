@@ -66,6 +66,10 @@ struct ReadRequest {
 };
 
 struct ReadResult {
+  // The tier holds the block, and block_size is its size (an empty block's
+  // 0 included): set whenever the tier found it, whether or not the request
+  // fitted it and the copy succeeded (block_found in tier_handle.h).
+  bool found = false;
   uint64_t block_size = 0;  // size of the block (set on a hit, also when out is too small)
   uint64_t copied = 0;      // bytes written to out
   bool is_prefix = false;

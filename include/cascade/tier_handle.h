@@ -48,7 +48,7 @@ namespace cascade {
 // copy the driver refused, say), and that is an error with found false.
 inline bool block_found(const Status& st, const ReadRequest& rq, const ReadResult& r) {
   if (st.ok()) return true;
-  if (!st.is(Code::kInvalidArgument) || r.block_size == 0) return false;
+  if (!st.is(Code::kInvalidArgument) || !r.found) return false;
   uint64_t from = 0, n = 0;
   return !rq.span(r.block_size, &from, &n).ok();
 }

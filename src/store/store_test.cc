@@ -158,6 +158,26 @@ TEST(StoreTest, GetRangeReadsPart) {
   EXPECT_TRUE(store->get_range(id, 100001, out.data(), out.size(), &r).is(Code::kInvalidArgument));
 }
 
+// An empty block is found like any other: a range past its end is an
+// error with found set, in every tier (here host and file), not a miss.
+TEST(StoreTest, ARangePastTheEndOfAnEmptyBlockIsAnErrorNotAMiss) {
+  for (const std::string pipeline : {"host", "file"}) {
+    SCOPED_TRACE(pipeline);
+    auto store = open(with_file_tier(1 << 20, pipeline, "emptyrange-" + pipeline));
+    const BlockId id = compute_block_id("empty range", 11);
+    ASSERT_TRUE(store->put(id, nullptr, 0).ok());
+    uint8_t out[8] = {};
+    GetResult r;
+    ASSERT_TRUE(store->get_range(id, 0, out, sizeof out, &r).ok());
+    EXPECT_TRUE(r.found);
+    EXPECT_EQ(r.copied, 0u);
+    r = GetResult{};
+    EXPECT_TRUE(store->get_range(id, 1, out, sizeof out, &r).is(Code::kInvalidArgument));
+    EXPECT_TRUE(r.found);
+    EXPECT_EQ(r.size, 0u);
+  }
+}
+
 TEST(StoreTest, MissIsNotAnError) {
   auto store = open(host_config(16 << 20));
   uint8_t buf[16];

@@ -119,6 +119,7 @@ TEST_P(TierHandleFoundTest, HitMissAndTooSmall) {
 TEST(BlockFoundTest, InvalidArgumentIsFoundOnlyWhereTheRequestDoesNotFit) {
   std::vector<uint8_t> out(4096);
   ReadResult r;
+  r.found = true;
   r.block_size = 4096;
   ReadRequest fits;
   fits.out = out.data();
@@ -131,8 +132,16 @@ TEST(BlockFoundTest, InvalidArgumentIsFoundOnlyWhereTheRequestDoesNotFit) {
   EXPECT_FALSE(block_found(refused, fits, r));
   EXPECT_FALSE(block_found(Status::NotFound("miss"), small, r));
   EXPECT_FALSE(block_found(Status::IOError("disk"), small, r));
-  r.block_size = 0;
+  r.found = false;
   EXPECT_FALSE(block_found(refused, small, r));
+  // An empty block is found like any other: a range past its end does not
+  // fit it.
+  r.found = true;
+  r.block_size = 0;
+  ReadRequest past_end = fits;
+  past_end.whole = false;
+  past_end.offset = 1;
+  EXPECT_TRUE(block_found(Status::InvalidArgument("offset past the end"), past_end, r));
 }
 
 // A read that fails for another reason (here: a device destination where

@@ -172,6 +172,7 @@ std::optional<BlockIndex::Lease> ArenaTier::lease_counted(const BlockId& id) {
 Status ArenaTier::read(const BlockId& id, const ReadRequest& req, ReadResult* result) {
   auto lease = lease_counted(id);
   if (!lease) return not_found();
+  result->found = true;
   result->block_size = lease->loc.size;
   result->is_prefix = lease->is_prefix;
   result->copied = 0;

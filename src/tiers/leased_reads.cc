@@ -45,6 +45,7 @@ uint64_t read_leased_in_parts(MemoryKind src_kind, std::span<const ReadRequest> 
     lease(begin, end, blocks);
     for (size_t i = begin; i < end; ++i) {
       if (!statuses[i].ok()) continue;
+      results[i].found = true;
       results[i].block_size = blocks[i].size;
       results[i].copied = 0;
       uint64_t from = 0, len = 0;

@@ -83,6 +83,7 @@ bool FileTier::plan_read(const BlockId& id, const ReadRequest& req, ReadResult* 
     return false;
   }
   const uint64_t size = lease->loc.size;
+  result->found = true;
   result->block_size = size;
   result->is_prefix = lease->is_prefix;
   result->copied = 0;

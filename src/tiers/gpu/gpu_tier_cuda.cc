@@ -117,6 +117,7 @@ class ArenaGpuTier final : public GpuTier {
             continue;
           }
           const Location& loc = lease->loc;
+          results[i].found = true;
           results[i].block_size = loc.size;
           results[i].is_prefix = lease->is_prefix;
           uint64_t from = 0, count = 0;

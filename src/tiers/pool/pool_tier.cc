@@ -1210,6 +1210,7 @@ void PoolTier::copy_leased(const ReadBatch& b, ReadPart* part, size_t k) {
   if (!b.statuses[i].ok()) return;
   const Leased& g = part->got[k];
   const ReadRequest& req = b.reqs[i];
+  b.results[i].found = true;
   b.results[i].block_size = g.lease.size;
   uint64_t from = 0, count = 0;
   Status st = req.span(g.lease.size, &from, &count);

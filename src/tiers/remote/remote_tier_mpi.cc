@@ -444,6 +444,7 @@ Status RemoteTier::read_unlocked(const BlockId& id, const ReadRequest& req, Read
       continue;
     }
     if (f.outcome != Outcome::kFound) break;
+    result->found = true;
     result->block_size = f.size;
     result->is_prefix = (f.flags & kItemPrefix) != 0;
     result->copied = 0;
@@ -547,6 +548,7 @@ void RemoteTier::read_batch(std::span<const BlockId> ids, std::span<const ReadRe
   pool_->parallel_for(copies.size(), [&](size_t k) {
     const Copy& c = copies[k];
     ReadResult& rr = results[c.index];
+    rr.found = true;
     rr.block_size = c.found.size;
     rr.is_prefix = (c.found.flags & kItemPrefix) != 0;
     rr.copied = 0;
