@@ -316,6 +316,9 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what,
                                   .c_str());
       }
     }
+    // Why the producer's plain export refused, when it did: said when
+    // nanobind's import fails too (a released lease, say).
+    std::string producer_refused;
     if (!src.is_valid()) {
       // The producer's own export: DLPack 1.0 first, whose flags say
       // read-only (an older producer refuses the argument, or a read-only
@@ -339,6 +342,7 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what,
           // imported as before, its conjugate and negative bits checked
           // above. A tensor torch keeps from in-place writes is no
           // destination.
+          producer_refused = nb::str(e.value()).c_str();
           if (writable && nb::hasattr(obj, "requires_grad") &&
               PyObject_IsTrue(obj.attr("requires_grad").ptr()) == 1)
             throw nb::value_error((w + " requires grad: torch allows no write into it in "
@@ -378,8 +382,10 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what,
       if (!nb::try_cast(src, arr, false)) {
         // A capsule is consumed by its first import: a read-only one is told
         // apart by its own flag, not by a second import.
-        throw nb::type_error((w + ": could not import it through DLPack for writing (a "
-                                  "read-only tensor, such as a lease's view, or not a tensor)")
+        throw nb::type_error((w +
+                              ": could not import it through DLPack for writing (a "
+                              "read-only tensor, such as a lease's view, or not a tensor)" +
+                              (producer_refused.empty() ? "" : ": " + producer_refused))
                                  .c_str());
       }
       take(arr);
@@ -387,7 +393,9 @@ BufferRef BufferRef::make(nb::handle obj, bool writable, const char* what,
     } else {
       nb::ndarray<nb::ro> arr;
       if (!nb::try_cast(src, arr, false)) {
-        throw nb::type_error((w + ": could not import it through DLPack").c_str());
+        throw nb::type_error((w + ": could not import it through DLPack" +
+                              (producer_refused.empty() ? "" : ": " + producer_refused))
+                                 .c_str());
       }
       take(arr);
       ref.held_ro_ = std::move(arr);

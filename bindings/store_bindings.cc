@@ -427,10 +427,11 @@ void register_store(nb::module_& m) {
       .def("remove", &PyStore::remove, "block_id"_a,
            "Removes the block; False when it was not stored. Raises when no tier had it but one "
            "could not say (UnavailableError: a node pool server gone).")
-      .def(
-          "put_batch", &PyStore::put_batch, "block_ids"_a, "data_list"_a, "is_prefix"_a = false,
-          "Stores many blocks in parallel; returns how many are stored. data_list is a sequence of "
-          "buffers, or one contiguous buffer with one row per block.")
+      .def("put_batch", &PyStore::put_batch, "block_ids"_a, "data_list"_a, "is_prefix"_a = false,
+           "Stores many blocks in parallel; returns how many were stored (accepted: as after put, "
+           "a later block of the same batch or another writer may already have moved one out to "
+           "make room). data_list is a sequence of buffers, or one contiguous buffer with one row "
+           "per block.")
       .def("get_batch", &PyStore::get_batch, "block_ids"_a, "out_list"_a,
            "Reads many blocks in parallel; returns (count_found, sizes) with size 0 for a miss and "
            "a size above its buffer's for a buffer too small (that item not read). out_list is a "

@@ -251,6 +251,20 @@ def test_get_batch_into_a_destination_the_store_refuses_raises(store):
     assert n == 0 and sizes == [100]
 
 
+def test_a_released_lease_as_a_buffer_says_it_was_released(store):
+    """A lease released, passed as data or as a destination: the error says
+    why its export failed, not only that it failed."""
+    store.put("a", np.arange(100, dtype=np.uint8))
+    lease = store.acquire("a")
+    assert store.put("copy", lease)  # a live lease is a buffer like any other
+    lease.release()
+    with pytest.raises(TypeError, match="data: .*the lease was released"):
+        store.put("b", lease)
+    with pytest.raises(TypeError, match="out: .*the lease was released"):
+        store.get("a", lease)
+    assert store.get("copy") == bytes(range(100))
+
+
 @pytest.mark.parametrize(
     "name", ["num_io_threads", "index_shards", "pool_channels", "shm_table_slots"]
 )

@@ -87,6 +87,20 @@ def test_wrong_value_type():
         cascade.load_config({"num_io_threads": "many"})
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "range_"),
+    [
+        ("pool_timeout_ms", -5, "from 0 to 4294967295"),
+        ("pool_timeout_ms", 2**33, "from 0 to 4294967295"),
+        ("num_io_threads", 2**40, "from -2147483648 to 2147483647"),
+    ],
+)
+def test_an_integer_out_of_its_fields_range_says_the_range(name, value, range_):
+    # An int refused for its range is not a wrong type: the error gives the range.
+    with pytest.raises(ValueError, match=f"{name}: expected an integer {range_}, got {value}"):
+        cascade.config_from_dict({name: value})
+
+
 def _documented_pipeline_names():
     """{tier: [aliases]} from the pipeline row of docs/configuration.md."""
     doc = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"

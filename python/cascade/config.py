@@ -179,11 +179,32 @@ def config_from_dict(
         try:
             setattr(cfg, name, value)
         except TypeError as e:
-            cur = getattr(CascadeConfig(), name)
-            raise ValueError(
-                f"{name}: expected {type(cur).__name__}, got {short_repr(value)}"
-            ) from e
+            raise ValueError(f"{name}: {_expected(name, value)}, got {short_repr(value)}") from e
     return cfg
+
+
+def _expected(name: str, value: Any) -> str:
+    """What field `name` takes, for an error about `value` it refused."""
+    cur = getattr(CascadeConfig(), name)
+    if not isinstance(cur, int) or isinstance(cur, bool) or not isinstance(value, int):
+        return f"expected {type(cur).__name__}"
+    # An integer out of the field's range: find the range by trying its ends.
+    probe = CascadeConfig()
+
+    def takes(v: int) -> bool:
+        try:
+            setattr(probe, name, v)
+            return True
+        except TypeError:
+            return False
+
+    bits = 64 if takes(2**63 - 1) else 32
+    if takes(-1):
+        lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    else:
+        bits = 64 if takes(2**64 - 1) else 32
+        lo, hi = 0, 2**bits - 1
+    return f"expected an integer from {lo} to {hi}"
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any] | CascadeConfig) -> CascadeConfig:
