@@ -1,6 +1,8 @@
 #include "os/ipc.h"
 
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -276,6 +278,81 @@ void remove_socket_file(const SocketFile& f) {
   if (f.path.empty() || ::lstat(f.path.c_str(), &st) != 0) return;
   if (S_ISSOCK(st.st_mode) && st.st_dev == f.device && st.st_ino == f.inode)
     ::unlink(f.path.c_str());
+}
+
+Result<SocketPathLock> SocketPathLock::Acquire(const std::string& socket_path) {
+  const std::string path = socket_path + ".lock";
+  // A holder that releases removes the file after this process opened it
+  // and before it locked it: the lock is then on a file no longer at path,
+  // and is taken again on the file that is.
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0600);
+    if (fd < 0) {
+      if (errno == ELOOP)
+        return Status::InvalidArgument("lock path '" + path +
+                                       "' is a symbolic link; it was left untouched");
+      return errno_status(errno, "open " + path);
+    }
+    struct stat held;
+    if (::fstat(fd, &held) != 0) {
+      Status st = errno_status(errno, "stat " + path);
+      ::close(fd);
+      return st;
+    }
+    if (!S_ISREG(held.st_mode) || held.st_uid != ::geteuid()) {
+      ::close(fd);
+      return Status::InvalidArgument("lock path '" + path + "' " +
+                                     (S_ISREG(held.st_mode)
+                                          ? "belongs to uid " + std::to_string(held.st_uid)
+                                          : std::string("is not a regular file")) +
+                                     "; it was left untouched");
+    }
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      ::close(fd);
+      if (err == EWOULDBLOCK)
+        return Status::Busy("another server is starting or running on '" + socket_path +
+                            "' (it holds '" + path + "')");
+      return errno_status(err, "lock " + path);
+    }
+    struct stat now;
+    if (::lstat(path.c_str(), &now) == 0 && now.st_dev == held.st_dev &&
+        now.st_ino == held.st_ino) {
+      SocketPathLock lock;
+      lock.fd_ = fd;
+      lock.path_ = path;
+      return lock;
+    }
+    ::close(fd);
+  }
+  return Status::Busy("the lock '" + path + "' kept being replaced while taking it");
+}
+
+SocketPathLock::SocketPathLock(SocketPathLock&& o) noexcept
+    : fd_(o.fd_), path_(std::move(o.path_)) {
+  o.fd_ = -1;
+}
+
+SocketPathLock& SocketPathLock::operator=(SocketPathLock&& o) noexcept {
+  if (this != &o) {
+    release();
+    fd_ = o.fd_;
+    path_ = std::move(o.path_);
+    o.fd_ = -1;
+  }
+  return *this;
+}
+
+SocketPathLock::~SocketPathLock() { release(); }
+
+void SocketPathLock::release() {
+  if (fd_ < 0) return;
+  struct stat held, now;
+  if (::fstat(fd_, &held) == 0 && ::lstat(path_.c_str(), &now) == 0 && held.st_dev == now.st_dev &&
+      held.st_ino == now.st_ino)
+    ::unlink(path_.c_str());
+  ::close(fd_);
+  fd_ = -1;
 }
 
 Status refuse_if_listening(const std::string& path) {

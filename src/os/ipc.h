@@ -73,6 +73,30 @@ Result<SocketFile> socket_file(const std::string& path);
 // server that shuts down never removes the socket of another that took the
 // path since.
 void remove_socket_file(const SocketFile& f);
+// The one process that may take a socket path, for as long as the object
+// lives: an exclusive lock on the file `socket_path + ".lock"` beside it
+// (created owner-only, never through a link; removed when released). Two
+// servers starting at once on one path would otherwise both find no
+// listener, and the second would replace the first's socket with its own.
+// Busy while another process holds it; InvalidArgument when the lock path
+// is not a regular file or belongs to another user (left untouched).
+class SocketPathLock {
+ public:
+  static Result<SocketPathLock> Acquire(const std::string& socket_path);
+  SocketPathLock() = default;
+  SocketPathLock(SocketPathLock&& o) noexcept;
+  SocketPathLock& operator=(SocketPathLock&& o) noexcept;
+  SocketPathLock(const SocketPathLock&) = delete;
+  SocketPathLock& operator=(const SocketPathLock&) = delete;
+  ~SocketPathLock();
+  void release();  // removes the lock file (while it is still this one), unlocks
+  const std::string& path() const { return path_; }
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+};
+
 // timeout_ms >= 0: a connect that waits longer (the server's listen queue
 // is full) gives up with Unavailable.
 Result<int> connect_unix(const std::string& path, int64_t timeout_ms = -1);

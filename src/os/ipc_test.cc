@@ -2,7 +2,9 @@
 // root, this user and that server's user could have made the directories
 // on the way to its socket.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -122,6 +124,62 @@ TEST(SocketOwnerTest, AnOperatorsServiceDirectoryIsTrustedAndLinksAreFollowedBot
   ASSERT_EQ(::symlink(service.c_str(), good_link.c_str()), 0);
   st = check_socket_owner(kServer, good_link + "/pool.sock");
   EXPECT_TRUE(st.ok()) << st.ToString();
+}
+
+// One holder of a socket path at a time: a second lock, in this process or
+// another, is Busy until the first is released, which removes the file.
+TEST(SocketPathLockTest, ASecondHolderIsBusyUntilTheFirstReleases) {
+  ScratchDir dir("/tmp");
+  ASSERT_FALSE(dir.path().empty());
+  const std::string sock = dir.path() + "/pool.sock";
+  auto first = SocketPathLock::Acquire(sock);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_EQ(first->path(), sock + ".lock");
+  struct stat st;
+  ASSERT_EQ(::lstat((sock + ".lock").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  auto second = SocketPathLock::Acquire(sock);
+  ASSERT_TRUE(second.status().is(Code::kBusy)) << second.status().ToString();
+  EXPECT_NE(second.status().message().find("another server"), std::string::npos);
+  pid_t pid = ::fork();
+  if (pid == 0) ::_exit(SocketPathLock::Acquire(sock).status().is(Code::kBusy) ? 0 : 1);
+  int wst = 0;
+  ASSERT_EQ(::waitpid(pid, &wst, 0), pid);
+  EXPECT_TRUE(WIFEXITED(wst) && WEXITSTATUS(wst) == 0);
+  first->release();
+  EXPECT_NE(::lstat((sock + ".lock").c_str(), &st), 0);
+  EXPECT_TRUE(SocketPathLock::Acquire(sock).ok());
+}
+
+// A holder killed leaves its file unlocked: the next takes it. A link or
+// something that is no regular file at the lock's path is left alone.
+TEST(SocketPathLockTest, AKilledHoldersFileIsTakenALinkOrFifoIsRefused) {
+  ScratchDir dir("/tmp");
+  ASSERT_FALSE(dir.path().empty());
+  const std::string sock = dir.path() + "/pool.sock";
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    auto held = SocketPathLock::Acquire(sock);
+    ::kill(::getpid(), SIGKILL);
+  }
+  ASSERT_EQ(::waitpid(pid, nullptr, 0), pid);
+  struct stat st;
+  ASSERT_EQ(::lstat((sock + ".lock").c_str(), &st), 0);  // left by the killed holder
+  EXPECT_TRUE(SocketPathLock::Acquire(sock).ok());
+
+  const std::string target = dir.path() + "/target";
+  const std::string linked = dir.path() + "/linked.sock";
+  ASSERT_EQ(::symlink(target.c_str(), (linked + ".lock").c_str()), 0);
+  auto l = SocketPathLock::Acquire(linked);
+  EXPECT_TRUE(l.status().is(Code::kInvalidArgument)) << l.status().ToString();
+  EXPECT_NE(::lstat(target.c_str(), &st), 0);  // nothing made through the link
+
+  const std::string fifo = dir.path() + "/fifo.sock";
+  ASSERT_EQ(::mkfifo((fifo + ".lock").c_str(), 0600), 0);
+  auto f = SocketPathLock::Acquire(fifo);
+  EXPECT_TRUE(f.status().is(Code::kInvalidArgument)) << f.status().ToString();
+  ASSERT_EQ(::lstat((fifo + ".lock").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
 }
 
 }  // namespace

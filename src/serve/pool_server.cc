@@ -220,8 +220,9 @@ class PoolServer::Impl {
   bool persistent_below = false;
   bool tracks_unflushed = false;  // clients' commits are listed for their flushes
   int listen_fd = -1;
-  SocketFile socket_file;  // what listen_fd was bound to, removed at close if still there
-  int wake_fd = -1;        // eventfd: the monitor re-reads its list or stops
+  SocketFile socket_file;      // what listen_fd was bound to, removed at close if still there
+  SocketPathLock socket_lock;  // held from start to close
+  int wake_fd = -1;            // eventfd: the monitor re-reads its list or stops
   std::atomic<bool> stopping{false};
   std::thread monitor;
   std::thread reaper;
@@ -373,7 +374,13 @@ Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& confi
   // arena is opened (in a container, a lock on the arena whose holder this
   // pid namespace cannot see looks like a dead one's).
   CASCADE_RETURN_IF_ERROR(refuse_if_listening(options.socket_path));
+  // From here to close this server alone may take the path: another
+  // starting beside it is refused, not left listening on a socket file this
+  // one replaced.
+  auto socket_lock = SocketPathLock::Acquire(options.socket_path);
+  if (!socket_lock.ok()) return socket_lock.status();
   auto impl = std::make_unique<Impl>();
+  impl->socket_lock = std::move(socket_lock.value());
   impl->options = options;
   auto t0 = std::chrono::steady_clock::now();
   auto store = CascadeStore::Open(config);
@@ -494,6 +501,7 @@ Status PoolServer::close() {
     ::close(s.listen_fd);
     remove_socket_file(s.socket_file);
   }
+  s.socket_lock.release();
   if (s.wake_fd >= 0) ::close(s.wake_fd);
   // Other members' leases and reservations end before the store closes.
   {

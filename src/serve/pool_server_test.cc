@@ -2233,6 +2233,90 @@ TEST(PoolServerTest, StartRefusesAPipelineWithoutAHostTierAndABusySocket) {
   EXPECT_TRUE(PoolServer::Start(c, o).status().is(Code::kNotSupported));
 }
 
+// Servers starting at once on one path, a stale socket there: the one that
+// takes the path's lock listens, the others are refused (before, one could
+// replace the other's socket file between its check and its bind, leaving
+// that one listening on a file no longer there), and a client reaches the
+// one that started. The lock is gone once it closes.
+TEST(PoolServerTest, ServersStartingAtOnceOnOnePathLeaveOneListening) {
+  const std::string sock = "/tmp/" + unique("cascade-pool-test-race-") + ".sock";
+  for (int round = 0; round < 6; ++round) {
+    SCOPED_TRACE(round);
+    {  // a socket left by a server that died
+      int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+      sockaddr_un a = unix_address(sock);
+      ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+      ::close(fd);
+    }
+    constexpr int kServers = 3;
+    std::vector<Result<std::unique_ptr<PoolServer>>> started;
+    for (int i = 0; i < kServers; ++i) started.emplace_back(Status::Unavailable("not run"));
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kServers; ++i) {
+      threads.emplace_back([&, i] {
+        CascadeConfig c;
+        c.pipeline = "host";
+        c.shm_capacity_bytes = 4 << 20;
+        c.shm_path = "/dev/shm/" + unique("cascade-pool-test-race-");
+        c.num_io_threads = 1;
+        PoolServerOptions o;
+        o.socket_path = sock;
+        o.workers = 1;
+        started[i] = PoolServer::Start(c, o);
+      });
+    }
+    for (auto& t : threads) t.join();
+    int up = 0;
+    for (auto& s : started) {
+      if (s.ok()) {
+        ++up;
+        continue;
+      }
+      EXPECT_TRUE(s.status().is(Code::kBusy)) << s.status().ToString();
+    }
+    ASSERT_EQ(up, 1);
+    {  // a client reaches the one that started, through the path
+      CascadeConfig c;
+      c.pipeline = "pool";
+      c.pool_socket = sock;
+      c.pool_timeout_ms = 5000;
+      c.num_io_threads = 1;
+      c.use_gpu = false;
+      auto client = CascadeStore::Open(c);
+      ASSERT_TRUE(client.ok()) << client.status().ToString();
+      const std::vector<uint8_t> data = bytes_for(uint64_t(round), 4096);
+      EXPECT_TRUE(client.value()->put(id_of(uint64_t(round)), data.data(), data.size()).ok());
+    }
+    for (auto& s : started)
+      if (s.ok()) EXPECT_TRUE(s.value()->close().ok());
+    struct stat st;
+    EXPECT_NE(::lstat((sock + ".lock").c_str(), &st), 0);
+    EXPECT_NE(::lstat(sock.c_str(), &st), 0);
+  }
+}
+
+// A server that finds the path's lock held (another starting there) is
+// refused at once, before it opens its arena.
+TEST(PoolServerTest, StartIsBusyWhileAnotherHoldsThePathsLock) {
+  const std::string sock = "/tmp/" + unique("cascade-pool-test-lock-") + ".sock";
+  auto held = SocketPathLock::Acquire(sock);
+  ASSERT_TRUE(held.ok());
+  CascadeConfig c;
+  c.pipeline = "host";
+  c.shm_capacity_bytes = 4 << 20;
+  c.shm_path = "/dev/shm/" + unique("cascade-pool-test-lock-");
+  PoolServerOptions o;
+  o.socket_path = sock;
+  auto busy = PoolServer::Start(c, o);
+  EXPECT_TRUE(busy.status().is(Code::kBusy)) << busy.status().ToString();
+  struct stat st;
+  EXPECT_NE(::lstat(c.shm_path.c_str(), &st), 0);  // no arena made
+  held->release();
+  auto s = PoolServer::Start(c, o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_TRUE(s.value()->close().ok());
+}
+
 TEST(PoolServerTest, CloseReturnsWhileClientsLeave) {
   // Clients going away while close() runs: the monitor, still running,
   // hands them to the reaper as close() waits for it (before, the reaper
