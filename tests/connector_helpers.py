@@ -56,6 +56,8 @@ def make_layers(layout, seed=None, dtype=torch.bfloat16):
     """One engine's per-layer KV tensors (views of one buffer, like vLLM's)."""
     if layout == "packed_kv":
         buf = torch.zeros(L, NB, H, BS, 2 * D, dtype=dtype)
+    elif layout == "blocks_kv":
+        buf = torch.zeros(L, NB, 2, BS, H, D, dtype=dtype)
     else:
         buf = torch.zeros(L, 2, NB, BS, H, D, dtype=dtype)
     if seed is not None:
@@ -70,6 +72,8 @@ def page(layers, layout, block):
     for t in layers.values():
         if layout == "packed_kv":
             k, v = t[block, :, :, :D].transpose(0, 1), t[block, :, :, D:].transpose(0, 1)
+        elif layout == "blocks_kv":
+            k, v = t[block, 0], t[block, 1]
         else:
             k, v = t[0, block], t[1, block]
         out.append(torch.stack([k, v]))

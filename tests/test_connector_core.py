@@ -69,7 +69,7 @@ def test_ids_differ_per_rank_salt_tenant_and_are_deterministic(ranks):
     assert not set(other_model.ids_of(other_model.track("a", PROMPT))[0]) & set(ids[0])
 
 
-@pytest.mark.parametrize("layout", ["packed_kv", "split_kv"])
+@pytest.mark.parametrize("layout", ["packed_kv", "split_kv", "blocks_kv"])
 def test_save_then_load_byte_exact_over_two_ranks(ranks, layout):
     key, (r0, r1) = ranks(world=2, layout=layout)
     p = planner_for(key, world=2)

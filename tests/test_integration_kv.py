@@ -11,6 +11,7 @@ from cascade.integrations.ids import KvNamespace, prefix_block_ids  # noqa: E402
 from cascade.integrations.kv import (  # noqa: E402
     PagedKv,
     cached_prefix_length,
+    kv_layout_of,
     load_layers,
     load_paged,
     save_paged,
@@ -31,16 +32,36 @@ def split(seed, dtype=torch.bfloat16):
     return [buf[i] for i in range(L)]
 
 
+def blocks(seed, dtype=torch.bfloat16):
+    """FlashInfer's blocks-first layout, contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(L, NB, 2, BS, H, D, generator=g).to(dtype)
+    return [buf[i] for i in range(L)]
+
+
+def blocks_hnd(seed, dtype=torch.bfloat16):
+    """Blocks first with heads before tokens in memory ([NB, 2, H, BS, D]),
+    seen as [NB, 2, BS, H, D]: the view a vLLM backend with an HND stride
+    order hands to a connector."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(L, NB, 2, H, BS, D, generator=g).to(dtype)
+    return [buf[i].permute(0, 1, 3, 2, 4) for i in range(L)]
+
+
 def k_of(layers, layout, block):
     """[L, BS, H, D] keys of one engine block, whatever the layout."""
     if layout == "packed_kv":
         return torch.stack([t[block, :, :, :D].transpose(0, 1) for t in layers])
+    if layout == "blocks_kv":
+        return torch.stack([t[block, 0] for t in layers])
     return torch.stack([t[0, block] for t in layers])
 
 
 def v_of(layers, layout, block):
     if layout == "packed_kv":
         return torch.stack([t[block, :, :, D:].transpose(0, 1) for t in layers])
+    if layout == "blocks_kv":
+        return torch.stack([t[block, 1] for t in layers])
     return torch.stack([t[1, block] for t in layers])
 
 
@@ -54,11 +75,24 @@ IDS = prefix_block_ids(list(range(3 * BS)), KvNamespace("m", "bfloat16", "packed
         ("split_kv", "split_kv"),
         ("packed_kv", "split_kv"),
         ("split_kv", "packed_kv"),
+        ("blocks_kv", "blocks_kv"),
+        ("blocks_kv", "packed_kv"),
+        ("split_kv", "blocks_kv"),
+        ("blocks_hnd", "split_kv"),
+        ("packed_kv", "blocks_hnd"),
     ],
 )
 def test_round_trip_byte_exact(store, src_layout, dst_layout):
-    make = {"packed_kv": packed, "split_kv": split}
+    make = {
+        "packed_kv": packed,
+        "split_kv": split,
+        "blocks_kv": blocks,
+        "blocks_hnd": blocks_hnd,
+    }
     src, dst = make[src_layout](1), make[dst_layout](2)
+    src_layout, dst_layout = (
+        x.replace("blocks_hnd", "blocks_kv") for x in (src_layout, dst_layout)
+    )
     before = [t.clone() for t in dst]
     kv_src = PagedKv.from_layers(src, src_layout)
     kv_dst = PagedKv.from_layers(dst, dst_layout, block_size=BS)
@@ -361,6 +395,19 @@ def test_bad_descriptions_are_refused(store):
         save_paged(store, kv, [0], IDS[:1], layers=range(0, 1))
     with pytest.raises(TypeError):
         save_paged(store, kv, [0.5], IDS[:1])
+
+
+def test_the_layout_is_told_by_the_shape():
+    assert kv_layout_of(packed(1)[0]) == "packed_kv"
+    assert kv_layout_of(split(1)[0]) == "split_kv"
+    assert kv_layout_of(blocks(1)[0]) == "blocks_kv"
+    assert kv_layout_of(blocks_hnd(1)[0]) == "blocks_kv"
+    with pytest.raises(ValueError, match="give the layout"):  # two blocks: either layout
+        kv_layout_of(torch.zeros(2, 2, BS, H, D))
+    with pytest.raises(ValueError, match="blocks_kv"):
+        kv_layout_of(torch.zeros(3, 3, BS, H, D))
+    with pytest.raises(ValueError, match="blocks_kv layers are"):
+        PagedKv.from_layers(split(1), "blocks_kv")
 
 
 def test_closed_store_is_refused(make_config):

@@ -91,7 +91,7 @@ class KvTransferWorker:
         Layers sharing one tensor (cross-layer KV sharing) are stored once.
         Registering again (new tensors) waits for the saves still queued.
         """
-        from cascade.integrations.kv import PagedKv, save_paged
+        from cascade.integrations.kv import PagedKv, kv_layout_of, save_paged
 
         if not kv_caches:
             raise ValueError("no KV cache tensors to register")
@@ -108,7 +108,7 @@ class KvTransferWorker:
             index[name] = by_ptr[key]
         first = unique[0]
         if layout is None:
-            layout = "split_kv" if first.dim() == 5 and first.shape[0] == 2 else "packed_kv"
+            layout = kv_layout_of(first)
         kv = self.kv = PagedKv.from_layers(unique, layout, block_size=block_size)
         self._layer_index = index
         self._cuda = kv.device >= 0

@@ -13,6 +13,8 @@ contiguous):
 - ``packed_kv`` (vLLM >= 0.26): ``[num_blocks, num_kv_heads, block_size, 2*head_size]``,
   K in the first half of the last dimension, V in the second;
 - ``split_kv`` (older vLLM): ``[2, num_blocks, block_size, num_kv_heads, head_size]``;
+- ``blocks_kv`` (FlashInfer's paged cache, and vLLM backends built on it):
+  ``[num_blocks, 2, block_size, num_kv_heads, head_size]``, K and V of a block side by side;
 - ``flat_bytes``: ``[num_blocks, bytes_per_block]`` (uint8), copied as is;
 - ``mla`` (multi-head latent attention, DeepSeek-style): one latent vector per
   token, no K/V split, ``[num_blocks, block_size, head_size]`` or vLLM's
@@ -35,7 +37,7 @@ from collections.abc import Iterable, Sequence
 
 from cascade import _core
 
-LAYOUTS = ("packed_kv", "split_kv", "flat_bytes", "mla")
+LAYOUTS = ("packed_kv", "split_kv", "blocks_kv", "flat_bytes", "mla")
 
 
 def _as_int_list(values, what: str) -> list:
@@ -196,7 +198,7 @@ class PagedKv:
                 block_stride=st[0], head_stride=st[1], token_stride=st[2], kv_stride=head
             )
             inner = st[3]
-        else:
+        elif layout == "split_kv":
             if len(shape) != 5 or shape[0] != 2:
                 raise ValueError(
                     f"split_kv layers are [2, num_blocks, block_size, num_kv_heads, head_size], "
@@ -205,6 +207,17 @@ class PagedKv:
             _, nb, bs, heads, head = shape
             strides = dict(
                 block_stride=st[1], head_stride=st[3], token_stride=st[2], kv_stride=st[0]
+            )
+            inner = st[4]
+        else:
+            if len(shape) != 5 or shape[1] != 2:
+                raise ValueError(
+                    f"blocks_kv layers are [num_blocks, 2, block_size, num_kv_heads, head_size], "
+                    f"got {shape}"
+                )
+            nb, _, bs, heads, head = shape
+            strides = dict(
+                block_stride=st[0], head_stride=st[3], token_stride=st[2], kv_stride=st[1]
             )
             inner = st[4]
         if inner != 1:
@@ -239,7 +252,8 @@ class PagedKv:
             bs, hs, ts, kvs = self.strides
             mover = _core.KvBlockMover(
                 store,
-                self.layout,
+                # Blocks first is split_kv with its own strides: every stride is given.
+                "split_kv" if self.layout == "blocks_kv" else self.layout,
                 self.device,
                 self.num_layers,
                 self.num_blocks,
@@ -280,6 +294,31 @@ class PagedKv:
             f"head_size={self.head_size}, elem_bytes={self.elem_bytes}, {where}, "
             f"stored_block_bytes={self.stored_block_bytes})"
         )
+
+
+def kv_layout_of(t) -> str:
+    """The layout of a K/V layer tensor of an engine, told by its shape: 4
+    dimensions packed_kv; 5 with K and V first split_kv, with blocks first
+    blocks_kv. A tensor whose first two dimensions are both 2 (two blocks)
+    could be either, and is refused: pass the layout."""
+    shape = tuple(t.shape)
+    if len(shape) == 4:
+        return "packed_kv"
+    if len(shape) == 5 and shape[0] == 2 and shape[1] != 2:
+        return "split_kv"
+    if len(shape) == 5 and shape[1] == 2 and shape[0] != 2:
+        return "blocks_kv"
+    if len(shape) == 5 and shape[:2] == (2, 2):
+        raise ValueError(
+            f"KV tensors of shape {shape} hold K and V first or two blocks first: "
+            "give the layout (split_kv or blocks_kv)"
+        )
+    raise ValueError(
+        f"KV tensors of shape {shape} are none of the layouts a KV store reads: "
+        "packed_kv [num_blocks, num_kv_heads, block_size, 2*head_size], split_kv [2, num_blocks, "
+        "block_size, num_kv_heads, head_size], blocks_kv [num_blocks, 2, block_size, "
+        "num_kv_heads, head_size]"
+    )
 
 
 def _storage_bytes(t) -> int:

@@ -70,6 +70,7 @@ from cascade.integrations.connector_lookup import (
     unregister_worker,
 )
 from cascade.integrations.ids import KvNamespace, config_fingerprint, salt_of
+from cascade.integrations.kv import kv_layout_of
 from cascade.integrations.lookup_wire import remove_stale_service_dirs
 
 try:  # vLLM >= 0.30 names the tier of external hits
@@ -587,7 +588,7 @@ class CascadeConnector(KVConnectorBase_V1):
             layout = "mla"
             tokens = first.shape[1] if first.dim() == 3 else first.shape[2]
         else:
-            layout = "packed_kv" if first.dim() == 4 else "split_kv"
+            layout = kv_layout_of(first)
             tokens = first.shape[2]
         if tokens != self.block_size:
             raise NotImplementedError(
