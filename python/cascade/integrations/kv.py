@@ -38,6 +38,11 @@ from collections.abc import Iterable, Sequence
 from cascade import _core
 
 LAYOUTS = ("packed_kv", "split_kv", "blocks_kv", "flat_bytes", "mla")
+# The five-dimensional layouts: their shape, and where the blocks and K/V are.
+_FIVE_D = {
+    "split_kv": ("[2, num_blocks, block_size, num_kv_heads, head_size]", 1, 0),
+    "blocks_kv": ("[num_blocks, 2, block_size, num_kv_heads, head_size]", 0, 1),
+}
 
 
 def _as_int_list(values, what: str) -> list:
@@ -198,26 +203,14 @@ class PagedKv:
                 block_stride=st[0], head_stride=st[1], token_stride=st[2], kv_stride=head
             )
             inner = st[3]
-        elif layout == "split_kv":
-            if len(shape) != 5 or shape[0] != 2:
-                raise ValueError(
-                    f"split_kv layers are [2, num_blocks, block_size, num_kv_heads, head_size], "
-                    f"got {shape}"
-                )
-            _, nb, bs, heads, head = shape
-            strides = dict(
-                block_stride=st[1], head_stride=st[3], token_stride=st[2], kv_stride=st[0]
-            )
-            inner = st[4]
         else:
-            if len(shape) != 5 or shape[1] != 2:
-                raise ValueError(
-                    f"blocks_kv layers are [num_blocks, 2, block_size, num_kv_heads, head_size], "
-                    f"got {shape}"
-                )
-            nb, _, bs, heads, head = shape
+            # Five dimensions, K/V and blocks in the first two (in either order).
+            form, b, k = _FIVE_D[layout]
+            if len(shape) != 5 or shape[k] != 2:
+                raise ValueError(f"{layout} layers are {form}, got {shape}")
+            nb, bs, heads, head = shape[b], shape[2], shape[3], shape[4]
             strides = dict(
-                block_stride=st[0], head_stride=st[3], token_stride=st[2], kv_stride=st[1]
+                block_stride=st[b], head_stride=st[3], token_stride=st[2], kv_stride=st[k]
             )
             inner = st[4]
         if inner != 1:
