@@ -141,6 +141,7 @@ class SimulatedDiskTier final : public Tier {
     auto it = live_.find(id);
     if (it == live_.end()) return Status::NotFound("not on disk");
     const auto& b = it->second;
+    rr->found = true;
     rr->block_size = b.size();
     if (rq.whole && b.size() > rq.capacity) return Status::InvalidArgument("too small");
     if (!rq.whole && rq.offset > b.size()) return Status::InvalidArgument("bad offset");
