@@ -452,8 +452,9 @@ def test_hostile_records_are_ignored_and_counted(etcd, members, caplog):
         b"nan": b'{"format":1,"node_id":"nan","started":NaN}',
         b"static": good,
     }
+    lease = client.grant(60)  # as a live member's: judged by what they hold
     for key, value in hostile.items():
-        client.put(prefix + key, value)
+        client.put(prefix + key, value, lease)
     caplog.set_level(logging.WARNING, logger="cascade.cluster")
     a = members("a")
     assert a.start()
@@ -462,7 +463,7 @@ def test_hostile_records_are_ignored_and_counted(etcd, members, caplog):
     assert a.state()["malformed_records"] == len(hostile) - 1
     assert caplog.text.count("ignoring entry") == len(hostile) - 1
     assert isinstance(a.ring(), PlacementRing) and a.ring().members == ("a", "static")
-    client.put(prefix + b"notjson", b"still not json")  # a new version is a new warning
+    client.put(prefix + b"notjson", b"still not json", lease)  # a new version: a new warning
     wait_for(lambda: a.state()["malformed_records"] == len(hostile), 5, "counted again")
 
 
@@ -525,6 +526,25 @@ def test_a_stray_entry_without_a_lease_at_a_members_key_is_replaced(etcd, member
     a.start()
     wait_for(lambda: ids_of(b) == ["a", "b"], 5, "a joined over the stray entry")
     assert a.state()["state"] == "member"
+
+
+def test_a_record_without_a_lease_at_another_members_key_is_no_member(etcd, members):
+    """A dead member's record written back without a lease (by hand, or by a
+    tool) would never expire: counted as malformed, never in a view, so it
+    takes no share of the ring."""
+    client = EtcdClient([etcd.endpoint])
+    a = members("a")
+    b = members("b")
+    assert a.start() and b.start()
+    wait_for(lambda: ids_of(a) == ["a", "b"], 5, "both members")
+    record = client.range_prefix(members_prefix("t") + b"b")[1][0].value
+    b.close(timeout=1.0)
+    wait_for(lambda: ids_of(a) == ["a"], 5, "b left")
+    client.put(members_prefix("t") + b"b", record)  # b's own record, no lease
+    ghost = b'{"format":1,"node_id":"ghost","transport":"","capacity_bytes":5,"generation":1}'
+    client.put(members_prefix("t") + b"ghost", ghost)
+    wait_for(lambda: a.state()["malformed_records"] == 2, 5, "both counted")
+    assert ids_of(a) == ["a"] and a.ring().members == ("a",)
 
 
 def test_a_record_written_over_a_live_members_own_is_published_again(etcd, members):
@@ -754,6 +774,30 @@ def test_a_lease_gone_behind_a_members_back_is_registered_again_at_once(etcd, me
     assert a.state()["state"] == "member"
 
 
+def test_a_member_that_registers_again_in_a_refresh_stays_in_its_view(etcd, members):
+    """The refresh that finds its lease gone registers again, and installs
+    a view with the member in it, not one without it until the next
+    listing."""
+    views: list = []
+    client = EtcdClient([etcd.endpoint])
+    a = members(
+        "a",
+        lease_ttl=30,
+        refresh_seconds=3600,
+        watch=False,
+        on_view=lambda v, r: views.append(sorted(v.members)),
+    )
+    b = members("b", lease_ttl=30, refresh_seconds=3600, watch=False)
+    assert b.start() and a.start()
+    a._refresh()
+    assert views[-1] == ["a", "b"]
+    lease = a.state()["lease"]
+    client.revoke(int(lease, 16) if isinstance(lease, str) else lease)
+    a._refresh()
+    assert a.state()["registrations"] == 2 and a.state()["state"] == "member"
+    assert views[-1] == ["a", "b"] and a.ring().members == ("a", "b")
+
+
 def test_more_members_than_listed_do_not_hide_a_members_own_record(etcd, members):
     """With more records than a listing keeps, sorted before the member's
     own key, the member still finds its record and does not publish it
@@ -762,10 +806,11 @@ def test_more_members_than_listed_do_not_hide_a_members_own_record(etcd, members
 
     client = EtcdClient([etcd.endpoint], timeout=10.0)
     prefix = members_prefix("t")
+    lease = client.grant(120)
     for i in range(MAX_MEMBERS + 4):
         node = f"m{i:05d}"
         value = b'{"format":1,"node_id":"%s","generation":1}' % node.encode()
-        client.put(prefix + node.encode(), value)
+        client.put(prefix + node.encode(), value, lease)
     z = members("z", refresh_seconds=0.2, timeout=10.0, lease_ttl=60)
     assert z.start()
     revision = client.range_prefix(prefix + b"z")[0]

@@ -525,6 +525,13 @@ class Membership:
                 self._bad(b"", 0, f"more than {MAX_MEMBERS} records; the rest are ignored")
                 continue
             node = item.key[len(self.prefix) :]
+            if item.lease == 0 and item.key != self.key:
+                # Members register under a lease: an entry without one is no
+                # live member's and would never expire (a dead member's
+                # record written back by hand, say): not a member. (At this
+                # member's own key it is replaced by its record, below.)
+                self._bad(item.key, item.mod_revision, "no lease holds it: not a live member")
+                continue
             try:
                 record = parse_record(node.decode(), item.value)
             except (ValueError, UnicodeDecodeError) as e:
@@ -575,7 +582,11 @@ class Membership:
                     with self._lock:
                         self._lease = 0
                         self._reachable()
-                    self._try_register()
+                    # Registered again, or not registered and no other
+                    # process's record of its id listed: in its own view, as
+                    # below, not out of its own ring until the next listing.
+                    if self._try_register() or own_entry is None:
+                        members[self.node_id] = self.record
                 else:
                     self._failed("re-publishing the record", e)
         if not registered and own_entry is None:
