@@ -131,9 +131,10 @@ class PyPoolServer {
   void set_cluster_view(uint64_t version,
                         const std::vector<std::tuple<std::string, uint64_t, nb::bytes>>& members,
                         const std::vector<uint64_t>& positions, const std::vector<uint32_t>& owners,
-                        uint32_t replicas) {
+                        uint32_t replicas, bool partial) {
     ClusterView v;
     v.version = version;
+    v.partial = partial;
     for (const auto& [id, gen, addr] : members) {
       ClusterMember m;
       m.node_id = id;
@@ -192,6 +193,7 @@ class PyPoolServer {
     d["remote_hits"] = s.remote_hits;
     d["remote_removes"] = s.remote_removes;
     d["remote_removed"] = s.remote_removed;
+    d["remove_incomplete"] = s.remove_incomplete;
     d["served_removes"] = s.served_removes;
     d["served_leases"] = s.served_leases;
     d["served_lease_bytes"] = s.served_lease_bytes;
@@ -254,8 +256,10 @@ void register_serve(nb::module_& m) {
            "the call is collective over mpi_comm (a Fortran handle, comm.py2f(); "
            "-1: MPI_COMM_WORLD).")
       .def("set_cluster_view", &PyPoolServer::set_cluster_view, "version"_a, "members"_a,
-           "positions"_a, "owners"_a, "replicas"_a,
-           "Installs the members and their ring (PlacementRing.points()).")
+           "positions"_a, "owners"_a, "replicas"_a, "partial"_a = false,
+           "Installs the members and their ring (PlacementRing.points()). partial: the view "
+           "may lack members (cut off from the coordination service, or not registered yet); "
+           "removes then raise UnavailableError.")
       .def("cluster_drain", &PyPoolServer::cluster_drain, "timeout_ms"_a,
            "Waits until blocks committed so far were pushed to their owners.")
       .def("cluster_stats", &PyPoolServer::cluster_stats,

@@ -151,6 +151,34 @@ def test_bad_tls_settings_are_refused_with_their_reason(tmpdir_):
     assert o.ca_file == "/ca" and o.username == "u" and o.password_file == "/p"
 
 
+def test_a_password_file_that_is_no_small_regular_file_is_refused(tmp_path):
+    """A FIFO (which held the start), a device without end (which grew the
+    memory until the kernel ended the server), a file too large: each
+    refused with a message naming the option."""
+    from cascade.serve import _etcd_client
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 10_000)
+    good = tmp_path / "good"
+    good.write_text("secret\n")
+    for path, why in (
+        (fifo, "not a regular file"),
+        ("/dev/zero", "not a regular file"),
+        (big, "more than"),
+    ):
+        o = cluster_options(
+            {"endpoints": "http://127.0.0.1:1", "username": "u", "password_file": str(path)}, "/s"
+        )
+        with pytest.raises(ValueError, match=f"cluster.password_file: .*{why}"):
+            _etcd_client(o)
+    o = cluster_options(
+        {"endpoints": "http://127.0.0.1:1", "username": "u", "password_file": str(good)}, "/s"
+    )
+    assert _etcd_client(o) is not None
+
+
 def call(endpoint: str, path: str, body: dict, token: str = "") -> dict:
     headers = {"Content-Type": "application/json"}
     if token:

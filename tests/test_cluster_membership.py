@@ -215,6 +215,7 @@ def test_etcd_restart_keeps_views_and_members_reregister(etcd, members, caplog):
     # Within its grace, a keeps serving its last view; past it, b is alone.
     wait_for(lambda: b.state()["state"] == "isolated", 5, "b isolated after its grace")
     assert ids_of(b) == ["b"] and ids_of(a) == ["a", "b"]
+    assert b.view().isolated and not a.view().isolated  # b's removes cannot reach a
     assert a.ring().members == ("a", "b")
     time.sleep(3.5)  # longer than the TTL: leases would have expired without the restart
     assert ids_of(a) == ["a", "b"] and a.state()["state"] == "degraded"
@@ -228,6 +229,7 @@ def test_etcd_restart_keeps_views_and_members_reregister(etcd, members, caplog):
         10,
         "views converge after the restart",
     )
+    assert not b.view().isolated
     # etcd restored the lease from its data directory with a full TTL.
     assert a.state()["lease"] == lease_before and a.state()["registrations"] == 1
     text = caplog.text

@@ -1118,6 +1118,21 @@ def test_pipeline_without_host_is_refused(tmp):
     assert not os.path.exists(srv.socket)
 
 
+@pytest.mark.parametrize("where", ["", ".json", ".lock"])
+def test_an_arena_at_one_of_the_servers_own_paths_is_refused_before_it_is_made(tmp, where):
+    """An arena at the info file's path was written over by the info file
+    and removed with it at shutdown; one at the socket's path was made, then
+    the bind failed and left it there."""
+    d, shm, servers = tmp
+    sock = os.path.join(d, "run", "pool.sock")
+    store = {"pipeline": "host", "shm_capacity_bytes": 8 << 20, "shm_path": sock + where}
+    srv = Server(d, store, {"socket": sock})
+    servers.append(srv)
+    assert srv.wait(30) != 0
+    assert "give the arena a path of its own" in srv.text()
+    assert not os.path.exists(sock + where)
+
+
 def test_unsafe_socket_directory_is_refused(tmp):
     d, shm, servers = tmp
     run = os.path.join(d, "open")

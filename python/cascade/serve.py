@@ -38,6 +38,8 @@ logger = logging.getLogger("cascade.serve")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
+_MAX_PASSWORD_FILE = 4096  # bytes: a password, not a document
+
 
 @dataclasses.dataclass
 class ServeOptions:
@@ -687,7 +689,7 @@ def _join_cluster(server, copts, capacity_bytes: int, etcd=None):
             # predecessor whose lease has not run out): this one takes no
             # part until it registers. A hello from it would end the other's
             # connections and leases at every member it called.
-            server.set_cluster_view(view.version, [], [], [], ring.replicas)
+            server.set_cluster_view(view.version, [], [], [], ring.replicas, partial=True)
             return
         positions, owners = ring.points()
         members = [
@@ -698,7 +700,14 @@ def _join_cluster(server, copts, capacity_bytes: int, etcd=None):
             )
             for m in ring.members
         ]
-        server.set_cluster_view(view.version, members, positions, owners, ring.replicas)
+        server.set_cluster_view(
+            view.version,
+            members,
+            positions,
+            owners,
+            ring.replicas,
+            partial=getattr(view, "isolated", False),
+        )
 
     if comm is not None:
         from cascade.cluster.mpi_members import MpiMembers
@@ -783,6 +792,27 @@ def _check_socket_path(socket_path: str) -> None:
         )
 
 
+def _check_paths_apart(cfg, socket_path: str) -> None:
+    """The arena's file is none of the files the server keeps beside its
+    socket: the socket itself, its lock, its info file (the info file would
+    be written over the arena, and removed with it at shutdown)."""
+    from cascade import serve_status
+
+    if not cfg.shm_path:
+        return
+    arena = os.path.realpath(cfg.shm_path)
+    for what, path in (
+        ("the socket", socket_path),
+        ("the socket's lock file", socket_path + ".lock"),
+        ("the info file", serve_status.info_path(socket_path)),
+    ):
+        if os.path.realpath(path) == arena:
+            raise ValueError(
+                f"shm_path {cfg.shm_path} is {what} of this server ({path}): give the arena "
+                "a path of its own"
+            )
+
+
 def _check_socket_file(socket_path: str) -> None:
     """What is at the socket's path may be replaced only when it is a socket
     of this user's (a stale one): checked before the arena is made, so that
@@ -818,10 +848,28 @@ def _etcd_client(copts):
     password = None
     if copts.password_file:
         try:
-            with open(copts.password_file) as f:
-                password = f.read().rstrip("\r\n")
+            # A regular file of a password: not a FIFO (which would hold the
+            # start) or a device (which could be endless).
+            fd = os.open(copts.password_file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise ValueError(
+                        f"cluster.password_file: {copts.password_file} is not a regular file"
+                    )
+                data = f.read(_MAX_PASSWORD_FILE + 1)
         except OSError as e:
             raise ValueError(f"cluster.password_file: {e}") from None
+        if len(data) > _MAX_PASSWORD_FILE:
+            raise ValueError(
+                f"cluster.password_file: {copts.password_file} holds more than "
+                f"{_MAX_PASSWORD_FILE} bytes; it should hold the password alone"
+            )
+        try:
+            password = data.decode().rstrip("\r\n")
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"cluster.password_file: {copts.password_file} is not UTF-8 text"
+            ) from None
     return EtcdClient(
         copts.endpoints,
         timeout=copts.request_timeout_seconds,
@@ -873,6 +921,7 @@ def run(
         _check_fabrics(copts.fabrics)
     prepare_socket_dir(socket_path, opts.group)
     _check_socket_file(socket_path)
+    _check_paths_apart(cfg, socket_path)
     stop = threading.Event()
     received = _install_signals(stop)
     _raise_descriptor_limit()
@@ -933,8 +982,10 @@ def run(
             )
         elif host.get("arena_discarded"):
             logger.warning(
-                "the arena kept at %s does not match this configuration (capacity, block table "
-                "or format): its blocks were discarded and the arena starts empty",
+                "the arena kept at %s does not match this configuration (its capacity, block "
+                "table or format, or the persistent tier below it: another file_path, a file tier "
+                "added or removed, or its directory made anew): its blocks were discarded and the "
+                "arena starts empty",
                 cfg.shm_path,
             )
         facts.update(

@@ -251,6 +251,12 @@ CLUSTER_DATA_METRICS = [
         "Ids a member removed at our request",
     ),
     (
+        "cluster_remove_incomplete_total",
+        "remove_incomplete",
+        "counter",
+        "Removes that could not reach every member (the caller got Unavailable)",
+    ),
+    (
         "cluster_served_removes_total",
         "served_removes",
         "counter",

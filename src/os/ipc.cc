@@ -280,6 +280,12 @@ void remove_socket_file(const SocketFile& f) {
     ::unlink(f.path.c_str());
 }
 
+Status seal_size(int memfd) {
+  if (::fcntl(memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
+    return errno_status(errno, "sealing the size of a shared memory file");
+  return Status::OK();
+}
+
 Result<SocketPathLock> SocketPathLock::Acquire(const std::string& socket_path) {
   const std::string path = socket_path + ".lock";
   // A holder that releases removes the file after this process opened it

@@ -73,6 +73,12 @@ Result<SocketFile> socket_file(const std::string& path);
 // server that shuts down never removes the socket of another that took the
 // path since.
 void remove_socket_file(const SocketFile& f);
+// Fixes the size of a memfd made with MFD_ALLOW_SEALING for good (seals
+// against shrinking, growing and further seals): a process it is handed to
+// cannot truncate it under the mappings of others, whose accesses would
+// then fault (SIGBUS).
+Status seal_size(int memfd);
+
 // The one process that may take a socket path, for as long as the object
 // lives: an exclusive lock on the file `socket_path + ".lock"` beside it
 // (created owner-only, never through a link; removed when released). Two

@@ -287,6 +287,7 @@ class ClusterNode::Impl {
   std::atomic<uint64_t> pushed{0}, pushed_bytes{0}, push_dropped{0}, fetched{0}, fetched_bytes{0};
   std::atomic<uint64_t> remote_lookups{0}, remote_hits{0}, served_leases{0}, served_lease_bytes{0};
   std::atomic<uint64_t> remote_removes{0}, remote_removed{0}, served_removes{0};
+  std::atomic<uint64_t> remove_incomplete{0};  // removes some member of the view missed
   // Ids a push has taken hold of here, or a fetch is bringing here, and
   // not done with: a remove waits for them. Else a push's commit at the
   // owner could land after the remove there, or a fetch's copy here after
@@ -590,12 +591,14 @@ class ClusterNode::Impl {
   // The connection to member m on this thread's lane, made (with its
   // Hello) when there is none. Connecting, with the one or two Hellos it
   // takes, ends by `until`: the deadline of the call the link is for.
+  // A member that failed recently is skipped (Unavailable at once) unless
+  // `even_if_failed` (a remove, which must reach every copy it can).
   Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s, const ClusterMember& m,
-                                        Deadline until) {
-    return link_to(s, m, my_lane(), until);
+                                        Deadline until, bool even_if_failed = false) {
+    return link_to(s, m, my_lane(), until, even_if_failed);
   }
   Result<std::shared_ptr<Link>> link_to(const std::shared_ptr<LinkSlot>& s, const ClusterMember& m,
-                                        size_t lane, Deadline until) {
+                                        size_t lane, Deadline until, bool even_if_failed = false) {
     std::lock_guard<std::mutex> c(s->connect_mu);
     std::vector<uint8_t> address;
     std::shared_ptr<Peer> stale;
@@ -613,7 +616,7 @@ class ClusterNode::Impl {
     if (stale) stale->close();
     {
       std::lock_guard<std::mutex> l(s->mu);
-      if (Clock::now() < s->skip_until)
+      if (!even_if_failed && Clock::now() < s->skip_until)
         return Status::Unavailable("member " + m.node_id + " failed recently; skipped for now");
     }
     if (m.address.empty())
@@ -750,7 +753,7 @@ class ClusterNode::Impl {
   void lookup(std::span<const BlockId> ids, std::span<uint8_t> found, std::span<uint64_t> sizes,
               Deadline budget);
   void fetch(std::span<const BlockId> ids, std::span<uint8_t> got, Deadline budget);
-  void remove(std::span<const BlockId> ids, std::span<uint8_t> removed, Deadline budget);
+  Status remove(std::span<const BlockId> ids, std::span<uint8_t> removed, Deadline budget);
   // The owner's side of a remove: reservations members hold for the ids
   // (pushes under way) end, so their commits store nothing; commits under
   // way end (within `until`); then the store's copies go. removed[i] set
@@ -762,13 +765,14 @@ class ClusterNode::Impl {
   // link is up (false: no call is made). `take(link, b, e, reply, sent)`
   // reads the reply to the batch of which[b..e), sent at `sent`. A call that
   // fails ends the batches (the member is then skipped). `asked` counts the
-  // ids sent.
+  // ids sent. True when every batch was answered. `even_if_failed`: a
+  // member in its skip period after a failure is called too.
   using LinkReady = std::function<bool(LinkSlot&, const Link&)>;
   using TakeReply = std::function<void(const Link&, size_t, size_t, const std::vector<uint8_t>&,
                                        Clock::time_point)>;
-  void call_in_batches(const ClusterMember& m, Op op, std::span<const BlockId> ids,
+  bool call_in_batches(const ClusterMember& m, Op op, std::span<const BlockId> ids,
                        std::span<const size_t> which, Deadline budget, std::atomic<uint64_t>* asked,
-                       const LinkReady& ready, const TakeReply& take);
+                       const LinkReady& ready, const TakeReply& take, bool even_if_failed = false);
   // Waits (until `until`) for the ids in in_flight; true when there were.
   bool wait_not_in_flight(std::span<const BlockId> ids, Deadline until);
   void lease_mapped(std::span<const BlockId> ids, std::span<MappedLease> out, Deadline budget);
@@ -817,20 +821,20 @@ class ClusterNode::Impl {
 
 // ---- lookups and fetches -----------------------------------------------------
 
-void ClusterNode::Impl::call_in_batches(const ClusterMember& m, Op op, std::span<const BlockId> ids,
+bool ClusterNode::Impl::call_in_batches(const ClusterMember& m, Op op, std::span<const BlockId> ids,
                                         std::span<const size_t> which, Deadline budget,
                                         std::atomic<uint64_t>* asked, const LinkReady& ready,
-                                        const TakeReply& take) {
-  if (budget_spent(budget, calls_for(which.size()))) return;
+                                        const TakeReply& take, bool even_if_failed) {
+  if (budget_spent(budget, calls_for(which.size()))) return false;
   // A connect and the first batch share one deadline, which runs while
   // another thread holds the slot too.
   const Deadline first = deadline();
   auto s = slot_of(m);
-  auto link = link_to(s, m, first);
-  if (!link.ok() || (ready && !ready(*s, **link))) return;
+  auto link = link_to(s, m, first, even_if_failed);
+  if (!link.ok() || (ready && !ready(*s, **link))) return false;
   for (size_t b = 0; b < which.size(); b += cluster::kMaxItems) {
     // Also after the connect, which may have waited for another's.
-    if (budget_spent(budget, calls_for(which.size() - b))) return;
+    if (budget_spent(budget, calls_for(which.size() - b))) return false;
     const size_t e = std::min(which.size(), b + cluster::kMaxItems);
     std::vector<uint8_t> items;
     items.reserve((e - b) * 16);
@@ -840,11 +844,12 @@ void ClusterNode::Impl::call_in_batches(const ClusterMember& m, Op op, std::span
     auto reply = call(**link, op, static_cast<uint32_t>(e - b), items, b == 0 ? first : deadline());
     if (!reply.ok()) {
       fail(s, *link);
-      return;
+      return false;
     }
     answered(*s);
     take(**link, b, e, *reply, sent);
   }
+  return true;
 }
 
 void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> found,
@@ -873,10 +878,10 @@ void ClusterNode::Impl::lookup(std::span<const BlockId> ids, std::span<uint8_t> 
   }
 }
 
-void ClusterNode::Impl::remove(std::span<const BlockId> ids, std::span<uint8_t> removed,
-                               Deadline budget) {
+Status ClusterNode::Impl::remove(std::span<const BlockId> ids, std::span<uint8_t> removed,
+                                 Deadline budget) {
   auto r = current();
-  if (!r || ids.empty()) return;
+  if (!r || ids.empty()) return Status::OK();
   // This member's pushes of the ids that took hold of the bytes before the
   // caller removed them here, its fetches of them and commits of members'
   // pushes of them end first (within the budget), and what they stored
@@ -887,17 +892,23 @@ void ClusterNode::Impl::remove(std::span<const BlockId> ids, std::span<uint8_t> 
   std::vector<size_t> others;
   for (size_t mi = 0; mi < r->view.members.size(); ++mi)
     if (static_cast<int>(mi) != r->self) others.push_back(mi);
-  if (others.empty()) return;
+  const Status partial = Status::Unavailable(
+      "removed here, but this server's view of the cluster is partial (cut off "
+      "from the coordination service, or not registered yet): members it "
+      "cannot see may keep a copy and serve it; remove again later");
+  if (others.empty()) return r->view.partial ? partial : Status::OK();
   std::vector<size_t> every(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) every[i] = i;
   std::vector<std::vector<uint8_t>> held(others.size(), std::vector<uint8_t>(ids.size()));
+  std::vector<uint8_t> reached(others.size());
   for_each_call(others.size(), [&](size_t g) {
-    call_in_batches(
+    reached[g] = call_in_batches(
         r->view.members[others[g]], Op::kRemove, ids, every, budget, &remote_removes, nullptr,
         [&](const Link&, size_t b, size_t e, const std::vector<uint8_t>& reply, Clock::time_point) {
           for (size_t j = b; j < e; ++j)
             held[g][j] = item_at<cluster::CodeReply>(reply.data(), j - b).code == 0;
-        });
+        },
+        /*even_if_failed=*/true);
   });
   for (const auto& h : held)
     for (size_t i = 0; i < ids.size(); ++i)
@@ -905,6 +916,18 @@ void ClusterNode::Impl::remove(std::span<const BlockId> ids, std::span<uint8_t> 
         removed[i] = 1;
         remote_removed.fetch_add(1, std::memory_order_relaxed);
       }
+  std::string missed;
+  size_t n_missed = 0;
+  for (size_t g = 0; g < others.size(); ++g) {
+    if (reached[g]) continue;
+    if (n_missed++ < 4) missed += (missed.empty() ? "" : ", ") + r->view.members[others[g]].node_id;
+  }
+  if (n_missed == 0) return r->view.partial ? partial : Status::OK();
+  remove_incomplete.fetch_add(1, std::memory_order_relaxed);
+  return Status::Unavailable(
+      "removed here and at the members that answered, but " + std::to_string(n_missed) + " of " +
+      std::to_string(others.size()) + " other members did not answer in time (" + missed +
+      (n_missed > 4 ? ", ..." : "") + "): they may keep a copy and serve it; remove again later");
 }
 
 bool ClusterNode::Impl::wait_not_in_flight(std::span<const BlockId> ids, Deadline until) {
@@ -2151,10 +2174,13 @@ void ClusterNode::lookup(std::span<const BlockId> ids, std::span<uint8_t> found,
   impl_->lookup(ids, found, sizes, budget == kOwnBudget ? request_deadline() : budget);
 }
 
-void ClusterNode::remove(std::span<const BlockId> ids, std::span<uint8_t> removed,
-                         Deadline budget) {
-  if (impl_->stopping.load()) return;
-  impl_->remove(ids, removed, budget == kOwnBudget ? request_deadline() : budget);
+Status ClusterNode::remove(std::span<const BlockId> ids, std::span<uint8_t> removed,
+                           Deadline budget) {
+  if (impl_->stopping.load())
+    return Status::Unavailable(
+        "removed here; this server is leaving the cluster, so other "
+        "members were not asked: remove again through another server");
+  return impl_->remove(ids, removed, budget == kOwnBudget ? request_deadline() : budget);
 }
 
 void ClusterNode::fetch(std::span<const BlockId> ids, std::span<uint8_t> fetched, Deadline budget) {
@@ -2241,6 +2267,7 @@ ClusterStats ClusterNode::stats() const {
   s.remote_removes = get(i.remote_removes);
   s.remote_removed = get(i.remote_removed);
   s.served_removes = get(i.served_removes);
+  s.remove_incomplete = get(i.remove_incomplete);
   s.served_leases = get(i.served_leases);
   s.served_lease_bytes = get(i.served_lease_bytes);
   s.served_commits = get(i.served_commits);

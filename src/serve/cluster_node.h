@@ -104,6 +104,10 @@ struct ClusterMember {
 // and for each the index of its member in `members`.
 struct ClusterView {
   uint64_t version = 0;
+  // The view may lack members that hold blocks: this server is cut off from
+  // the coordination service (it sees itself alone), or takes no part yet.
+  // A remove cannot reach those members, and says so.
+  bool partial = false;
   std::vector<ClusterMember> members;
   std::vector<uint64_t> positions;
   std::vector<uint32_t> owners;
@@ -121,9 +125,10 @@ struct ClusterStats {
   uint64_t fetched_mapped = 0;              // of them, copied from a mapped arena (same host)
   uint64_t mapped_leases = 0;               // leases clients read from a member's mapped arena
   uint64_t map_failures = 0;                // members on this host whose arena could not be mapped
-  uint64_t remote_lookups = 0, remote_hits = 0;        // ids asked of owners
-  uint64_t remote_removes = 0, remote_removed = 0;     // ids sent to members to remove; held there
-  uint64_t served_removes = 0;                         // ids other members removed here
+  uint64_t remote_lookups = 0, remote_hits = 0;     // ids asked of owners
+  uint64_t remote_removes = 0, remote_removed = 0;  // ids sent to members to remove; held there
+  uint64_t served_removes = 0;                      // ids other members removed here
+  uint64_t remove_incomplete = 0;  // removes that could not reach every member (Unavailable)
   uint64_t served_leases = 0, served_lease_bytes = 0;  // blocks other members read here
   uint64_t lease_hashes = 0;  // of them, hashed to answer (no checksum known yet)
   uint64_t served_commits = 0, served_commit_bytes = 0;  // blocks other members stored here
@@ -195,10 +200,12 @@ class ClusterNode {
               Deadline budget = kOwnBudget);
   // Removes the ids at every other member of the view: their owners, and
   // members that fetched them into their own stores. removed[i] set where
-  // one held id i. A member that does not answer within its deadline keeps
-  // its copy (and serves it until it leaves the view or is restarted).
-  void remove(std::span<const BlockId> ids, std::span<uint8_t> removed,
-              Deadline budget = kOwnBudget);
+  // one held id i. Members that failed recently are asked too. Unavailable
+  // when a member did not answer within its deadline or the view is
+  // partial: a member not reached keeps its copy (and serves it until it is
+  // evicted there), so the caller is told the remove may not be whole.
+  Status remove(std::span<const BlockId> ids, std::span<uint8_t> removed,
+                Deadline budget = kOwnBudget);
   // Brings the ids from their owners into the store; fetched[i] set for
   // those now in the store's top tier.
   void fetch(std::span<const BlockId> ids, std::span<uint8_t> fetched,

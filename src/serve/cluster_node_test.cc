@@ -834,7 +834,7 @@ TEST(ClusterNode, AReservationForAnIdRemovedAtItsOwnerCommitsNothing) {
   // cluster's.
   (void)a.server->store()->remove(x);
   std::vector<uint8_t> removed(1);
-  a.node->remove({&x, 1}, removed);
+  (void)a.node->remove({&x, 1}, removed);
   cluster::CommitItem ci{granted.token, block_checksum(old_bytes.data(), old_bytes.size())};
   std::vector<uint8_t> cbody(sizeof ci);
   std::memcpy(cbody.data(), &ci, sizeof ci);
@@ -1360,6 +1360,48 @@ TEST_P(ClusterNodeSilentMember, CostsADeadlineEverMoreRarely) {
 }
 
 INSTANTIATE_TEST_SUITE_P(HellosAnsweredOrNot, ClusterNodeSilentMember, ::testing::Bool());
+
+// A remove that cannot reach a member of the view (one that never answers,
+// asked again although it failed just before), or made through a partial
+// view, says so: that member may keep the block and serve it. Before, the
+// caller was told the remove succeeded.
+TEST(ClusterNode, ARemoveThatMissesAMemberSaysSo) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a", 60000, 4, /*timeout_ms=*/200);
+  ASSERT_TRUE(a.node);
+  RawOwner silent(
+      [](cluster::Op, uint32_t, const uint8_t*) { return std::optional<std::vector<uint8_t>>(); });
+  silent.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), silent.t->address())).ok());
+  const BlockId x = id_of(9960);
+  std::vector<uint8_t> removed(1);
+  for (int attempt = 0; attempt < 2; ++attempt) {  // the second within the member's skip period
+    SCOPED_TRACE(attempt);
+    Status st = a.node->remove({&x, 1}, removed);
+    EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
+    EXPECT_NE(st.message().find("raw"), std::string::npos) << st.ToString();
+  }
+  EXPECT_EQ(a.node->stats().remove_incomplete, 2u);
+  // Through the client: the remove raises, and says why.
+  auto client = a.client();
+  ASSERT_TRUE(client);
+  const auto data = bytes_of(3, 4096);
+  ASSERT_TRUE(client->put(x, data.data(), data.size()).ok());
+  Status st = client->remove(x);
+  EXPECT_TRUE(st.is(Code::kUnavailable)) << st.ToString();
+  EXPECT_NE(st.message().find("may still hold"), std::string::npos) << st.ToString();
+  EXPECT_FALSE(client->contains(x));  // removed here all the same
+
+  // Alone in a partial view (cut off from the coordination service).
+  ClusterView alone = view_of({{"a", a.node->address()}}, 2);
+  alone.partial = true;
+  ASSERT_TRUE(a.node->set_view(alone).ok());
+  EXPECT_TRUE(a.node->remove({&x, 1}, removed).is(Code::kUnavailable));
+  alone.partial = false;
+  alone.version = 3;
+  ASSERT_TRUE(a.node->set_view(alone).ok());
+  EXPECT_TRUE(a.node->remove({&x, 1}, removed).ok());
+}
 
 TEST(ClusterNode, AConnectToAMembersOldAddressThatFailsDoesNotHoldOffItsNewOne) {
   SKIP_WITHOUT_TRANSPORT();

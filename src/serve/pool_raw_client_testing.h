@@ -27,6 +27,10 @@ struct RawClient {
   pool::Channel ch;
   uint32_t seq = 0;
   pool::Welcome welcome{};
+  // Copies of the arena, channel and doorbell descriptors the Welcome
+  // carried, kept when asked for (to act on them as a hostile client may).
+  bool keep_descriptors = false;
+  int handed[3] = {-1, -1, -1};
 
   Status connect(const std::string& path, const std::string& ns = "ns", uint32_t nch = 1) {
     auto s = connect_unix(path);
@@ -45,6 +49,8 @@ struct RawClient {
                         std::chrono::steady_clock::now() + std::chrono::seconds(5), &fds, 3));
     if (welcome.code != 0) return Status(static_cast<Code>(welcome.code), welcome.message);
     if (fds.size() != 3) return Status::IOError("not the three descriptors");
+    if (keep_descriptors)
+      for (int i = 0; i < 3; ++i) handed[i] = ::dup(fds[i]);
     ::close(fds[0]);
     void* d = ::mmap(nullptr, pool::kDoorbellBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[2], 0);
     ::close(fds[2]);
@@ -104,6 +110,8 @@ struct RawClient {
     if (channels) ::munmap(channels, bytes);
     if (bell) ::munmap(bell, pool::kDoorbellBytes);
     if (sock >= 0) ::close(sock);
+    for (int fd : handed)
+      if (fd >= 0) ::close(fd);
   }
 };
 

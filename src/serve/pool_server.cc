@@ -416,10 +416,11 @@ Result<std::unique_ptr<PoolServer>> PoolServer::Start(const CascadeConfig& confi
     remove_socket_file(impl->socket_file);
     return st;
   }
-  impl->doorbell_fd = ::memfd_create("cascade-pool-doorbell", MFD_CLOEXEC);
+  impl->doorbell_fd = ::memfd_create("cascade-pool-doorbell", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   void* bell = MAP_FAILED;
   if (impl->doorbell_fd >= 0 &&
-      ::ftruncate(impl->doorbell_fd, static_cast<off_t>(pool::kDoorbellBytes)) == 0)
+      ::ftruncate(impl->doorbell_fd, static_cast<off_t>(pool::kDoorbellBytes)) == 0 &&
+      seal_size(impl->doorbell_fd).ok())
     bell = ::mmap(nullptr, pool::kDoorbellBytes, PROT_READ | PROT_WRITE, MAP_SHARED,
                   impl->doorbell_fd, 0);
   if (bell == MAP_FAILED) {
@@ -806,10 +807,15 @@ Status PoolServer::Impl::make_client(int sock, const PeerCredentials& cred,
   c->shards.reset(new PoolClient::Shard[c->nch]);
   c->states.reset(new PoolClient::ChannelState[c->nch]);
   c->channel_bytes = uint64_t(c->nch) * pool::kChannelStride;
-  c->channel_fd = ::memfd_create("cascade-pool-channels", MFD_CLOEXEC);
+  c->channel_fd = ::memfd_create("cascade-pool-channels", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (c->channel_fd < 0) return errno_status(errno, "memfd_create");
   if (::ftruncate(c->channel_fd, static_cast<off_t>(c->channel_bytes)) != 0) {
     Status st = errno_status(errno, "ftruncate of the channel file");
+    ::close(c->channel_fd);
+    return st;
+  }
+  // The client cannot shrink it under the server's mapping.
+  if (Status st = seal_size(c->channel_fd); !st.ok()) {
     ::close(c->channel_fd);
     return st;
   }
@@ -1515,9 +1521,12 @@ uint32_t PoolServer::Impl::handle(PoolClient* c, uint32_t channel, const uint8_t
       // bytes the client removed.
       if (ClusterNode* cn = cluster_node()) {
         std::vector<uint8_t> removed(count);
-        cn->remove(ids, removed);
-        for (uint32_t k = 0; k < count; ++k)
+        const Status whole = cn->remove(ids, removed);
+        for (uint32_t k = 0; k < count; ++k) {
           if (removed[k] && st[k].is(Code::kNotFound)) st[k] = Status::OK();
+          // A member not reached may still serve the id: the client is told.
+          if (!whole.ok() && (st[k].ok() || st[k].is(Code::kNotFound))) st[k] = whole;
+        }
       }
       for (uint32_t k = 0; k < count; ++k) put_out(k, pool::CodeReply{code_of(st[k])});
       break;

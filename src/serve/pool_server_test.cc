@@ -2317,6 +2317,31 @@ TEST(PoolServerTest, StartIsBusyWhileAnotherHoldsThePathsLock) {
   EXPECT_TRUE(s.value()->close().ok());
 }
 
+// A client may act on the descriptors it is handed as it likes: it cannot
+// shrink the channel or doorbell files under the server's mappings (which
+// took the server down with SIGBUS).
+TEST(PoolServerTest, AClientCannotShrinkItsChannelOrDoorbellFiles) {
+  PoolFixture f;
+  ASSERT_TRUE(f.server);
+  RawClient raw;
+  raw.keep_descriptors = true;
+  ASSERT_TRUE(raw.connect(f.socket).ok());
+  for (int i = 1; i < 3; ++i) {  // the channel file, the doorbell
+    EXPECT_NE(::ftruncate(raw.handed[i], 0), 0) << i;
+    EXPECT_EQ(errno, EPERM) << i;
+    EXPECT_NE(::ftruncate(raw.handed[i], 1 << 30), 0) << i;
+  }
+  // The server and its clients work on.
+  auto client = f.client();
+  ASSERT_TRUE(client);
+  const auto d = bytes_for(7, 4096);
+  EXPECT_TRUE(client->put(id_of(7), d.data(), d.size()).ok());
+  pool::ReplyHeader reply;
+  const BlockId id = id_of(7);
+  raw.request(pool::Op::kLookup, id.bytes.data(), 1, 16, &reply);
+  EXPECT_EQ(reply.code, 0u);
+}
+
 TEST(PoolServerTest, CloseReturnsWhileClientsLeave) {
   // Clients going away while close() runs: the monitor, still running,
   // hands them to the reaper as close() waits for it (before, the reaper

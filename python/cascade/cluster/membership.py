@@ -108,6 +108,9 @@ class MembershipView:
     version: int
     revision: int
     members: dict[str, MemberRecord]
+    # Cut off from the service past the grace: the member sees itself alone,
+    # and others it cannot see may hold blocks (a remove cannot reach them).
+    isolated: bool = False
 
     def ids(self) -> list[str]:
         return sorted(self.members)
@@ -639,21 +642,23 @@ class Membership:
         )
         watch.close()
 
-    def _install(self, members: dict[str, MemberRecord], revision: int) -> None:
+    def _install(
+        self, members: dict[str, MemberRecord], revision: int, isolated: bool = False
+    ) -> None:
         """Makes ``members`` the view (and its ring) if it differs. Called by
         one thread at a time (``start`` before the background thread exists,
         then that thread), so the view cannot change between the two locked
         sections; the ring is built outside the lock."""
         with self._lock:
             old = self._view
-            if members == old.members:
+            if members == old.members and isolated == old.isolated:
                 self._view = dataclasses.replace(old, revision=revision)
                 return
         version = old.version + 1
         points, replicas = self._ring_args
         ring = PlacementRing(members, points, replicas, version)
         with self._lock:
-            self._view = MembershipView(version, revision, dict(sorted(members.items())))
+            self._view = MembershipView(version, revision, dict(sorted(members.items())), isolated)
             self._ring = ring
         if self._on_view is not None:
             try:
@@ -686,7 +691,7 @@ class Membership:
             self.grace_seconds,
             self.node_id,
         )
-        self._install({self.node_id: self.record}, 0)
+        self._install({self.node_id: self.record}, 0, isolated=True)
         with self._lock:
             self._state = "isolated"
 

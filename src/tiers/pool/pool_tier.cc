@@ -1408,7 +1408,20 @@ Status PoolTier::remove(const BlockId& id) {
       call(held.slot(), Op::kRemove, 1, sizeof(pool::BlockIdItem), &reply, timeout_us_));
   pool::CodeReply r;
   std::memcpy(&r, held.slot()->ch.reply + sizeof(ReplyHeader), sizeof r);
-  return wire_status(r.code, "block " + id.hex() + " is not in the pool");
+  std::string what;
+  switch (static_cast<Code>(r.code)) {
+    case Code::kNotFound: what = "block " + id.hex() + " is not in the pool"; break;
+    case Code::kUnavailable:
+      // A pool server in a cluster that could not reach every member.
+      what = "block " + id.hex() +
+             " was removed from the pool server, but not every member of its cluster could be "
+             "reached (one did not answer in time, or the server is cut off from the "
+             "coordination service): one may still hold the block and serve it; remove it again "
+             "later";
+      break;
+    default: what = "the pool server could not remove block " + id.hex(); break;
+  }
+  return wire_status(r.code, std::move(what));
 }
 
 Status PoolTier::flush(bool everything) {
