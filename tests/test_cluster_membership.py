@@ -549,6 +549,28 @@ def test_a_record_without_a_lease_at_another_members_key_is_no_member(etcd, memb
     assert ids_of(a) == ["a"] and a.ring().members == ("a",)
 
 
+def test_a_member_placing_ids_otherwise_is_warned_of_once(etcd, members, caplog):
+    """Members of one cluster must place ids alike: one with other points
+    per member (or replicas) looks for blocks at other owners and misses.
+    Each side warns once and counts it; a record that predates the settings
+    (none said) is taken as it is."""
+    caplog.set_level(logging.WARNING, logger="cascade.cluster")
+    a = members("a")
+    b = members("b", points_per_member=16)
+    assert a.start() and b.start()
+    wait_for(lambda: ids_of(a) == ids_of(b) == ["a", "b"], 5, "both see both")
+    wait_for(lambda: a.state()["placement_mismatches"] == 1, 5, "a warned")
+    wait_for(lambda: b.state()["placement_mismatches"] == 1, 5, "b warned")
+    time.sleep(0.5)  # more refreshes: no more warnings
+    assert a.state()["placement_mismatches"] == 1
+    assert caplog.text.count("places ids with points_per_member 16") == 1
+    old = b'{"format":1,"node_id":"old","transport":"","capacity_bytes":5,"generation":1}'
+    client = EtcdClient([etcd.endpoint])
+    client.put(members_prefix("t") + b"old", old, client.grant(60))
+    wait_for(lambda: "old" in ids_of(a), 5, "a record without settings is a member")
+    assert a.state()["placement_mismatches"] == 1
+
+
 def test_a_record_written_over_a_live_members_own_is_published_again(etcd, members):
     """Another value written at a live member's key, or its record rewritten
     without the lease, is put back by the member's next refresh."""

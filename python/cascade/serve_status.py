@@ -172,6 +172,12 @@ CLUSTER_METRICS = [
         "Times this member gave its node id up to another live process registered under it",
     ),
     (
+        "cluster_placement_mismatches_total",
+        "placement_mismatches",
+        "counter",
+        "Members seen placing ids with other points_per_member or replicas (warned once each)",
+    ),
+    (
         "cluster_thread_errors_total",
         "thread_errors",
         "counter",

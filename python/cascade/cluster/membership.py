@@ -76,6 +76,7 @@ COUNTERS = (
     "watches_stale",
     "node_id_conflicts",
     "thread_errors",
+    "placement_mismatches",
 )
 
 
@@ -168,6 +169,8 @@ class Membership:
             capacity_bytes=capacity_bytes,
             generation=int(started * 1e6) if generation is None else generation,
             started=started,
+            points=points_per_member,
+            replicas=replicas,
         )
         self.lease_ttl = lease_ttl
         self.refresh_seconds = float(refresh_seconds)
@@ -193,6 +196,8 @@ class Membership:
         self._wake = threading.Event()
         self._changed = False
         self._bad_seen: set[tuple[bytes, int]] = set()
+        # Members whose placement settings differ from this one's, warned of.
+        self._placement_warned: set[tuple[str, int, int]] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -642,6 +647,34 @@ class Membership:
         )
         watch.close()
 
+    def _check_placement(self, members: dict[str, MemberRecord]) -> None:
+        """Warns, once per member and setting, of a member that places ids
+        otherwise (another points_per_member or replicas): the two would
+        look for blocks at different owners, and miss."""
+        for r in members.values():
+            if r.node_id == self.node_id or not r.points:
+                continue
+            if (r.points, r.replicas) == self._ring_args:
+                continue
+            seen = (r.node_id, r.points, r.replicas)
+            with self._lock:
+                if seen in self._placement_warned:
+                    continue
+                if len(self._placement_warned) >= _MAX_REMEMBERED_BAD:
+                    self._placement_warned.clear()
+                self._placement_warned.add(seen)
+                self._counters["placement_mismatches"] += 1
+            logger.warning(
+                "cluster %s: member %s places ids with points_per_member %d and replicas %d, "
+                "this one with %d and %d: blocks one stores the other misses; give every "
+                "member the same settings",
+                self.cluster,
+                r.node_id,
+                r.points,
+                r.replicas,
+                *self._ring_args,
+            )
+
     def _install(
         self, members: dict[str, MemberRecord], revision: int, isolated: bool = False
     ) -> None:
@@ -649,6 +682,7 @@ class Membership:
         one thread at a time (``start`` before the background thread exists,
         then that thread), so the view cannot change between the two locked
         sections; the ring is built outside the lock."""
+        self._check_placement(members)
         with self._lock:
             old = self._view
             if members == old.members and isolated == old.isolated:

@@ -71,12 +71,16 @@ class MemberRecord:
     capacity_bytes: int = 0  # bytes the member offers to the cluster
     generation: int = 0
     started: float = 0.0  # Unix time the member process started
+    # The member's placement settings (points per member, replicas): every
+    # member must place ids alike. 0: not said (a record that predates them).
+    points: int = 0
+    replicas: int = 0
 
     def __post_init__(self) -> None:
         check_name(self.node_id, "node id")
         if not isinstance(self.transport, bytes) or len(self.transport) > MAX_TRANSPORT_BYTES:
             raise ValueError(f"transport address: at most {MAX_TRANSPORT_BYTES} bytes")
-        for name in ("capacity_bytes", "generation"):
+        for name in ("capacity_bytes", "generation", "points", "replicas"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 63:
                 raise ValueError(f"{name}: an integer from 0 to 2^63-1, not {v!r:.40}")
@@ -97,6 +101,8 @@ class MemberRecord:
                 "capacity_bytes": self.capacity_bytes,
                 "generation": self.generation,
                 "started": self.started,
+                "points": self.points,
+                "replicas": self.replicas,
             },
             separators=(",", ":"),
         ).encode()
@@ -141,4 +147,6 @@ def parse_record(key_node_id: str, raw: bytes) -> MemberRecord:
         capacity_bytes=data.get("capacity_bytes", 0),
         generation=data.get("generation", 0),
         started=data.get("started", 0.0),
+        points=data.get("points", 0),
+        replicas=data.get("replicas", 0),
     )
