@@ -497,8 +497,12 @@ class ClusterNode::Impl {
     const auto skip = std::min<Clock::duration>(
         std::chrono::milliseconds(options.retry_after_ms) * (uint64_t{1} << (failures - 1)),
         kMaxFailedSkip);
-    s.skip_until = Clock::now() + std::max<Clock::duration>(
-                                      skip, std::chrono::milliseconds(options.retry_after_ms));
+    // At least a deadline: a member that just cost one is not asked again
+    // sooner (the requests of one client batch would each wait for it).
+    s.skip_until =
+        Clock::now() +
+        std::max<Clock::duration>(skip, std::chrono::milliseconds(std::max(
+                                            options.retry_after_ms, options.request_timeout_ms)));
   }
 
   // A call the member answered: its failures in a row end.

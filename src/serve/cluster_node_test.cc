@@ -1361,6 +1361,27 @@ TEST_P(ClusterNodeSilentMember, CostsADeadlineEverMoreRarely) {
 
 INSTANTIATE_TEST_SUITE_P(HellosAnsweredOrNot, ClusterNodeSilentMember, ::testing::Bool());
 
+// A member that just cost a call its deadline is skipped for at least a
+// deadline, however short the retry period: before, with a retry period
+// below the deadline, each of the requests of one client batch that came
+// after the retry period waited a deadline for it again.
+TEST(ClusterNode, AMemberThatCostADeadlineIsSkippedForAtLeastOne) {
+  SKIP_WITHOUT_TRANSPORT();
+  Member a("a", 60000, 4, /*timeout_ms=*/300);  // retry_after_ms 100
+  ASSERT_TRUE(a.node);
+  RawOwner silent(
+      [](cluster::Op, uint32_t, const uint8_t*) { return std::optional<std::vector<uint8_t>>(); });
+  silent.start();
+  ASSERT_TRUE(a.node->set_view(view_owned_by("a", a.node->address(), silent.t->address())).ok());
+  EXPECT_FALSE(lookup_one(a.node, id_of(9970)).first);  // waits its deadline
+  EXPECT_EQ(a.node->stats().timeouts, 1u);
+  std::this_thread::sleep_for(150ms);  // past the retry period, within a deadline
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(lookup_one(a.node, id_of(9971)).first);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 100ms);
+  EXPECT_EQ(a.node->stats().timeouts, 1u);
+}
+
 // A remove that cannot reach a member of the view (one that never answers,
 // asked again although it failed just before), or made through a partial
 // view, says so: that member may keep the block and serve it. Before, the
