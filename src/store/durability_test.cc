@@ -1373,11 +1373,16 @@ TEST(DurabilityTest, AFlushOfMoreThanTheFileTierHoldsSaysHowManyItCouldNotKeep) 
   s->close();
   EXPECT_TRUE(s->close_status().is(Code::kNoSpace)) << s->close_status().ToString();
   s.reset();
-  // Reopened without the arena: what the file tier kept, never wrong bytes.
+  // Reopened without the arena: what the file tier kept, never wrong bytes
+  // (count_intact reads and checks every block). The close wrote down
+  // again, so the tier may hold other blocks than at the flush: as many as
+  // it holds, never all.
   ::unlink(c.shm_path.c_str());
   auto r = open_kept(c);
   ASSERT_TRUE(r);
-  EXPECT_LE(count_intact(r.get(), kN, kSize), below);
+  const size_t kept = count_intact(r.get(), kN, kSize);
+  EXPECT_LT(kept, kN);
+  EXPECT_LE(kept, c.file_capacity_bytes / kSize);
   r.reset();
   remove_kept(c);
 }
