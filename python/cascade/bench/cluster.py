@@ -276,7 +276,8 @@ class _ServerProcess:
             self._proc.kill()
             self._proc.join()
         if self._proc.exitcode != 0:
-            for path in (self._settings["shm_path"], self._settings["socket"]):
+            sock = self._settings["socket"]
+            for path in (self._settings["shm_path"], sock, sock + ".lock"):
                 try:
                     os.unlink(path)
                 except OSError:
