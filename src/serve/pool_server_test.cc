@@ -675,6 +675,7 @@ struct ServerInAChild {
       ::waitpid(pid, nullptr, 0);
     }
     ::unlink(socket.c_str());
+    ::unlink((socket + ".lock").c_str());  // the killed server could not remove it
   }
 };
 
@@ -708,6 +709,7 @@ class ServerLauncher {
       ::close(from_);
     }
     ::unlink(socket.c_str());
+    ::unlink((socket + ".lock").c_str());  // a killed server could not remove it
   }
   pid_t start() { return command('s'); }
   void kill() { command('k'); }
