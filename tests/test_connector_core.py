@@ -277,6 +277,35 @@ def test_block_removed_between_lookup_and_load_is_a_load_error(ranks):
     assert m["load_bytes"] == 4 * r0.worker.kv.stored_block_bytes
 
 
+def test_a_replacing_save_whose_removes_miss_a_cluster_member_warns_once(
+    ranks, monkeypatch, caplog
+):
+    """A save that replaces what a failed step stored removes the ids first;
+    a remove a pool server could not carry to every cluster member raises
+    UnavailableError. The save goes on, with one warning for the job."""
+    import logging
+
+    import cascade
+
+    key, (r0,) = ranks()
+    p = planner_for(key)
+    _, plan = schedule_prefill(p, "a", PROMPT, list(range(6)))
+    r0.step(plan)
+    assert r0.worker.wait_all_saves(timeout=10)
+
+    def missed(self, block_id):
+        raise cascade.UnavailableError("removed from the pool server, but not every member ...")
+
+    monkeypatch.setattr(cascade.CascadeStore, "remove", missed)
+    caplog.set_level(logging.WARNING, logger="cascade.integrations.connector")
+    plan = p.build_plan([ScheduledRequest("a", 1 * BS, len(PROMPT) - BS)])
+    assert [(j.first_block, j.replace) for j in plan.saves] == [(1, True)]
+    r0.step(plan)
+    assert r0.worker.wait_all_saves(timeout=10)
+    warned = [r for r in caplog.records if "could not be removed everywhere" in r.getMessage()]
+    assert len(warned) == 1 and "4 of 4 blocks" in warned[0].getMessage()
+
+
 def test_a_step_whose_load_failed_saves_nothing_of_that_request_and_the_recompute_replaces(ranks):
     """Blocks 0-2 are found, block 1 fails to load, and the step computes
     blocks 3-5 from the pages that failed: they are not saved. When the

@@ -365,11 +365,25 @@ class KvTransferWorker:
             ids = self._ids(job)
             if job.replace:
                 # Bytes a failed step computed may be stored under these ids.
+                missed: list = []
                 for i in ids:
                     try:
                         self.store.remove(i)
+                    except cascade.UnavailableError as e:
+                        # Removed here; a cluster member not reached may
+                        # keep the failed step's bytes under the id.
+                        missed.append(e)
                     except cascade.CascadeError:
                         pass
+                if missed:
+                    logger.warning(
+                        "Cascade connector rank %d: %d of %d blocks of a failed step could not "
+                        "be removed everywhere: %s",
+                        self.rank,
+                        len(missed),
+                        len(ids),
+                        missed[0],
+                    )
             todo = [(b, i) for b, i in zip(job.engine_blocks, ids) if not self.store.contains(i)]
             present = len(ids) - len(todo)
             errs: list = []
